@@ -1,0 +1,139 @@
+# moe - distributed Mixture-of-Experts service.
+#   make            build everything (CUDA sources too when nvcc is present)
+#   make run        install missing deps, build, start a local cluster, run a demo
+#   make test       install missing deps, build, run the Criterion suite (no GPU)
+#   make check-gpu  CUDA kernels against the CPU reference (GPU machine)
+#   make NO_CUDA=1  skip CUDA sources
+#   make lint / make format
+
+CC      ?= gcc
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA_HOME ?= /usr/local/cuda
+# Extra include/lib dirs for an offline dependency bundle (see docs/OPERATIONS.md).
+DEPS_PREFIX ?=
+
+OPT     ?= -O2
+CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fPIC \
+           -Iclient -Icommon -Iproto -Ikernels -Iworker -Iserver \
+           -I/usr/include/x86_64-linux-gnu/openblas-pthread
+LDLIBS  += -lnng -luv -lmsgpackc -lopenblas -lm -lpthread
+ifneq ($(DEPS_PREFIX),)
+CFLAGS  += -I$(DEPS_PREFIX)/usr/include
+LDFLAGS += -L$(DEPS_PREFIX)/usr/lib/x86_64-linux-gnu -Wl,-rpath-link,$(DEPS_PREFIX)/usr/lib/x86_64-linux-gnu \
+           -Wl,-rpath,$(DEPS_PREFIX)/usr/lib/x86_64-linux-gnu
+endif
+
+ifeq ($(NO_CUDA),)
+ifneq ($(NVCC),)
+HAVE_CUDA := 1
+endif
+endif
+
+B := build
+COMMON_SRC := $(wildcard common/*.c)
+PROTO_SRC  := $(wildcard proto/*.c)
+KERN_SRC   := $(wildcard kernels/*.c)
+SERVER_SRC := $(filter-out server/main.c,$(wildcard server/*.c))
+WORKER_SRC := $(filter-out worker/main.c,$(wildcard worker/*.c))
+CLIENT_SRC := $(filter-out client/moectl.c,$(wildcard client/*.c))
+TEST_SRC   := $(wildcard tests/*.c)
+CUDA_SRC   := $(filter-out kernels/cuda/check_gpu.cu,$(wildcard kernels/cuda/*.cu))
+
+obj = $(patsubst %.c,$(B)/%.o,$(1))
+CORE_LIB   := $(B)/libmoecore.a
+KERN_LIB   := $(B)/libmoekern.a
+SERVER_LIB := $(B)/libmoeserver.a
+WORKER_LIB := $(B)/libmoeworker.a
+CUDA_LIB   := $(B)/libmoekern_cuda.a
+
+ifeq ($(HAVE_CUDA),1)
+NVCCFLAGS ?= -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC \
+             -Iclient -Icommon -Ikernels -Ikernels/cuda
+CUDA_OBJS  := $(patsubst %.cu,$(B)/%.o,$(CUDA_SRC))
+CUDA_LINK  := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
+CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+endif
+
+BINS := bin/moe-coordinator bin/moe-worker bin/moectl
+LIBS := lib/libmoe.a lib/libmoe.so
+
+.PHONY: all deps run test check-gpu bench lint format clean
+all: $(BINS) $(LIBS) $(B)/moe-tests
+
+$(B)/%.o: %.c $(wildcard */*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(B)/%.o: %.cu $(wildcard kernels/*.h kernels/cuda/*.h kernels/cuda/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(CORE_LIB): $(call obj,$(COMMON_SRC) $(PROTO_SRC))
+	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
+$(KERN_LIB): $(call obj,$(KERN_SRC))
+	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
+$(SERVER_LIB): $(call obj,$(SERVER_SRC))
+	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
+$(WORKER_LIB): $(call obj,$(WORKER_SRC))
+	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
+$(CUDA_LIB): $(CUDA_OBJS)
+	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
+
+bin/moe-coordinator: $(B)/server/main.o $(SERVER_LIB) lib/libmoe.a $(CORE_LIB)
+	@mkdir -p bin
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+bin/moe-worker: $(B)/worker/main.o $(WORKER_LIB) $(SERVER_LIB) lib/libmoe.a $(KERN_LIB) $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
+	@mkdir -p bin
+	$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(WORKER_LIB) $(SERVER_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) $(LDLIBS)
+lib/libmoe.a: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
+	@mkdir -p lib; rm -f $@; ar rcs $@ $^
+lib/libmoe.so: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
+	@mkdir -p lib
+	$(CC) -shared $(LDFLAGS) -o $@ $^ -lnng -lpthread -lm
+bin/moectl: $(B)/client/moectl.o lib/libmoe.a $(KERN_LIB)
+	@mkdir -p bin
+	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+
+# One Criterion binary holds every test: one Synthesis line at the end.
+$(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB)
+	$(CC) $(LDFLAGS) -o $@ $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(KERN_LIB) \
+	    lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) -lcriterion $(LDLIBS)
+
+deps:
+	@bash deploy/install-deps.sh
+
+test: deps
+	@$(MAKE) --no-print-directory all
+	@$(B)/moe-tests --color=never -j2 $(TEST_ARGS)
+
+run: deps
+	@$(MAKE) --no-print-directory all
+	@bash deploy/run-local.sh
+
+ifeq ($(HAVE_CUDA),1)
+# check-gpu and moe_bench link no OpenBLAS, nng or libuv (absent on the GPU
+# machine): the CPU reference objects plus static cudart (and cuBLAS for bench).
+bin/check-gpu: kernels/cuda/check_gpu.cu $(CUDA_LIB) $(KERN_LIB) $(CORE_LIB)
+	@mkdir -p bin
+	$(NVCC) $(NVCCFLAGS) -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< \
+	    $(CUDA_LIB) $(KERN_LIB) $(CORE_LIB) -lm
+check-gpu: bin/check-gpu
+	./bin/check-gpu
+bin/moe_bench: bench/moe_bench.cu $(CUDA_LIB)
+	@mkdir -p bin
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIB) -lcublas -Xlinker -rpath=$(CUDA_HOME)/lib64
+bench: bin/moe_bench
+	./bin/moe_bench
+endif
+
+FMT_SRC = $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c)
+format:
+	clang-format -i $(FMT_SRC)
+lint:
+	clang-format --dry-run -Werror $(FMT_SRC)
+	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
+	    --suppress=missingIncludeSystem --inline-suppr -D__GNUC__ -Iclient -Icommon -Iproto \
+	    -Ikernels -Iworker -Iserver common proto kernels server worker client
+
+clean:
+	rm -rf $(B) bin lib

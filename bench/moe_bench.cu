@@ -1,0 +1,226 @@
+/*
+ * moe_bench.cu - times one MoE layer (kern_cuda.h) on the GPU: forward and
+ * forward+backward per case (CUDA events, warm-up, median), TFLOP/s and the
+ * fraction of a dense 8192^3 bf16 cuBLAS GEMM measured in the same run,
+ * device memory, and for decode the GB/s over the touched expert weights
+ * against the measured device copy bandwidth. Not a test.
+ *
+ *   bench/moe_bench [--quick]
+ */
+#include <algorithm>
+#include <cublas_v2.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#include "kcu_internal.cuh"
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+#define CKM(call)                                                                                  \
+    do {                                                                                           \
+        moe_err r_ = (call);                                                                       \
+        if (r_ != MOE_OK) {                                                                        \
+            fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #call, (int)r_);        \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* uniform in [lo, hi) from a hash of (seed, i), stored as bf16 */
+__global__ void k_fill(bf16 *p, size_t n, uint64_t seed, float lo, float hi)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+        p[i] = __float2bfloat16_rn(lo + (hi - lo) * u);
+    }
+}
+static void fill(bf16 *p, size_t n, uint64_t seed, float a, float b)
+{
+    k_fill<<<4096, 256>>>(p, n, seed, a, b);
+    CK(cudaGetLastError());
+}
+
+template <typename F> static float median_ms(int warm, int reps, F fn)
+{
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < warm; i++)
+        fn();
+    std::vector<float> t;
+    for (int i = 0; i < reps; i++) {
+        CK(cudaEventRecord(a));
+        fn();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms);
+    }
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+static double dense_tflops()
+{
+    const int n = 8192;
+    bf16 *A, *B, *C;
+    CK(cudaMalloc(&A, (size_t)n * n * 2));
+    CK(cudaMalloc(&B, (size_t)n * n * 2));
+    CK(cudaMalloc(&C, (size_t)n * n * 2));
+    fill(A, (size_t)n * n, 1, -1, 1);
+    fill(B, (size_t)n * n, 2, -1, 1);
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cublasCreate failed\n");
+        exit(2);
+    }
+    const float one = 1.f, zero = 0.f;
+    const float ms = median_ms(3, 15, [&] {
+        if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A, CUDA_R_16BF, n, B,
+                         CUDA_R_16BF, n, &zero, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "cublasGemmEx failed\n");
+            exit(2);
+        }
+    });
+    cublasDestroy(h);
+    CK(cudaFree(A));
+    CK(cudaFree(B));
+    CK(cudaFree(C));
+    return 2.0 * n * n * (double)n / (ms * 1e-3) / 1e12;
+}
+
+static double copy_gbs()
+{
+    const size_t n = (size_t)1 << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemset(a, 1, n));
+    const float ms =
+        median_ms(2, 10, [&] { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); });
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    return 2.0 * n / (ms * 1e-3) / 1e9;
+}
+
+struct bcase {
+    const char *name;
+    int T, H, F, E, K, train, skew;
+};
+
+int main(int argc, char **argv)
+{
+    const int quick = argc > 1 && !strcmp(argv[1], "--quick");
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const double peak = dense_tflops(), bw = copy_gbs();
+    printf("device: %s, %d SMs; dense bf16 GEMM 8192^3 (cuBLAS): %.0f TFLOP/s; D2D copy: %.0f "
+           "GB/s (read+write)\n",
+           prop.name, prop.multiProcessorCount, peak, bw);
+    std::vector<bcase> cases = {{"mixtral", 8192, 4096, 14336, 8, 2, 1, 0},
+                                {"qwen3", 16384, 2048, 768, 128, 8, 1, 0},
+                                {"qwen3-skew", 16384, 2048, 768, 128, 8, 1, 1},
+                                {"mixtral-dec", 1, 4096, 14336, 8, 2, 0, 0},
+                                {"mixtral-dec", 16, 4096, 14336, 8, 2, 0, 0},
+                                {"mixtral-dec", 64, 4096, 14336, 8, 2, 0, 0},
+                                {"mixtral-dec", 256, 4096, 14336, 8, 2, 0, 0},
+                                {"qwen3-dec", 1, 2048, 768, 128, 8, 0, 0},
+                                {"qwen3-dec", 16, 2048, 768, 128, 8, 0, 0},
+                                {"qwen3-dec", 64, 2048, 768, 128, 8, 0, 0},
+                                {"qwen3-dec", 256, 2048, 768, 128, 8, 0, 0}};
+    if (quick)
+        cases.resize(2);
+    printf("%-12s %6s %5s %6s %4s %2s | %9s %8s %6s | %9s %8s %6s | %8s %8s | %s\n", "case", "T",
+           "H", "F", "E", "K", "fwd ms", "TFLOP/s", "of GEMM", "f+b ms", "TFLOP/s", "of GEMM",
+           "ws MB", "grads MB", "decode: GB/s of touched weights (of copy)");
+    for (const bcase &c : cases) {
+        kcu_config cfg = {c.H, c.F, c.E, c.K, KERN_ACT_SWIGLU, 1, c.T, c.train};
+        size_t free0, free1, tot;
+        CK(cudaMemGetInfo(&free0, &tot));
+        kcu_layer *l;
+        CKM(kcu_layer_create(&cfg, &l));
+        CK(cudaMemGetInfo(&free1, &tot));
+        const size_t H = c.H, F = c.F, E = c.E;
+        fill(l->wr, (size_t)l->Ep * H, 11, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(l->w13, E * l->N1 * H, 12, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(l->w2, E * H * F, 13, -1.f / sqrtf(F), 1.f / sqrtf(F));
+        if (c.skew) { /* experts 0 and 1 take most tokens */
+            bf16 *tmp;
+            CK(cudaMalloc(&tmp, 2 * H * 2));
+            fill(tmp, H, 14, 16.f / H, 16.f / H + 1e-6f);
+            fill(tmp + H, H, 15, 12.f / H, 12.f / H + 1e-6f);
+            CK(cudaMemcpy(l->wr, tmp, 2 * H * 2, cudaMemcpyDeviceToDevice));
+            CK(cudaFree(tmp));
+        }
+        bf16 *x, *y, *dy, *dx;
+        const size_t n = (size_t)c.T * H;
+        CK(cudaMalloc(&x, n * 2));
+        CK(cudaMalloc(&y, n * 2));
+        CK(cudaMalloc(&dy, n * 2));
+        CK(cudaMalloc(&dx, n * 2));
+        fill(x, n, 21, c.skew ? -0.5f : -1.f, c.skew ? 1.5f : 1.f);
+        fill(dy, n, 22, -1.f, 1.f);
+        CK(cudaDeviceSynchronize());
+        if (c.train)
+            CKM(kcu_layer_zero_grads(l, NULL));
+        const double S = (double)c.T * c.K;
+        const double fl_fwd = 2.0 * S * H * (l->N1 + F) + 2.0 * c.T * H * E;
+        const double fl_bwd = 2.0 * fl_fwd + 2.0 * 2.0 * c.T * H * E; /* same GEMMs x2 */
+        const int reps = c.T >= 4096 ? 20 : 50;
+        const float fwd = median_ms(
+            3, reps, [&] { CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
+        float fb = 0;
+        if (c.train)
+            fb = median_ms(2, reps, [&] {
+                CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 1, NULL));
+                CKM(kcu_backward(l, dy, MOE_BF16, dx, MOE_BF16, 0.01f, 0.001f, NULL, 0, NULL));
+            });
+        CK(cudaDeviceSynchronize());
+        size_t pb, wb;
+        kcu_layer_bytes(l, &pb, &wb);
+        const size_t wbytes = ((size_t)l->Ep * H + E * l->N1 * H + E * H * F) * 2;
+        char dec[160] = "";
+        if (!c.train) {
+            std::vector<int32_t> counts(E);
+            CKM(kcu_forward_stats(l, counts.data(), NULL, NULL, NULL));
+            int touched = 0;
+            for (int e = 0; e < c.E; e++)
+                touched += counts[e] > 0;
+            const double bytes = (double)touched * (l->N1 + F) * H * 2 + (double)c.E * H * 2;
+            const double gbs = bytes / (fwd * 1e-3) / 1e9;
+            snprintf(dec, sizeof(dec), "%d experts, %.0f MB: %.0f GB/s (%.0f%%)", touched,
+                     bytes / 1e6, gbs, 100.0 * gbs / bw);
+        }
+        const double tf = fl_fwd / (fwd * 1e-3) / 1e12;
+        const double tfb = c.train ? (fl_fwd + fl_bwd) / (fb * 1e-3) / 1e12 : 0;
+        printf("%-12s %6d %5d %6d %4d %2d | %9.3f %8.0f %5.0f%% | %9.3f %8.0f %5.0f%% | %8.0f "
+               "%8.0f | %s\n",
+               c.name, c.T, c.H, c.F, c.E, c.K, fwd, tf, 100 * tf / peak, fb, tfb, 100 * tfb / peak,
+               wb / 1e6, (pb - wbytes) / 1e6, dec);
+        fflush(stdout);
+        (void)free0;
+        (void)free1;
+        CK(cudaFree(x));
+        CK(cudaFree(y));
+        CK(cudaFree(dy));
+        CK(cudaFree(dx));
+        kcu_layer_destroy(l);
+    }
+    return 0;
+}

@@ -1,0 +1,186 @@
+/* calls.c - libmoe typed calls: ping, model.create, forward. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe.h"
+#include "params.h"
+#include "proto.h"
+
+static moe_err fail(moe_reply *r, moe_err e)
+{
+    moe_reply_free(r);
+    return e;
+}
+
+moe_err moe_ping(moe_client *c)
+{
+    moe_reply r;
+    moe_err e = moe_call(c, "ping", NULL, 0, &r);
+    moe_reply_free(&r);
+    return e;
+}
+
+moe_err moe_model_create(moe_client *c, const moe_model_config *cfg)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 13);
+    mp_write_cstr(&w, "name");
+    mp_write_cstr(&w, cfg->name ? cfg->name : "");
+    mp_write_cstr(&w, "layers");
+    mp_write_i64(&w, cfg->layers);
+    mp_write_cstr(&w, "d_model");
+    mp_write_i64(&w, cfg->d_model);
+    mp_write_cstr(&w, "d_ff");
+    mp_write_i64(&w, cfg->d_ff);
+    mp_write_cstr(&w, "n_experts");
+    mp_write_i64(&w, cfg->n_experts);
+    mp_write_cstr(&w, "top_k");
+    mp_write_i64(&w, cfg->top_k);
+    mp_write_cstr(&w, "activation");
+    mp_write_cstr(&w, cfg->activation ? cfg->activation : "swiglu");
+    mp_write_cstr(&w, "renormalize");
+    mp_write_bool(&w, cfg->renormalize != 0);
+    mp_write_cstr(&w, "capacity_factor");
+    mp_write_f64(&w, cfg->capacity_factor);
+    mp_write_cstr(&w, "dtype");
+    mp_write_cstr(&w, moe_dtype_name(cfg->dtype) ? moe_dtype_name(cfg->dtype) : "?");
+    mp_write_cstr(&w, "seed");
+    mp_write_i64(&w, (int64_t)cfg->seed);
+    mp_write_cstr(&w, "aux_loss_coef");
+    mp_write_f64(&w, cfg->aux_loss_coef);
+    mp_write_cstr(&w, "z_loss_coef");
+    mp_write_f64(&w, cfg->z_loss_coef);
+    moe_reply r;
+    moe_err e = w.failed ? MOE_ENOMEM : moe_call(c, "model.create", w.buf, w.len, &r);
+    mp_writer_fini(&w);
+    if (!w.failed)
+        moe_reply_free(&r);
+    return e;
+}
+
+void moe_fwd_info_free(moe_fwd_info *info)
+{
+    if (!info)
+        return;
+    free(info->tokens_per_expert);
+    free(info->dropped);
+    info->tokens_per_expert = info->dropped = NULL;
+}
+
+static moe_err read_i64_array(mp_reader *r, int64_t **out, int *n_out)
+{
+    uint32_t n;
+    if (mp_read_array(r, &n, NULL) != MOE_OK)
+        return MOE_EPROTO;
+    int64_t *a = calloc(n ? n : 1, sizeof(int64_t));
+    if (!a)
+        return MOE_ENOMEM;
+    for (uint32_t i = 0; i < n; i++)
+        if (mp_read_i64(r, &a[i], NULL) != MOE_OK) {
+            free(a);
+            return MOE_EPROTO;
+        }
+    *out = a;
+    *n_out = (int)n;
+    return MOE_OK;
+}
+
+static moe_err parse_stats(mp_reader *r, moe_fwd_info *info)
+{
+    uint32_t n;
+    if (mp_read_map(r, &n, NULL) != MOE_OK)
+        return MOE_EPROTO;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        moe_err e = MOE_OK;
+        int cnt = 0;
+        if (mp_read_str(r, &k, &kl, NULL) != MOE_OK)
+            return MOE_EPROTO;
+        if (mp_str_eq(k, kl, "tokens_per_expert"))
+            e = read_i64_array(r, &info->tokens_per_expert, &info->n_experts);
+        else if (mp_str_eq(k, kl, "dropped"))
+            e = read_i64_array(r, &info->dropped, &cnt);
+        else if (mp_str_eq(k, kl, "imbalance"))
+            e = mp_read_f64(r, &info->imbalance, NULL);
+        else if (mp_str_eq(k, kl, "gate_s"))
+            e = mp_read_f64(r, &info->gate_s, NULL);
+        else if (mp_str_eq(k, kl, "dispatch_s"))
+            e = mp_read_f64(r, &info->dispatch_s, NULL);
+        else if (mp_str_eq(k, kl, "experts_s"))
+            e = mp_read_f64(r, &info->experts_s, NULL);
+        else if (mp_str_eq(k, kl, "combine_s"))
+            e = mp_read_f64(r, &info->combine_s, NULL);
+        else if (mp_str_eq(k, kl, "total_s"))
+            e = mp_read_f64(r, &info->total_s, NULL);
+        else if (mp_str_eq(k, kl, "aux_loss"))
+            e = mp_read_f64(r, &info->aux_loss, NULL);
+        else if (mp_str_eq(k, kl, "z_loss"))
+            e = mp_read_f64(r, &info->z_loss, NULL);
+        else
+            e = mp_skip(r, NULL);
+        if (e != MOE_OK)
+            return e;
+    }
+    return MOE_OK;
+}
+
+moe_err moe_forward(moe_client *c, const char *model, int layer, moe_dtype dt, const void *x,
+                    int64_t T, int64_t H, void *y, moe_fwd_info *info)
+{
+    size_t es = moe_dtype_size(dt);
+    if (!es || T < 0 || H <= 0 || (uint64_t)T * (uint64_t)H * es > 0xffffffffull)
+        return MOE_EINVAL;
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 3);
+    mp_write_cstr(&w, "model");
+    mp_write_cstr(&w, model);
+    mp_write_cstr(&w, "layer");
+    mp_write_i64(&w, layer);
+    mp_write_cstr(&w, "x");
+    moe_tensor t = {dt, 2, {T, H, 0, 0}, x, (size_t)T * (size_t)H * es};
+    moe_tensor_write(&w, &t);
+    if (w.failed) {
+        mp_writer_fini(&w);
+        return MOE_ENOMEM;
+    }
+    moe_reply r;
+    moe_err e = moe_call(c, "forward", w.buf, w.len, &r);
+    mp_writer_fini(&w);
+    if (e != MOE_OK)
+        return fail(&r, e);
+    mp_reader rd;
+    uint32_t n;
+    mp_reader_init(&rd, r.buf + r.result_off, r.len - r.result_off);
+    if (mp_read_map(&rd, &n, NULL) != MOE_OK)
+        return fail(&r, MOE_EPROTO);
+    int got_y = 0;
+    if (info)
+        memset(info, 0, sizeof(*info));
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+            return fail(&r, MOE_EPROTO);
+        if (mp_str_eq(k, kl, "y")) {
+            moe_tensor yt;
+            if (moe_tensor_read(&rd, &yt, NULL) != MOE_OK || yt.nbytes != t.nbytes ||
+                yt.dtype != dt)
+                return fail(&r, MOE_EPROTO);
+            memcpy(y, yt.data, yt.nbytes);
+            got_y = 1;
+        } else if (mp_str_eq(k, kl, "stats") && info) {
+            if (parse_stats(&rd, info) != MOE_OK) {
+                moe_fwd_info_free(info);
+                return fail(&r, MOE_EPROTO);
+            }
+        } else if (mp_skip(&rd, NULL) != MOE_OK) {
+            return fail(&r, MOE_EPROTO);
+        }
+    }
+    moe_reply_free(&r);
+    return got_y ? MOE_OK : MOE_EPROTO;
+}

@@ -1,0 +1,321 @@
+/* client.c - libmoe transport: nng req0 with contexts, msgpack-rpc calls. */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe.h"
+#include "proto.h"
+
+struct moe_client {
+    nng_socket sock;
+    nng_dialer dialer;
+    int timeout_ms;
+    size_t max_msg;
+    char *auth_token; /* owned; NULL = none */
+    atomic_uint next_msgid;
+};
+
+static __thread char last_error[512];
+
+const char *moe_last_error(void)
+{
+    return last_error;
+}
+
+static void set_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof(last_error), fmt, ap);
+    va_end(ap);
+}
+
+static moe_err from_nng(int rv)
+{
+    switch (rv) {
+    case 0: return MOE_OK;
+    case NNG_ETIMEDOUT: return MOE_ETIMEDOUT;
+    case NNG_ENOMEM: return MOE_ENOMEM;
+    case NNG_ECLOSED: return MOE_ECLOSED;
+    case NNG_EMSGSIZE: return MOE_ETOOBIG;
+    case NNG_EINVAL:
+    case NNG_EADDRINVAL: return MOE_EINVAL;
+    default: return MOE_EUNAVAIL;
+    }
+}
+
+moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client **out)
+{
+    moe_client *c = calloc(1, sizeof(*c));
+    int rv;
+    if (!c)
+        return MOE_ENOMEM;
+    c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 60000;
+    c->max_msg = opts && opts->max_msg ? opts->max_msg : ((size_t)1 << 30);
+    if (opts && opts->auth_token)
+        c->auth_token = strdup(opts->auth_token);
+    atomic_init(&c->next_msgid, 1);
+    if ((rv = nng_req0_open(&c->sock)) != 0) {
+        set_error("nng_req0_open: %s", nng_strerror(rv));
+        free(c);
+        return MOE_EINTERNAL;
+    }
+    /* A training step must never run twice: no automatic resend. */
+    nng_socket_set_ms(c->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
+    nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, c->max_msg);
+    nng_socket_set_ms(c->sock, NNG_OPT_RECONNMINT, 20);
+    nng_socket_set_ms(c->sock, NNG_OPT_RECONNMAXT, 500);
+    /* Non-blocking dial: the server may come up later; calls time out. */
+    if ((rv = nng_dial(c->sock, url, &c->dialer, NNG_FLAG_NONBLOCK)) != 0) {
+        set_error("cannot dial %s: %s", url, nng_strerror(rv));
+        nng_close(c->sock);
+        free(c->auth_token);
+        free(c);
+        return rv == NNG_EADDRINVAL || rv == NNG_ENOTSUP ? MOE_EINVAL : MOE_EUNAVAIL;
+    }
+    *out = c;
+    return MOE_OK;
+}
+
+void moe_client_close(moe_client *c)
+{
+    if (!c)
+        return;
+    nng_close(c->sock);
+    free(c->auth_token);
+    free(c);
+}
+
+void moe_reply_free(moe_reply *r)
+{
+    if (!r)
+        return;
+    free(r->buf);
+    r->buf = NULL;
+    r->len = 0;
+}
+
+/* build_request encodes [0, msgid, method, [params + auth]] into an nng_msg. */
+static moe_err build_request(moe_client *c, uint32_t msgid, const char *method, const void *params,
+                             size_t params_len, nng_msg **out)
+{
+    mp_writer w;
+    mp_reader r;
+    uint32_t npairs = 0;
+    mp_errbuf eb;
+    mp_writer_init(&w);
+    moe_rpc_write_request_head(&w, msgid, method);
+    if (params && params_len) {
+        mp_reader_init(&r, params, params_len);
+        if (mp_read_map(&r, &npairs, &eb) != MOE_OK) {
+            mp_writer_fini(&w);
+            set_error("params must be an encoded msgpack map: %s", eb.msg);
+            return MOE_EINVAL;
+        }
+    }
+    mp_write_map(&w, npairs + (c->auth_token ? 1 : 0));
+    if (c->auth_token) {
+        mp_write_cstr(&w, "auth");
+        mp_write_cstr(&w, c->auth_token);
+    }
+    if (npairs)
+        mp_write_raw(&w, r.p, mp_left(&r));
+    if (w.failed) {
+        mp_writer_fini(&w);
+        set_error("out of memory encoding the request");
+        return MOE_ENOMEM;
+    }
+    nng_msg *m;
+    if (nng_msg_alloc(&m, 0) != 0 || nng_msg_append(m, w.buf, w.len) != 0) {
+        mp_writer_fini(&w);
+        set_error("out of memory for the request message");
+        return MOE_ENOMEM;
+    }
+    mp_writer_fini(&w);
+    *out = m;
+    return MOE_OK;
+}
+
+/* parse_reply fills out from a received message (consumed). */
+static moe_err parse_reply(nng_msg *m, uint32_t msgid, moe_reply *out)
+{
+    moe_rpc_response resp;
+    mp_errbuf eb = {{0}};
+    size_t len = nng_msg_len(m);
+    out->buf = malloc(len ? len : 1);
+    if (!out->buf) {
+        nng_msg_free(m);
+        snprintf(out->message, sizeof(out->message), "out of memory for the reply");
+        return out->err = MOE_ENOMEM;
+    }
+    memcpy(out->buf, nng_msg_body(m), len);
+    out->len = len;
+    nng_msg_free(m);
+    moe_err e = moe_rpc_parse_response(out->buf, len, &resp, &eb);
+    if (e != MOE_OK) {
+        snprintf(out->message, sizeof(out->message), "malformed response: %s", eb.msg);
+        return out->err = MOE_EPROTO;
+    }
+    if (resp.msgid != msgid) {
+        snprintf(out->message, sizeof(out->message), "response msgid %u for request %u",
+                 resp.msgid, msgid);
+        return out->err = MOE_EPROTO;
+    }
+    out->err = resp.err;
+    if (resp.err != MOE_OK) {
+        snprintf(out->message, sizeof(out->message), "%.*s", (int)resp.errmsg_len, resp.errmsg);
+        return resp.err;
+    }
+    out->result_off = (size_t)(resp.result.p - out->buf);
+    return MOE_OK;
+}
+
+moe_err moe_call(moe_client *c, const char *method, const void *params, size_t params_len,
+                 moe_reply *out)
+{
+    nng_ctx ctx;
+    nng_aio *aio = NULL;
+    nng_msg *m = NULL;
+    int rv;
+    memset(out, 0, sizeof(*out));
+    uint32_t msgid = atomic_fetch_add(&c->next_msgid, 1);
+    moe_err e = build_request(c, msgid, method, params, params_len, &m);
+    if (e != MOE_OK) {
+        out->err = e;
+        snprintf(out->message, sizeof(out->message), "%s", last_error);
+        return e;
+    }
+    if ((rv = nng_ctx_open(&ctx, c->sock)) != 0 || (rv = nng_aio_alloc(&aio, NULL, NULL)) != 0) {
+        nng_msg_free(m);
+        e = from_nng(rv);
+        goto fail;
+    }
+    nng_aio_set_timeout(aio, c->timeout_ms);
+    nng_aio_set_msg(aio, m);
+    nng_ctx_send(ctx, aio);
+    nng_aio_wait(aio);
+    if ((rv = nng_aio_result(aio)) != 0) {
+        nng_msg_free(nng_aio_get_msg(aio));
+        e = from_nng(rv);
+        goto fail_ctx;
+    }
+    nng_ctx_recv(ctx, aio);
+    nng_aio_wait(aio);
+    if ((rv = nng_aio_result(aio)) != 0) {
+        e = from_nng(rv);
+        goto fail_ctx;
+    }
+    e = parse_reply(nng_aio_get_msg(aio), msgid, out);
+    nng_aio_free(aio);
+    nng_ctx_close(ctx);
+    if (e != MOE_OK)
+        set_error("%s: %s: %s", method, moe_err_code(e), out->message);
+    return e;
+fail_ctx:
+    nng_aio_free(aio);
+    nng_ctx_close(ctx);
+fail:
+    out->err = e;
+    snprintf(out->message, sizeof(out->message), "%s: transport: %s", method,
+             rv ? nng_strerror(rv) : moe_strerror(e));
+    set_error("%s", out->message);
+    return e;
+}
+
+/* ---- async calls: one state machine per call ---- */
+
+typedef enum { ACALL_SEND, ACALL_RECV } acall_state;
+
+typedef struct acall {
+    moe_client *c;
+    nng_ctx ctx;
+    nng_aio *aio;
+    acall_state state;
+    uint32_t msgid;
+    char method[64];
+    moe_call_cb cb;
+    void *arg;
+} acall;
+
+static void acall_finish(acall *a, moe_err e, moe_reply *r)
+{
+    moe_call_cb cb = a->cb;
+    void *arg = a->arg;
+    nng_ctx_close(a->ctx);
+    /* The aio is freed by a reaper-safe path: nng_aio_free must not run in
+     * its own callback, so use nng_aio_reap (nng >= 1.3). */
+    nng_aio_reap(a->aio);
+    free(a);
+    cb(e, r, arg);
+}
+
+static void acall_cb(void *arg)
+{
+    acall *a = arg;
+    int rv = nng_aio_result(a->aio);
+    moe_reply *r = calloc(1, sizeof(*r));
+    if (!r) {
+        /* cannot even report: still must call back once */
+        acall_finish(a, MOE_ENOMEM, NULL);
+        return;
+    }
+    if (rv != 0) {
+        if (a->state == ACALL_SEND)
+            nng_msg_free(nng_aio_get_msg(a->aio));
+        r->err = from_nng(rv);
+        snprintf(r->message, sizeof(r->message), "%s: transport: %s", a->method,
+                 nng_strerror(rv));
+        acall_finish(a, r->err, r);
+        return;
+    }
+    if (a->state == ACALL_SEND) {
+        free(r);
+        a->state = ACALL_RECV;
+        nng_ctx_recv(a->ctx, a->aio);
+        return;
+    }
+    moe_err e = parse_reply(nng_aio_get_msg(a->aio), a->msgid, r);
+    acall_finish(a, e, r);
+}
+
+moe_err moe_call_async(moe_client *c, const char *method, const void *params, size_t params_len,
+                       moe_call_cb cb, void *arg)
+{
+    acall *a = calloc(1, sizeof(*a));
+    nng_msg *m = NULL;
+    int rv;
+    if (!a)
+        return MOE_ENOMEM;
+    a->c = c;
+    a->cb = cb;
+    a->arg = arg;
+    a->msgid = atomic_fetch_add(&c->next_msgid, 1);
+    snprintf(a->method, sizeof(a->method), "%s", method);
+    moe_err e = build_request(c, a->msgid, method, params, params_len, &m);
+    if (e != MOE_OK) {
+        free(a);
+        return e;
+    }
+    if ((rv = nng_ctx_open(&a->ctx, c->sock)) != 0) {
+        nng_msg_free(m);
+        free(a);
+        set_error("nng_ctx_open: %s", nng_strerror(rv));
+        return from_nng(rv);
+    }
+    if ((rv = nng_aio_alloc(&a->aio, acall_cb, a)) != 0) {
+        nng_msg_free(m);
+        nng_ctx_close(a->ctx);
+        free(a);
+        return MOE_ENOMEM;
+    }
+    nng_aio_set_timeout(a->aio, c->timeout_ms);
+    a->state = ACALL_SEND;
+    nng_aio_set_msg(a->aio, m);
+    nng_ctx_send(a->ctx, a->aio);
+    return MOE_OK;
+}

@@ -1,0 +1,154 @@
+/*
+ * moe.h - the one public header of moe: error codes, dtypes and the client
+ * library (libmoe). Internal modules include it for moe_err and moe_dtype.
+ *
+ * Conventions: functions return moe_err (0 = MOE_OK); outputs go through
+ * pointers; the comment on each declaration states who owns what.
+ */
+#ifndef MOE_H
+#define MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* moe_err: the one error enum. Each value has a stable wire code string
+ * (moe_err_code) used in RPC error responses. Never renumber. */
+typedef enum moe_err {
+    MOE_OK = 0,
+    MOE_EINVAL = 1,       /* "invalid_argument" */
+    MOE_EUNAUTH = 2,      /* "unauthenticated" */
+    MOE_EBUSY = 3,        /* "busy": queue full, try later */
+    MOE_ETIMEDOUT = 4,    /* "deadline_exceeded" */
+    MOE_EUNAVAIL = 5,     /* "unavailable": workers missing or unhealthy */
+    MOE_ENOTFOUND = 6,    /* "not_found": unknown model, layer, handle */
+    MOE_ENOMEM = 7,       /* "resource_exhausted" */
+    MOE_ETOOBIG = 8,      /* "too_large": message over the size cap */
+    MOE_EPROTO = 9,       /* "malformed": not msgpack, or not a request */
+    MOE_ENOMETHOD = 10,   /* "unknown_method" */
+    MOE_EEXPIRED = 11,    /* "expired": a training handle that timed out */
+    MOE_EPRECOND = 12,    /* "failed_precondition": e.g. step with no grads */
+    MOE_EIO = 13,         /* "io_error": file system */
+    MOE_EINTERNAL = 14,   /* "internal" */
+    MOE_ECLOSED = 15,     /* "closed": object or connection closed */
+    MOE_ERR_COUNT
+} moe_err;
+
+/* moe_strerror returns a static human-readable description of err. */
+const char *moe_strerror(moe_err err);
+/* moe_err_code returns the static stable wire code of err ("busy", ...). */
+const char *moe_err_code(moe_err err);
+/* moe_err_from_code maps a wire code (len bytes, not NUL terminated) back;
+ * unknown codes map to MOE_EINTERNAL. */
+moe_err moe_err_from_code(const char *code, size_t len);
+
+/* moe_dtype: element types of tensors on the wire and in models. */
+typedef enum moe_dtype {
+    MOE_F32 = 0,
+    MOE_BF16 = 1,
+    MOE_F16 = 2,
+} moe_dtype;
+
+/* moe_dtype_size returns the element size in bytes (4, 2, 2), 0 if unknown. */
+size_t moe_dtype_size(moe_dtype dt);
+/* moe_dtype_name returns "f32", "bf16" or "f16"; NULL if unknown. */
+const char *moe_dtype_name(moe_dtype dt);
+/* moe_dtype_parse parses a name (len bytes); MOE_EINVAL if unknown. */
+moe_err moe_dtype_parse(const char *name, size_t len, moe_dtype *out);
+
+
+/* ---------------------------------------------------------------------------
+ * libmoe: the client. Thread safe: one moe_client may be used by many threads.
+ * Failed calls leave a message in moe_last_error() (thread-local).
+ * ------------------------------------------------------------------------- */
+
+typedef struct moe_client moe_client;
+
+typedef struct moe_client_opts {
+    int timeout_ms;         /* per call; 0 = 60000 */
+    size_t max_msg;         /* largest response accepted; 0 = 1 GiB */
+    const char *auth_token; /* sent as params "auth" on every call; NULL = none */
+} moe_client_opts;
+
+/* moe_client_open dials url (tcp://host:port, ipc://path). opts may be NULL.
+ * The client is owned by the caller: free with moe_client_close. */
+moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client **out);
+void moe_client_close(moe_client *c);
+/* moe_last_error: the message of the last failed call on this thread. */
+const char *moe_last_error(void);
+
+/* moe_reply: one whole response. buf is owned by the reply (moe_reply_free).
+ * On success the result value starts at buf + result_off (msgpack). */
+typedef struct moe_reply {
+    uint8_t *buf;
+    size_t len;
+    size_t result_off;
+    moe_err err;       /* the server's error, MOE_OK if none */
+    char message[512]; /* the server's (or transport's) error message */
+} moe_reply;
+void moe_reply_free(moe_reply *r);
+
+/* moe_call sends method with params (an encoded msgpack map, or NULL for {})
+ * and waits for the reply. Returns MOE_OK when a response arrived AND it
+ * carries no error; otherwise the error (server's or transport's), with the
+ * message in out->message and moe_last_error(). out is always filled; free it
+ * with moe_reply_free in every case. */
+moe_err moe_call(moe_client *c, const char *method, const void *params, size_t params_len,
+                 moe_reply *out);
+/* moe_call_cb: runs on a library thread; reply is owned by the callback
+ * (free it with moe_reply_free) and err == reply->err or a transport error. */
+typedef void (*moe_call_cb)(moe_err err, moe_reply *reply, void *arg);
+/* moe_call_async: like moe_call but returns at once; cb runs exactly once
+ * (also on failure to send). */
+moe_err moe_call_async(moe_client *c, const char *method, const void *params, size_t params_len,
+                       moe_call_cb cb, void *arg);
+
+/* ---- typed calls ---- */
+
+/* moe_ping: one round trip to the server. */
+moe_err moe_ping(moe_client *c);
+
+typedef struct moe_model_config {
+    const char *name;        /* model name, [A-Za-z0-9_.-]{1,63} */
+    int layers;              /* MoE layers */
+    int d_model;             /* H */
+    int d_ff;                /* F */
+    int n_experts;           /* E */
+    int top_k;               /* K, 1..E */
+    const char *activation;  /* "swiglu" (default) or "gelu" */
+    int renormalize;         /* renormalise the K gate weights to sum 1 */
+    double capacity_factor;  /* 0 = dropless */
+    moe_dtype dtype;         /* MOE_F32 or MOE_BF16 */
+    uint64_t seed;           /* weight init seed */
+    double aux_loss_coef;    /* training: load-balancing loss coefficient */
+    double z_loss_coef;      /* training: router z-loss coefficient */
+} moe_model_config;
+
+moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
+
+/* moe_fwd_info: what forward reports besides y. Arrays are malloc'ed by the
+ * library (free with moe_fwd_info_free). */
+typedef struct moe_fwd_info {
+    int n_experts;
+    int64_t *tokens_per_expert; /* (E) routed slots per expert */
+    int64_t *dropped;           /* (E) slots dropped by the capacity factor */
+    double imbalance;           /* max/mean of tokens_per_expert */
+    double gate_s, dispatch_s, experts_s, combine_s; /* slowest worker per phase */
+    double total_s;             /* coordinator time for the whole call */
+    double aux_loss, z_loss;
+    uint64_t handle; /* training handle (0 unless train=1) */
+} moe_fwd_info;
+void moe_fwd_info_free(moe_fwd_info *info);
+
+/* moe_forward runs layer `layer` of `model` on x (T, H) of dtype dt and
+ * writes y (T, H) of the same dtype into caller memory. info may be NULL. */
+moe_err moe_forward(moe_client *c, const char *model, int layer, moe_dtype dt, const void *x,
+                    int64_t T, int64_t H, void *y, moe_fwd_info *info);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_H */

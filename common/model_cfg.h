@@ -1,0 +1,42 @@
+/*
+ * model_cfg.h - the configuration of one model (a stack of MoE layers), as
+ * model.create takes it. Parsed and validated once at the coordinator, sent
+ * to every worker in the same encoding.
+ */
+#ifndef MOE_MODEL_CFG_H
+#define MOE_MODEL_CFG_H
+
+#include <stdint.h>
+
+#include "proto.h"
+
+#define MODEL_NAME_MAX 64
+
+typedef struct model_cfg {
+    char name[MODEL_NAME_MAX];
+    int layers;      /* MoE layers, 1..1024 */
+    int d_model;     /* H */
+    int d_ff;        /* F */
+    int n_experts;   /* E, 1..4096 */
+    int top_k;       /* K, 1..E */
+    int act;         /* kern_act: 0 swiglu, 1 gelu */
+    int renormalize; /* 0/1 */
+    double capacity_factor; /* 0 = dropless */
+    moe_dtype dtype;        /* MOE_F32 or MOE_BF16 */
+    uint64_t seed;
+    double aux_loss_coef;
+    double z_loss_coef;
+} model_cfg;
+
+/* model_cfg_parse reads model.create params (r inside the map) and validates
+ * every field. extra_specs (may be NULL) are accepted too (e.g. "worker"
+ * fields); err gets a message naming the bad field. */
+moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *err, size_t errlen);
+/* model_cfg_write writes the config as a params map (the model.create form). */
+void model_cfg_write(mp_writer *w, const model_cfg *c);
+/* model_cfg_same: equal in every field. */
+int model_cfg_same(const model_cfg *a, const model_cfg *b);
+/* model_cfg_params: parameter count (router + all experts, all layers). */
+int64_t model_cfg_params(const model_cfg *c);
+
+#endif

@@ -1,0 +1,134 @@
+/* params.c - declarative params parsing; see params.h. */
+#include "params.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static moe_err bad(char *err, size_t errlen, const char *fmt, const char *key, const char *why)
+{
+    snprintf(err, errlen, fmt, key, why);
+    return MOE_EINVAL;
+}
+
+static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
+{
+    mp_errbuf eb = {{0}};
+    moe_err e;
+    bool ranged = !(p->min == 0 && p->max == 0);
+    switch (p->type) {
+    case P_STR: {
+        const char *s;
+        uint32_t len;
+        if (mp_read_str(r, &s, &len, &eb) != MOE_OK)
+            return bad(err, errlen, "parameter '%s' must be a string%s", p->key, "");
+        if (len + 1 > p->cap)
+            return bad(err, errlen, "parameter '%s' is too long%s", p->key, "");
+        memcpy(p->out, s, len);
+        ((char *)p->out)[len] = 0;
+        return MOE_OK;
+    }
+    case P_INT: {
+        int64_t v;
+        mp_type t = mp_peek(r);
+        if (t != MP_INT && t != MP_UINT)
+            return bad(err, errlen, "parameter '%s' must be an integer%s", p->key, "");
+        if (mp_read_i64(r, &v, &eb) != MOE_OK)
+            return bad(err, errlen, "parameter '%s': %s", p->key, eb.msg);
+        if (ranged && (v < p->min || v > p->max)) {
+            snprintf(err, errlen, "parameter '%s' = %lld is outside [%.0f, %.0f]", p->key,
+                     (long long)v, p->min, p->max);
+            return MOE_EINVAL;
+        }
+        *(int64_t *)p->out = v;
+        return MOE_OK;
+    }
+    case P_F64: {
+        double v;
+        mp_type t = mp_peek(r);
+        if (t != MP_INT && t != MP_UINT && t != MP_FLOAT)
+            return bad(err, errlen, "parameter '%s' must be a number%s", p->key, "");
+        if (mp_read_f64(r, &v, &eb) != MOE_OK)
+            return bad(err, errlen, "parameter '%s': %s", p->key, eb.msg);
+        if (v != v || (ranged && (v < p->min || v > p->max))) {
+            snprintf(err, errlen, "parameter '%s' = %g is outside [%g, %g]", p->key, v, p->min,
+                     p->max);
+            return MOE_EINVAL;
+        }
+        *(double *)p->out = v;
+        return MOE_OK;
+    }
+    case P_BOOL:
+        if (mp_peek(r) != MP_BOOL || mp_read_bool(r, (bool *)p->out, &eb) != MOE_OK)
+            return bad(err, errlen, "parameter '%s' must be a boolean%s", p->key, "");
+        return MOE_OK;
+    case P_TENSOR:
+        e = moe_tensor_read(r, (moe_tensor *)p->out, &eb);
+        if (e != MOE_OK) {
+            snprintf(err, errlen, "parameter '%s': %s", p->key, eb.msg);
+            return MOE_EINVAL;
+        }
+        return MOE_OK;
+    case P_RAW:
+        *(mp_reader *)p->out = *r;
+        if (mp_skip(r, &eb) != MOE_OK)
+            return bad(err, errlen, "parameter '%s': %s", p->key, eb.msg);
+        return MOE_OK;
+    }
+    return MOE_EINTERNAL;
+}
+
+moe_err params_parse(mp_reader *r, uint32_t nparams, pspec *specs, int nspecs, char *err,
+                     size_t errlen)
+{
+    mp_errbuf eb = {{0}};
+    for (int i = 0; i < nspecs; i++)
+        specs[i].seen = false;
+    for (uint32_t k = 0; k < nparams; k++) {
+        const char *key;
+        uint32_t klen;
+        if (mp_read_str(r, &key, &klen, &eb) != MOE_OK) {
+            snprintf(err, errlen, "params keys must be strings");
+            return MOE_EINVAL;
+        }
+        pspec *p = NULL;
+        for (int i = 0; i < nspecs; i++)
+            if (mp_str_eq(key, klen, specs[i].key))
+                p = &specs[i];
+        if (!p) {
+            if (mp_str_eq(key, klen, "auth")) {
+                if (mp_skip(r, &eb) != MOE_OK)
+                    return bad(err, errlen, "parameter '%s': %s", "auth", eb.msg);
+                continue;
+            }
+            snprintf(err, errlen, "unknown parameter '%.*s'", (int)(klen > 64 ? 64 : klen), key);
+            return MOE_EINVAL;
+        }
+        if (p->seen)
+            return bad(err, errlen, "parameter '%s' given twice%s", p->key, "");
+        p->seen = true;
+        moe_err e = parse_one(r, p, err, errlen);
+        if (e != MOE_OK)
+            return e;
+    }
+    for (int i = 0; i < nspecs; i++)
+        if (specs[i].required && !specs[i].seen)
+            return bad(err, errlen, "missing parameter '%s'%s", specs[i].key, "");
+    return MOE_OK;
+}
+
+bool params_find_str(const mp_reader *r0, uint32_t nparams, const char *key, const char **s,
+                     uint32_t *len)
+{
+    mp_reader r = *r0;
+    for (uint32_t k = 0; k < nparams; k++) {
+        const char *kk;
+        uint32_t kl;
+        if (mp_read_str(&r, &kk, &kl, NULL) != MOE_OK)
+            return false;
+        if (mp_str_eq(kk, kl, key))
+            return mp_peek(&r) == MP_STR && mp_read_str(&r, s, len, NULL) == MOE_OK;
+        if (mp_skip(&r, NULL) != MOE_OK)
+            return false;
+    }
+    return false;
+}

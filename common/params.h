@@ -1,0 +1,42 @@
+/*
+ * params.h - declarative parsing of an RPC params map. Each spec names a key,
+ * its type and where the value goes. Unknown keys, wrong types, duplicates,
+ * missing required keys and out-of-range numbers are errors with a message
+ * naming the key. "auth" is always accepted (checked separately).
+ */
+#ifndef MOE_PARAMS_H
+#define MOE_PARAMS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "proto.h"
+
+typedef enum pspec_type {
+    P_STR,    /* out: char[cap] (NUL terminated); longer values are an error */
+    P_INT,    /* out: int64_t, within [min, max] */
+    P_F64,    /* out: double, within [min, max] */
+    P_BOOL,   /* out: bool */
+    P_TENSOR, /* out: moe_tensor (a view into the message) */
+    P_RAW,    /* out: mp_reader positioned at the value (the value is skipped) */
+} pspec_type;
+
+typedef struct pspec {
+    const char *key;
+    pspec_type type;
+    void *out;
+    bool required;
+    double min, max; /* P_INT, P_F64 bounds (ignored when min == max == 0) */
+    uint32_t cap;    /* P_STR buffer size */
+    bool seen;       /* out: the key was present */
+} pspec;
+
+/* params_parse walks nparams pairs of r (positioned inside the map). */
+moe_err params_parse(mp_reader *r, uint32_t nparams, pspec *specs, int nspecs, char *err,
+                     size_t errlen);
+/* params_find_str finds a string value for key without consuming r (a
+ * copy is walked). Returns false if absent or not a string. */
+bool params_find_str(const mp_reader *r, uint32_t nparams, const char *key, const char **s,
+                     uint32_t *len);
+
+#endif

@@ -1,0 +1,151 @@
+/*
+ * kcu_internal.cuh - shared between the CUDA kernel files and check_gpu.cu:
+ * error checks, bf16 helpers, the layer struct and the launchers.
+ */
+#ifndef MOE_KCU_INTERNAL_CUH
+#define MOE_KCU_INTERNAL_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kern_cuda.h"
+
+typedef __nv_bfloat16 bf16;
+
+#define KCU_CEIL_DIV(a, b) (((a) + (b)-1) / (b))
+
+/* KCU_CHECK: on a CUDA error log the CUDA text once and return MOE_EINTERNAL
+ * from the enclosing function (which returns moe_err). */
+#define KCU_CHECK(call)                                                                            \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "kcu: %s:%d: %s: %s\n", __FILE__, __LINE__, #call,                     \
+                    cudaGetErrorString(e_));                                                       \
+            return MOE_EINTERNAL;                                                                  \
+        }                                                                                          \
+    } while (0)
+#define KCU_CHECK_LAUNCH() KCU_CHECK(cudaGetLastError())
+#define KCU_TRY(call)                                                                              \
+    do {                                                                                           \
+        moe_err r_ = (call);                                                                       \
+        if (r_ != MOE_OK)                                                                          \
+            return r_;                                                                             \
+    } while (0)
+
+/* GEMM tile: BM x BN output, BK deep. The layout's tile list uses KCU_BM. */
+enum { KCU_BM = 128, KCU_BN = 128, KCU_BK = 64 };
+
+/* ---- grouped GEMM (kcu_gemm.cu) ----
+ * Two schedules:
+ *  rows mode (A K-contiguous): C rows are the sorted routed rows; the m-tiles
+ *    come from the device tile list (tile_e, tile_r0, *ntiles_m), tile rows
+ *    [tile_r0, min(tile_r0 + BM, offs[e+1])). Without a tile list, one group
+ *    of M_fixed rows. B_e = B + e * b_gstride; A row r is a_gather[r] (or r).
+ *  wgrad mode (A M-contiguous): per group e, C_e (M,N) += A_e^T B_e summed
+ *    over the group's rows k in [offs[e], offs[e+1]) (or [0, K_fixed)); A row
+ *    k is A[a_gather[k] or k], B row k is B[b_gather[k] or k].
+ */
+typedef enum kcu_amode { KCU_A_K = 0, KCU_A_M = 1 } kcu_amode;
+typedef enum kcu_bmode { KCU_B_K = 0, KCU_B_N = 1 } kcu_bmode;
+typedef enum kcu_epi {
+    KCU_EPI_F32 = 0,     /* Cf[r*ldc + n] = acc */
+    KCU_EPI_SWIGLU = 1,  /* h[r*F + f] = silu(a)*b, gate/up interleaved by 8; ab raw if given */
+    KCU_EPI_GELU = 2,    /* h[r*F + n] = gelu(acc); ab raw if given */
+    KCU_EPI_SCATTER = 3, /* Cb[scatter[r]*ldc + n] = bf16(acc) */
+    KCU_EPI_DSWIGLU = 4, /* dh = w*acc; ab <- (da, db) in place; h <- bf16(w*h); dwpart */
+    KCU_EPI_DGELU = 5,   /* same for GELU */
+    KCU_EPI_ACC = 6      /* wgrad: Cf_e[m*ldc + n] += acc */
+} kcu_epi;
+
+typedef struct kcu_gemm_args {
+    const bf16 *A;
+    int lda;
+    const int32_t *a_gather;
+    const bf16 *B;
+    int ldb;
+    long long b_gstride;
+    const int32_t *b_gather;
+    int M, N, K; /* rows mode: N, K; M_fixed when no tile list. wgrad: M, N; K_fixed when no offs */
+    int ngroups; /* wgrad: groups; rows mode: unused */
+    const int32_t *offs;     /* (E+1) group row offsets, or NULL */
+    const int32_t *tile_e;   /* rows mode tile list, or NULL */
+    const int32_t *tile_r0;  /* rows mode tile list */
+    const int32_t *ntiles_m; /* device count of tiles in the list */
+    int max_tiles_m;         /* host bound on *ntiles_m */
+    /* epilogue */
+    float *Cf;
+    bf16 *Cb;
+    int ldc;
+    long long c_gstride;
+    const int32_t *scatter; /* sorted row -> slot */
+    bf16 *ab;               /* (rows, ld_ab) pre-activations */
+    int ld_ab;
+    bf16 *h; /* (rows, F) */
+    int F;
+    const float *gate_w; /* (S) slot -> gate weight */
+    float *dwpart;       /* (rows, N/BN) */
+} kcu_gemm_args;
+
+moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
+                 cudaStream_t st);
+
+/* ---- the layer ---- */
+struct kcu_layer {
+    kcu_config c;
+    int Ep; /* E rounded up to KCU_BN: padded router rows */
+    int N1; /* 2F (SwiGLU, w1/w3 interleaved by 8 rows) or F (GELU) */
+    int nsm;
+    void *params;
+    size_t params_bytes;
+    bf16 *wr;     /* (Ep,H), rows >= E zero */
+    bf16 *w13;    /* (E,N1,H) */
+    bf16 *w2;     /* (E,H,F) */
+    float *g_wr;  /* (Ep,H) */
+    float *g_w13; /* (E,N1,H) */
+    float *g_w2;  /* (E,H,F) */
+    void *ws;
+    size_t ws_bytes;
+    bf16 *xs;          /* (T,H) staged input */
+    bf16 *io;          /* (T,H) staged dy */
+    float *stage;      /* (T,H) f32 staging for host inputs and outputs */
+    float *logits;     /* (T,Ep) */
+    float *probs;      /* (T,E) */
+    float *lse;        /* (T) */
+    int32_t *topk_idx; /* (S) */
+    float *topk_w;     /* (S) */
+    int32_t *counts;   /* (E) */
+    int32_t *offs;     /* (E+1) */
+    int32_t *chunk;    /* (nchunks,E) */
+    int32_t *perm;     /* (S) sorted row -> slot */
+    int32_t *tok;      /* (S) sorted row -> token */
+    int32_t *tile_e;   /* (max_tiles) */
+    int32_t *tile_r0;  /* (max_tiles) */
+    int32_t *ntiles;   /* (1) */
+    int32_t *cglob;    /* (E) global counts for backward */
+    float *stats;      /* (2) aux, z */
+    float *statpart;   /* (nblk, E+1) */
+    bf16 *ab;          /* (S,N1) pre-activations, then their gradients */
+    bf16 *h;           /* (S,F) activations, then w*h */
+    bf16 *ye;          /* (S,H) expert outputs (slot order), then dx per slot */
+    float *dwpart;     /* (S,F/BN) */
+    float *dw;         /* (S) dL/dtopk_w */
+    bf16 *dlogits;     /* (T,Ep) */
+    float *dxr;        /* (T,H) router part of dx */
+    int max_tiles;     /* bound on the tile list length */
+    int T_fwd;         /* tokens of the last train forward, 0 if none */
+};
+
+/* ---- small kernels (kcu_route.cu) ---- */
+moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st);
+moe_err kcu_route(kcu_layer *l, int T, cudaStream_t st);
+moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, int T, int K, int H,
+                    void *out, moe_dtype dt, cudaStream_t st);
+moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st);
+moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st);
+moe_err kcu_router_bwd(kcu_layer *l, int T, int T_global, float aux_coef, float z_coef,
+                       cudaStream_t st);
+
+#endif /* MOE_KCU_INTERNAL_CUH */

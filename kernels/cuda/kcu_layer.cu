@@ -1,0 +1,516 @@
+/*
+ * kcu_layer.cu - the kcu_layer object (kern_cuda.h): allocation, weight
+ * upload, and the forward / backward sequences of kernels on one stream.
+ *
+ * Forward:  x -> bf16 xs; logits = xs wr^T; softmax/top-k; layout (counts,
+ *   offsets, stable perm, tile list); h = act(xs[tok] w13_e^T) (grouped, with
+ *   the gather in the load and the activation in the epilogue); ye[slot] =
+ *   h w2_e^T (scatter in the store); y[t] = sum_j in order bf16(w ye[t,j]).
+ * Backward: dh = w * dy[tok] w2_e -> (da, db) in place of (a, b), w*h in
+ *   place of h, dL/dw partial sums; dx per slot = dab w13_e; router dlogits;
+ *   dx = sum_j dx[t,j] + dlogits wr; dW13 += dab^T xs[tok];
+ *   dW2 += dy[tok]^T (w h); dwr += dlogits^T xs.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kcu_internal.cuh"
+
+namespace
+{
+
+size_t align_up(size_t n)
+{
+    return (n + 255) & ~(size_t)255;
+}
+
+/* carve: hands out 256-byte aligned pieces of one allocation (or, with
+ * base == NULL, only counts the bytes) */
+struct carve {
+    char *base;
+    size_t off;
+    template <typename P> void take(P **p, size_t bytes)
+    {
+        *p = base ? reinterpret_cast<P *>(base + off) : nullptr;
+        off += align_up(bytes);
+    }
+};
+
+uint16_t host_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int is_host_ptr(const void *p)
+{
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1;
+    }
+    return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
+}
+
+/* w13 device row c of expert e comes from w1 or w3 row src_row(c) */
+int w13_src(int c, int swiglu, int *from_w3)
+{
+    if (!swiglu) {
+        *from_w3 = 0;
+        return c;
+    }
+    *from_w3 = (c & 15) >= 8;
+    return (c >> 4) * 8 + (c & 7);
+}
+
+void carve_params(kcu_layer *l, carve *cv)
+{
+    const kcu_config *c = &l->c;
+    cv->take(&l->wr, (size_t)l->Ep * c->H * 2);
+    cv->take(&l->w13, (size_t)c->E * l->N1 * c->H * 2);
+    cv->take(&l->w2, (size_t)c->E * c->H * c->F * 2);
+    if (c->train) {
+        cv->take(&l->g_wr, (size_t)l->Ep * c->H * 4);
+        cv->take(&l->g_w13, (size_t)c->E * l->N1 * c->H * 4);
+        cv->take(&l->g_w2, (size_t)c->E * c->H * c->F * 4);
+    }
+}
+
+void carve_ws(kcu_layer *l, carve *cv)
+{
+    const kcu_config *c = &l->c;
+    const size_t T = c->T_max, S = T * c->K, H = c->H, F = c->F, E = c->E;
+    const size_t nch = KCU_CEIL_DIV(S, (size_t)256);
+    const size_t mt = (S < S / KCU_BM + E ? S : S / KCU_BM + E) + 1;
+    cv->take(&l->xs, T * H * 2);
+    cv->take(&l->io, T * H * 2);
+    cv->take(&l->stage, T * H * 4);
+    cv->take(&l->logits, T * l->Ep * 4);
+    cv->take(&l->probs, T * E * 4);
+    cv->take(&l->lse, T * 4);
+    cv->take(&l->topk_idx, S * 4);
+    cv->take(&l->topk_w, S * 4);
+    cv->take(&l->counts, E * 4);
+    cv->take(&l->offs, (E + 1) * 4);
+    cv->take(&l->chunk, nch * E * 4);
+    cv->take(&l->perm, S * 4);
+    cv->take(&l->tok, S * 4);
+    cv->take(&l->tile_e, mt * 4);
+    cv->take(&l->tile_r0, mt * 4);
+    cv->take(&l->ntiles, 4);
+    cv->take(&l->cglob, E * 4);
+    cv->take(&l->stats, 2 * 4);
+    cv->take(&l->statpart, KCU_CEIL_DIV(T, (size_t)256) * (E + 1) * 4);
+    cv->take(&l->h, S * F * 2);
+    cv->take(&l->ye, S * H * 2);
+    if (c->train) {
+        cv->take(&l->ab, S * l->N1 * 2);
+        cv->take(&l->dwpart, S * (F / KCU_BN) * 4);
+        cv->take(&l->dw, S * 4);
+        cv->take(&l->dlogits, T * l->Ep * 2);
+        cv->take(&l->dxr, T * H * 4);
+    }
+    l->max_tiles = (int)(mt - 1);
+}
+
+/* stage_in: src (T,H) of dtype dt, host or device -> bf16 device dst. */
+moe_err stage_in(kcu_layer *l, const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st)
+{
+    if (dt == MOE_F32 && is_host_ptr(src)) {
+        KCU_CHECK(cudaMemcpyAsync(l->stage, src, n * 4, cudaMemcpyHostToDevice, st));
+        src = l->stage;
+    }
+    return kcu_to_bf16(src, dt, dst, n, st);
+}
+
+kcu_gemm_args rows_args(const kcu_layer *l)
+{
+    kcu_gemm_args a;
+    memset(&a, 0, sizeof(a));
+    a.offs = l->offs;
+    a.tile_e = l->tile_e;
+    a.tile_r0 = l->tile_r0;
+    a.ntiles_m = l->ntiles;
+    a.max_tiles_m = l->max_tiles;
+    return a;
+}
+
+} // namespace
+
+extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
+{
+    *out = NULL;
+    if (cfg->H <= 0 || cfg->F <= 0 || cfg->H % 128 || cfg->F % 128 || cfg->E < 1 || cfg->E > 256 ||
+        cfg->K < 1 || cfg->K > 8 || cfg->K > cfg->E || cfg->T_max < 1 ||
+        (cfg->act != KERN_ACT_SWIGLU && cfg->act != KERN_ACT_GELU)) {
+        fprintf(stderr, "kcu_layer_create: unsupported shape H=%d F=%d E=%d K=%d T_max=%d\n",
+                cfg->H, cfg->F, cfg->E, cfg->K, cfg->T_max);
+        return MOE_EINVAL;
+    }
+    kcu_layer *l = (kcu_layer *)calloc(1, sizeof(*l));
+    if (!l)
+        return MOE_ENOMEM;
+    l->c = *cfg;
+    l->Ep = KCU_CEIL_DIV(cfg->E, KCU_BN) * KCU_BN;
+    l->N1 = cfg->act == KERN_ACT_SWIGLU ? 2 * cfg->F : cfg->F;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&l->nsm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        fprintf(stderr, "kcu_layer_create: no CUDA device\n");
+        free(l);
+        return MOE_EUNAVAIL;
+    }
+    carve cv = {nullptr, 0};
+    carve_params(l, &cv);
+    l->params_bytes = cv.off;
+    cv = {nullptr, 0};
+    carve_ws(l, &cv);
+    l->ws_bytes = cv.off;
+    if (cudaMalloc(&l->params, l->params_bytes) != cudaSuccess ||
+        cudaMalloc(&l->ws, l->ws_bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        fprintf(stderr, "kcu_layer_create: cudaMalloc of %zu + %zu bytes failed\n", l->params_bytes,
+                l->ws_bytes);
+        kcu_layer_destroy(l);
+        return MOE_ENOMEM;
+    }
+    cv = {(char *)l->params, 0};
+    carve_params(l, &cv);
+    cv = {(char *)l->ws, 0};
+    carve_ws(l, &cv);
+    *out = l;
+    return MOE_OK;
+}
+
+extern "C" void kcu_layer_destroy(kcu_layer *l)
+{
+    if (!l)
+        return;
+    if (l->params)
+        cudaFree(l->params);
+    if (l->ws)
+        cudaFree(l->ws);
+    free(l);
+}
+
+extern "C" void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes)
+{
+    if (params_bytes)
+        *params_bytes = l->params_bytes;
+    if (ws_bytes)
+        *ws_bytes = l->ws_bytes;
+}
+
+extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
+{
+    if (!l->c.train)
+        return MOE_EPRECOND;
+    const size_t off = (size_t)((char *)l->g_wr - (char *)l->params);
+    KCU_CHECK(cudaMemsetAsync(l->g_wr, 0, l->params_bytes - off, (cudaStream_t)stream));
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *w1, const float *w3,
+                                    const float *w2)
+{
+    const kcu_config *c = &l->c;
+    const int swiglu = c->act == KERN_ACT_SWIGLU;
+    if (!wr || !w1 || !w2 || (swiglu && !w3))
+        return MOE_EINVAL;
+    const size_t H = c->H, F = c->F, per = (size_t)l->N1 * H;
+    uint16_t *buf = (uint16_t *)malloc(per * 2 > (size_t)l->Ep * H * 2 ? per * 2 : l->Ep * H * 2);
+    if (!buf)
+        return MOE_ENOMEM;
+    moe_err rc = MOE_OK;
+    /* router, padded rows zero */
+    memset(buf, 0, (size_t)l->Ep * H * 2);
+    for (size_t i = 0; i < (size_t)c->E * H; i++)
+        buf[i] = host_bf16(wr[i]);
+    if (cudaMemcpy(l->wr, buf, (size_t)l->Ep * H * 2, cudaMemcpyHostToDevice) != cudaSuccess)
+        rc = MOE_EINTERNAL;
+    for (int e = 0; e < c->E && rc == MOE_OK; e++) {
+        for (int r = 0; r < l->N1; r++) {
+            int from3;
+            const int sr = w13_src(r, swiglu, &from3);
+            const float *src = (from3 ? w3 : w1) + ((size_t)e * F + sr) * H;
+            for (size_t i = 0; i < H; i++)
+                buf[(size_t)r * H + i] = host_bf16(src[i]);
+        }
+        if (cudaMemcpy(l->w13 + (size_t)e * per, buf, per * 2, cudaMemcpyHostToDevice) !=
+            cudaSuccess)
+            rc = MOE_EINTERNAL;
+        for (size_t i = 0; i < H * F; i++)
+            buf[i] = host_bf16(w2[(size_t)e * H * F + i]);
+        if (rc == MOE_OK && cudaMemcpy(l->w2 + (size_t)e * H * F, buf, H * F * 2,
+                                       cudaMemcpyHostToDevice) != cudaSuccess)
+            rc = MOE_EINTERNAL;
+    }
+    free(buf);
+    if (rc != MOE_OK) {
+        fprintf(stderr, "kcu_layer_upload: %s\n", cudaGetErrorString(cudaGetLastError()));
+        return rc;
+    }
+    if (c->train) {
+        KCU_TRY(kcu_layer_zero_grads(l, NULL));
+        KCU_CHECK(cudaDeviceSynchronize());
+    }
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1, float *dw3,
+                                            float *dw2)
+{
+    const kcu_config *c = &l->c;
+    if (!c->train)
+        return MOE_EPRECOND;
+    const size_t H = c->H, F = c->F, per = (size_t)l->N1 * H;
+    const int swiglu = c->act == KERN_ACT_SWIGLU;
+    KCU_CHECK(cudaDeviceSynchronize());
+    if (dwr)
+        KCU_CHECK(cudaMemcpy(dwr, l->g_wr, (size_t)c->E * H * 4, cudaMemcpyDeviceToHost));
+    if (dw2)
+        KCU_CHECK(cudaMemcpy(dw2, l->g_w2, (size_t)c->E * H * F * 4, cudaMemcpyDeviceToHost));
+    if (!dw1 && !dw3)
+        return MOE_OK;
+    float *buf = (float *)malloc(per * 4);
+    if (!buf)
+        return MOE_ENOMEM;
+    for (int e = 0; e < c->E; e++) {
+        if (cudaMemcpy(buf, l->g_w13 + (size_t)e * per, per * 4, cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+            free(buf);
+            KCU_CHECK(cudaGetLastError());
+            return MOE_EINTERNAL;
+        }
+        for (int r = 0; r < l->N1; r++) {
+            int from3;
+            const int sr = w13_src(r, swiglu, &from3);
+            float *dst = from3 ? dw3 : dw1;
+            if (dst)
+                memcpy(dst + ((size_t)e * F + sr) * H, buf + (size_t)r * H, H * 4);
+        }
+    }
+    free(buf);
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
+                               moe_dtype y_dtype, int train, void *stream)
+{
+    const kcu_config *c = &l->c;
+    cudaStream_t st = (cudaStream_t)stream;
+    if (T < 0 || T > c->T_max || (train && !c->train) ||
+        (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
+        return MOE_EINVAL;
+    l->T_fwd = 0;
+    if (T == 0)
+        return MOE_OK;
+    const int H = c->H, F = c->F, K = c->K;
+    const size_t n = (size_t)T * H;
+
+    /* x -> bf16 on the device (kept in xs for backward) */
+    const bf16 *xb = l->xs;
+    if (x_dtype == MOE_BF16 && !train && !is_host_ptr(x))
+        xb = (const bf16 *)x;
+    else
+        KCU_TRY(stage_in(l, x, x_dtype, l->xs, n, st));
+
+    /* router: logits (T,Ep) = xb wr^T */
+    kcu_gemm_args a;
+    memset(&a, 0, sizeof(a));
+    a.A = xb;
+    a.lda = H;
+    a.B = l->wr;
+    a.ldb = H;
+    a.M = T;
+    a.N = l->Ep;
+    a.K = H;
+    a.Cf = l->logits;
+    a.ldc = l->Ep;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, l->nsm, st));
+    KCU_TRY(kcu_route(l, T, st));
+
+    /* up: h (S,F) [, ab (S,N1)] = act(xb[tok] w13_e^T) over the tile list */
+    a = rows_args(l);
+    a.A = xb;
+    a.lda = H;
+    a.a_gather = l->tok;
+    a.B = l->w13;
+    a.ldb = H;
+    a.b_gstride = (long long)l->N1 * H;
+    a.N = l->N1;
+    a.K = H;
+    a.h = l->h;
+    a.F = F;
+    a.ab = train ? l->ab : nullptr;
+    a.ld_ab = l->N1;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, c->act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU,
+                     &a, l->nsm, st));
+
+    /* down: ye[perm[r]] (S,H) = h w2_e^T */
+    a = rows_args(l);
+    a.A = l->h;
+    a.lda = F;
+    a.B = l->w2;
+    a.ldb = F;
+    a.b_gstride = (long long)H * F;
+    a.N = H;
+    a.K = F;
+    a.Cb = l->ye;
+    a.ldc = H;
+    a.scatter = l->perm;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, l->nsm, st));
+
+    /* combine, in j order */
+    const int yhost = is_host_ptr(y);
+    KCU_TRY(
+        kcu_combine(l->ye, l->topk_w, nullptr, T, K, H, yhost ? (void *)l->stage : y, y_dtype, st));
+    if (yhost)
+        KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
+                                  cudaMemcpyDeviceToHost, st));
+    KCU_TRY(kcu_stats(l, T, st));
+    l->T_fwd = train ? T : 0;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype, void *dx,
+                                moe_dtype dx_dtype, float aux_coef, float z_coef,
+                                const int32_t *counts_global, int T_global, void *stream)
+{
+    const kcu_config *c = &l->c;
+    cudaStream_t st = (cudaStream_t)stream;
+    const int T = l->T_fwd;
+    if (!c->train || T <= 0)
+        return MOE_EPRECOND;
+    if ((dy_dtype != MOE_F32 && dy_dtype != MOE_BF16) ||
+        (dx_dtype != MOE_F32 && dx_dtype != MOE_BF16))
+        return MOE_EINVAL;
+    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    const size_t n = (size_t)T * H;
+    KCU_TRY(stage_in(l, dy, dy_dtype, l->io, n, st));
+    if (counts_global)
+        KCU_CHECK(cudaMemcpyAsync(l->cglob, counts_global, E * 4, cudaMemcpyHostToDevice, st));
+    else
+        KCU_CHECK(cudaMemcpyAsync(l->cglob, l->counts, E * 4, cudaMemcpyDeviceToDevice, st));
+
+    /* dh: (da, db) in place of (a, b), w*h in place of h, dwpart */
+    kcu_gemm_args a = rows_args(l);
+    a.A = l->io;
+    a.lda = H;
+    a.a_gather = l->tok;
+    a.B = l->w2; /* (H,F) per expert: k = h, n = f */
+    a.ldb = F;
+    a.b_gstride = (long long)H * F;
+    a.N = F;
+    a.K = H;
+    a.ab = l->ab;
+    a.ld_ab = l->N1;
+    a.h = l->h;
+    a.F = F;
+    a.gate_w = l->topk_w;
+    a.scatter = l->perm;
+    a.dwpart = l->dwpart;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, c->act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU,
+                     &a, l->nsm, st));
+    KCU_TRY(kcu_dw_reduce(l, S, st));
+    KCU_TRY(kcu_router_bwd(l, T, T_global > 0 ? T_global : T, aux_coef, z_coef, st));
+
+    /* dx per slot (into ye) = dab w13_e */
+    a = rows_args(l);
+    a.A = l->ab;
+    a.lda = l->N1;
+    a.B = l->w13; /* (N1,H) per expert: k = n1, n = h */
+    a.ldb = H;
+    a.b_gstride = (long long)l->N1 * H;
+    a.N = H;
+    a.K = l->N1;
+    a.Cb = l->ye;
+    a.ldc = H;
+    a.scatter = l->perm;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_SCATTER, &a, l->nsm, st));
+
+    /* router part: dxr (T,H) = dlogits (T,Ep) wr (Ep,H) */
+    memset(&a, 0, sizeof(a));
+    a.A = l->dlogits;
+    a.lda = l->Ep;
+    a.B = l->wr;
+    a.ldb = H;
+    a.M = T;
+    a.N = H;
+    a.K = l->Ep;
+    a.Cf = l->dxr;
+    a.ldc = H;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_F32, &a, l->nsm, st));
+
+    const int xhost = is_host_ptr(dx);
+    KCU_TRY(
+        kcu_combine(l->ye, nullptr, l->dxr, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype, st));
+    if (xhost)
+        KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
+                                  cudaMemcpyDeviceToHost, st));
+
+    /* weight gradients, grouped over each expert's rows */
+    memset(&a, 0, sizeof(a));
+    a.A = l->ab; /* (S,N1): k = sorted row, m = n1 */
+    a.lda = l->N1;
+    a.B = l->xs;
+    a.ldb = H;
+    a.b_gather = l->tok;
+    a.M = l->N1;
+    a.N = H;
+    a.ngroups = E;
+    a.offs = l->offs;
+    a.Cf = l->g_w13;
+    a.ldc = H;
+    a.c_gstride = (long long)l->N1 * H;
+    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+
+    memset(&a, 0, sizeof(a));
+    a.A = l->io; /* dy (T,H) gathered: k = sorted row, m = h */
+    a.lda = H;
+    a.a_gather = l->tok;
+    a.B = l->h; /* w*h (S,F) */
+    a.ldb = F;
+    a.M = H;
+    a.N = F;
+    a.ngroups = E;
+    a.offs = l->offs;
+    a.Cf = l->g_w2;
+    a.ldc = F;
+    a.c_gstride = (long long)H * F;
+    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+
+    memset(&a, 0, sizeof(a));
+    a.A = l->dlogits; /* (T,Ep): k = token, m = expert */
+    a.lda = l->Ep;
+    a.B = l->xs;
+    a.ldb = H;
+    a.M = l->Ep;
+    a.N = H;
+    a.K = T;
+    a.ngroups = 1;
+    a.Cf = l->g_wr;
+    a.ldc = H;
+    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, float *aux_loss, float *z_loss,
+                                     void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    float s[2];
+    if (counts)
+        KCU_CHECK(cudaMemcpyAsync(counts, l->counts, l->c.E * 4, cudaMemcpyDeviceToHost, st));
+    KCU_CHECK(cudaMemcpyAsync(s, l->stats, sizeof(s), cudaMemcpyDeviceToHost, st));
+    KCU_CHECK(cudaStreamSynchronize(st));
+    if (aux_loss)
+        *aux_loss = s[0];
+    if (z_loss)
+        *z_loss = s[1];
+    return MOE_OK;
+}

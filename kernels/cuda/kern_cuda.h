@@ -1,0 +1,95 @@
+/*
+ * kern_cuda.h - the MoE layer on one GPU: router, layout, grouped expert
+ * GEMMs (forward and backward), callable from C. Same meaning as the *_cpu
+ * reference in kernels/kern.h; checked against it by bin/check-gpu.
+ *
+ * Letters as in kern.h: T tokens, H d_model, F d_ff, E experts, K top-k,
+ * S = T*K routed slots. Storage is bf16, accumulation fp32, dropless.
+ * One forward or backward call enqueues kernels on the given stream and never
+ * synchronises with the host (except when x/y are host pointers, which are
+ * copied through the stream).
+ *
+ * Ownership: a kcu_layer owns two device allocations - `params` (bf16
+ * weights, fp32 gradients when cfg.train) and `ws` (activations and scratch
+ * for up to cfg.T_max tokens). Nothing the caller passes in is retained
+ * beyond the call, except that backward uses the state saved by the most
+ * recent forward with train=1 on the same layer (the layer copies x).
+ * A layer is not thread safe: one stream at a time.
+ *
+ * Limits: H and F multiples of 128, 1 <= K <= E <= 256, K <= 8.
+ * Capacity factor > 0 (token dropping) is not implemented here (EINVAL).
+ */
+#ifndef MOE_KERN_CUDA_H
+#define MOE_KERN_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" { /* kern.h and moe.h carry no C++ guards of their own */
+#endif
+
+#include "kern.h"
+#include "moe.h"
+
+typedef struct kcu_layer kcu_layer;
+
+typedef struct kcu_config {
+    int H, F, E, K;
+    kern_act act;
+    int renorm; /* divide the K gate weights by their sum */
+    int T_max;  /* most tokens one forward/backward call may carry */
+    int train;  /* allocate gradients and keep forward state for backward */
+} kcu_config;
+
+/* kcu_layer_create allocates a layer on the current CUDA device. Weights are
+ * uninitialised until kcu_layer_upload. *out owned by the caller, freed with
+ * kcu_layer_destroy. Returns MOE_EINVAL for unsupported shapes, MOE_ENOMEM if
+ * the device allocations fail. */
+moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out);
+/* kcu_layer_destroy frees both device allocations; NULL is a no-op. */
+void kcu_layer_destroy(kcu_layer *l);
+
+/* kcu_layer_upload copies host fp32 weights (nn.Linear layout, rounded to
+ * bf16 on the way): wr (E,H), w1, w3 (E,F,H), w2 (E,H,F); w3 is ignored (may
+ * be NULL) for GELU. Synchronous. Gradients are zeroed. */
+moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *w1, const float *w3,
+                         const float *w2);
+/* kcu_layer_download_grads copies the fp32 gradients (accumulated since the
+ * last zeroing) to host arrays of the same shapes as upload; any may be
+ * NULL. Synchronous. MOE_EPRECOND when the layer was created without train. */
+moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1, float *dw3, float *dw2);
+/* kcu_layer_zero_grads zeroes the gradients on `stream` (cudaStream_t). */
+moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream);
+
+/* kcu_forward: y (T,H) from x (T,H). x and y may be device or host memory,
+ * dtype MOE_F32 or MOE_BF16 each. With train=1, the layer keeps what
+ * backward needs until the next forward. stream is a cudaStream_t (NULL =
+ * default stream). Asynchronous for device pointers. */
+moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
+                    moe_dtype y_dtype, int train, void *stream);
+
+/* kcu_backward: dx (T,H) from dy (T,H) for the objective
+ * <dy, y> + aux_coef*aux + z_coef*z, T being the last train forward's.
+ * Expert and router gradients are ACCUMULATED (+=) into the layer.
+ * counts_global (E, host, may be NULL = this call's counts) and T_global
+ * (0 = T) describe the global batch for the aux and z losses (as
+ * kern_router_backward_cpu). */
+moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype, void *dx, moe_dtype dx_dtype,
+                     float aux_coef, float z_coef, const int32_t *counts_global, int T_global,
+                     void *stream);
+
+/* kcu_forward_stats reads the last forward's routing statistics: counts (E)
+ * slots per expert (may be NULL), aux and z losses (may be NULL).
+ * Synchronises `stream`. */
+moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, float *aux_loss, float *z_loss,
+                          void *stream);
+
+/* kcu_layer_bytes reports the device bytes of the two allocations. */
+void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_KERN_CUDA_H */

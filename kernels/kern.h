@@ -1,0 +1,211 @@
+/*
+ * kern.h - the MoE layer's operations. The *_cpu functions are the reference:
+ * plain loops, the spec. Fast paths (OpenBLAS *_blas, CUDA in kernels/cuda/)
+ * have the same meaning and are tested against these.
+ *
+ * Letters: T tokens, H d_model, F d_ff, E experts, K top-k, S = T*K routed
+ * slots, N rows of one expert. Slot s = t*K + j is the j-th choice of token t.
+ * Weights use the nn.Linear layout (out, in), as Hugging Face Mixtral stores
+ * them:  wr (E,H) router;  w1 (E,F,H) gate;  w3 (E,F,H) up;  w2 (E,H,F) down.
+ * Per-expert pointers point at that expert's (F,H) / (H,F) block.
+ *
+ * SwiGLU expert: a = x w1^T, b = x w3^T, h = silu(a) * b, y = h w2^T.
+ * GELU expert:   a = x w1^T,             h = gelu(a) (erf form), y = h w2^T (w3 unused).
+ *
+ * bf16 models on the CPU keep values in float but rounded to bf16 (round to
+ * nearest even) at the points where the GPU stores bf16: weights, layer input
+ * x, h, each expert output row (after the gate weight), and the layer output y.
+ * Accumulation is always fp32. The `bf16` flags below select this rounding.
+ */
+#ifndef MOE_KERN_H
+#define MOE_KERN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum kern_act { KERN_ACT_SWIGLU = 0, KERN_ACT_GELU = 1 } kern_act;
+
+/* ---- bf16 ---- */
+uint16_t kern_f32_to_bf16(float f); /* round to nearest even, NaN stays NaN */
+float kern_bf16_to_f32(uint16_t h);
+float kern_bf16_round(float f); /* f rounded to the nearest bf16, as float */
+void kern_bf16_round_n(float *x, size_t n);
+
+/* ---- deterministic weights: independent of placement and worker count ---- */
+typedef enum kern_wkind { KERN_W_ROUTER = 0, KERN_W1 = 1, KERN_W3 = 2, KERN_W2 = 3 } kern_wkind;
+/* kern_init_weight fills out (rows, cols) for (seed, layer, expert, which);
+ * expert is ignored for KERN_W_ROUTER. Values uniform in [-1/sqrt(cols),
+ * 1/sqrt(cols)] from a counter-based hash of (seed, layer, expert, which,
+ * index): the same numbers whichever process makes them. */
+void kern_init_weight(uint64_t seed, int layer, int expert, kern_wkind which, int rows, int cols,
+                      float *out);
+/* kern_fill_uniform fills n values uniform in [lo, hi) from a counter hash of
+ * (seed, stream, index) - for test inputs. */
+void kern_fill_uniform(uint64_t seed, uint64_t stream, float lo, float hi, float *out, size_t n);
+
+/* ---- router ---- */
+/* logits (T,E) = x (T,H) wr^T, wr (E,H). */
+void kern_router_logits_cpu(const float *x, const float *wr, int T, int H, int E, float *logits);
+/* Same through OpenBLAS sgemm. */
+void kern_router_logits_blas(const float *x, const float *wr, int T, int H, int E, float *logits);
+/* Softmax over E per token, then top-K (descending probability; ties go to
+ * the lower expert index); with renorm the K weights are divided by their
+ * sum. probs (T,E) out; topk_idx (T,K) out; topk_w (T,K) out. */
+void kern_softmax_topk_cpu(const float *logits, int T, int E, int K, int renorm, float *probs,
+                           int32_t *topk_idx, float *topk_w);
+
+/* ---- layout: counting sort of slots by expert ---- */
+/* counts (E) out: slots per expert. offsets (E+1) out: exclusive prefix sum.
+ * topk_idx values must lie in [0, E) (kern_softmax_topk_cpu guarantees it).
+ * perm (S) out: sorted position -> slot, stable (slots of one expert in
+ * increasing slot order). inv (S) out, may be NULL: slot -> sorted position. */
+void kern_layout_cpu(const int32_t *topk_idx, int T, int K, int E, int32_t *counts,
+                     int32_t *offsets, int32_t *perm, int32_t *inv);
+/* kern_capacity returns the per-expert cap for a capacity factor over a batch
+ * of T tokens: ceil(cf * T * K / E); cf <= 0 means dropless (returns INT32_MAX). */
+int32_t kern_capacity(float capacity_factor, int T, int K, int E);
+/* kern_apply_capacity_cpu keeps, per expert, the first `cap` slots in sorted
+ * (stable) order and drops the rest: keep (S) out, 1/0 per slot; dropped (E)
+ * out, count of dropped slots per expert. */
+void kern_apply_capacity_cpu(const int32_t *counts, const int32_t *offsets, const int32_t *perm,
+                             int E, int32_t cap, uint8_t *keep, int32_t *dropped);
+
+/* ---- expert FFN on N rows of one expert ---- */
+/* x (N,H) in; w1,w3 (F,H); w2 (H,F); a_out,b_out (N,F) out, pre-activation
+ * values kept for backward, may be NULL (b_out unused for GELU); y (N,H) out.
+ * With bf16 set, h is rounded to bf16 before the down projection. */
+void kern_expert_ffn_cpu(const float *x, int N, int H, int F, const float *w1, const float *w3,
+                         const float *w2, kern_act act, int bf16, float *a_out, float *b_out,
+                         float *y);
+/* Same contract through OpenBLAS sgemm (the CPU workers' fast path). It
+ * mallocs an (N,F) scratch for h; if that fails it falls back to the plain
+ * loops (same result within rounding), so it cannot fail. */
+void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, const float *w3,
+                          const float *w2, kern_act act, int bf16, float *a_out, float *b_out,
+                          float *y);
+
+/* ---- combine ---- */
+/* y (T,H) out: y[t] = sum over j = 0..K-1 in that order of
+ * topk_w[t,j] * ye[t*K+j] for kept slots (keep may be NULL = all kept),
+ * accumulated in fp32 from 0. ye (S,H): expert output rows in slot order.
+ * With bf16, each weighted row topk_w[t,j] * ye[t*K+j] is rounded to bf16
+ * before the sum (the GPU stores it so) and y is rounded. */
+void kern_combine_cpu(const float *ye, const float *topk_w, const uint8_t *keep, int T, int K,
+                      int H, int bf16, float *y);
+
+/* ---- losses (training) ---- */
+/* Switch/GShard load-balancing loss over the batch:
+ *   aux = E / (K*T) * sum_e count_e * mean_t probs[t,e]   (= 1 when uniform)
+ * z-loss: z = mean_t (logsumexp_e logits[t,e])^2. */
+float kern_aux_loss_cpu(const float *probs, const int32_t *counts, int T, int E, int K);
+float kern_z_loss_cpu(const float *logits, int T, int E);
+
+/* ---- backward pieces ---- */
+/* Combine backward: dye (S,H) out = topk_w[t,j] * dy[t] (0 for dropped
+ * slots); dw (T,K) out = dot(dy[t], ye[s]) (0 for dropped). */
+void kern_combine_backward_cpu(const float *dy, const float *ye_unweighted, const float *topk_w,
+                               const uint8_t *keep, int T, int K, int H, float *dye, float *dw);
+/* Expert backward on N rows: x (N,H), a,b (N,F) from forward, dy (N,H) in.
+ * dx (N,H) out; dw1,dw3 (F,H) and dw2 (H,F) ACCUMULATED (+=). For GELU, b,
+ * w3 and dw3 are unused and may be NULL. h is recomputed from a, b without
+ * bf16 rounding (rounding is treated as the identity in backward). The blas
+ * version mallocs 3 (N,F) scratch arrays and falls back to the loops if that
+ * fails. */
+void kern_expert_ffn_backward_cpu(const float *x, const float *a, const float *b, const float *dy,
+                                  int N, int H, int F, const float *w1, const float *w3,
+                                  const float *w2, kern_act act, float *dx, float *dw1, float *dw3,
+                                  float *dw2);
+void kern_expert_ffn_backward_blas(const float *x, const float *a, const float *b, const float *dy,
+                                   int N, int H, int F, const float *w1, const float *w3,
+                                   const float *w2, kern_act act, float *dx, float *dw1, float *dw3,
+                                   float *dw2);
+/* Router backward for T local tokens. In: x (T,H), wr (E,H), logits (T,E),
+ * probs (T,E), topk_idx (T,K), dw (T,K) = dL/dtopk_w, renorm.
+ * Loss terms: aux_coef * aux + z_coef * z where aux uses the GLOBAL batch:
+ * counts_global (E) and T_global (the mean over tokens in aux and z is over
+ * T_global tokens, so local contributions sum to the global gradient).
+ * dwr (E,H) ACCUMULATED; dx (T,H) ACCUMULATED (+=). */
+void kern_router_backward_cpu(const float *x, const float *wr, const float *logits,
+                              const float *probs, const int32_t *topk_idx, const float *dw, int T,
+                              int H, int E, int K, int renorm, const int32_t *counts_global,
+                              int T_global, float aux_coef, float z_coef, float *dwr, float *dx);
+
+/* ---- AdamW (decoupled weight decay, bias corrected, step counted from 1) ---- */
+/* p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), with grad g scaled by
+ * grad_scale first (for clipping). m, v updated in place. m = b1 m + (1-b1) g,
+ * v = b2 v + (1-b2) g^2, mhat = m / (1 - b1^step), vhat = v / (1 - b2^step);
+ * the wd term uses p before this step. step < 1 is treated as 1. */
+void kern_adamw_cpu(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,
+                    float beta2, float eps, float wd, int64_t step, float grad_scale);
+/* sum of squares of g (double accumulation), for global-norm clipping. */
+double kern_sumsq_cpu(const float *g, size_t n);
+
+/* ---- the whole layer, single process: the oracle for the cluster ---- */
+typedef struct kern_moe_shape {
+    int T, H, F, E, K;
+    kern_act act;
+    int renorm;
+    float capacity_factor; /* 0 = dropless */
+    int bf16;
+} kern_moe_shape;
+
+/* With bf16 set, the weights must already hold bf16 values (round them once
+ * with kern_bf16_round_n when they are made or loaded); x is rounded inside.
+ * For GELU, w3 may be NULL (and dw3 in backward may be NULL). */
+typedef struct kern_layer_weights {
+    const float *wr; /* (E,H) */
+    const float *w1; /* (E,F,H) */
+    const float *w3; /* (E,F,H) */
+    const float *w2; /* (E,H,F) */
+} kern_layer_weights;
+
+typedef struct kern_fwd_stats {
+    int32_t *counts;  /* (E) out, slots routed per expert (before capacity) */
+    int32_t *dropped; /* (E) out, slots dropped per expert */
+    float aux_loss;   /* out */
+    float z_loss;     /* out */
+} kern_fwd_stats;
+
+/* kern_moe_forward_ref: y (T,H) out from x (T,H). stats may be NULL. Returns
+ * MOE_EINVAL for a bad shape (T < 0, H, F, E < 1, K not in [1, E]) or a NULL
+ * pointer, MOE_ENOMEM if its scratch cannot be allocated. Capacity: cap =
+ * kern_capacity(cf, T, K, E) over this batch; dropped slots add zero. */
+moe_err kern_moe_forward_ref(const kern_moe_shape *s, const kern_layer_weights *w, const float *x,
+                             float *y, kern_fwd_stats *stats);
+/* kern_moe_backward_ref: recomputes the forward, then dx (T,H) out and
+ * gradients dwr (E,H), dw1, dw3 (E,F,H), dw2 (E,H,F) out (overwritten) for
+ * the objective  <dy, y> + aux_coef*aux + z_coef*z. Routing (top-k choice,
+ * counts, capacity drops) is piecewise constant and gets no gradient; bf16
+ * rounding is treated as the identity. Errors as kern_moe_forward_ref. */
+moe_err kern_moe_backward_ref(const kern_moe_shape *s, const kern_layer_weights *w, const float *x,
+                              const float *dy, float aux_coef, float z_coef, float *dx, float *dwr,
+                              float *dw1, float *dw3, float *dw2);
+
+/* ---- additions: shared pieces and test helpers ---- */
+/* kern_act_forward_n: h (n) out = silu(a)*b (SwiGLU) or gelu(a) (GELU, b
+ * unused, may be NULL); with bf16, h is rounded. a, b, h: n values each. */
+void kern_act_forward_n(kern_act act, const float *a, const float *b, size_t n, int bf16, float *h);
+/* kern_act_backward_n: from dh (n) = dL/dh: da (n) out = dL/da; db (n) out =
+ * dL/db (SwiGLU only; for GELU b and db are unused and may be NULL). dh may
+ * alias da. */
+void kern_act_backward_n(kern_act act, const float *a, const float *b, const float *dh, size_t n,
+                         float *da, float *db);
+/* kern_rel_err returns ||a - b|| / ||b|| (2-norms, double accumulation);
+ * ||a - b|| when ||b|| = 0. NaN anywhere gives NaN. */
+double kern_rel_err(const float *a, const float *b, size_t n);
+/* kern_print_mismatches prints to stderr, under `name`, the first `max_print`
+ * indices where |a-b| > tol * (|b| + max|b|/100), and the totals. Returns the
+ * number of such indices. For test and check programs. */
+size_t kern_print_mismatches(const char *name, const float *a, const float *b, size_t n, double tol,
+                             int max_print);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_KERN_H */

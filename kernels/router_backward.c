@@ -1,0 +1,79 @@
+/* router_backward.c - gradient of the router: through the top-k weights
+ * (with or without renormalisation), the aux loss (via probs only, with the
+ * global counts) and the z-loss, then softmax and the logits GEMM. */
+#include <math.h>
+
+#include "kern.h"
+
+void kern_router_backward_cpu(const float *x, const float *wr, const float *logits,
+                              const float *probs, const int32_t *topk_idx, const float *dw, int T,
+                              int H, int E, int K, int renorm, const int32_t *counts_global,
+                              int T_global, float aux_coef, float z_coef, float *dwr, float *dx)
+{
+    /* x (T,H), wr (E,H), logits probs (T,E), topk_idx dw (T,K), counts_global (E);
+     * dwr (E,H) +=, dx (T,H) += */
+    if (T_global <= 0)
+        T_global = T > 0 ? T : 1;
+    /* aux = E/(K Tg) sum_e c_e (1/Tg) sum_t p[t,e]  =>  daux/dp[t,e] = E c_e / (K Tg^2) */
+    float aux_scale = aux_coef * (float)E / ((float)K * (float)T_global * (float)T_global);
+    float z_scale = 2.0f * z_coef / (float)T_global;
+
+    for (int t = 0; t < T; t++) {
+        const float *pt = probs + (size_t)t * E;
+        const float *lt = logits + (size_t)t * E;
+        const int32_t *it = topk_idx + (size_t)t * K;
+        const float *gt = dw + (size_t)t * K;
+        const float *xt = x + (size_t)t * H;
+        float *dxt = dx + (size_t)t * H;
+
+        /* g_j = dL/dp[t, idx_j] through the top-k weights. With renorm,
+         * w_j = p_j / S: dL/dp_j = (dw_j - sum_i dw_i w_i) / S. */
+        float S = 0.0f, gw = 0.0f;
+        if (renorm) {
+            for (int j = 0; j < K; j++)
+                S += pt[it[j]];
+            for (int j = 0; j < K; j++)
+                gw += gt[j] * (pt[it[j]] / S);
+        }
+        /* dp(e) = aux_scale c_e + sum_{j: idx_j = e} g_j, made on the fly */
+#define DP(e, out)                                                                                 \
+    do {                                                                                           \
+        float d_ = aux_scale * (float)counts_global[(e)];                                          \
+        for (int j_ = 0; j_ < K; j_++) {                                                           \
+            if (it[j_] == (e))                                                                     \
+                d_ += renorm ? (gt[j_] - gw) / S : gt[j_];                                         \
+        }                                                                                          \
+        (out) = d_;                                                                                \
+    } while (0)
+
+        float pdp = 0.0f; /* sum_e p_e dp_e */
+        for (int e = 0; e < E; e++) {
+            float d;
+            DP(e, d);
+            pdp += pt[e] * d;
+        }
+        float lse = 0.0f;
+        if (z_coef != 0.0f) {
+            float mx = lt[0];
+            for (int e = 1; e < E; e++)
+                mx = lt[e] > mx ? lt[e] : mx;
+            double s = exp((double)lt[0] - mx);
+            for (int e = 1; e < E; e++)
+                s += exp((double)lt[e] - mx);
+            lse = (float)(mx + log(s));
+        }
+        for (int e = 0; e < E; e++) {
+            float d;
+            DP(e, d);
+            /* softmax backward, plus z-loss: dlse/dlogit = p */
+            float dl = pt[e] * (d - pdp) + z_scale * lse * pt[e];
+            const float *we = wr + (size_t)e * H;
+            float *dwe = dwr + (size_t)e * H;
+            for (int h = 0; h < H; h++) {
+                dwe[h] += dl * xt[h];
+                dxt[h] += dl * we[h];
+            }
+        }
+#undef DP
+    }
+}

@@ -1,0 +1,157 @@
+/*
+ * coord.h - the coordinator (moe-coordinator): RPC front end, worker
+ * registry, placement, the cluster job queue, stats and metrics.
+ *
+ * All state here belongs to the libuv loop thread. nng threads only push
+ * completions onto `done` (mutex-protected) and ring `done_async`.
+ *
+ * Cluster jobs (a broadcast to all W workers: join, model create, forward)
+ * run one at a time, in queue order: every worker sees the same sequence of
+ * collectives, which the exchange layer requires.
+ */
+#ifndef MOE_COORD_H
+#define MOE_COORD_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "config.h"
+#include "model_cfg.h"
+#include "rpcsrv.h"
+
+#define COORD_MAX_WORKERS 256
+#define COORD_MAX_MODELS 64
+#define COORD_LAT_BUCKETS 16
+
+typedef enum worker_state { WS_FREE = 0, WS_UP, WS_DOWN } worker_state;
+
+typedef struct coord_worker {
+    int id; /* registration id, unique for the coordinator's lifetime */
+    worker_state state;
+    int rank; /* in the current generation, -1 if not a member */
+    char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX];
+    char backend[32], device[128];
+    int pid;
+    uint64_t registered_ns, last_hb_ns;
+    moe_client *cli;       /* owned: calls into the worker */
+    double busy_s;         /* compute time reported by forwards */
+    uint64_t ops_total;
+} coord_worker;
+
+/* Per model: config and load-balance counters. */
+typedef struct coord_model {
+    model_cfg cfg;
+    int64_t *tokens;  /* (layers, E) routed slots, cumulative */
+    int64_t *dropped; /* (layers, E) dropped slots, cumulative */
+    uint64_t forwards;
+    int created_gen; /* generation the workers hold it in; 0 = not yet */
+} coord_model;
+
+typedef enum job_kind { JOB_JOIN, JOB_MODEL_CREATE, JOB_FORWARD } job_kind;
+
+typedef struct coord_job {
+    struct coord_job *next;
+    job_kind kind;
+    rpc_call *call;  /* the client request being served; NULL for internal jobs */
+    coord_model *model;
+    int layer;
+    moe_tensor x;    /* forward input: a view into call's message */
+    int train;
+    uint64_t enqueued_ns, deadline_ns, started_ns;
+    uint64_t generation; /* cluster generation the job was sent in */
+    int nsent, pending;
+    moe_reply *replies[COORD_MAX_WORKERS]; /* by rank; owned */
+    moe_err errs[COORD_MAX_WORKERS];
+} coord_job;
+
+/* a completed worker call, from an nng thread */
+typedef struct coord_done {
+    struct coord_done *next;
+    coord_job *job;
+    int rank;
+    moe_err err;
+    moe_reply *reply;
+} coord_done;
+
+typedef struct coord {
+    /* config (read-only after start) */
+    char listen_url[CFG_STR_MAX], metrics_url[CFG_STR_MAX], auth_token[CFG_STR_MAX];
+    char log_level[CFG_STR_MAX], addr_file[CFG_STR_MAX];
+    long long expected_workers, max_msg_mb, queue_depth, deadline_ms, heartbeat_timeout_ms;
+    long long worker_timeout_ms, nctx;
+
+    uv_loop_t *loop;
+    rpcsrv *srv;
+    char bound_url[CFG_STR_MAX];
+    uv_timer_t tick;
+    uv_signal_t sigterm, sigint;
+    uv_async_t done_async;
+    pthread_mutex_t done_mu;
+    coord_done *done_head, *done_tail;
+    int draining;
+
+    /* registry */
+    coord_worker workers[COORD_MAX_WORKERS];
+    int next_worker_id;
+    int rank_to_worker[COORD_MAX_WORKERS];
+    int world;           /* members of the current generation */
+    uint64_t generation; /* 0 = never formed */
+    int ready;           /* the current generation is joined and whole */
+    int need_form;       /* a (re)formation is wanted */
+
+    /* models */
+    coord_model *models[COORD_MAX_MODELS];
+    int nmodels;
+
+    /* jobs */
+    coord_job *qhead, *qtail;
+    int qlen;
+    coord_job *current;
+
+    /* stats */
+    uint64_t started_ns;
+    uint64_t requests_total, errors_total, forwards_total, tokens_total, busy_total;
+    double phase_s[4]; /* gate, dispatch, experts, combine: sums of slowest worker */
+    uint64_t lat_hist[COORD_LAT_BUCKETS + 1]; /* forward latency histogram */
+    double lat_sum;
+    double recent_tokens, recent_t0; /* tokens/s over a sliding window */
+    double tokens_per_s;
+
+    /* metrics text rendered by the loop, copied out by the HTTP thread */
+    pthread_mutex_t metrics_mu;
+    char *metrics_text;
+    void *http; /* nng_http_server * */
+} coord;
+
+extern const double coord_lat_bounds[COORD_LAT_BUCKETS];
+
+/* registry.c */
+void coord_worker_register(coord *c, rpc_call *call);
+void coord_worker_heartbeat(coord *c, rpc_call *call);
+void coord_check_workers(coord *c);
+void coord_maybe_form(coord *c);
+int coord_up_workers(const coord *c);
+void coord_cluster_status(coord *c, rpc_call *call);
+
+/* jobs.c */
+moe_err coord_job_submit(coord *c, coord_job *j, int front);
+void coord_job_pump(coord *c);
+void coord_on_done(uv_async_t *h);
+void coord_job_fail_all(coord *c, moe_err e, const char *why);
+
+/* models.c */
+coord_model *coord_find_model(coord *c, const char *name);
+void coord_model_create(coord *c, rpc_call *call);
+void coord_model_info(coord *c, rpc_call *call);
+void coord_forward(coord *c, rpc_call *call);
+void coord_forward_finish(coord *c, coord_job *j);
+void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method);
+
+/* stats.c */
+void coord_stats(coord *c, rpc_call *call);
+void coord_metrics_render(coord *c);
+moe_err coord_metrics_start(coord *c);
+void coord_metrics_stop(coord *c);
+
+#endif

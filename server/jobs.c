@@ -1,0 +1,248 @@
+/*
+ * jobs.c - the cluster job queue: one broadcast job at a time; each sends one
+ * call to every member worker and finishes when all W replies are in.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "log.h"
+
+moe_err coord_job_submit(coord *c, coord_job *j, int front)
+{
+    if (j->call && c->qlen >= c->queue_depth)
+        return MOE_EBUSY;
+    j->enqueued_ns = rpc_now_ns();
+    if (front) {
+        j->next = c->qhead;
+        c->qhead = j;
+        if (!c->qtail)
+            c->qtail = j;
+    } else {
+        j->next = NULL;
+        if (c->qtail)
+            c->qtail->next = j;
+        else
+            c->qhead = j;
+        c->qtail = j;
+    }
+    c->qlen++;
+    return MOE_OK;
+}
+
+static void job_free(coord_job *j)
+{
+    for (int r = 0; r < COORD_MAX_WORKERS; r++) {
+        if (j->replies[r]) {
+            moe_reply_free(j->replies[r]);
+            free(j->replies[r]);
+        }
+    }
+    free(j);
+}
+
+/* on_worker_reply runs on an nng thread. */
+static void on_worker_reply(moe_err err, moe_reply *reply, void *arg)
+{
+    coord_done *d = arg;
+    coord *c = (coord *)d->next; /* smuggled: see send_job */
+    d->next = NULL;
+    d->err = err;
+    d->reply = reply;
+    pthread_mutex_lock(&c->done_mu);
+    if (c->done_tail)
+        c->done_tail->next = d;
+    else
+        c->done_head = d;
+    c->done_tail = d;
+    pthread_mutex_unlock(&c->done_mu);
+    uv_async_send(&c->done_async);
+}
+
+static void finish_job(coord *c, coord_job *j)
+{
+    moe_err first = MOE_OK;
+    int bad_rank = -1;
+    for (int r = 0; r < j->nsent; r++)
+        if (j->errs[r] != MOE_OK && first == MOE_OK) {
+            first = j->errs[r];
+            bad_rank = r;
+        }
+    switch (j->kind) {
+    case JOB_JOIN:
+        if (first == MOE_OK && j->generation == c->generation) {
+            c->ready = 1;
+            LOG_I("cluster generation %llu ready: %d workers", (unsigned long long)c->generation,
+                  c->world);
+        } else {
+            LOG_W("cluster generation %llu failed to form (rank %d: %s: %s)",
+                  (unsigned long long)j->generation, bad_rank, moe_err_code(first),
+                  bad_rank >= 0 && j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
+            c->need_form = 1;
+        }
+        break;
+    case JOB_MODEL_CREATE:
+        if (first == MOE_OK)
+            j->model->created_gen = (int)j->generation;
+        if (j->call) {
+            if (first == MOE_OK) {
+                mp_writer w;
+                mp_writer_init(&w);
+                moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+                mp_write_map(&w, 2);
+                mp_write_cstr(&w, "name");
+                mp_write_cstr(&w, j->model->cfg.name);
+                mp_write_cstr(&w, "params");
+                mp_write_i64(&w, model_cfg_params(&j->model->cfg));
+                rpc_reply(j->call, &w);
+            } else {
+                rpc_reply_err(j->call, first, "model.create failed on worker rank %d: %s",
+                              bad_rank, j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
+            }
+        }
+        break;
+    case JOB_FORWARD:
+        coord_forward_finish(c, j);
+        break;
+    }
+    if (first == MOE_EUNAVAIL || first == MOE_ECLOSED || first == MOE_ETIMEDOUT) {
+        /* a worker or the exchange between workers failed: rebuild */
+        if (c->ready)
+            LOG_W("job failed with %s on rank %d: re-forming the cluster", moe_err_code(first),
+                  bad_rank);
+        c->ready = 0;
+        c->need_form = 1;
+    }
+}
+
+void coord_on_done(uv_async_t *h)
+{
+    coord *c = h->data;
+    pthread_mutex_lock(&c->done_mu);
+    coord_done *d = c->done_head;
+    c->done_head = c->done_tail = NULL;
+    pthread_mutex_unlock(&c->done_mu);
+    while (d) {
+        coord_done *next = d->next;
+        coord_job *j = d->job;
+        j->replies[d->rank] = d->reply;
+        j->errs[d->rank] = d->err;
+        if (--j->pending == 0) {
+            finish_job(c, j);
+            if (c->current == j)
+                c->current = NULL;
+            job_free(j);
+        }
+        free(d);
+        d = next;
+    }
+    coord_maybe_form(c);
+    coord_job_pump(c);
+}
+
+static int job_needs_ready(const coord_job *j)
+{
+    return j->kind != JOB_JOIN;
+}
+
+/* send_job sends the job's call to every member. */
+static void send_job(coord *c, coord_job *j)
+{
+    j->generation = c->generation;
+    j->started_ns = rpc_now_ns();
+    j->nsent = c->world;
+    j->pending = c->world;
+    c->current = j;
+    for (int r = 0; r < c->world; r++) {
+        coord_worker *wk = &c->workers[c->rank_to_worker[r]];
+        mp_writer w;
+        const char *method = NULL;
+        mp_writer_init(&w);
+        coord_job_encode(c, j, r, &w, &method);
+        coord_done *d = calloc(1, sizeof(*d));
+        moe_err e = MOE_ENOMEM;
+        if (d) {
+            d->job = j;
+            d->rank = r;
+            d->next = (coord_done *)c; /* carried to the callback */
+            if (wk->state != WS_UP || !wk->cli)
+                e = MOE_EUNAVAIL;
+            else if (w.failed)
+                e = MOE_ENOMEM;
+            else
+                e = moe_call_async(wk->cli, method, w.buf, w.len, on_worker_reply, d);
+        }
+        mp_writer_fini(&w);
+        if (e != MOE_OK) {
+            /* report as a completion so the job finishes through one path */
+            moe_reply *rep = calloc(1, sizeof(*rep));
+            if (rep) {
+                rep->err = e;
+                snprintf(rep->message, sizeof(rep->message), "worker %d (rank %d) is %s",
+                         wk->id, r, wk->state == WS_UP ? "unreachable" : "down");
+            }
+            if (!d)
+                d = calloc(1, sizeof(*d));
+            if (!d) {
+                free(rep);
+                j->pending--;
+                j->errs[r] = e;
+                continue;
+            }
+            d->job = j;
+            d->rank = r;
+            d->next = (coord_done *)c;
+            on_worker_reply(e, rep, d);
+        }
+    }
+}
+
+void coord_job_pump(coord *c)
+{
+    while (!c->current && c->qhead) {
+        coord_job *j = c->qhead;
+        c->qhead = j->next;
+        if (!c->qhead)
+            c->qtail = NULL;
+        c->qlen--;
+        uint64_t now = rpc_now_ns();
+        if (j->call && j->deadline_ns && now > j->deadline_ns) {
+            rpc_reply_err(j->call, MOE_ETIMEDOUT, "deadline passed after %.3f s in the queue",
+                          (double)(now - j->enqueued_ns) * 1e-9);
+            c->errors_total++;
+            job_free(j);
+            continue;
+        }
+        if (job_needs_ready(j) && !c->ready) {
+            if (j->call) {
+                rpc_reply_err(j->call, MOE_EUNAVAIL,
+                              "cluster not ready: %d of %lld workers up (generation %llu)",
+                              coord_up_workers(c), c->expected_workers,
+                              (unsigned long long)c->generation);
+                c->errors_total++;
+            }
+            job_free(j);
+            continue;
+        }
+        if (j->kind == JOB_MODEL_CREATE && !j->call &&
+            j->model->created_gen == (int)c->generation) {
+            job_free(j);
+            continue;
+        }
+        send_job(c, j);
+    }
+}
+
+void coord_job_fail_all(coord *c, moe_err e, const char *why)
+{
+    while (c->qhead) {
+        coord_job *j = c->qhead;
+        c->qhead = j->next;
+        if (j->call)
+            rpc_reply_err(j->call, e, "%s", why);
+        job_free(j);
+    }
+    c->qtail = NULL;
+    c->qlen = 0;
+}

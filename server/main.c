@@ -1,0 +1,218 @@
+/*
+ * main.c - moe-coordinator: the RPC front end. Parses config, starts the
+ * libuv loop with the nng endpoint, routes each request by method.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "coord.h"
+#include "log.h"
+#include "params.h"
+
+static coord C;
+
+static const cfg_entry coord_cfg[] = {
+    {"listen", CFG_STR, "tcp://127.0.0.1:7000", 0, 0, C.listen_url,
+     "RPC address for clients and workers (port 0 = any)"},
+    {"workers", CFG_INT, "2", 1, 256, &C.expected_workers, "workers that form the cluster"},
+    {"metrics", CFG_STR, "", 0, 0, C.metrics_url,
+     "HTTP address for /metrics /livez /readyz, e.g. http://127.0.0.1:9100 (empty = off)"},
+    {"auth-token", CFG_STR, "", 0, 0, C.auth_token, "require this token in every request"},
+    {"max-msg-mb", CFG_INT, "256", 1, 2048, &C.max_msg_mb, "largest request accepted, MiB"},
+    {"queue-depth", CFG_INT, "256", 1, 1000000, &C.queue_depth,
+     "queued jobs before answering busy"},
+    {"deadline-ms", CFG_INT, "60000", 0, 86400000, &C.deadline_ms,
+     "default request deadline in the queue (0 = none)"},
+    {"heartbeat-timeout-ms", CFG_INT, "3000", 100, 600000, &C.heartbeat_timeout_ms,
+     "a worker silent this long is marked down"},
+    {"worker-timeout-ms", CFG_INT, "120000", 100, 86400000, &C.worker_timeout_ms,
+     "bound on one call to a worker"},
+    {"contexts", CFG_INT, "64", 1, 4096, &C.nctx, "concurrent requests received"},
+    {"addr-file", CFG_STR, "", 0, 0, C.addr_file,
+     "write the bound RPC address to this file once listening"},
+    {"log-level", CFG_STR, "info", 0, 0, C.log_level, "debug | info | warn | error"},
+};
+#define NCFG ((int)(sizeof(coord_cfg) / sizeof(coord_cfg[0])))
+
+static void reply_ping(rpc_call *call)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, call->req.msgid);
+    mp_write_map(&w, 3);
+    mp_write_cstr(&w, "role");
+    mp_write_cstr(&w, "coordinator");
+    mp_write_cstr(&w, "version");
+    mp_write_cstr(&w, "0.1.0");
+    mp_write_cstr(&w, "time_ns");
+    mp_write_u64(&w, rpc_now_ns());
+    rpc_reply(call, &w);
+}
+
+static void start_drain(coord *c, const char *why);
+
+static void on_request(rpc_call *call, void *arg)
+{
+    coord *c = arg;
+    const moe_rpc_request *q = &call->req;
+    c->requests_total++;
+    if (c->auth_token[0]) {
+        const char *tok;
+        uint32_t len;
+        if (!params_find_str(&q->params, q->nparams, "auth", &tok, &len) ||
+            !mp_str_eq(tok, len, c->auth_token)) {
+            c->errors_total++;
+            rpc_reply_err(call, MOE_EUNAUTH, "missing or wrong auth token");
+            return;
+        }
+    }
+#define IS(name) mp_str_eq(q->method, q->method_len, name)
+    if (IS("ping"))
+        reply_ping(call);
+    else if (IS("worker.heartbeat"))
+        coord_worker_heartbeat(c, call);
+    else if (IS("worker.register"))
+        coord_worker_register(c, call);
+    else if (IS("cluster.status"))
+        coord_cluster_status(c, call);
+    else if (IS("stats"))
+        coord_stats(c, call);
+    else if (IS("model.info"))
+        coord_model_info(c, call);
+    else if (c->draining && (IS("forward") || IS("model.create"))) {
+        c->errors_total++;
+        rpc_reply_err(call, MOE_EUNAVAIL, "coordinator is draining");
+    } else if (IS("model.create"))
+        coord_model_create(c, call);
+    else if (IS("forward"))
+        coord_forward(c, call);
+    else if (IS("drain")) {
+        mp_writer w;
+        mp_writer_init(&w);
+        moe_rpc_write_response_ok_head(&w, q->msgid);
+        mp_write_map(&w, 0);
+        rpc_reply(call, &w);
+        start_drain(c, "drain requested");
+    } else {
+        c->errors_total++;
+        rpc_reply_err(call, MOE_ENOMETHOD, "unknown method '%.*s'",
+                      (int)(q->method_len > 64 ? 64 : q->method_len), q->method);
+    }
+#undef IS
+}
+
+static void on_tick(uv_timer_t *t)
+{
+    coord *c = t->data;
+    double now = (double)rpc_now_ns() * 1e-9;
+    if (now - c->recent_t0 >= 1.0) {
+        c->tokens_per_s = c->recent_tokens / (now - c->recent_t0);
+        c->recent_tokens = 0;
+        c->recent_t0 = now;
+    }
+    coord_check_workers(c);
+    coord_job_pump(c);
+    coord_metrics_render(c);
+    if (c->draining && !c->current && !c->qhead)
+        uv_stop(c->loop);
+}
+
+static void start_drain(coord *c, const char *why)
+{
+    if (c->draining)
+        return;
+    LOG_I("%s: draining (%d queued jobs)", why, c->qlen);
+    c->draining = 1;
+}
+
+static void on_signal(uv_signal_t *h, int sig)
+{
+    coord *c = h->data;
+    if (c->draining) {
+        LOG_W("second signal %d: stopping now", sig);
+        coord_job_fail_all(c, MOE_EUNAVAIL, "coordinator stopped");
+        uv_stop(c->loop);
+        return;
+    }
+    start_drain(c, sig == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+int main(int argc, char **argv)
+{
+    char err[256];
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf("usage: moe-coordinator [flags]\n");
+            cfg_usage(coord_cfg, NCFG, stdout);
+            return 0;
+        }
+    }
+    if (cfg_load(coord_cfg, NCFG, argc, argv, "MOE_COORD_", err, sizeof(err)) != MOE_OK) {
+        fprintf(stderr, "moe-coordinator: %s\n", err);
+        return 2;
+    }
+    int lvl = log_level_parse(C.log_level);
+    log_init("coord", lvl < 0 ? LOG_INFO : (log_level)lvl);
+    signal(SIGPIPE, SIG_IGN);
+    C.loop = uv_default_loop();
+    C.started_ns = rpc_now_ns();
+    C.recent_t0 = (double)C.started_ns * 1e-9;
+    pthread_mutex_init(&C.done_mu, NULL);
+    pthread_mutex_init(&C.metrics_mu, NULL);
+    uv_async_init(C.loop, &C.done_async, coord_on_done);
+    C.done_async.data = &C;
+
+    rpcsrv_opts o = {C.listen_url, (int)C.nctx, (size_t)C.max_msg_mb << 20, on_request, &C};
+    if (rpcsrv_open(C.loop, &o, &C.srv, C.bound_url, sizeof(C.bound_url)) != MOE_OK) {
+        fprintf(stderr, "moe-coordinator: cannot listen on %s\n", C.listen_url);
+        return 1;
+    }
+    if (coord_metrics_start(&C) != MOE_OK)
+        return 1;
+    fprintf(stderr, "moe-coordinator pid %d listening on %s\n", (int)getpid(), C.bound_url);
+    cfg_print(coord_cfg, NCFG, stderr);
+    if (C.addr_file[0]) {
+        char tmp[CFG_STR_MAX + 8];
+        snprintf(tmp, sizeof(tmp), "%s.tmp", C.addr_file);
+        FILE *f = fopen(tmp, "w");
+        if (!f || fprintf(f, "%s\n", C.bound_url) < 0 || fclose(f) != 0 ||
+            rename(tmp, C.addr_file) != 0) {
+            fprintf(stderr, "moe-coordinator: cannot write %s\n", C.addr_file);
+            return 1;
+        }
+    }
+    coord_metrics_render(&C);
+    uv_timer_init(C.loop, &C.tick);
+    C.tick.data = &C;
+    uv_timer_start(&C.tick, on_tick, 100, 100);
+    uv_signal_init(C.loop, &C.sigterm);
+    uv_signal_init(C.loop, &C.sigint);
+    C.sigterm.data = C.sigint.data = &C;
+    uv_signal_start(&C.sigterm, on_signal, SIGTERM);
+    uv_signal_start(&C.sigint, on_signal, SIGINT);
+
+    uv_run(C.loop, UV_RUN_DEFAULT);
+
+    LOG_I("stopping");
+    coord_job_fail_all(&C, MOE_EUNAVAIL, "coordinator stopped");
+    coord_metrics_stop(&C);
+    rpcsrv_close(C.srv);
+    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+        if (C.workers[i].cli)
+            moe_client_close(C.workers[i].cli);
+    uv_close((uv_handle_t *)&C.tick, NULL);
+    uv_close((uv_handle_t *)&C.done_async, NULL);
+    uv_close((uv_handle_t *)&C.sigterm, NULL);
+    uv_close((uv_handle_t *)&C.sigint, NULL);
+    uv_run(C.loop, UV_RUN_DEFAULT);
+    for (int i = 0; i < C.nmodels; i++) {
+        free(C.models[i]->tokens);
+        free(C.models[i]->dropped);
+        free(C.models[i]);
+    }
+    free(C.metrics_text);
+    return 0;
+}

@@ -1,0 +1,428 @@
+/*
+ * models.c - model.create, model.info and forward at the coordinator: input
+ * validation, sharding of a batch by token ranges (rank r gets rows
+ * [T*r/W, T*(r+1)/W)), and the gather of the workers' output shards.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "log.h"
+#include "params.h"
+#include "placement.h"
+
+const double coord_lat_bounds[COORD_LAT_BUCKETS] = {0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                                    0.025,  0.05,  0.1,    0.25,  0.5,
+                                                    1,      2.5,   5,      10,    30,
+                                                    60};
+
+coord_model *coord_find_model(coord *c, const char *name)
+{
+    for (int i = 0; i < c->nmodels; i++)
+        if (strcmp(c->models[i]->cfg.name, name) == 0)
+            return c->models[i];
+    return NULL;
+}
+
+void coord_model_create(coord *c, rpc_call *call)
+{
+    model_cfg cfg;
+    char err[256];
+    memset(&cfg, 0, sizeof(cfg));
+    mp_reader r = call->req.params;
+    moe_err e = model_cfg_parse(&r, call->req.nparams, &cfg, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    coord_model *m = coord_find_model(c, cfg.name);
+    if (m && !model_cfg_same(&m->cfg, &cfg)) {
+        rpc_reply_err(call, MOE_EINVAL, "model '%s' already exists with another configuration",
+                      cfg.name);
+        return;
+    }
+    if (!m) {
+        if (c->nmodels == COORD_MAX_MODELS) {
+            rpc_reply_err(call, MOE_ENOMEM, "too many models (max %d)", COORD_MAX_MODELS);
+            return;
+        }
+        m = calloc(1, sizeof(*m));
+        size_t n = (size_t)cfg.layers * (size_t)cfg.n_experts;
+        if (!m || !(m->tokens = calloc(n, sizeof(int64_t))) ||
+            !(m->dropped = calloc(n, sizeof(int64_t)))) {
+            if (m) {
+                free(m->tokens);
+                free(m);
+            }
+            rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+            return;
+        }
+        m->cfg = cfg;
+        c->models[c->nmodels++] = m;
+        LOG_I("model %s: %d layers, d_model %d, d_ff %d, %d experts, top-%d, %s, %s", cfg.name,
+              cfg.layers, cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.top_k,
+              cfg.act ? "gelu" : "swiglu", moe_dtype_name(cfg.dtype));
+    }
+    if (!c->ready) {
+        /* created on the workers when the cluster forms */
+        mp_writer w;
+        mp_writer_init(&w);
+        moe_rpc_write_response_ok_head(&w, call->req.msgid);
+        mp_write_map(&w, 3);
+        mp_write_cstr(&w, "name");
+        mp_write_cstr(&w, cfg.name);
+        mp_write_cstr(&w, "params");
+        mp_write_i64(&w, model_cfg_params(&cfg));
+        mp_write_cstr(&w, "pending");
+        mp_write_bool(&w, true);
+        rpc_reply(call, &w);
+        return;
+    }
+    coord_job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    j->kind = JOB_MODEL_CREATE;
+    j->call = call;
+    j->model = m;
+    if (coord_job_submit(c, j, 0) != MOE_OK) {
+        free(j);
+        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs)", c->queue_depth);
+        return;
+    }
+    coord_job_pump(c);
+}
+
+void coord_model_info(coord *c, rpc_call *call)
+{
+    char name[MODEL_NAME_MAX], err[256];
+    pspec sp[] = {{"model", P_STR, name, true, 0, 0, sizeof(name), false}};
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 1, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    coord_model *m = coord_find_model(c, name);
+    if (!m) {
+        rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s'", name);
+        return;
+    }
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, call->req.msgid);
+    mp_write_map(&w, 4);
+    mp_write_cstr(&w, "config");
+    model_cfg_write(&w, &m->cfg);
+    mp_write_cstr(&w, "params");
+    mp_write_i64(&w, model_cfg_params(&m->cfg));
+    mp_write_cstr(&w, "ready");
+    mp_write_bool(&w, c->ready && m->created_gen == (int)c->generation);
+    mp_write_cstr(&w, "placement"); /* expert -> rank in the current generation */
+    int E = m->cfg.n_experts, W = c->world > 0 ? c->world : 1;
+    mp_write_array(&w, (uint32_t)E);
+    for (int e2 = 0; e2 < E; e2++)
+        mp_write_i64(&w, c->world > 0 ? placement_owner(E, W, e2) : -1);
+    rpc_reply(call, &w);
+}
+
+void coord_forward(coord *c, rpc_call *call)
+{
+    char name[MODEL_NAME_MAX], err[256];
+    int64_t layer = 0, deadline_ms = 0;
+    bool train = false;
+    moe_tensor x;
+    pspec sp[] = {
+        {"model", P_STR, name, true, 0, 0, sizeof(name), false},
+        {"layer", P_INT, &layer, true, 0, 1e9, 0, false},
+        {"x", P_TENSOR, &x, true, 0, 0, 0, false},
+        {"train", P_BOOL, &train, false, 0, 0, 0, false},
+        {"deadline_ms", P_INT, &deadline_ms, false, 1, 1e9, 0, false},
+    };
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 5, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    coord_model *m = coord_find_model(c, name);
+    if (!m) {
+        rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s'", name);
+        return;
+    }
+    if (layer >= m->cfg.layers) {
+        rpc_reply_err(call, MOE_ENOTFOUND, "model '%s' has %d layers; layer %lld does not exist",
+                      name, m->cfg.layers, (long long)layer);
+        return;
+    }
+    if (x.ndim != 2 || x.shape[1] != m->cfg.d_model) {
+        char shape[96] = "";
+        int k = 0;
+        for (int i = 0; i < x.ndim && k < 80; i++)
+            k += snprintf(shape + k, sizeof(shape) - (size_t)k, "%s%lld", i ? ", " : "",
+                          (long long)x.shape[i]);
+        rpc_reply_err(call, MOE_EINVAL, "x must have shape (T, d_model=%d); got (%s)",
+                      m->cfg.d_model, shape);
+        return;
+    }
+    if (train) {
+        rpc_reply_err(call, MOE_EINVAL, "train=true is not supported yet");
+        return;
+    }
+    coord_job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    j->kind = JOB_FORWARD;
+    j->call = call;
+    j->model = m;
+    j->layer = (int)layer;
+    j->x = x;
+    j->train = train;
+    int64_t dl = deadline_ms ? deadline_ms : c->deadline_ms;
+    j->deadline_ns = dl > 0 ? rpc_now_ns() + (uint64_t)dl * 1000000ull : 0;
+    if (coord_job_submit(c, j, 0) != MOE_OK) {
+        free(j);
+        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+        return;
+    }
+    coord_job_pump(c);
+}
+
+void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method)
+{
+    switch (j->kind) {
+    case JOB_JOIN:
+        *method = "worker.join";
+        mp_write_map(w, 4);
+        mp_write_cstr(w, "generation");
+        mp_write_u64(w, c->generation);
+        mp_write_cstr(w, "rank");
+        mp_write_i64(w, rank);
+        mp_write_cstr(w, "world");
+        mp_write_i64(w, c->world);
+        mp_write_cstr(w, "peers");
+        mp_write_array(w, (uint32_t)c->world);
+        for (int r = 0; r < c->world; r++)
+            mp_write_cstr(w, c->workers[c->rank_to_worker[r]].data_url);
+        return;
+    case JOB_MODEL_CREATE:
+        *method = "worker.model_create";
+        model_cfg_write(w, &j->model->cfg);
+        return;
+    case JOB_FORWARD: {
+        *method = "worker.forward";
+        int64_t T = j->x.shape[0], H = j->x.shape[1];
+        int64_t a = shard_first(T, c->world, rank), b = shard_first(T, c->world, rank + 1);
+        size_t es = moe_dtype_size(j->x.dtype);
+        mp_write_map(w, 6);
+        mp_write_cstr(w, "model");
+        mp_write_cstr(w, j->model->cfg.name);
+        mp_write_cstr(w, "layer");
+        mp_write_i64(w, j->layer);
+        mp_write_cstr(w, "T_total");
+        mp_write_i64(w, T);
+        mp_write_cstr(w, "row0");
+        mp_write_i64(w, a);
+        mp_write_cstr(w, "train");
+        mp_write_bool(w, j->train != 0);
+        mp_write_cstr(w, "x");
+        moe_tensor shard = j->x;
+        shard.shape[0] = b - a;
+        shard.data = (const uint8_t *)j->x.data + (size_t)a * (size_t)H * es;
+        shard.nbytes = (size_t)(b - a) * (size_t)H * es;
+        moe_tensor_write(w, &shard);
+        return;
+    }
+    }
+}
+
+/* worker forward reply, parsed */
+typedef struct fwd_part {
+    moe_tensor y;
+    const int32_t *counts, *dropped;
+    const double *probs_sum;
+    double z_sum, phase[4];
+} fwd_part;
+
+static moe_err parse_part(const moe_reply *rep, int E, fwd_part *p, char *err, size_t errlen)
+{
+    mp_reader r;
+    uint32_t n, lc = 0, ld = 0, lp = 0;
+    const void *bc = NULL, *bd = NULL, *bp = NULL;
+    mp_reader_init(&r, rep->buf + rep->result_off, rep->len - rep->result_off);
+    if (mp_read_map(&r, &n, NULL) != MOE_OK) {
+        snprintf(err, errlen, "worker reply is not a map");
+        return MOE_EINTERNAL;
+    }
+    mp_reader rc, rd, rp;
+    pspec sp[] = {
+        {"y", P_TENSOR, &p->y, true, 0, 0, 0, false},
+        {"counts", P_RAW, &rc, true, 0, 0, 0, false},
+        {"dropped", P_RAW, &rd, true, 0, 0, 0, false},
+        {"probs_sum", P_RAW, &rp, true, 0, 0, 0, false},
+        {"z_sum", P_F64, &p->z_sum, true, 0, 0, 0, false},
+        {"gate_s", P_F64, &p->phase[0], true, 0, 0, 0, false},
+        {"dispatch_s", P_F64, &p->phase[1], true, 0, 0, 0, false},
+        {"experts_s", P_F64, &p->phase[2], true, 0, 0, 0, false},
+        {"combine_s", P_F64, &p->phase[3], true, 0, 0, 0, false},
+    };
+    moe_err e = params_parse(&r, n, sp, 9, err, errlen);
+    if (e != MOE_OK)
+        return MOE_EINTERNAL;
+    if (mp_read_bin(&rc, &bc, &lc, NULL) != MOE_OK || lc != 4u * (uint32_t)E ||
+        mp_read_bin(&rd, &bd, &ld, NULL) != MOE_OK || ld != 4u * (uint32_t)E ||
+        mp_read_bin(&rp, &bp, &lp, NULL) != MOE_OK || lp != 8u * (uint32_t)E) {
+        snprintf(err, errlen, "worker reply arrays have the wrong length");
+        return MOE_EINTERNAL;
+    }
+    p->counts = bc;
+    p->dropped = bd;
+    p->probs_sum = bp;
+    return MOE_OK;
+}
+
+void coord_forward_finish(coord *c, coord_job *j)
+{
+    coord_model *m = j->model;
+    const int E = m->cfg.n_experts, K = m->cfg.top_k, W = j->nsent;
+    const int64_t T = j->x.shape[0], H = j->x.shape[1];
+    char err[256];
+    for (int r = 0; r < W; r++) {
+        if (j->errs[r] != MOE_OK) {
+            moe_reply *rep = j->replies[r];
+            rpc_reply_err(j->call, j->errs[r], "worker rank %d: %s", r,
+                          rep ? rep->message : moe_strerror(j->errs[r]));
+            c->errors_total++;
+            return;
+        }
+    }
+    fwd_part *parts = calloc((size_t)W, sizeof(fwd_part));
+    if (!parts) {
+        rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    for (int r = 0; r < W; r++) {
+        moe_err e = parse_part(j->replies[r], E, &parts[r], err, sizeof(err));
+        int64_t rows = shard_first(T, W, r + 1) - shard_first(T, W, r);
+        if (e == MOE_OK && (parts[r].y.ndim != 2 || parts[r].y.shape[0] != rows ||
+                            parts[r].y.shape[1] != H || parts[r].y.dtype != j->x.dtype)) {
+            snprintf(err, sizeof(err), "output shard has the wrong shape");
+            e = MOE_EINTERNAL;
+        }
+        if (e != MOE_OK) {
+            LOG_E("forward: bad reply from rank %d: %s", r, err);
+            rpc_reply_err(j->call, MOE_EINTERNAL, "bad reply from worker rank %d: %s", r, err);
+            c->errors_total++;
+            free(parts);
+            return;
+        }
+    }
+    /* aggregate load balance */
+    int64_t *cnt = calloc((size_t)E, sizeof(int64_t)), *drop = calloc((size_t)E, sizeof(int64_t));
+    double *psum = calloc((size_t)E, sizeof(double));
+    double z = 0, phase[4] = {0, 0, 0, 0};
+    for (int r = 0; r < W && cnt && drop && psum; r++) {
+        for (int e = 0; e < E; e++) {
+            cnt[e] += parts[r].counts[e];
+            drop[e] += parts[r].dropped[e];
+            psum[e] += parts[r].probs_sum[e];
+        }
+        z += parts[r].z_sum;
+        double busy = 0;
+        for (int k = 0; k < 4; k++) {
+            phase[k] = parts[r].phase[k] > phase[k] ? parts[r].phase[k] : phase[k];
+            busy += parts[r].phase[k];
+        }
+        coord_worker *wk = &c->workers[c->rank_to_worker[r]];
+        wk->busy_s += busy;
+        wk->ops_total++;
+    }
+    if (!cnt || !drop || !psum) {
+        free(cnt);
+        free(drop);
+        free(psum);
+        free(parts);
+        rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    int64_t mx = 0, tot = 0;
+    double aux = 0;
+    for (int e = 0; e < E; e++) {
+        mx = cnt[e] > mx ? cnt[e] : mx;
+        tot += cnt[e];
+        m->tokens[(size_t)j->layer * E + e] += cnt[e];
+        m->dropped[(size_t)j->layer * E + e] += drop[e];
+        if (T > 0)
+            aux += (double)cnt[e] * (psum[e] / (double)T);
+    }
+    aux = T > 0 ? aux * E / ((double)K * (double)T) : 0;
+    double imbalance = tot > 0 ? (double)mx / ((double)tot / E) : 0;
+    double total_s = (double)(rpc_now_ns() - j->call->recv_ns) * 1e-9;
+
+    /* the response */
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "y");
+    mp_write_map(&w, 3);
+    mp_write_cstr(&w, "dtype");
+    mp_write_cstr(&w, moe_dtype_name(j->x.dtype));
+    mp_write_cstr(&w, "shape");
+    mp_write_array(&w, 2);
+    mp_write_i64(&w, T);
+    mp_write_i64(&w, H);
+    mp_write_cstr(&w, "data");
+    uint8_t *dst = mp_writer_reserve_bin(&w, (uint32_t)j->x.nbytes);
+    if (dst)
+        for (int r = 0; r < W; r++) {
+            memcpy(dst, parts[r].y.data, parts[r].y.nbytes);
+            dst += parts[r].y.nbytes;
+        }
+    mp_write_cstr(&w, "stats");
+    mp_write_map(&w, 10);
+    mp_write_cstr(&w, "tokens_per_expert");
+    mp_write_array(&w, (uint32_t)E);
+    for (int e = 0; e < E; e++)
+        mp_write_i64(&w, cnt[e]);
+    mp_write_cstr(&w, "dropped");
+    mp_write_array(&w, (uint32_t)E);
+    for (int e = 0; e < E; e++)
+        mp_write_i64(&w, drop[e]);
+    mp_write_cstr(&w, "imbalance");
+    mp_write_f64(&w, imbalance);
+    mp_write_cstr(&w, "aux_loss");
+    mp_write_f64(&w, aux);
+    mp_write_cstr(&w, "z_loss");
+    mp_write_f64(&w, T > 0 ? z / (double)T : 0);
+    static const char *pn[4] = {"gate_s", "dispatch_s", "experts_s", "combine_s"};
+    for (int k = 0; k < 4; k++) {
+        mp_write_cstr(&w, pn[k]);
+        mp_write_f64(&w, phase[k]);
+    }
+    mp_write_cstr(&w, "total_s");
+    mp_write_f64(&w, total_s);
+    rpc_reply(j->call, &w);
+
+    /* stats */
+    m->forwards++;
+    c->forwards_total++;
+    c->tokens_total += (uint64_t)T;
+    for (int k = 0; k < 4; k++)
+        c->phase_s[k] += phase[k];
+    int b = 0;
+    while (b < COORD_LAT_BUCKETS && total_s > coord_lat_bounds[b])
+        b++;
+    c->lat_hist[b]++;
+    c->lat_sum += total_s;
+    c->recent_tokens += (double)T;
+    free(cnt);
+    free(drop);
+    free(psum);
+    free(parts);
+}

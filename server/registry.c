@@ -1,0 +1,236 @@
+/*
+ * registry.c - workers dial in and register, then heartbeat. A worker that
+ * misses heartbeats for heartbeat_timeout_ms is marked down: its client is
+ * closed (in-flight calls to it fail at once) and the cluster is no longer
+ * ready. When `expected_workers` workers are up, the cluster (re)forms: a
+ * new generation, ranks by registration order, a join broadcast carrying
+ * every member's data address, then every model is created again.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "log.h"
+#include "params.h"
+
+
+int coord_up_workers(const coord *c)
+{
+    int n = 0;
+    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+        n += c->workers[i].state == WS_UP;
+    return n;
+}
+
+static void worker_release(coord *c, coord_worker *w)
+{
+    if (w->cli) {
+        moe_client_close(w->cli);
+        w->cli = NULL;
+    }
+    if (w->rank >= 0 && w->rank < c->world && c->generation) {
+        c->ready = 0;
+        c->need_form = 1;
+    }
+}
+
+void coord_worker_register(coord *c, rpc_call *call)
+{
+    char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX], backend[32] = "cpu", device[128] = "";
+    int64_t pid = 0;
+    char err[256];
+    pspec sp[] = {
+        {"rpc_url", P_STR, rpc_url, true, 0, 0, sizeof(rpc_url), false},
+        {"data_url", P_STR, data_url, true, 0, 0, sizeof(data_url), false},
+        {"backend", P_STR, backend, false, 0, 0, sizeof(backend), false},
+        {"device", P_STR, device, false, 0, 0, sizeof(device), false},
+        {"pid", P_INT, &pid, false, 0, 1e9, 0, false},
+    };
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 5, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    /* a restarted worker on the same address replaces its old entry */
+    coord_worker *slot = NULL;
+    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+        coord_worker *w = &c->workers[i];
+        if (w->state != WS_FREE && strcmp(w->rpc_url, rpc_url) == 0) {
+            LOG_I("worker %d at %s registered again: replacing", w->id, rpc_url);
+            worker_release(c, w);
+            w->state = WS_FREE;
+        }
+    }
+    for (int i = 0; i < COORD_MAX_WORKERS && !slot; i++)
+        if (c->workers[i].state == WS_FREE)
+            slot = &c->workers[i];
+    if (!slot) {
+        rpc_reply_err(call, MOE_ENOMEM, "registry full (%d workers)", COORD_MAX_WORKERS);
+        return;
+    }
+    memset(slot, 0, sizeof(*slot));
+    moe_client_opts o = {(int)c->worker_timeout_ms, 0, NULL};
+    if (moe_client_open(rpc_url, &o, &slot->cli) != MOE_OK) {
+        rpc_reply_err(call, MOE_EINVAL, "cannot dial worker rpc_url %s: %s", rpc_url,
+                      moe_last_error());
+        return;
+    }
+    slot->id = c->next_worker_id++;
+    slot->state = WS_UP;
+    slot->rank = -1;
+    snprintf(slot->rpc_url, sizeof(slot->rpc_url), "%s", rpc_url);
+    snprintf(slot->data_url, sizeof(slot->data_url), "%s", data_url);
+    snprintf(slot->backend, sizeof(slot->backend), "%s", backend);
+    snprintf(slot->device, sizeof(slot->device), "%s", device);
+    slot->pid = (int)pid;
+    slot->registered_ns = slot->last_hb_ns = rpc_now_ns();
+    LOG_I("worker %d registered: rpc %s data %s backend %s pid %d (%d of %lld up)", slot->id,
+          rpc_url, data_url, backend, slot->pid, coord_up_workers(c), c->expected_workers);
+    if (!c->ready)
+        c->need_form = 1;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, call->req.msgid);
+    mp_write_map(&w, 1);
+    mp_write_cstr(&w, "worker_id");
+    mp_write_i64(&w, slot->id);
+    rpc_reply(call, &w);
+    coord_maybe_form(c);
+}
+
+void coord_worker_heartbeat(coord *c, rpc_call *call)
+{
+    int64_t id = -1;
+    char err[256];
+    pspec sp[] = {{"worker_id", P_INT, &id, true, 0, 1e9, 0, false}};
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 1, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    bool known = false;
+    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+        coord_worker *w = &c->workers[i];
+        if (w->state == WS_UP && w->id == id) {
+            w->last_hb_ns = rpc_now_ns();
+            known = true;
+        }
+    }
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, call->req.msgid);
+    mp_write_map(&w, 1);
+    mp_write_cstr(&w, "known");
+    mp_write_bool(&w, known);
+    rpc_reply(call, &w);
+}
+
+void coord_check_workers(coord *c)
+{
+    uint64_t now = rpc_now_ns(), limit = (uint64_t)c->heartbeat_timeout_ms * 1000000ull;
+    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+        coord_worker *w = &c->workers[i];
+        if (w->state == WS_UP && now - w->last_hb_ns > limit) {
+            LOG_W("worker %d (%s, rank %d) missed heartbeats for %.1f s: marked down", w->id,
+                  w->rpc_url, w->rank, (double)(now - w->last_hb_ns) * 1e-9);
+            w->state = WS_DOWN;
+            worker_release(c, w);
+        }
+    }
+    coord_maybe_form(c);
+}
+
+/* coord_maybe_form starts a new generation when enough workers are up and
+ * no job is running. */
+void coord_maybe_form(coord *c)
+{
+    if (!c->need_form || c->current || c->draining)
+        return;
+    if (coord_up_workers(c) < c->expected_workers)
+        return;
+    int n = 0;
+    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+        c->workers[i].rank = -1;
+    /* ranks in registration order */
+    for (int id = 0; id < c->next_worker_id && n < c->expected_workers; id++)
+        for (int i = 0; i < COORD_MAX_WORKERS; i++)
+            if (c->workers[i].state == WS_UP && c->workers[i].id == id) {
+                c->workers[i].rank = n;
+                c->rank_to_worker[n++] = i;
+            }
+    c->world = n;
+    c->generation++;
+    c->ready = 0;
+    c->need_form = 0;
+    for (int m = 0; m < c->nmodels; m++)
+        c->models[m]->created_gen = 0;
+    LOG_I("forming cluster generation %llu with %d workers", (unsigned long long)c->generation,
+          n);
+    /* JOIN first, then re-create every model, ahead of queued client jobs */
+    for (int m = c->nmodels - 1; m >= 0; m--) {
+        coord_job *j = calloc(1, sizeof(*j));
+        if (!j)
+            continue;
+        j->kind = JOB_MODEL_CREATE;
+        j->model = c->models[m];
+        coord_job_submit(c, j, 1);
+    }
+    coord_job *j = calloc(1, sizeof(*j));
+    if (j) {
+        j->kind = JOB_JOIN;
+        coord_job_submit(c, j, 1);
+    }
+    coord_job_pump(c);
+}
+
+void coord_cluster_status(coord *c, rpc_call *call)
+{
+    uint64_t now = rpc_now_ns();
+    int n = 0;
+    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+        n += c->workers[i].state != WS_FREE;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, call->req.msgid);
+    mp_write_map(&w, 6);
+    mp_write_cstr(&w, "ready");
+    mp_write_bool(&w, c->ready != 0);
+    mp_write_cstr(&w, "expected_workers");
+    mp_write_i64(&w, c->expected_workers);
+    mp_write_cstr(&w, "up_workers");
+    mp_write_i64(&w, coord_up_workers(c));
+    mp_write_cstr(&w, "generation");
+    mp_write_u64(&w, c->generation);
+    mp_write_cstr(&w, "draining");
+    mp_write_bool(&w, c->draining != 0);
+    mp_write_cstr(&w, "workers");
+    mp_write_array(&w, (uint32_t)n);
+    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+        coord_worker *wk = &c->workers[i];
+        if (wk->state == WS_FREE)
+            continue;
+        mp_write_map(&w, 9);
+        mp_write_cstr(&w, "id");
+        mp_write_i64(&w, wk->id);
+        mp_write_cstr(&w, "rank");
+        mp_write_i64(&w, wk->rank);
+        mp_write_cstr(&w, "state");
+        mp_write_cstr(&w, wk->state == WS_UP ? "up" : "down");
+        mp_write_cstr(&w, "rpc_url");
+        mp_write_cstr(&w, wk->rpc_url);
+        mp_write_cstr(&w, "data_url");
+        mp_write_cstr(&w, wk->data_url);
+        mp_write_cstr(&w, "backend");
+        mp_write_cstr(&w, wk->backend);
+        mp_write_cstr(&w, "device");
+        mp_write_cstr(&w, wk->device);
+        mp_write_cstr(&w, "last_heartbeat_s");
+        mp_write_f64(&w, (double)(now - wk->last_hb_ns) * 1e-9);
+        mp_write_cstr(&w, "busy_s");
+        mp_write_f64(&w, wk->busy_s);
+    }
+    rpc_reply(call, &w);
+}

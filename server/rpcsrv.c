@@ -1,0 +1,263 @@
+/* rpcsrv.c - async msgpack-rpc endpoint over nng rep0; see rpcsrv.h. */
+#include "rpcsrv.h"
+
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <arpa/inet.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+typedef enum slot_state { SLOT_RECV, SLOT_WAIT, SLOT_SEND, SLOT_CLOSED } slot_state;
+
+/* rpc_slot: one nng context and its aio; cycles RECV -> WAIT (handler) -> SEND. */
+typedef struct rpc_slot {
+    rpcsrv *srv;
+    nng_ctx ctx;
+    nng_aio *aio;
+    slot_state state;
+    rpc_call call;
+    struct rpc_slot *next_ready; /* queue link, guarded by srv->mu */
+} rpc_slot;
+
+struct rpcsrv {
+    nng_socket sock;
+    nng_listener lis;
+    uv_async_t wake; /* the doorbell from nng threads */
+    pthread_mutex_t mu;
+    rpc_slot *ready_head, *ready_tail; /* received, waiting for the loop */
+    rpc_slot *slots;
+    int nslots;
+    size_t max_msg;
+    rpc_handler handler;
+    void *handler_arg;
+    int closing;
+};
+
+uint64_t rpc_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void slot_recv(rpc_slot *sl)
+{
+    sl->state = SLOT_RECV;
+    nng_ctx_recv(sl->ctx, sl->aio);
+}
+
+/* slot_cb runs on an nng thread: after a receive, queue for the loop; after
+ * a send, wait for the next request. Never blocks beyond the queue mutex. */
+static void slot_cb(void *arg)
+{
+    rpc_slot *sl = arg;
+    rpcsrv *s = sl->srv;
+    int rv = nng_aio_result(sl->aio);
+    switch (sl->state) {
+    case SLOT_RECV:
+        if (rv != 0) {
+            if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) {
+                sl->state = SLOT_CLOSED;
+                return;
+            }
+            slot_recv(sl);
+            return;
+        }
+        sl->call.msg = nng_aio_get_msg(sl->aio);
+        sl->call.recv_ns = rpc_now_ns();
+        sl->state = SLOT_WAIT;
+        pthread_mutex_lock(&s->mu);
+        sl->next_ready = NULL;
+        if (s->ready_tail)
+            s->ready_tail->next_ready = sl;
+        else
+            s->ready_head = sl;
+        s->ready_tail = sl;
+        pthread_mutex_unlock(&s->mu);
+        uv_async_send(&s->wake);
+        return;
+    case SLOT_SEND:
+        if (rv != 0) {
+            nng_msg *m = nng_aio_get_msg(sl->aio);
+            if (m)
+                nng_msg_free(m);
+            if (rv == NNG_ECLOSED) {
+                sl->state = SLOT_CLOSED;
+                return;
+            }
+        }
+        slot_recv(sl);
+        return;
+    default:
+        return;
+    }
+}
+
+static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
+{
+    nng_msg *m;
+    if (sl->call.msg) {
+        nng_msg_free(sl->call.msg);
+        sl->call.msg = NULL;
+    }
+    if (nng_msg_alloc(&m, len) != 0) {
+        LOG_E("rpcsrv: out of memory for a %zu byte reply", len);
+        slot_recv(sl);
+        return;
+    }
+    memcpy(nng_msg_body(m), buf, len);
+    sl->state = SLOT_SEND;
+    nng_aio_set_msg(sl->aio, m);
+    nng_ctx_send(sl->ctx, sl->aio);
+}
+
+void rpc_reply(rpc_call *c, mp_writer *w)
+{
+    rpc_slot *sl = c->slot;
+    if (w->failed) {
+        mp_writer_fini(w);
+        mp_writer_init(w);
+        rpc_reply_err(c, MOE_ENOMEM, "reply too large to encode");
+        return;
+    }
+    send_bytes(sl, w->buf, w->len);
+    mp_writer_fini(w);
+    mp_writer_init(w);
+}
+
+void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_err(&w, c->req.msgid, err, text);
+    MOE_LOG(LOG_DEBUG, c->req.msgid, "reply error %s: %s", moe_err_code(err), text);
+    send_bytes(c->slot, w.buf, w.len);
+    mp_writer_fini(&w);
+}
+
+/* on_wake drains the whole ready queue on the loop thread. */
+static void on_wake(uv_async_t *h)
+{
+    rpcsrv *s = h->data;
+    pthread_mutex_lock(&s->mu);
+    rpc_slot *sl = s->ready_head;
+    s->ready_head = s->ready_tail = NULL;
+    pthread_mutex_unlock(&s->mu);
+    while (sl) {
+        rpc_slot *next = sl->next_ready;
+        rpc_call *c = &sl->call;
+        nng_msg *m = c->msg;
+        mp_errbuf eb = {{0}};
+        uint32_t msgid = 0;
+        c->data = NULL;
+        moe_err e = moe_rpc_parse_request(nng_msg_body(m), nng_msg_len(m), s->max_msg, &c->req,
+                                          &msgid, &eb);
+        if (e != MOE_OK) {
+            c->req.msgid = msgid;
+            LOG_W("rejected request (msgid %u, %zu bytes): %s: %s", msgid, nng_msg_len(m),
+                  moe_err_code(e), eb.msg);
+            rpc_reply_err(c, e, "%s", eb.msg[0] ? eb.msg : moe_strerror(e));
+        } else if (s->closing) {
+            rpc_reply_err(c, MOE_EUNAVAIL, "server is shutting down");
+        } else {
+            s->handler(c, s->handler_arg);
+        }
+        sl = next;
+    }
+}
+
+static void format_bound(nng_listener lis, const char *url, char *out, size_t len)
+{
+    nng_sockaddr sa;
+    if (!out || len == 0)
+        return;
+    snprintf(out, len, "%s", url);
+    if (nng_listener_get_addr(lis, NNG_OPT_LOCADDR, &sa) != 0)
+        return;
+    if (sa.s_family == NNG_AF_INET) {
+        const uint8_t *ip = (const uint8_t *)&sa.s_in.sa_addr;
+        snprintf(out, len, "tcp://%u.%u.%u.%u:%u", ip[0], ip[1], ip[2], ip[3],
+                 (unsigned)ntohs(sa.s_in.sa_port));
+    }
+}
+
+moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *bound_url,
+                    size_t bound_len)
+{
+    rpcsrv *s = calloc(1, sizeof(*s));
+    int rv;
+    if (!s)
+        return MOE_ENOMEM;
+    s->max_msg = o->max_msg;
+    s->handler = o->handler;
+    s->handler_arg = o->handler_arg;
+    s->nslots = o->nctx > 0 ? o->nctx : 16;
+    pthread_mutex_init(&s->mu, NULL);
+    if ((rv = nng_rep0_open(&s->sock)) != 0) {
+        LOG_E("nng_rep0_open: %s", nng_strerror(rv));
+        free(s);
+        return MOE_EINTERNAL;
+    }
+    /* Transport hard cap: twice the protocol cap, so requests a little over
+     * the cap still get a "too_large" answer; beyond it nng drops the pipe. */
+    nng_socket_set_size(s->sock, NNG_OPT_RECVMAXSZ, o->max_msg * 2 + 4096);
+    if ((rv = nng_listener_create(&s->lis, s->sock, o->url)) != 0 ||
+        (rv = nng_listener_start(s->lis, 0)) != 0) {
+        LOG_E("cannot listen on %s: %s", o->url, nng_strerror(rv));
+        nng_close(s->sock);
+        free(s);
+        return MOE_EINVAL;
+    }
+    format_bound(s->lis, o->url, bound_url, bound_len);
+    uv_async_init(loop, &s->wake, on_wake);
+    s->wake.data = s;
+    s->slots = calloc((size_t)s->nslots, sizeof(rpc_slot));
+    for (int i = 0; i < s->nslots; i++) {
+        rpc_slot *sl = &s->slots[i];
+        sl->srv = s;
+        sl->call.slot = sl;
+        if (nng_ctx_open(&sl->ctx, s->sock) != 0 || nng_aio_alloc(&sl->aio, slot_cb, sl) != 0) {
+            LOG_E("rpcsrv: cannot allocate context %d", i);
+            s->nslots = i;
+            break;
+        }
+        slot_recv(sl);
+    }
+    *out = s;
+    return MOE_OK;
+}
+
+static void on_wake_closed(uv_handle_t *h)
+{
+    rpcsrv *s = h->data;
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+void rpcsrv_close(rpcsrv *s)
+{
+    if (!s)
+        return;
+    s->closing = 1;
+    for (int i = 0; i < s->nslots; i++)
+        nng_aio_stop(s->slots[i].aio);
+    nng_close(s->sock);
+    for (int i = 0; i < s->nslots; i++) {
+        if (s->slots[i].call.msg)
+            nng_msg_free(s->slots[i].call.msg);
+        nng_aio_free(s->slots[i].aio);
+    }
+    free(s->slots);
+    uv_close((uv_handle_t *)&s->wake, on_wake_closed);
+}

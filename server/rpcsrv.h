@@ -1,0 +1,65 @@
+/*
+ * rpcsrv.h - an async msgpack-rpc endpoint on an nng rep0 socket, feeding a
+ * libuv loop. Used by the coordinator (clients and workers call it) and by
+ * each worker (the coordinator calls it).
+ *
+ * nctx nng contexts each wait for one request. nng callbacks never block:
+ * a received message is pushed onto a mutex-protected queue and the loop is
+ * woken with uv_async_send; the loop drains the whole queue, parses each
+ * request and hands it to the handler. Malformed requests are answered here
+ * with the error code and the echoed msgid; the handler never sees them.
+ */
+#ifndef MOE_RPCSRV_H
+#define MOE_RPCSRV_H
+
+#include <stdint.h>
+#include <uv.h>
+
+#include "proto.h"
+
+typedef struct rpcsrv rpcsrv;
+
+/* rpc_call: one in-flight request. Owned by the rpcsrv until the handler
+ * answers it with rpc_reply / rpc_reply_err (exactly once, from any thread);
+ * after that it must not be touched. */
+typedef struct rpc_call {
+    moe_rpc_request req; /* read-only: method and params point into the message */
+    uint64_t recv_ns;    /* read-only: monotonic time the request arrived */
+    void *data;          /* public: for the handler */
+    /* private */
+    struct rpc_slot *slot;
+    void *msg; /* nng_msg *, owns the bytes req points into */
+} rpc_call;
+
+/* rpc_handler runs on the loop thread for every well-formed request. */
+typedef void (*rpc_handler)(rpc_call *call, void *arg);
+
+typedef struct rpcsrv_opts {
+    const char *url;    /* listen address, e.g. tcp://127.0.0.1:7000 (port 0 = any) */
+    int nctx;           /* concurrent requests */
+    size_t max_msg;     /* protocol cap: larger messages get "too_large" */
+    rpc_handler handler;
+    void *handler_arg;
+} rpcsrv_opts;
+
+/* rpcsrv_open starts listening. bound_url (may be NULL) receives the actual
+ * address (useful with port 0). The server is owned by the caller: close it
+ * with rpcsrv_close on the loop thread. */
+moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *bound_url,
+                    size_t bound_len);
+/* rpcsrv_close stops receiving, aborts pending requests and frees the server
+ * (its uv handle is closed; run the loop once more to release it). */
+void rpcsrv_close(rpcsrv *s);
+
+/* rpc_reply sends the response in w (a complete msgpack-rpc response built
+ * with moe_rpc_write_response_ok_head + result) and releases the call.
+ * The writer is left empty. Thread safe. */
+void rpc_reply(rpc_call *c, mp_writer *w);
+/* rpc_reply_err answers with an error object {code, message}. Thread safe. */
+void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* rpc_now_ns returns CLOCK_MONOTONIC in nanoseconds. */
+uint64_t rpc_now_ns(void);
+
+#endif

@@ -1,0 +1,293 @@
+/*
+ * stats.c - the stats RPC, and the Prometheus text served at /metrics with
+ * /livez and /readyz by nng's HTTP server. The loop thread renders the text
+ * (coord_metrics_render, on every tick); the HTTP thread only copies it.
+ * Label keys are only layer, expert and worker; counts of several models
+ * are summed per (layer, expert).
+ */
+#include <nng/nng.h>
+#include <nng/supplemental/http/http.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "log.h"
+
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+} sbuf;
+
+static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf *b, const char *fmt, ...)
+{
+    va_list ap;
+    for (;;) {
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0)
+            return;
+        if (b->p && b->len + (size_t)n < b->cap) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t nc = (b->cap ? b->cap * 2 : 8192) + (size_t)n;
+        char *np = realloc(b->p, nc);
+        if (!np)
+            return;
+        b->p = np;
+        b->cap = nc;
+    }
+}
+
+static int max_layers(const coord *c)
+{
+    int L = 0;
+    for (int i = 0; i < c->nmodels; i++)
+        L = c->models[i]->cfg.layers > L ? c->models[i]->cfg.layers : L;
+    return L;
+}
+
+void coord_metrics_render(coord *c)
+{
+    sbuf b = {0};
+    double up_s = (double)(rpc_now_ns() - c->started_ns) * 1e-9;
+    sb_printf(&b, "# HELP moe_uptime_seconds Seconds since the coordinator started.\n"
+                  "# TYPE moe_uptime_seconds gauge\nmoe_uptime_seconds %.3f\n", up_s);
+    sb_printf(&b, "# TYPE moe_cluster_ready gauge\nmoe_cluster_ready %d\n", c->ready);
+    sb_printf(&b, "# TYPE moe_workers_expected gauge\nmoe_workers_expected %lld\n",
+              c->expected_workers);
+    sb_printf(&b, "# TYPE moe_workers_up gauge\nmoe_workers_up %d\n", coord_up_workers(c));
+    sb_printf(&b, "# TYPE moe_queue_jobs gauge\nmoe_queue_jobs %d\n", c->qlen);
+    sb_printf(&b, "# TYPE moe_requests_total counter\nmoe_requests_total %llu\n",
+              (unsigned long long)c->requests_total);
+    sb_printf(&b, "# TYPE moe_request_errors_total counter\nmoe_request_errors_total %llu\n",
+              (unsigned long long)c->errors_total);
+    sb_printf(&b, "# TYPE moe_forward_total counter\nmoe_forward_total %llu\n",
+              (unsigned long long)c->forwards_total);
+    sb_printf(&b, "# TYPE moe_tokens_total counter\nmoe_tokens_total %llu\n",
+              (unsigned long long)c->tokens_total);
+    sb_printf(&b, "# TYPE moe_tokens_per_second gauge\nmoe_tokens_per_second %.1f\n",
+              c->tokens_per_s);
+    static const char *phase[4] = {"gate", "dispatch", "experts", "combine"};
+    for (int k = 0; k < 4; k++)
+        sb_printf(&b, "# TYPE moe_%s_seconds_total counter\nmoe_%s_seconds_total %.6f\n",
+                  phase[k], phase[k], c->phase_s[k]);
+    sb_printf(&b, "# HELP moe_forward_latency_seconds Forward time at the coordinator.\n"
+                  "# TYPE moe_forward_latency_seconds histogram\n");
+    uint64_t cum = 0;
+    for (int i = 0; i < COORD_LAT_BUCKETS; i++) {
+        cum += c->lat_hist[i];
+        sb_printf(&b, "moe_forward_latency_seconds_bucket{le=\"%g\"} %llu\n", coord_lat_bounds[i],
+                  (unsigned long long)cum);
+    }
+    cum += c->lat_hist[COORD_LAT_BUCKETS];
+    sb_printf(&b, "moe_forward_latency_seconds_bucket{le=\"+Inf\"} %llu\n",
+              (unsigned long long)cum);
+    sb_printf(&b, "moe_forward_latency_seconds_sum %.6f\nmoe_forward_latency_seconds_count %llu\n",
+              c->lat_sum, (unsigned long long)cum);
+    sb_printf(&b, "# TYPE moe_worker_up gauge\n");
+    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+        if (c->workers[i].state != WS_FREE)
+            sb_printf(&b, "moe_worker_up{worker=\"%d\"} %d\n", c->workers[i].id,
+                      c->workers[i].state == WS_UP);
+    sb_printf(&b, "# TYPE moe_worker_busy_seconds_total counter\n");
+    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+        if (c->workers[i].state != WS_FREE)
+            sb_printf(&b, "moe_worker_busy_seconds_total{worker=\"%d\"} %.6f\n",
+                      c->workers[i].id, c->workers[i].busy_s);
+    int L = max_layers(c);
+    sb_printf(&b, "# TYPE moe_expert_tokens_total counter\n");
+    sb_printf(&b, "# TYPE moe_expert_dropped_total counter\n");
+    sb_printf(&b, "# TYPE moe_layer_imbalance gauge\n");
+    for (int l = 0; l < L; l++) {
+        int E = 0;
+        for (int i = 0; i < c->nmodels; i++)
+            if (l < c->models[i]->cfg.layers && c->models[i]->cfg.n_experts > E)
+                E = c->models[i]->cfg.n_experts;
+        int64_t mx = 0, tot = 0;
+        for (int e = 0; e < E; e++) {
+            int64_t t = 0, d = 0;
+            for (int i = 0; i < c->nmodels; i++) {
+                coord_model *m = c->models[i];
+                if (l < m->cfg.layers && e < m->cfg.n_experts) {
+                    t += m->tokens[(size_t)l * m->cfg.n_experts + e];
+                    d += m->dropped[(size_t)l * m->cfg.n_experts + e];
+                }
+            }
+            sb_printf(&b, "moe_expert_tokens_total{layer=\"%d\",expert=\"%d\"} %lld\n", l, e,
+                      (long long)t);
+            sb_printf(&b, "moe_expert_dropped_total{layer=\"%d\",expert=\"%d\"} %lld\n", l, e,
+                      (long long)d);
+            mx = t > mx ? t : mx;
+            tot += t;
+        }
+        sb_printf(&b, "moe_layer_imbalance{layer=\"%d\"} %.4f\n", l,
+                  tot ? (double)mx / ((double)tot / E) : 0.0);
+    }
+    pthread_mutex_lock(&c->metrics_mu);
+    free(c->metrics_text);
+    c->metrics_text = b.p;
+    pthread_mutex_unlock(&c->metrics_mu);
+}
+
+static void http_reply(nng_aio *aio, uint16_t status, const char *ctype, const char *body,
+                       size_t len)
+{
+    nng_http_res *res;
+    if (nng_http_res_alloc(&res) != 0) {
+        nng_aio_finish(aio, NNG_ENOMEM);
+        return;
+    }
+    nng_http_res_set_status(res, status);
+    nng_http_res_set_header(res, "Content-Type", ctype);
+    nng_http_res_copy_data(res, body, len);
+    nng_aio_set_output(aio, 0, res);
+    nng_aio_finish(aio, 0);
+}
+
+static coord *http_coord(nng_aio *aio)
+{
+    nng_http_handler *h = nng_aio_get_input(aio, 1);
+    return nng_http_handler_get_data(h);
+}
+
+static void on_metrics(nng_aio *aio)
+{
+    coord *c = http_coord(aio);
+    pthread_mutex_lock(&c->metrics_mu);
+    char *copy = c->metrics_text ? strdup(c->metrics_text) : strdup("");
+    pthread_mutex_unlock(&c->metrics_mu);
+    http_reply(aio, 200, "text/plain; version=0.0.4", copy ? copy : "", copy ? strlen(copy) : 0);
+    free(copy);
+}
+
+static void on_livez(nng_aio *aio)
+{
+    http_reply(aio, 200, "text/plain", "ok\n", 3);
+}
+
+static void on_readyz(nng_aio *aio)
+{
+    coord *c = http_coord(aio);
+    /* ready and not draining; read without the loop: a racy int read is fine here */
+    int ok = __atomic_load_n(&c->ready, __ATOMIC_RELAXED) &&
+             !__atomic_load_n(&c->draining, __ATOMIC_RELAXED);
+    if (ok)
+        http_reply(aio, 200, "text/plain", "ready\n", 6);
+    else
+        http_reply(aio, 503, "text/plain", "not ready\n", 10);
+}
+
+moe_err coord_metrics_start(coord *c)
+{
+    nng_url *url;
+    nng_http_server *s;
+    int rv;
+    if (!c->metrics_url[0])
+        return MOE_OK;
+    if ((rv = nng_url_parse(&url, c->metrics_url)) != 0) {
+        LOG_E("bad metrics url %s: %s", c->metrics_url, nng_strerror(rv));
+        return MOE_EINVAL;
+    }
+    rv = nng_http_server_hold(&s, url);
+    nng_url_free(url);
+    if (rv != 0) {
+        LOG_E("http server %s: %s", c->metrics_url, nng_strerror(rv));
+        return MOE_EINVAL;
+    }
+    static const struct {
+        const char *path;
+        void (*cb)(nng_aio *);
+    } routes[] = {{"/metrics", on_metrics}, {"/livez", on_livez}, {"/readyz", on_readyz}};
+    for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
+        nng_http_handler *h;
+        if (nng_http_handler_alloc(&h, routes[i].path, routes[i].cb) != 0)
+            continue;
+        nng_http_handler_set_data(h, c, NULL);
+        if (nng_http_server_add_handler(s, h) != 0)
+            nng_http_handler_free(h);
+    }
+    if ((rv = nng_http_server_start(s)) != 0) {
+        LOG_E("cannot serve metrics on %s: %s", c->metrics_url, nng_strerror(rv));
+        nng_http_server_release(s);
+        return MOE_EINVAL;
+    }
+    c->http = s;
+    LOG_I("metrics on %s/metrics", c->metrics_url);
+    return MOE_OK;
+}
+
+void coord_metrics_stop(coord *c)
+{
+    if (c->http) {
+        nng_http_server_stop(c->http);
+        nng_http_server_release(c->http);
+        c->http = NULL;
+    }
+}
+
+void coord_stats(coord *c, rpc_call *call)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, call->req.msgid);
+    mp_write_map(&w, 10);
+    mp_write_cstr(&w, "uptime_s");
+    mp_write_f64(&w, (double)(rpc_now_ns() - c->started_ns) * 1e-9);
+    mp_write_cstr(&w, "requests_total");
+    mp_write_u64(&w, c->requests_total);
+    mp_write_cstr(&w, "errors_total");
+    mp_write_u64(&w, c->errors_total);
+    mp_write_cstr(&w, "forward_total");
+    mp_write_u64(&w, c->forwards_total);
+    mp_write_cstr(&w, "tokens_total");
+    mp_write_u64(&w, c->tokens_total);
+    mp_write_cstr(&w, "tokens_per_s");
+    mp_write_f64(&w, c->tokens_per_s);
+    mp_write_cstr(&w, "queue_jobs");
+    mp_write_i64(&w, c->qlen);
+    mp_write_cstr(&w, "phase_s");
+    mp_write_map(&w, 4);
+    static const char *phase[4] = {"gate", "dispatch", "experts", "combine"};
+    for (int k = 0; k < 4; k++) {
+        mp_write_cstr(&w, phase[k]);
+        mp_write_f64(&w, c->phase_s[k]);
+    }
+    mp_write_cstr(&w, "forward_latency_mean_s");
+    mp_write_f64(&w, c->forwards_total ? c->lat_sum / (double)c->forwards_total : 0);
+    mp_write_cstr(&w, "models");
+    mp_write_map(&w, (uint32_t)c->nmodels);
+    for (int i = 0; i < c->nmodels; i++) {
+        coord_model *m = c->models[i];
+        int E = m->cfg.n_experts;
+        mp_write_cstr(&w, m->cfg.name);
+        mp_write_map(&w, 2);
+        mp_write_cstr(&w, "forward_total");
+        mp_write_u64(&w, m->forwards);
+        mp_write_cstr(&w, "layers");
+        mp_write_array(&w, (uint32_t)m->cfg.layers);
+        for (int l = 0; l < m->cfg.layers; l++) {
+            int64_t mx = 0, tot = 0;
+            mp_write_map(&w, 3);
+            mp_write_cstr(&w, "tokens_per_expert");
+            mp_write_array(&w, (uint32_t)E);
+            for (int e = 0; e < E; e++) {
+                int64_t t = m->tokens[(size_t)l * E + e];
+                mp_write_i64(&w, t);
+                mx = t > mx ? t : mx;
+                tot += t;
+            }
+            mp_write_cstr(&w, "dropped");
+            mp_write_array(&w, (uint32_t)E);
+            for (int e = 0; e < E; e++)
+                mp_write_i64(&w, m->dropped[(size_t)l * E + e]);
+            mp_write_cstr(&w, "imbalance");
+            mp_write_f64(&w, tot ? (double)mx / ((double)tot / E) : 0.0);
+        }
+    }
+    rpc_reply(call, &w);
+}

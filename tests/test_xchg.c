@@ -1,0 +1,529 @@
+/*
+ * test_xchg.c - the nng exchange backend: W ranks as threads (or forked
+ * processes) on 127.0.0.1 with port 0. Checks alltoallv (random sizes, zero
+ * parts, several-MB parts, chunking under a small receive cap), allreduce
+ * (bit-identical to a rank-order reference sum), allgather, long mixed
+ * sequences, garbage on the data socket, and failures: a peer that never
+ * shows up, one that closes, hangs or dies mid-run -> MOE_EUNAVAIL in time.
+ */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <nng/nng.h>
+#include <nng/protocol/pipeline0/push.h>
+
+#include "log.h"
+#include "xchg.h"
+
+#define MAXW 8
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static uint64_t mix(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* ------------------------------------------------------------ rank threads */
+
+typedef struct tr_rank tr_rank;
+typedef void (*tr_fn)(tr_rank *t);
+struct tr_rank {
+    int rank, world, timeout_ms;
+    uint64_t gen;
+    char url[128];
+    const char **urls;
+    xchg_nng_listener *lis;
+    xchg *x;
+    moe_err open_err;
+    tr_fn fn;
+    const void *arg;
+    char fail[512];
+    pthread_t th;
+};
+
+/* T_CHECK records the first failed check of a rank (asserted in the main
+ * thread: Criterion asserts must not run on other threads). */
+#define T_CHECK(t, cond, ...)                                                                      \
+    do {                                                                                           \
+        if (!(cond) && !(t)->fail[0])                                                              \
+            snprintf((t)->fail, sizeof((t)->fail), __VA_ARGS__);                                   \
+    } while (0)
+
+static void *tr_main(void *arg)
+{
+    tr_rank *t = arg;
+    t->open_err = xchg_nng_open(t->lis, t->rank, t->world, t->urls, t->gen, t->timeout_ms, &t->x);
+    t->lis = NULL;
+    t->fn(t);
+    xchg_close(t->x);
+    return NULL;
+}
+
+/* tr_run runs fn on W rank threads; ranks in `absent` (bit mask) never
+ * open: their URL points at a closed port. */
+static void tr_run(int W, tr_fn fn, const void *arg, int timeout_ms, size_t recv_max,
+                   unsigned absent)
+{
+    tr_rank t[MAXW];
+    const char *urls[MAXW];
+    memset(t, 0, sizeof(t));
+    for (int r = 0; r < W; r++) {
+        t[r].rank = r;
+        t[r].world = W;
+        t[r].timeout_ms = timeout_ms;
+        t[r].gen = 7;
+        t[r].fn = fn;
+        t[r].arg = arg;
+        t[r].urls = urls;
+        cr_assert_eq(xchg_nng_listen_max("tcp://127.0.0.1:0", recv_max, &t[r].lis, t[r].url,
+                                         sizeof(t[r].url)),
+                     MOE_OK);
+        urls[r] = t[r].url;
+    }
+    for (int r = 0; r < W; r++) {
+        if (absent & (1u << r)) { /* free the port: nobody listens there */
+            xchg_nng_listener_close(t[r].lis);
+            t[r].lis = NULL;
+        }
+    }
+    for (int r = 0; r < W; r++)
+        if (!(absent & (1u << r)))
+            cr_assert_eq(pthread_create(&t[r].th, NULL, tr_main, &t[r]), 0);
+    for (int r = 0; r < W; r++)
+        if (!(absent & (1u << r)))
+            pthread_join(t[r].th, NULL);
+    for (int r = 0; r < W; r++)
+        cr_expect(t[r].fail[0] == '\0', "W=%d rank %d: %s", W, r, t[r].fail);
+}
+
+static int tr_opened(tr_rank *t)
+{
+    T_CHECK(t, t->open_err == MOE_OK, "open: %s", moe_strerror(t->open_err));
+    return t->open_err == MOE_OK;
+}
+
+/* --------------------------------------------------------------- alltoallv */
+
+static size_t a2a_size(int round, int s, int d, size_t maxsz)
+{
+    uint64_t h = mix((uint64_t)round * 1000003u + (uint64_t)s * 1009u + (uint64_t)d);
+    if (h % 4 == 0 || maxsz == 0)
+        return 0;
+    return (size_t)((h >> 8) % maxsz);
+}
+
+static uint8_t a2a_byte(int round, int s, int d, size_t i)
+{
+    uint64_t h = mix(((uint64_t)round << 40) ^ ((uint64_t)s << 32) ^ ((uint64_t)d << 24) ^ (i >> 3));
+    return (uint8_t)(h >> ((i & 7) * 8));
+}
+
+/* do_a2a: one alltoallv of round `round`, sizes below maxsz, checked. */
+static void do_a2a(tr_rank *t, int round, size_t maxsz)
+{
+    int r = t->rank, W = t->world;
+    size_t sb[MAXW] = {0}, rb[MAXW] = {0}, total = 0;
+    for (int q = 0; q < W; q++)
+        total += sb[q] = a2a_size(round, r, q, maxsz);
+    uint8_t *send = calloc(1, total ? total : 1);
+    size_t off = 0;
+    for (int q = 0; q < W; q++)
+        for (size_t i = 0; i < sb[q]; i++)
+            send[off++] = a2a_byte(round, r, q, i);
+    void *recv = NULL;
+    moe_err err = xchg_alltoallv(t->x, send, sb, &recv, rb);
+    free(send);
+    T_CHECK(t, err == MOE_OK, "alltoallv round %d: %s", round, moe_strerror(err));
+    if (err != MOE_OK)
+        return;
+    off = 0;
+    for (int q = 0; q < W; q++) {
+        size_t want = a2a_size(round, q, r, maxsz);
+        T_CHECK(t, rb[q] == want, "round %d: %zu bytes from rank %d, want %zu", round, rb[q], q,
+                want);
+        if (rb[q] != want)
+            break;
+        const uint8_t *p = (const uint8_t *)recv + off;
+        for (size_t i = 0; i < want; i++) {
+            if (p[i] != a2a_byte(round, q, r, i)) {
+                T_CHECK(t, 0, "round %d: byte %zu from rank %d differs", round, i, q);
+                break;
+            }
+        }
+        off += want;
+    }
+    xchg_free(t->x, recv);
+}
+
+static void fn_a2a(tr_rank *t)
+{
+    if (!tr_opened(t))
+        return;
+    for (int round = 0; round < 8; round++)
+        do_a2a(t, round, 70000);
+    do_a2a(t, 100, 0); /* all parts empty: recvbuf may be NULL */
+    do_a2a(t, 101, (size_t)6 << 20); /* several MB per part */
+}
+
+Test(xchg_nng, alltoallv_w2, .timeout = 20)
+{
+    tr_run(2, fn_a2a, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+Test(xchg_nng, alltoallv_w3, .timeout = 20)
+{
+    tr_run(3, fn_a2a, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+Test(xchg_nng, alltoallv_w4, .timeout = 20)
+{
+    tr_run(4, fn_a2a, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+
+/* ------------------------------------------------------ allreduce/allgather */
+
+static float ar_val(int round, int rank, size_t i)
+{
+    uint64_t h = mix(((uint64_t)round << 48) ^ ((uint64_t)rank << 40) ^ i);
+    float m = (float)((int64_t)(h % 2000001u) - 1000000) / 1000.0f;
+    return m * (float)(1u << ((h >> 32) % 16)); /* mixed magnitudes: order matters */
+}
+
+static void do_allreduce(tr_rank *t, int round, size_t n)
+{
+    int W = t->world;
+    float *buf = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        buf[i] = ar_val(round, t->rank, i);
+    moe_err err = xchg_allreduce_f32(t->x, buf, n);
+    T_CHECK(t, err == MOE_OK, "allreduce n=%zu: %s", n, moe_strerror(err));
+    for (size_t i = 0; err == MOE_OK && i < n; i++) {
+        float ref = ar_val(round, 0, i); /* the reference: sum in rank order */
+        for (int q = 1; q < W; q++)
+            ref += ar_val(round, q, i);
+        if (memcmp(&ref, &buf[i], sizeof(float)) != 0) {
+            T_CHECK(t, 0, "allreduce n=%zu: element %zu is %a, reference %a", n, i, buf[i], ref);
+            break;
+        }
+    }
+    free(buf);
+}
+
+static void do_allgather(tr_rank *t, int round, size_t nb)
+{
+    int W = t->world;
+    uint8_t *send = malloc(nb ? nb : 1), *recv = malloc(nb * (size_t)W + 1);
+    for (size_t i = 0; i < nb; i++)
+        send[i] = a2a_byte(round, t->rank, 0, i);
+    moe_err err = xchg_allgather(t->x, send, nb, recv);
+    T_CHECK(t, err == MOE_OK, "allgather nb=%zu: %s", nb, moe_strerror(err));
+    for (int q = 0; err == MOE_OK && q < W; q++)
+        for (size_t i = 0; i < nb; i++)
+            if (recv[(size_t)q * nb + i] != a2a_byte(round, q, 0, i)) {
+                T_CHECK(t, 0, "allgather nb=%zu: byte %zu of rank %d differs", nb, i, q);
+                break;
+            }
+    free(send);
+    free(recv);
+}
+
+static void fn_reduce_gather(tr_rank *t)
+{
+    static const size_t ns[] = {0, 1, 2, 3, 5, 1000, 100003, 1u << 20};
+    if (!tr_opened(t))
+        return;
+    for (size_t k = 0; k < sizeof(ns) / sizeof(ns[0]); k++)
+        do_allreduce(t, (int)k, ns[k]);
+    static const size_t nbs[] = {0, 1, 777, 1u << 20};
+    for (size_t k = 0; k < sizeof(nbs) / sizeof(nbs[0]); k++)
+        do_allgather(t, (int)k, nbs[k]);
+}
+
+Test(xchg_nng, allreduce_allgather_w2, .timeout = 20)
+{
+    tr_run(2, fn_reduce_gather, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+Test(xchg_nng, allreduce_allgather_w3, .timeout = 20)
+{
+    tr_run(3, fn_reduce_gather, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+Test(xchg_nng, allreduce_allgather_w4, .timeout = 20)
+{
+    tr_run(4, fn_reduce_gather, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+
+/* Parts far above a 16 KiB receive cap travel as chunks; the float sums
+ * work across chunk boundaries. */
+static void fn_small_cap(tr_rank *t)
+{
+    if (!tr_opened(t))
+        return;
+    do_a2a(t, 1, (size_t)2 << 20);
+    do_allreduce(t, 2, 100003);
+    do_allgather(t, 3, 300000);
+}
+
+Test(xchg_nng, chunking_small_recv_cap, .timeout = 20)
+{
+    tr_run(3, fn_small_cap, NULL, 5000, 16384, 0);
+}
+
+/* A long run of mixed collectives, chosen alike on every rank: ranks drift
+ * up to one round apart, so early messages must be kept. */
+static void fn_mixed(tr_rank *t)
+{
+    if (!tr_opened(t))
+        return;
+    for (int it = 0; it < 60; it++) {
+        switch (mix((uint64_t)it) % 3) {
+        case 0: do_a2a(t, it, 5000); break;
+        case 1: do_allreduce(t, it, 1 + mix((uint64_t)it + 99) % 3000); break;
+        default: do_allgather(t, it, mix((uint64_t)it + 7) % 600); break;
+        }
+    }
+}
+
+Test(xchg_nng, mixed_sequence_w4, .timeout = 20)
+{
+    tr_run(4, fn_mixed, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+
+static void fn_w1(tr_rank *t)
+{
+    if (!tr_opened(t))
+        return;
+    do_a2a(t, 1, 1000);
+    do_allreduce(t, 2, 10);
+    do_allgather(t, 3, 10);
+}
+
+Test(xchg_nng, world_of_one, .timeout = 10)
+{
+    tr_run(1, fn_w1, NULL, 1000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+
+/* ------------------------------------------------------------------ failures */
+
+/* A peer that never shows up: open fails with MOE_EUNAVAIL near the timeout. */
+static void fn_open_fails(tr_rank *t)
+{
+    T_CHECK(t, t->open_err == MOE_EUNAVAIL, "open: %s, want unavailable",
+            moe_strerror(t->open_err));
+    T_CHECK(t, t->x == NULL, "open failed but returned a communicator");
+}
+
+Test(xchg_nng, peer_never_shows_up, .timeout = 10)
+{
+    int64_t t0 = now_ms();
+    tr_run(3, fn_open_fails, NULL, 500, XCHG_NNG_RECV_MAX_DEFAULT, 1u << 2);
+    int64_t dt = now_ms() - t0;
+    cr_expect(dt >= 450 && dt < 2500, "open took %lld ms, timeout 500", (long long)dt);
+}
+
+/* Rank W-1 closes its communicator after the first collective; the others
+ * fail the second one at once (not at the 5 s timeout), and then fail fast. */
+static void fn_peer_closes(tr_rank *t)
+{
+    if (!tr_opened(t))
+        return;
+    do_a2a(t, 1, 1000);
+    if (t->rank == t->world - 1)
+        return; /* tr_main closes */
+    float v[100] = {0};
+    int64_t t0 = now_ms();
+    moe_err err = xchg_allreduce_f32(t->x, v, 100);
+    int64_t dt = now_ms() - t0;
+    T_CHECK(t, err == MOE_EUNAVAIL, "allreduce after a peer left: %s", moe_strerror(err));
+    T_CHECK(t, dt < 2000, "failure took %lld ms (timeout 5000)", (long long)dt);
+    T_CHECK(t, t->x->failed == 1, "failed flag not set");
+    t0 = now_ms();
+    err = xchg_allgather(t->x, v, 4, v);
+    T_CHECK(t, err == MOE_EUNAVAIL && now_ms() - t0 < 50, "later call: %s after %lld ms",
+            moe_strerror(err), (long long)(now_ms() - t0));
+}
+
+Test(xchg_nng, peer_closes_mid_run, .timeout = 20)
+{
+    tr_run(3, fn_peer_closes, NULL, 5000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+
+/* Rank 1 stays connected but never calls the collective: rank 0 times out. */
+static void fn_peer_hangs(tr_rank *t)
+{
+    if (!tr_opened(t))
+        return;
+    if (t->rank == 1) {
+        usleep(1200 * 1000);
+        return;
+    }
+    uint8_t b[64] = {0}, out[128];
+    int64_t t0 = now_ms();
+    moe_err err = xchg_allgather(t->x, b, sizeof(b), out);
+    int64_t dt = now_ms() - t0;
+    T_CHECK(t, err == MOE_EUNAVAIL, "allgather with a hung peer: %s", moe_strerror(err));
+    T_CHECK(t, dt >= 450 && dt < 1100, "timeout after %lld ms, want ~500", (long long)dt);
+}
+
+Test(xchg_nng, peer_hangs_timeout, .timeout = 20)
+{
+    tr_run(2, fn_peer_hangs, NULL, 500, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+
+/* Strangers' messages on the data socket (short, bad magic, old generation)
+ * are dropped; the collectives still work. */
+typedef struct fake_hdr {
+    uint32_t magic;
+    uint8_t version, kind;
+    uint16_t reserved;
+    uint32_t src, reserved2;
+    uint64_t gen, seq, total, off;
+} fake_hdr;
+
+static void fn_garbage(tr_rank *t)
+{
+    if (!tr_opened(t))
+        return;
+    if (t->rank == 0) {
+        nng_socket s;
+        nng_push0_open(&s);
+        nng_dial(s, t->urls[1], NULL, 0);
+        fake_hdr h = {.magic = 0x4843584du, .version = 1, .kind = 2, .src = 0, .gen = 6,
+                      .seq = 1, .total = 3, .off = 0};
+        uint8_t msg[sizeof(h) + 3] = {0};
+        nng_send(s, "xy", 2, 0); /* too short */
+        memcpy(msg, &h, sizeof(h));
+        nng_send(s, msg, sizeof(msg), 0); /* older generation */
+        h.magic = 1;
+        h.gen = 7;
+        memcpy(msg, &h, sizeof(h));
+        nng_send(s, msg, sizeof(msg), 0); /* bad magic */
+        usleep(50 * 1000);
+        nng_close(s);
+    }
+    do_a2a(t, 1, 1000);
+    do_allreduce(t, 2, 77);
+}
+
+Test(xchg_nng, garbage_dropped, .timeout = 10)
+{
+    tr_run(2, fn_garbage, NULL, 3000, XCHG_NNG_RECV_MAX_DEFAULT, 0);
+}
+
+/* ---------------------------------------------------------- forked process */
+
+/* Rank 1 is a child process that _exits (no close) after the first
+ * collective; rank 0's second collective fails at once. Criterion's worker
+ * process already runs nng (its own IPC), and nng refuses to run in a
+ * forked child, so the child re-executes this binary: the constructor below
+ * runs rank 1 before Criterion's main when XCHG_TEST_CHILD is set. */
+static void child_rank(const char *spec)
+{
+    int rfd, wfd;
+    char urls[2][128];
+    const char *u[2] = {urls[0], urls[1]};
+    xchg_nng_listener *lis;
+    xchg *x = NULL;
+    if (sscanf(spec, "%d,%d", &rfd, &wfd) != 2)
+        _exit(2);
+    if (xchg_nng_listen("tcp://127.0.0.1:0", &lis, urls[1], sizeof(urls[1])) != MOE_OK)
+        _exit(2);
+    if (write(wfd, urls[1], sizeof(urls[1])) != (ssize_t)sizeof(urls[1]) ||
+        read(rfd, urls[0], sizeof(urls[0])) != (ssize_t)sizeof(urls[0]))
+        _exit(2);
+    size_t sb[2] = {100, 100}, rb[2];
+    uint8_t buf[200] = {0};
+    void *rv = NULL;
+    if (xchg_nng_open(lis, 1, 2, u, 1, 5000, &x) != MOE_OK ||
+        xchg_alltoallv(x, buf, sb, &rv, rb) != MOE_OK)
+        _exit(3);
+    char c;
+    if (read(rfd, &c, 1) != 1) /* rank 0 has our data */
+        _exit(4);
+    _exit(0);
+}
+
+__attribute__((constructor)) static void child_hook(void)
+{
+    const char *spec = getenv("XCHG_TEST_CHILD");
+    if (spec)
+        child_rank(spec);
+}
+
+Test(xchg_nng, forked_peer_dies, .timeout = 20)
+{
+    int c2p[2], p2c[2];
+    cr_assert_eq(pipe(c2p), 0);
+    cr_assert_eq(pipe(p2c), 0);
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    cr_assert(n > 0);
+    exe[n] = '\0';
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        char spec[64];
+        snprintf(spec, sizeof(spec), "%d,%d", p2c[0], c2p[1]);
+        setenv("XCHG_TEST_CHILD", spec, 1);
+        execl(exe, exe, (char *)NULL);
+        _exit(5);
+    }
+    char urls[2][128];
+    const char *u[2] = {urls[0], urls[1]};
+    xchg_nng_listener *lis;
+    xchg *x = NULL;
+    cr_assert_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, urls[0], sizeof(urls[0])), MOE_OK);
+    cr_assert_eq(read(c2p[0], urls[1], sizeof(urls[1])), (ssize_t)sizeof(urls[1]));
+    cr_assert_eq(write(p2c[1], urls[0], sizeof(urls[0])), (ssize_t)sizeof(urls[0]));
+    cr_assert_eq(xchg_nng_open(lis, 0, 2, u, 1, 5000, &x), MOE_OK);
+    size_t sb[2] = {100, 100}, rb[2];
+    uint8_t buf[200] = {0};
+    void *rv = NULL;
+    cr_assert_eq(xchg_alltoallv(x, buf, sb, &rv, rb), MOE_OK);
+    cr_expect_eq(rb[1], 100);
+    xchg_free(x, rv);
+    cr_assert_eq(write(p2c[1], "g", 1), 1);
+    int64_t t0 = now_ms();
+    moe_err err = xchg_alltoallv(x, buf, sb, &rv, rb);
+    int64_t dt = now_ms() - t0;
+    cr_expect_eq(err, MOE_EUNAVAIL, "alltoallv after the peer died: %s", moe_strerror(err));
+    cr_expect(dt < 2000, "failure took %lld ms (timeout 5000)", (long long)dt);
+    int st;
+    waitpid(pid, &st, 0);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %d", st);
+    xchg_close(x);
+}
+
+/* ------------------------------------------------------------------- misuse */
+
+Test(xchg_nng, bad_arguments, .timeout = 10)
+{
+    xchg_nng_listener *lis;
+    xchg *x = (xchg *)1;
+    char url[128];
+    cr_expect_eq(xchg_nng_listen_max("tcp://127.0.0.1:0", 100, &lis, url, sizeof(url)),
+                 MOE_EINVAL);
+    cr_expect_eq(xchg_nng_listen("bogus://x", &lis, url, sizeof(url)), MOE_EINVAL);
+    cr_expect_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, url, 8), MOE_EINVAL);
+    cr_assert_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, url, sizeof(url)), MOE_OK);
+    cr_expect(strncmp(url, "tcp://127.0.0.1:", 16) == 0 && atoi(url + 16) > 0, "bound %s", url);
+    const char *urls[2] = {url, url};
+    cr_expect_eq(xchg_nng_open(lis, 2, 2, urls, 0, 1000, &x), MOE_EINVAL); /* lis freed */
+    cr_expect_null(x);
+    cr_assert_eq(xchg_nng_listen("tcp://0.0.0.0:0", &lis, url, sizeof(url)), MOE_OK);
+    cr_expect(strncmp(url, "tcp://127.0.0.1:", 16) == 0, "wildcard bound as %s", url);
+    xchg_nng_listener_close(lis);
+}

@@ -1,0 +1,298 @@
+/*
+ * main.c - moe-worker: registers with the coordinator, heartbeats, and runs
+ * the coordinator's requests on its compute thread.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "params.h"
+#include "worker.h"
+
+#ifdef MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+void openblas_set_num_threads(int);
+
+static wkr W;
+
+static const cfg_entry worker_cfg[] = {
+    {"coordinator", CFG_STR, "tcp://127.0.0.1:7000", 0, 0, W.coord_url,
+     "coordinator address to register with"},
+    {"listen", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.listen_url,
+     "RPC address the coordinator calls (port 0 = any)"},
+    {"data", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.data_url_cfg,
+     "exchange address other workers dial (port 0 = any)"},
+    {"backend", CFG_STR, "auto", 0, 0, W.backend_cfg, "auto | cpu | cuda"},
+    {"heartbeat-ms", CFG_INT, "500", 50, 60000, &W.heartbeat_ms, "heartbeat period"},
+    {"xchg-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.xchg_timeout_ms,
+     "bound on one collective between workers"},
+    {"threads", CFG_INT, "0", 0, 1024, &W.threads, "BLAS threads (0 = library default)"},
+    {"max-msg-mb", CFG_INT, "1024", 1, 4096, &W.max_msg_mb, "largest request accepted, MiB"},
+    {"auth-token", CFG_STR, "", 0, 0, W.auth_token, "token sent to the coordinator"},
+    {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
+};
+#define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))
+
+static void send_register(wkr *w);
+
+static void on_register_reply(moe_err err, moe_reply *r, void *arg);
+
+/* replies from the coordinator arrive on an nng thread; bounce to the loop */
+typedef struct reg_event {
+    uv_async_t async;
+    int worker_id;
+    moe_err err;
+} reg_event;
+
+static uv_async_t reg_async;
+static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
+static int reg_pending_id = -2; /* -2 none, -1 failed, >= 0 registered id */
+static int hb_unknown;          /* set when the coordinator forgot us */
+
+static void on_reg_async(uv_async_t *h)
+{
+    wkr *w = h->data;
+    pthread_mutex_lock(&reg_mu);
+    int id = reg_pending_id;
+    int unknown = hb_unknown;
+    reg_pending_id = -2;
+    hb_unknown = 0;
+    pthread_mutex_unlock(&reg_mu);
+    if (id >= 0) {
+        w->worker_id = id;
+        w->registering = 0;
+        LOG_I("registered with %s as worker %d", w->coord_url, id);
+    } else if (id == -1) {
+        w->registering = 0;
+    }
+    if (unknown && !w->registering) {
+        LOG_W("coordinator does not know worker %d: registering again", w->worker_id);
+        w->worker_id = -1;
+    }
+}
+
+static void on_register_reply(moe_err err, moe_reply *r, void *arg)
+{
+    int id = -1;
+    if (err == MOE_OK && r) {
+        mp_reader rd;
+        uint32_t n;
+        mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
+        int64_t v = -1;
+        pspec sp[] = {{"worker_id", P_INT, &v, true, 0, 1e9, 0, false}};
+        char e2[128];
+        if (mp_read_map(&rd, &n, NULL) == MOE_OK &&
+            params_parse(&rd, n, sp, 1, e2, sizeof(e2)) == MOE_OK)
+            id = (int)v;
+    } else if (r) {
+        LOG_D("register: %s", r->message);
+    }
+    moe_reply_free(r);
+    free(r);
+    pthread_mutex_lock(&reg_mu);
+    reg_pending_id = id;
+    pthread_mutex_unlock(&reg_mu);
+    uv_async_send(&reg_async);
+}
+
+static void on_heartbeat_reply(moe_err err, moe_reply *r, void *arg)
+{
+    int unknown = 0;
+    if (err == MOE_OK && r) {
+        mp_reader rd;
+        uint32_t n;
+        bool known = true;
+        mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
+        pspec sp[] = {{"known", P_BOOL, &known, true, 0, 0, 0, false}};
+        char e2[128];
+        if (mp_read_map(&rd, &n, NULL) == MOE_OK &&
+            params_parse(&rd, n, sp, 1, e2, sizeof(e2)) == MOE_OK && !known)
+            unknown = 1;
+    }
+    moe_reply_free(r);
+    free(r);
+    if (unknown) {
+        pthread_mutex_lock(&reg_mu);
+        hb_unknown = 1;
+        pthread_mutex_unlock(&reg_mu);
+        uv_async_send(&reg_async);
+    }
+}
+
+static void send_register(wkr *w)
+{
+    mp_writer pw;
+    mp_writer_init(&pw);
+    mp_write_map(&pw, 5);
+    mp_write_cstr(&pw, "rpc_url");
+    mp_write_cstr(&pw, w->rpc_url);
+    mp_write_cstr(&pw, "data_url");
+    mp_write_cstr(&pw, w->data_url);
+    mp_write_cstr(&pw, "backend");
+    mp_write_cstr(&pw, w->backend);
+    mp_write_cstr(&pw, "device");
+    mp_write_cstr(&pw, w->device);
+    mp_write_cstr(&pw, "pid");
+    mp_write_i64(&pw, getpid());
+    w->registering = 1;
+    if (moe_call_async(w->coord, "worker.register", pw.buf, pw.len, on_register_reply, w) !=
+        MOE_OK)
+        w->registering = 0;
+    mp_writer_fini(&pw);
+}
+
+static void on_hb_timer(uv_timer_t *t)
+{
+    wkr *w = t->data;
+    if (w->stopping)
+        return;
+    if (w->worker_id < 0) {
+        if (!w->registering)
+            send_register(w);
+        return;
+    }
+    mp_writer pw;
+    mp_writer_init(&pw);
+    mp_write_map(&pw, 1);
+    mp_write_cstr(&pw, "worker_id");
+    mp_write_i64(&pw, w->worker_id);
+    moe_call_async(w->coord, "worker.heartbeat", pw.buf, pw.len, on_heartbeat_reply, w);
+    mp_writer_fini(&pw);
+}
+
+static void on_request(rpc_call *c, void *arg)
+{
+    wkr *w = arg;
+    if (mp_str_eq(c->req.method, c->req.method_len, "ping")) {
+        mp_writer wr;
+        mp_writer_init(&wr);
+        moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+        mp_write_map(&wr, 2);
+        mp_write_cstr(&wr, "role");
+        mp_write_cstr(&wr, "worker");
+        mp_write_cstr(&wr, "backend");
+        mp_write_cstr(&wr, w->backend);
+        rpc_reply(c, &wr);
+        return;
+    }
+    wkr_enqueue(w, c);
+}
+
+static void on_signal(uv_signal_t *h, int sig)
+{
+    wkr *w = h->data;
+    LOG_I("signal %d: stopping", sig);
+    w->stopping = 1;
+    uv_stop(w->loop);
+}
+
+static const char *pick_backend(wkr *w)
+{
+#ifdef MOE_HAVE_CUDA
+    int n = 0;
+    if (strcmp(w->backend_cfg, "cpu") != 0 && cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
+        struct cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+            snprintf(w->device, sizeof(w->device), "%s", prop.name);
+        /* The CUDA layer path is wired in through kernels/cuda; until a
+         * layer runs there, the expert math stays on the CPU path. */
+        return "cpu";
+    }
+#endif
+    snprintf(w->device, sizeof(w->device), "cpu");
+    return "cpu";
+}
+
+int main(int argc, char **argv)
+{
+    char err[256];
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf("usage: moe-worker [flags]\n");
+            cfg_usage(worker_cfg, NCFG, stdout);
+            return 0;
+        }
+    }
+    if (cfg_load(worker_cfg, NCFG, argc, argv, "MOE_WORKER_", err, sizeof(err)) != MOE_OK) {
+        fprintf(stderr, "moe-worker: %s\n", err);
+        return 2;
+    }
+    int lvl = log_level_parse(W.log_level);
+    log_init("worker", lvl < 0 ? LOG_INFO : (log_level)lvl);
+    signal(SIGPIPE, SIG_IGN);
+    if (strcmp(W.backend_cfg, "auto") && strcmp(W.backend_cfg, "cpu") &&
+        strcmp(W.backend_cfg, "cuda")) {
+        fprintf(stderr, "moe-worker: backend must be auto, cpu or cuda\n");
+        return 2;
+    }
+    if (W.threads > 0)
+        openblas_set_num_threads((int)W.threads);
+    W.backend = pick_backend(&W);
+    if (strcmp(W.backend_cfg, "cuda") == 0 && strcmp(W.backend, "cuda") != 0) {
+        fprintf(stderr, "moe-worker: backend cuda requested but unavailable\n");
+        return 2;
+    }
+    W.worker_id = -1;
+    W.loop = uv_default_loop();
+    pthread_mutex_init(&W.qmu, NULL);
+    pthread_cond_init(&W.qcv, NULL);
+
+    if (xchg_nng_listen(W.data_url_cfg, &W.lis, W.data_url, sizeof(W.data_url)) != MOE_OK) {
+        LOG_E("cannot listen on data address %s", W.data_url_cfg);
+        return 1;
+    }
+    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W};
+    if (rpcsrv_open(W.loop, &o, &W.srv, W.rpc_url, sizeof(W.rpc_url)) != MOE_OK)
+        return 1;
+    moe_client_opts co = {0, 0, W.auth_token[0] ? W.auth_token : NULL};
+    co.timeout_ms = (int)(W.heartbeat_ms * 4);
+    if (moe_client_open(W.coord_url, &co, &W.coord) != MOE_OK) {
+        LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());
+        return 1;
+    }
+    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s\n", (int)getpid(),
+            W.backend, W.device, W.rpc_url, W.data_url);
+    cfg_print(worker_cfg, NCFG, stderr);
+
+    pthread_create(&W.compute_thread, NULL, wkr_compute_main, &W);
+    uv_async_init(W.loop, &reg_async, on_reg_async);
+    reg_async.data = &W;
+    uv_timer_init(W.loop, &W.hb_timer);
+    W.hb_timer.data = &W;
+    uv_timer_start(&W.hb_timer, on_hb_timer, 0, (uint64_t)W.heartbeat_ms);
+    uv_signal_init(W.loop, &W.sigterm);
+    uv_signal_init(W.loop, &W.sigint);
+    W.sigterm.data = W.sigint.data = &W;
+    uv_signal_start(&W.sigterm, on_signal, SIGTERM);
+    uv_signal_start(&W.sigint, on_signal, SIGINT);
+
+    uv_run(W.loop, UV_RUN_DEFAULT);
+
+    /* drain: stop the compute thread after its current request */
+    pthread_mutex_lock(&W.qmu);
+    W.qstop = 1;
+    while (W.qhead) {
+        wkr_queue_item *it = W.qhead;
+        W.qhead = it->next;
+        rpc_reply_err(it->call, MOE_EUNAVAIL, "worker is shutting down");
+        free(it);
+    }
+    W.qtail = NULL;
+    pthread_cond_signal(&W.qcv);
+    pthread_mutex_unlock(&W.qmu);
+    pthread_join(W.compute_thread, NULL);
+    rpcsrv_close(W.srv);
+    uv_close((uv_handle_t *)&W.hb_timer, NULL);
+    uv_close((uv_handle_t *)&reg_async, NULL);
+    uv_close((uv_handle_t *)&W.sigterm, NULL);
+    uv_close((uv_handle_t *)&W.sigint, NULL);
+    uv_run(W.loop, UV_RUN_DEFAULT);
+    moe_client_close(W.coord);
+    LOG_I("stopped");
+    return 0;
+}

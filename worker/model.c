@@ -1,0 +1,215 @@
+/* model.c - the worker's models: cluster membership (join) and weights. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kern.h"
+#include "log.h"
+#include "params.h"
+#include "placement.h"
+#include "worker.h"
+
+#define MAX_WORLD 256
+
+void wkr_model_free(wkr_model *m)
+{
+    if (!m)
+        return;
+    for (int l = 0; m->layers && l < m->cfg.layers; l++) {
+        free(m->layers[l].wr);
+        free(m->layers[l].w1);
+        free(m->layers[l].w3);
+        free(m->layers[l].w2);
+    }
+    free(m->layers);
+    free(m);
+}
+
+wkr_model *wkr_find_model(wkr *w, const char *name)
+{
+    for (int i = 0; i < w->nmodels; i++)
+        if (strcmp(w->models[i]->cfg.name, name) == 0)
+            return w->models[i];
+    return NULL;
+}
+
+static void drop_models(wkr *w)
+{
+    for (int i = 0; i < w->nmodels; i++)
+        wkr_model_free(w->models[i]);
+    w->nmodels = 0;
+}
+
+/* worker.join {generation, rank, world, peers: [data_url...]}: (re)build the
+ * communicator. Models are dropped: the coordinator re-creates them, since
+ * the placement depends on the world size. */
+void wkr_op_join(wkr *w, rpc_call *c)
+{
+    int64_t gen = 0, rank = 0, world = 0;
+    mp_reader peers_r;
+    char err[256];
+    pspec sp[] = {
+        {"generation", P_INT, &gen, true, 0, 9e18, 0, false},
+        {"rank", P_INT, &rank, true, 0, MAX_WORLD - 1, 0, false},
+        {"world", P_INT, &world, true, 1, MAX_WORLD, 0, false},
+        {"peers", P_RAW, &peers_r, true, 0, 0, 0, false},
+    };
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 4, err, sizeof(err));
+    if (e == MOE_OK && rank >= world) {
+        snprintf(err, sizeof(err), "rank %lld >= world %lld", (long long)rank, (long long)world);
+        e = MOE_EINVAL;
+    }
+    uint32_t n = 0;
+    char urls[MAX_WORLD][CFG_STR_MAX];
+    const char *url_ptrs[MAX_WORLD];
+    if (e == MOE_OK && (mp_read_array(&peers_r, &n, NULL) != MOE_OK || n != (uint32_t)world)) {
+        snprintf(err, sizeof(err), "peers must be an array of world=%lld urls", (long long)world);
+        e = MOE_EINVAL;
+    }
+    for (uint32_t i = 0; e == MOE_OK && i < n; i++) {
+        const char *s;
+        uint32_t len;
+        if (mp_read_str(&peers_r, &s, &len, NULL) != MOE_OK || len >= CFG_STR_MAX) {
+            snprintf(err, sizeof(err), "peers[%u] is not a url", i);
+            e = MOE_EINVAL;
+            break;
+        }
+        memcpy(urls[i], s, len);
+        urls[i][len] = 0;
+        url_ptrs[i] = urls[i];
+    }
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    drop_models(w);
+    xchg_close(w->xc);
+    w->xc = NULL;
+    if (!w->lis) {
+        e = xchg_nng_listen(w->data_url, &w->lis, NULL, 0);
+        if (e != MOE_OK) {
+            rpc_reply_err(c, MOE_EUNAVAIL, "cannot listen on data url %s", w->data_url);
+            return;
+        }
+    }
+    xchg_nng_listener *lis = w->lis;
+    w->lis = NULL; /* owned by the communicator from here, also on failure */
+    e = xchg_nng_open(lis, (int)rank, (int)world, url_ptrs, (uint64_t)gen,
+                      (int)w->xchg_timeout_ms, &w->xc);
+    if (e != MOE_OK) {
+        w->xc = NULL;
+        rpc_reply_err(c, MOE_EUNAVAIL, "exchange with %lld peers failed to form: %s",
+                      (long long)world, moe_strerror(e));
+        return;
+    }
+    w->rank = (int)rank;
+    w->world = (int)world;
+    w->generation = (uint64_t)gen;
+    LOG_I("joined generation %llu as rank %d of %d", (unsigned long long)gen, w->rank, w->world);
+    mp_writer wr;
+    mp_writer_init(&wr);
+    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+    mp_write_map(&wr, 0);
+    rpc_reply(c, &wr);
+}
+
+static float *alloc_init(uint64_t seed, int layer, int expert, kern_wkind which, int rows,
+                         int cols, int bf16)
+{
+    size_t n = (size_t)rows * (size_t)cols;
+    float *p = malloc(n * sizeof(float));
+    if (!p)
+        return NULL;
+    kern_init_weight(seed, layer, expert, which, rows, cols, p);
+    if (bf16)
+        kern_bf16_round_n(p, n);
+    return p;
+}
+
+/* build_model allocates and initialises this worker's share of every layer. */
+static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
+{
+    wkr_model *m = calloc(1, sizeof(*m));
+    if (!m)
+        return MOE_ENOMEM;
+    m->cfg = *cfg;
+    int E = cfg->n_experts, H = cfg->d_model, F = cfg->d_ff, bf = cfg->dtype == MOE_BF16;
+    m->e0 = placement_first(E, w->world, w->rank);
+    m->ne = placement_count(E, w->world, w->rank);
+    m->layers = calloc((size_t)cfg->layers, sizeof(wkr_layer));
+    if (!m->layers)
+        goto oom;
+    for (int l = 0; l < cfg->layers; l++) {
+        wkr_layer *L = &m->layers[l];
+        size_t fh = (size_t)F * H;
+        L->wr = alloc_init(cfg->seed, l, 0, KERN_W_ROUTER, E, H, bf);
+        L->w1 = malloc((size_t)(m->ne ? m->ne : 1) * fh * sizeof(float));
+        L->w2 = malloc((size_t)(m->ne ? m->ne : 1) * fh * sizeof(float));
+        if (cfg->act == KERN_ACT_SWIGLU)
+            L->w3 = malloc((size_t)(m->ne ? m->ne : 1) * fh * sizeof(float));
+        if (!L->wr || !L->w1 || !L->w2 || (cfg->act == KERN_ACT_SWIGLU && !L->w3))
+            goto oom;
+        for (int i = 0; i < m->ne; i++) {
+            int e = m->e0 + i;
+            kern_init_weight(cfg->seed, l, e, KERN_W1, F, H, L->w1 + i * fh);
+            kern_init_weight(cfg->seed, l, e, KERN_W2, H, F, L->w2 + i * fh);
+            if (L->w3)
+                kern_init_weight(cfg->seed, l, e, KERN_W3, F, H, L->w3 + i * fh);
+        }
+        if (bf) {
+            kern_bf16_round_n(L->w1, (size_t)m->ne * fh);
+            kern_bf16_round_n(L->w2, (size_t)m->ne * fh);
+            if (L->w3)
+                kern_bf16_round_n(L->w3, (size_t)m->ne * fh);
+        }
+    }
+    *out = m;
+    return MOE_OK;
+oom:
+    wkr_model_free(m);
+    return MOE_ENOMEM;
+}
+
+/* worker.model_create {model.create params}: build (or confirm) the model. */
+void wkr_op_model_create(wkr *w, rpc_call *c)
+{
+    model_cfg cfg;
+    char err[256];
+    mp_reader r = c->req.params;
+    memset(&cfg, 0, sizeof(cfg));
+    moe_err e = model_cfg_parse(&r, c->req.nparams, &cfg, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    if (!w->xc) {
+        rpc_reply_err(c, MOE_EUNAVAIL, "worker has not joined a cluster");
+        return;
+    }
+    wkr_model *old = wkr_find_model(w, cfg.name);
+    if (old && !model_cfg_same(&old->cfg, &cfg)) {
+        rpc_reply_err(c, MOE_EINVAL, "model '%s' exists with another configuration", cfg.name);
+        return;
+    }
+    if (!old) {
+        if (w->nmodels == WKR_MAX_MODELS) {
+            rpc_reply_err(c, MOE_ENOMEM, "too many models (max %d)", WKR_MAX_MODELS);
+            return;
+        }
+        wkr_model *m;
+        e = build_model(w, &cfg, &m);
+        if (e != MOE_OK) {
+            rpc_reply_err(c, e, "cannot allocate model '%s'", cfg.name);
+            return;
+        }
+        w->models[w->nmodels++] = m;
+        LOG_I("model %s: %d layers, experts [%d, %d) of %d here", cfg.name, cfg.layers, m->e0,
+              m->e0 + m->ne, cfg.n_experts);
+    }
+    mp_writer wr;
+    mp_writer_init(&wr);
+    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+    mp_write_map(&wr, 0);
+    rpc_reply(c, &wr);
+}

@@ -1,0 +1,121 @@
+/*
+ * xchg.h - the exchange layer: collectives between the W workers of a
+ * cluster. One interface, two backends: nng (CPU workers, host buffers) and
+ * NCCL (GPU workers, device buffers). The rest of the worker does not know
+ * which one runs.
+ *
+ * Every rank must call the collectives in the same order (they are matched
+ * by a per-communicator sequence number). Calls block the calling thread
+ * (the worker's compute thread), bounded by the timeout given at open; a
+ * timeout or peer failure returns MOE_EUNAVAIL and leaves the communicator
+ * failed (every later call fails fast until it is closed and reopened).
+ */
+#ifndef MOE_XCHG_H
+#define MOE_XCHG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe.h"
+
+typedef struct xchg xchg;
+
+typedef struct xchg_ops {
+    /* see the xchg_* wrappers below */
+    moe_err (*alltoallv)(xchg *x, const void *sendbuf, const size_t *send_bytes, void **recvbuf,
+                         size_t *recv_bytes);
+    moe_err (*allreduce_f32)(xchg *x, float *buf, size_t n);
+    moe_err (*allgather)(xchg *x, const void *sendbuf, size_t nbytes, void *recvbuf);
+    void (*free_buf)(xchg *x, void *buf);
+    void (*close)(xchg *x);
+} xchg_ops;
+
+struct xchg {
+    const xchg_ops *ops; /* private */
+    int rank;            /* read-only */
+    int world;           /* read-only */
+    int failed;          /* read-only: 1 once a collective failed; every later call
+                          * returns MOE_EUNAVAIL at once. Close and reopen. */
+};
+
+/* xchg_nng_open joins a communicator of `world` ranks over nng. Rank r
+ * listens on listen_url (its data address) and dials peer_urls[q] for every
+ * q != r (peer_urls has world entries; entry `rank` is ignored). Blocks until
+ * every peer is connected or timeout_ms passes (MOE_EUNAVAIL). The
+ * communicator is owned by the caller: close it with xchg_close. The
+ * listener may be opened earlier with xchg_nng_listen so that the actual
+ * address (port 0 = any) is known before the peers are. */
+typedef struct xchg_nng_listener xchg_nng_listener;
+moe_err xchg_nng_listen(const char *url, xchg_nng_listener **out, char *bound_url, size_t bound_len);
+/* XCHG_NNG_RECV_MAX_DEFAULT: the cap on one message received (NNG_OPT_RECVMAXSZ)
+ * used by xchg_nng_listen. Payloads of any size still pass: senders cut
+ * each part into chunks that fit the receiver's cap, which every rank
+ * announces in the open handshake. */
+#define XCHG_NNG_RECV_MAX_DEFAULT ((size_t)64 << 20)
+/* xchg_nng_listen_max is xchg_nng_listen with an explicit cap on one
+ * received message in bytes: 0 = unlimited (chunks of XCHG_NNG_CHUNK_MAX),
+ * otherwise at least 4096. A bigger cap means fewer, larger chunks.
+ * bound_url (bound_len bytes, may be NULL) receives the address actually
+ * bound: for tcp "tcp://IP:PORT" with the real port; a wildcard address
+ * (0.0.0.0) is reported as 127.0.0.1, so a multi-host caller substitutes
+ * its reachable host name. On success *out is owned by the caller (pass it
+ * to xchg_nng_open or xchg_nng_listener_close). Errors: MOE_EINVAL (bad url
+ * or cap), MOE_EUNAVAIL (bind failed, e.g. port in use). */
+#define XCHG_NNG_CHUNK_MAX ((size_t)16 << 20)
+moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener **out,
+                            char *bound_url, size_t bound_len);
+/* xchg_nng_open takes ownership of lis (also on failure). Errors:
+ * MOE_EINVAL (bad arguments), MOE_ENOMEM, MOE_EUNAVAIL (some peer not
+ * reached within timeout_ms; the log line names the missing ranks).
+ * timeout_ms also bounds every later collective (the whole call). Messages
+ * carry `generation`: messages of another generation are dropped, so a
+ * rebuilt communicator (generation + 1) ignores leftovers of the old one.
+ *
+ * xchg_close on an nng communicator that has not failed is graceful: it
+ * tells the peers it leaves and waits (at most timeout_ms) until each peer
+ * also left, so that no peer loses data still in flight; a peer that is
+ * still running a collective sees the departure and fails it at once with
+ * MOE_EUNAVAIL. Close of a failed communicator does not wait. */
+moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *const *peer_urls,
+                      uint64_t generation, int timeout_ms, xchg **out);
+void xchg_nng_listener_close(xchg_nng_listener *lis);
+
+/* Errors of the collectives: MOE_EUNAVAIL (timeout, peer gone, socket
+ * error; the communicator is failed from then on), MOE_ENOMEM, MOE_EPROTO
+ * (ranks called different collectives or sizes disagree: a bug in the
+ * caller; the communicator is failed too), MOE_EINVAL (bad arguments; the
+ * communicator stays usable only if every rank got the same error).
+ *
+ * xchg_alltoallv: rank r sends send_bytes[q] bytes to each rank q, taken
+ * contiguously from sendbuf in rank order (q = 0 first; the part for itself
+ * is copied locally). On success *recvbuf holds the bytes received, in rank
+ * order, recv_bytes[q] from rank q; *recvbuf is owned by the caller and
+ * freed with xchg_free (it may be NULL when nothing was received). */
+static inline moe_err xchg_alltoallv(xchg *x, const void *sendbuf, const size_t *send_bytes,
+                                     void **recvbuf, size_t *recv_bytes)
+{
+    return x->ops->alltoallv(x, sendbuf, send_bytes, recvbuf, recv_bytes);
+}
+/* xchg_allreduce_f32: in-place sum over ranks; deterministic (the sum is
+ * taken in rank order, every rank gets identical bits). */
+static inline moe_err xchg_allreduce_f32(xchg *x, float *buf, size_t n)
+{
+    return x->ops->allreduce_f32(x, buf, n);
+}
+/* xchg_allgather: recvbuf (world * nbytes) receives each rank's nbytes in
+ * rank order. Every rank must pass the same nbytes (else MOE_EPROTO). */
+static inline moe_err xchg_allgather(xchg *x, const void *sendbuf, size_t nbytes, void *recvbuf)
+{
+    return x->ops->allgather(x, sendbuf, nbytes, recvbuf);
+}
+static inline void xchg_free(xchg *x, void *buf)
+{
+    x->ops->free_buf(x, buf);
+}
+static inline void xchg_close(xchg *x)
+{
+    if (x)
+        x->ops->close(x);
+}
+
+#endif /* MOE_XCHG_H */
