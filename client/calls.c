@@ -127,19 +127,195 @@ static moe_err parse_stats(mp_reader *r, moe_fwd_info *info)
     return MOE_OK;
 }
 
+static moe_err forward_impl(moe_client *c, const char *model, int layer, moe_dtype dt,
+                            const void *x, int64_t T, int64_t H, void *y, moe_fwd_info *info,
+                            int train);
+
 moe_err moe_forward(moe_client *c, const char *model, int layer, moe_dtype dt, const void *x,
                     int64_t T, int64_t H, void *y, moe_fwd_info *info)
+{
+    return forward_impl(c, model, layer, dt, x, T, H, y, info, 0);
+}
+
+moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype dt,
+                          const void *x, int64_t T, int64_t H, void *y, moe_fwd_info *info)
+{
+    if (!info)
+        return MOE_EINVAL;
+    return forward_impl(c, model, layer, dt, x, T, H, y, info, 1);
+}
+
+/* read_tensor_result finds key in the result map and copies its data into
+ * out (nbytes, dtype dt). */
+static moe_err read_tensor_result(moe_reply *r, const char *key, moe_dtype dt, void *out,
+                                  size_t nbytes)
+{
+    mp_reader rd;
+    uint32_t n;
+    mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
+    if (mp_read_map(&rd, &n, NULL) != MOE_OK)
+        return MOE_EPROTO;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+            return MOE_EPROTO;
+        if (mp_str_eq(k, kl, key)) {
+            moe_tensor t;
+            if (moe_tensor_read(&rd, &t, NULL) != MOE_OK || t.nbytes != nbytes || t.dtype != dt)
+                return MOE_EPROTO;
+            memcpy(out, t.data, nbytes);
+            return MOE_OK;
+        }
+        if (mp_skip(&rd, NULL) != MOE_OK)
+            return MOE_EPROTO;
+    }
+    return MOE_EPROTO;
+}
+
+moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *dy, int64_t T,
+                     int64_t H, void *dx)
 {
     size_t es = moe_dtype_size(dt);
     if (!es || T < 0 || H <= 0 || (uint64_t)T * (uint64_t)H * es > 0xffffffffull)
         return MOE_EINVAL;
     mp_writer w;
     mp_writer_init(&w);
-    mp_write_map(&w, 3);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "handle");
+    mp_write_u64(&w, handle);
+    mp_write_cstr(&w, "dy");
+    moe_tensor t = {dt, 2, {T, H, 0, 0}, dy, (size_t)T * (size_t)H * es};
+    moe_tensor_write(&w, &t);
+    if (w.failed) {
+        mp_writer_fini(&w);
+        return MOE_ENOMEM;
+    }
+    moe_reply r;
+    moe_err e = moe_call(c, "backward", w.buf, w.len, &r);
+    mp_writer_fini(&w);
+    if (e == MOE_OK)
+        e = read_tensor_result(&r, "dx", dt, dx, t.nbytes);
+    moe_reply_free(&r);
+    return e;
+}
+
+static moe_err read_i64_key(moe_reply *r, const char *key, int64_t *out)
+{
+    mp_reader rd;
+    uint32_t n;
+    mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
+    if (mp_read_map(&rd, &n, NULL) != MOE_OK)
+        return MOE_EPROTO;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+            return MOE_EPROTO;
+        if (mp_str_eq(k, kl, key))
+            return mp_read_i64(&rd, out, NULL);
+        if (mp_skip(&rd, NULL) != MOE_OK)
+            return MOE_EPROTO;
+    }
+    return MOE_EPROTO;
+}
+
+moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *opt,
+                           int64_t *step_out, double *grad_norm_out)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 7);
+    mp_write_cstr(&w, "model");
+    mp_write_cstr(&w, model);
+    mp_write_cstr(&w, "lr");
+    mp_write_f64(&w, opt->lr);
+    mp_write_cstr(&w, "beta1");
+    mp_write_f64(&w, opt->beta1);
+    mp_write_cstr(&w, "beta2");
+    mp_write_f64(&w, opt->beta2);
+    mp_write_cstr(&w, "eps");
+    mp_write_f64(&w, opt->eps);
+    mp_write_cstr(&w, "weight_decay");
+    mp_write_f64(&w, opt->weight_decay);
+    mp_write_cstr(&w, "max_grad_norm");
+    mp_write_f64(&w, opt->max_grad_norm);
+    moe_reply r;
+    moe_err e = moe_call(c, "optimizer.step", w.buf, w.len, &r);
+    mp_writer_fini(&w);
+    if (e == MOE_OK && step_out)
+        e = read_i64_key(&r, "step", step_out);
+    if (e == MOE_OK && grad_norm_out) {
+        mp_reader rd;
+        uint32_t n;
+        mp_reader_init(&rd, r.buf + r.result_off, r.len - r.result_off);
+        *grad_norm_out = 0;
+        if (mp_read_map(&rd, &n, NULL) == MOE_OK)
+            for (uint32_t i = 0; i < n; i++) {
+                const char *k;
+                uint32_t kl;
+                if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+                    break;
+                if (mp_str_eq(k, kl, "grad_norm")) {
+                    mp_read_f64(&rd, grad_norm_out, NULL);
+                    break;
+                }
+                if (mp_skip(&rd, NULL) != MOE_OK)
+                    break;
+            }
+    }
+    moe_reply_free(&r);
+    return e;
+}
+
+static moe_err ckpt_call(moe_client *c, const char *method, const char *model, const char *path,
+                         int64_t *step_out)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "model");
+    mp_write_cstr(&w, model);
+    mp_write_cstr(&w, "path");
+    mp_write_cstr(&w, path);
+    moe_reply r;
+    moe_err e = moe_call(c, method, w.buf, w.len, &r);
+    mp_writer_fini(&w);
+    if (e == MOE_OK && step_out)
+        e = read_i64_key(&r, "step", step_out);
+    moe_reply_free(&r);
+    return e;
+}
+
+moe_err moe_checkpoint_save(moe_client *c, const char *model, const char *path)
+{
+    return ckpt_call(c, "checkpoint.save", model, path, NULL);
+}
+
+moe_err moe_checkpoint_load(moe_client *c, const char *model, const char *path,
+                            int64_t *step_out)
+{
+    return ckpt_call(c, "checkpoint.load", model, path, step_out);
+}
+
+static moe_err forward_impl(moe_client *c, const char *model, int layer, moe_dtype dt,
+                            const void *x, int64_t T, int64_t H, void *y, moe_fwd_info *info,
+                            int train)
+{
+    size_t es = moe_dtype_size(dt);
+    if (!es || T < 0 || H <= 0 || (uint64_t)T * (uint64_t)H * es > 0xffffffffull)
+        return MOE_EINVAL;
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, train ? 4 : 3);
     mp_write_cstr(&w, "model");
     mp_write_cstr(&w, model);
     mp_write_cstr(&w, "layer");
     mp_write_i64(&w, layer);
+    if (train) {
+        mp_write_cstr(&w, "train");
+        mp_write_bool(&w, true);
+    }
     mp_write_cstr(&w, "x");
     moe_tensor t = {dt, 2, {T, H, 0, 0}, x, (size_t)T * (size_t)H * es};
     moe_tensor_write(&w, &t);
@@ -172,6 +348,9 @@ moe_err moe_forward(moe_client *c, const char *model, int layer, moe_dtype dt, c
                 return fail(&r, MOE_EPROTO);
             memcpy(y, yt.data, yt.nbytes);
             got_y = 1;
+        } else if (mp_str_eq(k, kl, "handle") && info) {
+            if (mp_read_u64(&rd, &info->handle, NULL) != MOE_OK)
+                return fail(&r, MOE_EPROTO);
         } else if (mp_str_eq(k, kl, "stats") && info) {
             if (parse_stats(&rd, info) != MOE_OK) {
                 moe_fwd_info_free(info);

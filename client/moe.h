@@ -147,6 +147,29 @@ void moe_fwd_info_free(moe_fwd_info *info);
  * writes y (T, H) of the same dtype into caller memory. info may be NULL. */
 moe_err moe_forward(moe_client *c, const char *model, int layer, moe_dtype dt, const void *x,
                     int64_t T, int64_t H, void *y, moe_fwd_info *info);
+/* moe_forward_train: as moe_forward with train=true; info (required) gets
+ * the handle that moe_backward takes. */
+moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype dt,
+                          const void *x, int64_t T, int64_t H, void *y, moe_fwd_info *info);
+/* moe_backward: dx (T, H) from dy (T, H) for a train forward's handle (used
+ * once). Gradients accumulate in the service until moe_optimizer_step. */
+moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *dy, int64_t T,
+                     int64_t H, void *dx);
+
+typedef struct moe_adamw {
+    double lr, beta1, beta2, eps, weight_decay;
+    double max_grad_norm; /* 0 = no clipping */
+} moe_adamw;
+/* moe_optimizer_step applies AdamW to every parameter of model and zeroes
+ * the gradients. step_out and grad_norm_out may be NULL. */
+moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *opt,
+                           int64_t *step_out, double *grad_norm_out);
+/* moe_checkpoint_save writes a checkpoint of model under directory path
+ * (see docs/OPERATIONS.md for the layout); moe_checkpoint_load loads the
+ * newest complete one (or path itself if it holds an index). */
+moe_err moe_checkpoint_save(moe_client *c, const char *model, const char *path);
+moe_err moe_checkpoint_load(moe_client *c, const char *model, const char *path,
+                            int64_t *step_out);
 
 #ifdef __cplusplus
 }

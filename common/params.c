@@ -10,6 +10,14 @@ static moe_err bad(char *err, size_t errlen, const char *fmt, const char *key, c
     return MOE_EINVAL;
 }
 
+/* wrong_type: a value of the wrong msgpack type is "malformed"
+ * (docs/PROTOCOL.md); a right type with a bad value is "invalid_argument". */
+static moe_err wrong_type(char *err, size_t errlen, const char *key, const char *what)
+{
+    snprintf(err, errlen, "parameter '%s' must be %s", key, what);
+    return MOE_EPROTO;
+}
+
 static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
 {
     mp_errbuf eb = {{0}};
@@ -20,7 +28,7 @@ static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
         const char *s;
         uint32_t len;
         if (mp_read_str(r, &s, &len, &eb) != MOE_OK)
-            return bad(err, errlen, "parameter '%s' must be a string%s", p->key, "");
+            return wrong_type(err, errlen, p->key, "a string");
         if (len + 1 > p->cap)
             return bad(err, errlen, "parameter '%s' is too long%s", p->key, "");
         memcpy(p->out, s, len);
@@ -31,7 +39,7 @@ static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
         int64_t v;
         mp_type t = mp_peek(r);
         if (t != MP_INT && t != MP_UINT)
-            return bad(err, errlen, "parameter '%s' must be an integer%s", p->key, "");
+            return wrong_type(err, errlen, p->key, "an integer");
         if (mp_read_i64(r, &v, &eb) != MOE_OK)
             return bad(err, errlen, "parameter '%s': %s", p->key, eb.msg);
         if (ranged && (v < p->min || v > p->max)) {
@@ -46,7 +54,7 @@ static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
         double v;
         mp_type t = mp_peek(r);
         if (t != MP_INT && t != MP_UINT && t != MP_FLOAT)
-            return bad(err, errlen, "parameter '%s' must be a number%s", p->key, "");
+            return wrong_type(err, errlen, p->key, "a number");
         if (mp_read_f64(r, &v, &eb) != MOE_OK)
             return bad(err, errlen, "parameter '%s': %s", p->key, eb.msg);
         if (v != v || (ranged && (v < p->min || v > p->max))) {
@@ -59,13 +67,13 @@ static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
     }
     case P_BOOL:
         if (mp_peek(r) != MP_BOOL || mp_read_bool(r, (bool *)p->out, &eb) != MOE_OK)
-            return bad(err, errlen, "parameter '%s' must be a boolean%s", p->key, "");
+            return wrong_type(err, errlen, p->key, "a boolean");
         return MOE_OK;
     case P_TENSOR:
         e = moe_tensor_read(r, (moe_tensor *)p->out, &eb);
-        if (e != MOE_OK) {
+        if (e != MOE_OK) { /* MOE_EPROTO: not a tensor map; MOE_EINVAL: bad dtype/shape/len */
             snprintf(err, errlen, "parameter '%s': %s", p->key, eb.msg);
-            return MOE_EINVAL;
+            return e == MOE_EPROTO ? MOE_EPROTO : MOE_EINVAL;
         }
         return MOE_OK;
     case P_RAW:
@@ -88,7 +96,7 @@ moe_err params_parse(mp_reader *r, uint32_t nparams, pspec *specs, int nspecs, c
         uint32_t klen;
         if (mp_read_str(r, &key, &klen, &eb) != MOE_OK) {
             snprintf(err, errlen, "params keys must be strings");
-            return MOE_EINVAL;
+            return MOE_EPROTO;
         }
         pspec *p = NULL;
         for (int i = 0; i < nspecs; i++)

@@ -46,9 +46,33 @@ typedef struct coord_model {
     int64_t *dropped; /* (layers, E) dropped slots, cumulative */
     uint64_t forwards;
     int created_gen; /* generation the workers hold it in; 0 = not yet */
+    int64_t step;            /* optimizer steps completed */
+    int64_t pending_grads;   /* backwards since the last step */
+    double last_aux, last_z; /* losses of the last forward */
 } coord_model;
 
-typedef enum job_kind { JOB_JOIN, JOB_MODEL_CREATE, JOB_FORWARD } job_kind;
+typedef enum job_kind {
+    JOB_JOIN,
+    JOB_MODEL_CREATE,
+    JOB_FORWARD,
+    JOB_BACKWARD,
+    JOB_STEP,
+    JOB_CKPT_SAVE,
+    JOB_CKPT_LOAD,   /* phase 1: every worker reads and validates into staging */
+    JOB_CKPT_COMMIT, /* phase 2: swap staging in (or drop it: ckpt_abort) */
+} job_kind;
+
+/* A train forward's handle, until its backward (or expiry). */
+typedef enum handle_state { H_LIVE = 0, H_USED, H_EXPIRED } handle_state;
+typedef struct coord_handle {
+    uint64_t id;
+    struct coord_model *model;
+    int layer;
+    int64_t T;
+    uint64_t generation, created_ns;
+    handle_state state;
+} coord_handle;
+#define COORD_HANDLE_RING 4096
 
 typedef struct coord_job {
     struct coord_job *next;
@@ -56,8 +80,16 @@ typedef struct coord_job {
     rpc_call *call;  /* the client request being served; NULL for internal jobs */
     coord_model *model;
     int layer;
-    moe_tensor x;    /* forward input: a view into call's message */
+    moe_tensor x;    /* forward input / backward dy: a view into call's message */
     int train;
+    coord_handle *handle; /* train forward / backward */
+    char path[1024];      /* checkpoint directory (JOB_CKPT_*) */
+    int commit;           /* JOB_CKPT_COMMIT: 1 swap in, 0 abort */
+    double hp[6];         /* JOB_STEP: lr, beta1, beta2, eps, weight_decay, max_grad_norm */
+    char **files;         /* JOB_CKPT_LOAD: shard file names (owned) */
+    int nfiles;
+    int64_t ckpt_step;    /* JOB_CKPT_*: the checkpoint's step */
+    char root[CFG_STR_MAX]; /* JOB_CKPT_SAVE: the directory that holds LATEST */
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
     int nsent, pending;
@@ -99,6 +131,11 @@ typedef struct coord {
     uint64_t generation; /* 0 = never formed */
     int ready;           /* the current generation is joined and whole */
     int need_form;       /* a (re)formation is wanted */
+
+    /* training */
+    long long max_handles, handle_ttl_ms;
+    uint64_t next_handle;
+    coord_handle handles[COORD_HANDLE_RING]; /* ring by id */
 
     /* models */
     coord_model *models[COORD_MAX_MODELS];
@@ -147,6 +184,22 @@ void coord_model_info(coord *c, rpc_call *call);
 void coord_forward(coord *c, rpc_call *call);
 void coord_forward_finish(coord *c, coord_job *j);
 void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method);
+
+/* train.c */
+coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T);
+void coord_backward(coord *c, rpc_call *call);
+void coord_backward_finish(coord *c, coord_job *j);
+void coord_step(coord *c, rpc_call *call);
+void coord_step_finish(coord *c, coord_job *j);
+void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank);
+moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w, char *err,
+                          size_t errlen);
+
+/* ckpt.c */
+void coord_ckpt_save(coord *c, rpc_call *call);
+void coord_ckpt_load(coord *c, rpc_call *call);
+void coord_ckpt_finish(coord *c, coord_job *j);
+void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method);
 
 /* stats.c */
 void coord_stats(coord *c, rpc_call *call);

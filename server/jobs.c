@@ -33,6 +33,9 @@ moe_err coord_job_submit(coord *c, coord_job *j, int front)
 
 static void job_free(coord_job *j)
 {
+    for (int i = 0; i < j->nfiles; i++)
+        free(j->files[i]);
+    free(j->files);
     for (int r = 0; r < COORD_MAX_WORKERS; r++) {
         if (j->replies[r]) {
             moe_reply_free(j->replies[r]);
@@ -103,7 +106,20 @@ static void finish_job(coord *c, coord_job *j)
         }
         break;
     case JOB_FORWARD:
+        if (first != MOE_OK && j->handle)
+            j->handle->state = H_EXPIRED;
         coord_forward_finish(c, j);
+        break;
+    case JOB_BACKWARD:
+        coord_backward_finish(c, j);
+        break;
+    case JOB_STEP:
+        coord_step_finish(c, j);
+        break;
+    case JOB_CKPT_SAVE:
+    case JOB_CKPT_LOAD:
+    case JOB_CKPT_COMMIT:
+        coord_ckpt_finish(c, j);
         break;
     }
     if (first == MOE_EUNAVAIL || first == MOE_ECLOSED || first == MOE_ETIMEDOUT) {

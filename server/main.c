@@ -30,6 +30,10 @@ static const cfg_entry coord_cfg[] = {
      "a worker silent this long is marked down"},
     {"worker-timeout-ms", CFG_INT, "120000", 100, 86400000, &C.worker_timeout_ms,
      "bound on one call to a worker"},
+    {"max-handles", CFG_INT, "64", 1, 1000000, &C.max_handles,
+     "train forwards kept for backward (match the workers' max-handles)"},
+    {"handle-ttl-ms", CFG_INT, "600000", 1, 86400000, &C.handle_ttl_ms,
+     "a train forward not backwarded within this expires (match the workers')"},
     {"contexts", CFG_INT, "64", 1, 4096, &C.nctx, "concurrent requests received"},
     {"addr-file", CFG_STR, "", 0, 0, C.addr_file,
      "write the bound RPC address to this file once listening"},
@@ -82,13 +86,22 @@ static void on_request(rpc_call *call, void *arg)
         coord_stats(c, call);
     else if (IS("model.info"))
         coord_model_info(c, call);
-    else if (c->draining && (IS("forward") || IS("model.create"))) {
+    else if (c->draining && (IS("forward") || IS("model.create") || IS("backward") ||
+                             IS("optimizer.step") || IS("checkpoint.load"))) {
         c->errors_total++;
         rpc_reply_err(call, MOE_EUNAVAIL, "coordinator is draining");
     } else if (IS("model.create"))
         coord_model_create(c, call);
     else if (IS("forward"))
         coord_forward(c, call);
+    else if (IS("backward"))
+        coord_backward(c, call);
+    else if (IS("optimizer.step"))
+        coord_step(c, call);
+    else if (IS("checkpoint.save"))
+        coord_ckpt_save(c, call);
+    else if (IS("checkpoint.load"))
+        coord_ckpt_load(c, call);
     else if (IS("drain")) {
         mp_writer w;
         mp_writer_init(&w);

@@ -168,10 +168,6 @@ void coord_forward(coord *c, rpc_call *call)
                       m->cfg.d_model, shape);
         return;
     }
-    if (train) {
-        rpc_reply_err(call, MOE_EINVAL, "train=true is not supported yet");
-        return;
-    }
     coord_job *j = calloc(1, sizeof(*j));
     if (!j) {
         rpc_reply_err(call, MOE_ENOMEM, "out of memory");
@@ -190,6 +186,8 @@ void coord_forward(coord *c, rpc_call *call)
         rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
         return;
     }
+    if (train)
+        j->handle = coord_handle_new(c, m, (int)layer, x.shape[0]);
     coord_job_pump(c);
 }
 
@@ -216,10 +214,10 @@ void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char
         return;
     case JOB_FORWARD: {
         *method = "worker.forward";
-        int64_t T = j->x.shape[0], H = j->x.shape[1];
-        int64_t a = shard_first(T, c->world, rank), b = shard_first(T, c->world, rank + 1);
-        size_t es = moe_dtype_size(j->x.dtype);
-        mp_write_map(w, 6);
+        int64_t T = j->x.shape[0];
+        mp_write_map(w, 7);
+        mp_write_cstr(w, "handle");
+        mp_write_u64(w, j->handle ? j->handle->id : 0);
         mp_write_cstr(w, "model");
         mp_write_cstr(w, j->model->cfg.name);
         mp_write_cstr(w, "layer");
@@ -227,17 +225,39 @@ void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char
         mp_write_cstr(w, "T_total");
         mp_write_i64(w, T);
         mp_write_cstr(w, "row0");
-        mp_write_i64(w, a);
+        mp_write_i64(w, shard_first(T, c->world, rank));
         mp_write_cstr(w, "train");
         mp_write_bool(w, j->train != 0);
         mp_write_cstr(w, "x");
-        moe_tensor shard = j->x;
-        shard.shape[0] = b - a;
-        shard.data = (const uint8_t *)j->x.data + (size_t)a * (size_t)H * es;
-        shard.nbytes = (size_t)(b - a) * (size_t)H * es;
-        moe_tensor_write(w, &shard);
+        coord_write_sharded(w, &j->x, c->world, rank);
         return;
     }
+    case JOB_BACKWARD:
+        *method = "worker.backward";
+        mp_write_map(w, 2);
+        mp_write_cstr(w, "handle");
+        mp_write_u64(w, j->handle->id);
+        mp_write_cstr(w, "dy");
+        coord_write_sharded(w, &j->x, c->world, rank);
+        return;
+    case JOB_STEP: {
+        static const char *names[6] = {"lr",  "beta1",        "beta2",
+                                       "eps", "weight_decay", "max_grad_norm"};
+        *method = "worker.step";
+        mp_write_map(w, 7);
+        mp_write_cstr(w, "model");
+        mp_write_cstr(w, j->model->cfg.name);
+        for (int k = 0; k < 6; k++) {
+            mp_write_cstr(w, names[k]);
+            mp_write_f64(w, j->hp[k]);
+        }
+        return;
+    }
+    case JOB_CKPT_SAVE:
+    case JOB_CKPT_LOAD:
+    case JOB_CKPT_COMMIT:
+        coord_ckpt_encode(c, j, rank, w, method);
+        return;
     }
 }
 
@@ -368,7 +388,11 @@ void coord_forward_finish(coord *c, coord_job *j)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
-    mp_write_map(&w, 2);
+    mp_write_map(&w, j->handle ? 3 : 2);
+    if (j->handle) {
+        mp_write_cstr(&w, "handle");
+        mp_write_u64(&w, j->handle->id);
+    }
     mp_write_cstr(&w, "y");
     mp_write_map(&w, 3);
     mp_write_cstr(&w, "dtype");
@@ -411,6 +435,8 @@ void coord_forward_finish(coord *c, coord_job *j)
 
     /* stats */
     m->forwards++;
+    m->last_aux = aux;
+    m->last_z = T > 0 ? z / (double)T : 0;
     c->forwards_total++;
     c->tokens_total += (uint64_t)T;
     for (int k = 0; k < 4; k++)

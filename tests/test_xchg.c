@@ -12,6 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -75,8 +78,23 @@ static void *tr_main(void *arg)
     return NULL;
 }
 
+/* dead_port returns a TCP socket bound to 127.0.0.1 but not listening
+ * (connects are refused; the port stays taken so no other test gets it),
+ * and its URL in url. */
+static int dead_port(char *url, size_t len)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &al), 0);
+    snprintf(url, len, "tcp://127.0.0.1:%u", (unsigned)ntohs(a.sin_port));
+    return fd;
+}
+
 /* tr_run runs fn on W rank threads; ranks in `absent` (bit mask) never
- * open: their URL points at a closed port. */
+ * open: their URL points at a port where nobody listens. */
 static void tr_run(int W, tr_fn fn, const void *arg, int timeout_ms, size_t recv_max,
                    unsigned absent)
 {
@@ -96,10 +114,13 @@ static void tr_run(int W, tr_fn fn, const void *arg, int timeout_ms, size_t recv
                      MOE_OK);
         urls[r] = t[r].url;
     }
+    int dead[MAXW];
     for (int r = 0; r < W; r++) {
-        if (absent & (1u << r)) { /* free the port: nobody listens there */
+        dead[r] = -1;
+        if (absent & (1u << r)) {
             xchg_nng_listener_close(t[r].lis);
             t[r].lis = NULL;
+            dead[r] = dead_port(t[r].url, sizeof(t[r].url));
         }
     }
     for (int r = 0; r < W; r++)
@@ -108,8 +129,11 @@ static void tr_run(int W, tr_fn fn, const void *arg, int timeout_ms, size_t recv
     for (int r = 0; r < W; r++)
         if (!(absent & (1u << r)))
             pthread_join(t[r].th, NULL);
-    for (int r = 0; r < W; r++)
+    for (int r = 0; r < W; r++) {
+        if (dead[r] >= 0)
+            close(dead[r]);
         cr_expect(t[r].fail[0] == '\0', "W=%d rank %d: %s", W, r, t[r].fail);
+    }
 }
 
 static int tr_opened(tr_rank *t)
@@ -130,7 +154,8 @@ static size_t a2a_size(int round, int s, int d, size_t maxsz)
 
 static uint8_t a2a_byte(int round, int s, int d, size_t i)
 {
-    uint64_t h = mix(((uint64_t)round << 40) ^ ((uint64_t)s << 32) ^ ((uint64_t)d << 24) ^ (i >> 3));
+    uint64_t h =
+        mix(((uint64_t)round << 40) ^ ((uint64_t)s << 32) ^ ((uint64_t)d << 24) ^ (i >> 3));
     return (uint8_t)(h >> ((i & 7) * 8));
 }
 
@@ -177,7 +202,7 @@ static void fn_a2a(tr_rank *t)
         return;
     for (int round = 0; round < 8; round++)
         do_a2a(t, round, 70000);
-    do_a2a(t, 100, 0); /* all parts empty: recvbuf may be NULL */
+    do_a2a(t, 100, 0);               /* all parts empty: recvbuf may be NULL */
     do_a2a(t, 101, (size_t)6 << 20); /* several MB per part */
 }
 
@@ -401,8 +426,14 @@ static void fn_garbage(tr_rank *t)
         nng_socket s;
         nng_push0_open(&s);
         nng_dial(s, t->urls[1], NULL, 0);
-        fake_hdr h = {.magic = 0x4843584du, .version = 1, .kind = 2, .src = 0, .gen = 6,
-                      .seq = 1, .total = 3, .off = 0};
+        fake_hdr h = {.magic = 0x4843584du,
+                      .version = 1,
+                      .kind = 2,
+                      .src = 0,
+                      .gen = 6,
+                      .seq = 1,
+                      .total = 3,
+                      .off = 0};
         uint8_t msg[sizeof(h) + 3] = {0};
         nng_send(s, "xy", 2, 0); /* too short */
         memcpy(msg, &h, sizeof(h));
@@ -430,15 +461,26 @@ Test(xchg_nng, garbage_dropped, .timeout = 10)
  * process already runs nng (its own IPC), and nng refuses to run in a
  * forked child, so the child re-executes this binary: the constructor below
  * runs rank 1 before Criterion's main when XCHG_TEST_CHILD is set. */
+static void *exit_soon(void *arg)
+{
+    (void)arg;
+    usleep(200 * 1000);
+    _exit(0);
+    return NULL;
+}
+
+/* child_rank: rank 1. Mode 0: one collective, then _exit when rank 0 says;
+ * mode 1: _exit 200 ms into a 40 MB alltoallv that rank 0 has not joined. */
 static void child_rank(const char *spec)
 {
-    int rfd, wfd;
+    int rfd, wfd, mode;
     char urls[2][128];
     const char *u[2] = {urls[0], urls[1]};
     xchg_nng_listener *lis;
     xchg *x = NULL;
-    if (sscanf(spec, "%d,%d", &rfd, &wfd) != 2)
+    if (sscanf(spec, "%d,%d,%d", &rfd, &wfd, &mode) != 3)
         _exit(2);
+    alarm(15); /* never outlive the test, whatever happens to rank 0 */
     if (xchg_nng_listen("tcp://127.0.0.1:0", &lis, urls[1], sizeof(urls[1])) != MOE_OK)
         _exit(2);
     if (write(wfd, urls[1], sizeof(urls[1])) != (ssize_t)sizeof(urls[1]) ||
@@ -447,8 +489,17 @@ static void child_rank(const char *spec)
     size_t sb[2] = {100, 100}, rb[2];
     uint8_t buf[200] = {0};
     void *rv = NULL;
-    if (xchg_nng_open(lis, 1, 2, u, 1, 5000, &x) != MOE_OK ||
-        xchg_alltoallv(x, buf, sb, &rv, rb) != MOE_OK)
+    if (xchg_nng_open(lis, 1, 2, u, 1, 5000, &x) != MOE_OK)
+        _exit(3);
+    if (mode == 1) {
+        pthread_t th;
+        size_t big[2] = {0, (size_t)40 << 20};
+        uint8_t *b = calloc(1, big[1]);
+        pthread_create(&th, NULL, exit_soon, NULL);
+        xchg_alltoallv(x, b, big, &rv, rb);
+        _exit(6); /* not reached: rank 0 joins only after we are gone */
+    }
+    if (xchg_alltoallv(x, buf, sb, &rv, rb) != MOE_OK)
         _exit(3);
     char c;
     if (read(rfd, &c, 1) != 1) /* rank 0 has our data */
@@ -463,7 +514,7 @@ __attribute__((constructor)) static void child_hook(void)
         child_rank(spec);
 }
 
-Test(xchg_nng, forked_peer_dies, .timeout = 20)
+static pid_t spawn_child(int mode, int *rfd, int *wfd)
 {
     int c2p[2], p2c[2];
     cr_assert_eq(pipe(c2p), 0);
@@ -476,35 +527,81 @@ Test(xchg_nng, forked_peer_dies, .timeout = 20)
     cr_assert(pid >= 0);
     if (pid == 0) {
         char spec[64];
-        snprintf(spec, sizeof(spec), "%d,%d", p2c[0], c2p[1]);
+        close(p2c[1]); /* so that a dead parent means EOF here */
+        close(c2p[0]);
+        snprintf(spec, sizeof(spec), "%d,%d,%d", p2c[0], c2p[1], mode);
         setenv("XCHG_TEST_CHILD", spec, 1);
         execl(exe, exe, (char *)NULL);
         _exit(5);
     }
+    close(p2c[0]);
+    close(c2p[1]);
+    *rfd = c2p[0];
+    *wfd = p2c[1];
+    return pid;
+}
+
+/* parent_open: rank 0 of 2 with the child as rank 1. */
+static xchg *parent_open(int rfd, int wfd)
+{
     char urls[2][128];
     const char *u[2] = {urls[0], urls[1]};
     xchg_nng_listener *lis;
     xchg *x = NULL;
     cr_assert_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, urls[0], sizeof(urls[0])), MOE_OK);
-    cr_assert_eq(read(c2p[0], urls[1], sizeof(urls[1])), (ssize_t)sizeof(urls[1]));
-    cr_assert_eq(write(p2c[1], urls[0], sizeof(urls[0])), (ssize_t)sizeof(urls[0]));
+    cr_assert_eq(read(rfd, urls[1], sizeof(urls[1])), (ssize_t)sizeof(urls[1]));
+    cr_assert_eq(write(wfd, urls[0], sizeof(urls[0])), (ssize_t)sizeof(urls[0]));
     cr_assert_eq(xchg_nng_open(lis, 0, 2, u, 1, 5000, &x), MOE_OK);
+    return x;
+}
+
+static void child_exit_ok(pid_t pid)
+{
+    int st;
+    waitpid(pid, &st, 0);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %d", st);
+}
+
+Test(xchg_nng, forked_peer_dies, .timeout = 20)
+{
+    int rfd, wfd;
+    pid_t pid = spawn_child(0, &rfd, &wfd);
+    xchg *x = parent_open(rfd, wfd);
     size_t sb[2] = {100, 100}, rb[2];
     uint8_t buf[200] = {0};
     void *rv = NULL;
     cr_assert_eq(xchg_alltoallv(x, buf, sb, &rv, rb), MOE_OK);
     cr_expect_eq(rb[1], 100);
     xchg_free(x, rv);
-    cr_assert_eq(write(p2c[1], "g", 1), 1);
+    cr_assert_eq(write(wfd, "g", 1), 1);
     int64_t t0 = now_ms();
     moe_err err = xchg_alltoallv(x, buf, sb, &rv, rb);
     int64_t dt = now_ms() - t0;
     cr_expect_eq(err, MOE_EUNAVAIL, "alltoallv after the peer died: %s", moe_strerror(err));
     cr_expect(dt < 2000, "failure took %lld ms (timeout 5000)", (long long)dt);
-    int st;
-    waitpid(pid, &st, 0);
-    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %d", st);
+    child_exit_ok(pid);
     xchg_close(x);
+}
+
+/* The child dies inside a 40 MB alltoallv (its data partly sent); rank 0
+ * joins late and fails at once instead of waiting for the 5 s timeout. */
+Test(xchg_nng, forked_peer_dies_mid_collective, .timeout = 20)
+{
+    int rfd, wfd;
+    pid_t pid = spawn_child(1, &rfd, &wfd);
+    xchg *x = parent_open(rfd, wfd);
+    usleep(400 * 1000);
+    size_t sb[2] = {0, (size_t)1 << 20}, rb[2];
+    uint8_t *buf = calloc(1, sb[1]);
+    void *rv = NULL;
+    int64_t t0 = now_ms();
+    moe_err err = xchg_alltoallv(x, buf, sb, &rv, rb);
+    int64_t dt = now_ms() - t0;
+    cr_expect_eq(err, MOE_EUNAVAIL, "alltoallv with a dead peer: %s", moe_strerror(err));
+    cr_expect(dt < 2000, "failure took %lld ms (timeout 5000)", (long long)dt);
+    child_exit_ok(pid);
+    xchg_close(x);
+    free(buf);
 }
 
 /* ------------------------------------------------------------------- misuse */
@@ -514,8 +611,7 @@ Test(xchg_nng, bad_arguments, .timeout = 10)
     xchg_nng_listener *lis;
     xchg *x = (xchg *)1;
     char url[128];
-    cr_expect_eq(xchg_nng_listen_max("tcp://127.0.0.1:0", 100, &lis, url, sizeof(url)),
-                 MOE_EINVAL);
+    cr_expect_eq(xchg_nng_listen_max("tcp://127.0.0.1:0", 100, &lis, url, sizeof(url)), MOE_EINVAL);
     cr_expect_eq(xchg_nng_listen("bogus://x", &lis, url, sizeof(url)), MOE_EINVAL);
     cr_expect_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, url, 8), MOE_EINVAL);
     cr_assert_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, url, sizeof(url)), MOE_OK);

@@ -29,6 +29,14 @@ static void run_one(wkr *w, rpc_call *c)
     const moe_rpc_request *q = &c->req;
     if (mp_str_eq(q->method, q->method_len, "worker.forward"))
         wkr_op_forward(w, c);
+    else if (mp_str_eq(q->method, q->method_len, "worker.backward"))
+        wkr_op_backward(w, c);
+    else if (mp_str_eq(q->method, q->method_len, "worker.step"))
+        wkr_op_step(w, c);
+    else if (mp_str_eq(q->method, q->method_len, "worker.checkpoint_save"))
+        wkr_op_ckpt_save(w, c);
+    else if (mp_str_eq(q->method, q->method_len, "worker.checkpoint_load"))
+        wkr_op_ckpt_load(w, c);
     else if (mp_str_eq(q->method, q->method_len, "worker.join"))
         wkr_op_join(w, c);
     else if (mp_str_eq(q->method, q->method_len, "worker.model_create"))
@@ -62,6 +70,7 @@ void *wkr_compute_main(void *arg)
     if (w->lis)
         xchg_nng_listener_close(w->lis);
     w->lis = NULL;
+    wkr_handle_drop_model(w, NULL);
     for (int i = 0; i < w->nmodels; i++)
         wkr_model_free(w->models[i]);
     w->nmodels = 0;

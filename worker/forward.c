@@ -3,136 +3,242 @@
  * backend): gate, dispatch (all-to-all-v of token rows to the experts'
  * owners), experts, combine (all-to-all-v back, weighted sum in fixed order).
  *
- * Dispatch message to rank q: int32 counts[ne_q] (rows per owned expert of
- * q), then the rows in expert order, each expert's rows in slot order; rows
- * are in the model dtype (f32, or bf16 bits). The reply from q holds the
- * expert output rows (unweighted) in the same order and dtype.
+ * Dispatch message to rank q: int32 counts[ne_q] (rows per expert owned by
+ * q), then the rows in expert order, each expert's rows in slot order. The
+ * reply from q holds the expert output rows (unweighted) in the same order.
+ * Rows are in the model dtype (rows.h). Experts are owned in contiguous
+ * blocks (placement.h), so rows sorted by expert are also sorted by owner.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
+#include "fwd.h"
 #include "log.h"
 #include "params.h"
 #include "placement.h"
-#include "worker.h"
+#include "rows.h"
 
-static double now_s(void)
+double fwd_now_s(void)
 {
     return (double)rpc_now_ns() * 1e-9;
 }
 
-/* rows are carried in the model's dtype: f32 or bf16 */
-static void put_row(void *dst, const float *src, int H, int bf16)
+size_t fwd_pack_by_owner(const wkr_fwd_state *st, int W, int E, int H, int K, const float *rows,
+                         int by_token, int with_counts, int bf16, uint8_t **out,
+                         size_t *send_bytes)
 {
-    if (!bf16) {
-        memcpy(dst, src, (size_t)H * 4);
-        return;
+    size_t es = bf16 ? 2 : 4, total = 0;
+    for (int q = 0; q < W; q++) {
+        int a = placement_first(E, W, q), b = a + placement_count(E, W, q);
+        send_bytes[q] = (with_counts ? 4 * (size_t)(b - a) : 0) +
+                        (size_t)(st->offsets[b] - st->offsets[a]) * (size_t)H * es;
+        total += send_bytes[q];
     }
-    uint8_t *d = dst;
-    for (int i = 0; i < H; i++) {
-        uint16_t h = kern_f32_to_bf16(src[i]);
-        memcpy(d + 2 * i, &h, 2);
-    }
-}
-
-static void get_row(float *dst, const void *src, int H, int bf16)
-{
-    if (!bf16) {
-        memcpy(dst, src, (size_t)H * 4);
-        return;
-    }
-    const uint8_t *s = src;
-    for (int i = 0; i < H; i++) {
-        uint16_t h;
-        memcpy(&h, s + 2 * i, 2);
-        dst[i] = kern_bf16_to_f32(h);
-    }
-}
-
-/* tensor_to_f32 converts x (T,H) of any wire dtype into floats. */
-static void tensor_to_f32(const moe_tensor *t, float *out, size_t n)
-{
-    if (t->dtype == MOE_F32) {
-        memcpy(out, t->data, n * 4);
-    } else if (t->dtype == MOE_BF16) {
-        const uint8_t *s = t->data; /* unaligned in the message: copy each element */
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, s + 2 * i, 2);
-            out[i] = kern_bf16_to_f32(h);
+    uint8_t *buf = malloc(total ? total : 1), *p = buf;
+    if (!buf)
+        return (size_t)-1;
+    for (int q = 0; q < W; q++) {
+        int a = placement_first(E, W, q), b = a + placement_count(E, W, q);
+        if (with_counts) {
+            memcpy(p, st->counts + a, 4 * (size_t)(b - a));
+            p += 4 * (size_t)(b - a);
         }
-    } else {
-        const uint8_t *s = t->data;
-        for (size_t i = 0; i < n; i++) {
-            /* f16 -> f32 */
-            uint16_t h;
-            memcpy(&h, s + 2 * i, 2);
-            uint32_t sign = (uint32_t)(h & 0x8000) << 16, ex = (h >> 10) & 0x1f, man = h & 0x3ff;
-            float v;
-            if (ex == 0)
-                v = ldexpf((float)man, -24);
-            else if (ex == 31)
-                v = man ? NAN : INFINITY;
-            else
-                v = ldexpf((float)(man | 0x400), (int)ex - 25);
-            uint32_t bits;
-            memcpy(&bits, &v, 4);
-            bits |= sign;
-            memcpy(&out[i], &bits, 4);
+        for (int i = st->offsets[a]; i < st->offsets[b]; i++) {
+            int32_t src = by_token ? st->perm[i] / K : st->perm[i];
+            rows_put(p, rows + (size_t)src * H, (size_t)H, bf16);
+            p += (size_t)H * es;
         }
     }
+    *out = buf;
+    return total;
 }
 
-typedef struct fwd_scratch {
-    float *x, *logits, *probs, *topk_w, *ye_slot, *y;
-    int32_t *topk_idx, *counts, *offsets, *perm;
-    uint8_t *sendbuf, *backbuf;
-    void *recvbuf, *retbuf;
-    float *xe, *ae, *be, *ye;
-} fwd_scratch;
-
-static void scratch_free(wkr *w, fwd_scratch *s)
+void fwd_unpack_sorted(const wkr_fwd_state *st, const uint8_t *buf, int H, int bf16,
+                       float *slot_rows)
 {
-    free(s->x);
-    free(s->logits);
-    free(s->probs);
-    free(s->topk_w);
-    free(s->ye_slot);
-    free(s->y);
-    free(s->topk_idx);
-    free(s->counts);
-    free(s->offsets);
-    free(s->perm);
-    free(s->sendbuf);
-    free(s->backbuf);
-    free(s->xe);
-    free(s->ae);
-    free(s->be);
-    free(s->ye);
-    if (s->recvbuf)
-        xchg_free(w->xc, s->recvbuf);
-    if (s->retbuf)
-        xchg_free(w->xc, s->retbuf);
+    size_t S = (size_t)st->T * (size_t)st->model->cfg.top_k, es = bf16 ? 2 : 4;
+    for (size_t i = 0; i < S; i++)
+        rows_get(slot_rows + (size_t)st->perm[i] * H, buf + i * H * es, (size_t)H, bf16);
+}
+
+void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const size_t *row0,
+                      int H, int bf16, float *rows)
+{
+    const int ne = st->model->ne;
+    size_t es = bf16 ? 2 : 4, n = 0;
+    size_t *pos = malloc((size_t)W * sizeof(size_t));
+    if (!pos)
+        return;
+    for (int q = 0; q < W; q++)
+        pos[q] = row0[q];
+    for (int i = 0; i < ne; i++)
+        for (int q = 0; q < W; q++) {
+            int32_t k = st->src_cnt[(size_t)q * ne + i];
+            rows_get(rows + n * H, buf + pos[q], (size_t)k * H, bf16);
+            pos[q] += (size_t)k * H * es;
+            n += (size_t)k;
+        }
+    free(pos);
+}
+
+size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *rows, int bf16,
+                         uint8_t **out, size_t *back_bytes)
+{
+    const int ne = st->model->ne;
+    size_t es = bf16 ? 2 : 4, total = 0, n = 0;
+    size_t *pos = malloc((size_t)W * sizeof(size_t));
+    if (!pos)
+        return (size_t)-1;
+    for (int q = 0; q < W; q++) {
+        size_t nrows = 0;
+        for (int i = 0; i < ne; i++)
+            nrows += (size_t)st->src_cnt[(size_t)q * ne + i];
+        back_bytes[q] = nrows * H * es;
+        pos[q] = total;
+        total += back_bytes[q];
+    }
+    uint8_t *buf = malloc(total ? total : 1);
+    if (!buf) {
+        free(pos);
+        return (size_t)-1;
+    }
+    for (int i = 0; i < ne; i++)
+        for (int q = 0; q < W; q++) {
+            int32_t k = st->src_cnt[(size_t)q * ne + i];
+            rows_put(buf + pos[q], rows + n * H, (size_t)k * H, bf16);
+            pos[q] += (size_t)k * H * es;
+            n += (size_t)k;
+        }
+    free(pos);
+    *out = buf;
+    return total;
+}
+
+/* gate: router replica on the local tokens; fills logits, probs, top-k,
+ * layout; probs_sum (E) and z_sum for the batch's aux and z losses. */
+static moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, double *probs_sum, double *z_sum)
+{
+    const model_cfg *cfg = &st->model->cfg;
+    const int T = st->T, H = cfg->d_model, E = cfg->n_experts, K = cfg->top_k;
+    size_t Tn = T ? (size_t)T : 1, S = (size_t)T * K;
+    st->logits = malloc(Tn * E * sizeof(float));
+    st->probs = malloc(Tn * E * sizeof(float));
+    st->topk_w = malloc((S ? S : 1) * sizeof(float));
+    st->topk_idx = malloc((S ? S : 1) * sizeof(int32_t));
+    st->counts = calloc((size_t)E, sizeof(int32_t));
+    st->offsets = calloc((size_t)E + 1, sizeof(int32_t));
+    st->perm = malloc((S ? S : 1) * sizeof(int32_t));
+    if (!st->logits || !st->probs || !st->topk_w || !st->topk_idx || !st->counts ||
+        !st->offsets || !st->perm)
+        return MOE_ENOMEM;
+    kern_router_logits_blas(st->x, L->wr, T, H, E, st->logits);
+    kern_softmax_topk_cpu(st->logits, T, E, K, cfg->renormalize, st->probs, st->topk_idx,
+                          st->topk_w);
+    kern_layout_cpu(st->topk_idx, T, K, E, st->counts, st->offsets, st->perm, NULL);
+    *z_sum = 0;
+    for (int e = 0; e < E; e++)
+        probs_sum[e] = 0;
+    for (int t = 0; t < T; t++) {
+        const float *lg = st->logits + (size_t)t * E;
+        float mx = lg[0];
+        for (int e = 1; e < E; e++)
+            mx = lg[e] > mx ? lg[e] : mx;
+        double sum = 0;
+        for (int e = 0; e < E; e++) {
+            sum += exp((double)lg[e] - mx);
+            probs_sum[e] += st->probs[(size_t)t * E + e];
+        }
+        double lse = mx + log(sum);
+        *z_sum += lse * lse;
+    }
+    return MOE_OK;
+}
+
+/* fwd_owner_parse reads the per-source counts headers of a dispatch. */
+static moe_err fwd_owner_parse(wkr_fwd_state *st, int W, int H, int bf16, const uint8_t *buf,
+                               const size_t *recv_bytes, size_t *row0, char *err, size_t errlen)
+{
+    const int ne = st->model->ne;
+    size_t es = bf16 ? 2 : 4, off = 0;
+    st->src_cnt = malloc((size_t)W * (ne ? ne : 1) * sizeof(int32_t));
+    st->kept = calloc((size_t)(ne ? ne : 1), sizeof(int32_t));
+    if (!st->src_cnt || !st->kept)
+        return MOE_ENOMEM;
+    st->n_in = 0;
+    for (int q = 0; q < W; q++) {
+        size_t need = 4 * (size_t)ne, nrows = 0;
+        if (recv_bytes[q] < need) {
+            snprintf(err, errlen, "short dispatch message from rank %d", q);
+            return MOE_EINTERNAL;
+        }
+        memcpy(st->src_cnt + (size_t)q * ne, buf + off, need);
+        for (int i = 0; i < ne; i++) {
+            int32_t k = st->src_cnt[(size_t)q * ne + i];
+            if (k < 0) {
+                snprintf(err, errlen, "negative row count from rank %d", q);
+                return MOE_EINTERNAL;
+            }
+            nrows += (size_t)k;
+        }
+        if (recv_bytes[q] != need + nrows * H * es) {
+            snprintf(err, errlen, "dispatch message from rank %d has %zu bytes, want %zu", q,
+                     recv_bytes[q], need + nrows * H * es);
+            return MOE_EINTERNAL;
+        }
+        row0[q] = off + need;
+        off += recv_bytes[q];
+        st->n_in += nrows;
+    }
+    return MOE_OK;
+}
+
+/* fwd_experts runs every owned expert on its kept rows: ye (n_in,H) out,
+ * dropped rows zero. Fills st->kept and dropped (E) for owned experts. */
+static void fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t *dropped,
+                        float *ye)
+{
+    const model_cfg *cfg = &st->model->cfg;
+    const int ne = st->model->ne, H = cfg->d_model, F = cfg->d_ff, K = cfg->top_k;
+    const size_t fh = (size_t)F * H;
+    int32_t cap = kern_capacity((float)cfg->capacity_factor, st->T_total, K, cfg->n_experts);
+    size_t n0 = 0;
+    for (int i = 0; i < ne; i++) {
+        size_t n = 0;
+        for (int q = 0; q < W; q++)
+            n += (size_t)st->src_cnt[(size_t)q * ne + i];
+        size_t kept = n < (size_t)cap ? n : (size_t)cap;
+        st->kept[i] = (int32_t)kept;
+        dropped[st->model->e0 + i] = (int32_t)(n - kept);
+        if (kept)
+            kern_expert_ffn_blas(st->xe + n0 * H, (int)kept, H, F, L->w1 + i * fh,
+                                 L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh,
+                                 (kern_act)cfg->act, cfg->dtype == MOE_BF16, st->ae + n0 * F,
+                                 st->be ? st->be + n0 * F : NULL, ye + n0 * H);
+        if (n > kept)
+            memset(ye + (n0 + kept) * H, 0, (n - kept) * H * sizeof(float));
+        n0 += n;
+    }
 }
 
 void wkr_op_forward(wkr *w, rpc_call *c)
 {
-    char model_name[MODEL_NAME_MAX], err[256];
-    int64_t layer = 0, T_total = 0, row0 = 0;
+    char model_name[MODEL_NAME_MAX], err[256] = "";
+    int64_t layer = 0, T_total = 0, row0 = 0, handle = 0;
     bool train = false;
     moe_tensor xt;
     pspec sp[] = {
         {"model", P_STR, model_name, true, 0, 0, sizeof(model_name), false},
         {"layer", P_INT, &layer, true, 0, 1e6, 0, false},
-        {"T_total", P_INT, &T_total, true, 0, 1e12, 0, false},
-        {"row0", P_INT, &row0, true, 0, 1e12, 0, false},
+        {"T_total", P_INT, &T_total, true, 0, 2e9, 0, false},
+        {"row0", P_INT, &row0, true, 0, 2e9, 0, false},
         {"x", P_TENSOR, &xt, true, 0, 0, 0, false},
         {"train", P_BOOL, &train, false, 0, 0, 0, false},
+        {"handle", P_INT, &handle, false, 0, 9e18, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 6, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 7, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(c, e, "%s", err);
         return;
@@ -149,219 +255,122 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     const model_cfg *cfg = &m->cfg;
     const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k;
     const int W = w->world, bf = cfg->dtype == MOE_BF16;
-    const size_t es = bf ? 2 : 4;
     if (layer >= cfg->layers || xt.ndim != 2 || xt.shape[1] != H) {
         rpc_reply_err(c, MOE_EINVAL, "bad layer or x shape for model '%s'", model_name);
         return;
     }
-    const int T = (int)xt.shape[0];
+    if (train && !m->train_ready && wkr_model_train_alloc(m) != MOE_OK) {
+        rpc_reply_err(c, MOE_ENOMEM, "cannot allocate training state for '%s'", model_name);
+        return;
+    }
     const wkr_layer *L = &m->layers[layer];
-    fwd_scratch s;
-    memset(&s, 0, sizeof(s));
-    double t0 = now_s(), t_gate, t_disp, t_exp, t_comb;
+    wkr_fwd_state *st = calloc(1, sizeof(*st));
+    uint8_t *sendbuf = NULL, *backbuf = NULL;
+    void *recvbuf = NULL, *retbuf = NULL;
+    float *ye = NULL, *y = NULL;
+    double *probs_sum = calloc((size_t)E, sizeof(double)), z_sum = 0;
+    int32_t *dropped = calloc((size_t)E, sizeof(int32_t));
+    size_t send_bytes[256], recv_bytes[256], back_bytes[256], ret_bytes[256], row0s[256];
+    if (!st || !probs_sum || !dropped) {
+        e = MOE_ENOMEM;
+        goto fail;
+    }
+    st->handle = (uint64_t)handle;
+    st->created_ns = rpc_now_ns();
+    st->model = m;
+    st->layer = (int)layer;
+    st->T = (int)xt.shape[0];
+    st->T_total = (int)T_total;
+    const int T = st->T;
     const size_t S = (size_t)T * K, Tn = T ? (size_t)T : 1;
+    double t0 = fwd_now_s(), t_gate, t_disp, t_exp, t_comb;
 
     /* ---- gate ---- */
-    s.x = malloc(Tn * H * sizeof(float));
-    s.logits = malloc(Tn * E * sizeof(float));
-    s.probs = malloc(Tn * E * sizeof(float));
-    s.topk_w = malloc((S ? S : 1) * sizeof(float));
-    s.topk_idx = malloc((S ? S : 1) * sizeof(int32_t));
-    s.counts = calloc((size_t)E, sizeof(int32_t));
-    s.offsets = calloc((size_t)E + 1, sizeof(int32_t));
-    s.perm = malloc((S ? S : 1) * sizeof(int32_t));
-    if (!s.x || !s.logits || !s.probs || !s.topk_w || !s.topk_idx || !s.counts || !s.offsets ||
-        !s.perm) {
+    st->x = malloc(Tn * H * sizeof(float));
+    if (!st->x) {
         e = MOE_ENOMEM;
         goto fail;
     }
-    tensor_to_f32(&xt, s.x, (size_t)T * H);
+    rows_tensor_to_f32(&xt, st->x, (size_t)T * H);
     if (bf)
-        kern_bf16_round_n(s.x, (size_t)T * H);
-    kern_router_logits_cpu(s.x, L->wr, T, H, E, s.logits);
-    kern_softmax_topk_cpu(s.logits, T, E, K, cfg->renormalize, s.probs, s.topk_idx, s.topk_w);
-    kern_layout_cpu(s.topk_idx, T, K, E, s.counts, s.offsets, s.perm, NULL);
-    double probs_sum[4096], z_sum = 0;
-    for (int e2 = 0; e2 < E; e2++)
-        probs_sum[e2] = 0;
-    for (int t = 0; t < T; t++) {
-        const float *lg = s.logits + (size_t)t * E;
-        float mx = lg[0];
-        for (int e2 = 1; e2 < E; e2++)
-            mx = lg[e2] > mx ? lg[e2] : mx;
-        double sum = 0;
-        for (int e2 = 0; e2 < E; e2++) {
-            sum += exp((double)lg[e2] - mx);
-            probs_sum[e2] += s.probs[(size_t)t * E + e2];
+        kern_bf16_round_n(st->x, (size_t)T * H);
+    if ((e = fwd_gate(L, st, probs_sum, &z_sum)) != MOE_OK)
+        goto fail;
+    if (train) {
+        /* the aux loss gradient needs the batch's counts: gather them */
+        st->counts_global = calloc((size_t)E, sizeof(int32_t));
+        int32_t *all = malloc((size_t)W * E * sizeof(int32_t));
+        if (!st->counts_global || !all) {
+            free(all);
+            e = MOE_ENOMEM;
+            goto fail;
         }
-        double lse = mx + log(sum);
-        z_sum += lse * lse;
+        e = xchg_allgather(w->xc, st->counts, (size_t)E * sizeof(int32_t), all);
+        for (int q = 0; e == MOE_OK && q < W; q++)
+            for (int k = 0; k < E; k++)
+                st->counts_global[k] += all[(size_t)q * E + k];
+        free(all);
+        if (e != MOE_OK)
+            goto fail_xchg;
     }
-    t_gate = now_s();
+    t_gate = fwd_now_s();
 
     /* ---- dispatch ---- */
-    size_t send_bytes[256], recv_bytes[256], total = 0;
-    for (int q = 0; q < W; q++) {
-        int a = placement_first(E, W, q), b = a + placement_count(E, W, q);
-        send_bytes[q] = 4 * (size_t)(b - a) + (size_t)(s.offsets[b] - s.offsets[a]) * H * es;
-        total += send_bytes[q];
-    }
-    s.sendbuf = malloc(total ? total : 1);
-    if (!s.sendbuf) {
+    if (fwd_pack_by_owner(st, W, E, H, K, st->x, 1, 1, bf, &sendbuf, send_bytes) == (size_t)-1) {
         e = MOE_ENOMEM;
         goto fail;
     }
-    uint8_t *p = s.sendbuf;
-    for (int q = 0; q < W; q++) {
-        int a = placement_first(E, W, q), b = a + placement_count(E, W, q);
-        memcpy(p, s.counts + a, 4 * (size_t)(b - a));
-        p += 4 * (size_t)(b - a);
-        for (int i = s.offsets[a]; i < s.offsets[b]; i++) {
-            put_row(p, s.x + (size_t)(s.perm[i] / K) * H, H, bf);
-            p += (size_t)H * es;
-        }
-    }
-    e = xchg_alltoallv(w->xc, s.sendbuf, send_bytes, &s.recvbuf, recv_bytes);
+    e = xchg_alltoallv(w->xc, sendbuf, send_bytes, &recvbuf, recv_bytes);
     if (e != MOE_OK)
         goto fail_xchg;
-    t_disp = now_s();
+    t_disp = fwd_now_s();
 
-    /* ---- experts: gather each owned expert's rows over sources ---- */
-    const int ne = m->ne;
-    int32_t *src_cnt = malloc((size_t)W * (ne ? ne : 1) * sizeof(int32_t)); /* (W, ne) */
-    size_t *src_row0 = malloc((size_t)W * sizeof(size_t)); /* byte offset of rows per source */
-    int32_t dropped[4096];
-    memset(dropped, 0, sizeof(int32_t) * (size_t)E);
-    if (!src_cnt || !src_row0) {
-        free(src_cnt);
-        free(src_row0);
+    /* ---- experts ---- */
+    e = fwd_owner_parse(st, W, H, bf, recvbuf, recv_bytes, row0s, err, sizeof(err));
+    if (e != MOE_OK)
+        goto fail_msg;
+    size_t nin = st->n_in ? st->n_in : 1;
+    st->xe = malloc(nin * H * sizeof(float));
+    st->ae = malloc(nin * F * sizeof(float));
+    if (cfg->act == KERN_ACT_SWIGLU)
+        st->be = malloc(nin * F * sizeof(float));
+    ye = malloc(nin * H * sizeof(float));
+    if (!st->xe || !st->ae || (cfg->act == KERN_ACT_SWIGLU && !st->be) || !ye) {
         e = MOE_ENOMEM;
         goto fail;
     }
-    size_t off = 0, rows_in = 0;
-    for (int q = 0; q < W; q++) {
-        size_t need = 4 * (size_t)ne;
-        if (recv_bytes[q] < need) {
-            free(src_cnt);
-            free(src_row0);
-            e = MOE_EINTERNAL;
-            snprintf(err, sizeof(err), "short dispatch message from rank %d", q);
-            goto fail_msg;
-        }
-        memcpy(src_cnt + (size_t)q * ne, (uint8_t *)s.recvbuf + off, need);
-        size_t nrows = 0;
-        for (int i = 0; i < ne; i++)
-            nrows += (size_t)src_cnt[(size_t)q * ne + i];
-        if (recv_bytes[q] != need + nrows * H * es) {
-            free(src_cnt);
-            free(src_row0);
-            e = MOE_EINTERNAL;
-            snprintf(err, sizeof(err), "dispatch message from rank %d has %zu bytes, want %zu",
-                     q, recv_bytes[q], need + nrows * H * es);
-            goto fail_msg;
-        }
-        src_row0[q] = off + need;
-        off += recv_bytes[q];
-        rows_in += nrows;
-    }
-    s.backbuf = malloc(rows_in ? rows_in * H * es : 1);
-    size_t back_bytes[256];
-    for (int q = 0; q < W; q++) {
-        size_t nrows = 0;
-        for (int i = 0; i < ne; i++)
-            nrows += (size_t)src_cnt[(size_t)q * ne + i];
-        back_bytes[q] = nrows * H * es;
-    }
-    int32_t cap = kern_capacity((float)cfg->capacity_factor, (int)T_total, K, E);
-    size_t maxN = 0;
-    for (int i = 0; i < ne; i++) {
-        size_t n = 0;
-        for (int q = 0; q < W; q++)
-            n += (size_t)src_cnt[(size_t)q * ne + i];
-        maxN = n > maxN ? n : maxN;
-    }
-    size_t mN = maxN ? maxN : 1;
-    s.xe = malloc(mN * H * sizeof(float));
-    s.ye = malloc(mN * H * sizeof(float));
-    s.ae = malloc(mN * F * sizeof(float));
-    s.be = malloc(mN * F * sizeof(float));
-    if (!s.backbuf || !s.xe || !s.ye || !s.ae || !s.be) {
-        free(src_cnt);
-        free(src_row0);
+    fwd_owner_gather(st, W, recvbuf, row0s, H, bf, st->xe);
+    xchg_free(w->xc, recvbuf);
+    recvbuf = NULL;
+    fwd_experts(st, L, W, dropped, ye);
+    if (fwd_owner_scatter(st, W, H, ye, bf, &backbuf, back_bytes) == (size_t)-1) {
         e = MOE_ENOMEM;
         goto fail;
     }
-    /* back offsets: per source, rows of expert i follow those of i-1 */
-    size_t *back_pos = malloc((size_t)W * sizeof(size_t));
-    size_t *src_pos = malloc((size_t)W * sizeof(size_t));
-    size_t acc = 0;
-    for (int q = 0; q < W; q++) {
-        back_pos[q] = acc;
-        acc += back_bytes[q];
-        src_pos[q] = src_row0[q];
-    }
-    const size_t fh = (size_t)F * H;
-    for (int i = 0; i < ne; i++) {
-        size_t n = 0;
-        for (int q = 0; q < W; q++) {
-            int32_t k = src_cnt[(size_t)q * ne + i];
-            for (int32_t j = 0; j < k; j++) {
-                get_row(s.xe + (n + (size_t)j) * H, (uint8_t *)s.recvbuf + src_pos[q] +
-                                                        (size_t)j * H * es,
-                        H, bf);
-            }
-            n += (size_t)k;
-        }
-        size_t kept = n < (size_t)cap ? n : (size_t)cap;
-        dropped[m->e0 + i] = (int32_t)(n - kept);
-        if (kept)
-            kern_expert_ffn_blas(s.xe, (int)kept, H, F, L->w1 + i * fh,
-                                 L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh,
-                                 (kern_act)cfg->act, bf, s.ae, s.be, s.ye);
-        if (n > kept)
-            memset(s.ye + kept * H, 0, (n - kept) * H * sizeof(float));
-        n = 0;
-        for (int q = 0; q < W; q++) {
-            int32_t k = src_cnt[(size_t)q * ne + i];
-            for (int32_t j = 0; j < k; j++)
-                put_row(s.backbuf + back_pos[q] + (size_t)j * H * es, s.ye + (n + (size_t)j) * H,
-                        H, bf);
-            back_pos[q] += (size_t)k * H * es;
-            src_pos[q] += (size_t)k * H * es;
-            n += (size_t)k;
-        }
-    }
-    free(back_pos);
-    free(src_pos);
-    free(src_cnt);
-    free(src_row0);
-    t_exp = now_s();
+    t_exp = fwd_now_s();
 
     /* ---- combine ---- */
-    size_t ret_bytes[256];
-    e = xchg_alltoallv(w->xc, s.backbuf, back_bytes, &s.retbuf, ret_bytes);
+    e = xchg_alltoallv(w->xc, backbuf, back_bytes, &retbuf, ret_bytes);
     if (e != MOE_OK)
         goto fail_xchg;
     size_t ret_total = 0;
     for (int q = 0; q < W; q++)
         ret_total += ret_bytes[q];
-    if (ret_total != S * H * es) {
+    if (ret_total != S * H * (bf ? 2 : 4)) {
         e = MOE_EINTERNAL;
         snprintf(err, sizeof(err), "combine returned %zu bytes, want %zu", ret_total,
-                 S * H * es);
+                 S * H * (bf ? 2 : 4));
         goto fail_msg;
     }
-    s.ye_slot = malloc((S ? S : 1) * H * sizeof(float));
-    s.y = malloc(Tn * H * sizeof(float));
-    if (!s.ye_slot || !s.y) {
+    st->ye_slot = malloc((S ? S : 1) * H * sizeof(float));
+    y = malloc(Tn * H * sizeof(float));
+    if (!st->ye_slot || !y) {
         e = MOE_ENOMEM;
         goto fail;
     }
-    /* the rows come back in the order they were sent: sorted position i */
-    for (size_t i = 0; i < S; i++)
-        get_row(s.ye_slot + (size_t)s.perm[i] * H, (uint8_t *)s.retbuf + i * H * es, H, bf);
-    kern_combine_cpu(s.ye_slot, s.topk_w, NULL, T, K, H, bf, s.y);
-    t_comb = now_s();
+    fwd_unpack_sorted(st, retbuf, H, bf, st->ye_slot);
+    kern_combine_cpu(st->ye_slot, st->topk_w, NULL, T, K, H, bf, y);
+    t_comb = fwd_now_s();
 
     /* ---- reply {y, counts, dropped, probs_sum, z_sum, phase times} ---- */
     mp_writer wr;
@@ -369,35 +378,9 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);
     mp_write_map(&wr, 9);
     mp_write_cstr(&wr, "y");
-    {
-        mp_write_map(&wr, 3);
-        mp_write_cstr(&wr, "dtype");
-        mp_write_cstr(&wr, moe_dtype_name(xt.dtype));
-        mp_write_cstr(&wr, "shape");
-        mp_write_array(&wr, 2);
-        mp_write_i64(&wr, T);
-        mp_write_i64(&wr, H);
-        mp_write_cstr(&wr, "data");
-        size_t yb = (size_t)T * H * moe_dtype_size(xt.dtype);
-        uint8_t *dst = mp_writer_reserve_bin(&wr, (uint32_t)yb);
-        if (dst) {
-            if (xt.dtype == MOE_F32) {
-                memcpy(dst, s.y, yb);
-            } else if (xt.dtype == MOE_BF16) {
-                for (size_t i = 0; i < (size_t)T * H; i++) {
-                    uint16_t h = kern_f32_to_bf16(s.y[i]);
-                    memcpy(dst + 2 * i, &h, 2);
-                }
-            } else {
-                for (size_t i = 0; i < (size_t)T * H; i++) {
-                    _Float16 h = (_Float16)s.y[i];
-                    memcpy(dst + 2 * i, &h, 2);
-                }
-            }
-        }
-    }
+    rows_write_tensor(&wr, xt.dtype, y, T, H);
     mp_write_cstr(&wr, "counts");
-    mp_write_bin(&wr, s.counts, (uint32_t)(4 * E));
+    mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
     mp_write_cstr(&wr, "dropped");
     mp_write_bin(&wr, dropped, (uint32_t)(4 * E));
     mp_write_cstr(&wr, "probs_sum");
@@ -413,22 +396,34 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     mp_write_cstr(&wr, "combine_s");
     mp_write_f64(&wr, t_comb - t_exp);
     rpc_reply(c, &wr);
-    scratch_free(w, &s);
-    return;
+    if (train) {
+        wkr_handle_put(w, st);
+        st = NULL;
+    }
+    goto out;
 
 fail_xchg:
     LOG_W("forward %s layer %lld: exchange failed: %s", model_name, (long long)layer,
           moe_strerror(e));
     rpc_reply_err(c, MOE_EUNAVAIL, "exchange between workers failed (rank %d): %s", w->rank,
                   moe_strerror(e));
-    scratch_free(w, &s);
-    return;
+    goto out;
 fail_msg:
     LOG_E("forward: %s", err);
     rpc_reply_err(c, e, "%s", err);
-    scratch_free(w, &s);
-    return;
+    goto out;
 fail:
     rpc_reply_err(c, e, "worker rank %d: %s", w->rank, moe_strerror(e));
-    scratch_free(w, &s);
+out:
+    wkr_fwd_state_free(st);
+    free(probs_sum);
+    free(dropped);
+    free(sendbuf);
+    free(backbuf);
+    free(ye);
+    free(y);
+    if (recvbuf)
+        xchg_free(w->xc, recvbuf);
+    if (retbuf)
+        xchg_free(w->xc, retbuf);
 }

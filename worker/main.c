@@ -33,6 +33,10 @@ static const cfg_entry worker_cfg[] = {
      "bound on one collective between workers"},
     {"threads", CFG_INT, "0", 0, 1024, &W.threads, "BLAS threads (0 = library default)"},
     {"max-msg-mb", CFG_INT, "1024", 1, 4096, &W.max_msg_mb, "largest request accepted, MiB"},
+    {"max-handles", CFG_INT, "64", 1, 1000000, &W.max_handles,
+     "train forwards kept for backward; the oldest is dropped beyond this"},
+    {"handle-ttl-ms", CFG_INT, "600000", 1, 86400000, &W.handle_ttl_ms,
+     "a train forward not backwarded within this expires"},
     {"auth-token", CFG_STR, "", 0, 0, W.auth_token, "token sent to the coordinator"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
@@ -238,6 +242,9 @@ int main(int argc, char **argv)
         return 2;
     }
     W.worker_id = -1;
+    W.handles = calloc((size_t)W.max_handles, sizeof(wkr_fwd_state *));
+    if (!W.handles)
+        return 1;
     W.loop = uv_default_loop();
     pthread_mutex_init(&W.qmu, NULL);
     pthread_cond_init(&W.qcv, NULL);

@@ -15,6 +15,16 @@ void wkr_model_free(wkr_model *m)
 {
     if (!m)
         return;
+    for (int i = 0; m->params && i < m->nparams; i++) {
+        free(m->params[i].grad);
+        free(m->params[i].m);
+        free(m->params[i].v);
+        free(m->params[i].master);
+    }
+    free(m->params);
+    for (int i = 0; m->staged && i < 3 * m->nparams; i++)
+        free(m->staged[i]);
+    free(m->staged);
     for (int l = 0; m->layers && l < m->cfg.layers; l++) {
         free(m->layers[l].wr);
         free(m->layers[l].w1);
@@ -35,6 +45,7 @@ wkr_model *wkr_find_model(wkr *w, const char *name)
 
 static void drop_models(wkr *w)
 {
+    wkr_handle_drop_model(w, NULL);
     for (int i = 0; i < w->nmodels; i++)
         wkr_model_free(w->models[i]);
     w->nmodels = 0;
@@ -162,6 +173,34 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
             kern_bf16_round_n(L->w2, (size_t)m->ne * fh);
             if (L->w3)
                 kern_bf16_round_n(L->w3, (size_t)m->ne * fh);
+        }
+    }
+    /* the parameter list: per layer the router, then w1, (w3,) w2 of each local expert */
+    int nmat = cfg->act == KERN_ACT_SWIGLU ? 3 : 2;
+    m->nparams = cfg->layers * (1 + m->ne * nmat);
+    m->params = calloc((size_t)m->nparams, sizeof(wkr_param));
+    if (!m->params)
+        goto oom;
+    wkr_param *p = m->params;
+    for (int l = 0; l < cfg->layers; l++) {
+        wkr_layer *L = &m->layers[l];
+        size_t fh = (size_t)F * H;
+        snprintf(p->name, sizeof(p->name), "model.layers.%d.block_sparse_moe.gate.weight", l);
+        p->w = L->wr, p->n = (size_t)E * H, p->rows = E, p->cols = H, p->replicated = 1;
+        p++;
+        for (int i = 0; i < m->ne; i++) {
+            int e = m->e0 + i;
+            snprintf(p->name, sizeof(p->name), "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l, e);
+            p->w = L->w1 + i * fh, p->n = fh, p->rows = F, p->cols = H;
+            p++;
+            if (nmat == 3) {
+                snprintf(p->name, sizeof(p->name), "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l, e);
+                p->w = L->w3 + i * fh, p->n = fh, p->rows = F, p->cols = H;
+                p++;
+            }
+            snprintf(p->name, sizeof(p->name), "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l, e);
+            p->w = L->w2 + i * fh, p->n = fh, p->rows = H, p->cols = F;
+            p++;
         }
     }
     *out = m;

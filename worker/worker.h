@@ -31,11 +31,59 @@ typedef struct wkr_layer {
     float *w2; /* (ne,H,F) */
 } wkr_layer;
 
+/* One trainable tensor of a model on this worker. Training state (grad, m,
+ * v, and for bf16 models the fp32 master copy) is allocated on the first
+ * train forward. `w` is what the kernels read: for bf16 models it holds the
+ * master rounded to bf16. */
+typedef struct wkr_param {
+    char name[112]; /* checkpoint name (Hugging Face Mixtral naming), e.g.
+                    * model.layers.0.block_sparse_moe.experts.3.w1.weight */
+    float *w;      /* the tensor in wkr_layer (not owned here) */
+    size_t n;
+    int rows, cols;
+    int replicated; /* router: the same on every rank, gradient all-reduced */
+    float *grad, *m, *v, *master; /* owned; NULL until training starts */
+} wkr_param;
+
 typedef struct wkr_model {
     model_cfg cfg;
     int e0, ne;        /* owned experts */
     wkr_layer *layers; /* (cfg.layers) */
+    wkr_param *params; /* (nparams): per layer router, then w1, w3, w2 per local expert */
+    int nparams;
+    int64_t step;      /* optimizer steps applied */
+    int has_grads;     /* a backward ran since the last step */
+    int train_ready;   /* grad/m/v allocated */
+    /* a checkpoint read and validated, waiting for commit (phase 2 of load):
+     * per param 3 arrays (weights, m, v), (nparams * 3) */
+    float **staged;
+    int64_t staged_step;
 } wkr_model;
+
+/* What one train forward keeps for its backward (this worker's part). */
+typedef struct wkr_fwd_state {
+    uint64_t handle;
+    uint64_t created_ns;
+    wkr_model *model;
+    int layer, T, T_total;
+    /* origin side: this worker's T tokens */
+    float *x;          /* (T,H) */
+    float *logits;     /* (T,E) */
+    float *probs;      /* (T,E) */
+    float *topk_w;     /* (T,K) */
+    int32_t *topk_idx; /* (T,K) */
+    int32_t *counts;   /* (E) local slots per expert */
+    int32_t *offsets;  /* (E+1) */
+    int32_t *perm;     /* (S) sorted position -> slot */
+    int32_t *counts_global; /* (E) over the whole batch */
+    float *ye_slot;    /* (S,H) unweighted expert output per slot */
+    /* owner side: rows received for this worker's experts */
+    int32_t *src_cnt;  /* (W,ne) rows per source rank and local expert */
+    int32_t *kept;     /* (ne) rows kept under the capacity */
+    size_t n_in;       /* rows received */
+    float *xe;         /* (n_in,H) expert-major, sources in rank order */
+    float *ae, *be;    /* (n_in,F) pre-activations, kept rows only valid */
+} wkr_fwd_state;
 
 typedef struct wkr_queue_item {
     rpc_call *call;
@@ -80,6 +128,8 @@ typedef struct wkr {
     uint64_t generation;
     wkr_model *models[WKR_MAX_MODELS];
     int nmodels;
+    wkr_fwd_state **handles; /* (max_handles) train forwards awaiting backward */
+    long long max_handles, handle_ttl_ms;
 } wkr;
 
 /* wkr_compute_main is the compute thread's body. */
@@ -91,7 +141,25 @@ void wkr_enqueue(wkr *w, rpc_call *c);
 void wkr_op_join(wkr *w, rpc_call *c);
 void wkr_op_model_create(wkr *w, rpc_call *c);
 void wkr_op_forward(wkr *w, rpc_call *c);
+void wkr_op_backward(wkr *w, rpc_call *c);
+void wkr_op_step(wkr *w, rpc_call *c);
+void wkr_op_ckpt_save(wkr *w, rpc_call *c);
+void wkr_op_ckpt_load(wkr *w, rpc_call *c);
 wkr_model *wkr_find_model(wkr *w, const char *name);
 void wkr_model_free(wkr_model *m);
+/* wkr_model_train_alloc allocates grad/m/v (and masters for bf16). */
+moe_err wkr_model_train_alloc(wkr_model *m);
+
+/* handles.c: the table of train forwards awaiting backward. */
+void wkr_fwd_state_free(wkr_fwd_state *st);
+/* wkr_handle_put stores st (ownership passes to the table); the oldest entry
+ * is evicted when full. */
+void wkr_handle_put(wkr *w, wkr_fwd_state *st);
+/* wkr_handle_take removes and returns the state of handle, or NULL. */
+wkr_fwd_state *wkr_handle_take(wkr *w, uint64_t handle);
+/* wkr_handle_expire frees states older than handle_ttl_ms. */
+void wkr_handle_expire(wkr *w);
+/* wkr_handle_drop_model frees every state of model m (NULL = all). */
+void wkr_handle_drop_model(wkr *w, wkr_model *m);
 
 #endif

@@ -46,7 +46,8 @@ struct xchg {
  * listener may be opened earlier with xchg_nng_listen so that the actual
  * address (port 0 = any) is known before the peers are. */
 typedef struct xchg_nng_listener xchg_nng_listener;
-moe_err xchg_nng_listen(const char *url, xchg_nng_listener **out, char *bound_url, size_t bound_len);
+moe_err xchg_nng_listen(const char *url, xchg_nng_listener **out, char *bound_url,
+                        size_t bound_len);
 /* XCHG_NNG_RECV_MAX_DEFAULT: the cap on one message received (NNG_OPT_RECVMAXSZ)
  * used by xchg_nng_listen. Payloads of any size still pass: senders cut
  * each part into chunks that fit the receiver's cap, which every rank
@@ -96,8 +97,10 @@ static inline moe_err xchg_alltoallv(xchg *x, const void *sendbuf, const size_t 
 {
     return x->ops->alltoallv(x, sendbuf, send_bytes, recvbuf, recv_bytes);
 }
-/* xchg_allreduce_f32: in-place sum over ranks; deterministic (the sum is
- * taken in rank order, every rank gets identical bits). */
+/* xchg_allreduce_f32: in-place sum over ranks; deterministic: every rank
+ * gets identical bits, and the same inputs give the same bits again. nng
+ * sums in rank order 0..W-1; NCCL uses its own (fixed) order, so the two
+ * backends can differ in the last bits. */
 static inline moe_err xchg_allreduce_f32(xchg *x, float *buf, size_t n)
 {
     return x->ops->allreduce_f32(x, buf, n);
@@ -117,5 +120,45 @@ static inline void xchg_close(xchg *x)
     if (x)
         x->ops->close(x);
 }
+
+#ifdef MOE_HAVE_CUDA
+/* NCCL backend (GPU workers). One rank per worker process, one GPU each.
+ *
+ * Buffers: device pointers of the communicator's device; the collectives
+ * run on the backend's own stream (xchg_nccl_stream, non-blocking with
+ * respect to the legacy default stream), so the caller makes the inputs
+ * ready first: produce them on that stream, or synchronize. Every call
+ * returns after its work finished (the stream is watched with the timeout;
+ * that is how a hung peer is noticed), so outputs are ready on return.
+ * Host pointers are accepted too and staged through device scratch (slow;
+ * meant for small control data: counts, losses): a host sendbuf gives a
+ * host *recvbuf in alltoallv. xchg_free frees either kind (device memory
+ * with cudaFreeAsync on the backend's stream).
+ *
+ * Failures: NCCL errors, CUDA errors and timeouts abort the communicator
+ * (ncclCommAbort), return MOE_EUNAVAIL (MOE_ENOMEM when a CUDA allocation
+ * failed) and leave it failed; close and reopen with a new unique id.
+ *
+ * Link: -lnccl -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread. */
+#define XCHG_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+/* xchg_nccl_get_unique_id writes a new ncclUniqueId (XCHG_NCCL_ID_BYTES
+ * bytes) to out. Rank 0 calls it and the coordinator relays the bytes to
+ * the other ranks; the calling process hosts NCCL's bootstrap root, so it
+ * must live until every rank has opened. MOE_EUNAVAIL on NCCL errors. */
+moe_err xchg_nccl_get_unique_id(void *out);
+/* xchg_nccl_open joins rank `rank` of `world` on CUDA device `device`
+ * (made current on the calling thread) with a non-blocking NCCL
+ * communicator. Blocks until every rank joined or timeout_ms passed
+ * (MOE_EUNAVAIL; the communicator is aborted). timeout_ms also bounds each
+ * later collective. On success *out is owned by the caller (xchg_close:
+ * finalize and destroy, or abort when failed). */
+moe_err xchg_nccl_open(int rank, int world, const void *unique_id, int device, int timeout_ms,
+                       xchg **out);
+/* xchg_nccl_stream returns the cudaStream_t the collectives run on. */
+void *xchg_nccl_stream(xchg *x);
+/* xchg_nccl_comm returns the ncclComm_t (NULL once failed); for benchmarks
+ * and tools. The communicator stays owned by x. */
+void *xchg_nccl_comm(xchg *x);
+#endif /* MOE_HAVE_CUDA */
 
 #endif /* MOE_XCHG_H */

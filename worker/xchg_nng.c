@@ -53,9 +53,12 @@
 enum nx_kind { NX_HELLO = 1, NX_A2A, NX_AG, NX_RS, NX_RAG, NX_BYE, NX_KIND_COUNT };
 
 static const char *const nx_kind_name[NX_KIND_COUNT] = {
-    [NX_HELLO] = "handshake", [NX_A2A] = "alltoallv",
-    [NX_AG] = "allgather",    [NX_RS] = "allreduce (reduce-scatter)",
-    [NX_RAG] = "allreduce (allgather)", [NX_BYE] = "bye",
+    [NX_HELLO] = "handshake",
+    [NX_A2A] = "alltoallv",
+    [NX_AG] = "allgather",
+    [NX_RS] = "allreduce (reduce-scatter)",
+    [NX_RAG] = "allreduce (allgather)",
+    [NX_BYE] = "bye",
 };
 
 /* nx_hdr: the first 48 bytes of every message, host byte order (all ranks
@@ -63,14 +66,14 @@ static const char *const nx_kind_name[NX_KIND_COUNT] = {
 typedef struct nx_hdr {
     uint32_t magic;
     uint8_t version;
-    uint8_t kind;      /* enum nx_kind */
+    uint8_t kind; /* enum nx_kind */
     uint16_t reserved;
-    uint32_t src;      /* sender's rank */
+    uint32_t src; /* sender's rank */
     uint32_t reserved2;
-    uint64_t gen;      /* communicator generation */
-    uint64_t seq;      /* round number: 0 = handshake, then 1, 2, ... */
-    uint64_t total;    /* bytes of the whole part */
-    uint64_t off;      /* offset of this chunk in the part */
+    uint64_t gen;   /* communicator generation */
+    uint64_t seq;   /* round number: 0 = handshake, then 1, 2, ... */
+    uint64_t total; /* bytes of the whole part */
+    uint64_t off;   /* offset of this chunk in the part */
 } nx_hdr;
 _Static_assert(sizeof(nx_hdr) == 48, "nx_hdr layout");
 
@@ -91,10 +94,10 @@ typedef struct nx_rx {
 typedef struct nx_peer {
     nng_socket push;
     int push_open;
-    size_t chunk;          /* payload bytes per message to this peer */
-    atomic_int rx_pipe;    /* id of the pipe its messages arrive on (0 = unknown) */
-    atomic_int rx_gone;    /* that pipe closed: the peer left or died */
-    int bye;               /* the peer announced it leaves */
+    size_t chunk;       /* payload bytes per message to this peer */
+    atomic_int rx_pipe; /* id of the pipe its messages arrive on (0 = unknown) */
+    atomic_int rx_gone; /* that pipe closed: the peer left or died */
+    int bye;            /* the peer announced it leaves */
 } nx_peer;
 
 typedef struct nx {
@@ -103,18 +106,18 @@ typedef struct nx {
     int timeout_ms;
     nng_socket pull;
     size_t recv_max;
-    nx_peer *peer;      /* [world] */
-    nx_rx *rx;          /* [world] */
-    const void **sp;    /* [world] scratch: part for each rank */
-    size_t *sn;         /* [world] scratch: its bytes */
-    nng_msg **stash;    /* messages of round cur_seq + 1 */
+    nx_peer *peer;   /* [world] */
+    nx_rx *rx;       /* [world] */
+    const void **sp; /* [world] scratch: part for each rank */
+    size_t *sn;      /* [world] scratch: its bytes */
+    nng_msg **stash; /* messages of round cur_seq + 1 */
     size_t nstash, stash_cap;
-    nng_aio *raio;      /* receive */
-    nng_aio **saio;     /* [saio_cap] sends of one round */
-    int *saio_peer;     /* [saio_cap] destination of each */
+    nng_aio *raio;  /* receive */
+    nng_aio **saio; /* [saio_cap] sends of one round */
+    int *saio_peer; /* [saio_cap] destination of each */
     size_t saio_cap;
-    uint64_t seq;       /* last round number used */
-    uint64_t cur_seq;   /* round being run */
+    uint64_t seq;     /* last round number used */
+    uint64_t cur_seq; /* round being run */
     uint8_t cur_kind;
     atomic_int opened;
 } nx;
@@ -181,7 +184,7 @@ moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener 
     if ((rv = nng_listener_create(&l, lis->pull, url)) != 0) {
         LOG_E("xchg_nng_listen: %s: %s", url, nng_strerror(rv));
         err = (rv == NNG_EADDRINVAL || rv == NNG_ENOTSUP || rv == NNG_EINVAL) ? MOE_EINVAL
-                                                                                : MOE_EUNAVAIL;
+                                                                              : MOE_EUNAVAIL;
         goto fail;
     }
     rv = nng_listener_set_size(l, NNG_OPT_RECVMAXSZ, recv_max);
@@ -204,8 +207,7 @@ moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener 
             goto fail;
         }
     }
-    LOG_D("xchg_nng_listen: listening on %s (recv max %zu)", bound_url ? bound_url : url,
-          recv_max);
+    LOG_D("xchg_nng_listen: listening on %s (recv max %zu)", bound_url ? bound_url : url, recv_max);
     *out = lis;
     return MOE_OK;
 fail:
@@ -393,8 +395,8 @@ static moe_err nx_accept(nx *x, nng_msg *m)
     if (h.seq != x->cur_seq || h.kind != x->cur_kind) {
         LOG_E("xchg: rank %d: rank %u sent %s round %llu while we run %s round %llu: ranks "
               "called collectives in different orders",
-              r, h.src, nx_kind_name[h.kind], (unsigned long long)h.seq,
-              nx_kind_name[x->cur_kind], (unsigned long long)x->cur_seq);
+              r, h.src, nx_kind_name[h.kind], (unsigned long long)h.seq, nx_kind_name[x->cur_kind],
+              (unsigned long long)x->cur_seq);
         nng_msg_free(m);
         return MOE_EPROTO;
     }
@@ -516,8 +518,8 @@ static moe_err nx_wait_sends(nx *x, size_t nsend, moe_err err)
             nng_aio_set_msg(a, NULL);
             if (err == MOE_OK) {
                 LOG_W("xchg: rank %d: %s round %llu: send to rank %d failed: %s", x->pub.rank,
-                      nx_kind_name[x->cur_kind], (unsigned long long)x->cur_seq,
-                      x->saio_peer[i], nng_strerror(rv));
+                      nx_kind_name[x->cur_kind], (unsigned long long)x->cur_seq, x->saio_peer[i],
+                      nng_strerror(rv));
                 err = MOE_EUNAVAIL;
             }
         }
@@ -617,8 +619,8 @@ static moe_err nx_check(nx *x)
 
 /* -------------------------------------------------------------- collectives */
 
-static moe_err nx_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_bytes,
-                            void **recvbuf, size_t *recv_bytes)
+static moe_err nx_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_bytes, void **recvbuf,
+                            size_t *recv_bytes)
 {
     nx *x = (nx *)xp;
     int r = xp->rank, W = xp->world;
@@ -776,8 +778,8 @@ static moe_err nx_allreduce_f32(xchg *xp, float *buf, size_t n)
         if (q == r)
             continue;
         if (x->rx[q].total != ql * sizeof(float)) {
-            LOG_E("xchg_allreduce_f32: rank %d: rank %d sent a %llu-byte segment, expected %zu",
-                  r, q, (unsigned long long)x->rx[q].total, ql * sizeof(float));
+            LOG_E("xchg_allreduce_f32: rank %d: rank %d sent a %llu-byte segment, expected %zu", r,
+                  q, (unsigned long long)x->rx[q].total, ql * sizeof(float));
             err = MOE_EPROTO;
             nx_fail(x, err);
             goto out;

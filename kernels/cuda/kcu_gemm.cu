@@ -3,7 +3,7 @@
  * accumulate) over the block-sparse tile list, with the MoE gathers and
  * epilogues fused. Version 1 (all modes): ldmatrix + cp.async, 3 stages,
  * 128x128x64 tiles, 8 warps (2 x 4, warp tile 64x32), persistent grid, 2 CTAs
- * per SM. Version 2 (k_gemm_wg, forward K-major GEMMs): wgmma, see below.
+ * per SM. Version 2 (k_gemm_wg, every mode when N % 256 == 0): wgmma, see below.
  * bench/NOTES.md records each version's timings.
  *
  * Shared-memory tiles are 16 KB each, rows of 16-byte chunks XOR-swizzled
@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
             n0 = (in % ntn) * BN;
             kbeg = p.offs ? p.offs[e] : 0;
             kend = p.offs ? p.offs[e + 1] : p.K;
-            if (kend <= kbeg)
-                continue; /* no rows: gradient unchanged */
+            if (kend <= kbeg && !p.beta0)
+                continue; /* no rows: gradient unchanged (zero with beta0) */
         }
         const bf16 *Bg = p.B + (AM == KCU_A_K ? (size_t)e * p.b_gstride : 0);
 
@@ -269,9 +269,12 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                     for (int ni = 0; ni < 4; ni++) {
                         float2 *cp = reinterpret_cast<float2 *>(C + (size_t)m * p.ldc + n0 +
                                                                 wn * 32 + ni * 8 + q4 * 2);
-                        float2 v = *cp;
-                        v.x += acc[mi][ni][hr * 2];
-                        v.y += acc[mi][ni][hr * 2 + 1];
+                        float2 v = make_float2(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
+                        if (!p.beta0) {
+                            const float2 o = *cp;
+                            v.x += o.x;
+                            v.y += o.y;
+                        }
                         *cp = v;
                     }
                 }
@@ -293,7 +296,7 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                                     make_float2(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
                             }
                         } else if (EPI == KCU_EPI_SCATTER) {
-                            const size_t so = (size_t)p.scatter[r] * p.ldc;
+                            const size_t so = (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc;
 #pragma unroll
                             for (int ni = 0; ni < 4; ni++) {
                                 const int n = n0 + wn * 32 + ni * 8 + q4 * 2;
@@ -325,7 +328,8 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                                     st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
                             }
                         } else { /* DSWIGLU / DGELU: acc = dy.W2 (unweighted dh) */
-                            const float wg = p.gate_w[p.scatter[r]];
+                            const float wg =
+                                p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
 #pragma unroll
                             for (int ni = 0; ni < 4; ni++) {
                                 const int f = n0 + wn * 32 + ni * 8 + q4 * 2;
@@ -363,7 +367,7 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                 }
             if (EPI == KCU_EPI_DSWIGLU || EPI == KCU_EPI_DGELU) {
                 __syncthreads();
-                if (tid < BM && m0 + tid < rend)
+                if (p.dwpart && tid < BM && m0 + tid < rend)
                     p.dwpart[(size_t)(m0 + tid) * ntn + n0 / BN] =
                         red[tid] + red[BM + tid] + red[2 * BM + tid] + red[3 * BM + tid];
             }
@@ -394,22 +398,41 @@ moe_err launch(const kcu_gemm_args *a, int nsm, cudaStream_t st)
     return MOE_OK;
 }
 
-/* ---- v2: wgmma (sm_90a) for the rows-mode K-contiguous GEMMs (forward) ----
- * 128x256x64 tiles, 2 warpgroups each computing 64x256 with
- * wgmma.m64n256k16 from shared memory (both operands K-major, 128-byte
- * swizzle = the off_k layout on a 1024-byte aligned base), 4 stages of
- * cp.async (so the token gather stays fused into the A load), prefetch
- * distance 2 with one wgmma batch left in flight. 1 CTA per SM. */
+/* ---- v2: wgmma (sm_90a), every mode ----
+ * 128x256x64 tiles, 2 warpgroups each computing 64x256 with wgmma.m64n256k16
+ * from shared memory, 4 cp.async stages (the token gathers stay fused into
+ * the loads), prefetch distance 2 with one wgmma batch left in flight, 1 CTA
+ * per SM, persistent. The next work item's first two stages are issued
+ * before the current item's epilogue (the epilogues touch no shared memory),
+ * so the epilogue's global traffic overlaps the next item's loads.
+ * Operand tiles, 128-byte swizzle on a 1024-byte aligned base:
+ *  K-major  (rows A, B_K): [row][64 k] rows of 128 B = the off_k layout;
+ *           descriptor LBO unused, SBO = 1024 B (8-row groups).
+ *  MN-major (wgrad A, B_N): atoms of 64 m/n columns x 64 k rows (8 KB),
+ *           row k at k*128 B, its 16-byte chunk c at (c ^ (k&7))*16;
+ *           descriptor LBO = 8 KB (next 64 columns), SBO = 1024 B (next 8 k
+ *           rows); the instruction's transpose bit set for that operand. */
 constexpr int WG_BN = 256, WG_STAGES = 4;
 constexpr int WG_A_BYTES = 128 * 64 * 2, WG_B_BYTES = WG_BN * 64 * 2;
 constexpr int WG_STAGE_BYTES = WG_A_BYTES + WG_B_BYTES;
 constexpr int WG_SMEM_BYTES = WG_STAGES * WG_STAGE_BYTES + 1024;
+constexpr int WG_ATOM = 64 * 128; /* bytes of one MN-major atom: 64 k rows x 128 B */
 
-__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr)
+__device__ __forceinline__ uint32_t off_mnw(int k, int c16)
 {
-    /* start >> 4 | LBO 1 (unused for swizzled K-major) | SBO 1024 B >> 4 | 128B swizzle */
+    return (c16 >> 3) * WG_ATOM + k * 128 + (((c16 & 7) ^ (k & 7)) << 4);
+}
+__device__ __forceinline__ uint64_t wg_desc_k(uint32_t saddr)
+{
+    /* start >> 4 | LBO 16 B (unused for swizzled K-major) | SBO 1024 B | 128B swizzle */
     return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)64 << 32) |
            ((uint64_t)1 << 62);
+}
+__device__ __forceinline__ uint64_t wg_desc_mn(uint32_t saddr)
+{
+    /* start >> 4 | LBO 8 KB (next atom along m/n) | SBO 1024 B (next 8 k rows) | 128B swizzle */
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)(WG_ATOM >> 4) << 16) |
+           ((uint64_t)64 << 32) | ((uint64_t)1 << 62);
 }
 __device__ __forceinline__ void wg_fence()
 {
@@ -423,6 +446,8 @@ template <int N> __device__ __forceinline__ void wg_wait()
 {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+/* d += A B^T on one 64x256x16 step; TA/TB: 1 = that operand is MN-major */
+template <int TA, int TB>
 __device__ __forceinline__ void wg_mma(float (&d)[128], uint64_t da, uint64_t db)
 {
     asm volatile(
@@ -436,7 +461,7 @@ __device__ __forceinline__ void wg_mma(float (&d)[128], uint64_t da, uint64_t db
         "68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%"
         "90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%"
         "110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127},"
-        " %128, %129, p, 1, 1, 0, 0;\n"
+        " %128, %129, p, 1, 1, %131, %132;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
@@ -457,150 +482,343 @@ __device__ __forceinline__ void wg_mma(float (&d)[128], uint64_t da, uint64_t db
           "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
           "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
           "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(da), "l"(db), "r"(1));
+        : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
 }
 
-template <int EPI> __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
+/* one work item of k_gemm_wg and this thread's load sources for it */
+struct wg_item {
+    const bf16 *a[4]; /* rows mode: this thread's 4 A rows (chunk offset included) */
+    const bf16 *b;    /* B_K: row n0 + tid/8; B_N rows mode: column n0 + chunk */
+    unsigned aok;     /* rows mode: bit j = A row j exists */
+    int e, m0, n0, kbeg, kend, rend, ktiles;
+};
+
+template <int AM, int BMODE, int EPI>
+__global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
 {
     extern __shared__ uint8_t smem_raw[];
     const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int ntn = p.N / WG_BN;
-    const int ntm = p.tile_e ? *p.ntiles_m : KCU_CEIL_DIV(p.M, BM);
-    const int total = ntm * ntn;
-    for (int w = blockIdx.x; w < total; w += gridDim.x) {
-        const int grp = w / (GROUP_M * ntn), first = grp * GROUP_M;
-        const int gsz = min(GROUP_M, ntm - first), in = w - grp * GROUP_M * ntn;
-        const int mt = first + in % gsz, n0 = (in / gsz) * WG_BN;
-        int e, m0, rend;
-        if (p.tile_e) {
-            e = p.tile_e[mt];
-            m0 = p.tile_r0[mt];
-            rend = p.offs[e + 1];
-        } else {
-            e = 0;
-            m0 = mt * BM;
-            rend = p.M;
-        }
-        const bf16 *Bg = p.B + (size_t)e * p.b_gstride;
-        const bf16 *asrc[4];
-        int aok[4];
+    int ntm = 0, tpg = 0, total;
+    if (AM == KCU_A_K) {
+        ntm = p.tile_e ? *p.ntiles_m : KCU_CEIL_DIV(p.M, BM);
+        total = ntm * ntn;
+    } else {
+        tpg = (p.M / BM) * ntn;
+        total = p.ngroups * tpg;
+    }
+
+    auto decode = [&](int w, wg_item &t) {
+        if (AM == KCU_A_K) {
+            const int grp = w / (GROUP_M * ntn), first = grp * GROUP_M;
+            const int gsz = min(GROUP_M, ntm - first), in = w - grp * GROUP_M * ntn;
+            const int mt = first + in % gsz;
+            t.n0 = (in / gsz) * WG_BN;
+            if (p.tile_e) {
+                t.e = p.tile_e[mt];
+                t.m0 = p.tile_r0[mt];
+                t.rend = p.offs[t.e + 1];
+            } else {
+                t.e = 0;
+                t.m0 = mt * BM;
+                t.rend = p.M;
+            }
+            t.kbeg = 0;
+            t.kend = p.K;
+            t.ktiles = p.K / BK;
+            const bf16 *Bg = p.B + (size_t)t.e * p.b_gstride;
+            t.aok = 0;
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int r = m0 + (tid >> 3) + 32 * j;
-            aok[j] = r < rend;
-            const int sr = aok[j] ? (p.a_gather ? p.a_gather[r] : r) : 0;
-            asrc[j] = p.A + (size_t)sr * p.lda + (tid & 7) * 8;
-        }
-        const bf16 *bsrc = Bg + (size_t)(n0 + (tid >> 3)) * p.ldb + (tid & 7) * 8;
-        const size_t bstep = (size_t)32 * p.ldb;
-        auto load = [&](int stage, int kt) {
-            const uint32_t sa = sbase + stage * WG_STAGE_BYTES, sb = sa + WG_A_BYTES;
-            const int k0 = kt * BK, row = tid >> 3, ch = tid & 7;
+            for (int j = 0; j < 4; j++) {
+                const int r = t.m0 + (tid >> 3) + 32 * j;
+                const int ok = r < t.rend;
+                const int sr = ok ? (p.a_gather ? p.a_gather[r] : r) : 0;
+                t.aok |= (unsigned)ok << j;
+                t.a[j] = p.A + (size_t)sr * p.lda + (tid & 7) * 8;
+            }
+            if (BMODE == KCU_B_K)
+                t.b = Bg + (size_t)(t.n0 + (tid >> 3)) * p.ldb + (tid & 7) * 8;
+            else
+                t.b = Bg + (size_t)(tid >> 5) * p.ldb + t.n0 + (tid & 31) * 8;
+        } else {
+            t.e = w / tpg;
+            const int in = w - t.e * tpg;
+            t.m0 = (in / ntn) * BM;
+            t.n0 = (in % ntn) * WG_BN;
+            t.kbeg = p.offs ? p.offs[t.e] : 0;
+            t.kend = p.offs ? p.offs[t.e + 1] : p.K;
+            t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
+            t.rend = 0;
+            t.aok = 0;
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                cp_async16(sa + off_k(row + 32 * j, ch * 8), asrc[j] + k0, aok[j] ? 16 : 0);
+                t.a[j] = p.A;
+            t.b = p.B;
+        }
+    };
+    auto load = [&](const wg_item &t, int stage, int kt) {
+        const uint32_t sa = sbase + stage * WG_STAGE_BYTES, sb = sa + WG_A_BYTES;
+        const int k0 = kt * BK;
+        if (AM == KCU_A_K) {
+            const int row = tid >> 3, ch = tid & 7;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                cp_async16(sa + off_k(row + 32 * j, ch * 8), t.a[j] + k0,
+                           (t.aok >> j) & 1 ? 16 : 0);
+        } else {
+            const int ch = tid & 15;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int kr = (tid >> 4) + 16 * j, k = t.kbeg + k0 + kr, ok = k < t.kend;
+                const int sr = ok ? (p.a_gather ? p.a_gather[k] : k) : 0;
+                cp_async16(sa + off_mnw(kr, ch), p.A + (size_t)sr * p.lda + t.m0 + ch * 8,
+                           ok ? 16 : 0);
+            }
+        }
+        if (BMODE == KCU_B_K) {
+            const int row = tid >> 3, ch = tid & 7;
+            const size_t bstep = (size_t)32 * p.ldb;
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                cp_async16(sb + off_k(row + 32 * j, ch * 8), bsrc + j * bstep + k0, 16);
-        };
+                cp_async16(sb + off_k(row + 32 * j, ch * 8), t.b + j * bstep + k0, 16);
+        } else {
+            const int ch = tid & 31;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int kr = (tid >> 5) + 8 * j;
+                if (AM == KCU_A_K) {
+                    cp_async16(sb + off_mnw(kr, ch), t.b + (size_t)(k0 + 8 * j) * p.ldb, 16);
+                } else {
+                    const int k = t.kbeg + k0 + kr, ok = k < t.kend;
+                    const int sr = ok ? (p.b_gather ? p.b_gather[k] : k) : 0;
+                    cp_async16(sb + off_mnw(kr, ch), p.B + (size_t)sr * p.ldb + t.n0 + ch * 8,
+                               ok ? 16 : 0);
+                }
+            }
+        }
+    };
+    auto prologue = [&](const wg_item &t) {
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            if (s < t.ktiles)
+                load(t, s, s);
+            cp_async_commit();
+        }
+    };
 
+    int w = blockIdx.x;
+    if (w >= total)
+        return;
+    wg_item cur;
+    decode(w, cur);
+    prologue(cur);
+    const int g = lane >> 2, q4 = lane & 3;
+    while (true) {
         float d[128];
 #pragma unroll
         for (int i = 0; i < 128; i++)
             d[i] = 0.f;
-        const int ktiles = p.K / BK;
-#pragma unroll
-        for (int s = 0; s < 2; s++) {
-            if (s < ktiles)
-                load(s, s);
-            cp_async_commit();
-        }
-        for (int kt = 0; kt < ktiles; kt++) {
+        for (int kt = 0; kt < cur.ktiles; kt++) {
             cp_async_wait<1>();
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             __syncthreads();
-            if (kt + 2 < ktiles)
-                load((kt + 2) % WG_STAGES, kt + 2);
+            if (kt + 2 < cur.ktiles)
+                load(cur, (kt + 2) % WG_STAGES, kt + 2);
             cp_async_commit();
-            const uint32_t sa = sbase + (kt % WG_STAGES) * WG_STAGE_BYTES + wg * (64 * 128);
-            const uint32_t sb = sbase + (kt % WG_STAGES) * WG_STAGE_BYTES + WG_A_BYTES;
+            const uint32_t st = sbase + (kt % WG_STAGES) * WG_STAGE_BYTES;
             wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++)
-                wg_mma(d, wg_desc(sa + kk * 32), wg_desc(sb + kk * 32));
+            for (int kk = 0; kk < BK / 16; kk++) {
+                if (AM == KCU_A_K) {
+                    const uint64_t da = wg_desc_k(st + wg * (64 * 128) + kk * 32);
+                    if (BMODE == KCU_B_K)
+                        wg_mma<0, 0>(d, da, wg_desc_k(st + WG_A_BYTES + kk * 32));
+                    else
+                        wg_mma<0, 1>(d, da, wg_desc_mn(st + WG_A_BYTES + kk * 2048));
+                } else {
+                    wg_mma<1, 1>(d, wg_desc_mn(st + wg * WG_ATOM + kk * 2048),
+                                 wg_desc_mn(st + WG_A_BYTES + kk * 2048));
+                }
+            }
             wg_commit();
             wg_wait<1>();
         }
         wg_wait<0>();
-        cp_async_wait<0>();
-        __syncthreads();
+        __syncthreads(); /* every warpgroup is done with the stages */
+
+        /* issue the next item's first stages, then run this item's epilogue */
+        const int wn = w + gridDim.x;
+        wg_item nxt;
+        if (wn < total) {
+            decode(wn, nxt);
+            prologue(nxt);
+        }
 
         /* d[4j + c]: row wg*64 + (warp&3)*16 + g + (c>>1)*8, col 8j + q4*2 + (c&1) */
-        const int g = lane >> 2, q4 = lane & 3;
+        if (EPI == KCU_EPI_ACC) {
+            if (cur.ktiles > 0 || p.beta0) {
+                float *C = p.Cf + (size_t)cur.e * p.c_gstride;
 #pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            const int r = m0 + wg * 64 + (warp & 3) * 16 + g + hr * 8;
-            if (r >= rend)
-                continue;
-            if (EPI == KCU_EPI_F32) {
+                for (int hr = 0; hr < 2; hr++) {
+                    const int m = cur.m0 + wg * 64 + (warp & 3) * 16 + g + hr * 8;
+                    float *crow = C + (size_t)m * p.ldc + cur.n0 + q4 * 2;
 #pragma unroll
-                for (int j = 0; j < 32; j++)
-                    *reinterpret_cast<float2 *>(p.Cf + (size_t)r * p.ldc + n0 + 8 * j + q4 * 2) =
-                        make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
-            } else if (EPI == KCU_EPI_SCATTER) {
-                const size_t so = (size_t)p.scatter[r] * p.ldc;
-#pragma unroll
-                for (int j = 0; j < 32; j++)
-                    st_bf2(p.Cb + so + n0 + 8 * j + q4 * 2, d[4 * j + hr * 2],
-                           d[4 * j + hr * 2 + 1]);
-            } else if (EPI == KCU_EPI_SWIGLU) {
-#pragma unroll
-                for (int j = 0; j < 32; j += 2) {
-                    const float g0 = d[4 * j + hr * 2], g1 = d[4 * j + hr * 2 + 1];
-                    const float u0 = d[4 * j + 4 + hr * 2], u1 = d[4 * j + 4 + hr * 2 + 1];
-                    const int cg = n0 + 8 * j + q4 * 2;
-                    const int f = (n0 + 8 * j) / 2 + q4 * 2;
-                    st_bf2(p.h + (size_t)r * p.F + f, g0 * sigm(g0) * u0, g1 * sigm(g1) * u1);
-                    if (p.ab) {
-                        st_bf2(p.ab + (size_t)r * p.ld_ab + cg, g0, g1);
-                        st_bf2(p.ab + (size_t)r * p.ld_ab + cg + 8, u0, u1);
+                    for (int j = 0; j < 32; j++) {
+                        float2 *cp = reinterpret_cast<float2 *>(crow + 8 * j);
+                        float2 v = make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
+                        if (!p.beta0) {
+                            const float2 o = *cp;
+                            v.x += o.x;
+                            v.y += o.y;
+                        }
+                        *cp = v;
                     }
                 }
-            } else { /* GELU */
+            }
+        } else {
 #pragma unroll
-                for (int j = 0; j < 32; j++) {
-                    const int n = n0 + 8 * j + q4 * 2;
-                    const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
-                    st_bf2(p.h + (size_t)r * p.F + n, gelu_f(a0), gelu_f(a1));
-                    if (p.ab)
-                        st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
+            for (int hr = 0; hr < 2; hr++) {
+                const int r = cur.m0 + wg * 64 + (warp & 3) * 16 + g + hr * 8;
+                const bool ok = r < cur.rend;
+                const int n0 = cur.n0;
+                if (EPI == KCU_EPI_F32) {
+                    if (ok)
+#pragma unroll
+                        for (int j = 0; j < 32; j++)
+                            *reinterpret_cast<float2 *>(p.Cf + (size_t)r * p.ldc + n0 + 8 * j +
+                                                        q4 * 2) =
+                                make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
+                } else if (EPI == KCU_EPI_SCATTER) {
+                    if (ok) {
+                        const size_t so = (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc;
+#pragma unroll
+                        for (int j = 0; j < 32; j++)
+                            st_bf2(p.Cb + so + n0 + 8 * j + q4 * 2, d[4 * j + hr * 2],
+                                   d[4 * j + hr * 2 + 1]);
+                    }
+                } else if (EPI == KCU_EPI_SWIGLU) {
+                    if (ok)
+#pragma unroll
+                        for (int j = 0; j < 32; j += 2) {
+                            const float g0 = d[4 * j + hr * 2], g1 = d[4 * j + hr * 2 + 1];
+                            const float u0 = d[4 * j + 4 + hr * 2], u1 = d[4 * j + 4 + hr * 2 + 1];
+                            const int cg = n0 + 8 * j + q4 * 2;
+                            const int f = (n0 + 8 * j) / 2 + q4 * 2;
+                            st_bf2(p.h + (size_t)r * p.F + f, g0 * sigm(g0) * u0,
+                                   g1 * sigm(g1) * u1);
+                            if (p.ab) {
+                                st_bf2(p.ab + (size_t)r * p.ld_ab + cg, g0, g1);
+                                st_bf2(p.ab + (size_t)r * p.ld_ab + cg + 8, u0, u1);
+                            }
+                        }
+                } else if (EPI == KCU_EPI_GELU) {
+                    if (ok)
+#pragma unroll
+                        for (int j = 0; j < 32; j++) {
+                            const int n = n0 + 8 * j + q4 * 2;
+                            const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
+                            st_bf2(p.h + (size_t)r * p.F + n, gelu_f(a0), gelu_f(a1));
+                            if (p.ab)
+                                st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
+                        }
+                } else { /* DSWIGLU / DGELU: d = dy.W2 (unweighted dh) */
+                    float rsum = 0.f;
+                    if (ok) {
+                        const float wgt =
+                            p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
+#pragma unroll
+                        for (int j = 0; j < 32; j++) {
+                            const int f = n0 + 8 * j + q4 * 2;
+                            const float d0 = d[4 * j + hr * 2], d1 = d[4 * j + hr * 2 + 1];
+                            float h0, h1;
+                            if (EPI == KCU_EPI_DSWIGLU) {
+                                bf16 *pa = p.ab + (size_t)r * p.ld_ab + (f >> 3) * 16 + (f & 7);
+                                const float2 a = ld_bf2(pa), b = ld_bf2(pa + 8);
+                                const float s0 = sigm(a.x), s1 = sigm(a.y);
+                                const float sa0 = a.x * s0, sa1 = a.y * s1;
+                                h0 = rbf(sa0 * b.x);
+                                h1 = rbf(sa1 * b.y);
+                                const float e0 = wgt * d0, e1 = wgt * d1;
+                                st_bf2(pa, e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
+                                       e1 * b.y * s1 * (1.f + a.y * (1.f - s1)));
+                                st_bf2(pa + 8, e0 * sa0, e1 * sa1);
+                            } else {
+                                bf16 *pa = p.ab + (size_t)r * p.ld_ab + f;
+                                const float2 a = ld_bf2(pa);
+                                h0 = rbf(gelu_f(a.x));
+                                h1 = rbf(gelu_f(a.y));
+                                st_bf2(pa, wgt * d0 * dgelu_f(a.x), wgt * d1 * dgelu_f(a.y));
+                            }
+                            st_bf2(p.h + (size_t)r * p.F + f, wgt * h0, wgt * h1);
+                            rsum += d0 * h0 + d1 * h1;
+                        }
+                    }
+                    if (p.dwpart) { /* uniform branch: the shuffles need all lanes */
+                        rsum += __shfl_xor_sync(0xffffffffu, rsum, 1);
+                        rsum += __shfl_xor_sync(0xffffffffu, rsum, 2);
+                        if (ok && q4 == 0) { /* partials in KCU_BN columns: 2 per item */
+                            float *dp = p.dwpart + (size_t)r * (p.N / BN) + n0 / BN;
+                            dp[0] = rsum;
+                            dp[1] = 0.f;
+                        }
+                    }
                 }
             }
         }
-        __syncthreads();
+        if (wn >= total)
+            break;
+        cur = nxt;
+        w = wn;
     }
+    cp_async_wait<0>();
 }
 
-template <int EPI> moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
+template <int AM, int BMODE, int EPI>
+moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
 {
     static int attr_done;
     if (!attr_done) {
-        KCU_CHECK(cudaFuncSetAttribute(k_gemm_wg<EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       WG_SMEM_BYTES));
+        KCU_CHECK(cudaFuncSetAttribute(k_gemm_wg<AM, BMODE, EPI>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES));
         attr_done = 1;
     }
-    const long long total =
-        (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
+    long long total;
+    if (AM == KCU_A_K)
+        total = (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
+    else
+        total = (long long)a->ngroups * (a->M / BM) * (a->N / WG_BN);
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
-    k_gemm_wg<EPI><<<grid, NT, WG_SMEM_BYTES, st>>>(*a);
+    k_gemm_wg<AM, BMODE, EPI><<<grid, NT, WG_SMEM_BYTES, st>>>(*a);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }
 
 } // namespace
+
+int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
+{
+    /* KCU_GEMM=mma forces the mma.sync version, KCU_GEMM=wgmma the wgmma one
+     * wherever its shape fits (for checks and A/B timing); default: wgmma
+     * when the shape fits and there are at least nsm 128x256 work items. */
+    static int mode = -1;
+    if (mode < 0) {
+        const char *m = getenv("KCU_GEMM");
+        mode = m && !strcmp(m, "mma") ? 1 : m && !strcmp(m, "wgmma") ? 2 : 0;
+    }
+    if (mode == 1 || a->N % WG_BN)
+        return 1;
+    long long items;
+    if (am == KCU_A_K)
+        items = (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
+    else if (bm == KCU_B_N && epi == KCU_EPI_ACC)
+        items = (long long)a->ngroups * (a->M / BM) * (a->N / WG_BN);
+    else
+        return 1;
+    return mode == 2 || items >= nsm ? 2 : 1;
+}
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
                  cudaStream_t st)
@@ -611,24 +829,25 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
                 a->K, a->lda, a->ldb);
         return MOE_EINVAL;
     }
-    /* KCU_GEMM=mma forces the mma.sync version, KCU_GEMM=wgmma the wgmma one
-     * wherever its shape fits (for checks and A/B timing); default: wgmma
-     * when the shape fits and there are at least nsm 128x256 work items. */
-    static int mode = -1;
-    if (mode < 0) {
-        const char *m = getenv("KCU_GEMM");
-        mode = m && !strcmp(m, "mma") ? 1 : m && !strcmp(m, "wgmma") ? 2 : 0;
-    }
-    const long long wg_items =
-        (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
-    if (am == KCU_A_K && bm == KCU_B_K && mode != 1 && a->N % WG_BN == 0 &&
-        (mode == 2 || wg_items >= nsm)) {
-        switch (epi) {
-        case KCU_EPI_F32: return launch_wg<KCU_EPI_F32>(a, nsm, st);
-        case KCU_EPI_SWIGLU: return launch_wg<KCU_EPI_SWIGLU>(a, nsm, st);
-        case KCU_EPI_GELU: return launch_wg<KCU_EPI_GELU>(a, nsm, st);
-        case KCU_EPI_SCATTER: return launch_wg<KCU_EPI_SCATTER>(a, nsm, st);
-        default: break;
+    if (kcu_gemm_version(am, bm, epi, a, nsm) == 2) {
+        if (am == KCU_A_K && bm == KCU_B_K) {
+            switch (epi) {
+            case KCU_EPI_F32: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, nsm, st);
+            case KCU_EPI_SWIGLU: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_SWIGLU>(a, nsm, st);
+            case KCU_EPI_GELU: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_GELU>(a, nsm, st);
+            case KCU_EPI_SCATTER: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_SCATTER>(a, nsm, st);
+            default: break;
+            }
+        } else if (am == KCU_A_K && bm == KCU_B_N) {
+            switch (epi) {
+            case KCU_EPI_F32: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_F32>(a, nsm, st);
+            case KCU_EPI_SCATTER: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_SCATTER>(a, nsm, st);
+            case KCU_EPI_DSWIGLU: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_DSWIGLU>(a, nsm, st);
+            case KCU_EPI_DGELU: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_DGELU>(a, nsm, st);
+            default: break;
+            }
+        } else if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC) {
+            return launch_wg<KCU_A_M, KCU_B_N, KCU_EPI_ACC>(a, nsm, st);
         }
     }
     if (am == KCU_A_K && bm == KCU_B_K) {

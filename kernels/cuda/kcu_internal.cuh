@@ -54,10 +54,11 @@ typedef enum kcu_epi {
     KCU_EPI_F32 = 0,     /* Cf[r*ldc + n] = acc */
     KCU_EPI_SWIGLU = 1,  /* h[r*F + f] = silu(a)*b, gate/up interleaved by 8; ab raw if given */
     KCU_EPI_GELU = 2,    /* h[r*F + n] = gelu(acc); ab raw if given */
-    KCU_EPI_SCATTER = 3, /* Cb[scatter[r]*ldc + n] = bf16(acc) */
-    KCU_EPI_DSWIGLU = 4, /* dh = w*acc; ab <- (da, db) in place; h <- bf16(w*h); dwpart */
+    KCU_EPI_SCATTER = 3, /* Cb[scatter[r]*ldc + n] = bf16(acc); scatter NULL = identity */
+    KCU_EPI_DSWIGLU = 4, /* dh = w*acc; ab <- (da, db) in place; h <- bf16(w*h); dwpart;
+                          * w = gate_w[scatter[r]] (1 when gate_w is NULL); no dwpart if NULL */
     KCU_EPI_DGELU = 5,   /* same for GELU */
-    KCU_EPI_ACC = 6      /* wgrad: Cf_e[m*ldc + n] += acc */
+    KCU_EPI_ACC = 6      /* wgrad: Cf_e[m*ldc + n] += acc (= acc with beta0) */
 } kcu_epi;
 
 typedef struct kcu_gemm_args {
@@ -87,10 +88,13 @@ typedef struct kcu_gemm_args {
     int F;
     const float *gate_w; /* (S) slot -> gate weight */
     float *dwpart;       /* (rows, N/BN) */
+    int beta0;           /* ACC: overwrite C instead of accumulating (C known to be zero) */
 } kcu_gemm_args;
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
                  cudaStream_t st);
+/* kcu_gemm_version: 1 (mma.sync) or 2 (wgmma), the kernel kcu_gemm picks */
+int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm);
 
 /* ---- the layer ---- */
 struct kcu_layer {
@@ -134,15 +138,72 @@ struct kcu_layer {
     float *dw;         /* (S) dL/dtopk_w */
     bf16 *dlogits;     /* (T,Ep) */
     float *dxr;        /* (T,H) router part of dx */
+    int32_t *spos;     /* (S) slot -> sorted row, -1 when dropped by the capacity */
+    int32_t *dropped;  /* (E) slots dropped per expert */
     int max_tiles;     /* bound on the tile list length */
     int T_fwd;         /* tokens of the last train forward, 0 if none */
+    int cap_fwd;       /* capacity of the last forward (INT32_MAX = dropless) */
+    int grads_clean;   /* gradients are logically zero: the next backward stores */
 };
+
+/* ---- experts-only object (kcu_experts.cu) ---- */
+struct kcu_experts {
+    int H, F, ne, N1, N_max, train, nsm;
+    kern_act act;
+    void *params;
+    size_t params_bytes;
+    bf16 *w13;     /* (ne,N1,H), followed by */
+    bf16 *w2;      /* (ne,H,F) */
+    float *master; /* fp32 master weights, same layout as w13|w2 (train) */
+    float *g;      /* gradients, same layout (train) */
+    float *m, *v;  /* AdamW moments, same layout (train) */
+    size_t nparam; /* ne*(N1*H + H*F) */
+    void *ws;
+    size_t ws_bytes;
+    bf16 *xs;         /* (N_max,H) staged input, kept for backward */
+    bf16 *io;         /* (N_max,H) staged dy */
+    float *stage;     /* (N_max,H) f32 staging for host inputs and outputs */
+    bf16 *ab;         /* (N_max,N1) pre-activations (train) */
+    bf16 *h;          /* (N_max,F) */
+    int32_t *cnt;     /* (ne) counts, then scan scratch */
+    int32_t *counts;  /* (ne) */
+    int32_t *offs;    /* (ne+1) */
+    int32_t *tile_e;  /* (max_tiles) */
+    int32_t *tile_r0; /* (max_tiles) */
+    int32_t *ntiles;  /* (1) */
+    double *sumsq;    /* (KCU_SUMSQ_BLOCKS + 1) partial sums */
+    int max_tiles;
+    int N_fwd;       /* rows of the last kept forward, 0 if none */
+    int tiles_fwd;   /* exact tile count of the last forward */
+    int grads_clean; /* gradients are logically zero: the next backward stores */
+};
+enum { KCU_SUMSQ_BLOCKS = 528 };
+
+/* ---- helpers shared by kcu_layer.cu and kcu_experts.cu ---- */
+int kcu_is_host_ptr(const void *p);
+uint16_t kcu_host_bf16(float f);
+/* kcu_capacity: the same number as kern_capacity (kernels/layout.c) */
+int32_t kcu_capacity(float cf, int T, int K, int E);
+/* w13 device row c (gate/up interleaved by 8 rows for SwiGLU) comes from
+ * row kcu_w13_src(c) of w1, or of w3 when *from_w3 */
+int kcu_w13_src(int c, int swiglu, int *from_w3);
 
 /* ---- small kernels (kcu_route.cu) ---- */
 moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st);
-moe_err kcu_route(kcu_layer *l, int T, cudaStream_t st);
-moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, int T, int K, int H,
-                    void *out, moe_dtype dt, cudaStream_t st);
+moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st);
+/* kcu_tiles_from_counts: cnt (E) device counts in (overwritten) -> counts,
+ * offs, tile list, as the layer's layout scan with one chunk */
+moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs,
+                              int32_t *tile_e, int32_t *tile_r0, int32_t *ntiles,
+                              cudaStream_t st);
+/* kcu_combine: spos (S) may be NULL; slots with spos < 0 add nothing */
+moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,
+                    int K, int H, void *out, moe_dtype dt, cudaStream_t st);
+moe_err kcu_adamw(float *p, const float *g, float *m, float *v, bf16 *w, size_t n, float lr,
+                  float b1, float b2, float eps, float wd, float bc1, float bc2, float gscale,
+                  cudaStream_t st);
+/* kcu_sumsq: part (KCU_SUMSQ_BLOCKS + 1) doubles; part[KCU_SUMSQ_BLOCKS] = sum g^2 */
+moe_err kcu_sumsq(const float *g, size_t n, double *part, cudaStream_t st);
 moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st);
 moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st);
 moe_err kcu_router_bwd(kcu_layer *l, int T, int T_global, float aux_coef, float z_coef,

@@ -11,10 +11,54 @@
  *   dx = sum_j dx[t,j] + dlogits wr; dW13 += dab^T xs[tok];
  *   dW2 += dy[tok]^T (w h); dwr += dlogits^T xs.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kcu_internal.cuh"
+
+int kcu_is_host_ptr(const void *p)
+{
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1;
+    }
+    return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
+}
+
+uint16_t kcu_host_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int32_t kcu_capacity(float cf, int T, int K, int E)
+{
+    if (!(cf > 0.0f))
+        return INT32_MAX;
+    if (T <= 0 || K <= 0 || E <= 0)
+        return 0;
+    const double v = (double)cf * T * K / E;
+    const double c = ceil(v * (1.0 - 1.2e-7)); /* as kern_capacity: shave the float's error */
+    if (c >= (double)INT32_MAX)
+        return INT32_MAX;
+    return (int32_t)c;
+}
+
+int kcu_w13_src(int c, int swiglu, int *from_w3)
+{
+    if (!swiglu) {
+        *from_w3 = 0;
+        return c;
+    }
+    *from_w3 = (c & 15) >= 8;
+    return (c >> 4) * 8 + (c & 7);
+}
 
 namespace
 {
@@ -35,37 +79,6 @@ struct carve {
         off += align_up(bytes);
     }
 };
-
-uint16_t host_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-int is_host_ptr(const void *p)
-{
-    cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 1;
-    }
-    return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
-}
-
-/* w13 device row c of expert e comes from w1 or w3 row src_row(c) */
-int w13_src(int c, int swiglu, int *from_w3)
-{
-    if (!swiglu) {
-        *from_w3 = 0;
-        return c;
-    }
-    *from_w3 = (c & 15) >= 8;
-    return (c >> 4) * 8 + (c & 7);
-}
 
 void carve_params(kcu_layer *l, carve *cv)
 {
@@ -105,6 +118,8 @@ void carve_ws(kcu_layer *l, carve *cv)
     cv->take(&l->cglob, E * 4);
     cv->take(&l->stats, 2 * 4);
     cv->take(&l->statpart, KCU_CEIL_DIV(T, (size_t)256) * (E + 1) * 4);
+    cv->take(&l->spos, S * 4);
+    cv->take(&l->dropped, E * 4);
     cv->take(&l->h, S * F * 2);
     cv->take(&l->ye, S * H * 2);
     if (c->train) {
@@ -120,7 +135,7 @@ void carve_ws(kcu_layer *l, carve *cv)
 /* stage_in: src (T,H) of dtype dt, host or device -> bf16 device dst. */
 moe_err stage_in(kcu_layer *l, const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st)
 {
-    if (dt == MOE_F32 && is_host_ptr(src)) {
+    if (dt == MOE_F32 && kcu_is_host_ptr(src)) {
         KCU_CHECK(cudaMemcpyAsync(l->stage, src, n * 4, cudaMemcpyHostToDevice, st));
         src = l->stage;
     }
@@ -146,7 +161,8 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     *out = NULL;
     if (cfg->H <= 0 || cfg->F <= 0 || cfg->H % 128 || cfg->F % 128 || cfg->E < 1 || cfg->E > 256 ||
         cfg->K < 1 || cfg->K > 8 || cfg->K > cfg->E || cfg->T_max < 1 ||
-        (cfg->act != KERN_ACT_SWIGLU && cfg->act != KERN_ACT_GELU)) {
+        (cfg->act != KERN_ACT_SWIGLU && cfg->act != KERN_ACT_GELU) ||
+        !(cfg->capacity_factor >= 0.0f)) {
         fprintf(stderr, "kcu_layer_create: unsupported shape H=%d F=%d E=%d K=%d T_max=%d\n",
                 cfg->H, cfg->F, cfg->E, cfg->K, cfg->T_max);
         return MOE_EINVAL;
@@ -209,8 +225,8 @@ extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
 {
     if (!l->c.train)
         return MOE_EPRECOND;
-    const size_t off = (size_t)((char *)l->g_wr - (char *)l->params);
-    KCU_CHECK(cudaMemsetAsync(l->g_wr, 0, l->params_bytes - off, (cudaStream_t)stream));
+    (void)stream; /* lazy: the next backward stores its gradients instead of adding them */
+    l->grads_clean = 1;
     return MOE_OK;
 }
 
@@ -229,22 +245,22 @@ extern "C" moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *
     /* router, padded rows zero */
     memset(buf, 0, (size_t)l->Ep * H * 2);
     for (size_t i = 0; i < (size_t)c->E * H; i++)
-        buf[i] = host_bf16(wr[i]);
+        buf[i] = kcu_host_bf16(wr[i]);
     if (cudaMemcpy(l->wr, buf, (size_t)l->Ep * H * 2, cudaMemcpyHostToDevice) != cudaSuccess)
         rc = MOE_EINTERNAL;
     for (int e = 0; e < c->E && rc == MOE_OK; e++) {
         for (int r = 0; r < l->N1; r++) {
             int from3;
-            const int sr = w13_src(r, swiglu, &from3);
+            const int sr = kcu_w13_src(r, swiglu, &from3);
             const float *src = (from3 ? w3 : w1) + ((size_t)e * F + sr) * H;
             for (size_t i = 0; i < H; i++)
-                buf[(size_t)r * H + i] = host_bf16(src[i]);
+                buf[(size_t)r * H + i] = kcu_host_bf16(src[i]);
         }
         if (cudaMemcpy(l->w13 + (size_t)e * per, buf, per * 2, cudaMemcpyHostToDevice) !=
             cudaSuccess)
             rc = MOE_EINTERNAL;
         for (size_t i = 0; i < H * F; i++)
-            buf[i] = host_bf16(w2[(size_t)e * H * F + i]);
+            buf[i] = kcu_host_bf16(w2[(size_t)e * H * F + i]);
         if (rc == MOE_OK && cudaMemcpy(l->w2 + (size_t)e * H * F, buf, H * F * 2,
                                        cudaMemcpyHostToDevice) != cudaSuccess)
             rc = MOE_EINTERNAL;
@@ -254,10 +270,8 @@ extern "C" moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *
         fprintf(stderr, "kcu_layer_upload: %s\n", cudaGetErrorString(cudaGetLastError()));
         return rc;
     }
-    if (c->train) {
+    if (c->train)
         KCU_TRY(kcu_layer_zero_grads(l, NULL));
-        KCU_CHECK(cudaDeviceSynchronize());
-    }
     return MOE_OK;
 }
 
@@ -270,6 +284,17 @@ extern "C" moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1
     const size_t H = c->H, F = c->F, per = (size_t)l->N1 * H;
     const int swiglu = c->act == KERN_ACT_SWIGLU;
     KCU_CHECK(cudaDeviceSynchronize());
+    if (l->grads_clean) {
+        if (dwr)
+            memset(dwr, 0, (size_t)c->E * H * 4);
+        if (dw1)
+            memset(dw1, 0, (size_t)c->E * F * H * 4);
+        if (dw3 && swiglu)
+            memset(dw3, 0, (size_t)c->E * F * H * 4);
+        if (dw2)
+            memset(dw2, 0, (size_t)c->E * H * F * 4);
+        return MOE_OK;
+    }
     if (dwr)
         KCU_CHECK(cudaMemcpy(dwr, l->g_wr, (size_t)c->E * H * 4, cudaMemcpyDeviceToHost));
     if (dw2)
@@ -288,7 +313,7 @@ extern "C" moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1
         }
         for (int r = 0; r < l->N1; r++) {
             int from3;
-            const int sr = w13_src(r, swiglu, &from3);
+            const int sr = kcu_w13_src(r, swiglu, &from3);
             float *dst = from3 ? dw3 : dw1;
             if (dst)
                 memcpy(dst + ((size_t)e * F + sr) * H, buf + (size_t)r * H, H * 4);
@@ -314,7 +339,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
 
     /* x -> bf16 on the device (kept in xs for backward) */
     const bf16 *xb = l->xs;
-    if (x_dtype == MOE_BF16 && !train && !is_host_ptr(x))
+    if (x_dtype == MOE_BF16 && !train && !kcu_is_host_ptr(x))
         xb = (const bf16 *)x;
     else
         KCU_TRY(stage_in(l, x, x_dtype, l->xs, n, st));
@@ -332,7 +357,10 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     a.Cf = l->logits;
     a.ldc = l->Ep;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, l->nsm, st));
-    KCU_TRY(kcu_route(l, T, st));
+    const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
+    KCU_TRY(kcu_route(l, T, cap, st));
+    l->cap_fwd = cap;
+    const int32_t *spos = cap < INT32_MAX ? l->spos : nullptr;
 
     /* up: h (S,F) [, ab (S,N1)] = act(xb[tok] w13_e^T) over the tile list */
     a = rows_args(l);
@@ -366,9 +394,9 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, l->nsm, st));
 
     /* combine, in j order */
-    const int yhost = is_host_ptr(y);
-    KCU_TRY(
-        kcu_combine(l->ye, l->topk_w, nullptr, T, K, H, yhost ? (void *)l->stage : y, y_dtype, st));
+    const int yhost = kcu_is_host_ptr(y);
+    KCU_TRY(kcu_combine(l->ye, l->topk_w, nullptr, spos, T, K, H, yhost ? (void *)l->stage : y,
+                        y_dtype, st));
     if (yhost)
         KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
@@ -416,6 +444,9 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.dwpart = l->dwpart;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, c->act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU,
                      &a, l->nsm, st));
+    const int32_t *spos = l->cap_fwd < INT32_MAX ? l->spos : nullptr;
+    if (spos) /* dropped slots get dL/dw = 0 */
+        KCU_CHECK(cudaMemsetAsync(l->dw, 0, (size_t)S * 4, st));
     KCU_TRY(kcu_dw_reduce(l, S, st));
     KCU_TRY(kcu_router_bwd(l, T, T_global > 0 ? T_global : T, aux_coef, z_coef, st));
 
@@ -446,9 +477,9 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.ldc = H;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_F32, &a, l->nsm, st));
 
-    const int xhost = is_host_ptr(dx);
-    KCU_TRY(
-        kcu_combine(l->ye, nullptr, l->dxr, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype, st));
+    const int xhost = kcu_is_host_ptr(dx);
+    KCU_TRY(kcu_combine(l->ye, nullptr, l->dxr, spos, T, K, H, xhost ? (void *)l->stage : dx,
+                        dx_dtype, st));
     if (xhost)
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
@@ -465,6 +496,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.ngroups = E;
     a.offs = l->offs;
     a.Cf = l->g_w13;
+    a.beta0 = l->grads_clean;
     a.ldc = H;
     a.c_gstride = (long long)l->N1 * H;
     KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
@@ -480,6 +512,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.ngroups = E;
     a.offs = l->offs;
     a.Cf = l->g_w2;
+    a.beta0 = l->grads_clean;
     a.ldc = F;
     a.c_gstride = (long long)H * F;
     KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
@@ -494,18 +527,31 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.K = T;
     a.ngroups = 1;
     a.Cf = l->g_wr;
+    a.beta0 = l->grads_clean;
     a.ldc = H;
     KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+    l->grads_clean = 0;
+    l->T_fwd = 0; /* the saved state was consumed in place */
     return MOE_OK;
 }
 
-extern "C" moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, float *aux_loss, float *z_loss,
-                                     void *stream)
+extern "C" moe_err kcu_layer_set_capacity(kcu_layer *l, float capacity_factor)
+{
+    if (!(capacity_factor >= 0.0f)) /* NaN too */
+        return MOE_EINVAL;
+    l->c.capacity_factor = capacity_factor;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, int32_t *dropped,
+                                     float *aux_loss, float *z_loss, void *stream)
 {
     cudaStream_t st = (cudaStream_t)stream;
     float s[2];
     if (counts)
         KCU_CHECK(cudaMemcpyAsync(counts, l->counts, l->c.E * 4, cudaMemcpyDeviceToHost, st));
+    if (dropped)
+        KCU_CHECK(cudaMemcpyAsync(dropped, l->dropped, l->c.E * 4, cudaMemcpyDeviceToHost, st));
     KCU_CHECK(cudaMemcpyAsync(s, l->stats, sizeof(s), cudaMemcpyDeviceToHost, st));
     KCU_CHECK(cudaStreamSynchronize(st));
     if (aux_loss)

@@ -6,6 +6,7 @@
  */
 #include <float.h>
 #include <limits.h>
+#include <string.h>
 
 #include "kcu_internal.cuh"
 
@@ -129,15 +130,17 @@ __global__ void k_layout_count(const int32_t *__restrict__ idx, int S, int E,
         chunk[(size_t)blockIdx.x * E + e] = hist[e];
 }
 
-/* One block. chunk (nch,E) in: counts, out: absolute base of each chunk's
- * run of expert e in sorted order. counts (E), offs (E+1) out; tile list
- * (tile_e, tile_r0, *ntiles) out: ceil(count_e / BM) tiles per expert. */
-__global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E,
-                              int32_t *__restrict__ counts, int32_t *__restrict__ offs,
-                              int32_t *__restrict__ tile_e, int32_t *__restrict__ tile_r0,
-                              int32_t *__restrict__ ntiles)
+/* One block. chunk (nch,E) in: counts; out: each chunk's rank base within
+ * its expert (stable order). counts (E) out (before the capacity), dropped
+ * (E) out (may be NULL), offs (E+1) out over the kept rows (min(count, cap)
+ * per expert); tile list (tile_e, tile_r0, *ntiles) out: ceil(kept_e / BM)
+ * tiles per expert. */
+__global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int cap,
+                              int32_t *__restrict__ counts, int32_t *__restrict__ dropped,
+                              int32_t *__restrict__ offs, int32_t *__restrict__ tile_e,
+                              int32_t *__restrict__ tile_r0, int32_t *__restrict__ ntiles)
 {
-    __shared__ int cnt[257], toff[257];
+    __shared__ int kc[257], base[257], toff[257];
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int run = 0;
         for (int c = 0; c < nch; c++) {
@@ -146,40 +149,40 @@ __global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E,
             run += v;
         }
         counts[e] = run;
-        cnt[e] = run;
+        const int k = run < cap ? run : cap;
+        kc[e] = k;
+        if (dropped)
+            dropped[e] = run - k;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         int o = 0, to = 0;
         for (int e = 0; e < E; e++) {
             offs[e] = o;
-            const int c = cnt[e];
-            cnt[e] = o;
+            base[e] = o;
             toff[e] = to;
-            o += c;
-            to += KCU_CEIL_DIV(c, KCU_BM);
+            o += kc[e];
+            to += KCU_CEIL_DIV(kc[e], KCU_BM);
         }
         offs[E] = o;
-        cnt[E] = o;
         toff[E] = to;
         *ntiles = to;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int base = cnt[e];
-        for (int c = 0; c < nch; c++)
-            chunk[(size_t)c * E + e] += base;
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
         for (int i = toff[e]; i < toff[e + 1]; i++) {
             tile_e[i] = e;
-            tile_r0[i] = base + (i - toff[e]) * KCU_BM;
+            tile_r0[i] = base[e] + (i - toff[e]) * KCU_BM;
         }
-    }
 }
 
-/* Stable scatter: perm (S) sorted row -> slot, tok (S) sorted row -> token. */
-__global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, int K,
-                                 const int32_t *__restrict__ chunk, int32_t *__restrict__ perm,
-                                 int32_t *__restrict__ tok)
+/* Stable scatter of the kept slots: perm (S_kept) sorted row -> slot, tok
+ * sorted row -> token, spos (S) slot -> sorted row or -1 (dropped: its rank
+ * within the expert is >= cap). */
+__global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, int K, int cap,
+                                 const int32_t *__restrict__ chunk, const int32_t *__restrict__ offs,
+                                 int32_t *__restrict__ perm, int32_t *__restrict__ tok,
+                                 int32_t *__restrict__ spos)
 {
     __shared__ int ids[CHUNK];
     const int s = blockIdx.x * CHUNK + threadIdx.x;
@@ -191,16 +194,23 @@ __global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, 
     int rank = 0;
     for (int j = 0; j < (int)threadIdx.x; j++)
         rank += ids[j] == e;
-    const int pos = chunk[(size_t)blockIdx.x * E + e] + rank;
-    perm[pos] = s;
-    tok[pos] = s / K;
+    rank += chunk[(size_t)blockIdx.x * E + e];
+    if (rank < cap) {
+        const int pos = offs[e] + rank;
+        perm[pos] = s;
+        tok[pos] = s / K;
+        spos[s] = pos;
+    } else {
+        spos[s] = -1;
+    }
 }
 
-/* out (T,H) = sum_j in order of [w ? bf16(w[s] ye[s]) : ye[s]] (+ extra (T,H) f32).
- * ye (S,H) bf16 in slot order. One thread per 8 columns. */
+/* out (T,H) = sum_j in order of [w ? bf16(w[s] ye[s]) : ye[s]] (+ extra (T,H) f32),
+ * over the kept slots (spos NULL or spos[s] >= 0). ye (S,H) bf16 in slot
+ * order. One thread per 8 columns. */
 __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__ w,
-                          const float *__restrict__ extra, int T, int K, int H, void *out,
-                          int out_f32)
+                          const float *__restrict__ extra, const int32_t *__restrict__ spos, int T,
+                          int K, int H, void *out, int out_f32)
 {
     const int hc = H / 8;
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -220,6 +230,8 @@ __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__
     }
     for (int j = 0; j < K; j++) {
         const size_t s = (size_t)t * K + j;
+        if (spos && spos[s] < 0)
+            continue;
         const uint4 raw = *reinterpret_cast<const uint4 *>(ye + s * H + c);
         const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
         const float wj = w ? w[s] : 1.f;
@@ -288,12 +300,13 @@ __global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, i
     }
 }
 
-/* dw[perm[r]] = sum_i dwpart[r, i]: fixed order, deterministic. */
+/* dw[perm[r]] = sum_i dwpart[r, i] over the kept rows r < *nrows: fixed
+ * order, deterministic. */
 __global__ void k_dw_reduce(const float *__restrict__ part, const int32_t *__restrict__ perm, int S,
-                            int nt, float *__restrict__ dw)
+                            const int32_t *__restrict__ nrows, int nt, float *__restrict__ dw)
 {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= S)
+    if (r >= S || r >= *nrows)
         return;
     float s = 0.f;
     for (int i = 0; i < nt; i++)
@@ -350,6 +363,66 @@ __global__ void k_router_bwd(const float *__restrict__ probs, const float *__res
         dlog[(size_t)t * Ep + e] = __float2bfloat16_rn(0.f);
 }
 
+/* AdamW as kern_adamw_cpu, rounded op by op (no contraction), and the bf16
+ * compute copy refreshed. n % 4 == 0. */
+__global__ void k_adamw(float4 *__restrict__ p, const float4 *__restrict__ g, float4 *__restrict__ m,
+                        float4 *__restrict__ v, uint2 *__restrict__ w, size_t n4, float lr, float b1,
+                        float b2, float eps, float wd, float bc1, float bc2, float gs)
+{
+    const float c1 = 1.0f - b1, c2 = 1.0f - b2;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float4 pp = p[i], gg = g[i], mm = m[i], vv = v[i];
+        float *pe = &pp.x, *ge = &gg.x, *me = &mm.x, *ve = &vv.x;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float gi = __fmul_rn(ge[k], gs);
+            const float mi = __fadd_rn(__fmul_rn(b1, me[k]), __fmul_rn(c1, gi));
+            const float vi = __fadd_rn(__fmul_rn(b2, ve[k]), __fmul_rn(__fmul_rn(c2, gi), gi));
+            me[k] = mi;
+            ve[k] = vi;
+            const float mh = __fdiv_rn(mi, bc1), vh = __fdiv_rn(vi, bc2);
+            const float u = __fadd_rn(__fdiv_rn(mh, __fadd_rn(__fsqrt_rn(vh), eps)),
+                                      __fmul_rn(wd, pe[k]));
+            pe[k] = __fsub_rn(pe[k], __fmul_rn(lr, u));
+        }
+        p[i] = pp;
+        m[i] = mm;
+        v[i] = vv;
+        uint2 o;
+        __nv_bfloat162 lo = __floats2bfloat162_rn(pp.x, pp.y), hi = __floats2bfloat162_rn(pp.z, pp.w);
+        memcpy(&o.x, &lo, 4);
+        memcpy(&o.y, &hi, 4);
+        w[i] = o;
+    }
+}
+
+/* part[b] = sum of g^2 over a fixed strided share, in double; fixed tree */
+__global__ void k_sumsq(const float *__restrict__ g, size_t n, double *__restrict__ part)
+{
+    __shared__ double red[256];
+    double s = 0.0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        s += (double)g[i] * (double)g[i];
+    red[threadIdx.x] = s;
+    __syncthreads();
+    for (int o = 128; o; o >>= 1) {
+        if ((int)threadIdx.x < o)
+            red[threadIdx.x] += red[threadIdx.x + o];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        part[blockIdx.x] = red[0];
+}
+__global__ void k_sumsq_final(double *part, int nb)
+{
+    double s = 0.0;
+    for (int b = 0; b < nb; b++)
+        s += part[b];
+    part[nb] = s;
+}
+
 } // namespace
 
 moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st)
@@ -369,7 +442,7 @@ moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStre
     return MOE_OK;
 }
 
-moe_err kcu_route(kcu_layer *l, int T, cudaStream_t st)
+moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
 {
     const int E = l->c.E, K = l->c.K, S = T * K, nch = KCU_CEIL_DIV(S, CHUNK);
     k_softmax_topk<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(l->logits, T, E, l->Ep, K, l->c.renorm,
@@ -377,22 +450,58 @@ moe_err kcu_route(kcu_layer *l, int T, cudaStream_t st)
     KCU_CHECK_LAUNCH();
     k_layout_count<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, E, l->chunk);
     KCU_CHECK_LAUNCH();
-    k_layout_scan<<<1, 256, 0, st>>>(l->chunk, nch, E, l->counts, l->offs, l->tile_e, l->tile_r0,
-                                     l->ntiles);
+    k_layout_scan<<<1, 256, 0, st>>>(l->chunk, nch, E, cap, l->counts, l->dropped, l->offs,
+                                     l->tile_e, l->tile_r0, l->ntiles);
     KCU_CHECK_LAUNCH();
-    k_layout_scatter<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, E, K, l->chunk, l->perm, l->tok);
+    k_layout_scatter<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, E, K, cap, l->chunk, l->offs, l->perm,
+                                            l->tok, l->spos);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }
 
-moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, int T, int K, int H,
-                    void *out, moe_dtype dt, cudaStream_t st)
+moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs,
+                              int32_t *tile_e, int32_t *tile_r0, int32_t *ntiles, cudaStream_t st)
+{
+    k_layout_scan<<<1, 256, 0, st>>>(cnt, 1, E, INT_MAX, counts, nullptr, offs, tile_e, tile_r0,
+                                     ntiles);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
+moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,
+                    int K, int H, void *out, moe_dtype dt, cudaStream_t st)
 {
     const size_t n = (size_t)T * (H / 8);
     if (n == 0)
         return MOE_OK;
-    k_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(ye, w, extra, T, K, H, out,
-                                                                      dt == MOE_F32);
+    k_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(ye, w, extra, spos, T, K, H,
+                                                                      out, dt == MOE_F32);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
+moe_err kcu_adamw(float *p, const float *g, float *m, float *v, bf16 *w, size_t n, float lr,
+                  float b1, float b2, float eps, float wd, float bc1, float bc2, float gscale,
+                  cudaStream_t st)
+{
+    if (n % 4)
+        return MOE_EINVAL;
+    const size_t n4 = n / 4;
+    if (n4 == 0)
+        return MOE_OK;
+    const size_t blocks = KCU_CEIL_DIV(n4, (size_t)256);
+    k_adamw<<<(unsigned)(blocks < 8192 ? blocks : 8192), 256, 0, st>>>(
+        (float4 *)p, (const float4 *)g, (float4 *)m, (float4 *)v, (uint2 *)w, n4, lr, b1, b2, eps,
+        wd, bc1, bc2, gscale);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
+moe_err kcu_sumsq(const float *g, size_t n, double *part, cudaStream_t st)
+{
+    k_sumsq<<<KCU_SUMSQ_BLOCKS, 256, 0, st>>>(g, n, part);
+    KCU_CHECK_LAUNCH();
+    k_sumsq_final<<<1, 1, 0, st>>>(part, KCU_SUMSQ_BLOCKS);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }
@@ -409,8 +518,8 @@ moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st)
 
 moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st)
 {
-    k_dw_reduce<<<KCU_CEIL_DIV(S, 256), 256, 0, st>>>(l->dwpart, l->perm, S, l->c.F / KCU_BN,
-                                                      l->dw);
+    k_dw_reduce<<<KCU_CEIL_DIV(S, 256), 256, 0, st>>>(l->dwpart, l->perm, S, l->offs + l->c.E,
+                                                      l->c.F / KCU_BN, l->dw);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

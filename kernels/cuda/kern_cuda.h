@@ -13,11 +13,19 @@
  * weights, fp32 gradients when cfg.train) and `ws` (activations and scratch
  * for up to cfg.T_max tokens). Nothing the caller passes in is retained
  * beyond the call, except that backward uses the state saved by the most
- * recent forward with train=1 on the same layer (the layer copies x).
+ * recent forward with train=1 on the same layer (the layer copies x); a
+ * backward consumes that state (a second backward without a new train
+ * forward returns MOE_EPRECOND).
  * A layer is not thread safe: one stream at a time.
  *
  * Limits: H and F multiples of 128, 1 <= K <= E <= 256, K <= 8.
- * Capacity factor > 0 (token dropping) is not implemented here (EINVAL).
+ * Capacity factor: 0 = dropless; cf > 0 caps each expert at
+ * kern_capacity(cf, T, K, E) slots per forward call, keeping the first ones
+ * in stable (slot) order; dropped slots add zero to y and get no gradient,
+ * and are counted (kcu_forward_stats).
+ *
+ * Gradients: kcu_layer_zero_grads (and upload) only mark them zero; the
+ * next backward then stores instead of adding (no memset pass, no read).
  */
 #ifndef MOE_KERN_CUDA_H
 #define MOE_KERN_CUDA_H
@@ -40,6 +48,7 @@ typedef struct kcu_config {
     int renorm; /* divide the K gate weights by their sum */
     int T_max;  /* most tokens one forward/backward call may carry */
     int train;  /* allocate gradients and keep forward state for backward */
+    float capacity_factor; /* 0 = dropless (default); see kcu_layer_set_capacity */
 } kcu_config;
 
 /* kcu_layer_create allocates a layer on the current CUDA device. Weights are
@@ -80,13 +89,64 @@ moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype, void *dx,
                      void *stream);
 
 /* kcu_forward_stats reads the last forward's routing statistics: counts (E)
- * slots per expert (may be NULL), aux and z losses (may be NULL).
- * Synchronises `stream`. */
-moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, float *aux_loss, float *z_loss,
-                          void *stream);
+ * slots routed per expert before the capacity, dropped (E) slots dropped by
+ * the capacity, aux and z losses; any may be NULL. Synchronises `stream`. */
+moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, int32_t *dropped, float *aux_loss,
+                          float *z_loss, void *stream);
+
+/* kcu_layer_set_capacity switches the capacity factor for the next forward
+ * calls (0 = dropless). MOE_EINVAL for a negative or NaN factor. */
+moe_err kcu_layer_set_capacity(kcu_layer *l, float capacity_factor);
 
 /* kcu_layer_bytes reports the device bytes of the two allocations. */
 void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes);
+
+/* ---- experts only: the distributed path ----
+ * A worker that owns ne experts gets, after the dispatch all-to-all, N rows
+ * grouped by local expert (counts[i] rows for local expert i, in order) and
+ * returns the unweighted expert outputs in the same order (what
+ * kern_expert_ffn_cpu gives per expert, bf16 rounding of h included); the
+ * gate weighting and combine happen where the tokens live.
+ *
+ * A kcu_experts owns two device allocations: params (bf16 compute weights;
+ * with train also fp32 master weights, fp32 gradients and AdamW m, v: 18
+ * bytes per parameter) and ws (activations for up to N_max rows). The
+ * optimizer updates the fp32 master copy (kern_adamw_cpu's formula) and
+ * refreshes the bf16 copy from it; download_weights returns the master
+ * copy (train) or the bf16 values (inference). One stream at a time.
+ * Limits: H, F multiples of 128, 1 <= ne <= 256. */
+typedef struct kcu_experts kcu_experts;
+
+moe_err kcu_experts_create(int H, int F, int ne, kern_act act, int N_max, int train,
+                           kcu_experts **out);
+void kcu_experts_destroy(kcu_experts *ex);
+/* host fp32, nn.Linear layout of the ne local experts: w1, w3 (ne,F,H), w2
+ * (ne,H,F); w3 ignored for GELU. Synchronous. Gradients zeroed, moments
+ * zeroed. */
+moe_err kcu_experts_upload(kcu_experts *ex, const float *w1, const float *w3, const float *w2);
+/* y (N,H) = expert_i(x rows of group i); counts (ne) on the host, summing to
+ * N <= N_max. x, y host or device, MOE_F32 or MOE_BF16. keep_for_backward
+ * (needs train) keeps x and the pre-activations until the next forward. */
+moe_err kcu_experts_forward(kcu_experts *ex, int N, const void *x, moe_dtype x_dtype,
+                            const int32_t *counts, void *y, moe_dtype y_dtype,
+                            int keep_for_backward, void *stream);
+/* dx (N,H) from dy (N,H) of the last kept forward; dW1, dW3, dW2 ACCUMULATED. */
+moe_err kcu_experts_backward(kcu_experts *ex, const void *dy, moe_dtype dy_dtype, void *dx,
+                             moe_dtype dx_dtype, void *stream);
+/* gradients marked zero (the next backward stores them). */
+moe_err kcu_experts_zero_grads(kcu_experts *ex, void *stream);
+/* *sumsq = sum of squares of all gradients (double, deterministic order) for
+ * global-norm clipping. Synchronises `stream`. */
+moe_err kcu_experts_grad_sumsq(kcu_experts *ex, double *sumsq, void *stream);
+/* AdamW step on every parameter, as kern_adamw_cpu (grad_scale multiplies
+ * the gradient first, e.g. a clipping factor); gradients are left as they
+ * are (zero them for the next step). */
+moe_err kcu_experts_adamw(kcu_experts *ex, float lr, float beta1, float beta2, float eps, float wd,
+                          int64_t step, float grad_scale, void *stream);
+/* host fp32 arrays of the upload shapes; any may be NULL. Synchronous. */
+moe_err kcu_experts_download_grads(kcu_experts *ex, float *dw1, float *dw3, float *dw2);
+moe_err kcu_experts_download_weights(kcu_experts *ex, float *w1, float *w3, float *w2);
+void kcu_experts_bytes(const kcu_experts *ex, size_t *params_bytes, size_t *ws_bytes);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,65 @@
+/*
+ * safetensors.h - reading and writing safetensors files (the Hugging Face
+ * format: u64 little-endian header length N, N bytes of JSON header
+ * {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str:
+ * str}}, then the data). Only F32 tensors are written here.
+ *
+ * Writes are durable: the file goes to "<path>.tmp", is fsynced, renamed
+ * over <path>, and the directory is fsynced. Each file written here carries
+ * "moe.checksum" (FNV-1a 64 of the data section) in its metadata, and the
+ * reader verifies it when present, so a corrupt or truncated file is
+ * refused instead of loaded.
+ */
+#ifndef MOE_SAFETENSORS_H
+#define MOE_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe.h"
+
+#define ST_MAX_DIMS 4
+
+typedef struct st_tensor {
+    char *name;         /* owned by the writer / reader */
+    int ndim;
+    int64_t shape[ST_MAX_DIMS];
+    const float *data;  /* writer: caller memory (not copied); reader: into the file map */
+    size_t nbytes;
+} st_tensor;
+
+/* ---- writer ---- */
+typedef struct st_writer st_writer;
+moe_err st_writer_new(st_writer **out);
+/* st_writer_add records a tensor; data must stay valid until st_writer_save. */
+moe_err st_writer_add(st_writer *w, const char *name, int ndim, const int64_t *shape,
+                      const float *data);
+moe_err st_writer_meta(st_writer *w, const char *key, const char *value);
+/* st_writer_save writes the file durably (see above); err gets the reason. */
+moe_err st_writer_save(st_writer *w, const char *path, char *err, size_t errlen);
+void st_writer_free(st_writer *w);
+
+/* ---- reader ---- */
+typedef struct st_file st_file;
+/* st_open maps and validates a whole file: header size and JSON, every
+ * tensor's dtype F32, shape and offsets within the data, and the checksum.
+ * Errors: MOE_EIO (cannot open), MOE_EINVAL (corrupt/truncated) with err. */
+moe_err st_open(const char *path, st_file **out, char *err, size_t errlen);
+void st_close(st_file *f);
+/* st_find returns the tensor `name` or NULL. Valid until st_close. */
+const st_tensor *st_find(const st_file *f, const char *name);
+/* st_meta returns the metadata value for key, or NULL. */
+const char *st_meta(const st_file *f, const char *key);
+int st_count(const st_file *f);
+const st_tensor *st_at(const st_file *f, int i);
+
+/* fnv1a64 of n bytes (chained from h; start with ST_FNV_INIT). */
+#define ST_FNV_INIT 0xcbf29ce484222325ull
+uint64_t st_fnv1a64(uint64_t h, const void *data, size_t n);
+
+/* st_write_durable writes len bytes to path via tmp + fsync + rename +
+ * directory fsync. */
+moe_err st_write_durable(const char *path, const void *data, size_t len, char *err,
+                         size_t errlen);
+
+#endif

@@ -1,0 +1,539 @@
+/*
+ * ckpt.c - checkpoint.save / checkpoint.load at the coordinator.
+ *
+ * Layout of a checkpoint directory PATH:
+ *   PATH/LATEST                                  name of the newest complete checkpoint
+ *   PATH/ckpt-<step>-<time>/model-0000r-of-0000W.safetensors   one per worker
+ *   PATH/ckpt-<step>-<time>/model.safetensors.index.json       {metadata, weight_map}
+ * A save writes a fresh subdirectory; only when every worker has written and
+ * fsynced its file, and the index is durable, does LATEST move (tmp + fsync
+ * + rename). A crash at any point leaves the previous checkpoint loadable.
+ * The last `keep` (3) checkpoints are kept, older ones removed.
+ * Load is two-phase (prepare on every worker, then commit or abort).
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "coord.h"
+#include "json.h"
+#include "log.h"
+#include "params.h"
+#include "safetensors.h"
+
+#define CKPT_KEEP 3
+
+static moe_err mkdir_p(const char *dir)
+{
+    char buf[CFG_STR_MAX];
+    snprintf(buf, sizeof(buf), "%s", dir);
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return MOE_EIO;
+            *p = '/';
+        }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return MOE_EIO;
+    return MOE_OK;
+}
+
+static char *read_file(const char *path, size_t max, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    char *buf = malloc(max + 1);
+    size_t n = buf ? fread(buf, 1, max + 1, f) : 0;
+    fclose(f);
+    if (!buf || n > max) {
+        free(buf);
+        return NULL;
+    }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+static int path_ok(const char *p)
+{
+    return p[0] && strlen(p) < CFG_STR_MAX - 80;
+}
+
+void coord_ckpt_save(coord *c, rpc_call *call)
+{
+    char name[MODEL_NAME_MAX], path[CFG_STR_MAX], err[256];
+    pspec sp[] = {
+        {"model", P_STR, name, true, 0, 0, sizeof(name), false},
+        {"path", P_STR, path, true, 0, 0, sizeof(path), false},
+    };
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
+    if (e == MOE_OK && !path_ok(path)) {
+        snprintf(err, sizeof(err), "path must be 1-%d characters", CFG_STR_MAX - 81);
+        e = MOE_EINVAL;
+    }
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    coord_model *m = coord_find_model(c, name);
+    if (!m) {
+        rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s'", name);
+        return;
+    }
+    if (mkdir_p(path) != MOE_OK || access(path, W_OK) != 0) {
+        rpc_reply_err(call, MOE_EIO, "cannot write checkpoint directory %s: %s", path,
+                      strerror(errno));
+        return;
+    }
+    coord_job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    j->kind = JOB_CKPT_SAVE;
+    j->call = call;
+    j->model = m;
+    snprintf(j->root, sizeof(j->root), "%s", path);
+    if (coord_job_submit(c, j, 0) != MOE_OK) {
+        free(j);
+        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+        return;
+    }
+    coord_job_pump(c);
+}
+
+/* resolve_ckpt finds the checkpoint directory: PATH/LATEST's target, or PATH
+ * itself when it holds an index. */
+static moe_err resolve_ckpt(const char *path, char *dir, size_t len, char *err, size_t errlen)
+{
+    char p[CFG_STR_MAX + 64];
+    size_t n;
+    snprintf(p, sizeof(p), "%s/LATEST", path);
+    char *latest = read_file(p, 255, &n);
+    if (latest) {
+        while (n && (latest[n - 1] == '\n' || latest[n - 1] == ' '))
+            latest[--n] = 0;
+        if (!n || strchr(latest, '/')) {
+            free(latest);
+            snprintf(err, errlen, "%s is corrupt", p);
+            return MOE_EINVAL;
+        }
+        snprintf(dir, len, "%s/%s", path, latest);
+        free(latest);
+        return MOE_OK;
+    }
+    snprintf(p, sizeof(p), "%s/model.safetensors.index.json", path);
+    if (access(p, R_OK) == 0) {
+        snprintf(dir, len, "%s", path);
+        return MOE_OK;
+    }
+    snprintf(err, errlen, "no checkpoint at %s (no LATEST or model.safetensors.index.json)",
+             path);
+    return MOE_ENOTFOUND;
+}
+
+static moe_err check_meta(const json_node *meta, const model_cfg *cfg, int64_t *step, char *err,
+                          size_t errlen)
+{
+    static const char *keys[] = {"moe.layers", "moe.d_model", "moe.d_ff", "moe.n_experts",
+                                 "moe.top_k"};
+    const int want[] = {cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k};
+    for (int i = 0; i < 5; i++) {
+        const json_node *v = json_get(meta, keys[i]);
+        if (!v || v->type != J_STR) {
+            snprintf(err, errlen, "checkpoint index has no %s", keys[i]);
+            return MOE_EINVAL;
+        }
+        if (atoll(v->str) != want[i]) {
+            snprintf(err, errlen, "checkpoint is of another model shape: %s = %s, the model has %d",
+                     keys[i] + 4, v->str, want[i]);
+            return MOE_EINVAL;
+        }
+    }
+    const json_node *a = json_get(meta, "moe.activation"), *d = json_get(meta, "moe.dtype"),
+                    *s = json_get(meta, "moe.step");
+    if (!a || a->type != J_STR || strcmp(a->str, cfg->act ? "gelu" : "swiglu") != 0) {
+        snprintf(err, errlen, "checkpoint is of another activation");
+        return MOE_EINVAL;
+    }
+    if (!d || d->type != J_STR || strcmp(d->str, moe_dtype_name(cfg->dtype)) != 0) {
+        snprintf(err, errlen, "checkpoint is of another dtype");
+        return MOE_EINVAL;
+    }
+    if (!s || s->type != J_STR) {
+        snprintf(err, errlen, "checkpoint index has no moe.step");
+        return MOE_EINVAL;
+    }
+    *step = atoll(s->str);
+    return MOE_OK;
+}
+
+void coord_ckpt_load(coord *c, rpc_call *call)
+{
+    char name[MODEL_NAME_MAX], path[CFG_STR_MAX], dir[CFG_STR_MAX + 300], err[512];
+    pspec sp[] = {
+        {"model", P_STR, name, true, 0, 0, sizeof(name), false},
+        {"path", P_STR, path, true, 0, 0, sizeof(path), false},
+    };
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
+    if (e == MOE_OK && !path_ok(path)) {
+        snprintf(err, sizeof(err), "path too long");
+        e = MOE_EINVAL;
+    }
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    coord_model *m = coord_find_model(c, name);
+    if (!m) {
+        rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s' (create it first)", name);
+        return;
+    }
+    if ((e = resolve_ckpt(path, dir, sizeof(dir), err, sizeof(err))) != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    char ip[sizeof(dir) + 40];
+    size_t n;
+    snprintf(ip, sizeof(ip), "%s/model.safetensors.index.json", dir);
+    char *text = read_file(ip, 64u << 20, &n);
+    if (!text) {
+        rpc_reply_err(call, MOE_EIO, "cannot read %s", ip);
+        return;
+    }
+    json_doc *doc = NULL;
+    json_node *root;
+    e = json_parse(text, n, &doc, &root, err, sizeof(err));
+    free(text);
+    const json_node *meta = e == MOE_OK ? json_get(root, "metadata") : NULL;
+    const json_node *wm = e == MOE_OK ? json_get(root, "weight_map") : NULL;
+    int64_t step = 0;
+    if (e == MOE_OK && (!meta || !wm || wm->type != J_OBJ)) {
+        snprintf(err, sizeof(err), "%s has no metadata or weight_map", ip);
+        e = MOE_EINVAL;
+    }
+    if (e == MOE_OK)
+        e = check_meta(meta, &m->cfg, &step, err, sizeof(err));
+    coord_job *j = NULL;
+    if (e == MOE_OK && !(j = calloc(1, sizeof(*j))))
+        e = MOE_ENOMEM;
+    /* the distinct shard files of the weight map */
+    for (size_t i = 0; e == MOE_OK && i < wm->len; i++) {
+        const json_node *f = &wm->kids[i];
+        if (f->type != J_STR || !f->str[0] || strchr(f->str, '/')) {
+            snprintf(err, sizeof(err), "%s: bad file name in weight_map", ip);
+            e = MOE_EINVAL;
+            break;
+        }
+        int seen = 0;
+        for (int k = 0; k < j->nfiles && !seen; k++)
+            seen = strcmp(j->files[k], f->str) == 0;
+        if (seen)
+            continue;
+        char **nf = realloc(j->files, (size_t)(j->nfiles + 1) * sizeof(char *));
+        if (!nf || !(nf[j->nfiles] = strdup(f->str))) {
+            if (nf)
+                j->files = nf;
+            e = MOE_ENOMEM;
+            break;
+        }
+        j->files = nf;
+        j->nfiles++;
+    }
+    json_free(doc);
+    if (e == MOE_OK && j->nfiles == 0) {
+        snprintf(err, sizeof(err), "%s lists no files", ip);
+        e = MOE_EINVAL;
+    }
+    if (e != MOE_OK) {
+        if (j) {
+            for (int k = 0; k < j->nfiles; k++)
+                free(j->files[k]);
+            free(j->files);
+            free(j);
+        }
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    j->kind = JOB_CKPT_LOAD;
+    j->call = call;
+    j->model = m;
+    j->ckpt_step = step;
+    snprintf(j->path, sizeof(j->path), "%s", dir);
+    if (coord_job_submit(c, j, 0) != MOE_OK) {
+        for (int k = 0; k < j->nfiles; k++)
+            free(j->files[k]);
+        free(j->files);
+        free(j);
+        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+        return;
+    }
+    coord_job_pump(c);
+}
+
+void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method)
+{
+    (void)c;
+    (void)rank;
+    switch (j->kind) {
+    case JOB_CKPT_SAVE:
+        if (!j->path[0])
+            snprintf(j->path, sizeof(j->path), "%s/ckpt-%08lld-%llx", j->root,
+                     (long long)j->model->step, (unsigned long long)rpc_now_ns());
+        *method = "worker.checkpoint_save";
+        mp_write_map(w, 2);
+        mp_write_cstr(w, "model");
+        mp_write_cstr(w, j->model->cfg.name);
+        mp_write_cstr(w, "dir");
+        mp_write_cstr(w, j->path);
+        return;
+    case JOB_CKPT_LOAD:
+        *method = "worker.checkpoint_load";
+        mp_write_map(w, 4);
+        mp_write_cstr(w, "model");
+        mp_write_cstr(w, j->model->cfg.name);
+        mp_write_cstr(w, "phase");
+        mp_write_cstr(w, "prepare");
+        mp_write_cstr(w, "dir");
+        mp_write_cstr(w, j->path);
+        mp_write_cstr(w, "files");
+        mp_write_array(w, (uint32_t)j->nfiles);
+        for (int i = 0; i < j->nfiles; i++)
+            mp_write_cstr(w, j->files[i]);
+        return;
+    default:
+        *method = "worker.checkpoint_load";
+        mp_write_map(w, 2);
+        mp_write_cstr(w, "model");
+        mp_write_cstr(w, j->model->cfg.name);
+        mp_write_cstr(w, "phase");
+        mp_write_cstr(w, j->commit ? "commit" : "abort");
+        return;
+    }
+}
+
+/* write_index writes the Hugging Face index of a saved checkpoint. */
+static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errlen)
+{
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    const model_cfg *cfg = &j->model->cfg;
+    if (!f)
+        return MOE_ENOMEM;
+    fprintf(f, "{\n  \"metadata\": {\n    \"total_size\": %llu,\n", (unsigned long long)total);
+    fprintf(f, "    \"format\": \"moe\",\n    \"moe.name\": ");
+    json_write_str(f, cfg->name);
+    fprintf(f, ",\n    \"moe.step\": \"%lld\",\n    \"moe.world\": \"%d\",\n",
+            (long long)j->model->step, j->nsent);
+    fprintf(f,
+            "    \"moe.layers\": \"%d\",\n    \"moe.d_model\": \"%d\",\n    \"moe.d_ff\": \"%d\",\n"
+            "    \"moe.n_experts\": \"%d\",\n    \"moe.top_k\": \"%d\",\n"
+            "    \"moe.activation\": \"%s\",\n    \"moe.dtype\": \"%s\"\n  },\n",
+            cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k,
+            cfg->act ? "gelu" : "swiglu", moe_dtype_name(cfg->dtype));
+    fprintf(f, "  \"weight_map\": {");
+    int first = 1;
+    for (int r = 0; r < j->nsent; r++) {
+        const moe_reply *rep = j->replies[r];
+        mp_reader rd;
+        uint32_t n;
+        const char *file = NULL;
+        uint32_t flen = 0;
+        mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
+        if (mp_read_map(&rd, &n, NULL) != MOE_OK)
+            break;
+        for (uint32_t i = 0; i < n; i++) {
+            const char *k;
+            uint32_t kl, nn;
+            if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+                break;
+            if (mp_str_eq(k, kl, "file")) {
+                mp_read_str(&rd, &file, &flen, NULL);
+            } else if (mp_str_eq(k, kl, "names") && file &&
+                       mp_read_array(&rd, &nn, NULL) == MOE_OK) {
+                for (uint32_t t = 0; t < nn; t++) {
+                    const char *s;
+                    uint32_t sl;
+                    if (mp_read_str(&rd, &s, &sl, NULL) != MOE_OK)
+                        break;
+                    char nm[256], fl[256];
+                    snprintf(nm, sizeof(nm), "%.*s", (int)sl, s);
+                    snprintf(fl, sizeof(fl), "%.*s", (int)flen, file);
+                    fprintf(f, "%s\n    ", first ? "" : ",");
+                    json_write_str(f, nm);
+                    fprintf(f, ": ");
+                    json_write_str(f, fl);
+                    first = 0;
+                }
+            } else {
+                mp_skip(&rd, NULL);
+            }
+        }
+    }
+    fprintf(f, "\n  }\n}\n");
+    fclose(f);
+    char p[CFG_STR_MAX + 64];
+    snprintf(p, sizeof(p), "%s/model.safetensors.index.json", j->path);
+    moe_err e = st_write_durable(p, text, len, err, errlen);
+    free(text);
+    return e;
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static void remove_tree(const char *dir)
+{
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    char p[CFG_STR_MAX + 300];
+    while (d && (de = readdir(d))) {
+        if (de->d_name[0] == '.')
+            continue;
+        snprintf(p, sizeof(p), "%s/%s", dir, de->d_name);
+        unlink(p);
+    }
+    if (d)
+        closedir(d);
+    rmdir(dir);
+}
+
+/* prune keeps the newest CKPT_KEEP checkpoints (names sort by step, time). */
+static void prune(const char *root, const char *keep_name)
+{
+    DIR *d = opendir(root);
+    struct dirent *de;
+    char *names[4096];
+    int n = 0;
+    while (d && (de = readdir(d)) && n < 4096)
+        if (strncmp(de->d_name, "ckpt-", 5) == 0)
+            names[n++] = strdup(de->d_name);
+    if (d)
+        closedir(d);
+    qsort(names, (size_t)n, sizeof(char *), cmp_str);
+    for (int i = 0; i < n; i++) {
+        if (names[i] && i < n - CKPT_KEEP && strcmp(names[i], keep_name) != 0) {
+            char p[CFG_STR_MAX + 300];
+            snprintf(p, sizeof(p), "%s/%s", root, names[i]);
+            remove_tree(p);
+        }
+        free(names[i]);
+    }
+}
+
+void coord_ckpt_finish(coord *c, coord_job *j)
+{
+    char err[512] = "";
+    int bad = -1;
+    for (int r = 0; r < j->nsent && bad < 0; r++)
+        if (j->errs[r] != MOE_OK)
+            bad = r;
+    moe_err e = bad >= 0 ? j->errs[bad] : MOE_OK;
+    if (bad >= 0)
+        snprintf(err, sizeof(err), "worker rank %d: %s", bad,
+                 j->replies[bad] ? j->replies[bad]->message : moe_strerror(e));
+    switch (j->kind) {
+    case JOB_CKPT_SAVE: {
+        uint64_t total = 0;
+        for (int r = 0; e == MOE_OK && r < j->nsent; r++) {
+            mp_reader rd;
+            uint32_t n;
+            const moe_reply *rep = j->replies[r];
+            mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
+            if (mp_read_map(&rd, &n, NULL) == MOE_OK)
+                for (uint32_t i = 0; i < n; i++) {
+                    const char *k;
+                    uint32_t kl;
+                    uint64_t b;
+                    if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+                        break;
+                    if (mp_str_eq(k, kl, "bytes") && mp_read_u64(&rd, &b, NULL) == MOE_OK)
+                        total += b;
+                    else if (mp_skip(&rd, NULL) != MOE_OK)
+                        break;
+                }
+        }
+        if (e == MOE_OK)
+            e = write_index(j, total, err, sizeof(err));
+        const char *leaf = strrchr(j->path, '/');
+        leaf = leaf ? leaf + 1 : j->path;
+        if (e == MOE_OK) {
+            char lp[CFG_STR_MAX + 16], line[300];
+            snprintf(lp, sizeof(lp), "%s/LATEST", j->root);
+            int n = snprintf(line, sizeof(line), "%s\n", leaf);
+            e = st_write_durable(lp, line, (size_t)n, err, sizeof(err));
+        }
+        if (e != MOE_OK) {
+            LOG_W("checkpoint.save of %s failed: %s", j->model->cfg.name, err);
+            rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
+            c->errors_total++;
+            return;
+        }
+        prune(j->root, leaf);
+        LOG_I("checkpoint of %s at step %lld: %s (%llu bytes)", j->model->cfg.name,
+              (long long)j->model->step, j->path, (unsigned long long)total);
+        mp_writer w;
+        mp_writer_init(&w);
+        moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+        mp_write_map(&w, 3);
+        mp_write_cstr(&w, "path");
+        mp_write_cstr(&w, j->path);
+        mp_write_cstr(&w, "step");
+        mp_write_i64(&w, j->model->step);
+        mp_write_cstr(&w, "bytes");
+        mp_write_u64(&w, total);
+        rpc_reply(j->call, &w);
+        return;
+    }
+    case JOB_CKPT_LOAD: {
+        /* phase 2: commit everywhere, or abort everywhere */
+        coord_job *k = calloc(1, sizeof(*k));
+        if (!k) {
+            rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
+            return;
+        }
+        k->kind = JOB_CKPT_COMMIT;
+        k->model = j->model;
+        k->commit = e == MOE_OK;
+        k->ckpt_step = j->ckpt_step;
+        if (e == MOE_OK) {
+            k->call = j->call; /* the reply comes after the commit */
+        } else {
+            rpc_reply_err(j->call, e, "checkpoint.load: %s (the model is unchanged)", err);
+            c->errors_total++;
+        }
+        coord_job_submit(c, k, 1);
+        return;
+    }
+    default:
+        if (e == MOE_OK && j->commit) {
+            j->model->step = j->ckpt_step;
+            j->model->pending_grads = 0;
+        }
+        if (j->call) {
+            if (e != MOE_OK) {
+                rpc_reply_err(j->call, e, "checkpoint.load commit: %s", err);
+                return;
+            }
+            mp_writer w;
+            mp_writer_init(&w);
+            moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+            mp_write_map(&w, 1);
+            mp_write_cstr(&w, "step");
+            mp_write_i64(&w, j->model->step);
+            rpc_reply(j->call, &w);
+        }
+        return;
+    }
+}

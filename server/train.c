@@ -1,0 +1,295 @@
+/*
+ * train.c - training at the coordinator: handles of train forwards,
+ * backward (dy sharded like x, dx gathered like y) and optimizer.step.
+ * Handles live in a ring indexed by id; one is used once, and expires after
+ * handle_ttl_ms or when more than max_handles newer ones exist (the workers
+ * apply the same bounds to what they keep).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "log.h"
+#include "params.h"
+#include "placement.h"
+
+coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T)
+{
+    uint64_t id = ++c->next_handle;
+    coord_handle *h = &c->handles[id % COORD_HANDLE_RING];
+    h->id = id;
+    h->model = m;
+    h->layer = layer;
+    h->T = T;
+    h->generation = c->generation;
+    h->created_ns = rpc_now_ns();
+    h->state = H_LIVE;
+    return h;
+}
+
+/* lookup_handle: the live handle, or an error with a message. */
+static coord_handle *lookup_handle(coord *c, uint64_t id, moe_err *e, char *err, size_t len)
+{
+    coord_handle *h = &c->handles[id % COORD_HANDLE_RING];
+    if (id == 0 || id > c->next_handle || h->id != id) {
+        *e = id > 0 && id <= c->next_handle ? MOE_EEXPIRED : MOE_ENOTFOUND;
+        snprintf(err, len, *e == MOE_EEXPIRED ? "handle %llu expired (too old)"
+                                              : "unknown handle %llu",
+                 (unsigned long long)id);
+        return NULL;
+    }
+    if (h->state == H_USED) {
+        *e = MOE_EPRECOND;
+        snprintf(err, len, "handle %llu was already used by a backward",
+                 (unsigned long long)id);
+        return NULL;
+    }
+    uint64_t age = rpc_now_ns() - h->created_ns;
+    if (h->state == H_EXPIRED || age > (uint64_t)c->handle_ttl_ms * 1000000ull ||
+        c->next_handle - id >= (uint64_t)c->max_handles) {
+        h->state = H_EXPIRED;
+        *e = MOE_EEXPIRED;
+        snprintf(err, len,
+                 "handle %llu expired (after %lld ms or %lld newer train forwards without "
+                 "backward)",
+                 (unsigned long long)id, c->handle_ttl_ms, c->max_handles);
+        return NULL;
+    }
+    if (h->generation != c->generation) {
+        h->state = H_EXPIRED;
+        *e = MOE_EEXPIRED;
+        snprintf(err, len, "handle %llu expired: the cluster re-formed since its forward",
+                 (unsigned long long)id);
+        return NULL;
+    }
+    return h;
+}
+
+void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank)
+{
+    int64_t T = x->shape[0], H = x->shape[1];
+    int64_t a = shard_first(T, W, rank), b = shard_first(T, W, rank + 1);
+    size_t es = moe_dtype_size(x->dtype);
+    moe_tensor shard = *x;
+    shard.shape[0] = b - a;
+    shard.data = (const uint8_t *)x->data + (size_t)a * (size_t)H * es;
+    shard.nbytes = (size_t)(b - a) * (size_t)H * es;
+    moe_tensor_write(w, &shard);
+}
+
+/* coord_gather_rows writes the tensor `key` of every worker's reply, in rank
+ * order, as one (T, H) tensor of the input's dtype. */
+moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w, char *err,
+                          size_t errlen)
+{
+    const int W = j->nsent;
+    const int64_t T = j->x.shape[0], H = j->x.shape[1];
+    moe_tensor *parts = calloc((size_t)W, sizeof(moe_tensor));
+    if (!parts)
+        return MOE_ENOMEM;
+    for (int r = 0; r < W; r++) {
+        const moe_reply *rep = j->replies[r];
+        mp_reader rd;
+        uint32_t n;
+        int found = 0;
+        mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
+        if (mp_read_map(&rd, &n, NULL) == MOE_OK)
+            for (uint32_t i = 0; i < n; i++) {
+                const char *k;
+                uint32_t kl;
+                if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+                    break;
+                if (mp_str_eq(k, kl, key)) {
+                    found = moe_tensor_read(&rd, &parts[r], NULL) == MOE_OK;
+                    break;
+                }
+                if (mp_skip(&rd, NULL) != MOE_OK)
+                    break;
+            }
+        int64_t rows = shard_first(T, W, r + 1) - shard_first(T, W, r);
+        if (!found || parts[r].ndim != 2 || parts[r].shape[0] != rows ||
+            parts[r].shape[1] != H || parts[r].dtype != j->x.dtype) {
+            snprintf(err, errlen, "worker rank %d returned no valid '%s' shard", r, key);
+            free(parts);
+            return MOE_EINTERNAL;
+        }
+    }
+    mp_write_map(w, 3);
+    mp_write_cstr(w, "dtype");
+    mp_write_cstr(w, moe_dtype_name(j->x.dtype));
+    mp_write_cstr(w, "shape");
+    mp_write_array(w, 2);
+    mp_write_i64(w, T);
+    mp_write_i64(w, H);
+    mp_write_cstr(w, "data");
+    uint8_t *dst = mp_writer_reserve_bin(w, (uint32_t)j->x.nbytes);
+    for (int r = 0; dst && r < W; r++) {
+        memcpy(dst, parts[r].data, parts[r].nbytes);
+        dst += parts[r].nbytes;
+    }
+    free(parts);
+    (void)c;
+    return MOE_OK;
+}
+
+void coord_backward(coord *c, rpc_call *call)
+{
+    int64_t hid = 0;
+    moe_tensor dy;
+    char err[256];
+    pspec sp[] = {
+        {"handle", P_INT, &hid, true, 0, 9e18, 0, false},
+        {"dy", P_TENSOR, &dy, true, 0, 0, 0, false},
+    };
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    coord_handle *h = lookup_handle(c, (uint64_t)hid, &e, err, sizeof(err));
+    if (!h) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    if (dy.ndim != 2 || dy.shape[0] != h->T || dy.shape[1] != h->model->cfg.d_model) {
+        rpc_reply_err(call, MOE_EINVAL, "dy must have shape (T=%lld, d_model=%d) like the forward",
+                      (long long)h->T, h->model->cfg.d_model);
+        return;
+    }
+    coord_job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    j->kind = JOB_BACKWARD;
+    j->call = call;
+    j->model = h->model;
+    j->layer = h->layer;
+    j->x = dy;
+    j->handle = h;
+    if (coord_job_submit(c, j, 0) != MOE_OK) {
+        free(j);
+        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+        return;
+    }
+    h->state = H_USED;
+    coord_job_pump(c);
+}
+
+void coord_backward_finish(coord *c, coord_job *j)
+{
+    char err[256];
+    for (int r = 0; r < j->nsent; r++)
+        if (j->errs[r] != MOE_OK) {
+            rpc_reply_err(j->call, j->errs[r], "backward: worker rank %d: %s", r,
+                          j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]));
+            c->errors_total++;
+            return;
+        }
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+    mp_write_map(&w, 1);
+    mp_write_cstr(&w, "dx");
+    moe_err e = coord_gather_rows(c, j, "dx", &w, err, sizeof(err));
+    if (e != MOE_OK) {
+        mp_writer_fini(&w);
+        rpc_reply_err(j->call, e, "%s", err);
+        return;
+    }
+    j->model->pending_grads++;
+    rpc_reply(j->call, &w);
+}
+
+void coord_step(coord *c, rpc_call *call)
+{
+    char name[MODEL_NAME_MAX], err[256];
+    double hp[6] = {1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0};
+    pspec sp[] = {
+        {"model", P_STR, name, true, 0, 0, sizeof(name), false},
+        {"lr", P_F64, &hp[0], false, 0, 1e3, 0, false},
+        {"beta1", P_F64, &hp[1], false, 0, 0.999999, 0, false},
+        {"beta2", P_F64, &hp[2], false, 0, 0.999999999, 0, false},
+        {"eps", P_F64, &hp[3], false, 1e-30, 1, 0, false},
+        {"weight_decay", P_F64, &hp[4], false, 0, 1e3, 0, false},
+        {"max_grad_norm", P_F64, &hp[5], false, 0, 1e30, 0, false},
+    };
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 7, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    coord_model *m = coord_find_model(c, name);
+    if (!m) {
+        rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s'", name);
+        return;
+    }
+    if (m->pending_grads == 0) {
+        rpc_reply_err(call, MOE_EPRECOND,
+                      "no gradients to apply: run backward on model '%s' since the last step",
+                      name);
+        return;
+    }
+    coord_job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    j->kind = JOB_STEP;
+    j->call = call;
+    j->model = m;
+    memcpy(j->hp, hp, sizeof(hp));
+    if (coord_job_submit(c, j, 0) != MOE_OK) {
+        free(j);
+        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+        return;
+    }
+    coord_job_pump(c);
+}
+
+void coord_step_finish(coord *c, coord_job *j)
+{
+    int64_t step = -1;
+    double norm = 0, scale = 1;
+    for (int r = 0; r < j->nsent; r++) {
+        if (j->errs[r] != MOE_OK) {
+            rpc_reply_err(j->call, j->errs[r], "optimizer.step: worker rank %d: %s", r,
+                          j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]));
+            c->errors_total++;
+            return;
+        }
+        const moe_reply *rep = j->replies[r];
+        mp_reader rd;
+        uint32_t n;
+        int64_t s = -1;
+        char err[128];
+        mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
+        pspec sp[] = {
+            {"step", P_INT, &s, true, 0, 9e18, 0, false},
+            {"grad_norm", P_F64, &norm, true, 0, 0, 0, false},
+            {"clip_scale", P_F64, &scale, true, 0, 0, 0, false},
+        };
+        if (mp_read_map(&rd, &n, NULL) != MOE_OK ||
+            params_parse(&rd, n, sp, 3, err, sizeof(err)) != MOE_OK || (step >= 0 && s != step)) {
+            rpc_reply_err(j->call, MOE_EINTERNAL, "workers disagree on the step count");
+            return;
+        }
+        step = s;
+    }
+    j->model->step = step;
+    j->model->pending_grads = 0;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+    mp_write_map(&w, 3);
+    mp_write_cstr(&w, "step");
+    mp_write_i64(&w, step);
+    mp_write_cstr(&w, "grad_norm");
+    mp_write_f64(&w, norm);
+    mp_write_cstr(&w, "clip_scale");
+    mp_write_f64(&w, scale);
+    rpc_reply(j->call, &w);
+}

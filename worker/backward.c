@@ -1,0 +1,206 @@
+/*
+ * backward.c - one MoE layer backward for a train forward's handle: combine
+ * backward at the origin, expert gradients rows sent to the owners (same
+ * order as dispatch), expert backward on the owners (weight gradients
+ * accumulated), input-gradient rows sent back, summed per token in slot
+ * order, plus the router gradient (aux and z losses included).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fwd.h"
+#include "log.h"
+#include "params.h"
+#include "rows.h"
+
+/* the router param of layer l, followed by the experts' w1, (w3,) w2 */
+static wkr_param *layer_params(wkr_model *m, int l)
+{
+    int nmat = m->cfg.act == KERN_ACT_SWIGLU ? 3 : 2;
+    return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
+}
+
+void wkr_op_backward(wkr *w, rpc_call *c)
+{
+    int64_t handle = 0;
+    moe_tensor dyt;
+    char err[256] = "";
+    pspec sp[] = {
+        {"handle", P_INT, &handle, true, 0, 9e18, 0, false},
+        {"dy", P_TENSOR, &dyt, true, 0, 0, 0, false},
+    };
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 2, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    if (!w->xc) {
+        rpc_reply_err(c, MOE_EUNAVAIL, "worker has no cluster communicator");
+        return;
+    }
+    wkr_handle_expire(w);
+    wkr_fwd_state *st = wkr_handle_take(w, (uint64_t)handle);
+    /* every rank must hold the handle, or none goes on (no collective may
+     * be left waiting) */
+    const int W = w->world;
+    int32_t have = st != NULL, *all_have = malloc((size_t)W * sizeof(int32_t));
+    if (!all_have) {
+        wkr_fwd_state_free(st);
+        rpc_reply_err(c, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    e = xchg_allgather(w->xc, &have, sizeof(have), all_have);
+    int everyone = e == MOE_OK;
+    for (int q = 0; q < W && everyone; q++)
+        everyone = all_have[q] != 0;
+    free(all_have);
+    if (e != MOE_OK) {
+        wkr_fwd_state_free(st);
+        rpc_reply_err(c, MOE_EUNAVAIL, "exchange between workers failed: %s", moe_strerror(e));
+        return;
+    }
+    if (!everyone) {
+        wkr_fwd_state_free(st);
+        rpc_reply_err(c, MOE_EEXPIRED, "handle %lld expired on a worker (too old, or too many "
+                      "forwards without backward)", (long long)handle);
+        return;
+    }
+    wkr_model *m = st->model;
+    const model_cfg *cfg = &m->cfg;
+    const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k, T = st->T;
+    const int bf = cfg->dtype == MOE_BF16, ne = m->ne;
+    const size_t S = (size_t)T * K, Tn = T ? (size_t)T : 1, es = bf ? 2 : 4;
+    if (dyt.ndim != 2 || dyt.shape[0] != T || dyt.shape[1] != H) {
+        wkr_fwd_state_free(st);
+        rpc_reply_err(c, MOE_EINVAL, "dy must have shape (%d, %d)", T, H);
+        return;
+    }
+    float *dy = malloc(Tn * H * sizeof(float)), *dye = malloc((S ? S : 1) * H * sizeof(float));
+    float *dw = malloc((S ? S : 1) * sizeof(float)), *dx = calloc(Tn * H, sizeof(float));
+    size_t nin = st->n_in ? st->n_in : 1;
+    float *dye_e = malloc(nin * H * sizeof(float)), *dx_e = calloc(nin * H, sizeof(float));
+    float *dx_slot = malloc((S ? S : 1) * H * sizeof(float));
+    uint8_t *sendbuf = NULL, *backbuf = NULL;
+    void *recvbuf = NULL, *retbuf = NULL;
+    size_t send_bytes[256], recv_bytes[256], back_bytes[256], ret_bytes[256], row0[256];
+    if (!dy || !dye || !dw || !dx || !dye_e || !dx_e || !dx_slot) {
+        e = MOE_ENOMEM;
+        goto fail;
+    }
+    rows_tensor_to_f32(&dyt, dy, (size_t)T * H);
+    kern_combine_backward_cpu(dy, st->ye_slot, st->topk_w, NULL, T, K, H, dye, dw);
+
+    /* expert output gradients to the owners, in dispatch order */
+    if (fwd_pack_by_owner(st, W, E, H, K, dye, 0, 0, bf, &sendbuf, send_bytes) == (size_t)-1) {
+        e = MOE_ENOMEM;
+        goto fail;
+    }
+    e = xchg_alltoallv(w->xc, sendbuf, send_bytes, &recvbuf, recv_bytes);
+    if (e != MOE_OK)
+        goto fail_xchg;
+    size_t off = 0;
+    for (int q = 0; q < W; q++) {
+        size_t rows = 0;
+        for (int i = 0; i < ne; i++)
+            rows += (size_t)st->src_cnt[(size_t)q * ne + i];
+        if (recv_bytes[q] != rows * H * es) {
+            e = MOE_EINTERNAL;
+            snprintf(err, sizeof(err), "backward rows from rank %d: %zu bytes, want %zu", q,
+                     recv_bytes[q], rows * H * es);
+            goto fail_msg;
+        }
+        row0[q] = off;
+        off += recv_bytes[q];
+    }
+    fwd_owner_gather(st, W, recvbuf, row0, H, bf, dye_e);
+
+    /* expert backward on kept rows; dropped rows pass no gradient */
+    wkr_param *lp = layer_params(m, st->layer);
+    int nmat = cfg->act == KERN_ACT_SWIGLU ? 3 : 2;
+    const wkr_layer *L = &m->layers[st->layer];
+    const size_t fh = (size_t)F * H;
+    size_t n0 = 0;
+    for (int i = 0; i < ne; i++) {
+        size_t n = 0;
+        for (int q = 0; q < W; q++)
+            n += (size_t)st->src_cnt[(size_t)q * ne + i];
+        int kept = st->kept[i];
+        wkr_param *pw1 = &lp[1 + i * nmat], *pw3 = nmat == 3 ? &lp[2 + i * nmat] : NULL;
+        wkr_param *pw2 = &lp[nmat + i * nmat];
+        if (kept)
+            kern_expert_ffn_backward_blas(st->xe + n0 * H, st->ae + n0 * F,
+                                          st->be ? st->be + n0 * F : NULL, dye_e + n0 * H, kept,
+                                          H, F, L->w1 + i * fh, L->w3 ? L->w3 + i * fh : NULL,
+                                          L->w2 + i * fh, (kern_act)cfg->act, dx_e + n0 * H,
+                                          pw1->grad, pw3 ? pw3->grad : NULL, pw2->grad);
+        n0 += n;
+    }
+
+    /* input gradients back to the origins */
+    if (fwd_owner_scatter(st, W, H, dx_e, bf, &backbuf, back_bytes) == (size_t)-1) {
+        e = MOE_ENOMEM;
+        goto fail;
+    }
+    e = xchg_alltoallv(w->xc, backbuf, back_bytes, &retbuf, ret_bytes);
+    if (e != MOE_OK)
+        goto fail_xchg;
+    size_t ret_total = 0;
+    for (int q = 0; q < W; q++)
+        ret_total += ret_bytes[q];
+    if (ret_total != S * H * es) {
+        e = MOE_EINTERNAL;
+        snprintf(err, sizeof(err), "backward returned %zu bytes, want %zu", ret_total,
+                 S * H * es);
+        goto fail_msg;
+    }
+    fwd_unpack_sorted(st, retbuf, H, bf, dx_slot);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < K; j++) {
+            const float *src = dx_slot + ((size_t)t * K + j) * H;
+            float *d = dx + (size_t)t * H;
+            for (int h = 0; h < H; h++)
+                d[h] += src[h];
+        }
+    kern_router_backward_cpu(st->x, L->wr, st->logits, st->probs, st->topk_idx, dw, T, H, E, K,
+                             cfg->renormalize, st->counts_global, st->T_total,
+                             (float)cfg->aux_loss_coef, (float)cfg->z_loss_coef, lp[0].grad, dx);
+    m->has_grads = 1;
+
+    mp_writer wr;
+    mp_writer_init(&wr);
+    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+    mp_write_map(&wr, 1);
+    mp_write_cstr(&wr, "dx");
+    rows_write_tensor(&wr, dyt.dtype, dx, T, H);
+    rpc_reply(c, &wr);
+    goto out;
+
+fail_xchg:
+    LOG_W("backward: exchange failed: %s", moe_strerror(e));
+    rpc_reply_err(c, MOE_EUNAVAIL, "exchange between workers failed (rank %d): %s", w->rank,
+                  moe_strerror(e));
+    goto out;
+fail_msg:
+    LOG_E("backward: %s", err);
+    rpc_reply_err(c, e, "%s", err);
+    goto out;
+fail:
+    rpc_reply_err(c, e, "worker rank %d: %s", w->rank, moe_strerror(e));
+out:
+    wkr_fwd_state_free(st);
+    free(dy);
+    free(dye);
+    free(dw);
+    free(dx);
+    free(dye_e);
+    free(dx_e);
+    free(dx_slot);
+    free(sendbuf);
+    free(backbuf);
+    if (recvbuf)
+        xchg_free(w->xc, recvbuf);
+    if (retbuf)
+        xchg_free(w->xc, retbuf);
+}
