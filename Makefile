@@ -13,7 +13,7 @@ CUDA_HOME ?= /usr/local/cuda
 DEPS_PREFIX ?=
 
 OPT     ?= -O2
-CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-format-truncation -fPIC \
+CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-format-truncation -fno-math-errno -fPIC \
            -Iclient -Icommon -Iproto -Ikernels -Iworker -Iserver \
            -I/usr/include/x86_64-linux-gnu/openblas-pthread
 LDLIBS  += -lnng -luv -lmsgpackc -lopenblas -lm -lpthread
@@ -60,7 +60,7 @@ LIBS := lib/libmoe.a lib/libmoe.so
 .PHONY: all deps run test check-gpu bench lint format clean
 all: $(BINS) $(LIBS) $(B)/moe-tests
 
-$(B)/%.o: %.c $(wildcard */*.h)
+$(B)/%.o: %.c $(wildcard */*.h) Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 

@@ -22,7 +22,7 @@ typedef struct opts {
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;
     double cf, aux, z;
-    int ping_only, quiet;
+    int ping_only, train, quiet;
 } opts;
 
 static double now_s(void)
@@ -47,6 +47,8 @@ static void usage(void)
             "  stats                                 cumulative stats\n"
             "  bench --model NAME [--layer L] --tokens T [--requests N] [--concurrency C]\n"
             "        [--dtype f32|bf16] | bench --ping [--requests N] [--concurrency C]\n"
+            "  bench --train --model NAME [--layer L] --tokens T [--requests STEPS]\n"
+            "                                        forward(train)+backward+optimizer.step\n"
             "  drain                                 stop the coordinator gracefully\n");
 }
 
@@ -337,6 +339,51 @@ static void *bench_main(void *arg)
     return NULL;
 }
 
+/* bench --train: N steps of forward(train) + backward + optimizer.step */
+static int cmd_bench_train(moe_client *c, const opts *o)
+{
+    int H = 0, N = o->requests > 0 ? o->requests : 100;
+    if (!o->model || query_d_model(c, o->model, &H) != 0)
+        return 1;
+    size_t n = (size_t)o->tokens * H;
+    float *x = malloc(n * 4 + 4), *y = malloc(n * 4 + 4), *dy = malloc(n * 4 + 4),
+          *dx = malloc(n * 4 + 4);
+    moe_adamw opt = {1e-4, 0.9, 0.999, 1e-8, 0.0, 1.0};
+    double t_fwd = 0, t_bwd = 0, t_step = 0, t0 = now_s();
+    int errors = 0;
+    for (int i = 0; i <= N; i++) { /* i = 0 is a warm-up */
+        kern_fill_uniform((uint64_t)o->seed + (uint64_t)i, 1, -1, 1, x, n);
+        kern_fill_uniform((uint64_t)o->seed + (uint64_t)i, 2, -1e-2f, 1e-2f, dy, n);
+        moe_fwd_info info;
+        double a = now_s();
+        moe_err e = moe_forward_train(c, o->model, o->layer, MOE_F32, x, o->tokens, H, y, &info);
+        double b = now_s();
+        if (e == MOE_OK)
+            e = moe_backward(c, info.handle, MOE_F32, dy, o->tokens, H, dx);
+        double d = now_s();
+        if (e == MOE_OK)
+            e = moe_optimizer_step(c, o->model, &opt, NULL, NULL);
+        double f = now_s();
+        moe_fwd_info_free(&info);
+        if (e != MOE_OK && errors++ == 0)
+            fprintf(stderr, "moectl: bench --train: %s\n", moe_last_error());
+        if (i == 0) {
+            t0 = now_s();
+            continue;
+        }
+        t_fwd += b - a;
+        t_bwd += d - b;
+        t_step += f - d;
+    }
+    double wall = now_s() - t0;
+    printf("bench train %s layer %d: T=%lld d_model=%d f32, %d steps: %.2f steps/s, %.0f tokens/s; "
+           "per step forward %.2f ms, backward %.2f ms, optimizer %.2f ms; errors %d\n",
+           o->model, o->layer, o->tokens, H, N, N / wall, (double)N * o->tokens / wall,
+           t_fwd / N * 1e3, t_bwd / N * 1e3, t_step / N * 1e3, errors);
+    free(x), free(y), free(dy), free(dx);
+    return errors ? 1 : 0;
+}
+
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -492,6 +539,8 @@ int main(int argc, char **argv)
             o.renorm = 1;
         else if (strcmp(a, "--ping") == 0)
             o.ping_only = 1;
+        else if (strcmp(a, "--train") == 0)
+            o.train = 1;
         else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             usage();
             return 0;
@@ -541,7 +590,7 @@ int main(int argc, char **argv)
     } else if (strcmp(cmd, "forward") == 0) {
         rc = cmd_forward(c, &o);
     } else if (strcmp(cmd, "bench") == 0) {
-        rc = cmd_bench(c, &o);
+        rc = o.train ? cmd_bench_train(c, &o) : cmd_bench(c, &o);
     } else {
         fprintf(stderr, "moectl: unknown command %s\n", cmd);
         usage();

@@ -541,6 +541,26 @@ int cluster_wait_ready(cluster *cl, int timeout_ms)
     }
 }
 
+int cluster_coord_wait(cluster *cl, int timeout_ms)
+{
+    int64_t t0 = cluster_now_ms();
+    int st = -1;
+    if (cl->coord_pid <= 0) {
+        set_err(cl, "the coordinator is not running");
+        return -1;
+    }
+    while (!reap_nohang(cl->coord_pid, &st)) {
+        if (cluster_now_ms() - t0 > timeout_ms) {
+            set_err(cl, "the coordinator still runs after %d ms", timeout_ms);
+            return -1;
+        }
+        sleep_ms(5);
+    }
+    cl->coord_pid = 0;
+    cl->coord_status = st;
+    return st;
+}
+
 int cluster_stop(cluster *cl)
 {
     if (!cl || !cl->live)

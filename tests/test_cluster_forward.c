@@ -11,6 +11,7 @@
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
 #include <math.h>
+#include <pthread.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -258,4 +259,81 @@ Test(cluster_forward, matches_reference_two_workers, .timeout = 60, .fini = clus
 Test(cluster_forward, matches_reference_three_workers, .timeout = 60, .fini = cluster_fini_all)
 {
     check_cases(3, cases_w3, (int)(sizeof(cases_w3) / sizeof(cases_w3[0])));
+}
+
+/* ---- several clients at once: every reply carries its own request's y ---- */
+
+#define NTHREADS 4
+#define NITER 4
+
+typedef struct conc_arg {
+    const char *url;
+    const ref_weights *w;
+    const fcase *c;
+    int id;
+    char fail[256];
+} conc_arg;
+
+static void *conc_main(void *p)
+{
+    conc_arg *a = p;
+    const fcase *c = a->c;
+    moe_client *cli;
+    if (moe_client_open(a->url, NULL, &cli) != MOE_OK) {
+        snprintf(a->fail, sizeof(a->fail), "open: %s", moe_last_error());
+        return NULL;
+    }
+    kern_layer_weights lw = {a->w->wr, a->w->w1, a->w->w3, a->w->w2};
+    for (int it = 0; it < NITER && !a->fail[0]; it++) {
+        int T = 3 + 5 * a->id + it; /* every call a different shape and input */
+        size_t n = (size_t)T * c->H;
+        float *x = malloc(n * 4), *y = malloc(n * 4), *yref = malloc(n * 4);
+        kern_fill_uniform(77, (uint64_t)(a->id * 100 + it), -1, 1, x, n);
+        kern_moe_shape s = {T, c->H, c->F, c->E, c->K, KERN_ACT_SWIGLU, 0, 0, 0};
+        kern_moe_forward_ref(&s, &lw, x, yref, NULL);
+        moe_err e = moe_forward(cli, "conc", 0, MOE_F32, x, T, c->H, y, NULL);
+        double rel = e == MOE_OK ? kern_rel_err(y, yref, n) : 1;
+        if (e != MOE_OK)
+            snprintf(a->fail, sizeof(a->fail), "client %d call %d: %s", a->id, it,
+                     moe_last_error());
+        else if (!(rel < 1e-5))
+            snprintf(a->fail, sizeof(a->fail), "client %d call %d (T=%d): rel err %g", a->id, it,
+                     T, rel);
+        free(x);
+        free(y);
+        free(yref);
+    }
+    moe_client_close(cli);
+    return NULL;
+}
+
+Test(cluster_forward, concurrent_clients, .timeout = 60, .fini = cluster_fini_all)
+{
+    static const fcase c = {"conc", 64, 128, 8, 2, "swiglu", 0, 0, MOE_F32, 1, {0}};
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    moe_model_config mc = {0};
+    mc.name = "conc";
+    mc.layers = 1;
+    mc.d_model = c.H;
+    mc.d_ff = c.F;
+    mc.n_experts = c.E;
+    mc.top_k = c.K;
+    mc.seed = 99;
+    cr_assert_eq(moe_model_create(cl->cli, &mc), MOE_OK, "%s", moe_last_error());
+    ref_weights w;
+    ref_build(&c, 99, 0, &w);
+    pthread_t th[NTHREADS];
+    static conc_arg args[NTHREADS];
+    for (int i = 0; i < NTHREADS; i++) {
+        args[i] = (conc_arg){cl->url, &w, &c, i, ""};
+        pthread_create(&th[i], NULL, conc_main, &args[i]);
+    }
+    for (int i = 0; i < NTHREADS; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < NTHREADS; i++)
+        cr_assert(!args[i].fail[0], "%s", args[i].fail);
+    ref_free(&w);
+    cr_assert_eq(cluster_stop(cl), 0, "cluster_stop: %s", cluster_error());
 }

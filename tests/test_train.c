@@ -312,3 +312,283 @@ Test(train, student_learns_teacher, .timeout = 120, .fini = cluster_fini_all)
     free_weights(&tw);
     cr_assert_eq(cluster_stop(cl), 0);
 }
+
+/* ---- durability ---- */
+
+typedef struct run_io {
+    float *x, *dy, *y;
+    size_t n;
+} run_io;
+
+/* train_steps: k steps of forward(train) + backward + AdamW on fixed data */
+static void train_steps(cluster *cl, const tshape *s, int layers, int k, uint64_t seed)
+{
+    size_t n = (size_t)s->T * s->H;
+    float *x = malloc(n * 4), *dy = malloc(n * 4), *y = malloc(n * 4), *dx = malloc(n * 4);
+    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0};
+    for (int i = 0; i < k; i++)
+        for (int l = 0; l < layers; l++) {
+            kern_fill_uniform(seed + (uint64_t)i, (uint64_t)l, -1, 1, x, n);
+            kern_fill_uniform(seed + (uint64_t)i, 100 + (uint64_t)l, -1, 1, dy, n);
+            moe_fwd_info info;
+            cr_assert_eq(moe_forward_train(cl->cli, "d", l, MOE_F32, x, s->T, s->H, y, &info),
+                         MOE_OK, "%s", moe_last_error());
+            cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, s->T, s->H, dx), MOE_OK,
+                         "%s", moe_last_error());
+            moe_fwd_info_free(&info);
+            if (l == layers - 1)
+                cr_assert_eq(moe_optimizer_step(cl->cli, "d", &opt, NULL, NULL), MOE_OK, "%s",
+                             moe_last_error());
+        }
+    free(x), free(dy), free(y), free(dx);
+}
+
+static void forward_probe(cluster *cl, const tshape *s, int layer, float *y)
+{
+    size_t n = (size_t)s->T * s->H;
+    float *x = malloc(n * 4);
+    kern_fill_uniform(999, (uint64_t)layer, -1, 1, x, n);
+    cr_assert_eq(moe_forward(cl->cli, "d", layer, MOE_F32, x, s->T, s->H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    free(x);
+}
+
+/* Train, save, SIGKILL every process, restart, load: the outputs are
+ * identical bit for bit, and the next step gives the same weights as the
+ * run that was not interrupted. */
+Test(train, checkpoint_survives_sigkill_bit_for_bit, .timeout = 120, .fini = cluster_fini_all)
+{
+    tshape s = {33, 16, 24, 6, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.05, 0.01};
+    const int layers = 2;
+    size_t n = (size_t)s.T * s.H;
+    char ck[128], after_a[128], after_b[128];
+    make_tmpdir(ck, sizeof(ck));
+    make_tmpdir(after_a, sizeof(after_a));
+    make_tmpdir(after_b, sizeof(after_b));
+    float *ya = malloc(n * 4), *yb = malloc(n * 4);
+
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *a = cluster_start(&o);
+    cr_assert(a, "cluster: %s", cluster_error());
+    create_model(a, "d", &s, layers, 21);
+    train_steps(a, &s, layers, 3, 1000);
+    cr_assert_eq(moe_checkpoint_save(a->cli, "d", ck), MOE_OK, "%s", moe_last_error());
+    forward_probe(a, &s, 1, ya);
+    train_steps(a, &s, layers, 1, 5000); /* the uninterrupted next step */
+    cr_assert_eq(moe_checkpoint_save(a->cli, "d", after_a), MOE_OK, "%s", moe_last_error());
+    /* SIGKILL everything: workers and coordinator */
+    for (int i = 0; i < a->nworkers; i++)
+        cluster_worker_kill(a, i, SIGKILL);
+    kill(a->coord_pid, SIGKILL);
+    cluster_stop(a);
+
+    cluster *b = cluster_start(&o);
+    cr_assert(b, "cluster: %s", cluster_error());
+    create_model(b, "d", &s, layers, 77); /* other init: the load must replace it */
+    int64_t step = -1;
+    cr_assert_eq(moe_checkpoint_load(b->cli, "d", ck, &step), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(step, 3);
+    forward_probe(b, &s, 1, yb);
+    cr_assert(memcmp(ya, yb, n * 4) == 0, "outputs after load differ (rel err %g)",
+              rel_err(yb, ya, n));
+    train_steps(b, &s, layers, 1, 5000);
+    cr_assert_eq(moe_checkpoint_save(b->cli, "d", after_b), MOE_OK, "%s", moe_last_error());
+    /* the weights after the next step: identical bits */
+    const char *names[] = {"model.layers.0.block_sparse_moe.gate.weight",
+                           "model.layers.1.block_sparse_moe.experts.5.w2.weight",
+                           "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                           "model.layers.1.block_sparse_moe.experts.3.w3.weight"};
+    for (int i = 0; i < 4; i++) {
+        size_t cnt = i == 0 ? (size_t)s.E * s.H : (size_t)s.F * s.H;
+        float *wa = malloc(cnt * 4), *wb = malloc(cnt * 4);
+        cr_assert_eq(load_tensor(after_a, names[i], wa, cnt), 0, "%s", names[i]);
+        cr_assert_eq(load_tensor(after_b, names[i], wb, cnt), 0, "%s", names[i]);
+        cr_assert(memcmp(wa, wb, cnt * 4) == 0, "%s differs after the next step", names[i]);
+        free(wa), free(wb);
+    }
+    cr_assert_eq(cluster_stop(b), 0);
+    rm_rf(ck), rm_rf(after_a), rm_rf(after_b);
+    free(ya), free(yb);
+}
+
+static void ignore_reply(moe_err e, moe_reply *r, void *arg)
+{
+    (void)e, (void)arg;
+    moe_reply_free(r);
+    free(r);
+}
+
+/* A SIGKILL in the middle of a save leaves the last good checkpoint loadable. */
+Test(train, sigkill_during_save_keeps_last_good, .timeout = 90, .fini = cluster_fini_all)
+{
+    tshape s = {16, 16, 24, 4, 2, KERN_ACT_SWIGLU, 0, 2, 0, 0.0, 0.0};
+    char ck[128];
+    make_tmpdir(ck, sizeof(ck));
+    size_t n = (size_t)s.T * s.H;
+    float *ya = malloc(n * 4), *yb = malloc(n * 4);
+    setenv("MOE_TEST_SAVE_DELAY_MS", "1500", 1); /* inherited by the workers */
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *a = cluster_start(&o);
+    cr_assert(a, "cluster: %s", cluster_error());
+    create_model(a, "d", &s, 1, 5);
+    train_steps(a, &s, 1, 2, 10);
+    cr_assert_eq(moe_checkpoint_save(a->cli, "d", ck), MOE_OK, "%s", moe_last_error());
+    forward_probe(a, &s, 0, ya);
+    train_steps(a, &s, 1, 2, 20);
+    /* start a second save and kill everything while the workers write */
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "model");
+    mp_write_cstr(&w, "d");
+    mp_write_cstr(&w, "path");
+    mp_write_cstr(&w, ck);
+    cr_assert_eq(moe_call_async(a->cli, "checkpoint.save", w.buf, w.len, ignore_reply, NULL),
+                 MOE_OK);
+    mp_writer_fini(&w);
+    usleep(700 * 1000);
+    for (int i = 0; i < a->nworkers; i++)
+        cluster_worker_kill(a, i, SIGKILL);
+    kill(a->coord_pid, SIGKILL);
+    cluster_stop(a);
+    unsetenv("MOE_TEST_SAVE_DELAY_MS");
+
+    cluster *b = cluster_start(&o);
+    cr_assert(b, "cluster: %s", cluster_error());
+    create_model(b, "d", &s, 1, 5);
+    int64_t step = -1;
+    cr_assert_eq(moe_checkpoint_load(b->cli, "d", ck, &step), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(step, 2, "loaded step %lld, the last good checkpoint is step 2",
+                 (long long)step);
+    forward_probe(b, &s, 0, yb);
+    cr_assert(memcmp(ya, yb, n * 4) == 0, "outputs differ from the last good checkpoint");
+    cr_assert_eq(cluster_stop(b), 0);
+    rm_rf(ck);
+    free(ya), free(yb);
+}
+
+/* ---- bad training input: a clear error each, the state unchanged ---- */
+
+static moe_err call_backward_raw(cluster *cl, uint64_t handle, int T, int H, char *msg,
+                                 size_t len)
+{
+    float *dy = calloc((size_t)T * H + 1, 4), *dx = malloc(((size_t)T * H + 1) * 4);
+    moe_err e = moe_backward(cl->cli, handle, MOE_F32, dy, T, H, dx);
+    snprintf(msg, len, "%s", moe_last_error());
+    free(dy), free(dx);
+    return e;
+}
+
+Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = cluster_fini_all)
+{
+    tshape s = {12, 16, 24, 4, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.01, 0.0};
+    size_t n = (size_t)s.T * s.H;
+    char msg[600], ck[128], other[128];
+    make_tmpdir(ck, sizeof(ck));
+    make_tmpdir(other, sizeof(other));
+    cluster_opts o = {0};
+    o.workers = 2;
+    o.coord_args[0] = "--max-handles";
+    o.coord_args[1] = "2";
+    o.worker_args[0] = "--max-handles";
+    o.worker_args[1] = "2";
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    create_model(cl, "d", &s, 1, 3);
+    float *y0 = malloc(n * 4), *y1 = malloc(n * 4), *x = malloc(n * 4), *y = malloc(n * 4);
+    forward_probe(cl, &s, 0, y0);
+
+    /* optimizer.step with no gradients */
+    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0, 0};
+    cr_assert_eq(moe_optimizer_step(cl->cli, "d", &opt, NULL, NULL), MOE_EPRECOND);
+    cr_assert(strstr(moe_last_error(), "no gradients"), "%s", moe_last_error());
+
+    /* unknown handle */
+    cr_assert_eq(call_backward_raw(cl, 12345, s.T, s.H, msg, sizeof(msg)), MOE_ENOTFOUND, "%s",
+                 msg);
+    cr_assert(strstr(msg, "unknown handle"), "%s", msg);
+
+    /* dy of the wrong shape, then the same handle still works once, then is used */
+    moe_fwd_info info;
+    kern_fill_uniform(1, 1, -1, 1, x, n);
+    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info), MOE_OK);
+    cr_assert_eq(call_backward_raw(cl, info.handle, s.T + 1, s.H, msg, sizeof(msg)), MOE_EINVAL,
+                 "%s", msg);
+    cr_assert(strstr(msg, "dy must have shape"), "%s", msg);
+    cr_assert_eq(call_backward_raw(cl, info.handle, s.T, s.H, msg, sizeof(msg)), MOE_OK, "%s",
+                 msg);
+    cr_assert_eq(call_backward_raw(cl, info.handle, s.T, s.H, msg, sizeof(msg)), MOE_EPRECOND,
+                 "%s", msg);
+    cr_assert(strstr(msg, "already used"), "%s", msg);
+    moe_fwd_info_free(&info);
+
+    /* expired: three train forwards with max-handles 2; the first expired */
+    uint64_t h[3];
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info), MOE_OK);
+        h[i] = info.handle;
+        moe_fwd_info_free(&info);
+    }
+    cr_assert_eq(call_backward_raw(cl, h[0], s.T, s.H, msg, sizeof(msg)), MOE_EEXPIRED, "%s",
+                 msg);
+    cr_assert(strstr(msg, "expired"), "%s", msg);
+    cr_assert_eq(call_backward_raw(cl, h[2], s.T, s.H, msg, sizeof(msg)), MOE_OK, "%s", msg);
+
+    /* a checkpoint path that cannot be written */
+    cr_assert_eq(moe_checkpoint_save(cl->cli, "d", "/proc/moe-cannot-write"), MOE_EIO);
+    cr_assert(strstr(moe_last_error(), "cannot"), "%s", moe_last_error());
+
+    /* a good checkpoint, then corrupt and truncated copies of it */
+    cr_assert_eq(moe_checkpoint_save(cl->cli, "d", ck), MOE_OK, "%s", moe_last_error());
+    char latest[256] = "", p[600], cmd[1400];
+    snprintf(p, sizeof(p), "%s/LATEST", ck);
+    FILE *f = fopen(p, "r");
+    cr_assert(f && fgets(latest, sizeof(latest), f));
+    fclose(f);
+    latest[strcspn(latest, "\n")] = 0;
+    snprintf(p, sizeof(p), "%s/%s/model-00002-of-00002.safetensors", ck, latest);
+    /* corrupt: flip one byte near the end of the data */
+    snprintf(cmd, sizeof(cmd), "cp -r '%s' '%s/bad' && cp '%s' '%s.orig'", ck, other, p, p);
+    cr_assert_eq(system(cmd), 0);
+    f = fopen(p, "r+b");
+    cr_assert(f);
+    fseek(f, -10, SEEK_END);
+    int ch = fgetc(f);
+    fseek(f, -10, SEEK_END);
+    fputc(ch ^ 0x5a, f);
+    fclose(f);
+    forward_probe(cl, &s, 0, y0);
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", ck, NULL), MOE_EINVAL);
+    cr_assert(strstr(moe_last_error(), "checksum"), "%s", moe_last_error());
+    forward_probe(cl, &s, 0, y1);
+    cr_assert(memcmp(y0, y1, n * 4) == 0, "a failed load changed the model");
+    /* truncated */
+    snprintf(cmd, sizeof(cmd), "cp '%s.orig' '%s' && truncate -s -100 '%s'", p, p, p);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", ck, NULL), MOE_EINVAL);
+    cr_assert(strstr(moe_last_error(), "truncated"), "%s", moe_last_error());
+    forward_probe(cl, &s, 0, y1);
+    cr_assert(memcmp(y0, y1, n * 4) == 0, "a failed load changed the model");
+    /* restored, it loads */
+    snprintf(cmd, sizeof(cmd), "cp '%s.orig' '%s'", p, p);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", ck, NULL), MOE_OK, "%s", moe_last_error());
+
+    /* a checkpoint of another model shape */
+    tshape s2 = s;
+    s2.F = 40;
+    create_model(cl, "other", &s2, 1, 3);
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "other", ck, NULL), MOE_EINVAL);
+    cr_assert(strstr(moe_last_error(), "another model shape"), "%s", moe_last_error());
+    /* no checkpoint there at all */
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", "/nonexistent/moe", NULL), MOE_ENOTFOUND);
+
+    /* the service still serves */
+    cr_assert_eq(moe_ping(cl->cli), MOE_OK);
+    forward_probe(cl, &s, 0, y1);
+    cr_assert_eq(cluster_stop(cl), 0);
+    rm_rf(ck), rm_rf(other);
+    free(y0), free(y1), free(x), free(y);
+}

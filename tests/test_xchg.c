@@ -470,7 +470,9 @@ static void *exit_soon(void *arg)
 }
 
 /* child_rank: rank 1. Mode 0: one collective, then _exit when rank 0 says;
- * mode 1: _exit 200 ms into a 40 MB alltoallv that rank 0 has not joined. */
+ * mode 1: _exit 200 ms into an alltoallv that rank 0 has not joined, with
+ * 40 MB for rank 0 (partly sent); mode 2: the same with 0 bytes for rank 0
+ * (its part is complete: rank 0 notices only that its send cannot go). */
 static void child_rank(const char *spec)
 {
     int rfd, wfd, mode;
@@ -491,10 +493,10 @@ static void child_rank(const char *spec)
     void *rv = NULL;
     if (xchg_nng_open(lis, 1, 2, u, 1, 5000, &x) != MOE_OK)
         _exit(3);
-    if (mode == 1) {
+    if (mode == 1 || mode == 2) {
         pthread_t th;
-        size_t big[2] = {0, (size_t)40 << 20};
-        uint8_t *b = calloc(1, big[1]);
+        size_t big[2] = {mode == 1 ? (size_t)40 << 20 : 0, 0};
+        uint8_t *b = calloc(1, big[0] + 1);
         pthread_create(&th, NULL, exit_soon, NULL);
         xchg_alltoallv(x, b, big, &rv, rb);
         _exit(6); /* not reached: rank 0 joins only after we are gone */
@@ -583,12 +585,12 @@ Test(xchg_nng, forked_peer_dies, .timeout = 20)
     xchg_close(x);
 }
 
-/* The child dies inside a 40 MB alltoallv (its data partly sent); rank 0
- * joins late and fails at once instead of waiting for the 5 s timeout. */
-Test(xchg_nng, forked_peer_dies_mid_collective, .timeout = 20)
+/* The child dies inside an alltoallv; rank 0 joins late and fails at once
+ * instead of waiting for the 5 s timeout. */
+static void mid_collective(int mode)
 {
     int rfd, wfd;
-    pid_t pid = spawn_child(1, &rfd, &wfd);
+    pid_t pid = spawn_child(mode, &rfd, &wfd);
     xchg *x = parent_open(rfd, wfd);
     usleep(400 * 1000);
     size_t sb[2] = {0, (size_t)1 << 20}, rb[2];
@@ -602,6 +604,16 @@ Test(xchg_nng, forked_peer_dies_mid_collective, .timeout = 20)
     child_exit_ok(pid);
     xchg_close(x);
     free(buf);
+}
+
+Test(xchg_nng, forked_peer_dies_mid_collective, .timeout = 20)
+{
+    mid_collective(1);
+}
+
+Test(xchg_nng, forked_peer_dies_mid_collective_send_side, .timeout = 20)
+{
+    mid_collective(2);
 }
 
 /* ------------------------------------------------------------------- misuse */

@@ -28,9 +28,12 @@
  * message, sent by a graceful close) or whose connection to us closes (pull
  * pipe removed: process died) fails the round at once if its part is
  * incomplete; the receive is polled in NX_POLL_MS slices so the flags are
- * seen even if the wake-up from the pipe callback is missed.
+ * seen even if the wake-up from the pipe callback is missed. Sends still
+ * queued for a peer whose connection from us closed (push pipe removed)
+ * are cancelled, which fails the round too.
  */
 #include <arpa/inet.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,11 +95,14 @@ typedef struct nx_rx {
 } nx_rx;
 
 typedef struct nx_peer {
+    struct nx *x;
+    int q;
     nng_socket push;
     int push_open;
     size_t chunk;       /* payload bytes per message to this peer */
     atomic_int rx_pipe; /* id of the pipe its messages arrive on (0 = unknown) */
     atomic_int rx_gone; /* that pipe closed: the peer left or died */
+    atomic_int tx_gone; /* our connection to it closed: sends to it cannot complete */
     int bye;            /* the peer announced it leaves */
 } nx_peer;
 
@@ -116,8 +122,10 @@ typedef struct nx {
     nng_aio **saio; /* [saio_cap] sends of one round */
     int *saio_peer; /* [saio_cap] destination of each */
     size_t saio_cap;
-    uint64_t seq;     /* last round number used */
-    uint64_t cur_seq; /* round being run */
+    size_t nactive;      /* sends of the running round (guarded by mtx) */
+    pthread_mutex_t mtx; /* saio, saio_peer, nactive vs. nx_push_rem */
+    uint64_t seq;        /* last round number used */
+    uint64_t cur_seq;    /* round being run */
     uint8_t cur_kind;
     atomic_int opened;
 } nx;
@@ -349,6 +357,23 @@ static void nx_pipe_rem(nng_pipe p, nng_pipe_ev ev, void *arg)
     }
 }
 
+/* nx_push_rem runs on an nng thread when our connection to a peer closes
+ * (it closed its communicator or died): sends still queued for it cannot
+ * complete, so they are cancelled now rather than at the timeout. */
+static void nx_push_rem(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    nx_peer *pe = arg;
+    nx *x = pe->x;
+    (void)p;
+    (void)ev;
+    atomic_store(&pe->tx_gone, 1);
+    pthread_mutex_lock(&x->mtx);
+    for (size_t i = 0; i < x->nactive; i++)
+        if (x->saio_peer[i] == pe->q)
+            nng_aio_cancel(x->saio[i]);
+    pthread_mutex_unlock(&x->mtx);
+}
+
 /* nx_accept routes one received message: into the current round, the
  * stash, or the bin. Takes ownership of m. */
 static moe_err nx_accept(nx *x, nng_msg *m)
@@ -487,11 +512,17 @@ static moe_err nx_send_part(nx *x, int q, uint8_t kind, uint64_t seq, const void
         memcpy(b, &h, sizeof(h));
         if (len)
             memcpy(b + sizeof(h), (const uint8_t *)p + off, len);
-        if (nx_saio(x, *nsend, &a) != MOE_OK) {
+        pthread_mutex_lock(&x->mtx);
+        moe_err err = nx_saio(x, *nsend, &a);
+        if (err == MOE_OK) {
+            x->saio_peer[*nsend] = q;
+            x->nactive = *nsend + 1;
+        }
+        pthread_mutex_unlock(&x->mtx);
+        if (err != MOE_OK) {
             nng_msg_free(m);
             return MOE_ENOMEM;
         }
-        x->saio_peer[*nsend] = q;
         nng_aio_set_msg(a, m);
         nng_aio_set_timeout(a, send_ms);
         nng_send_aio(x->peer[q].push, a);
@@ -509,6 +540,9 @@ static moe_err nx_wait_sends(nx *x, size_t nsend, moe_err err)
             nng_aio_cancel(x->saio[i]);
     for (size_t i = 0; i < nsend; i++) {
         nng_aio *a = x->saio[i];
+        int q = x->saio_peer[i];
+        if (atomic_load(&x->peer[q].tx_gone))
+            nng_aio_cancel(a); /* (nx_push_rem cancels those that go later) */
         nng_aio_wait(a);
         int rv = nng_aio_result(a);
         if (rv != 0) {
@@ -517,13 +551,20 @@ static moe_err nx_wait_sends(nx *x, size_t nsend, moe_err err)
                 nng_msg_free(m);
             nng_aio_set_msg(a, NULL);
             if (err == MOE_OK) {
-                LOG_W("xchg: rank %d: %s round %llu: send to rank %d failed: %s", x->pub.rank,
-                      nx_kind_name[x->cur_kind], (unsigned long long)x->cur_seq, x->saio_peer[i],
-                      nng_strerror(rv));
+                if (atomic_load(&x->peer[q].tx_gone))
+                    LOG_W("xchg: rank %d: rank %d disconnected during %s round %llu", x->pub.rank,
+                          q, nx_kind_name[x->cur_kind], (unsigned long long)x->cur_seq);
+                else
+                    LOG_W("xchg: rank %d: %s round %llu: send to rank %d failed: %s", x->pub.rank,
+                          nx_kind_name[x->cur_kind], (unsigned long long)x->cur_seq, q,
+                          nng_strerror(rv));
                 err = MOE_EUNAVAIL;
             }
         }
     }
+    pthread_mutex_lock(&x->mtx);
+    x->nactive = 0;
+    pthread_mutex_unlock(&x->mtx);
     return err;
 }
 
@@ -808,7 +849,7 @@ static void nx_bye(nx *x, int wait)
     size_t nsend = 0;
     int send_ms = wait ? x->timeout_ms : NX_BYE_SEND_MS;
     for (int q = 0; q < W; q++) {
-        if (q != r && !atomic_load(&x->peer[q].rx_gone) &&
+        if (q != r && !atomic_load(&x->peer[q].rx_gone) && !atomic_load(&x->peer[q].tx_gone) &&
             nx_send_part(x, q, NX_BYE, x->seq, NULL, 0, send_ms, &nsend) != MOE_OK)
             break;
     }
@@ -817,7 +858,8 @@ static void nx_bye(nx *x, int wait)
         for (;;) {
             int pending = 0;
             for (int q = 0; q < W; q++)
-                if (q != r && !x->peer[q].bye && !atomic_load(&x->peer[q].rx_gone))
+                if (q != r && !x->peer[q].bye && !atomic_load(&x->peer[q].rx_gone) &&
+                    !atomic_load(&x->peer[q].tx_gone))
                     pending = 1;
             if (!pending)
                 break;
@@ -858,8 +900,10 @@ static void nx_destroy(nx *x)
     nng_pipe_notify(x->pull, NNG_PIPE_EV_REM_POST, NULL, NULL);
     if (x->peer)
         for (int q = 0; q < x->pub.world; q++)
-            if (x->peer[q].push_open)
+            if (x->peer[q].push_open) {
+                nng_pipe_notify(x->peer[q].push, NNG_PIPE_EV_REM_POST, NULL, NULL);
                 nng_close(x->peer[q].push);
+            }
     nng_close(x->pull);
     if (x->rx) {
         nx_rx_clear(x);
@@ -879,6 +923,7 @@ static void nx_destroy(nx *x)
     free(x->rx);
     free(x->sp);
     free(x->sn);
+    pthread_mutex_destroy(&x->mtx);
     free(x);
 }
 
@@ -931,6 +976,7 @@ moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *c
     x->pull = lis->pull;
     x->recv_max = lis->recv_max;
     free(lis);
+    pthread_mutex_init(&x->mtx, NULL);
 
     moe_err err = MOE_ENOMEM;
     int rv;
@@ -956,6 +1002,13 @@ moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *c
             goto fail;
         }
         p->push_open = 1;
+        p->x = x;
+        p->q = q;
+        if ((rv = nng_pipe_notify(p->push, NNG_PIPE_EV_REM_POST, nx_push_rem, p)) != 0) {
+            LOG_E("xchg_nng_open: nng_pipe_notify: %s", nng_strerror(rv));
+            err = MOE_EINTERNAL;
+            goto fail;
+        }
         nng_socket_set_ms(p->push, NNG_OPT_RECONNMINT, 10);
         nng_socket_set_ms(p->push, NNG_OPT_RECONNMAXT, 200);
         if ((rv = nng_dial(p->push, peer_urls[q], NULL, NNG_FLAG_NONBLOCK)) != 0) {

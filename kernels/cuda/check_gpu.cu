@@ -54,6 +54,7 @@ struct tcase {
     int T, H, F, E, K;
     kern_act act;
     int renorm, skew;
+    float cf; /* capacity factor, 0 = dropless */
 };
 
 static const double TOL = 1e-2;
@@ -100,8 +101,17 @@ template <typename T> static std::vector<T> dl(const T *d, size_t n)
 
 struct result {
     double logits, probs, tw, y, dx, dwr, dw1, dw3, dw2, dw, aux, z;
-    int idx_ok, layout_ok, determ_ok;
+    int idx_ok, layout_ok, determ_ok, accum_ok, ndrop;
 };
+
+/* the second backward (no zeroing, same forward) must give exactly 2x */
+static int twice(const std::vector<float> &g1, const std::vector<float> &g2)
+{
+    for (size_t i = 0; i < g1.size(); i++)
+        if (!(g2[i] == 2.f * g1[i]))
+            return 0;
+    return 1;
+}
 
 static int run_case(const tcase &c, uint64_t seed, result *r)
 {
@@ -133,7 +143,7 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     kern_bf16_round_n(x.data(), x.size());
     kern_bf16_round_n(dy.data(), dy.size());
 
-    kcu_config cfg = {H, F, E, K, c.act, c.renorm, T, 1};
+    kcu_config cfg = {H, F, E, K, c.act, c.renorm, T, 1, c.cf};
     kcu_layer *l;
     CKM(kcu_layer_create(&cfg, &l));
     CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
@@ -147,9 +157,9 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     CKM(kcu_forward(l, T, x.data(), MOE_F32, y.data(), MOE_F32, 1, NULL));
     CK(cudaDeviceSynchronize());
     r->determ_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
-    std::vector<int32_t> counts(E);
+    std::vector<int32_t> counts(E), dropped(E);
     float aux_g, z_g;
-    CKM(kcu_forward_stats(l, counts.data(), &aux_g, &z_g, NULL));
+    CKM(kcu_forward_stats(l, counts.data(), dropped.data(), &aux_g, &z_g, NULL));
 
     /* router logits */
     std::vector<float> lg_pad = dl(l->logits, (size_t)T * l->Ep), lg((size_t)T * E),
@@ -168,13 +178,30 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     r->tw = relerr(tw_g.data(), tw_r.data(), S);
     r->idx_ok = idx_g == idx_r;
 
-    /* layout on the GPU routing */
-    std::vector<int32_t> cnt_r(E), off_r(E + 1), perm_r(S);
+    /* layout and capacity on the GPU routing: kept rows of expert e are
+     * perm_r[off_r[e] .. off_r[e] + kept[e]); the GPU compacts them */
+    std::vector<int32_t> cnt_r(E), off_r(E + 1), perm_r(S), drop_r(E), kept(E);
+    std::vector<uint8_t> keep(S);
     kern_layout_cpu(idx_g.data(), T, K, E, cnt_r.data(), off_r.data(), perm_r.data(), NULL);
+    const int32_t cap = kern_capacity(c.cf, T, K, E);
+    kern_apply_capacity_cpu(cnt_r.data(), off_r.data(), perm_r.data(), E, cap, keep.data(),
+                            drop_r.data());
     std::vector<int32_t> off_g = dl(l->offs, E + 1), perm_g = dl(l->perm, S);
-    r->layout_ok = cnt_r == counts && off_r == off_g && perm_r == perm_g;
-    if (off_r[E] != S)
-        r->layout_ok = 0;
+    r->layout_ok = cnt_r == counts && drop_r == dropped && off_r[E] == S &&
+                   cap == kcu_capacity(c.cf, T, K, E);
+    r->ndrop = 0;
+    for (int e = 0, ko = 0; e < E; e++) {
+        kept[e] = cnt_r[e] - drop_r[e];
+        r->ndrop += drop_r[e];
+        if (off_g[e] != ko)
+            r->layout_ok = 0;
+        for (int i = 0; i < kept[e] && r->layout_ok; i++)
+            if (perm_g[ko + i] != perm_r[off_r[e] + i])
+                r->layout_ok = 0;
+        ko += kept[e];
+        if (e == E - 1 && off_g[E] != ko)
+            r->layout_ok = 0;
+    }
     {
         const float aux_r = kern_aux_loss_cpu(probs_g.data(), counts.data(), T, E, K);
         const float z_r = kern_z_loss_cpu(lg.data(), T, E);
@@ -187,7 +214,7 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     (void)N1;
     std::vector<float> ye((size_t)S * H), a_s((size_t)S * F), b_s((size_t)S * F);
     parallel_for(E, [&](int e) {
-        const int o = off_r[e], n = cnt_r[e];
+        const int o = off_r[e], n = kept[e];
         if (n == 0)
             return;
         std::vector<float> xe((size_t)n * H), a((size_t)n * F), b((size_t)n * F), yo((size_t)n * H);
@@ -203,7 +230,7 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
         }
     });
     std::vector<float> yref((size_t)T * H);
-    kern_combine_cpu(ye.data(), tw_g.data(), NULL, T, K, H, 1, yref.data());
+    kern_combine_cpu(ye.data(), tw_g.data(), keep.data(), T, K, H, 1, yref.data());
     r->y = relerr(y.data(), yref.data(), y.size());
 
     /* ---- backward ---- */
@@ -219,12 +246,12 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     std::vector<float> dw_g = dl(l->dw, S);
 
     std::vector<float> dye((size_t)S * H), dw_r(S), dxs((size_t)S * H);
-    kern_combine_backward_cpu(dy.data(), ye.data(), tw_g.data(), NULL, T, K, H, dye.data(),
+    kern_combine_backward_cpu(dy.data(), ye.data(), tw_g.data(), keep.data(), T, K, H, dye.data(),
                               dw_r.data());
     std::vector<float> r_w1((size_t)E * F * H, 0.f), r_w3((size_t)E * F * H, 0.f),
         r_w2((size_t)E * H * F, 0.f), r_wr((size_t)E * H, 0.f), dxr((size_t)T * H, 0.f);
     parallel_for(E, [&](int e) {
-        const int o = off_r[e], n = cnt_r[e];
+        const int o = off_r[e], n = kept[e];
         if (n == 0)
             return;
         std::vector<float> xe((size_t)n * H), a((size_t)n * F), b((size_t)n * F), de((size_t)n * H),
@@ -256,14 +283,350 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     r->dw3 = swiglu ? relerr(g_w3.data(), r_w3.data(), r_w3.size()) : 0.0;
     r->dw2 = relerr(g_w2.data(), r_w2.data(), r_w2.size());
     r->dw = relerr(dw_g.data(), dw_r.data(), S);
+
+    /* same forward again, backward without zeroing: exactly twice the
+     * gradients, and the same dx bit for bit */
+    std::vector<float> dx2((size_t)T * H, NAN), h_wr((size_t)E * H), h_w1((size_t)E * F * H),
+        h_w3((size_t)E * F * H), h_w2((size_t)E * H * F);
+    CKM(kcu_forward(l, T, x.data(), MOE_F32, y2.data(), MOE_F32, 1, NULL));
+    CKM(kcu_backward(l, dy.data(), MOE_F32, dx2.data(), MOE_F32, aux_c, z_c, NULL, 0, NULL));
+    CK(cudaDeviceSynchronize());
+    CKM(kcu_layer_download_grads(l, h_wr.data(), h_w1.data(), swiglu ? h_w3.data() : NULL,
+                                 h_w2.data()));
+    r->accum_ok = twice(g_wr, h_wr) && twice(g_w1, h_w1) && (!swiglu || twice(g_w3, h_w3)) &&
+                  twice(g_w2, h_w2) && memcmp(dx.data(), dx2.data(), dx.size() * 4) == 0;
     kcu_layer_destroy(l);
 
     const double v[] = {r->logits, r->probs, r->tw,  r->y,  r->dx,  r->dwr,
                         r->dw1,    r->dw3,   r->dw2, r->dw, r->aux, r->z};
-    int ok = r->idx_ok && r->layout_ok && r->determ_ok;
+    int ok = r->idx_ok && r->layout_ok && r->determ_ok && r->accum_ok;
     for (double d : v)
         ok = ok && d < TOL; /* NaN compares false */
     return ok;
+}
+
+/* ---- direct grouped-GEMM checks: each mode on both operand majors ---- */
+static uint64_t lcg(uint64_t &st)
+{
+    st = st * 6364136223846793005ull + 1442695040888963407ull;
+    return st >> 33;
+}
+
+/* one GEMM mode against a double CPU product; the kernel version that ran
+ * is kcu_gemm_version's */
+static int gemm_checks(uint64_t seed)
+{
+    const int nsm = [] {
+        int d = 0, n = 0;
+        CK(cudaGetDevice(&d));
+        CK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d));
+        return n;
+    }();
+    uint64_t st = seed;
+    auto rnd = [&](size_t n) {
+        std::vector<float> v(n);
+        kern_fill_uniform(seed, lcg(st), -1.f, 1.f, v.data(), n);
+        kern_bf16_round_n(v.data(), n);
+        return v;
+    };
+    auto up_bf = [&](const std::vector<float> &v) {
+        std::vector<uint16_t> hb(v.size());
+        for (size_t i = 0; i < v.size(); i++)
+            hb[i] = kern_f32_to_bf16(v[i]);
+        bf16 *d;
+        CK(cudaMalloc(&d, hb.size() * 2));
+        CK(cudaMemcpy(d, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
+        return d;
+    };
+    auto up_i = [&](const std::vector<int32_t> &v) {
+        int32_t *d;
+        CK(cudaMalloc(&d, v.size() * 4 + 4));
+        CK(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+        return d;
+    };
+    int fails = 0;
+    const std::vector<int32_t> cnt = {130, 0, 77, 256}; /* rows per group */
+    const int G = (int)cnt.size();
+    std::vector<int32_t> offs(G + 1, 0), te, tr;
+    for (int e = 0; e < G; e++) {
+        offs[e + 1] = offs[e] + cnt[e];
+        for (int r = 0; r < cnt[e]; r += KCU_BM) {
+            te.push_back(e);
+            tr.push_back(offs[e] + r);
+        }
+    }
+    const int R = offs[G], NT_ = (int)te.size(), SRC = 600;
+    std::vector<int32_t> gat(R), gat2(R);
+    for (int r = 0; r < R; r++) {
+        gat[r] = (int)(lcg(st) % SRC);
+        gat2[r] = (int)(lcg(st) % SRC);
+    }
+    int32_t *d_offs = up_i(offs), *d_te = up_i(te), *d_tr = up_i(tr), *d_gat = up_i(gat),
+            *d_gat2 = up_i(gat2), *d_nt = up_i({NT_});
+
+    /* rows mode: C (R,N) = A[gat[r]] (K) . B_e, B_e K-major (N,K) or N-major (K,N) */
+    for (int bm = 0; bm < 2; bm++) {
+        const int K = 192, N = 512;
+        std::vector<float> A = rnd((size_t)SRC * K), B = rnd((size_t)G * K * N);
+        bf16 *dA = up_bf(A), *dB = up_bf(B);
+        float *dC;
+        CK(cudaMalloc(&dC, (size_t)R * N * 4));
+        CK(cudaMemset(dC, 0xff, (size_t)R * N * 4));
+        kcu_gemm_args a;
+        memset(&a, 0, sizeof(a));
+        a.A = dA;
+        a.lda = K;
+        a.a_gather = d_gat;
+        a.B = dB;
+        a.ldb = bm ? N : K;
+        a.b_gstride = (long long)K * N;
+        a.N = N;
+        a.K = K;
+        a.offs = d_offs;
+        a.tile_e = d_te;
+        a.tile_r0 = d_tr;
+        a.ntiles_m = d_nt;
+        a.max_tiles_m = NT_;
+        a.Cf = dC;
+        a.ldc = N;
+        const kcu_bmode bmode = bm ? KCU_B_N : KCU_B_K;
+        CKM(kcu_gemm(KCU_A_K, bmode, KCU_EPI_F32, &a, nsm, NULL));
+        CK(cudaDeviceSynchronize());
+        std::vector<float> C = dl(dC, (size_t)R * N), ref((size_t)R * N);
+        for (int e = 0; e < G; e++)
+            for (int r = offs[e]; r < offs[e + 1]; r++)
+                for (int n = 0; n < N; n++) {
+                    double acc = 0;
+                    for (int k = 0; k < K; k++)
+                        acc += (double)A[(size_t)gat[r] * K + k] *
+                               (bm ? B[(size_t)e * K * N + (size_t)k * N + n]
+                                   : B[(size_t)e * K * N + (size_t)n * K + k]);
+                    ref[(size_t)r * N + n] = (float)acc;
+                }
+        const double err = relerr(C.data(), ref.data(), C.size());
+        const int ok = err < 1e-5;
+        fails += !ok;
+        printf("gemm rows  A_K %s F32  (v%d): rel err %.1e %s\n", bm ? "B_N" : "B_K",
+               kcu_gemm_version(KCU_A_K, bmode, KCU_EPI_F32, &a, nsm), err, ok ? "PASS" : "FAIL");
+        if (!ok)
+            kern_print_mismatches("gemm rows", C.data(), ref.data(), C.size(), 1e-3, 8);
+        CK(cudaFree(dA));
+        CK(cudaFree(dB));
+        CK(cudaFree(dC));
+    }
+    /* wgrad: C_e (M,N) (+)= sum_{k in group e} A[gat[k]]^T B[gat2[k]], twice
+     * (beta0 then accumulate) */
+    {
+        const int M = 256, N = 512;
+        std::vector<float> A = rnd((size_t)SRC * M), B = rnd((size_t)SRC * N);
+        bf16 *dA = up_bf(A), *dB = up_bf(B);
+        float *dC;
+        CK(cudaMalloc(&dC, (size_t)G * M * N * 4));
+        CK(cudaMemset(dC, 0xff, (size_t)G * M * N * 4));
+        kcu_gemm_args a;
+        memset(&a, 0, sizeof(a));
+        a.A = dA;
+        a.lda = M;
+        a.a_gather = d_gat;
+        a.B = dB;
+        a.ldb = N;
+        a.b_gather = d_gat2;
+        a.M = M;
+        a.N = N;
+        a.ngroups = G;
+        a.offs = d_offs;
+        a.Cf = dC;
+        a.ldc = N;
+        a.c_gstride = (long long)M * N;
+        a.beta0 = 1;
+        CKM(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, nsm, NULL));
+        CK(cudaDeviceSynchronize());
+        std::vector<float> C1 = dl(dC, (size_t)G * M * N);
+        a.beta0 = 0;
+        CKM(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, nsm, NULL));
+        CK(cudaDeviceSynchronize());
+        std::vector<float> C2 = dl(dC, (size_t)G * M * N), ref((size_t)G * M * N);
+        parallel_for(G, [&](int e) {
+            for (int m = 0; m < M; m++)
+                for (int n = 0; n < N; n++) {
+                    double acc = 0;
+                    for (int k = offs[e]; k < offs[e + 1]; k++)
+                        acc += (double)A[(size_t)gat[k] * M + m] * B[(size_t)gat2[k] * N + n];
+                    ref[((size_t)e * M + m) * N + n] = (float)acc;
+                }
+        });
+        const double err = relerr(C1.data(), ref.data(), C1.size());
+        const int ok = err < 1e-5 && twice(C1, C2);
+        fails += !ok;
+        printf("gemm wgrad A_M B_N ACC  (v%d): rel err %.1e, accumulate %s %s\n",
+               kcu_gemm_version(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, nsm), err,
+               twice(C1, C2) ? "ok" : "BAD", ok ? "PASS" : "FAIL");
+        if (!ok)
+            kern_print_mismatches("gemm wgrad", C1.data(), ref.data(), C1.size(), 1e-3, 8);
+        CK(cudaFree(dA));
+        CK(cudaFree(dB));
+        CK(cudaFree(dC));
+    }
+    for (int32_t *p : {d_offs, d_te, d_tr, d_gat, d_gat2, d_nt})
+        CK(cudaFree(p));
+    return fails;
+}
+
+/* ---- experts-only object against kern_expert_ffn_cpu / _backward_cpu / kern_adamw_cpu ---- */
+struct ecase {
+    int H, F;
+    kern_act act;
+    std::vector<int32_t> counts;
+};
+
+static int experts_check(const ecase &c, uint64_t seed)
+{
+    const int H = c.H, F = c.F, ne = (int)c.counts.size();
+    const int swiglu = c.act == KERN_ACT_SWIGLU;
+    std::vector<int32_t> off(ne + 1, 0);
+    for (int e = 0; e < ne; e++)
+        off[e + 1] = off[e] + c.counts[e];
+    const int N = off[ne];
+    std::vector<float> w1((size_t)ne * F * H), w3((size_t)ne * F * H), w2((size_t)ne * H * F),
+        x((size_t)N * H), dy((size_t)N * H);
+    for (int e = 0; e < ne; e++) {
+        kern_init_weight(seed, 3, e, KERN_W1, F, H, w1.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 3, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 3, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
+    }
+    kern_fill_uniform(seed, 5, -1.f, 1.f, x.data(), x.size());
+    kern_fill_uniform(seed, 6, -1.f, 1.f, dy.data(), dy.size());
+    kern_bf16_round_n(x.data(), x.size());
+    kern_bf16_round_n(dy.data(), dy.size());
+    /* the uploaded weights stay fp32 (master); the compute copy is bf16 */
+    std::vector<float> r1 = w1, r3 = w3, r2 = w2;
+    kern_bf16_round_n(r1.data(), r1.size());
+    kern_bf16_round_n(r3.data(), r3.size());
+    kern_bf16_round_n(r2.data(), r2.size());
+
+    kcu_experts *ex;
+    CKM(kcu_experts_create(H, F, ne, c.act, N + 5, 1, &ex));
+    CKM(kcu_experts_upload(ex, w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    CK(cudaMemset(ex->ws, 0xff, ex->ws_bytes));
+
+    auto cpu_fwd = [&](const std::vector<float> &q1, const std::vector<float> &q3,
+                       const std::vector<float> &q2, std::vector<float> &y, std::vector<float> &a,
+                       std::vector<float> &b) {
+        parallel_for(ne, [&](int e) {
+            const size_t o = off[e];
+            if (c.counts[e] == 0)
+                return;
+            kern_expert_ffn_cpu(&x[o * H], c.counts[e], H, F, &q1[(size_t)e * F * H],
+                                &q3[(size_t)e * F * H], &q2[(size_t)e * H * F], c.act, 1,
+                                &a[o * F], &b[o * F], &y[o * H]);
+        });
+    };
+    std::vector<float> yref((size_t)N * H), a((size_t)N * F), b((size_t)N * F);
+    cpu_fwd(r1, r3, r2, yref, a, b);
+
+    /* forward: host f32 in and out, kept */
+    std::vector<float> y((size_t)N * H, NAN);
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1,
+                            NULL));
+    CK(cudaDeviceSynchronize());
+    const double ey = relerr(y.data(), yref.data(), y.size());
+    /* device bf16 in and out: the same values rounded */
+    int dev_ok = 1;
+    {
+        std::vector<uint16_t> xb(x.size()), yb(x.size());
+        for (size_t i = 0; i < x.size(); i++)
+            xb[i] = kern_f32_to_bf16(x[i]);
+        bf16 *dx_, *dy_;
+        CK(cudaMalloc(&dx_, xb.size() * 2));
+        CK(cudaMalloc(&dy_, xb.size() * 2));
+        CK(cudaMemcpy(dx_, xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));
+        CKM(kcu_experts_forward(ex, N, dx_, MOE_BF16, c.counts.data(), dy_, MOE_BF16, 0, NULL));
+        CK(cudaMemcpy(yb.data(), dy_, yb.size() * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < yb.size(); i++)
+            dev_ok = dev_ok && yb[i] == kern_f32_to_bf16(y[i]);
+        CK(cudaFree(dx_));
+        CK(cudaFree(dy_));
+    }
+    /* backward (the bf16 forward above did not keep: keep again) */
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1,
+                            NULL));
+    std::vector<float> dx((size_t)N * H, NAN), dxr((size_t)N * H);
+    std::vector<float> g1((size_t)ne * F * H, 0.f), g3((size_t)ne * F * H, 0.f),
+        g2((size_t)ne * H * F, 0.f);
+    CKM(kcu_experts_backward(ex, dy.data(), MOE_F32, dx.data(), MOE_F32, NULL));
+    CK(cudaDeviceSynchronize());
+    const int again = kcu_experts_backward(ex, dy.data(), MOE_F32, dx.data(), MOE_F32, NULL) ==
+                      MOE_EPRECOND; /* state consumed */
+    parallel_for(ne, [&](int e) {
+        const size_t o = off[e];
+        if (c.counts[e] == 0)
+            return;
+        kern_expert_ffn_backward_cpu(&x[o * H], &a[o * F], &b[o * F], &dy[o * H], c.counts[e], H,
+                                     F, &r1[(size_t)e * F * H], &r3[(size_t)e * F * H],
+                                     &r2[(size_t)e * H * F], c.act, &dxr[o * H],
+                                     &g1[(size_t)e * F * H], &g3[(size_t)e * F * H],
+                                     &g2[(size_t)e * H * F]);
+    });
+    std::vector<float> G1((size_t)ne * F * H), G3((size_t)ne * F * H), G2((size_t)ne * H * F);
+    CKM(kcu_experts_download_grads(ex, G1.data(), swiglu ? G3.data() : NULL, G2.data()));
+    const double edx = relerr(dx.data(), dxr.data(), dx.size());
+    const double e1 = relerr(G1.data(), g1.data(), G1.size());
+    const double e3 = swiglu ? relerr(G3.data(), g3.data(), G3.size()) : 0.0;
+    const double e2 = relerr(G2.data(), g2.data(), G2.size());
+    /* accumulate: same forward/backward again, no zeroing */
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1,
+                            NULL));
+    CKM(kcu_experts_backward(ex, dy.data(), MOE_F32, dx.data(), MOE_F32, NULL));
+    std::vector<float> H1((size_t)ne * F * H), H3((size_t)ne * F * H), H2((size_t)ne * H * F);
+    CKM(kcu_experts_download_grads(ex, H1.data(), swiglu ? H3.data() : NULL, H2.data()));
+    const int acc_ok = twice(G1, H1) && (!swiglu || twice(G3, H3)) && twice(G2, H2);
+
+    /* global norm and AdamW, two steps, on the downloaded gradients */
+    double ss_g = 0;
+    CKM(kcu_experts_grad_sumsq(ex, &ss_g, NULL));
+    double ss_r = kern_sumsq_cpu(H1.data(), H1.size()) + kern_sumsq_cpu(H2.data(), H2.size()) +
+                  (swiglu ? kern_sumsq_cpu(H3.data(), H3.size()) : 0.0);
+    const double ess = fabs(ss_g - ss_r) / ss_r;
+    std::vector<float> p1 = w1, p3 = w3, p2 = w2;
+    std::vector<float> m1(p1.size(), 0.f), v1(p1.size(), 0.f), m3(p3.size(), 0.f),
+        v3(p3.size(), 0.f), m2(p2.size(), 0.f), v2(p2.size(), 0.f);
+    const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, gs = 0.5f;
+    double eadam = 0;
+    std::vector<float> q1(p1.size()), q3(p3.size()), q2(p2.size());
+    for (int step = 1; step <= 2; step++) {
+        CKM(kcu_experts_adamw(ex, lr, b1, b2, eps, wd, step, gs, NULL));
+        kern_adamw_cpu(p1.data(), H1.data(), m1.data(), v1.data(), p1.size(), lr, b1, b2, eps, wd,
+                       step, gs);
+        if (swiglu)
+            kern_adamw_cpu(p3.data(), H3.data(), m3.data(), v3.data(), p3.size(), lr, b1, b2, eps,
+                           wd, step, gs);
+        kern_adamw_cpu(p2.data(), H2.data(), m2.data(), v2.data(), p2.size(), lr, b1, b2, eps, wd,
+                       step, gs);
+        CKM(kcu_experts_download_weights(ex, q1.data(), swiglu ? q3.data() : NULL, q2.data()));
+        eadam = fmax(eadam, relerr(q1.data(), p1.data(), p1.size()));
+        if (swiglu)
+            eadam = fmax(eadam, relerr(q3.data(), p3.data(), p3.size()));
+        eadam = fmax(eadam, relerr(q2.data(), p2.data(), p2.size()));
+    }
+    /* the bf16 compute copy follows the master weights */
+    kern_bf16_round_n(q1.data(), q1.size());
+    kern_bf16_round_n(q3.data(), q3.size());
+    kern_bf16_round_n(q2.data(), q2.size());
+    cpu_fwd(q1, q3, q2, yref, a, b);
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 0,
+                            NULL));
+    CK(cudaDeviceSynchronize());
+    const double ey2 = relerr(y.data(), yref.data(), y.size());
+    kcu_experts_destroy(ex);
+
+    const int ok = ey < TOL && edx < TOL && e1 < TOL && e3 < TOL && e2 < TOL && ey2 < TOL &&
+                   ess < 1e-6 && eadam < 1e-6 && dev_ok && acc_ok && again;
+    printf("experts H=%d F=%d %s ne=%d N=%d | y %.1e dx %.1e dw1 %.1e dw3 %.1e dw2 %.1e | "
+           "bf16-io %s accum %s consumed %s | sumsq %.1e adamw %.1e y-after %.1e | %s\n",
+           H, F, swiglu ? "sw" : "ge", ne, N, ey, edx, e1, e3, e2, dev_ok ? "ok" : "BAD",
+           acc_ok ? "ok" : "BAD", again ? "ok" : "BAD", ess, eadam, ey2, ok ? "PASS" : "FAIL");
+    fflush(stdout);
+    return !ok;
 }
 
 int main(int argc, char **argv)
@@ -281,41 +644,67 @@ int main(int argc, char **argv)
         }
     }
     const kern_act SW = KERN_ACT_SWIGLU, GE = KERN_ACT_GELU;
+    int fails = gemm_checks(seed);
+    const int gemm_fails = fails;
+
+    std::vector<ecase> ecases;
+    if (small)
+        ecases = {{128, 256, SW, {3, 0, 140}}};
+    else
+        ecases = {{256, 256, SW, {70, 0, 200}}, {128, 384, GE, {1, 129}},
+                  {512, 256, SW, {300, 5, 0, 260, 1}}};
+    for (size_t i = 0; i < ecases.size(); i++)
+        fails += experts_check(ecases[i], seed + 31 * i);
+    const int exp_fails = fails - gemm_fails;
+
     std::vector<tcase> cases;
     if (small) {
-        cases = {{1, 128, 128, 8, 2, SW, 1, 0},
-                 {7, 128, 256, 60, 2, GE, 0, 0},
-                 {130, 128, 128, 8, 8, SW, 1, 1},
-                 {40, 256, 128, 256, 8, SW, 0, 0}};
+        cases = {{1, 128, 128, 8, 2, SW, 1, 0, 0.f},
+                 {7, 128, 256, 60, 2, GE, 0, 0, 0.f},
+                 {130, 128, 128, 8, 8, SW, 1, 1, 0.f},
+                 {40, 256, 128, 256, 8, SW, 0, 0, 0.f},
+                 {130, 128, 256, 8, 2, SW, 1, 1, 0.5f}};
     } else {
-        cases = {{1, 256, 256, 8, 2, SW, 1, 0},       {1, 256, 256, 128, 8, SW, 1, 0},
-                 {7, 256, 384, 60, 2, SW, 0, 0},      {7, 256, 256, 256, 8, GE, 1, 0},
-                 {300, 256, 256, 128, 8, SW, 1, 0},   {4096, 256, 256, 8, 1, SW, 0, 0},
-                 {4096, 256, 256, 60, 2, GE, 0, 0},   {4096, 256, 256, 256, 8, SW, 1, 0},
-                 {4096, 256, 256, 60, 2, SW, 1, 1},   {512, 512, 512, 8, 2, GE, 1, 0},
-                 {16384, 128, 128, 128, 8, SW, 1, 0}, {16384, 128, 256, 8, 2, SW, 0, 1},
-                 {16384, 128, 128, 256, 1, GE, 0, 1}};
+        cases = {{1, 256, 256, 8, 2, SW, 1, 0, 0.f},
+                 {1, 256, 256, 128, 8, SW, 1, 0, 0.f},
+                 {7, 256, 384, 60, 2, SW, 0, 0, 0.f},
+                 {7, 256, 256, 256, 8, GE, 1, 0, 0.f},
+                 {300, 256, 256, 128, 8, SW, 1, 0, 0.f},
+                 {4096, 256, 256, 8, 1, SW, 0, 0, 0.f},
+                 {4096, 256, 256, 60, 2, GE, 0, 0, 0.f},
+                 {4096, 256, 256, 256, 8, SW, 1, 0, 0.f},
+                 {4096, 256, 256, 60, 2, SW, 1, 1, 0.f},
+                 {512, 512, 512, 8, 2, GE, 1, 0, 0.f},
+                 {16384, 128, 128, 128, 8, SW, 1, 0, 0.f},
+                 {16384, 128, 256, 8, 2, SW, 0, 1, 0.f},
+                 {16384, 128, 128, 256, 1, GE, 0, 1, 0.f},
+                 {4096, 256, 256, 16, 2, SW, 1, 0, 1.0f},
+                 {4096, 256, 256, 60, 2, SW, 1, 1, 1.0f},
+                 {2048, 256, 512, 8, 2, GE, 0, 1, 0.5f},
+                 {2048, 256, 256, 64, 8, SW, 1, 0, 0.5f}};
     }
-    printf("%-5s %-6s %-4s %-4s %-4s %-2s %-3s %-2s %-2s | %-8s %-8s %-8s %-8s %-8s %-8s %-8s "
-           "%-8s %-8s %-8s %-8s %-8s | idx lay det | %s\n",
-           "T", "H", "F", "E", "K", "ac", "rn", "sk", "", "logits", "probs", "topk_w", "y", "dx",
+    printf("%-5s %-6s %-4s %-4s %-4s %-2s %-3s %-2s %-4s | %-8s %-8s %-8s %-8s %-8s %-8s %-8s "
+           "%-8s %-8s %-8s %-8s %-8s | idx lay det acc drops | %s\n",
+           "T", "H", "F", "E", "K", "ac", "rn", "sk", "cf", "logits", "probs", "topk_w", "y", "dx",
            "dwr", "dw1", "dw3", "dw2", "dgate", "aux", "z", "result");
-    int fails = 0;
     for (size_t i = 0; i < cases.size(); i++) {
         const tcase &c = cases[i];
         result r;
         memset(&r, 0, sizeof(r));
         const int ok = run_case(c, seed + 977 * i, &r);
         fails += !ok;
-        printf("%-5d %-6d %-4d %-4d %-4d %-2s %-3d %-2d %-2s | %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e "
-               "%-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e | %-3s %-3s %-3s | %s\n",
-               c.T, c.H, c.F, c.E, c.K, c.act == SW ? "sw" : "ge", c.renorm, c.skew, "", r.logits,
-               r.probs, r.tw, r.y, r.dx, r.dwr, r.dw1, r.dw3, r.dw2, r.dw, r.aux, r.z,
+        printf("%-5d %-6d %-4d %-4d %-4d %-2s %-3d %-2d %-4.2g | %-8.1e %-8.1e %-8.1e %-8.1e "
+               "%-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e | %-3s %-3s %-3s %-3s "
+               "%-5d | %s\n",
+               c.T, c.H, c.F, c.E, c.K, c.act == SW ? "sw" : "ge", c.renorm, c.skew, c.cf,
+               r.logits, r.probs, r.tw, r.y, r.dx, r.dwr, r.dw1, r.dw3, r.dw2, r.dw, r.aux, r.z,
                r.idx_ok ? "ok" : "BAD", r.layout_ok ? "ok" : "BAD", r.determ_ok ? "ok" : "BAD",
-               ok ? "PASS" : "FAIL");
+               r.accum_ok ? "ok" : "BAD", r.ndrop, ok ? "PASS" : "FAIL");
         fflush(stdout);
     }
-    printf("check-gpu: %zu cases, %d failed (bf16 tolerance %.0e) -> %s\n", cases.size(), fails,
-           TOL, fails ? "FAIL" : "PASS");
+    printf("check-gpu: %d gemm + %zu experts + %zu layer checks, %d failed (gemm %d, experts %d) "
+           "(bf16 tolerance %.0e) -> %s\n",
+           3, ecases.size(), cases.size(), fails, gemm_fails, exp_fails, TOL,
+           fails ? "FAIL" : "PASS");
     return fails ? 1 : 0;
 }
