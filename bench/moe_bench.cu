@@ -9,6 +9,7 @@
  */
 #include <algorithm>
 #include <cublas_v2.h>
+#include <functional>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,6 +120,35 @@ static double copy_gbs()
     return 2.0 * n / (ms * 1e-3) / 1e9;
 }
 
+/* phase timing through kcu_phase_hook: events recorded between phases */
+static std::vector<std::pair<const char *, cudaEvent_t>> g_ph;
+static void phase_hook(const char *name, cudaStream_t st)
+{
+    cudaEvent_t e;
+    CK(cudaEventCreate(&e));
+    CK(cudaEventRecord(e, st));
+    g_ph.emplace_back(name, e);
+}
+/* one forward+backward with the hook on: "name ms" per phase */
+static void phase_times(std::function<void()> fn, char *out, size_t n)
+{
+    kcu_phase_hook = phase_hook;
+    fn();
+    kcu_phase_hook = nullptr;
+    CK(cudaDeviceSynchronize());
+    size_t o = 0;
+    for (size_t i = 0; i + 1 < g_ph.size() && o < n; i++) {
+        float ms;
+        CK(cudaEventElapsedTime(&ms, g_ph[i].second, g_ph[i + 1].second));
+        if (!strcmp(g_ph[i].first, "f.end"))
+            continue;
+        o += snprintf(out + o, n - o, " %s %.2f", g_ph[i].first, ms);
+    }
+    for (auto &pe : g_ph)
+        CK(cudaEventDestroy(pe.second));
+    g_ph.clear();
+}
+
 struct bcase {
     const char *name;
     int T, H, F, E, K, train, skew;
@@ -146,9 +176,9 @@ int main(int argc, char **argv)
                                 {"qwen3-dec", 256, 2048, 768, 128, 8, 0, 0}};
     if (quick)
         cases.resize(2);
-    printf("%-12s %6s %5s %6s %4s %2s | %9s %8s %6s | %9s %8s %6s | %8s %8s | %s\n", "case", "T",
-           "H", "F", "E", "K", "fwd ms", "TFLOP/s", "of GEMM", "f+b ms", "TFLOP/s", "of GEMM",
-           "ws MB", "grads MB", "decode: GB/s of touched weights (of copy)");
+    printf("%-12s %6s %5s %6s %4s %2s | %9s %8s %6s | %9s %8s %6s | %8s | %8s %8s | %s\n",
+           "case", "T", "H", "F", "E", "K", "fwd ms", "TFLOP/s", "of GEMM", "f+b ms", "TFLOP/s",
+           "of GEMM", "step ms", "ws MB", "grads MB", "decode: GB/s of touched weights (of copy)");
     for (const bcase &c : cases) {
         kcu_config cfg = {c.H, c.F, c.E, c.K, KERN_ACT_SWIGLU, 1, c.T, c.train};
         size_t free0, free1, tot;
@@ -185,12 +215,27 @@ int main(int argc, char **argv)
         const int reps = c.T >= 4096 ? 20 : 50;
         const float fwd = median_ms(
             3, reps, [&] { CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
-        float fb = 0;
-        if (c.train)
+        float fb = 0, fbz = 0;
+        char phases[512] = "";
+        if (c.train) {
+            /* gradients accumulate (+=) over the repetitions */
             fb = median_ms(2, reps, [&] {
                 CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 1, NULL));
                 CKM(kcu_backward(l, dy, MOE_BF16, dx, MOE_BF16, 0.01f, 0.001f, NULL, 0, NULL));
             });
+            /* a training step's pattern: zero_grads, forward, backward (stores) */
+            fbz = median_ms(2, reps, [&] {
+                CKM(kcu_layer_zero_grads(l, NULL));
+                CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 1, NULL));
+                CKM(kcu_backward(l, dy, MOE_BF16, dx, MOE_BF16, 0.01f, 0.001f, NULL, 0, NULL));
+            });
+            phase_times(
+                [&] {
+                    CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 1, NULL));
+                    CKM(kcu_backward(l, dy, MOE_BF16, dx, MOE_BF16, 0.01f, 0.001f, NULL, 0, NULL));
+                },
+                phases, sizeof(phases));
+        }
         CK(cudaDeviceSynchronize());
         size_t pb, wb;
         kcu_layer_bytes(l, &pb, &wb);
@@ -198,7 +243,7 @@ int main(int argc, char **argv)
         char dec[160] = "";
         if (!c.train) {
             std::vector<int32_t> counts(E);
-            CKM(kcu_forward_stats(l, counts.data(), NULL, NULL, NULL));
+            CKM(kcu_forward_stats(l, counts.data(), NULL, NULL, NULL, NULL));
             int touched = 0;
             for (int e = 0; e < c.E; e++)
                 touched += counts[e] > 0;
@@ -209,10 +254,12 @@ int main(int argc, char **argv)
         }
         const double tf = fl_fwd / (fwd * 1e-3) / 1e12;
         const double tfb = c.train ? (fl_fwd + fl_bwd) / (fb * 1e-3) / 1e12 : 0;
-        printf("%-12s %6d %5d %6d %4d %2d | %9.3f %8.0f %5.0f%% | %9.3f %8.0f %5.0f%% | %8.0f "
-               "%8.0f | %s\n",
+        printf("%-12s %6d %5d %6d %4d %2d | %9.3f %8.0f %5.0f%% | %9.3f %8.0f %5.0f%% | %8.3f "
+               "| %8.0f %8.0f | %s\n",
                c.name, c.T, c.H, c.F, c.E, c.K, fwd, tf, 100 * tf / peak, fb, tfb, 100 * tfb / peak,
-               wb / 1e6, (pb - wbytes) / 1e6, dec);
+               fbz, wb / 1e6, (pb - wbytes) / 1e6, dec);
+        if (c.train)
+            printf("  phases (ms):%s\n", phases);
         fflush(stdout);
         (void)free0;
         (void)free1;
@@ -221,6 +268,51 @@ int main(int argc, char **argv)
         CK(cudaFree(dy));
         CK(cudaFree(dx));
         kcu_layer_destroy(l);
+    }
+
+    /* experts only (the distributed path): one worker's share of 8 */
+    struct xcase {
+        const char *name;
+        int N, H, F, ne;
+    };
+    const std::vector<xcase> xcases = {{"x-mixtral/8", 2048, 4096, 14336, 1},
+                                       {"x-qwen3/8", 16384, 2048, 768, 16}};
+    printf("%-12s %6s %5s %6s %4s | %9s %8s | %9s %8s\n", "experts", "N", "H", "F", "ne",
+           "fwd ms", "TFLOP/s", "f+b ms", "TFLOP/s");
+    for (size_t i = 0; i < (quick ? 0 : xcases.size()); i++) {
+        const xcase &c = xcases[i];
+        kcu_experts *ex;
+        CKM(kcu_experts_create(c.H, c.F, c.ne, KERN_ACT_SWIGLU, c.N, 1, &ex));
+        const size_t H = c.H, F = c.F;
+        fill(ex->w13, (size_t)c.ne * ex->N1 * H, 31, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(ex->w2, (size_t)c.ne * H * F, 32, -1.f / sqrtf(F), 1.f / sqrtf(F));
+        std::vector<int32_t> counts(c.ne, c.N / c.ne);
+        bf16 *x, *y, *dy, *dx;
+        const size_t n = (size_t)c.N * H;
+        CK(cudaMalloc(&x, n * 2));
+        CK(cudaMalloc(&y, n * 2));
+        CK(cudaMalloc(&dy, n * 2));
+        CK(cudaMalloc(&dx, n * 2));
+        fill(x, n, 33, -1.f, 1.f);
+        fill(dy, n, 34, -1.f, 1.f);
+        CK(cudaDeviceSynchronize());
+        const float fwd = median_ms(3, 20, [&] {
+            CKM(kcu_experts_forward(ex, c.N, x, MOE_BF16, counts.data(), y, MOE_BF16, 0, NULL));
+        });
+        const float fb = median_ms(2, 20, [&] {
+            CKM(kcu_experts_zero_grads(ex, NULL));
+            CKM(kcu_experts_forward(ex, c.N, x, MOE_BF16, counts.data(), y, MOE_BF16, 1, NULL));
+            CKM(kcu_experts_backward(ex, dy, MOE_BF16, dx, MOE_BF16, NULL));
+        });
+        const double fl = 2.0 * c.N * H * (ex->N1 + F);
+        printf("%-12s %6d %5d %6d %4d | %9.3f %8.0f | %9.3f %8.0f\n", c.name, c.N, c.H, c.F, c.ne,
+               fwd, fl / (fwd * 1e-3) / 1e12, fb, 3 * fl / (fb * 1e-3) / 1e12);
+        fflush(stdout);
+        CK(cudaFree(x));
+        CK(cudaFree(y));
+        CK(cudaFree(dy));
+        CK(cudaFree(dx));
+        kcu_experts_destroy(ex);
     }
     return 0;
 }

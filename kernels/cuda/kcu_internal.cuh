@@ -179,6 +179,10 @@ struct kcu_experts {
 };
 enum { KCU_SUMSQ_BLOCKS = 528 };
 
+/* kcu_phase_hook: when set (by the bench), called on the stream between the
+ * layer's phases with the name of the phase that starts */
+extern void (*kcu_phase_hook)(const char *phase, cudaStream_t st);
+
 /* ---- helpers shared by kcu_layer.cu and kcu_experts.cu ---- */
 int kcu_is_host_ptr(const void *p);
 uint16_t kcu_host_bf16(float f);

@@ -17,6 +17,13 @@
 
 #include "kcu_internal.cuh"
 
+void (*kcu_phase_hook)(const char *phase, cudaStream_t st) = nullptr;
+#define PHASE(name)                                                                                \
+    do {                                                                                           \
+        if (kcu_phase_hook)                                                                        \
+            kcu_phase_hook(name, st);                                                              \
+    } while (0)
+
 int kcu_is_host_ptr(const void *p)
 {
     cudaPointerAttributes a;
@@ -344,6 +351,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     else
         KCU_TRY(stage_in(l, x, x_dtype, l->xs, n, st));
 
+    PHASE("f.router");
     /* router: logits (T,Ep) = xb wr^T */
     kcu_gemm_args a;
     memset(&a, 0, sizeof(a));
@@ -362,6 +370,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     l->cap_fwd = cap;
     const int32_t *spos = cap < INT32_MAX ? l->spos : nullptr;
 
+    PHASE("f.up");
     /* up: h (S,F) [, ab (S,N1)] = act(xb[tok] w13_e^T) over the tile list */
     a = rows_args(l);
     a.A = xb;
@@ -379,6 +388,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, c->act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU,
                      &a, l->nsm, st));
 
+    PHASE("f.down");
     /* down: ye[perm[r]] (S,H) = h w2_e^T */
     a = rows_args(l);
     a.A = l->h;
@@ -393,6 +403,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     a.scatter = l->perm;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, l->nsm, st));
 
+    PHASE("f.combine");
     /* combine, in j order */
     const int yhost = kcu_is_host_ptr(y);
     KCU_TRY(kcu_combine(l->ye, l->topk_w, nullptr, spos, T, K, H, yhost ? (void *)l->stage : y,
@@ -401,6 +412,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
         KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
     KCU_TRY(kcu_stats(l, T, st));
+    PHASE("f.end");
     l->T_fwd = train ? T : 0;
     return MOE_OK;
 }
@@ -425,6 +437,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     else
         KCU_CHECK(cudaMemcpyAsync(l->cglob, l->counts, E * 4, cudaMemcpyDeviceToDevice, st));
 
+    PHASE("b.dh");
     /* dh: (da, db) in place of (a, b), w*h in place of h, dwpart */
     kcu_gemm_args a = rows_args(l);
     a.A = l->io;
@@ -450,6 +463,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     KCU_TRY(kcu_dw_reduce(l, S, st));
     KCU_TRY(kcu_router_bwd(l, T, T_global > 0 ? T_global : T, aux_coef, z_coef, st));
 
+    PHASE("b.dx");
     /* dx per slot (into ye) = dab w13_e */
     a = rows_args(l);
     a.A = l->ab;
@@ -464,6 +478,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.scatter = l->perm;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_SCATTER, &a, l->nsm, st));
 
+    PHASE("b.router_dx");
     /* router part: dxr (T,H) = dlogits (T,Ep) wr (Ep,H) */
     memset(&a, 0, sizeof(a));
     a.A = l->dlogits;
@@ -484,6 +499,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
 
+    PHASE("b.dw13");
     /* weight gradients, grouped over each expert's rows */
     memset(&a, 0, sizeof(a));
     a.A = l->ab; /* (S,N1): k = sorted row, m = n1 */
@@ -511,6 +527,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.N = F;
     a.ngroups = E;
     a.offs = l->offs;
+    PHASE("b.dw2");
     a.Cf = l->g_w2;
     a.beta0 = l->grads_clean;
     a.ldc = F;
@@ -526,10 +543,12 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.N = H;
     a.K = T;
     a.ngroups = 1;
+    PHASE("b.dwr");
     a.Cf = l->g_wr;
     a.beta0 = l->grads_clean;
     a.ldc = H;
     KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+    PHASE("end");
     l->grads_clean = 0;
     l->T_fwd = 0; /* the saved state was consumed in place */
     return MOE_OK;
