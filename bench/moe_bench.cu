@@ -176,9 +176,9 @@ int main(int argc, char **argv)
                                 {"qwen3-dec", 256, 2048, 768, 128, 8, 0, 0}};
     if (quick)
         cases.resize(2);
-    printf("%-12s %6s %5s %6s %4s %2s | %9s %8s %6s | %9s %8s %6s | %8s | %8s %8s | %s\n",
-           "case", "T", "H", "F", "E", "K", "fwd ms", "TFLOP/s", "of GEMM", "f+b ms", "TFLOP/s",
-           "of GEMM", "step ms", "ws MB", "grads MB", "decode: GB/s of touched weights (of copy)");
+    printf("%-12s %6s %5s %6s %4s %2s | %9s %8s %6s | %9s %8s %6s | %8s | %8s %8s | %s\n", "case",
+           "T", "H", "F", "E", "K", "fwd ms", "TFLOP/s", "of GEMM", "f+b ms", "TFLOP/s", "of GEMM",
+           "step ms", "ws MB", "grads MB", "decode: GB/s of touched weights (of copy)");
     for (const bcase &c : cases) {
         kcu_config cfg = {c.H, c.F, c.E, c.K, KERN_ACT_SWIGLU, 1, c.T, c.train};
         size_t free0, free1, tot;
@@ -277,8 +277,8 @@ int main(int argc, char **argv)
     };
     const std::vector<xcase> xcases = {{"x-mixtral/8", 2048, 4096, 14336, 1},
                                        {"x-qwen3/8", 16384, 2048, 768, 16}};
-    printf("%-12s %6s %5s %6s %4s | %9s %8s | %9s %8s\n", "experts", "N", "H", "F", "ne",
-           "fwd ms", "TFLOP/s", "f+b ms", "TFLOP/s");
+    printf("%-12s %6s %5s %6s %4s | %9s %8s | %9s %8s\n", "experts", "N", "H", "F", "ne", "fwd ms",
+           "TFLOP/s", "f+b ms", "TFLOP/s");
     for (size_t i = 0; i < (quick ? 0 : xcases.size()); i++) {
         const xcase &c = xcases[i];
         kcu_experts *ex;

@@ -65,48 +65,73 @@ static int path_ok(const char *p)
     return p[0] && strlen(p) < CFG_STR_MAX - 80;
 }
 
+/* ckpt_save_job queues a save of m under root; call (may be NULL for the
+ * coordinator's own saves) gets the reply. */
+static moe_err ckpt_save_job(coord *c, coord_model *m, const char *root, rpc_call *call, int front,
+                             char *err, size_t errlen)
+{
+    if (!path_ok(root)) {
+        snprintf(err, errlen, "path must be 1-%d characters", CFG_STR_MAX - 81);
+        return MOE_EINVAL;
+    }
+    if (mkdir_p(root) != MOE_OK || access(root, W_OK) != 0) {
+        snprintf(err, errlen, "cannot write checkpoint directory %s: %s", root, strerror(errno));
+        return MOE_EIO;
+    }
+    coord_job *j = calloc(1, sizeof(*j));
+    if (!j)
+        return MOE_ENOMEM;
+    j->kind = JOB_CKPT_SAVE;
+    j->call = call;
+    j->model = m;
+    snprintf(j->root, sizeof(j->root), "%s", root);
+    if (coord_job_submit(c, j, front) != MOE_OK) {
+        free(j);
+        snprintf(err, errlen, "queue full (%lld jobs): retry later", c->queue_depth);
+        return MOE_EBUSY;
+    }
+    return MOE_OK;
+}
+
 void coord_ckpt_save(coord *c, rpc_call *call)
 {
-    char name[MODEL_NAME_MAX], path[CFG_STR_MAX], err[256];
+    char name[MODEL_NAME_MAX], path[CFG_STR_MAX], err[512];
     pspec sp[] = {
         {"model", P_STR, name, true, 0, 0, sizeof(name), false},
         {"path", P_STR, path, true, 0, 0, sizeof(path), false},
     };
     mp_reader r = call->req.params;
     moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
-    if (e == MOE_OK && !path_ok(path)) {
-        snprintf(err, sizeof(err), "path must be 1-%d characters", CFG_STR_MAX - 81);
-        e = MOE_EINVAL;
+    coord_model *m = NULL;
+    if (e == MOE_OK && !(m = coord_find_model(c, name))) {
+        snprintf(err, sizeof(err), "no model named '%s'", name);
+        e = MOE_ENOTFOUND;
     }
+    if (e == MOE_OK)
+        e = ckpt_save_job(c, m, path, call, 0, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
     }
-    coord_model *m = coord_find_model(c, name);
-    if (!m) {
-        rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s'", name);
-        return;
-    }
-    if (mkdir_p(path) != MOE_OK || access(path, W_OK) != 0) {
-        rpc_reply_err(call, MOE_EIO, "cannot write checkpoint directory %s: %s", path,
-                      strerror(errno));
-        return;
-    }
-    coord_job *j = calloc(1, sizeof(*j));
-    if (!j) {
-        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
-        return;
-    }
-    j->kind = JOB_CKPT_SAVE;
-    j->call = call;
-    j->model = m;
-    snprintf(j->root, sizeof(j->root), "%s", path);
-    if (coord_job_submit(c, j, 0) != MOE_OK) {
-        free(j);
-        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
-        return;
-    }
     coord_job_pump(c);
+}
+
+/* the coordinator's own checkpoints of model m live in <checkpoint-dir>/<name> */
+static int auto_root(const coord *c, const coord_model *m, char *out, size_t len)
+{
+    if (!c->ckpt_dir[0])
+        return 0;
+    snprintf(out, len, "%s/%s", c->ckpt_dir, m->cfg.name);
+    return 1;
+}
+
+void coord_autosave(coord *c, coord_model *m, int front)
+{
+    char root[CFG_STR_MAX], err[512];
+    if (!auto_root(c, m, root, sizeof(root)) || m->saved_step == m->step)
+        return;
+    if (ckpt_save_job(c, m, root, NULL, front, err, sizeof(err)) != MOE_OK)
+        LOG_W("automatic checkpoint of %s not queued: %s", m->cfg.name, err);
 }
 
 /* resolve_ckpt finds the checkpoint directory: PATH/LATEST's target, or PATH
@@ -175,53 +200,39 @@ static moe_err check_meta(const json_node *meta, const model_cfg *cfg, int64_t *
     return MOE_OK;
 }
 
-void coord_ckpt_load(coord *c, rpc_call *call)
+/* ckpt_load_job queues phase 1 of a load of m from path. */
+static moe_err ckpt_load_job(coord *c, coord_model *m, const char *path, rpc_call *call, int front,
+                             char *err, size_t errlen)
 {
-    char name[MODEL_NAME_MAX], path[CFG_STR_MAX], dir[CFG_STR_MAX + 300], err[512];
-    pspec sp[] = {
-        {"model", P_STR, name, true, 0, 0, sizeof(name), false},
-        {"path", P_STR, path, true, 0, 0, sizeof(path), false},
-    };
-    mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
-    if (e == MOE_OK && !path_ok(path)) {
-        snprintf(err, sizeof(err), "path too long");
-        e = MOE_EINVAL;
+    char dir[CFG_STR_MAX + 300];
+    moe_err e;
+    if (!path_ok(path)) {
+        snprintf(err, errlen, "path too long");
+        return MOE_EINVAL;
     }
-    if (e != MOE_OK) {
-        rpc_reply_err(call, e, "%s", err);
-        return;
-    }
-    coord_model *m = coord_find_model(c, name);
-    if (!m) {
-        rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s' (create it first)", name);
-        return;
-    }
-    if ((e = resolve_ckpt(path, dir, sizeof(dir), err, sizeof(err))) != MOE_OK) {
-        rpc_reply_err(call, e, "%s", err);
-        return;
-    }
+    if ((e = resolve_ckpt(path, dir, sizeof(dir), err, errlen)) != MOE_OK)
+        return e;
     char ip[sizeof(dir) + 40];
     size_t n;
     snprintf(ip, sizeof(ip), "%s/model.safetensors.index.json", dir);
     char *text = read_file(ip, 64u << 20, &n);
     if (!text) {
-        rpc_reply_err(call, MOE_EIO, "cannot read %s", ip);
-        return;
+        snprintf(err, errlen, "cannot read %s", ip);
+        return MOE_EIO;
     }
     json_doc *doc = NULL;
     json_node *root;
-    e = json_parse(text, n, &doc, &root, err, sizeof(err));
+    e = json_parse(text, n, &doc, &root, err, errlen);
     free(text);
     const json_node *meta = e == MOE_OK ? json_get(root, "metadata") : NULL;
     const json_node *wm = e == MOE_OK ? json_get(root, "weight_map") : NULL;
     int64_t step = 0;
     if (e == MOE_OK && (!meta || !wm || wm->type != J_OBJ)) {
-        snprintf(err, sizeof(err), "%s has no metadata or weight_map", ip);
+        snprintf(err, errlen, "%s has no metadata or weight_map", ip);
         e = MOE_EINVAL;
     }
     if (e == MOE_OK)
-        e = check_meta(meta, &m->cfg, &step, err, sizeof(err));
+        e = check_meta(meta, &m->cfg, &step, err, errlen);
     coord_job *j = NULL;
     if (e == MOE_OK && !(j = calloc(1, sizeof(*j))))
         e = MOE_ENOMEM;
@@ -229,7 +240,7 @@ void coord_ckpt_load(coord *c, rpc_call *call)
     for (size_t i = 0; e == MOE_OK && i < wm->len; i++) {
         const json_node *f = &wm->kids[i];
         if (f->type != J_STR || !f->str[0] || strchr(f->str, '/')) {
-            snprintf(err, sizeof(err), "%s: bad file name in weight_map", ip);
+            snprintf(err, errlen, "%s: bad file name in weight_map", ip);
             e = MOE_EINVAL;
             break;
         }
@@ -250,33 +261,66 @@ void coord_ckpt_load(coord *c, rpc_call *call)
     }
     json_free(doc);
     if (e == MOE_OK && j->nfiles == 0) {
-        snprintf(err, sizeof(err), "%s lists no files", ip);
+        snprintf(err, errlen, "%s lists no files", ip);
         e = MOE_EINVAL;
     }
-    if (e != MOE_OK) {
-        if (j) {
-            for (int k = 0; k < j->nfiles; k++)
-                free(j->files[k]);
-            free(j->files);
-            free(j);
+    if (e == MOE_OK) {
+        j->kind = JOB_CKPT_LOAD;
+        j->call = call;
+        j->model = m;
+        j->ckpt_step = step;
+        snprintf(j->path, sizeof(j->path), "%s", dir);
+        if (coord_job_submit(c, j, front) != MOE_OK) {
+            snprintf(err, errlen, "queue full (%lld jobs): retry later", c->queue_depth);
+            e = MOE_EBUSY;
         }
-        rpc_reply_err(call, e, "%s", err);
-        return;
     }
-    j->kind = JOB_CKPT_LOAD;
-    j->call = call;
-    j->model = m;
-    j->ckpt_step = step;
-    snprintf(j->path, sizeof(j->path), "%s", dir);
-    if (coord_job_submit(c, j, 0) != MOE_OK) {
+    if (e != MOE_OK && j) {
         for (int k = 0; k < j->nfiles; k++)
             free(j->files[k]);
         free(j->files);
         free(j);
-        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+    }
+    return e;
+}
+
+void coord_ckpt_load(coord *c, rpc_call *call)
+{
+    char name[MODEL_NAME_MAX], path[CFG_STR_MAX], err[512];
+    pspec sp[] = {
+        {"model", P_STR, name, true, 0, 0, sizeof(name), false},
+        {"path", P_STR, path, true, 0, 0, sizeof(path), false},
+    };
+    mp_reader r = call->req.params;
+    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
+    coord_model *m = NULL;
+    if (e == MOE_OK && !(m = coord_find_model(c, name))) {
+        snprintf(err, sizeof(err), "no model named '%s' (create it first)", name);
+        e = MOE_ENOTFOUND;
+    }
+    if (e == MOE_OK)
+        e = ckpt_load_job(c, m, path, call, 0, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err);
         return;
     }
     coord_job_pump(c);
+}
+
+int coord_autorestore(coord *c, coord_model *m)
+{
+    char root[CFG_STR_MAX], err[512];
+    if (!auto_root(c, m, root, sizeof(root)))
+        return 0;
+    moe_err e = ckpt_load_job(c, m, root, NULL, 1, err, sizeof(err));
+    if (e == MOE_ENOTFOUND)
+        return 0;
+    if (e != MOE_OK) {
+        LOG_W("cannot restore %s from %s: %s", m->cfg.name, root, err);
+        return 0;
+    }
+    LOG_I("restoring %s from %s", m->cfg.name, root);
+    return 1;
 }
 
 void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method)
@@ -476,13 +520,17 @@ void coord_ckpt_finish(coord *c, coord_job *j)
         }
         if (e != MOE_OK) {
             LOG_W("checkpoint.save of %s failed: %s", j->model->cfg.name, err);
-            rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
+            if (j->call)
+                rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
             c->errors_total++;
             return;
         }
+        j->model->saved_step = j->model->step;
         prune(j->root, leaf);
         LOG_I("checkpoint of %s at step %lld: %s (%llu bytes)", j->model->cfg.name,
               (long long)j->model->step, j->path, (unsigned long long)total);
+        if (!j->call)
+            return;
         mp_writer w;
         mp_writer_init(&w);
         moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
@@ -500,7 +548,8 @@ void coord_ckpt_finish(coord *c, coord_job *j)
         /* phase 2: commit everywhere, or abort everywhere */
         coord_job *k = calloc(1, sizeof(*k));
         if (!k) {
-            rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
+            if (j->call)
+                rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
             return;
         }
         k->kind = JOB_CKPT_COMMIT;
@@ -510,7 +559,10 @@ void coord_ckpt_finish(coord *c, coord_job *j)
         if (e == MOE_OK) {
             k->call = j->call; /* the reply comes after the commit */
         } else {
-            rpc_reply_err(j->call, e, "checkpoint.load: %s (the model is unchanged)", err);
+            if (j->call)
+                rpc_reply_err(j->call, e, "checkpoint.load: %s (the model is unchanged)", err);
+            else
+                LOG_W("restore of %s failed: %s", j->model->cfg.name, err);
             c->errors_total++;
         }
         coord_job_submit(c, k, 1);
@@ -519,6 +571,7 @@ void coord_ckpt_finish(coord *c, coord_job *j)
     default:
         if (e == MOE_OK && j->commit) {
             j->model->step = j->ckpt_step;
+            j->model->saved_step = j->ckpt_step;
             j->model->pending_grads = 0;
         }
         if (j->call) {

@@ -47,6 +47,7 @@ typedef struct coord_model {
     uint64_t forwards;
     int created_gen; /* generation the workers hold it in; 0 = not yet */
     int64_t step;            /* optimizer steps completed */
+    int64_t saved_step;      /* step of the last checkpoint written or loaded */
     int64_t pending_grads;   /* backwards since the last step */
     double last_aux, last_z; /* losses of the last forward */
 } coord_model;
@@ -112,6 +113,8 @@ typedef struct coord {
     char log_level[CFG_STR_MAX], addr_file[CFG_STR_MAX];
     long long expected_workers, max_msg_mb, queue_depth, deadline_ms, heartbeat_timeout_ms;
     long long worker_timeout_ms, nctx;
+    char ckpt_dir[CFG_STR_MAX]; /* automatic checkpoints (empty = off) */
+    long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
 
     uv_loop_t *loop;
     rpcsrv *srv;
@@ -122,6 +125,7 @@ typedef struct coord {
     pthread_mutex_t done_mu;
     coord_done *done_head, *done_tail;
     int draining;
+    int drain_saved; /* the drain's checkpoints were queued */
 
     /* registry */
     coord_worker workers[COORD_MAX_WORKERS];
@@ -200,6 +204,12 @@ void coord_ckpt_save(coord *c, rpc_call *call);
 void coord_ckpt_load(coord *c, rpc_call *call);
 void coord_ckpt_finish(coord *c, coord_job *j);
 void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method);
+/* coord_autosave queues a save of m under <checkpoint-dir>/<name> when
+ * automatic checkpoints are on and m changed since its last checkpoint. */
+void coord_autosave(coord *c, coord_model *m, int front);
+/* coord_autorestore queues a load of m's newest automatic checkpoint, if
+ * any (at the queue's front); returns 1 when queued. */
+int coord_autorestore(coord *c, coord_model *m);
 
 /* stats.c */
 void coord_stats(coord *c, rpc_call *call);

@@ -35,6 +35,10 @@ static const cfg_entry coord_cfg[] = {
     {"handle-ttl-ms", CFG_INT, "600000", 1, 86400000, &C.handle_ttl_ms,
      "a train forward not backwarded within this expires (match the workers')"},
     {"contexts", CFG_INT, "64", 1, 4096, &C.nctx, "concurrent requests received"},
+    {"checkpoint-dir", CFG_STR, "", 0, 0, C.ckpt_dir,
+     "automatic checkpoints under DIR/<model> (restored when the cluster forms; empty = off)"},
+    {"checkpoint-every", CFG_INT, "0", 0, 1000000000, &C.ckpt_every,
+     "with checkpoint-dir: save every N optimizer steps (0 = only at drain)"},
     {"addr-file", CFG_STR, "", 0, 0, C.addr_file,
      "write the bound RPC address to this file once listening"},
     {"log-level", CFG_STR, "info", 0, 0, C.log_level, "debug | info | warn | error"},
@@ -129,8 +133,18 @@ static void on_tick(uv_timer_t *t)
     coord_check_workers(c);
     coord_job_pump(c);
     coord_metrics_render(c);
-    if (c->draining && !c->current && !c->qhead)
+    if (c->draining && !c->current && !c->qhead) {
+        /* checkpoint every model that changed since its last checkpoint */
+        if (c->ckpt_dir[0] && c->ready && !c->drain_saved) {
+            c->drain_saved = 1;
+            for (int i = 0; i < c->nmodels; i++)
+                coord_autosave(c, c->models[i], 0);
+            coord_job_pump(c);
+            if (c->current)
+                return;
+        }
         uv_stop(c->loop);
+    }
 }
 
 static void start_drain(coord *c, const char *why)

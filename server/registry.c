@@ -169,8 +169,10 @@ void coord_maybe_form(coord *c)
         c->models[m]->created_gen = 0;
     LOG_I("forming cluster generation %llu with %d workers", (unsigned long long)c->generation,
           n);
-    /* JOIN first, then re-create every model, ahead of queued client jobs */
+    /* JOIN first, then re-create every model (and restore its newest
+     * automatic checkpoint), ahead of queued client jobs */
     for (int m = c->nmodels - 1; m >= 0; m--) {
+        coord_autorestore(c, c->models[m]);
         coord_job *j = calloc(1, sizeof(*j));
         if (!j)
             continue;

@@ -3,6 +3,7 @@
 
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
+#include <nng/supplemental/util/platform.h>
 #include <arpa/inet.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -37,6 +38,8 @@ struct rpcsrv {
     rpc_handler handler;
     void *handler_arg;
     int closing;
+    uint64_t last_send_ns; /* when the last reply was handed to nng (atomic) */
+    uint64_t last_send_len; /* its size in bytes (atomic) */
 };
 
 uint64_t rpc_now_ns(void)
@@ -48,7 +51,7 @@ uint64_t rpc_now_ns(void)
 
 static void slot_recv(rpc_slot *sl)
 {
-    sl->state = SLOT_RECV;
+    __atomic_store_n(&sl->state, SLOT_RECV, __ATOMIC_RELEASE);
     nng_ctx_recv(sl->ctx, sl->aio);
 }
 
@@ -112,7 +115,9 @@ static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
         return;
     }
     memcpy(nng_msg_body(m), buf, len);
-    sl->state = SLOT_SEND;
+    __atomic_store_n(&sl->srv->last_send_len, (uint64_t)len, __ATOMIC_RELAXED);
+    __atomic_store_n(&sl->srv->last_send_ns, rpc_now_ns(), __ATOMIC_RELAXED);
+    __atomic_store_n(&sl->state, SLOT_SEND, __ATOMIC_RELEASE);
     nng_aio_set_msg(sl->aio, m);
     nng_ctx_send(sl->ctx, sl->aio);
 }
@@ -245,11 +250,58 @@ static void on_wake_closed(uv_handle_t *h)
     free(s);
 }
 
+/* RPCSRV_FLUSH_MS bounds how long rpcsrv_close waits for replies in flight. */
+#define RPCSRV_FLUSH_MS 5000
+
+/* flush answers requests that were received but never handed to the loop
+ * (unavailable: shutting down) and waits, bounded, for the replies in flight:
+ * a drained server must not cut its last replies short. nng completes a send
+ * when the message is queued on the pipe, not when the bytes are written, and
+ * closing the socket drops what is queued; so after the last send completes
+ * we linger 50 ms plus the time to write the last reply at 64 MiB/s. */
+static void flush(rpcsrv *s)
+{
+    uint64_t t0 = rpc_now_ns(), limit = (uint64_t)RPCSRV_FLUSH_MS * 1000000ull;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        rpc_slot *sl = s->ready_head;
+        s->ready_head = s->ready_tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+        while (sl) {
+            rpc_slot *next = sl->next_ready;
+            nng_msg *m = sl->call.msg;
+            mp_errbuf eb = {{0}};
+            uint32_t msgid = 0;
+            moe_rpc_parse_request(nng_msg_body(m), nng_msg_len(m), s->max_msg, &sl->call.req,
+                                  &msgid, &eb);
+            sl->call.req.msgid = msgid;
+            rpc_reply_err(&sl->call, MOE_EUNAVAIL, "server is shutting down");
+            sl = next;
+        }
+        int sending = 0;
+        for (int i = 0; i < s->nslots; i++)
+            sending += __atomic_load_n(&s->slots[i].state, __ATOMIC_ACQUIRE) == SLOT_SEND;
+        uint64_t now = rpc_now_ns();
+        uint64_t last = __atomic_load_n(&s->last_send_ns, __ATOMIC_RELAXED);
+        uint64_t len = __atomic_load_n(&s->last_send_len, __ATOMIC_RELAXED);
+        uint64_t linger = 50000000ull + len * 1000000000ull / (64ull << 20);
+        if (!sending && (last == 0 || now - last >= linger))
+            return;
+        if (now - t0 > limit) {
+            LOG_W("rpcsrv: %d replies still being sent after %d ms: closing anyway", sending,
+                  RPCSRV_FLUSH_MS);
+            return;
+        }
+        nng_msleep(5);
+    }
+}
+
 void rpcsrv_close(rpcsrv *s)
 {
     if (!s)
         return;
     s->closing = 1;
+    flush(s);
     for (int i = 0; i < s->nslots; i++)
         nng_aio_stop(s->slots[i].aio);
     nng_close(s->sock);

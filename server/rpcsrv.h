@@ -47,8 +47,10 @@ typedef struct rpcsrv_opts {
  * with rpcsrv_close on the loop thread. */
 moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *bound_url,
                     size_t bound_len);
-/* rpcsrv_close stops receiving, aborts pending requests and frees the server
- * (its uv handle is closed; run the loop once more to release it). */
+/* rpcsrv_close answers requests received but not yet handed to the loop
+ * ("unavailable: server is shutting down"), waits up to 5 s for replies still
+ * being sent, then stops receiving, aborts pending requests and frees the
+ * server (its uv handle is closed; run the loop once more to release it). */
 void rpcsrv_close(rpcsrv *s);
 
 /* rpc_reply sends the response in w (a complete msgpack-rpc response built

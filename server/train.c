@@ -281,6 +281,8 @@ void coord_step_finish(coord *c, coord_job *j)
     }
     j->model->step = step;
     j->model->pending_grads = 0;
+    if (c->ckpt_every > 0 && step % c->ckpt_every == 0)
+        coord_autosave(c, j->model, 1);
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, j->call->req.msgid);

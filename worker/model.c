@@ -95,7 +95,7 @@ void wkr_op_join(wkr *w, rpc_call *c)
         return;
     }
     drop_models(w);
-    xchg_close(w->xc);
+    xchg_abort(w->xc); /* a new generation: a peer of the old one may be gone */
     w->xc = NULL;
     if (!w->lis) {
         e = xchg_nng_listen(w->data_url, &w->lis, NULL, 0);

@@ -76,13 +76,17 @@ moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener 
  * tells the peers it leaves and waits (at most timeout_ms) until each peer
  * also left, so that no peer loses data still in flight; a peer that is
  * still running a collective sees the departure and fails it at once with
- * MOE_EUNAVAIL. Close of a failed communicator does not wait. */
+ * MOE_EUNAVAIL. Close of a failed communicator does not wait. Close also
+ * closes the listener: the port is free again afterwards (to rebuild on the
+ * same URL, call xchg_nng_listen again). */
 moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *const *peer_urls,
                       uint64_t generation, int timeout_ms, xchg **out);
 void xchg_nng_listener_close(xchg_nng_listener *lis);
 
 /* Errors of the collectives: MOE_EUNAVAIL (timeout, peer gone, socket
- * error; the communicator is failed from then on), MOE_ENOMEM, MOE_EPROTO
+ * error; the communicator is failed from then on), MOE_ENOMEM (nng: when
+ * only alltoallv's result buffer could not be allocated, the communicator
+ * stays usable; otherwise it is failed), MOE_EPROTO
  * (ranks called different collectives or sizes disagree: a bug in the
  * caller; the communicator is failed too), MOE_EINVAL (bad arguments; the
  * communicator stays usable only if every rank got the same error).
@@ -119,6 +123,16 @@ static inline void xchg_close(xchg *x)
 {
     if (x)
         x->ops->close(x);
+}
+/* xchg_abort closes without the graceful goodbye (as a failed communicator
+ * closes): for a communicator being replaced because the cluster re-formed,
+ * where a peer may be gone. */
+static inline void xchg_abort(xchg *x)
+{
+    if (x) {
+        x->failed = 1;
+        x->ops->close(x);
+    }
 }
 
 #ifdef MOE_HAVE_CUDA

@@ -187,8 +187,8 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     kern_apply_capacity_cpu(cnt_r.data(), off_r.data(), perm_r.data(), E, cap, keep.data(),
                             drop_r.data());
     std::vector<int32_t> off_g = dl(l->offs, E + 1), perm_g = dl(l->perm, S);
-    r->layout_ok = cnt_r == counts && drop_r == dropped && off_r[E] == S &&
-                   cap == kcu_capacity(c.cf, T, K, E);
+    r->layout_ok =
+        cnt_r == counts && drop_r == dropped && off_r[E] == S && cap == kcu_capacity(c.cf, T, K, E);
     r->ndrop = 0;
     for (int e = 0, ko = 0; e < E; e++) {
         kept[e] = cnt_r[e] - drop_r[e];
@@ -517,8 +517,8 @@ static int experts_check(const ecase &c, uint64_t seed)
             if (c.counts[e] == 0)
                 return;
             kern_expert_ffn_cpu(&x[o * H], c.counts[e], H, F, &q1[(size_t)e * F * H],
-                                &q3[(size_t)e * F * H], &q2[(size_t)e * H * F], c.act, 1,
-                                &a[o * F], &b[o * F], &y[o * H]);
+                                &q3[(size_t)e * F * H], &q2[(size_t)e * H * F], c.act, 1, &a[o * F],
+                                &b[o * F], &y[o * H]);
         });
     };
     std::vector<float> yref((size_t)N * H), a((size_t)N * F), b((size_t)N * F);
@@ -526,8 +526,7 @@ static int experts_check(const ecase &c, uint64_t seed)
 
     /* forward: host f32 in and out, kept */
     std::vector<float> y((size_t)N * H, NAN);
-    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1,
-                            NULL));
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1, NULL));
     CK(cudaDeviceSynchronize());
     const double ey = relerr(y.data(), yref.data(), y.size());
     /* device bf16 in and out: the same values rounded */
@@ -548,8 +547,7 @@ static int experts_check(const ecase &c, uint64_t seed)
         CK(cudaFree(dy_));
     }
     /* backward (the bf16 forward above did not keep: keep again) */
-    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1,
-                            NULL));
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1, NULL));
     std::vector<float> dx((size_t)N * H, NAN), dxr((size_t)N * H);
     std::vector<float> g1((size_t)ne * F * H, 0.f), g3((size_t)ne * F * H, 0.f),
         g2((size_t)ne * H * F, 0.f);
@@ -561,11 +559,10 @@ static int experts_check(const ecase &c, uint64_t seed)
         const size_t o = off[e];
         if (c.counts[e] == 0)
             return;
-        kern_expert_ffn_backward_cpu(&x[o * H], &a[o * F], &b[o * F], &dy[o * H], c.counts[e], H,
-                                     F, &r1[(size_t)e * F * H], &r3[(size_t)e * F * H],
-                                     &r2[(size_t)e * H * F], c.act, &dxr[o * H],
-                                     &g1[(size_t)e * F * H], &g3[(size_t)e * F * H],
-                                     &g2[(size_t)e * H * F]);
+        kern_expert_ffn_backward_cpu(
+            &x[o * H], &a[o * F], &b[o * F], &dy[o * H], c.counts[e], H, F, &r1[(size_t)e * F * H],
+            &r3[(size_t)e * F * H], &r2[(size_t)e * H * F], c.act, &dxr[o * H],
+            &g1[(size_t)e * F * H], &g3[(size_t)e * F * H], &g2[(size_t)e * H * F]);
     });
     std::vector<float> G1((size_t)ne * F * H), G3((size_t)ne * F * H), G2((size_t)ne * H * F);
     CKM(kcu_experts_download_grads(ex, G1.data(), swiglu ? G3.data() : NULL, G2.data()));
@@ -574,8 +571,7 @@ static int experts_check(const ecase &c, uint64_t seed)
     const double e3 = swiglu ? relerr(G3.data(), g3.data(), G3.size()) : 0.0;
     const double e2 = relerr(G2.data(), g2.data(), G2.size());
     /* accumulate: same forward/backward again, no zeroing */
-    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1,
-                            NULL));
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 1, NULL));
     CKM(kcu_experts_backward(ex, dy.data(), MOE_F32, dx.data(), MOE_F32, NULL));
     std::vector<float> H1((size_t)ne * F * H), H3((size_t)ne * F * H), H2((size_t)ne * H * F);
     CKM(kcu_experts_download_grads(ex, H1.data(), swiglu ? H3.data() : NULL, H2.data()));
@@ -613,8 +609,7 @@ static int experts_check(const ecase &c, uint64_t seed)
     kern_bf16_round_n(q3.data(), q3.size());
     kern_bf16_round_n(q2.data(), q2.size());
     cpu_fwd(q1, q3, q2, yref, a, b);
-    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 0,
-                            NULL));
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 0, NULL));
     CK(cudaDeviceSynchronize());
     const double ey2 = relerr(y.data(), yref.data(), y.size());
     kcu_experts_destroy(ex);
@@ -651,7 +646,8 @@ int main(int argc, char **argv)
     if (small)
         ecases = {{128, 256, SW, {3, 0, 140}}};
     else
-        ecases = {{256, 256, SW, {70, 0, 200}}, {128, 384, GE, {1, 129}},
+        ecases = {{256, 256, SW, {70, 0, 200}},
+                  {128, 384, GE, {1, 129}},
                   {512, 256, SW, {300, 5, 0, 260, 1}}};
     for (size_t i = 0; i < ecases.size(); i++)
         fails += experts_check(ecases[i], seed + 31 * i);
@@ -665,22 +661,14 @@ int main(int argc, char **argv)
                  {40, 256, 128, 256, 8, SW, 0, 0, 0.f},
                  {130, 128, 256, 8, 2, SW, 1, 1, 0.5f}};
     } else {
-        cases = {{1, 256, 256, 8, 2, SW, 1, 0, 0.f},
-                 {1, 256, 256, 128, 8, SW, 1, 0, 0.f},
-                 {7, 256, 384, 60, 2, SW, 0, 0, 0.f},
-                 {7, 256, 256, 256, 8, GE, 1, 0, 0.f},
-                 {300, 256, 256, 128, 8, SW, 1, 0, 0.f},
-                 {4096, 256, 256, 8, 1, SW, 0, 0, 0.f},
-                 {4096, 256, 256, 60, 2, GE, 0, 0, 0.f},
-                 {4096, 256, 256, 256, 8, SW, 1, 0, 0.f},
-                 {4096, 256, 256, 60, 2, SW, 1, 1, 0.f},
-                 {512, 512, 512, 8, 2, GE, 1, 0, 0.f},
-                 {16384, 128, 128, 128, 8, SW, 1, 0, 0.f},
-                 {16384, 128, 256, 8, 2, SW, 0, 1, 0.f},
-                 {16384, 128, 128, 256, 1, GE, 0, 1, 0.f},
-                 {4096, 256, 256, 16, 2, SW, 1, 0, 1.0f},
-                 {4096, 256, 256, 60, 2, SW, 1, 1, 1.0f},
-                 {2048, 256, 512, 8, 2, GE, 0, 1, 0.5f},
+        cases = {{1, 256, 256, 8, 2, SW, 1, 0, 0.f},       {1, 256, 256, 128, 8, SW, 1, 0, 0.f},
+                 {7, 256, 384, 60, 2, SW, 0, 0, 0.f},      {7, 256, 256, 256, 8, GE, 1, 0, 0.f},
+                 {300, 256, 256, 128, 8, SW, 1, 0, 0.f},   {4096, 256, 256, 8, 1, SW, 0, 0, 0.f},
+                 {4096, 256, 256, 60, 2, GE, 0, 0, 0.f},   {4096, 256, 256, 256, 8, SW, 1, 0, 0.f},
+                 {4096, 256, 256, 60, 2, SW, 1, 1, 0.f},   {512, 512, 512, 8, 2, GE, 1, 0, 0.f},
+                 {16384, 128, 128, 128, 8, SW, 1, 0, 0.f}, {16384, 128, 256, 8, 2, SW, 0, 1, 0.f},
+                 {16384, 128, 128, 256, 1, GE, 0, 1, 0.f}, {4096, 256, 256, 16, 2, SW, 1, 0, 1.0f},
+                 {4096, 256, 256, 60, 2, SW, 1, 1, 1.0f},  {2048, 256, 512, 8, 2, GE, 0, 1, 0.5f},
                  {2048, 256, 256, 64, 8, SW, 1, 0, 0.5f}};
     }
     printf("%-5s %-6s %-4s %-4s %-4s %-2s %-3s %-2s %-4s | %-8s %-8s %-8s %-8s %-8s %-8s %-8s "
@@ -696,8 +684,8 @@ int main(int argc, char **argv)
         printf("%-5d %-6d %-4d %-4d %-4d %-2s %-3d %-2d %-4.2g | %-8.1e %-8.1e %-8.1e %-8.1e "
                "%-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e | %-3s %-3s %-3s %-3s "
                "%-5d | %s\n",
-               c.T, c.H, c.F, c.E, c.K, c.act == SW ? "sw" : "ge", c.renorm, c.skew, c.cf,
-               r.logits, r.probs, r.tw, r.y, r.dx, r.dwr, r.dw1, r.dw3, r.dw2, r.dw, r.aux, r.z,
+               c.T, c.H, c.F, c.E, c.K, c.act == SW ? "sw" : "ge", c.renorm, c.skew, c.cf, r.logits,
+               r.probs, r.tw, r.y, r.dx, r.dwr, r.dw1, r.dw3, r.dw2, r.dw, r.aux, r.z,
                r.idx_ok ? "ok" : "BAD", r.layout_ok ? "ok" : "BAD", r.determ_ok ? "ok" : "BAD",
                r.accum_ok ? "ok" : "BAD", r.ndrop, ok ? "PASS" : "FAIL");
         fflush(stdout);

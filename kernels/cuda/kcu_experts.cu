@@ -181,6 +181,10 @@ extern "C" moe_err kcu_experts_create(int H, int F, int ne, kern_act act, int N_
     carve_params(x, &cv);
     cv = {(char *)x->ws, 0};
     carve_ws(x, &cv);
+    if (x->w2 != x->w13 + (size_t)ne * x->N1 * H) { /* the optimizer walks w13|w2 as one */
+        kcu_experts_destroy(x);
+        return MOE_EINTERNAL;
+    }
     x->grads_clean = 1;
     *out = x;
     return MOE_OK;
@@ -421,8 +425,8 @@ extern "C" moe_err kcu_experts_adamw(kcu_experts *x, float lr, float beta1, floa
         KCU_CHECK(cudaMemsetAsync(x->g, 0, x->nparam * 4, st));
         x->grads_clean = 0;
     }
-    return kcu_adamw(x->master, x->g, x->m, x->v, x->w13, x->nparam, lr, beta1, beta2, eps, wd,
-                     bc1, bc2, grad_scale, st);
+    return kcu_adamw(x->master, x->g, x->m, x->v, x->w13, x->nparam, lr, beta1, beta2, eps, wd, bc1,
+                     bc2, grad_scale, st);
 }
 
 extern "C" moe_err kcu_experts_download_grads(kcu_experts *x, float *dw1, float *dw3, float *dw2)

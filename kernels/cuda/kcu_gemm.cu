@@ -725,8 +725,7 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
                 } else { /* DSWIGLU / DGELU: d = dy.W2 (unweighted dh) */
                     float rsum = 0.f;
                     if (ok) {
-                        const float wgt =
-                            p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
+                        const float wgt = p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
 #pragma unroll
                         for (int j = 0; j < 32; j++) {
                             const int f = n0 + 8 * j + q4 * 2;

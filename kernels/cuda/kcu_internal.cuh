@@ -197,9 +197,8 @@ moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStre
 moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st);
 /* kcu_tiles_from_counts: cnt (E) device counts in (overwritten) -> counts,
  * offs, tile list, as the layer's layout scan with one chunk */
-moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs,
-                              int32_t *tile_e, int32_t *tile_r0, int32_t *ntiles,
-                              cudaStream_t st);
+moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs, int32_t *tile_e,
+                              int32_t *tile_r0, int32_t *ntiles, cudaStream_t st);
 /* kcu_combine: spos (S) may be NULL; slots with spos < 0 add nothing */
 moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,
                     int K, int H, void *out, moe_dtype dt, cudaStream_t st);

@@ -180,9 +180,9 @@ __global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int c
  * sorted row -> token, spos (S) slot -> sorted row or -1 (dropped: its rank
  * within the expert is >= cap). */
 __global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, int K, int cap,
-                                 const int32_t *__restrict__ chunk, const int32_t *__restrict__ offs,
-                                 int32_t *__restrict__ perm, int32_t *__restrict__ tok,
-                                 int32_t *__restrict__ spos)
+                                 const int32_t *__restrict__ chunk,
+                                 const int32_t *__restrict__ offs, int32_t *__restrict__ perm,
+                                 int32_t *__restrict__ tok, int32_t *__restrict__ spos)
 {
     __shared__ int ids[CHUNK];
     const int s = blockIdx.x * CHUNK + threadIdx.x;
@@ -365,9 +365,10 @@ __global__ void k_router_bwd(const float *__restrict__ probs, const float *__res
 
 /* AdamW as kern_adamw_cpu, rounded op by op (no contraction), and the bf16
  * compute copy refreshed. n % 4 == 0. */
-__global__ void k_adamw(float4 *__restrict__ p, const float4 *__restrict__ g, float4 *__restrict__ m,
-                        float4 *__restrict__ v, uint2 *__restrict__ w, size_t n4, float lr, float b1,
-                        float b2, float eps, float wd, float bc1, float bc2, float gs)
+__global__ void k_adamw(float4 *__restrict__ p, const float4 *__restrict__ g,
+                        float4 *__restrict__ m, float4 *__restrict__ v, uint2 *__restrict__ w,
+                        size_t n4, float lr, float b1, float b2, float eps, float wd, float bc1,
+                        float bc2, float gs)
 {
     const float c1 = 1.0f - b1, c2 = 1.0f - b2;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4;
@@ -382,15 +383,16 @@ __global__ void k_adamw(float4 *__restrict__ p, const float4 *__restrict__ g, fl
             me[k] = mi;
             ve[k] = vi;
             const float mh = __fdiv_rn(mi, bc1), vh = __fdiv_rn(vi, bc2);
-            const float u = __fadd_rn(__fdiv_rn(mh, __fadd_rn(__fsqrt_rn(vh), eps)),
-                                      __fmul_rn(wd, pe[k]));
+            const float u =
+                __fadd_rn(__fdiv_rn(mh, __fadd_rn(__fsqrt_rn(vh), eps)), __fmul_rn(wd, pe[k]));
             pe[k] = __fsub_rn(pe[k], __fmul_rn(lr, u));
         }
         p[i] = pp;
         m[i] = mm;
         v[i] = vv;
         uint2 o;
-        __nv_bfloat162 lo = __floats2bfloat162_rn(pp.x, pp.y), hi = __floats2bfloat162_rn(pp.z, pp.w);
+        __nv_bfloat162 lo = __floats2bfloat162_rn(pp.x, pp.y),
+                       hi = __floats2bfloat162_rn(pp.z, pp.w);
         memcpy(&o.x, &lo, 4);
         memcpy(&o.y, &hi, 4);
         w[i] = o;
@@ -459,8 +461,8 @@ moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
     return MOE_OK;
 }
 
-moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs,
-                              int32_t *tile_e, int32_t *tile_r0, int32_t *ntiles, cudaStream_t st)
+moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs, int32_t *tile_e,
+                              int32_t *tile_r0, int32_t *ntiles, cudaStream_t st)
 {
     k_layout_scan<<<1, 256, 0, st>>>(cnt, 1, E, INT_MAX, counts, nullptr, offs, tile_e, tile_r0,
                                      ntiles);

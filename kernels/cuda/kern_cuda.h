@@ -45,9 +45,9 @@ typedef struct kcu_layer kcu_layer;
 typedef struct kcu_config {
     int H, F, E, K;
     kern_act act;
-    int renorm; /* divide the K gate weights by their sum */
-    int T_max;  /* most tokens one forward/backward call may carry */
-    int train;  /* allocate gradients and keep forward state for backward */
+    int renorm;            /* divide the K gate weights by their sum */
+    int T_max;             /* most tokens one forward/backward call may carry */
+    int train;             /* allocate gradients and keep forward state for backward */
     float capacity_factor; /* 0 = dropless (default); see kcu_layer_set_capacity */
 } kcu_config;
 
