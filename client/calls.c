@@ -137,8 +137,8 @@ moe_err moe_forward(moe_client *c, const char *model, int layer, moe_dtype dt, c
     return forward_impl(c, model, layer, dt, x, T, H, y, info, 0);
 }
 
-moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype dt,
-                          const void *x, int64_t T, int64_t H, void *y, moe_fwd_info *info)
+moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype dt, const void *x,
+                          int64_t T, int64_t H, void *y, moe_fwd_info *info)
 {
     if (!info)
         return MOE_EINVAL;
@@ -292,8 +292,7 @@ moe_err moe_checkpoint_save(moe_client *c, const char *model, const char *path)
     return ckpt_call(c, "checkpoint.save", model, path, NULL);
 }
 
-moe_err moe_checkpoint_load(moe_client *c, const char *model, const char *path,
-                            int64_t *step_out)
+moe_err moe_checkpoint_load(moe_client *c, const char *model, const char *path, int64_t *step_out)
 {
     return ckpt_call(c, "checkpoint.load", model, path, step_out);
 }

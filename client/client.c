@@ -162,8 +162,8 @@ static moe_err parse_reply(nng_msg *m, uint32_t msgid, moe_reply *out)
         return out->err = MOE_EPROTO;
     }
     if (resp.msgid != msgid) {
-        snprintf(out->message, sizeof(out->message), "response msgid %u for request %u",
-                 resp.msgid, msgid);
+        snprintf(out->message, sizeof(out->message), "response msgid %u for request %u", resp.msgid,
+                 msgid);
         return out->err = MOE_EPROTO;
     }
     out->err = resp.err;
@@ -268,8 +268,7 @@ static void acall_cb(void *arg)
         if (a->state == ACALL_SEND)
             nng_msg_free(nng_aio_get_msg(a->aio));
         r->err = from_nng(rv);
-        snprintf(r->message, sizeof(r->message), "%s: transport: %s", a->method,
-                 nng_strerror(rv));
+        snprintf(r->message, sizeof(r->message), "%s: transport: %s", a->method, nng_strerror(rv));
         acall_finish(a, r->err, r);
         return;
     }

@@ -19,21 +19,21 @@ extern "C" {
  * (moe_err_code) used in RPC error responses. Never renumber. */
 typedef enum moe_err {
     MOE_OK = 0,
-    MOE_EINVAL = 1,       /* "invalid_argument" */
-    MOE_EUNAUTH = 2,      /* "unauthenticated" */
-    MOE_EBUSY = 3,        /* "busy": queue full, try later */
-    MOE_ETIMEDOUT = 4,    /* "deadline_exceeded" */
-    MOE_EUNAVAIL = 5,     /* "unavailable": workers missing or unhealthy */
-    MOE_ENOTFOUND = 6,    /* "not_found": unknown model, layer, handle */
-    MOE_ENOMEM = 7,       /* "resource_exhausted" */
-    MOE_ETOOBIG = 8,      /* "too_large": message over the size cap */
-    MOE_EPROTO = 9,       /* "malformed": not msgpack, or not a request */
-    MOE_ENOMETHOD = 10,   /* "unknown_method" */
-    MOE_EEXPIRED = 11,    /* "expired": a training handle that timed out */
-    MOE_EPRECOND = 12,    /* "failed_precondition": e.g. step with no grads */
-    MOE_EIO = 13,         /* "io_error": file system */
-    MOE_EINTERNAL = 14,   /* "internal" */
-    MOE_ECLOSED = 15,     /* "closed": object or connection closed */
+    MOE_EINVAL = 1,     /* "invalid_argument" */
+    MOE_EUNAUTH = 2,    /* "unauthenticated" */
+    MOE_EBUSY = 3,      /* "busy": queue full, try later */
+    MOE_ETIMEDOUT = 4,  /* "deadline_exceeded" */
+    MOE_EUNAVAIL = 5,   /* "unavailable": workers missing or unhealthy */
+    MOE_ENOTFOUND = 6,  /* "not_found": unknown model, layer, handle */
+    MOE_ENOMEM = 7,     /* "resource_exhausted" */
+    MOE_ETOOBIG = 8,    /* "too_large": message over the size cap */
+    MOE_EPROTO = 9,     /* "malformed": not msgpack, or not a request */
+    MOE_ENOMETHOD = 10, /* "unknown_method" */
+    MOE_EEXPIRED = 11,  /* "expired": a training handle that timed out */
+    MOE_EPRECOND = 12,  /* "failed_precondition": e.g. step with no grads */
+    MOE_EIO = 13,       /* "io_error": file system */
+    MOE_EINTERNAL = 14, /* "internal" */
+    MOE_ECLOSED = 15,   /* "closed": object or connection closed */
     MOE_ERR_COUNT
 } moe_err;
 
@@ -58,7 +58,6 @@ size_t moe_dtype_size(moe_dtype dt);
 const char *moe_dtype_name(moe_dtype dt);
 /* moe_dtype_parse parses a name (len bytes); MOE_EINVAL if unknown. */
 moe_err moe_dtype_parse(const char *name, size_t len, moe_dtype *out);
-
 
 /* ---------------------------------------------------------------------------
  * libmoe: the client. Thread safe: one moe_client may be used by many threads.
@@ -112,19 +111,19 @@ moe_err moe_call_async(moe_client *c, const char *method, const void *params, si
 moe_err moe_ping(moe_client *c);
 
 typedef struct moe_model_config {
-    const char *name;        /* model name, [A-Za-z0-9_.-]{1,63} */
-    int layers;              /* MoE layers */
-    int d_model;             /* H */
-    int d_ff;                /* F */
-    int n_experts;           /* E */
-    int top_k;               /* K, 1..E */
-    const char *activation;  /* "swiglu" (default) or "gelu" */
-    int renormalize;         /* renormalise the K gate weights to sum 1 */
-    double capacity_factor;  /* 0 = dropless */
-    moe_dtype dtype;         /* MOE_F32 or MOE_BF16 */
-    uint64_t seed;           /* weight init seed */
-    double aux_loss_coef;    /* training: load-balancing loss coefficient */
-    double z_loss_coef;      /* training: router z-loss coefficient */
+    const char *name;       /* model name, [A-Za-z0-9_.-]{1,63} */
+    int layers;             /* MoE layers */
+    int d_model;            /* H */
+    int d_ff;               /* F */
+    int n_experts;          /* E */
+    int top_k;              /* K, 1..E */
+    const char *activation; /* "swiglu" (default) or "gelu" */
+    int renormalize;        /* renormalise the K gate weights to sum 1 */
+    double capacity_factor; /* 0 = dropless */
+    moe_dtype dtype;        /* MOE_F32 or MOE_BF16 */
+    uint64_t seed;          /* weight init seed */
+    double aux_loss_coef;   /* training: load-balancing loss coefficient */
+    double z_loss_coef;     /* training: router z-loss coefficient */
 } moe_model_config;
 
 moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
@@ -133,11 +132,11 @@ moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
  * library (free with moe_fwd_info_free). */
 typedef struct moe_fwd_info {
     int n_experts;
-    int64_t *tokens_per_expert; /* (E) routed slots per expert */
-    int64_t *dropped;           /* (E) slots dropped by the capacity factor */
-    double imbalance;           /* max/mean of tokens_per_expert */
+    int64_t *tokens_per_expert;                      /* (E) routed slots per expert */
+    int64_t *dropped;                                /* (E) slots dropped by the capacity factor */
+    double imbalance;                                /* max/mean of tokens_per_expert */
     double gate_s, dispatch_s, experts_s, combine_s; /* slowest worker per phase */
-    double total_s;             /* coordinator time for the whole call */
+    double total_s;                                  /* coordinator time for the whole call */
     double aux_loss, z_loss;
     uint64_t handle; /* training handle (0 unless train=1) */
 } moe_fwd_info;
@@ -149,8 +148,8 @@ moe_err moe_forward(moe_client *c, const char *model, int layer, moe_dtype dt, c
                     int64_t T, int64_t H, void *y, moe_fwd_info *info);
 /* moe_forward_train: as moe_forward with train=true; info (required) gets
  * the handle that moe_backward takes. */
-moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype dt,
-                          const void *x, int64_t T, int64_t H, void *y, moe_fwd_info *info);
+moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype dt, const void *x,
+                          int64_t T, int64_t H, void *y, moe_fwd_info *info);
 /* moe_backward: dx (T, H) from dy (T, H) for a train forward's handle (used
  * once). Gradients accumulate in the service until moe_optimizer_step. */
 moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *dy, int64_t T,
@@ -168,8 +167,7 @@ moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *op
  * (see docs/OPERATIONS.md for the layout); moe_checkpoint_load loads the
  * newest complete one (or path itself if it holds an index). */
 moe_err moe_checkpoint_save(moe_client *c, const char *model, const char *path);
-moe_err moe_checkpoint_load(moe_client *c, const char *model, const char *path,
-                            int64_t *step_out);
+moe_err moe_checkpoint_load(moe_client *c, const char *model, const char *path, int64_t *step_out);
 
 #ifdef __cplusplus
 }

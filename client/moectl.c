@@ -129,8 +129,7 @@ static int print_json(mp_reader *r, int indent)
         printf("\n%*s}", indent, "");
         return 0;
     }
-    default:
-        return mp_skip(r, NULL) == MOE_OK ? (printf("\"?\""), 0) : -1;
+    default: return mp_skip(r, NULL) == MOE_OK ? (printf("\"?\""), 0) : -1;
     }
 }
 
@@ -170,8 +169,8 @@ static void print_load_table(const moe_fwd_info *info)
            info->aux_loss, info->z_loss);
     printf("  phases: gate %.3f ms  dispatch %.3f ms  experts %.3f ms  combine %.3f ms  "
            "total %.3f ms\n",
-           info->gate_s * 1e3, info->dispatch_s * 1e3, info->experts_s * 1e3,
-           info->combine_s * 1e3, info->total_s * 1e3);
+           info->gate_s * 1e3, info->dispatch_s * 1e3, info->experts_s * 1e3, info->combine_s * 1e3,
+           info->total_s * 1e3);
 }
 
 static moe_dtype parse_dtype(const char *s)
@@ -264,8 +263,8 @@ static int cmd_forward(moe_client *c, const opts *o)
         long sz = ftell(f);
         fseek(f, 0, SEEK_SET);
         if (sz < 0 || (size_t)sz % ((size_t)H * es) != 0) {
-            fprintf(stderr, "moectl: %s has %ld bytes, not a multiple of d_model*%zu\n",
-                    o->input, sz, es);
+            fprintf(stderr, "moectl: %s has %ld bytes, not a multiple of d_model*%zu\n", o->input,
+                    sz, es);
             fclose(f);
             return 1;
         }

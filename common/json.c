@@ -42,8 +42,7 @@ static int fail(parser *ps, const char *what)
 
 static void skip_ws(parser *ps)
 {
-    while (ps->p < ps->end &&
-           (*ps->p == ' ' || *ps->p == '\n' || *ps->p == '\r' || *ps->p == '\t'))
+    while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\n' || *ps->p == '\r' || *ps->p == '\t'))
         ps->p++;
 }
 
@@ -220,8 +219,7 @@ static int parse_value(parser *ps, json_node *out, int depth)
     if (ch == '-' || (ch >= '0' && ch <= '9')) {
         char buf[64];
         size_t n = 0;
-        while (ps->p + n < ps->end && n < sizeof(buf) - 1 &&
-               strchr("+-0123456789.eE", ps->p[n]))
+        while (ps->p + n < ps->end && n < sizeof(buf) - 1 && strchr("+-0123456789.eE", ps->p[n]))
             n++;
         memcpy(buf, ps->p, n);
         buf[n] = 0;

@@ -16,11 +16,11 @@ typedef enum json_type { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } json_type;
 
 typedef struct json_node {
     json_type type;
-    double num;     /* J_NUM; J_BOOL: 0/1 */
-    char *str;      /* J_STR: NUL-terminated, unescaped; J_OBJ member: key */
-    size_t len;     /* J_STR length; J_ARR/J_OBJ: number of children */
+    double num;             /* J_NUM; J_BOOL: 0/1 */
+    char *str;              /* J_STR: NUL-terminated, unescaped; J_OBJ member: key */
+    size_t len;             /* J_STR length; J_ARR/J_OBJ: number of children */
     struct json_node *kids; /* J_ARR/J_OBJ children (object members carry .key) */
-    char *key;      /* set on object members */
+    char *key;              /* set on object members */
 } json_node;
 
 typedef struct json_doc json_doc;

@@ -118,9 +118,8 @@ int model_cfg_same(const model_cfg *a, const model_cfg *b)
     return strcmp(a->name, b->name) == 0 && a->layers == b->layers && a->d_model == b->d_model &&
            a->d_ff == b->d_ff && a->n_experts == b->n_experts && a->top_k == b->top_k &&
            a->act == b->act && a->renormalize == b->renormalize &&
-           a->capacity_factor == b->capacity_factor && a->dtype == b->dtype &&
-           a->seed == b->seed && a->aux_loss_coef == b->aux_loss_coef &&
-           a->z_loss_coef == b->z_loss_coef;
+           a->capacity_factor == b->capacity_factor && a->dtype == b->dtype && a->seed == b->seed &&
+           a->aux_loss_coef == b->aux_loss_coef && a->z_loss_coef == b->z_loss_coef;
 }
 
 int64_t model_cfg_params(const model_cfg *c)

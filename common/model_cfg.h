@@ -14,13 +14,13 @@
 
 typedef struct model_cfg {
     char name[MODEL_NAME_MAX];
-    int layers;      /* MoE layers, 1..1024 */
-    int d_model;     /* H */
-    int d_ff;        /* F */
-    int n_experts;   /* E, 1..4096 */
-    int top_k;       /* K, 1..E */
-    int act;         /* kern_act: 0 swiglu, 1 gelu */
-    int renormalize; /* 0/1 */
+    int layers;             /* MoE layers, 1..1024 */
+    int d_model;            /* H */
+    int d_ff;               /* F */
+    int n_experts;          /* E, 1..4096 */
+    int top_k;              /* K, 1..E */
+    int act;                /* kern_act: 0 swiglu, 1 gelu */
+    int renormalize;        /* 0/1 */
     double capacity_factor; /* 0 = dropless */
     moe_dtype dtype;        /* MOE_F32 or MOE_BF16 */
     uint64_t seed;

@@ -138,8 +138,8 @@ static moe_err fsync_dir_of(const char *path)
 }
 
 /* st_save_parts writes the header and data parts to tmp, fsyncs, renames. */
-static moe_err save_parts(const char *path, const void *head, size_t head_len, st_tensor *t,
-                          int n, char *err, size_t errlen)
+static moe_err save_parts(const char *path, const void *head, size_t head_len, st_tensor *t, int n,
+                          char *err, size_t errlen)
 {
     char tmp[4096];
     snprintf(tmp, sizeof(tmp), "%s.tmp", path);
@@ -228,8 +228,7 @@ moe_err st_writer_save(st_writer *w, const char *path, char *err, size_t errlen)
     return e;
 }
 
-moe_err st_write_durable(const char *path, const void *data, size_t len, char *err,
-                         size_t errlen)
+moe_err st_write_durable(const char *path, const void *data, size_t len, char *err, size_t errlen)
 {
     st_tensor t = {0};
     t.data = data;

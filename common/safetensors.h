@@ -21,10 +21,10 @@
 #define ST_MAX_DIMS 4
 
 typedef struct st_tensor {
-    char *name;         /* owned by the writer / reader */
+    char *name; /* owned by the writer / reader */
     int ndim;
     int64_t shape[ST_MAX_DIMS];
-    const float *data;  /* writer: caller memory (not copied); reader: into the file map */
+    const float *data; /* writer: caller memory (not copied); reader: into the file map */
     size_t nbytes;
 } st_tensor;
 
@@ -59,7 +59,6 @@ uint64_t st_fnv1a64(uint64_t h, const void *data, size_t n);
 
 /* st_write_durable writes len bytes to path via tmp + fsync + rename +
  * directory fsync. */
-moe_err st_write_durable(const char *path, const void *data, size_t len, char *err,
-                         size_t errlen);
+moe_err st_write_durable(const char *path, const void *data, size_t len, char *err, size_t errlen);
 
 #endif

@@ -159,8 +159,7 @@ static moe_err resolve_ckpt(const char *path, char *dir, size_t len, char *err, 
         snprintf(dir, len, "%s", path);
         return MOE_OK;
     }
-    snprintf(err, errlen, "no checkpoint at %s (no LATEST or model.safetensors.index.json)",
-             path);
+    snprintf(err, errlen, "no checkpoint at %s (no LATEST or model.safetensors.index.json)", path);
     return MOE_ENOTFOUND;
 }
 

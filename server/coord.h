@@ -21,7 +21,7 @@
 #include "rpcsrv.h"
 
 #define COORD_MAX_WORKERS 256
-#define COORD_MAX_MODELS 64
+#define COORD_MAX_MODELS  64
 #define COORD_LAT_BUCKETS 16
 
 typedef enum worker_state { WS_FREE = 0, WS_UP, WS_DOWN } worker_state;
@@ -34,8 +34,8 @@ typedef struct coord_worker {
     char backend[32], device[128];
     int pid;
     uint64_t registered_ns, last_hb_ns;
-    moe_client *cli;       /* owned: calls into the worker */
-    double busy_s;         /* compute time reported by forwards */
+    moe_client *cli; /* owned: calls into the worker */
+    double busy_s;   /* compute time reported by forwards */
     uint64_t ops_total;
 } coord_worker;
 
@@ -45,7 +45,7 @@ typedef struct coord_model {
     int64_t *tokens;  /* (layers, E) routed slots, cumulative */
     int64_t *dropped; /* (layers, E) dropped slots, cumulative */
     uint64_t forwards;
-    int created_gen; /* generation the workers hold it in; 0 = not yet */
+    int created_gen;         /* generation the workers hold it in; 0 = not yet */
     int64_t step;            /* optimizer steps completed */
     int64_t saved_step;      /* step of the last checkpoint written or loaded */
     int64_t pending_grads;   /* backwards since the last step */
@@ -53,6 +53,7 @@ typedef struct coord_model {
 } coord_model;
 
 typedef enum job_kind {
+    JOB_XCHG_ID, /* rank 0 only: make an NCCL unique id for the next JOIN */
     JOB_JOIN,
     JOB_MODEL_CREATE,
     JOB_FORWARD,
@@ -78,10 +79,10 @@ typedef struct coord_handle {
 typedef struct coord_job {
     struct coord_job *next;
     job_kind kind;
-    rpc_call *call;  /* the client request being served; NULL for internal jobs */
+    rpc_call *call; /* the client request being served; NULL for internal jobs */
     coord_model *model;
     int layer;
-    moe_tensor x;    /* forward input / backward dy: a view into call's message */
+    moe_tensor x; /* forward input / backward dy: a view into call's message */
     int train;
     coord_handle *handle; /* train forward / backward */
     char path[1024];      /* checkpoint directory (JOB_CKPT_*) */
@@ -89,7 +90,7 @@ typedef struct coord_job {
     double hp[6];         /* JOB_STEP: lr, beta1, beta2, eps, weight_decay, max_grad_norm */
     char **files;         /* JOB_CKPT_LOAD: shard file names (owned) */
     int nfiles;
-    int64_t ckpt_step;    /* JOB_CKPT_*: the checkpoint's step */
+    int64_t ckpt_step;      /* JOB_CKPT_*: the checkpoint's step */
     char root[CFG_STR_MAX]; /* JOB_CKPT_SAVE: the directory that holds LATEST */
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
@@ -114,6 +115,7 @@ typedef struct coord {
     long long expected_workers, max_msg_mb, queue_depth, deadline_ms, heartbeat_timeout_ms;
     long long worker_timeout_ms, nctx;
     char ckpt_dir[CFG_STR_MAX]; /* automatic checkpoints (empty = off) */
+    char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl */
     long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
 
     uv_loop_t *loop;
@@ -134,6 +136,9 @@ typedef struct coord {
     int world;           /* members of the current generation */
     uint64_t generation; /* 0 = never formed */
     int ready;           /* the current generation is joined and whole */
+    int use_nccl;        /* every member has a GPU: exchange over NCCL */
+    uint8_t nccl_id[128]; /* relayed from rank 0 to every member in the JOIN */
+    int nccl_id_ok;
     int need_form;       /* a (re)formation is wanted */
 
     /* training */

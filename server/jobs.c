@@ -73,6 +73,28 @@ static void finish_job(coord *c, coord_job *j)
             bad_rank = r;
         }
     switch (j->kind) {
+    case JOB_XCHG_ID: {
+        const void *id = NULL;
+        uint32_t len = 0;
+        if (first == MOE_OK) {
+            mp_reader rd;
+            uint32_t n;
+            const moe_reply *rep = j->replies[0];
+            mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
+            if (mp_read_map(&rd, &n, NULL) != MOE_OK || n != 1 || mp_skip(&rd, NULL) != MOE_OK ||
+                mp_read_bin(&rd, &id, &len, NULL) != MOE_OK || len != sizeof(c->nccl_id))
+                first = MOE_EINTERNAL;
+        }
+        if (first == MOE_OK) {
+            memcpy(c->nccl_id, id, sizeof(c->nccl_id));
+            c->nccl_id_ok = 1;
+        } else {
+            LOG_W("rank 0 could not make an NCCL id: %s",
+                  j->replies[0] ? j->replies[0]->message : moe_strerror(first));
+            c->need_form = 1;
+        }
+        break;
+    }
     case JOB_JOIN:
         if (first == MOE_OK && j->generation == c->generation) {
             c->ready = 1;
@@ -100,8 +122,8 @@ static void finish_job(coord *c, coord_job *j)
                 mp_write_i64(&w, model_cfg_params(&j->model->cfg));
                 rpc_reply(j->call, &w);
             } else {
-                rpc_reply_err(j->call, first, "model.create failed on worker rank %d: %s",
-                              bad_rank, j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
+                rpc_reply_err(j->call, first, "model.create failed on worker rank %d: %s", bad_rank,
+                              j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
             }
         }
         break;
@@ -110,17 +132,11 @@ static void finish_job(coord *c, coord_job *j)
             j->handle->state = H_EXPIRED;
         coord_forward_finish(c, j);
         break;
-    case JOB_BACKWARD:
-        coord_backward_finish(c, j);
-        break;
-    case JOB_STEP:
-        coord_step_finish(c, j);
-        break;
+    case JOB_BACKWARD: coord_backward_finish(c, j); break;
+    case JOB_STEP: coord_step_finish(c, j); break;
     case JOB_CKPT_SAVE:
     case JOB_CKPT_LOAD:
-    case JOB_CKPT_COMMIT:
-        coord_ckpt_finish(c, j);
-        break;
+    case JOB_CKPT_COMMIT: coord_ckpt_finish(c, j); break;
     }
     if (first == MOE_EUNAVAIL || first == MOE_ECLOSED || first == MOE_ETIMEDOUT) {
         /* a worker or the exchange between workers failed: rebuild */
@@ -159,7 +175,7 @@ void coord_on_done(uv_async_t *h)
 
 static int job_needs_ready(const coord_job *j)
 {
-    return j->kind != JOB_JOIN;
+    return j->kind != JOB_JOIN && j->kind != JOB_XCHG_ID;
 }
 
 /* send_job sends the job's call to every member. */
@@ -167,10 +183,11 @@ static void send_job(coord *c, coord_job *j)
 {
     j->generation = c->generation;
     j->started_ns = rpc_now_ns();
-    j->nsent = c->world;
-    j->pending = c->world;
+    int targets = j->kind == JOB_XCHG_ID ? 1 : c->world; /* the id comes from rank 0 */
+    j->nsent = targets;
+    j->pending = targets;
     c->current = j;
-    for (int r = 0; r < c->world; r++) {
+    for (int r = 0; r < targets; r++) {
         coord_worker *wk = &c->workers[c->rank_to_worker[r]];
         mp_writer w;
         const char *method = NULL;
@@ -195,8 +212,8 @@ static void send_job(coord *c, coord_job *j)
             moe_reply *rep = calloc(1, sizeof(*rep));
             if (rep) {
                 rep->err = e;
-                snprintf(rep->message, sizeof(rep->message), "worker %d (rank %d) is %s",
-                         wk->id, r, wk->state == WS_UP ? "unreachable" : "down");
+                snprintf(rep->message, sizeof(rep->message), "worker %d (rank %d) is %s", wk->id, r,
+                         wk->state == WS_UP ? "unreachable" : "down");
             }
             if (!d)
                 d = calloc(1, sizeof(*d));
@@ -238,6 +255,11 @@ void coord_job_pump(coord *c)
                               (unsigned long long)c->generation);
                 c->errors_total++;
             }
+            job_free(j);
+            continue;
+        }
+        if (j->kind == JOB_JOIN && c->use_nccl && !c->nccl_id_ok) {
+            c->need_form = 1; /* the id job failed: form again later */
             job_free(j);
             continue;
         }

@@ -35,6 +35,8 @@ static const cfg_entry coord_cfg[] = {
     {"handle-ttl-ms", CFG_INT, "600000", 1, 86400000, &C.handle_ttl_ms,
      "a train forward not backwarded within this expires (match the workers')"},
     {"contexts", CFG_INT, "64", 1, 4096, &C.nctx, "concurrent requests received"},
+    {"xchg", CFG_STR, "auto", 0, 0, C.xchg_cfg,
+     "worker exchange: auto (NCCL when every worker has a GPU) | nng | nccl"},
     {"checkpoint-dir", CFG_STR, "", 0, 0, C.ckpt_dir,
      "automatic checkpoints under DIR/<model> (restored when the cluster forms; empty = off)"},
     {"checkpoint-every", CFG_INT, "0", 0, 1000000000, &C.ckpt_every,
@@ -179,6 +181,10 @@ int main(int argc, char **argv)
     }
     if (cfg_load(coord_cfg, NCFG, argc, argv, "MOE_COORD_", err, sizeof(err)) != MOE_OK) {
         fprintf(stderr, "moe-coordinator: %s\n", err);
+        return 2;
+    }
+    if (strcmp(C.xchg_cfg, "auto") && strcmp(C.xchg_cfg, "nng") && strcmp(C.xchg_cfg, "nccl")) {
+        fprintf(stderr, "moe-coordinator: xchg must be auto, nng or nccl\n");
         return 2;
     }
     int lvl = log_level_parse(C.log_level);

@@ -13,10 +13,8 @@
 #include "params.h"
 #include "placement.h"
 
-const double coord_lat_bounds[COORD_LAT_BUCKETS] = {0.0005, 0.001, 0.0025, 0.005, 0.01,
-                                                    0.025,  0.05,  0.1,    0.25,  0.5,
-                                                    1,      2.5,   5,      10,    30,
-                                                    60};
+const double coord_lat_bounds[COORD_LAT_BUCKETS] = {
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
 
 coord_model *coord_find_model(coord *c, const char *name)
 {
@@ -194,9 +192,17 @@ void coord_forward(coord *c, rpc_call *call)
 void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method)
 {
     switch (j->kind) {
+    case JOB_XCHG_ID:
+        *method = "worker.xchg_id";
+        mp_write_map(w, 0);
+        return;
     case JOB_JOIN:
         *method = "worker.join";
-        mp_write_map(w, 4);
+        mp_write_map(w, c->use_nccl ? 5 : 4);
+        if (c->use_nccl) {
+            mp_write_cstr(w, "nccl_id");
+            mp_write_bin(w, c->nccl_id, sizeof(c->nccl_id));
+        }
         mp_write_cstr(w, "generation");
         mp_write_u64(w, c->generation);
         mp_write_cstr(w, "rank");
@@ -255,9 +261,7 @@ void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char
     }
     case JOB_CKPT_SAVE:
     case JOB_CKPT_LOAD:
-    case JOB_CKPT_COMMIT:
-        coord_ckpt_encode(c, j, rank, w, method);
-        return;
+    case JOB_CKPT_COMMIT: coord_ckpt_encode(c, j, rank, w, method); return;
     }
 }
 

@@ -14,7 +14,6 @@
 #include "log.h"
 #include "params.h"
 
-
 int coord_up_workers(const coord *c)
 {
     int n = 0;
@@ -167,8 +166,7 @@ void coord_maybe_form(coord *c)
     c->need_form = 0;
     for (int m = 0; m < c->nmodels; m++)
         c->models[m]->created_gen = 0;
-    LOG_I("forming cluster generation %llu with %d workers", (unsigned long long)c->generation,
-          n);
+    LOG_I("forming cluster generation %llu with %d workers", (unsigned long long)c->generation, n);
     /* JOIN first, then re-create every model (and restore its newest
      * automatic checkpoint), ahead of queued client jobs */
     for (int m = c->nmodels - 1; m >= 0; m--) {
@@ -180,11 +178,24 @@ void coord_maybe_form(coord *c)
         j->model = c->models[m];
         coord_job_submit(c, j, 1);
     }
+    /* NCCL between GPU workers (unless configured otherwise): rank 0 makes
+     * the unique id first, the JOIN relays it */
+    int all_gpu = 1;
+    for (int r = 0; r < n; r++)
+        all_gpu &= strcmp(c->workers[c->rank_to_worker[r]].backend, "cuda") == 0;
+    c->use_nccl = strcmp(c->xchg_cfg, "nccl") == 0 || (strcmp(c->xchg_cfg, "auto") == 0 && all_gpu);
+    c->nccl_id_ok = 0;
     coord_job *j = calloc(1, sizeof(*j));
     if (j) {
         j->kind = JOB_JOIN;
         coord_job_submit(c, j, 1);
     }
+    if (c->use_nccl && (j = calloc(1, sizeof(*j)))) {
+        j->kind = JOB_XCHG_ID;
+        coord_job_submit(c, j, 1);
+    }
+    LOG_I("generation %llu exchanges over %s", (unsigned long long)c->generation,
+          c->use_nccl ? "NCCL" : "nng");
     coord_job_pump(c);
 }
 

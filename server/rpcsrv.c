@@ -38,7 +38,7 @@ struct rpcsrv {
     rpc_handler handler;
     void *handler_arg;
     int closing;
-    uint64_t last_send_ns; /* when the last reply was handed to nng (atomic) */
+    uint64_t last_send_ns;  /* when the last reply was handed to nng (atomic) */
     uint64_t last_send_len; /* its size in bytes (atomic) */
 };
 
@@ -97,8 +97,7 @@ static void slot_cb(void *arg)
         }
         slot_recv(sl);
         return;
-    default:
-        return;
+    default: return;
     }
 }
 

@@ -35,9 +35,9 @@ typedef struct rpc_call {
 typedef void (*rpc_handler)(rpc_call *call, void *arg);
 
 typedef struct rpcsrv_opts {
-    const char *url;    /* listen address, e.g. tcp://127.0.0.1:7000 (port 0 = any) */
-    int nctx;           /* concurrent requests */
-    size_t max_msg;     /* protocol cap: larger messages get "too_large" */
+    const char *url; /* listen address, e.g. tcp://127.0.0.1:7000 (port 0 = any) */
+    int nctx;        /* concurrent requests */
+    size_t max_msg;  /* protocol cap: larger messages get "too_large" */
     rpc_handler handler;
     void *handler_arg;
 } rpcsrv_opts;

@@ -55,8 +55,10 @@ void coord_metrics_render(coord *c)
 {
     sbuf b = {0};
     double up_s = (double)(rpc_now_ns() - c->started_ns) * 1e-9;
-    sb_printf(&b, "# HELP moe_uptime_seconds Seconds since the coordinator started.\n"
-                  "# TYPE moe_uptime_seconds gauge\nmoe_uptime_seconds %.3f\n", up_s);
+    sb_printf(&b,
+              "# HELP moe_uptime_seconds Seconds since the coordinator started.\n"
+              "# TYPE moe_uptime_seconds gauge\nmoe_uptime_seconds %.3f\n",
+              up_s);
     sb_printf(&b, "# TYPE moe_cluster_ready gauge\nmoe_cluster_ready %d\n", c->ready);
     sb_printf(&b, "# TYPE moe_workers_expected gauge\nmoe_workers_expected %lld\n",
               c->expected_workers);
@@ -74,8 +76,8 @@ void coord_metrics_render(coord *c)
               c->tokens_per_s);
     static const char *phase[4] = {"gate", "dispatch", "experts", "combine"};
     for (int k = 0; k < 4; k++)
-        sb_printf(&b, "# TYPE moe_%s_seconds_total counter\nmoe_%s_seconds_total %.6f\n",
-                  phase[k], phase[k], c->phase_s[k]);
+        sb_printf(&b, "# TYPE moe_%s_seconds_total counter\nmoe_%s_seconds_total %.6f\n", phase[k],
+                  phase[k], c->phase_s[k]);
     sb_printf(&b, "# HELP moe_forward_latency_seconds Forward time at the coordinator.\n"
                   "# TYPE moe_forward_latency_seconds histogram\n");
     uint64_t cum = 0;
@@ -97,8 +99,8 @@ void coord_metrics_render(coord *c)
     sb_printf(&b, "# TYPE moe_worker_busy_seconds_total counter\n");
     for (int i = 0; i < COORD_MAX_WORKERS; i++)
         if (c->workers[i].state != WS_FREE)
-            sb_printf(&b, "moe_worker_busy_seconds_total{worker=\"%d\"} %.6f\n",
-                      c->workers[i].id, c->workers[i].busy_s);
+            sb_printf(&b, "moe_worker_busy_seconds_total{worker=\"%d\"} %.6f\n", c->workers[i].id,
+                      c->workers[i].busy_s);
     int L = max_layers(c);
     sb_printf(&b, "# TYPE moe_expert_tokens_total counter\n");
     sb_printf(&b, "# TYPE moe_expert_dropped_total counter\n");

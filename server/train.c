@@ -34,15 +34,14 @@ static coord_handle *lookup_handle(coord *c, uint64_t id, moe_err *e, char *err,
     coord_handle *h = &c->handles[id % COORD_HANDLE_RING];
     if (id == 0 || id > c->next_handle || h->id != id) {
         *e = id > 0 && id <= c->next_handle ? MOE_EEXPIRED : MOE_ENOTFOUND;
-        snprintf(err, len, *e == MOE_EEXPIRED ? "handle %llu expired (too old)"
-                                              : "unknown handle %llu",
+        snprintf(err, len,
+                 *e == MOE_EEXPIRED ? "handle %llu expired (too old)" : "unknown handle %llu",
                  (unsigned long long)id);
         return NULL;
     }
     if (h->state == H_USED) {
         *e = MOE_EPRECOND;
-        snprintf(err, len, "handle %llu was already used by a backward",
-                 (unsigned long long)id);
+        snprintf(err, len, "handle %llu was already used by a backward", (unsigned long long)id);
         return NULL;
     }
     uint64_t age = rpc_now_ns() - h->created_ns;
@@ -108,8 +107,8 @@ moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w,
                     break;
             }
         int64_t rows = shard_first(T, W, r + 1) - shard_first(T, W, r);
-        if (!found || parts[r].ndim != 2 || parts[r].shape[0] != rows ||
-            parts[r].shape[1] != H || parts[r].dtype != j->x.dtype) {
+        if (!found || parts[r].ndim != 2 || parts[r].shape[0] != rows || parts[r].shape[1] != H ||
+            parts[r].dtype != j->x.dtype) {
             snprintf(err, errlen, "worker rank %d returned no valid '%s' shard", r, key);
             free(parts);
             return MOE_EINTERNAL;

@@ -541,6 +541,19 @@ int cluster_wait_ready(cluster *cl, int timeout_ms)
     }
 }
 
+int cluster_coord_signal(cluster *cl, int sig)
+{
+    if (cl->coord_pid <= 0) {
+        set_err(cl, "the coordinator is not running");
+        return -1;
+    }
+    if (kill(cl->coord_pid, sig) != 0) {
+        set_err(cl, "kill coordinator: %s", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
 int cluster_coord_wait(cluster *cl, int timeout_ms)
 {
     int64_t t0 = cluster_now_ms();

@@ -79,6 +79,8 @@ int cluster_wait_ready(cluster *cl, int timeout_ms);
 int cluster_worker_start(cluster *cl, int i);
 /* cluster_worker_kill sends sig to worker i and reaps it. */
 int cluster_worker_kill(cluster *cl, int i, int sig);
+/* cluster_coord_signal sends sig to the coordinator (never to pid <= 0). */
+int cluster_coord_signal(cluster *cl, int sig);
 /* cluster_coord_wait waits up to timeout_ms for the coordinator to exit (after
  * a signal or a drain) and reaps it. Returns its wait status, or -1 if it is
  * still running (or was not). */

@@ -221,7 +221,7 @@ Test(cluster_ops, sigterm_drains_then_exits_0, .timeout = 60, .fini = cluster_fi
     fwd_job j = {cl, LONG_T, LONG_H, MOE_OK, "", 0};
     pthread_t th;
     start_forward(cl, &j, &th);
-    cr_assert_eq(kill(cl->coord_pid, SIGTERM), 0);
+    cr_assert_eq(cluster_coord_signal(cl, SIGTERM), 0, "%s", cluster_error());
     /* draining: not ready, new work refused, status still answered */
     usleep(50000);
     static char body[4096];

@@ -63,8 +63,10 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     }
     if (!everyone) {
         wkr_fwd_state_free(st);
-        rpc_reply_err(c, MOE_EEXPIRED, "handle %lld expired on a worker (too old, or too many "
-                      "forwards without backward)", (long long)handle);
+        rpc_reply_err(c, MOE_EEXPIRED,
+                      "handle %lld expired on a worker (too old, or too many "
+                      "forwards without backward)",
+                      (long long)handle);
         return;
     }
     wkr_model *m = st->model;
@@ -130,11 +132,10 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         wkr_param *pw1 = &lp[1 + i * nmat], *pw3 = nmat == 3 ? &lp[2 + i * nmat] : NULL;
         wkr_param *pw2 = &lp[nmat + i * nmat];
         if (kept)
-            kern_expert_ffn_backward_blas(st->xe + n0 * H, st->ae + n0 * F,
-                                          st->be ? st->be + n0 * F : NULL, dye_e + n0 * H, kept,
-                                          H, F, L->w1 + i * fh, L->w3 ? L->w3 + i * fh : NULL,
-                                          L->w2 + i * fh, (kern_act)cfg->act, dx_e + n0 * H,
-                                          pw1->grad, pw3 ? pw3->grad : NULL, pw2->grad);
+            kern_expert_ffn_backward_blas(
+                st->xe + n0 * H, st->ae + n0 * F, st->be ? st->be + n0 * F : NULL, dye_e + n0 * H,
+                kept, H, F, L->w1 + i * fh, L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh,
+                (kern_act)cfg->act, dx_e + n0 * H, pw1->grad, pw3 ? pw3->grad : NULL, pw2->grad);
         n0 += n;
     }
 
@@ -151,8 +152,7 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         ret_total += ret_bytes[q];
     if (ret_total != S * H * es) {
         e = MOE_EINTERNAL;
-        snprintf(err, sizeof(err), "backward returned %zu bytes, want %zu", ret_total,
-                 S * H * es);
+        snprintf(err, sizeof(err), "backward returned %zu bytes, want %zu", ret_total, S * H * es);
         goto fail_msg;
     }
     fwd_unpack_sorted(st, retbuf, H, bf, dx_slot);

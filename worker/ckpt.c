@@ -106,7 +106,7 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
             const wkr_param *p = &m->params[i];
             if (p->replicated && w->rank != 0)
                 continue;
-            const float *src = pass == 0 ? (bf && p->master ? p->master : p->w)
+            const float *src = pass == 0   ? (bf && p->master ? p->master : p->w)
                                : pass == 1 ? p->m
                                            : p->v;
             if (!src)
@@ -218,8 +218,8 @@ static moe_err ckpt_prepare(wkr_model *m, const char *dir, mp_reader *files_r, c
             if (k == 0)
                 snprintf(tname, sizeof(tname), "%s", p->name);
             else
-                snprintf(tname, sizeof(tname), "optimizer.%s.%s",
-                         k == 1 ? "exp_avg" : "exp_avg_sq", p->name);
+                snprintf(tname, sizeof(tname), "optimizer.%s.%s", k == 1 ? "exp_avg" : "exp_avg_sq",
+                         p->name);
             const st_tensor *t = find_any(files, (int)nf, tname);
             if (!t && k > 0)
                 continue; /* saved before any training: moments start at zero */

@@ -37,6 +37,8 @@ static void run_one(wkr *w, rpc_call *c)
         wkr_op_ckpt_save(w, c);
     else if (mp_str_eq(q->method, q->method_len, "worker.checkpoint_load"))
         wkr_op_ckpt_load(w, c);
+    else if (mp_str_eq(q->method, q->method_len, "worker.xchg_id"))
+        wkr_op_xchg_id(w, c);
     else if (mp_str_eq(q->method, q->method_len, "worker.join"))
         wkr_op_join(w, c);
     else if (mp_str_eq(q->method, q->method_len, "worker.model_create"))

@@ -26,8 +26,7 @@ double fwd_now_s(void)
 }
 
 size_t fwd_pack_by_owner(const wkr_fwd_state *st, int W, int E, int H, int K, const float *rows,
-                         int by_token, int with_counts, int bf16, uint8_t **out,
-                         size_t *send_bytes)
+                         int by_token, int with_counts, int bf16, uint8_t **out, size_t *send_bytes)
 {
     size_t es = bf16 ? 2 : 4, total = 0;
     for (int q = 0; q < W; q++) {
@@ -63,8 +62,8 @@ void fwd_unpack_sorted(const wkr_fwd_state *st, const uint8_t *buf, int H, int b
         rows_get(slot_rows + (size_t)st->perm[i] * H, buf + i * H * es, (size_t)H, bf16);
 }
 
-void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const size_t *row0,
-                      int H, int bf16, float *rows)
+void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const size_t *row0, int H,
+                      int bf16, float *rows)
 {
     const int ne = st->model->ne;
     size_t es = bf16 ? 2 : 4, n = 0;
@@ -130,8 +129,8 @@ static moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, double *probs_sum
     st->counts = calloc((size_t)E, sizeof(int32_t));
     st->offsets = calloc((size_t)E + 1, sizeof(int32_t));
     st->perm = malloc((S ? S : 1) * sizeof(int32_t));
-    if (!st->logits || !st->probs || !st->topk_w || !st->topk_idx || !st->counts ||
-        !st->offsets || !st->perm)
+    if (!st->logits || !st->probs || !st->topk_w || !st->topk_idx || !st->counts || !st->offsets ||
+        !st->perm)
         return MOE_ENOMEM;
     kern_router_logits_blas(st->x, L->wr, T, H, E, st->logits);
     kern_softmax_topk_cpu(st->logits, T, E, K, cfg->renormalize, st->probs, st->topk_idx,
@@ -196,8 +195,7 @@ static moe_err fwd_owner_parse(wkr_fwd_state *st, int W, int H, int bf16, const 
 
 /* fwd_experts runs every owned expert on its kept rows: ye (n_in,H) out,
  * dropped rows zero. Fills st->kept and dropped (E) for owned experts. */
-static void fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t *dropped,
-                        float *ye)
+static void fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t *dropped, float *ye)
 {
     const model_cfg *cfg = &st->model->cfg;
     const int ne = st->model->ne, H = cfg->d_model, F = cfg->d_ff, K = cfg->top_k;
@@ -213,8 +211,8 @@ static void fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t *d
         dropped[st->model->e0 + i] = (int32_t)(n - kept);
         if (kept)
             kern_expert_ffn_blas(st->xe + n0 * H, (int)kept, H, F, L->w1 + i * fh,
-                                 L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh,
-                                 (kern_act)cfg->act, cfg->dtype == MOE_BF16, st->ae + n0 * F,
+                                 L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh, (kern_act)cfg->act,
+                                 cfg->dtype == MOE_BF16, st->ae + n0 * F,
                                  st->be ? st->be + n0 * F : NULL, ye + n0 * H);
         if (n > kept)
             memset(ye + (n0 + kept) * H, 0, (n - kept) * H * sizeof(float));

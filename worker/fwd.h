@@ -22,8 +22,8 @@ void fwd_unpack_sorted(const wkr_fwd_state *st, const uint8_t *buf, int H, int b
                        float *slot_rows);
 /* fwd_owner_gather: per-source segments (starting at byte row0[q] of buf) ->
  * expert-major rows (n_in,H), using st->src_cnt. */
-void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const size_t *row0,
-                      int H, int bf16, float *rows);
+void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const size_t *row0, int H,
+                      int bf16, float *rows);
 /* fwd_owner_scatter: expert-major rows (n_in,H) -> per-source segments in
  * rank order; *out malloc'ed; back_bytes[q] filled; returns total or -1. */
 size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *rows, int bf16,

@@ -28,6 +28,7 @@ static const cfg_entry worker_cfg[] = {
     {"data", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.data_url_cfg,
      "exchange address other workers dial (port 0 = any)"},
     {"backend", CFG_STR, "auto", 0, 0, W.backend_cfg, "auto | cpu | cuda"},
+    {"device", CFG_INT, "0", 0, 1024, &W.device_index, "CUDA device this worker uses"},
     {"heartbeat-ms", CFG_INT, "500", 50, 60000, &W.heartbeat_ms, "heartbeat period"},
     {"xchg-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.xchg_timeout_ms,
      "bound on one collective between workers"},
@@ -144,8 +145,7 @@ static void send_register(wkr *w)
     mp_write_cstr(&pw, "pid");
     mp_write_i64(&pw, getpid());
     w->registering = 1;
-    if (moe_call_async(w->coord, "worker.register", pw.buf, pw.len, on_register_reply, w) !=
-        MOE_OK)
+    if (moe_call_async(w->coord, "worker.register", pw.buf, pw.len, on_register_reply, w) != MOE_OK)
         w->registering = 0;
     mp_writer_fini(&pw);
 }
@@ -262,8 +262,8 @@ int main(int argc, char **argv)
         LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());
         return 1;
     }
-    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s\n", (int)getpid(),
-            W.backend, W.device, W.rpc_url, W.data_url);
+    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s\n", (int)getpid(), W.backend,
+            W.device, W.rpc_url, W.data_url);
     cfg_print(worker_cfg, NCFG, stderr);
 
     pthread_create(&W.compute_thread, NULL, wkr_compute_main, &W);

@@ -57,16 +57,24 @@ static void drop_models(wkr *w)
 void wkr_op_join(wkr *w, rpc_call *c)
 {
     int64_t gen = 0, rank = 0, world = 0;
-    mp_reader peers_r;
+    mp_reader peers_r, id_r;
     char err[256];
     pspec sp[] = {
         {"generation", P_INT, &gen, true, 0, 9e18, 0, false},
         {"rank", P_INT, &rank, true, 0, MAX_WORLD - 1, 0, false},
         {"world", P_INT, &world, true, 1, MAX_WORLD, 0, false},
         {"peers", P_RAW, &peers_r, true, 0, 0, 0, false},
+        {"nccl_id", P_RAW, &id_r, false, 0, 0, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 4, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 5, err, sizeof(err));
+    const void *nccl_id = NULL;
+    uint32_t id_len = 0;
+    if (e == MOE_OK && sp[4].seen &&
+        (mp_read_bin(&id_r, &nccl_id, &id_len, NULL) != MOE_OK || id_len != 128)) {
+        snprintf(err, sizeof(err), "nccl_id must be 128 bytes");
+        e = MOE_EINVAL;
+    }
     if (e == MOE_OK && rank >= world) {
         snprintf(err, sizeof(err), "rank %lld >= world %lld", (long long)rank, (long long)world);
         e = MOE_EINVAL;
@@ -97,6 +105,22 @@ void wkr_op_join(wkr *w, rpc_call *c)
     drop_models(w);
     xchg_abort(w->xc); /* a new generation: a peer of the old one may be gone */
     w->xc = NULL;
+    if (nccl_id) {
+#ifdef MOE_HAVE_CUDA
+        e = xchg_nccl_open((int)rank, (int)world, nccl_id, (int)w->device_index,
+                           (int)w->xchg_timeout_ms, &w->xc);
+        if (e != MOE_OK) {
+            w->xc = NULL;
+            rpc_reply_err(c, MOE_EUNAVAIL, "NCCL communicator of %lld ranks failed to form: %s",
+                          (long long)world, moe_strerror(e));
+            return;
+        }
+        goto joined;
+#else
+        rpc_reply_err(c, MOE_EINVAL, "this worker was built without CUDA/NCCL");
+        return;
+#endif
+    }
     if (!w->lis) {
         e = xchg_nng_listen(w->data_url, &w->lis, NULL, 0);
         if (e != MOE_OK) {
@@ -106,18 +130,22 @@ void wkr_op_join(wkr *w, rpc_call *c)
     }
     xchg_nng_listener *lis = w->lis;
     w->lis = NULL; /* owned by the communicator from here, also on failure */
-    e = xchg_nng_open(lis, (int)rank, (int)world, url_ptrs, (uint64_t)gen,
-                      (int)w->xchg_timeout_ms, &w->xc);
+    e = xchg_nng_open(lis, (int)rank, (int)world, url_ptrs, (uint64_t)gen, (int)w->xchg_timeout_ms,
+                      &w->xc);
     if (e != MOE_OK) {
         w->xc = NULL;
         rpc_reply_err(c, MOE_EUNAVAIL, "exchange with %lld peers failed to form: %s",
                       (long long)world, moe_strerror(e));
         return;
     }
+#ifdef MOE_HAVE_CUDA
+joined:
+#endif
     w->rank = (int)rank;
     w->world = (int)world;
     w->generation = (uint64_t)gen;
-    LOG_I("joined generation %llu as rank %d of %d", (unsigned long long)gen, w->rank, w->world);
+    LOG_I("joined generation %llu as rank %d of %d (%s)", (unsigned long long)gen, w->rank,
+          w->world, nccl_id ? "NCCL" : "nng");
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);
@@ -125,8 +153,32 @@ void wkr_op_join(wkr *w, rpc_call *c)
     rpc_reply(c, &wr);
 }
 
-static float *alloc_init(uint64_t seed, int layer, int expert, kern_wkind which, int rows,
-                         int cols, int bf16)
+/* worker.xchg_id {}: rank 0 of a GPU cluster makes the NCCL unique id that
+ * the coordinator relays to every member in worker.join. */
+void wkr_op_xchg_id(wkr *w, rpc_call *c)
+{
+#ifdef MOE_HAVE_CUDA
+    uint8_t id[XCHG_NCCL_ID_BYTES];
+    moe_err e = xchg_nccl_get_unique_id(id);
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "ncclGetUniqueId failed");
+        return;
+    }
+    mp_writer wr;
+    mp_writer_init(&wr);
+    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+    mp_write_map(&wr, 1);
+    mp_write_cstr(&wr, "nccl_id");
+    mp_write_bin(&wr, id, sizeof(id));
+    rpc_reply(c, &wr);
+#else
+    (void)w;
+    rpc_reply_err(c, MOE_EINVAL, "this worker was built without CUDA/NCCL");
+#endif
+}
+
+static float *alloc_init(uint64_t seed, int layer, int expert, kern_wkind which, int rows, int cols,
+                         int bf16)
 {
     size_t n = (size_t)rows * (size_t)cols;
     float *p = malloc(n * sizeof(float));
@@ -190,15 +242,18 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
         p++;
         for (int i = 0; i < m->ne; i++) {
             int e = m->e0 + i;
-            snprintf(p->name, sizeof(p->name), "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l, e);
+            snprintf(p->name, sizeof(p->name),
+                     "model.layers.%d.block_sparse_moe.experts.%d.w1.weight", l, e);
             p->w = L->w1 + i * fh, p->n = fh, p->rows = F, p->cols = H;
             p++;
             if (nmat == 3) {
-                snprintf(p->name, sizeof(p->name), "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l, e);
+                snprintf(p->name, sizeof(p->name),
+                         "model.layers.%d.block_sparse_moe.experts.%d.w3.weight", l, e);
                 p->w = L->w3 + i * fh, p->n = fh, p->rows = F, p->cols = H;
                 p++;
             }
-            snprintf(p->name, sizeof(p->name), "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l, e);
+            snprintf(p->name, sizeof(p->name),
+                     "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l, e);
             p->w = L->w2 + i * fh, p->n = fh, p->rows = H, p->cols = F;
             p++;
         }

@@ -37,11 +37,11 @@ typedef struct wkr_layer {
  * master rounded to bf16. */
 typedef struct wkr_param {
     char name[112]; /* checkpoint name (Hugging Face Mixtral naming), e.g.
-                    * model.layers.0.block_sparse_moe.experts.3.w1.weight */
-    float *w;      /* the tensor in wkr_layer (not owned here) */
+                     * model.layers.0.block_sparse_moe.experts.3.w1.weight */
+    float *w;       /* the tensor in wkr_layer (not owned here) */
     size_t n;
     int rows, cols;
-    int replicated; /* router: the same on every rank, gradient all-reduced */
+    int replicated;               /* router: the same on every rank, gradient all-reduced */
     float *grad, *m, *v, *master; /* owned; NULL until training starts */
 } wkr_param;
 
@@ -51,9 +51,9 @@ typedef struct wkr_model {
     wkr_layer *layers; /* (cfg.layers) */
     wkr_param *params; /* (nparams): per layer router, then w1, w3, w2 per local expert */
     int nparams;
-    int64_t step;      /* optimizer steps applied */
-    int has_grads;     /* a backward ran since the last step */
-    int train_ready;   /* grad/m/v allocated */
+    int64_t step;    /* optimizer steps applied */
+    int has_grads;   /* a backward ran since the last step */
+    int train_ready; /* grad/m/v allocated */
     /* a checkpoint read and validated, waiting for commit (phase 2 of load):
      * per param 3 arrays (weights, m, v), (nparams * 3) */
     float **staged;
@@ -67,22 +67,22 @@ typedef struct wkr_fwd_state {
     wkr_model *model;
     int layer, T, T_total;
     /* origin side: this worker's T tokens */
-    float *x;          /* (T,H) */
-    float *logits;     /* (T,E) */
-    float *probs;      /* (T,E) */
-    float *topk_w;     /* (T,K) */
-    int32_t *topk_idx; /* (T,K) */
-    int32_t *counts;   /* (E) local slots per expert */
-    int32_t *offsets;  /* (E+1) */
-    int32_t *perm;     /* (S) sorted position -> slot */
+    float *x;               /* (T,H) */
+    float *logits;          /* (T,E) */
+    float *probs;           /* (T,E) */
+    float *topk_w;          /* (T,K) */
+    int32_t *topk_idx;      /* (T,K) */
+    int32_t *counts;        /* (E) local slots per expert */
+    int32_t *offsets;       /* (E+1) */
+    int32_t *perm;          /* (S) sorted position -> slot */
     int32_t *counts_global; /* (E) over the whole batch */
-    float *ye_slot;    /* (S,H) unweighted expert output per slot */
+    float *ye_slot;         /* (S,H) unweighted expert output per slot */
     /* owner side: rows received for this worker's experts */
-    int32_t *src_cnt;  /* (W,ne) rows per source rank and local expert */
-    int32_t *kept;     /* (ne) rows kept under the capacity */
-    size_t n_in;       /* rows received */
-    float *xe;         /* (n_in,H) expert-major, sources in rank order */
-    float *ae, *be;    /* (n_in,F) pre-activations, kept rows only valid */
+    int32_t *src_cnt; /* (W,ne) rows per source rank and local expert */
+    int32_t *kept;    /* (ne) rows kept under the capacity */
+    size_t n_in;      /* rows received */
+    float *xe;        /* (n_in,H) expert-major, sources in rank order */
+    float *ae, *be;   /* (n_in,F) pre-activations, kept rows only valid */
 } wkr_fwd_state;
 
 typedef struct wkr_queue_item {
@@ -98,7 +98,7 @@ typedef struct wkr {
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
-    long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb;
+    long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index;
 
     /* loop thread */
     uv_loop_t *loop;
@@ -139,6 +139,7 @@ void wkr_enqueue(wkr *w, rpc_call *c);
 
 /* compute-thread operations; each replies to c */
 void wkr_op_join(wkr *w, rpc_call *c);
+void wkr_op_xchg_id(wkr *w, rpc_call *c);
 void wkr_op_model_create(wkr *w, rpc_call *c);
 void wkr_op_forward(wkr *w, rpc_call *c);
 void wkr_op_backward(wkr *w, rpc_call *c);
