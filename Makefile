@@ -137,3 +137,9 @@ lint:
 
 clean:
 	rm -rf $(B) bin lib
+
+# bench/service_bench: checks and times a running cluster (not a test).
+bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
+	@mkdir -p bin
+	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lnng -lopenblas -lm -lpthread
+all: bin/service_bench

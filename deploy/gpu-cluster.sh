@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# gpu-cluster.sh - start a coordinator and one worker per GPU on this host,
+# run a command against it (its URL in $MOE_URL), stop everything.
+#
+#   deploy/gpu-cluster.sh [-w WORKERS] [-x auto|nng|nccl] [-b auto|cpu|cuda] -- COMMAND...
+#
+# For air-gapped GPU hosts: if .deps/*.deb exists (see docs/OPERATIONS.md),
+# the runtime libraries are unpacked into /opt/moe-deps first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+W=$(nvidia-smi -L 2>/dev/null | wc -l || echo 1)
+[ "$W" -ge 1 ] || W=1
+XCHG=auto
+BACKEND=auto
+while [ $# -gt 0 ]; do
+    case "$1" in
+    -w) W=$2; shift 2 ;;
+    -x) XCHG=$2; shift 2 ;;
+    -b) BACKEND=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "usage: $0 [-w N] [-x auto|nng|nccl] [-b auto|cpu|cuda] -- COMMAND" >&2; exit 2 ;;
+    esac
+done
+if ls .deps/*.deb >/dev/null 2>&1; then
+    mkdir -p /opt/moe-deps
+    for f in .deps/*.deb; do dpkg -x "$f" /opt/moe-deps; done
+    L=/opt/moe-deps/usr/lib/x86_64-linux-gnu
+    export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
+fi
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+RUN=$(mktemp -d /tmp/moe-gpu.XXXXXX)
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+    sleep 1
+    for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+./bin/moe-coordinator --listen tcp://127.0.0.1:0 --addr-file "$RUN/addr" --workers "$W" \
+    --xchg "$XCHG" --worker-timeout-ms 600000 >"$RUN/coord.log" 2>&1 &
+pids+=($!)
+for i in $(seq 50); do [ -s "$RUN/addr" ] && break; sleep 0.1; done
+export MOE_URL=$(cat "$RUN/addr")
+for i in $(seq 0 $((W - 1))); do
+    ./bin/moe-worker --coordinator "$MOE_URL" --device "$i" --backend "$BACKEND" \
+        --xchg-timeout-ms 120000 >"$RUN/worker$i.log" 2>&1 &
+    pids+=($!)
+done
+for i in $(seq 300); do
+    ./bin/moectl --url "$MOE_URL" status 2>/dev/null | grep -q '"ready": true' && break
+    sleep 0.2
+done
+echo "cluster of $W workers ready at $MOE_URL (logs in $RUN)"
+set +e
+"$@"
+rc=$?
+set -e
+for f in "$RUN"/*.log; do echo "== $f"; tail -5 "$f"; done
+exit $rc
