@@ -84,11 +84,14 @@ typedef struct coord_job {
     int layer;
     moe_tensor x; /* forward input / backward dy: a view into call's message */
     int train;
-    coord_handle *handle; /* train forward / backward */
-    char path[1024];      /* checkpoint directory (JOB_CKPT_*) */
-    int commit;           /* JOB_CKPT_COMMIT: 1 swap in, 0 abort */
-    double hp[6];         /* JOB_STEP: lr, beta1, beta2, eps, weight_decay, max_grad_norm */
-    char **files;         /* JOB_CKPT_LOAD: shard file names (owned) */
+    coord_handle *handle;         /* train forward / backward */
+    struct coord_job *batch_next; /* inference forwards merged into this job */
+    int64_t xrows;                /* this request's own rows of x */
+    uint8_t *xbuf;                /* owned: the concatenated x of a merged batch */
+    char path[1024];              /* checkpoint directory (JOB_CKPT_*) */
+    int commit;                   /* JOB_CKPT_COMMIT: 1 swap in, 0 abort */
+    double hp[6];                 /* JOB_STEP: lr, beta1, beta2, eps, weight_decay, max_grad_norm */
+    char **files;                 /* JOB_CKPT_LOAD: shard file names (owned) */
     int nfiles;
     int64_t ckpt_step;      /* JOB_CKPT_*: the checkpoint's step */
     char root[CFG_STR_MAX]; /* JOB_CKPT_SAVE: the directory that holds LATEST */
@@ -113,7 +116,7 @@ typedef struct coord {
     char listen_url[CFG_STR_MAX], metrics_url[CFG_STR_MAX], auth_token[CFG_STR_MAX];
     char log_level[CFG_STR_MAX], addr_file[CFG_STR_MAX];
     long long expected_workers, max_msg_mb, queue_depth, deadline_ms, heartbeat_timeout_ms;
-    long long worker_timeout_ms, nctx;
+    long long worker_timeout_ms, nctx, batch_max_tokens;
     char ckpt_dir[CFG_STR_MAX]; /* automatic checkpoints (empty = off) */
     char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl */
     long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
@@ -133,13 +136,13 @@ typedef struct coord {
     coord_worker workers[COORD_MAX_WORKERS];
     int next_worker_id;
     int rank_to_worker[COORD_MAX_WORKERS];
-    int world;           /* members of the current generation */
-    uint64_t generation; /* 0 = never formed */
-    int ready;           /* the current generation is joined and whole */
-    int use_nccl;        /* every member has a GPU: exchange over NCCL */
+    int world;            /* members of the current generation */
+    uint64_t generation;  /* 0 = never formed */
+    int ready;            /* the current generation is joined and whole */
+    int use_nccl;         /* every member has a GPU: exchange over NCCL */
     uint8_t nccl_id[128]; /* relayed from rank 0 to every member in the JOIN */
     int nccl_id_ok;
-    int need_form;       /* a (re)formation is wanted */
+    int need_form; /* a (re)formation is wanted */
 
     /* training */
     long long max_handles, handle_ttl_ms;

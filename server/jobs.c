@@ -33,6 +33,13 @@ moe_err coord_job_submit(coord *c, coord_job *j, int front)
 
 static void job_free(coord_job *j)
 {
+    while (j->batch_next) {
+        coord_job *b = j->batch_next;
+        j->batch_next = b->batch_next;
+        b->batch_next = NULL;
+        job_free(b);
+    }
+    free(j->xbuf);
     for (int i = 0; i < j->nfiles; i++)
         free(j->files[i]);
     free(j->files);
@@ -231,6 +238,49 @@ static void send_job(coord *c, coord_job *j)
     }
 }
 
+/* merge_forwards folds the inference forwards queued right behind j (same
+ * model, layer and dtype; up to batch_max_tokens rows) into j, so that one
+ * cluster job serves them all. Only a contiguous run from the head of the
+ * queue is merged: the order of requests is kept. */
+static void merge_forwards(coord *c, coord_job *j)
+{
+    int64_t rows = j->x.shape[0];
+    int n = 0;
+    coord_job *q = c->qhead, *tail = j;
+    uint64_t now = rpc_now_ns();
+    while (q && q->kind == JOB_FORWARD && !q->train && q->model == j->model &&
+           q->layer == j->layer && q->x.dtype == j->x.dtype &&
+           rows + q->x.shape[0] <= c->batch_max_tokens &&
+           !(q->deadline_ns && now > q->deadline_ns)) {
+        rows += q->x.shape[0];
+        tail->batch_next = q;
+        tail = q;
+        q = q->next;
+        n++;
+    }
+    if (!n)
+        return;
+    size_t es = moe_dtype_size(j->x.dtype), H = (size_t)j->x.shape[1];
+    uint8_t *buf = malloc((size_t)rows * H * es);
+    if (!buf) {
+        j->batch_next = NULL; /* run alone; the others stay queued */
+        return;
+    }
+    c->qhead = q;
+    if (!q)
+        c->qtail = NULL;
+    c->qlen -= n;
+    size_t off = 0;
+    for (coord_job *b = j; b; b = b->batch_next) {
+        memcpy(buf + off, b->x.data, b->x.nbytes);
+        off += b->x.nbytes;
+    }
+    j->xbuf = buf;
+    j->x.data = buf;
+    j->x.shape[0] = rows;
+    j->x.nbytes = off;
+}
+
 void coord_job_pump(coord *c)
 {
     while (!c->current && c->qhead) {
@@ -268,6 +318,8 @@ void coord_job_pump(coord *c)
             job_free(j);
             continue;
         }
+        if (j->kind == JOB_FORWARD && !j->train)
+            merge_forwards(c, j);
         send_job(c, j);
     }
 }

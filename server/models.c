@@ -176,6 +176,7 @@ void coord_forward(coord *c, rpc_call *call)
     j->model = m;
     j->layer = (int)layer;
     j->x = x;
+    j->xrows = x.shape[0];
     j->train = train;
     int64_t dl = deadline_ms ? deadline_ms : c->deadline_ms;
     j->deadline_ns = dl > 0 ? rpc_now_ns() + (uint64_t)dl * 1000000ull : 0;
@@ -313,21 +314,24 @@ static moe_err parse_part(const moe_reply *rep, int E, fwd_part *p, char *err, s
 void coord_forward_finish(coord *c, coord_job *j)
 {
     coord_model *m = j->model;
-    const int E = m->cfg.n_experts, K = m->cfg.top_k, W = j->nsent;
+    const int E = m->cfg.n_experts, K = m->cfg.top_k, W = j->nsent > 0 ? j->nsent : 1;
     const int64_t T = j->x.shape[0], H = j->x.shape[1];
     char err[256];
     for (int r = 0; r < W; r++) {
         if (j->errs[r] != MOE_OK) {
             moe_reply *rep = j->replies[r];
-            rpc_reply_err(j->call, j->errs[r], "worker rank %d: %s", r,
-                          rep ? rep->message : moe_strerror(j->errs[r]));
-            c->errors_total++;
+            for (coord_job *b = j; b; b = b->batch_next) {
+                rpc_reply_err(b->call, j->errs[r], "worker rank %d: %s", r,
+                              rep ? rep->message : moe_strerror(j->errs[r]));
+                c->errors_total++;
+            }
             return;
         }
     }
     fwd_part *parts = calloc((size_t)W, sizeof(fwd_part));
     if (!parts) {
-        rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
+        for (coord_job *b = j; b; b = b->batch_next)
+            rpc_reply_err(b->call, MOE_ENOMEM, "out of memory");
         return;
     }
     for (int r = 0; r < W; r++) {
@@ -340,8 +344,10 @@ void coord_forward_finish(coord *c, coord_job *j)
         }
         if (e != MOE_OK) {
             LOG_E("forward: bad reply from rank %d: %s", r, err);
-            rpc_reply_err(j->call, MOE_EINTERNAL, "bad reply from worker rank %d: %s", r, err);
-            c->errors_total++;
+            for (coord_job *b = j; b; b = b->batch_next) {
+                rpc_reply_err(b->call, MOE_EINTERNAL, "bad reply from worker rank %d: %s", r, err);
+                c->errors_total++;
+            }
             free(parts);
             return;
         }
@@ -366,13 +372,21 @@ void coord_forward_finish(coord *c, coord_job *j)
         wk->busy_s += busy;
         wk->ops_total++;
     }
-    if (!cnt || !drop || !psum) {
+    uint8_t *yall = malloc(j->x.nbytes ? j->x.nbytes : 1);
+    if (!cnt || !drop || !psum || !yall) {
         free(cnt);
         free(drop);
         free(psum);
         free(parts);
-        rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
+        free(yall);
+        for (coord_job *b = j; b; b = b->batch_next)
+            rpc_reply_err(b->call, MOE_ENOMEM, "out of memory");
         return;
+    }
+    size_t yoff = 0;
+    for (int r = 0; r < W; r++) {
+        memcpy(yall + yoff, parts[r].y.data, parts[r].y.nbytes);
+        yoff += parts[r].y.nbytes;
     }
     int64_t mx = 0, tot = 0;
     double aux = 0;
@@ -386,70 +400,76 @@ void coord_forward_finish(coord *c, coord_job *j)
     }
     aux = T > 0 ? aux * E / ((double)K * (double)T) : 0;
     double imbalance = tot > 0 ? (double)mx / ((double)tot / E) : 0;
-    double total_s = (double)(rpc_now_ns() - j->call->recv_ns) * 1e-9;
-
-    /* the response */
-    mp_writer w;
-    mp_writer_init(&w);
-    moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
-    mp_write_map(&w, j->handle ? 3 : 2);
-    if (j->handle) {
-        mp_write_cstr(&w, "handle");
-        mp_write_u64(&w, j->handle->id);
-    }
-    mp_write_cstr(&w, "y");
-    mp_write_map(&w, 3);
-    mp_write_cstr(&w, "dtype");
-    mp_write_cstr(&w, moe_dtype_name(j->x.dtype));
-    mp_write_cstr(&w, "shape");
-    mp_write_array(&w, 2);
-    mp_write_i64(&w, T);
-    mp_write_i64(&w, H);
-    mp_write_cstr(&w, "data");
-    uint8_t *dst = mp_writer_reserve_bin(&w, (uint32_t)j->x.nbytes);
-    if (dst)
-        for (int r = 0; r < W; r++) {
-            memcpy(dst, parts[r].y.data, parts[r].y.nbytes);
-            dst += parts[r].y.nbytes;
+    /* one response per request of the batch: its rows of y, the batch's stats */
+    int nbatch = 0;
+    for (coord_job *b = j; b; b = b->batch_next)
+        nbatch++;
+    size_t es = moe_dtype_size(j->x.dtype), row = 0;
+    uint64_t now = rpc_now_ns();
+    for (coord_job *b = j; b; b = b->batch_next) {
+        int64_t Tb = b->xrows;
+        double total_s = (double)(now - b->call->recv_ns) * 1e-9;
+        mp_writer w;
+        mp_writer_init(&w);
+        moe_rpc_write_response_ok_head(&w, b->call->req.msgid);
+        mp_write_map(&w, b->handle ? 3 : 2);
+        if (b->handle) {
+            mp_write_cstr(&w, "handle");
+            mp_write_u64(&w, b->handle->id);
         }
-    mp_write_cstr(&w, "stats");
-    mp_write_map(&w, 10);
-    mp_write_cstr(&w, "tokens_per_expert");
-    mp_write_array(&w, (uint32_t)E);
-    for (int e = 0; e < E; e++)
-        mp_write_i64(&w, cnt[e]);
-    mp_write_cstr(&w, "dropped");
-    mp_write_array(&w, (uint32_t)E);
-    for (int e = 0; e < E; e++)
-        mp_write_i64(&w, drop[e]);
-    mp_write_cstr(&w, "imbalance");
-    mp_write_f64(&w, imbalance);
-    mp_write_cstr(&w, "aux_loss");
-    mp_write_f64(&w, aux);
-    mp_write_cstr(&w, "z_loss");
-    mp_write_f64(&w, T > 0 ? z / (double)T : 0);
-    static const char *pn[4] = {"gate_s", "dispatch_s", "experts_s", "combine_s"};
-    for (int k = 0; k < 4; k++) {
-        mp_write_cstr(&w, pn[k]);
-        mp_write_f64(&w, phase[k]);
+        mp_write_cstr(&w, "y");
+        mp_write_map(&w, 3);
+        mp_write_cstr(&w, "dtype");
+        mp_write_cstr(&w, moe_dtype_name(j->x.dtype));
+        mp_write_cstr(&w, "shape");
+        mp_write_array(&w, 2);
+        mp_write_i64(&w, Tb);
+        mp_write_i64(&w, H);
+        mp_write_cstr(&w, "data");
+        mp_write_bin(&w, yall + row * (size_t)H * es, (uint32_t)((size_t)Tb * (size_t)H * es));
+        row += (size_t)Tb;
+        mp_write_cstr(&w, "stats");
+        mp_write_map(&w, 11);
+        mp_write_cstr(&w, "tokens_per_expert");
+        mp_write_array(&w, (uint32_t)E);
+        for (int e = 0; e < E; e++)
+            mp_write_i64(&w, cnt[e]);
+        mp_write_cstr(&w, "dropped");
+        mp_write_array(&w, (uint32_t)E);
+        for (int e = 0; e < E; e++)
+            mp_write_i64(&w, drop[e]);
+        mp_write_cstr(&w, "imbalance");
+        mp_write_f64(&w, imbalance);
+        mp_write_cstr(&w, "aux_loss");
+        mp_write_f64(&w, aux);
+        mp_write_cstr(&w, "z_loss");
+        mp_write_f64(&w, T > 0 ? z / (double)T : 0);
+        static const char *pn[4] = {"gate_s", "dispatch_s", "experts_s", "combine_s"};
+        for (int k = 0; k < 4; k++) {
+            mp_write_cstr(&w, pn[k]);
+            mp_write_f64(&w, phase[k]);
+        }
+        mp_write_cstr(&w, "total_s");
+        mp_write_f64(&w, total_s);
+        mp_write_cstr(&w, "batch_requests");
+        mp_write_i64(&w, nbatch);
+        rpc_reply(b->call, &w);
+        int bk = 0;
+        while (bk < COORD_LAT_BUCKETS && total_s > coord_lat_bounds[bk])
+            bk++;
+        c->lat_hist[bk]++;
+        c->lat_sum += total_s;
+        c->forwards_total++;
     }
-    mp_write_cstr(&w, "total_s");
-    mp_write_f64(&w, total_s);
-    rpc_reply(j->call, &w);
+    free(yall);
 
     /* stats */
-    m->forwards++;
+    m->forwards += (uint64_t)nbatch;
     m->last_aux = aux;
     m->last_z = T > 0 ? z / (double)T : 0;
-    c->forwards_total++;
     c->tokens_total += (uint64_t)T;
     for (int k = 0; k < 4; k++)
         c->phase_s[k] += phase[k];
-    int b = 0;
-    while (b < COORD_LAT_BUCKETS && total_s > coord_lat_bounds[b])
-        b++;
-    c->lat_hist[b]++;
-    c->lat_sum += total_s;
     c->recent_tokens += (double)T;
     free(cnt);
     free(drop);
