@@ -272,6 +272,8 @@ typedef struct fwd_part {
     const int32_t *counts, *dropped;
     const double *probs_sum;
     double z_sum, phase[4];
+    double aux_loss; /* a whole-layer GPU worker reports the loss itself */
+    int has_aux;
 } fwd_part;
 
 static moe_err parse_part(const moe_reply *rep, int E, fwd_part *p, char *err, size_t errlen)
@@ -295,8 +297,10 @@ static moe_err parse_part(const moe_reply *rep, int E, fwd_part *p, char *err, s
         {"dispatch_s", P_F64, &p->phase[1], true, 0, 0, 0, false},
         {"experts_s", P_F64, &p->phase[2], true, 0, 0, 0, false},
         {"combine_s", P_F64, &p->phase[3], true, 0, 0, 0, false},
+        {"aux_loss", P_F64, &p->aux_loss, false, 0, 0, 0, false},
     };
-    moe_err e = params_parse(&r, n, sp, 9, err, errlen);
+    moe_err e = params_parse(&r, n, sp, 10, err, errlen);
+    p->has_aux = sp[9].seen;
     if (e != MOE_OK)
         return MOE_EINTERNAL;
     if (mp_read_bin(&rc, &bc, &lc, NULL) != MOE_OK || lc != 4u * (uint32_t)E ||
@@ -399,6 +403,8 @@ void coord_forward_finish(coord *c, coord_job *j)
             aux += (double)cnt[e] * (psum[e] / (double)T);
     }
     aux = T > 0 ? aux * E / ((double)K * (double)T) : 0;
+    if (W == 1 && parts[0].has_aux)
+        aux = parts[0].aux_loss;
     double imbalance = tot > 0 ? (double)mx / ((double)tot / E) : 0;
     /* one response per request of the batch: its rows of y, the batch's stats */
     int nbatch = 0;

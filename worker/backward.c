@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fwd.h"
+#include "gpu.h"
 #include "log.h"
 #include "params.h"
 #include "rows.h"
@@ -92,6 +93,16 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         goto fail;
     }
     rows_tensor_to_f32(&dyt, dy, (size_t)T * H);
+    if (m->gpu_mode == 1) {
+        /* the whole layer on the device */
+        e = wkr_gpu_layer_backward(m, st->layer, st->handle, T, st->x, dy, dx);
+        if (e != MOE_OK) {
+            snprintf(err, sizeof(err), "GPU layer backward failed: %s", moe_strerror(e));
+            goto fail_msg;
+        }
+        m->has_grads = 1;
+        goto reply;
+    }
     kern_combine_backward_cpu(dy, st->ye_slot, st->topk_w, NULL, T, K, H, dye, dw);
 
     /* expert output gradients to the owners, in dispatch order */
@@ -124,7 +135,30 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     const wkr_layer *L = &m->layers[st->layer];
     const size_t fh = (size_t)F * H;
     size_t n0 = 0;
-    for (int i = 0; i < ne; i++) {
+    if (m->gpu_mode == 2) {
+        int32_t *n = malloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
+        float *ye_tmp = malloc(nin * H * sizeof(float));
+        e = n && ye_tmp ? MOE_OK : MOE_ENOMEM;
+        for (int i = 0; e == MOE_OK && i < ne; i++) {
+            n[i] = 0;
+            for (int q = 0; q < W; q++)
+                n[i] += st->src_cnt[(size_t)q * ne + i];
+        }
+        /* the device keeps the last train forward's activations: recompute
+         * when another forward ran since this one */
+        if (e == MOE_OK && m->gpu_handle[st->layer] != st->handle)
+            e = wkr_gpu_experts_forward(m, st->layer, st->xe, n, st->kept, ye_tmp, 1);
+        if (e == MOE_OK)
+            e = wkr_gpu_experts_backward(m, st->layer, dye_e, n, st->kept, dx_e);
+        m->gpu_handle[st->layer] = 0;
+        free(n);
+        free(ye_tmp);
+        if (e != MOE_OK) {
+            snprintf(err, sizeof(err), "GPU expert backward failed: %s", moe_strerror(e));
+            goto fail_msg;
+        }
+    }
+    for (int i = 0; i < ne && m->gpu_mode != 2; i++) {
         size_t n = 0;
         for (int q = 0; q < W; q++)
             n += (size_t)st->src_cnt[(size_t)q * ne + i];
@@ -168,6 +202,7 @@ void wkr_op_backward(wkr *w, rpc_call *c)
                              (float)cfg->aux_loss_coef, (float)cfg->z_loss_coef, lp[0].grad, dx);
     m->has_grads = 1;
 
+reply:;
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);

@@ -17,6 +17,7 @@
 
 #include "kern.h"
 #include "log.h"
+#include "gpu.h"
 #include "params.h"
 #include "safetensors.h"
 #include "worker.h"
@@ -280,6 +281,8 @@ static moe_err ckpt_commit(wkr *w, wkr_model *m)
     m->has_grads = 0;
     drop_staged(m);
     wkr_handle_drop_model(w, m);
+    if (m->gpu)
+        return wkr_gpu_push_weights(m);
     return MOE_OK;
 }
 

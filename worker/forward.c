@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "fwd.h"
+#include "gpu.h"
 #include "log.h"
 #include "params.h"
 #include "placement.h"
@@ -195,12 +196,30 @@ static moe_err fwd_owner_parse(wkr_fwd_state *st, int W, int H, int bf16, const 
 
 /* fwd_experts runs every owned expert on its kept rows: ye (n_in,H) out,
  * dropped rows zero. Fills st->kept and dropped (E) for owned experts. */
-static void fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t *dropped, float *ye)
+static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t *dropped,
+                           float *ye, int train)
 {
     const model_cfg *cfg = &st->model->cfg;
     const int ne = st->model->ne, H = cfg->d_model, F = cfg->d_ff, K = cfg->top_k;
     const size_t fh = (size_t)F * H;
     int32_t cap = kern_capacity((float)cfg->capacity_factor, st->T_total, K, cfg->n_experts);
+    if (st->model->gpu_mode == 2) {
+        int32_t *n = malloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
+        if (!n)
+            return MOE_ENOMEM;
+        for (int i = 0; i < ne; i++) {
+            n[i] = 0;
+            for (int q = 0; q < W; q++)
+                n[i] += st->src_cnt[(size_t)q * ne + i];
+            st->kept[i] = n[i] < cap ? n[i] : cap;
+            dropped[st->model->e0 + i] = n[i] - st->kept[i];
+        }
+        moe_err e = wkr_gpu_experts_forward(st->model, st->layer, st->xe, n, st->kept, ye, train);
+        if (train && e == MOE_OK)
+            st->model->gpu_handle[st->layer] = st->handle;
+        free(n);
+        return e;
+    }
     size_t n0 = 0;
     for (int i = 0; i < ne; i++) {
         size_t n = 0;
@@ -218,6 +237,7 @@ static void fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t *d
             memset(ye + (n0 + kept) * H, 0, (n - kept) * H * sizeof(float));
         n0 += n;
     }
+    return MOE_OK;
 }
 
 void wkr_op_forward(wkr *w, rpc_call *c)
@@ -261,6 +281,10 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate training state for '%s'", model_name);
         return;
     }
+    if (train && m->gpu_mode == 2 && !m->gpu_train && wkr_gpu_attach(w, m, 1) != MOE_OK) {
+        rpc_reply_err(c, MOE_ENOMEM, "cannot allocate GPU training state for '%s'", model_name);
+        return;
+    }
     const wkr_layer *L = &m->layers[layer];
     wkr_fwd_state *st = calloc(1, sizeof(*st));
     uint8_t *sendbuf = NULL, *backbuf = NULL;
@@ -292,6 +316,56 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     rows_tensor_to_f32(&xt, st->x, (size_t)T * H);
     if (bf)
         kern_bf16_round_n(st->x, (size_t)T * H);
+    if (m->gpu_mode == 1) {
+        /* a cluster of one GPU worker: the whole layer on the device */
+        if (train && !m->gpu_train && (e = wkr_gpu_attach(w, m, 1)) != MOE_OK)
+            goto fail;
+        float aux = 0, z = 0;
+        st->counts = calloc((size_t)E, sizeof(int32_t));
+        y = malloc(Tn * H * sizeof(float));
+        if (!st->counts || !y) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
+        e = wkr_gpu_layer_forward(m, st->layer, T, st->x, y, st->counts, dropped, &aux, &z, train);
+        if (e != MOE_OK) {
+            snprintf(err, sizeof(err), "GPU layer forward failed: %s", moe_strerror(e));
+            goto fail_msg;
+        }
+        if (train)
+            m->gpu_handle[st->layer] = st->handle;
+        double t1 = fwd_now_s();
+        mp_writer wr;
+        mp_writer_init(&wr);
+        moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+        mp_write_map(&wr, 10);
+        mp_write_cstr(&wr, "y");
+        rows_write_tensor(&wr, xt.dtype, y, T, H);
+        mp_write_cstr(&wr, "counts");
+        mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
+        mp_write_cstr(&wr, "dropped");
+        mp_write_bin(&wr, dropped, (uint32_t)(4 * E));
+        mp_write_cstr(&wr, "probs_sum"); /* not computed on this path: aux_loss comes whole */
+        mp_write_bin(&wr, probs_sum, (uint32_t)(8 * E));
+        mp_write_cstr(&wr, "aux_loss");
+        mp_write_f64(&wr, aux);
+        mp_write_cstr(&wr, "z_sum");
+        mp_write_f64(&wr, (double)z * T);
+        mp_write_cstr(&wr, "gate_s");
+        mp_write_f64(&wr, 0);
+        mp_write_cstr(&wr, "dispatch_s");
+        mp_write_f64(&wr, 0);
+        mp_write_cstr(&wr, "experts_s");
+        mp_write_f64(&wr, t1 - t0);
+        mp_write_cstr(&wr, "combine_s");
+        mp_write_f64(&wr, 0);
+        rpc_reply(c, &wr);
+        if (train) {
+            wkr_handle_put(w, st);
+            st = NULL;
+        }
+        goto out;
+    }
     if ((e = fwd_gate(L, st, probs_sum, &z_sum)) != MOE_OK)
         goto fail;
     if (train) {
@@ -328,19 +402,26 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     if (e != MOE_OK)
         goto fail_msg;
     size_t nin = st->n_in ? st->n_in : 1;
+    int host_experts = m->gpu_mode != 2; /* the device keeps its own activations */
     st->xe = malloc(nin * H * sizeof(float));
-    st->ae = malloc(nin * F * sizeof(float));
-    if (cfg->act == KERN_ACT_SWIGLU)
+    if (host_experts)
+        st->ae = malloc(nin * F * sizeof(float));
+    if (host_experts && cfg->act == KERN_ACT_SWIGLU)
         st->be = malloc(nin * F * sizeof(float));
     ye = malloc(nin * H * sizeof(float));
-    if (!st->xe || !st->ae || (cfg->act == KERN_ACT_SWIGLU && !st->be) || !ye) {
+    if (!st->xe || (host_experts && !st->ae) ||
+        (host_experts && cfg->act == KERN_ACT_SWIGLU && !st->be) || !ye) {
         e = MOE_ENOMEM;
         goto fail;
     }
     fwd_owner_gather(st, W, recvbuf, row0s, H, bf, st->xe);
     xchg_free(w->xc, recvbuf);
     recvbuf = NULL;
-    fwd_experts(st, L, W, dropped, ye);
+    if ((e = fwd_experts(st, L, W, dropped, ye, train)) != MOE_OK) {
+        snprintf(err, sizeof(err), "expert kernels failed on rank %d: %s", w->rank,
+                 moe_strerror(e));
+        goto fail_msg;
+    }
     if (fwd_owner_scatter(st, W, H, ye, bf, &backbuf, back_bytes) == (size_t)-1) {
         e = MOE_ENOMEM;
         goto fail;

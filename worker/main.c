@@ -8,13 +8,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "gpu.h"
 #include "log.h"
 #include "params.h"
 #include "worker.h"
-
-#ifdef MOE_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 void openblas_set_num_threads(int);
 
@@ -29,6 +26,8 @@ static const cfg_entry worker_cfg[] = {
      "exchange address other workers dial (port 0 = any)"},
     {"backend", CFG_STR, "auto", 0, 0, W.backend_cfg, "auto | cpu | cuda"},
     {"device", CFG_INT, "0", 0, 1024, &W.device_index, "CUDA device this worker uses"},
+    {"gpu-max-tokens", CFG_INT, "16384", 1, 1 << 24, &W.gpu_max_tokens,
+     "GPU backend: most tokens of one layer call (sizes the device workspace)"},
     {"heartbeat-ms", CFG_INT, "500", 50, 60000, &W.heartbeat_ms, "heartbeat period"},
     {"xchg-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.xchg_timeout_ms,
      "bound on one collective between workers"},
@@ -197,17 +196,11 @@ static void on_signal(uv_signal_t *h, int sig)
 
 static const char *pick_backend(wkr *w)
 {
-#ifdef MOE_HAVE_CUDA
-    int n = 0;
-    if (strcmp(w->backend_cfg, "cpu") != 0 && cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
-        struct cudaDeviceProp prop;
-        if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
-            snprintf(w->device, sizeof(w->device), "%s", prop.name);
-        /* The CUDA layer path is wired in through kernels/cuda; until a
-         * layer runs there, the expert math stays on the CPU path. */
-        return "cpu";
+    if (strcmp(w->backend_cfg, "cpu") != 0 &&
+        wkr_gpu_probe((int)w->device_index, w->device, sizeof(w->device))) {
+        w->use_gpu = 1;
+        return "cuda";
     }
-#endif
     snprintf(w->device, sizeof(w->device), "cpu");
     return "cpu";
 }

@@ -6,6 +6,7 @@
 #include "kern.h"
 #include "log.h"
 #include "params.h"
+#include "gpu.h"
 #include "placement.h"
 #include "worker.h"
 
@@ -15,6 +16,8 @@ void wkr_model_free(wkr_model *m)
 {
     if (!m)
         return;
+    if (m->gpu)
+        wkr_gpu_detach(m);
     for (int i = 0; m->params && i < m->nparams; i++) {
         free(m->params[i].grad);
         free(m->params[i].m);
@@ -297,6 +300,10 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
             rpc_reply_err(c, e, "cannot allocate model '%s'", cfg.name);
             return;
         }
+        if (w->use_gpu && wkr_gpu_attach(w, m, 0) != MOE_OK)
+            LOG_W("model %s stays on the CPU path (GPU kernels need d_model and d_ff multiples "
+                  "of 128, n_experts <= 256, top_k <= 8, and the memory)",
+                  cfg.name);
         w->models[w->nmodels++] = m;
         LOG_I("model %s: %d layers, experts [%d, %d) of %d here", cfg.name, cfg.layers, m->e0,
               m->e0 + m->ne, cfg.n_experts);

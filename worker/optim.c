@@ -11,6 +11,7 @@
 
 #include "kern.h"
 #include "log.h"
+#include "gpu.h"
 #include "params.h"
 #include "worker.h"
 
@@ -65,6 +66,11 @@ void wkr_op_step(wkr *w, rpc_call *c)
     }
     if (!m->train_ready && wkr_model_train_alloc(m) != MOE_OK) {
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate training state");
+        return;
+    }
+    /* GPU backend: the device gradients join the host ones */
+    if (m->gpu && wkr_gpu_pull_grads(m) != MOE_OK) {
+        rpc_reply_err(c, MOE_EINTERNAL, "cannot read the gradients from the GPU");
         return;
     }
     /* router gradients: one all-reduce over every layer's router */
@@ -129,6 +135,10 @@ void wkr_op_step(wkr *w, rpc_call *c)
         memset(p->grad, 0, p->n * sizeof(float));
     }
     m->has_grads = 0;
+    if (m->gpu && wkr_gpu_push_weights(m) != MOE_OK) {
+        rpc_reply_err(c, MOE_EINTERNAL, "cannot write the new weights to the GPU");
+        return;
+    }
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);

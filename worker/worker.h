@@ -58,6 +58,11 @@ typedef struct wkr_model {
      * per param 3 arrays (weights, m, v), (nparams * 3) */
     float **staged;
     int64_t staged_step;
+    /* GPU backend (gpu.h): per layer a kcu_layer (mode 1) or kcu_experts
+     * (mode 2); NULL/0 on the CPU backend */
+    void **gpu;
+    int gpu_mode, gpu_train;
+    uint64_t *gpu_handle; /* (layers) the train forward whose state the device holds */
 } wkr_model;
 
 /* What one train forward keeps for its backward (this worker's part). */
@@ -98,7 +103,8 @@ typedef struct wkr {
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
-    long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index;
+    long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
+    int use_gpu; /* the CUDA backend was chosen at start */
 
     /* loop thread */
     uv_loop_t *loop;

@@ -647,10 +647,11 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
         wg_wait<0>();
         __syncthreads(); /* every warpgroup is done with the stages */
 
-        /* issue the next item's first stages, then run this item's epilogue */
+        /* issue the next item's first stages, then run this item's epilogue
+         * (p.wg_ovl; else after it) */
         const int wn = w + gridDim.x;
         wg_item nxt;
-        if (wn < total) {
+        if (p.wg_ovl && wn < total) {
             decode(wn, nxt);
             prologue(nxt);
         }
@@ -662,17 +663,20 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
 #pragma unroll
                 for (int hr = 0; hr < 2; hr++) {
                     const int m = cur.m0 + wg * 64 + (warp & 3) * 16 + g + hr * 8;
-                    float *crow = C + (size_t)m * p.ldc + cur.n0 + q4 * 2;
+                    float2 *crow =
+                        reinterpret_cast<float2 *>(C + (size_t)m * p.ldc + cur.n0 + q4 * 2);
+                    /* 16 loads in flight before the first store: the stores
+                     * could alias later loads, so the compiler keeps order */
 #pragma unroll
-                    for (int j = 0; j < 32; j++) {
-                        float2 *cp = reinterpret_cast<float2 *>(crow + 8 * j);
-                        float2 v = make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
-                        if (!p.beta0) {
-                            const float2 o = *cp;
-                            v.x += o.x;
-                            v.y += o.y;
-                        }
-                        *cp = v;
+                    for (int jc = 0; jc < 32; jc += 16) {
+                        float2 o[16];
+#pragma unroll
+                        for (int j = 0; j < 16; j++)
+                            o[j] = p.beta0 ? make_float2(0.f, 0.f) : crow[4 * (jc + j)];
+#pragma unroll
+                        for (int j = 0; j < 16; j++)
+                            crow[4 * (jc + j)] = make_float2(o[j].x + d[4 * (jc + j) + hr * 2],
+                                                             o[j].y + d[4 * (jc + j) + hr * 2 + 1]);
                     }
                 }
             }
@@ -726,31 +730,52 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
                     float rsum = 0.f;
                     if (ok) {
                         const float wgt = p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
+                        bf16 *arow = p.ab + (size_t)r * p.ld_ab;
+                        bf16 *hrow = p.h + (size_t)r * p.F;
+                        /* the (a, b) of CH column pairs loaded before any store */
+                        constexpr int CH = EPI == KCU_EPI_DSWIGLU ? 8 : 16; /* no spills */
 #pragma unroll
-                        for (int j = 0; j < 32; j++) {
-                            const int f = n0 + 8 * j + q4 * 2;
-                            const float d0 = d[4 * j + hr * 2], d1 = d[4 * j + hr * 2 + 1];
-                            float h0, h1;
-                            if (EPI == KCU_EPI_DSWIGLU) {
-                                bf16 *pa = p.ab + (size_t)r * p.ld_ab + (f >> 3) * 16 + (f & 7);
-                                const float2 a = ld_bf2(pa), b = ld_bf2(pa + 8);
-                                const float s0 = sigm(a.x), s1 = sigm(a.y);
-                                const float sa0 = a.x * s0, sa1 = a.y * s1;
-                                h0 = rbf(sa0 * b.x);
-                                h1 = rbf(sa1 * b.y);
-                                const float e0 = wgt * d0, e1 = wgt * d1;
-                                st_bf2(pa, e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
-                                       e1 * b.y * s1 * (1.f + a.y * (1.f - s1)));
-                                st_bf2(pa + 8, e0 * sa0, e1 * sa1);
-                            } else {
-                                bf16 *pa = p.ab + (size_t)r * p.ld_ab + f;
-                                const float2 a = ld_bf2(pa);
-                                h0 = rbf(gelu_f(a.x));
-                                h1 = rbf(gelu_f(a.y));
-                                st_bf2(pa, wgt * d0 * dgelu_f(a.x), wgt * d1 * dgelu_f(a.y));
+                        for (int jc = 0; jc < 32; jc += CH) {
+                            __nv_bfloat162 av[CH], bv[CH];
+#pragma unroll
+                            for (int j = 0; j < CH; j++) {
+                                const int f = n0 + 8 * (jc + j) + q4 * 2;
+                                if (EPI == KCU_EPI_DSWIGLU) {
+                                    const bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
+                                    av[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa);
+                                    bv[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa + 8);
+                                } else {
+                                    av[j] = *reinterpret_cast<const __nv_bfloat162 *>(arow + f);
+                                    bv[j] = av[j];
+                                }
                             }
-                            st_bf2(p.h + (size_t)r * p.F + f, wgt * h0, wgt * h1);
-                            rsum += d0 * h0 + d1 * h1;
+#pragma unroll
+                            for (int j = 0; j < CH; j++) {
+                                const int f = n0 + 8 * (jc + j) + q4 * 2;
+                                const float d0 = d[4 * (jc + j) + hr * 2];
+                                const float d1 = d[4 * (jc + j) + hr * 2 + 1];
+                                const float2 a = __bfloat1622float2(av[j]);
+                                const float2 b = __bfloat1622float2(bv[j]);
+                                float h0, h1;
+                                if (EPI == KCU_EPI_DSWIGLU) {
+                                    bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
+                                    const float s0 = sigm(a.x), s1 = sigm(a.y);
+                                    const float sa0 = a.x * s0, sa1 = a.y * s1;
+                                    h0 = rbf(sa0 * b.x);
+                                    h1 = rbf(sa1 * b.y);
+                                    const float e0 = wgt * d0, e1 = wgt * d1;
+                                    st_bf2(pa, e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
+                                           e1 * b.y * s1 * (1.f + a.y * (1.f - s1)));
+                                    st_bf2(pa + 8, e0 * sa0, e1 * sa1);
+                                } else {
+                                    h0 = rbf(gelu_f(a.x));
+                                    h1 = rbf(gelu_f(a.y));
+                                    st_bf2(arow + f, wgt * d0 * dgelu_f(a.x),
+                                           wgt * d1 * dgelu_f(a.y));
+                                }
+                                st_bf2(hrow + f, wgt * h0, wgt * h1);
+                                rsum += d0 * h0 + d1 * h1;
+                            }
                         }
                     }
                     if (p.dwpart) { /* uniform branch: the shuffles need all lanes */
@@ -767,6 +792,10 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
         }
         if (wn >= total)
             break;
+        if (!p.wg_ovl) {
+            decode(wn, nxt);
+            prologue(nxt);
+        }
         cur = nxt;
         w = wn;
     }
@@ -790,7 +819,17 @@ moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
-    k_gemm_wg<AM, BMODE, EPI><<<grid, NT, WG_SMEM_BYTES, st>>>(*a);
+    /* KCU_WG_OVL=0|1 forces the overlap of the next item's loads with the
+     * epilogue off or on (A/B timing); default: on except for the forward
+     * K-major GEMMs */
+    static int ovl = -2;
+    if (ovl == -2) {
+        const char *o = getenv("KCU_WG_OVL");
+        ovl = o ? atoi(o) != 0 : -1;
+    }
+    kcu_gemm_args b = *a;
+    b.wg_ovl = ovl >= 0 ? ovl : !(AM == KCU_A_K && BMODE == KCU_B_K);
+    k_gemm_wg<AM, BMODE, EPI><<<grid, NT, WG_SMEM_BYTES, st>>>(b);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

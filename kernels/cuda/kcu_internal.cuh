@@ -89,6 +89,7 @@ typedef struct kcu_gemm_args {
     const float *gate_w; /* (S) slot -> gate weight */
     float *dwpart;       /* (rows, N/BN) */
     int beta0;           /* ACC: overwrite C instead of accumulating (C known to be zero) */
+    int wg_ovl;          /* wgmma kernel: next item's loads before the epilogue (set inside) */
 } kcu_gemm_args;
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,

@@ -1,0 +1,315 @@
+/* gpu.c - the worker's GPU backend; see gpu.h. */
+#include "gpu.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+#ifdef MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kern_cuda.h"
+
+int wkr_gpu_probe(int device, char *name, size_t len)
+{
+    int n = 0;
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || device >= n)
+        return 0;
+    if (cudaSetDevice(device) != cudaSuccess ||
+        cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+        return 0;
+    snprintf(name, len, "%s", prop.name);
+    return 1;
+}
+
+/* the layer's parameters in m->params: router, then w1, (w3,) w2 per expert */
+static wkr_param *layer_params(wkr_model *m, int l)
+{
+    int nmat = m->cfg.act == KERN_ACT_SWIGLU ? 3 : 2;
+    return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
+}
+
+void wkr_gpu_detach(wkr_model *m)
+{
+    for (int l = 0; m->gpu && l < m->cfg.layers; l++) {
+        if (m->gpu_mode == 1)
+            kcu_layer_destroy(m->gpu[l]);
+        else
+            kcu_experts_destroy(m->gpu[l]);
+    }
+    free(m->gpu);
+    m->gpu = NULL;
+    m->gpu_mode = 0;
+    free(m->gpu_handle);
+    m->gpu_handle = NULL;
+}
+
+moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
+{
+    const model_cfg *c = &m->cfg;
+    wkr_gpu_detach(m);
+    if (cudaSetDevice((int)w->device_index) != cudaSuccess)
+        return MOE_EUNAVAIL;
+    m->gpu = calloc((size_t)c->layers, sizeof(void *));
+    m->gpu_handle = calloc((size_t)c->layers, sizeof(uint64_t));
+    if (!m->gpu || !m->gpu_handle)
+        return MOE_ENOMEM;
+    m->gpu_mode = w->world == 1 ? 1 : 2;
+    m->gpu_train = train;
+    moe_err e = MOE_OK;
+    for (int l = 0; l < c->layers && e == MOE_OK; l++) {
+        wkr_layer *L = &m->layers[l];
+        if (m->gpu_mode == 1) {
+            kcu_config kc = {c->d_model,
+                             c->d_ff,
+                             c->n_experts,
+                             c->top_k,
+                             (kern_act)c->act,
+                             c->renormalize,
+                             (int)w->gpu_max_tokens,
+                             train,
+                             (float)c->capacity_factor};
+            kcu_layer *kl = NULL;
+            e = kcu_layer_create(&kc, &kl);
+            if (e == MOE_OK)
+                e = kcu_layer_upload(kl, L->wr, L->w1, L->w3, L->w2);
+            m->gpu[l] = kl;
+        } else if (m->ne > 0) {
+            kcu_experts *ex = NULL;
+            e = kcu_experts_create(c->d_model, c->d_ff, m->ne, (kern_act)c->act,
+                                   (int)(w->gpu_max_tokens * c->top_k), train, &ex);
+            if (e == MOE_OK)
+                e = kcu_experts_upload(ex, L->w1, L->w3, L->w2);
+            m->gpu[l] = ex;
+        }
+    }
+    if (e != MOE_OK) {
+        LOG_E("model %s: cannot place layers on GPU %lld: %s", c->name, w->device_index,
+              moe_strerror(e));
+        wkr_gpu_detach(m);
+        return e;
+    }
+    LOG_I("model %s on GPU %lld: %s mode%s", c->name, w->device_index,
+          m->gpu_mode == 1 ? "whole-layer" : "experts", train ? ", training" : "");
+    return MOE_OK;
+}
+
+moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const float *x, float *y,
+                              int32_t *counts, int32_t *dropped, float *aux, float *z, int train)
+{
+    kcu_layer *kl = m->gpu[layer];
+    if (T == 0)
+        return MOE_OK;
+    moe_err e = kcu_forward(kl, T, x, MOE_F32, y, MOE_F32, train, NULL);
+    if (e == MOE_OK)
+        e = kcu_forward_stats(kl, counts, dropped, aux, z, NULL);
+    if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
+        e = MOE_EINTERNAL;
+    return e;
+}
+
+moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                               const float *dy, float *dx)
+{
+    kcu_layer *kl = m->gpu[layer];
+    const model_cfg *c = &m->cfg;
+    if (T == 0)
+        return MOE_OK;
+    moe_err e = MOE_OK;
+    if (m->gpu_handle[layer] != handle) {
+        /* the device holds another forward's state: recompute this one */
+        float *y = malloc((size_t)T * c->d_model * sizeof(float));
+        if (!y)
+            return MOE_ENOMEM;
+        e = kcu_forward(kl, T, x, MOE_F32, y, MOE_F32, 1, NULL);
+        free(y);
+    }
+    if (e == MOE_OK)
+        e = kcu_backward(kl, dy, MOE_F32, dx, MOE_F32, (float)c->aux_loss_coef,
+                         (float)c->z_loss_coef, NULL, 0, NULL);
+    if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
+        e = MOE_EINTERNAL;
+    m->gpu_handle[layer] = 0;
+    return e;
+}
+
+/* compact copies the kept rows of each expert together; returns their count */
+static int compact(const float *rows, const int32_t *n, const int32_t *kept, int ne, int H,
+                   float *out)
+{
+    size_t src = 0, dst = 0;
+    for (int i = 0; i < ne; i++) {
+        memcpy(out + dst * H, rows + src * H, (size_t)kept[i] * H * sizeof(float));
+        dst += (size_t)kept[i];
+        src += (size_t)n[i];
+    }
+    return (int)dst;
+}
+
+static void expand(const float *in, const int32_t *n, const int32_t *kept, int ne, int H,
+                   float *rows)
+{
+    size_t src = 0, dst = 0;
+    for (int i = 0; i < ne; i++) {
+        memcpy(rows + dst * H, in + src * H, (size_t)kept[i] * H * sizeof(float));
+        memset(rows + (dst + (size_t)kept[i]) * H, 0, (size_t)(n[i] - kept[i]) * H * sizeof(float));
+        src += (size_t)kept[i];
+        dst += (size_t)n[i];
+    }
+}
+
+static moe_err experts_call(wkr_model *m, int layer, const float *in, const int32_t *n,
+                            const int32_t *kept, float *out, int backward, int keep)
+{
+    const int H = m->cfg.d_model, ne = m->ne;
+    kcu_experts *ex = m->gpu[layer];
+    size_t total = 0, nk = 0;
+    for (int i = 0; i < ne; i++) {
+        total += (size_t)n[i];
+        nk += (size_t)kept[i];
+    }
+    if (!ex || total == 0)
+        return MOE_OK;
+    float *ci = malloc((nk ? nk : 1) * H * sizeof(float)), *co = malloc((nk ? nk : 1) * H * 4);
+    if (!ci || !co) {
+        free(ci), free(co);
+        return MOE_ENOMEM;
+    }
+    compact(in, n, kept, ne, H, ci);
+    moe_err e = backward
+                    ? kcu_experts_backward(ex, ci, MOE_F32, co, MOE_F32, NULL)
+                    : kcu_experts_forward(ex, (int)nk, ci, MOE_F32, kept, co, MOE_F32, keep, NULL);
+    if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
+        e = MOE_EINTERNAL;
+    if (e == MOE_OK)
+        expand(co, n, kept, ne, H, out);
+    free(ci), free(co);
+    return e;
+}
+
+moe_err wkr_gpu_experts_forward(wkr_model *m, int layer, const float *xe, const int32_t *n,
+                                const int32_t *kept, float *ye, int keep)
+{
+    return experts_call(m, layer, xe, n, kept, ye, 0, keep);
+}
+
+moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, const int32_t *n,
+                                 const int32_t *kept, float *dxe)
+{
+    return experts_call(m, layer, dye, n, kept, dxe, 1, 0);
+}
+
+moe_err wkr_gpu_pull_grads(wkr_model *m)
+{
+    const model_cfg *c = &m->cfg;
+    const int E = c->n_experts, H = c->d_model, F = c->d_ff, ne = m->ne;
+    const size_t fh = (size_t)F * H;
+    int nmat = c->act == KERN_ACT_SWIGLU ? 3 : 2;
+    int rows_e = m->gpu_mode == 1 ? E : ne;
+    float *gr = malloc((size_t)E * H * 4), *g1 = malloc((rows_e ? rows_e : 1) * fh * 4),
+          *g3 = malloc((rows_e ? rows_e : 1) * fh * 4),
+          *g2 = malloc((rows_e ? rows_e : 1) * fh * 4);
+    moe_err e = gr && g1 && g3 && g2 ? MOE_OK : MOE_ENOMEM;
+    for (int l = 0; e == MOE_OK && l < c->layers; l++) {
+        if (!m->gpu[l])
+            continue;
+        wkr_param *p = layer_params(m, l);
+        if (m->gpu_mode == 1) {
+            e = kcu_layer_download_grads(m->gpu[l], gr, g1, nmat == 3 ? g3 : NULL, g2);
+            if (e == MOE_OK)
+                e = kcu_layer_zero_grads(m->gpu[l], NULL);
+            for (size_t k = 0; e == MOE_OK && k < p[0].n; k++)
+                p[0].grad[k] += gr[k];
+        } else {
+            e = kcu_experts_download_grads(m->gpu[l], g1, nmat == 3 ? g3 : NULL, g2);
+            if (e == MOE_OK)
+                e = kcu_experts_zero_grads(m->gpu[l], NULL);
+        }
+        for (int i = 0; e == MOE_OK && i < ne; i++) {
+            /* layer mode: world 1, so the local experts are all E of them */
+            float *srcs[3] = {g1 + i * fh, g3 + i * fh, g2 + i * fh};
+            for (int k = 0; k < nmat; k++) {
+                wkr_param *q = &p[1 + i * nmat + k];
+                const float *src = nmat == 3 ? srcs[k] : (k == 0 ? srcs[0] : srcs[2]);
+                for (size_t t = 0; t < q->n; t++)
+                    q->grad[t] += src[t];
+            }
+        }
+    }
+    if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
+        e = MOE_EINTERNAL;
+    free(gr), free(g1), free(g3), free(g2);
+    return e;
+}
+
+moe_err wkr_gpu_push_weights(wkr_model *m)
+{
+    moe_err e = MOE_OK;
+    for (int l = 0; e == MOE_OK && l < m->cfg.layers; l++) {
+        wkr_layer *L = &m->layers[l];
+        if (!m->gpu[l])
+            continue;
+        if (m->gpu_mode == 1)
+            e = kcu_layer_upload(m->gpu[l], L->wr, L->w1, L->w3, L->w2);
+        else
+            e = kcu_experts_upload(m->gpu[l], L->w1, L->w3, L->w2);
+        m->gpu_handle[l] = 0;
+    }
+    return e;
+}
+
+#else /* no CUDA */
+
+int wkr_gpu_probe(int device, char *name, size_t len)
+{
+    (void)device, (void)name, (void)len;
+    return 0;
+}
+moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
+{
+    (void)w, (void)m, (void)train;
+    return MOE_EINVAL;
+}
+void wkr_gpu_detach(wkr_model *m)
+{
+    (void)m;
+}
+moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const float *x, float *y,
+                              int32_t *counts, int32_t *dropped, float *aux, float *z, int train)
+{
+    (void)m, (void)layer, (void)T, (void)x, (void)y, (void)counts, (void)dropped, (void)aux,
+        (void)z, (void)train;
+    return MOE_EINVAL;
+}
+moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                               const float *dy, float *dx)
+{
+    (void)m, (void)layer, (void)handle, (void)T, (void)x, (void)dy, (void)dx;
+    return MOE_EINVAL;
+}
+moe_err wkr_gpu_experts_forward(wkr_model *m, int layer, const float *xe, const int32_t *n,
+                                const int32_t *kept, float *ye, int keep)
+{
+    (void)m, (void)layer, (void)xe, (void)n, (void)kept, (void)ye, (void)keep;
+    return MOE_EINVAL;
+}
+moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, const int32_t *n,
+                                 const int32_t *kept, float *dxe)
+{
+    (void)m, (void)layer, (void)dye, (void)n, (void)kept, (void)dxe;
+    return MOE_EINVAL;
+}
+moe_err wkr_gpu_pull_grads(wkr_model *m)
+{
+    (void)m;
+    return MOE_EINVAL;
+}
+moe_err wkr_gpu_push_weights(wkr_model *m)
+{
+    (void)m;
+    return MOE_EINVAL;
+}
+#endif

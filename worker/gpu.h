@@ -1,0 +1,48 @@
+/*
+ * gpu.h - the worker's GPU backend: the layer math on the device through
+ * kernels/cuda (kern_cuda.h). Two modes, chosen per model when it is built:
+ *   - layer:   a cluster of one worker runs the whole layer (router, layout,
+ *              experts, combine) on the device: kcu_layer.
+ *   - experts: in a cluster of several workers the router runs on the host
+ *              replica and rows travel through the exchange; the rows of the
+ *              worker's own experts run on the device: kcu_experts.
+ * The host copies of the weights (wkr_layer) stay authoritative: the
+ * optimizer pulls the device gradients into the host gradients, runs AdamW
+ * on the host and pushes the new weights back (kept simple; the device-side
+ * AdamW of kcu_experts is the next step). Without CUDA every function
+ * returns MOE_EINVAL and wkr_gpu_probe reports no device.
+ */
+#ifndef MOE_WKR_GPU_H
+#define MOE_WKR_GPU_H
+
+#include "worker.h"
+
+/* wkr_gpu_probe: 1 if CUDA device `device` exists (its name in name), else 0. */
+int wkr_gpu_probe(int device, char *name, size_t len);
+/* wkr_gpu_attach makes the device objects of every layer of m and uploads
+ * the host weights (train: with gradients). max_tokens bounds T per call. */
+moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train);
+void wkr_gpu_detach(wkr_model *m);
+
+/* layer mode (world == 1): the whole forward. y (T,H) float out; counts,
+ * dropped (E) out; aux and z losses out. */
+moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const float *x, float *y,
+                              int32_t *counts, int32_t *dropped, float *aux, float *z, int train);
+/* layer mode backward for the train forward whose x (T,H) is given: the
+ * forward is recomputed when the device holds another one's state. */
+moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                               const float *dy, float *dx);
+
+/* experts mode: rows (n_in,H) expert-major; kept (ne) rows of each expert
+ * run (the first kept[i] of its n[i]); the rest give zero rows. */
+moe_err wkr_gpu_experts_forward(wkr_model *m, int layer, const float *xe, const int32_t *n,
+                                const int32_t *kept, float *ye, int keep);
+moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, const int32_t *n,
+                                 const int32_t *kept, float *dxe);
+
+/* optimizer support: add the device gradients into the host grads (and
+ * clear them on the device); push the host weights back to the device. */
+moe_err wkr_gpu_pull_grads(wkr_model *m);
+moe_err wkr_gpu_push_weights(wkr_model *m);
+
+#endif
