@@ -51,7 +51,7 @@ NVCCFLAGS ?= -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fP
              -Iclient -Icommon -Ikernels -Ikernels/cuda
 CUDA_OBJS  := $(patsubst %.cu,$(B)/%.o,$(CUDA_SRC))
 CUDA_LINK  := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -lstdc++
-CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include -Ikernels/cuda
 endif
 
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
