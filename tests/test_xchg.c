@@ -72,9 +72,10 @@ static void *tr_main(void *arg)
 {
     tr_rank *t = arg;
     t->open_err = xchg_nng_open(t->lis, t->rank, t->world, t->urls, t->gen, t->timeout_ms, &t->x);
-    t->lis = NULL;
     t->fn(t);
     xchg_close(t->x);
+    xchg_nng_listener_close(t->lis); /* the listener outlives the communicator */
+    t->lis = NULL;
     return NULL;
 }
 
@@ -629,8 +630,9 @@ Test(xchg_nng, bad_arguments, .timeout = 10)
     cr_assert_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, url, sizeof(url)), MOE_OK);
     cr_expect(strncmp(url, "tcp://127.0.0.1:", 16) == 0 && atoi(url + 16) > 0, "bound %s", url);
     const char *urls[2] = {url, url};
-    cr_expect_eq(xchg_nng_open(lis, 2, 2, urls, 0, 1000, &x), MOE_EINVAL); /* lis freed */
+    cr_expect_eq(xchg_nng_open(lis, 2, 2, urls, 0, 1000, &x), MOE_EINVAL);
     cr_expect_null(x);
+    xchg_nng_listener_close(lis); /* the listener stays the caller's */
     cr_assert_eq(xchg_nng_listen("tcp://0.0.0.0:0", &lis, url, sizeof(url)), MOE_OK);
     cr_expect(strncmp(url, "tcp://127.0.0.1:", 16) == 0, "wildcard bound as %s", url);
     xchg_nng_listener_close(lis);

@@ -124,17 +124,10 @@ void wkr_op_join(wkr *w, rpc_call *c)
         return;
 #endif
     }
-    if (!w->lis) {
-        e = xchg_nng_listen(w->data_url, &w->lis, NULL, 0);
-        if (e != MOE_OK) {
-            rpc_reply_err(c, MOE_EUNAVAIL, "cannot listen on data url %s", w->data_url);
-            return;
-        }
-    }
-    xchg_nng_listener *lis = w->lis;
-    w->lis = NULL; /* owned by the communicator from here, also on failure */
-    e = xchg_nng_open(lis, (int)rank, (int)world, url_ptrs, (uint64_t)gen, (int)w->xchg_timeout_ms,
-                      &w->xc);
+    /* the data listener lives as long as the worker: every generation's
+     * communicator borrows it */
+    e = xchg_nng_open(w->lis, (int)rank, (int)world, url_ptrs, (uint64_t)gen,
+                      (int)w->xchg_timeout_ms, &w->xc);
     if (e != MOE_OK) {
         w->xc = NULL;
         rpc_reply_err(c, MOE_EUNAVAIL, "exchange with %lld peers failed to form: %s",

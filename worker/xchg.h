@@ -65,7 +65,10 @@ moe_err xchg_nng_listen(const char *url, xchg_nng_listener **out, char *bound_ur
 #define XCHG_NNG_CHUNK_MAX ((size_t)16 << 20)
 moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener **out,
                             char *bound_url, size_t bound_len);
-/* xchg_nng_open takes ownership of lis (also on failure). Errors:
+/* xchg_nng_open borrows lis: the listener stays the caller's and must
+ * outlive the communicator; one listener serves one communicator at a time,
+ * and the next generation's communicator reuses it (messages that arrive
+ * early from peers already in a newer generation are kept for it). Errors:
  * MOE_EINVAL (bad arguments), MOE_ENOMEM, MOE_EUNAVAIL (some peer not
  * reached within timeout_ms; the log line names the missing ranks).
  * timeout_ms also bounds every later collective (the whole call). Messages
@@ -76,9 +79,8 @@ moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener 
  * tells the peers it leaves and waits (at most timeout_ms) until each peer
  * also left, so that no peer loses data still in flight; a peer that is
  * still running a collective sees the departure and fails it at once with
- * MOE_EUNAVAIL. Close of a failed communicator does not wait. Close also
- * closes the listener: the port is free again afterwards (to rebuild on the
- * same URL, call xchg_nng_listen again). */
+ * MOE_EUNAVAIL. Close of a failed communicator does not wait. The listener
+ * stays open (close it with xchg_nng_listener_close when done). */
 moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *const *peer_urls,
                       uint64_t generation, int timeout_ms, xchg **out);
 void xchg_nng_listener_close(xchg_nng_listener *lis);

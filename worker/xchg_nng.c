@@ -83,7 +83,13 @@ _Static_assert(sizeof(nx_hdr) == 48, "nx_hdr layout");
 struct xchg_nng_listener {
     nng_socket pull;
     size_t recv_max; /* NNG_OPT_RECVMAXSZ, 0 = unlimited */
+    /* messages of a newer generation than the communicator receiving
+     * them: a peer that already joined the next generation sent them; they
+     * wait here for that generation's open (bounded) */
+    nng_msg **future;
+    size_t nfuture, future_cap;
 };
+#define NX_FUTURE_MAX 65536
 
 /* nx_rx: one peer's part of the current round, as received chunks. */
 typedef struct nx_rx {
@@ -110,7 +116,8 @@ typedef struct nx {
     xchg pub; /* must be first */
     uint64_t gen;
     int timeout_ms;
-    nng_socket pull;
+    nng_socket pull;               /* borrowed from lis */
+    struct xchg_nng_listener *lis; /* borrowed: outlives the communicator */
     size_t recv_max;
     nx_peer *peer;   /* [world] */
     nx_rx *rx;       /* [world] */
@@ -234,6 +241,9 @@ void xchg_nng_listener_close(xchg_nng_listener *lis)
     if (!lis)
         return;
     nng_close(lis->pull);
+    for (size_t i = 0; i < lis->nfuture; i++)
+        nng_msg_free(lis->future[i]);
+    free(lis->future);
     free(lis);
 }
 
@@ -390,6 +400,12 @@ static moe_err nx_accept(nx *x, nng_msg *m)
         LOG_W("xchg: rank %d: dropped a message with a bad header (magic %08x version %u)", r,
               h.magic, h.version);
         goto drop;
+    }
+    if (h.gen > x->gen && x->lis->nfuture < NX_FUTURE_MAX) {
+        /* a peer already in a newer generation: keep it for that open */
+        if (nx_push(&x->lis->future, &x->lis->nfuture, &x->lis->future_cap, m) != 0)
+            goto drop;
+        return MOE_OK;
     }
     if (h.gen != x->gen) {
         LOG_D("xchg: rank %d: dropped a message of generation %llu (ours %llu)", r,
@@ -882,6 +898,9 @@ static void nx_bye(nx *x, int wait)
                     if (h.magic == NX_MAGIC && h.gen == x->gen && h.kind == NX_BYE &&
                         h.src < (uint32_t)W)
                         x->peer[h.src].bye = 1;
+                    if (h.magic == NX_MAGIC && h.gen > x->gen && x->lis->nfuture < NX_FUTURE_MAX &&
+                        nx_push(&x->lis->future, &x->lis->nfuture, &x->lis->future_cap, m) == 0)
+                        continue; /* kept for the next generation */
                 }
                 nng_msg_free(m);
             } else if (rv != NNG_ETIMEDOUT && rv != NNG_ECANCELED) {
@@ -904,7 +923,7 @@ static void nx_destroy(nx *x)
                 nng_pipe_notify(x->peer[q].push, NNG_PIPE_EV_REM_POST, NULL, NULL);
                 nng_close(x->peer[q].push);
             }
-    nng_close(x->pull);
+    /* the pull socket belongs to the listener, which outlives us */
     if (x->rx) {
         nx_rx_clear(x);
         for (int q = 0; q < x->pub.world; q++)
@@ -953,19 +972,16 @@ moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *c
         (world > 1 && !peer_urls)) {
         LOG_E("xchg_nng_open: invalid argument (rank %d world %d timeout %d ms)", rank, world,
               timeout_ms);
-        xchg_nng_listener_close(lis);
         return MOE_EINVAL;
     }
     for (int q = 0; q < world; q++) {
         if (q != rank && !peer_urls[q]) {
             LOG_E("xchg_nng_open: rank %d: no URL for rank %d", rank, q);
-            xchg_nng_listener_close(lis);
             return MOE_EINVAL;
         }
     }
     nx *x = calloc(1, sizeof(*x));
     if (!x) {
-        xchg_nng_listener_close(lis);
         return MOE_ENOMEM;
     }
     x->pub.ops = &nx_ops;
@@ -974,9 +990,26 @@ moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *c
     x->gen = generation;
     x->timeout_ms = timeout_ms;
     x->pull = lis->pull;
+    x->lis = lis;
     x->recv_max = lis->recv_max;
-    free(lis);
     pthread_mutex_init(&x->mtx, NULL);
+    /* messages of this generation that arrived early (a peer joined first)
+     * are this handshake's: stash them; older ones are dropped */
+    {
+        size_t keep = 0;
+        for (size_t i = 0; i < lis->nfuture; i++) {
+            nng_msg *m = lis->future[i];
+            nx_hdr h;
+            memcpy(&h, nng_msg_body(m), sizeof(h));
+            if (h.gen == generation && nx_push(&x->stash, &x->nstash, &x->stash_cap, m) == 0)
+                continue;
+            if (h.gen > generation)
+                lis->future[keep++] = m;
+            else
+                nng_msg_free(m);
+        }
+        lis->nfuture = keep;
+    }
 
     moe_err err = MOE_ENOMEM;
     int rv;

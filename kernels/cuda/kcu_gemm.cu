@@ -557,6 +557,23 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
             t.b = p.B;
         }
     };
+    /* wgrad: the source rows of the next stage to load, fetched one stage
+     * ahead so that the gather-index loads stay off the load-issue path;
+     * -1 = past the group's rows (zero fill) */
+    int ia[4], ib[8];
+    auto fetch = [&](const wg_item &t, int kt) {
+        const int k0 = t.kbeg + kt * BK;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int k = k0 + (tid >> 4) + 16 * j;
+            ia[j] = k < t.kend ? (p.a_gather ? p.a_gather[k] : k) : -1;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int k = k0 + (tid >> 5) + 8 * j;
+            ib[j] = k < t.kend ? (p.b_gather ? p.b_gather[k] : k) : -1;
+        }
+    };
     auto load = [&](const wg_item &t, int stage, int kt) {
         const uint32_t sa = sbase + stage * WG_STAGE_BYTES, sb = sa + WG_A_BYTES;
         const int k0 = kt * BK;
@@ -570,10 +587,10 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
             const int ch = tid & 15;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const int kr = (tid >> 4) + 16 * j, k = t.kbeg + k0 + kr, ok = k < t.kend;
-                const int sr = ok ? (p.a_gather ? p.a_gather[k] : k) : 0;
-                cp_async16(sa + off_mnw(kr, ch), p.A + (size_t)sr * p.lda + t.m0 + ch * 8,
-                           ok ? 16 : 0);
+                const int kr = (tid >> 4) + 16 * j;
+                cp_async16(sa + off_mnw(kr, ch),
+                           p.A + (size_t)(ia[j] < 0 ? 0 : ia[j]) * p.lda + t.m0 + ch * 8,
+                           ia[j] >= 0 ? 16 : 0);
             }
         }
         if (BMODE == KCU_B_K) {
@@ -587,24 +604,27 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 const int kr = (tid >> 5) + 8 * j;
-                if (AM == KCU_A_K) {
+                if (AM == KCU_A_K)
                     cp_async16(sb + off_mnw(kr, ch), t.b + (size_t)(k0 + 8 * j) * p.ldb, 16);
-                } else {
-                    const int k = t.kbeg + k0 + kr, ok = k < t.kend;
-                    const int sr = ok ? (p.b_gather ? p.b_gather[k] : k) : 0;
-                    cp_async16(sb + off_mnw(kr, ch), p.B + (size_t)sr * p.ldb + t.n0 + ch * 8,
-                               ok ? 16 : 0);
-                }
+                else
+                    cp_async16(sb + off_mnw(kr, ch),
+                               p.B + (size_t)(ib[j] < 0 ? 0 : ib[j]) * p.ldb + t.n0 + ch * 8,
+                               ib[j] >= 0 ? 16 : 0);
             }
         }
     };
     auto prologue = [&](const wg_item &t) {
 #pragma unroll
         for (int s = 0; s < 2; s++) {
-            if (s < t.ktiles)
+            if (s < t.ktiles) {
+                if (AM == KCU_A_M)
+                    fetch(t, s);
                 load(t, s, s);
+            }
             cp_async_commit();
         }
+        if (AM == KCU_A_M && 2 < t.ktiles)
+            fetch(t, 2);
     };
 
     int w = blockIdx.x;
@@ -623,8 +643,11 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
             cp_async_wait<1>();
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             __syncthreads();
-            if (kt + 2 < cur.ktiles)
+            if (kt + 2 < cur.ktiles) {
                 load(cur, (kt + 2) % WG_STAGES, kt + 2);
+                if (AM == KCU_A_M && kt + 3 < cur.ktiles)
+                    fetch(cur, kt + 3);
+            }
             cp_async_commit();
             const uint32_t st = sbase + (kt % WG_STAGES) * WG_STAGE_BYTES;
             wg_fence();
