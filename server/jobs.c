@@ -58,6 +58,10 @@ static void on_worker_reply(moe_err err, moe_reply *reply, void *arg)
     coord_done *d = arg;
     coord *c = (coord *)d->next; /* smuggled: see send_job */
     d->next = NULL;
+    /* a call to a worker that was marked down (its client closed) or whose
+     * connection broke: the worker is unavailable */
+    if (err == MOE_ECLOSED)
+        err = MOE_EUNAVAIL;
     d->err = err;
     d->reply = reply;
     pthread_mutex_lock(&c->done_mu);
