@@ -28,7 +28,8 @@ if ls .deps/*.deb >/dev/null 2>&1; then
     export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
 fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-RUN=$(mktemp -d /tmp/moe-gpu.XXXXXX)
+RUN=${MOE_RUN_DIR:-$(mktemp -d /tmp/moe-gpu.XXXXXX)}
+mkdir -p "$RUN"
 pids=()
 cleanup() {
     for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
@@ -37,7 +38,7 @@ cleanup() {
 }
 trap cleanup EXIT
 ./bin/moe-coordinator --listen tcp://127.0.0.1:0 --addr-file "$RUN/addr" --workers "$W" \
-    --xchg "$XCHG" --worker-timeout-ms 600000 >"$RUN/coord.log" 2>&1 &
+    --xchg "$XCHG" --worker-timeout-ms 120000 >"$RUN/coord.log" 2>&1 &
 pids+=($!)
 for i in $(seq 50); do [ -s "$RUN/addr" ] && break; sleep 0.1; done
 export MOE_URL=$(cat "$RUN/addr")

@@ -21,9 +21,9 @@
 
 extern char **environ;
 
-#define MAX_LIVE 8
+#define MAX_LIVE       8
 #define LOG_TAIL_BYTES 24576
-#define STOP_WAIT_MS 5000
+#define STOP_WAIT_MS   5000
 
 /* The clusters' storage: static, so that a cluster outlives the test's stack
  * (a failed cr_assert unwinds it before .fini). live = started, not stopped.
@@ -62,7 +62,6 @@ static void sleep_ms(int ms)
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
         ;
 }
-
 
 /* ---- writing without stdio (also used from the watchdog) ---- */
 
@@ -352,7 +351,7 @@ int cluster_worker_start(cluster *cl, int i)
         set_err(cl, "worker %d is already running", i);
         return -1;
     }
-    argv_buf a;
+    argv_buf a = {.n = 0};
     av_exe(&a, "moe-worker");
     av_add(&a, "--coordinator");
     av_add(&a, cl->url);
@@ -464,7 +463,7 @@ cluster *cluster_start(const cluster_opts *opts)
                    : cl->opts.workers > 0        ? cl->opts.workers
                                                  : 1;
     snprintf(nworkers, sizeof(nworkers), "%d", expected);
-    argv_buf a;
+    argv_buf a = {.n = 0};
     av_exe(&a, "moe-coordinator");
     av_add(&a, "--listen");
     av_add(&a, "tcp://127.0.0.1:0");
@@ -494,6 +493,8 @@ cluster *cluster_start(const cluster_opts *opts)
     for (int i = 0; i < cl->opts.workers; i++)
         if (cluster_worker_start(cl, i) != 0)
             return NULL;
+    if (cl->opts.no_client)
+        return cl;
     moe_client_opts co = {cl->opts.client_timeout_ms ? cl->opts.client_timeout_ms : 30000, 0,
                           cl->opts.auth_token};
     if (moe_client_open(cl->url, &co, &cl->cli) != MOE_OK) {
@@ -613,11 +614,10 @@ int cluster_stop(cluster *cl)
             waitpid(*pids[i], &st[i], 0);
         }
         if (killed || st[i] == -1 || !WIFEXITED(st[i]) || WEXITSTATUS(st[i]) != 0) {
-            int k = snprintf(why + wl, sizeof(why) - wl, "%s pid %d %s (status 0x%x); ", name,
-                             (int)*pids[i],
-                             killed ? "ignored SIGTERM for 5 s and was killed"
-                                    : "did not exit 0 after SIGTERM",
-                             st[i]);
+            int k = snprintf(
+                why + wl, sizeof(why) - wl, "%s pid %d %s (status 0x%x); ", name, (int)*pids[i],
+                killed ? "ignored SIGTERM for 5 s and was killed" : "did not exit 0 after SIGTERM",
+                st[i]);
             if (k > 0 && wl + (size_t)k < sizeof(why))
                 wl += (size_t)k;
             bad++;
@@ -696,8 +696,8 @@ moe_err cluster_get_state(cluster *cl, cluster_state *st)
                 mp_reader one = r;
                 const char *s;
                 uint32_t sl;
-                if (mp_map_find(&one, "state") == 0 &&
-                    mp_read_str(&one, &s, &sl, NULL) == MOE_OK && mp_str_eq(s, sl, "down"))
+                if (mp_map_find(&one, "state") == 0 && mp_read_str(&one, &s, &sl, NULL) == MOE_OK &&
+                    mp_str_eq(s, sl, "down"))
                     st->down++;
                 e = mp_skip(&r, NULL);
             }

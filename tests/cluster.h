@@ -33,7 +33,7 @@
 #include "proto.h"
 
 #define CLUSTER_MAX_WORKERS 8
-#define CLUSTER_MAX_ARGS 16
+#define CLUSTER_MAX_ARGS    16
 
 typedef struct cluster_opts {
     int workers;            /* worker processes to start (0 = none) */
@@ -45,19 +45,21 @@ typedef struct cluster_opts {
     int client_timeout_ms;  /* the client's per-call timeout; 0 = 30000 */
     const char *coord_args[CLUSTER_MAX_ARGS];  /* extra coordinator flags, NULL-terminated */
     const char *worker_args[CLUSTER_MAX_ARGS]; /* extra worker flags, NULL-terminated */
+    int no_client; /* open no client and do not wait for ready: for a forked child
+                    * process, where nng cannot be used ("not fork-reentrant safe") */
 } cluster_opts;
 
 typedef struct cluster {
     /* read-only for tests */
-    char dir[256];       /* temp dir: addr file and logs */
-    char url[256];       /* coordinator RPC address */
-    int metrics_port;    /* 0 = metrics off */
-    pid_t coord_pid;     /* 0 once reaped */
+    char dir[256];                         /* temp dir: addr file and logs */
+    char url[256];                         /* coordinator RPC address */
+    int metrics_port;                      /* 0 = metrics off */
+    pid_t coord_pid;                       /* 0 once reaped */
     pid_t worker_pid[CLUSTER_MAX_WORKERS]; /* 0 = not running */
     int nworkers;
-    moe_client *cli;     /* connected client (with the auth token, if any) */
-    int coord_status;    /* coordinator wait status after cluster_stop; -1 unknown */
-    char err[512];       /* why the last harness call failed */
+    moe_client *cli;  /* connected client (with the auth token, if any) */
+    int coord_status; /* coordinator wait status after cluster_stop; -1 unknown */
+    char err[512];    /* why the last harness call failed */
     /* private */
     cluster_opts opts;
     int live;

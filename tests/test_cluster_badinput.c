@@ -72,9 +72,8 @@ static void raw_free(raw_reply *r)
 static void expect_raw_err(const raw_reply *r, moe_err want, const char *what)
 {
     cr_assert_eq(r->rv, 0, "%s: no reply: %s", what, nng_strerror(r->rv));
-    cr_assert_eq(r->resp.err, want, "%s: got %s (%.*s), want %s", what,
-                 moe_err_code(r->resp.err), (int)r->resp.errmsg_len,
-                 r->resp.errmsg ? r->resp.errmsg : "", moe_err_code(want));
+    cr_assert_eq(r->resp.err, want, "%s: got %s (%.*s), want %s", what, moe_err_code(r->resp.err),
+                 (int)r->resp.errmsg_len, r->resp.errmsg ? r->resp.errmsg : "", moe_err_code(want));
     cr_assert(r->resp.errmsg_len > 0, "%s: empty error message", what);
     cr_log_info("%s -> %s: %.*s", what, moe_err_code(want), (int)r->resp.errmsg_len,
                 r->resp.errmsg);
@@ -240,8 +239,9 @@ Test(cluster_badinput, unknown_method, .timeout = 30, .fini = cluster_fini_all)
 {
     cluster *cl = start(coord_only);
     nng_socket s = raw_open(cl->url, 5000);
-    static const uint8_t req[] = {0x94, 0x00, 0x2a, 0xa7, 'n', 'o', '.', 's', 'u',
-                                  'c', 'h', 0x91, 0x80}; /* [0, 42, "no.such", [{}]] */
+    static const uint8_t req[] = {
+        0x94, 0x00, 0x2a, 0xa7, 'n',  'o', '.',
+        's',  'u',  'c',  'h',  0x91, 0x80}; /* [0, 42, "no.such", [{}]] */
     raw_reply r;
     raw_call(s, req, sizeof(req), &r);
     expect_raw_err(&r, MOE_ENOMETHOD, "method no.such");
@@ -267,13 +267,11 @@ Test(cluster_badinput, huge_array_header, .timeout = 30, .fini = cluster_fini_al
     expect_raw_err(&r, MOE_EPROTO, "array32 header of 16777215 elements");
     cr_assert_eq(r.resp.msgid, 0u);
     cr_assert(memmem(r.resp.errmsg, r.resp.errmsg_len, "16777215", 8),
-              "message should name the claimed count: %.*s", (int)r.resp.errmsg_len,
-              r.resp.errmsg);
+              "message should name the claimed count: %.*s", (int)r.resp.errmsg_len, r.resp.errmsg);
     raw_free(&r);
     /* the same claim inside a params map, after a readable msgid */
-    static const uint8_t inner[] = {0x94, 0x00, 0x09, 0xa4, 'p',  'i',  'n',
-                                    'g',  0x91, 0x81, 0xa1, 'a',  0xdd, 0x00,
-                                    0xff, 0xff, 0xff};
+    static const uint8_t inner[] = {0x94, 0x00, 0x09, 0xa4, 'p',  'i',  'n',  'g', 0x91,
+                                    0x81, 0xa1, 'a',  0xdd, 0x00, 0xff, 0xff, 0xff};
     raw_call(s, inner, sizeof(inner), &r);
     expect_raw_err(&r, MOE_EPROTO, "array32 bomb inside params");
     cr_assert_eq(r.resp.msgid, 9u, "msgid should be echoed when readable");
@@ -392,16 +390,18 @@ Test(cluster_badinput, shape_does_not_match_d_model, .timeout = 30, .fini = clus
     stop(cl);
 }
 
-Test(cluster_badinput, data_length_does_not_match_shape, .timeout = 30,
-     .fini = cluster_fini_all)
+Test(cluster_badinput, data_length_does_not_match_shape, .timeout = 30, .fini = cluster_fini_all)
 {
     cluster *cl = start((cluster_opts){.workers = 1});
     model_create(cl, "m", 1);
     static const struct {
         const char *dtype;
         size_t len;
-    } cases[] = {{"f32", 4 * H * 4 - 1}, {"f32", 4 * H * 4 + 4}, {"f32", 4 * H * 2},
-                 {"bf16", 4 * H * 4}, {"f32", 0}};
+    } cases[] = {{"f32", 4 * H * 4 - 1},
+                 {"f32", 4 * H * 4 + 4},
+                 {"f32", 4 * H * 2},
+                 {"bf16", 4 * H * 4},
+                 {"f32", 0}};
     int64_t shape[2] = {4, H};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         mp_writer w;
@@ -494,9 +494,8 @@ static uint8_t *padded_ping(size_t total, size_t *len)
 
 Test(cluster_badinput, message_over_the_cap, .timeout = 30, .fini = cluster_fini_all)
 {
-    cluster *cl = start((cluster_opts){.workers = 0,
-                                       .expected_workers = 1,
-                                       .coord_args = {"--max-msg-mb", "1"}});
+    cluster *cl = start(
+        (cluster_opts){.workers = 0, .expected_workers = 1, .coord_args = {"--max-msg-mb", "1"}});
     nng_socket s = raw_open(cl->url, 5000);
     size_t len;
     uint8_t *big = padded_ping(3u << 19, &len); /* 1.5 MiB */
@@ -525,9 +524,8 @@ Test(cluster_badinput, message_over_the_cap, .timeout = 30, .fini = cluster_fini
 Test(cluster_badinput, message_over_twice_the_cap_drops_connection, .timeout = 30,
      .fini = cluster_fini_all)
 {
-    cluster *cl = start((cluster_opts){.workers = 0,
-                                       .expected_workers = 1,
-                                       .coord_args = {"--max-msg-mb", "1"}});
+    cluster *cl = start(
+        (cluster_opts){.workers = 0, .expected_workers = 1, .coord_args = {"--max-msg-mb", "1"}});
     nng_socket s = raw_open(cl->url, 1500);
     size_t len;
     uint8_t *big = padded_ping(5u << 19, &len); /* 2.5 MiB */
@@ -637,8 +635,7 @@ Test(cluster_badinput, busy_when_queue_full, .timeout = 60, .fini = cluster_fini
     pthread_mutex_init(&st.mu, NULL);
     for (int i = 0; i < NCALLS; i++) {
         args[i] = (busy_arg){&st, i};
-        cr_assert_eq(moe_call_async(cl->cli, "forward", w.buf, w.len, on_answer, &args[i]),
-                     MOE_OK);
+        cr_assert_eq(moe_call_async(cl->cli, "forward", w.buf, w.len, on_answer, &args[i]), MOE_OK);
     }
     mp_writer_fini(&w);
     int64_t t0 = cluster_now_ms();

@@ -145,16 +145,18 @@ static void run_case(cluster *cl, const fcase *c, int W)
                 }
             for (size_t i = 0; i < n; i++)
                 y[i] = yref[i] = NAN; /* poison */
-            kern_moe_shape s = {T,  H, c->F, E, c->K, strcmp(c->act, "gelu") ? KERN_ACT_SWIGLU
-                                                                                : KERN_ACT_GELU,
-                                c->renorm, (float)c->cf, bf};
+            kern_moe_shape s = {T,         H,
+                                c->F,      E,
+                                c->K,      strcmp(c->act, "gelu") ? KERN_ACT_SWIGLU : KERN_ACT_GELU,
+                                c->renorm, (float)c->cf,
+                                bf};
             kern_fwd_stats rs = {cnt, drop, 0, 0};
             cr_assert_eq(kern_moe_forward_ref(&s, &lw, x, yref, &rs), MOE_OK);
 
             moe_fwd_info info;
             memset(&info, 0, sizeof(info));
-            e = moe_forward(cl->cli, name, layer, c->dt, bf ? (const void *)xb : (const void *)x,
-                            T, H, bf ? (void *)yb : (void *)y, &info);
+            e = moe_forward(cl->cli, name, layer, c->dt, bf ? (const void *)xb : (const void *)x, T,
+                            H, bf ? (void *)yb : (void *)y, &info);
             cr_assert_eq(e, MOE_OK, "%s layer %d T=%d: forward: %s", name, layer, T,
                          moe_last_error());
             if (bf)
@@ -201,6 +203,12 @@ static void run_case(cluster *cl, const fcase *c, int W)
             free(drop);
         }
         ref_free(&w);
+    }
+    if (c->cf > 0) { /* the capacity cases are chosen so that slots are dropped */
+        int64_t total_dropped = 0;
+        for (size_t i = 0; i < (size_t)c->layers * E; i++)
+            total_dropped += sum_drop[i];
+        cr_assert_gt(total_dropped, 0, "%s: capacity factor %g dropped nothing", name, c->cf);
     }
     /* the cumulative stats of this (fresh) model match the sums */
     int64_t *tok = calloc((size_t)E, sizeof(int64_t)), *drp = calloc((size_t)E, sizeof(int64_t));
@@ -264,7 +272,7 @@ Test(cluster_forward, matches_reference_three_workers, .timeout = 60, .fini = cl
 /* ---- several clients at once: every reply carries its own request's y ---- */
 
 #define NTHREADS 4
-#define NITER 4
+#define NITER    4
 
 typedef struct conc_arg {
     const char *url;
@@ -297,8 +305,8 @@ static void *conc_main(void *p)
             snprintf(a->fail, sizeof(a->fail), "client %d call %d: %s", a->id, it,
                      moe_last_error());
         else if (!(rel < 1e-5))
-            snprintf(a->fail, sizeof(a->fail), "client %d call %d (T=%d): rel err %g", a->id, it,
-                     T, rel);
+            snprintf(a->fail, sizeof(a->fail), "client %d call %d (T=%d): rel err %g", a->id, it, T,
+                     rel);
         free(x);
         free(y);
         free(yref);

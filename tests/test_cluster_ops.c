@@ -201,7 +201,7 @@ static void start_forward(cluster *cl, fwd_job *j, pthread_t *th)
 }
 
 /* quiet: no heartbeats in the test's time (see start_forward) */
-#define QUIET_COORD "--heartbeat-timeout-ms", "600000"
+#define QUIET_COORD  "--heartbeat-timeout-ms", "600000"
 #define QUIET_WORKER "--heartbeat-ms", "60000"
 
 /* a forward of about 0.3-1 s on one CPU thread per worker */
