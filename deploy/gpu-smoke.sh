@@ -16,14 +16,14 @@ MIX="--d-model 4096 --d-ff 14336 --experts 8 --top-k 2"
 suite() { # workers: checks then timings, all against one cluster each
     local w=$1
     deploy/gpu-cluster.sh -w "$w" -- bash -c "
-        ./bin/service_bench --dtype bf16 $SMALL --tokens 1,7,256 --iters 3 --train &&
-        ./bin/service_bench --dtype bf16 $SMALL --tokens 16,4096 --iters 10 --no-ref &&
-        ./bin/service_bench --dtype bf16 $SMALL --tokens 4096 --iters 5 --no-ref --train" \
+        ./bin/service_bench --url \$MOE_URL --dtype bf16 $SMALL --tokens 1,7,256 --iters 3 --train &&
+        ./bin/service_bench --url \$MOE_URL --dtype bf16 $SMALL --tokens 16,4096 --iters 10 --no-ref &&
+        ./bin/service_bench --url \$MOE_URL --dtype bf16 $SMALL --tokens 4096 --iters 5 --no-ref --train" \
         >"$OUT/w$w-small.log" 2>&1
     echo "w$w small rc=$?"; grep -E "^T=|dx err|passed|FAIL|cluster of" "$OUT/w$w-small.log"
     deploy/gpu-cluster.sh -w "$w" -- bash -c "
-        ./bin/service_bench --dtype bf16 $QWEN --tokens 1,33 --iters 3 --train &&
-        ./bin/service_bench --dtype bf16 $QWEN --tokens 1,256,16384 --iters 5 --no-ref" \
+        ./bin/service_bench --url \$MOE_URL --dtype bf16 $QWEN --tokens 1,33 --iters 3 --train &&
+        ./bin/service_bench --url \$MOE_URL --dtype bf16 $QWEN --tokens 1,256,16384 --iters 5 --no-ref" \
         >"$OUT/w$w-qwen3.log" 2>&1
     echo "w$w qwen3 rc=$?"; grep -E "^T=|dx err|passed|FAIL" "$OUT/w$w-qwen3.log"
 }
