@@ -225,7 +225,11 @@ moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *op
 {
     mp_writer w;
     mp_writer_init(&w);
-    mp_write_map(&w, 7);
+    mp_write_map(&w, opt->check_step ? 8 : 7);
+    if (opt->check_step) {
+        mp_write_cstr(&w, "expect_step");
+        mp_write_i64(&w, opt->expect_step);
+    }
     mp_write_cstr(&w, "model");
     mp_write_cstr(&w, model);
     mp_write_cstr(&w, "lr");

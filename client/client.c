@@ -221,6 +221,7 @@ fail_ctx:
     nng_ctx_close(ctx);
 fail:
     out->err = e;
+    out->transport = 1;
     snprintf(out->message, sizeof(out->message), "%s: transport: %s", method,
              rv ? nng_strerror(rv) : moe_strerror(e));
     set_error("%s", out->message);
@@ -268,6 +269,7 @@ static void acall_cb(void *arg)
         if (a->state == ACALL_SEND)
             nng_msg_free(nng_aio_get_msg(a->aio));
         r->err = from_nng(rv);
+        r->transport = 1;
         snprintf(r->message, sizeof(r->message), "%s: transport: %s", a->method, nng_strerror(rv));
         acall_finish(a, r->err, r);
         return;

@@ -87,6 +87,7 @@ typedef struct moe_reply {
     size_t result_off;
     moe_err err;       /* the server's error, MOE_OK if none */
     char message[512]; /* the server's (or transport's) error message */
+    int transport;     /* 1: no response arrived (send/receive failed or timed out) */
 } moe_reply;
 void moe_reply_free(moe_reply *r);
 
@@ -158,6 +159,8 @@ moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *d
 typedef struct moe_adamw {
     double lr, beta1, beta2, eps, weight_decay;
     double max_grad_norm; /* 0 = no clipping */
+    int check_step;       /* 1: apply only if the model is at expect_step (idempotent retry) */
+    int64_t expect_step;
 } moe_adamw;
 /* moe_optimizer_step applies AdamW to every parameter of model and zeroes
  * the gradients. step_out and grad_norm_out may be NULL. */

@@ -347,7 +347,7 @@ static int cmd_bench_train(moe_client *c, const opts *o)
     size_t n = (size_t)o->tokens * H;
     float *x = malloc(n * 4 + 4), *y = malloc(n * 4 + 4), *dy = malloc(n * 4 + 4),
           *dx = malloc(n * 4 + 4);
-    moe_adamw opt = {1e-4, 0.9, 0.999, 1e-8, 0.0, 1.0};
+    moe_adamw opt = {1e-4, 0.9, 0.999, 1e-8, 0.0, 1.0, 0, 0};
     double t_fwd = 0, t_bwd = 0, t_step = 0, t0 = now_s();
     int errors = 0;
     for (int i = 0; i <= N; i++) { /* i = 0 is a warm-up */

@@ -135,6 +135,7 @@ typedef struct coord {
     /* registry */
     coord_worker workers[COORD_MAX_WORKERS];
     int next_worker_id;
+    uint64_t epoch; /* this coordinator's start time: heartbeats of another are unknown */
     int rank_to_worker[COORD_MAX_WORKERS];
     int world;            /* members of the current generation */
     uint64_t generation;  /* 0 = never formed */
@@ -179,6 +180,8 @@ extern const double coord_lat_bounds[COORD_LAT_BUCKETS];
 void coord_worker_register(coord *c, rpc_call *call);
 void coord_worker_heartbeat(coord *c, rpc_call *call);
 void coord_check_workers(coord *c);
+/* coord_worker_lost marks worker slot i down now (a call to it got no answer). */
+void coord_worker_lost(coord *c, int i, const char *why);
 void coord_maybe_form(coord *c);
 int coord_up_workers(const coord *c);
 void coord_cluster_status(coord *c, rpc_call *call);

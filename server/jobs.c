@@ -149,6 +149,12 @@ static void finish_job(coord *c, coord_job *j)
     case JOB_CKPT_LOAD:
     case JOB_CKPT_COMMIT: coord_ckpt_finish(c, j); break;
     }
+    /* a worker that did not answer at all (connection lost, timed out) is
+     * down now: waiting for its heartbeats to stop would only make the next
+     * generation wait for it; if it is alive it registers again */
+    for (int r = 0; r < j->nsent; r++)
+        if (j->replies[r] && j->replies[r]->transport)
+            coord_worker_lost(c, c->rank_to_worker[r], j->replies[r]->message);
     if (first == MOE_EUNAVAIL || first == MOE_ECLOSED || first == MOE_ETIMEDOUT) {
         /* a worker or the exchange between workers failed: rebuild */
         if (c->ready)
@@ -252,6 +258,8 @@ static void merge_forwards(coord *c, coord_job *j)
     int n = 0;
     coord_job *q = c->qhead, *tail = j;
     uint64_t now = rpc_now_ns();
+    if (j->model->cfg.capacity_factor > 0)
+        return; /* the capacity is per batch: merging would change what drops */
     while (q && q->kind == JOB_FORWARD && !q->train && q->model == j->model &&
            q->layer == j->layer && q->x.dtype == j->x.dtype &&
            rows + q->x.shape[0] <= c->batch_max_tokens &&

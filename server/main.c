@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "coord.h"
@@ -194,6 +195,11 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     C.loop = uv_default_loop();
     C.started_ns = rpc_now_ns();
+    {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        C.epoch = ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec) >> 1;
+    }
     C.recent_t0 = (double)C.started_ns * 1e-9;
     pthread_mutex_init(&C.done_mu, NULL);
     pthread_mutex_init(&C.metrics_mu, NULL);

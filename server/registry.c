@@ -92,26 +92,30 @@ void coord_worker_register(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 1);
+    mp_write_map(&w, 2);
     mp_write_cstr(&w, "worker_id");
     mp_write_i64(&w, slot->id);
+    mp_write_cstr(&w, "epoch");
+    mp_write_i64(&w, (int64_t)c->epoch);
     rpc_reply(call, &w);
     coord_maybe_form(c);
 }
 
 void coord_worker_heartbeat(coord *c, rpc_call *call)
 {
-    int64_t id = -1;
+    int64_t id = -1, epoch = 0;
     char err[256];
-    pspec sp[] = {{"worker_id", P_INT, &id, true, 0, 1e9, 0, false}};
+    pspec sp[] = {{"worker_id", P_INT, &id, true, 0, 1e9, 0, false},
+                  {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false}};
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 1, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
     }
     bool known = false;
-    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+    /* ids restart with the coordinator: one of another epoch is a stranger */
+    for (int i = 0; i < COORD_MAX_WORKERS && (!sp[1].seen || epoch == (int64_t)c->epoch); i++) {
         coord_worker *w = &c->workers[i];
         if (w->state == WS_UP && w->id == id) {
             w->last_hb_ns = rpc_now_ns();
@@ -125,6 +129,17 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
     mp_write_cstr(&w, "known");
     mp_write_bool(&w, known);
     rpc_reply(call, &w);
+}
+
+void coord_worker_lost(coord *c, int i, const char *why)
+{
+    coord_worker *w = &c->workers[i];
+    if (w->state != WS_UP)
+        return;
+    LOG_W("worker %d (%s, rank %d) did not answer: marked down (%s)", w->id, w->rpc_url, w->rank,
+          why);
+    w->state = WS_DOWN;
+    worker_release(c, w);
 }
 
 void coord_check_workers(coord *c)

@@ -206,7 +206,9 @@ void coord_step(coord *c, rpc_call *call)
 {
     char name[MODEL_NAME_MAX], err[256];
     double hp[6] = {1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0};
+    int64_t expect = -1;
     pspec sp[] = {
+        {"expect_step", P_INT, &expect, false, 0, 9e18, 0, false},
         {"model", P_STR, name, true, 0, 0, sizeof(name), false},
         {"lr", P_F64, &hp[0], false, 0, 1e3, 0, false},
         {"beta1", P_F64, &hp[1], false, 0, 0.999999, 0, false},
@@ -216,7 +218,7 @@ void coord_step(coord *c, rpc_call *call)
         {"max_grad_norm", P_F64, &hp[5], false, 0, 1e30, 0, false},
     };
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 7, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 8, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -224,6 +226,14 @@ void coord_step(coord *c, rpc_call *call)
     coord_model *m = coord_find_model(c, name);
     if (!m) {
         rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s'", name);
+        return;
+    }
+    /* idempotency guard: a step resent after a lost reply must not apply twice */
+    if (sp[0].seen && expect != m->step) {
+        rpc_reply_err(call, MOE_EPRECOND,
+                      "model '%s' is at step %lld, not %lld: this step was already applied or "
+                      "another one ran",
+                      name, (long long)m->step, (long long)expect);
         return;
     }
     if (m->pending_grads == 0) {

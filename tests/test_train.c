@@ -174,7 +174,7 @@ static void check_step(const tshape *s)
     moe_fwd_info_free(&info);
 
     /* one AdamW step; eps = 1 makes the update proportional to the gradient */
-    moe_adamw opt = {0.05, 0.9, 0.99, 1.0, 0.01, 0};
+    moe_adamw opt = {0.05, 0.9, 0.99, 1.0, 0.01, 0, 0, 0};
     int64_t step = 0;
     cr_assert_eq(moe_optimizer_step(cl->cli, "t", &opt, &step, NULL), MOE_OK, "%s",
                  moe_last_error());
@@ -274,7 +274,7 @@ Test(train, student_learns_teacher, .timeout = 120, .fini = cluster_fini_all)
     size_t n = (size_t)s.T * s.H;
     float *x = malloc(n * 4), *yt = malloc(n * 4), *y = malloc(n * 4), *dy = malloc(n * 4),
           *dx = malloc(n * 4);
-    moe_adamw opt = {3e-3, 0.9, 0.999, 1e-8, 0, 1.0};
+    moe_adamw opt = {3e-3, 0.9, 0.999, 1e-8, 0, 1.0, 0, 0};
     double first = 0, last = 0, best = 1e30;
     char curve[4096] = "";
     for (int it = 0; it < 300; it++) {
@@ -325,7 +325,7 @@ static void train_steps(cluster *cl, const tshape *s, int layers, int k, uint64_
 {
     size_t n = (size_t)s->T * s->H;
     float *x = malloc(n * 4), *dy = malloc(n * 4), *y = malloc(n * 4), *dx = malloc(n * 4);
-    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0};
+    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0, 0, 0};
     for (int i = 0; i < k; i++)
         for (int l = 0; l < layers; l++) {
             kern_fill_uniform(seed + (uint64_t)i, (uint64_t)l, -1, 1, x, n);
@@ -499,9 +499,26 @@ Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = clust
     forward_probe(cl, &s, 0, y0);
 
     /* optimizer.step with no gradients */
-    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0, 0};
+    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0, 0, 0, 0};
     cr_assert_eq(moe_optimizer_step(cl->cli, "d", &opt, NULL, NULL), MOE_EPRECOND);
     cr_assert(strstr(moe_last_error(), "no gradients"), "%s", moe_last_error());
+    /* a step guarded by expect_step applies once: a resent one is refused */
+    train_steps(cl, &s, 1, 1, 1); /* now at step 1 */
+    moe_fwd_info gi;
+    kern_fill_uniform(2, 2, -1, 1, x, n);
+    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &gi), MOE_OK);
+    cr_assert_eq(call_backward_raw(cl, gi.handle, s.T, s.H, msg, sizeof(msg)), MOE_OK, "%s", msg);
+    moe_fwd_info_free(&gi);
+    moe_adamw guarded = opt;
+    guarded.check_step = 1;
+    guarded.expect_step = 1;
+    int64_t at = 0;
+    cr_assert_eq(moe_optimizer_step(cl->cli, "d", &guarded, &at, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(at, 2);
+    cr_assert_eq(moe_optimizer_step(cl->cli, "d", &guarded, NULL, NULL), MOE_EPRECOND);
+    cr_assert(strstr(moe_last_error(), "is at step 2"), "%s", moe_last_error());
+    forward_probe(cl, &s, 0, y0);
 
     /* unknown handle */
     cr_assert_eq(call_backward_raw(cl, 12345, s.T, s.H, msg, sizeof(msg)), MOE_ENOTFOUND, "%s",

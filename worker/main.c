@@ -57,6 +57,7 @@ static uv_async_t reg_async;
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static int reg_pending_id = -2; /* -2 none, -1 failed, >= 0 registered id */
 static int hb_unknown;          /* set when the coordinator forgot us */
+static int64_t reg_epoch;       /* the coordinator's epoch from the last registration */
 
 static void on_reg_async(uv_async_t *h)
 {
@@ -83,16 +84,19 @@ static void on_reg_async(uv_async_t *h)
 static void on_register_reply(moe_err err, moe_reply *r, void *arg)
 {
     int id = -1;
+    int64_t epoch = 0;
     if (err == MOE_OK && r) {
         mp_reader rd;
         uint32_t n;
         mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
         int64_t v = -1;
-        pspec sp[] = {{"worker_id", P_INT, &v, true, 0, 1e9, 0, false}};
+        pspec sp[] = {{"worker_id", P_INT, &v, true, 0, 1e9, 0, false},
+                      {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false}};
         char e2[128];
         if (mp_read_map(&rd, &n, NULL) == MOE_OK &&
-            params_parse(&rd, n, sp, 1, e2, sizeof(e2)) == MOE_OK)
+            params_parse(&rd, n, sp, 2, e2, sizeof(e2)) == MOE_OK) {
             id = (int)v;
+        }
     } else if (r) {
         LOG_D("register: %s", r->message);
     }
@@ -100,6 +104,8 @@ static void on_register_reply(moe_err err, moe_reply *r, void *arg)
     free(r);
     pthread_mutex_lock(&reg_mu);
     reg_pending_id = id;
+    if (id >= 0)
+        reg_epoch = epoch;
     pthread_mutex_unlock(&reg_mu);
     uv_async_send(&reg_async);
 }
@@ -161,9 +167,14 @@ static void on_hb_timer(uv_timer_t *t)
     }
     mp_writer pw;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 1);
+    pthread_mutex_lock(&reg_mu);
+    int64_t epoch = reg_epoch;
+    pthread_mutex_unlock(&reg_mu);
+    mp_write_map(&pw, 2);
     mp_write_cstr(&pw, "worker_id");
     mp_write_i64(&pw, w->worker_id);
+    mp_write_cstr(&pw, "epoch");
+    mp_write_i64(&pw, epoch);
     moe_call_async(w->coord, "worker.heartbeat", pw.buf, pw.len, on_heartbeat_reply, w);
     mp_writer_fini(&pw);
 }
