@@ -1,0 +1,241 @@
+"""moe - Python client of the moe service, over the C library (lib/libmoe.so).
+
+Tensors are NumPy arrays (PyTorch users: ``t.numpy()`` / ``torch.from_numpy``).
+bf16 travels as uint16 arrays holding bfloat16 bits; ``to_bf16`` and
+``from_bf16`` convert.
+
+    import moe, numpy as np
+    c = moe.Client("tcp://127.0.0.1:7000")
+    c.model_create("m", layers=1, d_model=512, d_ff=1024, n_experts=8, top_k=2)
+    y, stats = c.forward("m", 0, np.random.rand(16, 512).astype(np.float32))
+    y, h = c.forward_train("m", 0, x);  dx = c.backward(h, dy);  c.step("m", lr=1e-3)
+
+Errors raise moe.Error with .code (the stable wire code, e.g. "busy").
+"""
+import ctypes
+import os
+
+import numpy as np
+
+_DTYPES = {"f32": 0, "bf16": 1, "f16": 2}
+
+
+def _load():
+    here = os.path.dirname(os.path.abspath(__file__))
+    for p in (os.environ.get("MOE_LIB"), os.path.join(here, "..", "lib", "libmoe.so"), "libmoe.so"):
+        if p and (os.path.exists(p) or p == "libmoe.so"):
+            try:
+                return ctypes.CDLL(p)
+            except OSError:
+                continue
+    raise OSError("libmoe.so not found: build it (make) or set MOE_LIB")
+
+
+_lib = _load()
+
+
+class _Opts(ctypes.Structure):
+    _fields_ = [("timeout_ms", ctypes.c_int), ("max_msg", ctypes.c_size_t),
+                ("auth_token", ctypes.c_char_p)]
+
+
+class _ModelCfg(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("layers", ctypes.c_int), ("d_model", ctypes.c_int),
+                ("d_ff", ctypes.c_int), ("n_experts", ctypes.c_int), ("top_k", ctypes.c_int),
+                ("activation", ctypes.c_char_p), ("renormalize", ctypes.c_int),
+                ("capacity_factor", ctypes.c_double), ("dtype", ctypes.c_int),
+                ("seed", ctypes.c_uint64), ("aux_loss_coef", ctypes.c_double),
+                ("z_loss_coef", ctypes.c_double)]
+
+
+class _FwdInfo(ctypes.Structure):
+    _fields_ = [("n_experts", ctypes.c_int), ("tokens_per_expert", ctypes.POINTER(ctypes.c_int64)),
+                ("dropped", ctypes.POINTER(ctypes.c_int64)), ("imbalance", ctypes.c_double),
+                ("gate_s", ctypes.c_double), ("dispatch_s", ctypes.c_double),
+                ("experts_s", ctypes.c_double), ("combine_s", ctypes.c_double),
+                ("total_s", ctypes.c_double), ("aux_loss", ctypes.c_double),
+                ("z_loss", ctypes.c_double), ("handle", ctypes.c_uint64)]
+
+
+class _AdamW(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double),
+                ("max_grad_norm", ctypes.c_double), ("check_step", ctypes.c_int),
+                ("expect_step", ctypes.c_int64)]
+
+
+_P = ctypes.c_void_p
+_lib.moe_client_open.argtypes = [ctypes.c_char_p, ctypes.POINTER(_Opts), ctypes.POINTER(_P)]
+_lib.moe_client_close.argtypes = [_P]
+_lib.moe_last_error.restype = ctypes.c_char_p
+_lib.moe_err_code.restype = ctypes.c_char_p
+_lib.moe_err_code.argtypes = [ctypes.c_int]
+_lib.moe_ping.argtypes = [_P]
+_lib.moe_model_create.argtypes = [_P, ctypes.POINTER(_ModelCfg)]
+_lib.moe_forward.argtypes = [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, _P, ctypes.c_int64,
+                             ctypes.c_int64, _P, ctypes.POINTER(_FwdInfo)]
+_lib.moe_forward_train.argtypes = _lib.moe_forward.argtypes
+_lib.moe_fwd_info_free.argtypes = [ctypes.POINTER(_FwdInfo)]
+_lib.moe_backward.argtypes = [_P, ctypes.c_uint64, ctypes.c_int, _P, ctypes.c_int64,
+                              ctypes.c_int64, _P]
+_lib.moe_optimizer_step.argtypes = [_P, ctypes.c_char_p, ctypes.POINTER(_AdamW),
+                                    ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)]
+_lib.moe_checkpoint_save.argtypes = [_P, ctypes.c_char_p, ctypes.c_char_p]
+_lib.moe_checkpoint_load.argtypes = [_P, ctypes.c_char_p, ctypes.c_char_p,
+                                     ctypes.POINTER(ctypes.c_int64)]
+
+
+class Error(Exception):
+    """A failed call: .code is the stable wire code ("busy", "not_found", ...)."""
+
+    def __init__(self, err):
+        self.code = _lib.moe_err_code(err).decode()
+        super().__init__("%s: %s" % (self.code, _lib.moe_last_error().decode(errors="replace")))
+
+
+def _check(err):
+    if err != 0:
+        raise Error(err)
+
+
+def to_bf16(a):
+    """float32 array -> uint16 array of bfloat16 bits (round to nearest even)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    r = ((u >> 16) & 1) + 0x7FFF
+    out = ((u + r) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(a, dtype=np.float32))
+    out[nan] = 0x7FC0
+    return out
+
+
+def from_bf16(h):
+    """uint16 array of bfloat16 bits -> float32 array."""
+    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _dtype_of(a):
+    if a.dtype == np.float32:
+        return _DTYPES["f32"]
+    if a.dtype == np.uint16:
+        return _DTYPES["bf16"]
+    if a.dtype == np.float16:
+        return _DTYPES["f16"]
+    raise TypeError("x must be float32, float16 or uint16 (bf16 bits), not %s" % a.dtype)
+
+
+class Client:
+    """A connection to the coordinator; thread safe like libmoe's client."""
+
+    def __init__(self, url="tcp://127.0.0.1:7000", timeout_ms=60000, auth_token=None):
+        self._c = _P()
+        opts = _Opts(timeout_ms, 0, auth_token.encode() if auth_token else None)
+        _check(_lib.moe_client_open(url.encode(), ctypes.byref(opts), ctypes.byref(self._c)))
+
+    def close(self):
+        if self._c:
+            _lib.moe_client_close(self._c)
+            self._c = _P()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def ping(self):
+        _check(_lib.moe_ping(self._c))
+
+    def model_create(self, name, layers, d_model, d_ff, n_experts, top_k, activation="swiglu",
+                     renormalize=False, capacity_factor=0.0, dtype="f32", seed=0,
+                     aux_loss_coef=0.01, z_loss_coef=0.0):
+        cfg = _ModelCfg(name.encode(), layers, d_model, d_ff, n_experts, top_k,
+                        activation.encode(), int(renormalize), capacity_factor, _DTYPES[dtype],
+                        seed, aux_loss_coef, z_loss_coef)
+        _check(_lib.moe_model_create(self._c, ctypes.byref(cfg)))
+
+    def _forward(self, fn, model, layer, x):
+        x = np.ascontiguousarray(x)
+        if x.ndim != 2:
+            raise ValueError("x must be 2-D (T, d_model)")
+        y = np.empty_like(x)
+        info = _FwdInfo()
+        _check(fn(self._c, model.encode(), layer, _dtype_of(x), x.ctypes.data, x.shape[0],
+                  x.shape[1], y.ctypes.data, ctypes.byref(info)))
+        n = info.n_experts
+        stats = {
+            "tokens_per_expert": [info.tokens_per_expert[i] for i in range(n)],
+            "dropped": [info.dropped[i] for i in range(n)] if info.dropped else [0] * n,
+            "imbalance": info.imbalance, "aux_loss": info.aux_loss, "z_loss": info.z_loss,
+            "gate_s": info.gate_s, "dispatch_s": info.dispatch_s, "experts_s": info.experts_s,
+            "combine_s": info.combine_s, "total_s": info.total_s,
+        }
+        handle = info.handle
+        _lib.moe_fwd_info_free(ctypes.byref(info))
+        return y, stats, handle
+
+    def forward(self, model, layer, x):
+        """y (T, d_model) of x's dtype, and the stats dict."""
+        y, stats, _ = self._forward(_lib.moe_forward, model, layer, x)
+        return y, stats
+
+    def forward_train(self, model, layer, x):
+        """y and the handle for backward (used once)."""
+        y, _, handle = self._forward(_lib.moe_forward_train, model, layer, x)
+        return y, handle
+
+    def backward(self, handle, dy):
+        dy = np.ascontiguousarray(dy)
+        dx = np.empty_like(dy)
+        _check(_lib.moe_backward(self._c, handle, _dtype_of(dy), dy.ctypes.data, dy.shape[0],
+                                 dy.shape[1], dx.ctypes.data))
+        return dx
+
+    def step(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+             max_grad_norm=0.0, expect_step=None):
+        """AdamW on every parameter of model; returns (step, grad_norm)."""
+        opt = _AdamW(lr, betas[0], betas[1], eps, weight_decay, max_grad_norm,
+                     int(expect_step is not None), expect_step or 0)
+        step = ctypes.c_int64()
+        norm = ctypes.c_double()
+        _check(_lib.moe_optimizer_step(self._c, model.encode(), ctypes.byref(opt),
+                                       ctypes.byref(step), ctypes.byref(norm)))
+        return step.value, norm.value
+
+    def checkpoint_save(self, model, path):
+        _check(_lib.moe_checkpoint_save(self._c, model.encode(), path.encode()))
+
+    def checkpoint_load(self, model, path):
+        step = ctypes.c_int64()
+        _check(_lib.moe_checkpoint_load(self._c, model.encode(), path.encode(),
+                                        ctypes.byref(step)))
+        return step.value
+
+
+def read_safetensors(path):
+    """{name: float32 array} and the metadata of one safetensors file (F32 only)."""
+    import json
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+        data = f.read()
+    meta = head.pop("__metadata__", {})
+    out = {}
+    for name, t in head.items():
+        a, b = t["data_offsets"]
+        out[name] = np.frombuffer(data[a:b], dtype=np.float32).reshape(t["shape"])
+    return out, meta
+
+
+def read_checkpoint(root):
+    """Every tensor of the newest checkpoint under root (checkpoint.save's layout)."""
+    import json
+    with open(os.path.join(root, "LATEST")) as f:
+        d = os.path.join(root, f.read().strip())
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        t, _ = read_safetensors(os.path.join(d, file))
+        tensors.update(t)
+    return tensors, index["metadata"]
