@@ -90,7 +90,11 @@ def main():
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--numpy", action="store_true", help="NumPy reference even if torch exists")
+    ap.add_argument("--d-model", type=int, default=H)
+    ap.add_argument("--d-ff", type=int, default=F)
     args = ap.parse_args()
+    global H, F
+    H, F = args.d_model, args.d_ff
     c = moe.Client(args.url, timeout_ms=120000)
     name = "parity_" + args.dtype
     c.model_create(name, layers=1, d_model=H, d_ff=F, n_experts=E, top_k=K, renormalize=True,

@@ -293,7 +293,10 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
             rpc_reply_err(c, e, "cannot allocate model '%s'", cfg.name);
             return;
         }
-        if (w->use_gpu && wkr_gpu_attach(w, m, 0) != MOE_OK)
+        /* the GPU kernels store bf16: an f32 model stays on the exact CPU path */
+        if (w->use_gpu && cfg.dtype != MOE_BF16)
+            LOG_I("model %s is f32: computed on the CPU path (GPU kernels are bf16)", cfg.name);
+        else if (w->use_gpu && wkr_gpu_attach(w, m, 0) != MOE_OK)
             LOG_W("model %s stays on the CPU path (GPU kernels need d_model and d_ff multiples "
                   "of 128, n_experts <= 256, top_k <= 8, and the memory)",
                   cfg.name);
