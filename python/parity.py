@@ -85,6 +85,7 @@ def rel(a, b):
 
 
 def main():
+    global H, F
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default=os.environ.get("MOE_URL", "tcp://127.0.0.1:7000"))
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
@@ -93,7 +94,6 @@ def main():
     ap.add_argument("--d-model", type=int, default=H)
     ap.add_argument("--d-ff", type=int, default=F)
     args = ap.parse_args()
-    global H, F
     H, F = args.d_model, args.d_ff
     c = moe.Client(args.url, timeout_ms=120000)
     name = "parity_" + args.dtype
