@@ -57,7 +57,7 @@ endif
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
 LIBS := lib/libmoe.a lib/libmoe.so
 
-.PHONY: all deps run test check-gpu bench lint format clean
+.PHONY: all deps run test check-gpu bench lint format clean fuzz
 all: $(BINS) $(LIBS) $(B)/moe-tests
 
 $(B)/%.o: %.c $(wildcard */*.h) Makefile
@@ -126,7 +126,7 @@ bench: bin/moe_bench
 	./bin/moe_bench
 endif
 
-FMT_SRC = $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c)
+FMT_SRC = $(sort $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))
 format:
 	clang-format -i $(FMT_SRC)
 lint:
@@ -143,3 +143,12 @@ bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
 	@mkdir -p bin
 	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lnng -lopenblas -lm -lpthread
 all: bin/service_bench
+
+# fuzz: the wire decoder under libFuzzer for FUZZ_SECONDS (see fuzz/README.md).
+FUZZ_SECONDS ?= 60
+fuzz:
+	@mkdir -p $(B) fuzz/corpus-out
+	clang -g -O1 -fsanitize=fuzzer,address,undefined -Iclient -Icommon -Iproto \
+	    fuzz/fuzz_decode.c proto/*.c common/err.c -o $(B)/fuzz_decode
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(B)/fuzz_decode fuzz/corpus-out fuzz/corpus \
+	    -max_total_time=$(FUZZ_SECONDS) -max_len=4096
