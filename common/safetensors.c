@@ -333,7 +333,7 @@ moe_err st_open(const char *path, st_file **out, char *err, size_t errlen)
         if (of->kids[0].type != J_NUM || of->kids[1].type != J_NUM || a < 0 || z < a ||
             z > (double)data_len || (z - a) != numel * 4)
             return bad(f, err, errlen, path, "truncated or corrupt: tensor data out of range");
-        t->data = (const float *)(data + (size_t)a);
+        t->data = data + (size_t)a;
         t->nbytes = (size_t)(z - a);
         if ((size_t)z > end_max)
             end_max = (size_t)z;

@@ -24,7 +24,8 @@ typedef struct st_tensor {
     char *name; /* owned by the writer / reader */
     int ndim;
     int64_t shape[ST_MAX_DIMS];
-    const float *data; /* writer: caller memory (not copied); reader: into the file map */
+    const void *data; /* writer: caller memory (not copied); reader: into the file map,
+                       * possibly unaligned: copy it out (memcpy), never cast */
     size_t nbytes;
 } st_tensor;
 

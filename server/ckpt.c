@@ -466,7 +466,7 @@ static void prune(const char *root, const char *keep_name)
         closedir(d);
     qsort(names, (size_t)n, sizeof(char *), cmp_str);
     for (int i = 0; i < n; i++) {
-        if (names[i] && i < n - CKPT_KEEP && strcmp(names[i], keep_name) != 0) {
+        if (i < n - CKPT_KEEP && names[i] && strcmp(names[i], keep_name) != 0) {
             char p[CFG_STR_MAX + 300];
             snprintf(p, sizeof(p), "%s/%s", root, names[i]);
             remove_tree(p);

@@ -269,8 +269,8 @@ void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char
 /* worker forward reply, parsed */
 typedef struct fwd_part {
     moe_tensor y;
-    const int32_t *counts, *dropped;
-    const double *probs_sum;
+    /* views into the reply's bin payloads: not aligned, read with memcpy */
+    const uint8_t *counts, *dropped, *probs_sum; /* int32[E], int32[E], f64[E] */
     double z_sum, phase[4];
     double aux_loss; /* a whole-layer GPU worker reports the loss itself */
     int has_aux;
@@ -362,9 +362,14 @@ void coord_forward_finish(coord *c, coord_job *j)
     double z = 0, phase[4] = {0, 0, 0, 0};
     for (int r = 0; r < W && cnt && drop && psum; r++) {
         for (int e = 0; e < E; e++) {
-            cnt[e] += parts[r].counts[e];
-            drop[e] += parts[r].dropped[e];
-            psum[e] += parts[r].probs_sum[e];
+            int32_t cv, dv;
+            double pv;
+            memcpy(&cv, parts[r].counts + 4 * (size_t)e, sizeof(cv));
+            memcpy(&dv, parts[r].dropped + 4 * (size_t)e, sizeof(dv));
+            memcpy(&pv, parts[r].probs_sum + 8 * (size_t)e, sizeof(pv));
+            cnt[e] += cv;
+            drop[e] += dv;
+            psum[e] += pv;
         }
         z += parts[r].z_sum;
         double busy = 0;
