@@ -147,30 +147,37 @@ moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype
 
 /* read_tensor_result finds key in the result map and copies its data into
  * out (nbytes, dtype dt). */
-static moe_err read_tensor_result(moe_reply *r, const char *key, moe_dtype dt, void *out,
-                                  size_t nbytes)
+/* result_find positions rd at the value of key in the reply's result map. */
+static moe_err result_find(const moe_reply *r, const char *key, mp_reader *rd)
 {
-    mp_reader rd;
     uint32_t n;
-    mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
-    if (mp_read_map(&rd, &n, NULL) != MOE_OK)
+    mp_reader_init(rd, r->buf + r->result_off, r->len - r->result_off);
+    if (mp_read_map(rd, &n, NULL) != MOE_OK)
         return MOE_EPROTO;
     for (uint32_t i = 0; i < n; i++) {
         const char *k;
         uint32_t kl;
-        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+        if (mp_read_str(rd, &k, &kl, NULL) != MOE_OK)
             return MOE_EPROTO;
-        if (mp_str_eq(k, kl, key)) {
-            moe_tensor t;
-            if (moe_tensor_read(&rd, &t, NULL) != MOE_OK || t.nbytes != nbytes || t.dtype != dt)
-                return MOE_EPROTO;
-            memcpy(out, t.data, nbytes);
+        if (mp_str_eq(k, kl, key))
             return MOE_OK;
-        }
-        if (mp_skip(&rd, NULL) != MOE_OK)
+        if (mp_skip(rd, NULL) != MOE_OK)
             return MOE_EPROTO;
     }
     return MOE_EPROTO;
+}
+
+/* read_tensor_result copies the tensor `key` (nbytes, dtype dt) into out. */
+static moe_err read_tensor_result(moe_reply *r, const char *key, moe_dtype dt, void *out,
+                                  size_t nbytes)
+{
+    mp_reader rd;
+    moe_tensor t;
+    if (result_find(r, key, &rd) != MOE_OK || moe_tensor_read(&rd, &t, NULL) != MOE_OK ||
+        t.nbytes != nbytes || t.dtype != dt)
+        return MOE_EPROTO;
+    memcpy(out, t.data, nbytes);
+    return MOE_OK;
 }
 
 moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *dy, int64_t T,
@@ -203,21 +210,9 @@ moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *d
 static moe_err read_i64_key(moe_reply *r, const char *key, int64_t *out)
 {
     mp_reader rd;
-    uint32_t n;
-    mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
-    if (mp_read_map(&rd, &n, NULL) != MOE_OK)
+    if (result_find(r, key, &rd) != MOE_OK)
         return MOE_EPROTO;
-    for (uint32_t i = 0; i < n; i++) {
-        const char *k;
-        uint32_t kl;
-        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
-            return MOE_EPROTO;
-        if (mp_str_eq(k, kl, key))
-            return mp_read_i64(&rd, out, NULL);
-        if (mp_skip(&rd, NULL) != MOE_OK)
-            return MOE_EPROTO;
-    }
-    return MOE_EPROTO;
+    return mp_read_i64(&rd, out, NULL);
 }
 
 moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *opt,
@@ -251,22 +246,9 @@ moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *op
         e = read_i64_key(&r, "step", step_out);
     if (e == MOE_OK && grad_norm_out) {
         mp_reader rd;
-        uint32_t n;
-        mp_reader_init(&rd, r.buf + r.result_off, r.len - r.result_off);
         *grad_norm_out = 0;
-        if (mp_read_map(&rd, &n, NULL) == MOE_OK)
-            for (uint32_t i = 0; i < n; i++) {
-                const char *k;
-                uint32_t kl;
-                if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
-                    break;
-                if (mp_str_eq(k, kl, "grad_norm")) {
-                    mp_read_f64(&rd, grad_norm_out, NULL);
-                    break;
-                }
-                if (mp_skip(&rd, NULL) != MOE_OK)
-                    break;
-            }
+        if (result_find(&r, "grad_norm", &rd) == MOE_OK)
+            mp_read_f64(&rd, grad_norm_out, NULL);
     }
     moe_reply_free(&r);
     return e;

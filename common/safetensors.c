@@ -228,6 +228,24 @@ moe_err st_writer_save(st_writer *w, const char *path, char *err, size_t errlen)
     return e;
 }
 
+moe_err st_mkdir_p(const char *dir)
+{
+    char buf[4096];
+    if (strlen(dir) >= sizeof(buf))
+        return MOE_EINVAL;
+    snprintf(buf, sizeof(buf), "%s", dir);
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return MOE_EIO;
+            *p = '/';
+        }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return MOE_EIO;
+    return MOE_OK;
+}
+
 moe_err st_write_durable(const char *path, const void *data, size_t len, char *err, size_t errlen)
 {
     st_tensor t = {0};

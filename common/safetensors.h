@@ -58,6 +58,9 @@ const st_tensor *st_at(const st_file *f, int i);
 #define ST_FNV_INIT 0xcbf29ce484222325ull
 uint64_t st_fnv1a64(uint64_t h, const void *data, size_t n);
 
+/* st_mkdir_p creates dir and its parents (existing ones are fine). */
+moe_err st_mkdir_p(const char *dir);
+
 /* st_write_durable writes len bytes to path via tmp + fsync + rename +
  * directory fsync. */
 moe_err st_write_durable(const char *path, const void *data, size_t len, char *err, size_t errlen);

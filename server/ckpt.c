@@ -27,22 +27,6 @@
 
 #define CKPT_KEEP 3
 
-static moe_err mkdir_p(const char *dir)
-{
-    char buf[CFG_STR_MAX];
-    snprintf(buf, sizeof(buf), "%s", dir);
-    for (char *p = buf + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-                return MOE_EIO;
-            *p = '/';
-        }
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-        return MOE_EIO;
-    return MOE_OK;
-}
-
 static char *read_file(const char *path, size_t max, size_t *len)
 {
     FILE *f = fopen(path, "rb");
@@ -74,7 +58,7 @@ static moe_err ckpt_save_job(coord *c, coord_model *m, const char *root, rpc_cal
         snprintf(err, errlen, "path must be 1-%d characters", CFG_STR_MAX - 81);
         return MOE_EINVAL;
     }
-    if (mkdir_p(root) != MOE_OK || access(root, W_OK) != 0) {
+    if (st_mkdir_p(root) != MOE_OK || access(root, W_OK) != 0) {
         snprintf(err, errlen, "cannot write checkpoint directory %s: %s", root, strerror(errno));
         return MOE_EIO;
     }

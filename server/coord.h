@@ -188,6 +188,12 @@ void coord_cluster_status(coord *c, rpc_call *call);
 
 /* jobs.c */
 moe_err coord_job_submit(coord *c, coord_job *j, int front);
+/* coord_job_new allocates a job for a client call; on failure it answers the
+ * call (out of memory) and returns NULL. */
+coord_job *coord_job_new(job_kind kind, rpc_call *call, coord_model *m);
+/* coord_job_enqueue queues j at the back; when the queue is full it answers
+ * busy, frees j and returns MOE_EBUSY. The caller pumps. */
+moe_err coord_job_enqueue(coord *c, coord_job *j);
 void coord_job_pump(coord *c);
 void coord_on_done(uv_async_t *h);
 void coord_job_fail_all(coord *c, moe_err e, const char *why);

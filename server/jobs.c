@@ -31,6 +31,32 @@ moe_err coord_job_submit(coord *c, coord_job *j, int front)
     return MOE_OK;
 }
 
+static void job_free(coord_job *j);
+
+coord_job *coord_job_new(job_kind kind, rpc_call *call, coord_model *m)
+{
+    coord_job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+        return NULL;
+    }
+    j->kind = kind;
+    j->call = call;
+    j->model = m;
+    return j;
+}
+
+moe_err coord_job_enqueue(coord *c, coord_job *j)
+{
+    if (coord_job_submit(c, j, 0) != MOE_OK) {
+        rpc_reply_err(j->call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+        c->errors_total++;
+        free(j);
+        return MOE_EBUSY;
+    }
+    return MOE_OK;
+}
+
 static void job_free(coord_job *j)
 {
     while (j->batch_next) {

@@ -78,19 +78,9 @@ void coord_model_create(coord *c, rpc_call *call)
         rpc_reply(call, &w);
         return;
     }
-    coord_job *j = calloc(1, sizeof(*j));
-    if (!j) {
-        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+    coord_job *j = coord_job_new(JOB_MODEL_CREATE, call, m);
+    if (!j || coord_job_enqueue(c, j) != MOE_OK)
         return;
-    }
-    j->kind = JOB_MODEL_CREATE;
-    j->call = call;
-    j->model = m;
-    if (coord_job_submit(c, j, 0) != MOE_OK) {
-        free(j);
-        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs)", c->queue_depth);
-        return;
-    }
     coord_job_pump(c);
 }
 
@@ -166,25 +156,17 @@ void coord_forward(coord *c, rpc_call *call)
                       m->cfg.d_model, shape);
         return;
     }
-    coord_job *j = calloc(1, sizeof(*j));
-    if (!j) {
-        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+    coord_job *j = coord_job_new(JOB_FORWARD, call, m);
+    if (!j)
         return;
-    }
-    j->kind = JOB_FORWARD;
-    j->call = call;
-    j->model = m;
     j->layer = (int)layer;
     j->x = x;
     j->xrows = x.shape[0];
     j->train = train;
     int64_t dl = deadline_ms ? deadline_ms : c->deadline_ms;
     j->deadline_ns = dl > 0 ? rpc_now_ns() + (uint64_t)dl * 1000000ull : 0;
-    if (coord_job_submit(c, j, 0) != MOE_OK) {
-        free(j);
-        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+    if (coord_job_enqueue(c, j) != MOE_OK)
         return;
-    }
     if (train)
         j->handle = coord_handle_new(c, m, (int)layer, x.shape[0]);
     coord_job_pump(c);

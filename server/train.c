@@ -157,22 +157,14 @@ void coord_backward(coord *c, rpc_call *call)
                       (long long)h->T, h->model->cfg.d_model);
         return;
     }
-    coord_job *j = calloc(1, sizeof(*j));
-    if (!j) {
-        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+    coord_job *j = coord_job_new(JOB_BACKWARD, call, h->model);
+    if (!j)
         return;
-    }
-    j->kind = JOB_BACKWARD;
-    j->call = call;
-    j->model = h->model;
     j->layer = h->layer;
     j->x = dy;
     j->handle = h;
-    if (coord_job_submit(c, j, 0) != MOE_OK) {
-        free(j);
-        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+    if (coord_job_enqueue(c, j) != MOE_OK)
         return;
-    }
     h->state = H_USED;
     coord_job_pump(c);
 }
@@ -242,20 +234,12 @@ void coord_step(coord *c, rpc_call *call)
                       name);
         return;
     }
-    coord_job *j = calloc(1, sizeof(*j));
-    if (!j) {
-        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+    coord_job *j = coord_job_new(JOB_STEP, call, m);
+    if (!j)
         return;
-    }
-    j->kind = JOB_STEP;
-    j->call = call;
-    j->model = m;
     memcpy(j->hp, hp, sizeof(hp));
-    if (coord_job_submit(c, j, 0) != MOE_OK) {
-        free(j);
-        rpc_reply_err(call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
+    if (coord_job_enqueue(c, j) != MOE_OK)
         return;
-    }
     coord_job_pump(c);
 }
 

@@ -24,22 +24,6 @@
 
 #define CKPT_MAX_FILES 1024
 
-static moe_err mkdir_p(const char *dir)
-{
-    char buf[4096];
-    snprintf(buf, sizeof(buf), "%s", dir);
-    for (char *p = buf + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-                return MOE_EIO;
-            *p = '/';
-        }
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-        return MOE_EIO;
-    return MOE_OK;
-}
-
 static void meta_cfg(st_writer *sw, const wkr_model *m, int rank, int world)
 {
     char v[64];
@@ -83,7 +67,7 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_ENOTFOUND, "model '%s' not on this worker", name);
         return;
     }
-    if (mkdir_p(dir) != MOE_OK) {
+    if (st_mkdir_p(dir) != MOE_OK) {
         rpc_reply_err(c, MOE_EIO, "cannot create checkpoint directory %s: %s", dir,
                       strerror(errno));
         return;
