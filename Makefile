@@ -13,7 +13,7 @@ CUDA_HOME ?= /usr/local/cuda
 DEPS_PREFIX ?=
 
 OPT     ?= -O2
-CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-format-truncation -fno-math-errno -fPIC \
+CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-format-truncation -fno-math-errno -fvect-cost-model=cheap -fPIC \
            -Iclient -Icommon -Iproto -Ikernels -Iworker -Iserver \
            -I/usr/include/x86_64-linux-gnu/openblas-pthread
 LDLIBS  += -lnng -luv -lmsgpackc -lopenblas -lm -lpthread

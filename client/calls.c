@@ -90,19 +90,20 @@ static moe_err read_i64_array(mp_reader *r, int64_t **out, int *n_out)
 static moe_err parse_stats(mp_reader *r, moe_fwd_info *info)
 {
     uint32_t n;
+    int ndropped = 0;
     if (mp_read_map(r, &n, NULL) != MOE_OK)
         return MOE_EPROTO;
     for (uint32_t i = 0; i < n; i++) {
         const char *k;
         uint32_t kl;
         moe_err e = MOE_OK;
-        int cnt = 0;
         if (mp_read_str(r, &k, &kl, NULL) != MOE_OK)
             return MOE_EPROTO;
-        if (mp_str_eq(k, kl, "tokens_per_expert"))
+        /* a repeated key would leak the first array */
+        if (mp_str_eq(k, kl, "tokens_per_expert") && !info->tokens_per_expert)
             e = read_i64_array(r, &info->tokens_per_expert, &info->n_experts);
-        else if (mp_str_eq(k, kl, "dropped"))
-            e = read_i64_array(r, &info->dropped, &cnt);
+        else if (mp_str_eq(k, kl, "dropped") && !info->dropped)
+            e = read_i64_array(r, &info->dropped, &ndropped);
         else if (mp_str_eq(k, kl, "imbalance"))
             e = mp_read_f64(r, &info->imbalance, NULL);
         else if (mp_str_eq(k, kl, "gate_s"))
@@ -124,6 +125,9 @@ static moe_err parse_stats(mp_reader *r, moe_fwd_info *info)
         if (e != MOE_OK)
             return e;
     }
+    /* callers index both arrays by expert: they must have n_experts entries */
+    if (info->dropped && (!info->tokens_per_expert || ndropped != info->n_experts))
+        return MOE_EPROTO;
     return MOE_OK;
 }
 
@@ -321,30 +325,37 @@ static moe_err forward_impl(moe_client *c, const char *model, int layer, moe_dty
     int got_y = 0;
     if (info)
         memset(info, 0, sizeof(*info));
-    for (uint32_t i = 0; i < n; i++) {
+    e = MOE_OK;
+    for (uint32_t i = 0; e == MOE_OK && i < n; i++) {
         const char *k;
         uint32_t kl;
-        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
-            return fail(&r, MOE_EPROTO);
-        if (mp_str_eq(k, kl, "y")) {
+        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK) {
+            e = MOE_EPROTO;
+        } else if (mp_str_eq(k, kl, "y")) {
             moe_tensor yt;
             if (moe_tensor_read(&rd, &yt, NULL) != MOE_OK || yt.nbytes != t.nbytes ||
-                yt.dtype != dt)
-                return fail(&r, MOE_EPROTO);
-            memcpy(y, yt.data, yt.nbytes);
-            got_y = 1;
+                yt.dtype != dt) {
+                e = MOE_EPROTO;
+            } else {
+                memcpy(y, yt.data, yt.nbytes);
+                got_y = 1;
+            }
         } else if (mp_str_eq(k, kl, "handle") && info) {
             if (mp_read_u64(&rd, &info->handle, NULL) != MOE_OK)
-                return fail(&r, MOE_EPROTO);
+                e = MOE_EPROTO;
         } else if (mp_str_eq(k, kl, "stats") && info) {
-            if (parse_stats(&rd, info) != MOE_OK) {
-                moe_fwd_info_free(info);
-                return fail(&r, MOE_EPROTO);
-            }
+            if (parse_stats(&rd, info) != MOE_OK)
+                e = MOE_EPROTO;
         } else if (mp_skip(&rd, NULL) != MOE_OK) {
-            return fail(&r, MOE_EPROTO);
+            e = MOE_EPROTO;
         }
     }
+    if (e == MOE_OK && !got_y)
+        e = MOE_EPROTO;
+    /* on any error the arrays parsed so far are released: the caller gets
+     * nothing to free */
+    if (e != MOE_OK)
+        moe_fwd_info_free(info);
     moe_reply_free(&r);
-    return got_y ? MOE_OK : MOE_EPROTO;
+    return e;
 }

@@ -57,11 +57,15 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
         return MOE_ENOMEM;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 60000;
     c->max_msg = opts && opts->max_msg ? opts->max_msg : ((size_t)1 << 30);
-    if (opts && opts->auth_token)
-        c->auth_token = strdup(opts->auth_token);
+    if (opts && opts->auth_token && !(c->auth_token = strdup(opts->auth_token))) {
+        set_error("out of memory");
+        free(c);
+        return MOE_ENOMEM;
+    }
     atomic_init(&c->next_msgid, 1);
     if ((rv = nng_req0_open(&c->sock)) != 0) {
         set_error("nng_req0_open: %s", nng_strerror(rv));
+        free(c->auth_token);
         free(c);
         return MOE_EINTERNAL;
     }
@@ -190,8 +194,14 @@ moe_err moe_call(moe_client *c, const char *method, const void *params, size_t p
         snprintf(out->message, sizeof(out->message), "%s", last_error);
         return e;
     }
-    if ((rv = nng_ctx_open(&ctx, c->sock)) != 0 || (rv = nng_aio_alloc(&aio, NULL, NULL)) != 0) {
+    if ((rv = nng_ctx_open(&ctx, c->sock)) != 0) {
         nng_msg_free(m);
+        e = from_nng(rv);
+        goto fail;
+    }
+    if ((rv = nng_aio_alloc(&aio, NULL, NULL)) != 0) {
+        nng_msg_free(m);
+        nng_ctx_close(ctx);
         e = from_nng(rv);
         goto fail;
     }

@@ -3,31 +3,25 @@
 
 #include "kern.h"
 
+/* The conversions are the inline ones of kern.h: ties to even, overflow
+ * rounds to inf, NaN stays NaN (sign kept, quiet bit forced). */
 uint16_t kern_f32_to_bf16(float f)
 {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep sign, force quiet bit */
-        return (uint16_t)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u); /* ties to even; overflow rounds to inf */
-    return (uint16_t)(u >> 16);
+    return kern_f32_to_bf16_inl(f);
 }
 
 float kern_bf16_to_f32(uint16_t h)
 {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
+    return kern_bf16_to_f32_inl(h);
 }
 
 float kern_bf16_round(float f)
 {
-    return kern_bf16_to_f32(kern_f32_to_bf16(f));
+    return kern_bf16_round_inl(f);
 }
 
 void kern_bf16_round_n(float *x, size_t n)
 {
     for (size_t i = 0; i < n; i++)
-        x[i] = kern_bf16_round(x[i]);
+        x[i] = kern_bf16_round_inl(x[i]);
 }

@@ -18,7 +18,7 @@ void kern_combine_cpu(const float *ye, const float *topk_w, const uint8_t *keep,
             const float *ys = ye + s * H;
             if (bf16) {
                 for (int i = 0; i < H; i++)
-                    yt[i] += kern_bf16_round(w * ys[i]);
+                    yt[i] += kern_bf16_round_inl(w * ys[i]);
             } else {
                 for (int i = 0; i < H; i++)
                     yt[i] += w * ys[i];

@@ -32,6 +32,27 @@ extern "C" {
 typedef enum kern_act { KERN_ACT_SWIGLU = 0, KERN_ACT_GELU = 1 } kern_act;
 
 /* ---- bf16 ---- */
+/* Inline forms for hot loops (branch-free, so loops over them vectorize);
+ * the functions below are the same conversions out of line. */
+static inline uint16_t kern_f32_to_bf16_inl(float f)
+{
+    uint32_t u;
+    __builtin_memcpy(&u, &f, sizeof(u));
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* ties to even */
+    uint32_t quiet_nan = (u >> 16) | 0x0040u;                  /* NaN keeps its sign */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+static inline float kern_bf16_to_f32_inl(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof(f));
+    return f;
+}
+static inline float kern_bf16_round_inl(float f)
+{
+    return kern_bf16_to_f32_inl(kern_f32_to_bf16_inl(f));
+}
 uint16_t kern_f32_to_bf16(float f); /* round to nearest even, NaN stays NaN */
 float kern_bf16_to_f32(uint16_t h);
 float kern_bf16_round(float f); /* f rounded to the nearest bf16, as float */

@@ -539,16 +539,19 @@ void coord_ckpt_finish(coord *c, coord_job *j)
         k->model = j->model;
         k->commit = e == MOE_OK;
         k->ckpt_step = j->ckpt_step;
-        if (e == MOE_OK) {
-            k->call = j->call; /* the reply comes after the commit */
-        } else {
+        if (e != MOE_OK) {
             if (j->call)
                 rpc_reply_err(j->call, e, "checkpoint.load: %s (the model is unchanged)", err);
             else
                 LOG_W("restore of %s failed: %s", j->model->cfg.name, err);
             c->errors_total++;
         }
+        /* phase 2 continues a running job: submitted without the call, so a
+         * full queue cannot refuse it (which would leak it and leave the
+         * client unanswered and the workers' staging in place) */
         coord_job_submit(c, k, 1);
+        if (e == MOE_OK)
+            k->call = j->call; /* the reply comes after the commit */
         return;
     }
     default:

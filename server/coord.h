@@ -129,6 +129,7 @@ typedef struct coord {
     uv_async_t done_async;
     pthread_mutex_t done_mu;
     coord_done *done_head, *done_tail;
+    int done_closed; /* done_async is closed (shutdown): nng threads must not ring it */
     int draining;
     int drain_saved; /* the drain's checkpoints were queued */
 

@@ -96,8 +96,9 @@ static void on_worker_reply(moe_err err, moe_reply *reply, void *arg)
     else
         c->done_head = d;
     c->done_tail = d;
+    if (!c->done_closed)
+        uv_async_send(&c->done_async);
     pthread_mutex_unlock(&c->done_mu);
-    uv_async_send(&c->done_async);
 }
 
 static void finish_job(coord *c, coord_job *j)
@@ -301,7 +302,12 @@ static void merge_forwards(coord *c, coord_job *j)
     size_t es = moe_dtype_size(j->x.dtype), H = (size_t)j->x.shape[1];
     uint8_t *buf = malloc((size_t)rows * H * es);
     if (!buf) {
-        j->batch_next = NULL; /* run alone; the others stay queued */
+        /* run alone; the others stay queued, unlinked (a stale batch_next
+         * would answer them twice) */
+        for (coord_job *b = j, *nb; b; b = nb) {
+            nb = b == tail ? NULL : b->batch_next;
+            b->batch_next = NULL;
+        }
         return;
     }
     c->qhead = q;

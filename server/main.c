@@ -239,12 +239,25 @@ int main(int argc, char **argv)
 
     LOG_I("stopping");
     coord_job_fail_all(&C, MOE_EUNAVAIL, "coordinator stopped");
+    /* a second signal stops with a job in flight: its workers' replies will
+     * never be processed (the loop is done), so answer its clients now,
+     * before rpcsrv_close, instead of leaving them to time out */
+    if (C.current) {
+        for (coord_job *b = C.current; b; b = b->batch_next)
+            if (b->call)
+                rpc_reply_err(b->call, MOE_EUNAVAIL, "coordinator stopped");
+        C.current = NULL;
+    }
     coord_metrics_stop(&C);
     rpcsrv_close(C.srv);
     for (int i = 0; i < COORD_MAX_WORKERS; i++)
         if (C.workers[i].cli)
             moe_client_close(C.workers[i].cli);
     uv_close((uv_handle_t *)&C.tick, NULL);
+    /* calls to workers closed above may still complete on nng threads */
+    pthread_mutex_lock(&C.done_mu);
+    C.done_closed = 1;
+    pthread_mutex_unlock(&C.done_mu);
     uv_close((uv_handle_t *)&C.done_async, NULL);
     uv_close((uv_handle_t *)&C.sigterm, NULL);
     uv_close((uv_handle_t *)&C.sigint, NULL);

@@ -224,9 +224,16 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
         return MOE_EINVAL;
     }
     format_bound(s->lis, o->url, bound_url, bound_len);
+    s->slots = calloc((size_t)s->nslots, sizeof(rpc_slot));
+    if (!s->slots) {
+        LOG_E("rpcsrv: out of memory for %d contexts", s->nslots);
+        nng_close(s->sock);
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return MOE_ENOMEM;
+    }
     uv_async_init(loop, &s->wake, on_wake);
     s->wake.data = s;
-    s->slots = calloc((size_t)s->nslots, sizeof(rpc_slot));
     for (int i = 0; i < s->nslots; i++) {
         rpc_slot *sl = &s->slots[i];
         sl->srv = s;

@@ -544,14 +544,16 @@ static pid_t spawn_child(int mode, int *rfd, int *wfd)
     return pid;
 }
 
-/* parent_open: rank 0 of 2 with the child as rank 1. */
-static xchg *parent_open(int rfd, int wfd)
+/* parent_open: rank 0 of 2 with the child as rank 1. The communicator
+ * borrows *lis: close it after xchg_close. */
+static xchg *parent_open(int rfd, int wfd, xchg_nng_listener **lis_out)
 {
     char urls[2][128];
     const char *u[2] = {urls[0], urls[1]};
     xchg_nng_listener *lis;
     xchg *x = NULL;
     cr_assert_eq(xchg_nng_listen("tcp://127.0.0.1:0", &lis, urls[0], sizeof(urls[0])), MOE_OK);
+    *lis_out = lis;
     cr_assert_eq(read(rfd, urls[1], sizeof(urls[1])), (ssize_t)sizeof(urls[1]));
     cr_assert_eq(write(wfd, urls[0], sizeof(urls[0])), (ssize_t)sizeof(urls[0]));
     cr_assert_eq(xchg_nng_open(lis, 0, 2, u, 1, 5000, &x), MOE_OK);
@@ -569,7 +571,8 @@ Test(xchg_nng, forked_peer_dies, .timeout = 20)
 {
     int rfd, wfd;
     pid_t pid = spawn_child(0, &rfd, &wfd);
-    xchg *x = parent_open(rfd, wfd);
+    xchg_nng_listener *lis;
+    xchg *x = parent_open(rfd, wfd, &lis);
     size_t sb[2] = {100, 100}, rb[2];
     uint8_t buf[200] = {0};
     void *rv = NULL;
@@ -584,6 +587,7 @@ Test(xchg_nng, forked_peer_dies, .timeout = 20)
     cr_expect(dt < 2000, "failure took %lld ms (timeout 5000)", (long long)dt);
     child_exit_ok(pid);
     xchg_close(x);
+    xchg_nng_listener_close(lis);
 }
 
 /* The child dies inside an alltoallv; rank 0 joins late and fails at once
@@ -592,7 +596,8 @@ static void mid_collective(int mode)
 {
     int rfd, wfd;
     pid_t pid = spawn_child(mode, &rfd, &wfd);
-    xchg *x = parent_open(rfd, wfd);
+    xchg_nng_listener *lis;
+    xchg *x = parent_open(rfd, wfd, &lis);
     usleep(400 * 1000);
     size_t sb[2] = {0, (size_t)1 << 20}, rb[2];
     uint8_t *buf = calloc(1, sb[1]);
@@ -604,6 +609,7 @@ static void mid_collective(int mode)
     cr_expect(dt < 2000, "failure took %lld ms (timeout 5000)", (long long)dt);
     child_exit_ok(pid);
     xchg_close(x);
+    xchg_nng_listener_close(lis);
     free(buf);
 }
 

@@ -247,7 +247,7 @@ static moe_err ckpt_commit(wkr *w, wkr_model *m)
         if (bf) {
             memcpy(p->master, wv, p->n * sizeof(float));
             for (size_t k = 0; k < p->n; k++)
-                p->w[k] = kern_bf16_round(wv[k]);
+                p->w[k] = kern_bf16_round_inl(wv[k]);
         } else {
             memcpy(p->w, wv, p->n * sizeof(float));
         }

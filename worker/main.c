@@ -58,6 +58,7 @@ static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static int reg_pending_id = -2; /* -2 none, -1 failed, >= 0 registered id */
 static int hb_unknown;          /* set when the coordinator forgot us */
 static int64_t reg_epoch;       /* the coordinator's epoch from the last registration */
+static int reg_closed;          /* reg_async is closed: nng threads must not ring it */
 
 static void on_reg_async(uv_async_t *h)
 {
@@ -106,8 +107,9 @@ static void on_register_reply(moe_err err, moe_reply *r, void *arg)
     reg_pending_id = id;
     if (id >= 0)
         reg_epoch = epoch;
+    if (!reg_closed)
+        uv_async_send(&reg_async);
     pthread_mutex_unlock(&reg_mu);
-    uv_async_send(&reg_async);
 }
 
 static void on_heartbeat_reply(moe_err err, moe_reply *r, void *arg)
@@ -129,8 +131,9 @@ static void on_heartbeat_reply(moe_err err, moe_reply *r, void *arg)
     if (unknown) {
         pthread_mutex_lock(&reg_mu);
         hb_unknown = 1;
+        if (!reg_closed)
+            uv_async_send(&reg_async);
         pthread_mutex_unlock(&reg_mu);
-        uv_async_send(&reg_async);
     }
 }
 
@@ -299,6 +302,11 @@ int main(int argc, char **argv)
     pthread_join(W.compute_thread, NULL);
     rpcsrv_close(W.srv);
     uv_close((uv_handle_t *)&W.hb_timer, NULL);
+    /* register/heartbeat replies (or their failures when the client closes)
+     * still arrive on nng threads: they must not ring a closed handle */
+    pthread_mutex_lock(&reg_mu);
+    reg_closed = 1;
+    pthread_mutex_unlock(&reg_mu);
     uv_close((uv_handle_t *)&reg_async, NULL);
     uv_close((uv_handle_t *)&W.sigterm, NULL);
     uv_close((uv_handle_t *)&W.sigint, NULL);

@@ -131,7 +131,7 @@ void wkr_op_step(wkr *w, rpc_call *c)
                        (float)eps, (float)wd, m->step, scale);
         if (bf)
             for (size_t k = 0; k < p->n; k++)
-                p->w[k] = kern_bf16_round(p->master[k]);
+                p->w[k] = kern_bf16_round_inl(p->master[k]);
         memset(p->grad, 0, p->n * sizeof(float));
     }
     m->has_grads = 0;

@@ -23,10 +23,14 @@ void rows_tensor_to_f32(const moe_tensor *t, float *out, size_t n)
         memcpy(out, s, n * 4);
         return;
     }
+    if (t->dtype == MOE_BF16) {
+        rows_get(out, s, n, 1);
+        return;
+    }
     for (size_t i = 0; i < n; i++) {
         uint16_t h;
         memcpy(&h, s + 2 * i, 2);
-        out[i] = t->dtype == MOE_BF16 ? kern_bf16_to_f32(h) : f16_to_f32(h);
+        out[i] = f16_to_f32(h);
     }
 }
 

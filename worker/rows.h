@@ -21,7 +21,7 @@ static inline void rows_put(void *dst, const float *src, size_t n, int bf16)
     }
     unsigned char *d = dst;
     for (size_t i = 0; i < n; i++) {
-        uint16_t h = kern_f32_to_bf16(src[i]);
+        uint16_t h = kern_f32_to_bf16_inl(src[i]);
         memcpy(d + 2 * i, &h, 2);
     }
 }
@@ -36,7 +36,7 @@ static inline void rows_get(float *dst, const void *src, size_t n, int bf16)
     for (size_t i = 0; i < n; i++) {
         uint16_t h;
         memcpy(&h, s + 2 * i, 2);
-        dst[i] = kern_bf16_to_f32(h);
+        dst[i] = kern_bf16_to_f32_inl(h);
     }
 }
 
