@@ -127,19 +127,23 @@ static moe_err build_request(moe_client *c, uint32_t msgid, const char *method, 
         mp_write_cstr(&w, "auth");
         mp_write_cstr(&w, c->auth_token);
     }
-    if (npairs)
-        mp_write_raw(&w, r.p, mp_left(&r));
     if (w.failed) {
         mp_writer_fini(&w);
         set_error("out of memory encoding the request");
         return MOE_ENOMEM;
     }
+    /* the envelope, then the params pairs straight from the caller's buffer
+     * (one copy of a large tensor, not two) */
+    size_t body = npairs ? mp_left(&r) : 0;
     nng_msg *m;
-    if (nng_msg_alloc(&m, 0) != 0 || nng_msg_append(m, w.buf, w.len) != 0) {
+    if (nng_msg_alloc(&m, w.len + body) != 0) {
         mp_writer_fini(&w);
         set_error("out of memory for the request message");
         return MOE_ENOMEM;
     }
+    memcpy(nng_msg_body(m), w.buf, w.len);
+    if (body)
+        memcpy((uint8_t *)nng_msg_body(m) + w.len, r.p, body);
     mp_writer_fini(&w);
     *out = m;
     return MOE_OK;
