@@ -7,6 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "moe.h"
 #include "proto.h"
@@ -17,6 +20,7 @@ struct moe_client {
     int timeout_ms;
     size_t max_msg;
     char *auth_token; /* owned; NULL = none */
+    uint64_t client_id; /* random, drawn at open: the first half of every "rid" */
     atomic_uint next_msgid;
 };
 
@@ -49,6 +53,28 @@ static moe_err from_nng(int rv)
     }
 }
 
+/* random_id draws the client id: getrandom, else /dev/urandom, else a mix of
+ * time, pid and an address (unique enough for a per-process id). */
+static uint64_t random_id(const void *salt)
+{
+    uint64_t id = 0;
+    if (getrandom(&id, sizeof(id), GRND_NONBLOCK) == (ssize_t)sizeof(id))
+        return id;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (f) {
+        size_t n = fread(&id, sizeof(id), 1, f);
+        fclose(f);
+        if (n == 1)
+            return id;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    id = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    id ^= (uint64_t)getpid() << 32 ^ (uint64_t)(uintptr_t)salt;
+    id *= 0x9e3779b97f4a7c15ull;
+    return id ^ (id >> 29);
+}
+
 moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client **out)
 {
     moe_client *c = calloc(1, sizeof(*c));
@@ -62,6 +88,7 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
         free(c);
         return MOE_ENOMEM;
     }
+    c->client_id = random_id(c);
     atomic_init(&c->next_msgid, 1);
     if ((rv = nng_req0_open(&c->sock)) != 0) {
         set_error("nng_req0_open: %s", nng_strerror(rv));
@@ -69,7 +96,10 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
         free(c);
         return MOE_EINTERNAL;
     }
-    /* A training step must never run twice: no automatic resend. */
+    /* A training step must never run twice: no automatic resend on a timer.
+     * nng still resends a request whose connection dropped before the reply;
+     * the "rid" in every request lets the coordinator answer such a
+     * duplicate without running it again (docs/PROTOCOL.md). */
     nng_socket_set_ms(c->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
     nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, c->max_msg);
     nng_socket_set_ms(c->sock, NNG_OPT_RECONNMINT, 20);
@@ -84,6 +114,11 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
     }
     *out = c;
     return MOE_OK;
+}
+
+uint64_t moe_client_id(const moe_client *c)
+{
+    return c ? c->client_id : 0;
 }
 
 void moe_client_close(moe_client *c)
@@ -104,7 +139,9 @@ void moe_reply_free(moe_reply *r)
     r->len = 0;
 }
 
-/* build_request encodes [0, msgid, method, [params + auth]] into an nng_msg. */
+/* build_request encodes [0, msgid, method, [params + rid + auth]] into an
+ * nng_msg. The rid is [client_id, msgid]: unique per call of this client
+ * (msgid wraps after 2^32 calls), the same in nng's resends of the message. */
 static moe_err build_request(moe_client *c, uint32_t msgid, const char *method, const void *params,
                              size_t params_len, nng_msg **out)
 {
@@ -122,7 +159,11 @@ static moe_err build_request(moe_client *c, uint32_t msgid, const char *method, 
             return MOE_EINVAL;
         }
     }
-    mp_write_map(&w, npairs + (c->auth_token ? 1 : 0));
+    mp_write_map(&w, npairs + 1 + (c->auth_token ? 1 : 0));
+    mp_write_cstr(&w, "rid");
+    mp_write_array(&w, 2);
+    mp_write_u64(&w, c->client_id);
+    mp_write_u64(&w, msgid);
     if (c->auth_token) {
         mp_write_cstr(&w, "auth");
         mp_write_cstr(&w, c->auth_token);

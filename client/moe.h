@@ -73,9 +73,16 @@ typedef struct moe_client_opts {
 } moe_client_opts;
 
 /* moe_client_open dials url (tcp://host:port, ipc://path). opts may be NULL.
- * The client is owned by the caller: free with moe_client_close. */
+ * The client is owned by the caller: free with moe_client_close.
+ * It draws a random 64-bit client id; every request carries the params key
+ * "rid": [client id, msgid], so that the coordinator runs a mutating request
+ * that nng delivered twice (a resend after a dropped connection) only once
+ * (docs/PROTOCOL.md). Params passed to moe_call must therefore not contain
+ * "rid" (nor "auth" when opts->auth_token is set). */
 moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client **out);
 void moe_client_close(moe_client *c);
+/* moe_client_id returns the client id sent in every "rid" (0 for NULL). */
+uint64_t moe_client_id(const moe_client *c);
 /* moe_last_error: the message of the last failed call on this thread. */
 const char *moe_last_error(void);
 

@@ -103,9 +103,12 @@ moe_err params_parse(mp_reader *r, uint32_t nparams, pspec *specs, int nspecs, c
             if (mp_str_eq(key, klen, specs[i].key))
                 p = &specs[i];
         if (!p) {
-            if (mp_str_eq(key, klen, "auth")) {
+            /* envelope keys every method accepts, checked elsewhere: "auth"
+             * (the coordinator's dispatch), "rid" (server/dedupe.c) */
+            if (mp_str_eq(key, klen, "auth") || mp_str_eq(key, klen, "rid")) {
                 if (mp_skip(r, &eb) != MOE_OK)
-                    return bad(err, errlen, "parameter '%s': %s", "auth", eb.msg);
+                    return bad(err, errlen, "parameter '%s': %s", klen == 3 ? "rid" : "auth",
+                               eb.msg);
                 continue;
             }
             snprintf(err, errlen, "unknown parameter '%.*s'", (int)(klen > 64 ? 64 : klen), key);

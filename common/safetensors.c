@@ -342,7 +342,10 @@ moe_err st_open(const char *path, st_file **out, char *err, size_t errlen)
         t->ndim = (int)sh->len;
         double numel = 1;
         for (size_t d = 0; d < sh->len; d++) {
-            if (sh->kids[d].type != J_NUM || sh->kids[d].num < 0)
+            /* a whole number that fits: the cast to int64 below is UB otherwise */
+            if (sh->kids[d].type != J_NUM || !(sh->kids[d].num >= 0) ||
+                sh->kids[d].num > 9007199254740992.0 ||
+                sh->kids[d].num != (double)(int64_t)sh->kids[d].num)
                 return bad(f, err, errlen, path, "a tensor has a bad shape");
             t->shape[d] = (int64_t)sh->kids[d].num;
             numel *= sh->kids[d].num;

@@ -444,8 +444,8 @@ static void prune(const char *root, const char *keep_name)
     char *names[4096];
     int n = 0;
     while (d && (de = readdir(d)) && n < 4096)
-        if (strncmp(de->d_name, "ckpt-", 5) == 0)
-            names[n++] = strdup(de->d_name);
+        if (strncmp(de->d_name, "ckpt-", 5) == 0 && (names[n] = strdup(de->d_name)))
+            n++; /* never a NULL name: cmp_str would crash on it */
     if (d)
         closedir(d);
     qsort(names, (size_t)n, sizeof(char *), cmp_str);
@@ -575,4 +575,111 @@ void coord_ckpt_finish(coord *c, coord_job *j)
         }
         return;
     }
+}
+
+void coord_model_persist(coord *c, const coord_model *m)
+{
+    char root[CFG_STR_MAX], path[CFG_STR_MAX + 16], err[512];
+    const model_cfg *g = &m->cfg;
+    if (!auto_root(c, m, root, sizeof(root)))
+        return;
+    if (st_mkdir_p(root) != MOE_OK) {
+        LOG_W("cannot create %s: %s", root, strerror(errno));
+        return;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f)
+        return;
+    fprintf(f, "{\"name\": ");
+    json_write_str(f, g->name);
+    fprintf(f,
+            ", \"layers\": %d, \"d_model\": %d, \"d_ff\": %d, \"n_experts\": %d, \"top_k\": %d, "
+            "\"activation\": \"%s\", \"renormalize\": %s, \"capacity_factor\": %.17g, "
+            "\"dtype\": \"%s\", \"seed\": %llu, \"aux_loss_coef\": %.17g, \"z_loss_coef\": "
+            "%.17g}\n",
+            g->layers, g->d_model, g->d_ff, g->n_experts, g->top_k, g->act ? "gelu" : "swiglu",
+            g->renormalize ? "true" : "false", g->capacity_factor, moe_dtype_name(g->dtype),
+            (unsigned long long)g->seed, g->aux_loss_coef, g->z_loss_coef);
+    fclose(f);
+    snprintf(path, sizeof(path), "%s/model.json", root);
+    if (st_write_durable(path, text, len, err, sizeof(err)) != MOE_OK)
+        LOG_W("cannot persist the config of %s: %s", g->name, err);
+    free(text);
+}
+
+/* json_to_params re-encodes a flat JSON object as a msgpack map, so the one
+ * validating parser (model_cfg_parse) reads it */
+static int json_to_params(const json_node *o, mp_writer *w)
+{
+    if (!o || o->type != J_OBJ)
+        return -1;
+    mp_write_map(w, (uint32_t)o->len);
+    for (size_t i = 0; i < o->len; i++) {
+        const json_node *v = &o->kids[i];
+        mp_write_cstr(w, v->key);
+        switch (v->type) {
+        case J_STR: mp_write_cstr(w, v->str); break;
+        case J_BOOL: mp_write_bool(w, v->num != 0); break;
+        case J_NUM:
+            if (v->num == (double)(int64_t)v->num && v->num >= -9e18 && v->num <= 9e18)
+                mp_write_i64(w, (int64_t)v->num);
+            else
+                mp_write_f64(w, v->num);
+            break;
+        default: return -1;
+        }
+    }
+    return 0;
+}
+
+void coord_models_restore(coord *c)
+{
+    if (!c->ckpt_dir[0])
+        return;
+    DIR *d = opendir(c->ckpt_dir);
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        char path[CFG_STR_MAX + 300], err[256];
+        size_t n;
+        if (de->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof(path), "%s/%s/model.json", c->ckpt_dir, de->d_name);
+        char *text = read_file(path, 1 << 16, &n);
+        if (!text)
+            continue;
+        json_doc *doc = NULL;
+        json_node *root;
+        mp_writer w;
+        mp_writer_init(&w);
+        model_cfg cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        moe_err e = json_parse(text, n, &doc, &root, err, sizeof(err));
+        if (e == MOE_OK && json_to_params(root, &w) != 0) {
+            snprintf(err, sizeof(err), "not a flat object of model.create params");
+            e = MOE_EINVAL;
+        }
+        if (e == MOE_OK) {
+            mp_reader r;
+            uint32_t np;
+            mp_reader_init(&r, w.buf, w.len);
+            mp_read_map(&r, &np, NULL);
+            e = model_cfg_parse(&r, np, &cfg, err, sizeof(err));
+        }
+        if (e == MOE_OK && strcmp(cfg.name, de->d_name) != 0) {
+            snprintf(err, sizeof(err), "names model '%s'", cfg.name);
+            e = MOE_EINVAL;
+        }
+        if (e == MOE_OK && !coord_find_model(c, cfg.name) &&
+            coord_model_add(c, &cfg, err, sizeof(err)))
+            LOG_I("model %s known again from %s", cfg.name, path);
+        else if (e != MOE_OK)
+            LOG_W("ignoring %s: %s", path, err);
+        mp_writer_fini(&w);
+        json_free(doc);
+        free(text);
+    }
+    if (d)
+        closedir(d);
 }

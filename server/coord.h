@@ -201,6 +201,8 @@ void coord_job_fail_all(coord *c, moe_err e, const char *why);
 
 /* models.c */
 coord_model *coord_find_model(coord *c, const char *name);
+/* coord_model_add registers a model (config validated by the caller). */
+coord_model *coord_model_add(coord *c, const model_cfg *cfg, char *err, size_t errlen);
 void coord_model_create(coord *c, rpc_call *call);
 void coord_model_info(coord *c, rpc_call *call);
 void coord_forward(coord *c, rpc_call *call);
@@ -228,11 +230,21 @@ void coord_autosave(coord *c, coord_model *m, int front);
 /* coord_autorestore queues a load of m's newest automatic checkpoint, if
  * any (at the queue's front); returns 1 when queued. */
 int coord_autorestore(coord *c, coord_model *m);
+/* coord_model_persist writes m's config to <checkpoint-dir>/<name>/model.json
+ * (durably) when automatic checkpoints are on; coord_models_restore reads
+ * every such file at start, so a restarted coordinator knows its models
+ * again (their weights come back from the newest checkpoint when the
+ * cluster forms). */
+void coord_model_persist(coord *c, const coord_model *m);
+void coord_models_restore(coord *c);
 
 /* stats.c */
 void coord_stats(coord *c, rpc_call *call);
 void coord_metrics_render(coord *c);
 moe_err coord_metrics_start(coord *c);
 void coord_metrics_stop(coord *c);
+/* dashboard.c: GET /dashboard, the operator page (an nng HTTP handler) */
+struct nng_aio;
+void coord_http_dashboard(struct nng_aio *aio);
 
 #endif

@@ -10,10 +10,12 @@
 #include <unistd.h>
 
 #include "coord.h"
+#include "dedupe.h"
 #include "log.h"
 #include "params.h"
 
 static coord C;
+static dedupe *D; /* replies of mutating requests by "rid"; loop thread */
 
 static const cfg_entry coord_cfg[] = {
     {"listen", CFG_STR, "tcp://127.0.0.1:7000", 0, 0, C.listen_url,
@@ -82,6 +84,10 @@ static void on_request(rpc_call *call, void *arg)
             return;
         }
     }
+    /* exactly-once: a duplicate (same "rid") of a mutating request gets the
+     * original's reply and does not run again (dedupe.h) */
+    if (dedupe_begin(D, call))
+        return;
 #define IS(name) mp_str_eq(q->method, q->method_len, name)
     if (IS("ping"))
         reply_ping(call);
@@ -206,6 +212,10 @@ int main(int argc, char **argv)
     uv_async_init(C.loop, &C.done_async, coord_on_done);
     C.done_async.data = &C;
 
+    if (!(D = dedupe_new(DEDUPE_MAX_ENTRIES, DEDUPE_MAX_BYTES, DEDUPE_MAX_REPLY))) {
+        fprintf(stderr, "moe-coordinator: out of memory\n");
+        return 1;
+    }
     rpcsrv_opts o = {C.listen_url, (int)C.nctx, (size_t)C.max_msg_mb << 20, on_request, &C};
     if (rpcsrv_open(C.loop, &o, &C.srv, C.bound_url, sizeof(C.bound_url)) != MOE_OK) {
         fprintf(stderr, "moe-coordinator: cannot listen on %s\n", C.listen_url);
@@ -225,6 +235,7 @@ int main(int argc, char **argv)
             return 1;
         }
     }
+    coord_models_restore(&C); /* models of a previous run, with --checkpoint-dir */
     coord_metrics_render(&C);
     uv_timer_init(C.loop, &C.tick);
     C.tick.data = &C;
@@ -250,6 +261,7 @@ int main(int argc, char **argv)
     }
     coord_metrics_stop(&C);
     rpcsrv_close(C.srv);
+    dedupe_free(D); /* every original was answered above, or dropped by the close */
     for (int i = 0; i < COORD_MAX_WORKERS; i++)
         if (C.workers[i].cli)
             moe_client_close(C.workers[i].cli);

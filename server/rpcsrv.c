@@ -104,6 +104,11 @@ static void slot_cb(void *arg)
 static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
 {
     nng_msg *m;
+    rpc_reply_hook hook = sl->call.on_reply;
+    if (hook) { /* once, while the request is still readable */
+        sl->call.on_reply = NULL;
+        hook(&sl->call, buf, len, sl->call.on_reply_arg);
+    }
     if (sl->call.msg) {
         nng_msg_free(sl->call.msg);
         sl->call.msg = NULL;
@@ -133,6 +138,11 @@ void rpc_reply(rpc_call *c, mp_writer *w)
     send_bytes(sl, w->buf, w->len);
     mp_writer_fini(w);
     mp_writer_init(w);
+}
+
+void rpc_reply_bytes(rpc_call *c, const void *buf, size_t len)
+{
+    send_bytes(c->slot, buf, len);
 }
 
 void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
@@ -165,6 +175,7 @@ static void on_wake(uv_async_t *h)
         mp_errbuf eb = {{0}};
         uint32_t msgid = 0;
         c->data = NULL;
+        c->on_reply = NULL;
         moe_err e = moe_rpc_parse_request(nng_msg_body(m), nng_msg_len(m), s->max_msg, &c->req,
                                           &msgid, &eb);
         if (e != MOE_OK) {
@@ -278,6 +289,7 @@ static void flush(rpcsrv *s)
             nng_msg *m = sl->call.msg;
             mp_errbuf eb = {{0}};
             uint32_t msgid = 0;
+            sl->call.on_reply = NULL;
             moe_rpc_parse_request(nng_msg_body(m), nng_msg_len(m), s->max_msg, &sl->call.req,
                                   &msgid, &eb);
             sl->call.req.msgid = msgid;

@@ -19,17 +19,31 @@
 
 typedef struct rpcsrv rpcsrv;
 
+typedef struct rpc_call rpc_call;
+
+/* rpc_reply_hook: runs once, with the complete encoded response, when the
+ * call is answered (rpc_reply, rpc_reply_err or rpc_reply_bytes), on the
+ * thread that answers it, before the bytes are sent and before the call is
+ * released (req is still valid). buf is borrowed for the duration of the
+ * hook: copy what must outlive it. The hook may answer other calls, not this
+ * one. */
+typedef void (*rpc_reply_hook)(rpc_call *call, const void *buf, size_t len, void *arg);
+
 /* rpc_call: one in-flight request. Owned by the rpcsrv until the handler
  * answers it with rpc_reply / rpc_reply_err (exactly once, from any thread);
  * after that it must not be touched. */
-typedef struct rpc_call {
+struct rpc_call {
     moe_rpc_request req; /* read-only: method and params point into the message */
     uint64_t recv_ns;    /* read-only: monotonic time the request arrived */
     void *data;          /* public: for the handler */
+    /* public: set by the handler; NULL when the request arrives, and cleared
+     * before it runs */
+    rpc_reply_hook on_reply;
+    void *on_reply_arg;
     /* private */
     struct rpc_slot *slot;
     void *msg; /* nng_msg *, owns the bytes req points into */
-} rpc_call;
+};
 
 /* rpc_handler runs on the loop thread for every well-formed request. */
 typedef void (*rpc_handler)(rpc_call *call, void *arg);
@@ -60,6 +74,10 @@ void rpc_reply(rpc_call *c, mp_writer *w);
 /* rpc_reply_err answers with an error object {code, message}. Thread safe. */
 void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* rpc_reply_bytes answers with a complete, already encoded response (len
+ * bytes, copied) and releases the call. Thread safe. */
+void rpc_reply_bytes(rpc_call *c, const void *buf, size_t len);
 
 /* rpc_now_ns returns CLOCK_MONOTONIC in nanoseconds. */
 uint64_t rpc_now_ns(void);

@@ -204,7 +204,10 @@ moe_err coord_metrics_start(coord *c)
     static const struct {
         const char *path;
         void (*cb)(nng_aio *);
-    } routes[] = {{"/metrics", on_metrics}, {"/livez", on_livez}, {"/readyz", on_readyz}};
+    } routes[] = {{"/metrics", on_metrics},
+                  {"/livez", on_livez},
+                  {"/readyz", on_readyz},
+                  {"/dashboard", coord_http_dashboard}};
     for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
         nng_http_handler *h;
         if (nng_http_handler_alloc(&h, routes[i].path, routes[i].cb) != 0)

@@ -6,7 +6,9 @@
  *     a connection reset when the coordinator exited;
  *   - the client library's forward: arrays of a malformed reply leaked on
  *     error paths, and a "dropped" array shorter than tokens_per_expert was
- *     accepted (callers index both by expert).
+ *     accepted (callers index both by expert);
+ *   - safetensors: a fractional or huge shape value was accepted (the cast
+ *     to int64 of 1e30 is undefined; 1.5 was read as 1).
  */
 #include <criterion/criterion.h>
 #include <nng/nng.h>
@@ -22,6 +24,7 @@
 
 #include "cluster.h"
 #include "kern.h"
+#include "safetensors.h"
 
 /* ---- async answers ---- */
 
@@ -299,4 +302,45 @@ Test(regress, client_forward_bad_reply_frees_info, .timeout = 30)
     cr_assert_eq(info.n_experts, 4);
     cr_assert_eq(info.tokens_per_expert[3], 3);
     moe_fwd_info_free(&info);
+}
+
+/* ---- safetensors: a shape must be whole numbers ---- */
+
+static moe_err open_with_shape(const char *shape_json, size_t data_len, char *err, size_t errlen)
+{
+    char dir[] = "/tmp/moe-regress-XXXXXX";
+    cr_assert(mkdtemp(dir));
+    char path[64], head[256];
+    snprintf(path, sizeof(path), "%s/t.safetensors", dir);
+    int hn = snprintf(head, sizeof(head),
+                      "{\"w\":{\"dtype\":\"F32\",\"shape\":%s,\"data_offsets\":[0,%zu]}}",
+                      shape_json, data_len);
+    FILE *f = fopen(path, "wb");
+    cr_assert(f);
+    uint8_t len8[8];
+    for (int i = 0; i < 8; i++)
+        len8[i] = (uint8_t)((uint64_t)hn >> (8 * i));
+    fwrite(len8, 1, 8, f);
+    fwrite(head, 1, (size_t)hn, f);
+    for (size_t i = 0; i < data_len; i++)
+        fputc(0, f);
+    fclose(f);
+    st_file *sf = NULL;
+    moe_err e = st_open(path, &sf, err, errlen);
+    st_close(sf);
+    unlink(path);
+    rmdir(dir);
+    return e;
+}
+
+Test(regress, safetensors_shape_must_be_whole)
+{
+    char err[256];
+    cr_assert_eq(open_with_shape("[3,2]", 24, err, sizeof(err)), MOE_OK, "%s", err);
+    /* 1.5 x 2 = 3 elements = 12 bytes: consistent, but shape[0] read as 1 */
+    cr_assert_neq(open_with_shape("[1.5,2]", 12, err, sizeof(err)), MOE_OK,
+                  "a fractional shape was accepted");
+    /* 0 x 1e30: 0 bytes, and (int64_t)1e30 is undefined */
+    cr_assert_neq(open_with_shape("[0,1e30]", 0, err, sizeof(err)), MOE_OK,
+                  "a shape beyond int64 was accepted");
 }

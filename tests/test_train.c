@@ -666,3 +666,39 @@ Test(train, auto_checkpoint_restores_after_worker_loss, .timeout = 120, .fini = 
     rm_rf(ck);
     free(ya), free(yb);
 }
+
+/* With --checkpoint-dir a coordinator that is killed and started again
+ * knows its models (model.json) and the cluster restores their newest
+ * checkpoint when it forms: no model.create, no load, same outputs. */
+Test(train, coordinator_restart_recovers_models, .timeout = 120, .fini = cluster_fini_all)
+{
+    tshape s = {20, 16, 24, 4, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.01, 0.0};
+    size_t n = (size_t)s.T * s.H;
+    char ck[128];
+    make_tmpdir(ck, sizeof(ck));
+    cluster_opts o = {0};
+    o.workers = 2;
+    o.coord_args[0] = "--checkpoint-dir";
+    o.coord_args[1] = ck;
+    o.coord_args[2] = "--checkpoint-every";
+    o.coord_args[3] = "1";
+    cluster *a = cluster_start(&o);
+    cr_assert(a, "cluster: %s", cluster_error());
+    create_model(a, "d", &s, 1, 8);
+    train_steps(a, &s, 1, 2, 40);
+    float *ya = malloc(n * 4), *yb = malloc(n * 4);
+    forward_probe(a, &s, 0, ya);
+    kill(a->coord_pid, SIGKILL);
+    for (int i = 0; i < a->nworkers; i++)
+        cluster_worker_kill(a, i, SIGKILL);
+    cluster_stop(a);
+
+    cluster *b = cluster_start(&o);
+    cr_assert(b, "cluster: %s", cluster_error());
+    /* the restore is queued right after the formation */
+    forward_probe(b, &s, 0, yb);
+    cr_assert(memcmp(ya, yb, n * 4) == 0, "the restarted coordinator lost the model's weights");
+    cr_assert_eq(cluster_stop(b), 0);
+    rm_rf(ck);
+    free(ya), free(yb);
+}

@@ -1,0 +1,154 @@
+/*
+ * test_dashboard.c - GET /dashboard on the coordinator's metrics server: a
+ * self-contained HTML page (no external resources) that polls /metrics; and
+ * after a forward, /metrics holds the per-expert lines the page draws.
+ */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include "cluster.h"
+#include "kern.h"
+
+/* http_get fetches path from 127.0.0.1:port: the status code, the headers
+ * (up to the blank line) in head and the body in body, both NUL terminated
+ * and truncated to their cap. -1 on failure. */
+static int http_get(int port, const char *path, char *head, size_t hcap, char *body, size_t bcap)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0)
+        return -1;
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {5, 0};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    if (connect(s, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(s);
+        return -1;
+    }
+    char req[256];
+    int n = snprintf(req, sizeof(req),
+                     "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", path);
+    if (write(s, req, (size_t)n) != n) {
+        close(s);
+        return -1;
+    }
+    static char resp[1 << 20];
+    size_t len = 0;
+    for (;;) {
+        ssize_t r = read(s, resp + len, sizeof(resp) - 1 - len);
+        if (r <= 0)
+            break;
+        len += (size_t)r;
+    }
+    close(s);
+    resp[len] = 0;
+    int code = -1;
+    if (sscanf(resp, "HTTP/1.%*d %d", &code) != 1)
+        return -1;
+    const char *b = strstr(resp, "\r\n\r\n");
+    size_t hl = b ? (size_t)(b - resp) : len;
+    snprintf(head, hcap, "%.*s", (int)hl, resp);
+    snprintf(body, bcap, "%s", b ? b + 4 : "");
+    return code;
+}
+
+/* header_value: the value of header name in head (case-insensitive name), or NULL */
+static const char *header_value(const char *head, const char *name, char *out, size_t cap)
+{
+    size_t n = strlen(name);
+    for (const char *p = strstr(head, "\r\n"); p; p = strstr(p + 2, "\r\n")) {
+        if (strncasecmp(p + 2, name, n) == 0 && p[2 + n] == ':') {
+            const char *v = p + 3 + n;
+            while (*v == ' ')
+                v++;
+            size_t l = strcspn(v, "\r\n");
+            snprintf(out, cap, "%.*s", (int)l, v);
+            return out;
+        }
+    }
+    return NULL;
+}
+
+Test(dashboard, page_served_and_metrics_it_parses, .timeout = 30, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1, .metrics = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    static char head[8192], body[1 << 20];
+
+    cr_assert_eq(http_get(cl->metrics_port, "/dashboard", head, sizeof(head), body, sizeof(body)),
+                 200, "%s", head);
+    char ctype[128];
+    cr_assert(header_value(head, "Content-Type", ctype, sizeof(ctype)), "%s", head);
+    cr_assert(strncmp(ctype, "text/html", 9) == 0, "Content-Type: %s", ctype);
+    cr_assert(strstr(body, "<!doctype html>") && strstr(body, "</html>"));
+    /* polls /metrics */
+    cr_assert(strstr(body, "fetch('/metrics'"), "no fetch of /metrics in the page");
+    cr_assert(strstr(body, "setTimeout(tick, POLL_MS)") && strstr(body, "POLL_MS = 2000"));
+    /* the sections */
+    static const char *titles[] = {"<h2>Cluster</h2>",         "<h2>Throughput</h2>",
+                                   "<h2>Forward latency</h2>", "<h2>Phases</h2>",
+                                   "<h2>Workers</h2>",         "<h2>Load balance per layer</h2>"};
+    for (size_t i = 0; i < sizeof(titles) / sizeof(titles[0]); i++)
+        cr_assert(strstr(body, titles[i]), "missing section %s", titles[i]);
+    /* the metric names the page reads */
+    static const char *names[] = {"moe_cluster_ready",
+                                  "moe_workers_up",
+                                  "moe_workers_expected",
+                                  "moe_queue_jobs",
+                                  "moe_requests_total",
+                                  "moe_request_errors_total",
+                                  "moe_tokens_per_second",
+                                  "moe_forward_latency_seconds_bucket",
+                                  "moe_worker_busy_seconds_total",
+                                  "moe_expert_tokens_total",
+                                  "moe_expert_dropped_total",
+                                  "moe_layer_imbalance"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        cr_assert(strstr(body, names[i]), "page does not read %s", names[i]);
+    /* self-contained: nothing loaded from elsewhere */
+    cr_assert_null(strstr(body, "http://"));
+    cr_assert_null(strstr(body, "https://"));
+    cr_assert_null(strstr(body, "<script src"));
+    cr_assert_null(strstr(body, "<link"));
+
+    /* after a forward, the text the page parses has the per-expert lines */
+    moe_model_config mc = {0};
+    mc.name = "m";
+    mc.layers = 2;
+    mc.d_model = 16;
+    mc.d_ff = 32;
+    mc.n_experts = 4;
+    mc.top_k = 2;
+    mc.seed = 5;
+    cr_assert_eq(moe_model_create(cl->cli, &mc), MOE_OK, "model.create: %s", moe_last_error());
+    const int T = 8, H = 16;
+    float x[8 * 16], y[8 * 16];
+    kern_fill_uniform(3, 4, -1, 1, x, (size_t)T * H);
+    cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    int64_t t0 = cluster_now_ms();
+    do { /* rendered by the loop every 100 ms */
+        cr_assert_eq(http_get(cl->metrics_port, "/metrics", head, sizeof(head), body, sizeof(body)),
+                     200);
+        if (strstr(body, "\nmoe_forward_total 1\n"))
+            break;
+        usleep(50000);
+    } while (cluster_now_ms() - t0 < 5000);
+    cr_assert(strstr(body, "\nmoe_forward_total 1\n"), "%s", body);
+    cr_assert(strstr(body, "\nmoe_expert_tokens_total{layer=\"0\",expert=\"0\"} "), "%s", body);
+    cr_assert(strstr(body, "\nmoe_expert_tokens_total{layer=\"1\",expert=\"3\"} "), "%s", body);
+    cr_assert(strstr(body, "\nmoe_layer_imbalance{layer=\"0\"} "), "%s", body);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
