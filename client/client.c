@@ -19,7 +19,7 @@ struct moe_client {
     nng_dialer dialer;
     int timeout_ms;
     size_t max_msg;
-    char *auth_token; /* owned; NULL = none */
+    char *auth_token;   /* owned; NULL = none */
     uint64_t client_id; /* random, drawn at open: the first half of every "rid" */
     atomic_uint next_msgid;
 };
