@@ -74,7 +74,7 @@ typedef struct coord_handle {
     uint64_t generation, created_ns;
     handle_state state;
 } coord_handle;
-#define COORD_HANDLE_RING 4096
+#define COORD_HANDLE_RING 32768 /* > queue-depth + max-handles (both capped at 16384) */
 
 typedef struct coord_job {
     struct coord_job *next;

@@ -68,9 +68,7 @@ void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const 
 {
     const int ne = st->model->ne;
     size_t es = bf16 ? 2 : 4, n = 0;
-    size_t *pos = malloc((size_t)W * sizeof(size_t));
-    if (!pos)
-        return;
+    size_t pos[256]; /* W <= 256 (worker.join) */
     for (int q = 0; q < W; q++)
         pos[q] = row0[q];
     for (int i = 0; i < ne; i++)
@@ -80,7 +78,6 @@ void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const 
             pos[q] += (size_t)k * H * es;
             n += (size_t)k;
         }
-    free(pos);
 }
 
 size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *rows, int bf16,
@@ -88,9 +85,7 @@ size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *row
 {
     const int ne = st->model->ne;
     size_t es = bf16 ? 2 : 4, total = 0, n = 0;
-    size_t *pos = malloc((size_t)W * sizeof(size_t));
-    if (!pos)
-        return (size_t)-1;
+    size_t pos[256]; /* W <= 256 (worker.join) */
     for (int q = 0; q < W; q++) {
         size_t nrows = 0;
         for (int i = 0; i < ne; i++)
@@ -100,10 +95,8 @@ size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *row
         total += back_bytes[q];
     }
     uint8_t *buf = malloc(total ? total : 1);
-    if (!buf) {
-        free(pos);
+    if (!buf)
         return (size_t)-1;
-    }
     for (int i = 0; i < ne; i++)
         for (int q = 0; q < W; q++) {
             int32_t k = st->src_cnt[(size_t)q * ne + i];
@@ -111,7 +104,6 @@ size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *row
             pos[q] += (size_t)k * H * es;
             n += (size_t)k;
         }
-    free(pos);
     *out = buf;
     return total;
 }
