@@ -70,7 +70,8 @@ static void from_wire(const void *in, size_t n, moe_dtype dt, float *x)
 
 int main(int argc, char **argv)
 {
-    const char *url = "tcp://127.0.0.1:7000", *dts = "bf16", *tok = "1,64,1024";
+    const char *url = getenv("MOE_URL") ? getenv("MOE_URL") : "tcp://127.0.0.1:7000";
+    const char *dts = "bf16", *tok = "1,64,1024";
     int H = 1024, F = 2048, E = 8, K = 2, iters = 10, train = 0, ref = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
