@@ -135,6 +135,16 @@ typedef struct wkr {
     wkr_model *models[WKR_MAX_MODELS];
     int nmodels;
     wkr_fwd_state **handles; /* (max_handles) train forwards awaiting backward */
+    /* replies to the last few coordinator requests, by request id: nng's req
+     * socket resends a request whose connection dropped, and a resent
+     * forward, backward or step must not run twice (compute thread only) */
+    struct wkr_reply_cache {
+        uint64_t rid[2];
+        uint8_t *buf; /* owned */
+        size_t len;
+    } replies[4];
+    int replies_next;
+    uint64_t cur_rid[2]; /* the request being run */
     long long max_handles, handle_ttl_ms;
 } wkr;
 
