@@ -30,10 +30,10 @@
 
 typedef struct answer {
     pthread_mutex_t mu;
-    int n;          /* answers received */
-    moe_err err;    /* the last one's error */
-    int transport;  /* it was a transport error */
-    int64_t at_ms;  /* when it arrived */
+    int n;         /* answers received */
+    moe_err err;   /* the last one's error */
+    int transport; /* it was a transport error */
+    int64_t at_ms; /* when it arrived */
     char msg[256];
 } answer;
 
@@ -114,9 +114,8 @@ static void rm_rf(const char *dir)
 Test(regress, ckpt_load_answered_with_full_queue, .timeout = 90, .fini = cluster_fini_all)
 {
     const int H = 64, F = 256, E = 8, T = 2048;
-    cluster_opts o = {.workers = 2,
-                      .client_timeout_ms = 8000,
-                      .coord_args = {"--queue-depth", "1"}};
+    cluster_opts o = {
+        .workers = 2, .client_timeout_ms = 8000, .coord_args = {"--queue-depth", "1"}};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     model_create(cl, "r", 4, H, F, E);
@@ -248,8 +247,8 @@ static void *fake_main(void *arg)
     for (int e = 0; e < f->dropped_len; e++)
         mp_write_i64(&w, 0);
     mp_write_cstr(&w, "y");
-    moe_tensor t = {MOE_F32, 2, {f->bad_y ? T - 1 : T, H, 0, 0}, y,
-                    (size_t)(f->bad_y ? T - 1 : T) * H * 4};
+    moe_tensor t = {
+        MOE_F32, 2, {f->bad_y ? T - 1 : T, H, 0, 0}, y, (size_t)(f->bad_y ? T - 1 : T) * H * 4};
     moe_tensor_write(&w, &t);
     nng_send(f->sock, w.buf, w.len, 0);
     mp_writer_fini(&w);
@@ -292,8 +291,7 @@ Test(regress, client_forward_bad_reply_frees_info, .timeout = 30)
     /* dropped shorter than tokens_per_expert: a caller would read past it */
     memset(&info, 0, sizeof(info));
     fake_forward(1, 0, &e, &info);
-    cr_assert_eq(e, MOE_EPROTO, "dropped of 1 entry for 4 experts accepted: %s",
-                 moe_err_code(e));
+    cr_assert_eq(e, MOE_EPROTO, "dropped of 1 entry for 4 experts accepted: %s", moe_err_code(e));
     cr_assert_null(info.tokens_per_expert);
     /* the well-formed reply still works */
     memset(&info, 0, sizeof(info));
