@@ -15,13 +15,6 @@
 #include "params.h"
 #include "rows.h"
 
-/* the router param of layer l, followed by the experts' w1, (w3,) w2 */
-static wkr_param *layer_params(wkr_model *m, int l)
-{
-    int nmat = m->cfg.act == KERN_ACT_SWIGLU ? 3 : 2;
-    return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
-}
-
 void wkr_op_backward(wkr *w, rpc_call *c)
 {
     int64_t handle = 0;
@@ -130,7 +123,7 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     fwd_owner_gather(st, W, recvbuf, row0, H, bf, dye_e);
 
     /* expert backward on kept rows; dropped rows pass no gradient */
-    wkr_param *lp = layer_params(m, st->layer);
+    wkr_param *lp = wkr_layer_params(m, st->layer);
     int nmat = cfg->act == KERN_ACT_SWIGLU ? 3 : 2;
     const wkr_layer *L = &m->layers[st->layer];
     const size_t fh = (size_t)F * H;

@@ -25,13 +25,6 @@ int wkr_gpu_probe(int device, char *name, size_t len)
     return 1;
 }
 
-/* the layer's parameters in m->params: router, then w1, (w3,) w2 per expert */
-static wkr_param *layer_params(wkr_model *m, int l)
-{
-    int nmat = m->cfg.act == KERN_ACT_SWIGLU ? 3 : 2;
-    return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
-}
-
 void wkr_gpu_detach(wkr_model *m)
 {
     for (int l = 0; m->gpu && l < m->cfg.layers; l++) {
@@ -216,7 +209,7 @@ moe_err wkr_gpu_pull_grads(wkr_model *m)
     for (int l = 0; e == MOE_OK && l < c->layers; l++) {
         if (!m->gpu[l])
             continue;
-        wkr_param *p = layer_params(m, l);
+        wkr_param *p = wkr_layer_params(m, l);
         if (m->gpu_mode == 1) {
             e = kcu_layer_download_grads(m->gpu[l], gr, g1, nmat == 3 ? g3 : NULL, g2);
             if (e == MOE_OK)

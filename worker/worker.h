@@ -148,6 +148,14 @@ typedef struct wkr {
     long long max_handles, handle_ttl_ms;
 } wkr;
 
+/* wkr_layer_params: layer l's parameters in m->params - the router, then
+ * w1, (w3,) w2 of each local expert. */
+static inline wkr_param *wkr_layer_params(wkr_model *m, int l)
+{
+    int nmat = m->cfg.act == 0 /* swiglu */ ? 3 : 2;
+    return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
+}
+
 /* wkr_compute_main is the compute thread's body. */
 void *wkr_compute_main(void *arg);
 /* wkr_enqueue hands a call to the compute thread (loop thread). */
