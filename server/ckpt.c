@@ -52,7 +52,7 @@ static int path_ok(const char *p)
 /* ckpt_save_job queues a save of m under root; call (may be NULL for the
  * coordinator's own saves) gets the reply. */
 static moe_err ckpt_save_job(coord *c, coord_model *m, const char *root, rpc_call *call, int front,
-                             char *err, size_t errlen)
+                             char *err, size_t errlen, coord_job **queued)
 {
     if (!path_ok(root)) {
         snprintf(err, errlen, "path must be 1-%d characters", CFG_STR_MAX - 81);
@@ -74,6 +74,8 @@ static moe_err ckpt_save_job(coord *c, coord_model *m, const char *root, rpc_cal
         snprintf(err, errlen, "queue full (%lld jobs): retry later", c->queue_depth);
         return MOE_EBUSY;
     }
+    if (queued)
+        *queued = j;
     return MOE_OK;
 }
 
@@ -92,7 +94,7 @@ void coord_ckpt_save(coord *c, rpc_call *call)
         e = MOE_ENOTFOUND;
     }
     if (e == MOE_OK)
-        e = ckpt_save_job(c, m, path, call, 0, err, sizeof(err));
+        e = ckpt_save_job(c, m, path, call, 0, err, sizeof(err), NULL);
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -114,8 +116,25 @@ void coord_autosave(coord *c, coord_model *m, int front)
     char root[CFG_STR_MAX], err[512];
     if (!auto_root(c, m, root, sizeof(root)) || m->saved_step == m->step)
         return;
-    if (ckpt_save_job(c, m, root, NULL, front, err, sizeof(err)) != MOE_OK)
+    if (ckpt_save_job(c, m, root, NULL, front, err, sizeof(err), NULL) != MOE_OK)
         LOG_W("automatic checkpoint of %s not queued: %s", m->cfg.name, err);
+}
+
+moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *reply,
+                             size_t len)
+{
+    char root[CFG_STR_MAX], err[512];
+    coord_job *j = NULL;
+    if (!auto_root(c, m, root, sizeof(root)))
+        return MOE_EINVAL;
+    moe_err e = ckpt_save_job(c, m, root, call, 1, err, sizeof(err), &j);
+    if (e != MOE_OK) {
+        LOG_W("automatic checkpoint of %s not queued: %s", m->cfg.name, err);
+        return e;
+    }
+    j->deferred = reply;
+    j->deferred_len = len;
+    return MOE_OK;
 }
 
 /* resolve_ckpt finds the checkpoint directory: PATH/LATEST's target, or PATH
@@ -503,7 +522,12 @@ void coord_ckpt_finish(coord *c, coord_job *j)
         }
         if (e != MOE_OK) {
             LOG_W("checkpoint.save of %s failed: %s", j->model->cfg.name, err);
-            if (j->call)
+            if (j->call && j->deferred)
+                rpc_reply_err(j->call, MOE_EUNAVAIL,
+                              "optimizer step %lld was applied but its checkpoint failed (%s); "
+                              "the model may be restored to the previous checkpoint",
+                              (long long)j->model->step, err);
+            else if (j->call)
                 rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
             c->errors_total++;
             return;
@@ -514,6 +538,10 @@ void coord_ckpt_finish(coord *c, coord_job *j)
               (long long)j->model->step, j->path, (unsigned long long)total);
         if (!j->call)
             return;
+        if (j->deferred) { /* the optimizer.step this checkpoint made durable */
+            rpc_reply_bytes(j->call, j->deferred, j->deferred_len);
+            return;
+        }
         mp_writer w;
         mp_writer_init(&w);
         moe_rpc_write_response_ok_head(&w, j->call->req.msgid);

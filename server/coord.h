@@ -95,6 +95,9 @@ typedef struct coord_job {
     int nfiles;
     int64_t ckpt_step;      /* JOB_CKPT_*: the checkpoint's step */
     char root[CFG_STR_MAX]; /* JOB_CKPT_SAVE: the directory that holds LATEST */
+    uint8_t *deferred;      /* JOB_CKPT_SAVE: an optimizer.step reply sent only once this
+                             * checkpoint is durable (owned) */
+    size_t deferred_len;
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
     int nsent, pending;
@@ -227,6 +230,13 @@ void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const cha
 /* coord_autosave queues a save of m under <checkpoint-dir>/<name> when
  * automatic checkpoints are on and m changed since its last checkpoint. */
 void coord_autosave(coord *c, coord_model *m, int front);
+/* coord_autosave_reply queues the automatic checkpoint of m at the front of
+ * the queue and sends reply (an encoded optimizer.step response, owned by
+ * the job from here) to call only once the checkpoint is durable; if the
+ * save fails the call gets `unavailable`. Returns MOE_OK when queued; else
+ * nothing was taken and the caller answers. */
+moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *reply,
+                             size_t len);
 /* coord_autorestore queues a load of m's newest automatic checkpoint, if
  * any (at the queue's front); returns 1 when queued. */
 int coord_autorestore(coord *c, coord_model *m);

@@ -66,6 +66,7 @@ static void job_free(coord_job *j)
         job_free(b);
     }
     free(j->xbuf);
+    free(j->deferred);
     for (int i = 0; i < j->nfiles; i++)
         free(j->files[i]);
     free(j->files);

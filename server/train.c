@@ -274,8 +274,6 @@ void coord_step_finish(coord *c, coord_job *j)
     }
     j->model->step = step;
     j->model->pending_grads = 0;
-    if (c->ckpt_every > 0 && step % c->ckpt_every == 0)
-        coord_autosave(c, j->model, 1);
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
@@ -286,5 +284,18 @@ void coord_step_finish(coord *c, coord_job *j)
     mp_write_f64(&w, norm);
     mp_write_cstr(&w, "clip_scale");
     mp_write_f64(&w, scale);
+    if (c->ckpt_dir[0] && c->ckpt_every > 0 && step % c->ckpt_every == 0 && !w.failed) {
+        /* a step is acknowledged once its automatic checkpoint is durable:
+         * an acknowledged step is never lost to a crash */
+        size_t len;
+        uint8_t *reply = mp_writer_take(&w, &len);
+        if (reply && coord_autosave_reply(c, j->model, j->call, reply, len) == MOE_OK)
+            return;
+        if (reply) {
+            rpc_reply_bytes(j->call, reply, len);
+            free(reply);
+            return;
+        }
+    }
     rpc_reply(j->call, &w);
 }
