@@ -152,7 +152,11 @@ def main():
     for b in bad[:10]:
         print("VIOLATION: " + b)
     print("%d passed, %d failed" % (0 if bad else 1, 1 if bad else 0))
-    print("logs in " + d)
+    if bad:
+        print("logs in " + d)
+    else:
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
     return 1 if bad else 0
 
 
