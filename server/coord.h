@@ -135,6 +135,8 @@ typedef struct coord {
     int done_closed; /* done_async is closed (shutdown): nng threads must not ring it */
     int draining;
     int drain_saved; /* the drain's checkpoints were queued */
+    uint64_t drain_started_ns;
+    long long drain_timeout_ms;
 
     /* registry */
     coord_worker workers[COORD_MAX_WORKERS];
@@ -235,8 +237,7 @@ void coord_autosave(coord *c, coord_model *m, int front);
  * the job from here) to call only once the checkpoint is durable; if the
  * save fails the call gets `unavailable`. Returns MOE_OK when queued; else
  * nothing was taken and the caller answers. */
-moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *reply,
-                             size_t len);
+moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *reply, size_t len);
 /* coord_autorestore queues a load of m's newest automatic checkpoint, if
  * any (at the queue's front); returns 1 when queued. */
 int coord_autorestore(coord *c, coord_model *m);

@@ -41,6 +41,9 @@ static const cfg_entry coord_cfg[] = {
     {"contexts", CFG_INT, "64", 1, 4096, &C.nctx, "concurrent requests received"},
     {"xchg", CFG_STR, "auto", 0, 0, C.xchg_cfg,
      "worker exchange: auto (NCCL when every worker has a GPU) | nng | nccl"},
+    {"drain-timeout-ms", CFG_INT, "120000", 0, 86400000, &C.drain_timeout_ms,
+     "bound on a drain (SIGTERM, drain RPC): then queued jobs fail and the coordinator exits "
+     "(0 = wait for ever)"},
     {"checkpoint-dir", CFG_STR, "", 0, 0, C.ckpt_dir,
      "automatic checkpoints under DIR/<model> (restored when the cluster forms; empty = off)"},
     {"checkpoint-every", CFG_INT, "0", 0, 1000000000, &C.ckpt_every,
@@ -143,6 +146,15 @@ static void on_tick(uv_timer_t *t)
     coord_check_workers(c);
     coord_job_pump(c);
     coord_metrics_render(c);
+    if (c->draining && c->drain_timeout_ms > 0 &&
+        rpc_now_ns() - c->drain_started_ns > (uint64_t)c->drain_timeout_ms * 1000000ull) {
+        /* the bound on a drain: answer what is left and stop */
+        LOG_W("drain took longer than %lld ms: failing %d queued jobs and stopping",
+              c->drain_timeout_ms, c->qlen);
+        coord_job_fail_all(c, MOE_EUNAVAIL, "coordinator stopped: drain timeout");
+        uv_stop(c->loop);
+        return;
+    }
     if (c->draining && !c->current && !c->qhead) {
         /* checkpoint every model that changed since its last checkpoint */
         if (c->ckpt_dir[0] && c->ready && !c->drain_saved) {
@@ -163,6 +175,7 @@ static void start_drain(coord *c, const char *why)
         return;
     LOG_I("%s: draining (%d queued jobs)", why, c->qlen);
     c->draining = 1;
+    c->drain_started_ns = rpc_now_ns();
 }
 
 static void on_signal(uv_signal_t *h, int sig)

@@ -209,6 +209,40 @@ Test(regress, second_signal_answers_job_in_flight, .timeout = 60, .fini = cluste
     rm_rf(dir);
 }
 
+/* A drain is bounded (--drain-timeout-ms): one SIGTERM with a long job in
+ * flight answers its client `unavailable` and exits 0 soon after the bound. */
+Test(regress, drain_timeout_bounds_sigterm, .timeout = 60, .fini = cluster_fini_all)
+{
+    setenv("MOE_TEST_SAVE_DELAY_MS", "5000", 1); /* inherited by the workers */
+    cluster_opts o = {
+        .workers = 2, .client_timeout_ms = 15000, .coord_args = {"--drain-timeout-ms", "700"}};
+    cluster *cl = cluster_start(&o);
+    unsetenv("MOE_TEST_SAVE_DELAY_MS");
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    model_create(cl, "s", 1, 16, 32, 4);
+    char dir[] = "/tmp/moe-regress-XXXXXX";
+    cr_assert(mkdtemp(dir));
+    mp_writer w;
+    write_path_params(&w, "s", dir);
+    static answer a;
+    memset(&a, 0, sizeof(a));
+    pthread_mutex_init(&a.mu, NULL);
+    cr_assert_eq(moe_call_async(cl->cli, "checkpoint.save", w.buf, w.len, on_answer, &a), MOE_OK);
+    mp_writer_fini(&w);
+    usleep(300000); /* the workers are writing (for 5 s) */
+    int64_t t0 = cluster_now_ms();
+    cr_assert_eq(cluster_coord_signal(cl, SIGTERM), 0, "%s", cluster_error());
+    wait_answers(&a, 1, 10000);
+    cr_assert_eq(answers(&a), 1, "checkpoint.save got no answer");
+    cr_assert_eq(a.err, MOE_EUNAVAIL, "checkpoint.save: %s: %s", moe_err_code(a.err), a.msg);
+    cr_assert_lt(a.at_ms - t0, 2500, "the drain took %lld ms", (long long)(a.at_ms - t0));
+    int status = cluster_coord_wait(cl, 5000);
+    cr_assert(status != -1, "%s", cluster_error());
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "coordinator status 0x%x", status);
+    cluster_stop(cl);
+    rm_rf(dir);
+}
+
 /* ---- a fake coordinator that sends one crafted forward reply ---- */
 
 typedef struct fake_srv {
