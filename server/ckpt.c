@@ -120,8 +120,7 @@ void coord_autosave(coord *c, coord_model *m, int front)
         LOG_W("automatic checkpoint of %s not queued: %s", m->cfg.name, err);
 }
 
-moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *reply,
-                             size_t len)
+moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *reply, size_t len)
 {
     char root[CFG_STR_MAX], err[512];
     coord_job *j = NULL;
