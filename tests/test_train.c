@@ -702,3 +702,38 @@ Test(train, coordinator_restart_recovers_models, .timeout = 120, .fini = cluster
     rm_rf(ck);
     free(ya), free(yb);
 }
+
+/* A checkpoint saved by 2 workers loads into a cluster of 3 (and the
+ * placement of the experts changes): same outputs, same step. */
+Test(train, checkpoint_loads_into_other_worker_count, .timeout = 120, .fini = cluster_fini_all)
+{
+    tshape s = {29, 16, 24, 6, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.01, 0.0};
+    size_t n = (size_t)s.T * s.H;
+    char ck[128];
+    make_tmpdir(ck, sizeof(ck));
+    float *ya = malloc(n * 4), *yb = malloc(n * 4);
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *a = cluster_start(&o);
+    cr_assert(a, "cluster: %s", cluster_error());
+    create_model(a, "d", &s, 1, 12);
+    train_steps(a, &s, 1, 3, 60);
+    cr_assert_eq(moe_checkpoint_save(a->cli, "d", ck), MOE_OK, "%s", moe_last_error());
+    forward_probe(a, &s, 0, ya);
+    cr_assert_eq(cluster_stop(a), 0);
+
+    o.workers = 3;
+    cluster *b = cluster_start(&o);
+    cr_assert(b, "cluster: %s", cluster_error());
+    create_model(b, "d", &s, 1, 99);
+    int64_t step = -1;
+    cr_assert_eq(moe_checkpoint_load(b->cli, "d", ck, &step), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(step, 3);
+    forward_probe(b, &s, 0, yb);
+    double e = rel_err(yb, ya, n);
+    cr_log_info("2 -> 3 workers: output rel err %.2e", e);
+    cr_assert(e < 1e-6, "outputs after loading into 3 workers differ: rel err %g", e);
+    cr_assert_eq(cluster_stop(b), 0);
+    rm_rf(ck);
+    free(ya), free(yb);
+}
