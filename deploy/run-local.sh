@@ -2,7 +2,8 @@
 # run-local.sh - `make run`: a local cluster on loopback and a short demo.
 #
 # Starts a coordinator (port 0, its address read from an --addr-file) and two
-# CPU workers, creates a model (2 layers, d_model 512, d_ff 1024, 8 experts,
+# CPU workers (or, with GPUs and a CUDA build, one worker per GPU and a bf16
+# model), creates a model (2 layers, d_model 512, d_ff 1024, 8 experts,
 # top-2), runs a forward on a random batch through each layer (the per-expert
 # load table), benchmarks forward and ping round trips, prints a summary from
 # `moectl stats`, then stops everything with SIGTERM (SIGKILL after 10 s).
@@ -13,7 +14,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WORKERS=${MOE_WORKERS:-2}
+# GPUs present (and a CUDA build): one worker per GPU, bf16 demo model (the
+# GPU kernels store bf16); otherwise CPU workers and an f32 model.
+NGPU=0
+if command -v nvidia-smi >/dev/null 2>&1 && nm bin/moe-worker 2>/dev/null | grep -q kcu_forward; then
+    NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [ "$NGPU" -ge 1 ]; then
+    WORKERS=${MOE_WORKERS:-$NGPU}
+    BACKEND=auto
+    DTYPE=bf16
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+else
+    WORKERS=${MOE_WORKERS:-2}
+    BACKEND=cpu
+    DTYPE=f32
+fi
 TOKENS=${MOE_TOKENS:-256}
 NCPU=$(nproc 2>/dev/null || echo 2)
 THREADS=$((NCPU / WORKERS))
@@ -85,7 +101,7 @@ mport=19100
 while (exec 3<>"/dev/tcp/127.0.0.1/$mport") 2>/dev/null; do mport=$((mport + 1)); done
 METRICS="http://127.0.0.1:$mport"
 
-echo "== starting a coordinator and $WORKERS CPU workers ($THREADS BLAS thread(s) each) in $RUN"
+echo "== starting a coordinator and $WORKERS $([ "$BACKEND" = cpu ] && echo CPU || echo GPU) workers ($THREADS BLAS thread(s) each) in $RUN"
 ./bin/moe-coordinator --listen tcp://127.0.0.1:0 --addr-file "$RUN/addr" --workers "$WORKERS" \
     --metrics "$METRICS" >"$RUN/coordinator.log" 2>&1 &
 pids+=($!)
@@ -97,7 +113,9 @@ done
 [ -s "$RUN/addr" ] || { echo "run-local: no coordinator address after 5 s" >&2; exit 1; }
 URL=$(cat "$RUN/addr")
 for i in $(seq 0 $((WORKERS - 1))); do
-    ./bin/moe-worker --coordinator "$URL" --backend cpu --threads "$THREADS" \
+    dev=()
+    [ "$BACKEND" = cpu ] || dev=(--device $((i % NGPU)))
+    ./bin/moe-worker --coordinator "$URL" --backend "$BACKEND" "${dev[@]}" --threads "$THREADS" \
         >"$RUN/worker$i.log" 2>&1 &
     pids+=($!)
 done
@@ -120,20 +138,20 @@ ctl status | awk '/"generation"/ { gsub(/,/, ""); g = $2 } /"up_workers"/ { gsub
     END { printf "generation %s, %s workers up\n", g, u }'
 
 echo
-echo "== model demo: 2 layers, d_model 512, d_ff 1024, 8 experts, top-2 (SwiGLU, f32)"
-ctl create --name demo --layers 2 --d-model 512 --d-ff 1024 --experts 8 --top-k 2
+echo "== model demo: 2 layers, d_model 512, d_ff 1024, 8 experts, top-2 (SwiGLU, $DTYPE)"
+ctl create --name demo --layers 2 --d-model 512 --d-ff 1024 --experts 8 --top-k 2 --dtype "$DTYPE"
 
 for layer in 0 1; do
     echo
     echo "== forward: layer $layer, $TOKENS random tokens"
-    ctl forward --model demo --layer "$layer" --tokens "$TOKENS" --seed $((layer + 1))
+    ctl forward --model demo --layer "$layer" --tokens "$TOKENS" --seed $((layer + 1)) --dtype "$DTYPE"
 done
 
 echo
 echo "== bench"
 {
-    ctl bench --model demo --layer 0 --tokens "$TOKENS" --requests 50 --concurrency 2
-    ctl bench --model demo --layer 1 --tokens 1 --requests 200
+    ctl bench --model demo --layer 0 --tokens "$TOKENS" --requests 50 --concurrency 2 --dtype "$DTYPE"
+    ctl bench --model demo --layer 1 --tokens 1 --requests 200 --dtype "$DTYPE"
     ctl bench --ping --requests 500
 } | tee "$RUN/bench.txt"
 
