@@ -34,8 +34,9 @@ typedef struct coord_worker {
     char backend[32], device[128];
     int pid;
     uint64_t registered_ns, last_hb_ns;
-    moe_client *cli; /* owned: calls into the worker */
-    double busy_s;   /* compute time reported by forwards */
+    moe_client *cli;    /* owned: calls into the worker */
+    double busy_s;      /* compute time reported by forwards */
+    uint64_t a2a_bytes; /* bytes it sent to the other workers in forwards */
     uint64_t ops_total;
 } coord_worker;
 

@@ -265,6 +265,7 @@ typedef struct fwd_part {
     double z_sum, phase[4];
     double aux_loss; /* a whole-layer GPU worker reports the loss itself */
     int has_aux;
+    int64_t a2a_bytes; /* sent to the other workers (dispatch + combine) */
 } fwd_part;
 
 static moe_err parse_part(const moe_reply *rep, int E, fwd_part *p, char *err, size_t errlen)
@@ -289,8 +290,9 @@ static moe_err parse_part(const moe_reply *rep, int E, fwd_part *p, char *err, s
         {"experts_s", P_F64, &p->phase[2], true, 0, 0, 0, false},
         {"combine_s", P_F64, &p->phase[3], true, 0, 0, 0, false},
         {"aux_loss", P_F64, &p->aux_loss, false, 0, 0, 0, false},
+        {"a2a_bytes", P_INT, &p->a2a_bytes, false, 0, 9e18, 0, false},
     };
-    moe_err e = params_parse(&r, n, sp, 10, err, errlen);
+    moe_err e = params_parse(&r, n, sp, 11, err, errlen);
     p->has_aux = sp[9].seen;
     if (e != MOE_OK)
         return MOE_EINTERNAL;
@@ -370,6 +372,7 @@ void coord_forward_finish(coord *c, coord_job *j)
         }
         coord_worker *wk = &c->workers[c->rank_to_worker[r]];
         wk->busy_s += busy;
+        wk->a2a_bytes += (uint64_t)parts[r].a2a_bytes;
         wk->ops_total++;
     }
     uint8_t *yall = malloc(j->x.nbytes ? j->x.nbytes : 1);

@@ -96,6 +96,12 @@ void coord_metrics_render(coord *c)
         if (c->workers[i].state != WS_FREE)
             sb_printf(&b, "moe_worker_up{worker=\"%d\"} %d\n", c->workers[i].id,
                       c->workers[i].state == WS_UP);
+    sb_printf(&b, "# HELP moe_alltoall_bytes_total Bytes a worker sent to the others in "
+                  "dispatch and combine.\n# TYPE moe_alltoall_bytes_total counter\n");
+    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+        if (c->workers[i].state != WS_FREE)
+            sb_printf(&b, "moe_alltoall_bytes_total{worker=\"%d\"} %llu\n", c->workers[i].id,
+                      (unsigned long long)c->workers[i].a2a_bytes);
     sb_printf(&b, "# TYPE moe_worker_busy_seconds_total counter\n");
     for (int i = 0; i < COORD_MAX_WORKERS; i++)
         if (c->workers[i].state != WS_FREE)

@@ -134,6 +134,10 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     cr_assert_gt(metric_value(body, "moe_layer_imbalance{layer=\"1\"}"), 0.99);
     cr_assert(strstr(body, "moe_worker_up{worker=\"0\"} 1"));
     cr_assert(strstr(body, "moe_worker_busy_seconds_total{worker=\"1\"}"));
+    /* rows crossed between the two workers (dispatch and combine) */
+    cr_assert_gt(metric_value(body, "moe_alltoall_bytes_total{worker=\"0\"}") +
+                     metric_value(body, "moe_alltoall_bytes_total{worker=\"1\"}"),
+                 0, "no all-to-all bytes counted");
     moe_fwd_info_free(&info);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 

@@ -448,7 +448,13 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-    mp_write_map(&wr, 9);
+    uint64_t a2a = 0; /* bytes this rank sent to the others (dispatch + combine) */
+    for (int q = 0; q < W; q++)
+        if (q != w->rank)
+            a2a += send_bytes[q] + back_bytes[q];
+    mp_write_map(&wr, 10);
+    mp_write_cstr(&wr, "a2a_bytes");
+    mp_write_u64(&wr, a2a);
     mp_write_cstr(&wr, "y");
     rows_write_tensor(&wr, xt.dtype, y, T, H);
     mp_write_cstr(&wr, "counts");
