@@ -170,7 +170,8 @@ typedef struct coord {
     uint64_t started_ns;
     uint64_t requests_total, errors_total, forwards_total, tokens_total, busy_total;
     double phase_s[4]; /* gate, dispatch, experts, combine: sums of slowest worker */
-    uint64_t lat_hist[COORD_LAT_BUCKETS + 1]; /* forward latency histogram */
+    uint64_t lat_hist[COORD_LAT_BUCKETS + 1];      /* forward latency histogram */
+    uint64_t phase_hist[4][COORD_LAT_BUCKETS + 1]; /* per-phase latency histograms */
     double lat_sum;
     double recent_tokens, recent_t0; /* tokens/s over a sliding window */
     double tokens_per_s;

@@ -473,8 +473,13 @@ void coord_forward_finish(coord *c, coord_job *j)
     m->last_aux = aux;
     m->last_z = T > 0 ? z / (double)T : 0;
     c->tokens_total += (uint64_t)T;
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < 4; k++) {
         c->phase_s[k] += phase[k];
+        int pb = 0;
+        while (pb < COORD_LAT_BUCKETS && phase[k] > coord_lat_bounds[pb])
+            pb++;
+        c->phase_hist[k][pb]++;
+    }
     c->recent_tokens += (double)T;
     free(cnt);
     free(drop);

@@ -51,6 +51,21 @@ static int max_layers(const coord *c)
     return L;
 }
 
+/* write_histogram writes a Prometheus histogram over coord_lat_bounds. */
+static void write_histogram(sbuf *b, const char *name, const uint64_t *hist, double sum)
+{
+    uint64_t cum = 0;
+    sb_printf(b, "# TYPE %s histogram\n", name);
+    for (int i = 0; i < COORD_LAT_BUCKETS; i++) {
+        cum += hist[i];
+        sb_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, coord_lat_bounds[i],
+                  (unsigned long long)cum);
+    }
+    cum += hist[COORD_LAT_BUCKETS];
+    sb_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name,
+              (unsigned long long)cum, name, sum, name, (unsigned long long)cum);
+}
+
 void coord_metrics_render(coord *c)
 {
     sbuf b = {0};
@@ -78,19 +93,14 @@ void coord_metrics_render(coord *c)
     for (int k = 0; k < 4; k++)
         sb_printf(&b, "# TYPE moe_%s_seconds_total counter\nmoe_%s_seconds_total %.6f\n", phase[k],
                   phase[k], c->phase_s[k]);
-    sb_printf(&b, "# HELP moe_forward_latency_seconds Forward time at the coordinator.\n"
-                  "# TYPE moe_forward_latency_seconds histogram\n");
-    uint64_t cum = 0;
-    for (int i = 0; i < COORD_LAT_BUCKETS; i++) {
-        cum += c->lat_hist[i];
-        sb_printf(&b, "moe_forward_latency_seconds_bucket{le=\"%g\"} %llu\n", coord_lat_bounds[i],
-                  (unsigned long long)cum);
+    sb_printf(&b, "# HELP moe_forward_latency_seconds Forward time at the coordinator.\n");
+    write_histogram(&b, "moe_forward_latency_seconds", c->lat_hist, c->lat_sum);
+    for (int k = 0; k < 4; k++) {
+        char name[64];
+        snprintf(name, sizeof(name), "moe_%s_latency_seconds", phase[k]);
+        sb_printf(&b, "# HELP %s Per forward, the slowest worker's %s time.\n", name, phase[k]);
+        write_histogram(&b, name, c->phase_hist[k], c->phase_s[k]);
     }
-    cum += c->lat_hist[COORD_LAT_BUCKETS];
-    sb_printf(&b, "moe_forward_latency_seconds_bucket{le=\"+Inf\"} %llu\n",
-              (unsigned long long)cum);
-    sb_printf(&b, "moe_forward_latency_seconds_sum %.6f\nmoe_forward_latency_seconds_count %llu\n",
-              c->lat_sum, (unsigned long long)cum);
     sb_printf(&b, "# TYPE moe_worker_up gauge\n");
     for (int i = 0; i < COORD_MAX_WORKERS; i++)
         if (c->workers[i].state != WS_FREE)

@@ -117,6 +117,8 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     cr_assert_eq(metric_value(body, "moe_forward_latency_seconds_count"), 1);
     cr_assert(strstr(body, "# TYPE moe_forward_latency_seconds histogram"));
     cr_assert(strstr(body, "moe_forward_latency_seconds_bucket{le=\"+Inf\"} 1"));
+    cr_assert(strstr(body, "# TYPE moe_experts_latency_seconds histogram"));
+    cr_assert_eq(metric_value(body, "moe_gate_latency_seconds_count"), 1);
     double sum = 0;
     for (int e = 0; e < 4; e++) {
         char name[96];
