@@ -18,7 +18,7 @@
 #include "proto.h"
 
 typedef struct opts {
-    const char *url, *token, *name, *model, *activation, *input, *output, *dtype;
+    const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;
     double cf, aux, z;
@@ -49,6 +49,8 @@ static void usage(void)
             "        [--dtype f32|bf16] | bench --ping [--requests N] [--concurrency C]\n"
             "  bench --train --model NAME [--layer L] --tokens T [--requests STEPS]\n"
             "                                        forward(train)+backward+optimizer.step\n"
+            "  save --model NAME --path DIR          checkpoint.save (DIR/LATEST, safetensors)\n"
+            "  load --model NAME --path DIR          checkpoint.load (the newest under DIR)\n"
             "  drain                                 stop the coordinator gracefully\n");
 }
 
@@ -530,6 +532,8 @@ int main(int argc, char **argv)
             o.input = v;
         else if (OPT("--output"))
             o.output = v;
+        else if (OPT("--path"))
+            o.path = v;
         else if (OPT("--requests"))
             o.requests = atoi(v);
         else if (OPT("--concurrency"))
@@ -584,6 +588,20 @@ int main(int argc, char **argv)
         mp_write_cstr(&w, "model");
         mp_write_cstr(&w, o.model ? o.model : "");
         rc = call_and_print(c, "model.info", w.buf, w.len);
+    } else if (strcmp(cmd, "save") == 0 || strcmp(cmd, "load") == 0) {
+        int save = cmd[0] == 's';
+        int64_t step = 0;
+        moe_err e = !o.model || !o.path ? MOE_EINVAL
+                    : save              ? moe_checkpoint_save(c, o.model, o.path)
+                                        : moe_checkpoint_load(c, o.model, o.path, &step);
+        if (e == MOE_OK && save)
+            printf("saved %s under %s\n", o.model, o.path);
+        else if (e == MOE_OK)
+            printf("loaded %s from %s: step %lld\n", o.model, o.path, (long long)step);
+        else
+            fprintf(stderr, "moectl: %s: %s\n", cmd,
+                    !o.model || !o.path ? "needs --model and --path" : moe_last_error());
+        rc = e != MOE_OK;
     } else if (strcmp(cmd, "create") == 0) {
         rc = cmd_create(c, &o);
     } else if (strcmp(cmd, "forward") == 0) {
