@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -15,6 +16,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -734,4 +736,51 @@ mp_reader mp_reply_reader(const moe_reply *rep)
     mp_reader r;
     mp_reader_init(&r, rep->buf + rep->result_off, rep->len - rep->result_off);
     return r;
+}
+
+/* cluster_http_get fetches path from 127.0.0.1:port: the status code, the headers
+ * (up to the blank line) in head and the body in body, both NUL terminated
+ * and truncated to their cap. -1 on failure. */
+int cluster_http_get(int port, const char *path, char *head, size_t hcap, char *body, size_t bcap)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0)
+        return -1;
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {5, 0};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    if (connect(s, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(s);
+        return -1;
+    }
+    char req[256];
+    int n = snprintf(req, sizeof(req),
+                     "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", path);
+    if (write(s, req, (size_t)n) != n) {
+        close(s);
+        return -1;
+    }
+    static char resp[1 << 20];
+    size_t len = 0;
+    for (;;) {
+        ssize_t r = read(s, resp + len, sizeof(resp) - 1 - len);
+        if (r <= 0)
+            break;
+        len += (size_t)r;
+    }
+    close(s);
+    resp[len] = 0;
+    int code = -1;
+    if (sscanf(resp, "HTTP/1.%*d %d", &code) != 1)
+        return -1;
+    const char *b = strstr(resp, "\r\n\r\n");
+    size_t hl = b ? (size_t)(b - resp) : len;
+    if (head && hcap)
+        snprintf(head, hcap, "%.*s", (int)hl, resp);
+    snprintf(body, bcap, "%s", b ? b + 4 : "");
+    return code;
 }

@@ -109,6 +109,10 @@ moe_err cluster_get_state(cluster *cl, cluster_state *st);
 int mp_map_find(mp_reader *r, const char *key);
 /* mp_reply_reader: a reader at the result of a successful reply. */
 mp_reader mp_reply_reader(const moe_reply *rep);
+/* cluster_http_get fetches path from 127.0.0.1:port: the status code, the
+ * headers in head (may be NULL) and the body in body, NUL terminated and
+ * truncated to their caps; -1 on failure. */
+int cluster_http_get(int port, const char *path, char *head, size_t hcap, char *body, size_t bcap);
 /* cluster_now_ms: CLOCK_MONOTONIC in ms. */
 int64_t cluster_now_ms(void);
 

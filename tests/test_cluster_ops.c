@@ -20,48 +20,6 @@
 #include "cluster.h"
 #include "kern.h"
 
-/* http_get fetches path from 127.0.0.1:port; returns the status code and
- * the body in body (NUL terminated, truncated to cap). -1 on failure. */
-static int http_get(int port, const char *path, char *body, size_t cap)
-{
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof(a));
-    a.sin_family = AF_INET;
-    a.sin_port = htons((uint16_t)port);
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {5, 0};
-    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    if (s < 0 || connect(s, (struct sockaddr *)&a, sizeof(a)) != 0) {
-        if (s >= 0)
-            close(s);
-        return -1;
-    }
-    char req[256];
-    int n = snprintf(req, sizeof(req),
-                     "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", path);
-    if (write(s, req, (size_t)n) != n) {
-        close(s);
-        return -1;
-    }
-    static char resp[1 << 20];
-    size_t len = 0;
-    for (;;) {
-        ssize_t r = read(s, resp + len, sizeof(resp) - 1 - len);
-        if (r <= 0)
-            break;
-        len += (size_t)r;
-    }
-    close(s);
-    resp[len] = 0;
-    int code = -1;
-    if (sscanf(resp, "HTTP/1.%*d %d", &code) != 1)
-        return -1;
-    const char *b = strstr(resp, "\r\n\r\n");
-    snprintf(body, cap, "%s", b ? b + 4 : "");
-    return code;
-}
-
 /* metric_value finds "name value" (name with labels, exact) in text. */
 static double metric_value(const char *text, const char *name)
 {
@@ -91,8 +49,9 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     static char body[1 << 20];
-    cr_assert_eq(http_get(cl->metrics_port, "/livez", body, sizeof(body)), 200);
-    cr_assert_eq(http_get(cl->metrics_port, "/readyz", body, sizeof(body)), 200, "%s", body);
+    cr_assert_eq(cluster_http_get(cl->metrics_port, "/livez", NULL, 0, body, sizeof(body)), 200);
+    cr_assert_eq(cluster_http_get(cl->metrics_port, "/readyz", NULL, 0, body, sizeof(body)), 200,
+                 "%s", body);
     create_model(cl, "m", 32, 64);
     const int T = 10, H = 32;
     float x[10 * 32], y[10 * 32];
@@ -103,7 +62,8 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     /* the text is rendered by the loop every 100 ms */
     int64_t t0 = cluster_now_ms();
     do {
-        cr_assert_eq(http_get(cl->metrics_port, "/metrics", body, sizeof(body)), 200);
+        cr_assert_eq(cluster_http_get(cl->metrics_port, "/metrics", NULL, 0, body, sizeof(body)),
+                     200);
         if (metric_value(body, "moe_forward_total") == 1)
             break;
         usleep(50000);
@@ -147,8 +107,9 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     cluster_opts o2 = {.workers = 0, .expected_workers = 1, .metrics = 1};
     cl = cluster_start(&o2);
     cr_assert(cl, "cluster_start: %s", cluster_error());
-    cr_assert_eq(http_get(cl->metrics_port, "/livez", body, sizeof(body)), 200);
-    cr_assert_eq(http_get(cl->metrics_port, "/readyz", body, sizeof(body)), 503, "%s", body);
+    cr_assert_eq(cluster_http_get(cl->metrics_port, "/livez", NULL, 0, body, sizeof(body)), 200);
+    cr_assert_eq(cluster_http_get(cl->metrics_port, "/readyz", NULL, 0, body, sizeof(body)), 503,
+                 "%s", body);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
 
@@ -231,7 +192,7 @@ Test(cluster_ops, sigterm_drains_then_exits_0, .timeout = 60, .fini = cluster_fi
     /* draining: not ready, new work refused, status still answered */
     usleep(50000);
     static char body[4096];
-    int code = http_get(cl->metrics_port, "/readyz", body, sizeof(body));
+    int code = cluster_http_get(cl->metrics_port, "/readyz", NULL, 0, body, sizeof(body));
     cluster_state st;
     moe_err se = cluster_get_state(cl, &st);
     pthread_join(th, NULL);

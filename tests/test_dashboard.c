@@ -17,52 +17,6 @@
 #include "cluster.h"
 #include "kern.h"
 
-/* http_get fetches path from 127.0.0.1:port: the status code, the headers
- * (up to the blank line) in head and the body in body, both NUL terminated
- * and truncated to their cap. -1 on failure. */
-static int http_get(int port, const char *path, char *head, size_t hcap, char *body, size_t bcap)
-{
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    if (s < 0)
-        return -1;
-    struct sockaddr_in a;
-    memset(&a, 0, sizeof(a));
-    a.sin_family = AF_INET;
-    a.sin_port = htons((uint16_t)port);
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {5, 0};
-    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    if (connect(s, (struct sockaddr *)&a, sizeof(a)) != 0) {
-        close(s);
-        return -1;
-    }
-    char req[256];
-    int n = snprintf(req, sizeof(req),
-                     "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", path);
-    if (write(s, req, (size_t)n) != n) {
-        close(s);
-        return -1;
-    }
-    static char resp[1 << 20];
-    size_t len = 0;
-    for (;;) {
-        ssize_t r = read(s, resp + len, sizeof(resp) - 1 - len);
-        if (r <= 0)
-            break;
-        len += (size_t)r;
-    }
-    close(s);
-    resp[len] = 0;
-    int code = -1;
-    if (sscanf(resp, "HTTP/1.%*d %d", &code) != 1)
-        return -1;
-    const char *b = strstr(resp, "\r\n\r\n");
-    size_t hl = b ? (size_t)(b - resp) : len;
-    snprintf(head, hcap, "%.*s", (int)hl, resp);
-    snprintf(body, bcap, "%s", b ? b + 4 : "");
-    return code;
-}
-
 /* header_value: the value of header name in head (case-insensitive name), or NULL */
 static const char *header_value(const char *head, const char *name, char *out, size_t cap)
 {
@@ -87,8 +41,9 @@ Test(dashboard, page_served_and_metrics_it_parses, .timeout = 30, .fini = cluste
     cr_assert(cl, "cluster_start: %s", cluster_error());
     static char head[8192], body[1 << 20];
 
-    cr_assert_eq(http_get(cl->metrics_port, "/dashboard", head, sizeof(head), body, sizeof(body)),
-                 200, "%s", head);
+    cr_assert_eq(
+        cluster_http_get(cl->metrics_port, "/dashboard", head, sizeof(head), body, sizeof(body)),
+        200, "%s", head);
     char ctype[128];
     cr_assert(header_value(head, "Content-Type", ctype, sizeof(ctype)), "%s", head);
     cr_assert(strncmp(ctype, "text/html", 9) == 0, "Content-Type: %s", ctype);
@@ -140,8 +95,9 @@ Test(dashboard, page_served_and_metrics_it_parses, .timeout = 30, .fini = cluste
                  moe_last_error());
     int64_t t0 = cluster_now_ms();
     do { /* rendered by the loop every 100 ms */
-        cr_assert_eq(http_get(cl->metrics_port, "/metrics", head, sizeof(head), body, sizeof(body)),
-                     200);
+        cr_assert_eq(
+            cluster_http_get(cl->metrics_port, "/metrics", head, sizeof(head), body, sizeof(body)),
+            200);
         if (strstr(body, "\nmoe_forward_total 1\n"))
             break;
         usleep(50000);
