@@ -122,8 +122,13 @@ check-gpu: bin/check-gpu
 bin/moe_bench: bench/moe_bench.cu $(CUDA_LIB)
 	@mkdir -p bin
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIB) -lcublas -Xlinker -rpath=$(CUDA_HOME)/lib64
-bench: bin/moe_bench
+# ep_bench: expert parallelism over the GPUs of one host (NCCL, pthreads)
+bin/ep_bench: bench/ep_bench.cu $(CUDA_LIB)
+	@mkdir -p bin
+	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIB) -lnccl -lpthread -ldl
+bench: bin/moe_bench bin/ep_bench
 	./bin/moe_bench
+all: bin/ep_bench
 endif
 
 FMT_SRC = $(sort $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))

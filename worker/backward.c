@@ -96,6 +96,19 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         m->has_grads = 1;
         goto reply;
     }
+    if (m->gpu_mode == 3) {
+        /* device-resident over NCCL: every rank runs its part */
+        e = wkr_gpu_ep_backward(w, m, st->layer, st->handle, T, st->x, dy, dx);
+        if (e == MOE_EUNAVAIL)
+            goto fail_xchg;
+        if (e != MOE_OK) {
+            snprintf(err, sizeof(err), "GPU expert-parallel backward failed on rank %d: %s",
+                     w->rank, moe_strerror(e));
+            goto fail_msg;
+        }
+        m->has_grads = 1;
+        goto reply;
+    }
     kern_combine_backward_cpu(dy, st->ye_slot, st->topk_w, NULL, T, K, H, dye, dw);
 
     /* expert output gradients to the owners, in dispatch order */

@@ -274,7 +274,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate training state for '%s'", model_name);
         return;
     }
-    if (train && m->gpu_mode == 2 && !m->gpu_train && wkr_gpu_attach(w, m, 1) != MOE_OK) {
+    if (train && m->gpu_mode >= 2 && !m->gpu_train && wkr_gpu_attach(w, m, 1) != MOE_OK) {
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate GPU training state for '%s'", model_name);
         return;
     }
@@ -299,6 +299,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     const int T = st->T;
     const size_t S = (size_t)T * K, Tn = T ? (size_t)T : 1;
     double t0 = fwd_now_s(), t_gate, t_disp, t_exp, t_comb;
+    uint64_t a2a = 0; /* bytes this rank sent to the others (dispatch + combine) */
 
     /* ---- gate ---- */
     st->x = malloc(Tn * H * sizeof(float));
@@ -358,6 +359,30 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             st = NULL;
         }
         goto out;
+    }
+    if (m->gpu_mode == 3) {
+        /* several GPU workers over NCCL: the layer runs device-resident on
+         * every rank, rows go GPU to GPU */
+        st->counts = calloc((size_t)E, sizeof(int32_t));
+        y = malloc(Tn * H * sizeof(float));
+        if (!st->counts || !y) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
+        e = wkr_gpu_ep_forward(w, m, st->layer, T, st->x, y, st->counts, probs_sum, &z_sum, &a2a,
+                               train);
+        if (e == MOE_EUNAVAIL)
+            goto fail_xchg;
+        if (e != MOE_OK) {
+            snprintf(err, sizeof(err), "GPU expert-parallel forward failed on rank %d: %s",
+                     w->rank, moe_strerror(e));
+            goto fail_msg;
+        }
+        if (train)
+            m->gpu_handle[st->layer] = st->handle;
+        t_gate = t_disp = t0;
+        t_exp = t_comb = fwd_now_s();
+        goto reply;
     }
     if ((e = fwd_gate(L, st, probs_sum, &z_sum)) != MOE_OK)
         goto fail;
@@ -444,14 +469,14 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     kern_combine_cpu(st->ye_slot, st->topk_w, NULL, T, K, H, bf, y);
     t_comb = fwd_now_s();
 
-    /* ---- reply {y, counts, dropped, probs_sum, z_sum, phase times} ---- */
-    mp_writer wr;
-    mp_writer_init(&wr);
-    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-    uint64_t a2a = 0; /* bytes this rank sent to the others (dispatch + combine) */
     for (int q = 0; q < W; q++)
         if (q != w->rank)
             a2a += send_bytes[q] + back_bytes[q];
+
+reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times} */
+    mp_writer wr;
+    mp_writer_init(&wr);
+    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
     mp_write_map(&wr, 10);
     mp_write_cstr(&wr, "a2a_bytes");
     mp_write_u64(&wr, a2a);

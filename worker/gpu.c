@@ -10,6 +10,7 @@
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "kcu_ep.h"
 #include "kern_cuda.h"
 
 int wkr_gpu_probe(int device, char *name, size_t len)
@@ -30,6 +31,8 @@ void wkr_gpu_detach(wkr_model *m)
     for (int l = 0; m->gpu && l < m->cfg.layers; l++) {
         if (m->gpu_mode == 1)
             kcu_layer_destroy(m->gpu[l]);
+        else if (m->gpu_mode == 3)
+            kcu_ep_destroy(m->gpu[l]);
         else
             kcu_experts_destroy(m->gpu[l]);
     }
@@ -50,7 +53,10 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
     m->gpu_handle = calloc((size_t)c->layers, sizeof(uint64_t));
     if (!m->gpu || !m->gpu_handle)
         return MOE_ENOMEM;
-    m->gpu_mode = w->world == 1 ? 1 : 2;
+    /* several GPU workers over NCCL: the device-resident layer (dropless) */
+    void *comm = w->world > 1 ? xchg_nccl_comm(w->xc) : NULL;
+    const int ep = comm && c->capacity_factor == 0 && strcmp(w->ep_cfg, "off") != 0;
+    m->gpu_mode = w->world == 1 ? 1 : ep ? 3 : 2;
     m->gpu_train = train;
     moe_err e = MOE_OK;
     for (int l = 0; l < c->layers && e == MOE_OK; l++) {
@@ -70,6 +76,26 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
             if (e == MOE_OK)
                 e = kcu_layer_upload(kl, L->wr, L->w1, L->w3, L->w2);
             m->gpu[l] = kl;
+        } else if (m->gpu_mode == 3) {
+            kcu_ep_config ec;
+            memset(&ec, 0, sizeof(ec));
+            ec.H = c->d_model;
+            ec.F = c->d_ff;
+            ec.E = c->n_experts;
+            ec.K = c->top_k;
+            ec.act = (kern_act)c->act;
+            ec.renorm = c->renormalize;
+            ec.rank = w->rank;
+            ec.world = w->world;
+            ec.T_max = (int)w->gpu_max_tokens;
+            ec.train = train;
+            ec.chunks = (int)w->ep_chunks;
+            ec.timeout_ms = (int)w->xchg_timeout_ms;
+            kcu_ep *kp = NULL;
+            e = kcu_ep_create(&ec, comm, &kp);
+            if (e == MOE_OK)
+                e = kcu_ep_upload(kp, L->wr, L->w1, L->w3, L->w2);
+            m->gpu[l] = kp;
         } else if (m->ne > 0) {
             kcu_experts *ex = NULL;
             e = kcu_experts_create(c->d_model, c->d_ff, m->ne, (kern_act)c->act,
@@ -86,7 +112,10 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
         return e;
     }
     LOG_I("model %s on GPU %lld: %s mode%s", c->name, w->device_index,
-          m->gpu_mode == 1 ? "whole-layer" : "experts", train ? ", training" : "");
+          m->gpu_mode == 1   ? "whole-layer"
+          : m->gpu_mode == 3 ? "expert-parallel (rows stay on the GPUs, NCCL)"
+                             : "experts",
+          train ? ", training" : "");
     return MOE_OK;
 }
 
@@ -127,6 +156,61 @@ moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, 
         e = MOE_EINTERNAL;
     m->gpu_handle[layer] = 0;
     return e;
+}
+
+/* ep_failed: an exchange that failed or timed out leaves NCCL work stuck on
+ * a peer: abort the communicator so that the kernels stop and the cluster
+ * re-forms */
+static moe_err ep_failed(wkr *w, moe_err e, const char *what)
+{
+    if (e == MOE_EUNAVAIL) {
+        LOG_W("%s: exchange failed; aborting the NCCL communicator", what);
+        xchg_nccl_abort_comm(w->xc, what);
+    }
+    return e;
+}
+
+moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const float *x, float *y,
+                           int32_t *counts, double *probs_sum, double *z_sum, uint64_t *a2a_bytes,
+                           int train)
+{
+    kcu_ep *ep = m->gpu[layer];
+    moe_err e = kcu_ep_forward(ep, T, x, MOE_F32, y, MOE_F32, train, NULL);
+    if (e == MOE_OK)
+        e = kcu_ep_wait(ep, NULL);
+    if (e == MOE_OK) {
+        kcu_ep_last_counts(ep, counts, NULL, NULL, NULL);
+        *a2a_bytes = (uint64_t)kcu_ep_last_a2a_bytes(ep);
+        e = kcu_ep_stats(ep, probs_sum, z_sum, NULL);
+    }
+    m->gpu_handle[layer] = 0;
+    return ep_failed(w, e, "expert-parallel forward");
+}
+
+moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                            const float *dy, float *dx)
+{
+    kcu_ep *ep = m->gpu[layer];
+    const model_cfg *c = &m->cfg;
+    moe_err e = MOE_OK;
+    if (m->gpu_handle[layer] != handle) {
+        /* the devices hold another forward's state: every rank recomputes
+         * this one (they all see the same sequence of jobs) */
+        float *y = malloc((size_t)(T ? T : 1) * c->d_model * sizeof(float));
+        if (!y)
+            return MOE_ENOMEM;
+        e = kcu_ep_forward(ep, T, x, MOE_F32, y, MOE_F32, 1, NULL);
+        if (e == MOE_OK)
+            e = kcu_ep_wait(ep, NULL);
+        free(y);
+    }
+    if (e == MOE_OK)
+        e = kcu_ep_backward(ep, dy, MOE_F32, dx, MOE_F32, (float)c->aux_loss_coef,
+                            (float)c->z_loss_coef, NULL);
+    if (e == MOE_OK)
+        e = kcu_ep_wait(ep, NULL);
+    m->gpu_handle[layer] = 0;
+    return ep_failed(w, e, "expert-parallel backward");
 }
 
 /* compact copies the kept rows of each expert together; returns their count */
@@ -216,6 +300,17 @@ moe_err wkr_gpu_pull_grads(wkr_model *m)
                 e = kcu_layer_zero_grads(m->gpu[l], NULL);
             for (size_t k = 0; e == MOE_OK && k < p[0].n; k++)
                 p[0].grad[k] += gr[k];
+        } else if (m->gpu_mode == 3) {
+            /* the router gradient of this rank's tokens (all-reduced at the
+             * step with the host ones), the local experts' gradients */
+            e = kcu_ep_download_router_grad(m->gpu[l], gr);
+            for (size_t k = 0; e == MOE_OK && k < p[0].n; k++)
+                p[0].grad[k] += gr[k];
+            if (e == MOE_OK)
+                e = kcu_experts_download_grads(kcu_ep_experts(m->gpu[l]), g1,
+                                               nmat == 3 ? g3 : NULL, g2);
+            if (e == MOE_OK)
+                e = kcu_ep_zero_grads(m->gpu[l]);
         } else {
             e = kcu_experts_download_grads(m->gpu[l], g1, nmat == 3 ? g3 : NULL, g2);
             if (e == MOE_OK)
@@ -247,6 +342,8 @@ moe_err wkr_gpu_push_weights(wkr_model *m)
             continue;
         if (m->gpu_mode == 1)
             e = kcu_layer_upload(m->gpu[l], L->wr, L->w1, L->w3, L->w2);
+        else if (m->gpu_mode == 3)
+            e = kcu_ep_upload(m->gpu[l], L->wr, L->w1, L->w3, L->w2);
         else
             e = kcu_experts_upload(m->gpu[l], L->w1, L->w3, L->w2);
         m->gpu_handle[l] = 0;
@@ -293,6 +390,20 @@ moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, cons
                                  const int32_t *kept, float *dxe)
 {
     (void)m, (void)layer, (void)dye, (void)n, (void)kept, (void)dxe;
+    return MOE_EINVAL;
+}
+moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const float *x, float *y,
+                           int32_t *counts, double *probs_sum, double *z_sum, uint64_t *a2a_bytes,
+                           int train)
+{
+    (void)w, (void)m, (void)layer, (void)T, (void)x, (void)y, (void)counts, (void)probs_sum,
+        (void)z_sum, (void)a2a_bytes, (void)train;
+    return MOE_EINVAL;
+}
+moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                            const float *dy, float *dx)
+{
+    (void)w, (void)m, (void)layer, (void)handle, (void)T, (void)x, (void)dy, (void)dx;
     return MOE_EINVAL;
 }
 moe_err wkr_gpu_pull_grads(wkr_model *m)

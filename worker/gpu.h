@@ -3,6 +3,11 @@
  * kernels/cuda (kern_cuda.h). Two modes, chosen per model when it is built:
  *   - layer:   a cluster of one worker runs the whole layer (router, layout,
  *              experts, combine) on the device: kcu_layer.
+ *   - ep:      a cluster of several GPU workers over NCCL (mode 3): every
+ *              worker runs the whole layer for its tokens on its device,
+ *              rows go GPU to GPU (kcu_ep: router, layout, NCCL
+ *              all-to-all-v, grouped GEMMs, combine; chunked overlap).
+ *              Dropless only; --ep off or a capacity factor falls back to:
  *   - experts: in a cluster of several workers the router runs on the host
  *              replica and rows travel through the exchange; the rows of the
  *              worker's own experts run on the device: kcu_experts.
@@ -39,6 +44,19 @@ moe_err wkr_gpu_experts_forward(wkr_model *m, int layer, const float *xe, const 
                                 const int32_t *kept, float *ye, int keep);
 moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, const int32_t *n,
                                  const int32_t *kept, float *dxe);
+
+/* ep mode: every rank calls these for every job, in the same order (all
+ * ranks take part in the exchanges, T = 0 included). y (T,H) out; counts
+ * (E) this rank's routed slots, probs_sum (E) and z_sum its router sums,
+ * a2a_bytes sent to other ranks. An exchange failure aborts the NCCL
+ * communicator and returns MOE_EUNAVAIL. */
+moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const float *x, float *y,
+                           int32_t *counts, double *probs_sum, double *z_sum, uint64_t *a2a_bytes,
+                           int train);
+/* backward of the train forward `handle` whose x (T,H) is given (the
+ * forward is recomputed, collectively, when the devices hold another). */
+moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                            const float *dy, float *dx);
 
 /* optimizer support: add the device gradients into the host grads (and
  * clear them on the device); push the host weights back to the device. */

@@ -28,6 +28,10 @@ static const cfg_entry worker_cfg[] = {
     {"device", CFG_INT, "0", 0, 1024, &W.device_index, "CUDA device this worker uses"},
     {"gpu-max-tokens", CFG_INT, "16384", 1, 1 << 24, &W.gpu_max_tokens,
      "GPU backend: most tokens of one layer call (sizes the device workspace)"},
+    {"ep-chunks", CFG_INT, "0", 0, 8, &W.ep_chunks,
+     "GPU workers over NCCL: overlap degree of dispatch/experts/combine (0 = by shape)"},
+    {"ep", CFG_STR, "auto", 0, 0, W.ep_cfg,
+     "auto | off: several GPU workers over NCCL run the layer device-resident (kcu_ep)"},
     {"heartbeat-ms", CFG_INT, "500", 50, 60000, &W.heartbeat_ms, "heartbeat period"},
     {"xchg-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.xchg_timeout_ms,
      "bound on one collective between workers"},
@@ -239,6 +243,10 @@ int main(int argc, char **argv)
     if (strcmp(W.backend_cfg, "auto") && strcmp(W.backend_cfg, "cpu") &&
         strcmp(W.backend_cfg, "cuda")) {
         fprintf(stderr, "moe-worker: backend must be auto, cpu or cuda\n");
+        return 2;
+    }
+    if (strcmp(W.ep_cfg, "auto") && strcmp(W.ep_cfg, "off")) {
+        fprintf(stderr, "moe-worker: ep must be auto or off\n");
         return 2;
     }
     if (W.threads > 0)

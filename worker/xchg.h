@@ -172,6 +172,11 @@ moe_err xchg_nccl_open(int rank, int world, const void *unique_id, int device, i
                        xchg **out);
 /* xchg_nccl_stream returns the cudaStream_t the collectives run on. */
 void *xchg_nccl_stream(xchg *x);
+/* xchg_nccl_abort_comm aborts the communicator (ncclCommAbort: kernels
+ * stuck on a dead peer stop) and leaves it failed, as a failed collective
+ * does: for work enqueued on the communicator outside xchg (kcu_ep) that
+ * failed or timed out. */
+void xchg_nccl_abort_comm(xchg *x, const char *why);
 /* xchg_nccl_comm returns the ncclComm_t (NULL once failed); for benchmarks
  * and tools. The communicator stays owned by x. */
 void *xchg_nccl_comm(xchg *x);

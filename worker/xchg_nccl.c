@@ -510,6 +510,12 @@ void *xchg_nccl_stream(xchg *xp)
     return xp && xp->ops == &nc_ops ? (void *)((nc *)xp)->stream : NULL;
 }
 
+void xchg_nccl_abort_comm(xchg *xp, const char *why)
+{
+    if (xp && xp->ops == &nc_ops)
+        nc_fail((nc *)xp, why);
+}
+
 void *xchg_nccl_comm(xchg *xp)
 {
     return xp && xp->ops == &nc_ops ? (void *)((nc *)xp)->comm : NULL;

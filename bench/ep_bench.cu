@@ -1,0 +1,487 @@
+/*
+ * ep_bench.cu - expert parallelism over W GPUs of one host (kcu_ep.h): one
+ * thread and one NCCL rank per GPU, a fixed number of tokens per GPU.
+ * Prints, per overlap degree (chunks), the layer's forward and
+ * forward+backward time, tokens/s, the time of the layer's all-to-all
+ * alone (the same transfers without the GEMMs), its bandwidth against
+ * NCCL's own ncclAlltoAll moving the same bytes in the same run, and how
+ * much of the all-to-all time the overlap hides. With --check the outputs,
+ * dx and every gradient are compared with the single-GPU layer (kcu_layer,
+ * all W*T tokens on GPU 0). Not a test.
+ *
+ *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|small [--tokens 16384]
+ *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
+ *
+ * Keep NCCL_NVLS_ENABLE=0 on the shared machines.
+ */
+#include <algorithm>
+#include <dlfcn.h>
+#include <functional>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <thread>
+#include <time.h>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "kcu_ep.h"
+#include "kern_cuda.h"
+#include "placement.h"
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+#define CKM(call)                                                                                  \
+    do {                                                                                           \
+        moe_err r_ = (call);                                                                       \
+        if (r_ != MOE_OK) {                                                                        \
+            fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #call, (int)r_);        \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+#define CKN(call)                                                                                  \
+    do {                                                                                           \
+        ncclResult_t r_ = (call);                                                                  \
+        if (r_ != ncclSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+struct shape {
+    const char *name;
+    int H, F, E, K;
+};
+static const shape SHAPES[] = {
+    {"mixtral", 4096, 14336, 8, 2},
+    {"qwen3", 2048, 768, 128, 8},
+    {"small", 512, 256, 16, 2},
+};
+
+static double now_s()
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* value i of stream `seed`, uniform in [-a, a) */
+static inline float hval(uint64_t seed, uint64_t i, float a)
+{
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return a * (2.0f * (float)(z >> 40) * (1.0f / 16777216.0f) - 1.0f);
+}
+static void gen(std::vector<float> &v, size_t n, uint64_t seed, float a, float shift)
+{
+    v.resize(n);
+    const int nt = 16;
+    std::vector<std::thread> th;
+    for (int t = 0; t < nt; t++)
+        th.emplace_back([&, t] {
+            for (size_t i = n * t / nt; i < n * (t + 1) / nt; i++)
+                v[i] = hval(seed, i, a) + shift;
+        });
+    for (auto &x : th)
+        x.join();
+}
+
+struct opts {
+    int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
+    shape s = SHAPES[2];
+    std::vector<int> chunks{1, 2, 4};
+};
+
+struct world {
+    opts o;
+    ncclUniqueId id;
+    pthread_barrier_t bar;
+    std::vector<float> wr, w1, w3, w2; /* the whole layer, host fp32 */
+    std::vector<std::vector<float>> x, dy, y, dx;
+    std::vector<std::vector<float>> g1, g3, g2, gr; /* per rank: local expert grads, router grad */
+    /* results per chunks value (rank 0 writes the max over ranks) */
+    std::vector<double> t_fwd, t_fb, t_a2a, t_nccl;
+    std::vector<double> rank_ms; /* scratch: one slot per rank */
+    int64_t send_bytes = 0, rows_max = 0, rows_min = 0;
+    size_t mem_max = 0;
+};
+
+typedef ncclResult_t (*alltoall_fn)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
+                                    cudaStream_t);
+
+/* max over ranks of each rank's duration, after a barrier start */
+static double timed(world *w, int r, const std::function<void()> &fn)
+{
+    pthread_barrier_wait(&w->bar);
+    const double t0 = now_s();
+    fn();
+    w->rank_ms[r] = (now_s() - t0) * 1e3;
+    pthread_barrier_wait(&w->bar);
+    double m = 0;
+    for (double v : w->rank_ms)
+        m = std::max(m, v);
+    pthread_barrier_wait(&w->bar);
+    return m;
+}
+
+static double median(std::vector<double> v)
+{
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+static void *rank_main(void *arg)
+{
+    auto *pr = (std::pair<world *, int> *)arg;
+    world *w = pr->first;
+    const int r = pr->second, W = w->o.W, T = w->o.T;
+    const shape s = w->o.s;
+    const size_t H = s.H, F = s.F;
+    CK(cudaSetDevice(r));
+    ncclComm_t comm;
+    CKN(ncclCommInitRank(&comm, W, w->id, r));
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    kcu_ep_config c;
+    memset(&c, 0, sizeof(c));
+    c.H = s.H;
+    c.F = s.F;
+    c.E = s.E;
+    c.K = s.K;
+    c.act = KERN_ACT_SWIGLU;
+    c.renorm = 1;
+    c.rank = r;
+    c.world = W;
+    c.T_max = T;
+    c.train = 1;
+    c.chunks = 1;
+    kcu_ep *ep;
+    CKM(kcu_ep_create(&c, comm, &ep));
+    int first = 0;
+    const int ne = kcu_ep_local_experts(ep, &first);
+    CKM(kcu_ep_upload(ep, w->wr.data(), w->w1.data() + (size_t)first * F * H,
+                      w->w3.data() + (size_t)first * F * H, w->w2.data() + (size_t)first * H * F));
+
+    /* device inputs for the timing runs */
+    void *xd, *yd, *dyd, *dxd;
+    CK(cudaMalloc(&xd, (size_t)T * H * 4));
+    CK(cudaMalloc(&yd, (size_t)T * H * 2));
+    CK(cudaMalloc(&dyd, (size_t)T * H * 4));
+    CK(cudaMalloc(&dxd, (size_t)T * H * 2));
+    CK(cudaMemcpy(xd, w->x[r].data(), (size_t)T * H * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dyd, w->dy[r].data(), (size_t)T * H * 4, cudaMemcpyHostToDevice));
+
+    if (w->o.check) { /* chunks 2 for the check: the pipelined path */
+        CKM(kcu_ep_set_chunks(ep, 2, 0));
+        w->y[r].assign((size_t)T * H, 0.f);
+        w->dx[r].assign((size_t)T * H, 0.f);
+        CKM(kcu_ep_zero_grads(ep));
+        CKM(kcu_ep_forward(ep, T, w->x[r].data(), MOE_F32, w->y[r].data(), MOE_F32, 1, st));
+        CKM(kcu_ep_wait(ep, st));
+        CKM(kcu_ep_backward(ep, w->dy[r].data(), MOE_F32, w->dx[r].data(), MOE_F32, 0.01f, 0.001f,
+                            st));
+        CKM(kcu_ep_wait(ep, st));
+        w->g1[r].resize((size_t)ne * F * H);
+        w->g3[r].resize((size_t)ne * F * H);
+        w->g2[r].resize((size_t)ne * H * F);
+        w->gr[r].resize((size_t)s.E * H);
+        CKM(kcu_experts_download_grads(kcu_ep_experts(ep), w->g1[r].data(), w->g3[r].data(),
+                                       w->g2[r].data()));
+        CKM(kcu_ep_download_router_grad(ep, w->gr[r].data()));
+    }
+
+    alltoall_fn a2a = (alltoall_fn)dlsym(RTLD_DEFAULT, "ncclAlltoAll");
+    void *nb_s = nullptr, *nb_r = nullptr;
+    for (size_t ci = 0; ci < w->o.chunks.size(); ci++) {
+        CKM(kcu_ep_set_chunks(ep, w->o.chunks[ci], w->o.comm_sms));
+        std::vector<double> tf, tb, ta, tn;
+        for (int it = 0; it < w->o.iters + 2; it++) {
+            const double f = timed(w, r, [&] {
+                CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 0, st));
+                CKM(kcu_ep_wait(ep, st));
+            });
+            const double fb = timed(w, r, [&] {
+                CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 1, st));
+                CKM(kcu_ep_backward(ep, dyd, MOE_F32, dxd, MOE_BF16, 0.f, 0.f, st));
+                CKM(kcu_ep_wait(ep, st));
+            });
+            const double a = timed(w, r, [&] { CKM(kcu_ep_bench_exchange(ep, st)); });
+            if (it >= 2) {
+                tf.push_back(f);
+                tb.push_back(fb);
+                ta.push_back(a);
+            }
+        }
+        /* NCCL's own all-to-all with the same bytes: the dispatch's S*H
+         * bf16 per rank, evenly split, then back again (two calls) */
+        const size_t per_peer = (size_t)T * s.K * H / W;
+        if (a2a && W > 1) {
+            if (!nb_s) {
+                CK(cudaMalloc(&nb_s, per_peer * W * 2));
+                CK(cudaMalloc(&nb_r, per_peer * W * 2));
+            }
+            for (int it = 0; it < w->o.iters + 2; it++) {
+                const double n = timed(w, r, [&] {
+                    CKN(a2a(nb_s, nb_r, per_peer, ncclBfloat16, comm, st));
+                    CKN(a2a(nb_r, nb_s, per_peer, ncclBfloat16, comm, st));
+                    CK(cudaStreamSynchronize(st));
+                });
+                if (it >= 2)
+                    tn.push_back(n);
+            }
+        }
+        if (r == 0) {
+            w->t_fwd[ci] = median(tf);
+            w->t_fb[ci] = median(tb);
+            w->t_a2a[ci] = median(ta);
+            w->t_nccl[ci] = tn.empty() ? 0 : median(tn);
+        }
+        pthread_barrier_wait(&w->bar);
+    }
+    int64_t rows = 0;
+    kcu_ep_last_counts(ep, nullptr, nullptr, nullptr, &rows);
+    const int64_t sb = kcu_ep_last_send_bytes(ep);
+    const size_t mem = kcu_ep_bytes(ep);
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&mu);
+    w->send_bytes = std::max(w->send_bytes, sb);
+    w->rows_max = std::max(w->rows_max, rows);
+    w->rows_min = w->rows_min == 0 ? rows : std::min(w->rows_min, rows);
+    w->mem_max = std::max(w->mem_max, mem);
+    pthread_mutex_unlock(&mu);
+    if (nb_s) {
+        cudaFree(nb_s);
+        cudaFree(nb_r);
+    }
+    cudaFree(xd);
+    cudaFree(yd);
+    cudaFree(dyd);
+    cudaFree(dxd);
+    kcu_ep_destroy(ep);
+    ncclCommDestroy(comm);
+    cudaStreamDestroy(st);
+    return nullptr;
+}
+
+static double rel(const float *a, const float *b, size_t n, int *nan)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i]))
+            *nan = 1;
+        const double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* the single-GPU layer on GPU 0 over all W*T tokens; returns 0 if all pass */
+static int check_single(world *w)
+{
+    const opts &o = w->o;
+    const shape s = o.s;
+    const int W = o.W, T = o.T, E = s.E;
+    const size_t H = s.H, F = s.F, TT = (size_t)W * T;
+    CK(cudaSetDevice(0));
+    kcu_config c;
+    memset(&c, 0, sizeof(c));
+    c.H = s.H;
+    c.F = s.F;
+    c.E = s.E;
+    c.K = s.K;
+    c.act = KERN_ACT_SWIGLU;
+    c.renorm = 1;
+    c.T_max = (int)TT;
+    c.train = 1;
+    kcu_layer *l;
+    CKM(kcu_layer_create(&c, &l));
+    CKM(kcu_layer_upload(l, w->wr.data(), w->w1.data(), w->w3.data(), w->w2.data()));
+    std::vector<float> x(TT * H), dy(TT * H), y(TT * H), dx(TT * H);
+    for (int r = 0; r < W; r++) {
+        memcpy(x.data() + (size_t)r * T * H, w->x[r].data(), (size_t)T * H * 4);
+        memcpy(dy.data() + (size_t)r * T * H, w->dy[r].data(), (size_t)T * H * 4);
+    }
+    CKM(kcu_forward(l, (int)TT, x.data(), MOE_F32, y.data(), MOE_F32, 1, nullptr));
+    CKM(kcu_backward(l, dy.data(), MOE_F32, dx.data(), MOE_F32, 0.01f, 0.001f, nullptr, 0, nullptr));
+    CK(cudaDeviceSynchronize());
+    std::vector<float> g1((size_t)E * F * H), g3((size_t)E * F * H), g2((size_t)E * H * F),
+        gr((size_t)E * H);
+    CKM(kcu_layer_download_grads(l, gr.data(), g1.data(), g3.data(), g2.data()));
+    kcu_layer_destroy(l);
+    int nan = 0, fail = 0;
+    double ey = 0, edx = 0, eg = 0, egr = 0;
+    size_t ybits = 0;
+    for (int r = 0; r < W; r++) {
+        ey = std::max(ey, rel(w->y[r].data(), y.data() + (size_t)r * T * H, (size_t)T * H, &nan));
+        ybits += memcmp(w->y[r].data(), y.data() + (size_t)r * T * H, (size_t)T * H * 4) != 0;
+        edx = std::max(edx,
+                       rel(w->dx[r].data(), dx.data() + (size_t)r * T * H, (size_t)T * H, &nan));
+        const int a = placement_first(E, W, r), ne = placement_count(E, W, r);
+        eg = std::max(eg, rel(w->g1[r].data(), g1.data() + (size_t)a * F * H, (size_t)ne * F * H,
+                              &nan));
+        eg = std::max(eg, rel(w->g3[r].data(), g3.data() + (size_t)a * F * H, (size_t)ne * F * H,
+                              &nan));
+        eg = std::max(eg, rel(w->g2[r].data(), g2.data() + (size_t)a * H * F, (size_t)ne * H * F,
+                              &nan));
+    }
+    std::vector<float> grs((size_t)E * H, 0.f);
+    for (int r = 0; r < W; r++)
+        for (size_t i = 0; i < grs.size(); i++)
+            grs[i] += w->gr[r][i];
+    egr = rel(grs.data(), gr.data(), grs.size(), &nan);
+    const double tol = 1e-2;
+    fail = nan || ey > tol || edx > tol || eg > tol || egr > tol;
+    printf("check vs single GPU (%zu tokens on GPU 0): y %.2e (%s), dx %.2e, expert grads %.2e, "
+           "router grad %.2e%s -> %s\n",
+           TT, ey, ybits ? "differs in bits" : "bit-identical", edx, eg, egr, nan ? ", NaN" : "",
+           fail ? "FAIL" : "pass");
+    return fail;
+}
+
+int main(int argc, char **argv)
+{
+    world *w = new world;
+    opts &o = w->o;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : "";
+        if (!strcmp(a, "--gpus")) {
+            o.W = atoi(v);
+            i++;
+        } else if (!strcmp(a, "--tokens")) {
+            o.T = atoi(v);
+            i++;
+        } else if (!strcmp(a, "--iters")) {
+            o.iters = atoi(v);
+            i++;
+        } else if (!strcmp(a, "--shape")) {
+            int ok = 0;
+            for (const shape &s : SHAPES)
+                if (!strcmp(s.name, v)) {
+                    o.s = s;
+                    ok = 1;
+                }
+            if (!ok) {
+                fprintf(stderr, "unknown shape %s\n", v);
+                return 2;
+            }
+            i++;
+        } else if (!strcmp(a, "--chunks")) {
+            o.chunks.clear();
+            for (const char *p = v; *p;) {
+                o.chunks.push_back(atoi(p));
+                while (*p && *p != ',')
+                    p++;
+                if (*p)
+                    p++;
+            }
+            i++;
+        } else if (!strcmp(a, "--comm-sms")) {
+            o.comm_sms = atoi(v);
+            i++;
+        } else if (!strcmp(a, "--skew")) {
+            o.skew = 1;
+        } else if (!strcmp(a, "--check")) {
+            o.check = 1;
+        } else {
+            fprintf(stderr, "usage: %s --gpus W --shape mixtral|qwen3|small [--tokens T] "
+                            "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check]\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    int ndev = 0;
+    CK(cudaGetDeviceCount(&ndev));
+    if (o.W < 1 || o.W > ndev || o.T < 1 || o.iters < 1 || o.chunks.empty()) {
+        fprintf(stderr, "ep_bench: need 1 <= --gpus <= %d devices, --tokens >= 1\n", ndev);
+        return 2;
+    }
+    const shape s = o.s;
+    const size_t H = s.H, F = s.F, E = s.E;
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("ep_bench: %s x%d, shape %s (H=%d F=%d E=%d K=%d), %d tokens per GPU, SwiGLU bf16, "
+           "%s routing\n",
+           prop.name, o.W, s.name, s.H, s.F, s.E, s.K, o.T, o.skew ? "skewed" : "random");
+    const double t0 = now_s();
+    gen(w->wr, E * H, 1, 1.0f / sqrtf((float)H), 0.f);
+    if (o.skew) /* expert 0 wins for most tokens: its router row leans on the inputs' mean */
+        for (size_t i = 0; i < H; i++)
+            w->wr[i] += 4.0f / (float)H;
+    gen(w->w1, E * F * H, 2, 1.0f / sqrtf((float)H), 0.f);
+    gen(w->w3, E * F * H, 3, 1.0f / sqrtf((float)H), 0.f);
+    gen(w->w2, E * H * F, 4, 1.0f / sqrtf((float)F), 0.f);
+    w->x.resize(o.W);
+    w->dy.resize(o.W);
+    w->y.resize(o.W);
+    w->dx.resize(o.W);
+    w->g1.resize(o.W);
+    w->g3.resize(o.W);
+    w->g2.resize(o.W);
+    w->gr.resize(o.W);
+    for (int r = 0; r < o.W; r++) {
+        gen(w->x[r], (size_t)o.T * H, 100 + r, 1.0f, o.skew ? 0.5f : 0.f);
+        gen(w->dy[r], (size_t)o.T * H, 200 + r, 1.0f, 0.f);
+    }
+    printf("inputs generated in %.1f s\n", now_s() - t0);
+    const size_t nc = o.chunks.size();
+    w->t_fwd.assign(nc, 0);
+    w->t_fb.assign(nc, 0);
+    w->t_a2a.assign(nc, 0);
+    w->t_nccl.assign(nc, 0);
+    w->rank_ms.assign(o.W, 0);
+    CKN(ncclGetUniqueId(&w->id));
+    pthread_barrier_init(&w->bar, nullptr, o.W);
+    std::vector<pthread_t> th(o.W);
+    std::vector<std::pair<world *, int>> args(o.W);
+    for (int r = 0; r < o.W; r++) {
+        args[r] = {w, r};
+        pthread_create(&th[r], nullptr, rank_main, &args[r]);
+    }
+    for (int r = 0; r < o.W; r++)
+        pthread_join(th[r], nullptr);
+    int fail = 0;
+    if (o.check)
+        fail = check_single(w);
+
+    const double flops_fwd = 2.0 * o.T * s.K * 3.0 * H * F; /* per GPU */
+    printf("rows received per GPU: %lld..%lld (of %lld routed per GPU); off-GPU dispatch bytes "
+           "per GPU (max) %.1f MB; device memory per GPU (kcu_ep) %.2f GB\n",
+           (long long)w->rows_min, (long long)w->rows_max, (long long)o.T * s.K,
+           w->send_bytes / 1e6, w->mem_max / 1e9);
+    printf("%-7s %9s %10s %12s %9s %10s %9s %9s %9s %8s\n", "chunks", "fwd ms", "fwd+bwd", "tokens/s",
+           "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl", "hidden");
+    const double base = w->t_fwd[0];
+    for (size_t i = 0; i < nc; i++) {
+        /* a2a: dispatch + return of the forward; GB/s counts both directions'
+         * off-GPU bytes of the busiest rank. ncclAlltoAll moves T*K*H*2 bytes
+         * per rank each way (its own part included), the same amount. */
+        const double bytes = 2.0 * (double)o.T * s.K * H * 2;
+        const double a2a_gbs = w->t_a2a[i] > 0 ? bytes / (w->t_a2a[i] * 1e6) : 0;
+        const double n_gbs = w->t_nccl[i] > 0 ? bytes / (w->t_nccl[i] * 1e6) : 0;
+        const double hidden = (o.chunks[0] == 1 && w->t_a2a[i] > 0 && o.chunks[i] > 1)
+                                  ? (base - w->t_fwd[i]) / w->t_a2a[i]
+                                  : 0;
+        printf("%-7d %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%%\n", o.chunks[i],
+               w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3), w->t_a2a[i],
+               a2a_gbs, w->t_nccl[i], n_gbs, w->t_nccl[i] > 0 ? w->t_a2a[i] / w->t_nccl[i] : 0,
+               hidden * 100);
+    }
+    printf("fwd TFLOP/s per GPU at chunks=%d: %.0f (expert GEMMs, 2*T*K*3*H*F per GPU)\n",
+           o.chunks[0], flops_fwd / (w->t_fwd[0] * 1e-3) / 1e12);
+    printf("hidden = (fwd at chunks 1 - fwd at chunks c) / a2a time at chunks c\n");
+    return fail;
+}

@@ -1,0 +1,1165 @@
+/*
+ * kcu_ep.cu - one MoE layer with expert parallelism over NCCL, every row on
+ * the device (see kcu_ep.h for the contract).
+ *
+ * Token side (every rank, T tokens, S = T*K slots):
+ *   router GEMM, softmax/top-k, layout sorted by expert (kcu_route on a
+ *   "router view" kcu_layer that carries only the router buffers);
+ *   send buffer xsend (S,H): chunk-major, then expert (= owner-major, the
+ *   experts being contiguous per owner), then the expert's rows in slot
+ *   order; sendpos (S) slot -> send row.
+ * Owner side (rows received, N in all):
+ *   chunk c's rows arrive source-major then expert (recv layout, region
+ *   [rbase[c], rbase[c+1])); the GEMMs walk them expert-major through
+ *   gidx (expert-major row -> recv row): the up-projection gathers through
+ *   it and the down-projection scatters its output back into the recv
+ *   layout (ysend), which is sent back as it is: the token side receives
+ *   its own send layout (yrecv) and combines through sendpos.
+ * Training keeps xrecv, ab, h (owner) and xs, yrecv, routing (token side);
+ * backward sends bf16(w*dy) along the forward's paths (xsend -> ysend),
+ * runs dh and dx per chunk, returns dx rows (dxsend -> yrecv), and runs the
+ * weight gradients over all chunks at once (wgx, wgh: global expert-major
+ * row -> recv row / activation row).
+ */
+#include <limits.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <type_traits>
+
+#include <nccl.h>
+
+#include "kcu_ep.h"
+#include "kcu_internal.cuh"
+#include "placement.h"
+
+enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64 };
+
+struct kcu_ep {
+    kcu_ep_config c;
+    ncclComm_t comm; /* borrowed */
+    cudaStream_t cs; /* communication stream (owned) */
+    int nsm, first, ne, N1;
+    kcu_layer R;       /* router view: only the router / routing fields are set */
+    void *tws;         /* token-side allocation */
+    size_t tws_bytes;
+    kcu_experts *ex;   /* local experts: weights, gradients, AdamW state */
+    bf16 *xsend;       /* (S_max,H) dispatch rows, then bf16(w dy) rows */
+    bf16 *yrecv;       /* (S_max,H) expert outputs back, then dx rows back */
+    bf16 *dyb;         /* (T_max,H) staged dy (train) */
+    int32_t *sendpos;  /* (S_max) slot -> send row */
+    int32_t *tab;      /* (C*E) send row of (chunk, expert)'s first row */
+    int32_t *cnt_all;  /* (W*E) every rank's counts (allgather) */
+    int32_t *cnt_h;    /* (W*E) pinned mirror */
+    void *ows;         /* owner-side allocation, grown on demand */
+    size_t ows_bytes, cap_rows, cap_tbl;
+    bf16 *xrecv, *ysend, *h, *ab, *dxsend; /* (N,H) (N,H) (N,F) (N,N1) (N,H) */
+    int32_t *gidx, *wgx, *wgh;             /* (N) each */
+    int32_t *tbl_d, *tbl_h;                /* per-call tables (device, pinned host) */
+    cudaEvent_t ev_a, ev_cnt, ev_done, ev_disp[EP_MAX_CHUNKS], ev_comp[EP_MAX_CHUNKS];
+    /* the last call */
+    int T, T_fwd, C; /* C: chunks of the last forward */
+    int rgrads_clean;
+    int T_global;
+    int64_t N;
+    int32_t counts_local[256], counts_global[256];
+    int64_t send_rows[EP_MAX_CHUNKS][EP_MAX_WORLD], recv_rows[EP_MAX_CHUNKS][EP_MAX_WORLD];
+    int64_t sbase[EP_MAX_CHUNKS + 1], rbase[EP_MAX_CHUNKS + 1];
+    int tiles[EP_MAX_CHUNKS], tbase[EP_MAX_CHUNKS];
+    /* offsets (int32 elements) of the parts of the table */
+    int t_offs, t_goffs, t_ntiles, t_rbase, t_te, t_tr, t_len;
+};
+
+namespace
+{
+
+size_t al(size_t b)
+{
+    return (b + 255) & ~(size_t)255;
+}
+
+int64_t now_ms()
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* rows of an expert with n rows that fall in chunk c of C */
+__host__ __device__ __forceinline__ int64_t chunk_lo(int64_t n, int c, int C)
+{
+    return n * c / C;
+}
+__host__ __device__ __forceinline__ int64_t chunk_size(int64_t n, int c, int C)
+{
+    return n * (c + 1) / C - n * c / C;
+}
+
+/* ---- kernels ---- */
+
+/* one thread: tab[c*E+e] = send row where (chunk c, expert e) starts */
+__global__ void k_ep_tab(const int32_t *__restrict__ counts, int E, int C, int32_t *__restrict__ tab)
+{
+    if (threadIdx.x != 0)
+        return;
+    int64_t pos = 0;
+    for (int c = 0; c < C; c++)
+        for (int e = 0; e < E; e++) {
+            tab[c * E + e] = (int32_t)pos;
+            pos += chunk_size(counts[e], c, C);
+        }
+}
+
+/* one warp per sorted row r: xsend[dest] = x[tok[r]], sendpos[slot] = dest */
+__global__ void k_ep_gather(const bf16 *__restrict__ x, const int32_t *__restrict__ perm,
+                            const int32_t *__restrict__ tok, const int32_t *__restrict__ idx,
+                            const int32_t *__restrict__ offs, const int32_t *__restrict__ counts,
+                            const int32_t *__restrict__ tab, int S, int E, int H, int C,
+                            bf16 *__restrict__ xsend, int32_t *__restrict__ sendpos)
+{
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= S)
+        return;
+    const int s = perm[r], e = idx[s];
+    const int64_t j = r - offs[e], n = counts[e];
+    int c = 0;
+    while (c + 1 < C && chunk_lo(n, c + 1, C) <= j)
+        c++;
+    const int64_t dest = tab[c * E + e] + (j - chunk_lo(n, c, C));
+    const uint4 *src = reinterpret_cast<const uint4 *>(x + (size_t)tok[r] * H);
+    uint4 *dst = reinterpret_cast<uint4 *>(xsend + (size_t)dest * H);
+    for (int i = lane; i < H / 8; i += 32)
+        dst[i] = src[i];
+    if (lane == 0)
+        sendpos[s] = (int32_t)dest;
+}
+
+/* grid (ne, W, C): the rows of (local expert i, source q, chunk c).
+ * tbl: offs (C, ne+1) per chunk expert-major offsets; goffs (ne+1); rbase
+ * (C+1). gidx[rb + dst] = rb + src; train: wgx/wgh[global row] = recv row /
+ * activation row. */
+__global__ void k_ep_index(const int32_t *__restrict__ cnt_all, const int32_t *__restrict__ tbl,
+                           int t_offs, int t_goffs, int t_rbase, int E, int W, int first, int ne,
+                           int C, int32_t *__restrict__ gidx, int32_t *__restrict__ wgx,
+                           int32_t *__restrict__ wgh)
+{
+    const int i = blockIdx.x, q = blockIdx.y, c = blockIdx.z, e = first + i;
+    const int32_t *offs = tbl + t_offs + c * (ne + 1);
+    const int32_t rb = tbl[t_rbase + c];
+    const int64_t sz = chunk_size(cnt_all[q * E + e], c, C);
+    if (sz == 0)
+        return;
+    __shared__ int64_t src0, dst0, g0;
+    if (threadIdx.x == 0) {
+        int64_t s = 0, d = offs[i], g = tbl[t_goffs + i];
+        for (int qq = 0; qq < q; qq++) {
+            for (int ii = 0; ii < ne; ii++)
+                s += chunk_size(cnt_all[qq * E + first + ii], c, C);
+            d += chunk_size(cnt_all[qq * E + e], c, C);
+            g += chunk_size(cnt_all[qq * E + e], c, C);
+        }
+        for (int ii = 0; ii < i; ii++)
+            s += chunk_size(cnt_all[q * E + first + ii], c, C);
+        for (int cc = 0; cc < c; cc++) {
+            const int32_t *o = tbl + t_offs + cc * (ne + 1);
+            g += o[i + 1] - o[i];
+        }
+        src0 = s;
+        dst0 = d;
+        g0 = g;
+    }
+    __syncthreads();
+    for (int64_t k = threadIdx.x; k < sz; k += blockDim.x) {
+        const int32_t src = (int32_t)(rb + src0 + k), act = (int32_t)(rb + dst0 + k);
+        gidx[act] = src;
+        if (wgx) {
+            wgx[g0 + k] = src;
+            wgh[g0 + k] = act;
+        }
+    }
+}
+
+/* out (T,H) = extra + sum_j [w ? bf16(w[s] * rows[pos[s]]) : rows[pos[s]]],
+ * j in order (as k_combine). One thread per 8 columns. */
+__global__ void k_ep_combine(const bf16 *__restrict__ rows, const int32_t *__restrict__ pos,
+                             const float *__restrict__ w, const float *__restrict__ extra, int T,
+                             int K, int H, void *out, int out_f32)
+{
+    const int hc = H / 8;
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)T * hc)
+        return;
+    const int t = (int)(i / hc), col = (int)(i % hc) * 8;
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        acc[k] = extra ? extra[(size_t)t * H + col + k] : 0.f;
+    for (int j = 0; j < K; j++) {
+        const size_t s = (size_t)t * K + j;
+        const uint4 raw = *reinterpret_cast<const uint4 *>(rows + (size_t)pos[s] * H + col);
+        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+        const float wj = w ? w[s] : 1.f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float2 f = __bfloat1622float2(v[k]);
+            if (w) {
+                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
+                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
+            } else {
+                acc[2 * k] += f.x;
+                acc[2 * k + 1] += f.y;
+            }
+        }
+    }
+    if (out_f32) {
+        float *o = (float *)out + (size_t)t * H + col;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            o[k] = acc[k];
+    } else {
+        uint4 raw;
+        __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(&raw);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            v[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
+        *reinterpret_cast<uint4 *>((bf16 *)out + (size_t)t * H + col) = raw;
+    }
+}
+
+/* one warp per slot s: dw[s] = <dy[t], ye_s> (fp32, fixed order), then the
+ * send row becomes bf16(w_s * dy[t]) */
+__global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yrecv,
+                        const int32_t *__restrict__ pos, const float *__restrict__ w, int S, int K,
+                        int H, float *__restrict__ dw, bf16 *__restrict__ send)
+{
+    const int lane = threadIdx.x & 31;
+    const int s = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (s >= S)
+        return;
+    const int t = s / K;
+    const size_t d = (size_t)pos[s];
+    const float ws = w[s];
+    float dot = 0.f;
+    for (int i = lane * 2; i < H; i += 64) {
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(dy + (size_t)t * H + i));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(yrecv + d * H + i));
+        dot += a.x * b.x + a.y * b.y;
+        *reinterpret_cast<__nv_bfloat162 *>(send + d * H + i) = __floats2bfloat162_rn(ws * a.x, ws * a.y);
+    }
+    for (int o = 16; o; o >>= 1)
+        dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (lane == 0)
+        dw[s] = dot;
+}
+
+/* ---- host helpers ---- */
+
+moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
+{
+    const int64_t deadline = now_ms() + ep->c.timeout_ms;
+    int spins = 0;
+    while (r == ncclInProgress) {
+        if (now_ms() > deadline) {
+            fprintf(stderr, "kcu_ep: rank %d: %s still in progress after %d ms\n", ep->c.rank,
+                    what, ep->c.timeout_ms);
+            return MOE_EUNAVAIL;
+        }
+        if (spins++ > 1000) {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+        ncclResult_t st = ncclSuccess;
+        ncclResult_t q = ncclCommGetAsyncError(ep->comm, &st);
+        r = q != ncclSuccess ? q : st;
+    }
+    if (r != ncclSuccess) {
+        fprintf(stderr, "kcu_ep: rank %d: %s: %s (%s)\n", ep->c.rank, what, ncclGetErrorString(r),
+                ncclGetLastError(ep->comm));
+        return MOE_EUNAVAIL;
+    }
+    return MOE_OK;
+}
+
+/* wait for an event (or a stream when ev is NULL) under the timeout while
+ * watching NCCL's asynchronous errors */
+moe_err ep_wait(kcu_ep *ep, cudaEvent_t ev, cudaStream_t st, const char *what)
+{
+    const int64_t deadline = now_ms() + ep->c.timeout_ms;
+    int spins = 0;
+    for (;;) {
+        const cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(st);
+        if (e == cudaSuccess)
+            return MOE_OK;
+        if (e != cudaErrorNotReady) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: %s\n", ep->c.rank, what, cudaGetErrorString(e));
+            return MOE_EINTERNAL;
+        }
+        ncclResult_t as = ncclSuccess;
+        if (ncclCommGetAsyncError(ep->comm, &as) != ncclSuccess ||
+            (as != ncclSuccess && as != ncclInProgress)) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error %s\n", ep->c.rank, what,
+                    ncclGetErrorString(as));
+            return MOE_EUNAVAIL;
+        }
+        if (now_ms() > deadline) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
+                    ep->c.timeout_ms);
+            return MOE_EUNAVAIL;
+        }
+        if (spins++ < 2000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+int64_t ep_owner_rows(const kcu_ep *ep, const int32_t *cnt, int q, int c)
+{
+    /* rows of one rank's counts cnt (E) for owner q's experts in chunk c */
+    const int E = ep->c.E, W = ep->c.world, C = ep->C;
+    const int a = placement_first(E, W, q), b = a + placement_count(E, W, q);
+    int64_t n = 0;
+    for (int e = a; e < b; e++)
+        n += chunk_size(cnt[e], c, C);
+    return n;
+}
+
+/* owner-side buffers for N rows and a table of tl int32 */
+moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
+{
+    if ((size_t)N <= ep->cap_rows && (size_t)tl <= ep->cap_tbl && ep->ows)
+        return MOE_OK;
+    size_t rows = (size_t)N > ep->cap_rows ? (size_t)N + (size_t)N / 4 + 256 : ep->cap_rows;
+    size_t tbl = (size_t)tl > ep->cap_tbl ? (size_t)tl * 2 + 1024 : ep->cap_tbl;
+    const size_t H = ep->c.H, F = ep->c.F, N1 = ep->N1;
+    const int tr = ep->c.train;
+    size_t b = al(rows * H * 2) * 2 + al(rows * F * 2) + al(rows * 4) + al(tbl * 4);
+    if (tr)
+        b += al(rows * N1 * 2) + al(rows * H * 2) + 2 * al(rows * 4);
+    KCU_CHECK(cudaDeviceSynchronize()); /* nothing in flight uses the old buffers */
+    if (ep->ows)
+        cudaFree(ep->ows);
+    if (ep->tbl_h)
+        cudaFreeHost(ep->tbl_h);
+    ep->ows = nullptr;
+    ep->tbl_h = nullptr;
+    ep->cap_rows = ep->cap_tbl = 0;
+    if (cudaMalloc(&ep->ows, b) != cudaSuccess || cudaMallocHost(&ep->tbl_h, tbl * 4) != cudaSuccess) {
+        (void)cudaGetLastError();
+        fprintf(stderr, "kcu_ep: rank %d: allocation of %zu bytes for %zu rows failed\n",
+                ep->c.rank, b, rows);
+        if (ep->ows)
+            cudaFree(ep->ows);
+        ep->ows = nullptr;
+        return MOE_ENOMEM;
+    }
+    char *p = (char *)ep->ows;
+    auto take = [&](size_t bytes) {
+        char *q = p;
+        p += al(bytes);
+        return q;
+    };
+    ep->xrecv = (bf16 *)take(rows * H * 2);
+    ep->ysend = (bf16 *)take(rows * H * 2);
+    ep->h = (bf16 *)take(rows * F * 2);
+    ep->gidx = (int32_t *)take(rows * 4);
+    ep->tbl_d = (int32_t *)take(tbl * 4);
+    ep->ab = ep->dxsend = nullptr;
+    ep->wgx = ep->wgh = nullptr;
+    if (tr) {
+        ep->ab = (bf16 *)take(rows * N1 * 2);
+        ep->dxsend = (bf16 *)take(rows * H * 2);
+        ep->wgx = (int32_t *)take(rows * 4);
+        ep->wgh = (int32_t *)take(rows * 4);
+    }
+    ep->ows_bytes = b;
+    ep->cap_rows = rows;
+    ep->cap_tbl = tbl;
+    return MOE_OK;
+}
+
+/* the host tables of one call from the gathered counts: transfer sizes,
+ * per-chunk expert offsets and tile lists, global offsets */
+moe_err ep_plan(kcu_ep *ep)
+{
+    const int E = ep->c.E, W = ep->c.world, C = ep->C, me = ep->c.rank, ne = ep->ne, K = ep->c.K;
+    const int32_t *cnt = ep->cnt_h;
+    ep->T_global = 0;
+    for (int e = 0; e < E; e++)
+        ep->counts_global[e] = 0;
+    for (int q = 0; q < W; q++) {
+        int64_t tq = 0;
+        for (int e = 0; e < E; e++) {
+            if (cnt[q * E + e] < 0)
+                return MOE_EINTERNAL;
+            ep->counts_global[e] += cnt[q * E + e];
+            tq += cnt[q * E + e];
+        }
+        ep->T_global += (int)(tq / K);
+    }
+    for (int e = 0; e < E; e++)
+        ep->counts_local[e] = cnt[me * E + e];
+    ep->sbase[0] = ep->rbase[0] = 0;
+    for (int c = 0; c < C; c++) {
+        int64_t s = 0, r = 0;
+        for (int q = 0; q < W; q++) {
+            ep->send_rows[c][q] = ep_owner_rows(ep, cnt + me * E, q, c);
+            ep->recv_rows[c][q] = ep_owner_rows(ep, cnt + q * E, me, c);
+            s += ep->send_rows[c][q];
+            r += ep->recv_rows[c][q];
+        }
+        ep->sbase[c + 1] = ep->sbase[c] + s;
+        ep->rbase[c + 1] = ep->rbase[c] + r;
+    }
+    ep->N = ep->rbase[C];
+    if (ep->N > INT32_MAX / 2)
+        return MOE_EINVAL;
+    /* table layout */
+    int tt = 0;
+    for (int c = 0; c < C; c++) {
+        int n = 0;
+        for (int i = 0; i < ne; i++) {
+            int64_t k = 0;
+            for (int q = 0; q < W; q++)
+                k += chunk_size(cnt[q * E + ep->first + i], c, C);
+            n += (int)KCU_CEIL_DIV(k, (int64_t)KCU_BM);
+        }
+        ep->tiles[c] = n;
+        ep->tbase[c] = tt;
+        tt += n;
+    }
+    ep->t_offs = 0;
+    ep->t_goffs = C * (ne + 1);
+    ep->t_ntiles = ep->t_goffs + ne + 1;
+    ep->t_rbase = ep->t_ntiles + C;
+    ep->t_te = ep->t_rbase + C + 1;
+    ep->t_tr = ep->t_te + tt + 1;
+    ep->t_len = ep->t_tr + tt + 1;
+    KCU_TRY(ep_grow(ep, ep->N, ep->t_len));
+    int32_t *t = ep->tbl_h;
+    for (int i = 0; i <= ne; i++)
+        t[ep->t_goffs + i] = 0;
+    for (int c = 0; c < C; c++) {
+        int32_t *offs = t + ep->t_offs + c * (ne + 1);
+        int32_t *te = t + ep->t_te + ep->tbase[c], *tr = t + ep->t_tr + ep->tbase[c];
+        int o = 0, k = 0;
+        for (int i = 0; i < ne; i++) {
+            int64_t n = 0;
+            for (int q = 0; q < W; q++)
+                n += chunk_size(cnt[q * E + ep->first + i], c, C);
+            offs[i] = o;
+            for (int64_t r0 = 0; r0 < n; r0 += KCU_BM) {
+                te[k] = i;
+                tr[k] = o + (int)r0;
+                k++;
+            }
+            o += (int)n;
+            t[ep->t_goffs + i + 1] += (int32_t)n;
+        }
+        offs[ne] = o;
+        t[ep->t_ntiles + c] = k;
+        t[ep->t_rbase + c] = (int32_t)ep->rbase[c];
+    }
+    t[ep->t_rbase + C] = (int32_t)ep->rbase[C];
+    for (int i = 0; i < ne; i++)
+        t[ep->t_goffs + i + 1] += t[ep->t_goffs + i];
+    return MOE_OK;
+}
+
+/* one grouped exchange of chunk c: forward direction (token side -> owner)
+ * or back (owner -> token side) */
+moe_err ep_exchange(kcu_ep *ep, int c, const bf16 *tok_buf, bf16 *own_buf, int back)
+{
+    const int W = ep->c.world, me = ep->c.rank;
+    const size_t H = ep->c.H;
+    int64_t so = ep->sbase[c], ro = ep->rbase[c];
+    KCU_TRY(ep_nccl(ep, ncclGroupStart(), "ncclGroupStart"));
+    moe_err err = MOE_OK;
+    for (int q = 0; q < W && err == MOE_OK; q++) {
+        const int64_t ns = ep->send_rows[c][q], nr = ep->recv_rows[c][q];
+        bf16 *tp = (bf16 *)tok_buf + (size_t)so * H, *op = own_buf + (size_t)ro * H;
+        if (q == me && W == 1) {
+            /* ns == nr: our own rows (with peers, NCCL copies them inside
+             * the group, concurrently with the other transfers) */
+            if (ns && cudaMemcpyAsync(back ? tp : op, back ? op : tp, (size_t)ns * H * 2,
+                                      cudaMemcpyDeviceToDevice, ep->cs) != cudaSuccess)
+                err = MOE_EINTERNAL;
+        } else if (!back) {
+            if (ns)
+                err = ep_nccl(ep, ncclSend(tp, (size_t)ns * H, ncclBfloat16, q, ep->comm, ep->cs),
+                              "ncclSend");
+            if (err == MOE_OK && nr)
+                err = ep_nccl(ep, ncclRecv(op, (size_t)nr * H, ncclBfloat16, q, ep->comm, ep->cs),
+                              "ncclRecv");
+        } else {
+            if (nr)
+                err = ep_nccl(ep, ncclSend(op, (size_t)nr * H, ncclBfloat16, q, ep->comm, ep->cs),
+                              "ncclSend");
+            if (err == MOE_OK && ns)
+                err = ep_nccl(ep, ncclRecv(tp, (size_t)ns * H, ncclBfloat16, q, ep->comm, ep->cs),
+                              "ncclRecv");
+        }
+        so += ns;
+        ro += nr;
+    }
+    moe_err e2 = ep_nccl(ep, ncclGroupEnd(), "ncclGroupEnd");
+    return err != MOE_OK ? err : e2;
+}
+
+kcu_gemm_args ep_rows_args(const kcu_ep *ep, int c)
+{
+    kcu_gemm_args a;
+    memset(&a, 0, sizeof(a));
+    a.offs = ep->tbl_d + ep->t_offs + c * (ep->ne + 1);
+    a.tile_e = ep->tbl_d + ep->t_te + ep->tbase[c];
+    a.tile_r0 = ep->tbl_d + ep->t_tr + ep->tbase[c];
+    a.ntiles_m = ep->tbl_d + ep->t_ntiles + c;
+    a.max_tiles_m = ep->tiles[c];
+    return a;
+}
+
+int ep_gemm_sms(const kcu_ep *ep)
+{
+    if (ep->C <= 1 || ep->c.world == 1)
+        return ep->nsm;
+    const int free_sms = ep->c.comm_sms > 0 ? ep->c.comm_sms : 16;
+    return ep->nsm - free_sms > 16 ? ep->nsm - free_sms : 16;
+}
+
+/* the owner's forward GEMMs of chunk c: xrecv -> ysend (recv layout) */
+moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
+{
+    if (ep->tiles[c] == 0)
+        return MOE_OK;
+    const int H = ep->c.H, F = ep->c.F, nsm = ep_gemm_sms(ep);
+    const int64_t rb = ep->rbase[c];
+    kcu_experts *x = ep->ex;
+    kcu_gemm_args a = ep_rows_args(ep, c);
+    a.A = ep->xrecv;
+    a.lda = H;
+    a.a_gather = ep->gidx + rb;
+    a.B = x->w13;
+    a.ldb = H;
+    a.b_gstride = (long long)ep->N1 * H;
+    a.N = ep->N1;
+    a.K = H;
+    a.h = ep->h + (size_t)rb * F;
+    a.F = F;
+    a.ab = train ? ep->ab + (size_t)rb * ep->N1 : nullptr;
+    a.ld_ab = ep->N1;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, ep->c.act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU,
+                     &a, nsm, st));
+    a = ep_rows_args(ep, c);
+    a.A = ep->h + (size_t)rb * F;
+    a.lda = F;
+    a.B = x->w2;
+    a.ldb = F;
+    a.b_gstride = (long long)H * F;
+    a.N = H;
+    a.K = F;
+    a.Cb = ep->ysend;
+    a.ldc = H;
+    a.scatter = ep->gidx + rb;
+    return kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, nsm, st);
+}
+
+/* the owner's dh and dx GEMMs of chunk c: dy rows (in ysend) -> dxsend */
+moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
+{
+    if (ep->tiles[c] == 0)
+        return MOE_OK;
+    const int H = ep->c.H, F = ep->c.F, nsm = ep_gemm_sms(ep);
+    const int64_t rb = ep->rbase[c];
+    kcu_experts *x = ep->ex;
+    kcu_gemm_args a = ep_rows_args(ep, c);
+    a.A = ep->ysend;
+    a.lda = H;
+    a.a_gather = ep->gidx + rb;
+    a.B = x->w2;
+    a.ldb = F;
+    a.b_gstride = (long long)H * F;
+    a.N = F;
+    a.K = H;
+    a.ab = ep->ab + (size_t)rb * ep->N1;
+    a.ld_ab = ep->N1;
+    a.h = ep->h + (size_t)rb * F;
+    a.F = F;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N,
+                     ep->c.act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU, &a, nsm, st));
+    a = ep_rows_args(ep, c);
+    a.A = ep->ab + (size_t)rb * ep->N1;
+    a.lda = ep->N1;
+    a.B = x->w13;
+    a.ldb = H;
+    a.b_gstride = (long long)ep->N1 * H;
+    a.N = H;
+    a.K = ep->N1;
+    a.Cb = ep->dxsend;
+    a.ldc = H;
+    a.scatter = ep->gidx + rb;
+    return kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_SCATTER, &a, nsm, st);
+}
+
+/* the pipeline of one direction: chunk c computes while later chunks are
+ * dispatched and earlier ones return. fwd: xsend -> xrecv -> (GEMMs)
+ * -> ysend -> yrecv. bwd: xsend (w dy) -> ysend -> (GEMMs) -> dxsend ->
+ * yrecv. */
+moe_err ep_pipeline(kcu_ep *ep, int bwd, int train, cudaStream_t st)
+{
+    const int C = ep->C;
+    bf16 *in_own = bwd ? ep->ysend : ep->xrecv, *out_own = bwd ? ep->dxsend : ep->ysend;
+    KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
+    /* every dispatch first (they depend on nothing but the token side, so
+     * the link never idles while a chunk computes), then each return as
+     * soon as its chunk is computed */
+    for (int c = 0; c < C; c++) {
+        KCU_TRY(ep_exchange(ep, c, ep->xsend, in_own, 0));
+        KCU_CHECK(cudaEventRecord(ep->ev_disp[c], ep->cs));
+    }
+    for (int c = 0; c < C; c++) {
+        KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_disp[c], 0));
+        KCU_TRY(bwd ? ep_experts_bwd(ep, c, st) : ep_experts_fwd(ep, c, train, st));
+        KCU_CHECK(cudaEventRecord(ep->ev_comp[c], st));
+    }
+    for (int c = 0; c < C; c++) {
+        KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_comp[c], 0));
+        KCU_TRY(ep_exchange(ep, c, ep->yrecv, out_own, 1));
+    }
+    KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
+    return MOE_OK;
+}
+
+/* routing state of the router view for T tokens from xb (T,H) */
+moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, cudaStream_t st)
+{
+    kcu_layer *R = &ep->R;
+    const int H = ep->c.H, E = ep->c.E, K = ep->c.K, S = T * K;
+    if (T > 0) {
+        kcu_gemm_args a;
+        memset(&a, 0, sizeof(a));
+        a.A = xb;
+        a.lda = H;
+        a.B = R->wr;
+        a.ldb = H;
+        a.M = T;
+        a.N = R->Ep;
+        a.K = H;
+        a.Cf = R->logits;
+        a.ldc = R->Ep;
+        KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, ep->nsm, st));
+        KCU_TRY(kcu_route(R, T, INT_MAX, st));
+        KCU_TRY(kcu_stats(R, T, st));
+    } else {
+        KCU_CHECK(cudaMemsetAsync(R->counts, 0, E * 4, st));
+    }
+    k_ep_tab<<<1, 32, 0, st>>>(R->counts, E, ep->C, ep->tab);
+    KCU_CHECK_LAUNCH();
+    if (S > 0) {
+        k_ep_gather<<<KCU_CEIL_DIV(S, 8), 256, 0, st>>>(xb, R->perm, R->tok, R->topk_idx, R->offs,
+                                                        R->counts, ep->tab, S, E, H, ep->C,
+                                                        ep->xsend, ep->sendpos);
+        KCU_CHECK_LAUNCH();
+    }
+    return MOE_OK;
+}
+
+/* counts of every rank to the host, then the plan and its tables */
+moe_err ep_exchange_counts(kcu_ep *ep, cudaStream_t st)
+{
+    const int E = ep->c.E, W = ep->c.world;
+    KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
+    KCU_TRY(ep_nccl(ep, ncclAllGather(ep->R.counts, ep->cnt_all, E, ncclInt32, ep->comm, ep->cs),
+                    "ncclAllGather(counts)"));
+    KCU_CHECK(cudaMemcpyAsync(ep->cnt_h, ep->cnt_all, (size_t)W * E * 4, cudaMemcpyDeviceToHost,
+                              ep->cs));
+    KCU_CHECK(cudaEventRecord(ep->ev_cnt, ep->cs));
+    KCU_TRY(ep_wait(ep, ep->ev_cnt, nullptr, "counts exchange"));
+    KCU_TRY(ep_plan(ep));
+    KCU_CHECK(cudaMemcpyAsync(ep->tbl_d, ep->tbl_h, (size_t)ep->t_len * 4, cudaMemcpyHostToDevice,
+                              st));
+    return MOE_OK;
+}
+
+moe_err stage(kcu_ep *ep, const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st)
+{
+    if (dt == MOE_F32 && kcu_is_host_ptr(src)) {
+        KCU_CHECK(cudaMemcpyAsync(ep->R.stage, src, n * 4, cudaMemcpyHostToDevice, st));
+        src = ep->R.stage;
+    }
+    return kcu_to_bf16(src, dt, dst, n, st);
+}
+
+moe_err finish_out(kcu_ep *ep, const float *w, const float *extra, int T, void *out, moe_dtype dt,
+                   cudaStream_t st)
+{
+    const int H = ep->c.H, host = kcu_is_host_ptr(out);
+    KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_done, 0));
+    if (T == 0)
+        return MOE_OK;
+    void *dst = host ? (void *)ep->R.stage : out;
+    const size_t n = (size_t)T * (H / 8);
+    k_ep_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(
+        ep->yrecv, ep->sendpos, w, extra, T, ep->c.K, H, dst, dt == MOE_F32);
+    KCU_CHECK_LAUNCH();
+    if (host)
+        KCU_CHECK(cudaMemcpyAsync(out, ep->R.stage, (size_t)T * H * (dt == MOE_F32 ? 4 : 2),
+                                  cudaMemcpyDeviceToHost, st));
+    return MOE_OK;
+}
+
+} // namespace
+
+extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **out)
+{
+    *out = NULL;
+    kcu_ep_config c = *cfg;
+    if (c.chunks == 0)
+        c.chunks = kcu_ep_auto_chunks(c.world, c.F);
+    if (c.timeout_ms <= 0)
+        c.timeout_ms = 60000;
+    if (!comm || c.H <= 0 || c.F <= 0 || c.H % 128 || c.F % 128 || c.E < 1 || c.E > 256 ||
+        c.K < 1 || c.K > 8 || c.K > c.E || c.T_max < 1 || c.world < 1 || c.world > EP_MAX_WORLD ||
+        c.world > c.E || c.rank < 0 || c.rank >= c.world || c.chunks < 1 ||
+        c.chunks > EP_MAX_CHUNKS || (c.act != KERN_ACT_SWIGLU && c.act != KERN_ACT_GELU) ||
+        (long long)c.T_max * c.K > INT32_MAX / 4) {
+        fprintf(stderr, "kcu_ep_create: unsupported H=%d F=%d E=%d K=%d T_max=%d world=%d\n", c.H,
+                c.F, c.E, c.K, c.T_max, c.world);
+        return MOE_EINVAL;
+    }
+    kcu_ep *ep = (kcu_ep *)calloc(1, sizeof(*ep));
+    if (!ep)
+        return MOE_ENOMEM;
+    ep->c = c;
+    ep->C = c.chunks;
+    ep->comm = (ncclComm_t)comm;
+    ep->first = placement_first(c.E, c.world, c.rank);
+    ep->ne = placement_count(c.E, c.world, c.rank);
+    ep->N1 = c.act == KERN_ACT_SWIGLU ? 2 * c.F : c.F;
+    ep->rgrads_clean = 1;
+    int dev = 0;
+    moe_err rc = MOE_OK;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&ep->nsm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&ep->cs, cudaStreamNonBlocking) != cudaSuccess) {
+        kcu_ep_destroy(ep);
+        return MOE_EUNAVAIL;
+    }
+    cudaEvent_t *evs[] = {&ep->ev_a, &ep->ev_cnt, &ep->ev_done};
+    for (auto e : evs)
+        if (cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess)
+            rc = MOE_EINTERNAL;
+    for (int i = 0; i < EP_MAX_CHUNKS; i++)
+        if (cudaEventCreateWithFlags(&ep->ev_disp[i], cudaEventDisableTiming) != cudaSuccess ||
+            cudaEventCreateWithFlags(&ep->ev_comp[i], cudaEventDisableTiming) != cudaSuccess)
+            rc = MOE_EINTERNAL;
+    if (rc == MOE_OK)
+        rc = kcu_experts_create(c.H, c.F, ep->ne, c.act, 128, c.train, &ep->ex);
+    if (rc != MOE_OK) {
+        kcu_ep_destroy(ep);
+        return rc;
+    }
+    /* the router view and the token side */
+    kcu_layer *R = &ep->R;
+    R->c.H = c.H;
+    R->c.F = c.F;
+    R->c.E = c.E;
+    R->c.K = c.K;
+    R->c.act = c.act;
+    R->c.renorm = c.renorm;
+    R->c.T_max = c.T_max;
+    R->c.train = c.train;
+    R->Ep = KCU_CEIL_DIV(c.E, KCU_BN) * KCU_BN;
+    R->nsm = ep->nsm;
+    const size_t T = c.T_max, S = T * c.K, H = c.H, E = c.E, Ep = R->Ep;
+    const size_t nch = KCU_CEIL_DIV(S, (size_t)256), mt = S / KCU_BM + E + 1;
+    for (int pass = 0; pass < 2; pass++) {
+        char *p = (char *)ep->tws;
+        size_t off = 0;
+        auto take = [&](auto **ptr, size_t bytes) {
+            *ptr = p ? reinterpret_cast<std::remove_reference_t<decltype(*ptr)>>(p + off) : nullptr;
+            off += al(bytes);
+        };
+        take(&R->wr, Ep * H * 2);
+        take(&R->xs, T * H * 2);
+        take(&R->stage, T * H * 4);
+        take(&R->logits, T * Ep * 4);
+        take(&R->probs, T * E * 4);
+        take(&R->lse, T * 4);
+        take(&R->topk_idx, S * 4);
+        take(&R->topk_w, S * 4);
+        take(&R->counts, E * 4);
+        take(&R->offs, (E + 1) * 4);
+        take(&R->chunk, nch * E * 4);
+        take(&R->perm, S * 4);
+        take(&R->tok, S * 4);
+        take(&R->tile_e, mt * 4);
+        take(&R->tile_r0, mt * 4);
+        take(&R->ntiles, 4);
+        take(&R->cglob, E * 4);
+        take(&R->stats, 2 * 4);
+        take(&R->statpart, KCU_CEIL_DIV(T, (size_t)256) * (E + 1) * 4);
+        take(&R->spos, S * 4);
+        take(&R->dropped, E * 4);
+        take(&ep->xsend, S * H * 2);
+        take(&ep->yrecv, S * H * 2);
+        take(&ep->sendpos, S * 4);
+        take(&ep->tab, (size_t)EP_MAX_CHUNKS * E * 4);
+        take(&ep->cnt_all, (size_t)c.world * E * 4);
+        if (c.train) {
+            take(&R->g_wr, Ep * H * 4);
+            take(&R->dw, S * 4);
+            take(&R->dlogits, T * Ep * 2);
+            take(&R->dxr, T * H * 4);
+            take(&ep->dyb, T * H * 2);
+        }
+        if (pass == 0) {
+            ep->tws_bytes = off;
+            if (cudaMalloc(&ep->tws, off) != cudaSuccess ||
+                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * E * 4) != cudaSuccess) {
+                (void)cudaGetLastError();
+                fprintf(stderr, "kcu_ep_create: allocation of %zu bytes failed\n", off);
+                kcu_ep_destroy(ep);
+                return MOE_ENOMEM;
+            }
+        }
+    }
+    R->max_tiles = (int)(mt - 1);
+    if (cudaMemset(R->wr, 0, Ep * H * 2) != cudaSuccess) {
+        kcu_ep_destroy(ep);
+        return MOE_EINTERNAL;
+    }
+    *out = ep;
+    return MOE_OK;
+}
+
+extern "C" void kcu_ep_destroy(kcu_ep *ep)
+{
+    if (!ep)
+        return;
+    cudaDeviceSynchronize();
+    if (ep->ex)
+        kcu_experts_destroy(ep->ex);
+    if (ep->tws)
+        cudaFree(ep->tws);
+    if (ep->ows)
+        cudaFree(ep->ows);
+    if (ep->tbl_h)
+        cudaFreeHost(ep->tbl_h);
+    if (ep->cnt_h)
+        cudaFreeHost(ep->cnt_h);
+    cudaEvent_t evs[] = {ep->ev_a, ep->ev_cnt, ep->ev_done};
+    for (auto e : evs)
+        if (e)
+            cudaEventDestroy(e);
+    for (int i = 0; i < EP_MAX_CHUNKS; i++) {
+        if (ep->ev_disp[i])
+            cudaEventDestroy(ep->ev_disp[i]);
+        if (ep->ev_comp[i])
+            cudaEventDestroy(ep->ev_comp[i]);
+    }
+    if (ep->cs)
+        cudaStreamDestroy(ep->cs);
+    free(ep);
+}
+
+extern "C" int kcu_ep_auto_chunks(int world, int F)
+{
+    return world > 1 && F < 5333 ? 4 : 1;
+}
+
+extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
+{
+    if (chunks == 0)
+        chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F);
+    if (chunks < 1 || chunks > EP_MAX_CHUNKS || comm_sms < 0)
+        return MOE_EINVAL;
+    if (ep->T_fwd > 0)
+        return MOE_EPRECOND;
+    ep->c.chunks = chunks;
+    ep->C = chunks;
+    ep->c.comm_sms = comm_sms;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_upload(kcu_ep *ep, const float *wr, const float *w1, const float *w3,
+                                 const float *w2)
+{
+    KCU_TRY(kcu_ep_upload_router(ep, wr));
+    KCU_TRY(kcu_experts_upload(ep->ex, w1, w3, w2));
+    ep->rgrads_clean = 1;
+    ep->T_fwd = 0;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_upload_router(kcu_ep *ep, const float *wr)
+{
+    if (!wr)
+        return MOE_EINVAL;
+    const size_t n = (size_t)ep->c.E * ep->c.H;
+    uint16_t *b = (uint16_t *)malloc(n * 2);
+    if (!b)
+        return MOE_ENOMEM;
+    for (size_t i = 0; i < n; i++)
+        b[i] = kcu_host_bf16(wr[i]);
+    const cudaError_t e = cudaMemcpy(ep->R.wr, b, n * 2, cudaMemcpyHostToDevice);
+    free(b);
+    KCU_CHECK(e);
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
+                                  moe_dtype y_dtype, int train, void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    if (T < 0 || T > ep->c.T_max || (train && !ep->c.train) || (T > 0 && (!x || !y)) ||
+        (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
+        return MOE_EINVAL;
+    ep->T_fwd = 0;
+    ep->T = T;
+    const bf16 *xb = ep->R.xs;
+    if (T > 0) {
+        if (x_dtype == MOE_BF16 && !train && !kcu_is_host_ptr(x))
+            xb = (const bf16 *)x;
+        else
+            KCU_TRY(stage(ep, x, x_dtype, ep->R.xs, (size_t)T * ep->c.H, st));
+    }
+    KCU_TRY(ep_route(ep, T, xb, st));
+    KCU_TRY(ep_exchange_counts(ep, st));
+    if (ep->N > 0) {
+        const int W = ep->c.world, ne = ep->ne;
+        k_ep_index<<<dim3(ne, W, ep->C), 128, 0, st>>>(
+            ep->cnt_all, ep->tbl_d, ep->t_offs, ep->t_goffs, ep->t_rbase, ep->c.E, W, ep->first,
+            ne, ep->C, ep->gidx, train ? ep->wgx : nullptr, train ? ep->wgh : nullptr);
+        KCU_CHECK_LAUNCH();
+    }
+    KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    KCU_TRY(ep_pipeline(ep, 0, train, st));
+    KCU_TRY(finish_out(ep, ep->R.topk_w, nullptr, T, y, y_dtype, st));
+    ep->T_fwd = train ? (T > 0 ? T : -1) : 0; /* -1: a train forward of no tokens */
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtype, void *dx,
+                                   moe_dtype dx_dtype, float aux_coef, float z_coef, void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    if (!ep->c.train || ep->T_fwd == 0)
+        return MOE_EPRECOND;
+    if ((dy_dtype != MOE_F32 && dy_dtype != MOE_BF16) ||
+        (dx_dtype != MOE_F32 && dx_dtype != MOE_BF16))
+        return MOE_EINVAL;
+    const int T = ep->T_fwd > 0 ? ep->T_fwd : 0, H = ep->c.H, K = ep->c.K, E = ep->c.E;
+    const int S = T * K;
+    kcu_layer *R = &ep->R;
+    kcu_experts *x = ep->ex;
+    if (T > 0) {
+        KCU_TRY(stage(ep, dy, dy_dtype, ep->dyb, (size_t)T * H, st));
+        k_ep_dy<<<KCU_CEIL_DIV(S, 8), 256, 0, st>>>(ep->dyb, ep->yrecv, ep->sendpos, R->topk_w, S,
+                                                     K, H, R->dw, ep->xsend);
+        KCU_CHECK_LAUNCH();
+        KCU_CHECK(cudaMemcpyAsync(R->cglob, ep->counts_global, E * 4, cudaMemcpyHostToDevice, st));
+        KCU_TRY(kcu_router_bwd(R, T, ep->T_global, aux_coef, z_coef, st));
+        kcu_gemm_args a;
+        memset(&a, 0, sizeof(a)); /* dxr (T,H) = dlogits (T,Ep) wr (Ep,H) */
+        a.A = R->dlogits;
+        a.lda = R->Ep;
+        a.B = R->wr;
+        a.ldb = H;
+        a.M = T;
+        a.N = H;
+        a.K = R->Ep;
+        a.Cf = R->dxr;
+        a.ldc = H;
+        KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_F32, &a, ep->nsm, st));
+        memset(&a, 0, sizeof(a)); /* g_wr (Ep,H) += dlogits^T xs */
+        a.A = R->dlogits;
+        a.lda = R->Ep;
+        a.B = R->xs;
+        a.ldb = H;
+        a.M = R->Ep;
+        a.N = H;
+        a.K = T;
+        a.ngroups = 1;
+        a.Cf = R->g_wr;
+        a.beta0 = ep->rgrads_clean;
+        a.ldc = H;
+        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, ep->nsm, st));
+        ep->rgrads_clean = 0;
+    }
+    KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    KCU_TRY(ep_pipeline(ep, 1, 1, st));
+    if (ep->N > 0) {
+        /* weight gradients over every chunk's rows, while the last returns fly */
+        kcu_gemm_args a;
+        memset(&a, 0, sizeof(a)); /* dW13 += dab^T x */
+        a.A = ep->ab;
+        a.lda = ep->N1;
+        a.a_gather = ep->wgh;
+        a.B = ep->xrecv;
+        a.ldb = H;
+        a.b_gather = ep->wgx;
+        a.M = ep->N1;
+        a.N = H;
+        a.ngroups = ep->ne;
+        a.offs = ep->tbl_d + ep->t_goffs;
+        a.Cf = x->g;
+        a.ldc = H;
+        a.c_gstride = (long long)ep->N1 * H;
+        a.beta0 = x->grads_clean;
+        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, ep_gemm_sms(ep), st));
+        memset(&a, 0, sizeof(a)); /* dW2 += dye^T h */
+        a.A = ep->ysend;
+        a.lda = H;
+        a.a_gather = ep->wgx;
+        a.B = ep->h;
+        a.ldb = ep->c.F;
+        a.b_gather = ep->wgh;
+        a.M = H;
+        a.N = ep->c.F;
+        a.ngroups = ep->ne;
+        a.offs = ep->tbl_d + ep->t_goffs;
+        a.Cf = x->g + (size_t)ep->ne * ep->N1 * H;
+        a.ldc = ep->c.F;
+        a.c_gstride = (long long)H * ep->c.F;
+        a.beta0 = x->grads_clean;
+        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, ep_gemm_sms(ep), st));
+        x->grads_clean = 0;
+    }
+    KCU_TRY(finish_out(ep, nullptr, T > 0 ? R->dxr : nullptr, T, dx, dx_dtype, st));
+    ep->T_fwd = 0;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_wait(kcu_ep *ep, void *stream)
+{
+    return ep_wait(ep, nullptr, (cudaStream_t)stream, "layer");
+}
+
+extern "C" void kcu_ep_last_counts(const kcu_ep *ep, int32_t *counts_local, int32_t *counts_global,
+                                   int *T_global, int64_t *rows_in)
+{
+    if (counts_local)
+        memcpy(counts_local, ep->counts_local, (size_t)ep->c.E * 4);
+    if (counts_global)
+        memcpy(counts_global, ep->counts_global, (size_t)ep->c.E * 4);
+    if (T_global)
+        *T_global = ep->T_global;
+    if (rows_in)
+        *rows_in = ep->N;
+}
+
+extern "C" moe_err kcu_ep_stats(kcu_ep *ep, double *probs_sum, double *z_sum, void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    const int E = ep->c.E, T = ep->T, nblk = KCU_CEIL_DIV(T, 256);
+    if (probs_sum)
+        for (int e = 0; e < E; e++)
+            probs_sum[e] = 0;
+    if (z_sum)
+        *z_sum = 0;
+    if (T <= 0)
+        return MOE_OK;
+    /* statpart (nblk, E+1): per 256-token block, column sums of probs and
+     * the sum of lse^2 (kcu_stats); summed here in block order */
+    float *part = (float *)malloc((size_t)nblk * (E + 1) * 4);
+    if (!part)
+        return MOE_ENOMEM;
+    cudaError_t ce = cudaMemcpyAsync(part, ep->R.statpart, (size_t)nblk * (E + 1) * 4,
+                                     cudaMemcpyDeviceToHost, st);
+    if (ce == cudaSuccess)
+        ce = cudaStreamSynchronize(st);
+    if (ce != cudaSuccess) {
+        free(part);
+        KCU_CHECK(ce);
+    }
+    for (int b = 0; b < nblk; b++) {
+        const float *p = part + (size_t)b * (E + 1);
+        for (int e = 0; probs_sum && e < E; e++)
+            probs_sum[e] += p[e];
+        if (z_sum)
+            *z_sum += p[E];
+    }
+    free(part);
+    return MOE_OK;
+}
+
+extern "C" int64_t kcu_ep_last_a2a_bytes(const kcu_ep *ep)
+{
+    int64_t rows = 0;
+    for (int c = 0; c < ep->C; c++)
+        for (int q = 0; q < ep->c.world; q++)
+            if (q != ep->c.rank)
+                rows += ep->send_rows[c][q] + ep->recv_rows[c][q];
+    return rows * ep->c.H * 2;
+}
+
+extern "C" moe_err kcu_ep_download_router_grad(kcu_ep *ep, float *dwr)
+{
+    if (!ep->c.train)
+        return MOE_EPRECOND;
+    const size_t n = (size_t)ep->c.E * ep->c.H;
+    KCU_CHECK(cudaDeviceSynchronize());
+    if (ep->rgrads_clean) {
+        memset(dwr, 0, n * 4);
+        return MOE_OK;
+    }
+    KCU_CHECK(cudaMemcpy(dwr, ep->R.g_wr, n * 4, cudaMemcpyDeviceToHost));
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_zero_grads(kcu_ep *ep)
+{
+    if (!ep->c.train)
+        return MOE_EPRECOND;
+    ep->rgrads_clean = 1;
+    return kcu_experts_zero_grads(ep->ex, nullptr);
+}
+
+extern "C" struct kcu_experts *kcu_ep_experts(kcu_ep *ep)
+{
+    return ep->ex;
+}
+
+extern "C" size_t kcu_ep_bytes(const kcu_ep *ep)
+{
+    size_t p = 0, w = 0;
+    kcu_experts_bytes(ep->ex, &p, &w);
+    return p + w + ep->tws_bytes + ep->ows_bytes;
+}
+
+extern "C" int kcu_ep_local_experts(const kcu_ep *ep, int *first)
+{
+    if (first)
+        *first = ep->first;
+    return ep->ne;
+}
+
+extern "C" moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
+    for (int c = 0; c < ep->C; c++)
+        KCU_TRY(ep_exchange(ep, c, ep->xsend, ep->xrecv, 0));
+    for (int c = 0; c < ep->C; c++)
+        KCU_TRY(ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
+    KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
+    KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_done, 0));
+    return ep_wait(ep, nullptr, st, "exchange");
+}
+
+extern "C" int64_t kcu_ep_last_send_bytes(const kcu_ep *ep)
+{
+    int64_t rows = 0;
+    for (int c = 0; c < ep->C; c++)
+        for (int q = 0; q < ep->c.world; q++)
+            if (q != ep->c.rank)
+                rows += ep->send_rows[c][q];
+    return rows * ep->c.H * 2;
+}

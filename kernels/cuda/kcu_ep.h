@@ -1,0 +1,140 @@
+/*
+ * kcu_ep.h - one MoE layer with expert parallelism across GPUs: each of the
+ * W ranks (one GPU each, one NCCL communicator between them) holds T tokens
+ * and the experts [placement_first(E,W,rank), +placement_count) of the
+ * layer. Everything stays on the device: router and layout on the token
+ * side, rows sent to the experts' owners with grouped ncclSend/ncclRecv,
+ * grouped GEMMs on the owner, rows sent back and combined in a fixed order.
+ *
+ * Overlap: the routed rows of every expert are cut into `chunks` parts
+ * (rows j of an expert with n rows go to chunk c when
+ * floor(c n / C) <= j < floor((c+1) n / C)). Every chunk's dispatch is
+ * issued first on the communication stream; chunk c's GEMMs start on the
+ * compute stream as soon as its rows arrived, and its return starts as
+ * soon as they finish, overlapping the next chunks' transfers and GEMMs.
+ * While chunks > 1 the GEMMs leave `comm_sms` SMs to NCCL. chunks = 1 is
+ * the plain sequence; chunks = 0 picks by shape (kcu_ep_auto_chunks).
+ *
+ * One host synchronisation per call: the per-expert counts of every rank
+ * (an ncclAllGather of W*E int32) are read back to size the transfers;
+ * everything after it is enqueued without waiting. The call returns once
+ * the work is enqueued; kcu_ep_wait waits for it, watching NCCL's
+ * asynchronous error state and the timeout.
+ *
+ * Numerics as kcu_forward / kcu_backward (bf16 storage, fp32 accumulation,
+ * deterministic: the same inputs give the same bits),
+ * dropless. Forward outputs and dx do not depend on `chunks`; weight
+ * gradients are summed in an order that does (same chunks, same bits).
+ * Backward: the gate weight is applied on the token side (the
+ * owner receives bf16(w * dy) rows), so dx agrees with the single-GPU layer
+ * to bf16 rounding, not bit for bit.
+ *
+ * Ownership: a kcu_ep owns its device memory (router, a kcu_experts for
+ * the local experts, token-side buffers for T_max tokens, owner-side
+ * buffers grown on demand to the rows it receives) and a communication
+ * stream; the NCCL communicator is borrowed (the caller keeps it alive and
+ * destroys or aborts it after kcu_ep_destroy, or after a failed call). Not
+ * thread safe.
+ */
+#ifndef MOE_KCU_EP_H
+#define MOE_KCU_EP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "kern.h"
+#include "moe.h"
+
+typedef struct kcu_ep kcu_ep;
+
+typedef struct kcu_ep_config {
+    int H, F, E, K;
+    kern_act act;
+    int renorm;
+    int rank, world; /* experts in contiguous blocks (common/placement.h) */
+    int T_max;       /* most tokens of this rank per call */
+    int train;
+    int chunks;     /* overlap degree, 1..8; 0 = kcu_ep_auto_chunks */
+    int comm_sms;   /* SMs the GEMMs leave free while chunks > 1 (0 = default 16) */
+    int timeout_ms; /* bound on each wait for peers (0 = 60000) */
+} kcu_ep_config;
+
+/* kcu_ep_create on the current CUDA device; comm is an ncclComm_t of
+ * `world` ranks in which this process is `rank`. MOE_EINVAL for unsupported
+ * shapes (as kcu_layer_create; world <= 64), MOE_ENOMEM. */
+moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **out);
+void kcu_ep_destroy(kcu_ep *ep);
+/* kcu_ep_auto_chunks: the default overlap degree. Overlap pays when the
+ * all-to-all is a good part of the layer: its time per row ~ 4H bytes at
+ * ~300 GB/s against ~6HF flops at ~600 TFLOP/s, a ratio of ~1333/F
+ * (bench/NOTES.md: Qwen3, F=768, gains; Mixtral, F=14336, loses the SMs
+ * it leaves to NCCL). 4 chunks when world > 1 and F < 5333, else 1. */
+int kcu_ep_auto_chunks(int world, int F);
+/* kcu_ep_set_chunks changes the overlap degree (0..8) for later calls;
+ * not between a train forward and its backward (MOE_EPRECOND). */
+moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms);
+
+/* host fp32: wr (E,H) the whole router; w1, w3 (ne,F,H), w2 (ne,H,F) the
+ * local experts (nn.Linear layout); w3 NULL for GELU. Synchronous. */
+moe_err kcu_ep_upload(kcu_ep *ep, const float *wr, const float *w1, const float *w3,
+                      const float *w2);
+
+/* kcu_ep_forward: y (T,H) from x (T,H) on every rank (T may differ between
+ * ranks, 0 included; every rank must call). x, y host or device, f32 or
+ * bf16. Enqueued on `stream` (cudaStream_t) and the communication stream;
+ * returns after the counts exchange. Errors: MOE_EINVAL, MOE_EUNAVAIL (a
+ * peer failed or the timeout passed: abort the communicator), MOE_ENOMEM. */
+moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
+                       moe_dtype y_dtype, int train, void *stream);
+/* kcu_ep_backward: dx from dy of the last train forward; expert gradients
+ * (in the local kcu_experts) and router gradients ACCUMULATED. The aux and
+ * z losses use the global counts and T_global = sum of T over ranks. */
+moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtype, void *dx,
+                        moe_dtype dx_dtype, float aux_coef, float z_coef, void *stream);
+/* kcu_ep_wait: waits for `stream`, bounded by the timeout, failing fast when
+ * NCCL reports an error (MOE_EUNAVAIL). */
+moe_err kcu_ep_wait(kcu_ep *ep, void *stream);
+
+/* routing statistics of the last forward (host, valid after it returned):
+ * counts_local (E) slots routed by this rank, counts_global (E) by all
+ * ranks, T_global, rows_in (rows this rank's experts received). Any may be
+ * NULL. */
+void kcu_ep_last_counts(const kcu_ep *ep, int32_t *counts_local, int32_t *counts_global,
+                        int *T_global, int64_t *rows_in);
+/* kcu_ep_stats: this rank's sums over its tokens of the last forward:
+ * probs_sum (E) of the router probabilities, z_sum of lse^2 (the aux and
+ * z losses follow from these summed over ranks, with the global counts).
+ * Either may be NULL. Synchronises `stream`. */
+moe_err kcu_ep_stats(kcu_ep *ep, double *probs_sum, double *z_sum, void *stream);
+/* bytes this rank sent to other ranks in the last forward, dispatch and
+ * return together */
+int64_t kcu_ep_last_a2a_bytes(const kcu_ep *ep);
+
+/* gradients / weights: router (E,H) and local experts as in upload. The
+ * experts object is exposed for the optimizer (kcu_experts_adamw etc.). */
+moe_err kcu_ep_download_router_grad(kcu_ep *ep, float *dwr);
+moe_err kcu_ep_upload_router(kcu_ep *ep, const float *wr);
+moe_err kcu_ep_zero_grads(kcu_ep *ep);
+struct kcu_experts *kcu_ep_experts(kcu_ep *ep);
+/* bytes of device memory held (all buffers) */
+size_t kcu_ep_bytes(const kcu_ep *ep);
+/* kcu_ep_bench_exchange repeats the transfers of the last forward (every
+ * chunk's dispatch, then every chunk's return; no GEMMs) and waits: the
+ * time a caller measures around it is the layer's all-to-all time. The
+ * forward's outputs are overwritten with garbage (a benchmark hook). */
+moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream);
+/* bytes this rank sent to other ranks (dispatch, one direction) in the
+ * last forward */
+int64_t kcu_ep_last_send_bytes(const kcu_ep *ep);
+/* number of local experts; *first (may be NULL) the first one's index */
+int kcu_ep_local_experts(const kcu_ep *ep, int *first);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_KCU_EP_H */
