@@ -315,7 +315,8 @@ static int check_single(world *w)
         memcpy(dy.data() + (size_t)r * T * H, w->dy[r].data(), (size_t)T * H * 4);
     }
     CKM(kcu_forward(l, (int)TT, x.data(), MOE_F32, y.data(), MOE_F32, 1, nullptr));
-    CKM(kcu_backward(l, dy.data(), MOE_F32, dx.data(), MOE_F32, 0.01f, 0.001f, nullptr, 0, nullptr));
+    CKM(kcu_backward(l, dy.data(), MOE_F32, dx.data(), MOE_F32, 0.01f, 0.001f, nullptr, 0,
+                     nullptr));
     CK(cudaDeviceSynchronize());
     std::vector<float> g1((size_t)E * F * H), g3((size_t)E * F * H), g2((size_t)E * H * F),
         gr((size_t)E * H);
@@ -327,15 +328,15 @@ static int check_single(world *w)
     for (int r = 0; r < W; r++) {
         ey = std::max(ey, rel(w->y[r].data(), y.data() + (size_t)r * T * H, (size_t)T * H, &nan));
         ybits += memcmp(w->y[r].data(), y.data() + (size_t)r * T * H, (size_t)T * H * 4) != 0;
-        edx = std::max(edx,
-                       rel(w->dx[r].data(), dx.data() + (size_t)r * T * H, (size_t)T * H, &nan));
+        edx =
+            std::max(edx, rel(w->dx[r].data(), dx.data() + (size_t)r * T * H, (size_t)T * H, &nan));
         const int a = placement_first(E, W, r), ne = placement_count(E, W, r);
-        eg = std::max(eg, rel(w->g1[r].data(), g1.data() + (size_t)a * F * H, (size_t)ne * F * H,
-                              &nan));
-        eg = std::max(eg, rel(w->g3[r].data(), g3.data() + (size_t)a * F * H, (size_t)ne * F * H,
-                              &nan));
-        eg = std::max(eg, rel(w->g2[r].data(), g2.data() + (size_t)a * H * F, (size_t)ne * H * F,
-                              &nan));
+        eg = std::max(
+            eg, rel(w->g1[r].data(), g1.data() + (size_t)a * F * H, (size_t)ne * F * H, &nan));
+        eg = std::max(
+            eg, rel(w->g3[r].data(), g3.data() + (size_t)a * F * H, (size_t)ne * F * H, &nan));
+        eg = std::max(
+            eg, rel(w->g2[r].data(), g2.data() + (size_t)a * H * F, (size_t)ne * H * F, &nan));
     }
     std::vector<float> grs((size_t)E * H, 0.f);
     for (int r = 0; r < W; r++)
@@ -397,8 +398,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(a, "--check")) {
             o.check = 1;
         } else {
-            fprintf(stderr, "usage: %s --gpus W --shape mixtral|qwen3|small [--tokens T] "
-                            "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check]\n",
+            fprintf(stderr,
+                    "usage: %s --gpus W --shape mixtral|qwen3|small [--tokens T] "
+                    "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check]\n",
                     argv[0]);
             return 2;
         }
@@ -462,8 +464,8 @@ int main(int argc, char **argv)
            "per GPU (max) %.1f MB; device memory per GPU (kcu_ep) %.2f GB\n",
            (long long)w->rows_min, (long long)w->rows_max, (long long)o.T * s.K,
            w->send_bytes / 1e6, w->mem_max / 1e9);
-    printf("%-7s %9s %10s %12s %9s %10s %9s %9s %9s %8s\n", "chunks", "fwd ms", "fwd+bwd", "tokens/s",
-           "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl", "hidden");
+    printf("%-7s %9s %10s %12s %9s %10s %9s %9s %9s %8s\n", "chunks", "fwd ms", "fwd+bwd",
+           "tokens/s", "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl", "hidden");
     const double base = w->t_fwd[0];
     for (size_t i = 0; i < nc; i++) {
         /* a2a: dispatch + return of the forward; GB/s counts both directions'

@@ -3,7 +3,8 @@
  * forward+backward per case (CUDA events, warm-up, median), TFLOP/s and the
  * fraction of a dense 8192^3 bf16 cuBLAS GEMM measured in the same run,
  * device memory, and for decode the GB/s over the touched expert weights
- * against the measured device copy bandwidth. Not a test.
+ * against the measured device copy bandwidth, with the GEMM path (decode
+ * path off, kcu_decode.cu) timed in the same run for comparison. Not a test.
  *
  *   bench/moe_bench [--quick]
  */
@@ -240,7 +241,7 @@ int main(int argc, char **argv)
         size_t pb, wb;
         kcu_layer_bytes(l, &pb, &wb);
         const size_t wbytes = ((size_t)l->Ep * H + E * l->N1 * H + E * H * F) * 2;
-        char dec[160] = "";
+        char dec[256] = "";
         if (!c.train) {
             std::vector<int32_t> counts(E);
             CKM(kcu_forward_stats(l, counts.data(), NULL, NULL, NULL, NULL));
@@ -249,8 +250,18 @@ int main(int argc, char **argv)
                 touched += counts[e] > 0;
             const double bytes = (double)touched * (l->N1 + F) * H * 2 + (double)c.E * H * 2;
             const double gbs = bytes / (fwd * 1e-3) / 1e9;
-            snprintf(dec, sizeof(dec), "%d experts, %.0f MB: %.0f GB/s (%.0f%%)", touched,
-                     bytes / 1e6, gbs, 100.0 * gbs / bw);
+            /* A/B in the same run: the GEMM path (decode path off) */
+            const int used = kcu_decode_use(l, c.T, 0);
+            kcu_decode_override = 0;
+            const float fwd_g = median_ms(
+                3, reps, [&] { CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
+            kcu_decode_override = -1;
+            const double gbs_g = bytes / (fwd_g * 1e-3) / 1e9;
+            snprintf(dec, sizeof(dec),
+                     "%d experts, %.0f MB: %.0f GB/s (%.0f%%) [%s path]; GEMM path %.3f ms "
+                     "(%.0f%%)",
+                     touched, bytes / 1e6, gbs, 100.0 * gbs / bw, used ? "decode" : "GEMM", fwd_g,
+                     100.0 * gbs_g / bw);
         }
         const double tf = fl_fwd / (fwd * 1e-3) / 1e12;
         const double tfb = c.train ? (fl_fwd + fl_bwd) / (fb * 1e-3) / 1e12 : 0;

@@ -1,26 +1,45 @@
 #!/bin/bash
-# bench/run_ep.sh - the expert-parallel checks and scaling runs on a GPU
-# machine (bin/ep_bench built and carried). Writes logs to ${OUT:-.}.
-#   bash bench/run_ep.sh [quick]
+# bench/run_ep.sh - issue 5's GPU runs on a machine with 2 or 4 GPUs, from
+# the repository root with bin/, lib/ and .deps/ carried (built elsewhere):
+#   1. the service on W GPU workers (expert-parallel mode): parity with
+#      PyTorch, and service_bench against the CPU reference;
+#   2. bin/ep_bench: kcu_ep against the single-GPU layer (--check), and the
+#      scaling table at 1, 2, 4 GPUs, 16384 tokens per GPU, Mixtral and
+#      Qwen3-30B-A3B shapes, random and skewed routing.
+# Logs go to ${OUT:-.}.   bash bench/run_ep.sh [service|ep|all]
 set -u
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-.}
 NG=$(nvidia-smi -L | wc -l)
-nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-run() { # name, args...
-    local name=$1; shift
-    echo "== ep_bench $*" | tee -a "$OUT/ep.log"
-    timeout ${EP_TIMEOUT:-150} ./bin/ep_bench "$@" 2>&1 | tee "$OUT/$name.log" | tee -a "$OUT/ep.log" | tail -n 12
-    echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/ep.log"
+WHAT=${1:-all}
+log() { tee -a "$OUT/run_ep.log"; }
+step() { # timeout name command...
+    local t=$1 name=$2; shift 2
+    echo "== $name: $*" | log
+    timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    grep -v "^moe \|^ *$" "$OUT/$name.log" | tail -n 14 | log
+    echo "rc=$rc" | log
 }
-run small2 --gpus 2 --shape small --tokens 1024 --check --chunks 1,2 --iters 3
-[ "${1:-}" = quick ] && exit 0
-for W in 4 2 1; do
-    [ "$W" -gt "$NG" ] && continue
-    ck=""; [ "$W" -gt 1 ] && ck=--check
-    run "qwen3_w$W" --gpus $W --shape qwen3 --tokens 16384 $ck --chunks 1,2,4
-    run "mixtral_w$W" --gpus $W --shape mixtral --tokens 16384 $ck --chunks 1,2,4
-done
-[ "$NG" -ge 4 ] && run qwen3_w4_skew --gpus 4 --shape qwen3 --tokens 16384 --check --skew --chunks 1,2,4
-[ "$NG" -ge 4 ] && run mixtral_w4_skew --gpus 4 --shape mixtral --tokens 16384 --check --skew --chunks 1,2
+if [ "$WHAT" = service ] || [ "$WHAT" = all ]; then
+    for W in 4 2; do
+        [ "$W" -gt "$NG" ] && continue
+        step 90 "parity_w$W" deploy/gpu-cluster.sh -w "$W" -- python3 python/parity.py --dtype bf16 \
+            --d-model 128 --d-ff 256
+        step 120 "service_w$W" deploy/gpu-cluster.sh -w "$W" -- bin/service_bench --dtype bf16 \
+            --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 1,7,64,4096 --iters 10 --train
+    done
+fi
+if [ "$WHAT" = ep ] || [ "$WHAT" = all ]; then
+    B=./bin/ep_bench
+    [ "$NG" -ge 4 ] && step 120 qwen3_w4 $B --gpus 4 --shape qwen3 --chunks 1,2,4
+    [ "$NG" -ge 4 ] && step 120 qwen3_w4_sms32 $B --gpus 4 --shape qwen3 --chunks 1,2,4 --comm-sms 32
+    [ "$NG" -ge 4 ] && step 150 mixtral_w4 $B --gpus 4 --shape mixtral --chunks 1,2
+    [ "$NG" -ge 4 ] && step 150 qwen3_w4_skew $B --gpus 4 --shape qwen3 --check --skew --chunks 1,4
+    [ "$NG" -ge 4 ] && step 150 mixtral_w4_skew $B --gpus 4 --shape mixtral --check --skew --chunks 1
+    step 120 qwen3_w2 $B --gpus 2 --shape qwen3 --check --chunks 1,2,4
+    step 150 mixtral_w2 $B --gpus 2 --shape mixtral --check --chunks 1,2
+    step 90 qwen3_w1 $B --gpus 1 --shape qwen3 --chunks 1
+    step 120 mixtral_w1 $B --gpus 1 --shape mixtral --chunks 1
+fi
 exit 0

@@ -374,8 +374,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         if (e == MOE_EUNAVAIL)
             goto fail_xchg;
         if (e != MOE_OK) {
-            snprintf(err, sizeof(err), "GPU expert-parallel forward failed on rank %d: %s",
-                     w->rank, moe_strerror(e));
+            snprintf(err, sizeof(err), "GPU expert-parallel forward failed on rank %d: %s", w->rank,
+                     moe_strerror(e));
             goto fail_msg;
         }
         if (train)

@@ -307,8 +307,8 @@ moe_err wkr_gpu_pull_grads(wkr_model *m)
             for (size_t k = 0; e == MOE_OK && k < p[0].n; k++)
                 p[0].grad[k] += gr[k];
             if (e == MOE_OK)
-                e = kcu_experts_download_grads(kcu_ep_experts(m->gpu[l]), g1,
-                                               nmat == 3 ? g3 : NULL, g2);
+                e = kcu_experts_download_grads(kcu_ep_experts(m->gpu[l]), g1, nmat == 3 ? g3 : NULL,
+                                               g2);
             if (e == MOE_OK)
                 e = kcu_ep_zero_grads(m->gpu[l]);
         } else {

@@ -105,9 +105,12 @@ void wkr_op_join(wkr *w, rpc_call *c)
         rpc_reply_err(c, e, "%s", err);
         return;
     }
-    drop_models(w);
-    xchg_abort(w->xc); /* a new generation: a peer of the old one may be gone */
+    /* a new generation: a peer of the old one may be gone. Abort the old
+     * communicator first: NCCL kernels stuck on a dead peer stop, so that
+     * dropping the models' device objects (which synchronise) cannot hang */
+    xchg_abort(w->xc);
     w->xc = NULL;
+    drop_models(w);
     if (nccl_id) {
 #ifdef MOE_HAVE_CUDA
         e = xchg_nccl_open((int)rank, (int)world, nccl_id, (int)w->device_index,

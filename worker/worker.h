@@ -104,9 +104,9 @@ typedef struct wkr {
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
-    long long ep_chunks; /* kcu_ep overlap degree, 0 = by shape */
+    long long ep_chunks;      /* kcu_ep overlap degree, 0 = by shape */
     char ep_cfg[CFG_STR_MAX]; /* "auto" | "off" */
-    int use_gpu; /* the CUDA backend was chosen at start */
+    int use_gpu;              /* the CUDA backend was chosen at start */
 
     /* loop thread */
     uv_loop_t *loop;

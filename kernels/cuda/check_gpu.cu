@@ -6,11 +6,15 @@
  *
  *   bin/check-gpu            full sweep (T up to 16384, E up to 256, K 1/2/8)
  *   bin/check-gpu --small    small sweep, for compute-sanitizer
+ *   bin/check-gpu --gemm-only  only the grouped-GEMM checks: every mode and
+ *                            epilogue on each kernel version (v1, v2, v4 with
+ *                            and without TMA), one PASS/FAIL line each
  *
  * Each stage is checked on the GPU's own upstream values (the CPU top-k runs
  * on the GPU logits, the CPU experts on the GPU routing), so that a near-tie
  * in the router cannot flip an expert choice between the two sides.
  */
+#include <algorithm>
 #include <cblas.h>
 #include <functional>
 #include <math.h>
@@ -472,6 +476,434 @@ static int gemm_checks(uint64_t seed)
     return fails;
 }
 
+/* ---- GEMM self-check: every mode and epilogue on each kernel version ----
+ * Small shapes against a double CPU product, one line per (case, version),
+ * so that one run on the device says which mode of which version is broken:
+ *   v1 mma.sync, v2 wgmma, v4 warp-specialised with TMA where possible
+ *   ("v4-tma") and with cp.async only ("v4-cpa"). v2 and v4 run the same
+ *   wgmma sequence: their outputs must agree bit for bit ("==v2").
+ * nsm is set to 3 so that each persistent CTA walks several items. */
+struct st_ver {
+    int v, tma;
+    const char *name;
+};
+static const st_ver ST_VERS[] = {{1, -1, "v1"}, {2, -1, "v2"}, {4, 1, "v4-tma"}, {4, 0, "v4-cpa"}};
+
+static double st_sig(double a)
+{
+    return 1.0 / (1.0 + exp(-a));
+}
+static double st_gelu(double a)
+{
+    return 0.5 * a * (1.0 + erf(a * 0.70710678118654752));
+}
+static double st_dgelu(double a)
+{
+    return 0.5 * (1.0 + erf(a * 0.70710678118654752)) + a * 0.39894228040143268 * exp(-0.5 * a * a);
+}
+
+static int gemm_selftest(uint64_t seed)
+{
+    const int NSM = 3;
+    uint64_t st = seed ^ 0x9e3779b97f4a7c15ull;
+    auto rnd = [&](size_t n, float lo, float hi) {
+        std::vector<float> v(n);
+        kern_fill_uniform(seed, lcg(st), lo, hi, v.data(), n);
+        kern_bf16_round_n(v.data(), n);
+        return v;
+    };
+    auto bf_of = [](const std::vector<float> &v) {
+        std::vector<uint16_t> h(v.size());
+        for (size_t i = 0; i < v.size(); i++)
+            h[i] = kern_f32_to_bf16(v[i]);
+        return h;
+    };
+    auto f_of = [](const std::vector<uint16_t> &h) {
+        std::vector<float> v(h.size());
+        for (size_t i = 0; i < h.size(); i++)
+            v[i] = kern_bf16_to_f32(h[i]);
+        return v;
+    };
+    auto dmalloc = [](size_t bytes) {
+        void *p;
+        CK(cudaMalloc(&p, bytes));
+        return p;
+    };
+    auto up = [](void *d, const void *h, size_t bytes) {
+        CK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    };
+    auto down = [](void *h, const void *d, size_t bytes) {
+        CK(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+    };
+
+    /* groups and tile list as the layer builds them */
+    const std::vector<int32_t> cnt = {130, 0, 77, 256};
+    const int G = (int)cnt.size();
+    std::vector<int32_t> offs(G + 1, 0), te, tr;
+    for (int e = 0; e < G; e++) {
+        offs[e + 1] = offs[e] + cnt[e];
+        for (int r = 0; r < cnt[e]; r += KCU_BM) {
+            te.push_back(e);
+            tr.push_back(offs[e] + r);
+        }
+    }
+    const int R = offs[G], NTL = (int)te.size(), SRC = 600;
+    std::vector<int32_t> gat(R), gat2(R), perm(R);
+    for (int r = 0; r < R; r++) {
+        gat[r] = (int)(lcg(st) % SRC);
+        gat2[r] = (int)(lcg(st) % SRC);
+        perm[r] = r;
+    }
+    for (int r = R - 1; r > 0; r--) /* scatter: a permutation of the rows */
+        std::swap(perm[r], perm[lcg(st) % (r + 1)]);
+    std::vector<int32_t> ntl = {NTL};
+    int32_t *d_offs = (int32_t *)dmalloc((G + 1) * 4), *d_te = (int32_t *)dmalloc(NTL * 4),
+            *d_tr = (int32_t *)dmalloc(NTL * 4), *d_gat = (int32_t *)dmalloc(R * 4),
+            *d_gat2 = (int32_t *)dmalloc(R * 4), *d_perm = (int32_t *)dmalloc(R * 4),
+            *d_nt = (int32_t *)dmalloc(4);
+    up(d_offs, offs.data(), (G + 1) * 4);
+    up(d_te, te.data(), NTL * 4);
+    up(d_tr, tr.data(), NTL * 4);
+    up(d_gat, gat.data(), R * 4);
+    up(d_gat2, gat2.data(), R * 4);
+    up(d_perm, perm.data(), R * 4);
+    up(d_nt, ntl.data(), 4);
+
+    int fails = 0, lines = 0;
+    auto report = [&](const char *mode, const st_ver &sv, double err, double tol, int bitwise,
+                      const char *extra) {
+        const int ok = err < tol && bitwise != 0;
+        fails += !ok;
+        lines++;
+        printf("gemm-self %-34s %-7s err %.1e (tol %.0e)%s%s %s\n", mode, sv.name, err, tol,
+               bitwise < 0 ? ""
+               : bitwise   ? " ==v2"
+                           : " !=v2",
+               extra, ok ? "PASS" : "FAIL");
+        fflush(stdout);
+    };
+
+    /* ---- rows mode: C rows r of the tile list (or M fixed) = A[src(r)] . B_e ---- */
+    const int K = 384, N = 512; /* 6 k tiles: the 4-stage ring wraps */
+    for (int bm = 0; bm < 2; bm++) {
+        const kcu_bmode bmode = bm ? KCU_B_N : KCU_B_K;
+        std::vector<float> B = rnd((size_t)G * K * N, -1.f, 1.f);
+        bf16 *dB = (bf16 *)dmalloc(B.size() * 2);
+        up(dB, bf_of(B).data(), B.size() * 2);
+        std::vector<kcu_epi> epis = {KCU_EPI_F32, KCU_EPI_SCATTER};
+        if (bm) {
+            epis.push_back(KCU_EPI_DSWIGLU);
+            epis.push_back(KCU_EPI_DGELU);
+        } else {
+            epis.push_back(KCU_EPI_SWIGLU);
+            epis.push_back(KCU_EPI_GELU);
+        }
+        for (int gath = 0; gath < 3; gath++) { /* 0 gathered A, 1 dense A, 2 dense, M fixed */
+            const int fixed = gath == 2, rows = fixed ? 300 : R, arows = gath == 0 ? SRC : rows;
+            std::vector<float> A = rnd((size_t)arows * K, -1.f, 1.f);
+            bf16 *dA = (bf16 *)dmalloc(A.size() * 2);
+            up(dA, bf_of(A).data(), A.size() * 2);
+            /* acc[r][n] in double; group of row r */
+            std::vector<int> grp(rows, 0);
+            if (!fixed)
+                for (int e = 0; e < G; e++)
+                    for (int r = offs[e]; r < offs[e + 1]; r++)
+                        grp[r] = e;
+            std::vector<double> acc((size_t)rows * N);
+            parallel_for(rows, [&](int r) {
+                const float *ar = &A[(size_t)(gath == 0 ? gat[r] : r) * K];
+                const float *Be = &B[(size_t)grp[r] * K * N];
+                for (int n = 0; n < N; n++) {
+                    double s = 0;
+                    for (int k = 0; k < K; k++)
+                        s += (double)ar[k] * (bm ? Be[(size_t)k * N + n] : Be[(size_t)n * K + k]);
+                    acc[(size_t)r * N + n] = s;
+                }
+            });
+            for (kcu_epi epi : epis) {
+                if (fixed && epi != KCU_EPI_F32)
+                    continue;
+                const int dsw = epi == KCU_EPI_DSWIGLU, dge = epi == KCU_EPI_DGELU;
+                const int F = epi == KCU_EPI_SWIGLU ? N / 2 : N;
+                const int ld_ab = dsw ? 2 * N : N;
+                /* inputs of the backward epilogues: pre-activations, gate weights */
+                std::vector<float> ab_in, gw;
+                if (dsw || dge) {
+                    ab_in = rnd((size_t)rows * ld_ab, -2.f, 2.f);
+                    gw = rnd(rows, 0.f, 1.f);
+                }
+                /* references */
+                std::vector<float> rC((size_t)rows * N), rH, rAB, rDW;
+                for (size_t i = 0; i < rC.size(); i++)
+                    rC[i] = (float)acc[i];
+                if (epi == KCU_EPI_SCATTER) {
+                    std::vector<float> t((size_t)rows * N);
+                    for (int r = 0; r < rows; r++)
+                        memcpy(&t[(size_t)perm[r] * N], &rC[(size_t)r * N], N * 4);
+                    rC = t;
+                }
+                if (epi == KCU_EPI_SWIGLU || epi == KCU_EPI_GELU) {
+                    rH.assign((size_t)rows * F, 0.f);
+                    rAB = rC;
+                    for (int r = 0; r < rows; r++)
+                        for (int n = 0; n < N; n++) {
+                            const double v = acc[(size_t)r * N + n];
+                            if (epi == KCU_EPI_GELU)
+                                rH[(size_t)r * F + n] = (float)st_gelu(v);
+                            else if (n % 16 < 8) {
+                                const double u = acc[(size_t)r * N + n + 8];
+                                rH[(size_t)r * F + (n / 16) * 8 + n % 8] =
+                                    (float)(v * st_sig(v) * u);
+                            }
+                        }
+                }
+                if (dsw || dge) {
+                    rH.assign((size_t)rows * N, 0.f);
+                    rAB = ab_in;
+                    rDW.assign(rows, 0.f);
+                    for (int r = 0; r < rows; r++) {
+                        const double w = gw[perm[r]];
+                        double dws = 0;
+                        for (int f = 0; f < N; f++) {
+                            const double d = acc[(size_t)r * N + f];
+                            double h0;
+                            if (dsw) {
+                                const size_t ia = (size_t)r * ld_ab + (f >> 3) * 16 + (f & 7);
+                                const double a = ab_in[ia], b = ab_in[ia + 8], s = st_sig(a);
+                                h0 = kern_bf16_round((float)(a * s * b));
+                                rAB[ia] = (float)(w * d * b * s * (1.0 + a * (1.0 - s)));
+                                rAB[ia + 8] = (float)(w * d * a * s);
+                            } else {
+                                const size_t ia = (size_t)r * ld_ab + f;
+                                const double a = ab_in[ia];
+                                h0 = kern_bf16_round((float)st_gelu(a));
+                                rAB[ia] = (float)(w * d * st_dgelu(a));
+                            }
+                            rH[(size_t)r * N + f] = (float)(w * h0);
+                            dws += d * h0;
+                        }
+                        rDW[r] = (float)dws;
+                    }
+                }
+                /* device buffers */
+                float *dCf = (float *)dmalloc((size_t)rows * N * 4);
+                bf16 *dCb = (bf16 *)dmalloc((size_t)rows * N * 2);
+                bf16 *dH = (bf16 *)dmalloc((size_t)rows * N * 2);
+                bf16 *dAB = (bf16 *)dmalloc((size_t)rows * ld_ab * 2);
+                float *dDW = (float *)dmalloc((size_t)rows * (N / KCU_BN) * 4);
+                float *dGW = (float *)dmalloc((size_t)rows * 4 + 4);
+                if (!gw.empty())
+                    up(dGW, gw.data(), gw.size() * 4);
+                const std::vector<uint16_t> ab_bf =
+                    ab_in.empty() ? std::vector<uint16_t>() : bf_of(ab_in);
+                std::vector<float> v2C, v2H, v2AB, v2DW;
+                for (const st_ver &sv : ST_VERS) {
+                    kcu_gemm_select(sv.v, sv.tma);
+                    CK(cudaMemset(dCf, 0xff, (size_t)rows * N * 4));
+                    CK(cudaMemset(dCb, 0xff, (size_t)rows * N * 2));
+                    CK(cudaMemset(dH, 0xff, (size_t)rows * N * 2));
+                    CK(cudaMemset(dAB, 0xff, (size_t)rows * ld_ab * 2));
+                    CK(cudaMemset(dDW, 0xff, (size_t)rows * (N / KCU_BN) * 4));
+                    if (!ab_bf.empty())
+                        up(dAB, ab_bf.data(), ab_bf.size() * 2);
+                    kcu_gemm_args a;
+                    memset(&a, 0, sizeof(a));
+                    a.A = dA;
+                    a.lda = K;
+                    a.a_gather = gath == 0 ? d_gat : NULL;
+                    a.B = dB;
+                    a.ldb = bm ? N : K;
+                    a.b_gstride = fixed ? 0 : (long long)K * N;
+                    a.N = N;
+                    a.K = K;
+                    if (fixed) {
+                        a.M = rows;
+                    } else {
+                        a.offs = d_offs;
+                        a.tile_e = d_te;
+                        a.tile_r0 = d_tr;
+                        a.ntiles_m = d_nt;
+                        a.max_tiles_m = NTL;
+                    }
+                    a.Cf = dCf;
+                    a.Cb = dCb;
+                    a.ldc = N;
+                    a.scatter = d_perm;
+                    a.h = dH;
+                    a.F = F;
+                    a.ab = dAB;
+                    a.ld_ab = ld_ab;
+                    a.gate_w = (dsw || dge) ? dGW : NULL;
+                    a.dwpart = dDW;
+                    const int ver = kcu_gemm_version(KCU_A_K, bmode, epi, &a, NSM);
+                    CKM(kcu_gemm(KCU_A_K, bmode, epi, &a, NSM, NULL));
+                    CK(cudaDeviceSynchronize());
+                    std::vector<float> C, H, AB, DW;
+                    double err = 0, tol = TOL;
+                    char extra[96] = "";
+                    if (epi == KCU_EPI_F32) {
+                        C = dl(dCf, (size_t)rows * N);
+                        err = relerr(C.data(), rC.data(), C.size());
+                        tol = 1e-5;
+                    } else if (epi == KCU_EPI_SCATTER) {
+                        std::vector<uint16_t> cb((size_t)rows * N);
+                        down(cb.data(), dCb, cb.size() * 2);
+                        C = f_of(cb);
+                        err = relerr(C.data(), rC.data(), C.size());
+                    } else {
+                        std::vector<uint16_t> hb((size_t)rows * F), abb((size_t)rows * ld_ab);
+                        down(hb.data(), dH, hb.size() * 2);
+                        down(abb.data(), dAB, abb.size() * 2);
+                        H = f_of(hb);
+                        AB = f_of(abb);
+                        const double eh = relerr(H.data(), rH.data(), H.size());
+                        const double ea = relerr(AB.data(), rAB.data(), AB.size());
+                        err = fmax(eh, ea);
+                        if (dsw || dge) {
+                            const int np = N / KCU_BN;
+                            std::vector<float> dw = dl(dDW, (size_t)rows * np), sums(rows);
+                            for (int r = 0; r < rows; r++) {
+                                double s = 0;
+                                for (int j = 0; j < np; j++)
+                                    s += dw[(size_t)r * np + j];
+                                sums[r] = (float)s;
+                            }
+                            DW = dw;
+                            const double ed = relerr(sums.data(), rDW.data(), rows);
+                            snprintf(extra, sizeof(extra), " [h %.1e ab %.1e dw %.1e]", eh, ea, ed);
+                            err = fmax(err, ed * 100); /* dw sums: tolerance 1e-4 */
+                        } else {
+                            snprintf(extra, sizeof(extra), " [h %.1e ab %.1e]", eh, ea);
+                        }
+                    }
+                    int bitwise = -1;
+                    if (sv.v == 2) {
+                        v2C = C;
+                        v2H = H;
+                        v2AB = AB;
+                        v2DW = DW;
+                    } else if (sv.v == 4 && ver == 4) {
+                        bitwise = C == v2C && H == v2H && AB == v2AB && DW == v2DW;
+                        /* NaN != NaN: a poisoned value left anywhere already fails err */
+                    }
+                    char mode[64], ran[16] = "";
+                    if (ver != sv.v)
+                        snprintf(ran, sizeof(ran), " (ran v%d)", ver);
+                    snprintf(mode, sizeof(mode), "rows A_K %s %-7s %s%s", bm ? "B_N" : "B_K",
+                             epi == KCU_EPI_F32       ? "F32"
+                             : epi == KCU_EPI_SCATTER ? "SCATTER"
+                             : epi == KCU_EPI_SWIGLU  ? "SWIGLU"
+                             : epi == KCU_EPI_GELU    ? "GELU"
+                             : epi == KCU_EPI_DSWIGLU ? "DSWIGLU"
+                                                      : "DGELU",
+                             gath == 0   ? "gathered"
+                             : gath == 1 ? "dense"
+                                         : "M-fixed",
+                             ran);
+                    report(mode, sv, err, tol, bitwise, extra);
+                    if (err >= tol && epi == KCU_EPI_F32)
+                        kern_print_mismatches("gemm-self", C.data(), rC.data(), C.size(), 1e-3, 8);
+                }
+                for (void *p :
+                     {(void *)dCf, (void *)dCb, (void *)dH, (void *)dAB, (void *)dDW, (void *)dGW})
+                    CK(cudaFree(p));
+            }
+            CK(cudaFree(dA));
+        }
+        CK(cudaFree(dB));
+    }
+
+    /* ---- wgrad: C_e (M,N) (+)= sum over the group's rows k of A[ga(k)]^T B[gb(k)] ---- */
+    {
+        const int M = 256, NW = 512;
+        for (int gcase = 0; gcase < 5; gcase++) {
+            /* 0 both gathered, 1 A gathered, 2 B gathered, 3 both dense, 4 dense no offs */
+            const int ga = gcase == 0 || gcase == 1, gb = gcase == 0 || gcase == 2;
+            const int nooffs = gcase == 4, KF = 200, ng = nooffs ? 1 : G;
+            const int krows = nooffs ? KF : R;
+            std::vector<float> A = rnd((size_t)(ga ? SRC : krows) * M, -1.f, 1.f),
+                               B = rnd((size_t)(gb ? SRC : krows) * NW, -1.f, 1.f);
+            bf16 *dA = (bf16 *)dmalloc(A.size() * 2), *dB = (bf16 *)dmalloc(B.size() * 2);
+            up(dA, bf_of(A).data(), A.size() * 2);
+            up(dB, bf_of(B).data(), B.size() * 2);
+            float *dC = (float *)dmalloc((size_t)ng * M * NW * 4);
+            std::vector<float> ref((size_t)ng * M * NW);
+            parallel_for(ng * M, [&](int em) {
+                const int e = em / M, m = em % M;
+                const int k0 = nooffs ? 0 : offs[e], k1 = nooffs ? KF : offs[e + 1];
+                for (int n = 0; n < NW; n++) {
+                    double s = 0;
+                    for (int k = k0; k < k1; k++)
+                        s += (double)A[(size_t)(ga ? gat[k] : k) * M + m] *
+                             B[(size_t)(gb ? gat2[k] : k) * NW + n];
+                    ref[(size_t)em * NW + n] = (float)s;
+                }
+            });
+            std::vector<float> v2C;
+            for (const st_ver &sv : ST_VERS) {
+                kcu_gemm_select(sv.v, sv.tma);
+                CK(cudaMemset(dC, 0xff, (size_t)ng * M * NW * 4));
+                kcu_gemm_args a;
+                memset(&a, 0, sizeof(a));
+                a.A = dA;
+                a.lda = M;
+                a.a_gather = ga ? d_gat : NULL;
+                a.B = dB;
+                a.ldb = NW;
+                a.b_gather = gb ? d_gat2 : NULL;
+                a.M = M;
+                a.N = NW;
+                a.K = nooffs ? KF : 0;
+                a.ngroups = ng;
+                a.offs = nooffs ? NULL : d_offs;
+                a.Cf = dC;
+                a.ldc = NW;
+                a.c_gstride = (long long)M * NW;
+                a.beta0 = 1;
+                const int ver = kcu_gemm_version(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, NSM);
+                CKM(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, NSM, NULL));
+                CK(cudaDeviceSynchronize());
+                std::vector<float> C1 = dl(dC, (size_t)ng * M * NW);
+                a.beta0 = 0;
+                CKM(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, NSM, NULL));
+                CK(cudaDeviceSynchronize());
+                std::vector<float> C2 = dl(dC, (size_t)ng * M * NW);
+                const double err = relerr(C1.data(), ref.data(), C1.size());
+                const int acc_ok = twice(C1, C2);
+                int bitwise = -1;
+                if (sv.v == 2)
+                    v2C = C1;
+                else if (sv.v == 4 && ver == 4)
+                    bitwise = C1 == v2C;
+                char mode[64], ran[16] = "";
+                if (ver != sv.v)
+                    snprintf(ran, sizeof(ran), " (ran v%d)", ver);
+                snprintf(mode, sizeof(mode), "wgrad A_M B_N ACC %s%s",
+                         gcase == 0   ? "A,B gathered"
+                         : gcase == 1 ? "A gathered"
+                         : gcase == 2 ? "B gathered"
+                         : gcase == 3 ? "dense"
+                                      : "dense, no offs",
+                         ran);
+                report(mode, sv, acc_ok ? err : INFINITY, 1e-5, bitwise,
+                       acc_ok ? "" : " accumulate BAD");
+                if (err >= 1e-5)
+                    kern_print_mismatches("gemm-self wgrad", C1.data(), ref.data(), C1.size(), 1e-3,
+                                          8);
+            }
+            CK(cudaFree(dA));
+            CK(cudaFree(dB));
+            CK(cudaFree(dC));
+        }
+    }
+    kcu_gemm_select(-1, -1); /* back to the environment's choice */
+    for (int32_t *p : {d_offs, d_te, d_tr, d_gat, d_gat2, d_perm, d_nt})
+        CK(cudaFree(p));
+    printf("gemm-self: %d checks, %d failed -> %s\n", lines, fails, fails ? "FAIL" : "PASS");
+    fflush(stdout);
+    return fails;
+}
+
 /* ---- experts-only object against kern_expert_ffn_cpu / _backward_cpu / kern_adamw_cpu ---- */
 struct ecase {
     int H, F;
@@ -624,23 +1056,290 @@ static int experts_check(const ecase &c, uint64_t seed)
     return !ok;
 }
 
+/* ---- decode path (kcu_decode.cu): inference forwards with few rows per
+ * expert, forced on (kcu_decode_override = 1), on a layer created without
+ * train. Each stage is checked on the decode path's own upstream values
+ * (logits -> CPU top-k, GPU top-k -> CPU layout and experts). Also: bf16
+ * device input and output against the f32 run rounded, the split of the
+ * k range forced to 1 and 2 warps, and the GEMM path (decode off) on the
+ * same input when both pick the same experts. ---- */
+struct dresult {
+    double logits, probs, tw, y, y_ks1, y_ks2, y_gemm, aux, z;
+    int idx_ok, layout_ok, determ_ok, bf16_ok, path_ok, ndrop, gemm_same;
+};
+
+/* y (T,H) of the CPU experts + combine on the given routing; the layout and
+ * capacity (counts, offsets, perm, keep, dropped) of that routing out */
+static std::vector<float> ref_decode_y(const tcase &c, const std::vector<float> &x,
+                                       const std::vector<float> &w1, const std::vector<float> &w3,
+                                       const std::vector<float> &w2,
+                                       const std::vector<int32_t> &idx,
+                                       const std::vector<float> &tw, std::vector<int32_t> &cnt,
+                                       std::vector<int32_t> &off, std::vector<int32_t> &perm,
+                                       std::vector<uint8_t> &keep, std::vector<int32_t> &drop)
+{
+    const int T = c.T, H = c.H, F = c.F, E = c.E, K = c.K, S = T * K;
+    cnt.assign(E, 0);
+    off.assign(E + 1, 0);
+    perm.assign(S, 0);
+    keep.assign(S, 0);
+    drop.assign(E, 0);
+    kern_layout_cpu(idx.data(), T, K, E, cnt.data(), off.data(), perm.data(), NULL);
+    kern_apply_capacity_cpu(cnt.data(), off.data(), perm.data(), E, kern_capacity(c.cf, T, K, E),
+                            keep.data(), drop.data());
+    std::vector<float> ye((size_t)S * H, 0.f);
+    parallel_for(E, [&](int e) {
+        const int o = off[e], n = cnt[e] - drop[e];
+        if (n <= 0)
+            return;
+        std::vector<float> xe((size_t)n * H), yo((size_t)n * H);
+        for (int i = 0; i < n; i++)
+            memcpy(&xe[(size_t)i * H], &x[(size_t)(perm[o + i] / K) * H], H * 4);
+        kern_expert_ffn_cpu(xe.data(), n, H, F, &w1[(size_t)e * F * H], &w3[(size_t)e * F * H],
+                            &w2[(size_t)e * H * F], c.act, 1, NULL, NULL, yo.data());
+        for (int i = 0; i < n; i++)
+            memcpy(&ye[(size_t)perm[o + i] * H], &yo[(size_t)i * H], H * 4);
+    });
+    std::vector<float> y((size_t)T * H);
+    kern_combine_cpu(ye.data(), tw.data(), keep.data(), T, K, H, 1, y.data());
+    return y;
+}
+
+static int decode_case(const tcase &c, uint64_t seed, dresult *r)
+{
+    const int T = c.T, H = c.H, F = c.F, E = c.E, K = c.K, S = T * K;
+    const int swiglu = c.act == KERN_ACT_SWIGLU;
+    std::vector<float> wr((size_t)E * H), w1((size_t)E * F * H), w3((size_t)E * F * H),
+        w2((size_t)E * H * F), x((size_t)T * H);
+    for (int e = 0; e < E; e++) {
+        kern_init_weight(seed, 0, e, KERN_W1, F, H, w1.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
+    }
+    kern_init_weight(seed, 0, 0, KERN_W_ROUTER, E, H, wr.data());
+    kern_fill_uniform(seed, 1, -1.f, 1.f, x.data(), x.size());
+    if (c.skew) {
+        for (auto &v : x)
+            v += 0.5f;
+        for (int h = 0; h < H; h++) {
+            wr[h] += 16.f / H;
+            if (E > 1)
+                wr[H + h] += 12.f / H;
+        }
+    }
+    for (std::vector<float> *v : {&wr, &w1, &w3, &w2, &x})
+        kern_bf16_round_n(v->data(), v->size());
+
+    kcu_config cfg = {H, F, E, K, c.act, c.renorm, T, 0, c.cf};
+    kcu_layer *l;
+    CKM(kcu_layer_create(&cfg, &l));
+    CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    kcu_decode_override = 1;
+    kcu_decode_force_ks = 0;
+    const long long calls0 = kcu_decode_calls;
+    auto fwd = [&](std::vector<float> &y) {
+        y.assign((size_t)T * H, NAN);
+        CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+        CKM(kcu_forward(l, T, x.data(), MOE_F32, y.data(), MOE_F32, 0, NULL));
+        CK(cudaDeviceSynchronize());
+    };
+    std::vector<float> y, y2, yk1, yk2, yg;
+    fwd(y2);
+    fwd(y);
+    r->determ_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
+    r->path_ok = kcu_decode_calls == calls0 + 2;
+    std::vector<int32_t> counts(E), dropped(E);
+    float aux_g, z_g;
+    CKM(kcu_forward_stats(l, counts.data(), dropped.data(), &aux_g, &z_g, NULL));
+
+    std::vector<float> lg_pad = dl(l->logits, (size_t)T * l->Ep), lg((size_t)T * E),
+                       lref((size_t)T * E);
+    for (int t = 0; t < T; t++)
+        memcpy(&lg[(size_t)t * E], &lg_pad[(size_t)t * l->Ep], E * 4);
+    kern_router_logits_cpu(x.data(), wr.data(), T, H, E, lref.data());
+    r->logits = relerr(lg.data(), lref.data(), lg.size());
+    std::vector<float> probs_g = dl(l->probs, (size_t)T * E), probs_r((size_t)T * E);
+    std::vector<int32_t> idx_g = dl(l->topk_idx, S), idx_r(S);
+    std::vector<float> tw_g = dl(l->topk_w, S), tw_r(S);
+    kern_softmax_topk_cpu(lg.data(), T, E, K, c.renorm, probs_r.data(), idx_r.data(), tw_r.data());
+    r->probs = relerr(probs_g.data(), probs_r.data(), probs_g.size());
+    r->tw = relerr(tw_g.data(), tw_r.data(), S);
+    r->idx_ok = idx_g == idx_r;
+
+    std::vector<int32_t> cnt_r, off_r, perm_r, drop_r;
+    std::vector<uint8_t> keep;
+    const std::vector<float> yref =
+        ref_decode_y(c, x, w1, w3, w2, idx_g, tw_g, cnt_r, off_r, perm_r, keep, drop_r);
+    r->y = relerr(y.data(), yref.data(), y.size());
+    /* layout: kept rows compacted, in stable order; spos the inverse */
+    std::vector<int32_t> off_g = dl(l->offs, E + 1), perm_g = dl(l->perm, S),
+                         spos_g = dl(l->spos, S);
+    r->layout_ok = cnt_r == counts && drop_r == dropped;
+    r->ndrop = 0;
+    for (int e = 0, ko = 0; e < E && r->layout_ok; e++) {
+        const int kept = cnt_r[e] - drop_r[e];
+        r->ndrop += drop_r[e];
+        if (off_g[e] != ko)
+            r->layout_ok = 0;
+        for (int i = 0; i < kept && r->layout_ok; i++)
+            if (perm_g[ko + i] != perm_r[off_r[e] + i] || spos_g[perm_g[ko + i]] != ko + i)
+                r->layout_ok = 0;
+        for (int i = kept; i < cnt_r[e] && r->layout_ok; i++)
+            if (spos_g[perm_r[off_r[e] + i]] != -1)
+                r->layout_ok = 0;
+        ko += kept;
+        if (e == E - 1 && off_g[E] != ko)
+            r->layout_ok = 0;
+    }
+    {
+        const float aux_r = kern_aux_loss_cpu(probs_g.data(), counts.data(), T, E, K);
+        const float z_r = kern_z_loss_cpu(lg.data(), T, E);
+        r->aux = fabs(aux_g - aux_r) / fmax(fabs(aux_r), 1e-6);
+        r->z = fabs(z_g - z_r) / fmax(fabs(z_r), 1e-6);
+    }
+    /* bf16 device input and output: the f32 result rounded, bit for bit */
+    {
+        std::vector<uint16_t> xb(x.size()), yb(x.size());
+        for (size_t i = 0; i < x.size(); i++)
+            xb[i] = kern_f32_to_bf16(x[i]);
+        bf16 *dx_, *dy_;
+        CK(cudaMalloc(&dx_, xb.size() * 2));
+        CK(cudaMalloc(&dy_, xb.size() * 2));
+        CK(cudaMemcpy(dx_, xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+        CKM(kcu_forward(l, T, dx_, MOE_BF16, dy_, MOE_BF16, 0, NULL));
+        CK(cudaMemcpy(yb.data(), dy_, yb.size() * 2, cudaMemcpyDeviceToHost));
+        r->bf16_ok = 1;
+        for (size_t i = 0; i < yb.size(); i++)
+            r->bf16_ok = r->bf16_ok && yb[i] == kern_f32_to_bf16(y[i]);
+        CK(cudaFree(dx_));
+        CK(cudaFree(dy_));
+    }
+    kcu_decode_force_ks = 1;
+    fwd(yk1);
+    kcu_decode_force_ks = 2;
+    fwd(yk2);
+    kcu_decode_force_ks = 0;
+    r->y_ks1 = relerr(yk1.data(), yref.data(), y.size());
+    r->y_ks2 = relerr(yk2.data(), yref.data(), y.size());
+    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 5;
+    /* the GEMM path on the same layer and input */
+    kcu_decode_override = 0;
+    fwd(yg);
+    kcu_decode_override = -1;
+    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 5;
+    r->gemm_same = dl(l->topk_idx, S) == idx_g;
+    r->y_gemm = r->gemm_same ? relerr(y.data(), yg.data(), y.size()) : 0.0;
+    kcu_layer_destroy(l);
+
+    const double v[] = {r->logits, r->probs,  r->tw,  r->y, r->y_ks1,
+                        r->y_ks2,  r->y_gemm, r->aux, r->z};
+    int ok = r->idx_ok && r->layout_ok && r->determ_ok && r->bf16_ok && r->path_ok;
+    for (double d : v)
+        ok = ok && d < TOL;
+    return ok;
+}
+
+/* experts object without train, decode path forced: rows grouped by counts */
+static int experts_decode_check(const ecase &c, uint64_t seed)
+{
+    const int H = c.H, F = c.F, ne = (int)c.counts.size();
+    const int swiglu = c.act == KERN_ACT_SWIGLU;
+    std::vector<int32_t> off(ne + 1, 0);
+    for (int e = 0; e < ne; e++)
+        off[e + 1] = off[e] + c.counts[e];
+    const int N = off[ne];
+    std::vector<float> w1((size_t)ne * F * H), w3((size_t)ne * F * H), w2((size_t)ne * H * F),
+        x((size_t)N * H);
+    for (int e = 0; e < ne; e++) {
+        kern_init_weight(seed, 4, e, KERN_W1, F, H, w1.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 4, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 4, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
+    }
+    kern_fill_uniform(seed, 7, -1.f, 1.f, x.data(), x.size());
+    for (std::vector<float> *v : {&w1, &w3, &w2, &x})
+        kern_bf16_round_n(v->data(), v->size());
+    std::vector<float> yref((size_t)N * H);
+    parallel_for(ne, [&](int e) {
+        const size_t o = off[e];
+        if (c.counts[e] == 0)
+            return;
+        kern_expert_ffn_cpu(&x[o * H], c.counts[e], H, F, &w1[(size_t)e * F * H],
+                            &w3[(size_t)e * F * H], &w2[(size_t)e * H * F], c.act, 1, NULL, NULL,
+                            &yref[o * H]);
+    });
+    kcu_experts *ex;
+    CKM(kcu_experts_create(H, F, ne, c.act, N + 3, 0, &ex));
+    CKM(kcu_experts_upload(ex, w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    kcu_decode_override = 1;
+    const long long calls0 = kcu_decode_calls;
+    std::vector<float> y((size_t)N * H, NAN), y2((size_t)N * H, NAN), yk((size_t)N * H, NAN);
+    CK(cudaMemset(ex->ws, 0xff, ex->ws_bytes));
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y.data(), MOE_F32, 0, NULL));
+    CK(cudaMemset(ex->ws, 0xff, ex->ws_bytes));
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), y2.data(), MOE_F32, 0,
+                            NULL));
+    kcu_decode_force_ks = 1;
+    CKM(kcu_experts_forward(ex, N, x.data(), MOE_F32, c.counts.data(), yk.data(), MOE_F32, 0,
+                            NULL));
+    kcu_decode_force_ks = 0;
+    CK(cudaDeviceSynchronize());
+    const int det = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
+    const double ey = relerr(y.data(), yref.data(), y.size());
+    const double ek = relerr(yk.data(), yref.data(), y.size());
+    int dev_ok = 1;
+    {
+        std::vector<uint16_t> xb(x.size()), yb(x.size());
+        for (size_t i = 0; i < x.size(); i++)
+            xb[i] = kern_f32_to_bf16(x[i]);
+        bf16 *dx_, *dy_;
+        CK(cudaMalloc(&dx_, xb.size() * 2));
+        CK(cudaMalloc(&dy_, xb.size() * 2));
+        CK(cudaMemcpy(dx_, xb.data(), xb.size() * 2, cudaMemcpyHostToDevice));
+        CKM(kcu_experts_forward(ex, N, dx_, MOE_BF16, c.counts.data(), dy_, MOE_BF16, 0, NULL));
+        CK(cudaMemcpy(yb.data(), dy_, yb.size() * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < yb.size(); i++)
+            dev_ok = dev_ok && yb[i] == kern_f32_to_bf16(y[i]);
+        CK(cudaFree(dx_));
+        CK(cudaFree(dy_));
+    }
+    const int path = kcu_decode_calls == calls0 + 4;
+    kcu_decode_override = -1;
+    kcu_experts_destroy(ex);
+    const int ok = ey < TOL && ek < TOL && det && dev_ok && path;
+    printf("experts-decode H=%d F=%d %s ne=%d N=%d | y %.1e y(ks=1) %.1e | det %s bf16-io %s "
+           "path %s | %s\n",
+           H, F, swiglu ? "sw" : "ge", ne, N, ey, ek, det ? "ok" : "BAD", dev_ok ? "ok" : "BAD",
+           path ? "ok" : "BAD", ok ? "PASS" : "FAIL");
+    fflush(stdout);
+    return !ok;
+}
+
 int main(int argc, char **argv)
 {
-    int small = 0;
+    int small = 0, gemm_only = 0;
     uint64_t seed = 0x5eed;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small"))
             small = 1;
+        else if (!strcmp(argv[i], "--gemm-only"))
+            gemm_only = 1;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
             seed = strtoull(argv[++i], NULL, 0);
         else {
-            fprintf(stderr, "usage: %s [--small] [--seed N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--small | --gemm-only] [--seed N]\n", argv[0]);
             return 2;
         }
     }
     const kern_act SW = KERN_ACT_SWIGLU, GE = KERN_ACT_GELU;
+    kcu_decode_override = 0; /* the GEMM path; the decode checks below force it on */
     int fails = gemm_checks(seed);
+    fails += gemm_selftest(seed); /* every GEMM mode on each version, v4 included */
     const int gemm_fails = fails;
+    if (gemm_only) {
+        printf("check-gpu --gemm-only: %d failed -> %s\n", fails, fails ? "FAIL" : "PASS");
+        return fails ? 1 : 0;
+    }
 
     std::vector<ecase> ecases;
     if (small)
@@ -690,9 +1389,62 @@ int main(int argc, char **argv)
                r.accum_ok ? "ok" : "BAD", r.ndrop, ok ? "PASS" : "FAIL");
         fflush(stdout);
     }
-    printf("check-gpu: %d gemm + %zu experts + %zu layer checks, %d failed (gemm %d, experts %d) "
-           "(bf16 tolerance %.0e) -> %s\n",
-           3, ecases.size(), cases.size(), fails, gemm_fails, exp_fails, TOL,
-           fails ? "FAIL" : "PASS");
+    const int layer_fails = fails - gemm_fails - exp_fails;
+
+    /* decode path: inference forwards, forced on */
+    std::vector<tcase> dcases;
+    std::vector<ecase> decases;
+    if (small) {
+        dcases = {{1, 128, 128, 8, 2, SW, 1, 0, 0.f},
+                  {3, 256, 128, 128, 8, GE, 0, 0, 0.f},
+                  {16, 128, 256, 8, 2, SW, 1, 1, 0.f},
+                  {40, 128, 128, 16, 2, GE, 1, 1, 0.5f}};
+        decases = {{128, 256, SW, {3, 0, 40}}};
+    } else {
+        dcases = {{1, 256, 256, 8, 2, SW, 1, 0, 0.f},    {1, 256, 256, 128, 8, SW, 1, 0, 0.f},
+                  {2, 256, 384, 8, 2, GE, 0, 0, 0.f},    {3, 256, 256, 128, 8, GE, 1, 0, 0.f},
+                  {16, 256, 256, 128, 8, SW, 1, 0, 0.f}, {16, 256, 256, 8, 2, GE, 1, 0, 0.f},
+                  {1, 128, 128, 256, 8, GE, 0, 0, 0.f},  {7, 256, 384, 60, 2, SW, 0, 0, 0.f},
+                  {33, 256, 256, 8, 2, SW, 1, 1, 0.f},   {64, 128, 256, 128, 8, SW, 1, 0, 0.f},
+                  {64, 256, 128, 8, 1, GE, 0, 1, 0.f},   {128, 128, 128, 8, 8, SW, 1, 0, 0.f},
+                  {16, 256, 256, 16, 2, SW, 1, 0, 1.0f}, {40, 256, 256, 64, 8, GE, 0, 1, 0.5f},
+                  {2, 2048, 256, 16, 8, SW, 1, 0, 0.f},  {1, 1024, 1536, 4, 2, GE, 1, 0, 0.f},
+                  {16, 256, 2048, 8, 2, SW, 1, 0, 0.f},  {5, 512, 512, 32, 4, SW, 1, 1, 0.f}};
+        decases = {{256, 256, SW, {1, 0, 3, 1}},
+                   {128, 384, GE, {7, 70}},
+                   {512, 256, SW, {2, 5, 0, 9, 1, 33}}};
+    }
+    printf("decode (inference, kcu_decode.cu forced on)\n");
+    printf("%-5s %-6s %-4s %-4s %-4s %-2s %-3s %-2s %-4s | %-8s %-8s %-8s %-8s %-8s %-8s %-8s "
+           "%-8s %-8s | idx lay det bf16 path drops | %s\n",
+           "T", "H", "F", "E", "K", "ac", "rn", "sk", "cf", "logits", "probs", "topk_w", "y",
+           "y(ks=1)", "y(ks=2)", "vs gemm", "aux", "z", "result");
+    for (size_t i = 0; i < dcases.size(); i++) {
+        const tcase &c = dcases[i];
+        dresult r;
+        memset(&r, 0, sizeof(r));
+        const int ok = decode_case(c, seed + 1231 * i, &r);
+        fails += !ok;
+        char gm[16];
+        if (r.gemm_same)
+            snprintf(gm, sizeof(gm), "%-8.1e", r.y_gemm);
+        else
+            snprintf(gm, sizeof(gm), "%-8s", "tie");
+        printf("%-5d %-6d %-4d %-4d %-4d %-2s %-3d %-2d %-4.2g | %-8.1e %-8.1e %-8.1e %-8.1e "
+               "%-8.1e %-8.1e %s %-8.1e %-8.1e | %-3s %-3s %-3s %-4s %-4s %-5d | %s\n",
+               c.T, c.H, c.F, c.E, c.K, c.act == SW ? "sw" : "ge", c.renorm, c.skew, c.cf, r.logits,
+               r.probs, r.tw, r.y, r.y_ks1, r.y_ks2, gm, r.aux, r.z, r.idx_ok ? "ok" : "BAD",
+               r.layout_ok ? "ok" : "BAD", r.determ_ok ? "ok" : "BAD", r.bf16_ok ? "ok" : "BAD",
+               r.path_ok ? "ok" : "BAD", r.ndrop, ok ? "PASS" : "FAIL");
+        fflush(stdout);
+    }
+    for (size_t i = 0; i < decases.size(); i++)
+        fails += experts_decode_check(decases[i], seed + 57 * i);
+    const int dec_fails = fails - gemm_fails - exp_fails - layer_fails;
+
+    printf("check-gpu: %d gemm + %zu experts + %zu layer + %zu decode checks, %d failed (gemm %d, "
+           "experts %d, decode %d) (bf16 tolerance %.0e) -> %s\n",
+           3, ecases.size(), cases.size(), dcases.size() + decases.size(), fails, gemm_fails,
+           exp_fails, dec_fails, TOL, fails ? "FAIL" : "PASS");
     return fails ? 1 : 0;
 }

@@ -42,18 +42,18 @@ struct kcu_ep {
     ncclComm_t comm; /* borrowed */
     cudaStream_t cs; /* communication stream (owned) */
     int nsm, first, ne, N1;
-    kcu_layer R;       /* router view: only the router / routing fields are set */
-    void *tws;         /* token-side allocation */
+    kcu_layer R; /* router view: only the router / routing fields are set */
+    void *tws;   /* token-side allocation */
     size_t tws_bytes;
-    kcu_experts *ex;   /* local experts: weights, gradients, AdamW state */
-    bf16 *xsend;       /* (S_max,H) dispatch rows, then bf16(w dy) rows */
-    bf16 *yrecv;       /* (S_max,H) expert outputs back, then dx rows back */
-    bf16 *dyb;         /* (T_max,H) staged dy (train) */
-    int32_t *sendpos;  /* (S_max) slot -> send row */
-    int32_t *tab;      /* (C*E) send row of (chunk, expert)'s first row */
-    int32_t *cnt_all;  /* (W*E) every rank's counts (allgather) */
-    int32_t *cnt_h;    /* (W*E) pinned mirror */
-    void *ows;         /* owner-side allocation, grown on demand */
+    kcu_experts *ex;  /* local experts: weights, gradients, AdamW state */
+    bf16 *xsend;      /* (S_max,H) dispatch rows, then bf16(w dy) rows */
+    bf16 *yrecv;      /* (S_max,H) expert outputs back, then dx rows back */
+    bf16 *dyb;        /* (T_max,H) staged dy (train) */
+    int32_t *sendpos; /* (S_max) slot -> send row */
+    int32_t *tab;     /* (C*E) send row of (chunk, expert)'s first row */
+    int32_t *cnt_all; /* (W*E) every rank's counts (allgather) */
+    int32_t *cnt_h;   /* (W*E) pinned mirror */
+    void *ows;        /* owner-side allocation, grown on demand */
     size_t ows_bytes, cap_rows, cap_tbl;
     bf16 *xrecv, *ysend, *h, *ab, *dxsend; /* (N,H) (N,H) (N,F) (N,N1) (N,H) */
     int32_t *gidx, *wgx, *wgh;             /* (N) each */
@@ -100,7 +100,8 @@ __host__ __device__ __forceinline__ int64_t chunk_size(int64_t n, int c, int C)
 /* ---- kernels ---- */
 
 /* one thread: tab[c*E+e] = send row where (chunk c, expert e) starts */
-__global__ void k_ep_tab(const int32_t *__restrict__ counts, int E, int C, int32_t *__restrict__ tab)
+__global__ void k_ep_tab(const int32_t *__restrict__ counts, int E, int C,
+                         int32_t *__restrict__ tab)
 {
     if (threadIdx.x != 0)
         return;
@@ -244,10 +245,13 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
     const float ws = w[s];
     float dot = 0.f;
     for (int i = lane * 2; i < H; i += 64) {
-        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(dy + (size_t)t * H + i));
-        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(yrecv + d * H + i));
+        const float2 a =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(dy + (size_t)t * H + i));
+        const float2 b =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(yrecv + d * H + i));
         dot += a.x * b.x + a.y * b.y;
-        *reinterpret_cast<__nv_bfloat162 *>(send + d * H + i) = __floats2bfloat162_rn(ws * a.x, ws * a.y);
+        *reinterpret_cast<__nv_bfloat162 *>(send + d * H + i) =
+            __floats2bfloat162_rn(ws * a.x, ws * a.y);
     }
     for (int o = 16; o; o >>= 1)
         dot += __shfl_xor_sync(0xffffffffu, dot, o);
@@ -263,8 +267,8 @@ moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
     int spins = 0;
     while (r == ncclInProgress) {
         if (now_ms() > deadline) {
-            fprintf(stderr, "kcu_ep: rank %d: %s still in progress after %d ms\n", ep->c.rank,
-                    what, ep->c.timeout_ms);
+            fprintf(stderr, "kcu_ep: rank %d: %s still in progress after %d ms\n", ep->c.rank, what,
+                    ep->c.timeout_ms);
             return MOE_EUNAVAIL;
         }
         if (spins++ > 1000) {
@@ -349,7 +353,8 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
     ep->ows = nullptr;
     ep->tbl_h = nullptr;
     ep->cap_rows = ep->cap_tbl = 0;
-    if (cudaMalloc(&ep->ows, b) != cudaSuccess || cudaMallocHost(&ep->tbl_h, tbl * 4) != cudaSuccess) {
+    if (cudaMalloc(&ep->ows, b) != cudaSuccess ||
+        cudaMallocHost(&ep->tbl_h, tbl * 4) != cudaSuccess) {
         (void)cudaGetLastError();
         fprintf(stderr, "kcu_ep: rank %d: allocation of %zu bytes for %zu rows failed\n",
                 ep->c.rank, b, rows);
@@ -523,12 +528,20 @@ kcu_gemm_args ep_rows_args(const kcu_ep *ep, int c)
     return a;
 }
 
+/* SMs for a persistent GEMM that runs while NCCL transfers are in flight:
+ * a grid of every SM would leave NCCL's blocks (or the GEMM's last CTAs)
+ * waiting for a free SM */
+int ep_overlap_sms(const kcu_ep *ep)
+{
+    const int free_sms = ep->c.comm_sms > 0 ? ep->c.comm_sms : 32;
+    return ep->nsm - free_sms > 16 ? ep->nsm - free_sms : 16;
+}
+
 int ep_gemm_sms(const kcu_ep *ep)
 {
     if (ep->C <= 1 || ep->c.world == 1)
         return ep->nsm;
-    const int free_sms = ep->c.comm_sms > 0 ? ep->c.comm_sms : 16;
-    return ep->nsm - free_sms > 16 ? ep->nsm - free_sms : 16;
+    return ep_overlap_sms(ep);
 }
 
 /* the owner's forward GEMMs of chunk c: xrecv -> ysend (recv layout) */
@@ -676,13 +689,13 @@ moe_err ep_exchange_counts(kcu_ep *ep, cudaStream_t st)
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
     KCU_TRY(ep_nccl(ep, ncclAllGather(ep->R.counts, ep->cnt_all, E, ncclInt32, ep->comm, ep->cs),
                     "ncclAllGather(counts)"));
-    KCU_CHECK(cudaMemcpyAsync(ep->cnt_h, ep->cnt_all, (size_t)W * E * 4, cudaMemcpyDeviceToHost,
-                              ep->cs));
+    KCU_CHECK(
+        cudaMemcpyAsync(ep->cnt_h, ep->cnt_all, (size_t)W * E * 4, cudaMemcpyDeviceToHost, ep->cs));
     KCU_CHECK(cudaEventRecord(ep->ev_cnt, ep->cs));
     KCU_TRY(ep_wait(ep, ep->ev_cnt, nullptr, "counts exchange"));
     KCU_TRY(ep_plan(ep));
-    KCU_CHECK(cudaMemcpyAsync(ep->tbl_d, ep->tbl_h, (size_t)ep->t_len * 4, cudaMemcpyHostToDevice,
-                              st));
+    KCU_CHECK(
+        cudaMemcpyAsync(ep->tbl_d, ep->tbl_h, (size_t)ep->t_len * 4, cudaMemcpyHostToDevice, st));
     return MOE_OK;
 }
 
@@ -707,9 +720,13 @@ moe_err finish_out(kcu_ep *ep, const float *w, const float *extra, int T, void *
     k_ep_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(
         ep->yrecv, ep->sendpos, w, extra, T, ep->c.K, H, dst, dt == MOE_F32);
     KCU_CHECK_LAUNCH();
-    if (host)
+    if (host) {
+        /* a copy to pageable memory blocks the host until the stream gets
+         * there: wait first, bounded, so a dead peer cannot hang us here */
+        KCU_TRY(ep_wait(ep, nullptr, st, "layer"));
         KCU_CHECK(cudaMemcpyAsync(out, ep->R.stage, (size_t)T * H * (dt == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
+    }
     return MOE_OK;
 }
 
@@ -934,8 +951,8 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
     if (ep->N > 0) {
         const int W = ep->c.world, ne = ep->ne;
         k_ep_index<<<dim3(ne, W, ep->C), 128, 0, st>>>(
-            ep->cnt_all, ep->tbl_d, ep->t_offs, ep->t_goffs, ep->t_rbase, ep->c.E, W, ep->first,
-            ne, ep->C, ep->gidx, train ? ep->wgx : nullptr, train ? ep->wgh : nullptr);
+            ep->cnt_all, ep->tbl_d, ep->t_offs, ep->t_goffs, ep->t_rbase, ep->c.E, W, ep->first, ne,
+            ep->C, ep->gidx, train ? ep->wgx : nullptr, train ? ep->wgh : nullptr);
         KCU_CHECK_LAUNCH();
     }
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
@@ -961,7 +978,7 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
     if (T > 0) {
         KCU_TRY(stage(ep, dy, dy_dtype, ep->dyb, (size_t)T * H, st));
         k_ep_dy<<<KCU_CEIL_DIV(S, 8), 256, 0, st>>>(ep->dyb, ep->yrecv, ep->sendpos, R->topk_w, S,
-                                                     K, H, R->dw, ep->xsend);
+                                                    K, H, R->dw, ep->xsend);
         KCU_CHECK_LAUNCH();
         KCU_CHECK(cudaMemcpyAsync(R->cglob, ep->counts_global, E * 4, cudaMemcpyHostToDevice, st));
         KCU_TRY(kcu_router_bwd(R, T, ep->T_global, aux_coef, z_coef, st));
@@ -995,7 +1012,9 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
     KCU_TRY(ep_pipeline(ep, 1, 1, st));
     if (ep->N > 0) {
-        /* weight gradients over every chunk's rows, while the last returns fly */
+        /* weight gradients over every chunk's rows, while the last returns
+         * fly (so they leave NCCL its SMs whenever there are peers) */
+        const int wsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
         kcu_gemm_args a;
         memset(&a, 0, sizeof(a)); /* dW13 += dab^T x */
         a.A = ep->ab;
@@ -1012,7 +1031,7 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         a.ldc = H;
         a.c_gstride = (long long)ep->N1 * H;
         a.beta0 = x->grads_clean;
-        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, ep_gemm_sms(ep), st));
+        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, wsm, st));
         memset(&a, 0, sizeof(a)); /* dW2 += dye^T h */
         a.A = ep->ysend;
         a.lda = H;
@@ -1028,7 +1047,7 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         a.ldc = ep->c.F;
         a.c_gstride = (long long)H * ep->c.F;
         a.beta0 = x->grads_clean;
-        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, ep_gemm_sms(ep), st));
+        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, wsm, st));
         x->grads_clean = 0;
     }
     KCU_TRY(finish_out(ep, nullptr, T > 0 ? R->dxr : nullptr, T, dx, dx_dtype, st));

@@ -59,7 +59,7 @@ typedef struct kcu_ep_config {
     int T_max;       /* most tokens of this rank per call */
     int train;
     int chunks;     /* overlap degree, 1..8; 0 = kcu_ep_auto_chunks */
-    int comm_sms;   /* SMs the GEMMs leave free while chunks > 1 (0 = default 16) */
+    int comm_sms;   /* SMs the GEMMs leave free while chunks > 1 (0 = default 32) */
     int timeout_ms; /* bound on each wait for peers (0 = 60000) */
 } kcu_ep_config;
 

@@ -276,6 +276,20 @@ extern "C" moe_err kcu_experts_forward(kcu_experts *x, int N, const void *xin, m
     if (N == 0)
         return MOE_OK;
     const int H = x->H, F = x->F;
+    if (kcu_decode_use_experts(x, N, counts, keep_for_backward)) { /* kcu_decode.cu */
+        const bf16 *xb = x->xs;
+        if (x_dtype == MOE_BF16 && !kcu_is_host_ptr(xin))
+            xb = (const bf16 *)xin;
+        else
+            KCU_TRY(stage_in(x, xin, x_dtype, x->xs, (size_t)N * H, st));
+        const int yhost = kcu_is_host_ptr(y);
+        KCU_TRY(kcu_decode_experts_forward(x, N, xb, counts, yhost ? (void *)x->stage : y, y_dtype,
+                                           st));
+        if (yhost)
+            KCU_CHECK(cudaMemcpyAsync(y, x->stage, (size_t)N * H * (y_dtype == MOE_F32 ? 4 : 2),
+                                      cudaMemcpyDeviceToHost, st));
+        return MOE_OK;
+    }
     KCU_CHECK(cudaMemcpyAsync(x->cnt, counts, x->ne * 4, cudaMemcpyHostToDevice, st));
     KCU_TRY(kcu_tiles_from_counts(x->cnt, x->ne, x->counts, x->offs, x->tile_e, x->tile_r0,
                                   x->ntiles, st));

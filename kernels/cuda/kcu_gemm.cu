@@ -4,6 +4,9 @@
  * epilogues fused. Version 1 (all modes): ldmatrix + cp.async, 3 stages,
  * 128x128x64 tiles, 8 warps (2 x 4, warp tile 64x32), persistent grid, 2 CTAs
  * per SM. Version 2 (k_gemm_wg, every mode when N % 256 == 0): wgmma, see below.
+ * Version 4 (k_gemm_ws, the default where v2 fits): v2's tiles and wgmma with a
+ * producer warpgroup (TMA / cp.async into mbarrier stages) and two consumer
+ * warpgroups, see below. KCU_GEMM=mma|wgmma|ws forces v1 / v2 / v4.
  * bench/NOTES.md records each version's timings.
  *
  * Shared-memory tiles are 16 KB each, rows of 16-byte chunks XOR-swizzled
@@ -11,6 +14,7 @@
  *   K-contiguous tile  [128 rows][64 k]   (A rows / nn.Linear weight rows)
  *   MN-contiguous tile [64 k][128 cols]   (read with ldmatrix.trans)
  */
+#include <cuda.h> /* CUtensorMap and its enums; the functions come by entry point */
 #include <stdlib.h>
 #include <string.h>
 
@@ -379,11 +383,15 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
 template <int AM, int BMODE, int EPI>
 moe_err launch(const kcu_gemm_args *a, int nsm, cudaStream_t st)
 {
-    static int attr_done; /* benign race: the attribute call is idempotent */
-    if (!attr_done) {
+    /* per device: the attribute belongs to the device's context (benign
+     * race: the call is idempotent) */
+    static unsigned long long attr_done;
+    int dev = 0;
+    KCU_CHECK(cudaGetDevice(&dev));
+    if (!(attr_done >> (dev & 63) & 1)) {
         KCU_CHECK(cudaFuncSetAttribute(k_gemm<AM, BMODE, EPI>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-        attr_done = 1;
+        attr_done |= 1ull << (dev & 63);
     }
     long long total;
     if (AM == KCU_A_K)
@@ -483,6 +491,145 @@ __device__ __forceinline__ void wg_mma(float (&d)[128], uint64_t da, uint64_t db
           "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
           "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
+}
+
+/* the epilogue of the wgmma kernels (v2 and v4): this warp's 16 rows m0 + rb
+ * + [0, 16) of the item, 256 columns from n0, fragment d as wgmma leaves it:
+ * d[4j + c]: row m0 + rb + g + (c>>1)*8, col n0 + 8j + q4*2 + (c&1) */
+template <int EPI>
+__device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float (&d)[128], int e,
+                                            int m0, int n0, int rend, int ktiles, int rb, int lane)
+{
+    const int g = lane >> 2, q4 = lane & 3;
+    if (EPI == KCU_EPI_ACC) {
+        if (ktiles > 0 || p.beta0) {
+            float *C = p.Cf + (size_t)e * p.c_gstride;
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const int m = m0 + rb + g + hr * 8;
+                float2 *crow = reinterpret_cast<float2 *>(C + (size_t)m * p.ldc + n0 + q4 * 2);
+                /* 16 loads in flight before the first store: the stores
+                 * could alias later loads, so the compiler keeps order */
+#pragma unroll
+                for (int jc = 0; jc < 32; jc += 16) {
+                    float2 o[16];
+#pragma unroll
+                    for (int j = 0; j < 16; j++)
+                        o[j] = p.beta0 ? make_float2(0.f, 0.f) : crow[4 * (jc + j)];
+#pragma unroll
+                    for (int j = 0; j < 16; j++)
+                        crow[4 * (jc + j)] = make_float2(o[j].x + d[4 * (jc + j) + hr * 2],
+                                                         o[j].y + d[4 * (jc + j) + hr * 2 + 1]);
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int r = m0 + rb + g + hr * 8;
+            const bool ok = r < rend;
+            if (EPI == KCU_EPI_F32) {
+                if (ok)
+#pragma unroll
+                    for (int j = 0; j < 32; j++)
+                        *reinterpret_cast<float2 *>(p.Cf + (size_t)r * p.ldc + n0 + 8 * j +
+                                                    q4 * 2) =
+                            make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
+            } else if (EPI == KCU_EPI_SCATTER) {
+                if (ok) {
+                    const size_t so = (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc;
+#pragma unroll
+                    for (int j = 0; j < 32; j++)
+                        st_bf2(p.Cb + so + n0 + 8 * j + q4 * 2, d[4 * j + hr * 2],
+                               d[4 * j + hr * 2 + 1]);
+                }
+            } else if (EPI == KCU_EPI_SWIGLU) {
+                if (ok)
+#pragma unroll
+                    for (int j = 0; j < 32; j += 2) {
+                        const float g0 = d[4 * j + hr * 2], g1 = d[4 * j + hr * 2 + 1];
+                        const float u0 = d[4 * j + 4 + hr * 2], u1 = d[4 * j + 4 + hr * 2 + 1];
+                        const int cg = n0 + 8 * j + q4 * 2;
+                        const int f = (n0 + 8 * j) / 2 + q4 * 2;
+                        st_bf2(p.h + (size_t)r * p.F + f, g0 * sigm(g0) * u0, g1 * sigm(g1) * u1);
+                        if (p.ab) {
+                            st_bf2(p.ab + (size_t)r * p.ld_ab + cg, g0, g1);
+                            st_bf2(p.ab + (size_t)r * p.ld_ab + cg + 8, u0, u1);
+                        }
+                    }
+            } else if (EPI == KCU_EPI_GELU) {
+                if (ok)
+#pragma unroll
+                    for (int j = 0; j < 32; j++) {
+                        const int n = n0 + 8 * j + q4 * 2;
+                        const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
+                        st_bf2(p.h + (size_t)r * p.F + n, gelu_f(a0), gelu_f(a1));
+                        if (p.ab)
+                            st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
+                    }
+            } else { /* DSWIGLU / DGELU: d = dy.W2 (unweighted dh) */
+                float rsum = 0.f;
+                if (ok) {
+                    const float wgt = p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
+                    bf16 *arow = p.ab + (size_t)r * p.ld_ab;
+                    bf16 *hrow = p.h + (size_t)r * p.F;
+                    /* the (a, b) of CH column pairs loaded before any store */
+                    constexpr int CH = EPI == KCU_EPI_DSWIGLU ? 8 : 16; /* no spills */
+#pragma unroll
+                    for (int jc = 0; jc < 32; jc += CH) {
+                        __nv_bfloat162 av[CH], bv[CH];
+#pragma unroll
+                        for (int j = 0; j < CH; j++) {
+                            const int f = n0 + 8 * (jc + j) + q4 * 2;
+                            if (EPI == KCU_EPI_DSWIGLU) {
+                                const bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
+                                av[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa);
+                                bv[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa + 8);
+                            } else {
+                                av[j] = *reinterpret_cast<const __nv_bfloat162 *>(arow + f);
+                                bv[j] = av[j];
+                            }
+                        }
+#pragma unroll
+                        for (int j = 0; j < CH; j++) {
+                            const int f = n0 + 8 * (jc + j) + q4 * 2;
+                            const float d0 = d[4 * (jc + j) + hr * 2];
+                            const float d1 = d[4 * (jc + j) + hr * 2 + 1];
+                            const float2 a = __bfloat1622float2(av[j]);
+                            const float2 b = __bfloat1622float2(bv[j]);
+                            float h0, h1;
+                            if (EPI == KCU_EPI_DSWIGLU) {
+                                bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
+                                const float s0 = sigm(a.x), s1 = sigm(a.y);
+                                const float sa0 = a.x * s0, sa1 = a.y * s1;
+                                h0 = rbf(sa0 * b.x);
+                                h1 = rbf(sa1 * b.y);
+                                const float e0 = wgt * d0, e1 = wgt * d1;
+                                st_bf2(pa, e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
+                                       e1 * b.y * s1 * (1.f + a.y * (1.f - s1)));
+                                st_bf2(pa + 8, e0 * sa0, e1 * sa1);
+                            } else {
+                                h0 = rbf(gelu_f(a.x));
+                                h1 = rbf(gelu_f(a.y));
+                                st_bf2(arow + f, wgt * d0 * dgelu_f(a.x), wgt * d1 * dgelu_f(a.y));
+                            }
+                            st_bf2(hrow + f, wgt * h0, wgt * h1);
+                            rsum += d0 * h0 + d1 * h1;
+                        }
+                    }
+                }
+                if (p.dwpart) { /* uniform branch: the shuffles need all lanes */
+                    rsum += __shfl_xor_sync(0xffffffffu, rsum, 1);
+                    rsum += __shfl_xor_sync(0xffffffffu, rsum, 2);
+                    if (ok && q4 == 0) { /* partials in KCU_BN columns: 2 per item */
+                        float *dp = p.dwpart + (size_t)r * (p.N / BN) + n0 / BN;
+                        dp[0] = rsum;
+                        dp[1] = 0.f;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /* one work item of k_gemm_wg and this thread's load sources for it */
@@ -633,7 +780,6 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
     wg_item cur;
     decode(w, cur);
     prologue(cur);
-    const int g = lane >> 2, q4 = lane & 3;
     while (true) {
         float d[128];
 #pragma unroll
@@ -679,140 +825,8 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
             prologue(nxt);
         }
 
-        /* d[4j + c]: row wg*64 + (warp&3)*16 + g + (c>>1)*8, col 8j + q4*2 + (c&1) */
-        if (EPI == KCU_EPI_ACC) {
-            if (cur.ktiles > 0 || p.beta0) {
-                float *C = p.Cf + (size_t)cur.e * p.c_gstride;
-#pragma unroll
-                for (int hr = 0; hr < 2; hr++) {
-                    const int m = cur.m0 + wg * 64 + (warp & 3) * 16 + g + hr * 8;
-                    float2 *crow =
-                        reinterpret_cast<float2 *>(C + (size_t)m * p.ldc + cur.n0 + q4 * 2);
-                    /* 16 loads in flight before the first store: the stores
-                     * could alias later loads, so the compiler keeps order */
-#pragma unroll
-                    for (int jc = 0; jc < 32; jc += 16) {
-                        float2 o[16];
-#pragma unroll
-                        for (int j = 0; j < 16; j++)
-                            o[j] = p.beta0 ? make_float2(0.f, 0.f) : crow[4 * (jc + j)];
-#pragma unroll
-                        for (int j = 0; j < 16; j++)
-                            crow[4 * (jc + j)] = make_float2(o[j].x + d[4 * (jc + j) + hr * 2],
-                                                             o[j].y + d[4 * (jc + j) + hr * 2 + 1]);
-                    }
-                }
-            }
-        } else {
-#pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                const int r = cur.m0 + wg * 64 + (warp & 3) * 16 + g + hr * 8;
-                const bool ok = r < cur.rend;
-                const int n0 = cur.n0;
-                if (EPI == KCU_EPI_F32) {
-                    if (ok)
-#pragma unroll
-                        for (int j = 0; j < 32; j++)
-                            *reinterpret_cast<float2 *>(p.Cf + (size_t)r * p.ldc + n0 + 8 * j +
-                                                        q4 * 2) =
-                                make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
-                } else if (EPI == KCU_EPI_SCATTER) {
-                    if (ok) {
-                        const size_t so = (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc;
-#pragma unroll
-                        for (int j = 0; j < 32; j++)
-                            st_bf2(p.Cb + so + n0 + 8 * j + q4 * 2, d[4 * j + hr * 2],
-                                   d[4 * j + hr * 2 + 1]);
-                    }
-                } else if (EPI == KCU_EPI_SWIGLU) {
-                    if (ok)
-#pragma unroll
-                        for (int j = 0; j < 32; j += 2) {
-                            const float g0 = d[4 * j + hr * 2], g1 = d[4 * j + hr * 2 + 1];
-                            const float u0 = d[4 * j + 4 + hr * 2], u1 = d[4 * j + 4 + hr * 2 + 1];
-                            const int cg = n0 + 8 * j + q4 * 2;
-                            const int f = (n0 + 8 * j) / 2 + q4 * 2;
-                            st_bf2(p.h + (size_t)r * p.F + f, g0 * sigm(g0) * u0,
-                                   g1 * sigm(g1) * u1);
-                            if (p.ab) {
-                                st_bf2(p.ab + (size_t)r * p.ld_ab + cg, g0, g1);
-                                st_bf2(p.ab + (size_t)r * p.ld_ab + cg + 8, u0, u1);
-                            }
-                        }
-                } else if (EPI == KCU_EPI_GELU) {
-                    if (ok)
-#pragma unroll
-                        for (int j = 0; j < 32; j++) {
-                            const int n = n0 + 8 * j + q4 * 2;
-                            const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
-                            st_bf2(p.h + (size_t)r * p.F + n, gelu_f(a0), gelu_f(a1));
-                            if (p.ab)
-                                st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
-                        }
-                } else { /* DSWIGLU / DGELU: d = dy.W2 (unweighted dh) */
-                    float rsum = 0.f;
-                    if (ok) {
-                        const float wgt = p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
-                        bf16 *arow = p.ab + (size_t)r * p.ld_ab;
-                        bf16 *hrow = p.h + (size_t)r * p.F;
-                        /* the (a, b) of CH column pairs loaded before any store */
-                        constexpr int CH = EPI == KCU_EPI_DSWIGLU ? 8 : 16; /* no spills */
-#pragma unroll
-                        for (int jc = 0; jc < 32; jc += CH) {
-                            __nv_bfloat162 av[CH], bv[CH];
-#pragma unroll
-                            for (int j = 0; j < CH; j++) {
-                                const int f = n0 + 8 * (jc + j) + q4 * 2;
-                                if (EPI == KCU_EPI_DSWIGLU) {
-                                    const bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
-                                    av[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa);
-                                    bv[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa + 8);
-                                } else {
-                                    av[j] = *reinterpret_cast<const __nv_bfloat162 *>(arow + f);
-                                    bv[j] = av[j];
-                                }
-                            }
-#pragma unroll
-                            for (int j = 0; j < CH; j++) {
-                                const int f = n0 + 8 * (jc + j) + q4 * 2;
-                                const float d0 = d[4 * (jc + j) + hr * 2];
-                                const float d1 = d[4 * (jc + j) + hr * 2 + 1];
-                                const float2 a = __bfloat1622float2(av[j]);
-                                const float2 b = __bfloat1622float2(bv[j]);
-                                float h0, h1;
-                                if (EPI == KCU_EPI_DSWIGLU) {
-                                    bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
-                                    const float s0 = sigm(a.x), s1 = sigm(a.y);
-                                    const float sa0 = a.x * s0, sa1 = a.y * s1;
-                                    h0 = rbf(sa0 * b.x);
-                                    h1 = rbf(sa1 * b.y);
-                                    const float e0 = wgt * d0, e1 = wgt * d1;
-                                    st_bf2(pa, e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
-                                           e1 * b.y * s1 * (1.f + a.y * (1.f - s1)));
-                                    st_bf2(pa + 8, e0 * sa0, e1 * sa1);
-                                } else {
-                                    h0 = rbf(gelu_f(a.x));
-                                    h1 = rbf(gelu_f(a.y));
-                                    st_bf2(arow + f, wgt * d0 * dgelu_f(a.x),
-                                           wgt * d1 * dgelu_f(a.y));
-                                }
-                                st_bf2(hrow + f, wgt * h0, wgt * h1);
-                                rsum += d0 * h0 + d1 * h1;
-                            }
-                        }
-                    }
-                    if (p.dwpart) { /* uniform branch: the shuffles need all lanes */
-                        rsum += __shfl_xor_sync(0xffffffffu, rsum, 1);
-                        rsum += __shfl_xor_sync(0xffffffffu, rsum, 2);
-                        if (ok && q4 == 0) { /* partials in KCU_BN columns: 2 per item */
-                            float *dp = p.dwpart + (size_t)r * (p.N / BN) + n0 / BN;
-                            dp[0] = rsum;
-                            dp[1] = 0.f;
-                        }
-                    }
-                }
-            }
-        }
+        wg_epilogue<EPI>(p, d, cur.e, cur.m0, cur.n0, cur.rend, cur.ktiles,
+                         wg * 64 + (warp & 3) * 16, lane);
         if (wn >= total)
             break;
         if (!p.wg_ovl) {
@@ -828,11 +842,13 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
 template <int AM, int BMODE, int EPI>
 moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
 {
-    static int attr_done;
-    if (!attr_done) {
+    static unsigned long long attr_done; /* per device, as in launch() */
+    int dev = 0;
+    KCU_CHECK(cudaGetDevice(&dev));
+    if (!(attr_done >> (dev & 63) & 1)) {
         KCU_CHECK(cudaFuncSetAttribute(k_gemm_wg<AM, BMODE, EPI>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES));
-        attr_done = 1;
+        attr_done |= 1ull << (dev & 63);
     }
     long long total;
     if (AM == KCU_A_K)
@@ -857,18 +873,554 @@ moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
     return MOE_OK;
 }
 
+/* ---- v4: warp-specialised wgmma (sm_90a), every mode ----
+ * Same 128x256x64 tiles, shared-memory layouts, wgmma sequence and
+ * epilogues as v2 (so the same results bit for bit), 384 threads:
+ *  warpgroup 0, producer (setmaxnreg 40): fills WS_STAGES stages guarded by
+ *    mbarriers full[s] / empty[s]. Dense row-major operands come by TMA
+ *    (cp.async.bulk.tensor, 128-byte swizzle; tensor maps built on the host):
+ *    the expert weights B in rows mode, A in rows mode when not gathered, A
+ *    and B of the weight gradients when not gathered (except a group's last,
+ *    partial k tile, whose rows past the group must read as zero). Gathered
+ *    rows (and everything when KCU_WS_TMA=0) come by cp.async from the 128
+ *    producer threads, each completing with cp.async.mbarrier.arrive.noinc.
+ *  warpgroups 1, 2, consumers (setmaxnreg 232): each computes 64x256 of the
+ *    item as in v2: wait full[s], 4 wgmma, commit, wait_group 1, then release
+ *    the previous stage (empty, one arrival per warp); epilogue from
+ *    registers straight to global memory while the producer already fills
+ *    the next item's stages.
+ * full[s] expects 1 arrival (thread 0's arrive.expect_tx, with the TMA
+ * bytes) plus 128 (the cp.async arrivals) unless every operand comes by TMA;
+ * empty[s] expects 8 (one per consumer warp). Stage it of the kernel's
+ * sequence is it % WS_STAGES, round parity (it / WS_STAGES) & 1; both roles
+ * walk the same items in the same order. 4 stages: 48 KB each, 5 would not
+ * fit in 227 KB. */
+constexpr int WS_STAGES = 4, WS_NT = 384, WS_PRODUCER_REGS = 40, WS_CONSUMER_REGS = 232;
+constexpr int WS_BAR_OFF = WS_STAGES * WG_STAGE_BYTES;
+constexpr int WS_SMEM_BYTES = WS_BAR_OFF + 2 * WS_STAGES * 8 + 1024;
+static_assert(WS_SMEM_BYTES <= 227 * 1024, "v4 stages do not fit in shared memory");
+static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= 65536 / WS_NT / 8 * 8 * WS_NT,
+              "setmaxnreg budget exceeds the launch allocation");
+
+/* tensor maps of the dense operands (kernel parameter, __grid_constant__) */
+struct ws_maps {
+    CUtensorMap a; /* ta: rows mode (K, rows) box (64, 128); wgrad (M, rows) box (64, 64) */
+    CUtensorMap b; /* tb: rows mode B_K (K, N, E) box (64, 256, 1), B_N (N, K, E) box (64, 64,
+                    * 1); wgrad (N, rows) box (64, 64) */
+    int ta, tb;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n"
+                     ".reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n"
+                     "}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+/* arrive on bar when this thread's earlier cp.async have landed; counted in
+ * the barrier's expected arrivals (.noinc) */
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap *m, int c0, int c1,
+                                       uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *m, int c0, int c1, int c2,
+                                       uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+                 : "memory");
+}
+/* keep the compiler from moving accumulator reads above a wgmma wait */
+__device__ __forceinline__ void wg_pin(float (&d)[128])
+{
+#pragma unroll
+    for (int i = 0; i < 128; i++)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+struct ws_item {
+    int e, m0, n0, kbeg, kend, rend, ktiles;
+};
+
+template <int AM>
+__device__ __forceinline__ void ws_decode(const kcu_gemm_args &p, int w, int ntm, int ntn, int tpg,
+                                          ws_item &t)
+{
+    if (AM == KCU_A_K) {
+        const int grp = w / (GROUP_M * ntn), first = grp * GROUP_M;
+        const int gsz = min(GROUP_M, ntm - first), in = w - grp * GROUP_M * ntn;
+        const int mt = first + in % gsz;
+        t.n0 = (in / gsz) * WG_BN;
+        if (p.tile_e) {
+            t.e = p.tile_e[mt];
+            t.m0 = p.tile_r0[mt];
+            t.rend = p.offs[t.e + 1];
+        } else {
+            t.e = 0;
+            t.m0 = mt * BM;
+            t.rend = p.M;
+        }
+        t.kbeg = 0;
+        t.kend = p.K;
+        t.ktiles = p.K / BK;
+    } else {
+        t.e = w / tpg;
+        const int in = w - t.e * tpg;
+        t.m0 = (in / ntn) * BM;
+        t.n0 = (in % ntn) * WG_BN;
+        t.kbeg = p.offs ? p.offs[t.e] : 0;
+        t.kend = p.offs ? p.offs[t.e + 1] : p.K;
+        t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
+        t.rend = 0;
+    }
+}
+
+template <int AM, int BMODE, int EPI>
+__global__ void __launch_bounds__(WS_NT, 1)
+    k_gemm_ws(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
+{
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    const uint32_t full0 = sbase + WS_BAR_OFF, empty0 = full0 + WS_STAGES * 8;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    /* every operand by TMA (rows mode only): thread 0 alone produces */
+    const bool cpa = !(AM == KCU_A_K && mp.ta && mp.tb);
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < WS_STAGES; s++) {
+            mbar_init(full0 + 8 * s, cpa ? 129 : 1);
+            mbar_init(empty0 + 8 * s, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int ntn = p.N / WG_BN;
+    int ntm = 0, tpg = 0, total;
+    if (AM == KCU_A_K) {
+        ntm = p.tile_e ? *p.ntiles_m : KCU_CEIL_DIV(p.M, BM);
+        total = ntm * ntn;
+    } else {
+        tpg = (p.M / BM) * ntn;
+        total = p.ngroups * tpg;
+    }
+
+    if (wg == 0) {
+        /* ---------------- producer ---------------- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
+        if (!cpa && tid != 0)
+            return;
+        if (tid == 0) {
+            if (mp.ta)
+                asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.a))
+                             : "memory");
+            if (mp.tb)
+                asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
+                             : "memory");
+        }
+        uint32_t it = 0;
+        for (int w = blockIdx.x; w < total; w += gridDim.x) {
+            ws_item t;
+            ws_decode<AM>(p, w, ntm, ntn, tpg, t);
+            if (AM == KCU_A_K) {
+                const bf16 *Bg = p.B + (size_t)t.e * p.b_gstride;
+                for (int kt = 0; kt < t.ktiles; kt++, it++) {
+                    const int s = it % WS_STAGES;
+                    const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
+                                   sb = sa + WG_A_BYTES;
+                    const int k0 = kt * BK;
+                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                    if (tid == 0) {
+                        const uint32_t tx = (mp.ta ? WG_A_BYTES : 0) + (mp.tb ? WG_B_BYTES : 0);
+                        if (tx) {
+                            mbar_arrive_tx(fb, tx);
+                            if (mp.ta)
+                                tma_2d(sa, &mp.a, k0, t.m0, fb);
+                            if (mp.tb) {
+                                if (BMODE == KCU_B_K) {
+                                    tma_3d(sb, &mp.b, k0, t.n0, t.e, fb);
+                                } else {
+#pragma unroll
+                                    for (int a4 = 0; a4 < 4; a4++)
+                                        tma_3d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e,
+                                               fb);
+                                }
+                            }
+                        } else {
+                            mbar_arrive(fb);
+                        }
+                    }
+                    if (!cpa)
+                        continue;
+                    if (!mp.ta) {
+                        /* rows (tid >> 3) + 16 j, 16-byte chunk tid & 7; the source
+                         * rows are loaded again for each stage (L1 hits): kept in
+                         * registers they would spill at 40 registers */
+                        const int ch = tid & 7;
+                        int src[8];
+#pragma unroll
+                        for (int j = 0; j < 8; j++) {
+                            const int r = t.m0 + (tid >> 3) + 16 * j;
+                            src[j] = r < t.rend ? (p.a_gather ? p.a_gather[r] : r) : -1;
+                        }
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            cp_async16(sa + off_k((tid >> 3) + 16 * j, ch * 8),
+                                       p.A + (size_t)(src[j] < 0 ? 0 : src[j]) * p.lda + k0 +
+                                           ch * 8,
+                                       src[j] >= 0 ? 16 : 0);
+                    }
+                    if (!mp.tb) {
+                        if (BMODE == KCU_B_K) {
+                            const int ch = tid & 7;
+                            const bf16 *src =
+                                Bg + (size_t)(t.n0 + (tid >> 3)) * p.ldb + k0 + ch * 8;
+#pragma unroll
+                            for (int j = 0; j < 16; j++)
+                                cp_async16(sb + off_k((tid >> 3) + 16 * j, ch * 8),
+                                           src + (size_t)(16 * j) * p.ldb, 16);
+                        } else {
+                            const int ch = tid & 31;
+                            const bf16 *src =
+                                Bg + (size_t)(k0 + (tid >> 5)) * p.ldb + t.n0 + ch * 8;
+#pragma unroll
+                            for (int j = 0; j < 16; j++)
+                                cp_async16(sb + off_mnw((tid >> 5) + 4 * j, ch),
+                                           src + (size_t)(4 * j) * p.ldb, 16);
+                        }
+                    }
+                    cp_async_arrive(fb);
+                }
+            } else {
+                for (int kt = 0; kt < t.ktiles; kt++, it++) {
+                    const int s = it % WS_STAGES;
+                    const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
+                                   sb = sa + WG_A_BYTES;
+                    const int k0 = t.kbeg + kt * BK;
+                    /* a group's last partial k tile: cp.async with zero fill */
+                    const bool whole = k0 + BK <= t.kend;
+                    const bool tA = mp.ta && whole, tB = mp.tb && whole;
+                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                    if (tid == 0) {
+                        const uint32_t tx = (tA ? WG_A_BYTES : 0) + (tB ? WG_B_BYTES : 0);
+                        if (tx) {
+                            mbar_arrive_tx(fb, tx);
+                            if (tA) {
+#pragma unroll
+                                for (int a2 = 0; a2 < 2; a2++)
+                                    tma_2d(sa + a2 * WG_ATOM, &mp.a, t.m0 + 64 * a2, k0, fb);
+                            }
+                            if (tB) {
+#pragma unroll
+                                for (int a4 = 0; a4 < 4; a4++)
+                                    tma_2d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, fb);
+                            }
+                        } else {
+                            mbar_arrive(fb);
+                        }
+                    }
+                    if (!tA) { /* rows (tid >> 4) + 8 j, 16-byte chunk tid & 15 */
+                        const int ch = tid & 15;
+                        int src[8];
+#pragma unroll
+                        for (int j = 0; j < 8; j++) {
+                            const int k = k0 + (tid >> 4) + 8 * j;
+                            src[j] = k < t.kend ? (p.a_gather ? p.a_gather[k] : k) : -1;
+                        }
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            cp_async16(sa + off_mnw((tid >> 4) + 8 * j, ch),
+                                       p.A + (size_t)(src[j] < 0 ? 0 : src[j]) * p.lda + t.m0 +
+                                           ch * 8,
+                                       src[j] >= 0 ? 16 : 0);
+                    }
+                    if (!tB) { /* rows (tid >> 5) + 4 j, 16-byte chunk tid & 31 */
+                        const int ch = tid & 31;
+#pragma unroll
+                        for (int jh = 0; jh < 16; jh += 8) {
+                            int src[8];
+#pragma unroll
+                            for (int j = 0; j < 8; j++) {
+                                const int k = k0 + (tid >> 5) + 4 * (jh + j);
+                                src[j] = k < t.kend ? (p.b_gather ? p.b_gather[k] : k) : -1;
+                            }
+#pragma unroll
+                            for (int j = 0; j < 8; j++)
+                                cp_async16(sb + off_mnw((tid >> 5) + 4 * (jh + j), ch),
+                                           p.B + (size_t)(src[j] < 0 ? 0 : src[j]) * p.ldb + t.n0 +
+                                               ch * 8,
+                                           src[j] >= 0 ? 16 : 0);
+                        }
+                    }
+                    cp_async_arrive(fb);
+                }
+            }
+        }
+        if (cpa)
+            cp_async_wait<0>(); /* leave no cp.async of this thread in flight */
+        return;
+    }
+
+    /* ---------------- consumers ---------------- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
+    const int cw = wg - 1; /* rows cw*64 .. +64 of the item */
+    uint32_t it = 0;
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        ws_item t;
+        ws_decode<AM>(p, w, ntm, ntn, tpg, t);
+        float d[128];
+#pragma unroll
+        for (int i = 0; i < 128; i++)
+            d[i] = 0.f;
+        wg_pin(d); /* zeroed before the first wgmma.fence */
+        for (int kt = 0; kt < t.ktiles; kt++, it++) {
+            const int s = it % WS_STAGES;
+            mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
+            if (cpa) /* stages written by cp.async (generic proxy), read by wgmma (async proxy) */
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const uint32_t st = sbase + s * WG_STAGE_BYTES;
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++) {
+                if (AM == KCU_A_K) {
+                    const uint64_t da = wg_desc_k(st + cw * (64 * 128) + kk * 32);
+                    if (BMODE == KCU_B_K)
+                        wg_mma<0, 0>(d, da, wg_desc_k(st + WG_A_BYTES + kk * 32));
+                    else
+                        wg_mma<0, 1>(d, da, wg_desc_mn(st + WG_A_BYTES + kk * 2048));
+                } else {
+                    wg_mma<1, 1>(d, wg_desc_mn(st + cw * WG_ATOM + kk * 2048),
+                                 wg_desc_mn(st + WG_A_BYTES + kk * 2048));
+                }
+            }
+            wg_commit();
+            wg_wait<1>();
+            /* the previous stage's wgmma are complete: hand it back */
+            if (kt > 0 && lane == 0)
+                mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
+        }
+        wg_wait<0>();
+        wg_pin(d);
+        if (t.ktiles > 0 && lane == 0)
+            mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
+        wg_epilogue<EPI>(p, d, t.e, t.m0, t.n0, t.rend, t.ktiles, cw * 64 + (warp & 3) * 16, lane);
+    }
+}
+
+template <int AM, int BMODE, int EPI>
+moe_err launch_ws(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+{
+    static unsigned long long attr_done; /* per device, as in launch() */
+    int dev = 0;
+    KCU_CHECK(cudaGetDevice(&dev));
+    if (!(attr_done >> (dev & 63) & 1)) {
+        KCU_CHECK(cudaFuncSetAttribute(k_gemm_ws<AM, BMODE, EPI>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES));
+        attr_done |= 1ull << (dev & 63);
+    }
+    long long total;
+    if (AM == KCU_A_K)
+        total = (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
+    else
+        total = (long long)a->ngroups * (a->M / BM) * (a->N / WG_BN);
+    if (total <= 0)
+        return MOE_OK;
+    const int grid = (int)(total < nsm ? total : nsm);
+    k_gemm_ws<AM, BMODE, EPI><<<grid, WS_NT, WS_SMEM_BYTES, st>>>(*a, m);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
+/* ---- v4 host side: tensor maps through the driver entry points (no -lcuda) ---- */
+typedef CUresult (*pfn_encode_tiled)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                     const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                     const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                     CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+typedef CUresult (*pfn_addr_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+
+struct drv_fns {
+    pfn_encode_tiled encode;
+    pfn_addr_range range;
+};
+
+const drv_fns &drv()
+{
+    static const drv_fns f = [] {
+        drv_fns r = {nullptr, nullptr};
+        void *fp = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fp, 12000,
+                                             cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            r.encode = (pfn_encode_tiled)fp;
+        fp = nullptr;
+        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fp, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            r.range = (pfn_addr_range)fp;
+        (void)cudaGetLastError(); /* a failed lookup leaves no error behind */
+        if (!r.encode || !r.range)
+            fprintf(stderr,
+                    "kcu_gemm: no driver entry point for TMA (encode %p, range %p): "
+                    "v4 loads with cp.async only\n",
+                    (void *)r.encode, (void *)r.range);
+        return r;
+    }();
+    return f;
+}
+
+/* how many slabs of `slab` bytes, `stride` bytes apart, start at p and end
+ * inside p's allocation (0 when unknown) */
+long long slabs_in_alloc(const void *p, size_t slab, size_t stride)
+{
+    const drv_fns &f = drv();
+    if (!f.range)
+        return 0;
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (f.range(&base, &size, (CUdeviceptr)(uintptr_t)p) != CUDA_SUCCESS)
+        return 0;
+    const size_t left = (size_t)(base + size - (CUdeviceptr)(uintptr_t)p);
+    return left < slab ? 0 : (long long)((left - slab) / stride + 1);
+}
+
+/* a bf16 tensor map of rank 2 or 3 with 128-byte swizzle; 0 on success */
+int encode_map(CUtensorMap *m, const void *p, int rank, const uint64_t *dim,
+               const uint64_t *strideb, const uint32_t *box)
+{
+    const drv_fns &f = drv();
+    if (!f.encode || ((uintptr_t)p & 15))
+        return -1;
+    cuuint64_t gd[3], gs[2];
+    cuuint32_t bx[3], es[3] = {1, 1, 1};
+    for (int i = 0; i < rank; i++) {
+        if (dim[i] < 1 || dim[i] > (1ull << 32) || box[i] > dim[i])
+            return -1;
+        gd[i] = dim[i];
+        bx[i] = box[i];
+    }
+    for (int i = 0; i < rank - 1; i++) {
+        if (strideb[i] % 16 || strideb[i] >= (1ull << 40))
+            return -1;
+        gs[i] = strideb[i];
+    }
+    return f.encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(p),
+                    gd, gs, bx, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
+               ? 0
+               : -1;
+}
+
+int g_gemm_mode = -1; /* 0 default, 1 mma, 2 wgmma, 4 ws; -1: read KCU_GEMM */
+int g_ws_tma = -1;    /* v4 operands by TMA where possible: 1, 0; -1: read KCU_WS_TMA */
+
+/* the maps of one v4 call: TMA for each dense operand where a map can be
+ * built (its rows' extent from the allocation), cp.async otherwise */
+void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *m)
+{
+    memset(m, 0, sizeof(*m));
+    if (g_ws_tma < 0) {
+        const char *s = getenv("KCU_WS_TMA");
+        g_ws_tma = s ? atoi(s) != 0 : 1;
+    }
+    if (!g_ws_tma)
+        return;
+    if (am == KCU_A_K) {
+        if (!a->a_gather) {
+            /* rows past the tile list's end read as zero when M is fixed; with a
+             * tile list they are rows of the allocation (their outputs are
+             * never stored) */
+            const long long rows =
+                a->tile_e ? slabs_in_alloc(a->A, (size_t)a->K * 2, (size_t)a->lda * 2) : a->M;
+            const uint64_t dim[2] = {(uint64_t)a->K, (uint64_t)rows},
+                           sb[1] = {(uint64_t)a->lda * 2};
+            const uint32_t box[2] = {64, 128};
+            m->ta = rows >= 1 && encode_map(&m->a, a->A, 2, dim, sb, box) == 0;
+        }
+        /* B_e = B + e b_gstride: (N, K) K-contiguous or (K, N) N-contiguous */
+        const int inner = bm == KCU_B_K ? a->K : a->N, outer = bm == KCU_B_K ? a->N : a->K;
+        const size_t slab = ((size_t)(outer - 1) * a->ldb + inner) * 2;
+        const long long ne =
+            a->b_gstride ? slabs_in_alloc(a->B, slab, (size_t)a->b_gstride * 2) : 1;
+        const uint64_t dim[3] = {(uint64_t)inner, (uint64_t)outer, (uint64_t)ne},
+                       sb[2] = {(uint64_t)a->ldb * 2, a->b_gstride ? (uint64_t)a->b_gstride * 2
+                                                                   : (uint64_t)outer * a->ldb * 2};
+        const uint32_t box[3] = {64, bm == KCU_B_K ? 256u : 64u, 1};
+        m->tb = ne >= 1 && encode_map(&m->b, a->B, 3, dim, sb, box) == 0;
+    } else {
+        /* only whole k tiles inside a group use TMA: any row bound that covers
+         * the groups works */
+        const uint32_t box[2] = {64, 64};
+        if (!a->a_gather) {
+            const long long rows =
+                a->offs ? slabs_in_alloc(a->A, (size_t)a->M * 2, (size_t)a->lda * 2) : a->K;
+            const uint64_t dim[2] = {(uint64_t)a->M, (uint64_t)rows},
+                           sb[1] = {(uint64_t)a->lda * 2};
+            m->ta = rows >= 64 && encode_map(&m->a, a->A, 2, dim, sb, box) == 0;
+        }
+        if (!a->b_gather) {
+            const long long rows =
+                a->offs ? slabs_in_alloc(a->B, (size_t)a->N * 2, (size_t)a->ldb * 2) : a->K;
+            const uint64_t dim[2] = {(uint64_t)a->N, (uint64_t)rows},
+                           sb[1] = {(uint64_t)a->ldb * 2};
+            m->tb = rows >= 64 && encode_map(&m->b, a->B, 2, dim, sb, box) == 0;
+        }
+    }
+}
+
 } // namespace
+
+void kcu_gemm_select(int version, int tma)
+{
+    g_gemm_mode = version < 0 ? -1 : version == 1 || version == 2 || version == 4 ? version : 0;
+    g_ws_tma = tma < 0 ? -1 : tma != 0;
+}
 
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
 {
-    /* KCU_GEMM=mma forces the mma.sync version, KCU_GEMM=wgmma the wgmma one
-     * wherever its shape fits (for checks and A/B timing); default: wgmma
-     * when the shape fits and there are at least nsm 128x256 work items. */
-    static int mode = -1;
-    if (mode < 0) {
+    /* KCU_GEMM=mma forces the mma.sync version (v1), KCU_GEMM=wgmma the v2
+     * wgmma kernel and KCU_GEMM=ws the v4 warp-specialised one wherever their
+     * shape fits (for checks and A/B timing); default: v4 when the shape fits
+     * and there are at least nsm 128x256 work items, else v1. */
+    if (g_gemm_mode < 0) {
         const char *m = getenv("KCU_GEMM");
-        mode = m && !strcmp(m, "mma") ? 1 : m && !strcmp(m, "wgmma") ? 2 : 0;
+        g_gemm_mode = m && !strcmp(m, "mma")     ? 1
+                      : m && !strcmp(m, "wgmma") ? 2
+                      : m && !strcmp(m, "ws")    ? 4
+                                                 : 0;
     }
+    const int mode = g_gemm_mode;
     if (mode == 1 || a->N % WG_BN)
         return 1;
     long long items;
@@ -878,7 +1430,16 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
         items = (long long)a->ngroups * (a->M / BM) * (a->N / WG_BN);
     else
         return 1;
-    return mode == 2 || items >= nsm ? 2 : 1;
+    if (mode == 0 && items < nsm)
+        return 1;
+    if (mode == 0) {
+        /* measured per phase (bench/NOTES.md, v4): v4 wins where its
+         * producer loads dense tiles by TMA, v2 where the streamed operand
+         * is gathered row by row (up-projection, dh, dW13) */
+        const int gathered = am == KCU_A_K ? a->a_gather != NULL : a->b_gather != NULL;
+        return gathered ? 2 : 4;
+    }
+    return mode == 2 ? 2 : 4;
 }
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
@@ -890,7 +1451,34 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
                 a->K, a->lda, a->ldb);
         return MOE_EINVAL;
     }
-    if (kcu_gemm_version(am, bm, epi, a, nsm) == 2) {
+    const int ver = kcu_gemm_version(am, bm, epi, a, nsm);
+    if (ver == 4) {
+        ws_maps m;
+        ws_build_maps(am, bm, a, &m);
+        if (am == KCU_A_K && bm == KCU_B_K) {
+            switch (epi) {
+            case KCU_EPI_F32: return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, m, nsm, st);
+            case KCU_EPI_SWIGLU: return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_SWIGLU>(a, m, nsm, st);
+            case KCU_EPI_GELU: return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_GELU>(a, m, nsm, st);
+            case KCU_EPI_SCATTER:
+                return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_SCATTER>(a, m, nsm, st);
+            default: break;
+            }
+        } else if (am == KCU_A_K && bm == KCU_B_N) {
+            switch (epi) {
+            case KCU_EPI_F32: return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_F32>(a, m, nsm, st);
+            case KCU_EPI_SCATTER:
+                return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_SCATTER>(a, m, nsm, st);
+            case KCU_EPI_DSWIGLU:
+                return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_DSWIGLU>(a, m, nsm, st);
+            case KCU_EPI_DGELU: return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_DGELU>(a, m, nsm, st);
+            default: break;
+            }
+        } else if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC) {
+            return launch_ws<KCU_A_M, KCU_B_N, KCU_EPI_ACC>(a, m, nsm, st);
+        }
+    }
+    if (ver == 2) {
         if (am == KCU_A_K && bm == KCU_B_K) {
             switch (epi) {
             case KCU_EPI_F32: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, nsm, st);

@@ -94,8 +94,15 @@ typedef struct kcu_gemm_args {
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
                  cudaStream_t st);
-/* kcu_gemm_version: 1 (mma.sync) or 2 (wgmma), the kernel kcu_gemm picks */
+/* kcu_gemm_version: 1 (mma.sync), 2 (wgmma) or 4 (warp-specialised wgmma),
+ * the kernel kcu_gemm picks */
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm);
+/* kcu_gemm_select overrides the environment (KCU_GEMM, KCU_WS_TMA) for checks:
+ * version -1 environment, 0 default, 1 mma.sync, 2 wgmma, 4 warp-specialised
+ * (2 and 4 where the shape fits: N % 256 == 0, else 1); tma (v4 only) -1
+ * environment, 0 cp.async only, 1 TMA where possible. Not thread safe: call
+ * between GEMMs. */
+void kcu_gemm_select(int version, int tma);
 
 /* ---- the layer ---- */
 struct kcu_layer {
@@ -212,5 +219,31 @@ moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st);
 moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st);
 moe_err kcu_router_bwd(kcu_layer *l, int T, int T_global, float aux_coef, float z_coef,
                        cudaStream_t st);
+
+/* ---- decode path (kcu_decode.cu): inference forwards with few rows per
+ * expert; router GEMV, routing + up-projection, down-projection + combine,
+ * chained with programmatic dependent launch. KCU_DECODE=0 turns it off,
+ * KCU_DECODE_TMAX (default 32) is the largest T (layer) or rows per expert
+ * (experts object) it takes, KCU_PDL=0 launches without PDL. ---- */
+/* kcu_decode_override: -1 = environment (default), 0 = never, 1 = always
+ * where supported (ignores KCU_DECODE_TMAX); for checks and the bench */
+extern int kcu_decode_override;
+/* kcu_decode_calls: forwards that took the decode path (layer + experts) */
+extern long long kcu_decode_calls;
+/* kcu_decode_force_ks: 0 = the kernels choose how many warps split one
+ * tile's k range; n > 0 = at most n (the largest power of two allowed);
+ * for checks */
+extern int kcu_decode_force_ks;
+/* kcu_decode_use: whether kcu_forward takes the decode path (host only) */
+int kcu_decode_use(const kcu_layer *l, int T, int train);
+/* kcu_decode_forward: logits, routing (probs, lse, topk, counts, dropped,
+ * offs, perm, tok, spos, stats as the GEMM path) and y (T,H) from the bf16
+ * device input xb; y a device pointer of y_dtype */
+moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
+                           cudaStream_t st);
+int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, int keep);
+/* y (N,H) device of y_dtype from the bf16 device rows xb grouped by counts */
+moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const int32_t *counts,
+                                   void *y, moe_dtype y_dtype, cudaStream_t st);
 
 #endif /* MOE_KCU_INTERNAL_CUH */

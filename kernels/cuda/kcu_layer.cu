@@ -351,6 +351,19 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     else
         KCU_TRY(stage_in(l, x, x_dtype, l->xs, n, st));
 
+    if (kcu_decode_use(l, T, train)) { /* few rows per expert: kcu_decode.cu */
+        const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
+        l->cap_fwd = cap;
+        const int yhost = kcu_is_host_ptr(y);
+        PHASE("f.decode");
+        KCU_TRY(kcu_decode_forward(l, T, xb, cap, yhost ? (void *)l->stage : y, y_dtype, st));
+        if (yhost)
+            KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
+                                      cudaMemcpyDeviceToHost, st));
+        PHASE("f.end");
+        return MOE_OK;
+    }
+
     PHASE("f.router");
     /* router: logits (T,Ep) = xb wr^T */
     kcu_gemm_args a;

@@ -1,0 +1,1015 @@
+/*
+ * kcu_decode.cu - the decode path: inference forwards with few routed rows
+ * per expert (small T), where the layer is bound by reading the touched
+ * expert weights once. Three kernels instead of ~10, chained with
+ * programmatic dependent launch (PDL) so that each one is resident and
+ * waiting (griddepcontrol.wait) when its predecessor ends:
+ *
+ *  1. k_dec_router: logits (T,Ep) = xb wr^T; one CTA per 16 router rows,
+ *     the 8 warps split H, partial sums added in warp order (fixed).
+ *  2. k_dec_up: every CTA recomputes softmax/top-k and the layout (counts,
+ *     capacity, stable permutation) from the logits in shared memory - a
+ *     few microseconds of redundant work instead of a launch; CTA 0 also
+ *     writes them (probs, lse, topk, counts, dropped, offs, perm, tok, spos,
+ *     aux/z statistics) for kcu_forward_stats and the next kernel. Then the
+ *     CTAs stream the active experts' w13 rows: tile = 16 weight rows of
+ *     one expert (w1/w3 interleaved by 8: 8 gate + 8 up rows = 8 features)
+ *     x up to 8*NB of its rows per pass, mma.sync m16n8k16 with the weights
+ *     as the A operand (16-byte loads straight from global into fragments:
+ *     the k order is permuted identically in both operands), fp32
+ *     accumulate, SwiGLU/GELU applied in registers, h (S,F) bf16 by sorted
+ *     row as the GEMM path. A tile's H may be split over KS warps of one CTA
+ *     (chosen on the device from the number of tiles so that the grid is
+ *     filled), partials added in a fixed order.
+ *  3. k_dec_down: CTA task = 16 output columns of all active experts; the
+ *     16 warps take (expert, F part) items; the unweighted expert outputs
+ *     (ye, rounded to bf16 as the GEMM path stores them) stay in shared
+ *     memory and the CTA does the combine for its columns in j order
+ *     (y[t] = sum_j bf16(w ye[t,j]), as kcu_combine) - or, for the experts
+ *     object, writes the rows out.
+ *
+ * Taken for inference forwards only (train forwards keep the GEMM path
+ * that saves the backward state), when T <= KCU_DECODE_TMAX (default 32: measured, Mixtral T=64 is
+ * faster on the GEMM path) and T*K <= 1024; KCU_DECODE=0 turns it off, KCU_PDL=0 launches without
+ * PDL. All results are deterministic (no atomics on values, fixed-order
+ * reductions); they can differ from the GEMM path in the last bits
+ * (another summation order), within the bf16 tolerances.
+ */
+#include <float.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kcu_internal.cuh"
+
+int kcu_decode_override = -1;
+long long kcu_decode_calls = 0;
+int kcu_decode_force_ks = 0;
+
+namespace
+{
+
+constexpr int DEC_SMAX = 1024; /* routed slots (layer) or rows (experts) at most */
+constexpr int DEC_EMAX = 256;
+constexpr int UP_NW = 8, UP_NT = UP_NW * 32;
+constexpr int DN_NW = 16, DN_NT = DN_NW * 32;
+constexpr int RT_NW = 8, RT_NT = RT_NW * 32;
+constexpr int KU = 4;       /* 32-wide k blocks loaded per batch */
+constexpr int DN_COLS = 16; /* output columns per down CTA task */
+constexpr int DN_SMEM_MAX = 96 * 1024;
+
+/* group offsets passed by value (experts object: counts are on the host) */
+struct dec_offs {
+    int32_t v[DEC_EMAX + 1];
+};
+
+struct rt_params {
+    const bf16 *x;  /* (T,H) */
+    const bf16 *wr; /* (Ep,H) */
+    int T, H, E, Ep;
+    float *logits; /* (T,Ep) */
+};
+
+struct up_params {
+    const bf16 *x;   /* (tokens or rows, H) */
+    const bf16 *w13; /* (E,N1,H) */
+    int N1, H, F, E, swiglu;
+    bf16 *h; /* (rows,F) by sorted row */
+    /* routing (layer) when logits != NULL, else the offsets in go */
+    const float *logits;
+    int Ep, T, K, cap, renorm;
+    float *probs, *lse, *topk_w, *stats;
+    int32_t *topk_idx, *counts, *dropped, *offs, *perm, *tok, *spos;
+    int ks_force; /* 0 = choose the split of H, else at most this (checks) */
+    dec_offs go;
+};
+
+struct dn_params {
+    const bf16 *h;  /* (rows,F) */
+    const bf16 *w2; /* (E,H,F) */
+    int H, F, E;
+    const int32_t *offs; /* (E+1) on the device (layer), or NULL: go */
+    dec_offs go;
+    /* combine (layer) when spos != NULL, else rows out */
+    const int32_t *spos;
+    const float *topk_w;
+    int T, K;
+    void *out;
+    int out_f32;
+    int smem_floats;
+    int ks_force; /* 0 = choose the split of F, else at most this (checks) */
+};
+
+/* ---- device helpers ---- */
+
+__device__ __forceinline__ void pdl_wait()
+{
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void pdl_launch()
+{
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+/* weights are read once: no L1 allocation */
+__device__ __forceinline__ uint4 ld_stream(const bf16 *p)
+{
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+/* activations are reused by the tiles of one expert: cached */
+__device__ __forceinline__ uint4 ld_act(const bf16 *p)
+{
+    return __ldg(reinterpret_cast<const uint4 *>(p));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* One 32-wide k block: lane (g, c) holds physical k [8c, 8c+8) of weight
+ * rows g (w0) and g+8 (w8) and of its token g (x). Logical k of the two
+ * m16n8k16 steps: step s, pair 2c(+1) <-> physical 8c+4s(+1), pair 2c+8(+1)
+ * <-> physical 8c+4s+2(+1): the same bijection on both operands. */
+__device__ __forceinline__ void mma_block(float (&c)[4], const uint4 &w0, const uint4 &w8,
+                                          const uint4 &x)
+{
+    mma_bf16(c, w0.x, w8.x, w0.y, w8.y, x.x, x.y);
+    mma_bf16(c, w0.z, w8.z, w0.w, w8.w, x.z, x.w);
+}
+
+/* acc[nb] (+)= W[16 rows, k blocks kb0..kb1) . X[tokens nb*8 .. nb*8+7]^T.
+ * wrow: weight row g of the tile (row g+8 is 8*ldw further); xr[nb]: the
+ * lane's token row (valid when xv[nb]); ntok: tokens in this pass (warp
+ * uniform). C fragment: acc[nb][0..1] = (row g, tokens 2c, 2c+1),
+ * acc[nb][2..3] = (row g+8, same tokens). */
+template <int NB>
+__device__ __forceinline__ void warp_rows(const bf16 *__restrict__ wrow, size_t ldw, int kb0,
+                                          int kb1, const bf16 *const (&xr)[NB],
+                                          const bool (&xv)[NB], int ntok, float (&acc)[NB][4])
+{
+    const int c = threadIdx.x & 3;
+    const bf16 *w0 = wrow + c * 8, *w8 = wrow + 8 * ldw + c * 8;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    int kb = kb0;
+    for (; kb + KU <= kb1; kb += KU) {
+        uint4 a0[KU], a8[KU];
+#pragma unroll
+        for (int u = 0; u < KU; u++) {
+            a0[u] = ld_stream(w0 + (size_t)(kb + u) * 32);
+            a8[u] = ld_stream(w8 + (size_t)(kb + u) * 32);
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) {
+            if (nb * 8 >= ntok)
+                break;
+            uint4 b[KU];
+#pragma unroll
+            for (int u = 0; u < KU; u++)
+                b[u] = xv[nb] ? ld_act(xr[nb] + (size_t)(kb + u) * 32 + c * 8) : z;
+#pragma unroll
+            for (int u = 0; u < KU; u++)
+                mma_block(acc[nb], a0[u], a8[u], b[u]);
+        }
+    }
+    for (; kb < kb1; kb++) {
+        const uint4 a0 = ld_stream(w0 + (size_t)kb * 32), a8 = ld_stream(w8 + (size_t)kb * 32);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) {
+            if (nb * 8 >= ntok)
+                break;
+            const uint4 b = xv[nb] ? ld_act(xr[nb] + (size_t)kb * 32 + c * 8) : z;
+            mma_block(acc[nb], a0, a8, b);
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+    for (int o = 16; o; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v)
+{
+    for (int o = 16; o; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float sigm(float a)
+{
+    return 1.f / (1.f + __expf(-a));
+}
+__device__ __forceinline__ float gelu_f(float a)
+{
+    return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
+}
+__device__ __forceinline__ float rbf(float x)
+{
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+/* warp 0: active experts (kept rows > 0, in expert order) from offsets
+ * off (E+1, shared memory). E <= 256: 8 experts per lane. */
+__device__ void build_active(const int *off, int E, int *act_e, int *act_off, int *act_n, int *na)
+{
+    const int lane = threadIdx.x & 31;
+    int cnt = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane * 8 + i;
+        cnt += e < E && off[e + 1] > off[e];
+    }
+    int inc = cnt;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o)
+            inc += v;
+    }
+    int pos = inc - cnt;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane * 8 + i;
+        if (e < E && off[e + 1] > off[e]) {
+            act_e[pos] = e;
+            act_off[pos] = off[e];
+            act_n[pos] = off[e + 1] - off[e];
+            pos++;
+        }
+    }
+    if (lane == 31)
+        *na = inc;
+}
+
+/* warp 0: off[e] = exclusive scan of cnt[e] (E <= 256), off[E] = total */
+__device__ void scan_offsets(const int *cnt, int E, int *off)
+{
+    const int lane = threadIdx.x & 31;
+    int v[8], sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane * 8 + i;
+        v[i] = e < E ? cnt[e] : 0;
+        sum += v[i];
+    }
+    int inc = sum;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o)
+            inc += t;
+    }
+    int run = inc - sum;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane * 8 + i;
+        if (e < E)
+            off[e] = run;
+        run += v[i];
+    }
+    if (lane == 31)
+        off[E] = inc;
+}
+
+/* ---- 1. router logits ---- */
+template <int NB>
+__global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt_params p)
+{
+    __shared__ float red[RT_NW][NB * 4][32];
+    pdl_wait();
+    pdl_launch();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int nkb = p.H / 32;
+    const int kb0 = warp * nkb / RT_NW, kb1 = (warp + 1) * nkb / RT_NW;
+    const int row0 = blockIdx.x * 16;
+    const bf16 *wrow = p.wr + (size_t)(row0 + g) * p.H;
+    for (int t0 = 0; t0 < p.T; t0 += 8 * NB) {
+        const int ntok = min(8 * NB, p.T - t0);
+        const bf16 *xr[NB];
+        bool xv[NB];
+        float acc[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) {
+            xv[nb] = nb * 8 + g < ntok;
+            xr[nb] = p.x + (size_t)(xv[nb] ? t0 + nb * 8 + g : 0) * p.H;
+            acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+        }
+        warp_rows<NB>(wrow, p.H, kb0, kb1, xr, xv, ntok, acc);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                red[warp][nb * 4 + q][lane] = acc[nb][q];
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    float v = red[0][nb * 4 + q][lane];
+                    for (int w = 1; w < RT_NW; w++)
+                        v += red[w][nb * 4 + q][lane];
+                    const int t = t0 + nb * 8 + 2 * c + (q & 1), r = row0 + g + (q >> 1) * 8;
+                    if (t < p.T)
+                        p.logits[(size_t)t * p.Ep + r] = v;
+                }
+        }
+        __syncthreads();
+    }
+}
+
+/* ---- 2. routing + up-projection ---- */
+struct up_smem {
+    union {
+        float red[UP_NW][16][32]; /* split-H partials (NB <= 4) */
+        struct {
+            int idx[DEC_SMAX];         /* slot -> expert */
+            int rank[DEC_SMAX];        /* rank within the warp's segment */
+            int wcnt[UP_NW][DEC_EMAX]; /* per warp segment counts, then bases */
+        } r;
+    } u;
+    int perm[DEC_SMAX]; /* sorted row -> slot (layer) */
+    int cnt[DEC_EMAX], kept[DEC_EMAX];
+    int off[DEC_EMAX + 1];
+    int act_e[DEC_EMAX], act_off[DEC_EMAX], act_n[DEC_EMAX];
+    float col[DEC_EMAX + 1];
+    int na;
+};
+
+/* softmax, top-k, counting sort with capacity, as k_softmax_topk +
+ * k_layout_* (+ k_stats_* in CTA 0, which also writes everything out) */
+__device__ void dec_route(const up_params &p, up_smem &sm)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int E = p.E, K = p.K, T = p.T, S = T * K;
+    const bool out = blockIdx.x == 0;
+    for (int t = warp; t < T; t += UP_NW) {
+        const float *lt = p.logits + (size_t)t * p.Ep;
+        float v[8], mx = -FLT_MAX;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = lane + 32 * i;
+            v[i] = e < E ? lt[e] : -FLT_MAX;
+            mx = fmaxf(mx, v[i]);
+        }
+        mx = warp_max(mx);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = lane + 32 * i;
+            v[i] = e < E ? expf(v[i] - mx) : 0.f;
+            sum += v[i];
+        }
+        sum = warp_sum(sum);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = lane + 32 * i;
+            v[i] = v[i] / sum;
+            if (out && e < E)
+                p.probs[(size_t)t * E + e] = v[i];
+        }
+        if (out && lane == 0)
+            p.lse[t] = mx + logf(sum);
+        unsigned taken = 0;
+        float wk[8], wsum = 0.f;
+        int ik[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            wk[j] = 0.f;
+            ik[j] = 0;
+            if (j < K) {
+                float bv = -1.f;
+                int bi = INT_MAX;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int e = lane + 32 * i;
+                    if (e < E && !((taken >> i) & 1u) && (bi == INT_MAX || v[i] > bv)) {
+                        bv = v[i];
+                        bi = e;
+                    }
+                }
+                for (int o = 16; o; o >>= 1) {
+                    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                    if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
+                        bv = ov;
+                        bi = oi;
+                    }
+                }
+                if ((bi & 31) == lane)
+                    taken |= 1u << (bi >> 5);
+                wk[j] = bv;
+                ik[j] = bi;
+                wsum += bv;
+            }
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j < K) {
+                    sm.u.r.idx[t * K + j] = ik[j];
+                    if (out) {
+                        p.topk_idx[(size_t)t * K + j] = ik[j];
+                        p.topk_w[(size_t)t * K + j] = p.renorm ? wk[j] / wsum : wk[j];
+                    }
+                }
+        }
+    }
+    for (int i = tid; i < UP_NW * DEC_EMAX; i += UP_NT)
+        (&sm.u.r.wcnt[0][0])[i] = 0;
+    __syncthreads();
+    /* stable ranks: warp w takes slots [w*seg, (w+1)*seg) in chunks of 32 */
+    const int seg = KCU_CEIL_DIV(S, 32 * UP_NW) * 32;
+    for (int b = warp * seg; b < min(S, (warp + 1) * seg); b += 32) {
+        const int s = b + lane;
+        const int e = s < S ? sm.u.r.idx[s] : -1;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        const unsigned lower = peers & ((1u << lane) - 1u);
+        const int prior = e >= 0 ? sm.u.r.wcnt[warp][e] : 0;
+        __syncwarp();
+        if (e >= 0 && lower == 0)
+            sm.u.r.wcnt[warp][e] = prior + __popc(peers);
+        __syncwarp();
+        if (s < S)
+            sm.u.r.rank[s] = prior + __popc(lower);
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += UP_NT) {
+        int run = 0;
+        for (int w = 0; w < UP_NW; w++) {
+            const int v = sm.u.r.wcnt[w][e];
+            sm.u.r.wcnt[w][e] = run;
+            run += v;
+        }
+        const int k = run < p.cap ? run : p.cap;
+        sm.cnt[e] = run;
+        sm.kept[e] = k;
+        if (out) {
+            p.counts[e] = run;
+            p.dropped[e] = run - k;
+        }
+    }
+    __syncthreads();
+    if (warp == 0)
+        scan_offsets(sm.kept, E, sm.off);
+    __syncthreads();
+    if (warp == 0)
+        build_active(sm.off, E, sm.act_e, sm.act_off, sm.act_n, &sm.na);
+    if (out)
+        for (int e = tid; e <= E; e += UP_NT)
+            p.offs[e] = sm.off[e];
+    for (int s = tid; s < S; s += UP_NT) {
+        const int e = sm.u.r.idx[s];
+        const int rank = sm.u.r.wcnt[s / seg][e] + sm.u.r.rank[s];
+        if (rank < sm.kept[e]) {
+            const int row = sm.off[e] + rank;
+            sm.perm[row] = s;
+            if (out) {
+                p.perm[row] = s;
+                p.tok[row] = s / K;
+                p.spos[s] = row;
+            }
+        } else if (out) {
+            p.spos[s] = -1;
+        }
+    }
+    if (out) {           /* aux and z statistics, as k_stats_part + k_stats_final (T <= 256) */
+        __syncthreads(); /* probs and lse of this CTA are visible to the block */
+        for (int e = tid; e <= E; e += UP_NT) {
+            float s = 0.f;
+            if (e < E)
+                for (int t = 0; t < T; t++)
+                    s += p.probs[(size_t)t * E + e];
+            else
+                for (int t = 0; t < T; t++)
+                    s += p.lse[t] * p.lse[t];
+            sm.col[e] = 0.f + s;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float aux = 0.f;
+            for (int e = 0; e < E; e++)
+                aux += (float)sm.cnt[e] * (sm.col[e] / (float)T);
+            p.stats[0] = aux * (float)E / ((float)K * (float)T);
+            p.stats[1] = sm.col[E] / (float)T;
+        }
+    }
+    __syncthreads();
+}
+
+template <int NB, int SWIGLU>
+__global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_params p)
+{
+    __shared__ up_smem sm;
+    pdl_wait();
+    pdl_launch();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int tid = threadIdx.x;
+    const bool route = p.logits != nullptr;
+    if (route) {
+        dec_route(p, sm);
+    } else {
+        for (int e = tid; e <= p.E; e += UP_NT)
+            sm.off[e] = p.go.v[e];
+        __syncthreads();
+        if (warp == 0)
+            build_active(sm.off, p.E, sm.act_e, sm.act_off, sm.act_n, &sm.na);
+        __syncthreads();
+    }
+    const int na = sm.na, H = p.H, F = p.F;
+    const int tpe = p.N1 / 16, tiles = na * tpe, nkb = H / 32;
+    /* split of H over KS warps: the fewest waves per unit of work, a small
+     * cost per split; the same choice in every CTA */
+    int KS = 1;
+    {
+        float best = 0.f;
+        for (int ks = 1; ks <= UP_NW && ks <= nkb; ks *= 2) {
+            const int ntask = KCU_CEIL_DIV(tiles * ks, UP_NW);
+            const int waves = KCU_CEIL_DIV(ntask, (int)gridDim.x);
+            const float cost =
+                p.ks_force ? (float)(ks > p.ks_force) : (float)waves * (1.f + 0.03f * ks) / ks;
+            if (ks == 1 || cost < best || (p.ks_force && cost == 0.f)) {
+                best = cost;
+                KS = ks;
+            }
+        }
+    }
+    const int tpt = UP_NW / KS, ntask = KCU_CEIL_DIV(tiles, tpt), TP = 8 * NB;
+    const int part = warp % KS, kb0 = part * nkb / KS, kb1 = (part + 1) * nkb / KS;
+    for (int task = blockIdx.x; task < ntask; task += gridDim.x) {
+        const int tl = task * tpt + warp / KS;
+        const bool has = tl < tiles;
+        int j = 0, e = 0, off = 0, n = 0;
+        if (has) {
+            const int a = tl / tpe;
+            j = tl - a * tpe;
+            e = sm.act_e[a];
+            off = sm.act_off[a];
+            n = sm.act_n[a];
+        }
+        const int npass = KCU_CEIL_DIV(n, TP);
+        int mpass = npass;
+        if (KS > 1) { /* CTA-uniform pass count over the task's tiles */
+            mpass = 0;
+            for (int q = 0; q < tpt; q++) {
+                const int tq = task * tpt + q;
+                if (tq < tiles)
+                    mpass = max(mpass, KCU_CEIL_DIV(sm.act_n[tq / tpe], TP));
+            }
+        }
+        const bf16 *wrow = p.w13 + ((size_t)e * p.N1 + (size_t)j * 16 + g) * H;
+        for (int pass = 0; pass < mpass; pass++) {
+            float acc[NB][4];
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++)
+                acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+            const int ntok = pass < npass ? min(TP, n - pass * TP) : 0;
+            if (ntok > 0) {
+                const bf16 *xr[NB];
+                bool xv[NB];
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++) {
+                    const int i = nb * 8 + g;
+                    xv[nb] = i < ntok;
+                    const int row = off + pass * TP + (xv[nb] ? i : 0);
+                    const int xrow = route ? sm.perm[row] / p.K : row;
+                    xr[nb] = p.x + (size_t)xrow * H;
+                }
+                warp_rows<NB>(wrow, H, kb0, kb1, xr, xv, ntok, acc);
+            }
+            bool epi = ntok > 0;
+            if (KS > 1) {
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        sm.u.red[warp][nb * 4 + q][lane] = acc[nb][q];
+                __syncthreads();
+                if (part == 0 && epi) {
+                    for (int w = warp + 1; w < warp + KS; w++)
+#pragma unroll
+                        for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                            for (int q = 0; q < 4; q++)
+                                acc[nb][q] += sm.u.red[w][nb * 4 + q][lane];
+                } else {
+                    epi = false;
+                }
+            }
+            if (epi) {
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {
+                        const int i = pass * TP + nb * 8 + 2 * c + hh;
+                        if (i < n) {
+                            bf16 *hr = p.h + (size_t)(off + i) * F;
+                            const float a = acc[nb][hh], b = acc[nb][2 + hh];
+                            if (SWIGLU) {
+                                hr[j * 8 + g] = __float2bfloat16_rn(a * sigm(a) * b);
+                            } else {
+                                hr[j * 16 + g] = __float2bfloat16_rn(gelu_f(a));
+                                hr[j * 16 + g + 8] = __float2bfloat16_rn(gelu_f(b));
+                            }
+                        }
+                    }
+            }
+            if (KS > 1)
+                __syncthreads();
+        }
+    }
+}
+
+/* ---- 3. down-projection + combine ---- */
+template <int NB>
+__global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ dn_params p)
+{
+    extern __shared__ float dsm[];
+    __shared__ int off[DEC_EMAX + 1], act_e[DEC_EMAX], act_off[DEC_EMAX], act_n[DEC_EMAX], na_s;
+    pdl_wait();
+    pdl_launch();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int tid = threadIdx.x;
+    for (int e = tid; e <= p.E; e += DN_NT)
+        off[e] = p.offs ? p.offs[e] : p.go.v[e];
+    __syncthreads();
+    if (warp == 0)
+        build_active(off, p.E, act_e, act_off, act_n, &na_s);
+    __syncthreads();
+    const int na = na_s, nrows = off[p.E], H = p.H, F = p.F, nkb = F / 32, TP = 8 * NB;
+    int KS = 1;
+    {
+        float best = 0.f;
+        for (int ks = 1; ks <= DN_NW && ks <= nkb; ks *= 2) {
+            if (ks > 1 && (size_t)(1 + ks) * nrows * DN_COLS > (size_t)p.smem_floats)
+                break;
+            const float cost = p.ks_force
+                                   ? (float)(ks > p.ks_force)
+                                   : (float)KCU_CEIL_DIV(na * ks, DN_NW) * (1.f + 0.03f * ks) / ks;
+            if (ks == 1 || cost < best || (p.ks_force && cost == 0.f)) {
+                best = cost;
+                KS = ks;
+            }
+        }
+    }
+    float *ys = dsm, *part = dsm + (size_t)nrows * DN_COLS;
+    const int items = na * KS;
+    for (int cb = blockIdx.x; cb < H / DN_COLS; cb += gridDim.x) {
+        const int n0 = cb * DN_COLS;
+        for (int it = warp; it < items; it += DN_NW) {
+            const int a = it / KS, pp = it - a * KS;
+            const int e = act_e[a], o = act_off[a], n = act_n[a];
+            const int kb0 = pp * nkb / KS, kb1 = (pp + 1) * nkb / KS;
+            const bf16 *wrow = p.w2 + ((size_t)e * H + n0 + g) * F;
+            float *dst = KS > 1 ? part + (size_t)pp * nrows * DN_COLS : ys;
+            for (int pass = 0; pass * TP < n; pass++) {
+                const int ntok = min(TP, n - pass * TP);
+                const bf16 *xr[NB];
+                bool xv[NB];
+                float acc[NB][4];
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++) {
+                    const int i = nb * 8 + g;
+                    xv[nb] = i < ntok;
+                    xr[nb] = p.h + (size_t)(o + pass * TP + (xv[nb] ? i : 0)) * F;
+                    acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
+                }
+                warp_rows<NB>(wrow, F, kb0, kb1, xr, xv, ntok, acc);
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+                    for (int hh = 0; hh < 2; hh++) {
+                        const int i = pass * TP + nb * 8 + 2 * c + hh;
+                        if (i < n) {
+                            float *d = dst + (size_t)(o + i) * DN_COLS;
+                            d[g] = acc[nb][hh];
+                            d[g + 8] = acc[nb][2 + hh];
+                        }
+                    }
+            }
+        }
+        __syncthreads();
+        if (KS > 1) {
+            for (int i = tid; i < nrows * DN_COLS; i += DN_NT) {
+                float v = part[i];
+                for (int q = 1; q < KS; q++)
+                    v += part[(size_t)q * nrows * DN_COLS + i];
+                ys[i] = v;
+            }
+            __syncthreads();
+        }
+        if (p.spos) { /* combine in j order, as k_combine */
+            for (int i = tid; i < p.T * DN_COLS; i += DN_NT) {
+                const int t = i / DN_COLS, cc = i % DN_COLS;
+                float acc = 0.f;
+                for (int jj = 0; jj < p.K; jj++) {
+                    const size_t s = (size_t)t * p.K + jj;
+                    const int r = p.spos[s];
+                    if (r < 0)
+                        continue;
+                    const float ye = rbf(ys[r * DN_COLS + cc]);
+                    acc += rbf(p.topk_w[s] * ye);
+                }
+                const size_t oi = (size_t)t * H + n0 + cc;
+                if (p.out_f32)
+                    ((float *)p.out)[oi] = acc;
+                else
+                    ((bf16 *)p.out)[oi] = __float2bfloat16_rn(acc);
+            }
+        } else { /* rows out (experts object) */
+            for (int i = tid; i < nrows * DN_COLS; i += DN_NT) {
+                const int r = i / DN_COLS, cc = i % DN_COLS;
+                const size_t oi = (size_t)r * H + n0 + cc;
+                if (p.out_f32)
+                    ((float *)p.out)[oi] = ys[i];
+                else
+                    ((bf16 *)p.out)[oi] = __float2bfloat16_rn(ys[i]);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+/* ---- host side ---- */
+
+int env_int(const char *name, int dflt)
+{
+    const char *s = getenv(name);
+    if (!s || !*s)
+        return dflt;
+    return atoi(s);
+}
+
+int pdl_state = -1; /* -1 unknown, 0 off, 1 on */
+
+/* launch with programmatic stream serialisation (falls back to a plain
+ * launch, for good, if the runtime refuses the attribute) */
+template <typename P>
+cudaError_t launch(void (*k)(P), unsigned grid, unsigned block, size_t smem, cudaStream_t st,
+                   const P &prm)
+{
+    if (pdl_state < 0)
+        pdl_state = env_int("KCU_PDL", 1) != 0;
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl_state ? 1 : 0;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, k, prm);
+    if (e != cudaSuccess && cfg.numAttrs) {
+        (void)cudaGetLastError();
+        pdl_state = 0;
+        cfg.numAttrs = 0;
+        e = cudaLaunchKernelEx(&cfg, k, prm);
+    }
+    return e;
+}
+
+/* resident CTAs per SM of a kernel (cached per kernel) */
+template <typename P> int blocks_per_sm(void (*k)(P), int nt, size_t smem)
+{
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, nt, smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 1;
+    }
+    return n < 1 ? 1 : n;
+}
+
+int nb_for(int rows)
+{
+    return rows <= 8 ? 1 : rows <= 16 ? 2 : 4;
+}
+
+moe_err launch_router(const rt_params &rp, cudaStream_t st)
+{
+    const unsigned grid = KCU_CEIL_DIV(rp.E, 16);
+    const int nb = nb_for(rp.T);
+    cudaError_t e;
+    if (nb == 1)
+        e = launch(k_dec_router<1>, grid, RT_NT, 0, st, rp);
+    else if (nb == 2)
+        e = launch(k_dec_router<2>, grid, RT_NT, 0, st, rp);
+    else
+        e = launch(k_dec_router<4>, grid, RT_NT, 0, st, rp);
+    KCU_CHECK(e);
+    return MOE_OK;
+}
+
+template <int NB, int SW> moe_err launch_up_t(const up_params &up, int nsm, cudaStream_t st)
+{
+    static int occ = 0;
+    if (!occ)
+        occ = blocks_per_sm(k_dec_up<NB, SW>, UP_NT, 0);
+    KCU_CHECK(launch(k_dec_up<NB, SW>, (unsigned)(nsm * occ), UP_NT, 0, st, up));
+    return MOE_OK;
+}
+
+moe_err launch_up(const up_params &up, int rows, int nsm, cudaStream_t st)
+{
+    const int nb = nb_for(rows);
+    if (up.swiglu)
+        return nb == 1   ? launch_up_t<1, 1>(up, nsm, st)
+               : nb == 2 ? launch_up_t<2, 1>(up, nsm, st)
+                         : launch_up_t<4, 1>(up, nsm, st);
+    return nb == 1   ? launch_up_t<1, 0>(up, nsm, st)
+           : nb == 2 ? launch_up_t<2, 0>(up, nsm, st)
+                     : launch_up_t<4, 0>(up, nsm, st);
+}
+
+template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, cudaStream_t st)
+{
+    /* the shared memory limit is a per-device function attribute (one
+     * process may drive several GPUs) */
+    static int occ[64];
+    int dev = 0;
+    KCU_CHECK(cudaGetDevice(&dev));
+    const int di = dev >= 0 && dev < 64 ? dev : 0;
+    if (!occ[di] || dev != di) {
+        KCU_CHECK(cudaFuncSetAttribute(k_dec_down<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       DN_SMEM_MAX));
+        occ[di] = blocks_per_sm(k_dec_down<NB>, DN_NT, DN_SMEM_MAX);
+    }
+    size_t smem = (size_t)nrows_max * DN_COLS * 4 * 9; /* ys + up to 8 partials */
+    if (smem > DN_SMEM_MAX)
+        smem = DN_SMEM_MAX;
+    if (smem < (size_t)nrows_max * DN_COLS * 4)
+        return MOE_EINVAL; /* not reached: nrows_max <= DEC_SMAX */
+    dp.smem_floats = (int)(smem / 4);
+    int grid = dp.H / DN_COLS;
+    if (grid > nsm * occ[di])
+        grid = nsm * occ[di];
+    KCU_CHECK(launch(k_dec_down<NB>, (unsigned)grid, DN_NT, smem, st, dp));
+    return MOE_OK;
+}
+
+moe_err launch_down(dn_params &dp, int rows, int nrows_max, int nsm, cudaStream_t st)
+{
+    const int nb = nb_for(rows);
+    return nb == 1   ? launch_down_t<1>(dp, nrows_max, nsm, st)
+           : nb == 2 ? launch_down_t<2>(dp, nrows_max, nsm, st)
+                     : launch_down_t<4>(dp, nrows_max, nsm, st);
+}
+
+int decode_on()
+{
+    if (kcu_decode_override >= 0)
+        return kcu_decode_override;
+    static int on = -1;
+    if (on < 0)
+        on = env_int("KCU_DECODE", 1) != 0;
+    return on;
+}
+
+int decode_tmax()
+{
+    static int t = -1;
+    if (t < 0) {
+        t = env_int("KCU_DECODE_TMAX", 32);
+        if (t < 0)
+            t = 0;
+    }
+    return t;
+}
+
+} // namespace
+
+int kcu_decode_use(const kcu_layer *l, int T, int train)
+{
+    const kcu_config *c = &l->c;
+    if (train || T < 1 || !decode_on())
+        return 0;
+    if (kcu_decode_override != 1 && T > decode_tmax())
+        return 0;
+    return (long long)T * c->K <= DEC_SMAX && c->E <= DEC_EMAX && c->H % 128 == 0 &&
+           c->F % 128 == 0;
+}
+
+moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
+                           cudaStream_t st)
+{
+    const kcu_config *c = &l->c;
+    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    rt_params rp;
+    rp.x = xb;
+    rp.wr = l->wr;
+    rp.T = T;
+    rp.H = H;
+    rp.E = E;
+    rp.Ep = l->Ep;
+    rp.logits = l->logits;
+    KCU_TRY(launch_router(rp, st));
+
+    up_params up;
+    memset(&up, 0, sizeof(up));
+    up.x = xb;
+    up.w13 = l->w13;
+    up.N1 = l->N1;
+    up.H = H;
+    up.F = F;
+    up.E = E;
+    up.swiglu = c->act == KERN_ACT_SWIGLU;
+    up.h = l->h;
+    up.logits = l->logits;
+    up.Ep = l->Ep;
+    up.T = T;
+    up.K = K;
+    up.cap = cap;
+    up.renorm = c->renorm;
+    up.probs = l->probs;
+    up.lse = l->lse;
+    up.topk_w = l->topk_w;
+    up.stats = l->stats;
+    up.topk_idx = l->topk_idx;
+    up.counts = l->counts;
+    up.dropped = l->dropped;
+    up.offs = l->offs;
+    up.perm = l->perm;
+    up.tok = l->tok;
+    up.spos = l->spos;
+    const int rows = T < cap ? T : cap; /* rows per expert at most */
+    up.ks_force = kcu_decode_force_ks;
+    KCU_TRY(launch_up(up, rows, l->nsm, st));
+
+    dn_params dp;
+    memset(&dp, 0, sizeof(dp));
+    dp.h = l->h;
+    dp.w2 = l->w2;
+    dp.H = H;
+    dp.F = F;
+    dp.E = E;
+    dp.offs = l->offs;
+    dp.spos = l->spos;
+    dp.topk_w = l->topk_w;
+    dp.T = T;
+    dp.K = K;
+    dp.out = y;
+    dp.out_f32 = y_dtype == MOE_F32;
+    dp.ks_force = kcu_decode_force_ks;
+    KCU_TRY(launch_down(dp, rows, S, l->nsm, st));
+    kcu_decode_calls++;
+    return MOE_OK;
+}
+
+int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, int keep)
+{
+    if (keep || N < 1 || N > DEC_SMAX || x->ne > DEC_EMAX || !decode_on())
+        return 0;
+    if (kcu_decode_override == 1)
+        return 1;
+    int mx = 0;
+    for (int e = 0; e < x->ne; e++)
+        mx = counts[e] > mx ? counts[e] : mx;
+    return mx <= decode_tmax();
+}
+
+moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const int32_t *counts,
+                                   void *y, moe_dtype y_dtype, cudaStream_t st)
+{
+    up_params up;
+    memset(&up, 0, sizeof(up));
+    int mx = 0;
+    up.go.v[0] = 0;
+    for (int e = 0; e < x->ne; e++) {
+        up.go.v[e + 1] = up.go.v[e] + counts[e];
+        mx = counts[e] > mx ? counts[e] : mx;
+    }
+    up.x = xb;
+    up.w13 = x->w13;
+    up.N1 = x->N1;
+    up.H = x->H;
+    up.F = x->F;
+    up.E = x->ne;
+    up.swiglu = x->act == KERN_ACT_SWIGLU;
+    up.h = x->h;
+    up.ks_force = kcu_decode_force_ks;
+    KCU_TRY(launch_up(up, mx, x->nsm, st));
+
+    dn_params dp;
+    memset(&dp, 0, sizeof(dp));
+    dp.h = x->h;
+    dp.w2 = x->w2;
+    dp.H = x->H;
+    dp.F = x->F;
+    dp.E = x->ne;
+    dp.go = up.go;
+    dp.out = y;
+    dp.out_f32 = y_dtype == MOE_F32;
+    dp.ks_force = kcu_decode_force_ks;
+    KCU_TRY(launch_down(dp, mx, N, x->nsm, st));
+    kcu_decode_calls++;
+    return MOE_OK;
+}
