@@ -105,8 +105,53 @@ template <typename T> static std::vector<T> dl(const T *d, size_t n)
 
 struct result {
     double logits, probs, tw, y, dx, dwr, dw1, dw3, dw2, dw, aux, z;
-    int idx_ok, layout_ok, determ_ok, accum_ok, ndrop;
+    int idx_ok, layout_ok, determ_ok, accum_ok, modes_ok, ndrop;
 };
+
+/* the same forward + backward on a layer created in sorted mode `mode`
+ * (kcu_sorted_mode), with device f32 inputs and outputs: y, dx and every
+ * gradient must equal the reference run's bits */
+static int same_in_mode(int mode, const kcu_config &cfg, const std::vector<float> &wr,
+                        const std::vector<float> &w1, const std::vector<float> &w3,
+                        const std::vector<float> &w2, const std::vector<float> &x,
+                        const std::vector<float> &dy, const std::vector<float> &y,
+                        const std::vector<float> &dx, const std::vector<float> &g_wr,
+                        const std::vector<float> &g_w1, const std::vector<float> &g_w3,
+                        const std::vector<float> &g_w2)
+{
+    const int swiglu = cfg.act == KERN_ACT_SWIGLU;
+    kcu_sorted_override = mode;
+    kcu_layer *l;
+    CKM(kcu_layer_create(&cfg, &l));
+    kcu_sorted_override = -1;
+    int ok = l->sorted == mode;
+    CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+    const size_t n = x.size();
+    float *d;
+    CK(cudaMalloc(&d, 4 * n * 4));
+    float *dx_d = d, *dy_d = d + n, *x_d = d + 2 * n, *y_d = d + 3 * n;
+    CK(cudaMemcpy(x_d, x.data(), n * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dy_d, dy.data(), n * 4, cudaMemcpyHostToDevice));
+    CKM(kcu_layer_zero_grads(l, NULL));
+    CKM(kcu_forward(l, cfg.T_max, x_d, MOE_F32, y_d, MOE_F32, 1, NULL));
+    CKM(kcu_backward(l, dy_d, MOE_F32, dx_d, MOE_F32, 0.01f, 0.001f, NULL, 0, NULL));
+    CK(cudaDeviceSynchronize());
+    std::vector<float> ym(n), dxm(n), h_wr(g_wr.size()), h_w1(g_w1.size()), h_w3(g_w3.size()),
+        h_w2(g_w2.size());
+    CK(cudaMemcpy(ym.data(), y_d, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(dxm.data(), dx_d, n * 4, cudaMemcpyDeviceToHost));
+    CK(cudaFree(d));
+    CKM(kcu_layer_download_grads(l, h_wr.data(), h_w1.data(), swiglu ? h_w3.data() : NULL,
+                                 h_w2.data()));
+    kcu_layer_destroy(l);
+    ok = ok && ym == y && dxm == dx && h_wr == g_wr && h_w1 == g_w1 && h_w2 == g_w2 &&
+         (!swiglu || h_w3 == g_w3);
+    if (!ok)
+        fprintf(stderr, "check-gpu: sorted mode %d differs from mode %d\n", mode,
+                kcu_sorted_mode(&cfg));
+    return ok;
+}
 
 /* the second backward (no zeroing, same forward) must give exactly 2x */
 static int twice(const std::vector<float> &g1, const std::vector<float> &g2)
@@ -287,6 +332,13 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     r->dw3 = swiglu ? relerr(g_w3.data(), r_w3.data(), r_w3.size()) : 0.0;
     r->dw2 = relerr(g_w2.data(), r_w2.data(), r_w2.size());
     r->dw = relerr(dw_g.data(), dw_r.data(), S);
+    /* the other sorted-rows modes give the same bits (same products, same
+     * order; only where the rows come from differs) */
+    r->modes_ok = 1;
+    for (int m = 0; m < 3; m++)
+        if (m != l->sorted)
+            r->modes_ok &=
+                same_in_mode(m, cfg, wr, w1, w3, w2, x, dy, y, dx, g_wr, g_w1, g_w3, g_w2);
 
     /* same forward again, backward without zeroing: exactly twice the
      * gradients, and the same dx bit for bit */
@@ -303,7 +355,7 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
 
     const double v[] = {r->logits, r->probs, r->tw,  r->y,  r->dx,  r->dwr,
                         r->dw1,    r->dw3,   r->dw2, r->dw, r->aux, r->z};
-    int ok = r->idx_ok && r->layout_ok && r->determ_ok && r->accum_ok;
+    int ok = r->idx_ok && r->layout_ok && r->determ_ok && r->accum_ok && r->modes_ok;
     for (double d : v)
         ok = ok && d < TOL; /* NaN compares false */
     return ok;
@@ -1371,7 +1423,7 @@ int main(int argc, char **argv)
                  {2048, 256, 256, 64, 8, SW, 1, 0, 0.5f}};
     }
     printf("%-5s %-6s %-4s %-4s %-4s %-2s %-3s %-2s %-4s | %-8s %-8s %-8s %-8s %-8s %-8s %-8s "
-           "%-8s %-8s %-8s %-8s %-8s | idx lay det acc drops | %s\n",
+           "%-8s %-8s %-8s %-8s %-8s | idx lay det acc srt drops | %s\n",
            "T", "H", "F", "E", "K", "ac", "rn", "sk", "cf", "logits", "probs", "topk_w", "y", "dx",
            "dwr", "dw1", "dw3", "dw2", "dgate", "aux", "z", "result");
     for (size_t i = 0; i < cases.size(); i++) {
@@ -1382,11 +1434,11 @@ int main(int argc, char **argv)
         fails += !ok;
         printf("%-5d %-6d %-4d %-4d %-4d %-2s %-3d %-2d %-4.2g | %-8.1e %-8.1e %-8.1e %-8.1e "
                "%-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e | %-3s %-3s %-3s %-3s "
-               "%-5d | %s\n",
+               "%-3s %-5d | %s\n",
                c.T, c.H, c.F, c.E, c.K, c.act == SW ? "sw" : "ge", c.renorm, c.skew, c.cf, r.logits,
                r.probs, r.tw, r.y, r.dx, r.dwr, r.dw1, r.dw3, r.dw2, r.dw, r.aux, r.z,
                r.idx_ok ? "ok" : "BAD", r.layout_ok ? "ok" : "BAD", r.determ_ok ? "ok" : "BAD",
-               r.accum_ok ? "ok" : "BAD", r.ndrop, ok ? "PASS" : "FAIL");
+               r.accum_ok ? "ok" : "BAD", r.modes_ok ? "ok" : "BAD", r.ndrop, ok ? "PASS" : "FAIL");
         fflush(stdout);
     }
     const int layer_fails = fails - gemm_fails - exp_fails;

@@ -493,6 +493,18 @@ __device__ __forceinline__ void wg_mma(float (&d)[128], uint64_t da, uint64_t db
         : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
 }
 
+/* wgrad item `in` of one group (ntm x ntn tiles of 128 x 256) -> (m0, n0):
+ * groups of gm m-tiles walk n together, so one wave's A and B blocks
+ * stay in L2 (row-major order re-read all of B once per m-tile row: dW2 of
+ * Mixtral, 58 MB of w*h per expert, came from DRAM 32 times) */
+__device__ __forceinline__ void wgrad_raster(int gm, int ntm, int ntn, int in, int &m0, int &n0)
+{
+    const int grp = in / (gm * ntn), first = grp * gm;
+    const int gsz = min(gm, ntm - first), r = in - grp * gm * ntn;
+    m0 = (first + r % gsz) * BM;
+    n0 = (r / gsz) * WG_BN;
+}
+
 /* the epilogue of the wgmma kernels (v2 and v4): this warp's 16 rows m0 + rb
  * + [0, 16) of the item, 256 columns from n0, fragment d as wgmma leaves it:
  * d[4j + c]: row m0 + rb + g + (c>>1)*8, col n0 + 8j + q4*2 + (c&1) */
@@ -658,8 +670,9 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
 
     auto decode = [&](int w, wg_item &t) {
         if (AM == KCU_A_K) {
-            const int grp = w / (GROUP_M * ntn), first = grp * GROUP_M;
-            const int gsz = min(GROUP_M, ntm - first), in = w - grp * GROUP_M * ntn;
+            const int gm = p.group_m;
+            const int grp = w / (gm * ntn), first = grp * gm;
+            const int gsz = min(gm, ntm - first), in = w - grp * gm * ntn;
             const int mt = first + in % gsz;
             t.n0 = (in / gsz) * WG_BN;
             if (p.tile_e) {
@@ -690,9 +703,7 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
                 t.b = Bg + (size_t)(tid >> 5) * p.ldb + t.n0 + (tid & 31) * 8;
         } else {
             t.e = w / tpg;
-            const int in = w - t.e * tpg;
-            t.m0 = (in / ntn) * BM;
-            t.n0 = (in % ntn) * WG_BN;
+            wgrad_raster(p.group_m, p.M / BM, ntn, w - t.e * tpg, t.m0, t.n0);
             t.kbeg = p.offs ? p.offs[t.e] : 0;
             t.kend = p.offs ? p.offs[t.e + 1] : p.K;
             t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
@@ -839,6 +850,19 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
     cp_async_wait<0>();
 }
 
+/* raster_group: m-tiles per raster group of the wgmma kernels, rows mode
+ * (KCU_GROUP_M) and weight gradients (KCU_GROUP_W), default GROUP_M */
+int raster_group(int am)
+{
+    static int g[2] = {-1, -1};
+    if (g[am] < 0) {
+        const char *s = getenv(am == KCU_A_K ? "KCU_GROUP_M" : "KCU_GROUP_W");
+        const int v = s ? atoi(s) : 0;
+        g[am] = v >= 1 && v <= 64 ? v : GROUP_M;
+    }
+    return g[am];
+}
+
 template <int AM, int BMODE, int EPI>
 moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
 {
@@ -868,6 +892,7 @@ moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
     }
     kcu_gemm_args b = *a;
     b.wg_ovl = ovl >= 0 ? ovl : !(AM == KCU_A_K && BMODE == KCU_B_K);
+    b.group_m = raster_group(AM);
     k_gemm_wg<AM, BMODE, EPI><<<grid, NT, WG_SMEM_BYTES, st>>>(b);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
@@ -976,8 +1001,9 @@ __device__ __forceinline__ void ws_decode(const kcu_gemm_args &p, int w, int ntm
                                           ws_item &t)
 {
     if (AM == KCU_A_K) {
-        const int grp = w / (GROUP_M * ntn), first = grp * GROUP_M;
-        const int gsz = min(GROUP_M, ntm - first), in = w - grp * GROUP_M * ntn;
+        const int gm = p.group_m;
+        const int grp = w / (gm * ntn), first = grp * gm;
+        const int gsz = min(gm, ntm - first), in = w - grp * gm * ntn;
         const int mt = first + in % gsz;
         t.n0 = (in / gsz) * WG_BN;
         if (p.tile_e) {
@@ -994,9 +1020,7 @@ __device__ __forceinline__ void ws_decode(const kcu_gemm_args &p, int w, int ntm
         t.ktiles = p.K / BK;
     } else {
         t.e = w / tpg;
-        const int in = w - t.e * tpg;
-        t.m0 = (in / ntn) * BM;
-        t.n0 = (in % ntn) * WG_BN;
+        wgrad_raster(p.group_m, p.M / BM, ntn, w - t.e * tpg, t.m0, t.n0);
         t.kbeg = p.offs ? p.offs[t.e] : 0;
         t.kend = p.offs ? p.offs[t.e + 1] : p.K;
         t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
@@ -1038,7 +1062,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
     if (wg == 0) {
         /* ---------------- producer ---------------- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
-        if (!cpa && tid != 0)
+        if (!cpa && tid != 0) /* every operand by TMA: thread 0 produces alone */
             return;
         if (tid == 0) {
             if (mp.ta)
@@ -1256,7 +1280,9 @@ moe_err launch_ws(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
-    k_gemm_ws<AM, BMODE, EPI><<<grid, WS_NT, WS_SMEM_BYTES, st>>>(*a, m);
+    kcu_gemm_args b = *a;
+    b.group_m = raster_group(AM);
+    k_gemm_ws<AM, BMODE, EPI><<<grid, WS_NT, WS_SMEM_BYTES, st>>>(b, m);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

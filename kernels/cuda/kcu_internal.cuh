@@ -90,6 +90,7 @@ typedef struct kcu_gemm_args {
     float *dwpart;       /* (rows, N/BN) */
     int beta0;           /* ACC: overwrite C instead of accumulating (C known to be zero) */
     int wg_ovl;          /* wgmma kernel: next item's loads before the epilogue (set inside) */
+    int group_m;         /* wgmma kernels: m-tiles that walk n together (set inside) */
 } kcu_gemm_args;
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
@@ -120,39 +121,55 @@ struct kcu_layer {
     float *g_w2;  /* (E,H,F) */
     void *ws;
     size_t ws_bytes;
-    bf16 *xs;          /* (T,H) staged input */
-    bf16 *io;          /* (T,H) staged dy */
-    float *stage;      /* (T,H) f32 staging for host inputs and outputs */
-    float *logits;     /* (T,Ep) */
-    float *probs;      /* (T,E) */
-    float *lse;        /* (T) */
-    int32_t *topk_idx; /* (S) */
-    float *topk_w;     /* (S) */
-    int32_t *counts;   /* (E) */
-    int32_t *offs;     /* (E+1) */
-    int32_t *chunk;    /* (nchunks,E) */
-    int32_t *perm;     /* (S) sorted row -> slot */
-    int32_t *tok;      /* (S) sorted row -> token */
-    int32_t *tile_e;   /* (max_tiles) */
-    int32_t *tile_r0;  /* (max_tiles) */
-    int32_t *ntiles;   /* (1) */
-    int32_t *cglob;    /* (E) global counts for backward */
-    float *stats;      /* (2) aux, z */
-    float *statpart;   /* (nblk, E+1) */
-    bf16 *ab;          /* (S,N1) pre-activations, then their gradients */
-    bf16 *h;           /* (S,F) activations, then w*h */
-    bf16 *ye;          /* (S,H) expert outputs (slot order), then dx per slot */
-    float *dwpart;     /* (S,F/BN) */
-    float *dw;         /* (S) dL/dtopk_w */
-    bf16 *dlogits;     /* (T,Ep) */
-    float *dxr;        /* (T,H) router part of dx */
-    int32_t *spos;     /* (S) slot -> sorted row, -1 when dropped by the capacity */
-    int32_t *dropped;  /* (E) slots dropped per expert */
-    int max_tiles;     /* bound on the tile list length */
-    int T_fwd;         /* tokens of the last train forward, 0 if none */
-    int cap_fwd;       /* capacity of the last forward (INT32_MAX = dropless) */
-    int grads_clean;   /* gradients are logically zero: the next backward stores */
+    bf16 *xs;           /* (T,H) staged input */
+    float *stage;       /* (T,H) f32 staging for host inputs and outputs: its own
+                         * allocation, made on the first host transfer (NULL before) */
+    size_t stage_bytes; /* 0 until stage is allocated */
+    bf16 *xg;           /* (S,H) x in sorted row order kept for dW13 (sorted 2, train) */
+    float *logits;      /* (T,Ep) */
+    float *probs;       /* (T,E) */
+    float *lse;         /* (T) */
+    int32_t *topk_idx;  /* (S) */
+    float *topk_w;      /* (S) */
+    int32_t *counts;    /* (E) */
+    int32_t *offs;      /* (E+1) */
+    int32_t *chunk;     /* (nchunks,E) */
+    int32_t *perm;      /* (S) sorted row -> slot */
+    int32_t *tok;       /* (S) sorted row -> token */
+    int32_t *tile_e;    /* (max_tiles) */
+    int32_t *tile_r0;   /* (max_tiles) */
+    int32_t *ntiles;    /* (1) */
+    int32_t *cglob;     /* (E) global counts for backward */
+    float *stats;       /* (2) aux, z */
+    float *statpart;    /* (nblk, E+1) */
+    bf16 *ab;           /* (S,N1) pre-activations, then their gradients */
+    bf16 *h;            /* (S,F) activations, then w*h */
+    bf16 *ye;           /* (S,H) expert outputs (slot order), then dx per slot */
+    float *dwpart;      /* (S,F/BN) */
+    float *dw;          /* (S) dL/dtopk_w */
+    bf16 *dlogits;      /* (T,Ep) */
+    float *dxr;         /* (T,H) router part of dx; NULL: it borrows h (free after
+                         * dW2) when S*F*2 >= T*H*4 bytes */
+    int32_t *spos;      /* (S) slot -> sorted row, -1 when dropped by the capacity */
+    int32_t *dropped;   /* (E) slots dropped per expert */
+    int max_tiles;      /* bound on the tile list length */
+    int sorted;         /* kcu_sorted_mode at create */
+    int T_fwd;          /* tokens of the last train forward, 0 if none */
+    int cap_fwd;        /* capacity of the last forward (INT32_MAX = dropless) */
+    int grads_clean;    /* gradients are logically zero: the next backward stores */
 };
+
+/* Sorted-rows mode of a layer (decided at kcu_layer_create):
+ *  0: the gathered operands (x[tok] of the up-projection and dW13, dy[tok] of
+ *     dh and dW2) are gathered row by row inside the GEMM loads;
+ *  1: they are copied once into sorted order (kcu_gather_rows) in the ye
+ *     buffer, so the up-projection, dh and dW2 stream dense tiles (TMA on
+ *     sm_90); dW13 still gathers x; no extra memory;
+ *  2: as 1, and training keeps the sorted x (S,H) for dW13 (+S*H*2 bytes).
+ * kcu_sorted_override: -1 = KCU_SORTED (0|1|2) or the default by shape,
+ * else the mode (for checks and A/B benches). */
+extern int kcu_sorted_override;
+int kcu_sorted_mode(const kcu_config *c);
 
 /* ---- experts-only object (kcu_experts.cu) ---- */
 struct kcu_experts {
@@ -207,6 +224,10 @@ moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st);
  * offs, tile list, as the layer's layout scan with one chunk */
 moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs, int32_t *tile_e,
                               int32_t *tile_r0, int32_t *ntiles, cudaStream_t st);
+/* kcu_gather_rows: dst (S,H) bf16 sorted rows, dst[r] = src[tok[r]] for r <
+ * *nrows (a device count, e.g. offs + E); src (T,H) device f32 or bf16 */
+moe_err kcu_gather_rows(const void *src, moe_dtype dt, const int32_t *tok, const int32_t *nrows,
+                        int S, int H, bf16 *dst, cudaStream_t st);
 /* kcu_combine: spos (S) may be NULL; slots with spos < 0 add nothing */
 moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,
                     int K, int H, void *out, moe_dtype dt, cudaStream_t st);

@@ -10,6 +10,10 @@
  *   place of h, dL/dw partial sums; dx per slot = dab w13_e; router dlogits;
  *   dx = sum_j dx[t,j] + dlogits wr; dW13 += dab^T xs[tok];
  *   dW2 += dy[tok]^T (w h); dwr += dlogits^T xs.
+ * dW2 runs right after dh (while the dy rows are in ye; h is then free for
+ *   the router part of dx). Sorted modes (kcu_sorted_mode): x[tok] and
+ *   dy[tok] are first copied into sorted rows so the grouped GEMMs stream
+ *   dense tiles.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -67,6 +71,25 @@ int kcu_w13_src(int c, int swiglu, int *from_w3)
     return (c >> 4) * 8 + (c & 7);
 }
 
+int kcu_sorted_override = -1;
+
+int kcu_sorted_mode(const kcu_config *c)
+{
+    int m = kcu_sorted_override;
+    if (m < 0) {
+        const char *s = getenv("KCU_SORTED");
+        if (s && *s)
+            m = atoi(s);
+    }
+    if (m >= 0 && m <= 2)
+        return m;
+    /* default (measured, bench/NOTES.md "Sorted rows"): a copy costs ~4H bytes
+     * of traffic per row and saves a share of the 6HF-FLOP GEMMs per row:
+     * Mixtral (F 14336) gains 2.5 ms fwd / 5.6 ms fwd+bwd with mode 2,
+     * Qwen3 (F 768) loses 0.17 ms fwd with mode 1 */
+    return c->F >= 2048 ? 2 : 0;
+}
+
 namespace
 {
 
@@ -100,6 +123,14 @@ void carve_params(kcu_layer *l, carve *cv)
     }
 }
 
+/* dW2 runs right after dh, so h (S,F bf16) is free when the router part of
+ * dx is computed: it holds dxr (T,H f32) if large enough */
+int dxr_borrows_h(const kcu_layer *l)
+{
+    const kcu_config *c = &l->c;
+    return (size_t)c->K * c->F * 2 >= (size_t)c->H * 4;
+}
+
 void carve_ws(kcu_layer *l, carve *cv)
 {
     const kcu_config *c = &l->c;
@@ -107,8 +138,6 @@ void carve_ws(kcu_layer *l, carve *cv)
     const size_t nch = KCU_CEIL_DIV(S, (size_t)256);
     const size_t mt = (S < S / KCU_BM + E ? S : S / KCU_BM + E) + 1;
     cv->take(&l->xs, T * H * 2);
-    cv->take(&l->io, T * H * 2);
-    cv->take(&l->stage, T * H * 4);
     cv->take(&l->logits, T * l->Ep * 4);
     cv->take(&l->probs, T * E * 4);
     cv->take(&l->lse, T * 4);
@@ -134,15 +163,36 @@ void carve_ws(kcu_layer *l, carve *cv)
         cv->take(&l->dwpart, S * (F / KCU_BN) * 4);
         cv->take(&l->dw, S * 4);
         cv->take(&l->dlogits, T * l->Ep * 2);
-        cv->take(&l->dxr, T * H * 4);
+        if (l->sorted == 2)
+            cv->take(&l->xg, S * H * 2);
+        if (!dxr_borrows_h(l))
+            cv->take(&l->dxr, T * H * 4);
     }
     l->max_tiles = (int)(mt - 1);
+}
+
+/* ensure_stage: the f32 (T_max,H) staging buffer for host inputs and
+ * outputs, allocated on first use (device-resident callers never pay it) */
+moe_err ensure_stage(kcu_layer *l)
+{
+    if (l->stage)
+        return MOE_OK;
+    const size_t b = (size_t)l->c.T_max * l->c.H * 4;
+    if (cudaMalloc(&l->stage, b) != cudaSuccess) {
+        (void)cudaGetLastError();
+        l->stage = nullptr;
+        fprintf(stderr, "kcu_layer: cudaMalloc of %zu staging bytes failed\n", b);
+        return MOE_ENOMEM;
+    }
+    l->stage_bytes = b;
+    return MOE_OK;
 }
 
 /* stage_in: src (T,H) of dtype dt, host or device -> bf16 device dst. */
 moe_err stage_in(kcu_layer *l, const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st)
 {
     if (dt == MOE_F32 && kcu_is_host_ptr(src)) {
+        KCU_TRY(ensure_stage(l));
         KCU_CHECK(cudaMemcpyAsync(l->stage, src, n * 4, cudaMemcpyHostToDevice, st));
         src = l->stage;
     }
@@ -180,6 +230,7 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     l->c = *cfg;
     l->Ep = KCU_CEIL_DIV(cfg->E, KCU_BN) * KCU_BN;
     l->N1 = cfg->act == KERN_ACT_SWIGLU ? 2 * cfg->F : cfg->F;
+    l->sorted = kcu_sorted_mode(cfg);
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&l->nsm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
@@ -217,6 +268,8 @@ extern "C" void kcu_layer_destroy(kcu_layer *l)
         cudaFree(l->params);
     if (l->ws)
         cudaFree(l->ws);
+    if (l->stage)
+        cudaFree(l->stage);
     free(l);
 }
 
@@ -225,7 +278,7 @@ extern "C" void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t
     if (params_bytes)
         *params_bytes = l->params_bytes;
     if (ws_bytes)
-        *ws_bytes = l->ws_bytes;
+        *ws_bytes = l->ws_bytes + l->stage_bytes;
 }
 
 extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
@@ -355,6 +408,8 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
         const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
         l->cap_fwd = cap;
         const int yhost = kcu_is_host_ptr(y);
+        if (yhost)
+            KCU_TRY(ensure_stage(l));
         PHASE("f.decode");
         KCU_TRY(kcu_decode_forward(l, T, xb, cap, yhost ? (void *)l->stage : y, y_dtype, st));
         if (yhost)
@@ -383,12 +438,22 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     l->cap_fwd = cap;
     const int32_t *spos = cap < INT32_MAX ? l->spos : nullptr;
 
+    /* sorted modes: x[tok] copied once into sorted rows (in ye, which the
+     * down-projection overwrites later, or kept in xg for dW13) */
+    const bf16 *xrows = xb;
+    if (l->sorted) {
+        bf16 *dst = train && l->xg ? l->xg : l->ye;
+        PHASE("f.gather");
+        KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + c->E, T * K, H, dst, st));
+        xrows = dst;
+    }
+
     PHASE("f.up");
-    /* up: h (S,F) [, ab (S,N1)] = act(xb[tok] w13_e^T) over the tile list */
+    /* up: h (S,F) [, ab (S,N1)] = act(x[tok] w13_e^T) over the tile list */
     a = rows_args(l);
-    a.A = xb;
+    a.A = xrows;
     a.lda = H;
-    a.a_gather = l->tok;
+    a.a_gather = l->sorted ? nullptr : l->tok;
     a.B = l->w13;
     a.ldb = H;
     a.b_gstride = (long long)l->N1 * H;
@@ -419,6 +484,8 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     PHASE("f.combine");
     /* combine, in j order */
     const int yhost = kcu_is_host_ptr(y);
+    if (yhost)
+        KCU_TRY(ensure_stage(l));
     KCU_TRY(kcu_combine(l->ye, l->topk_w, nullptr, spos, T, K, H, yhost ? (void *)l->stage : y,
                         y_dtype, st));
     if (yhost)
@@ -429,6 +496,34 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     l->T_fwd = train ? T : 0;
     return MOE_OK;
 }
+
+namespace
+{
+
+/* dW2_e += dy_e^T (w h)_e over each expert's rows: dyrows (S,H) sorted rows,
+ * or (T,H) token rows read through tok when gathered */
+moe_err dw2_grad(kcu_layer *l, const bf16 *dyrows, int gathered, cudaStream_t st)
+{
+    const kcu_config *c = &l->c;
+    kcu_gemm_args a;
+    memset(&a, 0, sizeof(a));
+    a.A = dyrows; /* k = sorted row, m = h */
+    a.lda = c->H;
+    a.a_gather = gathered ? l->tok : nullptr;
+    a.B = l->h; /* w*h (S,F) */
+    a.ldb = c->F;
+    a.M = c->H;
+    a.N = c->F;
+    a.ngroups = c->E;
+    a.offs = l->offs;
+    a.Cf = l->g_w2;
+    a.beta0 = l->grads_clean;
+    a.ldc = c->F;
+    a.c_gstride = (long long)c->H * c->F;
+    return kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st);
+}
+
+} // namespace
 
 extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype, void *dx,
                                 moe_dtype dx_dtype, float aux_coef, float z_coef,
@@ -444,7 +539,27 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
         return MOE_EINVAL;
     const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
     const size_t n = (size_t)T * H;
-    KCU_TRY(stage_in(l, dy, dy_dtype, l->io, n, st));
+    /* dy rows for dh and dW2, in ye (free since the forward's combine; b.dx
+     * overwrites it after dW2): sorted copies (sorted modes), or dy (T,H)
+     * bf16 read through tok - the caller's buffer when it is bf16 on the
+     * device, else a converted copy */
+    const int on_host = kcu_is_host_ptr(dy);
+    const void *dysrc = dy;
+    if (on_host) {
+        KCU_TRY(ensure_stage(l));
+        KCU_CHECK(cudaMemcpyAsync(l->stage, dy, n * (dy_dtype == MOE_F32 ? 4 : 2),
+                                  cudaMemcpyHostToDevice, st));
+        dysrc = l->stage;
+    }
+    const bf16 *dyrows = (const bf16 *)dysrc;
+    if (l->sorted) {
+        PHASE("b.gather");
+        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + E, S, H, l->ye, st));
+        dyrows = l->ye;
+    } else if (dy_dtype != MOE_BF16 || on_host) {
+        KCU_TRY(kcu_to_bf16(dysrc, dy_dtype, l->ye, n, st));
+        dyrows = l->ye;
+    }
     if (counts_global)
         KCU_CHECK(cudaMemcpyAsync(l->cglob, counts_global, E * 4, cudaMemcpyHostToDevice, st));
     else
@@ -453,9 +568,9 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     PHASE("b.dh");
     /* dh: (da, db) in place of (a, b), w*h in place of h, dwpart */
     kcu_gemm_args a = rows_args(l);
-    a.A = l->io;
+    a.A = dyrows;
     a.lda = H;
-    a.a_gather = l->tok;
+    a.a_gather = l->sorted ? nullptr : l->tok;
     a.B = l->w2; /* (H,F) per expert: k = h, n = f */
     a.ldb = F;
     a.b_gstride = (long long)H * F;
@@ -475,6 +590,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
         KCU_CHECK(cudaMemsetAsync(l->dw, 0, (size_t)S * 4, st));
     KCU_TRY(kcu_dw_reduce(l, S, st));
     KCU_TRY(kcu_router_bwd(l, T, T_global > 0 ? T_global : T, aux_coef, z_coef, st));
+    PHASE("b.dw2"); /* before b.dx overwrites the dy rows in ye */
+    KCU_TRY(dw2_grad(l, dyrows, !l->sorted, st));
 
     PHASE("b.dx");
     /* dx per slot (into ye) = dab w13_e */
@@ -492,7 +609,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_SCATTER, &a, l->nsm, st));
 
     PHASE("b.router_dx");
-    /* router part: dxr (T,H) = dlogits (T,Ep) wr (Ep,H) */
+    /* router part: dxr (T,H) = dlogits (T,Ep) wr (Ep,H); in h when dW2 is done */
+    float *dxr = l->dxr ? l->dxr : reinterpret_cast<float *>(l->h);
     memset(&a, 0, sizeof(a));
     a.A = l->dlogits;
     a.lda = l->Ep;
@@ -501,13 +619,15 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.M = T;
     a.N = H;
     a.K = l->Ep;
-    a.Cf = l->dxr;
+    a.Cf = dxr;
     a.ldc = H;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_F32, &a, l->nsm, st));
 
     const int xhost = kcu_is_host_ptr(dx);
-    KCU_TRY(kcu_combine(l->ye, nullptr, l->dxr, spos, T, K, H, xhost ? (void *)l->stage : dx,
-                        dx_dtype, st));
+    if (xhost)
+        KCU_TRY(ensure_stage(l));
+    KCU_TRY(kcu_combine(l->ye, nullptr, dxr, spos, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype,
+                        st));
     if (xhost)
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
@@ -517,9 +637,9 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     memset(&a, 0, sizeof(a));
     a.A = l->ab; /* (S,N1): k = sorted row, m = n1 */
     a.lda = l->N1;
-    a.B = l->xs;
+    a.B = l->xg ? l->xg : l->xs; /* sorted x (S,H), or x (T,H) through tok */
     a.ldb = H;
-    a.b_gather = l->tok;
+    a.b_gather = l->xg ? nullptr : l->tok;
     a.M = l->N1;
     a.N = H;
     a.ngroups = E;
@@ -528,23 +648,6 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.beta0 = l->grads_clean;
     a.ldc = H;
     a.c_gstride = (long long)l->N1 * H;
-    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
-
-    memset(&a, 0, sizeof(a));
-    a.A = l->io; /* dy (T,H) gathered: k = sorted row, m = h */
-    a.lda = H;
-    a.a_gather = l->tok;
-    a.B = l->h; /* w*h (S,F) */
-    a.ldb = F;
-    a.M = H;
-    a.N = F;
-    a.ngroups = E;
-    a.offs = l->offs;
-    PHASE("b.dw2");
-    a.Cf = l->g_w2;
-    a.beta0 = l->grads_clean;
-    a.ldc = F;
-    a.c_gstride = (long long)H * F;
     KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
 
     memset(&a, 0, sizeof(a));

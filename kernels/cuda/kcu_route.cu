@@ -261,6 +261,38 @@ __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__
     }
 }
 
+/* sorted rows: dst[r] (S,H) bf16 = src[tok[r]] for r < *nrows (src (T,H) f32
+ * when src_f32, else bf16). One warp per row, 8 columns per lane and step;
+ * rows >= *nrows are left as they are (no GEMM stores their outputs). */
+__global__ void k_gather_rows(const void *__restrict__ src, int src_f32,
+                              const int32_t *__restrict__ tok, const int32_t *__restrict__ nrows,
+                              int S, int H, bf16 *__restrict__ dst)
+{
+    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+    const int n = min(*nrows, S);
+    for (int r = blockIdx.x * wpb + (threadIdx.x >> 5); r < n; r += gridDim.x * wpb) {
+        const size_t t = (size_t)tok[r];
+        uint4 *d = reinterpret_cast<uint4 *>(dst + (size_t)r * H);
+        if (src_f32) {
+            const float4 *s = reinterpret_cast<const float4 *>((const float *)src + t * H);
+            for (int i = lane; i < H / 8; i += 32) {
+                const float4 a = s[2 * i], b = s[2 * i + 1];
+                uint4 raw;
+                __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(&raw);
+                v[0] = __floats2bfloat162_rn(a.x, a.y);
+                v[1] = __floats2bfloat162_rn(a.z, a.w);
+                v[2] = __floats2bfloat162_rn(b.x, b.y);
+                v[3] = __floats2bfloat162_rn(b.z, b.w);
+                d[i] = raw;
+            }
+        } else {
+            const uint4 *s = reinterpret_cast<const uint4 *>((const bf16 *)src + t * H);
+            for (int i = lane; i < H / 8; i += 32)
+                d[i] = s[i];
+        }
+    }
+}
+
 /* part (nblk, E+1): per 256-token block, column sums of probs and sum lse^2. */
 __global__ void k_stats_part(const float *__restrict__ probs, const float *__restrict__ lse, int T,
                              int E, float *__restrict__ part)
@@ -478,6 +510,20 @@ moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const in
         return MOE_OK;
     k_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(ye, w, extra, spos, T, K, H,
                                                                       out, dt == MOE_F32);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
+moe_err kcu_gather_rows(const void *src, moe_dtype dt, const int32_t *tok, const int32_t *nrows,
+                        int S, int H, bf16 *dst, cudaStream_t st)
+{
+    if (dt != MOE_F32 && dt != MOE_BF16)
+        return MOE_EINVAL;
+    if (S <= 0)
+        return MOE_OK;
+    const int blocks = KCU_CEIL_DIV(S, 8);
+    k_gather_rows < <<blocks<8192 ? blocks : 8192, 256, 0, st>>>(src, dt == MOE_F32, tok, nrows, S,
+                                                                 H, dst);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }
