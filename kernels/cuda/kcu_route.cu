@@ -521,9 +521,8 @@ moe_err kcu_gather_rows(const void *src, moe_dtype dt, const int32_t *tok, const
         return MOE_EINVAL;
     if (S <= 0)
         return MOE_OK;
-    const int blocks = KCU_CEIL_DIV(S, 8);
-    k_gather_rows < <<blocks<8192 ? blocks : 8192, 256, 0, st>>>(src, dt == MOE_F32, tok, nrows, S,
-                                                                 H, dst);
+    const int need = KCU_CEIL_DIV(S, 8), blocks = need < 8192 ? need : 8192;
+    k_gather_rows<<<blocks, 256, 0, st>>>(src, dt == MOE_F32, tok, nrows, S, H, dst);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }
