@@ -6,7 +6,8 @@
  * against the measured device copy bandwidth, with the GEMM path (decode
  * path off, kcu_decode.cu) timed in the same run for comparison. Not a test.
  *
- *   bench/moe_bench [--quick]     (--quick: the Mixtral and Qwen3 rows only;
+ *   bench/moe_bench [--quick | --only LIST]   (--quick: the Mixtral and Qwen3 rows;
+ *                                  --only qwen3-dec:1,mixtral-dec: cases by prefix;
  *                                  MOE_BENCH_NO_AB=1: without the sorted-mode A/B)
  */
 #include <algorithm>
@@ -155,6 +156,19 @@ static void phase_times(std::function<void()> fn, char *out, size_t n)
     g_ph.clear();
 }
 
+/* matches: list is comma-separated prefixes of "name:T" tags */
+static bool matches(const char *list, const char *tag)
+{
+    for (const char *p = list; *p;) {
+        const char *e = strchr(p, ',');
+        const size_t n = e ? (size_t)(e - p) : strlen(p);
+        if (n && !strncmp(p, tag, n))
+            return true;
+        p += n + (e ? 1 : 0);
+    }
+    return false;
+}
+
 struct bcase {
     const char *name;
     int T, H, F, E, K, train, skew;
@@ -163,6 +177,9 @@ struct bcase {
 int main(int argc, char **argv)
 {
     const int quick = argc > 1 && !strcmp(argv[1], "--quick");
+    /* --only LIST: the cases whose "name:T" starts with one of the
+     * comma-separated prefixes (for profilers and A/B runs) */
+    const char *only = argc > 2 && !strcmp(argv[1], "--only") ? argv[2] : nullptr;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const double peak = dense_tflops(0), bw = copy_gbs();
@@ -187,6 +204,10 @@ int main(int argc, char **argv)
            "T", "H", "F", "E", "K", "fwd ms", "TFLOP/s", "of GEMM", "f+b ms", "TFLOP/s", "of GEMM",
            "step ms", "ws MB", "grads MB", "decode: GB/s of touched weights (of copy)");
     for (const bcase &c : cases) {
+        char tag[64];
+        snprintf(tag, sizeof(tag), "%s:%d", c.name, c.T);
+        if (only && !matches(only, tag))
+            continue;
         kcu_config cfg = {c.H, c.F, c.E, c.K, KERN_ACT_SWIGLU, 1, c.T, c.train};
         size_t free0, free1, tot;
         CK(cudaMemGetInfo(&free0, &tot));
@@ -320,7 +341,7 @@ int main(int argc, char **argv)
                                        {"x-qwen3/8", 16384, 2048, 768, 16}};
     printf("%-12s %6s %5s %6s %4s | %9s %8s | %9s %8s\n", "experts", "N", "H", "F", "ne", "fwd ms",
            "TFLOP/s", "f+b ms", "TFLOP/s");
-    for (size_t i = 0; i < (quick ? 0 : xcases.size()); i++) {
+    for (size_t i = 0; i < (quick || only ? 0 : xcases.size()); i++) {
         const xcase &c = xcases[i];
         kcu_experts *ex;
         CKM(kcu_experts_create(c.H, c.F, c.ne, KERN_ACT_SWIGLU, c.N, 1, &ex));
