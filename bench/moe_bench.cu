@@ -296,8 +296,9 @@ int main(int argc, char **argv)
             /* A/B in the same run: the GEMM path (decode path off) */
             const int used = kcu_decode_use(l, c.T, 0);
             kcu_decode_override = 0;
-            const float fwd_g = median_ms(
-                -WARM_MS, reps, [&] { CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
+            const float fwd_g = median_ms(-WARM_MS, reps, [&] {
+                CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL));
+            });
             kcu_decode_override = -1;
             const double gbs_g = bytes / (fwd_g * 1e-3) / 1e9;
             snprintf(dec, sizeof(dec),
@@ -324,8 +325,9 @@ int main(int argc, char **argv)
                 kcu_sorted_override = -1;
                 CK(cudaMemcpy(l2->params, l->params, pb, cudaMemcpyDeviceToDevice));
                 CKM(kcu_layer_zero_grads(l2, NULL));
-                const float f2 = median_ms(
-                    -WARM_MS, reps, [&] { CKM(kcu_forward(l2, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
+                const float f2 = median_ms(-WARM_MS, reps, [&] {
+                    CKM(kcu_forward(l2, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL));
+                });
                 const float fb2 = median_ms(-WARM_MS, reps, [&] {
                     CKM(kcu_forward(l2, c.T, x, MOE_BF16, y, MOE_BF16, 1, NULL));
                     CKM(kcu_backward(l2, dy, MOE_BF16, dx, MOE_BF16, 0.01f, 0.001f, NULL, 0, NULL));
