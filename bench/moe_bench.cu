@@ -263,6 +263,7 @@ int main(int argc, char **argv)
         char phases[512] = "";
         size_t pb, wb;
         kcu_layer_bytes(l, &pb, &wb);
+        const size_t wbytes = ((size_t)l->Ep * H + E * l->N1 * H + E * H * F) * 2;
         if (c.train) {
             /* gradients accumulate (+=) over the repetitions */
             fb = median_ms(-WARM_MS, reps, [&] {
@@ -283,7 +284,6 @@ int main(int argc, char **argv)
                 phases, sizeof(phases));
         }
         CK(cudaDeviceSynchronize());
-        const size_t wbytes = ((size_t)l->Ep * H + E * l->N1 * H + E * H * F) * 2;
         char dec[256] = "";
         if (!c.train) {
             std::vector<int32_t> counts(E);
@@ -336,6 +336,27 @@ int main(int argc, char **argv)
                 kcu_layer_bytes(l2, &pb2, &wb2);
                 printf("  sorted mode %d (default %d): fwd %.3f ms, f+b %.3f ms, ws %.0f MB\n", m,
                        l->sorted, f2, fb2, wb2 / 1e6);
+                fflush(stdout);
+                kcu_layer_destroy(l2);
+            }
+            /* bf16 gradient store (kcu_config.grad_bf16), default sorted mode */
+            if (!getenv("MOE_BENCH_NO_AB")) {
+                kcu_config c16 = cfg;
+                c16.grad_bf16 = 1;
+                kcu_layer *l2;
+                CKM(kcu_layer_create(&c16, &l2));
+                CK(cudaMemcpy(l2->wr, l->wr, (size_t)l->Ep * H * 2, cudaMemcpyDeviceToDevice));
+                CK(cudaMemcpy(l2->w13, l->w13, E * l->N1 * H * 2, cudaMemcpyDeviceToDevice));
+                CK(cudaMemcpy(l2->w2, l->w2, E * H * F * 2, cudaMemcpyDeviceToDevice));
+                const float fb2 = median_ms(-WARM_MS, reps, [&] {
+                    CKM(kcu_layer_zero_grads(l2, NULL));
+                    CKM(kcu_forward(l2, c.T, x, MOE_BF16, y, MOE_BF16, 1, NULL));
+                    CKM(kcu_backward(l2, dy, MOE_BF16, dx, MOE_BF16, 0.01f, 0.001f, NULL, 0, NULL));
+                });
+                size_t pb2, wb2;
+                kcu_layer_bytes(l2, &pb2, &wb2);
+                printf("  bf16 gradients: step %.3f ms, ws %.0f MB + grads %.0f MB = %.0f MB\n",
+                       fb2, wb2 / 1e6, (pb2 - wbytes) / 1e6, (wb2 + pb2 - wbytes) / 1e6);
                 fflush(stdout);
                 kcu_layer_destroy(l2);
             }

@@ -105,8 +105,58 @@ template <typename T> static std::vector<T> dl(const T *d, size_t n)
 
 struct result {
     double logits, probs, tw, y, dx, dwr, dw1, dw3, dw2, dw, aux, z;
-    int idx_ok, layout_ok, determ_ok, accum_ok, modes_ok, ndrop;
+    int idx_ok, layout_ok, determ_ok, accum_ok, modes_ok, g16_ok, ndrop;
 };
+
+/* bf16 gradient store (kcu_config.grad_bf16): the first backward's expert
+ * gradients must be the fp32 ones rounded to bf16, and a second backward
+ * (same forward, no zeroing) bf16(bf16(g) + g), bit for bit; the router
+ * gradient stays fp32 (2 g) */
+static int bf16_grads_same(const kcu_config &cfg0, const std::vector<float> &wr,
+                           const std::vector<float> &w1, const std::vector<float> &w3,
+                           const std::vector<float> &w2, const std::vector<float> &x,
+                           const std::vector<float> &dy, const std::vector<float> &g_wr,
+                           const std::vector<float> &g_w1, const std::vector<float> &g_w3,
+                           const std::vector<float> &g_w2)
+{
+    const int swiglu = cfg0.act == KERN_ACT_SWIGLU;
+    kcu_config cfg = cfg0;
+    cfg.grad_bf16 = 1;
+    kcu_layer *l;
+    CKM(kcu_layer_create(&cfg, &l));
+    CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    std::vector<float> y(x.size()), dx(x.size());
+    int ok = 1;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 0)
+            CKM(kcu_layer_zero_grads(l, NULL));
+        CKM(kcu_forward(l, cfg.T_max, x.data(), MOE_F32, y.data(), MOE_F32, 1, NULL));
+        CKM(kcu_backward(l, dy.data(), MOE_F32, dx.data(), MOE_F32, 0.01f, 0.001f, NULL, 0, NULL));
+        std::vector<float> h_wr(g_wr.size()), h_w1(g_w1.size()), h_w3(g_w3.size()),
+            h_w2(g_w2.size());
+        CKM(kcu_layer_download_grads(l, h_wr.data(), h_w1.data(), swiglu ? h_w3.data() : NULL,
+                                     h_w2.data()));
+        auto expect = [&](const std::vector<float> &g) {
+            std::vector<float> r = g;
+            kern_bf16_round_n(r.data(), r.size());
+            if (pass == 1) {
+                for (size_t i = 0; i < r.size(); i++)
+                    r[i] += g[i];
+                kern_bf16_round_n(r.data(), r.size());
+            }
+            return r;
+        };
+        std::vector<float> wr2 = g_wr;
+        for (auto &v : wr2)
+            v *= (float)(pass + 1);
+        ok = ok && h_wr == wr2 && h_w1 == expect(g_w1) && h_w2 == expect(g_w2) &&
+             (!swiglu || h_w3 == expect(g_w3));
+    }
+    kcu_layer_destroy(l);
+    if (!ok)
+        fprintf(stderr, "check-gpu: bf16 gradients differ from the rounded fp32 ones\n");
+    return ok;
+}
 
 /* the same forward + backward on a layer created in sorted mode `mode`
  * (kcu_sorted_mode), with device f32 inputs and outputs: y, dx and every
@@ -334,6 +384,7 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     r->dw = relerr(dw_g.data(), dw_r.data(), S);
     /* the other sorted-rows modes give the same bits (same products, same
      * order; only where the rows come from differs) */
+    r->g16_ok = bf16_grads_same(cfg, wr, w1, w3, w2, x, dy, g_wr, g_w1, g_w3, g_w2);
     r->modes_ok = 1;
     for (int m = 0; m < 3; m++)
         if (m != l->sorted)
@@ -355,7 +406,7 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
 
     const double v[] = {r->logits, r->probs, r->tw,  r->y,  r->dx,  r->dwr,
                         r->dw1,    r->dw3,   r->dw2, r->dw, r->aux, r->z};
-    int ok = r->idx_ok && r->layout_ok && r->determ_ok && r->accum_ok && r->modes_ok;
+    int ok = r->idx_ok && r->layout_ok && r->determ_ok && r->accum_ok && r->modes_ok && r->g16_ok;
     for (double d : v)
         ok = ok && d < TOL; /* NaN compares false */
     return ok;
@@ -1423,7 +1474,7 @@ int main(int argc, char **argv)
                  {2048, 256, 256, 64, 8, SW, 1, 0, 0.5f}};
     }
     printf("%-5s %-6s %-4s %-4s %-4s %-2s %-3s %-2s %-4s | %-8s %-8s %-8s %-8s %-8s %-8s %-8s "
-           "%-8s %-8s %-8s %-8s %-8s | idx lay det acc srt drops | %s\n",
+           "%-8s %-8s %-8s %-8s %-8s | idx lay det acc srt g16 drops | %s\n",
            "T", "H", "F", "E", "K", "ac", "rn", "sk", "cf", "logits", "probs", "topk_w", "y", "dx",
            "dwr", "dw1", "dw3", "dw2", "dgate", "aux", "z", "result");
     for (size_t i = 0; i < cases.size(); i++) {
@@ -1434,11 +1485,12 @@ int main(int argc, char **argv)
         fails += !ok;
         printf("%-5d %-6d %-4d %-4d %-4d %-2s %-3d %-2d %-4.2g | %-8.1e %-8.1e %-8.1e %-8.1e "
                "%-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e | %-3s %-3s %-3s %-3s "
-               "%-3s %-5d | %s\n",
+               "%-3s %-3s %-5d | %s\n",
                c.T, c.H, c.F, c.E, c.K, c.act == SW ? "sw" : "ge", c.renorm, c.skew, c.cf, r.logits,
                r.probs, r.tw, r.y, r.dx, r.dwr, r.dw1, r.dw3, r.dw2, r.dw, r.aux, r.z,
                r.idx_ok ? "ok" : "BAD", r.layout_ok ? "ok" : "BAD", r.determ_ok ? "ok" : "BAD",
-               r.accum_ok ? "ok" : "BAD", r.modes_ok ? "ok" : "BAD", r.ndrop, ok ? "PASS" : "FAIL");
+               r.accum_ok ? "ok" : "BAD", r.modes_ok ? "ok" : "BAD", r.g16_ok ? "ok" : "BAD",
+               r.ndrop, ok ? "PASS" : "FAIL");
         fflush(stdout);
     }
     const int layer_fails = fails - gemm_fails - exp_fails;

@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
          * col wn*32+ni*8+q4*2+(c&1) of the tile ---- */
         const int g = lane >> 2, q4 = lane & 3;
         if (EPI == KCU_EPI_ACC) {
-            float *C = p.Cf + (size_t)e * p.c_gstride;
+            const size_t ce = (size_t)e * p.c_gstride;
 #pragma unroll
             for (int mi = 0; mi < 4; mi++)
 #pragma unroll
@@ -271,15 +271,25 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                     const int m = m0 + wm * 64 + mi * 16 + g + hr * 8;
 #pragma unroll
                     for (int ni = 0; ni < 4; ni++) {
-                        float2 *cp = reinterpret_cast<float2 *>(C + (size_t)m * p.ldc + n0 +
-                                                                wn * 32 + ni * 8 + q4 * 2);
+                        const size_t o = ce + (size_t)m * p.ldc + n0 + wn * 32 + ni * 8 + q4 * 2;
                         float2 v = make_float2(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
-                        if (!p.beta0) {
-                            const float2 o = *cp;
-                            v.x += o.x;
-                            v.y += o.y;
+                        if (p.Cb) { /* bf16 store: C = bf16(C + acc) */
+                            __nv_bfloat162 *cp = reinterpret_cast<__nv_bfloat162 *>(p.Cb + o);
+                            if (!p.beta0) {
+                                const float2 c = __bfloat1622float2(*cp);
+                                v.x += c.x;
+                                v.y += c.y;
+                            }
+                            *cp = __floats2bfloat162_rn(v.x, v.y);
+                        } else {
+                            float2 *cp = reinterpret_cast<float2 *>(p.Cf + o);
+                            if (!p.beta0) {
+                                const float2 c = *cp;
+                                v.x += c.x;
+                                v.y += c.y;
+                            }
+                            *cp = v;
                         }
-                        *cp = v;
                     }
                 }
         } else {
@@ -513,7 +523,30 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
                                             int m0, int n0, int rend, int ktiles, int rb, int lane)
 {
     const int g = lane >> 2, q4 = lane & 3;
-    if (EPI == KCU_EPI_ACC) {
+    if (EPI == KCU_EPI_ACC && p.Cb) { /* bf16 store: C = bf16(C + acc) */
+        if (ktiles > 0 || p.beta0) {
+            bf16 *C = p.Cb + (size_t)e * p.c_gstride;
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const int m = m0 + rb + g + hr * 8;
+                __nv_bfloat162 *crow =
+                    reinterpret_cast<__nv_bfloat162 *>(C + (size_t)m * p.ldc + n0 + q4 * 2);
+#pragma unroll
+                for (int jc = 0; jc < 32; jc += 16) {
+                    float2 o[16];
+#pragma unroll
+                    for (int j = 0; j < 16; j++)
+                        o[j] = p.beta0 ? make_float2(0.f, 0.f)
+                                       : __bfloat1622float2(crow[4 * (jc + j)]);
+#pragma unroll
+                    for (int j = 0; j < 16; j++)
+                        crow[4 * (jc + j)] =
+                            __floats2bfloat162_rn(o[j].x + d[4 * (jc + j) + hr * 2],
+                                                  o[j].y + d[4 * (jc + j) + hr * 2 + 1]);
+                }
+            }
+        }
+    } else if (EPI == KCU_EPI_ACC) {
         if (ktiles > 0 || p.beta0) {
             float *C = p.Cf + (size_t)e * p.c_gstride;
 #pragma unroll

@@ -58,7 +58,8 @@ typedef enum kcu_epi {
     KCU_EPI_DSWIGLU = 4, /* dh = w*acc; ab <- (da, db) in place; h <- bf16(w*h); dwpart;
                           * w = gate_w[scatter[r]] (1 when gate_w is NULL); no dwpart if NULL */
     KCU_EPI_DGELU = 5,   /* same for GELU */
-    KCU_EPI_ACC = 6      /* wgrad: Cf_e[m*ldc + n] += acc (= acc with beta0) */
+    KCU_EPI_ACC = 6      /* wgrad: Cf_e[m*ldc + n] += acc (= acc with beta0); with Cb
+                          * set instead: Cb_e = bf16(Cb_e + acc) (bf16 gradients) */
 } kcu_epi;
 
 typedef struct kcu_gemm_args {
@@ -119,6 +120,8 @@ struct kcu_layer {
     float *g_wr;  /* (Ep,H) */
     float *g_w13; /* (E,N1,H) */
     float *g_w2;  /* (E,H,F) */
+    bf16 *gb_w13; /* (E,N1,H) instead of g_w13 when c.grad_bf16 */
+    bf16 *gb_w2;  /* (E,H,F) instead of g_w2 when c.grad_bf16 */
     void *ws;
     size_t ws_bytes;
     bf16 *xs;           /* (T,H) staged input */

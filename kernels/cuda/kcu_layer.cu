@@ -118,8 +118,14 @@ void carve_params(kcu_layer *l, carve *cv)
     cv->take(&l->w2, (size_t)c->E * c->H * c->F * 2);
     if (c->train) {
         cv->take(&l->g_wr, (size_t)l->Ep * c->H * 4);
-        cv->take(&l->g_w13, (size_t)c->E * l->N1 * c->H * 4);
-        cv->take(&l->g_w2, (size_t)c->E * c->H * c->F * 4);
+        const size_t gb = c->grad_bf16 ? 2 : 4;
+        if (c->grad_bf16) {
+            cv->take(&l->gb_w13, (size_t)c->E * l->N1 * c->H * gb);
+            cv->take(&l->gb_w2, (size_t)c->E * c->H * c->F * gb);
+        } else {
+            cv->take(&l->g_w13, (size_t)c->E * l->N1 * c->H * gb);
+            cv->take(&l->g_w2, (size_t)c->E * c->H * c->F * gb);
+        }
     }
 }
 
@@ -335,6 +341,35 @@ extern "C" moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *
     return MOE_OK;
 }
 
+namespace
+{
+
+/* fetch_grad: n gradient values to host f32 dst, from the fp32 store gf or
+ * the bf16 store gb (exactly widened) */
+moe_err fetch_grad(float *dst, const float *gf, const bf16 *gb, size_t n)
+{
+    if (gf) {
+        KCU_CHECK(cudaMemcpy(dst, gf, n * 4, cudaMemcpyDeviceToHost));
+        return MOE_OK;
+    }
+    uint16_t *tmp = (uint16_t *)malloc(n * 2);
+    if (!tmp)
+        return MOE_ENOMEM;
+    if (cudaMemcpy(tmp, gb, n * 2, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        free(tmp);
+        KCU_CHECK(cudaGetLastError());
+        return MOE_EINTERNAL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)tmp[i] << 16;
+        memcpy(dst + i, &u, 4);
+    }
+    free(tmp);
+    return MOE_OK;
+}
+
+} // namespace
+
 extern "C" moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1, float *dw3,
                                             float *dw2)
 {
@@ -358,18 +393,18 @@ extern "C" moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1
     if (dwr)
         KCU_CHECK(cudaMemcpy(dwr, l->g_wr, (size_t)c->E * H * 4, cudaMemcpyDeviceToHost));
     if (dw2)
-        KCU_CHECK(cudaMemcpy(dw2, l->g_w2, (size_t)c->E * H * F * 4, cudaMemcpyDeviceToHost));
+        KCU_TRY(fetch_grad(dw2, l->g_w2, l->gb_w2, (size_t)c->E * H * F));
     if (!dw1 && !dw3)
         return MOE_OK;
     float *buf = (float *)malloc(per * 4);
     if (!buf)
         return MOE_ENOMEM;
     for (int e = 0; e < c->E; e++) {
-        if (cudaMemcpy(buf, l->g_w13 + (size_t)e * per, per * 4, cudaMemcpyDeviceToHost) !=
-            cudaSuccess) {
+        const moe_err rc = fetch_grad(buf, l->g_w13 ? l->g_w13 + (size_t)e * per : nullptr,
+                                      l->gb_w13 ? l->gb_w13 + (size_t)e * per : nullptr, per);
+        if (rc != MOE_OK) {
             free(buf);
-            KCU_CHECK(cudaGetLastError());
-            return MOE_EINTERNAL;
+            return rc;
         }
         for (int r = 0; r < l->N1; r++) {
             int from3;
@@ -517,6 +552,7 @@ moe_err dw2_grad(kcu_layer *l, const bf16 *dyrows, int gathered, cudaStream_t st
     a.ngroups = c->E;
     a.offs = l->offs;
     a.Cf = l->g_w2;
+    a.Cb = l->gb_w2;
     a.beta0 = l->grads_clean;
     a.ldc = c->F;
     a.c_gstride = (long long)c->H * c->F;
@@ -645,6 +681,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.ngroups = E;
     a.offs = l->offs;
     a.Cf = l->g_w13;
+    a.Cb = l->gb_w13;
     a.beta0 = l->grads_clean;
     a.ldc = H;
     a.c_gstride = (long long)l->N1 * H;

@@ -49,6 +49,10 @@ typedef struct kcu_config {
     int T_max;             /* most tokens one forward/backward call may carry */
     int train;             /* allocate gradients and keep forward state for backward */
     float capacity_factor; /* 0 = dropless (default); see kcu_layer_set_capacity */
+    int grad_bf16;         /* expert weight gradients stored in bf16 (half the memory):
+                            * each backward adds its fp32 sums to the stored value and
+                            * rounds once, as PyTorch's bf16 .grad; 0 = fp32 (default,
+                            * exact accumulation over micro-batches) */
 } kcu_config;
 
 /* kcu_layer_create allocates a layer on the current CUDA device. Weights are
