@@ -70,7 +70,8 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
                              c->renormalize,
                              (int)w->gpu_max_tokens,
                              train,
-                             (float)c->capacity_factor};
+                             (float)c->capacity_factor,
+                             (int)w->gpu_grad_bf16};
             kcu_layer *kl = NULL;
             e = kcu_layer_create(&kc, &kl);
             if (e == MOE_OK)

@@ -28,6 +28,8 @@ static const cfg_entry worker_cfg[] = {
     {"device", CFG_INT, "0", 0, 1024, &W.device_index, "CUDA device this worker uses"},
     {"gpu-max-tokens", CFG_INT, "16384", 1, 1 << 24, &W.gpu_max_tokens,
      "GPU backend: most tokens of one layer call (sizes the device workspace)"},
+    {"gpu-grad-bf16", CFG_INT, "0", 0, 1, &W.gpu_grad_bf16,
+     "GPU backend, one-worker cluster: expert gradients stored in bf16 (half the memory)"},
     {"ep-chunks", CFG_INT, "0", 0, 8, &W.ep_chunks,
      "GPU workers over NCCL: overlap degree of dispatch/experts/combine (0 = by shape)"},
     {"ep", CFG_STR, "auto", 0, 0, W.ep_cfg,

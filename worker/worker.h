@@ -105,6 +105,7 @@ typedef struct wkr {
     char auth_token[CFG_STR_MAX];
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
     long long ep_chunks;      /* kcu_ep overlap degree, 0 = by shape */
+    long long gpu_grad_bf16;  /* kcu_config.grad_bf16 of whole-layer GPU models */
     char ep_cfg[CFG_STR_MAX]; /* "auto" | "off" */
     int use_gpu;              /* the CUDA backend was chosen at start */
 
