@@ -583,14 +583,20 @@ static int gemm_checks(uint64_t seed)
  * Small shapes against a double CPU product, one line per (case, version),
  * so that one run on the device says which mode of which version is broken:
  *   v1 mma.sync, v2 wgmma, v4 warp-specialised with TMA where possible
- *   ("v4-tma") and with cp.async only ("v4-cpa"). v2 and v4 run the same
+ *   ("v4-tma") and with cp.async only ("v4-cpa"), and v7 (v4 on 2-CTA
+ *   clusters with the weight tile multicast, "v7-clu": rows mode with a
+ *   dense A over a tile list, else it runs v4). v2, v4 and v7 run the same
  *   wgmma sequence: their outputs must agree bit for bit ("==v2").
  * nsm is set to 3 so that each persistent CTA walks several items. */
 struct st_ver {
-    int v, tma;
+    int v, tma, cl; /* cl: v7, 2-CTA clusters (rows mode, dense A, tile list) */
     const char *name;
 };
-static const st_ver ST_VERS[] = {{1, -1, "v1"}, {2, -1, "v2"}, {4, 1, "v4-tma"}, {4, 0, "v4-cpa"}};
+static const st_ver ST_VERS[] = {{1, -1, 0, "v1"},
+                                 {2, -1, 0, "v2"},
+                                 {4, 1, 0, "v4-tma"},
+                                 {4, 0, 0, "v4-cpa"},
+                                 {4, 1, 1, "v7-clu"}};
 
 static double st_sig(double a)
 {
@@ -801,7 +807,7 @@ static int gemm_selftest(uint64_t seed)
                     ab_in.empty() ? std::vector<uint16_t>() : bf_of(ab_in);
                 std::vector<float> v2C, v2H, v2AB, v2DW;
                 for (const st_ver &sv : ST_VERS) {
-                    kcu_gemm_select(sv.v, sv.tma);
+                    kcu_gemm_select(sv.v, sv.tma, sv.cl);
                     CK(cudaMemset(dCf, 0xff, (size_t)rows * N * 4));
                     CK(cudaMemset(dCb, 0xff, (size_t)rows * N * 2));
                     CK(cudaMemset(dH, 0xff, (size_t)rows * N * 2));
@@ -885,7 +891,7 @@ static int gemm_selftest(uint64_t seed)
                         v2H = H;
                         v2AB = AB;
                         v2DW = DW;
-                    } else if (sv.v == 4 && ver == 4) {
+                    } else if (sv.v == 4 && (ver == 4 || ver == 7)) {
                         bitwise = C == v2C && H == v2H && AB == v2AB && DW == v2DW;
                         /* NaN != NaN: a poisoned value left anywhere already fails err */
                     }
@@ -944,7 +950,7 @@ static int gemm_selftest(uint64_t seed)
             });
             std::vector<float> v2C;
             for (const st_ver &sv : ST_VERS) {
-                kcu_gemm_select(sv.v, sv.tma);
+                kcu_gemm_select(sv.v, sv.tma, sv.cl);
                 CK(cudaMemset(dC, 0xff, (size_t)ng * M * NW * 4));
                 kcu_gemm_args a;
                 memset(&a, 0, sizeof(a));
@@ -999,7 +1005,7 @@ static int gemm_selftest(uint64_t seed)
             CK(cudaFree(dC));
         }
     }
-    kcu_gemm_select(-1, -1); /* back to the environment's choice */
+    kcu_gemm_select(-1, -1, -1); /* back to the environment's choice */
     for (int32_t *p : {d_offs, d_te, d_tr, d_gat, d_gat2, d_perm, d_nt})
         CK(cudaFree(p));
     printf("gemm-self: %d checks, %d failed -> %s\n", lines, fails, fails ? "FAIL" : "PASS");
@@ -1471,7 +1477,7 @@ int main(int argc, char **argv)
                  {16384, 128, 128, 128, 8, SW, 1, 0, 0.f}, {16384, 128, 256, 8, 2, SW, 0, 1, 0.f},
                  {16384, 128, 128, 256, 1, GE, 0, 1, 0.f}, {4096, 256, 256, 16, 2, SW, 1, 0, 1.0f},
                  {4096, 256, 256, 60, 2, SW, 1, 1, 1.0f},  {2048, 256, 512, 8, 2, GE, 0, 1, 0.5f},
-                 {2048, 256, 256, 64, 8, SW, 1, 0, 0.5f}};
+                 {2048, 256, 256, 64, 8, SW, 1, 0, 0.5f},  {16384, 256, 256, 8, 2, SW, 1, 0, 0.f}};
     }
     printf("%-5s %-6s %-4s %-4s %-4s %-2s %-3s %-2s %-4s | %-8s %-8s %-8s %-8s %-8s %-8s %-8s "
            "%-8s %-8s %-8s %-8s %-8s | idx lay det acc srt g16 drops | %s\n",

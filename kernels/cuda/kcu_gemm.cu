@@ -1320,6 +1320,255 @@ moe_err launch_ws(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_
     return MOE_OK;
 }
 
+/* ---- v7: v4 on 2-CTA clusters with the weight tile multicast (rows mode,
+ * every operand by TMA) ----
+ * The two CTAs of a cluster take the m-tiles 2q and 2q+1 of the tile list at
+ * the same n0 (pair item q x n). When both tiles exist and belong to the same
+ * expert they need the same B (weight) tile at every k step: CTA r loads half
+ * r of it (128 of the 256 n rows, or 2 of the 4 MN-major atoms) with
+ * .multicast::cluster into both CTAs' shared memory, so L2 serves each weight
+ * byte once per pair instead of twice (A stays per CTA). Otherwise (expert
+ * boundary, or the last tile of an odd count) each CTA loads its whole B; a
+ * CTA without a tile runs the stages empty so that both walk the same stage
+ * sequence. full[s] expects 1 arrival (the local producer's expect_tx with
+ * A + B bytes; the peer's half lands on it too), empty[s] 16: every consumer
+ * warp of both CTAs releases the stage in both CTAs (a CTA may refill its
+ * half of the peer's stage only when the peer is done with it). The producer
+ * waits for the last stages' releases before it exits (no remote arrival
+ * may reach an exited CTA). Same tiles, wgmma sequence and epilogue as v4:
+ * the same bits. */
+__device__ __forceinline__ uint32_t cluster_rank()
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync_all()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+}
+/* arrive on the mbarrier at the same shared offset in CTA `rank` of the cluster */
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
+{
+    asm volatile("{\n"
+                 ".reg .b32 ra;\n"
+                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n"
+                 "}\n" ::"r"(bar),
+                 "r"(rank)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_3d_mc(uint32_t dst, const CUtensorMap *m, int c0, int c1,
+                                          int c2, uint32_t bar, uint16_t mask)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
+                 : "memory");
+}
+
+struct wsc_item {
+    int e, m0, n0, rend, has, mc;
+};
+
+/* pair item w -> this CTA's tile (rank r of the pair), raster groups of
+ * group_m m-tiles (group_m / 2 pairs) walking n together */
+__device__ __forceinline__ void wsc_decode(const kcu_gemm_args &p, int w, int ntm, int ntn,
+                                           int rank, wsc_item &t)
+{
+    const int npair = (ntm + 1) / 2, gm = max(1, p.group_m / 2);
+    const int grp = w / (gm * ntn), first = grp * gm;
+    const int gsz = min(gm, npair - first), in = w - grp * gm * ntn;
+    const int q = first + in % gsz;
+    t.n0 = (in / gsz) * WG_BN;
+    const int mt = 2 * q + rank, other = 2 * q + (rank ^ 1);
+    t.has = mt < ntm;
+    t.e = t.has ? p.tile_e[mt] : 0;
+    t.m0 = t.has ? p.tile_r0[mt] : 0;
+    t.rend = t.has ? p.offs[t.e + 1] : 0;
+    t.mc = t.has && other < ntm && p.tile_e[other] == t.e;
+}
+
+template <int BMODE, int EPI>
+__global__ void __launch_bounds__(WS_NT, 1)
+    k_gemm_wsc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
+{
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    const uint32_t full0 = sbase + WS_BAR_OFF, empty0 = full0 + WS_STAGES * 8;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < WS_STAGES; s++) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, 16);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+    cluster_sync_all(); /* the peer's barriers exist before any remote access */
+
+    const int ntn = p.N / WG_BN, ntm = *p.ntiles_m;
+    const int total = (ntm + 1) / 2 * ntn, ktiles = p.K / BK;
+    const int cid = blockIdx.x >> 1, ncl = gridDim.x >> 1;
+    constexpr uint32_t HALF_B = WG_B_BYTES / 2;
+
+    if (wg == 0) {
+        /* ---------------- producer: thread 0 ---------------- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
+        if (tid != 0)
+            return;
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.a))
+                     : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
+                     : "memory");
+        uint32_t it = 0;
+        for (int w = cid; w < total; w += ncl) {
+            wsc_item t;
+            wsc_decode(p, w, ntm, ntn, (int)rank, t);
+            for (int kt = 0; kt < ktiles; kt++, it++) {
+                const int s = it % WS_STAGES;
+                const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
+                               sb = sa + WG_A_BYTES;
+                const int k0 = kt * BK;
+                mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                if (!t.has) {
+                    mbar_arrive(fb);
+                    continue;
+                }
+                mbar_arrive_tx(fb, WG_A_BYTES + WG_B_BYTES);
+                tma_2d(sa, &mp.a, k0, t.m0, fb);
+                if (t.mc) {
+                    if (BMODE == KCU_B_K) {
+                        tma_3d_mc(sb + rank * HALF_B, &mp.b, k0, t.n0 + 128 * (int)rank, t.e, fb,
+                                  (uint16_t)3);
+                    } else {
+#pragma unroll
+                        for (int a2 = 0; a2 < 2; a2++) {
+                            const int a4 = 2 * (int)rank + a2;
+                            tma_3d_mc(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb,
+                                      (uint16_t)3);
+                        }
+                    }
+                } else {
+                    if (BMODE == KCU_B_K) {
+#pragma unroll
+                        for (int h2 = 0; h2 < 2; h2++)
+                            tma_3d(sb + h2 * HALF_B, &mp.b, k0, t.n0 + 128 * h2, t.e, fb);
+                    } else {
+#pragma unroll
+                        for (int a4 = 0; a4 < 4; a4++)
+                            tma_3d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb);
+                    }
+                }
+            }
+        }
+        /* tail: every stage released by both CTAs' consumers before exit */
+        for (int i = 0; i < WS_STAGES; i++, it++)
+            mbar_wait(empty0 + 8 * (it % WS_STAGES), ((it / WS_STAGES) & 1) ^ 1);
+        return;
+    }
+
+    /* ---------------- consumers ---------------- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
+    const int cw = wg - 1;
+    uint32_t it = 0;
+    for (int w = cid; w < total; w += ncl) {
+        wsc_item t;
+        wsc_decode(p, w, ntm, ntn, (int)rank, t);
+        float d[128];
+#pragma unroll
+        for (int i = 0; i < 128; i++)
+            d[i] = 0.f;
+        wg_pin(d);
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % WS_STAGES;
+            mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
+            if (t.has) {
+                const uint32_t st = sbase + s * WG_STAGE_BYTES;
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; kk++) {
+                    const uint64_t da = wg_desc_k(st + cw * (64 * 128) + kk * 32);
+                    if (BMODE == KCU_B_K)
+                        wg_mma<0, 0>(d, da, wg_desc_k(st + WG_A_BYTES + kk * 32));
+                    else
+                        wg_mma<0, 1>(d, da, wg_desc_mn(st + WG_A_BYTES + kk * 2048));
+                }
+                wg_commit();
+            }
+            wg_wait<1>();
+            if (kt > 0 && lane == 0) {
+                const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
+                mbar_arrive(eb);
+                mbar_arrive_cluster(eb, peer);
+            }
+        }
+        wg_wait<0>();
+        wg_pin(d);
+        if (ktiles > 0 && lane == 0) {
+            const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
+            mbar_arrive(eb);
+            mbar_arrive_cluster(eb, peer);
+        }
+        if (t.has)
+            wg_epilogue<EPI>(p, d, t.e, t.m0, t.n0, t.rend, ktiles, cw * 64 + (warp & 3) * 16,
+                             lane);
+    }
+}
+
+template <int BMODE, int EPI>
+moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+{
+    static unsigned long long attr_done;
+    static int max_cl[64];
+    int dev = 0;
+    KCU_CHECK(cudaGetDevice(&dev));
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 2;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.blockDim = dim3(WS_NT);
+    cfg.dynamicSmemBytes = WS_SMEM_BYTES;
+    cfg.stream = st;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    if (!(attr_done >> (dev & 63) & 1)) {
+        KCU_CHECK(cudaFuncSetAttribute(k_gemm_wsc<BMODE, EPI>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES));
+        cfg.gridDim = dim3(2 * (nsm / 2));
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, k_gemm_wsc<BMODE, EPI>, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        max_cl[dev & 63] = n;
+        attr_done |= 1ull << (dev & 63);
+        if (getenv("KCU_DEBUG"))
+            fprintf(stderr, "kcu: v7 <%d,%d>: %d active 2-CTA clusters at most\n", BMODE, EPI, n);
+    }
+    const long long pairs = (long long)(a->max_tiles_m + 1) / 2 * (a->N / WG_BN);
+    if (pairs <= 0)
+        return MOE_OK;
+    long long ncl = max_cl[dev & 63] > 0 ? max_cl[dev & 63] : nsm / 2;
+    if (ncl > nsm / 2)
+        ncl = nsm / 2;
+    if (ncl > pairs)
+        ncl = pairs;
+    cfg.gridDim = dim3((unsigned)(2 * ncl));
+    kcu_gemm_args b = *a;
+    b.group_m = raster_group(KCU_A_K);
+    KCU_CHECK(cudaLaunchKernelEx(&cfg, k_gemm_wsc<BMODE, EPI>, b, m));
+    return MOE_OK;
+}
+
 /* ---- v4 host side: tensor maps through the driver entry points (no -lcuda) ---- */
 typedef CUresult (*pfn_encode_tiled)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
                                      const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
@@ -1401,12 +1650,22 @@ int encode_map(CUtensorMap *m, const void *p, int rank, const uint64_t *dim,
                : -1;
 }
 
-int g_gemm_mode = -1; /* 0 default, 1 mma, 2 wgmma, 4 ws; -1: read KCU_GEMM */
-int g_ws_tma = -1;    /* v4 operands by TMA where possible: 1, 0; -1: read KCU_WS_TMA */
+int g_gemm_mode = -1;  /* 0 default, 1 mma, 2 wgmma, 4 ws; -1: read KCU_GEMM */
+int g_ws_tma = -1;     /* v4 operands by TMA where possible: 1, 0; -1: read KCU_WS_TMA */
+int g_ws_cluster = -1; /* v7 (v4 on 2-CTA clusters) where it fits: 1, 0; -1: KCU_WS_CLUSTER */
+
+int ws_cluster_on()
+{
+    if (g_ws_cluster < 0) {
+        const char *s = getenv("KCU_WS_CLUSTER");
+        g_ws_cluster = s ? atoi(s) != 0 : 1;
+    }
+    return g_ws_cluster;
+}
 
 /* the maps of one v4 call: TMA for each dense operand where a map can be
  * built (its rows' extent from the allocation), cp.async otherwise */
-void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *m)
+void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *m, int half_b)
 {
     memset(m, 0, sizeof(*m));
     if (g_ws_tma < 0) {
@@ -1435,7 +1694,8 @@ void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *
         const uint64_t dim[3] = {(uint64_t)inner, (uint64_t)outer, (uint64_t)ne},
                        sb[2] = {(uint64_t)a->ldb * 2, a->b_gstride ? (uint64_t)a->b_gstride * 2
                                                                    : (uint64_t)outer * a->ldb * 2};
-        const uint32_t box[3] = {64, bm == KCU_B_K ? 256u : 64u, 1};
+        /* half_b (v7): B_K boxes of 128 n rows, one per CTA of a cluster */
+        const uint32_t box[3] = {64, bm == KCU_B_K ? (half_b ? 128u : 256u) : 64u, 1};
         m->tb = ne >= 1 && encode_map(&m->b, a->B, 3, dim, sb, box) == 0;
     } else {
         /* only whole k tiles inside a group use TMA: any row bound that covers
@@ -1460,10 +1720,11 @@ void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *
 
 } // namespace
 
-void kcu_gemm_select(int version, int tma)
+void kcu_gemm_select(int version, int tma, int cluster)
 {
     g_gemm_mode = version < 0 ? -1 : version == 1 || version == 2 || version == 4 ? version : 0;
     g_ws_tma = tma < 0 ? -1 : tma != 0;
+    g_ws_cluster = cluster < 0 ? -1 : cluster != 0;
 }
 
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
@@ -1496,9 +1757,21 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
          * producer loads dense tiles by TMA, v2 where the streamed operand
          * is gathered row by row (up-projection, dh, dW13) */
         const int gathered = am == KCU_A_K ? a->a_gather != NULL : a->b_gather != NULL;
-        return gathered ? 2 : 4;
+        if (gathered)
+            return 2;
     }
-    return mode == 2 ? 2 : 4;
+    if (mode == 2)
+        return 2;
+    /* v7: rows mode over a tile list with A dense, every operand by TMA */
+    if (am == KCU_A_K && a->tile_e && !a->a_gather && ws_cluster_on()) {
+        if (g_ws_tma < 0) {
+            const char *s = getenv("KCU_WS_TMA");
+            g_ws_tma = s ? atoi(s) != 0 : 1;
+        }
+        if (g_ws_tma)
+            return 7;
+    }
+    return 4;
 }
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
@@ -1510,10 +1783,34 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
                 a->K, a->lda, a->ldb);
         return MOE_EINVAL;
     }
-    const int ver = kcu_gemm_version(am, bm, epi, a, nsm);
+    int ver = kcu_gemm_version(am, bm, epi, a, nsm);
+    if (ver == 7) {
+        ws_maps m;
+        ws_build_maps(am, bm, a, &m, 1);
+        if (m.ta && m.tb) {
+            if (bm == KCU_B_K) {
+                switch (epi) {
+                case KCU_EPI_F32: return launch_wsc<KCU_B_K, KCU_EPI_F32>(a, m, nsm, st);
+                case KCU_EPI_SWIGLU: return launch_wsc<KCU_B_K, KCU_EPI_SWIGLU>(a, m, nsm, st);
+                case KCU_EPI_GELU: return launch_wsc<KCU_B_K, KCU_EPI_GELU>(a, m, nsm, st);
+                case KCU_EPI_SCATTER: return launch_wsc<KCU_B_K, KCU_EPI_SCATTER>(a, m, nsm, st);
+                default: break;
+                }
+            } else {
+                switch (epi) {
+                case KCU_EPI_F32: return launch_wsc<KCU_B_N, KCU_EPI_F32>(a, m, nsm, st);
+                case KCU_EPI_SCATTER: return launch_wsc<KCU_B_N, KCU_EPI_SCATTER>(a, m, nsm, st);
+                case KCU_EPI_DSWIGLU: return launch_wsc<KCU_B_N, KCU_EPI_DSWIGLU>(a, m, nsm, st);
+                case KCU_EPI_DGELU: return launch_wsc<KCU_B_N, KCU_EPI_DGELU>(a, m, nsm, st);
+                default: break;
+                }
+            }
+        }
+        ver = 4; /* no map for an operand: v4 with cp.async for it */
+    }
     if (ver == 4) {
         ws_maps m;
-        ws_build_maps(am, bm, a, &m);
+        ws_build_maps(am, bm, a, &m, 0);
         if (am == KCU_A_K && bm == KCU_B_K) {
             switch (epi) {
             case KCU_EPI_F32: return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, m, nsm, st);
