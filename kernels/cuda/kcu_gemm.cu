@@ -1774,6 +1774,77 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
     return 4;
 }
 
+namespace
+{
+
+/* the launchers of each version behind one signature, so that a single
+ * switch (gemm_dispatch) names the built (mode, epilogue) combinations */
+struct run_v1 {
+    template <int AM, int BM, int EPI>
+    static moe_err run(const kcu_gemm_args *a, const ws_maps &, int nsm, cudaStream_t st)
+    {
+        return launch<AM, BM, EPI>(a, nsm, st);
+    }
+};
+struct run_v2 {
+    template <int AM, int BM, int EPI>
+    static moe_err run(const kcu_gemm_args *a, const ws_maps &, int nsm, cudaStream_t st)
+    {
+        return launch_wg<AM, BM, EPI>(a, nsm, st);
+    }
+};
+struct run_v4 {
+    template <int AM, int BM, int EPI>
+    static moe_err run(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+    {
+        return launch_ws<AM, BM, EPI>(a, m, nsm, st);
+    }
+};
+struct run_v7 { /* rows mode only */
+    template <int AM, int BM, int EPI>
+    static moe_err run(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+    {
+        if constexpr (AM == KCU_A_K)
+            return launch_wsc<BM, EPI>(a, m, nsm, st);
+        return MOE_EINVAL;
+    }
+};
+
+/* gemm_dispatch: launches version V for (am, bm, epi); MOE_EINVAL with a
+ * message when that combination is not built */
+template <class V>
+moe_err gemm_dispatch(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a,
+                      const ws_maps &m, int nsm, cudaStream_t st)
+{
+    if (am == KCU_A_K && bm == KCU_B_K) {
+        switch (epi) {
+        case KCU_EPI_F32: return V::template run<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, m, nsm, st);
+        case KCU_EPI_SWIGLU:
+            return V::template run<KCU_A_K, KCU_B_K, KCU_EPI_SWIGLU>(a, m, nsm, st);
+        case KCU_EPI_GELU: return V::template run<KCU_A_K, KCU_B_K, KCU_EPI_GELU>(a, m, nsm, st);
+        case KCU_EPI_SCATTER:
+            return V::template run<KCU_A_K, KCU_B_K, KCU_EPI_SCATTER>(a, m, nsm, st);
+        default: break;
+        }
+    } else if (am == KCU_A_K && bm == KCU_B_N) {
+        switch (epi) {
+        case KCU_EPI_F32: return V::template run<KCU_A_K, KCU_B_N, KCU_EPI_F32>(a, m, nsm, st);
+        case KCU_EPI_SCATTER:
+            return V::template run<KCU_A_K, KCU_B_N, KCU_EPI_SCATTER>(a, m, nsm, st);
+        case KCU_EPI_DSWIGLU:
+            return V::template run<KCU_A_K, KCU_B_N, KCU_EPI_DSWIGLU>(a, m, nsm, st);
+        case KCU_EPI_DGELU: return V::template run<KCU_A_K, KCU_B_N, KCU_EPI_DGELU>(a, m, nsm, st);
+        default: break;
+        }
+    } else if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC) {
+        return V::template run<KCU_A_M, KCU_B_N, KCU_EPI_ACC>(a, m, nsm, st);
+    }
+    fprintf(stderr, "kcu_gemm: combination %d/%d/%d not built\n", am, bm, epi);
+    return MOE_EINVAL;
+}
+
+} // namespace
+
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
                  cudaStream_t st)
 {
@@ -1783,97 +1854,19 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
                 a->K, a->lda, a->ldb);
         return MOE_EINVAL;
     }
-    int ver = kcu_gemm_version(am, bm, epi, a, nsm);
-    if (ver == 7) {
-        ws_maps m;
+    ws_maps m;
+    memset(&m, 0, sizeof(m));
+    switch (kcu_gemm_version(am, bm, epi, a, nsm)) {
+    case 7:
         ws_build_maps(am, bm, a, &m, 1);
-        if (m.ta && m.tb) {
-            if (bm == KCU_B_K) {
-                switch (epi) {
-                case KCU_EPI_F32: return launch_wsc<KCU_B_K, KCU_EPI_F32>(a, m, nsm, st);
-                case KCU_EPI_SWIGLU: return launch_wsc<KCU_B_K, KCU_EPI_SWIGLU>(a, m, nsm, st);
-                case KCU_EPI_GELU: return launch_wsc<KCU_B_K, KCU_EPI_GELU>(a, m, nsm, st);
-                case KCU_EPI_SCATTER: return launch_wsc<KCU_B_K, KCU_EPI_SCATTER>(a, m, nsm, st);
-                default: break;
-                }
-            } else {
-                switch (epi) {
-                case KCU_EPI_F32: return launch_wsc<KCU_B_N, KCU_EPI_F32>(a, m, nsm, st);
-                case KCU_EPI_SCATTER: return launch_wsc<KCU_B_N, KCU_EPI_SCATTER>(a, m, nsm, st);
-                case KCU_EPI_DSWIGLU: return launch_wsc<KCU_B_N, KCU_EPI_DSWIGLU>(a, m, nsm, st);
-                case KCU_EPI_DGELU: return launch_wsc<KCU_B_N, KCU_EPI_DGELU>(a, m, nsm, st);
-                default: break;
-                }
-            }
-        }
-        ver = 4; /* no map for an operand: v4 with cp.async for it */
-    }
-    if (ver == 4) {
-        ws_maps m;
+        if (am == KCU_A_K && m.ta && m.tb)
+            return gemm_dispatch<run_v7>(am, bm, epi, a, m, nsm, st);
+        ws_build_maps(am, bm, a, &m, 0); /* no map for an operand: v4, cp.async for it */
+        return gemm_dispatch<run_v4>(am, bm, epi, a, m, nsm, st);
+    case 4:
         ws_build_maps(am, bm, a, &m, 0);
-        if (am == KCU_A_K && bm == KCU_B_K) {
-            switch (epi) {
-            case KCU_EPI_F32: return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, m, nsm, st);
-            case KCU_EPI_SWIGLU: return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_SWIGLU>(a, m, nsm, st);
-            case KCU_EPI_GELU: return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_GELU>(a, m, nsm, st);
-            case KCU_EPI_SCATTER:
-                return launch_ws<KCU_A_K, KCU_B_K, KCU_EPI_SCATTER>(a, m, nsm, st);
-            default: break;
-            }
-        } else if (am == KCU_A_K && bm == KCU_B_N) {
-            switch (epi) {
-            case KCU_EPI_F32: return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_F32>(a, m, nsm, st);
-            case KCU_EPI_SCATTER:
-                return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_SCATTER>(a, m, nsm, st);
-            case KCU_EPI_DSWIGLU:
-                return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_DSWIGLU>(a, m, nsm, st);
-            case KCU_EPI_DGELU: return launch_ws<KCU_A_K, KCU_B_N, KCU_EPI_DGELU>(a, m, nsm, st);
-            default: break;
-            }
-        } else if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC) {
-            return launch_ws<KCU_A_M, KCU_B_N, KCU_EPI_ACC>(a, m, nsm, st);
-        }
+        return gemm_dispatch<run_v4>(am, bm, epi, a, m, nsm, st);
+    case 2: return gemm_dispatch<run_v2>(am, bm, epi, a, m, nsm, st);
+    default: return gemm_dispatch<run_v1>(am, bm, epi, a, m, nsm, st);
     }
-    if (ver == 2) {
-        if (am == KCU_A_K && bm == KCU_B_K) {
-            switch (epi) {
-            case KCU_EPI_F32: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, nsm, st);
-            case KCU_EPI_SWIGLU: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_SWIGLU>(a, nsm, st);
-            case KCU_EPI_GELU: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_GELU>(a, nsm, st);
-            case KCU_EPI_SCATTER: return launch_wg<KCU_A_K, KCU_B_K, KCU_EPI_SCATTER>(a, nsm, st);
-            default: break;
-            }
-        } else if (am == KCU_A_K && bm == KCU_B_N) {
-            switch (epi) {
-            case KCU_EPI_F32: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_F32>(a, nsm, st);
-            case KCU_EPI_SCATTER: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_SCATTER>(a, nsm, st);
-            case KCU_EPI_DSWIGLU: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_DSWIGLU>(a, nsm, st);
-            case KCU_EPI_DGELU: return launch_wg<KCU_A_K, KCU_B_N, KCU_EPI_DGELU>(a, nsm, st);
-            default: break;
-            }
-        } else if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC) {
-            return launch_wg<KCU_A_M, KCU_B_N, KCU_EPI_ACC>(a, nsm, st);
-        }
-    }
-    if (am == KCU_A_K && bm == KCU_B_K) {
-        switch (epi) {
-        case KCU_EPI_F32: return launch<KCU_A_K, KCU_B_K, KCU_EPI_F32>(a, nsm, st);
-        case KCU_EPI_SWIGLU: return launch<KCU_A_K, KCU_B_K, KCU_EPI_SWIGLU>(a, nsm, st);
-        case KCU_EPI_GELU: return launch<KCU_A_K, KCU_B_K, KCU_EPI_GELU>(a, nsm, st);
-        case KCU_EPI_SCATTER: return launch<KCU_A_K, KCU_B_K, KCU_EPI_SCATTER>(a, nsm, st);
-        default: break;
-        }
-    } else if (am == KCU_A_K && bm == KCU_B_N) {
-        switch (epi) {
-        case KCU_EPI_F32: return launch<KCU_A_K, KCU_B_N, KCU_EPI_F32>(a, nsm, st);
-        case KCU_EPI_SCATTER: return launch<KCU_A_K, KCU_B_N, KCU_EPI_SCATTER>(a, nsm, st);
-        case KCU_EPI_DSWIGLU: return launch<KCU_A_K, KCU_B_N, KCU_EPI_DSWIGLU>(a, nsm, st);
-        case KCU_EPI_DGELU: return launch<KCU_A_K, KCU_B_N, KCU_EPI_DGELU>(a, nsm, st);
-        default: break;
-        }
-    } else if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC) {
-        return launch<KCU_A_M, KCU_B_N, KCU_EPI_ACC>(a, nsm, st);
-    }
-    fprintf(stderr, "kcu_gemm: combination %d/%d/%d not built\n", am, bm, epi);
-    return MOE_EINVAL;
 }
