@@ -14,7 +14,10 @@
  *   gidx (expert-major row -> recv row): the up-projection gathers through
  *   it and the down-projection scatters its output back into the recv
  *   layout (ysend), which is sent back as it is: the token side receives
- *   its own send layout (yrecv) and combines through sendpos.
+ *   its own send layout (yrecv) and combines through sendpos. Where d_ff is
+ *   large (kcu_sorted_mode) the rows are first copied into expert order
+ *   (kcu_gather_rows, into the chunk's ysend region; dy rows into its dxsend
+ *   region) so the up-projection and dh stream dense tiles.
  * Training keeps xrecv, ab, h (owner) and xs, yrecv, routing (token side);
  * backward sends bf16(w*dy) along the forward's paths (xsend -> ysend),
  * runs dh and dx per chunk, returns dx rows (dxsend -> yrecv), and runs the
@@ -58,6 +61,7 @@ struct kcu_ep {
     bf16 *xrecv, *ysend, *h, *ab, *dxsend; /* (N,H) (N,H) (N,F) (N,N1) (N,H) */
     int32_t *gidx, *wgx, *wgh;             /* (N) each */
     int32_t *tbl_d, *tbl_h;                /* per-call tables (device, pinned host) */
+    int sorted; /* owner GEMMs on sorted copies of the received rows (kcu_sorted_mode > 0) */
     cudaEvent_t ev_a, ev_cnt, ev_done, ev_disp[EP_MAX_CHUNKS], ev_comp[EP_MAX_CHUNKS];
     /* the last call */
     int T, T_fwd, C; /* C: chunks of the last forward */
@@ -556,6 +560,13 @@ moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
     a.A = ep->xrecv;
     a.lda = H;
     a.a_gather = ep->gidx + rb;
+    if (ep->sorted) { /* chunk c's rows in expert order, in its ysend region (the
+                       * down-projection overwrites it after the up-projection) */
+        KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, a.offs + ep->ne,
+                                (int)(ep->rbase[c + 1] - rb), H, ep->ysend + (size_t)rb * H, st));
+        a.A = ep->ysend + (size_t)rb * H;
+        a.a_gather = nullptr;
+    }
     a.B = x->w13;
     a.ldb = H;
     a.b_gstride = (long long)ep->N1 * H;
@@ -593,6 +604,13 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
     a.A = ep->ysend;
     a.lda = H;
     a.a_gather = ep->gidx + rb;
+    if (ep->sorted) { /* the dy rows in expert order, in chunk c's dxsend region
+                       * (the dx GEMM overwrites it after dh) */
+        KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, ep->gidx + rb, a.offs + ep->ne,
+                                (int)(ep->rbase[c + 1] - rb), H, ep->dxsend + (size_t)rb * H, st));
+        a.A = ep->dxsend + (size_t)rb * H;
+        a.a_gather = nullptr;
+    }
     a.B = x->w2;
     a.ldb = F;
     a.b_gstride = (long long)H * F;
@@ -758,6 +776,13 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     ep->first = placement_first(c.E, c.world, c.rank);
     ep->ne = placement_count(c.E, c.world, c.rank);
     ep->N1 = c.act == KERN_ACT_SWIGLU ? 2 * c.F : c.F;
+    {
+        kcu_config kc;
+        memset(&kc, 0, sizeof(kc));
+        kc.H = c.H;
+        kc.F = c.F;
+        ep->sorted = kcu_sorted_mode(&kc) > 0;
+    }
     ep->rgrads_clean = 1;
     int dev = 0;
     moe_err rc = MOE_OK;
