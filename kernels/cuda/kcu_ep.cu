@@ -16,8 +16,11 @@
  *   layout (ysend), which is sent back as it is: the token side receives
  *   its own send layout (yrecv) and combines through sendpos. Where d_ff is
  *   large (kcu_sorted_mode) the rows are first copied into expert order
- *   (kcu_gather_rows, into the chunk's ysend region; dy rows into its dxsend
- *   region) so the up-projection and dh stream dense tiles.
+ *   (kcu_gather_rows, into the chunk's ysend region, or kept in xg when
+ *   training; dy rows into its dxsend region) so the up-projection and dh
+ *   stream dense tiles; with one chunk the activation order is the global
+ *   expert order and the weight gradients read dense rows too (dW2 then runs
+ *   right after dh, while the sorted dy rows are in dxsend).
  * Training keeps xrecv, ab, h (owner) and xs, yrecv, routing (token side);
  * backward sends bf16(w*dy) along the forward's paths (xsend -> ysend),
  * runs dh and dx per chunk, returns dx rows (dxsend -> yrecv), and runs the
@@ -59,9 +62,11 @@ struct kcu_ep {
     void *ows;        /* owner-side allocation, grown on demand */
     size_t ows_bytes, cap_rows, cap_tbl;
     bf16 *xrecv, *ysend, *h, *ab, *dxsend; /* (N,H) (N,H) (N,F) (N,N1) (N,H) */
-    int32_t *gidx, *wgx, *wgh;             /* (N) each */
-    int32_t *tbl_d, *tbl_h;                /* per-call tables (device, pinned host) */
-    int sorted; /* owner GEMMs on sorted copies of the received rows (kcu_sorted_mode > 0) */
+    bf16 *xg; /* (N,H) received rows in activation order, kept for dW13 (sorted, train) */
+    int32_t *gidx, *wgx, *wgh; /* (N) each */
+    int32_t *tbl_d, *tbl_h;    /* per-call tables (device, pinned host) */
+    int sorted;   /* owner GEMMs on sorted copies of the received rows (kcu_sorted_mode > 0) */
+    int dw2_done; /* this backward's dW2 already ran inside the pipeline */
     cudaEvent_t ev_a, ev_cnt, ev_done, ev_disp[EP_MAX_CHUNKS], ev_comp[EP_MAX_CHUNKS];
     /* the last call */
     int T, T_fwd, C; /* C: chunks of the last forward */
@@ -348,7 +353,8 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
     const int tr = ep->c.train;
     size_t b = al(rows * H * 2) * 2 + al(rows * F * 2) + al(rows * 4) + al(tbl * 4);
     if (tr)
-        b += al(rows * N1 * 2) + al(rows * H * 2) + 2 * al(rows * 4);
+        b += al(rows * N1 * 2) + al(rows * H * 2) + 2 * al(rows * 4) +
+             (ep->sorted ? al(rows * H * 2) : 0);
     KCU_CHECK(cudaDeviceSynchronize()); /* nothing in flight uses the old buffers */
     if (ep->ows)
         cudaFree(ep->ows);
@@ -378,11 +384,13 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
     ep->h = (bf16 *)take(rows * F * 2);
     ep->gidx = (int32_t *)take(rows * 4);
     ep->tbl_d = (int32_t *)take(tbl * 4);
-    ep->ab = ep->dxsend = nullptr;
+    ep->ab = ep->dxsend = ep->xg = nullptr;
     ep->wgx = ep->wgh = nullptr;
     if (tr) {
         ep->ab = (bf16 *)take(rows * N1 * 2);
         ep->dxsend = (bf16 *)take(rows * H * 2);
+        if (ep->sorted)
+            ep->xg = (bf16 *)take(rows * H * 2);
         ep->wgx = (int32_t *)take(rows * 4);
         ep->wgh = (int32_t *)take(rows * 4);
     }
@@ -548,6 +556,37 @@ int ep_gemm_sms(const kcu_ep *ep)
     return ep_overlap_sms(ep);
 }
 
+/* one chunk of sorted rows: activation order is the global expert-major
+ * order (wgh is the identity), so the weight gradients read dense rows */
+int ep_dense_wgrad(const kcu_ep *ep)
+{
+    return ep->C == 1 && ep->xg != nullptr;
+}
+
+/* dW2_e (+)= dy_e^T (w h)_e over the owner's rows: dy (N,H) through a_gather
+ * (recv layout, wgx) or dense in activation order (a_gather NULL) */
+moe_err ep_dw2(kcu_ep *ep, const bf16 *dy, const int32_t *a_gather, int nsm, cudaStream_t st)
+{
+    const int H = ep->c.H, F = ep->c.F;
+    kcu_gemm_args a;
+    memset(&a, 0, sizeof(a));
+    a.A = dy;
+    a.lda = H;
+    a.a_gather = a_gather;
+    a.B = ep->h;
+    a.ldb = F;
+    a.b_gather = ep_dense_wgrad(ep) ? nullptr : ep->wgh;
+    a.M = H;
+    a.N = F;
+    a.ngroups = ep->ne;
+    a.offs = ep->tbl_d + ep->t_goffs;
+    a.Cf = ep->ex->g + (size_t)ep->ne * ep->N1 * H;
+    a.ldc = F;
+    a.c_gstride = (long long)H * F;
+    a.beta0 = ep->ex->grads_clean;
+    return kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, nsm, st);
+}
+
 /* the owner's forward GEMMs of chunk c: xrecv -> ysend (recv layout) */
 moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
 {
@@ -560,11 +599,13 @@ moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
     a.A = ep->xrecv;
     a.lda = H;
     a.a_gather = ep->gidx + rb;
-    if (ep->sorted) { /* chunk c's rows in expert order, in its ysend region (the
-                       * down-projection overwrites it after the up-projection) */
+    if (ep->sorted) { /* chunk c's rows in expert (activation) order: kept in xg
+                       * for dW13 when training, else in the chunk's ysend region
+                       * (the down-projection overwrites it afterwards) */
+        bf16 *dst = (train && ep->xg ? ep->xg : ep->ysend) + (size_t)rb * H;
         KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, a.offs + ep->ne,
-                                (int)(ep->rbase[c + 1] - rb), H, ep->ysend + (size_t)rb * H, st));
-        a.A = ep->ysend + (size_t)rb * H;
+                                (int)(ep->rbase[c + 1] - rb), H, dst, st));
+        a.A = dst;
         a.a_gather = nullptr;
     }
     a.B = x->w13;
@@ -622,6 +663,10 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
     a.F = F;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N,
                      ep->c.act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU, &a, nsm, st));
+    if (ep_dense_wgrad(ep)) { /* dW2 now, while the sorted dy rows are in dxsend */
+        KCU_TRY(ep_dw2(ep, ep->dxsend, nullptr, nsm, st));
+        ep->dw2_done = 1;
+    }
     a = ep_rows_args(ep, c);
     a.A = ep->ab + (size_t)rb * ep->N1;
     a.lda = ep->N1;
@@ -1035,6 +1080,7 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         ep->rgrads_clean = 0;
     }
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    ep->dw2_done = 0;
     KCU_TRY(ep_pipeline(ep, 1, 1, st));
     if (ep->N > 0) {
         /* weight gradients over every chunk's rows, while the last returns
@@ -1048,6 +1094,11 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         a.B = ep->xrecv;
         a.ldb = H;
         a.b_gather = ep->wgx;
+        if (ep_dense_wgrad(ep)) { /* ab and the kept x rows in expert order */
+            a.a_gather = nullptr;
+            a.B = ep->xg;
+            a.b_gather = nullptr;
+        }
         a.M = ep->N1;
         a.N = H;
         a.ngroups = ep->ne;
@@ -1057,22 +1108,8 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         a.c_gstride = (long long)ep->N1 * H;
         a.beta0 = x->grads_clean;
         KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, wsm, st));
-        memset(&a, 0, sizeof(a)); /* dW2 += dye^T h */
-        a.A = ep->ysend;
-        a.lda = H;
-        a.a_gather = ep->wgx;
-        a.B = ep->h;
-        a.ldb = ep->c.F;
-        a.b_gather = ep->wgh;
-        a.M = H;
-        a.N = ep->c.F;
-        a.ngroups = ep->ne;
-        a.offs = ep->tbl_d + ep->t_goffs;
-        a.Cf = x->g + (size_t)ep->ne * ep->N1 * H;
-        a.ldc = ep->c.F;
-        a.c_gstride = (long long)H * ep->c.F;
-        a.beta0 = x->grads_clean;
-        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, wsm, st));
+        if (!ep->dw2_done) /* dW2 += dye^T h */
+            KCU_TRY(ep_dw2(ep, ep->ysend, ep->wgx, wsm, st));
         x->grads_clean = 0;
     }
     KCU_TRY(finish_out(ep, nullptr, T > 0 ? R->dxr : nullptr, T, dx, dx_dtype, st));
