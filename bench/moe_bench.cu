@@ -56,6 +56,18 @@ static void fill(bf16 *p, size_t n, uint64_t seed, float a, float b)
     CK(cudaGetLastError());
 }
 
+/* one timed call between the events a and b, ms */
+template <typename F> static float time_once(cudaEvent_t a, cudaEvent_t b, F &fn)
+{
+    CK(cudaEventRecord(a));
+    fn();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+}
+
 /* median_ms: median of reps timed calls after warm untimed ones; warm < 0:
  * warm up for -warm milliseconds (at least 3 calls), so that the GPU is at
  * the clock it holds under sustained load (H100: 700 W power cap) */
@@ -65,27 +77,15 @@ template <typename F> static float median_ms(int warm, int reps, F fn)
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
     if (warm < 0) {
-        CK(cudaEventRecord(a));
-        fn();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
+        const float ms = time_once(a, b, fn);
         const float n = (float)-warm / (ms > 1e-3f ? ms : 1e-3f);
         warm = n > 20000.f ? 20000 : n < 3.f ? 3 : (int)n;
     }
     for (int i = 0; i < warm; i++)
         fn();
     std::vector<float> t;
-    for (int i = 0; i < reps; i++) {
-        CK(cudaEventRecord(a));
-        fn();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms);
-    }
+    for (int i = 0; i < reps; i++)
+        t.push_back(time_once(a, b, fn));
     CK(cudaEventDestroy(a));
     CK(cudaEventDestroy(b));
     std::sort(t.begin(), t.end());

@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "kcu_internal.cuh"
+#include "kcu_topk.cuh"
 
 int kcu_decode_override = -1;
 long long kcu_decode_calls = 0;
@@ -192,18 +193,6 @@ __device__ __forceinline__ void warp_rows(const bf16 *__restrict__ wrow, size_t 
     }
 }
 
-__device__ __forceinline__ float warp_sum(float v)
-{
-    for (int o = 16; o; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v)
-{
-    for (int o = 16; o; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 __device__ __forceinline__ float sigm(float a)
 {
     return 1.f / (1.f + __expf(-a));
@@ -351,65 +340,17 @@ __device__ void dec_route(const up_params &p, up_smem &sm)
     const int E = p.E, K = p.K, T = p.T, S = T * K;
     const bool out = blockIdx.x == 0;
     for (int t = warp; t < T; t += UP_NW) {
-        const float *lt = p.logits + (size_t)t * p.Ep;
-        float v[8], mx = -FLT_MAX;
+        float v[8], lse_t, wk[8], wsum;
+        int ik[8];
+        kcu_topk::softmax_topk(p.logits + (size_t)t * p.Ep, E, K, v, lse_t, ik, wk, wsum);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             const int e = lane + 32 * i;
-            v[i] = e < E ? lt[e] : -FLT_MAX;
-            mx = fmaxf(mx, v[i]);
-        }
-        mx = warp_max(mx);
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int e = lane + 32 * i;
-            v[i] = e < E ? expf(v[i] - mx) : 0.f;
-            sum += v[i];
-        }
-        sum = warp_sum(sum);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int e = lane + 32 * i;
-            v[i] = v[i] / sum;
             if (out && e < E)
                 p.probs[(size_t)t * E + e] = v[i];
         }
         if (out && lane == 0)
-            p.lse[t] = mx + logf(sum);
-        unsigned taken = 0;
-        float wk[8], wsum = 0.f;
-        int ik[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            wk[j] = 0.f;
-            ik[j] = 0;
-            if (j < K) {
-                float bv = -1.f;
-                int bi = INT_MAX;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const int e = lane + 32 * i;
-                    if (e < E && !((taken >> i) & 1u) && (bi == INT_MAX || v[i] > bv)) {
-                        bv = v[i];
-                        bi = e;
-                    }
-                }
-                for (int o = 16; o; o >>= 1) {
-                    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                    if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
-                        bv = ov;
-                        bi = oi;
-                    }
-                }
-                if ((bi & 31) == lane)
-                    taken |= 1u << (bi >> 5);
-                wk[j] = bv;
-                ik[j] = bi;
-                wsum += bv;
-            }
-        }
+            p.lse[t] = lse_t;
         if (lane == 0) {
 #pragma unroll
             for (int j = 0; j < 8; j++)

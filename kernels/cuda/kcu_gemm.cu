@@ -678,11 +678,47 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
 }
 
 /* one work item of k_gemm_wg and this thread's load sources for it */
-struct wg_item {
+struct ws_item {
+    int e, m0, n0, kbeg, kend, rend, ktiles;
+};
+
+template <int AM>
+__device__ __forceinline__ void ws_decode(const kcu_gemm_args &p, int w, int ntm, int ntn, int tpg,
+                                          ws_item &t)
+{
+    if (AM == KCU_A_K) {
+        const int gm = p.group_m;
+        const int grp = w / (gm * ntn), first = grp * gm;
+        const int gsz = min(gm, ntm - first), in = w - grp * gm * ntn;
+        const int mt = first + in % gsz;
+        t.n0 = (in / gsz) * WG_BN;
+        if (p.tile_e) {
+            t.e = p.tile_e[mt];
+            t.m0 = p.tile_r0[mt];
+            t.rend = p.offs[t.e + 1];
+        } else {
+            t.e = 0;
+            t.m0 = mt * BM;
+            t.rend = p.M;
+        }
+        t.kbeg = 0;
+        t.kend = p.K;
+        t.ktiles = p.K / BK;
+    } else {
+        t.e = w / tpg;
+        wgrad_raster(p.group_m, p.M / BM, ntn, w - t.e * tpg, t.m0, t.n0);
+        t.kbeg = p.offs ? p.offs[t.e] : 0;
+        t.kend = p.offs ? p.offs[t.e + 1] : p.K;
+        t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
+        t.rend = 0;
+    }
+}
+
+/* v2's item: the decoded item plus this thread's load addresses */
+struct wg_item : ws_item {
     const bf16 *a[4]; /* rows mode: this thread's 4 A rows (chunk offset included) */
     const bf16 *b;    /* B_K: row n0 + tid/8; B_N rows mode: column n0 + chunk */
     unsigned aok;     /* rows mode: bit j = A row j exists */
-    int e, m0, n0, kbeg, kend, rend, ktiles;
 };
 
 template <int AM, int BMODE, int EPI>
@@ -702,26 +738,10 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
     }
 
     auto decode = [&](int w, wg_item &t) {
+        ws_decode<AM>(p, w, ntm, ntn, tpg, t);
+        t.aok = 0;
         if (AM == KCU_A_K) {
-            const int gm = p.group_m;
-            const int grp = w / (gm * ntn), first = grp * gm;
-            const int gsz = min(gm, ntm - first), in = w - grp * gm * ntn;
-            const int mt = first + in % gsz;
-            t.n0 = (in / gsz) * WG_BN;
-            if (p.tile_e) {
-                t.e = p.tile_e[mt];
-                t.m0 = p.tile_r0[mt];
-                t.rend = p.offs[t.e + 1];
-            } else {
-                t.e = 0;
-                t.m0 = mt * BM;
-                t.rend = p.M;
-            }
-            t.kbeg = 0;
-            t.kend = p.K;
-            t.ktiles = p.K / BK;
             const bf16 *Bg = p.B + (size_t)t.e * p.b_gstride;
-            t.aok = 0;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const int r = t.m0 + (tid >> 3) + 32 * j;
@@ -735,13 +755,6 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
             else
                 t.b = Bg + (size_t)(tid >> 5) * p.ldb + t.n0 + (tid & 31) * 8;
         } else {
-            t.e = w / tpg;
-            wgrad_raster(p.group_m, p.M / BM, ntn, w - t.e * tpg, t.m0, t.n0);
-            t.kbeg = p.offs ? p.offs[t.e] : 0;
-            t.kend = p.offs ? p.offs[t.e + 1] : p.K;
-            t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
-            t.rend = 0;
-            t.aok = 0;
 #pragma unroll
             for (int j = 0; j < 4; j++)
                 t.a[j] = p.A;
@@ -1023,42 +1036,6 @@ __device__ __forceinline__ void wg_pin(float (&d)[128])
 #pragma unroll
     for (int i = 0; i < 128; i++)
         asm volatile("" : "+f"(d[i])::"memory");
-}
-
-struct ws_item {
-    int e, m0, n0, kbeg, kend, rend, ktiles;
-};
-
-template <int AM>
-__device__ __forceinline__ void ws_decode(const kcu_gemm_args &p, int w, int ntm, int ntn, int tpg,
-                                          ws_item &t)
-{
-    if (AM == KCU_A_K) {
-        const int gm = p.group_m;
-        const int grp = w / (gm * ntn), first = grp * gm;
-        const int gsz = min(gm, ntm - first), in = w - grp * gm * ntn;
-        const int mt = first + in % gsz;
-        t.n0 = (in / gsz) * WG_BN;
-        if (p.tile_e) {
-            t.e = p.tile_e[mt];
-            t.m0 = p.tile_r0[mt];
-            t.rend = p.offs[t.e + 1];
-        } else {
-            t.e = 0;
-            t.m0 = mt * BM;
-            t.rend = p.M;
-        }
-        t.kbeg = 0;
-        t.kend = p.K;
-        t.ktiles = p.K / BK;
-    } else {
-        t.e = w / tpg;
-        wgrad_raster(p.group_m, p.M / BM, ntn, w - t.e * tpg, t.m0, t.n0);
-        t.kbeg = p.offs ? p.offs[t.e] : 0;
-        t.kend = p.offs ? p.offs[t.e + 1] : p.K;
-        t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
-        t.rend = 0;
-    }
 }
 
 template <int AM, int BMODE, int EPI>

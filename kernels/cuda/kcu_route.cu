@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kcu_internal.cuh"
+#include "kcu_topk.cuh"
 
 namespace
 {
@@ -23,18 +24,7 @@ __global__ void k_f32_to_bf16(const float *__restrict__ x, bf16 *__restrict__ y,
         y[i] = __float2bfloat16_rn(x[i]);
 }
 
-__device__ __forceinline__ float warp_sum(float v)
-{
-    for (int o = 16; o; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v)
-{
-    for (int o = 16; o; o >>= 1)
-        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+using kcu_topk::warp_sum;
 
 /* One warp per token. logits (T,Ep) in; probs (T,E), lse (T), idx (T,K),
  * tw (T,K) out. E <= 256, K <= 8. Ties go to the lower expert index. */
@@ -45,65 +35,17 @@ __global__ void k_softmax_topk(const float *__restrict__ logits, int T, int E, i
     const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T)
         return;
-    const float *lt = logits + (size_t)t * Ep;
-    float v[8], mx = -FLT_MAX;
+    float v[8], lse_t, wk[8], wsum;
+    int ik[8];
+    kcu_topk::softmax_topk(logits + (size_t)t * Ep, E, K, v, lse_t, ik, wk, wsum);
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int e = lane + 32 * i;
-        v[i] = e < E ? lt[e] : -FLT_MAX;
-        mx = fmaxf(mx, v[i]);
-    }
-    mx = warp_max(mx);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int e = lane + 32 * i;
-        v[i] = e < E ? expf(v[i] - mx) : 0.f;
-        sum += v[i];
-    }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int e = lane + 32 * i;
-        v[i] = v[i] / sum;
         if (e < E)
             probs[(size_t)t * E + e] = v[i];
     }
     if (lane == 0)
-        lse[t] = mx + logf(sum);
-    unsigned taken = 0;
-    float wk[8], wsum = 0.f;
-    int ik[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        wk[j] = 0.f;
-        ik[j] = 0;
-        if (j < K) {
-            float bv = -1.f;
-            int bi = INT_MAX;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int e = lane + 32 * i;
-                if (e < E && !((taken >> i) & 1u) && (bi == INT_MAX || v[i] > bv)) {
-                    bv = v[i];
-                    bi = e;
-                }
-            }
-            for (int o = 16; o; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-            if ((bi & 31) == lane)
-                taken |= 1u << (bi >> 5);
-            wk[j] = bv;
-            ik[j] = bi;
-            wsum += bv;
-        }
-    }
+        lse[t] = lse_t;
     if (lane == 0) {
 #pragma unroll
         for (int j = 0; j < 8; j++)
