@@ -83,10 +83,11 @@ int kcu_sorted_mode(const kcu_config *c)
     }
     if (m >= 0 && m <= 2)
         return m;
-    /* default (measured, bench/NOTES.md "Sorted rows"): a copy costs ~4H bytes
-     * of traffic per row and saves a share of the 6HF-FLOP GEMMs per row:
-     * Mixtral (F 14336) gains 2.5 ms fwd / 5.6 ms fwd+bwd with mode 2,
-     * Qwen3 (F 768) loses 0.17 ms fwd with mode 1 */
+    /* default (measured, bench/NOTES.md version 6): a copy costs ~4H bytes of
+     * traffic per row and saves a share of the 6HF-FLOP GEMMs per row:
+     * Mixtral (F 14336) gains ~0.8 ms fwd / ~5 ms fwd+bwd with mode 2;
+     * Qwen3 (F 768) gains nothing reliable in the forward with mode 1 (+-0.2
+     * ms between runs), loses 0.2-0.3 ms fwd+bwd, and mode 2 costs 536 MB */
     return c->F >= 2048 ? 2 : 0;
 }
 

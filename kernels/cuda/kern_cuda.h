@@ -68,9 +68,10 @@ void kcu_layer_destroy(kcu_layer *l);
  * be NULL) for GELU. Synchronous. Gradients are zeroed. */
 moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *w1, const float *w3,
                          const float *w2);
-/* kcu_layer_download_grads copies the fp32 gradients (accumulated since the
- * last zeroing) to host arrays of the same shapes as upload; any may be
- * NULL. Synchronous. MOE_EPRECOND when the layer was created without train. */
+/* kcu_layer_download_grads copies the gradients (accumulated since the last
+ * zeroing; widened to f32 when stored in bf16) to host arrays of the same
+ * shapes as upload; any may be NULL. Synchronous. MOE_EPRECOND when the
+ * layer was created without train. */
 moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1, float *dw3, float *dw2);
 /* kcu_layer_zero_grads zeroes the gradients on `stream` (cudaStream_t). */
 moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream);
@@ -78,7 +79,9 @@ moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream);
 /* kcu_forward: y (T,H) from x (T,H). x and y may be device or host memory,
  * dtype MOE_F32 or MOE_BF16 each. With train=1, the layer keeps what
  * backward needs until the next forward. stream is a cudaStream_t (NULL =
- * default stream). Asynchronous for device pointers. */
+ * default stream). Asynchronous for device pointers: device inputs are read
+ * in place by the queued work (keep them until the stream has run it). Host
+ * f32 transfers go through a staging buffer allocated on first use. */
 moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
                     moe_dtype y_dtype, int train, void *stream);
 
