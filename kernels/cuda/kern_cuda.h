@@ -90,7 +90,8 @@ moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void 
  * Expert and router gradients are ACCUMULATED (+=) into the layer.
  * counts_global (E, host, may be NULL = this call's counts) and T_global
  * (0 = T) describe the global batch for the aux and z losses (as
- * kern_router_backward_cpu). */
+ * kern_router_backward_cpu). Asynchronous as kcu_forward (a device dy is
+ * read in place). */
 moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype, void *dx, moe_dtype dx_dtype,
                      float aux_coef, float z_coef, const int32_t *counts_global, int T_global,
                      void *stream);
