@@ -503,6 +503,29 @@ __device__ __forceinline__ void wg_mma(float (&d)[128], uint64_t da, uint64_t db
         : "l"(da), "l"(db), "r"(1), "n"(TA), "n"(TB));
 }
 
+/* wg_stage_mma: the 4 wgmma (k 16 each) of one 64-deep stage at shared
+ * address st, for the consumer warpgroup computing rows half*64 .. +64 of
+ * the item, committed as one group */
+template <int AM, int BMODE>
+__device__ __forceinline__ void wg_stage_mma(float (&d)[128], uint32_t st, int half)
+{
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; kk++) {
+        if (AM == KCU_A_K) {
+            const uint64_t da = wg_desc_k(st + half * (64 * 128) + kk * 32);
+            if (BMODE == KCU_B_K)
+                wg_mma<0, 0>(d, da, wg_desc_k(st + WG_A_BYTES + kk * 32));
+            else
+                wg_mma<0, 1>(d, da, wg_desc_mn(st + WG_A_BYTES + kk * 2048));
+        } else {
+            wg_mma<1, 1>(d, wg_desc_mn(st + half * WG_ATOM + kk * 2048),
+                         wg_desc_mn(st + WG_A_BYTES + kk * 2048));
+        }
+    }
+    wg_commit();
+}
+
 /* wgrad item `in` of one group (ntm x ntn tiles of 128 x 256) -> (m0, n0):
  * groups of gm m-tiles walk n together, so one wave's A and B blocks
  * stay in L2 (row-major order re-read all of B once per m-tile row: dW2 of
@@ -852,22 +875,7 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
                     fetch(cur, kt + 3);
             }
             cp_async_commit();
-            const uint32_t st = sbase + (kt % WG_STAGES) * WG_STAGE_BYTES;
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++) {
-                if (AM == KCU_A_K) {
-                    const uint64_t da = wg_desc_k(st + wg * (64 * 128) + kk * 32);
-                    if (BMODE == KCU_B_K)
-                        wg_mma<0, 0>(d, da, wg_desc_k(st + WG_A_BYTES + kk * 32));
-                    else
-                        wg_mma<0, 1>(d, da, wg_desc_mn(st + WG_A_BYTES + kk * 2048));
-                } else {
-                    wg_mma<1, 1>(d, wg_desc_mn(st + wg * WG_ATOM + kk * 2048),
-                                 wg_desc_mn(st + WG_A_BYTES + kk * 2048));
-                }
-            }
-            wg_commit();
+            wg_stage_mma<AM, BMODE>(d, sbase + (kt % WG_STAGES) * WG_STAGE_BYTES, wg);
             wg_wait<1>();
         }
         wg_wait<0>();
@@ -1242,22 +1250,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
             mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
             if (cpa) /* stages written by cp.async (generic proxy), read by wgmma (async proxy) */
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            const uint32_t st = sbase + s * WG_STAGE_BYTES;
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; kk++) {
-                if (AM == KCU_A_K) {
-                    const uint64_t da = wg_desc_k(st + cw * (64 * 128) + kk * 32);
-                    if (BMODE == KCU_B_K)
-                        wg_mma<0, 0>(d, da, wg_desc_k(st + WG_A_BYTES + kk * 32));
-                    else
-                        wg_mma<0, 1>(d, da, wg_desc_mn(st + WG_A_BYTES + kk * 2048));
-                } else {
-                    wg_mma<1, 1>(d, wg_desc_mn(st + cw * WG_ATOM + kk * 2048),
-                                 wg_desc_mn(st + WG_A_BYTES + kk * 2048));
-                }
-            }
-            wg_commit();
+            wg_stage_mma<AM, BMODE>(d, sbase + s * WG_STAGE_BYTES, cw);
             wg_wait<1>();
             /* the previous stage's wgmma are complete: hand it back */
             if (kt > 0 && lane == 0)
@@ -1465,19 +1458,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
         for (int kt = 0; kt < ktiles; kt++, it++) {
             const int s = it % WS_STAGES;
             mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
-            if (t.has) {
-                const uint32_t st = sbase + s * WG_STAGE_BYTES;
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < BK / 16; kk++) {
-                    const uint64_t da = wg_desc_k(st + cw * (64 * 128) + kk * 32);
-                    if (BMODE == KCU_B_K)
-                        wg_mma<0, 0>(d, da, wg_desc_k(st + WG_A_BYTES + kk * 32));
-                    else
-                        wg_mma<0, 1>(d, da, wg_desc_mn(st + WG_A_BYTES + kk * 2048));
-                }
-                wg_commit();
-            }
+            if (t.has)
+                wg_stage_mma<KCU_A_K, BMODE>(d, sbase + s * WG_STAGE_BYTES, cw);
             wg_wait<1>();
             if (kt > 0 && lane == 0) {
                 const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
