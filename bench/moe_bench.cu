@@ -315,6 +315,12 @@ int main(int argc, char **argv)
                fbz, wb / 1e6, (pb - wbytes) / 1e6, dec);
         if (c.train) {
             printf("  phases (ms):%s\n", phases);
+            size_t pb_acc, wb_acc;
+            kcu_layer_bytes(l, &pb_acc, &wb_acc);
+            if (wb_acc > wb) /* ye borrowed from the zeroed gradient store (step) */
+                printf("  workspace %.0f MB for a step (zero_grads first); accumulating without "
+                       "zeroing: %.0f MB\n",
+                       wb / 1e6, wb_acc / 1e6);
             /* A/B in the same run: the other sorted-rows modes (kcu_sorted_mode) */
             for (int m = 0; m < (getenv("MOE_BENCH_NO_AB") ? 0 : 3); m++) {
                 if (m == l->sorted)

@@ -149,19 +149,23 @@ struct kcu_layer {
     float *statpart;    /* (nblk, E+1) */
     bf16 *ab;           /* (S,N1) pre-activations, then their gradients */
     bf16 *h;            /* (S,F) activations, then w*h */
-    bf16 *ye;           /* (S,H) expert outputs (slot order), then dx per slot */
-    float *dwpart;      /* (S,F/BN) */
-    float *dw;          /* (S) dL/dtopk_w */
-    bf16 *dlogits;      /* (T,Ep) */
-    float *dxr;         /* (T,H) router part of dx; NULL: it borrows h (free after
-                         * dW2) when S*F*2 >= T*H*4 bytes */
-    int32_t *spos;      /* (S) slot -> sorted row, -1 when dropped by the capacity */
-    int32_t *dropped;   /* (E) slots dropped per expert */
-    int max_tiles;      /* bound on the tile list length */
-    int sorted;         /* kcu_sorted_mode at create */
-    int T_fwd;          /* tokens of the last train forward, 0 if none */
-    int cap_fwd;        /* capacity of the last forward (INT32_MAX = dropless) */
-    int grads_clean;    /* gradients are logically zero: the next backward stores */
+    bf16 *ye;           /* (S,H) expert outputs (slot order), then dx per slot; NULL in
+                         * training layers whose gradient store can lend it (ye_for_call) */
+    bf16 *ye_own;       /* (S,H) allocated on first need when ye is NULL and the
+                         * gradients hold values (accumulation) */
+    size_t ye_own_bytes;
+    float *dwpart;    /* (S,F/BN) */
+    float *dw;        /* (S) dL/dtopk_w */
+    bf16 *dlogits;    /* (T,Ep) */
+    float *dxr;       /* (T,H) router part of dx; NULL: it borrows h (free after
+                       * dW2) when S*F*2 >= T*H*4 bytes */
+    int32_t *spos;    /* (S) slot -> sorted row, -1 when dropped by the capacity */
+    int32_t *dropped; /* (E) slots dropped per expert */
+    int max_tiles;    /* bound on the tile list length */
+    int sorted;       /* kcu_sorted_mode at create */
+    int T_fwd;        /* tokens of the last train forward, 0 if none */
+    int cap_fwd;      /* capacity of the last forward (INT32_MAX = dropless) */
+    int grads_clean;  /* gradients are logically zero: the next backward stores */
 };
 
 /* Sorted-rows mode of a layer (decided at kcu_layer_create):

@@ -138,6 +138,18 @@ int dxr_borrows_h(const kcu_layer *l)
     return (size_t)c->K * c->F * 2 >= (size_t)c->H * 4;
 }
 
+/* ye (S,H bf16) is live from the down-projection to the combine, and in the
+ * backward from its start to the dx combine - all before the backward's
+ * last GEMM (dW13) writes the expert-gradient store. While the gradients
+ * are logically zero (kcu_layer_zero_grads: the next backward stores them)
+ * that store is free, so a training layer carves no ye of its own when the
+ * store is large enough (E*N1*H elements >= S*H) */
+int ye_borrows_grads(const kcu_layer *l)
+{
+    const kcu_config *c = &l->c;
+    return c->train && (size_t)c->E * l->N1 >= (size_t)c->T_max * c->K;
+}
+
 void carve_ws(kcu_layer *l, carve *cv)
 {
     const kcu_config *c = &l->c;
@@ -164,7 +176,8 @@ void carve_ws(kcu_layer *l, carve *cv)
     cv->take(&l->spos, S * 4);
     cv->take(&l->dropped, E * 4);
     cv->take(&l->h, S * F * 2);
-    cv->take(&l->ye, S * H * 2);
+    if (!ye_borrows_grads(l))
+        cv->take(&l->ye, S * H * 2);
     if (c->train) {
         cv->take(&l->ab, S * l->N1 * 2);
         cv->take(&l->dwpart, S * (F / KCU_BN) * 4);
@@ -192,6 +205,34 @@ moe_err ensure_stage(kcu_layer *l)
         return MOE_ENOMEM;
     }
     l->stage_bytes = b;
+    return MOE_OK;
+}
+
+/* ye_for_call: the (S,H) bf16 buffer of this call's expert outputs / dx
+ * rows: the carved one, else the expert-gradient store while the gradients
+ * are logically zero, else one allocated on first need (gradient
+ * accumulation without zeroing) */
+moe_err ye_for_call(kcu_layer *l, bf16 **ye)
+{
+    if (l->ye) {
+        *ye = l->ye;
+        return MOE_OK;
+    }
+    if (l->grads_clean) {
+        *ye = l->g_w13 ? reinterpret_cast<bf16 *>(l->g_w13) : l->gb_w13;
+        return MOE_OK;
+    }
+    if (!l->ye_own) {
+        const size_t b = (size_t)l->c.T_max * l->c.K * l->c.H * 2;
+        if (cudaMalloc(&l->ye_own, b) != cudaSuccess) {
+            (void)cudaGetLastError();
+            l->ye_own = nullptr;
+            fprintf(stderr, "kcu_layer: cudaMalloc of %zu bytes (expert outputs) failed\n", b);
+            return MOE_ENOMEM;
+        }
+        l->ye_own_bytes = b;
+    }
+    *ye = l->ye_own;
     return MOE_OK;
 }
 
@@ -277,6 +318,8 @@ extern "C" void kcu_layer_destroy(kcu_layer *l)
         cudaFree(l->ws);
     if (l->stage)
         cudaFree(l->stage);
+    if (l->ye_own)
+        cudaFree(l->ye_own);
     free(l);
 }
 
@@ -285,7 +328,7 @@ extern "C" void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t
     if (params_bytes)
         *params_bytes = l->params_bytes;
     if (ws_bytes)
-        *ws_bytes = l->ws_bytes + l->stage_bytes;
+        *ws_bytes = l->ws_bytes + l->stage_bytes + l->ye_own_bytes;
 }
 
 extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
@@ -455,6 +498,9 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
         return MOE_OK;
     }
 
+    bf16 *ye;
+    KCU_TRY(ye_for_call(l, &ye));
+
     PHASE("f.router");
     /* router: logits (T,Ep) = xb wr^T */
     kcu_gemm_args a;
@@ -478,7 +524,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
      * down-projection overwrites later, or kept in xg for dW13) */
     const bf16 *xrows = xb;
     if (l->sorted) {
-        bf16 *dst = train && l->xg ? l->xg : l->ye;
+        bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
         KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + c->E, T * K, H, dst, st));
         xrows = dst;
@@ -512,7 +558,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     a.b_gstride = (long long)H * F;
     a.N = H;
     a.K = F;
-    a.Cb = l->ye;
+    a.Cb = ye;
     a.ldc = H;
     a.scatter = l->perm;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, l->nsm, st));
@@ -522,7 +568,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     const int yhost = kcu_is_host_ptr(y);
     if (yhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(kcu_combine(l->ye, l->topk_w, nullptr, spos, T, K, H, yhost ? (void *)l->stage : y,
+    KCU_TRY(kcu_combine(ye, l->topk_w, nullptr, spos, T, K, H, yhost ? (void *)l->stage : y,
                         y_dtype, st));
     if (yhost)
         KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
@@ -580,6 +626,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
      * overwrites it after dW2): sorted copies (sorted modes), or dy (T,H)
      * bf16 read through tok - the caller's buffer when it is bf16 on the
      * device, else a converted copy */
+    bf16 *ye;
+    KCU_TRY(ye_for_call(l, &ye));
     const int on_host = kcu_is_host_ptr(dy);
     const void *dysrc = dy;
     if (on_host) {
@@ -591,11 +639,11 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const bf16 *dyrows = (const bf16 *)dysrc;
     if (l->sorted) {
         PHASE("b.gather");
-        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + E, S, H, l->ye, st));
-        dyrows = l->ye;
+        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + E, S, H, ye, st));
+        dyrows = ye;
     } else if (dy_dtype != MOE_BF16 || on_host) {
-        KCU_TRY(kcu_to_bf16(dysrc, dy_dtype, l->ye, n, st));
-        dyrows = l->ye;
+        KCU_TRY(kcu_to_bf16(dysrc, dy_dtype, ye, n, st));
+        dyrows = ye;
     }
     if (counts_global)
         KCU_CHECK(cudaMemcpyAsync(l->cglob, counts_global, E * 4, cudaMemcpyHostToDevice, st));
@@ -640,7 +688,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.b_gstride = (long long)l->N1 * H;
     a.N = H;
     a.K = l->N1;
-    a.Cb = l->ye;
+    a.Cb = ye;
     a.ldc = H;
     a.scatter = l->perm;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_SCATTER, &a, l->nsm, st));
@@ -663,8 +711,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const int xhost = kcu_is_host_ptr(dx);
     if (xhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(kcu_combine(l->ye, nullptr, dxr, spos, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype,
-                        st));
+    KCU_TRY(
+        kcu_combine(ye, nullptr, dxr, spos, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype, st));
     if (xhost)
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
