@@ -181,6 +181,29 @@ static const cluster_opts coord_only = {.workers = 0, .expected_workers = 1};
 
 /* ---- envelope ---- */
 
+/* write_create: model.create parameters for a 1-layer SwiGLU model of 4
+ * experts, d_model = d_ff = d, with layers written as a float (2.0) when
+ * layers_f64 (a type error) */
+static void write_create(mp_writer *w, const char *name, int layers_f64, int64_t d, int64_t top_k)
+{
+    mp_write_map(w, 6);
+    mp_write_cstr(w, "name");
+    mp_write_cstr(w, name);
+    mp_write_cstr(w, "layers");
+    if (layers_f64)
+        mp_write_f64(w, 2.0);
+    else
+        mp_write_i64(w, 1);
+    mp_write_cstr(w, "d_model");
+    mp_write_i64(w, d);
+    mp_write_cstr(w, "d_ff");
+    mp_write_i64(w, d);
+    mp_write_cstr(w, "n_experts");
+    mp_write_i64(w, 4);
+    mp_write_cstr(w, "top_k");
+    mp_write_i64(w, top_k);
+}
+
 Test(cluster_badinput, not_msgpack, .timeout = 30, .fini = cluster_fini_all)
 {
     cluster *cl = start(coord_only);
@@ -319,36 +342,12 @@ Test(cluster_badinput, wrong_param_types, .timeout = 30, .fini = cluster_fini_al
     mp_writer_fini(&w);
     /* model.create: layers as a float, renormalize as an int */
     mp_writer_init(&w);
-    mp_write_map(&w, 6);
-    mp_write_cstr(&w, "name");
-    mp_write_cstr(&w, "m2");
-    mp_write_cstr(&w, "layers");
-    mp_write_f64(&w, 2.0);
-    mp_write_cstr(&w, "d_model");
-    mp_write_i64(&w, H);
-    mp_write_cstr(&w, "d_ff");
-    mp_write_i64(&w, H);
-    mp_write_cstr(&w, "n_experts");
-    mp_write_i64(&w, 4);
-    mp_write_cstr(&w, "top_k");
-    mp_write_i64(&w, 1);
+    write_create(&w, "m2", 1, H, 1);
     expect_call_err(cl->cli, "model.create", &w, MOE_EPROTO, "model.create layers=2.0");
     mp_writer_fini(&w);
     /* right types, bad values: invalid_argument */
     mp_writer_init(&w);
-    mp_write_map(&w, 6);
-    mp_write_cstr(&w, "name");
-    mp_write_cstr(&w, "m3");
-    mp_write_cstr(&w, "layers");
-    mp_write_i64(&w, 1);
-    mp_write_cstr(&w, "d_model");
-    mp_write_i64(&w, H);
-    mp_write_cstr(&w, "d_ff");
-    mp_write_i64(&w, H);
-    mp_write_cstr(&w, "n_experts");
-    mp_write_i64(&w, 4);
-    mp_write_cstr(&w, "top_k");
-    mp_write_i64(&w, 5);
+    write_create(&w, "m3", 0, H, 5);
     expect_call_err(cl->cli, "model.create", &w, MOE_EINVAL, "model.create top_k > n_experts");
     mp_writer_fini(&w);
     mp_writer_init(&w);

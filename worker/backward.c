@@ -24,16 +24,9 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         {"handle", P_INT, &handle, true, 0, 9e18, 0, false},
         {"dy", P_TENSOR, &dyt, true, 0, 0, 0, false},
     };
-    mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 2, err, sizeof(err));
-    if (e != MOE_OK) {
-        rpc_reply_err(c, e, "%s", err);
+    if (!wkr_parse_or_reply(c, sp, 2) || !wkr_xc_or_reply(w, c))
         return;
-    }
-    if (!w->xc) {
-        rpc_reply_err(c, MOE_EUNAVAIL, "worker has no cluster communicator");
-        return;
-    }
+    moe_err e = MOE_OK;
     wkr_handle_expire(w);
     wkr_fwd_state *st = wkr_handle_take(w, (uint64_t)handle);
     /* every rank must hold the handle, or none goes on (no collective may

@@ -56,17 +56,12 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
         {"model", P_STR, name, true, 0, 0, sizeof(name), false},
         {"dir", P_STR, dir, true, 0, 0, sizeof(dir), false},
     };
-    mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 2, err, sizeof(err));
-    if (e != MOE_OK) {
-        rpc_reply_err(c, e, "%s", err);
+    if (!wkr_parse_or_reply(c, sp, 2))
         return;
-    }
-    wkr_model *m = wkr_find_model(w, name);
-    if (!m) {
-        rpc_reply_err(c, MOE_ENOTFOUND, "model '%s' not on this worker", name);
+    wkr_model *m = wkr_model_or_reply(w, c, name);
+    if (!m)
         return;
-    }
+    moe_err e = MOE_OK;
     if (st_mkdir_p(dir) != MOE_OK) {
         rpc_reply_err(c, MOE_EIO, "cannot create checkpoint directory %s: %s", dir,
                       strerror(errno));
@@ -281,17 +276,12 @@ void wkr_op_ckpt_load(wkr *w, rpc_call *c)
         {"dir", P_STR, dir, false, 0, 0, sizeof(dir), false},
         {"files", P_RAW, &files_r, false, 0, 0, 0, false},
     };
-    mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 4, err, sizeof(err));
-    if (e != MOE_OK) {
-        rpc_reply_err(c, e, "%s", err);
+    if (!wkr_parse_or_reply(c, sp, 4))
         return;
-    }
-    wkr_model *m = wkr_find_model(w, name);
-    if (!m) {
-        rpc_reply_err(c, MOE_ENOTFOUND, "model '%s' not on this worker", name);
+    wkr_model *m = wkr_model_or_reply(w, c, name);
+    if (!m)
         return;
-    }
+    moe_err e = MOE_OK;
     if (strcmp(phase, "prepare") == 0) {
         if (!sp[2].seen || !sp[3].seen) {
             rpc_reply_err(c, MOE_EINVAL, "prepare needs dir and files");

@@ -248,21 +248,12 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         {"train", P_BOOL, &train, false, 0, 0, 0, false},
         {"handle", P_INT, &handle, false, 0, 9e18, 0, false},
     };
-    mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 7, err, sizeof(err));
-    if (e != MOE_OK) {
-        rpc_reply_err(c, e, "%s", err);
+    if (!wkr_parse_or_reply(c, sp, 7) || !wkr_xc_or_reply(w, c))
         return;
-    }
-    if (!w->xc) {
-        rpc_reply_err(c, MOE_EUNAVAIL, "worker has no cluster communicator");
+    wkr_model *m = wkr_model_or_reply(w, c, model_name);
+    if (!m)
         return;
-    }
-    wkr_model *m = wkr_find_model(w, model_name);
-    if (!m) {
-        rpc_reply_err(c, MOE_ENOTFOUND, "model '%s' not on this worker", model_name);
-        return;
-    }
+    moe_err e = MOE_OK;
     const model_cfg *cfg = &m->cfg;
     const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k;
     const int W = w->world, bf = cfg->dtype == MOE_BF16;

@@ -46,6 +46,31 @@ wkr_model *wkr_find_model(wkr *w, const char *name)
     return NULL;
 }
 
+bool wkr_parse_or_reply(rpc_call *c, pspec *sp, int n)
+{
+    char err[512] = "";
+    mp_reader r = c->req.params;
+    const moe_err e = params_parse(&r, c->req.nparams, sp, n, err, sizeof(err));
+    if (e != MOE_OK)
+        rpc_reply_err(c, e, "%s", err);
+    return e == MOE_OK;
+}
+
+wkr_model *wkr_model_or_reply(wkr *w, rpc_call *c, const char *name)
+{
+    wkr_model *m = wkr_find_model(w, name);
+    if (!m)
+        rpc_reply_err(c, MOE_ENOTFOUND, "model '%s' not on this worker", name);
+    return m;
+}
+
+bool wkr_xc_or_reply(wkr *w, rpc_call *c)
+{
+    if (!w->xc)
+        rpc_reply_err(c, MOE_EUNAVAIL, "worker has no cluster communicator");
+    return w->xc != NULL;
+}
+
 static void drop_models(wkr *w)
 {
     wkr_handle_drop_model(w, NULL);

@@ -38,7 +38,7 @@ moe_err wkr_model_train_alloc(wkr_model *m)
 
 void wkr_op_step(wkr *w, rpc_call *c)
 {
-    char name[MODEL_NAME_MAX], err[256];
+    char name[MODEL_NAME_MAX];
     double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0, max_norm = 0;
     pspec sp[] = {
         {"model", P_STR, name, true, 0, 0, sizeof(name), false},
@@ -49,21 +49,12 @@ void wkr_op_step(wkr *w, rpc_call *c)
         {"weight_decay", P_F64, &wd, false, 0, 1e3, 0, false},
         {"max_grad_norm", P_F64, &max_norm, false, 0, 1e30, 0, false},
     };
-    mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 7, err, sizeof(err));
-    if (e != MOE_OK) {
-        rpc_reply_err(c, e, "%s", err);
+    if (!wkr_parse_or_reply(c, sp, 7))
         return;
-    }
-    wkr_model *m = wkr_find_model(w, name);
-    if (!m) {
-        rpc_reply_err(c, MOE_ENOTFOUND, "model '%s' not on this worker", name);
+    wkr_model *m = wkr_model_or_reply(w, c, name);
+    if (!m || !wkr_xc_or_reply(w, c))
         return;
-    }
-    if (!w->xc) {
-        rpc_reply_err(c, MOE_EUNAVAIL, "worker has no cluster communicator");
-        return;
-    }
+    moe_err e = MOE_OK;
     if (!m->train_ready && wkr_model_train_alloc(m) != MOE_OK) {
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate training state");
         return;

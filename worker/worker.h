@@ -17,6 +17,7 @@
 
 #include "config.h"
 #include "model_cfg.h"
+#include "params.h"
 #include "rpcsrv.h"
 #include "xchg.h"
 
@@ -174,6 +175,14 @@ void wkr_op_step(wkr *w, rpc_call *c);
 void wkr_op_ckpt_save(wkr *w, rpc_call *c);
 void wkr_op_ckpt_load(wkr *w, rpc_call *c);
 wkr_model *wkr_find_model(wkr *w, const char *name);
+/* The handlers' common prologue steps; each answers the call with the
+ * error and returns false / NULL when it fails. wkr_parse_or_reply parses
+ * the call's parameters into sp (params_parse); wkr_model_or_reply finds the
+ * model (not_found); wkr_xc_or_reply needs the cluster communicator
+ * (unavailable). */
+bool wkr_parse_or_reply(rpc_call *c, pspec *sp, int n);
+wkr_model *wkr_model_or_reply(wkr *w, rpc_call *c, const char *name);
+bool wkr_xc_or_reply(wkr *w, rpc_call *c);
 void wkr_model_free(wkr_model *m);
 /* wkr_model_train_alloc allocates grad/m/v (and masters for bf16). */
 moe_err wkr_model_train_alloc(wkr_model *m);
