@@ -29,11 +29,12 @@
  *     object, writes the rows out.
  *
  * Taken for inference forwards only (train forwards keep the GEMM path
- * that saves the backward state), when T <= KCU_DECODE_TMAX (default 32: measured, Mixtral T=64 is
- * faster on the GEMM path) and T*K <= 1024; KCU_DECODE=0 turns it off, KCU_PDL=0 launches without
- * PDL. All results are deterministic (no atomics on values, fixed-order
- * reductions); they can differ from the GEMM path in the last bits
- * (another summation order), within the bf16 tolerances.
+ * that saves the backward state), when T <= KCU_DECODE_TMAX (default 64), T*K <= 1024 and
+ * the rows per expert average at most KCU_DECODE_ROWS (default 8: measured, Mixtral T=64 with
+ * 16 rows per expert is faster on the GEMM path, Qwen3 T=64 with 4 on this one); KCU_DECODE=0 turns
+ * it off, KCU_PDL=0 launches without PDL. All results are deterministic (no atomics on values,
+ * fixed-order reductions); they can differ from the GEMM path in the last bits (another summation
+ * order), within the bf16 tolerances.
  */
 #include <float.h>
 #include <limits.h>
@@ -819,11 +820,26 @@ int decode_tmax()
 {
     static int t = -1;
     if (t < 0) {
-        t = env_int("KCU_DECODE_TMAX", 32);
+        t = env_int("KCU_DECODE_TMAX", 64);
         if (t < 0)
             t = 0;
     }
     return t;
+}
+
+/* the decode kernels re-read an expert's rows for every 16-row weight tile:
+ * past ~8 rows per expert on average the GEMM path streams the weights
+ * faster (measured: Mixtral T=64, 16 rows per expert, 83% vs 91% of copy
+ * bandwidth; Qwen3 T=64, 4 per expert, 84% vs 79%) */
+int decode_rows()
+{
+    static int r = -1;
+    if (r < 0) {
+        r = env_int("KCU_DECODE_ROWS", 8);
+        if (r < 0)
+            r = 0;
+    }
+    return r;
 }
 
 } // namespace
@@ -833,7 +849,8 @@ int kcu_decode_use(const kcu_layer *l, int T, int train)
     const kcu_config *c = &l->c;
     if (train || T < 1 || !decode_on())
         return 0;
-    if (kcu_decode_override != 1 && T > decode_tmax())
+    if (kcu_decode_override != 1 &&
+        (T > decode_tmax() || (long long)T * c->K > (long long)decode_rows() * c->E))
         return 0;
     return (long long)T * c->K <= DEC_SMAX && c->E <= DEC_EMAX && c->H % 128 == 0 &&
            c->F % 128 == 0;
@@ -914,7 +931,7 @@ int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, i
     int mx = 0;
     for (int e = 0; e < x->ne; e++)
         mx = counts[e] > mx ? counts[e] : mx;
-    return mx <= decode_tmax();
+    return mx <= decode_tmax() && N <= (long long)decode_rows() * x->ne;
 }
 
 moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const int32_t *counts,

@@ -253,10 +253,12 @@ moe_err kcu_router_bwd(kcu_layer *l, int T, int T_global, float aux_coef, float 
 /* ---- decode path (kcu_decode.cu): inference forwards with few rows per
  * expert; router GEMV, routing + up-projection, down-projection + combine,
  * chained with programmatic dependent launch. KCU_DECODE=0 turns it off,
- * KCU_DECODE_TMAX (default 32) is the largest T (layer) or rows per expert
- * (experts object) it takes, KCU_PDL=0 launches without PDL. ---- */
+ * KCU_DECODE_TMAX (default 64) is the largest T (layer) or rows per expert
+ * (experts object) it takes, KCU_DECODE_ROWS (default 8) the largest
+ * average of rows per expert, KCU_PDL=0 launches without PDL. ---- */
 /* kcu_decode_override: -1 = environment (default), 0 = never, 1 = always
- * where supported (ignores KCU_DECODE_TMAX); for checks and the bench */
+ * where supported (ignores KCU_DECODE_TMAX and KCU_DECODE_ROWS); for checks
+ * and the bench */
 extern int kcu_decode_override;
 /* kcu_decode_calls: forwards that took the decode path (layer + experts) */
 extern long long kcu_decode_calls;
