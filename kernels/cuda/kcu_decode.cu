@@ -816,15 +816,21 @@ int decode_on()
     return on;
 }
 
+/* a non-negative setting from the environment, read once into cache */
+int env_setting(int &cache, const char *name, int dflt)
+{
+    if (cache < 0) {
+        cache = env_int(name, dflt);
+        if (cache < 0)
+            cache = 0;
+    }
+    return cache;
+}
+
 int decode_tmax()
 {
     static int t = -1;
-    if (t < 0) {
-        t = env_int("KCU_DECODE_TMAX", 64);
-        if (t < 0)
-            t = 0;
-    }
-    return t;
+    return env_setting(t, "KCU_DECODE_TMAX", 64);
 }
 
 /* the decode kernels re-read an expert's rows for every 16-row weight tile:
@@ -834,12 +840,7 @@ int decode_tmax()
 int decode_rows()
 {
     static int r = -1;
-    if (r < 0) {
-        r = env_int("KCU_DECODE_ROWS", 8);
-        if (r < 0)
-            r = 0;
-    }
-    return r;
+    return env_setting(r, "KCU_DECODE_ROWS", 8);
 }
 
 } // namespace
