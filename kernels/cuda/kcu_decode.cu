@@ -207,6 +207,20 @@ __device__ __forceinline__ float rbf(float x)
     return __bfloat162float(__float2bfloat16_rn(x));
 }
 
+/* a whole warp: the exclusive prefix sum of v over the lanes, and the total */
+__device__ __forceinline__ int lane_excl_scan(int v, int &total)
+{
+    const int lane = threadIdx.x & 31;
+    int inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o)
+            inc += t;
+    }
+    total = __shfl_sync(0xffffffffu, inc, 31);
+    return inc - v;
+}
+
 /* warp 0: active experts (kept rows > 0, in expert order) from offsets
  * off (E+1, shared memory). E <= 256: 8 experts per lane. */
 __device__ void build_active(const int *off, int E, int *act_e, int *act_off, int *act_n, int *na)
@@ -218,13 +232,8 @@ __device__ void build_active(const int *off, int E, int *act_e, int *act_off, in
         const int e = lane * 8 + i;
         cnt += e < E && off[e + 1] > off[e];
     }
-    int inc = cnt;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o)
-            inc += v;
-    }
-    int pos = inc - cnt;
+    int total;
+    int pos = lane_excl_scan(cnt, total);
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int e = lane * 8 + i;
@@ -236,7 +245,7 @@ __device__ void build_active(const int *off, int E, int *act_e, int *act_off, in
         }
     }
     if (lane == 31)
-        *na = inc;
+        *na = total;
 }
 
 /* warp 0: off[e] = exclusive scan of cnt[e] (E <= 256), off[E] = total */
@@ -250,13 +259,8 @@ __device__ void scan_offsets(const int *cnt, int E, int *off)
         v[i] = e < E ? cnt[e] : 0;
         sum += v[i];
     }
-    int inc = sum;
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(0xffffffffu, inc, o);
-        if (lane >= o)
-            inc += t;
-    }
-    int run = inc - sum;
+    int total;
+    int run = lane_excl_scan(sum, total);
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int e = lane * 8 + i;
@@ -265,7 +269,7 @@ __device__ void scan_offsets(const int *cnt, int E, int *off)
         run += v[i];
     }
     if (lane == 31)
-        off[E] = inc;
+        off[E] = total;
 }
 
 /* ---- 1. router logits ---- */

@@ -390,19 +390,25 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
     }
 }
 
+/* the dynamic shared memory limit of kernel k, set once per device (a
+ * per-device function attribute; one process may drive several GPUs; benign race: the call is
+ * idempotent) */
+template <typename Kern> moe_err smem_limit_once(unsigned long long &done, Kern k, int bytes)
+{
+    int dev = 0;
+    KCU_CHECK(cudaGetDevice(&dev));
+    if (!(done >> (dev & 63) & 1)) {
+        KCU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        done |= 1ull << (dev & 63);
+    }
+    return MOE_OK;
+}
+
 template <int AM, int BMODE, int EPI>
 moe_err launch(const kcu_gemm_args *a, int nsm, cudaStream_t st)
 {
-    /* per device: the attribute belongs to the device's context (benign
-     * race: the call is idempotent) */
     static unsigned long long attr_done;
-    int dev = 0;
-    KCU_CHECK(cudaGetDevice(&dev));
-    if (!(attr_done >> (dev & 63) & 1)) {
-        KCU_CHECK(cudaFuncSetAttribute(k_gemm<AM, BMODE, EPI>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-        attr_done |= 1ull << (dev & 63);
-    }
+    KCU_TRY(smem_limit_once(attr_done, k_gemm<AM, BMODE, EPI>, SMEM_BYTES));
     long long total;
     if (AM == KCU_A_K)
         total = (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / BN);
@@ -917,22 +923,20 @@ int raster_group(int am)
     return g[am];
 }
 
+/* work items (128-row m-tiles x 256-wide n tiles) of a wgmma GEMM */
+long long wg_items(int am, const kcu_gemm_args *a)
+{
+    if (am == KCU_A_K)
+        return (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
+    return (long long)a->ngroups * (a->M / BM) * (a->N / WG_BN);
+}
+
 template <int AM, int BMODE, int EPI>
 moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
 {
-    static unsigned long long attr_done; /* per device, as in launch() */
-    int dev = 0;
-    KCU_CHECK(cudaGetDevice(&dev));
-    if (!(attr_done >> (dev & 63) & 1)) {
-        KCU_CHECK(cudaFuncSetAttribute(k_gemm_wg<AM, BMODE, EPI>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES));
-        attr_done |= 1ull << (dev & 63);
-    }
-    long long total;
-    if (AM == KCU_A_K)
-        total = (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
-    else
-        total = (long long)a->ngroups * (a->M / BM) * (a->N / WG_BN);
+    static unsigned long long attr_done;
+    KCU_TRY(smem_limit_once(attr_done, k_gemm_wg<AM, BMODE, EPI>, WG_SMEM_BYTES));
+    const long long total = wg_items(AM, a);
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
@@ -1267,19 +1271,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
 template <int AM, int BMODE, int EPI>
 moe_err launch_ws(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
 {
-    static unsigned long long attr_done; /* per device, as in launch() */
-    int dev = 0;
-    KCU_CHECK(cudaGetDevice(&dev));
-    if (!(attr_done >> (dev & 63) & 1)) {
-        KCU_CHECK(cudaFuncSetAttribute(k_gemm_ws<AM, BMODE, EPI>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES));
-        attr_done |= 1ull << (dev & 63);
-    }
-    long long total;
-    if (AM == KCU_A_K)
-        total = (long long)(a->tile_e ? a->max_tiles_m : KCU_CEIL_DIV(a->M, BM)) * (a->N / WG_BN);
-    else
-        total = (long long)a->ngroups * (a->M / BM) * (a->N / WG_BN);
+    static unsigned long long attr_done;
+    KCU_TRY(smem_limit_once(attr_done, k_gemm_ws<AM, BMODE, EPI>, WS_SMEM_BYTES));
+    const long long total = wg_items(AM, a);
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
