@@ -9,7 +9,8 @@
  *     the 8 warps split H, partial sums added in warp order (fixed).
  *  2. k_dec_up: every CTA recomputes softmax/top-k and the layout (counts,
  *     capacity, stable permutation) from the logits in shared memory - a
- *     few microseconds of redundant work instead of a launch; CTA 0 also
+ *     few microseconds of redundant work instead of a launch (for S <= 32
+ *     slots in one warp, layout_small); the last CTA also
  *     writes them (probs, lse, topk, counts, dropped, offs, perm, tok, spos,
  *     aux/z statistics) for kcu_forward_stats and the next kernel. Then the
  *     CTAs stream the active experts' w13 rows: tile = 16 weight rows of
@@ -82,7 +83,8 @@ struct up_params {
     int Ep, T, K, cap, renorm;
     float *probs, *lse, *topk_w, *stats;
     int32_t *topk_idx, *counts, *dropped, *offs, *perm, *tok, *spos;
-    int ks_force; /* 0 = choose the split of H, else at most this (checks) */
+    int ks_force;     /* 0 = choose the split of H, else at most this (checks) */
+    int small_layout; /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
     dec_offs go;
 };
 
@@ -337,37 +339,78 @@ struct up_smem {
     int na;
 };
 
-/* softmax, top-k, counting sort with capacity, as k_softmax_topk +
- * k_layout_* (+ k_stats_* in CTA 0, which also writes everything out) */
-__device__ void dec_route(const up_params &p, up_smem &sm)
+/* the layout for S <= 32 routed slots (T=1: K of them): warp 0 holds a
+ * slot per lane and ranks it by comparing it with every slot - the same
+ * rows, kept flags and active list as the counting sort in dec_route, with
+ * one barrier instead of six on the path to the up tiles */
+__device__ void layout_small(const up_params &p, up_smem &sm, bool out)
 {
+    const unsigned FULL = 0xffffffffu;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
-    const int E = p.E, K = p.K, T = p.T, S = T * K;
-    const bool out = blockIdx.x == 0;
-    for (int t = warp; t < T; t += UP_NW) {
-        float v[8], lse_t, wk[8], wsum;
-        int ik[8];
-        kcu_topk::softmax_topk(p.logits + (size_t)t * p.Ep, E, K, v, lse_t, ik, wk, wsum);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int e = lane + 32 * i;
-            if (out && e < E)
-                p.probs[(size_t)t * E + e] = v[i];
+    const int E = p.E, K = p.K, S = p.T * K, cap = p.cap;
+    if (out)
+        for (int e = tid; e < E; e += UP_NT)
+            sm.cnt[e] = 0;
+    __syncthreads(); /* idx (and the zeroed counts) */
+    if (warp == 0) {
+        const int e = lane < S ? sm.u.r.idx[lane] : INT_MAX;
+        int before = 0, same = 0; /* slots of expert e: before this one, all */
+        for (int q = 0; q < S; q++) {
+            const int eq = __shfl_sync(FULL, e, q);
+            before += eq == e && q < lane;
+            same += eq == e;
         }
-        if (out && lane == 0)
-            p.lse[t] = lse_t;
-        if (lane == 0) {
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                if (j < K) {
-                    sm.u.r.idx[t * K + j] = ik[j];
-                    if (out) {
-                        p.topk_idx[(size_t)t * K + j] = ik[j];
-                        p.topk_w[(size_t)t * K + j] = p.renorm ? wk[j] / wsum : wk[j];
-                    }
-                }
+        const int keep = lane < S && before < cap;
+        const int first = keep && before == 0; /* the expert's first slot, kept */
+        int row = before, act = 0;             /* sorted row; index in the active list */
+        for (int q = 0; q < S; q++) {          /* every lane shuffles: no short-circuit */
+            const int eq = __shfl_sync(FULL, e, q), kq = __shfl_sync(FULL, keep, q);
+            const int fq = __shfl_sync(FULL, first, q);
+            row += eq < e ? kq : 0;
+            act += eq < e ? fq : 0;
+        }
+        if (first) {
+            sm.cnt[e] = same;
+            sm.act_e[act] = e;
+            sm.act_off[act] = row;
+            sm.act_n[act] = same < cap ? same : cap;
+        }
+        if (keep)
+            sm.perm[row] = lane;
+        const int na = __popc(__ballot_sync(FULL, first));
+        if (lane == 0)
+            sm.na = na;
+        if (out && lane < S) {
+            if (keep) {
+                p.perm[row] = lane;
+                p.tok[row] = lane / K;
+            }
+            p.spos[lane] = keep ? row : -1;
         }
     }
+    if (!out)
+        return;
+    __syncthreads();
+    for (int e = tid; e < E; e += UP_NT) {
+        const int c = sm.cnt[e], k = c < cap ? c : cap;
+        sm.kept[e] = k;
+        p.counts[e] = c;
+        p.dropped[e] = c - k;
+    }
+    __syncthreads();
+    if (warp == 0)
+        scan_offsets(sm.kept, E, sm.off);
+    __syncthreads();
+    for (int e = tid; e <= E; e += UP_NT)
+        p.offs[e] = sm.off[e];
+}
+
+/* the counting sort with capacity for any S <= DEC_SMAX: stable ranks per
+ * warp segment, per-expert bases, kept counts, offsets, active list */
+__device__ void layout_general(const up_params &p, up_smem &sm, bool out)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int E = p.E, K = p.K, S = p.T * K;
     for (int i = tid; i < UP_NW * DEC_EMAX; i += UP_NT)
         (&sm.u.r.wcnt[0][0])[i] = 0;
     __syncthreads();
@@ -426,6 +469,45 @@ __device__ void dec_route(const up_params &p, up_smem &sm)
             p.spos[s] = -1;
         }
     }
+}
+
+/* softmax, top-k, counting sort with capacity, as k_softmax_topk +
+ * k_layout_* (+ k_stats_*). The last CTA also writes everything out: it
+ * has the fewest up tiles (task = blockIdx.x + i gridDim.x), so the extra
+ * work is not on the kernel's critical path. */
+__device__ void dec_route(const up_params &p, up_smem &sm)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
+    const int E = p.E, K = p.K, T = p.T, S = T * K;
+    const bool out = blockIdx.x == gridDim.x - 1;
+    for (int t = warp; t < T; t += UP_NW) {
+        float v[8], lse_t, wk[8], wsum;
+        int ik[8];
+        kcu_topk::softmax_topk(p.logits + (size_t)t * p.Ep, E, K, v, lse_t, ik, wk, wsum);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = lane + 32 * i;
+            if (out && e < E)
+                p.probs[(size_t)t * E + e] = v[i];
+        }
+        if (out && lane == 0)
+            p.lse[t] = lse_t;
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j < K) {
+                    sm.u.r.idx[t * K + j] = ik[j];
+                    if (out) {
+                        p.topk_idx[(size_t)t * K + j] = ik[j];
+                        p.topk_w[(size_t)t * K + j] = p.renorm ? wk[j] / wsum : wk[j];
+                    }
+                }
+        }
+    }
+    if (S <= 32 && p.small_layout)
+        layout_small(p, sm, out);
+    else
+        layout_general(p, sm, out);
     if (out) {           /* aux and z statistics, as k_stats_part + k_stats_final (T <= 256) */
         __syncthreads(); /* probs and lse of this CTA are visible to the block */
         for (int e = tid; e <= E; e += UP_NT) {
@@ -905,6 +987,8 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
     up.spos = l->spos;
     const int rows = T < cap ? T : cap; /* rows per expert at most */
     up.ks_force = kcu_decode_force_ks;
+    static int small = -1;
+    up.small_layout = env_setting(small, "KCU_DEC_SMALL_LAYOUT", 1);
     KCU_TRY(launch_up(up, rows, l->nsm, st));
 
     dn_params dp;
