@@ -58,6 +58,7 @@ constexpr int UP_NW = 8, UP_NT = UP_NW * 32;
 constexpr int DN_NW = 16, DN_NT = DN_NW * 32;
 constexpr int RT_NW = 8, RT_NT = RT_NW * 32;
 constexpr int KU = 4;       /* 32-wide k blocks loaded per batch */
+constexpr int RT_KB = 8;    /* the router's batch: H = 2048 split over 8 warps in one */
 constexpr int DN_COLS = 16; /* output columns per down CTA task */
 constexpr int DN_SMEM_MAX = 96 * 1024;
 
@@ -154,8 +155,9 @@ __device__ __forceinline__ void mma_block(float (&c)[4], const uint4 &w0, const 
  * wrow: weight row g of the tile (row g+8 is 8*ldw further); xr[nb]: the
  * lane's token row (valid when xv[nb]); ntok: tokens in this pass (warp
  * uniform). C fragment: acc[nb][0..1] = (row g, tokens 2c, 2c+1),
- * acc[nb][2..3] = (row g+8, same tokens). */
-template <int NB>
+ * acc[nb][2..3] = (row g+8, same tokens). KB k blocks are loaded per batch
+ * (the router, with registers to spare, takes its k range in one batch). */
+template <int NB, int KB = KU>
 __device__ __forceinline__ void warp_rows(const bf16 *__restrict__ wrow, size_t ldw, int kb0,
                                           int kb1, const bf16 *const (&xr)[NB],
                                           const bool (&xv)[NB], int ntok, float (&acc)[NB][4])
@@ -164,10 +166,10 @@ __device__ __forceinline__ void warp_rows(const bf16 *__restrict__ wrow, size_t 
     const bf16 *w0 = wrow + c * 8, *w8 = wrow + 8 * ldw + c * 8;
     const uint4 z = make_uint4(0, 0, 0, 0);
     int kb = kb0;
-    for (; kb + KU <= kb1; kb += KU) {
-        uint4 a0[KU], a8[KU];
+    for (; kb + KB <= kb1; kb += KB) {
+        uint4 a0[KB], a8[KB];
 #pragma unroll
-        for (int u = 0; u < KU; u++) {
+        for (int u = 0; u < KB; u++) {
             a0[u] = ld_stream(w0 + (size_t)(kb + u) * 32);
             a8[u] = ld_stream(w8 + (size_t)(kb + u) * 32);
         }
@@ -175,12 +177,12 @@ __device__ __forceinline__ void warp_rows(const bf16 *__restrict__ wrow, size_t 
         for (int nb = 0; nb < NB; nb++) {
             if (nb * 8 >= ntok)
                 break;
-            uint4 b[KU];
+            uint4 b[KB];
 #pragma unroll
-            for (int u = 0; u < KU; u++)
+            for (int u = 0; u < KB; u++)
                 b[u] = xv[nb] ? ld_act(xr[nb] + (size_t)(kb + u) * 32 + c * 8) : z;
 #pragma unroll
-            for (int u = 0; u < KU; u++)
+            for (int u = 0; u < KB; u++)
                 mma_block(acc[nb], a0[u], a8[u], b[u]);
         }
     }
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt
             xr[nb] = p.x + (size_t)(xv[nb] ? t0 + nb * 8 + g : 0) * p.H;
             acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.f;
         }
-        warp_rows<NB>(wrow, p.H, kb0, kb1, xr, xv, ntok, acc);
+        warp_rows<NB, RT_KB>(wrow, p.H, kb0, kb1, xr, xv, ntok, acc);
 #pragma unroll
         for (int nb = 0; nb < NB; nb++)
 #pragma unroll
