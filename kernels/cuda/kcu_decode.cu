@@ -341,6 +341,19 @@ struct up_smem {
     int na;
 };
 
+/* expert e routed c slots: its kept rows (capacity), and in the writing
+ * CTA its count and drops for kcu_forward_stats */
+__device__ __forceinline__ void set_count(const up_params &p, up_smem &sm, int e, int c, bool out)
+{
+    const int k = c < p.cap ? c : p.cap;
+    sm.cnt[e] = c;
+    sm.kept[e] = k;
+    if (out) {
+        p.counts[e] = c;
+        p.dropped[e] = c - k;
+    }
+}
+
 /* the layout for S <= 32 routed slots (T=1: K of them): warp 0 holds a
  * slot per lane and ranks it by comparing it with every slot - the same
  * rows, kept flags and active list as the counting sort in dec_route, with
@@ -393,12 +406,8 @@ __device__ void layout_small(const up_params &p, up_smem &sm, bool out)
     if (!out)
         return;
     __syncthreads();
-    for (int e = tid; e < E; e += UP_NT) {
-        const int c = sm.cnt[e], k = c < cap ? c : cap;
-        sm.kept[e] = k;
-        p.counts[e] = c;
-        p.dropped[e] = c - k;
-    }
+    for (int e = tid; e < E; e += UP_NT)
+        set_count(p, sm, e, sm.cnt[e], out);
     __syncthreads();
     if (warp == 0)
         scan_offsets(sm.kept, E, sm.off);
@@ -439,13 +448,7 @@ __device__ void layout_general(const up_params &p, up_smem &sm, bool out)
             sm.u.r.wcnt[w][e] = run;
             run += v;
         }
-        const int k = run < p.cap ? run : p.cap;
-        sm.cnt[e] = run;
-        sm.kept[e] = k;
-        if (out) {
-            p.counts[e] = run;
-            p.dropped[e] = run - k;
-        }
+        set_count(p, sm, e, run, out);
     }
     __syncthreads();
     if (warp == 0)
