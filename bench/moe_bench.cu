@@ -329,6 +329,8 @@ int main(int argc, char **argv)
             const float fwd_g = median_ms(-WARM_MS, reps, [&] {
                 CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL));
             });
+            phase_times([&] { CKM(kcu_forward(l, c.T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); },
+                        phases, sizeof(phases));
             /* and the decode path where it can run but the default is the GEMM path */
             char forced[96] = "";
             kcu_decode_override = 1;
@@ -356,6 +358,8 @@ int main(int argc, char **argv)
                "| %8.0f %8.0f | %s\n",
                c.name, c.T, c.H, c.F, c.E, c.K, fwd, tf, 100 * tf / peak, fb, tfb, 100 * tfb / peak,
                fbz, wb / 1e6, (pb - wbytes) / 1e6, dec);
+        if (!c.train)
+            printf("  GEMM path phases (ms, one call):%s\n", phases);
         if (c.train) {
             printf("  phases (ms):%s\n", phases);
             size_t pb_acc, wb_acc;

@@ -6,13 +6,16 @@
  * waiting (griddepcontrol.wait) when its predecessor ends:
  *
  *  1. k_dec_router: logits (T,Ep) = xb wr^T; one CTA per 16 router rows,
- *     the 8 warps split H, partial sums added in warp order (fixed).
- *  2. k_dec_up: every CTA recomputes softmax/top-k and the layout (counts,
- *     capacity, stable permutation) from the logits in shared memory - a
- *     few microseconds of redundant work instead of a launch (for S <= 32
- *     slots in one warp, layout_small); the last CTA also
- *     writes them (probs, lse, topk, counts, dropped, offs, perm, tok, spos,
- *     aux/z statistics) for kcu_forward_stats and the next kernel. Then the
+ *     the 8 warps split H, partial sums added in warp order (fixed). After
+ *     a barrier over its (at most 16) CTAs: softmax/top-k with one token
+ *     per warp of the grid (probs, lse, topk, column sums for the
+ *     statistics) - the routing once, in parallel (it was recomputed by
+ *     every up CTA: ~5 us per token and warp, 40 us at T=64).
+ *  2. k_dec_up: every CTA builds the layout of the router's choices
+ *     (capacity, stable permutation, active experts) in shared memory -
+ *     for S <= 32 slots in one warp, layout_small; the last CTA also
+ *     writes it out (offs, perm, tok, spos) for the next kernel, and after
+ *     its tiles counts, drops and the aux/z statistics. Then the
  *     CTAs stream the active experts' w13 rows: tile = 16 weight rows of
  *     one expert (w1/w3 interleaved by 8: 8 gate + 8 up rows = 8 features)
  *     x up to 8*NB of its rows per pass, mma.sync m16n8k16 with the weights
@@ -30,7 +33,7 @@
  *     object, writes the rows out.
  *
  * Taken for inference forwards only (train forwards keep the GEMM path
- * that saves the backward state), when T <= KCU_DECODE_TMAX (default 64), T*K <= 1024 and
+ * that saves the backward state), when T <= KCU_DECODE_TMAX (default 64), T*K <= 2048 and
  * the rows per expert average at most KCU_DECODE_ROWS (default 8: measured, Mixtral T=64 with
  * 16 rows per expert is faster on the GEMM path, Qwen3 T=64 with 4 on this one); KCU_DECODE=0 turns
  * it off, KCU_PDL=0 launches without PDL. All results are deterministic (no atomics on values,
@@ -52,15 +55,16 @@ int kcu_decode_force_ks = 0;
 namespace
 {
 
-constexpr int DEC_SMAX = 1024; /* routed slots (layer) or rows (experts) at most */
+constexpr int DEC_SMAX = 2048; /* routed slots (layer) or rows (experts) at most */
 constexpr int DEC_EMAX = 256;
 constexpr int UP_NW = 8, UP_NT = UP_NW * 32;
 constexpr int DN_NW = 16, DN_NT = DN_NW * 32;
 constexpr int RT_NW = 8, RT_NT = RT_NW * 32;
-constexpr int KU = 4;       /* 32-wide k blocks loaded per batch */
-constexpr int RT_KB = 8;    /* the router's batch: H = 2048 split over 8 warps in one */
-constexpr int DN_COLS = 16; /* output columns per down CTA task */
-constexpr int DN_SMEM_MAX = 96 * 1024;
+constexpr int KU = 4;                   /* 32-wide k blocks loaded per batch */
+constexpr int RT_KB = 8;                /* the router's batch: H = 2048 split over 8 warps in one */
+constexpr int DN_COLS = 16;             /* output columns per down CTA task */
+constexpr int DN_SMEM_PART = 96 * 1024; /* ys and the split-F partials, at most */
+constexpr int DN_SMEM_MAX = 200 * 1024; /* ys alone at DEC_SMAX rows: 128 KB */
 
 /* group offsets passed by value (experts object: counts are on the host) */
 struct dec_offs {
@@ -70,8 +74,15 @@ struct dec_offs {
 struct rt_params {
     const bf16 *x;  /* (T,H) */
     const bf16 *wr; /* (Ep,H) */
-    int T, H, E, Ep;
+    int T, H, E, Ep, K, cap, renorm;
     float *logits; /* (T,Ep) */
+    float *probs;  /* (T,E) */
+    float *lse;    /* (T) */
+    int32_t *topk_idx;
+    float *topk_w;  /* (T,K) */
+    float *colpart; /* (gridDim, E+1): per-CTA column sums of probs, sum lse^2 */
+    uint32_t *sync; /* (2) zeroed at layer create: barrier count, generation */
+    int topk;       /* 0: logits only (the up CTAs route: few slots) */
 };
 
 struct up_params {
@@ -79,13 +90,20 @@ struct up_params {
     const bf16 *w13; /* (E,N1,H) */
     int N1, H, F, E, swiglu;
     bf16 *h; /* (rows,F) by sorted row */
-    /* routing (layer) when logits != NULL, else the offsets in go */
-    const float *logits;
-    int Ep, T, K, cap, renorm;
-    float *probs, *lse, *topk_w, *stats;
-    int32_t *topk_idx, *counts, *dropped, *offs, *perm, *tok, *spos;
-    int ks_force;     /* 0 = choose the split of H, else at most this (checks) */
-    int small_layout; /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
+    /* routing (layer) when topk_idx != NULL (the router's choices), else
+     * the offsets in go */
+    int32_t *topk_idx;   /* the router's choices (S), or written here when logits */
+    const float *logits; /* (T,Ep): at most 32 slots, each CTA routes (dec_topk) */
+    int Ep, renorm;
+    float *probs, *lse, *topk_w;
+    int T, K, cap;
+    int32_t *offs, *perm, *tok, *spos;
+    const float *colpart; /* (nrt, E+1) the router CTAs' column sums (logits NULL) */
+    int nrt;
+    int32_t *counts, *dropped; /* (E) before / dropped by the capacity */
+    float *stats;              /* (2) aux, z */
+    int ks_force;              /* 0 = choose the split of H, else at most this (checks) */
+    int small_layout;          /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
     dec_offs go;
 };
 
@@ -276,20 +294,59 @@ __device__ void scan_offsets(const int *cnt, int E, int *off)
         off[E] = total;
 }
 
-/* ---- 1. router logits ---- */
+/* ---- 1. router: logits, softmax/top-k, counts and statistics ---- */
+
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t *p)
+{
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* every CTA of the router grid waits here until all have arrived (their
+ * logits written). The grid is at most DEC_EMAX/16 CTAs, all resident once
+ * the previous kernel has ended (pdl_wait). sync[0] counts arrivals (the
+ * last one resets it), sync[1] is the generation the others wait to change. */
+__device__ void router_grid_sync(uint32_t *sync)
+{
+    __syncthreads();
+    if (threadIdx.x == 0 && gridDim.x > 1) {
+        const uint32_t gen = ld_acquire(sync + 1);
+        __threadfence();
+        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+            atomicExch(sync, 0u);
+            __threadfence();
+            atomicAdd(sync + 1, 1u);
+        } else {
+            while (ld_acquire(sync + 1) == gen)
+                __nanosleep(32);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+/* logits (T,Ep) = xb wr^T: CTA b takes router rows [16b, 16b+16), its 8
+ * warps split H, partial sums added in warp order (fixed). Then, once every
+ * CTA's rows are written, softmax/top-k with one token per warp of the grid
+ * (kcu_topk, as k_softmax_topk) and per-CTA column sums of the
+ * probabilities and of lse^2 for the statistics (dec_stats). The routing is
+ * computed here once instead of in every CTA of the up kernel. */
 template <int NB>
 __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt_params p)
 {
     __shared__ float red[RT_NW][NB * 4][32];
+    __shared__ float colw[RT_NW][DEC_EMAX + 1];
     pdl_wait();
     pdl_launch();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int tid = threadIdx.x, T = p.T, E = p.E, K = p.K;
     const int nkb = p.H / 32;
     const int kb0 = warp * nkb / RT_NW, kb1 = (warp + 1) * nkb / RT_NW;
     const int row0 = blockIdx.x * 16;
     const bf16 *wrow = p.wr + (size_t)(row0 + g) * p.H;
-    for (int t0 = 0; t0 < p.T; t0 += 8 * NB) {
-        const int ntok = min(8 * NB, p.T - t0);
+    for (int t0 = 0; t0 < T; t0 += 8 * NB) {
+        const int ntok = min(8 * NB, T - t0);
         const bf16 *xr[NB];
         bool xv[NB];
         float acc[NB][4];
@@ -315,11 +372,54 @@ __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt
                     for (int w = 1; w < RT_NW; w++)
                         v += red[w][nb * 4 + q][lane];
                     const int t = t0 + nb * 8 + 2 * c + (q & 1), r = row0 + g + (q >> 1) * 8;
-                    if (t < p.T)
+                    if (t < T)
                         p.logits[(size_t)t * p.Ep + r] = v;
                 }
         }
         __syncthreads();
+    }
+    if (!p.topk)
+        return;
+    router_grid_sync(p.sync);
+
+    /* softmax/top-k: token t on warp t of the grid (strided) */
+    float cs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, z = 0.f;
+    for (int t = blockIdx.x * RT_NW + warp; t < T; t += gridDim.x * RT_NW) {
+        float v[8], lse_t, wk[8], wsum;
+        int ik[8];
+        kcu_topk::softmax_topk(p.logits + (size_t)t * p.Ep, E, K, v, lse_t, ik, wk, wsum);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = lane + 32 * i;
+            if (e < E)
+                p.probs[(size_t)t * E + e] = v[i];
+            cs[i] += v[i];
+        }
+        z += lse_t * lse_t;
+        if (lane == 0) {
+            p.lse[t] = lse_t;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j < K) {
+                    p.topk_idx[(size_t)t * K + j] = ik[j];
+                    p.topk_w[(size_t)t * K + j] = p.renorm ? wk[j] / wsum : wk[j];
+                }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        if (e < E)
+            colw[warp][e] = cs[i];
+    }
+    if (lane == 0)
+        colw[warp][E] = z;
+    __syncthreads();
+    for (int e = tid; e <= E; e += RT_NT) {
+        float sum = 0.f;
+        for (int w = 0; w < RT_NW; w++)
+            sum += colw[w][e];
+        p.colpart[(size_t)blockIdx.x * (E + 1) + e] = sum;
     }
 }
 
@@ -341,17 +441,11 @@ struct up_smem {
     int na;
 };
 
-/* expert e routed c slots: its kept rows (capacity), and in the writing
- * CTA its count and drops for kcu_forward_stats */
-__device__ __forceinline__ void set_count(const up_params &p, up_smem &sm, int e, int c, bool out)
+/* expert e routed c slots: its kept rows (capacity) */
+__device__ __forceinline__ void set_count(const up_params &p, up_smem &sm, int e, int c)
 {
-    const int k = c < p.cap ? c : p.cap;
     sm.cnt[e] = c;
-    sm.kept[e] = k;
-    if (out) {
-        p.counts[e] = c;
-        p.dropped[e] = c - k;
-    }
+    sm.kept[e] = c < p.cap ? c : p.cap;
 }
 
 /* the layout for S <= 32 routed slots (T=1: K of them): warp 0 holds a
@@ -407,7 +501,7 @@ __device__ void layout_small(const up_params &p, up_smem &sm, bool out)
         return;
     __syncthreads();
     for (int e = tid; e < E; e += UP_NT)
-        set_count(p, sm, e, sm.cnt[e], out);
+        set_count(p, sm, e, sm.cnt[e]);
     __syncthreads();
     if (warp == 0)
         scan_offsets(sm.kept, E, sm.off);
@@ -448,7 +542,7 @@ __device__ void layout_general(const up_params &p, up_smem &sm, bool out)
             sm.u.r.wcnt[w][e] = run;
             run += v;
         }
-        set_count(p, sm, e, run, out);
+        set_count(p, sm, e, run);
     }
     __syncthreads();
     if (warp == 0)
@@ -476,65 +570,87 @@ __device__ void layout_general(const up_params &p, up_smem &sm, bool out)
     }
 }
 
-/* softmax, top-k, counting sort with capacity, as k_softmax_topk +
- * k_layout_* (+ k_stats_*). The last CTA also writes everything out: it
- * has the fewest up tiles (task = blockIdx.x + i gridDim.x), so the extra
- * work is not on the kernel's critical path. */
+/* the layout of the router's choices (counting sort with capacity, as
+ * k_layout_*), in every CTA; the last CTA, which has the fewest up tiles
+ * (task = blockIdx.x + i gridDim.x), also writes it out (offs, perm, tok,
+ * spos) for the down kernel and kcu_forward_stats */
 __device__ void dec_route(const up_params &p, up_smem &sm)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
-    const int E = p.E, K = p.K, T = p.T, S = T * K;
+    const int S = p.T * p.K, K = p.K, lane = threadIdx.x & 31;
     const bool out = blockIdx.x == gridDim.x - 1;
-    for (int t = warp; t < T; t += UP_NW) {
-        float v[8], lse_t, wk[8], wsum;
-        int ik[8];
-        kcu_topk::softmax_topk(p.logits + (size_t)t * p.Ep, E, K, v, lse_t, ik, wk, wsum);
+    if (!p.logits) {
+        for (int s = threadIdx.x; s < S; s += UP_NT)
+            sm.u.r.idx[s] = p.topk_idx[s];
+    } else { /* few slots: softmax/top-k here, a token per warp, without the
+              * router's grid barrier on the path (faster at T=1) */
+        for (int t = threadIdx.x >> 5; t < p.T; t += UP_NW) {
+            float v[8], lse_t, wk[8], wsum;
+            int ik[8];
+            kcu_topk::softmax_topk(p.logits + (size_t)t * p.Ep, p.E, K, v, lse_t, ik, wk, wsum);
+            if (out) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int e = lane + 32 * i;
-            if (out && e < E)
-                p.probs[(size_t)t * E + e] = v[i];
-        }
-        if (out && lane == 0)
-            p.lse[t] = lse_t;
-        if (lane == 0) {
+                for (int i = 0; i < 8; i++)
+                    if (lane + 32 * i < p.E)
+                        p.probs[(size_t)t * p.E + lane + 32 * i] = v[i];
+            }
+            if (lane == 0) {
+                if (out)
+                    p.lse[t] = lse_t;
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-                if (j < K) {
-                    sm.u.r.idx[t * K + j] = ik[j];
-                    if (out) {
-                        p.topk_idx[(size_t)t * K + j] = ik[j];
-                        p.topk_w[(size_t)t * K + j] = p.renorm ? wk[j] / wsum : wk[j];
+                for (int j = 0; j < 8; j++)
+                    if (j < K) {
+                        sm.u.r.idx[t * K + j] = ik[j];
+                        if (out) {
+                            p.topk_idx[(size_t)t * K + j] = ik[j];
+                            p.topk_w[(size_t)t * K + j] = p.renorm ? wk[j] / wsum : wk[j];
+                        }
                     }
-                }
+            }
         }
     }
     if (S <= 32 && p.small_layout)
         layout_small(p, sm, out);
     else
         layout_general(p, sm, out);
-    if (out) {           /* aux and z statistics, as k_stats_part + k_stats_final (T <= 256) */
-        __syncthreads(); /* probs and lse of this CTA are visible to the block */
-        for (int e = tid; e <= E; e += UP_NT) {
-            float s = 0.f;
-            if (e < E)
-                for (int t = 0; t < T; t++)
-                    s += p.probs[(size_t)t * E + e];
-            else
-                for (int t = 0; t < T; t++)
-                    s += p.lse[t] * p.lse[t];
-            sm.col[e] = 0.f + s;
-        }
-        __syncthreads();
-        if (tid == 0) {
-            float aux = 0.f;
-            for (int e = 0; e < E; e++)
-                aux += (float)sm.cnt[e] * (sm.col[e] / (float)T);
-            p.stats[0] = aux * (float)E / ((float)K * (float)T);
-            p.stats[1] = sm.col[E] / (float)T;
+    __syncthreads();
+}
+
+/* the writing CTA, after its up tiles (off the critical path): counts and
+ * drops from its layout, and the aux/z statistics from the router CTAs'
+ * column sums, or from the probs it wrote (as k_stats_part + k_stats_final, in another summation
+ * order: aux = E/(K T) sum_e counts_e mean_t p[t,e], z = mean_t lse_t^2) */
+__device__ void dec_stats(const up_params &p, up_smem &sm)
+{
+    const int E = p.E, T = p.T, lane = threadIdx.x & 31;
+    __syncthreads();
+    for (int e = threadIdx.x; e <= E; e += UP_NT) {
+        float sum = 0.f;
+        if (!p.logits)
+            for (int b = 0; b < p.nrt; b++)
+                sum += p.colpart[(size_t)b * (E + 1) + e];
+        else if (e < E) /* this CTA wrote probs and lse (dec_route) */
+            for (int t = 0; t < T; t++)
+                sum += p.probs[(size_t)t * E + e];
+        else
+            for (int t = 0; t < T; t++)
+                sum += p.lse[t] * p.lse[t];
+        sm.col[e] = sum;
+        if (e < E) {
+            p.counts[e] = sm.cnt[e];
+            p.dropped[e] = sm.cnt[e] - sm.kept[e];
         }
     }
     __syncthreads();
+    if (threadIdx.x < 32) {
+        float aux = 0.f;
+        for (int e = lane; e < E; e += 32)
+            aux += (float)sm.cnt[e] * (sm.col[e] / (float)T);
+        aux = kcu_topk::warp_sum(aux);
+        if (lane == 0) {
+            p.stats[0] = aux * (float)E / ((float)p.K * (float)T);
+            p.stats[1] = sm.col[E] / (float)T;
+        }
+    }
 }
 
 template <int NB, int SWIGLU>
@@ -545,7 +661,7 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
     pdl_launch();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int tid = threadIdx.x;
-    const bool route = p.logits != nullptr;
+    const bool route = p.topk_idx != nullptr;
     if (route) {
         dec_route(p, sm);
     } else {
@@ -658,6 +774,8 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
                 __syncthreads();
         }
     }
+    if (route && blockIdx.x == gridDim.x - 1)
+        dec_stats(p, sm);
 }
 
 /* ---- 3. down-projection + combine ---- */
@@ -874,12 +992,15 @@ template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, c
     if (!occ[di] || dev != di) {
         KCU_CHECK(cudaFuncSetAttribute(k_dec_down<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        DN_SMEM_MAX));
-        occ[di] = blocks_per_sm(k_dec_down<NB>, DN_NT, DN_SMEM_MAX);
+        occ[di] = blocks_per_sm(k_dec_down<NB>, DN_NT, DN_SMEM_PART);
     }
-    size_t smem = (size_t)nrows_max * DN_COLS * 4 * 9; /* ys + up to 8 partials */
+    /* ys + up to 8 partials, within DN_SMEM_PART; past that ys alone (the
+     * split of F then stays 1) */
+    const size_t ys = (size_t)nrows_max * DN_COLS * 4;
+    size_t smem = ys * 9;
+    if (smem > DN_SMEM_PART)
+        smem = ys > DN_SMEM_PART ? ys : DN_SMEM_PART;
     if (smem > DN_SMEM_MAX)
-        smem = DN_SMEM_MAX;
-    if (smem < (size_t)nrows_max * DN_COLS * 4)
         return MOE_EINVAL; /* not reached: nrows_max <= DEC_SMAX */
     dp.smem_floats = (int)(smem / 4);
     int grid = dp.H / DN_COLS;
@@ -916,6 +1037,15 @@ int env_setting(int &cache, const char *name, int dflt)
             cache = 0;
     }
     return cache;
+}
+
+/* layout_small and routing in the up CTAs for at most 32 slots
+ * (KCU_DEC_SMALL_LAYOUT, default 1; 0: the general layout, routing in the
+ * router) */
+int dec_small_layout()
+{
+    static int small = -1;
+    return env_setting(small, "KCU_DEC_SMALL_LAYOUT", 1);
 }
 
 int decode_tmax()
@@ -960,7 +1090,18 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
     rp.H = H;
     rp.E = E;
     rp.Ep = l->Ep;
+    rp.K = K;
+    rp.cap = cap;
+    rp.renorm = c->renorm;
     rp.logits = l->logits;
+    rp.probs = l->probs;
+    rp.lse = l->lse;
+    rp.topk_idx = l->topk_idx;
+    rp.topk_w = l->topk_w;
+    rp.colpart = l->statpart;
+    rp.sync = l->dsync;
+    /* at most 32 slots: the up CTAs route (no grid barrier on the path) */
+    rp.topk = S > 32 || !dec_small_layout();
     KCU_TRY(launch_router(rp, st));
 
     up_params up;
@@ -973,27 +1114,30 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
     up.E = E;
     up.swiglu = c->act == KERN_ACT_SWIGLU;
     up.h = l->h;
-    up.logits = l->logits;
-    up.Ep = l->Ep;
+    up.topk_idx = l->topk_idx;
+    if (!rp.topk) {
+        up.logits = l->logits;
+        up.Ep = l->Ep;
+        up.renorm = c->renorm;
+        up.probs = l->probs;
+        up.lse = l->lse;
+        up.topk_w = l->topk_w;
+    }
     up.T = T;
     up.K = K;
     up.cap = cap;
-    up.renorm = c->renorm;
-    up.probs = l->probs;
-    up.lse = l->lse;
-    up.topk_w = l->topk_w;
-    up.stats = l->stats;
-    up.topk_idx = l->topk_idx;
+    up.offs = l->offs;
+    up.colpart = l->statpart;
+    up.nrt = KCU_CEIL_DIV(E, 16);
     up.counts = l->counts;
     up.dropped = l->dropped;
-    up.offs = l->offs;
+    up.stats = l->stats;
     up.perm = l->perm;
     up.tok = l->tok;
     up.spos = l->spos;
     const int rows = T < cap ? T : cap; /* rows per expert at most */
     up.ks_force = kcu_decode_force_ks;
-    static int small = -1;
-    up.small_layout = env_setting(small, "KCU_DEC_SMALL_LAYOUT", 1);
+    up.small_layout = dec_small_layout();
     KCU_TRY(launch_up(up, rows, l->nsm, st));
 
     dn_params dp;

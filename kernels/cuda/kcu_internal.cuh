@@ -109,6 +109,8 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
 void kcu_gemm_select(int version, int tma, int cluster);
 
 /* ---- the layer ---- */
+#define KCU_DSYNC_WORDS 2
+
 struct kcu_layer {
     kcu_config c;
     int Ep; /* E rounded up to KCU_BN: padded router rows */
@@ -126,6 +128,8 @@ struct kcu_layer {
     bf16 *gb_w2;  /* (E,H,F) instead of g_w2 when c.grad_bf16 */
     void *ws;
     size_t ws_bytes;
+    uint32_t *dsync;    /* (KCU_DSYNC_WORDS) the decode router's grid barrier:
+                         * its own allocation, zeroed at create (never poisoned with ws) */
     bf16 *xs;           /* (T,H) staged input */
     float *stage;       /* (T,H) f32 staging for host inputs and outputs: its own
                          * allocation, made on the first host transfer (NULL before) */
@@ -194,6 +198,8 @@ struct kcu_experts {
     size_t nparam; /* ne*(N1*H + H*F) */
     void *ws;
     size_t ws_bytes;
+    uint32_t *dsync;  /* (KCU_DSYNC_WORDS) the decode router's grid barrier:
+                       * its own allocation, zeroed at create (never poisoned with ws) */
     bf16 *xs;         /* (N_max,H) staged input, kept for backward */
     bf16 *io;         /* (N_max,H) staged dy */
     float *stage;     /* (N_max,H) f32 staging for host inputs and outputs */

@@ -172,7 +172,9 @@ void carve_ws(kcu_layer *l, carve *cv)
     cv->take(&l->ntiles, 4);
     cv->take(&l->cglob, E * 4);
     cv->take(&l->stats, 2 * 4);
-    cv->take(&l->statpart, KCU_CEIL_DIV(T, (size_t)256) * (E + 1) * 4);
+    /* k_stats_part's blocks of 256 tokens, or the decode router's CTAs */
+    const size_t nstat = KCU_CEIL_DIV(T, (size_t)256), nrt = KCU_CEIL_DIV(E, (size_t)16);
+    cv->take(&l->statpart, (nstat > nrt ? nstat : nrt) * (E + 1) * 4);
     cv->take(&l->spos, S * 4);
     cv->take(&l->dropped, E * 4);
     cv->take(&l->h, S * F * 2);
@@ -293,7 +295,9 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     carve_ws(l, &cv);
     l->ws_bytes = cv.off;
     if (cudaMalloc(&l->params, l->params_bytes) != cudaSuccess ||
-        cudaMalloc(&l->ws, l->ws_bytes) != cudaSuccess) {
+        cudaMalloc(&l->ws, l->ws_bytes) != cudaSuccess ||
+        cudaMalloc(&l->dsync, KCU_DSYNC_WORDS * 4) != cudaSuccess ||
+        cudaMemset(l->dsync, 0, KCU_DSYNC_WORDS * 4) != cudaSuccess) {
         (void)cudaGetLastError();
         fprintf(stderr, "kcu_layer_create: cudaMalloc of %zu + %zu bytes failed\n", l->params_bytes,
                 l->ws_bytes);
@@ -316,6 +320,8 @@ extern "C" void kcu_layer_destroy(kcu_layer *l)
         cudaFree(l->params);
     if (l->ws)
         cudaFree(l->ws);
+    if (l->dsync)
+        cudaFree(l->dsync);
     if (l->stage)
         cudaFree(l->stage);
     if (l->ye_own)
