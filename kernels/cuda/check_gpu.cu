@@ -1339,6 +1339,19 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
     r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 5;
     r->gemm_same = dl(l->topk_idx, S) == idx_g;
     r->y_gemm = r->gemm_same ? relerr(y.data(), yg.data(), y.size()) : 0.0;
+    { /* the GEMM path's counts, drops and statistics (kcu_route_small for few
+       * slots, else kcu_route + kcu_stats) against the same references */
+        std::vector<int32_t> cg(E), dg(E);
+        float ag, zg;
+        CKM(kcu_forward_stats(l, cg.data(), dg.data(), &ag, &zg, NULL));
+        if (r->gemm_same) {
+            r->layout_ok = r->layout_ok && cg == cnt_r && dg == drop_r;
+            const float aux_r = kern_aux_loss_cpu(probs_g.data(), cg.data(), T, E, K);
+            const float z_r = kern_z_loss_cpu(lg.data(), T, E);
+            r->aux = fmax(r->aux, fabs(ag - aux_r) / fmax(fabs(aux_r), 1e-6));
+            r->z = fmax(r->z, fabs(zg - z_r) / fmax(fabs(z_r), 1e-6));
+        }
+    }
     kcu_layer_destroy(l);
 
     const double v[] = {r->logits, r->probs,  r->tw,  r->y, r->y_ks1,

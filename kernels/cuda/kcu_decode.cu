@@ -62,6 +62,7 @@ constexpr int DN_NW = 16, DN_NT = DN_NW * 32;
 constexpr int RT_NW = 8, RT_NT = RT_NW * 32;
 constexpr int KU = 4;                   /* 32-wide k blocks loaded per batch */
 constexpr int RT_KB = 8;                /* the router's batch: H = 2048 split over 8 warps in one */
+constexpr int RT_CTAS = KCU_RT_CTAS;    /* the router grid at most */
 constexpr int DN_COLS = 16;             /* output columns per down CTA task */
 constexpr int DN_SMEM_PART = 96 * 1024; /* ys and the split-F partials, at most */
 constexpr int DN_SMEM_MAX = 200 * 1024; /* ys alone at DEC_SMAX rows: 128 KB */
@@ -100,10 +101,11 @@ struct up_params {
     int32_t *offs, *perm, *tok, *spos;
     const float *colpart; /* (nrt, E+1) the router CTAs' column sums (logits NULL) */
     int nrt;
-    int32_t *counts, *dropped; /* (E) before / dropped by the capacity */
-    float *stats;              /* (2) aux, z */
-    int ks_force;              /* 0 = choose the split of H, else at most this (checks) */
-    int small_layout;          /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
+    int32_t *counts, *dropped;          /* (E) before / dropped by the capacity */
+    float *stats;                       /* (2) aux, z */
+    int32_t *tile_e, *tile_r0, *ntiles; /* k_route_layout: the GEMM path's tile list */
+    int ks_force;                       /* 0 = choose the split of H, else at most this (checks) */
+    int small_layout; /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
     dec_offs go;
 };
 
@@ -304,16 +306,17 @@ __device__ __forceinline__ uint32_t ld_acquire(const uint32_t *p)
 }
 
 /* every CTA of the router grid waits here until all have arrived (their
- * logits written). The grid is at most DEC_EMAX/16 CTAs, all resident once
- * the previous kernel has ended (pdl_wait). sync[0] counts arrivals (the
- * last one resets it), sync[1] is the generation the others wait to change. */
+ * logits written). The grid is at most RT_CTAS CTAs, launched cooperatively
+ * (all resident). sync[0] counts arrivals (the last one resets it), sync[1]
+ * is the generation the others wait to change. */
 __device__ void router_grid_sync(uint32_t *sync)
 {
+    const uint32_t ncta = gridDim.x * gridDim.y;
     __syncthreads();
-    if (threadIdx.x == 0 && gridDim.x > 1) {
+    if (threadIdx.x == 0 && ncta > 1) {
         const uint32_t gen = ld_acquire(sync + 1);
         __threadfence();
-        if (atomicAdd(sync, 1u) == gridDim.x - 1) {
+        if (atomicAdd(sync, 1u) == ncta - 1) {
             atomicExch(sync, 0u);
             __threadfence();
             atomicAdd(sync + 1, 1u);
@@ -326,8 +329,9 @@ __device__ void router_grid_sync(uint32_t *sync)
     __syncthreads();
 }
 
-/* logits (T,Ep) = xb wr^T: CTA b takes router rows [16b, 16b+16), its 8
- * warps split H, partial sums added in warp order (fixed). Then, once every
+/* logits (T,Ep) = xb wr^T: CTA (bx, by) takes router rows [16bx, 16bx+16)
+ * of the token passes by, by + gridDim.y, ... (32 tokens per pass at NB=4),
+ * its 8 warps split H, partial sums added in warp order (fixed). Then, once every
  * CTA's rows are written, softmax/top-k with one token per warp of the grid
  * (kcu_topk, as k_softmax_topk) and per-CTA column sums of the
  * probabilities and of lse^2 for the statistics (dec_stats). The routing is
@@ -344,8 +348,9 @@ __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt
     const int nkb = p.H / 32;
     const int kb0 = warp * nkb / RT_NW, kb1 = (warp + 1) * nkb / RT_NW;
     const int row0 = blockIdx.x * 16;
+    const int cta = blockIdx.y * gridDim.x + blockIdx.x, ncta = gridDim.x * gridDim.y;
     const bf16 *wrow = p.wr + (size_t)(row0 + g) * p.H;
-    for (int t0 = 0; t0 < T; t0 += 8 * NB) {
+    for (int t0 = blockIdx.y * 8 * NB; t0 < T; t0 += gridDim.y * 8 * NB) {
         const int ntok = min(8 * NB, T - t0);
         const bf16 *xr[NB];
         bool xv[NB];
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt
 
     /* softmax/top-k: token t on warp t of the grid (strided) */
     float cs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, z = 0.f;
-    for (int t = blockIdx.x * RT_NW + warp; t < T; t += gridDim.x * RT_NW) {
+    for (int t = cta * RT_NW + warp; t < T; t += ncta * RT_NW) {
         float v[8], lse_t, wk[8], wsum;
         int ik[8];
         kcu_topk::softmax_topk(p.logits + (size_t)t * p.Ep, E, K, v, lse_t, ik, wk, wsum);
@@ -419,7 +424,7 @@ __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt
         float sum = 0.f;
         for (int w = 0; w < RT_NW; w++)
             sum += colw[w][e];
-        p.colpart[(size_t)blockIdx.x * (E + 1) + e] = sum;
+        p.colpart[(size_t)cta * (E + 1) + e] = sum;
     }
 }
 
@@ -778,6 +783,36 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
         dec_stats(p, sm);
 }
 
+/* ---- the GEMM path's routing for few slots (kcu_route_small) ---- */
+
+/* one CTA after k_dec_router: the layout of its choices (as dec_route in
+ * the writing CTA), the tile list of BM-row tiles per expert (as
+ * k_layout_scan), counts, drops and statistics - in place of
+ * k_softmax_topk, the three k_layout_* kernels and k_stats_* */
+__global__ void __launch_bounds__(UP_NT) k_route_layout(const __grid_constant__ up_params p)
+{
+    __shared__ up_smem sm;
+    __shared__ int ntl[DEC_EMAX], toff[DEC_EMAX + 1];
+    pdl_wait();
+    pdl_launch();
+    dec_route(p, sm);
+    const int E = p.E;
+    for (int e = threadIdx.x; e < E; e += UP_NT)
+        ntl[e] = KCU_CEIL_DIV(sm.kept[e], KCU_BM);
+    __syncthreads();
+    if (threadIdx.x < 32)
+        scan_offsets(ntl, E, toff);
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += UP_NT)
+        for (int i = toff[e]; i < toff[e + 1]; i++) {
+            p.tile_e[i] = e;
+            p.tile_r0[i] = sm.off[e] + (i - toff[e]) * KCU_BM;
+        }
+    if (threadIdx.x == 0)
+        *p.ntiles = toff[E];
+    dec_stats(p, sm);
+}
+
 /* ---- 3. down-projection + combine ---- */
 template <int NB>
 __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ dn_params p)
@@ -901,29 +936,37 @@ int env_int(const char *name, int dflt)
 int pdl_state = -1; /* -1 unknown, 0 off, 1 on */
 
 /* launch with programmatic stream serialisation (falls back to a plain
- * launch, for good, if the runtime refuses the attribute) */
+ * launch, for good, if the runtime refuses the attribute); coop: a
+ * cooperative launch (every CTA resident at once: grid barriers) */
 template <typename P>
-cudaError_t launch(void (*k)(P), unsigned grid, unsigned block, size_t smem, cudaStream_t st,
-                   const P &prm)
+cudaError_t launch(void (*k)(P), dim3 grid, unsigned block, size_t smem, cudaStream_t st,
+                   const P &prm, bool coop = false)
 {
     if (pdl_state < 0)
         pdl_state = env_int("KCU_PDL", 1) != 0;
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof(cfg));
-    cfg.gridDim = dim3(grid);
+    cfg.gridDim = grid;
     cfg.blockDim = dim3(block);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute at[2];
+    unsigned n = 0;
+    if (coop) {
+        at[n].id = cudaLaunchAttributeCooperative;
+        at[n++].val.cooperative = 1;
+    }
+    if (pdl_state) {
+        at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
     cfg.attrs = at;
-    cfg.numAttrs = pdl_state ? 1 : 0;
+    cfg.numAttrs = n;
     cudaError_t e = cudaLaunchKernelEx(&cfg, k, prm);
-    if (e != cudaSuccess && cfg.numAttrs) {
+    if (e != cudaSuccess && pdl_state) {
         (void)cudaGetLastError();
         pdl_state = 0;
-        cfg.numAttrs = 0;
+        cfg.numAttrs = n - 1;
         e = cudaLaunchKernelEx(&cfg, k, prm);
     }
     return e;
@@ -945,19 +988,28 @@ int nb_for(int rows)
     return rows <= 8 ? 1 : rows <= 16 ? 2 : 4;
 }
 
-moe_err launch_router(const rt_params &rp, cudaStream_t st)
+/* the router grid: ceil(E/16) x token groups of 8 NB tokens, at most
+ * RT_CTAS CTAs and what the GPU holds at once (cooperative launch when it
+ * routes: grid barrier); *ncta: its CTAs (the column-sum rows it writes) */
+template <int NB> moe_err launch_router_t(const rt_params &rp, int nsm, cudaStream_t st, int *ncta)
 {
-    const unsigned grid = KCU_CEIL_DIV(rp.E, 16);
-    const int nb = nb_for(rp.T);
-    cudaError_t e;
-    if (nb == 1)
-        e = launch(k_dec_router<1>, grid, RT_NT, 0, st, rp);
-    else if (nb == 2)
-        e = launch(k_dec_router<2>, grid, RT_NT, 0, st, rp);
-    else
-        e = launch(k_dec_router<4>, grid, RT_NT, 0, st, rp);
-    KCU_CHECK(e);
+    static int occ = 0;
+    if (!occ)
+        occ = blocks_per_sm(k_dec_router<NB>, RT_NT, 0);
+    const int gx = KCU_CEIL_DIV(rp.E, 16), cap = min(RT_CTAS, nsm * occ);
+    int gy = rp.topk ? KCU_CEIL_DIV(rp.T, 8 * NB) : 1;
+    gy = max(1, min(gy, cap / gx));
+    *ncta = gx * gy;
+    KCU_CHECK(launch(k_dec_router<NB>, dim3(gx, gy), RT_NT, 0, st, rp, rp.topk != 0));
     return MOE_OK;
+}
+
+moe_err launch_router(const rt_params &rp, int nsm, cudaStream_t st, int *ncta)
+{
+    const int nb = nb_for(rp.T);
+    return nb == 1   ? launch_router_t<1>(rp, nsm, st, ncta)
+           : nb == 2 ? launch_router_t<2>(rp, nsm, st, ncta)
+                     : launch_router_t<4>(rp, nsm, st, ncta);
 }
 
 template <int NB, int SW> moe_err launch_up_t(const up_params &up, int nsm, cudaStream_t st)
@@ -965,7 +1017,7 @@ template <int NB, int SW> moe_err launch_up_t(const up_params &up, int nsm, cuda
     static int occ = 0;
     if (!occ)
         occ = blocks_per_sm(k_dec_up<NB, SW>, UP_NT, 0);
-    KCU_CHECK(launch(k_dec_up<NB, SW>, (unsigned)(nsm * occ), UP_NT, 0, st, up));
+    KCU_CHECK(launch(k_dec_up<NB, SW>, dim3(nsm * occ), UP_NT, 0, st, up));
     return MOE_OK;
 }
 
@@ -1006,7 +1058,7 @@ template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, c
     int grid = dp.H / DN_COLS;
     if (grid > nsm * occ[di])
         grid = nsm * occ[di];
-    KCU_CHECK(launch(k_dec_down<NB>, (unsigned)grid, DN_NT, smem, st, dp));
+    KCU_CHECK(launch(k_dec_down<NB>, dim3(grid), DN_NT, smem, st, dp));
     return MOE_OK;
 }
 
@@ -1078,21 +1130,23 @@ int kcu_decode_use(const kcu_layer *l, int T, int train)
            c->F % 128 == 0;
 }
 
-moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
-                           cudaStream_t st)
+namespace
 {
-    const kcu_config *c = &l->c;
-    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+
+/* the router's parameters for layer l (topk: softmax/top-k in the router) */
+rt_params router_params(const kcu_layer *l, int T, const bf16 *xb, int cap, int topk)
+{
     rt_params rp;
+    memset(&rp, 0, sizeof(rp));
     rp.x = xb;
     rp.wr = l->wr;
     rp.T = T;
-    rp.H = H;
-    rp.E = E;
+    rp.H = l->c.H;
+    rp.E = l->c.E;
     rp.Ep = l->Ep;
-    rp.K = K;
+    rp.K = l->c.K;
     rp.cap = cap;
-    rp.renorm = c->renorm;
+    rp.renorm = l->c.renorm;
     rp.logits = l->logits;
     rp.probs = l->probs;
     rp.lse = l->lse;
@@ -1100,21 +1154,73 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
     rp.topk_w = l->topk_w;
     rp.colpart = l->statpart;
     rp.sync = l->dsync;
-    /* at most 32 slots: the up CTAs route (no grid barrier on the path) */
-    rp.topk = S > 32 || !dec_small_layout();
-    KCU_TRY(launch_router(rp, st));
+    rp.topk = topk;
+    return rp;
+}
 
+/* the layout's parameters for layer l after the router (nrt CTAs) */
+up_params layout_params(const kcu_layer *l, int T, int cap, int nrt)
+{
     up_params up;
     memset(&up, 0, sizeof(up));
+    up.E = l->c.E;
+    up.topk_idx = l->topk_idx;
+    up.T = T;
+    up.K = l->c.K;
+    up.cap = cap;
+    up.offs = l->offs;
+    up.perm = l->perm;
+    up.tok = l->tok;
+    up.spos = l->spos;
+    up.colpart = l->statpart;
+    up.nrt = nrt;
+    up.counts = l->counts;
+    up.dropped = l->dropped;
+    up.stats = l->stats;
+    up.small_layout = dec_small_layout();
+    return up;
+}
+
+} // namespace
+
+int kcu_route_small_use(const kcu_layer *l, int T, int train)
+{
+    const kcu_config *c = &l->c;
+    static int on = -1;
+    return !train && env_setting(on, "KCU_ROUTE_SMALL", 1) && (long long)T * c->K <= DEC_SMAX &&
+           c->E <= DEC_EMAX && c->H % 128 == 0;
+}
+
+moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st)
+{
+    int nrt = 0;
+    KCU_TRY(launch_router(router_params(l, T, xb, cap, 1), l->nsm, st, &nrt));
+    up_params up = layout_params(l, T, cap, nrt);
+    up.tile_e = l->tile_e;
+    up.tile_r0 = l->tile_r0;
+    up.ntiles = l->ntiles;
+    KCU_CHECK(launch(k_route_layout, dim3(1), UP_NT, 0, st, up));
+    return MOE_OK;
+}
+
+moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
+                           cudaStream_t st)
+{
+    const kcu_config *c = &l->c;
+    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    /* at most 32 slots: the up CTAs route (no grid barrier on the path) */
+    const rt_params rp = router_params(l, T, xb, cap, S > 32 || !dec_small_layout());
+    int nrt = 0;
+    KCU_TRY(launch_router(rp, l->nsm, st, &nrt));
+
+    up_params up = layout_params(l, T, cap, nrt);
     up.x = xb;
     up.w13 = l->w13;
     up.N1 = l->N1;
     up.H = H;
     up.F = F;
-    up.E = E;
     up.swiglu = c->act == KERN_ACT_SWIGLU;
     up.h = l->h;
-    up.topk_idx = l->topk_idx;
     if (!rp.topk) {
         up.logits = l->logits;
         up.Ep = l->Ep;
@@ -1123,21 +1229,8 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
         up.lse = l->lse;
         up.topk_w = l->topk_w;
     }
-    up.T = T;
-    up.K = K;
-    up.cap = cap;
-    up.offs = l->offs;
-    up.colpart = l->statpart;
-    up.nrt = KCU_CEIL_DIV(E, 16);
-    up.counts = l->counts;
-    up.dropped = l->dropped;
-    up.stats = l->stats;
-    up.perm = l->perm;
-    up.tok = l->tok;
-    up.spos = l->spos;
     const int rows = T < cap ? T : cap; /* rows per expert at most */
     up.ks_force = kcu_decode_force_ks;
-    up.small_layout = dec_small_layout();
     KCU_TRY(launch_up(up, rows, l->nsm, st));
 
     dn_params dp;

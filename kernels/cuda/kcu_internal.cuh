@@ -110,6 +110,7 @@ void kcu_gemm_select(int version, int tma, int cluster);
 
 /* ---- the layer ---- */
 #define KCU_DSYNC_WORDS 2
+#define KCU_RT_CTAS     128 /* the decode router's grid at most: rows of statpart it writes */
 
 struct kcu_layer {
     kcu_config c;
@@ -279,6 +280,14 @@ int kcu_decode_use(const kcu_layer *l, int T, int train);
  * device input xb; y a device pointer of y_dtype */
 moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
                            cudaStream_t st);
+/* kcu_route_small_use: whether an inference forward on the GEMM path routes
+ * with kcu_route_small (few slots) instead of the router GEMM, kcu_route and
+ * kcu_stats (host only) */
+int kcu_route_small_use(const kcu_layer *l, int T, int train);
+/* kcu_route_small: logits, probs, lse, topk, counts, dropped, offs, perm,
+ * tok, spos, the tile list and the statistics in two kernels (the decode
+ * router and one layout CTA) */
+moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st);
 int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, int keep);
 /* y (N,H) device of y_dtype from the bf16 device rows xb grouped by counts */
 moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const int32_t *counts,

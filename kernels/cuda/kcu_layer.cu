@@ -94,6 +94,42 @@ int kcu_sorted_mode(const kcu_config *c)
 namespace
 {
 
+/* the GEMM path's routing: logits (T,Ep) = xb wr^T by the grouped GEMM
+ * kernel, then kcu_route (softmax/top-k and the layout with capacity) */
+moe_err route_gemm(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st)
+{
+    kcu_gemm_args a;
+    memset(&a, 0, sizeof(a));
+    a.A = xb;
+    a.lda = l->c.H;
+    a.B = l->wr;
+    a.ldb = l->c.H;
+    a.M = T;
+    a.N = l->Ep;
+    a.K = l->c.H;
+    a.Cf = l->logits;
+    a.ldc = l->Ep;
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, l->nsm, st));
+    return kcu_route(l, T, cap, st);
+}
+
+/* inference forwards with few routed rows copy x[tok] into sorted rows
+ * (in ye, as mode 1) even where the layer's mode is 0: the copy is small
+ * and the up-projection then streams dense tiles by TMA (v7) instead of
+ * gathering rows (v2). KCU_SORTED_INFER: the most routed rows that take it
+ * (default 8192; 0 = never). */
+int sorted_infer(const kcu_layer *l, int T, int train)
+{
+    static int rows = -1;
+    if (rows < 0) {
+        const char *s = getenv("KCU_SORTED_INFER");
+        rows = s && *s ? atoi(s) : 8192;
+        if (rows < 0)
+            rows = 0;
+    }
+    return !train && (long long)T * l->c.K <= rows;
+}
+
 size_t align_up(size_t n)
 {
     return (n + 255) & ~(size_t)255;
@@ -173,7 +209,7 @@ void carve_ws(kcu_layer *l, carve *cv)
     cv->take(&l->cglob, E * 4);
     cv->take(&l->stats, 2 * 4);
     /* k_stats_part's blocks of 256 tokens, or the decode router's CTAs */
-    const size_t nstat = KCU_CEIL_DIV(T, (size_t)256), nrt = KCU_CEIL_DIV(E, (size_t)16);
+    const size_t nstat = KCU_CEIL_DIV(T, (size_t)256), nrt = KCU_RT_CTAS;
     cv->take(&l->statpart, (nstat > nrt ? nstat : nrt) * (E + 1) * 4);
     cv->take(&l->spos, S * 4);
     cv->take(&l->dropped, E * 4);
@@ -508,28 +544,20 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     KCU_TRY(ye_for_call(l, &ye));
 
     PHASE("f.router");
-    /* router: logits (T,Ep) = xb wr^T */
-    kcu_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.A = xb;
-    a.lda = H;
-    a.B = l->wr;
-    a.ldb = H;
-    a.M = T;
-    a.N = l->Ep;
-    a.K = H;
-    a.Cf = l->logits;
-    a.ldc = l->Ep;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, l->nsm, st));
     const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
-    KCU_TRY(kcu_route(l, T, cap, st));
+    const int small = kcu_route_small_use(l, T, train);
+    if (small) /* few slots: two kernels (kcu_decode.cu) */
+        KCU_TRY(kcu_route_small(l, T, xb, cap, st));
+    else
+        KCU_TRY(route_gemm(l, T, xb, cap, st));
     l->cap_fwd = cap;
     const int32_t *spos = cap < INT32_MAX ? l->spos : nullptr;
+    kcu_gemm_args a;
 
     /* sorted modes: x[tok] copied once into sorted rows (in ye, which the
      * down-projection overwrites later, or kept in xg for dW13) */
     const bf16 *xrows = xb;
-    if (l->sorted) {
+    if (l->sorted || sorted_infer(l, T, train)) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
         KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + c->E, T * K, H, dst, st));
@@ -541,7 +569,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     a = rows_args(l);
     a.A = xrows;
     a.lda = H;
-    a.a_gather = l->sorted ? nullptr : l->tok;
+    a.a_gather = xrows != xb ? nullptr : l->tok;
     a.B = l->w13;
     a.ldb = H;
     a.b_gstride = (long long)l->N1 * H;
@@ -579,7 +607,8 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     if (yhost)
         KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
-    KCU_TRY(kcu_stats(l, T, st));
+    if (!small) /* kcu_route_small wrote them */
+        KCU_TRY(kcu_stats(l, T, st));
     PHASE("f.end");
     l->T_fwd = train ? T : 0;
     return MOE_OK;
