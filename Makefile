@@ -126,9 +126,13 @@ bin/moe_bench: bench/moe_bench.cu $(CUDA_LIB)
 bin/ep_bench: bench/ep_bench.cu $(CUDA_LIB)
 	@mkdir -p bin
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIB) -lnccl -lpthread -ldl
+# topk_bench: the router's softmax/top-k on one warp, two versions (kcu_topk.cuh)
+bin/topk_bench: bench/topk_bench.cu kernels/cuda/kcu_topk.cuh
+	@mkdir -p bin
+	$(NVCC) $(NVCCFLAGS) -o $@ $<
 bench: bin/moe_bench bin/ep_bench
 	./bin/moe_bench
-all: bin/ep_bench
+all: bin/ep_bench bin/topk_bench
 endif
 
 FMT_SRC = $(sort $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))

@@ -630,9 +630,16 @@ __device__ void dec_stats(const up_params &p, up_smem &sm)
     __syncthreads();
     for (int e = threadIdx.x; e <= E; e += UP_NT) {
         float sum = 0.f;
-        if (!p.logits)
-            for (int b = 0; b < p.nrt; b++)
-                sum += p.colpart[(size_t)b * (E + 1) + e];
+        if (!p.logits) /* in CTA order, 16 loads in flight */
+            for (int b0 = 0; b0 < p.nrt; b0 += 16) {
+                float x[16];
+#pragma unroll
+                for (int q = 0; q < 16; q++)
+                    x[q] = b0 + q < p.nrt ? p.colpart[(size_t)(b0 + q) * (E + 1) + e] : 0.f;
+#pragma unroll
+                for (int q = 0; q < 16; q++)
+                    sum += x[q];
+            }
         else if (e < E) /* this CTA wrote probs and lse (dec_route) */
             for (int t = 0; t < T; t++)
                 sum += p.probs[(size_t)t * E + e];

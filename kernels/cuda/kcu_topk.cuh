@@ -90,6 +90,119 @@ __device__ __forceinline__ void softmax_topk_nv(const float *lt, int E, int K, f
     }
 }
 
+/* (value, index) a comes before b: larger value, then lower index */
+__device__ __forceinline__ bool before(float va, int ia, float vb, int ib)
+{
+    return va > vb || (va == vb && ia < ib);
+}
+/* compare-exchange: (a, ia) before (b, ib) afterwards */
+__device__ __forceinline__ void cex(float &a, int &ia, float &b, int &ib)
+{
+    const bool sw = before(b, ib, a, ia);
+    const float t = sw ? b : a;
+    const int ti = sw ? ib : ia;
+    b = sw ? a : b;
+    ib = sw ? ia : ib;
+    a = t;
+    ia = ti;
+}
+
+/* topk_merge: the 8 first (value, index) pairs of the warp in the order of
+ * `before`, every lane holding them sorted in (a, ai) at the end. Each lane
+ * starts with its own pairs sorted (padding: value -1, index INT_MAX, last);
+ * five butterfly levels each take the partner's 8 and keep the first 8 of
+ * the 16 (a bitonic merge: pairwise better of a[j] and b[7-j], then three
+ * compare-exchange stages). Latency: 5 x (16 shuffles + 4 dependent stages)
+ * instead of 8 x 5 dependent shuffle rounds of repeated arg-max. */
+__device__ __forceinline__ void topk_merge(float (&a)[8], int (&ai)[8])
+{
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        float b[8];
+        int bi[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            b[j] = __shfl_xor_sync(0xffffffffu, a[7 - j], o);
+            bi[j] = __shfl_xor_sync(0xffffffffu, ai[7 - j], o);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (before(b[j], bi[j], a[j], ai[j])) {
+                a[j] = b[j];
+                ai[j] = bi[j];
+            }
+#pragma unroll
+        for (int d = 4; d; d >>= 1)
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (!(j & d))
+                    cex(a[j], ai[j], a[j + d], ai[j + d]);
+    }
+}
+
+/* softmax_topk_bm: softmax_topk_nv with the top-k by topk_merge: the same
+ * probabilities and the same choices in the same order */
+template <int NV>
+__device__ __forceinline__ void softmax_topk_bm(const float *lt, int E, int K, float (&v)[8],
+                                                float &lse, int (&ik)[8], float (&wk)[8],
+                                                float &wsum)
+{
+    const int lane = threadIdx.x & 31;
+    float mx = -FLT_MAX;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        v[i] = i < NV && e < E ? __ldcg(lt + e) : -FLT_MAX;
+        mx = fmaxf(mx, v[i]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        v[i] = i < NV && e < E ? expf(v[i] - mx) : 0.f;
+        sum += v[i];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+        v[i] = v[i] / sum;
+    lse = mx + logf(sum);
+    float a[8];
+    int ai[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        const bool ok = i < NV && e < E;
+        a[i] = ok ? v[i] : -1.f;
+        ai[i] = ok ? e : INT_MAX;
+    }
+    /* the lane's own NV pairs sorted (indices already ascend with i) */
+    if (NV == 2) {
+        cex(a[0], ai[0], a[1], ai[1]);
+    } else if (NV == 4) {
+        cex(a[0], ai[0], a[1], ai[1]);
+        cex(a[2], ai[2], a[3], ai[3]);
+        cex(a[0], ai[0], a[2], ai[2]);
+        cex(a[1], ai[1], a[3], ai[3]);
+        cex(a[1], ai[1], a[2], ai[2]);
+    } else if (NV == 8) {
+#pragma unroll
+        for (int s = 0; s < 8; s++) /* odd-even transposition: 8 rounds */
+#pragma unroll
+            for (int j = s & 1; j + 1 < 8; j += 2)
+                cex(a[j], ai[j], a[j + 1], ai[j + 1]);
+    }
+    topk_merge(a, ai);
+    wsum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        ik[j] = j < K ? ai[j] : 0;
+        wk[j] = j < K ? a[j] : 0.f;
+        wsum += wk[j];
+    }
+}
+
 /* softmax_topk: the E (<= 256) logits lt of one token -> in v[i] the
  * probability of expert lane + 32 i (0 past E), lse = log sum exp, and the
  * K (<= 8) largest probabilities in descending order, ties to the lower
@@ -98,14 +211,20 @@ __device__ __forceinline__ void softmax_topk_nv(const float *lt, int E, int K, f
 __device__ __forceinline__ void softmax_topk(const float *lt, int E, int K, float (&v)[8],
                                              float &lse, int (&ik)[8], float (&wk)[8], float &wsum)
 {
+    /* measured (bench/topk_bench.cu, H100): the merge takes ~1950 cycles of
+     * the arg-max's ~5900 off at E=128 K=8 and is slower at K=1; the
+     * arg-max is kept below K=4 and for E <= 32 */
     if (E <= 32)
         softmax_topk_nv<1>(lt, E, K, v, lse, ik, wk, wsum);
     else if (E <= 64)
-        softmax_topk_nv<2>(lt, E, K, v, lse, ik, wk, wsum);
+        K < 4 ? softmax_topk_nv<2>(lt, E, K, v, lse, ik, wk, wsum)
+              : softmax_topk_bm<2>(lt, E, K, v, lse, ik, wk, wsum);
     else if (E <= 128)
-        softmax_topk_nv<4>(lt, E, K, v, lse, ik, wk, wsum);
+        K < 4 ? softmax_topk_nv<4>(lt, E, K, v, lse, ik, wk, wsum)
+              : softmax_topk_bm<4>(lt, E, K, v, lse, ik, wk, wsum);
     else
-        softmax_topk_nv<8>(lt, E, K, v, lse, ik, wk, wsum);
+        K < 4 ? softmax_topk_nv<8>(lt, E, K, v, lse, ik, wk, wsum)
+              : softmax_topk_bm<8>(lt, E, K, v, lse, ik, wk, wsum);
 }
 
 } // namespace kcu_topk
