@@ -710,12 +710,16 @@ moe_err ep_pipeline(kcu_ep *ep, int bwd, int train, cudaStream_t st)
     return MOE_OK;
 }
 
-/* routing state of the router view for T tokens from xb (T,H) */
-moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, cudaStream_t st)
+/* routing state of the router view for T tokens from xb (T,H): for few
+ * slots of an inference forward the decode router and one layout CTA
+ * (kcu_route_small), else the router GEMM, kcu_route and kcu_stats */
+moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
 {
     kcu_layer *R = &ep->R;
     const int H = ep->c.H, E = ep->c.E, K = ep->c.K, S = T * K;
-    if (T > 0) {
+    if (T > 0 && kcu_route_small_use(R, T, train)) {
+        KCU_TRY(kcu_route_small(R, T, xb, INT_MAX, st));
+    } else if (T > 0) {
         kcu_gemm_args a;
         memset(&a, 0, sizeof(a));
         a.A = xb;
@@ -890,7 +894,9 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         take(&R->ntiles, 4);
         take(&R->cglob, E * 4);
         take(&R->stats, 2 * 4);
-        take(&R->statpart, KCU_CEIL_DIV(T, (size_t)256) * (E + 1) * 4);
+        take(&R->statpart,
+             std::max(KCU_CEIL_DIV(T, (size_t)256), (size_t)KCU_RT_CTAS) * (E + 1) * 4);
+        take(&R->dsync, KCU_DSYNC_WORDS * 4);
         take(&R->spos, S * 4);
         take(&R->dropped, E * 4);
         take(&ep->xsend, S * H * 2);
@@ -917,7 +923,8 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         }
     }
     R->max_tiles = (int)(mt - 1);
-    if (cudaMemset(R->wr, 0, Ep * H * 2) != cudaSuccess) {
+    if (cudaMemset(R->wr, 0, Ep * H * 2) != cudaSuccess ||
+        cudaMemset(R->dsync, 0, KCU_DSYNC_WORDS * 4) != cudaSuccess) {
         kcu_ep_destroy(ep);
         return MOE_EINTERNAL;
     }
@@ -1016,7 +1023,7 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
         else
             KCU_TRY(stage(ep, x, x_dtype, ep->R.xs, (size_t)T * ep->c.H, st));
     }
-    KCU_TRY(ep_route(ep, T, xb, st));
+    KCU_TRY(ep_route(ep, T, xb, train, st));
     KCU_TRY(ep_exchange_counts(ep, st));
     if (ep->N > 0) {
         const int W = ep->c.world, ne = ep->ne;

@@ -25,15 +25,12 @@ __device__ __forceinline__ float warp_max(float v)
     return v;
 }
 
-/* softmax_topk_nv: softmax_topk for E <= 32 NV: each lane holds NV
- * logits (experts lane + 32 i, i < NV), so the selection loops run over
- * NV slots instead of 8 (the same choices, fewer instructions). The
- * logits are read through L2 (ld.global.cg): within one kernel they may
- * come from other CTAs. */
+/* softmax_slots: the probabilities of the E <= 32 NV logits lt in v[i]
+ * (expert lane + 32 i; 0 past E) and lse = log sum exp. The logits are read
+ * through L2 (ld.global.cg): within one kernel they may come from other
+ * CTAs. */
 template <int NV>
-__device__ __forceinline__ void softmax_topk_nv(const float *lt, int E, int K, float (&v)[8],
-                                                float &lse, int (&ik)[8], float (&wk)[8],
-                                                float &wsum)
+__device__ __forceinline__ void softmax_slots(const float *lt, int E, float (&v)[8], float &lse)
 {
     const int lane = threadIdx.x & 31;
     float mx = -FLT_MAX;
@@ -56,6 +53,18 @@ __device__ __forceinline__ void softmax_topk_nv(const float *lt, int E, int K, f
     for (int i = 0; i < NV; i++)
         v[i] = v[i] / sum;
     lse = mx + logf(sum);
+}
+
+/* softmax_topk_nv: softmax_topk for E <= 32 NV: each lane holds NV
+ * logits (experts lane + 32 i, i < NV), so the selection loops run over
+ * NV slots instead of 8 (the same choices, fewer instructions). */
+template <int NV>
+__device__ __forceinline__ void softmax_topk_nv(const float *lt, int E, int K, float (&v)[8],
+                                                float &lse, int (&ik)[8], float (&wk)[8],
+                                                float &wsum)
+{
+    softmax_slots<NV>(lt, E, v, lse);
+    const int lane = threadIdx.x & 31;
     unsigned taken = 0;
     wsum = 0.f;
 #pragma unroll
@@ -147,27 +156,8 @@ __device__ __forceinline__ void softmax_topk_bm(const float *lt, int E, int K, f
                                                 float &lse, int (&ik)[8], float (&wk)[8],
                                                 float &wsum)
 {
+    softmax_slots<NV>(lt, E, v, lse);
     const int lane = threadIdx.x & 31;
-    float mx = -FLT_MAX;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int e = lane + 32 * i;
-        v[i] = i < NV && e < E ? __ldcg(lt + e) : -FLT_MAX;
-        mx = fmaxf(mx, v[i]);
-    }
-    mx = warp_max(mx);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int e = lane + 32 * i;
-        v[i] = i < NV && e < E ? expf(v[i] - mx) : 0.f;
-        sum += v[i];
-    }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int i = 0; i < NV; i++)
-        v[i] = v[i] / sum;
-    lse = mx + logf(sum);
     float a[8];
     int ai[8];
 #pragma unroll
