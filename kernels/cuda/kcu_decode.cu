@@ -84,6 +84,11 @@ struct rt_params {
     float *colpart; /* (gridDim, E+1): per-CTA column sums of probs, sum lse^2 */
     uint32_t *sync; /* (2) zeroed at layer create: barrier count, generation */
     int topk;       /* 0: logits only (the up CTAs route: few slots) */
+    /* layout (the GEMM path, kcu_route_small): after a second barrier the
+     * CTAs build the layout of the choices, each a slice of the slots */
+    int layout;
+    int32_t *offs, *perm, *tok, *spos, *counts, *dropped, *tile_e, *tile_r0, *ntiles;
+    float *stats;
 };
 
 struct up_params {
@@ -101,11 +106,10 @@ struct up_params {
     int32_t *offs, *perm, *tok, *spos;
     const float *colpart; /* (nrt, E+1) the router CTAs' column sums (logits NULL) */
     int nrt;
-    int32_t *counts, *dropped;          /* (E) before / dropped by the capacity */
-    float *stats;                       /* (2) aux, z */
-    int32_t *tile_e, *tile_r0, *ntiles; /* k_route_layout: the GEMM path's tile list */
-    int ks_force;                       /* 0 = choose the split of H, else at most this (checks) */
-    int small_layout; /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
+    int32_t *counts, *dropped; /* (E) before / dropped by the capacity */
+    float *stats;              /* (2) aux, z */
+    int ks_force;              /* 0 = choose the split of H, else at most this (checks) */
+    int small_layout;          /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
     dec_offs go;
 };
 
@@ -296,6 +300,41 @@ __device__ void scan_offsets(const int *cnt, int E, int *off)
         off[E] = total;
 }
 
+/* column e of the router CTAs' column sums (nrt rows of E+1: the
+ * probabilities of expert e, or at e = E lse^2) added in row order, 16
+ * loads in flight */
+__device__ float colpart_sum(const float *colpart, int nrt, int E, int e)
+{
+    float sum = 0.f;
+    for (int b0 = 0; b0 < nrt; b0 += 16) {
+        float x[16];
+#pragma unroll
+        for (int q = 0; q < 16; q++)
+            x[q] = b0 + q < nrt ? __ldcg(colpart + (size_t)(b0 + q) * (E + 1) + e) : 0.f;
+#pragma unroll
+        for (int q = 0; q < 16; q++)
+            sum += x[q];
+    }
+    return sum;
+}
+
+/* warp 0: aux = E/(K T) sum_e cnt_e col_e / T and z = col_E / T (as
+ * k_stats_final, in another summation order) */
+__device__ void write_stats(const int *cnt, const float *col, int E, int K, int T, float *stats)
+{
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x >= 32)
+        return;
+    float aux = 0.f;
+    for (int e = lane; e < E; e += 32)
+        aux += (float)cnt[e] * (col[e] / (float)T);
+    aux = kcu_topk::warp_sum(aux);
+    if (lane == 0) {
+        stats[0] = aux * (float)E / ((float)K * (float)T);
+        stats[1] = col[E] / (float)T;
+    }
+}
+
 /* ---- 1. router: logits, softmax/top-k, counts and statistics ---- */
 
 __device__ __forceinline__ uint32_t ld_acquire(const uint32_t *p)
@@ -327,6 +366,97 @@ __device__ void router_grid_sync(uint32_t *sync)
         __threadfence();
     }
     __syncthreads();
+}
+
+/* the layout of the router's choices for the GEMM path, spread over the
+ * router's CTAs (after the barrier that follows the top-k): every CTA counts
+ * all S slots (and those before its own slice [s0, s1)), scans kept counts
+ * and tiles per expert; warp 0 ranks its slice in chunks of 32 (stable:
+ * the slots before it of each expert, then match_any within a chunk) and
+ * writes perm, tok, spos; each CTA writes its share of the tile list; CTA 0
+ * offs, counts, drops, the tile count and the statistics. The same rows as
+ * k_layout_* and dec_route. */
+__device__ void router_layout(const rt_params &p, int cta, int ncta)
+{
+    __shared__ int cnt[DEC_EMAX], pre[DEC_EMAX], off[DEC_EMAX + 1], toff[DEC_EMAX + 1];
+    __shared__ int tmp[DEC_EMAX];
+    __shared__ float col[DEC_EMAX + 1];
+    const int tid = threadIdx.x, lane = tid & 31, E = p.E, K = p.K, cap = p.cap;
+    const int S = p.T * K, s0 = (int)((long long)cta * S / ncta);
+    const int s1 = (int)((long long)(cta + 1) * S / ncta);
+    for (int e = tid; e < E; e += RT_NT)
+        cnt[e] = pre[e] = 0;
+    __syncthreads();
+    for (int s = tid; s < S; s += RT_NT) {
+        const int e = __ldcg(p.topk_idx + s);
+        atomicAdd(&cnt[e], 1);
+        if (s < s0)
+            atomicAdd(&pre[e], 1);
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += RT_NT)
+        tmp[e] = min(cnt[e], cap);
+    __syncthreads();
+    if (tid < 32)
+        scan_offsets(tmp, E, off);
+    __syncthreads();
+    for (int e = tid; e < E; e += RT_NT)
+        tmp[e] = KCU_CEIL_DIV(min(cnt[e], cap), KCU_BM);
+    __syncthreads();
+    if (tid < 32)
+        scan_offsets(tmp, E, toff);
+    __syncthreads();
+    if (tid < 32) {
+        for (int b = s0; b < s1; b += 32) {
+            const int s = b + lane;
+            const int e = s < s1 ? __ldcg(p.topk_idx + s) : -1;
+            const unsigned peers = __match_any_sync(0xffffffffu, e);
+            const unsigned lower = peers & ((1u << lane) - 1u);
+            const int rank = (e >= 0 ? pre[e] : 0) + __popc(lower);
+            __syncwarp();
+            if (e >= 0 && lower == 0)
+                pre[e] += __popc(peers);
+            __syncwarp();
+            if (s < s1) {
+                if (rank < min(cnt[e], cap)) {
+                    const int row = off[e] + rank;
+                    p.perm[row] = s;
+                    p.tok[row] = s / K;
+                    p.spos[s] = row;
+                } else {
+                    p.spos[s] = -1;
+                }
+            }
+        }
+    }
+    const int nt = toff[E], i0 = (int)((long long)cta * nt / ncta);
+    const int i1 = (int)((long long)(cta + 1) * nt / ncta);
+    for (int i = i0 + tid; i < i1; i += RT_NT) {
+        int lo = 0, hi = E - 1; /* the expert whose tiles hold i: toff[e] <= i < toff[e+1] */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (toff[mid] <= i)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        p.tile_e[i] = lo;
+        p.tile_r0[i] = off[lo] + (i - toff[lo]) * KCU_BM;
+    }
+    if (cta != 0)
+        return;
+    for (int e = tid; e <= E; e += RT_NT) {
+        p.offs[e] = off[e];
+        col[e] = colpart_sum(p.colpart, ncta, E, e);
+        if (e < E) {
+            p.counts[e] = cnt[e];
+            p.dropped[e] = cnt[e] - min(cnt[e], cap);
+        }
+    }
+    if (tid == 0)
+        *p.ntiles = nt;
+    __syncthreads();
+    write_stats(cnt, col, E, K, p.T, p.stats);
 }
 
 /* logits (T,Ep) = xb wr^T: CTA (bx, by) takes router rows [16bx, 16bx+16)
@@ -426,6 +556,10 @@ __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt
             sum += colw[w][e];
         p.colpart[(size_t)cta * (E + 1) + e] = sum;
     }
+    if (!p.layout)
+        return;
+    router_grid_sync(p.sync); /* every CTA's choices and column sums written */
+    router_layout(p, cta, ncta);
 }
 
 /* ---- 2. routing + up-projection ---- */
@@ -626,20 +760,12 @@ __device__ void dec_route(const up_params &p, up_smem &sm)
  * order: aux = E/(K T) sum_e counts_e mean_t p[t,e], z = mean_t lse_t^2) */
 __device__ void dec_stats(const up_params &p, up_smem &sm)
 {
-    const int E = p.E, T = p.T, lane = threadIdx.x & 31;
+    const int E = p.E, T = p.T;
     __syncthreads();
     for (int e = threadIdx.x; e <= E; e += UP_NT) {
         float sum = 0.f;
-        if (!p.logits) /* in CTA order, 16 loads in flight */
-            for (int b0 = 0; b0 < p.nrt; b0 += 16) {
-                float x[16];
-#pragma unroll
-                for (int q = 0; q < 16; q++)
-                    x[q] = b0 + q < p.nrt ? p.colpart[(size_t)(b0 + q) * (E + 1) + e] : 0.f;
-#pragma unroll
-                for (int q = 0; q < 16; q++)
-                    sum += x[q];
-            }
+        if (!p.logits)
+            sum = colpart_sum(p.colpart, p.nrt, E, e);
         else if (e < E) /* this CTA wrote probs and lse (dec_route) */
             for (int t = 0; t < T; t++)
                 sum += p.probs[(size_t)t * E + e];
@@ -653,16 +779,7 @@ __device__ void dec_stats(const up_params &p, up_smem &sm)
         }
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-        float aux = 0.f;
-        for (int e = lane; e < E; e += 32)
-            aux += (float)sm.cnt[e] * (sm.col[e] / (float)T);
-        aux = kcu_topk::warp_sum(aux);
-        if (lane == 0) {
-            p.stats[0] = aux * (float)E / ((float)p.K * (float)T);
-            p.stats[1] = sm.col[E] / (float)T;
-        }
-    }
+    write_stats(sm.cnt, sm.col, E, p.K, T, p.stats);
 }
 
 template <int NB, int SWIGLU>
@@ -788,36 +905,6 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
     }
     if (route && blockIdx.x == gridDim.x - 1)
         dec_stats(p, sm);
-}
-
-/* ---- the GEMM path's routing for few slots (kcu_route_small) ---- */
-
-/* one CTA after k_dec_router: the layout of its choices (as dec_route in
- * the writing CTA), the tile list of BM-row tiles per expert (as
- * k_layout_scan), counts, drops and statistics - in place of
- * k_softmax_topk, the three k_layout_* kernels and k_stats_* */
-__global__ void __launch_bounds__(UP_NT) k_route_layout(const __grid_constant__ up_params p)
-{
-    __shared__ up_smem sm;
-    __shared__ int ntl[DEC_EMAX], toff[DEC_EMAX + 1];
-    pdl_wait();
-    pdl_launch();
-    dec_route(p, sm);
-    const int E = p.E;
-    for (int e = threadIdx.x; e < E; e += UP_NT)
-        ntl[e] = KCU_CEIL_DIV(sm.kept[e], KCU_BM);
-    __syncthreads();
-    if (threadIdx.x < 32)
-        scan_offsets(ntl, E, toff);
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += UP_NT)
-        for (int i = toff[e]; i < toff[e + 1]; i++) {
-            p.tile_e[i] = e;
-            p.tile_r0[i] = sm.off[e] + (i - toff[e]) * KCU_BM;
-        }
-    if (threadIdx.x == 0)
-        *p.ntiles = toff[E];
-    dec_stats(p, sm);
 }
 
 /* ---- 3. down-projection + combine ---- */
@@ -1200,14 +1287,20 @@ int kcu_route_small_use(const kcu_layer *l, int T, int train)
 
 moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st)
 {
+    rt_params rp = router_params(l, T, xb, cap, 1);
+    rp.layout = 1;
+    rp.offs = l->offs;
+    rp.perm = l->perm;
+    rp.tok = l->tok;
+    rp.spos = l->spos;
+    rp.counts = l->counts;
+    rp.dropped = l->dropped;
+    rp.tile_e = l->tile_e;
+    rp.tile_r0 = l->tile_r0;
+    rp.ntiles = l->ntiles;
+    rp.stats = l->stats;
     int nrt = 0;
-    KCU_TRY(launch_router(router_params(l, T, xb, cap, 1), l->nsm, st, &nrt));
-    up_params up = layout_params(l, T, cap, nrt);
-    up.tile_e = l->tile_e;
-    up.tile_r0 = l->tile_r0;
-    up.ntiles = l->ntiles;
-    KCU_CHECK(launch(k_route_layout, dim3(1), UP_NT, 0, st, up));
-    return MOE_OK;
+    return launch_router(rp, l->nsm, st, &nrt);
 }
 
 moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,

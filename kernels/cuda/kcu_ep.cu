@@ -711,8 +711,8 @@ moe_err ep_pipeline(kcu_ep *ep, int bwd, int train, cudaStream_t st)
 }
 
 /* routing state of the router view for T tokens from xb (T,H): for few
- * slots of an inference forward the decode router and one layout CTA
- * (kcu_route_small), else the router GEMM, kcu_route and kcu_stats */
+ * slots of an inference forward the decode router alone (kcu_route_small),
+ * else the router GEMM, kcu_route and kcu_stats */
 moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
 {
     kcu_layer *R = &ep->R;

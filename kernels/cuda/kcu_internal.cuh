@@ -285,8 +285,8 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
  * kcu_stats (host only) */
 int kcu_route_small_use(const kcu_layer *l, int T, int train);
 /* kcu_route_small: logits, probs, lse, topk, counts, dropped, offs, perm,
- * tok, spos, the tile list and the statistics in two kernels (the decode
- * router and one layout CTA) */
+ * tok, spos, the tile list and the statistics in one kernel (the decode
+ * router; its CTAs meet at grid barriers) */
 moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st);
 int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, int keep);
 /* y (N,H) device of y_dtype from the bf16 device rows xb grouped by counts */

@@ -546,7 +546,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     PHASE("f.router");
     const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
     const int small = kcu_route_small_use(l, T, train);
-    if (small) /* few slots: two kernels (kcu_decode.cu) */
+    if (small) /* few slots: one kernel (kcu_decode.cu) */
         KCU_TRY(kcu_route_small(l, T, xb, cap, st));
     else
         KCU_TRY(route_gemm(l, T, xb, cap, st));
