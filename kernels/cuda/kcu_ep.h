@@ -72,7 +72,8 @@ void kcu_ep_destroy(kcu_ep *ep);
  * all-to-all is a good part of the layer: its time per row ~ 4H bytes at
  * ~300 GB/s against ~6HF flops at ~600 TFLOP/s, a ratio of ~1333/F
  * (bench/NOTES.md: Qwen3, F=768, gains; Mixtral, F=14336, loses the SMs
- * it leaves to NCCL). 4 chunks when world > 1 and F < 5333, else 1. */
+ * it leaves to NCCL; on 2 GPUs one chunk is faster at every batch size
+ * measured). 4 chunks when world > 2 and F < 5333, else 1. */
 int kcu_ep_auto_chunks(int world, int F);
 /* kcu_ep_set_chunks changes the overlap degree (0..8) for later calls;
  * not between a train forward and its backward (MOE_EPRECOND). */
