@@ -254,6 +254,11 @@ moe_err kcu_adamw(float *p, const float *g, float *m, float *v, bf16 *w, size_t 
 moe_err kcu_sumsq(const float *g, size_t n, double *part, cudaStream_t st);
 moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st);
 moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st);
+/* split-K weight gradients: offs (P+1) = p * n / P on the device; then
+ * g (n floats, n % 4 == 0) = [g +] sum of the P partials part (P, n) in
+ * order (fixed: deterministic), g overwritten when clean */
+moe_err kcu_split_offs(int32_t *offs, int n, int P, cudaStream_t st);
+moe_err kcu_sum_parts(const float *part, int P, size_t n, float *g, int clean, cudaStream_t st);
 moe_err kcu_router_bwd(kcu_layer *l, int T, int T_global, float aux_coef, float z_coef,
                        cudaStream_t st);
 

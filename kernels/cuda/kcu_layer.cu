@@ -113,6 +113,28 @@ moe_err route_gemm(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st
     return kcu_route(l, T, cap, st);
 }
 
+/* the split of the router's weight gradient over k (tokens): enough work
+ * items for two waves, at least 256 rows per part, partials fitting in h
+ * and their offsets in chunk; 1 = no split (KCU_DWR_SPLIT=0 too) */
+int dwr_split(const kcu_layer *l, int T)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *s = getenv("KCU_DWR_SPLIT");
+        on = !(s && *s && atoi(s) == 0);
+    }
+    const kcu_config *c = &l->c;
+    if (!on || c->H % 256)
+        return 1;
+    const long long tiles = (long long)(l->Ep / KCU_BM) * (c->H / 256); /* >= 1 */
+    int P = (int)((2LL * l->nsm + tiles - 1) / tiles);
+    P = P > 32 ? 32 : P;
+    while (P > 1 && (T / P < 256 || (size_t)P * l->Ep * c->H * 4 > (size_t)T * c->K * c->F * 2 ||
+                     (size_t)(P + 1) > KCU_CEIL_DIV((size_t)T * c->K, (size_t)256) * c->E))
+        P--;
+    return P;
+}
+
 /* inference forwards with few routed rows copy x[tok] into sorted rows
  * (in ye, as mode 1) even where the layer's mode is 0: the copy is small
  * and the up-projection then streams dense tiles by TMA (v7) instead of
@@ -780,11 +802,26 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.N = H;
     a.K = T;
     a.ngroups = 1;
-    PHASE("b.dwr");
-    a.Cf = l->g_wr;
-    a.beta0 = l->grads_clean;
     a.ldc = H;
-    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+    PHASE("b.dwr");
+    /* dWr has Ep/128 x H/256 output tiles over T-deep k (8 tiles for
+     * Qwen3): split k into P row ranges whose partials go to h (free since
+     * the router part of dx), then add them in order */
+    const int P = dwr_split(l, T);
+    if (P > 1) {
+        KCU_TRY(kcu_split_offs(l->chunk, T, P, st));
+        a.ngroups = P;
+        a.offs = l->chunk;
+        a.Cf = reinterpret_cast<float *>(l->h);
+        a.c_gstride = (long long)l->Ep * H;
+        a.beta0 = 1;
+        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+        KCU_TRY(kcu_sum_parts(a.Cf, P, (size_t)l->Ep * H, l->g_wr, l->grads_clean, st));
+    } else {
+        a.Cf = l->g_wr;
+        a.beta0 = l->grads_clean;
+        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+    }
     PHASE("end");
     l->grads_clean = 0;
     l->T_fwd = 0; /* the saved state was consumed in place */

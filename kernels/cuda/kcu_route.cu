@@ -505,6 +505,53 @@ moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st)
     return MOE_OK;
 }
 
+/* offs (P+1): p * n / P, the row ranges of a split-K weight gradient */
+__global__ void k_split_offs(int32_t *__restrict__ offs, int n, int P)
+{
+    for (int p = threadIdx.x; p <= P; p += blockDim.x)
+        offs[p] = (int32_t)((long long)p * n / P);
+}
+
+/* g[i] (+)= sum_p part[p][i] in p order (store when clean); n % 4 == 0 */
+__global__ void k_sum_parts(const float4 *__restrict__ part, int P, size_t n4, float4 *g, int clean)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n4;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float4 acc = part[i];
+        for (int p = 1; p < P; p++) {
+            const float4 v = part[(size_t)p * n4 + i];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+        }
+        if (!clean) {
+            const float4 c = g[i];
+            acc.x += c.x;
+            acc.y += c.y;
+            acc.z += c.z;
+            acc.w += c.w;
+        }
+        g[i] = acc;
+    }
+}
+
+moe_err kcu_split_offs(int32_t *offs, int n, int P, cudaStream_t st)
+{
+    k_split_offs<<<1, 64, 0, st>>>(offs, n, P);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
+moe_err kcu_sum_parts(const float *part, int P, size_t n, float *g, int clean, cudaStream_t st)
+{
+    const size_t n4 = n / 4, blocks = KCU_CEIL_DIV(n4, (size_t)256);
+    k_sum_parts<<<(unsigned)(blocks < 2048 ? blocks : 2048), 256, 0, st>>>(
+        reinterpret_cast<const float4 *>(part), P, n4, reinterpret_cast<float4 *>(g), clean);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
 moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st)
 {
     k_dw_reduce<<<KCU_CEIL_DIV(S, 256), 256, 0, st>>>(l->dwpart, l->perm, S, l->offs + l->c.E,
