@@ -212,6 +212,41 @@ static int twice(const std::vector<float> &g1, const std::vector<float> &g2)
     return 1;
 }
 
+/* the GPU routing of layer l's last forward (c.T tokens): its logits against
+ * x wr^T on the CPU, its probabilities, top-k weights and indices against
+ * the CPU softmax/top-k of those logits (the errors and index match out);
+ * the GPU values in g for the later checks */
+struct route_gpu {
+    std::vector<float> lg, probs, tw;          /* logits (T,E) unpadded, (T,E), (S) */
+    std::vector<int32_t> idx, counts, dropped; /* (S), (E), (E) */
+    float aux, z;
+};
+static void check_route(kcu_layer *l, const tcase &c, const std::vector<float> &x,
+                        const std::vector<float> &wr, route_gpu &g, double &e_logits,
+                        double &e_probs, double &e_tw, int &idx_ok)
+{
+    const int T = c.T, H = c.H, E = c.E, K = c.K, S = T * K;
+    g.counts.resize(E);
+    g.dropped.resize(E);
+    CKM(kcu_forward_stats(l, g.counts.data(), g.dropped.data(), &g.aux, &g.z, NULL));
+    const std::vector<float> lg_pad = dl(l->logits, (size_t)T * l->Ep);
+    std::vector<float> lref((size_t)T * E), probs_r((size_t)T * E), tw_r(S);
+    g.lg.resize((size_t)T * E);
+    for (int t = 0; t < T; t++)
+        memcpy(&g.lg[(size_t)t * E], &lg_pad[(size_t)t * l->Ep], E * 4);
+    kern_router_logits_cpu(x.data(), wr.data(), T, H, E, lref.data());
+    e_logits = relerr(g.lg.data(), lref.data(), g.lg.size());
+    g.probs = dl(l->probs, (size_t)T * E);
+    g.idx = dl(l->topk_idx, S);
+    g.tw = dl(l->topk_w, S);
+    std::vector<int32_t> idx_r(S);
+    kern_softmax_topk_cpu(g.lg.data(), T, E, K, c.renorm, probs_r.data(), idx_r.data(),
+                          tw_r.data());
+    e_probs = relerr(g.probs.data(), probs_r.data(), g.probs.size());
+    e_tw = relerr(g.tw.data(), tw_r.data(), S);
+    idx_ok = g.idx == idx_r;
+}
+
 static int run_case(const tcase &c, uint64_t seed, result *r)
 {
     const int T = c.T, H = c.H, F = c.F, E = c.E, K = c.K, S = T * K;
@@ -256,26 +291,11 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     CKM(kcu_forward(l, T, x.data(), MOE_F32, y.data(), MOE_F32, 1, NULL));
     CK(cudaDeviceSynchronize());
     r->determ_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
-    std::vector<int32_t> counts(E), dropped(E);
-    float aux_g, z_g;
-    CKM(kcu_forward_stats(l, counts.data(), dropped.data(), &aux_g, &z_g, NULL));
-
-    /* router logits */
-    std::vector<float> lg_pad = dl(l->logits, (size_t)T * l->Ep), lg((size_t)T * E),
-                       lref((size_t)T * E);
-    for (int t = 0; t < T; t++)
-        memcpy(&lg[(size_t)t * E], &lg_pad[(size_t)t * l->Ep], E * 4);
-    kern_router_logits_cpu(x.data(), wr.data(), T, H, E, lref.data());
-    r->logits = relerr(lg.data(), lref.data(), lg.size());
-
-    /* softmax/top-k on the GPU logits */
-    std::vector<float> probs_g = dl(l->probs, (size_t)T * E), probs_r((size_t)T * E);
-    std::vector<int32_t> idx_g = dl(l->topk_idx, S), idx_r(S);
-    std::vector<float> tw_g = dl(l->topk_w, S), tw_r(S);
-    kern_softmax_topk_cpu(lg.data(), T, E, K, c.renorm, probs_r.data(), idx_r.data(), tw_r.data());
-    r->probs = relerr(probs_g.data(), probs_r.data(), probs_g.size());
-    r->tw = relerr(tw_g.data(), tw_r.data(), S);
-    r->idx_ok = idx_g == idx_r;
+    route_gpu g;
+    check_route(l, c, x, wr, g, r->logits, r->probs, r->tw, r->idx_ok);
+    const std::vector<float> &lg = g.lg, &probs_g = g.probs, &tw_g = g.tw;
+    const std::vector<int32_t> &idx_g = g.idx, &counts = g.counts, &dropped = g.dropped;
+    const float aux_g = g.aux, z_g = g.z;
 
     /* layout and capacity on the GPU routing: kept rows of expert e are
      * perm_r[off_r[e] .. off_r[e] + kept[e]); the GPU compacts them */
@@ -1257,23 +1277,11 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
     fwd(y);
     r->determ_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
     r->path_ok = kcu_decode_calls == calls0 + 2;
-    std::vector<int32_t> counts(E), dropped(E);
-    float aux_g, z_g;
-    CKM(kcu_forward_stats(l, counts.data(), dropped.data(), &aux_g, &z_g, NULL));
-
-    std::vector<float> lg_pad = dl(l->logits, (size_t)T * l->Ep), lg((size_t)T * E),
-                       lref((size_t)T * E);
-    for (int t = 0; t < T; t++)
-        memcpy(&lg[(size_t)t * E], &lg_pad[(size_t)t * l->Ep], E * 4);
-    kern_router_logits_cpu(x.data(), wr.data(), T, H, E, lref.data());
-    r->logits = relerr(lg.data(), lref.data(), lg.size());
-    std::vector<float> probs_g = dl(l->probs, (size_t)T * E), probs_r((size_t)T * E);
-    std::vector<int32_t> idx_g = dl(l->topk_idx, S), idx_r(S);
-    std::vector<float> tw_g = dl(l->topk_w, S), tw_r(S);
-    kern_softmax_topk_cpu(lg.data(), T, E, K, c.renorm, probs_r.data(), idx_r.data(), tw_r.data());
-    r->probs = relerr(probs_g.data(), probs_r.data(), probs_g.size());
-    r->tw = relerr(tw_g.data(), tw_r.data(), S);
-    r->idx_ok = idx_g == idx_r;
+    route_gpu g;
+    check_route(l, c, x, wr, g, r->logits, r->probs, r->tw, r->idx_ok);
+    const std::vector<float> &lg = g.lg, &probs_g = g.probs, &tw_g = g.tw;
+    const std::vector<int32_t> &idx_g = g.idx, &counts = g.counts, &dropped = g.dropped;
+    const float aux_g = g.aux, z_g = g.z;
 
     std::vector<int32_t> cnt_r, off_r, perm_r, drop_r;
     std::vector<uint8_t> keep;
