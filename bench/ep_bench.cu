@@ -31,24 +31,9 @@
 
 #include "kcu_ep.h"
 #include "kern_cuda.h"
+#include "kcu_tool.h"
 #include "placement.h"
 
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define CKM(call)                                                                                  \
-    do {                                                                                           \
-        moe_err r_ = (call);                                                                       \
-        if (r_ != MOE_OK) {                                                                        \
-            fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #call, (int)r_);        \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
 #define CKN(call)                                                                                  \
     do {                                                                                           \
         ncclResult_t r_ = (call);                                                                  \

@@ -20,23 +20,7 @@
 #include <vector>
 
 #include "kcu_internal.cuh"
-
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define CKM(call)                                                                                  \
-    do {                                                                                           \
-        moe_err r_ = (call);                                                                       \
-        if (r_ != MOE_OK) {                                                                        \
-            fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #call, (int)r_);        \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "kcu_tool.h"
 
 /* uniform in [lo, hi) from a hash of (seed, i), stored as bf16 */
 __global__ void k_fill(bf16 *p, size_t n, uint64_t seed, float lo, float hi)

@@ -18,15 +18,7 @@
 #include <vector>
 
 #include "kcu_topk.cuh"
-
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));            \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "kcu_tool.h"
 
 template <int NV, int BM>
 __device__ __forceinline__ void run(const float *lt, int E, int K, float (&v)[8], float &lse,

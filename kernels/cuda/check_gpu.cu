@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "kcu_internal.cuh"
+#include "kcu_tool.h"
 
 /* The reference's OpenBLAS paths are not used here, and the GPU machine has
  * no OpenBLAS: this definition satisfies the linker for router.o. */
@@ -36,23 +37,6 @@ extern "C" void cblas_sgemm(const enum CBLAS_ORDER, const enum CBLAS_TRANSPOSE,
     fprintf(stderr, "check-gpu: cblas_sgemm is not available\n");
     abort();
 }
-
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
-#define CKM(call)                                                                                  \
-    do {                                                                                           \
-        moe_err r_ = (call);                                                                       \
-        if (r_ != MOE_OK) {                                                                        \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, moe_strerror(r_));       \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 struct tcase {
     int T, H, F, E, K;
