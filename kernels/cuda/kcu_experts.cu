@@ -15,20 +15,7 @@
 namespace
 {
 
-size_t align_up(size_t n)
-{
-    return (n + 255) & ~(size_t)255;
-}
-
-struct carve {
-    char *base;
-    size_t off;
-    template <typename P> void take(P **p, size_t bytes)
-    {
-        *p = base ? reinterpret_cast<P *>(base + off) : nullptr;
-        off += align_up(bytes);
-    }
-};
+using carve = kcu_carve;
 
 void carve_params(kcu_experts *x, carve *cv)
 {

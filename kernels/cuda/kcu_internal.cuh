@@ -109,6 +109,18 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
 void kcu_gemm_select(int version, int tma, int cluster);
 
 /* ---- the layer ---- */
+/* kcu_carve: hands out 256-byte aligned pieces of one allocation (or, with
+ * base == NULL, only counts the bytes: a first pass sizes the allocation) */
+struct kcu_carve {
+    char *base;
+    size_t off;
+    template <typename P> void take(P **p, size_t bytes)
+    {
+        *p = base ? reinterpret_cast<P *>(base + off) : nullptr;
+        off += (bytes + 255) & ~(size_t)255;
+    }
+};
+
 #define KCU_DSYNC_WORDS 2
 #define KCU_RT_CTAS     128 /* the decode router's grid at most: rows of statpart it writes */
 

@@ -152,22 +152,7 @@ int sorted_infer(const kcu_layer *l, int T, int train)
     return !train && (long long)T * l->c.K <= rows;
 }
 
-size_t align_up(size_t n)
-{
-    return (n + 255) & ~(size_t)255;
-}
-
-/* carve: hands out 256-byte aligned pieces of one allocation (or, with
- * base == NULL, only counts the bytes) */
-struct carve {
-    char *base;
-    size_t off;
-    template <typename P> void take(P **p, size_t bytes)
-    {
-        *p = base ? reinterpret_cast<P *>(base + off) : nullptr;
-        off += align_up(bytes);
-    }
-};
+using carve = kcu_carve;
 
 void carve_params(kcu_layer *l, carve *cv)
 {
