@@ -204,27 +204,36 @@ static void write_create(mp_writer *w, const char *name, int layers_f64, int64_t
     mp_write_i64(w, top_k);
 }
 
-Test(cluster_badinput, not_msgpack, .timeout = 30, .fini = cluster_fini_all)
+/* a raw message the coordinator must answer with a protocol error */
+struct bad_msg {
+    const char *bytes;
+    size_t len;
+    const char *what;
+};
+
+/* each message on s gets MOE_EPROTO, and the connection still answers a ping */
+static void expect_proto_errs(nng_socket s, const struct bad_msg *cases, size_t n)
 {
-    cluster *cl = start(coord_only);
-    nng_socket s = raw_open(cl->url, 5000);
-    static const struct {
-        const char *bytes;
-        size_t len;
-        const char *what;
-    } cases[] = {
-        {"\xc1\xc1\xc1\xc1", 4, "reserved byte 0xc1"},
-        {"GET / HTTP/1.0\r\n\r\n", 18, "an HTTP request"},
-        {"\x94\x00\x01\xa4pi", 6, "a request cut short"},
-        {"", 0, "an empty message"},
-    };
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    for (size_t i = 0; i < n; i++) {
         raw_reply r;
         raw_call(s, cases[i].bytes, cases[i].len, &r);
         expect_raw_err(&r, MOE_EPROTO, cases[i].what);
         raw_free(&r);
         raw_ping_ok(s);
     }
+}
+
+Test(cluster_badinput, not_msgpack, .timeout = 30, .fini = cluster_fini_all)
+{
+    cluster *cl = start(coord_only);
+    nng_socket s = raw_open(cl->url, 5000);
+    static const struct bad_msg cases[] = {
+        {"\xc1\xc1\xc1\xc1", 4, "reserved byte 0xc1"},
+        {"GET / HTTP/1.0\r\n\r\n", 18, "an HTTP request"},
+        {"\x94\x00\x01\xa4pi", 6, "a request cut short"},
+        {"", 0, "an empty message"},
+    };
+    expect_proto_errs(s, cases, sizeof(cases) / sizeof(cases[0]));
     nng_close(s);
     cr_assert_eq(moe_ping(cl->cli), MOE_OK);
     stop(cl);
@@ -234,11 +243,7 @@ Test(cluster_badinput, msgpack_but_not_a_request, .timeout = 30, .fini = cluster
 {
     cluster *cl = start(coord_only);
     nng_socket s = raw_open(cl->url, 5000);
-    static const struct {
-        const char *bytes;
-        size_t len;
-        const char *what;
-    } cases[] = {
+    static const struct bad_msg cases[] = {
         {"\x81\xa1\x61\x01", 4, "the map {a: 1}"},
         {"\xa5hello", 6, "the string \"hello\""},
         {"\x94\x01\x05\xc0\xc0", 5, "a response [1, 5, nil, nil]"},
@@ -247,13 +252,7 @@ Test(cluster_badinput, msgpack_but_not_a_request, .timeout = 30, .fini = cluster
         {"\x94\x00\x05\xa4ping\xc0", 9, "params nil"},
         {"\x94\x00\x05\xa4ping\x91\x80\x00", 11, "trailing bytes"},
     };
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        raw_reply r;
-        raw_call(s, cases[i].bytes, cases[i].len, &r);
-        expect_raw_err(&r, MOE_EPROTO, cases[i].what);
-        raw_free(&r);
-        raw_ping_ok(s);
-    }
+    expect_proto_errs(s, cases, sizeof(cases) / sizeof(cases[0]));
     nng_close(s);
     stop(cl);
 }
