@@ -211,8 +211,6 @@ struct kcu_experts {
     size_t nparam; /* ne*(N1*H + H*F) */
     void *ws;
     size_t ws_bytes;
-    uint32_t *dsync;  /* (KCU_DSYNC_WORDS) the decode router's grid barrier:
-                       * its own allocation, zeroed at create (never poisoned with ws) */
     bf16 *xs;         /* (N_max,H) staged input, kept for backward */
     bf16 *io;         /* (N_max,H) staged dy */
     float *stage;     /* (N_max,H) f32 staging for host inputs and outputs */
