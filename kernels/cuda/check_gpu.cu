@@ -589,18 +589,19 @@ static int gemm_checks(uint64_t seed)
  *   v1 mma.sync, v2 wgmma, v4 warp-specialised with TMA where possible
  *   ("v4-tma") and with cp.async only ("v4-cpa"), and v7 (v4 on 2-CTA
  *   clusters with the weight tile multicast, "v7-clu": rows mode with a
- *   dense A over a tile list, else it runs v4). v2, v4 and v7 run the same
- *   wgmma sequence: their outputs must agree bit for bit ("==v2").
+ *   dense A over a tile list, else it runs v4); "v4-reg": v4 with the
+ *   register epilogue where the staged one (TMA stores, weight gradients)
+ *   would run. v2, v4 and v7 run the same wgmma sequence: their outputs must
+ *   agree bit for bit ("==v2").
  * nsm is set to 3 so that each persistent CTA walks several items. */
 struct st_ver {
     int v, tma, cl; /* cl: v7, 2-CTA clusters (rows mode, dense A, tile list) */
+    int ts;         /* staged epilogue by TMA stores (v4, v7) */
     const char *name;
 };
-static const st_ver ST_VERS[] = {{1, -1, 0, "v1"},
-                                 {2, -1, 0, "v2"},
-                                 {4, 1, 0, "v4-tma"},
-                                 {4, 0, 0, "v4-cpa"},
-                                 {4, 1, 1, "v7-clu"}};
+static const st_ver ST_VERS[] = {{1, -1, 0, 0, "v1"},    {2, -1, 0, 0, "v2"},
+                                 {4, 1, 0, 1, "v4-tma"}, {4, 1, 0, 0, "v4-reg"},
+                                 {4, 0, 0, 1, "v4-cpa"}, {4, 1, 1, 1, "v7-clu"}};
 
 static double st_sig(double a)
 {
@@ -811,7 +812,7 @@ static int gemm_selftest(uint64_t seed)
                     ab_in.empty() ? std::vector<uint16_t>() : bf_of(ab_in);
                 std::vector<float> v2C, v2H, v2AB, v2DW;
                 for (const st_ver &sv : ST_VERS) {
-                    kcu_gemm_select(sv.v, sv.tma, sv.cl);
+                    kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts);
                     CK(cudaMemset(dCf, 0xff, (size_t)rows * N * 4));
                     CK(cudaMemset(dCb, 0xff, (size_t)rows * N * 2));
                     CK(cudaMemset(dH, 0xff, (size_t)rows * N * 2));
@@ -954,7 +955,7 @@ static int gemm_selftest(uint64_t seed)
             });
             std::vector<float> v2C;
             for (const st_ver &sv : ST_VERS) {
-                kcu_gemm_select(sv.v, sv.tma, sv.cl);
+                kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts);
                 CK(cudaMemset(dC, 0xff, (size_t)ng * M * NW * 4));
                 kcu_gemm_args a;
                 memset(&a, 0, sizeof(a));
@@ -1009,7 +1010,7 @@ static int gemm_selftest(uint64_t seed)
             CK(cudaFree(dC));
         }
     }
-    kcu_gemm_select(-1, -1, -1); /* back to the environment's choice */
+    kcu_gemm_select(-1, -1, -1, -1); /* back to the environment's choice */
     for (int32_t *p : {d_offs, d_te, d_tr, d_gat, d_gat2, d_perm, d_nt})
         CK(cudaFree(p));
     printf("gemm-self: %d checks, %d failed -> %s\n", lines, fails, fails ? "FAIL" : "PASS");

@@ -980,7 +980,11 @@ moe_err launch_wg(const kcu_gemm_args *a, int nsm, cudaStream_t st)
  * fit in 227 KB. */
 constexpr int WS_STAGES = 4, WS_NT = 384, WS_PRODUCER_REGS = 40, WS_CONSUMER_REGS = 232;
 constexpr int WS_BAR_OFF = WS_STAGES * WG_STAGE_BYTES;
-constexpr int WS_SMEM_BYTES = WS_BAR_OFF + 2 * WS_STAGES * 8 + 1024;
+/* the staged epilogue's slots (ws_stage): 2 per consumer warpgroup, each one
+ * TMA box of 64 rows x 128 bytes, 1024-byte aligned for the 128-byte swizzle */
+constexpr int WS_EPI_SLOT = 64 * 128;
+constexpr int WS_EPI_OFF = WS_BAR_OFF + 1024;
+constexpr int WS_SMEM_BYTES = WS_EPI_OFF + 4 * WS_EPI_SLOT + 1024;
 static_assert(WS_SMEM_BYTES <= 227 * 1024, "v4 stages do not fit in shared memory");
 static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= 65536 / WS_NT / 8 * 8 * WS_NT,
               "setmaxnreg budget exceeds the launch allocation");
@@ -990,7 +994,8 @@ struct ws_maps {
     CUtensorMap a; /* ta: rows mode (K, rows) box (64, 128); wgrad (M, rows) box (64, 64) */
     CUtensorMap b; /* tb: rows mode B_K (K, N, E) box (64, 256, 1), B_N (N, K, E) box (64, 64,
                     * 1); wgrad (N, rows) box (64, 64) */
-    int ta, tb;
+    CUtensorMap c; /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1) */
+    int ta, tb, tc;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
@@ -1048,6 +1053,112 @@ __device__ __forceinline__ void wg_pin(float (&d)[128])
 #pragma unroll
     for (int i = 0; i < 128; i++)
         asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* ---- the staged epilogue of v4 (KCU_WS_TMA_STORE=0 turns it off) ----
+ * The accumulators leave through shared memory and TMA stores
+ * (cp.async.bulk.tensor; an accumulating fp32 C by the .add reduction, which
+ * L2 applies) instead of the threads' own global stores: the bulk stores
+ * drain while the warpgroup already runs the next item's wgmma, where the
+ * register epilogue (wg_epilogue) kept the tensor cores idle for its whole
+ * global round trip. Each consumer warpgroup owns two slots; box n of its
+ * sequence goes to slot n & 1. Per box: every thread writes its values
+ * (128-byte swizzle: row r's 16-byte chunk c at (c ^ (r & 7)) * 16),
+ * fence.proxy.async, the leader (the warpgroup's thread 0) waits until every
+ * earlier store has read its slot (the previous box's, in the other slot),
+ * a named barrier over the warpgroup, and the leader issues the store. So a
+ * slot is rewritten only after the store that read it is done reading.
+ * Same values and roundings as wg_epilogue (the .add reduction rounds
+ * C + acc once, as the register path does), so the same bits. Used for ACC
+ * with an fp32 C: the weight gradients, whose register epilogue read the
+ * accumulating C tile back with a global round trip. */
+struct ws_stage {
+    uint32_t slot0; /* this warpgroup's two slots */
+    uint32_t n;     /* boxes staged so far */
+    int bar;        /* named barrier of the warpgroup: 1 + its consumer index */
+    bool leader;    /* the warpgroup's thread 0: issues the stores, waits on them */
+};
+__device__ __forceinline__ uint32_t stage_slot(const ws_stage &s)
+{
+    return s.slot0 + (s.n & 1) * WS_EPI_SLOT;
+}
+/* shared address of byte `byte` (< 128) of row `row` in a swizzled box */
+__device__ __forceinline__ uint32_t box_addr(uint32_t slot, int row, int byte)
+{
+    return slot + row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+}
+__device__ __forceinline__ void sts_f2(uint32_t a, float x, float y)
+{
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(x), "f"(y) : "memory");
+}
+/* the current slot holds a whole box: store it at (c0, c1, c2) of the
+ * rank-3 map m (add: reduce into the destination instead) */
+__device__ __forceinline__ void stage_issue(ws_stage &s, const CUtensorMap *m, int c0, int c1,
+                                            int c2, int add)
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if (s.leader)
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(s.bar) : "memory");
+    if (s.leader) {
+        const uint32_t src = stage_slot(s);
+        const uint64_t mp = reinterpret_cast<uint64_t>(m);
+        if (add)
+            asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group "
+                         "[%0, {%1, %2, %3}], [%4];\n" ::"l"(mp),
+                         "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                         : "memory");
+        else
+            asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group "
+                         "[%0, {%1, %2, %3}], [%4];\n" ::"l"(mp),
+                         "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                         : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+    s.n++;
+}
+/* the warpgroup's stores complete (before the CTA exits) */
+__device__ __forceinline__ void stage_drain(const ws_stage &s)
+{
+    if (s.leader)
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+/* ACC, fp32 C: this warpgroup's 64 x 256 of C_e at (m0, n0) (+)= acc as 8
+ * boxes of 64 rows x 32 columns; rw: this warp's first row in the box,
+ * fragment d as in wg_epilogue */
+__device__ __forceinline__ void stage_acc(const kcu_gemm_args &p, const ws_maps &mp,
+                                          const float (&d)[128], int e, int m0, int n0, int rw,
+                                          int lane, ws_stage &s)
+{
+    const int g = lane >> 2, q4 = lane & 3;
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        const uint32_t slot = stage_slot(s);
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++)
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++)
+                sts_f2(box_addr(slot, rw + g + 8 * hr, (8 * jj + 2 * q4) * 4),
+                       d[4 * (4 * c + jj) + 2 * hr], d[4 * (4 * c + jj) + 2 * hr + 1]);
+        stage_issue(s, &mp.c, n0 + 32 * c, m0, e, !p.beta0);
+    }
+}
+
+/* the epilogue of one v4 / v7 item for consumer warpgroup cw: staged where
+ * it applies, else wg_epilogue */
+template <int EPI>
+__device__ __forceinline__ void ws_epilogue(const kcu_gemm_args &p, const ws_maps &mp,
+                                            const float (&d)[128], int e, int m0, int n0, int rend,
+                                            int ktiles, int cw, int warp, int lane, ws_stage &s)
+{
+    const int rw = (warp & 3) * 16, mw = m0 + 64 * cw;
+    if (EPI == KCU_EPI_ACC && mp.tc) {
+        if (ktiles > 0 || p.beta0)
+            stage_acc(p, mp, d, e, mw, n0, rw, lane, s);
+    } else {
+        wg_epilogue<EPI>(p, d, e, m0, n0, rend, ktiles, cw * 64 + rw, lane);
+    }
 }
 
 template <int AM, int BMODE, int EPI>
@@ -1240,6 +1351,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
     /* ---------------- consumers ---------------- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
     const int cw = wg - 1; /* rows cw*64 .. +64 of the item */
+    ws_stage stg = {sbase + WS_EPI_OFF + 2u * WS_EPI_SLOT * cw, 0u, 1 + cw, (tid & 127) == 0};
     uint32_t it = 0;
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
         ws_item t;
@@ -1264,8 +1376,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
         wg_pin(d);
         if (t.ktiles > 0 && lane == 0)
             mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
-        wg_epilogue<EPI>(p, d, t.e, t.m0, t.n0, t.rend, t.ktiles, cw * 64 + (warp & 3) * 16, lane);
+        ws_epilogue<EPI>(p, mp, d, t.e, t.m0, t.n0, t.rend, t.ktiles, cw, warp, lane, stg);
     }
+    stage_drain(stg);
 }
 
 template <int AM, int BMODE, int EPI>
@@ -1575,9 +1688,10 @@ long long slabs_in_alloc(const void *p, size_t slab, size_t stride)
     return left < slab ? 0 : (long long)((left - slab) / stride + 1);
 }
 
-/* a bf16 tensor map of rank 2 or 3 with 128-byte swizzle; 0 on success */
+/* a bf16 (or dt) tensor map of rank 2 or 3 with 128-byte swizzle; 0 on success */
 int encode_map(CUtensorMap *m, const void *p, int rank, const uint64_t *dim,
-               const uint64_t *strideb, const uint32_t *box)
+               const uint64_t *strideb, const uint32_t *box,
+               CUtensorMapDataType dt = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
 {
     const drv_fns &f = drv();
     if (!f.encode || ((uintptr_t)p & 15))
@@ -1595,14 +1709,15 @@ int encode_map(CUtensorMap *m, const void *p, int rank, const uint64_t *dim,
             return -1;
         gs[i] = strideb[i];
     }
-    return f.encode(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(p),
-                    gd, gs, bx, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+    return f.encode(m, dt, (cuuint32_t)rank, const_cast<void *>(p), gd, gs, bx, es,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
                ? 0
                : -1;
 }
 
+int g_ws_tstore = -1;  /* v4/v7 staged epilogue (ws_stage): 1, 0; -1: read KCU_WS_TMA_STORE */
 int g_gemm_mode = -1;  /* 0 default, 1 mma, 2 wgmma, 4 ws; -1: read KCU_GEMM */
 int g_ws_tma = -1;     /* v4 operands by TMA where possible: 1, 0; -1: read KCU_WS_TMA */
 int g_ws_cluster = -1; /* v7 (v4 on 2-CTA clusters) where it fits: 1, 0; -1: KCU_WS_CLUSTER */
@@ -1671,13 +1786,33 @@ void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *
     }
 }
 
+/* the staged epilogue's map of one v4 call (mp.tc = 1 when built): ACC
+ * with an fp32 C (the weight gradients) */
+void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
+{
+    m->tc = 0;
+    if (g_ws_tstore < 0) {
+        const char *s = getenv("KCU_WS_TMA_STORE");
+        g_ws_tstore = s ? atoi(s) != 0 : 1;
+    }
+    if (!g_ws_tstore || epi != KCU_EPI_ACC || !a->Cf || a->Cb || (a->ldc & 3) ||
+        (a->c_gstride & 3) || a->ngroups < 1)
+        return;
+    const uint64_t dim[3] = {(uint64_t)a->N, (uint64_t)a->M, (uint64_t)a->ngroups};
+    const uint64_t sb[2] = {(uint64_t)a->ldc * 4,
+                            (uint64_t)(a->c_gstride ? a->c_gstride : (long long)a->M * a->ldc) * 4};
+    const uint32_t box[3] = {32, 64, 1};
+    m->tc = encode_map(&m->c, a->Cf, 3, dim, sb, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
+}
+
 } // namespace
 
-void kcu_gemm_select(int version, int tma, int cluster)
+void kcu_gemm_select(int version, int tma, int cluster, int tstore)
 {
     g_gemm_mode = version < 0 ? -1 : version == 1 || version == 2 || version == 4 ? version : 0;
     g_ws_tma = tma < 0 ? -1 : tma != 0;
     g_ws_cluster = cluster < 0 ? -1 : cluster != 0;
+    g_ws_tstore = tstore < 0 ? -1 : tstore != 0;
 }
 
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
@@ -1818,6 +1953,7 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
         return gemm_dispatch<run_v4>(am, bm, epi, a, m, nsm, st);
     case 4:
         ws_build_maps(am, bm, a, &m, 0);
+        ws_build_epi_maps(epi, a, &m);
         return gemm_dispatch<run_v4>(am, bm, epi, a, m, nsm, st);
     case 2: return gemm_dispatch<run_v2>(am, bm, epi, a, m, nsm, st);
     default: return gemm_dispatch<run_v1>(am, bm, epi, a, m, nsm, st);
