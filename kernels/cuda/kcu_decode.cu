@@ -131,15 +131,6 @@ struct dn_params {
 
 /* ---- device helpers ---- */
 
-__device__ __forceinline__ void pdl_wait()
-{
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-__device__ __forceinline__ void pdl_launch()
-{
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 /* weights are read once: no L1 allocation */
 __device__ __forceinline__ uint4 ld_stream(const bf16 *p)
 {
@@ -471,8 +462,8 @@ __global__ void __launch_bounds__(RT_NT) k_dec_router(const __grid_constant__ rt
 {
     __shared__ float red[RT_NW][NB * 4][32];
     __shared__ float colw[RT_NW][DEC_EMAX + 1];
-    pdl_wait();
-    pdl_launch();
+    kcu_pdl_wait();
+    kcu_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int tid = threadIdx.x, T = p.T, E = p.E, K = p.K;
     const int nkb = p.H / 32;
@@ -786,8 +777,8 @@ template <int NB, int SWIGLU>
 __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_params p)
 {
     __shared__ up_smem sm;
-    pdl_wait();
-    pdl_launch();
+    kcu_pdl_wait();
+    kcu_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int tid = threadIdx.x;
     const bool route = p.topk_idx != nullptr;
@@ -913,8 +904,8 @@ __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ d
 {
     extern __shared__ float dsm[];
     __shared__ int off[DEC_EMAX + 1], act_e[DEC_EMAX], act_off[DEC_EMAX], act_n[DEC_EMAX], na_s;
-    pdl_wait();
-    pdl_launch();
+    kcu_pdl_wait();
+    kcu_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int tid = threadIdx.x;
     for (int e = tid; e <= p.E; e += DN_NT)
@@ -1027,44 +1018,24 @@ int env_int(const char *name, int dflt)
     return atoi(s);
 }
 
-int pdl_state = -1; /* -1 unknown, 0 off, 1 on */
+} // namespace
 
-/* launch with programmatic stream serialisation (falls back to a plain
- * launch, for good, if the runtime refuses the attribute); coop: a
- * cooperative launch (every CTA resident at once: grid barriers) */
-template <typename P>
-cudaError_t launch(void (*k)(P), dim3 grid, unsigned block, size_t smem, cudaStream_t st,
-                   const P &prm, bool coop = false)
+static int pdl_state = -1; /* -1 unknown, 0 off, 1 on */
+
+int kcu_pdl_on(void)
 {
     if (pdl_state < 0)
         pdl_state = env_int("KCU_PDL", 1) != 0;
-    cudaLaunchConfig_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(block);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute at[2];
-    unsigned n = 0;
-    if (coop) {
-        at[n].id = cudaLaunchAttributeCooperative;
-        at[n++].val.cooperative = 1;
-    }
-    if (pdl_state) {
-        at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    cfg.attrs = at;
-    cfg.numAttrs = n;
-    cudaError_t e = cudaLaunchKernelEx(&cfg, k, prm);
-    if (e != cudaSuccess && pdl_state) {
-        (void)cudaGetLastError();
-        pdl_state = 0;
-        cfg.numAttrs = n - 1;
-        e = cudaLaunchKernelEx(&cfg, k, prm);
-    }
-    return e;
+    return pdl_state;
 }
+
+void kcu_pdl_refused(void)
+{
+    pdl_state = 0;
+}
+
+namespace
+{
 
 /* resident CTAs per SM of a kernel (cached per kernel) */
 template <typename P> int blocks_per_sm(void (*k)(P), int nt, size_t smem)
@@ -1094,7 +1065,7 @@ template <int NB> moe_err launch_router_t(const rt_params &rp, int nsm, cudaStre
     int gy = rp.topk ? KCU_CEIL_DIV(rp.T, 8 * NB) : 1;
     gy = max(1, min(gy, cap / gx));
     *ncta = gx * gy;
-    KCU_CHECK(launch(k_dec_router<NB>, dim3(gx, gy), RT_NT, 0, st, rp, rp.topk != 0));
+    KCU_CHECK(kcu_launch(k_dec_router<NB>, dim3(gx, gy), dim3(RT_NT), 0, st, 1, rp.topk != 0, rp));
     return MOE_OK;
 }
 
@@ -1111,7 +1082,7 @@ template <int NB, int SW> moe_err launch_up_t(const up_params &up, int nsm, cuda
     static int occ = 0;
     if (!occ)
         occ = blocks_per_sm(k_dec_up<NB, SW>, UP_NT, 0);
-    KCU_CHECK(launch(k_dec_up<NB, SW>, dim3(nsm * occ), UP_NT, 0, st, up));
+    KCU_CHECK(kcu_launch(k_dec_up<NB, SW>, dim3(nsm * occ), dim3(UP_NT), 0, st, 1, 0, up));
     return MOE_OK;
 }
 
@@ -1152,7 +1123,7 @@ template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, c
     int grid = dp.H / DN_COLS;
     if (grid > nsm * occ[di])
         grid = nsm * occ[di];
-    KCU_CHECK(launch(k_dec_down<NB>, dim3(grid), DN_NT, smem, st, dp));
+    KCU_CHECK(kcu_launch(k_dec_down<NB>, dim3(grid), dim3(DN_NT), smem, st, 1, 0, dp));
     return MOE_OK;
 }
 

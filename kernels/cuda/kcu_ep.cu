@@ -604,7 +604,7 @@ moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
                        * (the down-projection overwrites it afterwards) */
         bf16 *dst = (train && ep->xg ? ep->xg : ep->ysend) + (size_t)rb * H;
         KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, a.offs + ep->ne,
-                                (int)(ep->rbase[c + 1] - rb), H, dst, st));
+                                (int)(ep->rbase[c + 1] - rb), H, dst, 0, st));
         a.A = dst;
         a.a_gather = nullptr;
     }
@@ -648,7 +648,8 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
     if (ep->sorted) { /* the dy rows in expert order, in chunk c's dxsend region
                        * (the dx GEMM overwrites it after dh) */
         KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, ep->gidx + rb, a.offs + ep->ne,
-                                (int)(ep->rbase[c + 1] - rb), H, ep->dxsend + (size_t)rb * H, st));
+                                (int)(ep->rbase[c + 1] - rb), H, ep->dxsend + (size_t)rb * H, 0,
+                                st));
         a.A = ep->dxsend + (size_t)rb * H;
         a.a_gather = nullptr;
     }

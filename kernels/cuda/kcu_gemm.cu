@@ -1181,6 +1181,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
     __syncthreads();
+    kcu_pdl_wait(); /* launched with PDL: the predecessor's outputs from here on */
+    kcu_pdl_trigger();
 
     const int ntn = p.N / WG_BN;
     int ntm = 0, tpg = 0, total;
@@ -1392,8 +1394,8 @@ moe_err launch_ws(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_
     const int grid = (int)(total < nsm ? total : nsm);
     kcu_gemm_args b = *a;
     b.group_m = raster_group(AM);
-    k_gemm_ws<AM, BMODE, EPI><<<grid, WS_NT, WS_SMEM_BYTES, st>>>(b, m);
-    KCU_CHECK_LAUNCH();
+    KCU_CHECK(kcu_launch(k_gemm_ws<AM, BMODE, EPI>, dim3(grid), dim3(WS_NT), WS_SMEM_BYTES, st,
+                         a->pdl, 0, b, m));
     return MOE_OK;
 }
 
@@ -1488,6 +1490,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
     }
     __syncthreads();
     cluster_sync_all(); /* the peer's barriers exist before any remote access */
+    kcu_pdl_wait();     /* launched with PDL: the predecessor's outputs from here on */
+    kcu_pdl_trigger();
 
     const int ntn = p.N / WG_BN, ntm = *p.ntiles_m;
     const int total = (ntm + 1) / 2 * ntn, ktiles = p.K / BK;
@@ -1596,7 +1600,7 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
     KCU_CHECK(cudaGetDevice(&dev));
     cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof(cfg));
-    cudaLaunchAttribute at[1];
+    cudaLaunchAttribute at[2];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = 2;
     at[0].val.clusterDim.y = 1;
@@ -1631,7 +1635,8 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
     cfg.gridDim = dim3((unsigned)(2 * ncl));
     kcu_gemm_args b = *a;
     b.group_m = raster_group(KCU_A_K);
-    KCU_CHECK(cudaLaunchKernelEx(&cfg, k_gemm_wsc<BMODE, EPI>, b, m));
+    kcu_pdl_attr(&cfg, at, a->pdl);
+    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_wsc<BMODE, EPI>, b, m));
     return MOE_OK;
 }
 

@@ -35,6 +35,75 @@ typedef __nv_bfloat16 bf16;
             return r_;                                                                             \
     } while (0)
 
+/* ---- programmatic dependent launch (PDL; KCU_PDL=0 turns it off) ----
+ * A kernel launched by kcu_launch / with kcu_pdl_attr may start while its
+ * predecessor in the stream is ending, so it must call kcu_pdl_wait() before
+ * it touches any memory (read or write) that earlier kernels use: the wait
+ * returns when they are complete and their writes visible. Set-up before it
+ * (shared memory, barriers, tensor-map prefetch) overlaps the predecessor's
+ * tail. kcu_pdl_trigger() lets this kernel's own successor start launching.
+ * Both are no-ops in a kernel launched without the attribute. */
+__device__ __forceinline__ void kcu_pdl_wait()
+{
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void kcu_pdl_trigger()
+{
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+/* whether launches take the PDL attribute: KCU_PDL (default 1), off for
+ * good once the runtime refused it (kcu_launch_ex) */
+int kcu_pdl_on(void);
+void kcu_pdl_refused(void);
+/* appends the PDL attribute to cfg's attributes when pdl and PDL is on
+ * (the array behind cfg->attrs needs room for one more) */
+static inline void kcu_pdl_attr(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attrs, int pdl)
+{
+    cfg->attrs = attrs;
+    if (pdl && kcu_pdl_on()) {
+        attrs[cfg->numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attrs[cfg->numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+}
+/* kcu_launch_ex: cudaLaunchKernelEx; if it fails with the PDL attribute
+ * (last in cfg's list, from kcu_pdl_attr) PDL goes off for good and the
+ * kernel is launched without it */
+template <typename... Exp, typename... Act>
+cudaError_t kcu_launch_ex(cudaLaunchConfig_t *cfg, void (*k)(Exp...), Act &&...args)
+{
+    const bool pdl = cfg->numAttrs > 0 && cfg->attrs[cfg->numAttrs - 1].id ==
+                                              cudaLaunchAttributeProgrammaticStreamSerialization;
+    cudaError_t e = cudaLaunchKernelEx(cfg, k, args...);
+    if (e != cudaSuccess && pdl) {
+        (void)cudaGetLastError();
+        kcu_pdl_refused();
+        cfg->numAttrs--;
+        e = cudaLaunchKernelEx(cfg, k, args...);
+    }
+    return e;
+}
+/* kcu_launch: k<<<grid, block, smem, st>>>(args); pdl: with PDL (the
+ * kernel calls kcu_pdl_wait first); coop: a cooperative launch (every CTA
+ * resident at once, for grid barriers) */
+template <typename... Exp, typename... Act>
+cudaError_t kcu_launch(void (*k)(Exp...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                       int pdl, int coop, Act &&...args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[2];
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = at;
+    if (coop) {
+        at[cfg.numAttrs].id = cudaLaunchAttributeCooperative;
+        at[cfg.numAttrs++].val.cooperative = 1;
+    }
+    kcu_pdl_attr(&cfg, at, pdl);
+    return kcu_launch_ex(&cfg, k, args...);
+}
+
 /* GEMM tile: BM x BN output, BK deep. The layout's tile list uses KCU_BM. */
 enum { KCU_BM = 128, KCU_BN = 128, KCU_BK = 64 };
 
@@ -92,6 +161,8 @@ typedef struct kcu_gemm_args {
     int beta0;           /* ACC: overwrite C instead of accumulating (C known to be zero) */
     int wg_ovl;          /* wgmma kernel: next item's loads before the epilogue (set inside) */
     int group_m;         /* wgmma kernels: m-tiles that walk n together (set inside) */
+    int pdl;             /* v4/v7: launch with PDL (small inference batches: measured to
+                          * help there, to cost ~1.5% on Mixtral's training rows) */
 } kcu_gemm_args;
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
@@ -255,10 +326,11 @@ moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *off
 /* kcu_gather_rows: dst (S,H) bf16 sorted rows, dst[r] = src[tok[r]] for r <
  * *nrows (a device count, e.g. offs + E); src (T,H) device f32 or bf16 */
 moe_err kcu_gather_rows(const void *src, moe_dtype dt, const int32_t *tok, const int32_t *nrows,
-                        int S, int H, bf16 *dst, cudaStream_t st);
-/* kcu_combine: spos (S) may be NULL; slots with spos < 0 add nothing */
+                        int S, int H, bf16 *dst, int pdl, cudaStream_t st);
+/* kcu_combine: spos (S) may be NULL; slots with spos < 0 add nothing. pdl
+ * (both): launched with PDL */
 moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,
-                    int K, int H, void *out, moe_dtype dt, cudaStream_t st);
+                    int K, int H, void *out, moe_dtype dt, int pdl, cudaStream_t st);
 moe_err kcu_adamw(float *p, const float *g, float *m, float *v, bf16 *w, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float gscale,
                   cudaStream_t st);

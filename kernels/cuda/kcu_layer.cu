@@ -567,7 +567,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     if (l->sorted || sorted_infer(l, T, train)) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
-        KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + c->E, T * K, H, dst, st));
+        KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + c->E, T * K, H, dst, small, st));
         xrows = dst;
     }
 
@@ -586,6 +586,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     a.F = F;
     a.ab = train ? l->ab : nullptr;
     a.ld_ab = l->N1;
+    a.pdl = small; /* small inference batches: the kernel chain with PDL */
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, c->act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU,
                      &a, l->nsm, st));
 
@@ -602,6 +603,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     a.Cb = ye;
     a.ldc = H;
     a.scatter = l->perm;
+    a.pdl = small;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, l->nsm, st));
 
     PHASE("f.combine");
@@ -610,7 +612,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     if (yhost)
         KCU_TRY(ensure_stage(l));
     KCU_TRY(kcu_combine(ye, l->topk_w, nullptr, spos, T, K, H, yhost ? (void *)l->stage : y,
-                        y_dtype, st));
+                        y_dtype, small, st));
     if (yhost)
         KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
@@ -681,7 +683,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const bf16 *dyrows = (const bf16 *)dysrc;
     if (l->sorted) {
         PHASE("b.gather");
-        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + E, S, H, ye, st));
+        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + E, S, H, ye, 0, st));
         dyrows = ye;
     } else if (dy_dtype != MOE_BF16 || on_host) {
         KCU_TRY(kcu_to_bf16(dysrc, dy_dtype, ye, n, st));
@@ -753,8 +755,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const int xhost = kcu_is_host_ptr(dx);
     if (xhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(
-        kcu_combine(ye, nullptr, dxr, spos, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype, st));
+    KCU_TRY(kcu_combine(ye, nullptr, dxr, spos, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype, 0,
+                        st));
     if (xhost)
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));

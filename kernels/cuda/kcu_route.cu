@@ -154,6 +154,8 @@ __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__
                           const float *__restrict__ extra, const int32_t *__restrict__ spos, int T,
                           int K, int H, void *out, int out_f32)
 {
+    kcu_pdl_wait(); /* launched with PDL */
+    kcu_pdl_trigger();
     const int hc = H / 8;
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i >= (size_t)T * hc)
@@ -210,6 +212,8 @@ __global__ void k_gather_rows(const void *__restrict__ src, int src_f32,
                               const int32_t *__restrict__ tok, const int32_t *__restrict__ nrows,
                               int S, int H, bf16 *__restrict__ dst)
 {
+    kcu_pdl_wait(); /* launched with PDL */
+    kcu_pdl_trigger();
     const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
     const int n = min(*nrows, S);
     for (int r = blockIdx.x * wpb + (threadIdx.x >> 5); r < n; r += gridDim.x * wpb) {
@@ -445,27 +449,26 @@ moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *off
 }
 
 moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,
-                    int K, int H, void *out, moe_dtype dt, cudaStream_t st)
+                    int K, int H, void *out, moe_dtype dt, int pdl, cudaStream_t st)
 {
     const size_t n = (size_t)T * (H / 8);
     if (n == 0)
         return MOE_OK;
-    k_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(ye, w, extra, spos, T, K, H,
-                                                                      out, dt == MOE_F32);
-    KCU_CHECK_LAUNCH();
+    KCU_CHECK(kcu_launch(k_combine, dim3((unsigned)KCU_CEIL_DIV(n, (size_t)256)), dim3(256), 0, st,
+                         pdl, 0, ye, w, extra, spos, T, K, H, out, (int)(dt == MOE_F32)));
     return MOE_OK;
 }
 
 moe_err kcu_gather_rows(const void *src, moe_dtype dt, const int32_t *tok, const int32_t *nrows,
-                        int S, int H, bf16 *dst, cudaStream_t st)
+                        int S, int H, bf16 *dst, int pdl, cudaStream_t st)
 {
     if (dt != MOE_F32 && dt != MOE_BF16)
         return MOE_EINVAL;
     if (S <= 0)
         return MOE_OK;
     const int need = KCU_CEIL_DIV(S, 8), blocks = need < 8192 ? need : 8192;
-    k_gather_rows<<<blocks, 256, 0, st>>>(src, dt == MOE_F32, tok, nrows, S, H, dst);
-    KCU_CHECK_LAUNCH();
+    KCU_CHECK(kcu_launch(k_gather_rows, dim3(blocks), dim3(256), 0, st, pdl, 0, src,
+                         (int)(dt == MOE_F32), tok, nrows, S, H, dst));
     return MOE_OK;
 }
 
