@@ -11,6 +11,7 @@
  *
  *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|small [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
+ *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
  *
  * Keep NCCL_NVLS_ENABLE=0 on the shared machines.
  */
@@ -85,6 +86,7 @@ static void gen(std::vector<float> &v, size_t n, uint64_t seed, float a, float s
 
 struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
+    int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};
 };
@@ -99,6 +101,7 @@ struct world {
     std::vector<std::vector<float>> g1, g3, g2, gr; /* per rank: local expert grads, router grad */
     /* results per chunks value (rank 0 writes the max over ranks) */
     std::vector<double> t_fwd, t_fb, t_a2a, t_nccl;
+    std::vector<int> used;       /* chunks each setting used (0: chosen per forward) */
     std::vector<double> rank_ms; /* scratch: one slot per rank */
     int64_t send_bytes = 0, rows_max = 0, rows_min = 0;
     size_t mem_max = 0;
@@ -169,8 +172,8 @@ static void *rank_main(void *arg)
     CK(cudaMemcpy(xd, w->x[r].data(), (size_t)T * H * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dyd, w->dy[r].data(), (size_t)T * H * 4, cudaMemcpyHostToDevice));
 
-    if (w->o.check) { /* chunks 2 for the check: the pipelined path */
-        CKM(kcu_ep_set_chunks(ep, 2, 0));
+    if (w->o.check) { /* chunks 2 for the check (the pipelined path) unless --check-chunks */
+        CKM(kcu_ep_set_chunks(ep, w->o.check_chunks, 0));
         w->y[r].assign((size_t)T * H, 0.f);
         w->dx[r].assign((size_t)T * H, 0.f);
         CKM(kcu_ep_zero_grads(ep));
@@ -237,6 +240,7 @@ static void *rank_main(void *arg)
             w->t_fb[ci] = median(tb);
             w->t_a2a[ci] = median(ta);
             w->t_nccl[ci] = tn.empty() ? 0 : median(tn);
+            w->used[ci] = kcu_ep_last_chunks(ep); /* chunks 0: chosen per forward */
         }
         pthread_barrier_wait(&w->bar);
     }
@@ -390,10 +394,14 @@ int main(int argc, char **argv)
             o.skew = 1;
         } else if (!strcmp(a, "--check")) {
             o.check = 1;
+        } else if (!strcmp(a, "--check-chunks")) {
+            o.check_chunks = atoi(v);
+            i++;
         } else {
             fprintf(stderr,
                     "usage: %s --gpus W --shape mixtral|qwen3|small [--tokens T] "
-                    "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check]\n",
+                    "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
+                    "[--check-chunks N]\n",
                     argv[0]);
             return 2;
         }
@@ -438,6 +446,7 @@ int main(int argc, char **argv)
     w->t_fb.assign(nc, 0);
     w->t_a2a.assign(nc, 0);
     w->t_nccl.assign(nc, 0);
+    w->used.assign(nc, 0);
     w->rank_ms.assign(o.W, 0);
     CKN(ncclGetUniqueId(&w->id));
     pthread_barrier_init(&w->bar, nullptr, o.W);
@@ -471,7 +480,10 @@ int main(int argc, char **argv)
         const double hidden = (o.chunks[0] == 1 && w->t_a2a[i] > 0 && o.chunks[i] > 1)
                                   ? (base - w->t_fwd[i]) / w->t_a2a[i]
                                   : 0;
-        printf("%-7d %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%%\n", o.chunks[i],
+        char lab[16];
+        snprintf(lab, sizeof(lab), o.chunks[i] ? "%d" : "auto:%d",
+                 o.chunks[i] ? o.chunks[i] : w->used[i]);
+        printf("%-7s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%%\n", lab,
                w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3), w->t_a2a[i],
                a2a_gbs, w->t_nccl[i], n_gbs, w->t_nccl[i] > 0 ? w->t_a2a[i] / w->t_nccl[i] : 0,
                hidden * 100);

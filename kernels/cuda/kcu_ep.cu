@@ -41,7 +41,12 @@
 #include "kcu_internal.cuh"
 #include "placement.h"
 
-enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64 };
+/* EP_CHUNK_ROWS: routed rows per rank from which kcu_ep_auto_chunks
+ * overlaps (4 chunks) on more than 2 GPUs. An estimate, not yet measured
+ * on 4 GPUs (bench/NOTES.md "Overlap degree per call"): 4 chunks cost
+ * ~0.4-0.65 ms of fixed time on 2x H200 and hide about half of the
+ * all-to-all on 4, which at 4096 tokens x 8 per rank is ~0.75 ms */
+enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 32768 };
 
 struct kcu_ep {
     kcu_ep_config c;
@@ -65,8 +70,9 @@ struct kcu_ep {
     bf16 *xg; /* (N,H) received rows in activation order, kept for dW13 (sorted, train) */
     int32_t *gidx, *wgx, *wgh; /* (N) each */
     int32_t *tbl_d, *tbl_h;    /* per-call tables (device, pinned host) */
-    int sorted;   /* owner GEMMs on sorted copies of the received rows (kcu_sorted_mode > 0) */
-    int dw2_done; /* this backward's dW2 already ran inside the pipeline */
+    int chunks_auto; /* overlap degree chosen per forward from the global rows (chunks 0) */
+    int sorted;      /* owner GEMMs on sorted copies of the received rows (kcu_sorted_mode > 0) */
+    int dw2_done;    /* this backward's dW2 already ran inside the pipeline */
     cudaEvent_t ev_a, ev_cnt, ev_done, ev_disp[EP_MAX_CHUNKS], ev_comp[EP_MAX_CHUNKS];
     /* the last call */
     int T, T_fwd, C; /* C: chunks of the last forward */
@@ -738,6 +744,14 @@ moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
     } else {
         KCU_CHECK(cudaMemsetAsync(R->counts, 0, E * 4, st));
     }
+    return MOE_OK;
+}
+
+/* the send rows of T tokens (xsend, sendpos) cut into ep->C chunks */
+moe_err ep_pack(kcu_ep *ep, int T, const bf16 *xb, cudaStream_t st)
+{
+    kcu_layer *R = &ep->R;
+    const int H = ep->c.H, E = ep->c.E, S = T * ep->c.K;
     k_ep_tab<<<1, 32, 0, st>>>(R->counts, E, ep->C, ep->tab);
     KCU_CHECK_LAUNCH();
     if (S > 0) {
@@ -749,7 +763,9 @@ moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
     return MOE_OK;
 }
 
-/* counts of every rank to the host, then the plan and its tables */
+/* counts of every rank to the host; the overlap degree of this call (with
+ * chunks 0: from the rows routed over all ranks, the same on every rank),
+ * then the plan and its tables */
 moe_err ep_exchange_counts(kcu_ep *ep, cudaStream_t st)
 {
     const int E = ep->c.E, W = ep->c.world;
@@ -761,6 +777,12 @@ moe_err ep_exchange_counts(kcu_ep *ep, cudaStream_t st)
         cudaMemcpyAsync(ep->cnt_h, ep->cnt_all, (size_t)W * E * 4, cudaMemcpyDeviceToHost, ep->cs));
     KCU_CHECK(cudaEventRecord(ep->ev_cnt, ep->cs));
     KCU_TRY(ep_wait(ep, ep->ev_cnt, nullptr, "counts exchange"));
+    if (ep->chunks_auto) {
+        long long rows = 0;
+        for (int i = 0; i < W * E; i++)
+            rows += ep->cnt_h[i];
+        ep->C = kcu_ep_auto_chunks(W, ep->c.F, rows / W);
+    }
     KCU_TRY(ep_plan(ep));
     KCU_CHECK(
         cudaMemcpyAsync(ep->tbl_d, ep->tbl_h, (size_t)ep->t_len * 4, cudaMemcpyHostToDevice, st));
@@ -804,8 +826,8 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
 {
     *out = NULL;
     kcu_ep_config c = *cfg;
-    if (c.chunks == 0)
-        c.chunks = kcu_ep_auto_chunks(c.world, c.F);
+    if (c.chunks == 0) /* chosen per forward; this is the most it takes */
+        c.chunks = kcu_ep_auto_chunks(c.world, c.F, LLONG_MAX);
     if (c.timeout_ms <= 0)
         c.timeout_ms = 60000;
     if (!comm || c.H <= 0 || c.F <= 0 || c.H % 128 || c.F % 128 || c.E < 1 || c.E > 256 ||
@@ -822,6 +844,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         return MOE_ENOMEM;
     ep->c = c;
     ep->C = c.chunks;
+    ep->chunks_auto = cfg->chunks == 0;
     ep->comm = (ncclComm_t)comm;
     ep->first = placement_first(c.E, c.world, c.rank);
     ep->ne = placement_count(c.E, c.world, c.rank);
@@ -963,23 +986,34 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
     free(ep);
 }
 
-extern "C" int kcu_ep_auto_chunks(int world, int F)
+extern "C" int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank)
 {
     /* 2 GPUs: one chunk at every batch measured (bench/NOTES.md, Qwen3 on
-     * 2x H200, 16..16384 tokens per GPU: chunks 4 is 4-90% slower) */
-    return world > 2 && F < 5333 ? 4 : 1;
+     * 2x H200, 16..16384 tokens per GPU: chunks 4 is 4-90% slower); more
+     * GPUs: 4 chunks for small F from KCU_EP_CHUNK_ROWS routed rows per rank
+     * on (4 chunks measured faster on 4x H200 at 131072 rows per rank) */
+    static long long min_rows = -1;
+    if (min_rows < 0) {
+        const char *s = getenv("KCU_EP_CHUNK_ROWS");
+        min_rows = s && *s ? atoll(s) : EP_CHUNK_ROWS;
+        if (min_rows < 0)
+            min_rows = 0;
+    }
+    return world > 2 && F < 5333 && rows_per_rank >= min_rows ? 4 : 1;
 }
 
 extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
 {
-    if (chunks == 0)
-        chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F);
+    const int autoc = chunks == 0;
+    if (autoc)
+        chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F, LLONG_MAX);
     if (chunks < 1 || chunks > EP_MAX_CHUNKS || comm_sms < 0)
         return MOE_EINVAL;
     if (ep->T_fwd > 0)
         return MOE_EPRECOND;
     ep->c.chunks = chunks;
     ep->C = chunks;
+    ep->chunks_auto = autoc;
     ep->c.comm_sms = comm_sms;
     return MOE_OK;
 }
@@ -1027,7 +1061,8 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
             KCU_TRY(stage(ep, x, x_dtype, ep->R.xs, (size_t)T * ep->c.H, st));
     }
     KCU_TRY(ep_route(ep, T, xb, train, st));
-    KCU_TRY(ep_exchange_counts(ep, st));
+    KCU_TRY(ep_exchange_counts(ep, st)); /* sets this call's chunks */
+    KCU_TRY(ep_pack(ep, T, xb, st));
     if (ep->N > 0) {
         const int W = ep->c.world, ne = ep->ne;
         k_ep_index<<<dim3(ne, W, ep->C), 128, 0, st>>>(
@@ -1178,6 +1213,11 @@ extern "C" moe_err kcu_ep_stats(kcu_ep *ep, double *probs_sum, double *z_sum, vo
     }
     free(part);
     return MOE_OK;
+}
+
+extern "C" int kcu_ep_last_chunks(const kcu_ep *ep)
+{
+    return ep->C;
 }
 
 extern "C" int64_t kcu_ep_last_a2a_bytes(const kcu_ep *ep)

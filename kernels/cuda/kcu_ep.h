@@ -13,7 +13,8 @@
  * compute stream as soon as its rows arrived, and its return starts as
  * soon as they finish, overlapping the next chunks' transfers and GEMMs.
  * While chunks > 1 the GEMMs leave `comm_sms` SMs to NCCL. chunks = 1 is
- * the plain sequence; chunks = 0 picks by shape (kcu_ep_auto_chunks).
+ * the plain sequence; chunks = 0 picks per forward by shape and the rows
+ * routed over all ranks (kcu_ep_auto_chunks).
  *
  * One host synchronisation per call: the per-expert counts of every rank
  * (an ncclAllGather of W*E int32) are read back to size the transfers;
@@ -58,7 +59,7 @@ typedef struct kcu_ep_config {
     int rank, world; /* experts in contiguous blocks (common/placement.h) */
     int T_max;       /* most tokens of this rank per call */
     int train;
-    int chunks;     /* overlap degree, 1..8; 0 = kcu_ep_auto_chunks */
+    int chunks;     /* overlap degree, 1..8; 0 = per forward by kcu_ep_auto_chunks */
     int comm_sms;   /* SMs the GEMMs leave free while chunks > 1 (0 = default 32) */
     int timeout_ms; /* bound on each wait for peers (0 = 60000) */
 } kcu_ep_config;
@@ -68,13 +69,19 @@ typedef struct kcu_ep_config {
  * shapes (as kcu_layer_create; world <= 64), MOE_ENOMEM. */
 moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **out);
 void kcu_ep_destroy(kcu_ep *ep);
-/* kcu_ep_auto_chunks: the default overlap degree. Overlap pays when the
- * all-to-all is a good part of the layer: its time per row ~ 4H bytes at
- * ~300 GB/s against ~6HF flops at ~600 TFLOP/s, a ratio of ~1333/F
- * (bench/NOTES.md: Qwen3, F=768, gains; Mixtral, F=14336, loses the SMs
- * it leaves to NCCL; on 2 GPUs one chunk is faster at every batch size
- * measured). 4 chunks when world > 2 and F < 5333, else 1. */
-int kcu_ep_auto_chunks(int world, int F);
+/* kcu_ep_auto_chunks: the overlap degree of a forward with chunks 0, chosen
+ * after the counts exchange from the rows routed per rank (the mean over
+ * ranks: the same choice on every rank). Overlap pays when the all-to-all
+ * is a good part of the layer: its time per row ~ 4H bytes at ~300 GB/s
+ * against ~6HF flops at ~600 TFLOP/s, a ratio of ~1333/F (bench/NOTES.md:
+ * Qwen3, F=768, gains; Mixtral, F=14336, loses the SMs it leaves to NCCL;
+ * on 2 GPUs one chunk is faster at every batch size measured), and when the
+ * batch is large enough that the extra transfers and launches of several
+ * chunks do not dominate. 4 chunks when world > 2, F < 5333 and at least
+ * KCU_EP_CHUNK_ROWS (default 32768, an estimate) rows per rank, else 1. */
+int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank);
+/* kcu_ep_last_chunks: the overlap degree the last forward used */
+int kcu_ep_last_chunks(const kcu_ep *ep);
 /* kcu_ep_set_chunks changes the overlap degree (0..8) for later calls;
  * not between a train forward and its backward (MOE_EPRECOND). */
 moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms);
