@@ -589,19 +589,19 @@ static int gemm_checks(uint64_t seed)
  *   v1 mma.sync, v2 wgmma, v4 warp-specialised with TMA where possible
  *   ("v4-tma") and with cp.async only ("v4-cpa"), and v7 (v4 on 2-CTA
  *   clusters with the weight tile multicast, "v7-clu": rows mode with a
- *   dense A over a tile list, else it runs v4); "v4-reg": v4 with the
- *   register epilogue where the staged one (TMA stores, weight gradients)
- *   would run. v2, v4 and v7 run the same wgmma sequence: their outputs must
- *   agree bit for bit ("==v2").
+ *   dense A over a tile list, else it runs v4); "v4-reg", "v7-reg": v4 and
+ *   v7 with the register epilogue where a staged one would run (TMA stores
+ *   of the weight gradients, dh's (a, b) loaded by TMA). v2, v4 and v7 run
+ *   the same wgmma sequence: their outputs must agree bit for bit ("==v2").
  * nsm is set to 3 so that each persistent CTA walks several items. */
 struct st_ver {
     int v, tma, cl; /* cl: v7, 2-CTA clusters (rows mode, dense A, tile list) */
-    int ts;         /* staged epilogue by TMA stores (v4, v7) */
+    int ts;         /* staged epilogues (v4, v7): TMA stores, dh's (a, b) by TMA */
     const char *name;
 };
-static const st_ver ST_VERS[] = {{1, -1, 0, 0, "v1"},    {2, -1, 0, 0, "v2"},
-                                 {4, 1, 0, 1, "v4-tma"}, {4, 1, 0, 0, "v4-reg"},
-                                 {4, 0, 0, 1, "v4-cpa"}, {4, 1, 1, 1, "v7-clu"}};
+static const st_ver ST_VERS[] = {
+    {1, -1, 0, 0, "v1"},    {2, -1, 0, 0, "v2"},    {4, 1, 0, 1, "v4-tma"}, {4, 1, 0, 0, "v4-reg"},
+    {4, 0, 0, 1, "v4-cpa"}, {4, 1, 1, 1, "v7-clu"}, {4, 1, 1, 0, "v7-reg"}};
 
 static double st_sig(double a)
 {

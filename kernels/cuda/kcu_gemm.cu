@@ -74,9 +74,17 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* the logistic function in four instructions (FMUL, MUFU.EX2, FADD,
+ * MUFU.RCP; flush-to-zero: a < -88 gives 1 / inf = 0, a > 88 gives 1): the
+ * IEEE division and the denormal-safe __expf cost ~20 and a slow-path call
+ * site per use, and the SwiGLU epilogues, which run with the tensor cores
+ * idle, are bound by their instruction count (bench/NOTES.md) */
 __device__ __forceinline__ float sigm(float a)
 {
-    return 1.f / (1.f + __expf(-a));
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-1.44269504088896341f * a));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+    return r;
 }
 __device__ __forceinline__ float gelu_f(float a)
 {
@@ -544,6 +552,91 @@ __device__ __forceinline__ void wgrad_raster(int gm, int ntm, int ntn, int in, i
     n0 = (r / gsz) * WG_BN;
 }
 
+/* DSWIGLU's (da, db) of column f to global memory, over its (a, b) */
+__device__ __forceinline__ void st_pair_global(int, int, bf16 *arow, int f, __nv_bfloat162 da,
+                                               __nv_bfloat162 db)
+{
+    bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
+    *reinterpret_cast<__nv_bfloat162 *>(pa) = da;
+    *reinterpret_cast<__nv_bfloat162 *>(pa + 8) = db;
+}
+
+/* the backward epilogues (DSWIGLU / DGELU: d = dy.W2, the unweighted dh) of
+ * this warp's 16 rows m0 + rb + [0, 16), as wg_epilogue; ld(hr, jj, arow,
+ * a, b) loads the pre-activation pairs of fragment column jj (0..31) of
+ * row half hr, arow being the row's (a, b) in global memory, and st(hr,
+ * jj, arow, f, da, db) stores DSWIGLU's gradients over them: in global
+ * memory (wg_epilogue) or in the staged copy (stage_dswiglu) */
+template <int EPI, class LD, class ST>
+__device__ __forceinline__ void wg_dact(const kcu_gemm_args &p, const float (&d)[128], int m0,
+                                        int n0, int rend, int rb, int lane, LD ld, ST st)
+{
+    const int g = lane >> 2, q4 = lane & 3;
+    /* both rows' gate weights before any store (a store could alias them:
+     * loaded inside the loop they made a dependent round trip per row) */
+    float wgts[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int r = m0 + rb + g + hr * 8;
+        wgts[hr] = p.gate_w && r < rend ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int r = m0 + rb + g + hr * 8;
+        const bool ok = r < rend;
+        float rsum = 0.f;
+        if (ok) {
+            const float wgt = wgts[hr];
+            bf16 *arow = p.ab + (size_t)r * p.ld_ab;
+            bf16 *hrow = p.h + (size_t)r * p.F;
+            /* the (a, b) of CH column pairs loaded before any store */
+            constexpr int CH = EPI == KCU_EPI_DSWIGLU ? 8 : 16; /* no spills */
+#pragma unroll
+            for (int jc = 0; jc < 32; jc += CH) {
+                __nv_bfloat162 av[CH], bv[CH];
+#pragma unroll
+                for (int j = 0; j < CH; j++)
+                    ld(hr, jc + j, arow, av[j], bv[j]);
+#pragma unroll
+                for (int j = 0; j < CH; j++) {
+                    const int f = n0 + 8 * (jc + j) + q4 * 2;
+                    const float d0 = d[4 * (jc + j) + hr * 2];
+                    const float d1 = d[4 * (jc + j) + hr * 2 + 1];
+                    const float2 a = __bfloat1622float2(av[j]);
+                    const float2 b = __bfloat1622float2(bv[j]);
+                    float h0, h1;
+                    if (EPI == KCU_EPI_DSWIGLU) {
+                        const float s0 = sigm(a.x), s1 = sigm(a.y);
+                        const float sa0 = a.x * s0, sa1 = a.y * s1;
+                        h0 = rbf(sa0 * b.x);
+                        h1 = rbf(sa1 * b.y);
+                        const float e0 = wgt * d0, e1 = wgt * d1;
+                        st(hr, jc + j, arow, f,
+                           __floats2bfloat162_rn(e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
+                                                 e1 * b.y * s1 * (1.f + a.y * (1.f - s1))),
+                           __floats2bfloat162_rn(e0 * sa0, e1 * sa1));
+                    } else {
+                        h0 = rbf(gelu_f(a.x));
+                        h1 = rbf(gelu_f(a.y));
+                        st_bf2(arow + f, wgt * d0 * dgelu_f(a.x), wgt * d1 * dgelu_f(a.y));
+                    }
+                    st_bf2(hrow + f, wgt * h0, wgt * h1);
+                    rsum += d0 * h0 + d1 * h1;
+                }
+            }
+        }
+        if (p.dwpart) { /* uniform branch: the shuffles need all lanes */
+            rsum += __shfl_xor_sync(0xffffffffu, rsum, 1);
+            rsum += __shfl_xor_sync(0xffffffffu, rsum, 2);
+            if (ok && q4 == 0) { /* partials in KCU_BN columns: 2 per item */
+                float *dp = p.dwpart + (size_t)r * (p.N / BN) + n0 / BN;
+                dp[0] = rsum;
+                dp[1] = 0.f;
+            }
+        }
+    }
+}
+
 /* the epilogue of the wgmma kernels (v2 and v4): this warp's 16 rows m0 + rb
  * + [0, 16) of the item, 256 columns from n0, fragment d as wgmma leaves it:
  * d[4j + c]: row m0 + rb + g + (c>>1)*8, col n0 + 8j + q4*2 + (c&1) */
@@ -552,7 +645,22 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
                                             int m0, int n0, int rend, int ktiles, int rb, int lane)
 {
     const int g = lane >> 2, q4 = lane & 3;
-    if (EPI == KCU_EPI_ACC && p.Cb) { /* bf16 store: C = bf16(C + acc) */
+    if (EPI == KCU_EPI_DSWIGLU || EPI == KCU_EPI_DGELU) {
+        wg_dact<EPI>(
+            p, d, m0, n0, rend, rb, lane,
+            [&](int, int jj, const bf16 *arow, __nv_bfloat162 &av, __nv_bfloat162 &bv) {
+                const int f = n0 + 8 * jj + q4 * 2;
+                if (EPI == KCU_EPI_DSWIGLU) {
+                    const bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
+                    av = *reinterpret_cast<const __nv_bfloat162 *>(pa);
+                    bv = *reinterpret_cast<const __nv_bfloat162 *>(pa + 8);
+                } else {
+                    av = *reinterpret_cast<const __nv_bfloat162 *>(arow + f);
+                    bv = av;
+                }
+            },
+            st_pair_global);
+    } else if (EPI == KCU_EPI_ACC && p.Cb) { /* bf16 store: C = bf16(C + acc) */
         if (ktiles > 0 || p.beta0) {
             bf16 *C = p.Cb + (size_t)e * p.c_gstride;
 #pragma unroll
@@ -641,66 +749,6 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
                         if (p.ab)
                             st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
                     }
-            } else { /* DSWIGLU / DGELU: d = dy.W2 (unweighted dh) */
-                float rsum = 0.f;
-                if (ok) {
-                    const float wgt = p.gate_w ? p.gate_w[p.scatter ? p.scatter[r] : r] : 1.f;
-                    bf16 *arow = p.ab + (size_t)r * p.ld_ab;
-                    bf16 *hrow = p.h + (size_t)r * p.F;
-                    /* the (a, b) of CH column pairs loaded before any store */
-                    constexpr int CH = EPI == KCU_EPI_DSWIGLU ? 8 : 16; /* no spills */
-#pragma unroll
-                    for (int jc = 0; jc < 32; jc += CH) {
-                        __nv_bfloat162 av[CH], bv[CH];
-#pragma unroll
-                        for (int j = 0; j < CH; j++) {
-                            const int f = n0 + 8 * (jc + j) + q4 * 2;
-                            if (EPI == KCU_EPI_DSWIGLU) {
-                                const bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
-                                av[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa);
-                                bv[j] = *reinterpret_cast<const __nv_bfloat162 *>(pa + 8);
-                            } else {
-                                av[j] = *reinterpret_cast<const __nv_bfloat162 *>(arow + f);
-                                bv[j] = av[j];
-                            }
-                        }
-#pragma unroll
-                        for (int j = 0; j < CH; j++) {
-                            const int f = n0 + 8 * (jc + j) + q4 * 2;
-                            const float d0 = d[4 * (jc + j) + hr * 2];
-                            const float d1 = d[4 * (jc + j) + hr * 2 + 1];
-                            const float2 a = __bfloat1622float2(av[j]);
-                            const float2 b = __bfloat1622float2(bv[j]);
-                            float h0, h1;
-                            if (EPI == KCU_EPI_DSWIGLU) {
-                                bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
-                                const float s0 = sigm(a.x), s1 = sigm(a.y);
-                                const float sa0 = a.x * s0, sa1 = a.y * s1;
-                                h0 = rbf(sa0 * b.x);
-                                h1 = rbf(sa1 * b.y);
-                                const float e0 = wgt * d0, e1 = wgt * d1;
-                                st_bf2(pa, e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
-                                       e1 * b.y * s1 * (1.f + a.y * (1.f - s1)));
-                                st_bf2(pa + 8, e0 * sa0, e1 * sa1);
-                            } else {
-                                h0 = rbf(gelu_f(a.x));
-                                h1 = rbf(gelu_f(a.y));
-                                st_bf2(arow + f, wgt * d0 * dgelu_f(a.x), wgt * d1 * dgelu_f(a.y));
-                            }
-                            st_bf2(hrow + f, wgt * h0, wgt * h1);
-                            rsum += d0 * h0 + d1 * h1;
-                        }
-                    }
-                }
-                if (p.dwpart) { /* uniform branch: the shuffles need all lanes */
-                    rsum += __shfl_xor_sync(0xffffffffu, rsum, 1);
-                    rsum += __shfl_xor_sync(0xffffffffu, rsum, 2);
-                    if (ok && q4 == 0) { /* partials in KCU_BN columns: 2 per item */
-                        float *dp = p.dwpart + (size_t)r * (p.N / BN) + n0 / BN;
-                        dp[0] = rsum;
-                        dp[1] = 0.f;
-                    }
-                }
             }
         }
     }
@@ -991,11 +1039,12 @@ static_assert(128 * WS_PRODUCER_REGS + 256 * WS_CONSUMER_REGS <= 65536 / WS_NT /
 
 /* tensor maps of the dense operands (kernel parameter, __grid_constant__) */
 struct ws_maps {
-    CUtensorMap a; /* ta: rows mode (K, rows) box (64, 128); wgrad (M, rows) box (64, 64) */
-    CUtensorMap b; /* tb: rows mode B_K (K, N, E) box (64, 256, 1), B_N (N, K, E) box (64, 64,
-                    * 1); wgrad (N, rows) box (64, 64) */
-    CUtensorMap c; /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1) */
-    int ta, tb, tc;
+    CUtensorMap a;  /* ta: rows mode (K, rows) box (64, 128); wgrad (M, rows) box (64, 64) */
+    CUtensorMap b;  /* tb: rows mode B_K (K, N, E) box (64, 256, 1), B_N (N, K, E) box (64, 64,
+                     * 1); wgrad (N, rows) box (64, 64) */
+    CUtensorMap c;  /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1) */
+    CUtensorMap ab; /* tab, staged epilogue: DSWIGLU's (a, b) (2F, rows) box (64, 128) */
+    int ta, tb, tc, tab;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
@@ -1145,6 +1194,98 @@ __device__ __forceinline__ void stage_acc(const kcu_gemm_args &p, const ws_maps 
     }
 }
 
+/* ---- dh's (a, b) by TMA into the stages (KCU_WS_TMA_AB=0 turns it off) ----
+ * DSWIGLU reads the item's pre-activations, 128 rows x 512 bf16 (a and b
+ * interleaved by 8, 128 KB), where the register epilogue loaded them in 8
+ * dependent rounds of global loads with the tensor cores idle (22 us of a
+ * 73 us item on Mixtral's dh, measured). Here the producer loads them into
+ * the AB_STAGES stages that follow the item's k steps, as AB_BOXES boxes of
+ * 64 columns x 128 rows (128-byte swizzle, three per stage), right after the
+ * item's last k step: they land while the consumers finish the item's math.
+ * Both roles count those stages in their stage sequence; the consumers
+ * release them after the epilogue. Same values, same bits. */
+constexpr int AB_BOXES = 8, AB_BOX_BYTES = 128 * 128, AB_PER_STAGE = 3;
+constexpr int AB_STAGES = (AB_BOXES + AB_PER_STAGE - 1) / AB_PER_STAGE;
+static_assert(AB_PER_STAGE * AB_BOX_BYTES <= WG_STAGE_BYTES, "(a, b) boxes exceed a stage");
+static_assert(AB_STAGES < WS_STAGES, "(a, b) stages leave no stage for the next item");
+
+__device__ __forceinline__ uint32_t lds_u32(uint32_t a)
+{
+    uint32_t v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+
+/* producer (one thread): stage j (0..AB_STAGES-1) of item (m0, n0)'s (a, b)
+ * into shared stage address sa, completing on fb */
+__device__ __forceinline__ void ab_issue(const ws_maps &mp, uint32_t sa, uint32_t fb, int j, int m0,
+                                         int n0)
+{
+    const int b0 = AB_PER_STAGE * j, nb = min(AB_PER_STAGE, AB_BOXES - b0);
+    mbar_arrive_tx(fb, (uint32_t)nb * AB_BOX_BYTES);
+    for (int i = 0; i < nb; i++)
+        tma_2d(sa + i * AB_BOX_BYTES, &mp.ab, 2 * n0 + 64 * (b0 + i), m0, fb);
+}
+
+__device__ __forceinline__ void sts_u32(uint32_t a, uint32_t v)
+{
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 lds_u128(uint32_t a)
+{
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(a)
+                 : "memory");
+    return v;
+}
+
+/* consumer warpgroup cw: DSWIGLU of its 64 rows of the item from the staged
+ * (a, b); sta: the shared addresses of the item's AB_STAGES stages. (da,
+ * db) overwrite (a, b) in the boxes, then the warpgroup copies its rows out
+ * in 16-byte chunks, a warp writing 512 contiguous bytes of a row: the
+ * threads' own 4-byte stores (8 rows x 16 bytes per warp instruction) took
+ * 6.7 of the epilogue's 21 us (measured). Rows past rend are not written
+ * (they are the next expert's). */
+__device__ __forceinline__ void stage_dswiglu(const kcu_gemm_args &p, const float (&d)[128],
+                                              const uint32_t (&sta)[AB_STAGES], int m0, int n0,
+                                              int rend, int cw, int warp, int lane)
+{
+    const int g = lane >> 2, q4 = lane & 3, rb = cw * 64 + (warp & 3) * 16;
+    /* pair jj of row half hr: item columns 16 jj + 2 q4 (a) and + 8 (b), box
+     * jj / 4; b is the next 16-byte chunk, which the swizzle puts elsewhere */
+    auto at = [&](int hr, int jj, int b) {
+        const int box = jj >> 2;
+        return box_addr(sta[box / AB_PER_STAGE] + (box % AB_PER_STAGE) * AB_BOX_BYTES,
+                        rb + g + 8 * hr, (jj & 3) * 32 + 4 * q4 + 16 * b);
+    };
+    wg_dact<KCU_EPI_DSWIGLU>(
+        p, d, m0, n0, rend, rb, lane,
+        [&](int hr, int jj, const bf16 *, __nv_bfloat162 &av, __nv_bfloat162 &bv) {
+            const uint32_t a = lds_u32(at(hr, jj, 0)), b = lds_u32(at(hr, jj, 1));
+            av = *reinterpret_cast<const __nv_bfloat162 *>(&a);
+            bv = *reinterpret_cast<const __nv_bfloat162 *>(&b);
+        },
+        [&](int hr, int jj, bf16 *, int, __nv_bfloat162 da, __nv_bfloat162 db) {
+            sts_u32(at(hr, jj, 0), *reinterpret_cast<const uint32_t *>(&da));
+            sts_u32(at(hr, jj, 1), *reinterpret_cast<const uint32_t *>(&db));
+        });
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    /* the warpgroup's 64 rows x 64 chunks of 16 bytes (8 boxes of 8) */
+    const int t = (warp & 3) * 32 + lane;
+#pragma unroll 4
+    for (int i = t; i < 64 * 64; i += 128) {
+        const int row = i >> 6, ch = i & 63, box = ch >> 3;
+        const int r = m0 + 64 * cw + row;
+        if (r >= rend)
+            break; /* rows grow with i */
+        const uint32_t base = sta[box / AB_PER_STAGE] + (box % AB_PER_STAGE) * AB_BOX_BYTES;
+        const uint4 v = lds_u128(box_addr(base, 64 * cw + row, (ch & 7) * 16));
+        *reinterpret_cast<uint4 *>(p.ab + (size_t)r * p.ld_ab + 2 * n0 + ch * 8) = v;
+    }
+}
+
 /* the epilogue of one v4 / v7 item for consumer warpgroup cw: staged where
  * it applies, else wg_epilogue */
 template <int EPI>
@@ -1280,6 +1421,14 @@ __global__ void __launch_bounds__(WS_NT, 1)
                     }
                     cp_async_arrive(fb);
                 }
+                if (EPI == KCU_EPI_DSWIGLU && mp.tab && !cpa) {
+                    for (int j = 0; j < AB_STAGES; j++, it++) {
+                        const int s = it % WS_STAGES;
+                        const uint32_t fb = full0 + 8 * s;
+                        mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                        ab_issue(mp, sbase + s * WG_STAGE_BYTES, fb, j, t.m0, t.n0);
+                    }
+                }
             } else {
                 for (int kt = 0; kt < t.ktiles; kt++, it++) {
                     const int s = it % WS_STAGES;
@@ -1378,7 +1527,28 @@ __global__ void __launch_bounds__(WS_NT, 1)
         wg_pin(d);
         if (t.ktiles > 0 && lane == 0)
             mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
-        ws_epilogue<EPI>(p, mp, d, t.e, t.m0, t.n0, t.rend, t.ktiles, cw, warp, lane, stg);
+        /* not with cp.async producers: their generic-proxy writes would follow
+         * the epilogue's reads of a stage with only an mbarrier between,
+         * which compute-sanitizer's racecheck does not follow (and the
+         * default dispatch runs gathered dh on v2) */
+        if (EPI == KCU_EPI_DSWIGLU && mp.tab && !cpa) {
+            uint32_t sta[AB_STAGES];
+#pragma unroll
+            for (int j = 0; j < AB_STAGES; j++) {
+                const uint32_t s = (it + j) % WS_STAGES;
+                mbar_wait(full0 + 8 * s, ((it + j) / WS_STAGES) & 1);
+                sta[j] = sbase + s * WG_STAGE_BYTES;
+            }
+            stage_dswiglu(p, d, sta, t.m0, t.n0, t.rend, cw, warp, lane);
+            __syncwarp(); /* every lane's reads of the stages before lane 0 frees them */
+            if (lane == 0)
+#pragma unroll
+                for (int j = 0; j < AB_STAGES; j++)
+                    mbar_arrive(empty0 + 8 * ((it + j) % WS_STAGES));
+            it += AB_STAGES;
+        } else {
+            ws_epilogue<EPI>(p, mp, d, t.e, t.m0, t.n0, t.rend, t.ktiles, cw, warp, lane, stg);
+        }
     }
     stage_drain(stg);
 }
@@ -1547,6 +1717,17 @@ __global__ void __launch_bounds__(WS_NT, 1)
                     }
                 }
             }
+            if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
+                for (int j = 0; j < AB_STAGES; j++, it++) {
+                    const int s = it % WS_STAGES;
+                    const uint32_t fb = full0 + 8 * s;
+                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                    if (t.has)
+                        ab_issue(mp, sbase + s * WG_STAGE_BYTES, fb, j, t.m0, t.n0);
+                    else
+                        mbar_arrive(fb);
+                }
+            }
         }
         /* tail: every stage released by both CTAs' consumers before exit */
         for (int i = 0; i < WS_STAGES; i++, it++)
@@ -1585,9 +1766,29 @@ __global__ void __launch_bounds__(WS_NT, 1)
             mbar_arrive(eb);
             mbar_arrive_cluster(eb, peer);
         }
-        if (t.has)
+        if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
+            uint32_t sta[AB_STAGES];
+#pragma unroll
+            for (int j = 0; j < AB_STAGES; j++) {
+                const uint32_t s = (it + j) % WS_STAGES;
+                mbar_wait(full0 + 8 * s, ((it + j) / WS_STAGES) & 1);
+                sta[j] = sbase + s * WG_STAGE_BYTES;
+            }
+            if (t.has)
+                stage_dswiglu(p, d, sta, t.m0, t.n0, t.rend, cw, warp, lane);
+            __syncwarp(); /* every lane's reads of the stages before lane 0 frees them */
+            if (lane == 0)
+#pragma unroll
+                for (int j = 0; j < AB_STAGES; j++) {
+                    const uint32_t eb = empty0 + 8 * ((it + j) % WS_STAGES);
+                    mbar_arrive(eb);
+                    mbar_arrive_cluster(eb, peer);
+                }
+            it += AB_STAGES;
+        } else if (t.has) {
             wg_epilogue<EPI>(p, d, t.e, t.m0, t.n0, t.rend, ktiles, cw * 64 + (warp & 3) * 16,
                              lane);
+        }
     }
 }
 
@@ -1723,6 +1924,7 @@ int encode_map(CUtensorMap *m, const void *p, int rank, const uint64_t *dim,
 }
 
 int g_ws_tstore = -1;  /* v4/v7 staged epilogue (ws_stage): 1, 0; -1: read KCU_WS_TMA_STORE */
+int g_ws_tab = -1;     /* v4/v7 dh's (a, b) by TMA (ab_issue): 1, 0; -1: read KCU_WS_TMA_AB */
 int g_gemm_mode = -1;  /* 0 default, 1 mma, 2 wgmma, 4 ws; -1: read KCU_GEMM */
 int g_ws_tma = -1;     /* v4 operands by TMA where possible: 1, 0; -1: read KCU_WS_TMA */
 int g_ws_cluster = -1; /* v7 (v4 on 2-CTA clusters) where it fits: 1, 0; -1: KCU_WS_CLUSTER */
@@ -1796,6 +1998,20 @@ void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *
 void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
 {
     m->tc = 0;
+    m->tab = 0;
+    if (g_ws_tab < 0) {
+        const char *s = getenv("KCU_WS_TMA_AB");
+        g_ws_tab = s ? atoi(s) != 0 : 1;
+    }
+    if (g_ws_tab && epi == KCU_EPI_DSWIGLU && a->ab && !(a->ld_ab & 7) && a->N % WG_BN == 0) {
+        /* the (a, b) columns of the F outputs: 2F per row */
+        const long long rows = slabs_in_alloc(a->ab, (size_t)a->N * 4, (size_t)a->ld_ab * 2);
+        const uint64_t dim[2] = {(uint64_t)a->N * 2, (uint64_t)rows},
+                       sb[1] = {(uint64_t)a->ld_ab * 2};
+        const uint32_t box[2] = {64, 128};
+        m->tab = rows >= 128 && encode_map(&m->ab, a->ab, 2, dim, sb, box) == 0;
+        return;
+    }
     if (g_ws_tstore < 0) {
         const char *s = getenv("KCU_WS_TMA_STORE");
         g_ws_tstore = s ? atoi(s) != 0 : 1;
@@ -1818,6 +2034,7 @@ void kcu_gemm_select(int version, int tma, int cluster, int tstore)
     g_ws_tma = tma < 0 ? -1 : tma != 0;
     g_ws_cluster = cluster < 0 ? -1 : cluster != 0;
     g_ws_tstore = tstore < 0 ? -1 : tstore != 0;
+    g_ws_tab = tstore < 0 ? -1 : tstore != 0;
 }
 
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
@@ -1952,9 +2169,11 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
     switch (kcu_gemm_version(am, bm, epi, a, nsm)) {
     case 7:
         ws_build_maps(am, bm, a, &m, 1);
+        ws_build_epi_maps(epi, a, &m);
         if (am == KCU_A_K && m.ta && m.tb)
             return gemm_dispatch<run_v7>(am, bm, epi, a, m, nsm, st);
         ws_build_maps(am, bm, a, &m, 0); /* no map for an operand: v4, cp.async for it */
+        ws_build_epi_maps(epi, a, &m);
         return gemm_dispatch<run_v4>(am, bm, epi, a, m, nsm, st);
     case 4:
         ws_build_maps(am, bm, a, &m, 0);
