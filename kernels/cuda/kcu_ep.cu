@@ -42,11 +42,12 @@
 #include "placement.h"
 
 /* EP_CHUNK_ROWS: routed rows per rank from which kcu_ep_auto_chunks
- * overlaps (4 chunks) on more than 2 GPUs. An estimate, not yet measured
- * on 4 GPUs (bench/NOTES.md "Overlap degree per call"): 4 chunks cost
- * ~0.4-0.65 ms of fixed time on 2x H200 and hide about half of the
- * all-to-all on 4, which at 4096 tokens x 8 per rank is ~0.75 ms */
-enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 32768 };
+ * overlaps (4 chunks) on more than 2 GPUs. Measured on 4x H200, Qwen3
+ * shape (bench/NOTES.md "The overlap threshold on 4 GPUs"): 4 chunks lose
+ * at 32768 rows per rank (forward +4%, fwd+bwd +9%), are even at 49152
+ * (forward -2%, fwd+bwd +5%) and 65536 (-8%, +1%), and win from 98304 on
+ * (-11%, -1%; 131072: -25%, -11%) */
+enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 65536 };
 
 struct kcu_ep {
     kcu_ep_config c;
@@ -723,7 +724,7 @@ moe_err ep_pipeline(kcu_ep *ep, int bwd, int train, cudaStream_t st)
 moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
 {
     kcu_layer *R = &ep->R;
-    const int H = ep->c.H, E = ep->c.E, K = ep->c.K, S = T * K;
+    const int H = ep->c.H, E = ep->c.E;
     if (T > 0 && kcu_route_small_use(R, T, train)) {
         KCU_TRY(kcu_route_small(R, T, xb, INT_MAX, st));
     } else if (T > 0) {
@@ -991,7 +992,7 @@ extern "C" int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank)
     /* 2 GPUs: one chunk at every batch measured (bench/NOTES.md, Qwen3 on
      * 2x H200, 16..16384 tokens per GPU: chunks 4 is 4-90% slower); more
      * GPUs: 4 chunks for small F from KCU_EP_CHUNK_ROWS routed rows per rank
-     * on (4 chunks measured faster on 4x H200 at 131072 rows per rank) */
+     * on (measured on 4x H200: EP_CHUNK_ROWS) */
     static long long min_rows = -1;
     if (min_rows < 0) {
         const char *s = getenv("KCU_EP_CHUNK_ROWS");
