@@ -1227,6 +1227,19 @@ __device__ __forceinline__ void ab_issue(const ws_maps &mp, uint32_t sa, uint32_
         tma_2d(sa + i * AB_BOX_BYTES, &mp.ab, 2 * n0 + 64 * (b0 + i), m0, fb);
 }
 
+/* consumers: wait for the item's AB_STAGES stages (sequence numbers it..)
+ * and take their shared addresses */
+__device__ __forceinline__ void ab_wait(uint32_t full0, uint32_t sbase, uint32_t it,
+                                        uint32_t (&sta)[AB_STAGES])
+{
+#pragma unroll
+    for (int j = 0; j < AB_STAGES; j++) {
+        const uint32_t s = (it + j) % WS_STAGES;
+        mbar_wait(full0 + 8 * s, ((it + j) / WS_STAGES) & 1);
+        sta[j] = sbase + s * WG_STAGE_BYTES;
+    }
+}
+
 __device__ __forceinline__ void sts_u32(uint32_t a, uint32_t v)
 {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
@@ -1533,12 +1546,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
          * default dispatch runs gathered dh on v2) */
         if (EPI == KCU_EPI_DSWIGLU && mp.tab && !cpa) {
             uint32_t sta[AB_STAGES];
-#pragma unroll
-            for (int j = 0; j < AB_STAGES; j++) {
-                const uint32_t s = (it + j) % WS_STAGES;
-                mbar_wait(full0 + 8 * s, ((it + j) / WS_STAGES) & 1);
-                sta[j] = sbase + s * WG_STAGE_BYTES;
-            }
+            ab_wait(full0, sbase, it, sta);
             stage_dswiglu(p, d, sta, t.m0, t.n0, t.rend, cw, warp, lane);
             __syncwarp(); /* every lane's reads of the stages before lane 0 frees them */
             if (lane == 0)
@@ -1768,12 +1776,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
         }
         if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
             uint32_t sta[AB_STAGES];
-#pragma unroll
-            for (int j = 0; j < AB_STAGES; j++) {
-                const uint32_t s = (it + j) % WS_STAGES;
-                mbar_wait(full0 + 8 * s, ((it + j) / WS_STAGES) & 1);
-                sta[j] = sbase + s * WG_STAGE_BYTES;
-            }
+            ab_wait(full0, sbase, it, sta);
             if (t.has)
                 stage_dswiglu(p, d, sta, t.m0, t.n0, t.rend, cw, warp, lane);
             __syncwarp(); /* every lane's reads of the stages before lane 0 frees them */
