@@ -1196,9 +1196,10 @@ __device__ __forceinline__ void stage_acc(const kcu_gemm_args &p, const ws_maps 
 
 /* ---- dh's (a, b) by TMA into the stages (KCU_WS_TMA_AB=0 turns it off) ----
  * DSWIGLU reads the item's pre-activations, 128 rows x 512 bf16 (a and b
- * interleaved by 8, 128 KB), where the register epilogue loaded them in 8
- * dependent rounds of global loads with the tensor cores idle (22 us of a
- * 73 us item on Mixtral's dh, measured). Here the producer loads them into
+ * interleaved by 8, 128 KB); the register epilogue loads them in 8
+ * dependent rounds of global loads while the tensor cores wait (the whole
+ * epilogue: 22 of a 73 us item on Mixtral's dh, measured; 19-20 with this
+ * staging, bench/NOTES.md). Here the producer loads them into
  * the AB_STAGES stages that follow the item's k steps, as AB_BOXES boxes of
  * 64 columns x 128 rows (128-byte swizzle, three per stage), right after the
  * item's last k step: they land while the consumers finish the item's math.
@@ -1257,10 +1258,9 @@ __device__ __forceinline__ uint4 lds_u128(uint32_t a)
 /* consumer warpgroup cw: DSWIGLU of its 64 rows of the item from the staged
  * (a, b); sta: the shared addresses of the item's AB_STAGES stages. (da,
  * db) overwrite (a, b) in the boxes, then the warpgroup copies its rows out
- * in 16-byte chunks, a warp writing 512 contiguous bytes of a row: the
- * threads' own 4-byte stores (8 rows x 16 bytes per warp instruction) took
- * 6.7 of the epilogue's 21 us (measured). Rows past rend are not written
- * (they are the next expert's). */
+ * in 16-byte chunks, a warp writing 512 contiguous bytes of a row, instead
+ * of every thread's 4-byte stores (8 rows x 16 bytes per warp instruction).
+ * Rows past rend are not written (they are the next expert's). */
 __device__ __forceinline__ void stage_dswiglu(const kcu_gemm_args &p, const float (&d)[128],
                                               const uint32_t (&sta)[AB_STAGES], int m0, int n0,
                                               int rend, int cw, int warp, int lane)
