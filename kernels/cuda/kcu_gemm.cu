@@ -1434,7 +1434,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
                     }
                     cp_async_arrive(fb);
                 }
-                if (EPI == KCU_EPI_DSWIGLU && mp.tab && !cpa) {
+                if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
                     for (int j = 0; j < AB_STAGES; j++, it++) {
                         const int s = it % WS_STAGES;
                         const uint32_t fb = full0 + 8 * s;
@@ -1540,11 +1540,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
         wg_pin(d);
         if (t.ktiles > 0 && lane == 0)
             mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
-        /* not with cp.async producers: their generic-proxy writes would follow
-         * the epilogue's reads of a stage with only an mbarrier between,
-         * which compute-sanitizer's racecheck does not follow (and the
-         * default dispatch runs gathered dh on v2) */
-        if (EPI == KCU_EPI_DSWIGLU && mp.tab && !cpa) {
+        if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
             uint32_t sta[AB_STAGES];
             ab_wait(full0, sbase, it, sta);
             stage_dswiglu(p, d, sta, t.m0, t.n0, t.rend, cw, warp, lane);
@@ -2006,7 +2002,13 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
         const char *s = getenv("KCU_WS_TMA_AB");
         g_ws_tab = s ? atoi(s) != 0 : 1;
     }
-    if (g_ws_tab && epi == KCU_EPI_DSWIGLU && a->ab && !(a->ld_ab & 7) && a->N % WG_BN == 0) {
+    /* only where every operand comes by TMA (m built by ws_build_maps): with
+     * cp.async producers their generic-proxy writes would follow the
+     * epilogue's reads of a stage with only an mbarrier between, which
+     * compute-sanitizer's racecheck does not follow (and the default
+     * dispatch runs gathered dh on v2) */
+    if (g_ws_tab && epi == KCU_EPI_DSWIGLU && m->ta && m->tb && a->ab && !(a->ld_ab & 7) &&
+        a->N % WG_BN == 0) {
         /* the (a, b) columns of the F outputs: 2F per row */
         const long long rows = slabs_in_alloc(a->ab, (size_t)a->N * 4, (size_t)a->ld_ab * 2);
         const uint64_t dim[2] = {(uint64_t)a->N * 2, (uint64_t)rows},
@@ -2031,13 +2033,13 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
 
 } // namespace
 
-void kcu_gemm_select(int version, int tma, int cluster, int tstore)
+void kcu_gemm_select(int version, int tma, int cluster, int staged)
 {
     g_gemm_mode = version < 0 ? -1 : version == 1 || version == 2 || version == 4 ? version : 0;
     g_ws_tma = tma < 0 ? -1 : tma != 0;
     g_ws_cluster = cluster < 0 ? -1 : cluster != 0;
-    g_ws_tstore = tstore < 0 ? -1 : tstore != 0;
-    g_ws_tab = tstore < 0 ? -1 : tstore != 0;
+    g_ws_tstore = staged < 0 ? -1 : staged != 0;
+    g_ws_tab = staged < 0 ? -1 : staged != 0;
 }
 
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)

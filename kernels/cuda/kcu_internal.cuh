@@ -172,14 +172,14 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
  * kcu_gemm picks (7 falls back to 4 if a tensor map cannot be built) */
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm);
 /* kcu_gemm_select overrides the environment (KCU_GEMM, KCU_WS_TMA,
- * KCU_WS_CLUSTER, KCU_WS_TMA_STORE) for checks: version -1 environment, 0
+ * KCU_WS_CLUSTER, KCU_WS_TMA_STORE, KCU_WS_TMA_AB) for checks: version -1 environment, 0
  * default, 1 mma.sync, 2 wgmma, 4 warp-specialised (2 and 4 where the shape
  * fits: N % 256 == 0, else 1); tma (v4 only) -1 environment, 0 cp.async
  * only, 1 TMA where possible; cluster -1 environment, 0 off, 1 v7 where it
- * fits; tstore (v4, v7) -1 environment, 0 register epilogue, 1 staged
- * epilogue by TMA stores where it applies. Not thread safe: call between
- * GEMMs. */
-void kcu_gemm_select(int version, int tma, int cluster, int tstore);
+ * fits; staged (v4, v7) -1 environment, 0 register epilogues, 1 the
+ * staged ones where they apply (the weight gradients' TMA stores, dh's
+ * (a, b) by TMA). Not thread safe: call between GEMMs. */
+void kcu_gemm_select(int version, int tma, int cluster, int staged);
 
 /* ---- the layer ---- */
 /* kcu_carve: hands out 256-byte aligned pieces of one allocation (or, with
