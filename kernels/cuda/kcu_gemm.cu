@@ -684,24 +684,29 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
             }
         }
     } else if (EPI == KCU_EPI_ACC) {
+        /* fp32 C: no read back; each value leaves as a fire-and-forget
+         * reduction (red.add, L2 applies C + acc, one rounding: the bits of
+         * a load, an add and a store, except that PTX flushes subnormal
+         * f32 reduction inputs and results to zero) or a plain store for
+         * beta0, so the warpgroup goes on to its next item without a global
+         * round trip. Every item owns its C tile: one reduction per element
+         * and call, so the order of the reductions cannot change a bit. */
         if (ktiles > 0 || p.beta0) {
             float *C = p.Cf + (size_t)e * p.c_gstride;
 #pragma unroll
             for (int hr = 0; hr < 2; hr++) {
-                const int m = m0 + rb + g + hr * 8;
-                float2 *crow = reinterpret_cast<float2 *>(C + (size_t)m * p.ldc + n0 + q4 * 2);
-                /* 16 loads in flight before the first store: the stores
-                 * could alias later loads, so the compiler keeps order */
+                float *crow = C + (size_t)(m0 + rb + g + hr * 8) * p.ldc + n0 + q4 * 2;
 #pragma unroll
-                for (int jc = 0; jc < 32; jc += 16) {
-                    float2 o[16];
-#pragma unroll
-                    for (int j = 0; j < 16; j++)
-                        o[j] = p.beta0 ? make_float2(0.f, 0.f) : crow[4 * (jc + j)];
-#pragma unroll
-                    for (int j = 0; j < 16; j++)
-                        crow[4 * (jc + j)] = make_float2(o[j].x + d[4 * (jc + j) + hr * 2],
-                                                         o[j].y + d[4 * (jc + j) + hr * 2 + 1]);
+                for (int j = 0; j < 32; j++) {
+                    const float x = d[4 * j + hr * 2], y = d[4 * j + hr * 2 + 1];
+                    if (p.beta0)
+                        asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(crow + 8 * j),
+                                     "f"(x), "f"(y)
+                                     : "memory");
+                    else
+                        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(crow + 8 * j),
+                                     "f"(x), "f"(y)
+                                     : "memory");
                 }
             }
         }
@@ -1119,8 +1124,9 @@ __device__ __forceinline__ void wg_pin(float (&d)[128])
  * slot is rewritten only after the store that read it is done reading.
  * Same values and roundings as wg_epilogue (the .add reduction rounds
  * C + acc once, as the register path does), so the same bits. Used for ACC
- * with an fp32 C: the weight gradients, whose register epilogue read the
- * accumulating C tile back with a global round trip. */
+ * with an fp32 C: the weight gradients. Measured on Mixtral's dW13 (H100):
+ * 6.7-6.9 ms here, 7.7 with the register epilogue's old read-back, 7.4-7.7
+ * with its fire-and-forget reductions (which do help v2: bench/NOTES.md). */
 struct ws_stage {
     uint32_t slot0; /* this warpgroup's two slots */
     uint32_t n;     /* boxes staged so far */
