@@ -101,7 +101,8 @@ struct world {
     std::vector<std::vector<float>> g1, g3, g2, gr; /* per rank: local expert grads, router grad */
     /* results per chunks value (rank 0 writes the max over ranks) */
     std::vector<double> t_fwd, t_fb, t_a2a, t_nccl;
-    std::vector<int> used;       /* chunks each setting used (0: chosen per forward) */
+    std::vector<int> used;       /* chunks each setting used (0: chosen per forward): */
+    std::vector<int> used_train; /* by the inference forward and by the training one */
     std::vector<double> rank_ms; /* scratch: one slot per rank */
     int64_t send_bytes = 0, rows_max = 0, rows_min = 0;
     size_t mem_max = 0;
@@ -200,11 +201,13 @@ static void *rank_main(void *arg)
     for (size_t ci = 0; ci < w->o.chunks.size(); ci++) {
         CKM(kcu_ep_set_chunks(ep, w->o.chunks[ci], w->o.comm_sms));
         std::vector<double> tf, tb, ta, tn;
+        int used_inf = 0;
         for (int it = 0; it < w->o.iters + 2; it++) {
             const double f = timed(w, r, [&] {
                 CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 0, st));
                 CKM(kcu_ep_wait(ep, st));
             });
+            used_inf = kcu_ep_last_chunks(ep);
             const double fb = timed(w, r, [&] {
                 CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 1, st));
                 CKM(kcu_ep_backward(ep, dyd, MOE_F32, dxd, MOE_BF16, 0.f, 0.f, st));
@@ -240,7 +243,8 @@ static void *rank_main(void *arg)
             w->t_fb[ci] = median(tb);
             w->t_a2a[ci] = median(ta);
             w->t_nccl[ci] = tn.empty() ? 0 : median(tn);
-            w->used[ci] = kcu_ep_last_chunks(ep); /* chunks 0: chosen per forward */
+            w->used[ci] = used_inf; /* chunks 0: chosen per forward */
+            w->used_train[ci] = kcu_ep_last_chunks(ep);
         }
         pthread_barrier_wait(&w->bar);
     }
@@ -447,6 +451,7 @@ int main(int argc, char **argv)
     w->t_a2a.assign(nc, 0);
     w->t_nccl.assign(nc, 0);
     w->used.assign(nc, 0);
+    w->used_train.assign(nc, 0);
     w->rank_ms.assign(o.W, 0);
     CKN(ncclGetUniqueId(&w->id));
     pthread_barrier_init(&w->bar, nullptr, o.W);
@@ -467,7 +472,7 @@ int main(int argc, char **argv)
            "per GPU (max) %.1f MB; device memory per GPU (kcu_ep) %.2f GB\n",
            (long long)w->rows_min, (long long)w->rows_max, (long long)o.T * s.K,
            w->send_bytes / 1e6, w->mem_max / 1e9);
-    printf("%-7s %9s %10s %12s %9s %10s %9s %9s %9s %8s\n", "chunks", "fwd ms", "fwd+bwd",
+    printf("%-9s %9s %10s %12s %9s %10s %9s %9s %9s %8s\n", "chunks", "fwd ms", "fwd+bwd",
            "tokens/s", "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl", "hidden");
     const double base = w->t_fwd[0];
     for (size_t i = 0; i < nc; i++) {
@@ -480,10 +485,12 @@ int main(int argc, char **argv)
         const double hidden = (o.chunks[0] == 1 && w->t_a2a[i] > 0 && o.chunks[i] > 1)
                                   ? (base - w->t_fwd[i]) / w->t_a2a[i]
                                   : 0;
-        char lab[16];
-        snprintf(lab, sizeof(lab), o.chunks[i] ? "%d" : "auto:%d",
-                 o.chunks[i] ? o.chunks[i] : w->used[i]);
-        printf("%-7s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%%\n", lab,
+        char lab[24];
+        if (o.chunks[i])
+            snprintf(lab, sizeof(lab), "%d", o.chunks[i]);
+        else /* auto: the inference forward's / the training forward's */
+            snprintf(lab, sizeof(lab), "auto:%d/%d", w->used[i], w->used_train[i]);
+        printf("%-9s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%%\n", lab,
                w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3), w->t_a2a[i],
                a2a_gbs, w->t_nccl[i], n_gbs, w->t_nccl[i] > 0 ? w->t_a2a[i] / w->t_nccl[i] : 0,
                hidden * 100);

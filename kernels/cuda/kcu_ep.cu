@@ -41,13 +41,15 @@
 #include "kcu_internal.cuh"
 #include "placement.h"
 
-/* EP_CHUNK_ROWS: routed rows per rank from which kcu_ep_auto_chunks
- * overlaps (4 chunks) on more than 2 GPUs. Measured on 4x H200, Qwen3
- * shape (bench/NOTES.md "The overlap threshold on 4 GPUs"): 4 chunks lose
- * at 32768 rows per rank (forward +4%, fwd+bwd +9%), are even at 49152
- * (forward -2%, fwd+bwd +5%) and 65536 (-8%, +1%), and win from 98304 on
- * (-11%, -1%; 131072: -25%, -11%) */
-enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 65536 };
+/* EP_CHUNK_ROWS / EP_CHUNK_ROWS_TRAIN: routed rows per rank from which
+ * kcu_ep_auto_chunks overlaps (4 chunks) on more than 2 GPUs, in an
+ * inference forward and in a training forward (whose backward runs the same
+ * chunks). Measured on 4x H200, Qwen3 shape (bench/NOTES.md "The overlap
+ * threshold on 4 GPUs"), 4 chunks against 1 at 32768 / 49152 / 65536 /
+ * 98304 / 131072 rows per rank: forward +4 / -2 / -8 / -11 / -25%, fwd+bwd
+ * +9 / +5 / +1 / -1 / -11%: the forward gains from 49152 on, training from
+ * 98304 on. */
+enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 49152, EP_CHUNK_ROWS_TRAIN = 98304 };
 
 struct kcu_ep {
     kcu_ep_config c;
@@ -767,7 +769,7 @@ moe_err ep_pack(kcu_ep *ep, int T, const bf16 *xb, cudaStream_t st)
 /* counts of every rank to the host; the overlap degree of this call (with
  * chunks 0: from the rows routed over all ranks, the same on every rank),
  * then the plan and its tables */
-moe_err ep_exchange_counts(kcu_ep *ep, cudaStream_t st)
+moe_err ep_exchange_counts(kcu_ep *ep, int train, cudaStream_t st)
 {
     const int E = ep->c.E, W = ep->c.world;
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
@@ -782,7 +784,7 @@ moe_err ep_exchange_counts(kcu_ep *ep, cudaStream_t st)
         long long rows = 0;
         for (int i = 0; i < W * E; i++)
             rows += ep->cnt_h[i];
-        ep->C = kcu_ep_auto_chunks(W, ep->c.F, rows / W);
+        ep->C = kcu_ep_auto_chunks(W, ep->c.F, rows / W, train);
     }
     KCU_TRY(ep_plan(ep));
     KCU_CHECK(
@@ -828,7 +830,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     *out = NULL;
     kcu_ep_config c = *cfg;
     if (c.chunks == 0) /* chosen per forward; this is the most it takes */
-        c.chunks = kcu_ep_auto_chunks(c.world, c.F, LLONG_MAX);
+        c.chunks = kcu_ep_auto_chunks(c.world, c.F, LLONG_MAX, 0);
     if (c.timeout_ms <= 0)
         c.timeout_ms = 60000;
     if (!comm || c.H <= 0 || c.F <= 0 || c.H % 128 || c.F % 128 || c.E < 1 || c.E > 256 ||
@@ -987,27 +989,34 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
     free(ep);
 }
 
-extern "C" int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank)
+/* a row threshold: the environment's value if set (negative: 0), else dflt */
+static long long env_rows(const char *name, long long dflt)
+{
+    const char *s = getenv(name);
+    const long long v = s && *s ? atoll(s) : dflt;
+    return v < 0 ? 0 : v;
+}
+
+extern "C" int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank, int train)
 {
     /* 2 GPUs: one chunk at every batch measured (bench/NOTES.md, Qwen3 on
      * 2x H200, 16..16384 tokens per GPU: chunks 4 is 4-90% slower); more
-     * GPUs: 4 chunks for small F from KCU_EP_CHUNK_ROWS routed rows per rank
-     * on (measured on 4x H200: EP_CHUNK_ROWS) */
-    static long long min_rows = -1;
-    if (min_rows < 0) {
-        const char *s = getenv("KCU_EP_CHUNK_ROWS");
-        min_rows = s && *s ? atoll(s) : EP_CHUNK_ROWS;
-        if (min_rows < 0)
-            min_rows = 0;
+     * GPUs: 4 chunks for small F from KCU_EP_CHUNK_ROWS (inference) or
+     * KCU_EP_CHUNK_ROWS_TRAIN (training) routed rows per rank on (measured
+     * on 4x H200: EP_CHUNK_ROWS) */
+    static long long min_rows[2] = {-1, -1};
+    if (min_rows[0] < 0) {
+        min_rows[1] = env_rows("KCU_EP_CHUNK_ROWS_TRAIN", EP_CHUNK_ROWS_TRAIN);
+        min_rows[0] = env_rows("KCU_EP_CHUNK_ROWS", EP_CHUNK_ROWS);
     }
-    return world > 2 && F < 5333 && rows_per_rank >= min_rows ? 4 : 1;
+    return world > 2 && F < 5333 && rows_per_rank >= min_rows[train != 0] ? 4 : 1;
 }
 
 extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
 {
     const int autoc = chunks == 0;
     if (autoc)
-        chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F, LLONG_MAX);
+        chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F, LLONG_MAX, 0);
     if (chunks < 1 || chunks > EP_MAX_CHUNKS || comm_sms < 0)
         return MOE_EINVAL;
     if (ep->T_fwd > 0)
@@ -1062,7 +1071,7 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
             KCU_TRY(stage(ep, x, x_dtype, ep->R.xs, (size_t)T * ep->c.H, st));
     }
     KCU_TRY(ep_route(ep, T, xb, train, st));
-    KCU_TRY(ep_exchange_counts(ep, st)); /* sets this call's chunks */
+    KCU_TRY(ep_exchange_counts(ep, train, st)); /* sets this call's chunks */
     KCU_TRY(ep_pack(ep, T, xb, st));
     if (ep->N > 0) {
         const int W = ep->c.world, ne = ep->ne;

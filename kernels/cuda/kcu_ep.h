@@ -78,9 +78,10 @@ void kcu_ep_destroy(kcu_ep *ep);
  * on 2 GPUs one chunk is faster at every batch size measured), and when the
  * batch is large enough that the extra transfers and launches of several
  * chunks do not dominate. 4 chunks when world > 2, F < 5333 and at least
- * KCU_EP_CHUNK_ROWS (default 65536, measured on 4x H200) rows per rank,
- * else 1. */
-int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank);
+ * KCU_EP_CHUNK_ROWS (inference, default 49152) or KCU_EP_CHUNK_ROWS_TRAIN
+ * (a training forward, whose backward runs the same chunks; default 98304)
+ * rows per rank (both measured on 4x H200), else 1. */
+int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank, int train);
 /* kcu_ep_last_chunks: the overlap degree the last forward used */
 int kcu_ep_last_chunks(const kcu_ep *ep);
 /* kcu_ep_set_chunks changes the overlap degree (0..8) for later calls;

@@ -125,7 +125,12 @@ __device__ __forceinline__ void cex(float &a, int &ia, float &b, int &ib)
  * instead of 8 x 5 dependent shuffle rounds of repeated arg-max. */
 __device__ __forceinline__ void topk_merge(float (&a)[8], int (&ai)[8])
 {
-#pragma unroll
+    /* one level's code run five times, not five copies: the routing runs
+     * once per call with a cold instruction cache (ncu: stall_no_inst in
+     * the top-k). Measured (H100): the router kernel 17432 -> 13328 SASS
+     * instructions, topk_bench warm 3803 -> 3033 cycles at E=128 K=8 (cold
+     * 3880 -> 4344), decode end to end equal or 1-2 us faster */
+#pragma unroll 1
     for (int o = 1; o < 32; o <<= 1) {
         float b[8];
         int bi[8];
