@@ -99,6 +99,45 @@ __device__ __forceinline__ void st_bf2(bf16 *p, float x, float y)
 {
     *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(x, y);
 }
+/* a quad's 4-byte values a (16 contiguous bytes at base, lane q4's at
+ * base + 2 q4) and b (likewise at base2) leave as 8-byte stores: lanes q4
+ * and q4 ^ 1 swap one value, the even lane stores its a and its partner's,
+ * the odd lane its partner's b and its own (half the store instructions).
+ * mask: the active lanes (both of a pair or neither). */
+__device__ __forceinline__ void quad_pair_store(bf16 *base, bf16 *base2, uint32_t a, uint32_t b,
+                                                int q4, unsigned mask)
+{
+    const uint32_t got = __shfl_xor_sync(mask, (q4 & 1) ? a : b, 1);
+    if (q4 & 1)
+        *reinterpret_cast<uint2 *>(base2 + 2 * (q4 - 1)) = make_uint2(got, b);
+    else
+        *reinterpret_cast<uint2 *>(base + 2 * q4) = make_uint2(a, got);
+}
+/* quad_pair_store for fp32 pairs: (x0, y0) of lane q4 at base + 2 q4 and
+ * (x1, y1) at base2 + 2 q4 leave as 16-byte stores, or as 16-byte
+ * reductions (red.add) when add */
+__device__ __forceinline__ void quad_pair_f32(float *base, float *base2, float x0, float y0,
+                                              float x1, float y1, int q4, unsigned mask, bool add)
+{
+    const bool odd = q4 & 1;
+    const float gx = __shfl_xor_sync(mask, odd ? x0 : x1, 1);
+    const float gy = __shfl_xor_sync(mask, odd ? y0 : y1, 1);
+    float *dst = odd ? base2 + 2 * (q4 - 1) : base + 2 * q4;
+    const float4 v = odd ? make_float4(gx, gy, x1, y1) : make_float4(x0, y0, gx, gy);
+    if (add)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x),
+                     "f"(v.y), "f"(v.z), "f"(v.w)
+                     : "memory");
+    else
+        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y),
+                     "f"(v.z), "f"(v.w)
+                     : "memory");
+}
+__device__ __forceinline__ uint32_t pack_bf2(float x, float y)
+{
+    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
 __device__ __forceinline__ float2 ld_bf2(const bf16 *p)
 {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
@@ -554,19 +593,20 @@ __device__ __forceinline__ void wgrad_raster(int gm, int ntm, int ntn, int in, i
 
 /* DSWIGLU's (da, db) of column f to global memory, over its (a, b) */
 __device__ __forceinline__ void st_pair_global(int, int, bf16 *arow, int f, __nv_bfloat162 da,
-                                               __nv_bfloat162 db)
+                                               __nv_bfloat162 db, unsigned okm)
 {
-    bf16 *pa = arow + (f >> 3) * 16 + (f & 7);
-    *reinterpret_cast<__nv_bfloat162 *>(pa) = da;
-    *reinterpret_cast<__nv_bfloat162 *>(pa + 8) = db;
+    bf16 *pa = arow + (f >> 3) * 16;
+    quad_pair_store(pa, pa + 8, *reinterpret_cast<const uint32_t *>(&da),
+                    *reinterpret_cast<const uint32_t *>(&db), (f & 7) >> 1, okm);
 }
 
 /* the backward epilogues (DSWIGLU / DGELU: d = dy.W2, the unweighted dh) of
  * this warp's 16 rows m0 + rb + [0, 16), as wg_epilogue; ld(hr, jj, arow,
  * a, b) loads the pre-activation pairs of fragment column jj (0..31) of
  * row half hr, arow being the row's (a, b) in global memory, and st(hr,
- * jj, arow, f, da, db) stores DSWIGLU's gradients over them: in global
- * memory (wg_epilogue) or in the staged copy (stage_dswiglu) */
+ * jj, arow, f, da, db, okm) stores DSWIGLU's gradients over them: in global
+ * memory (wg_epilogue; okm: the lanes whose row exists) or in the staged
+ * copy (stage_dswiglu) */
 template <int EPI, class LD, class ST>
 __device__ __forceinline__ void wg_dact(const kcu_gemm_args &p, const float (&d)[128], int m0,
                                         int n0, int rend, int rb, int lane, LD ld, ST st)
@@ -584,6 +624,7 @@ __device__ __forceinline__ void wg_dact(const kcu_gemm_args &p, const float (&d)
     for (int hr = 0; hr < 2; hr++) {
         const int r = m0 + rb + g + hr * 8;
         const bool ok = r < rend;
+        const unsigned okm = __ballot_sync(0xffffffffu, ok);
         float rsum = 0.f;
         if (ok) {
             const float wgt = wgts[hr];
@@ -591,6 +632,8 @@ __device__ __forceinline__ void wg_dact(const kcu_gemm_args &p, const float (&d)
             bf16 *hrow = p.h + (size_t)r * p.F;
             /* the (a, b) of CH column pairs loaded before any store */
             constexpr int CH = EPI == KCU_EPI_DSWIGLU ? 8 : 16; /* no spills */
+            static_assert(CH % 2 == 0, "h leaves in column pairs");
+            uint32_t hv[2];
 #pragma unroll
             for (int jc = 0; jc < 32; jc += CH) {
                 __nv_bfloat162 av[CH], bv[CH];
@@ -614,13 +657,19 @@ __device__ __forceinline__ void wg_dact(const kcu_gemm_args &p, const float (&d)
                         st(hr, jc + j, arow, f,
                            __floats2bfloat162_rn(e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
                                                  e1 * b.y * s1 * (1.f + a.y * (1.f - s1))),
-                           __floats2bfloat162_rn(e0 * sa0, e1 * sa1));
+                           __floats2bfloat162_rn(e0 * sa0, e1 * sa1), okm);
                     } else {
                         h0 = rbf(gelu_f(a.x));
                         h1 = rbf(gelu_f(a.y));
                         st_bf2(arow + f, wgt * d0 * dgelu_f(a.x), wgt * d1 * dgelu_f(a.y));
                     }
-                    st_bf2(hrow + f, wgt * h0, wgt * h1);
+                    /* h of columns jj and jj + 1 (16 bytes apart per quad)
+                     * in 8-byte pieces */
+                    hv[j & 1] = pack_bf2(wgt * h0, wgt * h1);
+                    if (j & 1) {
+                        bf16 *hp = hrow + n0 + 8 * (jc + j - 1);
+                        quad_pair_store(hp, hp + 8, hv[0], hv[1], q4, okm);
+                    }
                     rsum += d0 * h0 + d1 * h1;
                 }
             }
@@ -689,25 +738,19 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
          * a load, an add and a store, except that PTX flushes subnormal
          * f32 reduction inputs and results to zero) or a plain store for
          * beta0, so the warpgroup goes on to its next item without a global
-         * round trip. Every item owns its C tile: one reduction per element
-         * and call, so the order of the reductions cannot change a bit. */
+         * round trip; 16 bytes per instruction (quad_pair_f32). Every item
+         * owns its C tile: one reduction per element and call, so the order
+         * of the reductions cannot change a bit. */
         if (ktiles > 0 || p.beta0) {
             float *C = p.Cf + (size_t)e * p.c_gstride;
 #pragma unroll
             for (int hr = 0; hr < 2; hr++) {
-                float *crow = C + (size_t)(m0 + rb + g + hr * 8) * p.ldc + n0 + q4 * 2;
+                float *crow = C + (size_t)(m0 + rb + g + hr * 8) * p.ldc + n0;
 #pragma unroll
-                for (int j = 0; j < 32; j++) {
-                    const float x = d[4 * j + hr * 2], y = d[4 * j + hr * 2 + 1];
-                    if (p.beta0)
-                        asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(crow + 8 * j),
-                                     "f"(x), "f"(y)
-                                     : "memory");
-                    else
-                        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(crow + 8 * j),
-                                     "f"(x), "f"(y)
-                                     : "memory");
-                }
+                for (int j = 0; j < 32; j += 2)
+                    quad_pair_f32(crow + 8 * j, crow + 8 * j + 8, d[4 * j + hr * 2],
+                                  d[4 * j + hr * 2 + 1], d[4 * j + 4 + hr * 2],
+                                  d[4 * j + 4 + hr * 2 + 1], q4, 0xffffffffu, !p.beta0);
             }
         }
     } else {
@@ -723,36 +766,56 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
                                                     q4 * 2) =
                             make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
             } else if (EPI == KCU_EPI_SCATTER) {
+                const unsigned okm = __ballot_sync(0xffffffffu, ok);
                 if (ok) {
-                    const size_t so = (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc;
+                    bf16 *row = p.Cb + (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc + n0;
 #pragma unroll
-                    for (int j = 0; j < 32; j++)
-                        st_bf2(p.Cb + so + n0 + 8 * j + q4 * 2, d[4 * j + hr * 2],
-                               d[4 * j + hr * 2 + 1]);
+                    for (int j = 0; j < 32; j += 2)
+                        quad_pair_store(row + 8 * j, row + 8 * j + 8,
+                                        pack_bf2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]),
+                                        pack_bf2(d[4 * j + 4 + hr * 2], d[4 * j + 4 + hr * 2 + 1]),
+                                        q4, okm);
                 }
             } else if (EPI == KCU_EPI_SWIGLU) {
+                /* column blocks j (gate) and j + 1 (up) of the item give h
+                 * block j / 2; two such pairs per step, stored in 8-byte
+                 * pieces (quad_pair_store) */
+                const unsigned okm = __ballot_sync(0xffffffffu, ok);
+                if (ok)
+#pragma unroll
+                    for (int j = 0; j < 32; j += 4) {
+                        uint32_t hv[2];
+#pragma unroll
+                        for (int jj = 0; jj < 2; jj++) {
+                            const int jb = j + 2 * jj;
+                            const float g0 = d[4 * jb + hr * 2], g1 = d[4 * jb + hr * 2 + 1];
+                            const float u0 = d[4 * jb + 4 + hr * 2],
+                                        u1 = d[4 * jb + 4 + hr * 2 + 1];
+                            hv[jj] = pack_bf2(g0 * sigm(g0) * u0, g1 * sigm(g1) * u1);
+                            if (p.ab) {
+                                bf16 *ab = p.ab + (size_t)r * p.ld_ab + n0 + 8 * jb;
+                                quad_pair_store(ab, ab + 8, pack_bf2(g0, g1), pack_bf2(u0, u1), q4,
+                                                okm);
+                            }
+                        }
+                        bf16 *hp = p.h + (size_t)r * p.F + (n0 + 8 * j) / 2;
+                        quad_pair_store(hp, hp + 8, hv[0], hv[1], q4, okm);
+                    }
+            } else if (EPI == KCU_EPI_GELU) {
+                const unsigned okm = __ballot_sync(0xffffffffu, ok);
                 if (ok)
 #pragma unroll
                     for (int j = 0; j < 32; j += 2) {
-                        const float g0 = d[4 * j + hr * 2], g1 = d[4 * j + hr * 2 + 1];
-                        const float u0 = d[4 * j + 4 + hr * 2], u1 = d[4 * j + 4 + hr * 2 + 1];
-                        const int cg = n0 + 8 * j + q4 * 2;
-                        const int f = (n0 + 8 * j) / 2 + q4 * 2;
-                        st_bf2(p.h + (size_t)r * p.F + f, g0 * sigm(g0) * u0, g1 * sigm(g1) * u1);
-                        if (p.ab) {
-                            st_bf2(p.ab + (size_t)r * p.ld_ab + cg, g0, g1);
-                            st_bf2(p.ab + (size_t)r * p.ld_ab + cg + 8, u0, u1);
-                        }
-                    }
-            } else if (EPI == KCU_EPI_GELU) {
-                if (ok)
-#pragma unroll
-                    for (int j = 0; j < 32; j++) {
-                        const int n = n0 + 8 * j + q4 * 2;
                         const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
-                        st_bf2(p.h + (size_t)r * p.F + n, gelu_f(a0), gelu_f(a1));
-                        if (p.ab)
-                            st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
+                        const float c0 = d[4 * j + 4 + hr * 2], c1 = d[4 * j + 4 + hr * 2 + 1];
+                        bf16 *hp = p.h + (size_t)r * p.F + n0 + 8 * j;
+                        quad_pair_store(hp, hp + 8, pack_bf2(gelu_f(a0), gelu_f(a1)),
+                                        pack_bf2(gelu_f(c0), gelu_f(c1)), q4, okm);
+                        if (p.ab) {
+                            bf16 *ap = p.ab + (size_t)r * p.ld_ab + n0 + 8 * j;
+                            quad_pair_store(ap, ap + 8, pack_bf2(a0, a1), pack_bf2(c0, c1), q4,
+                                            okm);
+                        }
                     }
             }
         }
@@ -1286,7 +1349,7 @@ __device__ __forceinline__ void stage_dswiglu(const kcu_gemm_args &p, const floa
             av = *reinterpret_cast<const __nv_bfloat162 *>(&a);
             bv = *reinterpret_cast<const __nv_bfloat162 *>(&b);
         },
-        [&](int hr, int jj, bf16 *, int, __nv_bfloat162 da, __nv_bfloat162 db) {
+        [&](int hr, int jj, bf16 *, int, __nv_bfloat162 da, __nv_bfloat162 db, unsigned) {
             sts_u32(at(hr, jj, 0), *reinterpret_cast<const uint32_t *>(&da));
             sts_u32(at(hr, jj, 1), *reinterpret_cast<const uint32_t *>(&db));
         });
