@@ -74,11 +74,12 @@ kcu_gemm_args rows_args(const kcu_experts *x, int tiles)
 }
 
 /* rows (N,H) out of a rows-mode GEMM a (A, B, K set): into out (device) or
- * the staging buffer then out (host), f32 or bf16 */
+ * the staging buffer then out (host, or a device pointer not 8-byte aligned:
+ * the epilogues store 8 bytes at a time), f32 or bf16 */
 moe_err gemm_out(kcu_experts *x, kcu_gemm_args *a, kcu_bmode bm, int N, void *out, moe_dtype dt,
                  cudaStream_t st)
 {
-    const int host = kcu_is_host_ptr(out);
+    const int host = kcu_is_host_ptr(out) || ((uintptr_t)out & 7) != 0;
     void *dst = host ? (void *)x->stage : out;
     a->N = x->H;
     a->ldc = x->H;
@@ -91,7 +92,7 @@ moe_err gemm_out(kcu_experts *x, kcu_gemm_args *a, kcu_bmode bm, int N, void *ou
     }
     if (host)
         KCU_CHECK(cudaMemcpyAsync(out, x->stage, (size_t)N * x->H * (dt == MOE_F32 ? 4 : 2),
-                                  cudaMemcpyDeviceToHost, st));
+                                  cudaMemcpyDefault, st));
     return MOE_OK;
 }
 
