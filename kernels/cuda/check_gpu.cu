@@ -1091,6 +1091,14 @@ static int experts_check(const ecase &c, uint64_t seed)
         CK(cudaMemcpy(yb.data(), dy_ + 1, yb.size() * 2, cudaMemcpyDeviceToHost));
         for (size_t i = 0; i < yb.size(); i++)
             dev_ok = dev_ok && yb[i] == kern_f32_to_bf16(y[i]);
+        /* and an f32 output 4 bytes past an aligned address */
+        float *df;
+        std::vector<float> yf(y.size());
+        CK(cudaMalloc(&df, yf.size() * 4 + 16));
+        CKM(kcu_experts_forward(ex, N, dx_, MOE_BF16, c.counts.data(), df + 1, MOE_F32, 0, NULL));
+        CK(cudaMemcpy(yf.data(), df + 1, yf.size() * 4, cudaMemcpyDeviceToHost));
+        dev_ok = dev_ok && yf == y;
+        CK(cudaFree(df));
         CK(cudaFree(dx_));
         CK(cudaFree(dy_));
     }

@@ -74,12 +74,12 @@ kcu_gemm_args rows_args(const kcu_experts *x, int tiles)
 }
 
 /* rows (N,H) out of a rows-mode GEMM a (A, B, K set): into out (device) or
- * the staging buffer then out (host, or a device pointer not 8-byte aligned:
- * the epilogues store 8 bytes at a time), f32 or bf16 */
+ * the staging buffer then out (host, or a device pointer the epilogues'
+ * 8-byte bf16 / 16-byte f32 stores cannot address), f32 or bf16 */
 moe_err gemm_out(kcu_experts *x, kcu_gemm_args *a, kcu_bmode bm, int N, void *out, moe_dtype dt,
                  cudaStream_t st)
 {
-    const int host = kcu_is_host_ptr(out) || ((uintptr_t)out & 7) != 0;
+    const int host = kcu_is_host_ptr(out) || ((uintptr_t)out & (dt == MOE_F32 ? 15 : 7)) != 0;
     void *dst = host ? (void *)x->stage : out;
     a->N = x->H;
     a->ldc = x->H;

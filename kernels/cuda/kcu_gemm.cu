@@ -759,12 +759,15 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
             const int r = m0 + rb + g + hr * 8;
             const bool ok = r < rend;
             if (EPI == KCU_EPI_F32) {
-                if (ok)
+                const unsigned okm = __ballot_sync(0xffffffffu, ok);
+                if (ok) {
+                    float *row = p.Cf + (size_t)r * p.ldc + n0;
 #pragma unroll
-                    for (int j = 0; j < 32; j++)
-                        *reinterpret_cast<float2 *>(p.Cf + (size_t)r * p.ldc + n0 + 8 * j +
-                                                    q4 * 2) =
-                            make_float2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]);
+                    for (int j = 0; j < 32; j += 2)
+                        quad_pair_f32(row + 8 * j, row + 8 * j + 8, d[4 * j + hr * 2],
+                                      d[4 * j + hr * 2 + 1], d[4 * j + 4 + hr * 2],
+                                      d[4 * j + 4 + hr * 2 + 1], q4, okm, false);
+                }
             } else if (EPI == KCU_EPI_SCATTER) {
                 const unsigned okm = __ballot_sync(0xffffffffu, ok);
                 if (ok) {
