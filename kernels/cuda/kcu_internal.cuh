@@ -146,7 +146,9 @@ typedef struct kcu_gemm_args {
     const int32_t *tile_r0;  /* rows mode tile list */
     const int32_t *ntiles_m; /* device count of tiles in the list */
     int max_tiles_m;         /* host bound on *ntiles_m */
-    /* epilogue */
+    /* epilogue. The wgmma epilogues store 8 bytes (bf16) or 16 bytes (fp32)
+     * per lane: Cf, Cb, h and ab rows (base + row * ld) must be aligned to
+     * that; a caller with a user pointer stages it otherwise (kcu_experts) */
     float *Cf;
     bf16 *Cb;
     int ldc;
