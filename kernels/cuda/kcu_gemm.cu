@@ -133,6 +133,17 @@ __device__ __forceinline__ void quad_pair_f32(float *base, float *base2, float x
                      "f"(v.z), "f"(v.w)
                      : "memory");
 }
+/* row half hr of a wgmma fragment d (see wg_epilogue) as 256 fp32 columns
+ * at row: stored, or added (red.add) when add; 16 bytes per lane and
+ * instruction (quad_pair_f32). mask: the lanes whose row exists. */
+__device__ __forceinline__ void row_f32(float *row, const float (&d)[128], int hr, int q4,
+                                        unsigned mask, bool add)
+{
+#pragma unroll
+    for (int j = 0; j < 32; j += 2)
+        quad_pair_f32(row + 8 * j, row + 8 * j + 8, d[4 * j + hr * 2], d[4 * j + hr * 2 + 1],
+                      d[4 * j + 4 + hr * 2], d[4 * j + 4 + hr * 2 + 1], q4, mask, add);
+}
 __device__ __forceinline__ uint32_t pack_bf2(float x, float y)
 {
     const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
@@ -744,82 +755,64 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
         if (ktiles > 0 || p.beta0) {
             float *C = p.Cf + (size_t)e * p.c_gstride;
 #pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                float *crow = C + (size_t)(m0 + rb + g + hr * 8) * p.ldc + n0;
-#pragma unroll
-                for (int j = 0; j < 32; j += 2)
-                    quad_pair_f32(crow + 8 * j, crow + 8 * j + 8, d[4 * j + hr * 2],
-                                  d[4 * j + hr * 2 + 1], d[4 * j + 4 + hr * 2],
-                                  d[4 * j + 4 + hr * 2 + 1], q4, 0xffffffffu, !p.beta0);
-            }
+            for (int hr = 0; hr < 2; hr++)
+                row_f32(C + (size_t)(m0 + rb + g + hr * 8) * p.ldc + n0, d, hr, q4, 0xffffffffu,
+                        !p.beta0);
         }
     } else {
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
             const int r = m0 + rb + g + hr * 8;
             const bool ok = r < rend;
+            /* the lanes whose row exists: the 8-byte stores pair lanes */
+            const unsigned okm = __ballot_sync(0xffffffffu, ok);
+            if (!ok)
+                continue;
             if (EPI == KCU_EPI_F32) {
-                const unsigned okm = __ballot_sync(0xffffffffu, ok);
-                if (ok) {
-                    float *row = p.Cf + (size_t)r * p.ldc + n0;
-#pragma unroll
-                    for (int j = 0; j < 32; j += 2)
-                        quad_pair_f32(row + 8 * j, row + 8 * j + 8, d[4 * j + hr * 2],
-                                      d[4 * j + hr * 2 + 1], d[4 * j + 4 + hr * 2],
-                                      d[4 * j + 4 + hr * 2 + 1], q4, okm, false);
-                }
+                row_f32(p.Cf + (size_t)r * p.ldc + n0, d, hr, q4, okm, false);
             } else if (EPI == KCU_EPI_SCATTER) {
-                const unsigned okm = __ballot_sync(0xffffffffu, ok);
-                if (ok) {
-                    bf16 *row = p.Cb + (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc + n0;
+                bf16 *row = p.Cb + (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc + n0;
 #pragma unroll
-                    for (int j = 0; j < 32; j += 2)
-                        quad_pair_store(row + 8 * j, row + 8 * j + 8,
-                                        pack_bf2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]),
-                                        pack_bf2(d[4 * j + 4 + hr * 2], d[4 * j + 4 + hr * 2 + 1]),
-                                        q4, okm);
-                }
+                for (int j = 0; j < 32; j += 2)
+                    quad_pair_store(row + 8 * j, row + 8 * j + 8,
+                                    pack_bf2(d[4 * j + hr * 2], d[4 * j + hr * 2 + 1]),
+                                    pack_bf2(d[4 * j + 4 + hr * 2], d[4 * j + 4 + hr * 2 + 1]), q4,
+                                    okm);
             } else if (EPI == KCU_EPI_SWIGLU) {
                 /* column blocks j (gate) and j + 1 (up) of the item give h
                  * block j / 2; two such pairs per step, stored in 8-byte
                  * pieces (quad_pair_store) */
-                const unsigned okm = __ballot_sync(0xffffffffu, ok);
-                if (ok)
 #pragma unroll
-                    for (int j = 0; j < 32; j += 4) {
-                        uint32_t hv[2];
+                for (int j = 0; j < 32; j += 4) {
+                    uint32_t hv[2];
 #pragma unroll
-                        for (int jj = 0; jj < 2; jj++) {
-                            const int jb = j + 2 * jj;
-                            const float g0 = d[4 * jb + hr * 2], g1 = d[4 * jb + hr * 2 + 1];
-                            const float u0 = d[4 * jb + 4 + hr * 2],
-                                        u1 = d[4 * jb + 4 + hr * 2 + 1];
-                            hv[jj] = pack_bf2(g0 * sigm(g0) * u0, g1 * sigm(g1) * u1);
-                            if (p.ab) {
-                                bf16 *ab = p.ab + (size_t)r * p.ld_ab + n0 + 8 * jb;
-                                quad_pair_store(ab, ab + 8, pack_bf2(g0, g1), pack_bf2(u0, u1), q4,
-                                                okm);
-                            }
-                        }
-                        bf16 *hp = p.h + (size_t)r * p.F + (n0 + 8 * j) / 2;
-                        quad_pair_store(hp, hp + 8, hv[0], hv[1], q4, okm);
-                    }
-            } else if (EPI == KCU_EPI_GELU) {
-                const unsigned okm = __ballot_sync(0xffffffffu, ok);
-                if (ok)
-#pragma unroll
-                    for (int j = 0; j < 32; j += 2) {
-                        const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
-                        const float c0 = d[4 * j + 4 + hr * 2], c1 = d[4 * j + 4 + hr * 2 + 1];
-                        bf16 *hp = p.h + (size_t)r * p.F + n0 + 8 * j;
-                        quad_pair_store(hp, hp + 8, pack_bf2(gelu_f(a0), gelu_f(a1)),
-                                        pack_bf2(gelu_f(c0), gelu_f(c1)), q4, okm);
+                    for (int jj = 0; jj < 2; jj++) {
+                        const int jb = j + 2 * jj;
+                        const float g0 = d[4 * jb + hr * 2], g1 = d[4 * jb + hr * 2 + 1];
+                        const float u0 = d[4 * jb + 4 + hr * 2], u1 = d[4 * jb + 4 + hr * 2 + 1];
+                        hv[jj] = pack_bf2(g0 * sigm(g0) * u0, g1 * sigm(g1) * u1);
                         if (p.ab) {
-                            bf16 *ap = p.ab + (size_t)r * p.ld_ab + n0 + 8 * j;
-                            quad_pair_store(ap, ap + 8, pack_bf2(a0, a1), pack_bf2(c0, c1), q4,
+                            bf16 *ab = p.ab + (size_t)r * p.ld_ab + n0 + 8 * jb;
+                            quad_pair_store(ab, ab + 8, pack_bf2(g0, g1), pack_bf2(u0, u1), q4,
                                             okm);
                         }
                     }
+                    bf16 *hp = p.h + (size_t)r * p.F + (n0 + 8 * j) / 2;
+                    quad_pair_store(hp, hp + 8, hv[0], hv[1], q4, okm);
+                }
+            } else if (EPI == KCU_EPI_GELU) {
+#pragma unroll
+                for (int j = 0; j < 32; j += 2) {
+                    const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
+                    const float c0 = d[4 * j + 4 + hr * 2], c1 = d[4 * j + 4 + hr * 2 + 1];
+                    bf16 *hp = p.h + (size_t)r * p.F + n0 + 8 * j;
+                    quad_pair_store(hp, hp + 8, pack_bf2(gelu_f(a0), gelu_f(a1)),
+                                    pack_bf2(gelu_f(c0), gelu_f(c1)), q4, okm);
+                    if (p.ab) {
+                        bf16 *ap = p.ab + (size_t)r * p.ld_ab + n0 + 8 * j;
+                        quad_pair_store(ap, ap + 8, pack_bf2(a0, a1), pack_bf2(c0, c1), q4, okm);
+                    }
+                }
             }
         }
     }
@@ -1140,6 +1133,17 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar)
 {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+/* arrive on the mbarrier at the same shared offset in CTA `rank` of the cluster */
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
+{
+    asm volatile("{\n"
+                 ".reg .b32 ra;\n"
+                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n"
+                 "}\n" ::"r"(bar),
+                 "r"(rank)
+                 : "memory");
+}
 __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes)
 {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
@@ -1371,6 +1375,47 @@ __device__ __forceinline__ void stage_dswiglu(const kcu_gemm_args &p, const floa
     }
 }
 
+/* producer (one thread): the AB_STAGES stages after item (m0, n0)'s k steps,
+ * sequence numbers it.. (it moves past them); has = 0 (a v7 CTA without a
+ * tile): the stages complete empty, so that both CTAs walk one sequence */
+__device__ __forceinline__ void ab_produce(const ws_maps &mp, uint32_t full0, uint32_t empty0,
+                                           uint32_t sbase, uint32_t &it, int m0, int n0, bool has)
+{
+    for (int j = 0; j < AB_STAGES; j++, it++) {
+        const int s = it % WS_STAGES;
+        const uint32_t fb = full0 + 8 * s;
+        mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+        if (has)
+            ab_issue(mp, sbase + s * WG_STAGE_BYTES, fb, j, m0, n0);
+        else
+            mbar_arrive(fb);
+    }
+}
+
+/* consumer warpgroup cw: DSWIGLU of the item from its staged (a, b) (when
+ * has), then the stages handed back to this CTA's producer and, for v7
+ * (peer >= 0), to the cluster peer's; it moves past them */
+__device__ __forceinline__ void ab_epilogue(const kcu_gemm_args &p, const float (&d)[128],
+                                            uint32_t full0, uint32_t empty0, uint32_t sbase,
+                                            uint32_t &it, int m0, int n0, int rend, int cw,
+                                            int warp, int lane, bool has, int peer)
+{
+    uint32_t sta[AB_STAGES];
+    ab_wait(full0, sbase, it, sta);
+    if (has)
+        stage_dswiglu(p, d, sta, m0, n0, rend, cw, warp, lane);
+    __syncwarp(); /* every lane's reads of the stages before lane 0 frees them */
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < AB_STAGES; j++) {
+            const uint32_t eb = empty0 + 8 * ((it + j) % WS_STAGES);
+            mbar_arrive(eb);
+            if (peer >= 0)
+                mbar_arrive_cluster(eb, (uint32_t)peer);
+        }
+    it += AB_STAGES;
+}
+
 /* the epilogue of one v4 / v7 item for consumer warpgroup cw: staged where
  * it applies, else wg_epilogue */
 template <int EPI>
@@ -1506,14 +1551,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
                     }
                     cp_async_arrive(fb);
                 }
-                if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
-                    for (int j = 0; j < AB_STAGES; j++, it++) {
-                        const int s = it % WS_STAGES;
-                        const uint32_t fb = full0 + 8 * s;
-                        mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
-                        ab_issue(mp, sbase + s * WG_STAGE_BYTES, fb, j, t.m0, t.n0);
-                    }
-                }
+                if (EPI == KCU_EPI_DSWIGLU && mp.tab)
+                    ab_produce(mp, full0, empty0, sbase, it, t.m0, t.n0, true);
             } else {
                 for (int kt = 0; kt < t.ktiles; kt++, it++) {
                     const int s = it % WS_STAGES;
@@ -1613,15 +1652,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
         if (t.ktiles > 0 && lane == 0)
             mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
         if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
-            uint32_t sta[AB_STAGES];
-            ab_wait(full0, sbase, it, sta);
-            stage_dswiglu(p, d, sta, t.m0, t.n0, t.rend, cw, warp, lane);
-            __syncwarp(); /* every lane's reads of the stages before lane 0 frees them */
-            if (lane == 0)
-#pragma unroll
-                for (int j = 0; j < AB_STAGES; j++)
-                    mbar_arrive(empty0 + 8 * ((it + j) % WS_STAGES));
-            it += AB_STAGES;
+            ab_epilogue(p, d, full0, empty0, sbase, it, t.m0, t.n0, t.rend, cw, warp, lane, true,
+                        -1);
         } else {
             ws_epilogue<EPI>(p, mp, d, t.e, t.m0, t.n0, t.rend, t.ktiles, cw, warp, lane, stg);
         }
@@ -1673,17 +1705,6 @@ __device__ __forceinline__ void cluster_sync_all()
     asm volatile("barrier.cluster.arrive.release.aligned;\n"
                  "barrier.cluster.wait.acquire.aligned;\n" ::
                      : "memory");
-}
-/* arrive on the mbarrier at the same shared offset in CTA `rank` of the cluster */
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
-{
-    asm volatile("{\n"
-                 ".reg .b32 ra;\n"
-                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n"
-                 "}\n" ::"r"(bar),
-                 "r"(rank)
-                 : "memory");
 }
 __device__ __forceinline__ void tma_3d_mc(uint32_t dst, const CUtensorMap *m, int c0, int c1,
                                           int c2, uint32_t bar, uint16_t mask)
@@ -1793,17 +1814,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
                     }
                 }
             }
-            if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
-                for (int j = 0; j < AB_STAGES; j++, it++) {
-                    const int s = it % WS_STAGES;
-                    const uint32_t fb = full0 + 8 * s;
-                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
-                    if (t.has)
-                        ab_issue(mp, sbase + s * WG_STAGE_BYTES, fb, j, t.m0, t.n0);
-                    else
-                        mbar_arrive(fb);
-                }
-            }
+            if (EPI == KCU_EPI_DSWIGLU && mp.tab)
+                ab_produce(mp, full0, empty0, sbase, it, t.m0, t.n0, t.has);
         }
         /* tail: every stage released by both CTAs' consumers before exit */
         for (int i = 0; i < WS_STAGES; i++, it++)
@@ -1843,19 +1855,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
             mbar_arrive_cluster(eb, peer);
         }
         if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
-            uint32_t sta[AB_STAGES];
-            ab_wait(full0, sbase, it, sta);
-            if (t.has)
-                stage_dswiglu(p, d, sta, t.m0, t.n0, t.rend, cw, warp, lane);
-            __syncwarp(); /* every lane's reads of the stages before lane 0 frees them */
-            if (lane == 0)
-#pragma unroll
-                for (int j = 0; j < AB_STAGES; j++) {
-                    const uint32_t eb = empty0 + 8 * ((it + j) % WS_STAGES);
-                    mbar_arrive(eb);
-                    mbar_arrive_cluster(eb, peer);
-                }
-            it += AB_STAGES;
+            ab_epilogue(p, d, full0, empty0, sbase, it, t.m0, t.n0, t.rend, cw, warp, lane, t.has,
+                        (int)peer);
         } else if (t.has) {
             wg_epilogue<EPI>(p, d, t.e, t.m0, t.n0, t.rend, ktiles, cw * 64 + (warp & 3) * 16,
                              lane);
