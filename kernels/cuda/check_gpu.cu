@@ -591,17 +591,21 @@ static int gemm_checks(uint64_t seed)
  *   clusters with the weight tile multicast, "v7-clu": rows mode with a
  *   dense A over a tile list, else it runs v4); "v4-reg", "v7-reg": v4 and
  *   v7 with the register epilogue where a staged one would run (TMA stores
- *   of the weight gradients, dh's (a, b) loaded by TMA). v2, v4 and v7 run
+ *   of the weight gradients, dh's (a, b) loaded by TMA); "v7-dyn": v7 with
+ *   its items dealt from a counter (kcu_gemm_args.sched), which it must
+ *   leave zero. v2, v4 and v7 run
  *   the same wgmma sequence: their outputs must agree bit for bit ("==v2").
  * nsm is set to 3 so that each persistent CTA walks several items. */
 struct st_ver {
     int v, tma, cl; /* cl: v7, 2-CTA clusters (rows mode, dense A, tile list) */
     int ts;         /* staged epilogues (v4, v7): TMA stores, dh's (a, b) by TMA */
+    int dyn;        /* v7: items dealt from a counter (kcu_gemm_args.sched) */
     const char *name;
 };
-static const st_ver ST_VERS[] = {
-    {1, -1, 0, 0, "v1"},    {2, -1, 0, 0, "v2"},    {4, 1, 0, 1, "v4-tma"}, {4, 1, 0, 0, "v4-reg"},
-    {4, 0, 0, 1, "v4-cpa"}, {4, 1, 1, 1, "v7-clu"}, {4, 1, 1, 0, "v7-reg"}};
+static const st_ver ST_VERS[] = {{1, -1, 0, 0, 0, "v1"},    {2, -1, 0, 0, 0, "v2"},
+                                 {4, 1, 0, 1, 0, "v4-tma"}, {4, 1, 0, 0, 0, "v4-reg"},
+                                 {4, 0, 0, 1, 0, "v4-cpa"}, {4, 1, 1, 1, 0, "v7-clu"},
+                                 {4, 1, 1, 0, 0, "v7-reg"}, {4, 1, 1, 1, 1, "v7-dyn"}};
 
 static double st_sig(double a)
 {
@@ -671,6 +675,9 @@ static int gemm_selftest(uint64_t seed)
     for (int r = R - 1; r > 0; r--) /* scatter: a permutation of the rows */
         std::swap(perm[r], perm[lcg(st) % (r + 1)]);
     std::vector<int32_t> ntl = {NTL};
+    /* v7-dyn's schedule counter: zero now, and left zero by every launch */
+    int32_t *d_sched = (int32_t *)dmalloc(8);
+    CK(cudaMemset(d_sched, 0, 8));
     int32_t *d_offs = (int32_t *)dmalloc((G + 1) * 4), *d_te = (int32_t *)dmalloc(NTL * 4),
             *d_tr = (int32_t *)dmalloc(NTL * 4), *d_gat = (int32_t *)dmalloc(R * 4),
             *d_gat2 = (int32_t *)dmalloc(R * 4), *d_perm = (int32_t *)dmalloc(R * 4),
@@ -812,7 +819,7 @@ static int gemm_selftest(uint64_t seed)
                     ab_in.empty() ? std::vector<uint16_t>() : bf_of(ab_in);
                 std::vector<float> v2C, v2H, v2AB, v2DW;
                 for (const st_ver &sv : ST_VERS) {
-                    kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts);
+                    kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts, sv.dyn ? 1 : -1);
                     CK(cudaMemset(dCf, 0xff, (size_t)rows * N * 4));
                     CK(cudaMemset(dCb, 0xff, (size_t)rows * N * 2));
                     CK(cudaMemset(dH, 0xff, (size_t)rows * N * 2));
@@ -849,9 +856,12 @@ static int gemm_selftest(uint64_t seed)
                     a.ld_ab = ld_ab;
                     a.gate_w = (dsw || dge) ? dGW : NULL;
                     a.dwpart = dDW;
+                    a.sched = sv.dyn ? d_sched : NULL;
                     const int ver = kcu_gemm_version(KCU_A_K, bmode, epi, &a, NSM);
                     CKM(kcu_gemm(KCU_A_K, bmode, epi, &a, NSM, NULL));
                     CK(cudaDeviceSynchronize());
+                    int32_t sched_left[2] = {0, 0};
+                    down(sched_left, d_sched, 8);
                     std::vector<float> C, H, AB, DW;
                     double err = 0, tol = TOL;
                     char extra[96] = "";
@@ -899,6 +909,11 @@ static int gemm_selftest(uint64_t seed)
                     } else if (sv.v == 4 && (ver == 4 || ver == 7)) {
                         bitwise = C == v2C && H == v2H && AB == v2AB && DW == v2DW;
                         /* NaN != NaN: a poisoned value left anywhere already fails err */
+                    }
+                    if (sched_left[0] || sched_left[1]) { /* the next launch would skip items */
+                        bitwise = 0;
+                        snprintf(extra + strlen(extra), sizeof(extra) - strlen(extra),
+                                 " [sched left %d %d]", sched_left[0], sched_left[1]);
                     }
                     char mode[64], ran[16] = "";
                     if (ver != sv.v)
@@ -955,7 +970,7 @@ static int gemm_selftest(uint64_t seed)
             });
             std::vector<float> v2C;
             for (const st_ver &sv : ST_VERS) {
-                kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts);
+                kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts, sv.dyn ? 1 : -1);
                 CK(cudaMemset(dC, 0xff, (size_t)ng * M * NW * 4));
                 kcu_gemm_args a;
                 memset(&a, 0, sizeof(a));
@@ -1010,7 +1025,7 @@ static int gemm_selftest(uint64_t seed)
             CK(cudaFree(dC));
         }
     }
-    kcu_gemm_select(-1, -1, -1, -1); /* back to the environment's choice */
+    kcu_gemm_select(-1, -1, -1, -1, -1); /* back to the environment's choice */
     for (int32_t *p : {d_offs, d_te, d_tr, d_gat, d_gat2, d_perm, d_nt})
         CK(cudaFree(p));
     printf("gemm-self: %d checks, %d failed -> %s\n", lines, fails, fails ? "FAIL" : "PASS");
@@ -1503,7 +1518,11 @@ int main(int argc, char **argv)
         const tcase &c = cases[i];
         result r;
         memset(&r, 0, sizeof(r));
+        /* odd cases: every v7 GEMM with its items dealt from the layer's
+         * counter (by default only items of >= 64 k steps, none here) */
+        kcu_gemm_select(-1, -1, -1, -1, (i & 1) ? 1 : -1);
         const int ok = run_case(c, seed + 977 * i, &r);
+        kcu_gemm_select(-1, -1, -1, -1, -1);
         fails += !ok;
         printf("%-5d %-6d %-4d %-4d %-4d %-2s %-3d %-2d %-4.2g | %-8.1e %-8.1e %-8.1e %-8.1e "
                "%-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e %-8.1e | %-3s %-3s %-3s %-3s "

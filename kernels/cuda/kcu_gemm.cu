@@ -1715,6 +1715,96 @@ __device__ __forceinline__ void tma_3d_mc(uint32_t dst, const CUtensorMap *m, in
                  : "memory");
 }
 
+/* ---- v7's dynamic schedule (kcu_gemm_args.sched) ----
+ * Statically each cluster walks w = cid, cid + ncl, ...; the clusters drift
+ * apart over a kernel, so the pairs of one raster group that need the same
+ * weight tile reach it at different times, and it comes from DRAM more than
+ * once (Mixtral's f.up read ~4.7x its weights from DRAM whatever the group
+ * size, bench/NOTES.md). With sched, CTA 0's producer of each cluster takes
+ * its next item from a global counter (sched[0], atomicAdd) as it starts
+ * one, so the items in flight are always the ~ncl most recently dealt.
+ * It publishes each item number in a ring of WQ slots in both CTAs' shared
+ * memory (qfull: 1 arrival, a release at cluster scope); each consumer warp
+ * of both CTAs and CTA 1's producer read it and arrive on CTA 0's qempty
+ * (WQ_READERS arrivals) before the slot is written again. A number >= total
+ * ends every role. The last cluster out (sched[1] counts them) sets both
+ * words back to zero for the next launch. */
+constexpr int WQ = 4, WQ_READERS = 2 * 8 + 1;
+constexpr int WQ_OFF = 2 * WS_STAGES * 8; /* from full0: qfull[WQ], qempty[WQ], slots */
+static_assert(WQ_OFF + 16 * WQ + 4 * WQ <= 1024, "the item ring exceeds the barrier area");
+
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n"
+                     ".reg .pred p;\n"
+                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n"
+                     "}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+/* arrive on bar in CTA `rank` with release at cluster scope: this thread's
+ * earlier shared-memory reads and writes, in either CTA, come before it */
+__device__ __forceinline__ void mbar_arrive_release_cluster(uint32_t bar, uint32_t rank)
+{
+    asm volatile("{\n"
+                 ".reg .b32 ra;\n"
+                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n"
+                 "}\n" ::"r"(bar),
+                 "r"(rank)
+                 : "memory");
+}
+__device__ __forceinline__ void sts_cluster_u32(uint32_t addr, uint32_t rank, uint32_t v)
+{
+    asm volatile("{\n"
+                 ".reg .b32 ra;\n"
+                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
+                 "st.shared::cluster.u32 [ra], %2;\n"
+                 "}\n" ::"r"(addr),
+                 "r"(rank), "r"(v)
+                 : "memory");
+}
+/* CTA 0's producer: item w as the cluster's n-th, into both CTAs' slot */
+__device__ __forceinline__ void wq_publish(uint32_t qb, uint32_t n, int w)
+{
+    const uint32_t q = n % WQ;
+    mbar_wait_cluster(qb + 8 * WQ + 8 * q, ((n / WQ) & 1) ^ 1); /* its readers are done */
+    sts_cluster_u32(qb + 16 * WQ + 4 * q, 0, (uint32_t)w);
+    sts_cluster_u32(qb + 16 * WQ + 4 * q, 1, (uint32_t)w);
+    mbar_arrive_release_cluster(qb + 8 * q, 0);
+    mbar_arrive_release_cluster(qb + 8 * q, 1);
+}
+/* a reader (lane < 0: one thread; else the whole warp calls it and lane 0
+ * reads for all): the cluster's n-th item. The slot is freed with a
+ * CTA-scope release, as the stages are: a cluster-scope one would first
+ * wait for the epilogue's global stores (measured: Qwen3's f.down 13%
+ * slower). */
+__device__ __forceinline__ int wq_take(uint32_t qb, uint32_t n, int lane)
+{
+    const uint32_t q = n % WQ;
+    mbar_wait_cluster(qb + 8 * q, (n / WQ) & 1);
+    int w = 0;
+    if (lane <= 0) {
+        w = (int)lds_u32(qb + 16 * WQ + 4 * q);
+        mbar_arrive_cluster(qb + 8 * WQ + 8 * q, 0);
+    }
+    return lane < 0 ? w : __shfl_sync(0xffffffffu, w, 0);
+}
+/* the end of a dynamic-schedule kernel: every thread still running in both
+ * CTAs (exited ones count as arrived), so that no shared-memory access of
+ * the item ring can reach a CTA that has exited */
+__device__ __forceinline__ void cluster_sync_exit()
+{
+    asm volatile("barrier.cluster.arrive.release;\n"
+                 "barrier.cluster.wait.acquire;\n" ::
+                     : "memory");
+}
+
 struct wsc_item {
     int e, m0, n0, rend, has, mc;
 };
@@ -1746,11 +1836,18 @@ __global__ void __launch_bounds__(WS_NT, 1)
     const uint32_t full0 = sbase + WS_BAR_OFF, empty0 = full0 + WS_STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
+    const uint32_t qb = full0 + WQ_OFF;
+    const bool dyn = p.sched != nullptr;
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < WS_STAGES; s++) {
             mbar_init(full0 + 8 * s, 1);
             mbar_init(empty0 + 8 * s, 16);
+        }
+#pragma unroll
+        for (int q = 0; q < WQ; q++) {
+            mbar_init(qb + 8 * q, 1);
+            mbar_init(qb + 8 * WQ + 8 * q, WQ_READERS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -1774,8 +1871,17 @@ __global__ void __launch_bounds__(WS_NT, 1)
                      : "memory");
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
                      : "memory");
-        uint32_t it = 0;
-        for (int w = cid; w < total; w += ncl) {
+        uint32_t it = 0, n = 0;
+        int w = dyn ? (rank == 0 ? atomicAdd(p.sched, 1) : 0) : cid;
+        for (;; n++) {
+            if (dyn && rank == 0)
+                wq_publish(qb, n, w);
+            else if (dyn)
+                w = wq_take(qb, n, -1);
+            if (w >= total)
+                break;
+            /* the next item's number travels while this item's stages load */
+            const int wn = dyn ? (rank == 0 ? atomicAdd(p.sched, 1) : 0) : w + ncl;
             wsc_item t;
             wsc_decode(p, w, ntm, ntn, (int)rank, t);
             for (int kt = 0; kt < ktiles; kt++, it++) {
@@ -1816,10 +1922,23 @@ __global__ void __launch_bounds__(WS_NT, 1)
             }
             if (EPI == KCU_EPI_DSWIGLU && mp.tab)
                 ab_produce(mp, full0, empty0, sbase, it, t.m0, t.n0, t.has);
+            w = wn;
         }
         /* tail: every stage released by both CTAs' consumers before exit */
         for (int i = 0; i < WS_STAGES; i++, it++)
             mbar_wait(empty0 + 8 * (it % WS_STAGES), ((it / WS_STAGES) & 1) ^ 1);
+        if (dyn && rank == 0) {
+            /* every reader has taken the last number (no remote arrival
+             * may reach an exited CTA); the last cluster out resets */
+            mbar_wait_cluster(qb + 8 * WQ + 8 * (n % WQ), (n / WQ) & 1);
+            __threadfence();
+            if (atomicAdd(p.sched + 1, 1) == ncl - 1) {
+                atomicExch(p.sched, 0);
+                atomicExch(p.sched + 1, 0);
+            }
+        }
+        if (dyn)
+            cluster_sync_exit();
         return;
     }
 
@@ -1827,7 +1946,11 @@ __global__ void __launch_bounds__(WS_NT, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
     const int cw = wg - 1;
     uint32_t it = 0;
-    for (int w = cid; w < total; w += ncl) {
+    for (int w = cid, n = 0;; w += ncl, n++) {
+        if (dyn)
+            w = wq_take(qb, (uint32_t)n, lane);
+        if (w >= total)
+            break;
         wsc_item t;
         wsc_decode(p, w, ntm, ntn, (int)rank, t);
         float d[128];
@@ -1862,7 +1985,11 @@ __global__ void __launch_bounds__(WS_NT, 1)
                              lane);
         }
     }
+    if (dyn)
+        cluster_sync_exit();
 }
+
+int ws_sched_on(int K);
 
 template <int BMODE, int EPI>
 moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
@@ -1908,6 +2035,8 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
     cfg.gridDim = dim3((unsigned)(2 * ncl));
     kcu_gemm_args b = *a;
     b.group_m = raster_group(KCU_A_K);
+    if (!ws_sched_on(a->K))
+        b.sched = nullptr;
     kcu_pdl_attr(&cfg, at, a->pdl);
     KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_wsc<BMODE, EPI>, b, m));
     return MOE_OK;
@@ -2000,6 +2129,22 @@ int g_ws_tab = -1;     /* v4/v7 dh's (a, b) by TMA (ab_issue): 1, 0; -1: read KC
 int g_gemm_mode = -1;  /* 0 default, 1 mma, 2 wgmma, 4 ws; -1: read KCU_GEMM */
 int g_ws_tma = -1;     /* v4 operands by TMA where possible: 1, 0; -1: read KCU_WS_TMA */
 int g_ws_cluster = -1; /* v7 (v4 on 2-CTA clusters) where it fits: 1, 0; -1: KCU_WS_CLUSTER */
+int g_ws_sched = -1;   /* v7 dynamic schedule where sched is given: 1 always, 0 never,
+                        * 2 items of >= WS_SCHED_MIN_K; -1: KCU_WS_SCHED (default 2) */
+
+/* items of fewer k steps lose a little with the dynamic schedule (Qwen3's
+ * f.down, 12 k steps: 0.78 vs 0.75 ms; dx, 24: 1.32 vs 1.29) and have little
+ * weight traffic to save; Mixtral's (64 to 448 k steps) gain (bench/NOTES.md) */
+constexpr int WS_SCHED_MIN_K = 64 * BK;
+
+int ws_sched_on(int K)
+{
+    if (g_ws_sched < 0) {
+        const char *s = getenv("KCU_WS_SCHED");
+        g_ws_sched = s ? atoi(s) : 2;
+    }
+    return g_ws_sched == 1 || (g_ws_sched == 2 && K >= WS_SCHED_MIN_K);
+}
 
 int ws_cluster_on()
 {
@@ -2106,8 +2251,9 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
 
 } // namespace
 
-void kcu_gemm_select(int version, int tma, int cluster, int staged)
+void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched)
 {
+    g_ws_sched = sched < 0 ? -1 : sched;
     g_gemm_mode = version < 0 ? -1 : version == 1 || version == 2 || version == 4 ? version : 0;
     g_ws_tma = tma < 0 ? -1 : tma != 0;
     g_ws_cluster = cluster < 0 ? -1 : cluster != 0;

@@ -165,6 +165,10 @@ typedef struct kcu_gemm_args {
     int group_m;         /* wgmma kernels: m-tiles that walk n together (set inside) */
     int pdl;             /* v4/v7: launch with PDL (small inference batches: measured to
                           * help there, to cost ~1.5% on Mixtral's training rows) */
+    int *sched;          /* v7: 2 words, zero before the launch and left zero by it: items
+                          * dealt to the clusters in order from a counter (kcu_gemm.cu);
+                          * NULL (or KCU_WS_SCHED=0): each cluster walks w += clusters.
+                          * One launch at a time may use a given pair. */
 } kcu_gemm_args;
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
@@ -174,14 +178,14 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
  * kcu_gemm picks (7 falls back to 4 if a tensor map cannot be built) */
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm);
 /* kcu_gemm_select overrides the environment (KCU_GEMM, KCU_WS_TMA,
- * KCU_WS_CLUSTER, KCU_WS_TMA_STORE, KCU_WS_TMA_AB) for checks: version -1 environment, 0
- * default, 1 mma.sync, 2 wgmma, 4 warp-specialised (2 and 4 where the shape
- * fits: N % 256 == 0, else 1); tma (v4 only) -1 environment, 0 cp.async
- * only, 1 TMA where possible; cluster -1 environment, 0 off, 1 v7 where it
- * fits; staged (v4, v7) -1 environment, 0 register epilogues, 1 the
- * staged ones where they apply (the weight gradients' TMA stores, dh's
- * (a, b) by TMA). Not thread safe: call between GEMMs. */
-void kcu_gemm_select(int version, int tma, int cluster, int staged);
+ * KCU_WS_CLUSTER, KCU_WS_TMA_STORE, KCU_WS_TMA_AB, KCU_WS_SCHED) for checks: version -1
+ * environment, 0 default, 1 mma.sync, 2 wgmma, 4 warp-specialised (2 and 4 where the shape fits: N
+ * % 256 == 0, else 1); tma (v4 only) -1 environment, 0 cp.async only, 1 TMA where possible; cluster
+ * -1 environment, 0 off, 1 v7 where it fits; staged (v4, v7) -1 environment, 0 register epilogues,
+ * 1 the staged ones where they apply (the weight gradients' TMA stores, dh's (a, b) by TMA); sched
+ * (v7 with kcu_gemm_args.sched) -1 environment (KCU_WS_SCHED), 0 never, 1 always, 2 for items of 64
+ * k steps or more. Not thread safe: call between GEMMs. */
+void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched);
 
 /* ---- the layer ---- */
 /* kcu_carve: hands out 256-byte aligned pieces of one allocation (or, with
@@ -196,7 +200,10 @@ struct kcu_carve {
     }
 };
 
-#define KCU_DSYNC_WORDS 2
+/* dsync: words 0-1 the decode router's grid barrier, 2-3 the v7 schedule
+ * counter of the layer's rows-mode GEMMs (kcu_gemm_args.sched) */
+#define KCU_DSYNC_WORDS 4
+#define KCU_SCHED_WORD  2
 #define KCU_RT_CTAS     128 /* the decode router's grid at most: rows of statpart it writes */
 
 struct kcu_layer {
@@ -216,7 +223,8 @@ struct kcu_layer {
     bf16 *gb_w2;  /* (E,H,F) instead of g_w2 when c.grad_bf16 */
     void *ws;
     size_t ws_bytes;
-    uint32_t *dsync;    /* (KCU_DSYNC_WORDS) the decode router's grid barrier:
+    uint32_t *dsync;    /* (KCU_DSYNC_WORDS) the decode router's grid barrier and the
+                         * v7 schedule counter:
                          * its own allocation, zeroed at create (never poisoned with ws) */
     bf16 *xs;           /* (T,H) staged input */
     float *stage;       /* (T,H) f32 staging for host inputs and outputs: its own

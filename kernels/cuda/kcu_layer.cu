@@ -301,6 +301,7 @@ kcu_gemm_args rows_args(const kcu_layer *l)
     a.tile_r0 = l->tile_r0;
     a.ntiles_m = l->ntiles;
     a.max_tiles_m = l->max_tiles;
+    a.sched = reinterpret_cast<int *>(l->dsync + KCU_SCHED_WORD);
     return a;
 }
 
