@@ -1115,33 +1115,45 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
 {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+/* wait until the phase of parity `parity` of bar has completed; CLUSTER:
+ * with acquire at cluster scope (the arrivals came from a peer CTA with
+ * data written there, the dynamic schedule's item ring) */
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
 {
     uint32_t done;
     do {
-        asm volatile("{\n"
-                     ".reg .pred p;\n"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n"
-                     "}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
+        if (CLUSTER)
+            asm volatile("{\n.reg .pred p;\n"
+                         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                         "selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done)
+                         : "r"(bar), "r"(parity)
+                         : "memory");
+        else
+            asm volatile("{\n.reg .pred p;\n"
+                         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                         "selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done)
+                         : "r"(bar), "r"(parity)
+                         : "memory");
     } while (!done);
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar)
 {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+/* the shared::cluster address of this CTA's shared offset `addr` in CTA `rank` */
+__device__ __forceinline__ uint32_t cluster_smem(uint32_t addr, uint32_t rank)
+{
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
 /* arrive on the mbarrier at the same shared offset in CTA `rank` of the cluster */
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
 {
-    asm volatile("{\n"
-                 ".reg .b32 ra;\n"
-                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n"
-                 "}\n" ::"r"(bar),
-                 "r"(rank)
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_smem(bar, rank))
                  : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes)
@@ -1733,47 +1745,24 @@ constexpr int WQ = 4, WQ_READERS = 2 * 8 + 1;
 constexpr int WQ_OFF = 2 * WS_STAGES * 8; /* from full0: qfull[WQ], qempty[WQ], slots */
 static_assert(WQ_OFF + 16 * WQ + 4 * WQ <= 1024, "the item ring exceeds the barrier area");
 
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity)
-{
-    uint32_t done;
-    do {
-        asm volatile("{\n"
-                     ".reg .pred p;\n"
-                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n"
-                     "}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
 /* arrive on bar in CTA `rank` with release at cluster scope: this thread's
  * earlier shared-memory reads and writes, in either CTA, come before it */
 __device__ __forceinline__ void mbar_arrive_release_cluster(uint32_t bar, uint32_t rank)
 {
-    asm volatile("{\n"
-                 ".reg .b32 ra;\n"
-                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n"
-                 "}\n" ::"r"(bar),
-                 "r"(rank)
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(
+                     cluster_smem(bar, rank))
                  : "memory");
 }
 __device__ __forceinline__ void sts_cluster_u32(uint32_t addr, uint32_t rank, uint32_t v)
 {
-    asm volatile("{\n"
-                 ".reg .b32 ra;\n"
-                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "st.shared::cluster.u32 [ra], %2;\n"
-                 "}\n" ::"r"(addr),
-                 "r"(rank), "r"(v)
+    asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(cluster_smem(addr, rank)), "r"(v)
                  : "memory");
 }
 /* CTA 0's producer: item w as the cluster's n-th, into both CTAs' slot */
 __device__ __forceinline__ void wq_publish(uint32_t qb, uint32_t n, int w)
 {
     const uint32_t q = n % WQ;
-    mbar_wait_cluster(qb + 8 * WQ + 8 * q, ((n / WQ) & 1) ^ 1); /* its readers are done */
+    mbar_wait<true>(qb + 8 * WQ + 8 * q, ((n / WQ) & 1) ^ 1); /* its readers are done */
     sts_cluster_u32(qb + 16 * WQ + 4 * q, 0, (uint32_t)w);
     sts_cluster_u32(qb + 16 * WQ + 4 * q, 1, (uint32_t)w);
     mbar_arrive_release_cluster(qb + 8 * q, 0);
@@ -1787,7 +1776,7 @@ __device__ __forceinline__ void wq_publish(uint32_t qb, uint32_t n, int w)
 __device__ __forceinline__ int wq_take(uint32_t qb, uint32_t n, int lane)
 {
     const uint32_t q = n % WQ;
-    mbar_wait_cluster(qb + 8 * q, (n / WQ) & 1);
+    mbar_wait<true>(qb + 8 * q, (n / WQ) & 1);
     int w = 0;
     if (lane <= 0) {
         w = (int)lds_u32(qb + 16 * WQ + 4 * q);
@@ -1930,7 +1919,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
         if (dyn && rank == 0) {
             /* every reader has taken the last number (no remote arrival
              * may reach an exited CTA); the last cluster out resets */
-            mbar_wait_cluster(qb + 8 * WQ + 8 * (n % WQ), (n / WQ) & 1);
+            mbar_wait<true>(qb + 8 * WQ + 8 * (n % WQ), (n / WQ) & 1);
             __threadfence();
             if (atomicAdd(p.sched + 1, 1) == ncl - 1) {
                 atomicExch(p.sched, 0);
