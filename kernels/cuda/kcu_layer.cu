@@ -87,8 +87,10 @@ int kcu_sorted_mode(const kcu_config *c)
      * traffic per row and saves a share of the 6HF-FLOP GEMMs per row:
      * Mixtral (F 14336) gains ~0.8 ms fwd / ~5 ms fwd+bwd with mode 2;
      * Qwen3 (F 768) gains nothing reliable in the forward with mode 1 (+-0.2
-     * ms between runs), loses 0.2-0.3 ms fwd+bwd, and mode 2 costs 536 MB */
-    return c->F >= 2048 ? 2 : 0;
+     * ms between runs), loses 0.2-0.3 ms fwd+bwd, and mode 2 costs 536 MB
+     * (its fwd+bwd 4% faster, session 11). With bf16 gradients the store is
+     * half the size and mode 2's rows fit beside it: mode 2 for training */
+    return c->F >= 2048 || (c->train && c->grad_bf16) ? 2 : 0;
 }
 
 namespace
