@@ -1026,7 +1026,7 @@ static int gemm_selftest(uint64_t seed)
         }
     }
     kcu_gemm_select(-1, -1, -1, -1, -1); /* back to the environment's choice */
-    for (int32_t *p : {d_offs, d_te, d_tr, d_gat, d_gat2, d_perm, d_nt})
+    for (int32_t *p : {d_offs, d_te, d_tr, d_gat, d_gat2, d_perm, d_nt, d_sched})
         CK(cudaFree(p));
     printf("gemm-self: %d checks, %d failed -> %s\n", lines, fails, fails ? "FAIL" : "PASS");
     fflush(stdout);

@@ -1860,17 +1860,19 @@ __global__ void __launch_bounds__(WS_NT, 1)
                      : "memory");
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
                      : "memory");
+        /* dynamic schedule: CTA 0's producer deals, CTA 1's takes from the ring */
+        const bool deals = dyn && rank == 0;
         uint32_t it = 0, n = 0;
-        int w = dyn ? (rank == 0 ? atomicAdd(p.sched, 1) : 0) : cid;
+        int w = deals ? atomicAdd(p.sched, 1) : cid;
         for (;; n++) {
-            if (dyn && rank == 0)
+            if (deals)
                 wq_publish(qb, n, w);
             else if (dyn)
                 w = wq_take(qb, n, -1);
             if (w >= total)
                 break;
             /* the next item's number travels while this item's stages load */
-            const int wn = dyn ? (rank == 0 ? atomicAdd(p.sched, 1) : 0) : w + ncl;
+            const int wn = deals ? atomicAdd(p.sched, 1) : w + ncl;
             wsc_item t;
             wsc_decode(p, w, ntm, ntn, (int)rank, t);
             for (int kt = 0; kt < ktiles; kt++, it++) {
@@ -1916,7 +1918,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
         /* tail: every stage released by both CTAs' consumers before exit */
         for (int i = 0; i < WS_STAGES; i++, it++)
             mbar_wait(empty0 + 8 * (it % WS_STAGES), ((it / WS_STAGES) & 1) ^ 1);
-        if (dyn && rank == 0) {
+        if (deals) {
             /* every reader has taken the last number (no remote arrival
              * may reach an exited CTA); the last cluster out resets */
             mbar_wait<true>(qb + 8 * WQ + 8 * (n % WQ), (n / WQ) & 1);

@@ -177,14 +177,17 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
  * 7 (v4 on 2-CTA clusters with the weight tile multicast), the kernel
  * kcu_gemm picks (7 falls back to 4 if a tensor map cannot be built) */
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm);
-/* kcu_gemm_select overrides the environment (KCU_GEMM, KCU_WS_TMA,
- * KCU_WS_CLUSTER, KCU_WS_TMA_STORE, KCU_WS_TMA_AB, KCU_WS_SCHED) for checks: version -1
- * environment, 0 default, 1 mma.sync, 2 wgmma, 4 warp-specialised (2 and 4 where the shape fits: N
- * % 256 == 0, else 1); tma (v4 only) -1 environment, 0 cp.async only, 1 TMA where possible; cluster
- * -1 environment, 0 off, 1 v7 where it fits; staged (v4, v7) -1 environment, 0 register epilogues,
- * 1 the staged ones where they apply (the weight gradients' TMA stores, dh's (a, b) by TMA); sched
- * (v7 with kcu_gemm_args.sched) -1 environment (KCU_WS_SCHED), 0 never, 1 always, 2 for items of 64
- * k steps or more. Not thread safe: call between GEMMs. */
+/* kcu_gemm_select overrides the environment for checks (not thread safe:
+ * call between GEMMs); -1 keeps the environment's choice of each:
+ * version (KCU_GEMM): 0 default, 1 mma.sync, 2 wgmma, 4 warp-specialised
+ *   (2 and 4 where the shape fits: N % 256 == 0, else 1);
+ * tma (KCU_WS_TMA, v4 only): 0 cp.async only, 1 TMA where possible;
+ * cluster (KCU_WS_CLUSTER): 0 off, 1 v7 where it fits;
+ * staged (KCU_WS_TMA_STORE, KCU_WS_TMA_AB; v4, v7): 0 register epilogues,
+ *   1 the staged ones where they apply (the weight gradients' TMA stores,
+ *   dh's (a, b) by TMA);
+ * sched (KCU_WS_SCHED; v7 given kcu_gemm_args.sched): 0 never, 1 always,
+ *   2 for items of 64 k steps or more. */
 void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched);
 
 /* ---- the layer ---- */
