@@ -589,15 +589,16 @@ static int gemm_checks(uint64_t seed)
  *   v1 mma.sync, v2 wgmma, v4 warp-specialised with TMA where possible
  *   ("v4-tma") and with cp.async only ("v4-cpa"), and v7 (v4 on 2-CTA
  *   clusters with the weight tile multicast, "v7-clu": rows mode with a
- *   dense A over a tile list, else it runs v4); "v4-reg", "v7-reg": v4 and
+ *   dense A over a tile list; the weight gradients with A and B dense run
+ *   v9, their B tile multicast; else it runs v4); "v4-reg", "v7-reg": v4 and
  *   v7 with the register epilogue where a staged one would run (TMA stores
  *   of the weight gradients, dh's (a, b) loaded by TMA); "v7-dyn": v7 with
  *   its items dealt from a counter (kcu_gemm_args.sched), which it must
- *   leave zero. v2, v4 and v7 run
+ *   leave zero. v2, v4, v7 and v9 run
  *   the same wgmma sequence: their outputs must agree bit for bit ("==v2").
  * nsm is set to 3 so that each persistent CTA walks several items. */
 struct st_ver {
-    int v, tma, cl; /* cl: v7, 2-CTA clusters (rows mode, dense A, tile list) */
+    int v, tma, cl; /* cl: v7 / v9, 2-CTA clusters where they apply */
     int ts;         /* staged epilogues (v4, v7): TMA stores, dh's (a, b) by TMA */
     int dyn;        /* v7: items dealt from a counter (kcu_gemm_args.sched) */
     const char *name;
@@ -944,7 +945,8 @@ static int gemm_selftest(uint64_t seed)
 
     /* ---- wgrad: C_e (M,N) (+)= sum over the group's rows k of A[ga(k)]^T B[gb(k)] ---- */
     {
-        const int M = 256, NW = 512;
+        /* M: 3 m-tiles, so that v9's second pair has one CTA without a tile */
+        const int M = 384, NW = 512;
         for (int gcase = 0; gcase < 5; gcase++) {
             /* 0 both gathered, 1 A gathered, 2 B gathered, 3 both dense, 4 dense no offs */
             const int ga = gcase == 0 || gcase == 1, gb = gcase == 0 || gcase == 2;
@@ -1002,7 +1004,7 @@ static int gemm_selftest(uint64_t seed)
                 int bitwise = -1;
                 if (sv.v == 2)
                     v2C = C1;
-                else if (sv.v == 4 && ver == 4)
+                else if (sv.v == 4 && (ver == 4 || ver == 9))
                     bitwise = C1 == v2C;
                 char mode[64], ran[16] = "";
                 if (ver != sv.v)

@@ -1444,6 +1444,49 @@ __device__ __forceinline__ void ws_epilogue(const kcu_gemm_args &p, const ws_map
     }
 }
 
+/* v4 / v9 producer threads (tid 0..127), weight-gradient mode: the k tile
+ * k0 of rows up to kend by cp.async - A's 128 columns from m0 into stage
+ * address sa (ldA), B's 256 from n0 into sb (ldB); rows past kend read as
+ * zero (a group's last, partial tile). GATHER = 0: the rows are dense (no
+ * index loads; v9's producer has no registers for them) */
+template <bool GATHER>
+__device__ __forceinline__ void wgrad_cp_async(const kcu_gemm_args &p, int m0, int n0, int k0,
+                                               int kend, uint32_t sa, uint32_t sb, int tid,
+                                               bool ldA, bool ldB)
+{
+    if (ldA) { /* rows (tid >> 4) + 8 j, 16-byte chunk tid & 15 */
+        const int ch = tid & 15;
+        int src[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int k = k0 + (tid >> 4) + 8 * j;
+            src[j] = k < kend ? (GATHER && p.a_gather ? p.a_gather[k] : k) : -1;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            cp_async16(sa + off_mnw((tid >> 4) + 8 * j, ch),
+                       p.A + (size_t)(src[j] < 0 ? 0 : src[j]) * p.lda + m0 + ch * 8,
+                       src[j] >= 0 ? 16 : 0);
+    }
+    if (ldB) { /* rows (tid >> 5) + 4 j, 16-byte chunk tid & 31 */
+        const int ch = tid & 31;
+#pragma unroll
+        for (int jh = 0; jh < 16; jh += 8) {
+            int src[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int k = k0 + (tid >> 5) + 4 * (jh + j);
+                src[j] = k < kend ? (GATHER && p.b_gather ? p.b_gather[k] : k) : -1;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                cp_async16(sb + off_mnw((tid >> 5) + 4 * (jh + j), ch),
+                           p.B + (size_t)(src[j] < 0 ? 0 : src[j]) * p.ldb + n0 + ch * 8,
+                           src[j] >= 0 ? 16 : 0);
+        }
+    }
+}
+
 template <int AM, int BMODE, int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_ws(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
@@ -1593,39 +1636,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
                             mbar_arrive(fb);
                         }
                     }
-                    if (!tA) { /* rows (tid >> 4) + 8 j, 16-byte chunk tid & 15 */
-                        const int ch = tid & 15;
-                        int src[8];
-#pragma unroll
-                        for (int j = 0; j < 8; j++) {
-                            const int k = k0 + (tid >> 4) + 8 * j;
-                            src[j] = k < t.kend ? (p.a_gather ? p.a_gather[k] : k) : -1;
-                        }
-#pragma unroll
-                        for (int j = 0; j < 8; j++)
-                            cp_async16(sa + off_mnw((tid >> 4) + 8 * j, ch),
-                                       p.A + (size_t)(src[j] < 0 ? 0 : src[j]) * p.lda + t.m0 +
-                                           ch * 8,
-                                       src[j] >= 0 ? 16 : 0);
-                    }
-                    if (!tB) { /* rows (tid >> 5) + 4 j, 16-byte chunk tid & 31 */
-                        const int ch = tid & 31;
-#pragma unroll
-                        for (int jh = 0; jh < 16; jh += 8) {
-                            int src[8];
-#pragma unroll
-                            for (int j = 0; j < 8; j++) {
-                                const int k = k0 + (tid >> 5) + 4 * (jh + j);
-                                src[j] = k < t.kend ? (p.b_gather ? p.b_gather[k] : k) : -1;
-                            }
-#pragma unroll
-                            for (int j = 0; j < 8; j++)
-                                cp_async16(sb + off_mnw((tid >> 5) + 4 * (jh + j), ch),
-                                           p.B + (size_t)(src[j] < 0 ? 0 : src[j]) * p.ldb + t.n0 +
-                                               ch * 8,
-                                           src[j] >= 0 ? 16 : 0);
-                        }
-                    }
+                    wgrad_cp_async<true>(p, t.m0, t.n0, k0, t.kend, sa, sb, tid, !tA, !tB);
                     cp_async_arrive(fb);
                 }
             }
@@ -1980,18 +1991,18 @@ __global__ void __launch_bounds__(WS_NT, 1)
         cluster_sync_exit();
 }
 
-int ws_sched_on(int K);
-
-template <int BMODE, int EPI>
-moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+/* a 2-CTA-cluster launch (v7, v9) of `pairs` pair items for kernel `kern`:
+ * cfg (with at[0] the cluster dimension) gets a grid of at most one cluster
+ * per 2 SMs, and no more clusters than can be resident (measured once per
+ * device into max_cl); *grid_ok = 0 when there is nothing to launch */
+template <class KERN>
+moe_err cluster2_config(KERN kern, unsigned long long &attr_done, int (&max_cl)[64],
+                        long long pairs, int nsm, cudaStream_t st, cudaLaunchConfig_t &cfg,
+                        cudaLaunchAttribute (&at)[2], int *grid_ok)
 {
-    static unsigned long long attr_done;
-    static int max_cl[64];
     int dev = 0;
     KCU_CHECK(cudaGetDevice(&dev));
-    cudaLaunchConfig_t cfg;
     memset(&cfg, 0, sizeof(cfg));
-    cudaLaunchAttribute at[2];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = 2;
     at[0].val.clusterDim.y = 1;
@@ -2002,34 +2013,240 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
     cfg.attrs = at;
     cfg.numAttrs = 1;
     if (!(attr_done >> (dev & 63) & 1)) {
-        KCU_CHECK(cudaFuncSetAttribute(k_gemm_wsc<BMODE, EPI>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES));
+        KCU_CHECK(
+            cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES));
         cfg.gridDim = dim3(2 * (nsm / 2));
         int n = 0;
-        if (cudaOccupancyMaxActiveClusters(&n, k_gemm_wsc<BMODE, EPI>, &cfg) != cudaSuccess) {
+        if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
             (void)cudaGetLastError();
             n = 0;
         }
         max_cl[dev & 63] = n;
         attr_done |= 1ull << (dev & 63);
         if (getenv("KCU_DEBUG"))
-            fprintf(stderr, "kcu: v7 <%d,%d>: %d active 2-CTA clusters at most\n", BMODE, EPI, n);
+            fprintf(stderr, "kcu: %d active 2-CTA clusters at most\n", n);
     }
-    const long long pairs = (long long)(a->max_tiles_m + 1) / 2 * (a->N / WG_BN);
-    if (pairs <= 0)
-        return MOE_OK;
+    *grid_ok = pairs > 0;
     long long ncl = max_cl[dev & 63] > 0 ? max_cl[dev & 63] : nsm / 2;
     if (ncl > nsm / 2)
         ncl = nsm / 2;
+    if (ncl < 1)
+        ncl = 1;
     if (ncl > pairs)
         ncl = pairs;
-    cfg.gridDim = dim3((unsigned)(2 * ncl));
+    cfg.gridDim = dim3((unsigned)(2 * (ncl > 0 ? ncl : 1)));
+    return MOE_OK;
+}
+
+int ws_sched_on(int K);
+
+template <int BMODE, int EPI>
+moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+{
+    static unsigned long long attr_done;
+    static int max_cl[64];
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute at[2];
+    int ok = 0;
+    const long long pairs = (long long)(a->max_tiles_m + 1) / 2 * (a->N / WG_BN);
+    KCU_TRY(
+        cluster2_config(k_gemm_wsc<BMODE, EPI>, attr_done, max_cl, pairs, nsm, st, cfg, at, &ok));
+    if (!ok)
+        return MOE_OK;
     kcu_gemm_args b = *a;
     b.group_m = raster_group(KCU_A_K);
     if (!ws_sched_on(a->K))
         b.sched = nullptr;
     kcu_pdl_attr(&cfg, at, a->pdl);
     KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_wsc<BMODE, EPI>, b, m));
+    return MOE_OK;
+}
+
+/* ---- v9: the weight gradients (v4's A_M / B_N mode) on 2-CTA clusters ----
+ * The two CTAs of a cluster take m-tiles 2q and 2q+1 of one group at the
+ * same n0 (pair item: group, q, n). Both sum over the same rows (the
+ * group's) and need the same B tile (those rows x 256 columns) at every k
+ * step, so CTA r loads B's atoms 2r and 2r+1 with .multicast::cluster into
+ * both CTAs' stage, and its own A (its 128 columns) alone: L2 serves B once
+ * per pair. A group's last, partial k tile comes by cp.async with zero fill
+ * in each CTA (no multicast), as in v4; a CTA without a tile (odd m-tile
+ * count) runs its stages empty and its peer loads its whole B. full[s]
+ * expects 1 + 128 arrivals (thread 0's expect_tx with the TMA bytes, the
+ * producer threads' cp.async arrivals; the peer's half of B lands on it
+ * too), empty[s] 16 (every consumer warp of both CTAs, as in v7). Same tiles,
+ * wgmma sequence and epilogue as v4: the same bits. */
+__device__ __forceinline__ void tma_2d_mc(uint32_t dst, const CUtensorMap *m, int c0, int c1,
+                                          uint32_t bar, uint16_t mask)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+                 : "memory");
+}
+
+struct wgc_item {
+    int e, m0, n0, kbeg, kend, ktiles, has, mc;
+};
+
+/* pair item w -> this CTA's tile (rank r of the pair): raster groups of
+ * group_m / 2 pairs walking n together, as v4's wgrad_raster */
+__device__ __forceinline__ void wgc_decode(const kcu_gemm_args &p, int w, int ntm, int ntn,
+                                           int rank, wgc_item &t)
+{
+    const int npair = (ntm + 1) / 2, ppg = npair * ntn;
+    int q0;
+    t.e = w / ppg;
+    wgrad_raster(max(1, p.group_m / 2), npair, ntn, w - t.e * ppg, q0, t.n0);
+    const int mt = 2 * (q0 / BM) + rank;
+    t.has = mt < ntm;
+    t.mc = 2 * (q0 / BM) + 1 < ntm; /* both CTAs have a tile */
+    t.m0 = mt * BM;
+    t.kbeg = p.offs ? p.offs[t.e] : 0;
+    t.kend = p.offs ? p.offs[t.e + 1] : p.K;
+    t.ktiles = t.kend > t.kbeg ? (t.kend - t.kbeg + BK - 1) / BK : 0;
+}
+
+template <int EPI>
+__global__ void __launch_bounds__(WS_NT, 1)
+    k_gemm_wgc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
+{
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    const uint32_t full0 = sbase + WS_BAR_OFF, empty0 = full0 + WS_STAGES * 8;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < WS_STAGES; s++) {
+            mbar_init(full0 + 8 * s, 129);
+            mbar_init(empty0 + 8 * s, 16);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+    cluster_sync_all(); /* the peer's barriers exist before any remote access */
+    kcu_pdl_wait();
+    kcu_pdl_trigger();
+
+    const int ntn = p.N / WG_BN, ntm = p.M / BM;
+    const int total = p.ngroups * ((ntm + 1) / 2) * ntn;
+    const int cid = blockIdx.x >> 1, ncl = gridDim.x >> 1;
+
+    if (wg == 0) {
+        /* ---------------- producer: 128 threads ---------------- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
+        if (tid == 0) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.a))
+                         : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
+                         : "memory");
+        }
+        uint32_t it = 0;
+        for (int w = cid; w < total; w += ncl) {
+            /* the rank read again here: at 40 registers it would spill */
+            const int r = (int)cluster_rank();
+            wgc_item t;
+            wgc_decode(p, w, ntm, ntn, r, t);
+            for (int k0 = t.kbeg; k0 < t.kend; k0 += BK, it++) {
+                const int s = it % WS_STAGES;
+                const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
+                               sb = sa + WG_A_BYTES;
+                /* the same for both CTAs: one group, one k range */
+                const bool whole = k0 + BK <= t.kend;
+                mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                if (tid == 0) {
+                    if (t.has && whole) {
+                        mbar_arrive_tx(fb, WG_A_BYTES + WG_B_BYTES);
+#pragma unroll
+                        for (int a2 = 0; a2 < 2; a2++)
+                            tma_2d(sa + a2 * WG_ATOM, &mp.a, t.m0 + 64 * a2, k0, fb);
+                        if (t.mc) {
+#pragma unroll
+                            for (int a2 = 0; a2 < 2; a2++) {
+                                const int a4 = 2 * r + a2;
+                                tma_2d_mc(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, fb,
+                                          (uint16_t)3);
+                            }
+                        } else {
+#pragma unroll
+                            for (int a4 = 0; a4 < 4; a4++)
+                                tma_2d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, fb);
+                        }
+                    } else {
+                        mbar_arrive(fb);
+                    }
+                }
+                if (t.has && !whole)
+                    wgrad_cp_async<false>(p, t.m0, t.n0, k0, t.kend, sa, sb, tid, true, true);
+                cp_async_arrive(fb);
+            }
+        }
+        cp_async_wait<0>(); /* leave no cp.async of this thread in flight */
+        /* tail: every stage released by both CTAs' consumers before exit
+         * (no remote arrival may reach an exited CTA) */
+        if (tid == 0)
+            for (int i = 0; i < WS_STAGES; i++, it++)
+                mbar_wait(empty0 + 8 * (it % WS_STAGES), ((it / WS_STAGES) & 1) ^ 1);
+        return;
+    }
+
+    /* ---------------- consumers ---------------- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
+    const int cw = wg - 1;
+    ws_stage stg = {sbase + WS_EPI_OFF + 2u * WS_EPI_SLOT * cw, 0u, 1 + cw, (tid & 127) == 0};
+    uint32_t it = 0;
+    for (int w = cid; w < total; w += ncl) {
+        wgc_item t;
+        wgc_decode(p, w, ntm, ntn, (int)rank, t);
+        float d[128];
+#pragma unroll
+        for (int i = 0; i < 128; i++)
+            d[i] = 0.f;
+        wg_pin(d);
+        for (int kt = 0; kt < t.ktiles; kt++, it++) {
+            const int s = it % WS_STAGES;
+            mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
+            /* a partial tile was written by cp.async (generic proxy) */
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            if (t.has)
+                wg_stage_mma<KCU_A_M, KCU_B_N>(d, sbase + s * WG_STAGE_BYTES, cw);
+            wg_wait<1>();
+            if (kt > 0 && lane == 0) {
+                const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
+                mbar_arrive(eb);
+                mbar_arrive_cluster(eb, peer);
+            }
+        }
+        wg_wait<0>();
+        wg_pin(d);
+        if (t.ktiles > 0 && lane == 0) {
+            const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
+            mbar_arrive(eb);
+            mbar_arrive_cluster(eb, peer);
+        }
+        if (t.has)
+            ws_epilogue<EPI>(p, mp, d, t.e, t.m0, t.n0, 0, t.ktiles, cw, warp, lane, stg);
+    }
+    stage_drain(stg);
+}
+
+template <int EPI>
+moe_err launch_wgc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+{
+    static unsigned long long attr_done;
+    static int max_cl[64];
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute at[2];
+    int ok = 0;
+    const long long pairs = (long long)a->ngroups * ((a->M / BM + 1) / 2) * (a->N / WG_BN);
+    KCU_TRY(cluster2_config(k_gemm_wgc<EPI>, attr_done, max_cl, pairs, nsm, st, cfg, at, &ok));
+    if (!ok)
+        return MOE_OK;
+    kcu_gemm_args b = *a;
+    b.group_m = raster_group(KCU_A_M);
+    kcu_pdl_attr(&cfg, at, a->pdl);
+    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_wgc<EPI>, b, m));
     return MOE_OK;
 }
 
@@ -2144,6 +2361,18 @@ int ws_cluster_on()
         g_ws_cluster = s ? atoi(s) != 0 : 1;
     }
     return g_ws_cluster;
+}
+
+/* v9 (the weight gradients on clusters): on unless KCU_WS_CLUSTER_W=0, and
+ * only where v7 is (ws_cluster_on) */
+int g_ws_cluster_w = -1;
+int ws_cluster_w_on()
+{
+    if (g_ws_cluster_w < 0) {
+        const char *s = getenv("KCU_WS_CLUSTER_W");
+        g_ws_cluster_w = s ? atoi(s) != 0 : 1;
+    }
+    return g_ws_cluster_w && ws_cluster_on();
 }
 
 /* the maps of one v4 call: TMA for each dense operand where a map can be
@@ -2287,6 +2516,16 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
     }
     if (mode == 2)
         return 2;
+    /* v9: weight gradients with A and B dense (by TMA but for partial tiles) */
+    if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC && !a->a_gather && !a->b_gather &&
+        ws_cluster_w_on() && (a->M / BM) >= 2) {
+        if (g_ws_tma < 0) {
+            const char *s = getenv("KCU_WS_TMA");
+            g_ws_tma = s ? atoi(s) != 0 : 1;
+        }
+        if (g_ws_tma)
+            return 9;
+    }
     /* v7: rows mode over a tile list with A dense, every operand by TMA */
     if (am == KCU_A_K && a->tile_e && !a->a_gather && ws_cluster_on()) {
         if (g_ws_tma < 0) {
@@ -2382,6 +2621,12 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
     ws_maps m;
     memset(&m, 0, sizeof(m));
     switch (kcu_gemm_version(am, bm, epi, a, nsm)) {
+    case 9:
+        ws_build_maps(am, bm, a, &m, 0);
+        ws_build_epi_maps(epi, a, &m);
+        if (m.ta && m.tb)
+            return launch_wgc<KCU_EPI_ACC>(a, m, nsm, st);
+        return gemm_dispatch<run_v4>(am, bm, epi, a, m, nsm, st);
     case 7:
         ws_build_maps(am, bm, a, &m, 1);
         ws_build_epi_maps(epi, a, &m);
