@@ -1107,8 +1107,10 @@ struct ws_maps {
     CUtensorMap b;  /* tb: rows mode B_K (K, N, E) box (64, 256, 1), B_N (N, K, E) box (64, 64,
                      * 1); wgrad (N, rows) box (64, 64) */
     CUtensorMap c;  /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1) */
-    CUtensorMap ab; /* tab, staged epilogue: DSWIGLU's (a, b) (2F, rows) box (64, 128) */
-    int ta, tb, tc, tab;
+    CUtensorMap ab; /* tab, staged epilogue: DSWIGLU's (a, b) (2F, rows) box (64, 128); tsw:
+                     * SWIGLU's (a, b) output, the same map */
+    CUtensorMap h;  /* tsw: SWIGLU's h (F, rows) box (64, 128) */
+    int ta, tb, tc, tab, tsw;
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
@@ -1827,6 +1829,159 @@ __device__ __forceinline__ void wsc_decode(const kcu_gemm_args &p, int w, int nt
     t.mc = t.has && other < ntm && p.tile_e[other] == t.e;
 }
 
+/* ---- v7's SwiGLU epilogue through shared memory (mp.tsw) ----
+ * The up-projection's item leaves as 128 rows x 256 bf16 of (a, b) (in the
+ * accumulator's column order, training only) and 128 x 128 of h: 96 KB, the
+ * 2 stages (SW_STAGES) that follow the item's k steps in the stage sequence.
+ * The producer hands them over empty (ab_produce without loads); the
+ * consumer warps write their fragments into them as 6 boxes of 64 columns x
+ * 128 rows (128-byte swizzle: 4 of (a, b), 2 of h), fence, and arrive on
+ * `swr` - and go on to the next item. Warp 1 of the producer warpgroup (the
+ * store warp) waits on swr, hands the boxes to TMA stores, waits until they
+ * have read shared memory and releases the 2 stages for the consumer warps
+ * of its CTA (8 arrivals here, 8 at the cluster peer). One record in shared
+ * memory (item rows, columns, what to store) travels with each swr phase;
+ * an item whose rows run past its expert's end (or a CTA without a tile)
+ * stores from registers as before and sends "nothing to store". Same values,
+ * same bits. */
+constexpr int SW_STAGES = 2, SW_BOXES = 6;
+constexpr int SW_BAR_OFF = 512; /* from full0: swr, then the record (4 words) */
+static_assert(SW_BOXES * AB_BOX_BYTES <= SW_STAGES * WG_STAGE_BYTES,
+              "SwiGLU boxes exceed 2 stages");
+static_assert(SW_STAGES < WS_STAGES, "no stage left for the next item");
+
+__device__ __forceinline__ uint32_t sw_box(const uint32_t (&sta)[SW_STAGES], int box)
+{
+    return sta[box / AB_PER_STAGE] + (box % AB_PER_STAGE) * AB_BOX_BYTES;
+}
+
+/* consumer warp (cw, warp, lane): its 16 rows of the item's (a, b) (when
+ * p.ab) and h into the boxes; fragment d as in wg_epilogue */
+__device__ __forceinline__ void stage_swiglu(const kcu_gemm_args &p, const float (&d)[128],
+                                             const uint32_t (&sta)[SW_STAGES], int cw, int warp,
+                                             int lane)
+{
+    const int g = lane >> 2, q4 = lane & 3, rb = cw * 64 + (warp & 3) * 16;
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int row = rb + g + 8 * hr;
+#pragma unroll
+        for (int jb = 0; jb < 32; jb += 2) {
+            const float g0 = d[4 * jb + hr * 2], g1 = d[4 * jb + hr * 2 + 1];
+            const float u0 = d[4 * jb + 4 + hr * 2], u1 = d[4 * jb + 4 + hr * 2 + 1];
+            if (p.ab) {
+                /* item columns 8 jb + 2 q4 (gate) and 8 (jb + 1) + 2 q4 (up) */
+                const int c0 = 8 * jb + 2 * q4, c1 = c0 + 8;
+                sts_u32(box_addr(sw_box(sta, c0 >> 6), row, (c0 & 63) * 2), pack_bf2(g0, g1));
+                sts_u32(box_addr(sw_box(sta, c1 >> 6), row, (c1 & 63) * 2), pack_bf2(u0, u1));
+            }
+            const int hc = 4 * jb + 2 * q4; /* h column of the item */
+            sts_u32(box_addr(sw_box(sta, 4 + (hc >> 6)), row, (hc & 63) * 2),
+                    pack_bf2(g0 * sigm(g0) * u0, g1 * sigm(g1) * u1));
+        }
+    }
+}
+
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *m, int c0, int c1, uint32_t src)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+            reinterpret_cast<uint64_t>(m)),
+        "r"(c0), "r"(c1), "r"(src)
+        : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_n(uint32_t bar, uint32_t n)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cluster_n(uint32_t bar, uint32_t rank, uint32_t n)
+{
+    asm volatile(
+        "mbarrier.arrive.shared::cluster.b64 _, [%0], %1;\n" ::"r"(cluster_smem(bar, rank)), "r"(n)
+        : "memory");
+}
+
+/* the store warp's lane 0 (v7 with mp.tsw): item after item, the boxes the
+ * consumers staged go out by TMA, then the stages return to the ring;
+ * ktiles: k steps per item (the stage sequence: ktiles + SW_STAGES each) */
+__device__ __forceinline__ void sw_store_loop(const ws_maps &mp, uint32_t full0, uint32_t empty0,
+                                              uint32_t sbase, int ktiles, uint32_t peer)
+{
+    const uint32_t swr = full0 + SW_BAR_OFF, rec = swr + 8;
+    for (uint32_t n = 0;; n++) {
+        mbar_wait(swr, n & 1);
+        const int what = (int)lds_u32(rec + 8); /* 0 nothing, 1 h, 2 h and (a, b), 3 end */
+        if (what == 3)
+            return;
+        const uint32_t it = n * (uint32_t)(ktiles + SW_STAGES) + (uint32_t)ktiles;
+        uint32_t sta[SW_STAGES];
+#pragma unroll
+        for (int j = 0; j < SW_STAGES; j++)
+            sta[j] = sbase + ((it + j) % WS_STAGES) * WG_STAGE_BYTES;
+        if (what) {
+            const int m0 = (int)lds_u32(rec), n0 = (int)lds_u32(rec + 4);
+            if (what == 2)
+                for (int b = 0; b < 4; b++)
+                    tma_store_2d(&mp.ab, n0 + 64 * b, m0, sw_box(sta, b));
+            for (int b = 0; b < 2; b++)
+                tma_store_2d(&mp.h, n0 / 2 + 64 * b, m0, sw_box(sta, 4 + b));
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        }
+#pragma unroll
+        for (int j = 0; j < SW_STAGES; j++) {
+            const uint32_t eb = empty0 + 8 * ((it + j) % WS_STAGES);
+            mbar_arrive_n(eb, 8);
+            mbar_arrive_cluster_n(eb, peer, 8);
+        }
+    }
+}
+
+/* consumer warp: its part of one swr phase - the record (what, item rows
+ * m0, columns n0: written by warp 0 of warpgroup 0 before its arrival, read
+ * by the store warp after the phase completes) and the arrival */
+__device__ __forceinline__ void sw_signal(uint32_t full0, int m0, int n0, int what, int cw,
+                                          int warp, int lane)
+{
+    const uint32_t swr = full0 + SW_BAR_OFF, rec = swr + 8;
+    __syncwarp();
+    if (lane == 0) {
+        if (cw == 0 && (warp & 3) == 0) {
+            sts_u32(rec, (uint32_t)m0);
+            sts_u32(rec + 4, (uint32_t)n0);
+            sts_u32(rec + 8, (uint32_t)what);
+        }
+        mbar_arrive(swr);
+    }
+}
+
+/* consumer warp: the item's SwiGLU epilogue into the SW_STAGES stages that
+ * follow its k steps (sequence numbers it..; it moves past them), handed to
+ * the store warp */
+__device__ __forceinline__ void sw_epilogue(const kcu_gemm_args &p, const float (&d)[128],
+                                            uint32_t full0, uint32_t sbase, uint32_t &it,
+                                            int ktiles, const wsc_item &t, int cw, int warp,
+                                            int lane)
+{
+    uint32_t sta[SW_STAGES];
+#pragma unroll
+    for (int j = 0; j < SW_STAGES; j++) {
+        const uint32_t s = (it + j) % WS_STAGES;
+        mbar_wait(full0 + 8 * s, ((it + j) / WS_STAGES) & 1);
+        sta[j] = sbase + s * WG_STAGE_BYTES;
+    }
+    it += SW_STAGES;
+    const bool whole = t.has && t.m0 + BM <= t.rend;
+    if (whole)
+        stage_swiglu(p, d, sta, cw, warp, lane);
+    else if (t.has)
+        wg_epilogue<KCU_EPI_SWIGLU>(p, d, t.e, t.m0, t.n0, t.rend, ktiles,
+                                    cw * 64 + (warp & 3) * 16, lane);
+    /* the boxes' generic-proxy writes before the TMA stores read them */
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    sw_signal(full0, t.m0, t.n0, whole ? (p.ab ? 2 : 1) : 0, cw, warp, lane);
+}
+
 template <int BMODE, int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_wsc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
@@ -1849,6 +2004,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
             mbar_init(qb + 8 * q, 1);
             mbar_init(qb + 8 * WQ + 8 * q, WQ_READERS);
         }
+        if (EPI == KCU_EPI_SWIGLU && mp.tsw)
+            mbar_init(full0 + SW_BAR_OFF, 8);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
@@ -1865,8 +2022,11 @@ __global__ void __launch_bounds__(WS_NT, 1)
     if (wg == 0) {
         /* ---------------- producer: thread 0 ---------------- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
-        if (tid != 0)
+        if (tid != 0) {
+            if (EPI == KCU_EPI_SWIGLU && mp.tsw && tid == 32)
+                sw_store_loop(mp, full0, empty0, sbase, ktiles, peer);
             return;
+        }
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.a))
                      : "memory");
         asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
@@ -1924,6 +2084,12 @@ __global__ void __launch_bounds__(WS_NT, 1)
             }
             if (EPI == KCU_EPI_DSWIGLU && mp.tab)
                 ab_produce(mp, full0, empty0, sbase, it, t.m0, t.n0, t.has);
+            if (EPI == KCU_EPI_SWIGLU && mp.tsw) /* handed over empty (sw_epilogue) */
+                for (int j = 0; j < SW_STAGES; j++, it++) {
+                    const int s = it % WS_STAGES;
+                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                    mbar_arrive(full0 + 8 * s);
+                }
             w = wn;
         }
         /* tail: every stage released by both CTAs' consumers before exit */
@@ -1982,10 +2148,20 @@ __global__ void __launch_bounds__(WS_NT, 1)
         if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
             ab_epilogue(p, d, full0, empty0, sbase, it, t.m0, t.n0, t.rend, cw, warp, lane, t.has,
                         (int)peer);
+        } else if (EPI == KCU_EPI_SWIGLU && mp.tsw) {
+            sw_epilogue(p, d, full0, sbase, it, ktiles, t, cw, warp, lane);
         } else if (t.has) {
             wg_epilogue<EPI>(p, d, t.e, t.m0, t.n0, t.rend, ktiles, cw * 64 + (warp & 3) * 16,
                              lane);
         }
+    }
+    if (EPI == KCU_EPI_SWIGLU && mp.tsw) {
+        /* the store warp has taken the last item's record (both CTAs' store
+         * warps released its last stage) before the end record overwrites it
+         * and a second phase of swr could complete behind its wait */
+        if (it > 0)
+            mbar_wait(empty0 + 8 * ((it - 1) % WS_STAGES), ((it - 1) / WS_STAGES) & 1);
+        sw_signal(full0, 0, 0, 3, cw, warp, lane);
     }
     if (dyn)
         cluster_sync_exit();
@@ -2334,6 +2510,8 @@ int encode_map(CUtensorMap *m, const void *p, int rank, const uint64_t *dim,
 
 int g_ws_tstore = -1;  /* v4/v7 staged epilogue (ws_stage): 1, 0; -1: read KCU_WS_TMA_STORE */
 int g_ws_tab = -1;     /* v4/v7 dh's (a, b) by TMA (ab_issue): 1, 0; -1: read KCU_WS_TMA_AB */
+int g_ws_sw = -1;      /* v7 SwiGLU epilogue through the stages (sw_epilogue): 1, 0; -1: read
+                        * KCU_WS_SW_STAGE (off too where the staged epilogues are) */
 int g_gemm_mode = -1;  /* 0 default, 1 mma, 2 wgmma, 4 ws; -1: read KCU_GEMM */
 int g_ws_tma = -1;     /* v4 operands by TMA where possible: 1, 0; -1: read KCU_WS_TMA */
 int g_ws_cluster = -1; /* v7 (v4 on 2-CTA clusters) where it fits: 1, 0; -1: KCU_WS_CLUSTER */
@@ -2458,6 +2636,29 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
     if (g_ws_tstore < 0) {
         const char *s = getenv("KCU_WS_TMA_STORE");
         g_ws_tstore = s ? atoi(s) != 0 : 1;
+    }
+    m->tsw = 0;
+    if (g_ws_sw < 0) {
+        const char *s = getenv("KCU_WS_SW_STAGE");
+        g_ws_sw = s ? atoi(s) != 0 : 1;
+    }
+    /* v7's SwiGLU epilogue through the stages (sw_epilogue): h, and (a, b)
+     * when kept, by TMA stores; at least WS_STAGES k steps per item (the
+     * store warp's record is rewritten only after it freed the stages) */
+    if (epi == KCU_EPI_SWIGLU && g_ws_tstore && g_ws_sw && m->ta && m->tb && a->h && a->F > 0 &&
+        !(a->F & 7) && a->N == 2 * a->F && a->N % WG_BN == 0 && a->K / BK >= WS_STAGES &&
+        (!a->ab || !(a->ld_ab & 7))) {
+        const long long rows = slabs_in_alloc(a->h, (size_t)a->F * 2, (size_t)a->F * 2);
+        const uint64_t dim[2] = {(uint64_t)a->F, (uint64_t)rows}, sb[1] = {(uint64_t)a->F * 2};
+        const uint32_t box[2] = {64, 128};
+        int ok = rows >= 128 && encode_map(&m->h, a->h, 2, dim, sb, box) == 0;
+        if (ok && a->ab) {
+            const long long ra = slabs_in_alloc(a->ab, (size_t)a->N * 2, (size_t)a->ld_ab * 2);
+            const uint64_t da[2] = {(uint64_t)a->N, (uint64_t)ra}, sa[1] = {(uint64_t)a->ld_ab * 2};
+            ok = ra >= 128 && encode_map(&m->ab, a->ab, 2, da, sa, box) == 0;
+        }
+        m->tsw = ok;
+        return;
     }
     if (!g_ws_tstore || epi != KCU_EPI_ACC || !a->Cf || a->Cb || (a->ldc & 3) ||
         (a->c_gstride & 3) || a->ngroups < 1)
