@@ -1829,6 +1829,43 @@ __device__ __forceinline__ void wsc_decode(const kcu_gemm_args &p, int w, int nt
     t.mc = t.has && other < ntm && p.tile_e[other] == t.e;
 }
 
+/* v7 / v9 consumer warpgroup cw: d = the item's ktiles k steps from the
+ * stage ring (sequence numbers it..; it moves past them), each stage
+ * released in this CTA and at the cluster peer once its wgmma are complete
+ * (has = 0: the stages are walked without math); FENCE: a stage may have
+ * been written by cp.async (generic proxy) before wgmma reads it */
+template <int AM, int BMODE, bool FENCE>
+__device__ __forceinline__ void cl_k_loop(float (&d)[128], uint32_t full0, uint32_t empty0,
+                                          uint32_t sbase, uint32_t &it, int ktiles, bool has,
+                                          int cw, int lane, uint32_t peer)
+{
+#pragma unroll
+    for (int i = 0; i < 128; i++)
+        d[i] = 0.f;
+    wg_pin(d);
+    for (int kt = 0; kt < ktiles; kt++, it++) {
+        const int s = it % WS_STAGES;
+        mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
+        if (FENCE)
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        if (has)
+            wg_stage_mma<AM, BMODE>(d, sbase + s * WG_STAGE_BYTES, cw);
+        wg_wait<1>();
+        if (kt > 0 && lane == 0) {
+            const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
+            mbar_arrive(eb);
+            mbar_arrive_cluster(eb, peer);
+        }
+    }
+    wg_wait<0>();
+    wg_pin(d);
+    if (ktiles > 0 && lane == 0) {
+        const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
+        mbar_arrive(eb);
+        mbar_arrive_cluster(eb, peer);
+    }
+}
+
 /* ---- v7's SwiGLU epilogue through shared memory (mp.tsw) ----
  * The up-projection's item leaves as 128 rows x 256 bf16 of (a, b) (in the
  * accumulator's column order, training only) and 128 x 128 of h: 96 KB, the
@@ -2122,29 +2159,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
         wsc_item t;
         wsc_decode(p, w, ntm, ntn, (int)rank, t);
         float d[128];
-#pragma unroll
-        for (int i = 0; i < 128; i++)
-            d[i] = 0.f;
-        wg_pin(d);
-        for (int kt = 0; kt < ktiles; kt++, it++) {
-            const int s = it % WS_STAGES;
-            mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
-            if (t.has)
-                wg_stage_mma<KCU_A_K, BMODE>(d, sbase + s * WG_STAGE_BYTES, cw);
-            wg_wait<1>();
-            if (kt > 0 && lane == 0) {
-                const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
-                mbar_arrive(eb);
-                mbar_arrive_cluster(eb, peer);
-            }
-        }
-        wg_wait<0>();
-        wg_pin(d);
-        if (ktiles > 0 && lane == 0) {
-            const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
-            mbar_arrive(eb);
-            mbar_arrive_cluster(eb, peer);
-        }
+        cl_k_loop<KCU_A_K, BMODE, false>(d, full0, empty0, sbase, it, ktiles, t.has, cw, lane,
+                                         peer);
         if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
             ab_epilogue(p, d, full0, empty0, sbase, it, t.m0, t.n0, t.rend, cw, warp, lane, t.has,
                         (int)peer);
@@ -2376,31 +2392,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
         wgc_item t;
         wgc_decode(p, w, ntm, ntn, (int)rank, t);
         float d[128];
-#pragma unroll
-        for (int i = 0; i < 128; i++)
-            d[i] = 0.f;
-        wg_pin(d);
-        for (int kt = 0; kt < t.ktiles; kt++, it++) {
-            const int s = it % WS_STAGES;
-            mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
-            /* a partial tile was written by cp.async (generic proxy) */
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            if (t.has)
-                wg_stage_mma<KCU_A_M, KCU_B_N>(d, sbase + s * WG_STAGE_BYTES, cw);
-            wg_wait<1>();
-            if (kt > 0 && lane == 0) {
-                const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
-                mbar_arrive(eb);
-                mbar_arrive_cluster(eb, peer);
-            }
-        }
-        wg_wait<0>();
-        wg_pin(d);
-        if (t.ktiles > 0 && lane == 0) {
-            const uint32_t eb = empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES);
-            mbar_arrive(eb);
-            mbar_arrive_cluster(eb, peer);
-        }
+        /* a partial tile was written by cp.async (generic proxy): fence */
+        cl_k_loop<KCU_A_M, KCU_B_N, true>(d, full0, empty0, sbase, it, t.ktiles, t.has, cw, lane,
+                                          peer);
         if (t.has)
             ws_epilogue<EPI>(p, mp, d, t.e, t.m0, t.n0, 0, t.ktiles, cw, warp, lane, stg);
     }
