@@ -22,6 +22,14 @@ struct moe_client {
     char *auth_token;   /* owned; NULL = none */
     uint64_t client_id; /* random, drawn at open: the first half of every "rid" */
     atomic_uint next_msgid;
+    /* the async calls in flight (moe_call_async), so that moe_client_close
+     * can cancel them and wait for their callbacks before it closes the
+     * socket: nng_close with a request context still waiting for a reply
+     * from a server that died could block forever (seen in the tests) */
+    pthread_mutex_t amu;
+    pthread_cond_t acv;
+    struct acall *alist; /* doubly linked through acall.next / prev, under amu */
+    int closing;         /* under amu: no new receive is started */
 };
 
 static __thread char last_error[512];
@@ -75,6 +83,15 @@ static uint64_t random_id(const void *salt)
     return id ^ (id >> 29);
 }
 
+/* the client's memory (the socket closed or never opened) */
+static void client_free(moe_client *c)
+{
+    pthread_cond_destroy(&c->acv);
+    pthread_mutex_destroy(&c->amu);
+    free(c->auth_token);
+    free(c);
+}
+
 moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client **out)
 {
     moe_client *c = calloc(1, sizeof(*c));
@@ -90,10 +107,11 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
     }
     c->client_id = random_id(c);
     atomic_init(&c->next_msgid, 1);
+    pthread_mutex_init(&c->amu, NULL);
+    pthread_cond_init(&c->acv, NULL);
     if ((rv = nng_req0_open(&c->sock)) != 0) {
         set_error("nng_req0_open: %s", nng_strerror(rv));
-        free(c->auth_token);
-        free(c);
+        client_free(c);
         return MOE_EINTERNAL;
     }
     /* A training step must never run twice: no automatic resend on a timer.
@@ -108,8 +126,7 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
     if ((rv = nng_dial(c->sock, url, &c->dialer, NNG_FLAG_NONBLOCK)) != 0) {
         set_error("cannot dial %s: %s", url, nng_strerror(rv));
         nng_close(c->sock);
-        free(c->auth_token);
-        free(c);
+        client_free(c);
         return rv == NNG_EADDRINVAL || rv == NNG_ENOTSUP ? MOE_EINVAL : MOE_EUNAVAIL;
     }
     *out = c;
@@ -121,13 +138,15 @@ uint64_t moe_client_id(const moe_client *c)
     return c ? c->client_id : 0;
 }
 
+static void acall_cancel_all(moe_client *c);
+
 void moe_client_close(moe_client *c)
 {
     if (!c)
         return;
+    acall_cancel_all(c);
     nng_close(c->sock);
-    free(c->auth_token);
-    free(c);
+    client_free(c);
 }
 
 void moe_reply_free(moe_reply *r)
@@ -288,6 +307,7 @@ fail:
 typedef enum { ACALL_SEND, ACALL_RECV } acall_state;
 
 typedef struct acall {
+    struct acall *next, *prev; /* c->alist, under c->amu */
     moe_client *c;
     nng_ctx ctx;
     nng_aio *aio;
@@ -302,12 +322,38 @@ static void acall_finish(acall *a, moe_err e, moe_reply *r)
 {
     moe_call_cb cb = a->cb;
     void *arg = a->arg;
+    moe_client *c = a->c;
     nng_ctx_close(a->ctx);
+    /* off the in-flight list before the aio goes (acall_cancel_all uses it
+     * under amu); the context is closed before moe_client_close may go on */
+    pthread_mutex_lock(&c->amu);
+    if (a->prev)
+        a->prev->next = a->next;
+    else
+        c->alist = a->next;
+    if (a->next)
+        a->next->prev = a->prev;
+    if (!c->alist)
+        pthread_cond_broadcast(&c->acv);
+    pthread_mutex_unlock(&c->amu);
     /* The aio is freed by a reaper-safe path: nng_aio_free must not run in
      * its own callback, so use nng_aio_reap (nng >= 1.3). */
     nng_aio_reap(a->aio);
     free(a);
     cb(e, r, arg);
+}
+
+/* moe_client_close: every async call in flight ends now (its callback gets
+ * a transport error) and has ended before the socket closes */
+static void acall_cancel_all(moe_client *c)
+{
+    pthread_mutex_lock(&c->amu);
+    c->closing = 1;
+    for (acall *a = c->alist; a; a = a->next)
+        nng_aio_cancel(a->aio); /* the callback runs on nng's thread, after we unlock */
+    while (c->alist)
+        pthread_cond_wait(&c->acv, &c->amu);
+    pthread_mutex_unlock(&c->amu);
 }
 
 static void acall_cb(void *arg)
@@ -330,9 +376,23 @@ static void acall_cb(void *arg)
         return;
     }
     if (a->state == ACALL_SEND) {
-        free(r);
-        a->state = ACALL_RECV;
-        nng_ctx_recv(a->ctx, a->aio);
+        /* sent; the client closing cancels no receive it has not seen
+         * start, so none starts once it closes */
+        pthread_mutex_lock(&a->c->amu);
+        const int closing = a->c->closing;
+        if (!closing) {
+            a->state = ACALL_RECV;
+            nng_ctx_recv(a->ctx, a->aio);
+        }
+        pthread_mutex_unlock(&a->c->amu);
+        if (!closing) {
+            free(r);
+            return;
+        }
+        r->err = MOE_EUNAVAIL;
+        r->transport = 1;
+        snprintf(r->message, sizeof(r->message), "%s: transport: the client closed", a->method);
+        acall_finish(a, r->err, r);
         return;
     }
     moe_err e = parse_reply(nng_aio_get_msg(a->aio), a->msgid, r);
@@ -372,6 +432,23 @@ moe_err moe_call_async(moe_client *c, const char *method, const void *params, si
     nng_aio_set_timeout(a->aio, c->timeout_ms);
     a->state = ACALL_SEND;
     nng_aio_set_msg(a->aio, m);
+    /* listed and sent under amu: acall_cancel_all cancels every operation
+     * it can see, and none starts after it */
+    pthread_mutex_lock(&c->amu);
+    if (c->closing) {
+        pthread_mutex_unlock(&c->amu);
+        nng_aio_free(a->aio);
+        nng_msg_free(m);
+        nng_ctx_close(a->ctx);
+        free(a);
+        set_error("%s: the client is closing", method);
+        return MOE_EUNAVAIL;
+    }
+    a->next = c->alist;
+    if (c->alist)
+        c->alist->prev = a;
+    c->alist = a;
     nng_ctx_send(a->ctx, a->aio);
+    pthread_mutex_unlock(&c->amu);
     return MOE_OK;
 }
