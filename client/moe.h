@@ -80,6 +80,9 @@ typedef struct moe_client_opts {
  * (docs/PROTOCOL.md). Params passed to moe_call must therefore not contain
  * "rid" (nor "auth" when opts->auth_token is set). */
 moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client **out);
+/* moe_client_close: the async calls still in flight end first (each
+ * callback runs, with a transport error, before it returns); then the
+ * connection closes and c is freed. Not from inside a callback. */
 void moe_client_close(moe_client *c);
 /* moe_client_id returns the client id sent in every "rid" (0 for NULL). */
 uint64_t moe_client_id(const moe_client *c);
