@@ -855,6 +855,15 @@ __device__ __forceinline__ void ws_decode(const kcu_gemm_args &p, int w, int ntm
     }
 }
 
+/* the kernel's dynamic shared memory from its first 1024-byte boundary (the
+ * 128-byte swizzle of the wgmma and TMA tiles needs it; the launches ask
+ * for 1 KB more than they use) */
+__device__ __forceinline__ uint32_t smem_base_1k()
+{
+    extern __shared__ uint8_t smem_raw[];
+    return ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+}
+
 /* v2's item: the decoded item plus this thread's load addresses */
 struct wg_item : ws_item {
     const bf16 *a[4]; /* rows mode: this thread's 4 A rows (chunk offset included) */
@@ -865,8 +874,7 @@ struct wg_item : ws_item {
 template <int AM, int BMODE, int EPI>
 __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
 {
-    extern __shared__ uint8_t smem_raw[];
-    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
+    const uint32_t sbase = smem_base_1k();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int ntn = p.N / WG_BN;
     int ntm = 0, tpg = 0, total;
@@ -1446,6 +1454,35 @@ __device__ __forceinline__ void ws_epilogue(const kcu_gemm_args &p, const ws_map
     }
 }
 
+/* thread 0 of a warp-specialised kernel (v4, v7, v9): the stage ring's
+ * barriers, full[s] expecting nfull arrivals and empty[s] nempty */
+__device__ __forceinline__ void ws_stage_bars_init(uint32_t full0, uint32_t empty0, uint32_t nfull,
+                                                   uint32_t nempty)
+{
+#pragma unroll
+    for (int s = 0; s < WS_STAGES; s++) {
+        mbar_init(full0 + 8 * s, nfull);
+        mbar_init(empty0 + 8 * s, nempty);
+    }
+}
+/* after every barrier init: visible to the cluster and to the async proxy */
+__device__ __forceinline__ void ws_bars_fence()
+{
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void prefetch_tmap(const CUtensorMap *m)
+{
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
+}
+/* a clustered producer's tail (v7, v9): its last WS_STAGES stages released by
+ * both CTAs' consumers, so that no remote arrival reaches an exited CTA */
+__device__ __forceinline__ void ws_stages_drained(uint32_t empty0, uint32_t it)
+{
+    for (int i = 0; i < WS_STAGES; i++, it++)
+        mbar_wait(empty0 + 8 * (it % WS_STAGES), ((it / WS_STAGES) & 1) ^ 1);
+}
+
 /* v4 / v9 producer threads (tid 0..127), weight-gradient mode: the k tile
  * k0 of rows up to kend by cp.async - A's 128 columns from m0 into stage
  * address sa (ldA), B's 256 from n0 into sb (ldB); rows past kend read as
@@ -1493,20 +1530,14 @@ template <int AM, int BMODE, int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_ws(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
-    extern __shared__ uint8_t smem_raw[];
-    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-    const uint32_t full0 = sbase + WS_BAR_OFF, empty0 = full0 + WS_STAGES * 8;
+    const uint32_t sbase = smem_base_1k(), full0 = sbase + WS_BAR_OFF,
+                   empty0 = full0 + WS_STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     /* every operand by TMA (rows mode only): thread 0 alone produces */
     const bool cpa = !(AM == KCU_A_K && mp.ta && mp.tb);
     if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < WS_STAGES; s++) {
-            mbar_init(full0 + 8 * s, cpa ? 129 : 1);
-            mbar_init(empty0 + 8 * s, 8);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        ws_stage_bars_init(full0, empty0, cpa ? 129 : 1, 8);
+        ws_bars_fence();
     }
     __syncthreads();
     kcu_pdl_wait(); /* launched with PDL: the predecessor's outputs from here on */
@@ -1529,11 +1560,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
             return;
         if (tid == 0) {
             if (mp.ta)
-                asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.a))
-                             : "memory");
+                prefetch_tmap(&mp.a);
             if (mp.tb)
-                asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
-                             : "memory");
+                prefetch_tmap(&mp.b);
         }
         uint32_t it = 0;
         for (int w = blockIdx.x; w < total; w += gridDim.x) {
@@ -2023,19 +2052,14 @@ template <int BMODE, int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_wsc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
-    extern __shared__ uint8_t smem_raw[];
-    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-    const uint32_t full0 = sbase + WS_BAR_OFF, empty0 = full0 + WS_STAGES * 8;
+    const uint32_t sbase = smem_base_1k(), full0 = sbase + WS_BAR_OFF,
+                   empty0 = full0 + WS_STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
     const uint32_t qb = full0 + WQ_OFF;
     const bool dyn = p.sched != nullptr;
     if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < WS_STAGES; s++) {
-            mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 16);
-        }
+        ws_stage_bars_init(full0, empty0, 1, 16);
 #pragma unroll
         for (int q = 0; q < WQ; q++) {
             mbar_init(qb + 8 * q, 1);
@@ -2043,8 +2067,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
         }
         if (EPI == KCU_EPI_SWIGLU && mp.tsw)
             mbar_init(full0 + SW_BAR_OFF, 8);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        ws_bars_fence();
     }
     __syncthreads();
     cluster_sync_all(); /* the peer's barriers exist before any remote access */
@@ -2064,10 +2087,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
                 sw_store_loop(mp, full0, empty0, sbase, ktiles, peer);
             return;
         }
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.a))
-                     : "memory");
-        asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
-                     : "memory");
+        prefetch_tmap(&mp.a);
+        prefetch_tmap(&mp.b);
         /* dynamic schedule: CTA 0's producer deals, CTA 1's takes from the ring */
         const bool deals = dyn && rank == 0;
         uint32_t it = 0, n = 0;
@@ -2129,9 +2150,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
                 }
             w = wn;
         }
-        /* tail: every stage released by both CTAs' consumers before exit */
-        for (int i = 0; i < WS_STAGES; i++, it++)
-            mbar_wait(empty0 + 8 * (it % WS_STAGES), ((it / WS_STAGES) & 1) ^ 1);
+        ws_stages_drained(empty0, it);
         if (deals) {
             /* every reader has taken the last number (no remote arrival
              * may reach an exited CTA); the last cluster out resets */
@@ -2219,14 +2238,16 @@ moe_err cluster2_config(KERN kern, unsigned long long &attr_done, int (&max_cl)[
             fprintf(stderr, "kcu: %d active 2-CTA clusters at most\n", n);
     }
     *grid_ok = pairs > 0;
+    if (!*grid_ok)
+        return MOE_OK;
     long long ncl = max_cl[dev & 63] > 0 ? max_cl[dev & 63] : nsm / 2;
     if (ncl > nsm / 2)
         ncl = nsm / 2;
-    if (ncl < 1)
-        ncl = 1;
     if (ncl > pairs)
         ncl = pairs;
-    cfg.gridDim = dim3((unsigned)(2 * (ncl > 0 ? ncl : 1)));
+    if (ncl < 1)
+        ncl = 1;
+    cfg.gridDim = dim3((unsigned)(2 * ncl));
     return MOE_OK;
 }
 
@@ -2302,19 +2323,13 @@ template <int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_wgc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
-    extern __shared__ uint8_t smem_raw[];
-    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-    const uint32_t full0 = sbase + WS_BAR_OFF, empty0 = full0 + WS_STAGES * 8;
+    const uint32_t sbase = smem_base_1k(), full0 = sbase + WS_BAR_OFF,
+                   empty0 = full0 + WS_STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
     if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < WS_STAGES; s++) {
-            mbar_init(full0 + 8 * s, 129);
-            mbar_init(empty0 + 8 * s, 16);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        ws_stage_bars_init(full0, empty0, 129, 16);
+        ws_bars_fence();
     }
     __syncthreads();
     cluster_sync_all(); /* the peer's barriers exist before any remote access */
@@ -2329,10 +2344,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
         /* ---------------- producer: 128 threads ---------------- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
         if (tid == 0) {
-            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.a))
-                         : "memory");
-            asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&mp.b))
-                         : "memory");
+            prefetch_tmap(&mp.a);
+            prefetch_tmap(&mp.b);
         }
         uint32_t it = 0;
         for (int w = cid; w < total; w += ncl) {
@@ -2375,11 +2388,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
             }
         }
         cp_async_wait<0>(); /* leave no cp.async of this thread in flight */
-        /* tail: every stage released by both CTAs' consumers before exit
-         * (no remote arrival may reach an exited CTA) */
         if (tid == 0)
-            for (int i = 0; i < WS_STAGES; i++, it++)
-                mbar_wait(empty0 + 8 * (it % WS_STAGES), ((it / WS_STAGES) & 1) ^ 1);
+            ws_stages_drained(empty0, it);
         return;
     }
 
@@ -2526,6 +2536,15 @@ int ws_sched_on(int K)
     return g_ws_sched == 1 || (g_ws_sched == 2 && K >= WS_SCHED_MIN_K);
 }
 
+int ws_tma_on()
+{
+    if (g_ws_tma < 0) {
+        const char *s = getenv("KCU_WS_TMA");
+        g_ws_tma = s ? atoi(s) != 0 : 1;
+    }
+    return g_ws_tma;
+}
+
 int ws_cluster_on()
 {
     if (g_ws_cluster < 0) {
@@ -2552,11 +2571,7 @@ int ws_cluster_w_on()
 void ws_build_maps(kcu_amode am, kcu_bmode bm, const kcu_gemm_args *a, ws_maps *m, int half_b)
 {
     memset(m, 0, sizeof(*m));
-    if (g_ws_tma < 0) {
-        const char *s = getenv("KCU_WS_TMA");
-        g_ws_tma = s ? atoi(s) != 0 : 1;
-    }
-    if (!g_ws_tma)
+    if (!ws_tma_on())
         return;
     if (am == KCU_A_K) {
         if (!a->a_gather) {
@@ -2714,20 +2729,12 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
     /* v9: weight gradients with A and B dense (by TMA but for partial tiles) */
     if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC && !a->a_gather && !a->b_gather &&
         ws_cluster_w_on() && (a->M / BM) >= 2) {
-        if (g_ws_tma < 0) {
-            const char *s = getenv("KCU_WS_TMA");
-            g_ws_tma = s ? atoi(s) != 0 : 1;
-        }
-        if (g_ws_tma)
+        if (ws_tma_on())
             return 9;
     }
     /* v7: rows mode over a tile list with A dense, every operand by TMA */
     if (am == KCU_A_K && a->tile_e && !a->a_gather && ws_cluster_on()) {
-        if (g_ws_tma < 0) {
-            const char *s = getenv("KCU_WS_TMA");
-            g_ws_tma = s ? atoi(s) != 0 : 1;
-        }
-        if (g_ws_tma)
+        if (ws_tma_on())
             return 7;
     }
     return 4;
