@@ -47,7 +47,12 @@ WORKER_LIB := $(B)/libmoeworker.a
 CUDA_LIB   := $(B)/libmoekern_cuda.a
 
 ifeq ($(HAVE_CUDA),1)
-NVCCFLAGS ?= -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC \
+# Two kernel images: sm_90a (Hopper: wgmma, TMA, clusters) and the portable
+# one, sm_80 code plus compute_80 PTX that the driver compiles for newer GPUs
+# (mma.sync GEMMs); kernels/cuda/kcu_arch.cu picks at run time.
+NVCC_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
+                -gencode=arch=compute_80,code=compute_80
+NVCCFLAGS ?= -O3 -std=c++17 $(NVCC_GENCODE) -Xcompiler -fPIC \
              -Iclient -Icommon -Ikernels -Ikernels/cuda
 CUDA_OBJS  := $(patsubst %.cu,$(B)/%.o,$(CUDA_SRC))
 CUDA_LINK  := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -lstdc++
@@ -57,7 +62,7 @@ endif
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
 LIBS := lib/libmoe.a lib/libmoe.so
 
-.PHONY: all deps run test check-gpu bench lint format clean fuzz
+.PHONY: all deps run test check-gpu check-gpu-portable bench lint format clean fuzz
 all: $(BINS) $(LIBS) $(B)/moe-tests
 
 $(B)/%.o: %.c $(wildcard */*.h) Makefile
@@ -119,6 +124,17 @@ bin/check-gpu: kernels/cuda/check_gpu.cu $(CUDA_LIB) $(KERN_LIB) $(CORE_LIB)
 	    $(CUDA_LIB) $(KERN_LIB) $(CORE_LIB) -lm
 check-gpu: bin/check-gpu
 	./bin/check-gpu
+# check-gpu-portable: the same checks on the portable image alone (compute_80
+# PTX, compiled by the driver): on a Hopper GPU it runs the kernels an A100,
+# L40S or newer GPU without sm_90a code runs (mma.sync GEMMs, no PDL)
+bin/check-gpu-portable: kernels/cuda/check_gpu.cu $(CUDA_SRC) $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h) $(KERN_LIB) $(CORE_LIB)
+	@$(MAKE) --no-print-directory B=$(B)/portable NVCC_GENCODE='-gencode=arch=compute_80,code=compute_80' \
+	    $(B)/portable/libmoekern_cuda.a
+	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_80,code=compute_80 -Xcompiler -fPIC -Iclient \
+	    -Icommon -Ikernels -Ikernels/cuda -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< \
+	    $(B)/portable/libmoekern_cuda.a $(KERN_LIB) $(CORE_LIB) -lm
+check-gpu-portable: bin/check-gpu-portable
+	./bin/check-gpu-portable
 bin/moe_bench: bench/moe_bench.cu $(CUDA_LIB)
 	@mkdir -p bin
 	$(NVCC) $(NVCCFLAGS) -o $@ $< $(CUDA_LIB) -lcublas -Xlinker -rpath=$(CUDA_HOME)/lib64

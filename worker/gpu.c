@@ -22,7 +22,13 @@ int wkr_gpu_probe(int device, char *name, size_t len)
     if (cudaSetDevice(device) != cudaSuccess ||
         cudaGetDeviceProperties(&prop, device) != cudaSuccess)
         return 0;
-    snprintf(name, len, "%s", prop.name);
+    int ptx = 0, bin = 0;
+    if (prop.major < 8 || kcu_arch_image(&ptx, &bin) != 0) { /* bf16 mma.sync needs sm_80 */
+        LOG_W("GPU %d (%s, sm_%d%d): no kernels of this build run on it (sm_80 or newer)", device,
+              prop.name, prop.major, prop.minor);
+        return 0;
+    }
+    snprintf(name, len, "%s, %s", prop.name, kcu_arch_name());
     return 1;
 }
 

@@ -820,6 +820,8 @@ static int gemm_selftest(uint64_t seed)
                     ab_in.empty() ? std::vector<uint16_t>() : bf_of(ab_in);
                 std::vector<float> v2C, v2H, v2AB, v2DW;
                 for (const st_ver &sv : ST_VERS) {
+                    if (sv.v != 1 && !kcu_sm90())
+                        continue; /* the portable image has v1 alone */
                     kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts, sv.dyn ? 1 : -1);
                     CK(cudaMemset(dCf, 0xff, (size_t)rows * N * 4));
                     CK(cudaMemset(dCb, 0xff, (size_t)rows * N * 2));
@@ -972,6 +974,8 @@ static int gemm_selftest(uint64_t seed)
             });
             std::vector<float> v2C;
             for (const st_ver &sv : ST_VERS) {
+                if (sv.v != 1 && !kcu_sm90())
+                    continue;
                 kcu_gemm_select(sv.v, sv.tma, sv.cl, sv.ts, sv.dyn ? 1 : -1);
                 CK(cudaMemset(dC, 0xff, (size_t)ng * M * NW * 4));
                 kcu_gemm_args a;
@@ -1472,6 +1476,18 @@ int main(int argc, char **argv)
             fprintf(stderr, "usage: %s [--small | --gemm-only] [--seed N]\n", argv[0]);
             return 2;
         }
+    }
+    {
+        cudaDeviceProp prop;
+        int ptx = 0, bin = 0;
+        CK(cudaGetDeviceProperties(&prop, 0));
+        if (kcu_arch_image(&ptx, &bin) != 0) {
+            printf("check-gpu: no kernel image of this build loads on %s (sm_%d%d) -> FAIL\n",
+                   prop.name, prop.major, prop.minor);
+            return 1;
+        }
+        printf("device %s (sm_%d%d): image compute_%d / sm_%d -> %s\n", prop.name, prop.major,
+               prop.minor, ptx, bin, kcu_arch_name());
     }
     const kern_act SW = KERN_ACT_SWIGLU, GE = KERN_ACT_GELU;
     kcu_decode_override = 0; /* the GEMM path; the decode checks below force it on */

@@ -1018,24 +1018,37 @@ int env_int(const char *name, int dflt)
     return atoi(s);
 }
 
-} // namespace
-
-static int pdl_state = -1; /* -1 unknown, 0 off, 1 on */
-
-int kcu_pdl_on(void)
+/* the most dynamic shared memory a block may take on the current device
+ * (cached per device; 227 KB on Hopper, 163 KB on an A100, 99 KB on Ada) */
+int smem_optin()
 {
-    if (pdl_state < 0)
-        pdl_state = env_int("KCU_PDL", 1) != 0;
-    return pdl_state;
+    static int cache[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        (void)cudaGetLastError();
+        return DN_SMEM_PART;
+    }
+    if (!cache[dev]) {
+        int v = 0;
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+                cudaSuccess ||
+            v <= 0) {
+            (void)cudaGetLastError();
+            v = DN_SMEM_PART;
+        }
+        cache[dev] = v;
+    }
+    return cache[dev];
 }
 
-void kcu_pdl_refused(void)
+/* routed slots (layer) or rows (experts) the decode path takes at most here:
+ * DEC_SMAX, fewer where the down kernel's ys (DN_COLS floats a row) would
+ * not fit the device's shared memory */
+int dec_smax()
 {
-    pdl_state = 0;
+    const int fit = smem_optin() / (DN_COLS * 4);
+    return fit < DEC_SMAX ? fit : DEC_SMAX;
 }
-
-namespace
-{
 
 /* resident CTAs per SM of a kernel (cached per kernel) */
 template <typename P> int blocks_per_sm(void (*k)(P), int nt, size_t smem)
@@ -1108,7 +1121,7 @@ template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, c
     const int di = dev >= 0 && dev < 64 ? dev : 0;
     if (!occ[di] || dev != di) {
         KCU_CHECK(cudaFuncSetAttribute(k_dec_down<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       DN_SMEM_MAX));
+                                       smem_optin() < DN_SMEM_MAX ? smem_optin() : DN_SMEM_MAX));
         occ[di] = blocks_per_sm(k_dec_down<NB>, DN_NT, DN_SMEM_PART);
     }
     /* ys + up to 8 partials, within DN_SMEM_PART; past that ys alone (the
@@ -1117,8 +1130,8 @@ template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, c
     size_t smem = ys * 9;
     if (smem > DN_SMEM_PART)
         smem = ys > DN_SMEM_PART ? ys : DN_SMEM_PART;
-    if (smem > DN_SMEM_MAX)
-        return MOE_EINVAL; /* not reached: nrows_max <= DEC_SMAX */
+    if (smem > DN_SMEM_MAX || smem > (size_t)smem_optin())
+        return MOE_EINVAL; /* not reached: nrows_max <= dec_smax() */
     dp.smem_floats = (int)(smem / 4);
     int grid = dp.H / DN_COLS;
     if (grid > nsm * occ[di])
@@ -1191,7 +1204,7 @@ int kcu_decode_use(const kcu_layer *l, int T, int train)
     if (kcu_decode_override != 1 &&
         (T > decode_tmax() || (long long)T * c->K > (long long)decode_rows() * c->E))
         return 0;
-    return (long long)T * c->K <= DEC_SMAX && c->E <= DEC_EMAX && c->H % 128 == 0 &&
+    return (long long)T * c->K <= dec_smax() && c->E <= DEC_EMAX && c->H % 128 == 0 &&
            c->F % 128 == 0;
 }
 
@@ -1326,7 +1339,7 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
 
 int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, int keep)
 {
-    if (keep || N < 1 || N > DEC_SMAX || x->ne > DEC_EMAX || !decode_on())
+    if (keep || N < 1 || N > dec_smax() || x->ne > DEC_EMAX || !decode_on())
         return 0;
     if (kcu_decode_override == 1)
         return 1;

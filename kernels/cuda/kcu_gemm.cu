@@ -20,6 +20,10 @@
 
 #include "kcu_internal.cuh"
 
+/* the portable image (kcu_arch.cu) compiles the Hopper kernels empty: their
+ * device helpers are then unreferenced there, which is expected */
+#pragma nv_diag_suppress 177
+
 namespace
 {
 
@@ -874,6 +878,7 @@ struct wg_item : ws_item {
 template <int AM, int BMODE, int EPI>
 __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
 {
+#if KCU_SM90 /* Hopper only: never launched from the portable image */
     const uint32_t sbase = smem_base_1k();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int ntn = p.N / WG_BN;
@@ -1028,6 +1033,7 @@ __global__ void __launch_bounds__(NT, 1) k_gemm_wg(const kcu_gemm_args p)
         w = wn;
     }
     cp_async_wait<0>();
+#endif
 }
 
 /* raster_group: m-tiles per raster group of the wgmma kernels, rows mode
@@ -1530,6 +1536,7 @@ template <int AM, int BMODE, int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_ws(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
+#if KCU_SM90 /* Hopper only: never launched from the portable image */
     const uint32_t sbase = smem_base_1k(), full0 = sbase + WS_BAR_OFF,
                    empty0 = full0 + WS_STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -1713,6 +1720,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
         }
     }
     stage_drain(stg);
+#endif
 }
 
 template <int AM, int BMODE, int EPI>
@@ -2052,6 +2060,7 @@ template <int BMODE, int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_wsc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
+#if KCU_SM90 /* Hopper only: never launched from the portable image */
     const uint32_t sbase = smem_base_1k(), full0 = sbase + WS_BAR_OFF,
                    empty0 = full0 + WS_STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -2200,6 +2209,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
     }
     if (dyn)
         cluster_sync_exit();
+#endif
 }
 
 /* a 2-CTA-cluster launch (v7, v9) of `pairs` pair items for kernel `kern`:
@@ -2323,6 +2333,7 @@ template <int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_wgc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
+#if KCU_SM90 /* Hopper only: never launched from the portable image */
     const uint32_t sbase = smem_base_1k(), full0 = sbase + WS_BAR_OFF,
                    empty0 = full0 + WS_STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -2409,6 +2420,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
             ws_epilogue<EPI>(p, mp, d, t.e, t.m0, t.n0, 0, t.ktiles, cw, warp, lane, stg);
     }
     stage_drain(stg);
+#endif
 }
 
 template <int EPI>
@@ -2705,7 +2717,7 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
                                                  : 0;
     }
     const int mode = g_gemm_mode;
-    if (mode == 1 || a->N % WG_BN)
+    if (mode == 1 || a->N % WG_BN || !kcu_sm90()) /* the portable image: mma.sync only */
         return 1;
     long long items;
     if (am == KCU_A_K)

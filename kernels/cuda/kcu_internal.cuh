@@ -35,6 +35,22 @@ typedef __nv_bfloat16 bf16;
             return r_;                                                                             \
     } while (0)
 
+/* ---- the kernels this build has for the current device ----
+ * The library is built for sm_90a (Hopper: wgmma, TMA, clusters, PDL) and for
+ * sm_80 plus compute_80 PTX (every other GPU from Ampere on, newer ones by the
+ * driver's JIT: mma.sync GEMMs, no PDL). KCU_SM90 is 1 in device code compiled
+ * for sm_90a; the Hopper-only kernels have empty bodies elsewhere and are
+ * never launched there: kcu_sm90() says at run time whether the image loaded
+ * for the current device is the sm_90a one (kcu_arch.cu). */
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KCU_SM90 1
+#else
+#define KCU_SM90 0
+#endif
+/* 1: the sm_90a kernels run on the current device; 0: the portable ones
+ * (cached per device; KCU_ARCH=portable forces 0, for checks) */
+int kcu_sm90(void);
+
 /* ---- programmatic dependent launch (PDL; KCU_PDL=0 turns it off) ----
  * A kernel launched by kcu_launch / with kcu_pdl_attr may start while its
  * predecessor in the stream is ending, so it must call kcu_pdl_wait() before
@@ -45,14 +61,19 @@ typedef __nv_bfloat16 bf16;
  * Both are no-ops in a kernel launched without the attribute. */
 __device__ __forceinline__ void kcu_pdl_wait()
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 __device__ __forceinline__ void kcu_pdl_trigger()
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
-/* whether launches take the PDL attribute: KCU_PDL (default 1), off for
- * good once the runtime refused it (kcu_launch_ex) */
+/* whether launches take the PDL attribute: KCU_PDL (default 1) and the
+ * sm_90a kernels on the current device (the portable ones do not wait), off
+ * for good once the runtime refused it (kcu_launch_ex) */
 int kcu_pdl_on(void);
 void kcu_pdl_refused(void);
 /* appends the PDL attribute to cfg's attributes when pdl and PDL is on

@@ -42,6 +42,15 @@ extern "C" { /* kern.h and moe.h carry no C++ guards of their own */
 
 typedef struct kcu_layer kcu_layer;
 
+/* the kernels that run on the current device: "sm_90a kernels (wgmma,
+ * TMA)" on Hopper, else "portable kernels (mma.sync)" (sm_80 code, or the
+ * compute_80 PTX compiled by the driver). Static string. */
+const char *kcu_arch_name(void);
+/* the image the driver loaded for the current device: its PTX and binary
+ * versions (90 and 90 for sm_90a, 80 and 80 for sm_80 code, 80 and the
+ * device's for JIT-compiled PTX); 0 or -1 if no image loads on it */
+int kcu_arch_image(int *ptx, int *binary);
+
 typedef struct kcu_config {
     int H, F, E, K;
     kern_act act;
