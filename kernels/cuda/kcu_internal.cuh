@@ -194,9 +194,11 @@ typedef struct kcu_gemm_args {
 
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
                  cudaStream_t st);
-/* kcu_gemm_version: 1 (mma.sync), 2 (wgmma), 4 (warp-specialised wgmma) or
- * 7 (v4 on 2-CTA clusters with the weight tile multicast), the kernel
- * kcu_gemm picks (7 falls back to 4 if a tensor map cannot be built) */
+/* kcu_gemm_version: 1 (mma.sync), 2 (wgmma), 4 (warp-specialised wgmma), 7
+ * (v4 on 2-CTA clusters with the weight tile multicast) or 9 (the weight
+ * gradients on 2-CTA clusters), the kernel kcu_gemm picks (7 and 9 fall back
+ * to 4 if a tensor map cannot be built); always 1 where the portable image
+ * runs (kcu_sm90() == 0) */
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm);
 /* kcu_gemm_select overrides the environment for checks (not thread safe:
  * call between GEMMs); -1 keeps the environment's choice of each:

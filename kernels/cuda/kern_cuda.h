@@ -48,7 +48,8 @@ typedef struct kcu_layer kcu_layer;
 const char *kcu_arch_name(void);
 /* the image the driver loaded for the current device: its PTX and binary
  * versions (90 and 90 for sm_90a, 80 and 80 for sm_80 code, 80 and the
- * device's for JIT-compiled PTX); 0 or -1 if no image loads on it */
+ * device's for JIT-compiled PTX). Returns 0, or -1 if no image of this build
+ * loads on the device (older than sm_80). */
 int kcu_arch_image(int *ptx, int *binary);
 
 typedef struct kcu_config {
