@@ -41,10 +41,12 @@ Test(cuda_images, sm90a_and_portable_in_every_object)
     cr_assert_eq(access(LIB, R_OK), 0, "%s not built", LIB);
     const char *elf_needles[] = {".sm_90a.cubin", ".sm_80.cubin", "kcu_gemm.o", "member"};
     int elf[4];
-    cr_assert_gt(objdump_count("--list-elf", elf_needles, elf, 4), 0, "cuobjdump --list-elf failed");
+    cr_assert_gt(objdump_count("--list-elf", elf_needles, elf, 4), 0,
+                 "cuobjdump --list-elf failed");
     const char *ptx_needles[] = {".sm_80.ptx", ".sm_90a.ptx"};
     int ptx[2];
-    cr_assert_gt(objdump_count("--list-ptx", ptx_needles, ptx, 2), 0, "cuobjdump --list-ptx failed");
+    cr_assert_gt(objdump_count("--list-ptx", ptx_needles, ptx, 2), 0,
+                 "cuobjdump --list-ptx failed");
     cr_assert_eq(elf[2], 1, "kcu_gemm.o is not in %s", LIB);
     cr_assert_gt(elf[0], 0, "no sm_90a code");
     /* each object with device code: one sm_90a cubin, one sm_80 cubin, and
