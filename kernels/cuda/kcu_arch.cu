@@ -73,11 +73,7 @@ extern "C" int kcu_arch_image(int *ptx, int *binary)
 
 int kcu_pdl_on(void)
 {
-    if (g_pdl < 0) {
-        const char *s = getenv("KCU_PDL");
-        g_pdl = !(s && *s && atoi(s) == 0);
-    }
-    return g_pdl && kcu_sm90();
+    return kcu_env_flag(&g_pdl, "KCU_PDL", 1) && kcu_sm90();
 }
 
 void kcu_pdl_refused(void)

@@ -2550,20 +2550,12 @@ int ws_sched_on(int K)
 
 int ws_tma_on()
 {
-    if (g_ws_tma < 0) {
-        const char *s = getenv("KCU_WS_TMA");
-        g_ws_tma = s ? atoi(s) != 0 : 1;
-    }
-    return g_ws_tma;
+    return kcu_env_flag(&g_ws_tma, "KCU_WS_TMA", 1);
 }
 
 int ws_cluster_on()
 {
-    if (g_ws_cluster < 0) {
-        const char *s = getenv("KCU_WS_CLUSTER");
-        g_ws_cluster = s ? atoi(s) != 0 : 1;
-    }
-    return g_ws_cluster;
+    return kcu_env_flag(&g_ws_cluster, "KCU_WS_CLUSTER", 1);
 }
 
 /* v9 (the weight gradients on clusters): on unless KCU_WS_CLUSTER_W=0, and
@@ -2571,11 +2563,7 @@ int ws_cluster_on()
 int g_ws_cluster_w = -1;
 int ws_cluster_w_on()
 {
-    if (g_ws_cluster_w < 0) {
-        const char *s = getenv("KCU_WS_CLUSTER_W");
-        g_ws_cluster_w = s ? atoi(s) != 0 : 1;
-    }
-    return g_ws_cluster_w && ws_cluster_on();
+    return kcu_env_flag(&g_ws_cluster_w, "KCU_WS_CLUSTER_W", 1) && ws_cluster_on();
 }
 
 /* the maps of one v4 call: TMA for each dense operand where a map can be
@@ -2635,17 +2623,13 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
 {
     m->tc = 0;
     m->tab = 0;
-    if (g_ws_tab < 0) {
-        const char *s = getenv("KCU_WS_TMA_AB");
-        g_ws_tab = s ? atoi(s) != 0 : 1;
-    }
     /* only where every operand comes by TMA (m built by ws_build_maps): with
      * cp.async producers their generic-proxy writes would follow the
      * epilogue's reads of a stage with only an mbarrier between, which
      * compute-sanitizer's racecheck does not follow (and the default
      * dispatch runs gathered dh on v2) */
-    if (g_ws_tab && epi == KCU_EPI_DSWIGLU && m->ta && m->tb && a->ab && !(a->ld_ab & 7) &&
-        a->N % WG_BN == 0) {
+    if (kcu_env_flag(&g_ws_tab, "KCU_WS_TMA_AB", 1) && epi == KCU_EPI_DSWIGLU && m->ta && m->tb &&
+        a->ab && !(a->ld_ab & 7) && a->N % WG_BN == 0) {
         /* the (a, b) columns of the F outputs: 2F per row */
         const long long rows = slabs_in_alloc(a->ab, (size_t)a->N * 4, (size_t)a->ld_ab * 2);
         const uint64_t dim[2] = {(uint64_t)a->N * 2, (uint64_t)rows},
@@ -2654,21 +2638,14 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
         m->tab = rows >= 128 && encode_map(&m->ab, a->ab, 2, dim, sb, box) == 0;
         return;
     }
-    if (g_ws_tstore < 0) {
-        const char *s = getenv("KCU_WS_TMA_STORE");
-        g_ws_tstore = s ? atoi(s) != 0 : 1;
-    }
+    const int tstore = kcu_env_flag(&g_ws_tstore, "KCU_WS_TMA_STORE", 1);
     m->tsw = 0;
-    if (g_ws_sw < 0) {
-        const char *s = getenv("KCU_WS_SW_STAGE");
-        g_ws_sw = s ? atoi(s) != 0 : 1;
-    }
     /* v7's SwiGLU epilogue through the stages (sw_epilogue): h, and (a, b)
      * when kept, by TMA stores; at least WS_STAGES k steps per item (the
      * store warp's record is rewritten only after it freed the stages) */
-    if (epi == KCU_EPI_SWIGLU && g_ws_tstore && g_ws_sw && m->ta && m->tb && a->h && a->F > 0 &&
-        !(a->F & 7) && a->N == 2 * a->F && a->N % WG_BN == 0 && a->K / BK >= WS_STAGES &&
-        (!a->ab || !(a->ld_ab & 7))) {
+    if (epi == KCU_EPI_SWIGLU && tstore && kcu_env_flag(&g_ws_sw, "KCU_WS_SW_STAGE", 1) && m->ta &&
+        m->tb && a->h && a->F > 0 && !(a->F & 7) && a->N == 2 * a->F && a->N % WG_BN == 0 &&
+        a->K / BK >= WS_STAGES && (!a->ab || !(a->ld_ab & 7))) {
         const long long rows = slabs_in_alloc(a->h, (size_t)a->F * 2, (size_t)a->F * 2);
         const uint64_t dim[2] = {(uint64_t)a->F, (uint64_t)rows}, sb[1] = {(uint64_t)a->F * 2};
         const uint32_t box[2] = {64, 128};
@@ -2681,8 +2658,8 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
         m->tsw = ok;
         return;
     }
-    if (!g_ws_tstore || epi != KCU_EPI_ACC || !a->Cf || a->Cb || (a->ldc & 3) ||
-        (a->c_gstride & 3) || a->ngroups < 1)
+    if (!tstore || epi != KCU_EPI_ACC || !a->Cf || a->Cb || (a->ldc & 3) || (a->c_gstride & 3) ||
+        a->ngroups < 1)
         return;
     const uint64_t dim[3] = {(uint64_t)a->N, (uint64_t)a->M, (uint64_t)a->ngroups};
     const uint64_t sb[2] = {(uint64_t)a->ldc * 4,

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "kern_cuda.h"
 
@@ -47,6 +48,17 @@ typedef __nv_bfloat16 bf16;
 #else
 #define KCU_SM90 0
 #endif
+/* an on/off switch from the environment, read once into *cache (-1: not read
+ * yet; the checks may set it): unset or empty = dflt, else atoi(value) != 0 */
+static inline int kcu_env_flag(int *cache, const char *name, int dflt)
+{
+    if (*cache < 0) {
+        const char *s = getenv(name);
+        *cache = s && *s ? atoi(s) != 0 : dflt;
+    }
+    return *cache;
+}
+
 /* 1: the sm_90a kernels run on the current device; 0: the portable ones
  * (cached per device; KCU_ARCH=portable forces 0, for checks) */
 int kcu_sm90(void);
