@@ -8,20 +8,29 @@
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #ifdef MOE_HAVE_CUDA
 
 #define LIB "build/libmoekern_cuda.a"
+/* where cuobjdump is looked for after PATH: the toolkit's bin, and the wheel
+ * `make deps` installs beside a toolkit that lacks it (deploy/install-deps.sh) */
+#define CUOBJDUMP_PATH "$PATH:/usr/local/cuda/bin:.tools/cuobjdump/nvidia/cu13/bin"
+
+static int have_cuobjdump(void)
+{
+    return system("export PATH=\"" CUOBJDUMP_PATH "\"; command -v cuobjdump >/dev/null 2>&1") == 0;
+}
 
 /* counts the lines of `cuobjdump <flag> LIB` that contain each of the n
  * needles; returns the number of lines read, -1 if cuobjdump did not run */
 static int objdump_count(const char *flag, const char **needles, int *counts, int n)
 {
     char cmd[256];
-    snprintf(cmd, sizeof(cmd), "PATH=\"$PATH:/usr/local/cuda/bin\" cuobjdump %s %s 2>/dev/null",
-             flag, LIB);
+    snprintf(cmd, sizeof(cmd), "PATH=\"" CUOBJDUMP_PATH "\" cuobjdump %s %s 2>/dev/null", flag,
+             LIB);
     FILE *p = popen(cmd, "r");
     if (!p)
         return -1;
@@ -39,6 +48,9 @@ static int objdump_count(const char *flag, const char **needles, int *counts, in
 Test(cuda_images, sm90a_and_portable_in_every_object)
 {
     cr_assert_eq(access(LIB, R_OK), 0, "%s not built", LIB);
+    cr_assert(have_cuobjdump(),
+              "cuobjdump not found (PATH, /usr/local/cuda/bin, .tools/cuobjdump): "
+              "`make deps` installs it beside a toolkit that lacks it");
     const char *elf_needles[] = {".sm_90a.cubin", ".sm_80.cubin", "kcu_gemm.o", "member"};
     int elf[4];
     cr_assert_gt(objdump_count("--list-elf", elf_needles, elf, 4), 0,
