@@ -2,11 +2,16 @@
 # bench/run_ep.sh - issue 5's GPU runs on a machine with 2 or 4 GPUs, from
 # the repository root with bin/, lib/ and .deps/ carried (built elsewhere):
 #   1. the service on W GPU workers (expert-parallel mode): parity with
-#      PyTorch, and service_bench against the CPU reference;
+#      PyTorch, service_bench against the CPU reference (T <= 64: the plain
+#      reference's forward and backward at T=4096 did not end within 10
+#      minutes on one core), and a T=4096 forward timed without it;
 #   2. bin/ep_bench: kcu_ep against the single-GPU layer (--check), and the
 #      scaling table at 1, 2, 4 GPUs, 16384 tokens per GPU, Mixtral and
 #      Qwen3-30B-A3B shapes, random and skewed routing.
-# Logs go to ${OUT:-.}.   bash bench/run_ep.sh [service|ep|all]
+#   check: a short pass of both (the --check runs on 4 and 2 GPUs, the
+#   1-GPU baselines, parity and service_bench on all GPUs) for a lease of a
+#   few minutes.
+# Logs go to ${OUT:-.}.   bash bench/run_ep.sh [service|ep|all|check]
 set -u
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-.}
@@ -27,7 +32,9 @@ if [ "$WHAT" = service ] || [ "$WHAT" = all ]; then
         step 90 "parity_w$W" deploy/gpu-cluster.sh -w "$W" -- python3 python/parity.py --dtype bf16 \
             --d-model 128 --d-ff 256
         step 120 "service_w$W" deploy/gpu-cluster.sh -w "$W" -- bin/service_bench --dtype bf16 \
-            --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 1,7,64,4096 --iters 10 --train
+            --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 1,7,64 --iters 10 --train
+        step 90 "service_fwd_w$W" deploy/gpu-cluster.sh -w "$W" -- bin/service_bench --dtype bf16 \
+            --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 4096 --iters 10 --no-ref
     done
 fi
 if [ "$WHAT" = ep ] || [ "$WHAT" = all ]; then
@@ -41,5 +48,18 @@ if [ "$WHAT" = ep ] || [ "$WHAT" = all ]; then
     step 150 mixtral_w2 $B --gpus 2 --shape mixtral --check --chunks 1,2
     step 90 qwen3_w1 $B --gpus 1 --shape qwen3 --chunks 1
     step 120 mixtral_w1 $B --gpus 1 --shape mixtral --chunks 1
+fi
+if [ "$WHAT" = check ]; then
+    B=./bin/ep_bench
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv | log
+    [ "$NG" -ge 4 ] && step 100 qwen3_w4 $B --gpus 4 --shape qwen3 --check --chunks 1,4
+    [ "$NG" -ge 4 ] && step 110 mixtral_w4 $B --gpus 4 --shape mixtral --check --chunks 1
+    step 80 qwen3_w2 $B --gpus 2 --shape qwen3 --check --chunks 1,2,4
+    step 45 qwen3_w1 $B --gpus 1 --shape qwen3 --chunks 1
+    step 60 mixtral_w1 $B --gpus 1 --shape mixtral --chunks 1
+    step 60 "parity_w$NG" deploy/gpu-cluster.sh -w "$NG" -- python3 python/parity.py --dtype bf16 \
+        --d-model 128 --d-ff 256
+    step 90 "service_w$NG" deploy/gpu-cluster.sh -w "$NG" -- bin/service_bench --dtype bf16 \
+        --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 1,7,64 --iters 10 --train
 fi
 exit 0
