@@ -105,7 +105,7 @@ $(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(KERN_LIB) 
 	    lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) -lcriterion $(LDLIBS)
 
 deps:
-	@bash deploy/install-deps.sh
+	@MOE_CUDA=$(if $(HAVE_CUDA),1,0) bash deploy/install-deps.sh
 
 test: deps
 	@$(MAKE) --no-print-directory all

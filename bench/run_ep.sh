@@ -17,6 +17,7 @@ export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-.}
 NG=$(nvidia-smi -L | wc -l)
 WHAT=${1:-all}
+B=./bin/ep_bench
 log() { tee -a "$OUT/run_ep.log"; }
 step() { # timeout name command...
     local t=$1 name=$2; shift 2
@@ -26,19 +27,26 @@ step() { # timeout name command...
     grep -v "^moe \|^ *$" "$OUT/$name.log" | tail -n 14 | log
     echo "rc=$rc" | log
 }
+# the service on W GPU workers: parity with PyTorch, service_bench's checks
+parity() { # timeout W
+    step "$1" "parity_w$2" deploy/gpu-cluster.sh -w "$2" -- python3 python/parity.py --dtype bf16 \
+        --d-model 128 --d-ff 256
+}
+SB_LAYER="--dtype bf16 --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --iters 10"
+service_checks() { # timeout W
+    step "$1" "service_w$2" deploy/gpu-cluster.sh -w "$2" -- bin/service_bench $SB_LAYER \
+        --tokens 1,7,64 --train
+}
 if [ "$WHAT" = service ] || [ "$WHAT" = all ]; then
     for W in 4 2; do
         [ "$W" -gt "$NG" ] && continue
-        step 90 "parity_w$W" deploy/gpu-cluster.sh -w "$W" -- python3 python/parity.py --dtype bf16 \
-            --d-model 128 --d-ff 256
-        step 120 "service_w$W" deploy/gpu-cluster.sh -w "$W" -- bin/service_bench --dtype bf16 \
-            --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 1,7,64 --iters 10 --train
-        step 90 "service_fwd_w$W" deploy/gpu-cluster.sh -w "$W" -- bin/service_bench --dtype bf16 \
-            --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 4096 --iters 10 --no-ref
+        parity 90 "$W"
+        service_checks 120 "$W"
+        step 90 "service_fwd_w$W" deploy/gpu-cluster.sh -w "$W" -- bin/service_bench $SB_LAYER \
+            --tokens 4096 --no-ref
     done
 fi
 if [ "$WHAT" = ep ] || [ "$WHAT" = all ]; then
-    B=./bin/ep_bench
     [ "$NG" -ge 4 ] && step 120 qwen3_w4 $B --gpus 4 --shape qwen3 --chunks 1,2,4
     [ "$NG" -ge 4 ] && step 120 qwen3_w4_sms32 $B --gpus 4 --shape qwen3 --chunks 1,2,4 --comm-sms 32
     [ "$NG" -ge 4 ] && step 150 mixtral_w4 $B --gpus 4 --shape mixtral --chunks 1,2
@@ -50,16 +58,13 @@ if [ "$WHAT" = ep ] || [ "$WHAT" = all ]; then
     step 120 mixtral_w1 $B --gpus 1 --shape mixtral --chunks 1
 fi
 if [ "$WHAT" = check ]; then
-    B=./bin/ep_bench
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv | log
     [ "$NG" -ge 4 ] && step 100 qwen3_w4 $B --gpus 4 --shape qwen3 --check --chunks 1,4
     [ "$NG" -ge 4 ] && step 110 mixtral_w4 $B --gpus 4 --shape mixtral --check --chunks 1
     step 80 qwen3_w2 $B --gpus 2 --shape qwen3 --check --chunks 1,2,4
     step 45 qwen3_w1 $B --gpus 1 --shape qwen3 --chunks 1
     step 60 mixtral_w1 $B --gpus 1 --shape mixtral --chunks 1
-    step 60 "parity_w$NG" deploy/gpu-cluster.sh -w "$NG" -- python3 python/parity.py --dtype bf16 \
-        --d-model 128 --d-ff 256
-    step 90 "service_w$NG" deploy/gpu-cluster.sh -w "$NG" -- bin/service_bench --dtype bf16 \
-        --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --tokens 1,7,64 --iters 10 --train
+    parity 60 "$NG"
+    service_checks 90 "$NG"
 fi
 exit 0

@@ -13,15 +13,14 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}"
 fi
 
-# With nvcc present the tests read the CUDA library's kernel images with
-# cuobjdump (tests/test_cuda_images.c). A toolkit installed from NVIDIA's pip
-# wheels has no cuobjdump: fetch NVIDIA's cuobjdump wheel into .tools/
-# (ignored by git), where the test looks after PATH and /usr/local/cuda/bin.
+# A build with CUDA (the Makefile passes MOE_CUDA=1 when it compiles the
+# CUDA sources) has its kernel images read by tests/test_cuda_images.c with
+# cuobjdump. A toolkit installed from NVIDIA's pip wheels has none: fetch
+# NVIDIA's cuobjdump wheel into .tools/ (ignored by git), the last place on
+# the test's search path (PATH, /usr/local/cuda/bin, .tools/cuobjdump/...).
 CUOBJDUMP_WHEEL="nvidia-cuda-cuobjdump==13.5.37"
-nvcc_found=$(command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
-if [ -n "$nvcc_found" ] && [ -z "${NO_CUDA:-}" ] &&
-    ! command -v cuobjdump >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/cuobjdump ] &&
-    [ ! -x .tools/cuobjdump/nvidia/cu13/bin/cuobjdump ]; then
+CUOBJDUMP_PATH="$PATH:/usr/local/cuda/bin:.tools/cuobjdump/nvidia/cu13/bin"
+if [ "${MOE_CUDA:-0}" = 1 ] && ! PATH="$CUOBJDUMP_PATH" command -v cuobjdump >/dev/null 2>&1; then
     echo "moe: installing cuobjdump ($CUOBJDUMP_WHEEL) into .tools/cuobjdump"
     if ! python3 -m pip install -q --no-deps --target .tools/cuobjdump "$CUOBJDUMP_WHEEL"; then
         echo "moe: cuobjdump could not be installed; test_cuda_images will fail until" \
