@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_stats.h"
 #include "kern.h"
 #include "moe.h"
 #include "proto.h"
@@ -49,6 +50,11 @@ static void usage(void)
             "        [--dtype f32|bf16] | bench --ping [--requests N] [--concurrency C]\n"
             "  bench --train --model NAME [--layer L] --tokens T [--requests STEPS]\n"
             "                                        forward(train)+backward+optimizer.step\n"
+            "        bench counts each request's outcome per error code (ok 98, failed 2\n"
+            "        (deadline_exceeded 2)); tokens/s, req/s and the nearest-rank p50/p99\n"
+            "        (with their sample count n; below 100 samples p99 is the max) count the ok\n"
+            "        requests only; a warm-up request first is not counted. --timeout-ms\n"
+            "        bounds each request. Exit status 1 if any request failed.\n"
             "  save --model NAME --path DIR          checkpoint.save (DIR/LATEST, safetensors)\n"
             "  load --model NAME --path DIR          checkpoint.load (the newest under DIR)\n"
             "  drain                                 stop the coordinator gracefully\n");
@@ -315,13 +321,30 @@ static int cmd_forward(moe_client *c, const opts *o)
     return 0;
 }
 
-/* ---- bench: N requests at concurrency C ---- */
+/* ---- bench: N requests at concurrency C ----
+ * Each request's outcome is counted per error code (bench_stats.h); the
+ * throughput and the latency percentiles are those of the successful
+ * requests only. One warm-up request (step) first, not counted. The exit
+ * status is 1 when any counted request failed. */
+
+/* bench_note_error prints the first failure of each error code (of any thread). */
+static void bench_note_error(const char *what, moe_err e)
+{
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static int seen[MOE_ERR_COUNT];
+    pthread_mutex_lock(&mu);
+    if ((unsigned)e < (unsigned)MOE_ERR_COUNT && !seen[e]++)
+        fprintf(stderr, "moectl: %s: %s: %s\n", what, moe_err_code(e), moe_last_error());
+    pthread_mutex_unlock(&mu);
+}
+
 typedef struct bench_thr {
     moe_client *c;
     const opts *o;
-    int H, n, errors;
+    int H, n, n_ok;
     moe_dtype dt;
-    double *lat;
+    double *lat; /* the latencies of its successful requests, n_ok of them */
+    bench_tally tally;
     void *x, *y;
 } bench_thr;
 
@@ -333,14 +356,18 @@ static void *bench_main(void *arg)
         moe_err e = b->o->ping_only ? moe_ping(b->c)
                                     : moe_forward(b->c, b->o->model, b->o->layer, b->dt, b->x,
                                                   b->o->tokens, b->H, b->y, NULL);
-        b->lat[i] = now_s() - t0;
-        if (e != MOE_OK && b->errors++ == 0)
-            fprintf(stderr, "moectl: bench: %s: %s\n", moe_err_code(e), moe_last_error());
+        double t = now_s() - t0;
+        bench_tally_add(&b->tally, e);
+        if (e == MOE_OK)
+            b->lat[b->n_ok++] = t;
+        else
+            bench_note_error("bench", e);
     }
     return NULL;
 }
 
-/* bench --train: N steps of forward(train) + backward + optimizer.step */
+/* bench --train: N steps of forward(train) + backward + optimizer.step; a
+ * step fails with the error of its first failed call. */
 static int cmd_bench_train(moe_client *c, const opts *o)
 {
     int H = 0, N = o->requests > 0 ? o->requests : 100;
@@ -349,13 +376,20 @@ static int cmd_bench_train(moe_client *c, const opts *o)
     size_t n = (size_t)o->tokens * H;
     float *x = malloc(n * 4 + 4), *y = malloc(n * 4 + 4), *dy = malloc(n * 4 + 4),
           *dx = malloc(n * 4 + 4);
+    double *lat = calloc((size_t)N, sizeof(double));
+    if (!x || !y || !dy || !dx || !lat) {
+        fprintf(stderr, "moectl: bench --train: out of memory\n");
+        free(x), free(y), free(dy), free(dx), free(lat);
+        return 1;
+    }
     moe_adamw opt = {1e-4, 0.9, 0.999, 1e-8, 0.0, 1.0, 0, 0};
     double t_fwd = 0, t_bwd = 0, t_step = 0, t0 = now_s();
-    int errors = 0;
+    bench_tally tally = {{0}};
+    int n_ok = 0;
     for (int i = 0; i <= N; i++) { /* i = 0 is a warm-up */
         kern_fill_uniform((uint64_t)o->seed + (uint64_t)i, 1, -1, 1, x, n);
         kern_fill_uniform((uint64_t)o->seed + (uint64_t)i, 2, -1e-2f, 1e-2f, dy, n);
-        moe_fwd_info info;
+        moe_fwd_info info = {0}; /* left as is by a failed forward */
         double a = now_s();
         moe_err e = moe_forward_train(c, o->model, o->layer, MOE_F32, x, o->tokens, H, y, &info);
         double b = now_s();
@@ -366,29 +400,34 @@ static int cmd_bench_train(moe_client *c, const opts *o)
             e = moe_optimizer_step(c, o->model, &opt, NULL, NULL);
         double f = now_s();
         moe_fwd_info_free(&info);
-        if (e != MOE_OK && errors++ == 0)
-            fprintf(stderr, "moectl: bench --train: %s\n", moe_last_error());
+        if (e != MOE_OK && i == 0)
+            fprintf(stderr, "moectl: bench --train: warm-up (not counted): %s: %s\n",
+                    moe_err_code(e), moe_last_error());
         if (i == 0) {
             t0 = now_s();
+            continue;
+        }
+        bench_tally_add(&tally, e);
+        if (e != MOE_OK) {
+            bench_note_error("bench --train", e);
             continue;
         }
         t_fwd += b - a;
         t_bwd += d - b;
         t_step += f - d;
+        lat[n_ok++] = f - a;
     }
     double wall = now_s() - t0;
-    printf("bench train %s layer %d: T=%lld d_model=%d f32, %d steps: %.2f steps/s, %.0f tokens/s; "
-           "per step forward %.2f ms, backward %.2f ms, optimizer %.2f ms; errors %d\n",
-           o->model, o->layer, o->tokens, H, N, N / wall, (double)N * o->tokens / wall,
-           t_fwd / N * 1e3, t_bwd / N * 1e3, t_step / N * 1e3, errors);
-    free(x), free(y), free(dy), free(dx);
-    return errors ? 1 : 0;
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
+    char rep[1024];
+    int rc = bench_report(rep, sizeof(rep), &tally, lat, wall, o->tokens, "steps");
+    printf("bench train %s layer %d: T=%lld d_model=%d f32, %d steps: %s", o->model, o->layer,
+           o->tokens, H, N, rep);
+    if (n_ok)
+        printf("; per ok step forward %.2f ms, backward %.2f ms, optimizer %.2f ms",
+               t_fwd / n_ok * 1e3, t_bwd / n_ok * 1e3, t_step / n_ok * 1e3);
+    printf("\n");
+    free(x), free(y), free(dy), free(dx), free(lat);
+    return rc;
 }
 
 static int cmd_bench(moe_client *c, const opts *o)
@@ -400,17 +439,26 @@ static int cmd_bench(moe_client *c, const opts *o)
     bench_thr *th = calloc((size_t)C, sizeof(bench_thr));
     pthread_t *tid = calloc((size_t)C, sizeof(pthread_t));
     double *lat = calloc((size_t)N, sizeof(double));
+    if (!th || !tid || !lat) {
+        fprintf(stderr, "moectl: bench: out of memory\n");
+        free(th), free(tid), free(lat);
+        return 1;
+    }
     int off = 0;
-    /* one warm-up request */
+    /* one warm-up request, not counted */
+    moe_err we;
     if (!o->ping_only) {
         void *x = make_input(o->tokens, H, dt, o->seed);
         void *y = malloc((size_t)o->tokens * H * moe_dtype_size(dt) + 1);
-        moe_forward(c, o->model, o->layer, dt, x, o->tokens, H, y, NULL);
+        we = moe_forward(c, o->model, o->layer, dt, x, o->tokens, H, y, NULL);
         free(x);
         free(y);
     } else {
-        moe_ping(c);
+        we = moe_ping(c);
     }
+    if (we != MOE_OK)
+        fprintf(stderr, "moectl: bench: warm-up (not counted): %s: %s\n", moe_err_code(we),
+                moe_last_error());
     double t0 = now_s();
     for (int i = 0; i < C; i++) {
         th[i].c = c;
@@ -426,29 +474,29 @@ static int cmd_bench(moe_client *c, const opts *o)
         }
         pthread_create(&tid[i], NULL, bench_main, &th[i]);
     }
-    int errors = 0;
+    bench_tally tally = {{0}};
+    int n_ok = 0;
     for (int i = 0; i < C; i++) {
         pthread_join(tid[i], NULL);
-        errors += th[i].errors;
+        bench_tally_merge(&tally, &th[i].tally);
+        /* the ok latencies of every thread, packed at the front of lat */
+        memmove(lat + n_ok, th[i].lat, (size_t)th[i].n_ok * sizeof(double));
+        n_ok += th[i].n_ok;
         free(th[i].x);
         free(th[i].y);
     }
     double wall = now_s() - t0;
-    qsort(lat, (size_t)N, sizeof(double), cmp_d);
-    double p50 = lat[N / 2], p99 = lat[(int)((N - 1) * 0.99)];
+    char rep[1024];
+    int rc = bench_report(rep, sizeof(rep), &tally, lat, wall, o->ping_only ? 0 : o->tokens, "req");
     if (o->ping_only)
-        printf("bench ping: %d requests, concurrency %d: %.0f req/s, p50 %.3f ms, p99 %.3f ms, "
-               "errors %d\n",
-               N, C, N / wall, p50 * 1e3, p99 * 1e3, errors);
+        printf("bench ping: %d requests, concurrency %d: %s\n", N, C, rep);
     else
-        printf("bench forward %s layer %d: T=%lld d_model=%d %s, %d requests, concurrency %d: "
-               "%.0f tokens/s, %.1f req/s, p50 %.3f ms, p99 %.3f ms, errors %d\n",
-               o->model, o->layer, o->tokens, H, moe_dtype_name(dt), N, C,
-               (double)N * (double)o->tokens / wall, N / wall, p50 * 1e3, p99 * 1e3, errors);
+        printf("bench forward %s layer %d: T=%lld d_model=%d %s, %d requests, concurrency %d: %s\n",
+               o->model, o->layer, o->tokens, H, moe_dtype_name(dt), N, C, rep);
     free(th);
     free(tid);
     free(lat);
-    return errors ? 1 : 0;
+    return rc;
 }
 
 static int cmd_create(moe_client *c, const opts *o)
