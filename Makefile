@@ -169,6 +169,12 @@ bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
 	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lnng -lopenblas -lm -lpthread
 all: bin/service_bench
 
+# bench/cpu_layer_bench: one CPU-worker layer forward, timed (bench/cpu_peer.py; not a test).
+bin/cpu_layer_bench: bench/cpu_layer_bench.c $(B)/worker/blas_pick.o $(KERN_LIB) $(CORE_LIB)
+	@mkdir -p bin
+	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lopenblas -lm -lpthread
+all: bin/cpu_layer_bench
+
 # fuzz: the wire decoder under libFuzzer for FUZZ_SECONDS (see fuzz/README.md).
 FUZZ_SECONDS ?= 60
 fuzz:
