@@ -72,6 +72,7 @@ int main(int argc, char **argv)
 {
     const char *url = getenv("MOE_URL") ? getenv("MOE_URL") : "tcp://127.0.0.1:7000";
     const char *dts = "bf16", *tok = "1,64,1024";
+    const char *path = NULL; /* data path: auto | socket | shm | coordinator */
     int H = 1024, F = 2048, E = 8, K = 2, iters = 10, train = 0, ref = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -95,6 +96,8 @@ int main(int argc, char **argv)
             train = 1;
         else if (!strcmp(a, "--no-ref"))
             ref = 0;
+        else if (!strcmp(a, "--path"))
+            path = v, i++;
         else {
             fprintf(stderr, "service_bench: unknown option %s\n", a);
             return 2;
@@ -102,7 +105,7 @@ int main(int argc, char **argv)
     }
     moe_dtype dt = strcmp(dts, "f32") == 0 ? MOE_F32 : MOE_BF16;
     double bound = dt == MOE_F32 ? 1e-4 : 1e-2;
-    moe_client_opts co = {600000, 0, NULL};
+    moe_client_opts co = {600000, 0, NULL, path};
     moe_client *c;
     if (moe_client_open(url, &co, &c) != MOE_OK) {
         fprintf(stderr, "service_bench: %s\n", moe_last_error());

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "client_dp.h"
 #include "moe.h"
 #include "params.h"
 #include "proto.h"
@@ -192,6 +193,18 @@ moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *d
         return MOE_EINVAL;
     mp_writer w;
     mp_writer_init(&w);
+    if (moe__data_path(c) != MOE_PATH_COORD) {
+        moe_reply r;
+        mp_write_cstr(&w, "handle");
+        mp_write_u64(&w, handle);
+        moe_err e = w.failed ? MOE_ENOMEM
+                             : moe_dp_call(c, "backward", w.buf, w.len, 1, dt, dy, T, H, dx, &r);
+        mp_writer_fini(&w);
+        moe_reply_free(&r);
+        if (e != MOE_ENOMETHOD)
+            return e;
+        mp_writer_init(&w); /* no data plane here: the coordinator path */
+    }
     mp_write_map(&w, 2);
     mp_write_cstr(&w, "handle");
     mp_write_u64(&w, handle);
@@ -295,8 +308,11 @@ static moe_err forward_impl(moe_client *c, const char *model, int layer, moe_dty
     if (!es || T < 0 || H <= 0 || (uint64_t)T * (uint64_t)H * es > 0xffffffffull)
         return MOE_EINVAL;
     mp_writer w;
+    moe_reply r;
+    moe_err e = MOE_ENOMETHOD;
+    int got_y = 0;
+    moe_tensor t = {dt, 2, {T, H, 0, 0}, x, (size_t)T * (size_t)H * es};
     mp_writer_init(&w);
-    mp_write_map(&w, train ? 4 : 3);
     mp_write_cstr(&w, "model");
     mp_write_cstr(&w, model);
     mp_write_cstr(&w, "layer");
@@ -305,24 +321,46 @@ static moe_err forward_impl(moe_client *c, const char *model, int layer, moe_dty
         mp_write_cstr(&w, "train");
         mp_write_bool(&w, true);
     }
-    mp_write_cstr(&w, "x");
-    moe_tensor t = {dt, 2, {T, H, 0, 0}, x, (size_t)T * (size_t)H * es};
-    moe_tensor_write(&w, &t);
     if (w.failed) {
         mp_writer_fini(&w);
         return MOE_ENOMEM;
     }
-    moe_reply r;
-    moe_err e = moe_call(c, "forward", w.buf, w.len, &r);
+    if (moe__data_path(c) != MOE_PATH_COORD) {
+        /* the rows straight to the workers; y comes back from them */
+        e = moe_dp_call(c, "forward", w.buf, w.len, train ? 3 : 2, dt, x, T, H, y, &r);
+        if (e == MOE_OK)
+            got_y = 1;
+        else if (e != MOE_ENOMETHOD) {
+            mp_writer_fini(&w);
+            return fail(&r, e);
+        } else
+            moe_reply_free(&r);
+    }
+    if (e == MOE_ENOMETHOD) { /* the coordinator path: x inside the request */
+        mp_writer p;
+        mp_writer_init(&p);
+        mp_write_map(&p, train ? 4 : 3);
+        mp_write_raw(&p, w.buf, w.len);
+        mp_write_cstr(&p, "x");
+        moe_tensor_write(&p, &t);
+        if (p.failed) {
+            mp_writer_fini(&p);
+            mp_writer_fini(&w);
+            return MOE_ENOMEM;
+        }
+        e = moe_call(c, "forward", p.buf, p.len, &r);
+        mp_writer_fini(&p);
+        if (e != MOE_OK) {
+            mp_writer_fini(&w);
+            return fail(&r, e);
+        }
+    }
     mp_writer_fini(&w);
-    if (e != MOE_OK)
-        return fail(&r, e);
     mp_reader rd;
     uint32_t n;
     mp_reader_init(&rd, r.buf + r.result_off, r.len - r.result_off);
     if (mp_read_map(&rd, &n, NULL) != MOE_OK)
         return fail(&r, MOE_EPROTO);
-    int got_y = 0;
     if (info)
         memset(info, 0, sizeof(*info));
     e = MOE_OK;

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "client_dp.h"
 #include "moe.h"
 #include "proto.h"
 
@@ -28,8 +29,11 @@ struct moe_client {
      * from a server that died could block forever (seen in the tests) */
     pthread_mutex_t amu;
     pthread_cond_t acv;
-    struct acall *alist; /* doubly linked through acall.next / prev, under amu */
-    int closing;         /* under amu: no new receive is started */
+    struct acall *alist;  /* doubly linked through acall.next / prev, under amu */
+    int closing;          /* under amu: no new receive is started */
+    int data_path;        /* MOE_PATH_*: how forward/backward rows travel */
+    struct moe_dp *dp;    /* owned: the data plane (client_dp.c), made on first use */
+    pthread_mutex_t dpmu; /* guards dp's creation */
 };
 
 static __thread char last_error[512];
@@ -86,6 +90,8 @@ static uint64_t random_id(const void *salt)
 /* the client's memory (the socket closed or never opened) */
 static void client_free(moe_client *c)
 {
+    moe_dp_free(c->dp);
+    pthread_mutex_destroy(&c->dpmu);
     pthread_cond_destroy(&c->acv);
     pthread_mutex_destroy(&c->amu);
     free(c->auth_token);
@@ -107,6 +113,15 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
     }
     c->client_id = random_id(c);
     atomic_init(&c->next_msgid, 1);
+    pthread_mutex_init(&c->dpmu, NULL);
+    const char *path = opts && opts->data_path ? opts->data_path : getenv("MOE_DATA_PATH");
+    if (moe_dp_parse_path(path, &c->data_path) != MOE_OK) {
+        set_error("data path must be auto, coordinator, socket or shm; got '%s'", path);
+        pthread_mutex_destroy(&c->dpmu);
+        free(c->auth_token);
+        free(c);
+        return MOE_EINVAL;
+    }
     pthread_mutex_init(&c->amu, NULL);
     pthread_cond_init(&c->acv, NULL);
     if ((rv = nng_req0_open(&c->sock)) != 0) {
@@ -136,6 +151,49 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
 uint64_t moe_client_id(const moe_client *c)
 {
     return c ? c->client_id : 0;
+}
+
+uint32_t moe__next_msgid(moe_client *c)
+{
+    return atomic_fetch_add(&c->next_msgid, 1);
+}
+
+const char *moe__auth(const moe_client *c)
+{
+    return c->auth_token;
+}
+
+int moe__timeout_ms(const moe_client *c)
+{
+    return c->timeout_ms;
+}
+
+size_t moe__max_msg(const moe_client *c)
+{
+    return c->max_msg;
+}
+
+int moe__data_path(const moe_client *c)
+{
+    return c->data_path;
+}
+
+struct moe_dp *moe__dp(moe_client *c)
+{
+    pthread_mutex_lock(&c->dpmu);
+    if (!c->dp)
+        c->dp = moe_dp_new();
+    struct moe_dp *dp = c->dp;
+    pthread_mutex_unlock(&c->dpmu);
+    return dp;
+}
+
+void moe__set_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof(last_error), fmt, ap);
+    va_end(ap);
 }
 
 static void acall_cancel_all(moe_client *c);

@@ -70,6 +70,13 @@ typedef struct moe_client_opts {
     int timeout_ms;         /* per call; 0 = 60000 */
     size_t max_msg;         /* largest response accepted; 0 = 1 GiB */
     const char *auth_token; /* sent as params "auth" on every call; NULL = none */
+    /* how the rows of forward and backward travel (docs/PROTOCOL.md, "Data
+     * plane"): "auto" (straight to the workers; through shared memory when
+     * they are on this host), "socket" (straight to the workers over nng),
+     * "shm" (shared memory; fails where a worker is on another host),
+     * "coordinator" (inside the request to the coordinator, as before the
+     * data plane). NULL = $MOE_DATA_PATH, else "auto". */
+    const char *data_path;
 } moe_client_opts;
 
 /* moe_client_open dials url (tcp://host:port, ipc://path). opts may be NULL.

@@ -20,6 +20,7 @@
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
+    const char *data_path; /* --data-path: auto | socket | shm | coordinator */
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;
     double cf, aux, z;
@@ -544,6 +545,8 @@ int main(int argc, char **argv)
             o.url = v;
         else if (OPT("--token"))
             o.token = v;
+        else if (OPT("--data-path"))
+            o.data_path = v;
         else if (OPT("--timeout-ms"))
             o.timeout_ms = atoi(v);
         else if (OPT("--name"))
@@ -608,7 +611,7 @@ int main(int argc, char **argv)
         usage();
         return 2;
     }
-    moe_client_opts co = {o.timeout_ms, 0, o.token};
+    moe_client_opts co = {o.timeout_ms, 0, o.token, o.data_path};
     moe_client *c;
     if (moe_client_open(o.url, &co, &c) != MOE_OK) {
         fprintf(stderr, "moectl: %s\n", moe_last_error());

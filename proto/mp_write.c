@@ -199,6 +199,11 @@ void *mp_writer_reserve_bin(mp_writer *w, uint32_t n)
     return p;
 }
 
+void mp_write_bin_head(mp_writer *w, uint32_t n)
+{
+    write_bin_hdr(w, n);
+}
+
 void mp_write_array(mp_writer *w, uint32_t count)
 {
     if (count <= 15)

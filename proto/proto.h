@@ -108,6 +108,9 @@ uint8_t *mp_writer_take(mp_writer *w, size_t *len);
  * where the caller writes the n bytes (valid until the next write).
  * Returns NULL (and sets w->failed) if the buffer cannot grow. */
 void *mp_writer_reserve_bin(mp_writer *w, uint32_t n);
+/* mp_write_bin_head writes only the header of a bin of n bytes: the caller
+ * appends the n bytes itself (e.g. straight into the message it sends). */
+void mp_write_bin_head(mp_writer *w, uint32_t n);
 
 void mp_write_nil(mp_writer *w);
 void mp_write_bool(mp_writer *w, bool v);

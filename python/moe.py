@@ -36,7 +36,7 @@ _lib = _load()
 
 class _Opts(ctypes.Structure):
     _fields_ = [("timeout_ms", ctypes.c_int), ("max_msg", ctypes.c_size_t),
-                ("auth_token", ctypes.c_char_p)]
+                ("auth_token", ctypes.c_char_p), ("data_path", ctypes.c_char_p)]
 
 
 class _ModelCfg(ctypes.Structure):
@@ -126,9 +126,14 @@ def _dtype_of(a):
 class Client:
     """A connection to the coordinator; thread safe like libmoe's client."""
 
-    def __init__(self, url="tcp://127.0.0.1:7000", timeout_ms=60000, auth_token=None):
+    def __init__(self, url="tcp://127.0.0.1:7000", timeout_ms=60000, auth_token=None,
+                 data_path=None):
+        """data_path: how forward/backward rows travel - "auto" (default:
+        straight to the workers, through shared memory on the same host),
+        "socket", "shm" or "coordinator"; None = $MOE_DATA_PATH or auto."""
         self._c = _P()
-        opts = _Opts(timeout_ms, 0, auth_token.encode() if auth_token else None)
+        opts = _Opts(timeout_ms, 0, auth_token.encode() if auth_token else None,
+                     data_path.encode() if data_path else None)
         _check(_lib.moe_client_open(url.encode(), ctypes.byref(opts), ctypes.byref(self._c)))
 
     def close(self):

@@ -31,6 +31,8 @@ typedef struct coord_worker {
     worker_state state;
     int rank; /* in the current generation, -1 if not a member */
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX];
+    char client_url[CFG_STR_MAX]; /* data plane: clients send rows here ("" = none) */
+    char host[128];               /* host identity (boot id): same host = shared memory */
     char backend[32], device[128];
     int pid;
     uint64_t registered_ns, last_hb_ns;
@@ -83,7 +85,11 @@ typedef struct coord_job {
     rpc_call *call; /* the client request being served; NULL for internal jobs */
     coord_model *model;
     int layer;
-    moe_tensor x; /* forward input / backward dy: a view into call's message */
+    moe_tensor x;            /* forward input / backward dy: a view into call's message;
+                              * on the direct path only dtype and shape (data NULL) */
+    int direct;              /* the rows travel client <-> workers (data plane) */
+    uint64_t tk_cid, tk_seq; /* direct: the rows' ticket */
+    uint64_t dgen;           /* direct: the generation the client's map is of */
     int train;
     coord_handle *handle;         /* train forward / backward */
     struct coord_job *batch_next; /* inference forwards merged into this job */
@@ -193,6 +199,8 @@ void coord_worker_lost(coord *c, int i, const char *why);
 void coord_maybe_form(coord *c);
 int coord_up_workers(const coord *c);
 void coord_cluster_status(coord *c, rpc_call *call);
+/* coord_dataplane_info answers where clients send rows (docs/PROTOCOL.md). */
+void coord_dataplane_info(coord *c, rpc_call *call);
 
 /* jobs.c */
 moe_err coord_job_submit(coord *c, coord_job *j, int front);
@@ -223,6 +231,14 @@ void coord_backward_finish(coord *c, coord_job *j);
 void coord_step(coord *c, rpc_call *call);
 void coord_step_finish(coord *c, coord_job *j);
 void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank);
+/* coord_parse_direct reads a request's "direct" map {ticket, generation,
+ * dtype, T?} into j (direct, tk_*, dgen, x.dtype); *T = -1 when absent.
+ * MOE_EUNAVAIL when the client's map is not of the current generation. */
+moe_err coord_parse_direct(coord *c, mp_reader *r, coord_job *j, int64_t *T, char *err,
+                           size_t errlen);
+/* coord_reply_has_missing: a worker's direct reply names pieces whose rows
+ * did not arrive (or cannot be read). */
+int coord_reply_has_missing(const moe_reply *rep);
 moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w, char *err,
                           size_t errlen);
 

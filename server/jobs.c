@@ -289,8 +289,8 @@ static void merge_forwards(coord *c, coord_job *j)
     if (j->model->cfg.capacity_factor > 0)
         return; /* the capacity is per batch: merging would change what drops */
     while (q && q->kind == JOB_FORWARD && !q->train && q->model == j->model &&
-           q->layer == j->layer && q->x.dtype == j->x.dtype &&
-           rows + q->x.shape[0] <= c->batch_max_tokens &&
+           q->layer == j->layer && q->x.dtype == j->x.dtype && q->direct == j->direct &&
+           q->dgen == j->dgen && rows + q->x.shape[0] <= c->batch_max_tokens &&
            !(q->deadline_ns && now > q->deadline_ns)) {
         rows += q->x.shape[0];
         tail->batch_next = q;
@@ -300,6 +300,15 @@ static void merge_forwards(coord *c, coord_job *j)
     }
     if (!n)
         return;
+    if (j->direct) { /* the rows are at the workers: only the count grows */
+        c->qhead = q;
+        if (!q)
+            c->qtail = NULL;
+        c->qlen -= n;
+        j->x.shape[0] = rows;
+        j->x.nbytes = (size_t)rows * (size_t)j->x.shape[1] * moe_dtype_size(j->x.dtype);
+        return;
+    }
     size_t es = moe_dtype_size(j->x.dtype), H = (size_t)j->x.shape[1];
     uint8_t *buf = malloc((size_t)rows * H * es);
     if (!buf) {
@@ -350,6 +359,15 @@ void coord_job_pump(coord *c)
                               (unsigned long long)c->generation);
                 c->errors_total++;
             }
+            job_free(j);
+            continue;
+        }
+        if (j->call && j->direct && j->dgen != c->generation) {
+            rpc_reply_err(j->call, MOE_EUNAVAIL,
+                          "the cluster re-formed (generation %llu) after this request was "
+                          "admitted: its rows went to the old workers; ask dataplane.info again",
+                          (unsigned long long)c->generation);
+            c->errors_total++;
             job_free(j);
             continue;
         }

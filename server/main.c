@@ -99,6 +99,8 @@ static void on_request(rpc_call *call, void *arg)
         coord_worker_register(c, call);
     else if (IS("cluster.status"))
         coord_cluster_status(c, call);
+    else if (IS("dataplane.info"))
+        coord_dataplane_info(c, call);
     else if (IS("stats"))
         coord_stats(c, call);
     else if (IS("model.info"))
@@ -228,7 +230,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "moe-coordinator: out of memory\n");
         return 1;
     }
-    rpcsrv_opts o = {C.listen_url, (int)C.nctx, (size_t)C.max_msg_mb << 20, on_request, &C};
+    rpcsrv_opts o = {C.listen_url, (int)C.nctx, (size_t)C.max_msg_mb << 20, on_request, &C, NULL};
     if (rpcsrv_open(C.loop, &o, &C.srv, C.bound_url, sizeof(C.bound_url)) != MOE_OK) {
         fprintf(stderr, "moe-coordinator: cannot listen on %s\n", C.listen_url);
         return 1;

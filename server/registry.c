@@ -37,6 +37,7 @@ static void worker_release(coord *c, coord_worker *w)
 void coord_worker_register(coord *c, rpc_call *call)
 {
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX], backend[32] = "cpu", device[128] = "";
+    char client_url[CFG_STR_MAX] = "", host[128] = "";
     int64_t pid = 0;
     char err[256];
     pspec sp[] = {
@@ -45,9 +46,11 @@ void coord_worker_register(coord *c, rpc_call *call)
         {"backend", P_STR, backend, false, 0, 0, sizeof(backend), false},
         {"device", P_STR, device, false, 0, 0, sizeof(device), false},
         {"pid", P_INT, &pid, false, 0, 1e9, 0, false},
+        {"client_url", P_STR, client_url, false, 0, 0, sizeof(client_url), false},
+        {"host", P_STR, host, false, 0, 0, sizeof(host), false},
     };
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 5, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 7, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -70,7 +73,7 @@ void coord_worker_register(coord *c, rpc_call *call)
         return;
     }
     memset(slot, 0, sizeof(*slot));
-    moe_client_opts o = {(int)c->worker_timeout_ms, 0, NULL};
+    moe_client_opts o = {(int)c->worker_timeout_ms, 0, NULL, "coordinator"};
     if (moe_client_open(rpc_url, &o, &slot->cli) != MOE_OK) {
         rpc_reply_err(call, MOE_EINVAL, "cannot dial worker rpc_url %s: %s", rpc_url,
                       moe_last_error());
@@ -81,6 +84,8 @@ void coord_worker_register(coord *c, rpc_call *call)
     slot->rank = -1;
     snprintf(slot->rpc_url, sizeof(slot->rpc_url), "%s", rpc_url);
     snprintf(slot->data_url, sizeof(slot->data_url), "%s", data_url);
+    snprintf(slot->client_url, sizeof(slot->client_url), "%s", client_url);
+    snprintf(slot->host, sizeof(slot->host), "%s", host);
     snprintf(slot->backend, sizeof(slot->backend), "%s", backend);
     snprintf(slot->device, sizeof(slot->device), "%s", device);
     slot->pid = (int)pid;
@@ -259,6 +264,36 @@ void coord_cluster_status(coord *c, rpc_call *call)
         mp_write_f64(&w, (double)(now - wk->last_hb_ns) * 1e-9);
         mp_write_cstr(&w, "busy_s");
         mp_write_f64(&w, wk->busy_s);
+    }
+    rpc_reply(call, &w);
+}
+
+void coord_dataplane_info(coord *c, rpc_call *call)
+{
+    int direct = c->ready;
+    for (int r = 0; direct && r < c->world; r++)
+        direct = c->workers[c->rank_to_worker[r]].client_url[0] != 0;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, call->req.msgid);
+    mp_write_map(&w, 4);
+    mp_write_cstr(&w, "generation");
+    mp_write_u64(&w, c->generation);
+    mp_write_cstr(&w, "ready");
+    mp_write_bool(&w, c->ready != 0);
+    mp_write_cstr(&w, "direct");
+    mp_write_bool(&w, direct != 0);
+    mp_write_cstr(&w, "workers"); /* by rank */
+    mp_write_array(&w, c->ready ? (uint32_t)c->world : 0);
+    for (int r = 0; c->ready && r < c->world; r++) {
+        coord_worker *wk = &c->workers[c->rank_to_worker[r]];
+        mp_write_map(&w, 3);
+        mp_write_cstr(&w, "url");
+        mp_write_cstr(&w, wk->client_url);
+        mp_write_cstr(&w, "host");
+        mp_write_cstr(&w, wk->host);
+        mp_write_cstr(&w, "backend");
+        mp_write_cstr(&w, wk->backend);
     }
     rpc_reply(call, &w);
 }

@@ -37,6 +37,7 @@ struct rpcsrv {
     size_t max_msg;
     rpc_handler handler;
     void *handler_arg;
+    void (*on_pipe_closed)(uint32_t pipe, void *arg);
     int closing;
     uint64_t last_send_ns;  /* when the last reply was handed to nng (atomic) */
     uint64_t last_send_len; /* its size in bytes (atomic) */
@@ -101,29 +102,59 @@ static void slot_cb(void *arg)
     }
 }
 
-static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
+/* send_msg hands the reply m (owned from here) to nng. */
+static void send_msg(rpc_slot *sl, nng_msg *m)
 {
-    nng_msg *m;
+    size_t len = nng_msg_len(m);
     rpc_reply_hook hook = sl->call.on_reply;
     if (hook) { /* once, while the request is still readable */
         sl->call.on_reply = NULL;
-        hook(&sl->call, buf, len, sl->call.on_reply_arg);
+        hook(&sl->call, nng_msg_body(m), len, sl->call.on_reply_arg);
     }
     if (sl->call.msg) {
         nng_msg_free(sl->call.msg);
         sl->call.msg = NULL;
     }
-    if (nng_msg_alloc(&m, len) != 0) {
-        LOG_E("rpcsrv: out of memory for a %zu byte reply", len);
-        slot_recv(sl);
-        return;
-    }
-    memcpy(nng_msg_body(m), buf, len);
     __atomic_store_n(&sl->srv->last_send_len, (uint64_t)len, __ATOMIC_RELAXED);
     __atomic_store_n(&sl->srv->last_send_ns, rpc_now_ns(), __ATOMIC_RELAXED);
     __atomic_store_n(&sl->state, SLOT_SEND, __ATOMIC_RELEASE);
     nng_aio_set_msg(sl->aio, m);
     nng_ctx_send(sl->ctx, sl->aio);
+}
+
+static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
+{
+    nng_msg *m;
+    if (nng_msg_alloc(&m, len) != 0) {
+        LOG_E("rpcsrv: out of memory for a %zu byte reply", len);
+        if (sl->call.msg) {
+            nng_msg_free(sl->call.msg);
+            sl->call.msg = NULL;
+        }
+        slot_recv(sl);
+        return;
+    }
+    memcpy(nng_msg_body(m), buf, len);
+    send_msg(sl, m);
+}
+
+void rpc_reply_msg(rpc_call *c, void *msg)
+{
+    send_msg(c->slot, msg);
+}
+
+uint32_t rpc_call_pipe(const rpc_call *c)
+{
+    nng_pipe p = nng_msg_get_pipe((nng_msg *)c->msg);
+    return nng_pipe_id(p) > 0 ? (uint32_t)nng_pipe_id(p) : 0;
+}
+
+static void on_pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    rpcsrv *s = arg;
+    (void)ev;
+    if (s->on_pipe_closed && nng_pipe_id(p) > 0)
+        s->on_pipe_closed((uint32_t)nng_pipe_id(p), s->handler_arg);
 }
 
 void rpc_reply(rpc_call *c, mp_writer *w)
@@ -217,6 +248,7 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
     s->max_msg = o->max_msg;
     s->handler = o->handler;
     s->handler_arg = o->handler_arg;
+    s->on_pipe_closed = o->on_pipe_closed;
     s->nslots = o->nctx > 0 ? o->nctx : 16;
     pthread_mutex_init(&s->mu, NULL);
     if ((rv = nng_rep0_open(&s->sock)) != 0) {
@@ -227,6 +259,8 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
     /* Transport hard cap: twice the protocol cap, so requests a little over
      * the cap still get a "too_large" answer; beyond it nng drops the pipe. */
     nng_socket_set_size(s->sock, NNG_OPT_RECVMAXSZ, o->max_msg * 2 + 4096);
+    if (s->on_pipe_closed)
+        nng_pipe_notify(s->sock, NNG_PIPE_EV_REM_POST, on_pipe_event, s);
     if ((rv = nng_listener_create(&s->lis, s->sock, o->url)) != 0 ||
         (rv = nng_listener_start(s->lis, 0)) != 0) {
         LOG_E("cannot listen on %s: %s", o->url, nng_strerror(rv));

@@ -54,6 +54,9 @@ typedef struct rpcsrv_opts {
     size_t max_msg;  /* protocol cap: larger messages get "too_large" */
     rpc_handler handler;
     void *handler_arg;
+    /* optional: runs on an nng thread when a connection (pipe) closes, with
+     * the id rpc_call_pipe reports for its calls; must not block */
+    void (*on_pipe_closed)(uint32_t pipe, void *arg);
 } rpcsrv_opts;
 
 /* rpcsrv_open starts listening. bound_url (may be NULL) receives the actual
@@ -78,6 +81,15 @@ void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
 /* rpc_reply_bytes answers with a complete, already encoded response (len
  * bytes, copied) and releases the call. Thread safe. */
 void rpc_reply_bytes(rpc_call *c, const void *buf, size_t len);
+
+/* rpc_call_pipe returns the id of the connection the call arrived on
+ * (nonzero; stable while the connection lives). */
+uint32_t rpc_call_pipe(const rpc_call *c);
+
+/* rpc_reply_msg answers with a complete encoded response already in an
+ * nng_msg (nng_msg *, ownership passes to the server in every case): the
+ * reply is sent without another copy. Thread safe. */
+void rpc_reply_msg(rpc_call *c, void *nng_msg);
 
 /* rpc_now_ns returns CLOCK_MONOTONIC in nanoseconds. */
 uint64_t rpc_now_ns(void);

@@ -132,17 +132,47 @@ moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w,
     return MOE_OK;
 }
 
+int coord_reply_has_missing(const moe_reply *rep)
+{
+    mp_reader rd;
+    uint32_t n, nm;
+    mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
+    if (mp_read_map(&rd, &n, NULL) != MOE_OK)
+        return 1;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+            return 1;
+        if (mp_str_eq(k, kl, "missing"))
+            return mp_read_array(&rd, &nm, NULL) != MOE_OK || nm > 0;
+        if (mp_skip(&rd, NULL) != MOE_OK)
+            return 1;
+    }
+    return 0;
+}
+
 void coord_backward(coord *c, rpc_call *call)
 {
     int64_t hid = 0;
     moe_tensor dy;
     char err[256];
+    mp_reader rdirect;
+    memset(&dy, 0, sizeof(dy));
     pspec sp[] = {
         {"handle", P_INT, &hid, true, 0, 9e18, 0, false},
-        {"dy", P_TENSOR, &dy, true, 0, 0, 0, false},
+        {"dy", P_TENSOR, &dy, false, 0, 0, 0, false},
+        {"direct", P_RAW, &rdirect, false, 0, 0, 0, false},
     };
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 3, err, sizeof(err));
+    if (e == MOE_OK && sp[1].seen == sp[2].seen) {
+        e = MOE_EINVAL;
+        snprintf(err, sizeof(err),
+                 "backward needs dy (rows in the request) or direct (rows sent "
+                 "to the workers), not %s",
+                 sp[1].seen ? "both" : "neither");
+    }
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -151,6 +181,28 @@ void coord_backward(coord *c, rpc_call *call)
     if (!h) {
         rpc_reply_err(call, e, "%s", err);
         return;
+    }
+    coord_job dj;
+    memset(&dj, 0, sizeof(dj));
+    dj.model = h->model;
+    dj.kind = JOB_BACKWARD;
+    if (sp[2].seen) {
+        int64_t T = -1;
+        e = coord_parse_direct(c, &rdirect, &dj, &T, err, sizeof(err));
+        if (e == MOE_OK && T >= 0 && T != h->T) {
+            e = MOE_EINVAL;
+            snprintf(err, sizeof(err), "dy must have shape (T=%lld, d_model=%d) like the forward",
+                     (long long)h->T, h->model->cfg.d_model);
+        }
+        if (e != MOE_OK) {
+            rpc_reply_err(call, e, "%s", err);
+            return;
+        }
+        dy.dtype = dj.x.dtype;
+        dy.ndim = 2;
+        dy.shape[0] = h->T;
+        dy.shape[1] = h->model->cfg.d_model;
+        dy.nbytes = (size_t)h->T * (size_t)h->model->cfg.d_model * moe_dtype_size(dy.dtype);
     }
     if (dy.ndim != 2 || dy.shape[0] != h->T || dy.shape[1] != h->model->cfg.d_model) {
         rpc_reply_err(call, MOE_EINVAL, "dy must have shape (T=%lld, d_model=%d) like the forward",
@@ -162,7 +214,12 @@ void coord_backward(coord *c, rpc_call *call)
         return;
     j->layer = h->layer;
     j->x = dy;
+    j->xrows = dy.shape[0];
     j->handle = h;
+    j->direct = dj.direct;
+    j->tk_cid = dj.tk_cid;
+    j->tk_seq = dj.tk_seq;
+    j->dgen = dj.dgen;
     if (coord_job_enqueue(c, j) != MOE_OK)
         return;
     h->state = H_USED;
@@ -183,6 +240,23 @@ void coord_backward_finish(coord *c, coord_job *j)
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
     mp_write_map(&w, 1);
+    if (j->direct) { /* dx went from the workers to the client */
+        for (int r = 0; r < j->nsent; r++)
+            if (coord_reply_has_missing(j->replies[r])) {
+                mp_writer_fini(&w);
+                rpc_reply_err(j->call, MOE_EUNAVAIL,
+                              "the dy rows did not reach worker rank %d in time; the gradients "
+                              "of this backward were not accumulated there",
+                              r);
+                c->errors_total++;
+                return;
+            }
+        mp_write_cstr(&w, "direct");
+        mp_write_bool(&w, true);
+        j->model->pending_grads++;
+        rpc_reply(j->call, &w);
+        return;
+    }
     mp_write_cstr(&w, "dx");
     moe_err e = coord_gather_rows(c, j, "dx", &w, err, sizeof(err));
     if (e != MOE_OK) {

@@ -43,6 +43,7 @@ typedef struct cluster_opts {
     int no_wait;            /* do not wait for cluster.status ready */
     int ready_timeout_ms;   /* bound on the wait for ready; 0 = 15000 */
     int client_timeout_ms;  /* the client's per-call timeout; 0 = 30000 */
+    const char *data_path;  /* the client's data path (moe_client_opts); NULL = default */
     const char *coord_args[CLUSTER_MAX_ARGS];  /* extra coordinator flags, NULL-terminated */
     const char *worker_args[CLUSTER_MAX_ARGS]; /* extra worker flags, NULL-terminated */
     int no_client; /* open no client and do not wait for ready: for a forked child

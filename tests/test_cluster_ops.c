@@ -150,12 +150,20 @@ static uint64_t requests_total(cluster *cl)
     return v;
 }
 
+#define LONG_H_MAX 1024
+
 /* start_forward starts j on a thread and returns once the coordinator has
  * taken the request (requests_total counts it), so that a drain that comes
  * next finds it in flight. Needs a cluster whose workers do not heartbeat
  * during the test (--heartbeat-ms 60000): then only our calls count. */
 static void start_forward(cluster *cl, fwd_job *j, pthread_t *th)
 {
+    /* one small forward first: the client learns the workers' addresses
+     * (dataplane.info), so that the next request counted is the forward */
+    float x1[LONG_H_MAX], y1[LONG_H_MAX];
+    memset(x1, 0, sizeof(float) * (size_t)j->H);
+    cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x1, 1, j->H, y1, NULL), MOE_OK, "%s",
+                 moe_last_error());
     uint64_t base = requests_total(cl);
     pthread_create(th, NULL, fwd_thread, j);
     for (uint64_t k = 1;; k++) {

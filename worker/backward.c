@@ -19,41 +19,72 @@ void wkr_op_backward(wkr *w, rpc_call *c)
 {
     int64_t handle = 0;
     moe_tensor dyt;
-    char err[256] = "";
+    char err[256] = "", dtname[8] = "";
+    mp_reader rpieces;
+    dp_batch batch;
+    memset(&dyt, 0, sizeof(dyt));
+    memset(&batch, 0, sizeof(batch));
     pspec sp[] = {
         {"handle", P_INT, &handle, true, 0, 9e18, 0, false},
-        {"dy", P_TENSOR, &dyt, true, 0, 0, 0, false},
+        {"dy", P_TENSOR, &dyt, false, 0, 0, 0, false},
+        {"pieces", P_RAW, &rpieces, false, 0, 0, 0, false},
+        {"dtype", P_STR, dtname, false, 0, 0, sizeof(dtname), false},
     };
-    if (!wkr_parse_or_reply(c, sp, 2) || !wkr_xc_or_reply(w, c))
+    if (!wkr_parse_or_reply(c, sp, 4) || !wkr_xc_or_reply(w, c))
         return;
     moe_err e = MOE_OK;
     wkr_handle_expire(w);
     wkr_fwd_state *st = wkr_handle_take(w, (uint64_t)handle);
-    /* every rank must hold the handle, or none goes on (no collective may
-     * be left waiting) */
+    const int direct = sp[2].seen;
+    int rows_ok = 1;
+    if (direct) { /* dy from the clients (data plane) */
+        moe_dtype dt = MOE_F32;
+        e = moe_dtype_parse(dtname, strlen(dtname), &dt);
+        if (e == MOE_OK)
+            e = dp_batch_gather(&w->dp, &rpieces, dt, st ? st->model->cfg.d_model : 0,
+                                rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, &batch, err,
+                                sizeof(err));
+        rows_ok = e == MOE_OK && batch.missing == 0;
+        dyt = batch.x;
+    }
+    /* every rank must hold the handle and its rows, or none goes on (no
+     * collective may be left waiting): 1 ok, 0 no handle, 2 rows missing */
     const int W = w->world;
-    int32_t have = st != NULL, *all_have = malloc((size_t)W * sizeof(int32_t));
+    int32_t have = st == NULL ? 0
+                   : rows_ok  ? 1
+                              : 2,
+            *all_have = malloc((size_t)W * sizeof(int32_t));
     if (!all_have) {
         wkr_fwd_state_free(st);
+        dp_batch_fail(&batch, MOE_ENOMEM, "out of memory");
+        dp_batch_free(&w->dp, &batch);
         rpc_reply_err(c, MOE_ENOMEM, "out of memory");
         return;
     }
     e = xchg_allgather(w->xc, &have, sizeof(have), all_have);
-    int everyone = e == MOE_OK;
-    for (int q = 0; q < W && everyone; q++)
-        everyone = all_have[q] != 0;
-    free(all_have);
-    if (e != MOE_OK) {
-        wkr_fwd_state_free(st);
-        rpc_reply_err(c, MOE_EUNAVAIL, "exchange between workers failed: %s", moe_strerror(e));
-        return;
+    int expired = 0, missing = 0;
+    for (int q = 0; q < W && e == MOE_OK; q++) {
+        expired |= all_have[q] == 0;
+        missing |= all_have[q] == 2;
     }
-    if (!everyone) {
+    free(all_have);
+    if (e != MOE_OK || expired || missing) {
         wkr_fwd_state_free(st);
-        rpc_reply_err(c, MOE_EEXPIRED,
-                      "handle %lld expired on a worker (too old, or too many "
-                      "forwards without backward)",
-                      (long long)handle);
+        if (e != MOE_OK) {
+            dp_batch_fail(&batch, MOE_EUNAVAIL, "exchange between workers failed");
+            rpc_reply_err(c, MOE_EUNAVAIL, "exchange between workers failed: %s", moe_strerror(e));
+        } else if (expired) {
+            dp_batch_fail(&batch, MOE_EEXPIRED, "handle expired");
+            rpc_reply_err(c, MOE_EEXPIRED,
+                          "handle %lld expired on a worker (too old, or too many "
+                          "forwards without backward)",
+                          (long long)handle);
+        } else {
+            dp_batch_fail(&batch, MOE_EUNAVAIL, "dy rows did not reach every worker");
+            rpc_reply_err(c, MOE_EUNAVAIL, "the dy rows of handle %lld did not reach every worker",
+                          (long long)handle);
+        }
+        dp_batch_free(&w->dp, &batch);
         return;
     }
     wkr_model *m = st->model;
@@ -63,6 +94,8 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     const size_t S = (size_t)T * K, Tn = T ? (size_t)T : 1, es = bf ? 2 : 4;
     if (dyt.ndim != 2 || dyt.shape[0] != T || dyt.shape[1] != H) {
         wkr_fwd_state_free(st);
+        dp_batch_fail(&batch, MOE_EINVAL, "dy has the wrong shape");
+        dp_batch_free(&w->dp, &batch);
         rpc_reply_err(c, MOE_EINVAL, "dy must have shape (%d, %d)", T, H);
         return;
     }
@@ -206,23 +239,33 @@ reply:;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);
     mp_write_map(&wr, 1);
-    mp_write_cstr(&wr, "dx");
-    rows_write_tensor(&wr, dyt.dtype, dx, T, H);
+    if (direct) {
+        dp_batch_answer_f32(&batch, dx, H);
+        mp_write_cstr(&wr, "missing");
+        dp_batch_write_missing(&wr, &batch);
+    } else {
+        mp_write_cstr(&wr, "dx");
+        rows_write_tensor(&wr, dyt.dtype, dx, T, H);
+    }
     rpc_reply(c, &wr);
     goto out;
 
 fail_xchg:
     LOG_W("backward: exchange failed: %s", moe_strerror(e));
+    dp_batch_fail(&batch, MOE_EUNAVAIL, "exchange between workers failed");
     rpc_reply_err(c, MOE_EUNAVAIL, "exchange between workers failed (rank %d): %s", w->rank,
                   moe_strerror(e));
     goto out;
 fail_msg:
     LOG_E("backward: %s", err);
+    dp_batch_fail(&batch, e, err);
     rpc_reply_err(c, e, "%s", err);
     goto out;
 fail:
+    dp_batch_fail(&batch, e, moe_strerror(e));
     rpc_reply_err(c, e, "worker rank %d: %s", w->rank, moe_strerror(e));
 out:
+    dp_batch_free(&w->dp, &batch);
     wkr_fwd_state_free(st);
     free(dy);
     free(dye);

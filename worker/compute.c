@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu.h"
 #include "log.h"
 #include "worker.h"
 
@@ -104,6 +105,19 @@ static void run_one(wkr *w, rpc_call *c)
                       q->method);
 }
 
+void *wkr_pinned(wkr *w, size_t n)
+{
+    if (n <= w->pin_bytes && w->pin)
+        return w->pin;
+    wkr_gpu_pinned_free(w->pin);
+    size_t size = (size_t)1 << 20;
+    while (size < n)
+        size *= 2;
+    w->pin = wkr_gpu_pinned_alloc(size);
+    w->pin_bytes = w->pin ? size : 0;
+    return w->pin;
+}
+
 void *wkr_compute_main(void *arg)
 {
     wkr *w = arg;
@@ -134,5 +148,7 @@ void *wkr_compute_main(void *arg)
     w->nmodels = 0;
     for (int i = 0; i < 4; i++)
         free(w->replies[i].buf);
+    wkr_gpu_pinned_free(w->pin);
+    w->pin = NULL;
     return NULL;
 }

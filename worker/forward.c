@@ -233,22 +233,53 @@ static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t
     return MOE_OK;
 }
 
+/* write_y writes the output rows into the coordinator's reply, or, on the
+ * data plane, answers each client's rows and writes which pieces were
+ * missing. */
+static void write_y(mp_writer *wr, dp_batch *b, int direct, moe_dtype dt, const float *y,
+                    const void *y_raw, int T, int H)
+{
+    if (!direct) {
+        mp_write_cstr(wr, "y");
+        if (!y_raw) {
+            rows_write_tensor(wr, dt, y, T, H);
+            return;
+        }
+        moe_tensor t = {dt, 2, {T, H, 0, 0}, y_raw, (size_t)T * (size_t)H * moe_dtype_size(dt)};
+        moe_tensor_write(wr, &t);
+        return;
+    }
+    if (y_raw)
+        dp_batch_answer_raw(b, y_raw, H);
+    else
+        dp_batch_answer_f32(b, y, H);
+    mp_write_cstr(wr, "missing");
+    dp_batch_write_missing(wr, b);
+}
+
 void wkr_op_forward(wkr *w, rpc_call *c)
 {
     char model_name[MODEL_NAME_MAX], err[256] = "";
     int64_t layer = 0, T_total = 0, row0 = 0, handle = 0;
     bool train = false;
     moe_tensor xt;
+    mp_reader rpieces;
+    char dtname[8] = "";
+    dp_batch batch;
+    memset(&xt, 0, sizeof(xt));
+    memset(&batch, 0, sizeof(batch));
     pspec sp[] = {
         {"model", P_STR, model_name, true, 0, 0, sizeof(model_name), false},
         {"layer", P_INT, &layer, true, 0, 1e6, 0, false},
         {"T_total", P_INT, &T_total, true, 0, 2e9, 0, false},
         {"row0", P_INT, &row0, true, 0, 2e9, 0, false},
-        {"x", P_TENSOR, &xt, true, 0, 0, 0, false},
+        {"x", P_TENSOR, &xt, false, 0, 0, 0, false},
         {"train", P_BOOL, &train, false, 0, 0, 0, false},
         {"handle", P_INT, &handle, false, 0, 9e18, 0, false},
+        {"pieces", P_RAW, &rpieces, false, 0, 0, 0, false},
+        {"dtype", P_STR, dtname, false, 0, 0, sizeof(dtname), false},
     };
-    if (!wkr_parse_or_reply(c, sp, 7) || !wkr_xc_or_reply(w, c))
+    if (!wkr_parse_or_reply(c, sp, 9) || !wkr_xc_or_reply(w, c))
         return;
     wkr_model *m = wkr_model_or_reply(w, c, model_name);
     if (!m)
@@ -257,6 +288,26 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     const model_cfg *cfg = &m->cfg;
     const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k;
     const int W = w->world, bf = cfg->dtype == MOE_BF16;
+    const int direct = sp[7].seen;
+    if (direct) {
+        /* the rows come from the clients (data plane); every rank goes on
+         * with what arrived, so that no collective is left waiting */
+        moe_dtype dt;
+        if (layer >= cfg->layers || moe_dtype_parse(dtname, strlen(dtname), &dt) != MOE_OK) {
+            rpc_reply_err(c, MOE_EINVAL, "bad layer or dtype for model '%s'", model_name);
+            return;
+        }
+        e = dp_batch_gather(&w->dp, &rpieces, dt, H,
+                            rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, &batch, err,
+                            sizeof(err));
+        if (e != MOE_OK) {
+            dp_batch_fail(&batch, e, err);
+            dp_batch_free(&w->dp, &batch);
+            rpc_reply_err(c, e, "%s", err);
+            return;
+        }
+        xt = batch.x;
+    }
     if (layer >= cfg->layers || xt.ndim != 2 || xt.shape[1] != H) {
         rpc_reply_err(c, MOE_EINVAL, "bad layer or x shape for model '%s'", model_name);
         return;
@@ -292,27 +343,47 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     double t0 = fwd_now_s(), t_gate, t_disp, t_exp, t_comb;
     uint64_t a2a = 0; /* bytes this rank sent to the others (dispatch + combine) */
 
-    /* ---- gate ---- */
-    st->x = malloc(Tn * H * sizeof(float));
-    if (!st->x) {
-        e = MOE_ENOMEM;
-        goto fail;
+    /* A bf16 inference forward on the device stays bf16: the rows go from
+     * the message (or the shared region) to the GPU and back, with no
+     * conversion on the host; y lands in pinned memory, or straight in the
+     * client's shared region. */
+    const int raw = (m->gpu_mode == 1 || m->gpu_mode == 3) && bf && xt.dtype == MOE_BF16 && !train;
+    void *y_raw = NULL;
+    if (raw) {
+        int only = direct && batch.n == 1 && batch.tk[0] && batch.tk[0]->region;
+        y_raw = only ? dp_y_ptr(batch.tk[0]) : wkr_pinned(w, (size_t)T * H * 2);
+        if (!y_raw) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
     }
-    rows_tensor_to_f32(&xt, st->x, (size_t)T * H);
-    if (bf)
-        kern_bf16_round_n(st->x, (size_t)T * H);
+
+    /* ---- gate ---- */
+    if (!raw) {
+        st->x = malloc(Tn * H * sizeof(float));
+        if (!st->x) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
+        rows_tensor_to_f32(&xt, st->x, (size_t)T * H);
+        if (bf)
+            kern_bf16_round_n(st->x, (size_t)T * H);
+    }
     if (m->gpu_mode == 1) {
         /* a cluster of one GPU worker: the whole layer on the device */
         if (train && !m->gpu_train && (e = wkr_gpu_attach(w, m, 1)) != MOE_OK)
             goto fail;
         float aux = 0, z = 0;
         st->counts = calloc((size_t)E, sizeof(int32_t));
-        y = malloc(Tn * H * sizeof(float));
-        if (!st->counts || !y) {
+        y = raw ? NULL : malloc(Tn * H * sizeof(float));
+        if (!st->counts || (!raw && !y)) {
             e = MOE_ENOMEM;
             goto fail;
         }
-        e = wkr_gpu_layer_forward(m, st->layer, T, st->x, y, st->counts, dropped, &aux, &z, train);
+        e = raw ? wkr_gpu_layer_forward(m, st->layer, T, xt.data, MOE_BF16, y_raw, MOE_BF16,
+                                        st->counts, dropped, &aux, &z, train)
+                : wkr_gpu_layer_forward(m, st->layer, T, st->x, MOE_F32, y, MOE_F32, st->counts,
+                                        dropped, &aux, &z, train);
         if (e != MOE_OK) {
             snprintf(err, sizeof(err), "GPU layer forward failed: %s", moe_strerror(e));
             goto fail_msg;
@@ -324,8 +395,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         mp_writer_init(&wr);
         moe_rpc_write_response_ok_head(&wr, c->req.msgid);
         mp_write_map(&wr, 10);
-        mp_write_cstr(&wr, "y");
-        rows_write_tensor(&wr, xt.dtype, y, T, H);
+        write_y(&wr, &batch, direct, xt.dtype, y, y_raw, T, H);
         mp_write_cstr(&wr, "counts");
         mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
         mp_write_cstr(&wr, "dropped");
@@ -355,13 +425,15 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         /* several GPU workers over NCCL: the layer runs device-resident on
          * every rank, rows go GPU to GPU */
         st->counts = calloc((size_t)E, sizeof(int32_t));
-        y = malloc(Tn * H * sizeof(float));
-        if (!st->counts || !y) {
+        y = raw ? NULL : malloc(Tn * H * sizeof(float));
+        if (!st->counts || (!raw && !y)) {
             e = MOE_ENOMEM;
             goto fail;
         }
-        e = wkr_gpu_ep_forward(w, m, st->layer, T, st->x, y, st->counts, probs_sum, &z_sum, &a2a,
-                               train);
+        e = raw ? wkr_gpu_ep_forward(w, m, st->layer, T, xt.data, MOE_BF16, y_raw, MOE_BF16,
+                                     st->counts, probs_sum, &z_sum, &a2a, train)
+                : wkr_gpu_ep_forward(w, m, st->layer, T, st->x, MOE_F32, y, MOE_F32, st->counts,
+                                     probs_sum, &z_sum, &a2a, train);
         if (e == MOE_EUNAVAIL)
             goto fail_xchg;
         if (e != MOE_OK) {
@@ -471,8 +543,7 @@ reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times} */
     mp_write_map(&wr, 10);
     mp_write_cstr(&wr, "a2a_bytes");
     mp_write_u64(&wr, a2a);
-    mp_write_cstr(&wr, "y");
-    rows_write_tensor(&wr, xt.dtype, y, T, H);
+    write_y(&wr, &batch, direct, xt.dtype, y, y_raw, T, H);
     mp_write_cstr(&wr, "counts");
     mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
     mp_write_cstr(&wr, "dropped");
@@ -499,16 +570,20 @@ reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times} */
 fail_xchg:
     LOG_W("forward %s layer %lld: exchange failed: %s", model_name, (long long)layer,
           moe_strerror(e));
+    dp_batch_fail(&batch, MOE_EUNAVAIL, "exchange between workers failed");
     rpc_reply_err(c, MOE_EUNAVAIL, "exchange between workers failed (rank %d): %s", w->rank,
                   moe_strerror(e));
     goto out;
 fail_msg:
     LOG_E("forward: %s", err);
+    dp_batch_fail(&batch, e, err);
     rpc_reply_err(c, e, "%s", err);
     goto out;
 fail:
+    dp_batch_fail(&batch, e, moe_strerror(e));
     rpc_reply_err(c, e, "worker rank %d: %s", w->rank, moe_strerror(e));
 out:
+    dp_batch_free(&w->dp, &batch);
     wkr_fwd_state_free(st);
     free(probs_sum);
     free(dropped);

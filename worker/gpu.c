@@ -32,6 +32,38 @@ int wkr_gpu_probe(int device, char *name, size_t len)
     return 1;
 }
 
+moe_err wkr_gpu_host_register(void *p, size_t n)
+{
+    if (cudaHostRegister(p, n, cudaHostRegisterPortable) != cudaSuccess) {
+        LOG_W("cudaHostRegister of %zu bytes failed: %s (copies stay pageable)", n,
+              cudaGetErrorString(cudaGetLastError()));
+        return MOE_EINVAL;
+    }
+    return MOE_OK;
+}
+
+void wkr_gpu_host_unregister(void *p)
+{
+    if (cudaHostUnregister(p) != cudaSuccess)
+        (void)cudaGetLastError();
+}
+
+void *wkr_gpu_pinned_alloc(size_t n)
+{
+    void *p = NULL;
+    if (cudaMallocHost(&p, n ? n : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+void wkr_gpu_pinned_free(void *p)
+{
+    if (p)
+        cudaFreeHost(p);
+}
+
 void wkr_gpu_detach(wkr_model *m)
 {
     for (int l = 0; m->gpu && l < m->cfg.layers; l++) {
@@ -126,13 +158,14 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
     return MOE_OK;
 }
 
-moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const float *x, float *y,
-                              int32_t *counts, int32_t *dropped, float *aux, float *z, int train)
+moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const void *x, moe_dtype xdt, void *y,
+                              moe_dtype ydt, int32_t *counts, int32_t *dropped, float *aux,
+                              float *z, int train)
 {
     kcu_layer *kl = m->gpu[layer];
     if (T == 0)
         return MOE_OK;
-    moe_err e = kcu_forward(kl, T, x, MOE_F32, y, MOE_F32, train, NULL);
+    moe_err e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
     if (e == MOE_OK)
         e = kcu_forward_stats(kl, counts, dropped, aux, z, NULL);
     if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
@@ -177,12 +210,12 @@ static moe_err ep_failed(wkr *w, moe_err e, const char *what)
     return e;
 }
 
-moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const float *x, float *y,
-                           int32_t *counts, double *probs_sum, double *z_sum, uint64_t *a2a_bytes,
-                           int train)
+moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
+                           void *y, moe_dtype ydt, int32_t *counts, double *probs_sum,
+                           double *z_sum, uint64_t *a2a_bytes, int train)
 {
     kcu_ep *ep = m->gpu[layer];
-    moe_err e = kcu_ep_forward(ep, T, x, MOE_F32, y, MOE_F32, train, NULL);
+    moe_err e = kcu_ep_forward(ep, T, x, xdt, y, ydt, train, NULL);
     if (e == MOE_OK)
         e = kcu_ep_wait(ep, NULL);
     if (e == MOE_OK) {
@@ -360,6 +393,24 @@ moe_err wkr_gpu_push_weights(wkr_model *m)
 
 #else /* no CUDA */
 
+moe_err wkr_gpu_host_register(void *p, size_t n)
+{
+    (void)p, (void)n;
+    return MOE_EINVAL;
+}
+void wkr_gpu_host_unregister(void *p)
+{
+    (void)p;
+}
+void *wkr_gpu_pinned_alloc(size_t n)
+{
+    return malloc(n ? n : 1);
+}
+void wkr_gpu_pinned_free(void *p)
+{
+    free(p);
+}
+
 int wkr_gpu_probe(int device, char *name, size_t len)
 {
     (void)device, (void)name, (void)len;
@@ -374,11 +425,12 @@ void wkr_gpu_detach(wkr_model *m)
 {
     (void)m;
 }
-moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const float *x, float *y,
-                              int32_t *counts, int32_t *dropped, float *aux, float *z, int train)
+moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const void *x, moe_dtype xdt, void *y,
+                              moe_dtype ydt, int32_t *counts, int32_t *dropped, float *aux,
+                              float *z, int train)
 {
-    (void)m, (void)layer, (void)T, (void)x, (void)y, (void)counts, (void)dropped, (void)aux,
-        (void)z, (void)train;
+    (void)m, (void)layer, (void)T, (void)x, (void)xdt, (void)y, (void)ydt, (void)counts,
+        (void)dropped, (void)aux, (void)z, (void)train;
     return MOE_EINVAL;
 }
 moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
@@ -399,12 +451,12 @@ moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, cons
     (void)m, (void)layer, (void)dye, (void)n, (void)kept, (void)dxe;
     return MOE_EINVAL;
 }
-moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const float *x, float *y,
-                           int32_t *counts, double *probs_sum, double *z_sum, uint64_t *a2a_bytes,
-                           int train)
+moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
+                           void *y, moe_dtype ydt, int32_t *counts, double *probs_sum,
+                           double *z_sum, uint64_t *a2a_bytes, int train)
 {
-    (void)w, (void)m, (void)layer, (void)T, (void)x, (void)y, (void)counts, (void)probs_sum,
-        (void)z_sum, (void)a2a_bytes, (void)train;
+    (void)w, (void)m, (void)layer, (void)T, (void)x, (void)xdt, (void)y, (void)ydt, (void)counts,
+        (void)probs_sum, (void)z_sum, (void)a2a_bytes, (void)train;
     return MOE_EINVAL;
 }
 moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,

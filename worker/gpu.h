@@ -24,15 +24,26 @@
 
 /* wkr_gpu_probe: 1 if CUDA device `device` exists (its name in name), else 0. */
 int wkr_gpu_probe(int device, char *name, size_t len);
+/* wkr_gpu_host_register pins [p, p+n) for the device's copy engines
+ * (cudaHostRegister); wkr_gpu_host_unregister undoes it. MOE_EINVAL without
+ * CUDA or when the driver refuses. */
+moe_err wkr_gpu_host_register(void *p, size_t n);
+void wkr_gpu_host_unregister(void *p);
+/* wkr_gpu_pinned_alloc: n bytes of pinned host memory (plain malloc without
+ * CUDA); free with wkr_gpu_pinned_free. */
+void *wkr_gpu_pinned_alloc(size_t n);
+void wkr_gpu_pinned_free(void *p);
 /* wkr_gpu_attach makes the device objects of every layer of m and uploads
  * the host weights (train: with gradients). max_tokens bounds T per call. */
 moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train);
 void wkr_gpu_detach(wkr_model *m);
 
-/* layer mode (world == 1): the whole forward. y (T,H) float out; counts,
+/* layer mode (world == 1): the whole forward. x (T,H) of dtype xdt in, y
+ * (T,H) of dtype ydt out (host pageable or pinned, or device); counts,
  * dropped (E) out; aux and z losses out. */
-moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const float *x, float *y,
-                              int32_t *counts, int32_t *dropped, float *aux, float *z, int train);
+moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const void *x, moe_dtype xdt, void *y,
+                              moe_dtype ydt, int32_t *counts, int32_t *dropped, float *aux,
+                              float *z, int train);
 /* layer mode backward for the train forward whose x (T,H) is given: the
  * forward is recomputed when the device holds another one's state. */
 moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
@@ -50,9 +61,9 @@ moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, cons
  * (E) this rank's routed slots, probs_sum (E) and z_sum its router sums,
  * a2a_bytes sent to other ranks. An exchange failure aborts the NCCL
  * communicator and returns MOE_EUNAVAIL. */
-moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const float *x, float *y,
-                           int32_t *counts, double *probs_sum, double *z_sum, uint64_t *a2a_bytes,
-                           int train);
+moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
+                           void *y, moe_dtype ydt, int32_t *counts, double *probs_sum,
+                           double *z_sum, uint64_t *a2a_bytes, int train);
 /* backward of the train forward `handle` whose x (T,H) is given (the
  * forward is recomputed, collectively, when the devices hold another). */
 moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,

@@ -24,6 +24,14 @@ static const cfg_entry worker_cfg[] = {
      "RPC address the coordinator calls (port 0 = any)"},
     {"data", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.data_url_cfg,
      "exchange address other workers dial (port 0 = any)"},
+    {"client-listen", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.client_url_cfg,
+     "data plane: address clients send token rows to (port 0 = any; \"off\" = none)"},
+    {"data-wait-ms", CFG_INT, "10000", 1, 3600000, &W.data_wait_ms,
+     "data plane: how long a job waits for a client's rows to arrive"},
+    {"data-staged-mb", CFG_INT, "4096", 1, 1 << 20, &W.data_staged_mb,
+     "data plane: rows received inline and not yet asked for, MiB (beyond: busy)"},
+    {"shm-max-mb", CFG_INT, "65536", 0, 1 << 24, &W.shm_max_mb,
+     "data plane: clients' shared-memory regions mapped here, MiB (0 = no shared memory)"},
     {"backend", CFG_STR, "auto", 0, 0, W.backend_cfg, "auto | cpu | cuda"},
     {"device", CFG_INT, "0", 0, 1024, &W.device_index, "CUDA device this worker uses"},
     {"gpu-max-tokens", CFG_INT, "16384", 1, 1 << 24, &W.gpu_max_tokens,
@@ -147,7 +155,11 @@ static void send_register(wkr *w)
 {
     mp_writer pw;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 5);
+    mp_write_map(&pw, 7);
+    mp_write_cstr(&pw, "client_url");
+    mp_write_cstr(&pw, w->client_url);
+    mp_write_cstr(&pw, "host");
+    mp_write_cstr(&pw, w->host_id);
     mp_write_cstr(&pw, "rpc_url");
     mp_write_cstr(&pw, w->rpc_url);
     mp_write_cstr(&pw, "data_url");
@@ -204,6 +216,27 @@ static void on_request(rpc_call *c, void *arg)
         return;
     }
     wkr_enqueue(w, c);
+}
+
+static void on_data_request(rpc_call *c, void *arg)
+{
+    dp_on_request(arg, c);
+}
+
+/* read_host_id: the kernel's boot id names this host for the data plane
+ * (clients with the same one may use shared memory); else the hostname. */
+static void read_host_id(char *out, size_t len)
+{
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    out[0] = 0;
+    if (f) {
+        if (!fgets(out, (int)len, f))
+            out[0] = 0;
+        fclose(f);
+    }
+    out[strcspn(out, "\n")] = 0;
+    if (!out[0] && gethostname(out, len) != 0)
+        snprintf(out, len, "unknown");
 }
 
 static void on_signal(uv_signal_t *h, int sig)
@@ -270,17 +303,29 @@ int main(int argc, char **argv)
         LOG_E("cannot listen on data address %s", W.data_url_cfg);
         return 1;
     }
-    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W};
+    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL};
     if (rpcsrv_open(W.loop, &o, &W.srv, W.rpc_url, sizeof(W.rpc_url)) != MOE_OK)
         return 1;
-    moe_client_opts co = {0, 0, W.auth_token[0] ? W.auth_token : NULL};
+    read_host_id(W.host_id, sizeof(W.host_id));
+    dp_open(&W.dp, W.loop, (size_t)W.data_staged_mb << 20, (size_t)W.shm_max_mb << 20,
+            W.auth_token);
+    W.dp.gpu_register = W.use_gpu;
+    if (strcmp(W.client_url_cfg, "off") != 0) {
+        /* many contexts: a client's rows wait here, each holding one, until
+         * the coordinator's job for them runs */
+        rpcsrv_opts d = {W.client_url_cfg, 256,   (size_t)W.max_msg_mb << 20,
+                         on_data_request,  &W.dp, dp_on_pipe_closed};
+        if (rpcsrv_open(W.loop, &d, &W.dsrv, W.client_url, sizeof(W.client_url)) != MOE_OK)
+            return 1;
+    }
+    moe_client_opts co = {0, 0, W.auth_token[0] ? W.auth_token : NULL, "coordinator"};
     co.timeout_ms = (int)(W.heartbeat_ms * 4);
     if (moe_client_open(W.coord_url, &co, &W.coord) != MOE_OK) {
         LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());
         return 1;
     }
-    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s\n", (int)getpid(), W.backend,
-            W.device, W.rpc_url, W.data_url);
+    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s\n", (int)getpid(),
+            W.backend, W.device, W.rpc_url, W.data_url, W.client_url[0] ? W.client_url : "off");
     cfg_print(worker_cfg, NCFG, stderr);
 
     pthread_create(&W.compute_thread, NULL, wkr_compute_main, &W);
@@ -311,6 +356,9 @@ int main(int argc, char **argv)
     pthread_mutex_unlock(&W.qmu);
     pthread_join(W.compute_thread, NULL);
     rpcsrv_close(W.srv);
+    dp_close(&W.dp); /* answers the rows still waiting, before their server goes */
+    if (W.dsrv)
+        rpcsrv_close(W.dsrv);
     uv_close((uv_handle_t *)&W.hb_timer, NULL);
     /* register/heartbeat replies (or their failures when the client closes)
      * still arrive on nng threads: they must not ring a closed handle */

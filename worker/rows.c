@@ -46,8 +46,13 @@ void rows_write_tensor(mp_writer *w, moe_dtype dt, const float *x, int T, int H)
     mp_write_i64(w, H);
     mp_write_cstr(w, "data");
     unsigned char *dst = mp_writer_reserve_bin(w, (uint32_t)(n * moe_dtype_size(dt)));
-    if (!dst)
-        return;
+    if (dst)
+        rows_f32_to_dtype(x, dt, dst, n);
+}
+
+void rows_f32_to_dtype(const float *x, moe_dtype dt, void *out, size_t n)
+{
+    unsigned char *dst = out;
     if (dt == MOE_F32) {
         memcpy(dst, x, n * 4);
     } else if (dt == MOE_BF16) {

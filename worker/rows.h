@@ -42,6 +42,8 @@ static inline void rows_get(float *dst, const void *src, size_t n, int bf16)
 
 /* rows_tensor_to_f32 converts a wire tensor of any dtype into floats. */
 void rows_tensor_to_f32(const moe_tensor *t, float *out, size_t n);
+/* rows_f32_to_dtype writes n floats as dtype dt into dst (unaligned ok). */
+void rows_f32_to_dtype(const float *x, moe_dtype dt, void *dst, size_t n);
 /* rows_write_tensor writes {dtype, shape [T, H], data} from floats. */
 void rows_write_tensor(mp_writer *w, moe_dtype dt, const float *x, int T, int H);
 

@@ -16,6 +16,7 @@
 #include <uv.h>
 
 #include "config.h"
+#include "dataplane.h"
 #include "model_cfg.h"
 #include "params.h"
 #include "rpcsrv.h"
@@ -101,6 +102,7 @@ typedef struct wkr {
     char coord_url[CFG_STR_MAX];
     char listen_url[CFG_STR_MAX];
     char data_url_cfg[CFG_STR_MAX];
+    char client_url_cfg[CFG_STR_MAX]; /* data plane: where clients send rows */
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
@@ -150,6 +152,15 @@ typedef struct wkr {
     int replies_next;
     uint64_t cur_rid[2]; /* the request being run */
     long long max_handles, handle_ttl_ms;
+
+    /* data plane: rows straight from clients (dataplane.h) */
+    rpcsrv *dsrv;                 /* loop thread */
+    char client_url[CFG_STR_MAX]; /* bound */
+    char host_id[128];            /* this host's boot id */
+    long long data_wait_ms, data_staged_mb, shm_max_mb;
+    dp_table dp;
+    void *pin; /* pinned host buffer of the GPU paths (compute thread; wkr_pinned) */
+    size_t pin_bytes;
 } wkr;
 
 /* wkr_layer_params: layer l's parameters in m->params - the router, then
@@ -160,6 +171,9 @@ static inline wkr_param *wkr_layer_params(wkr_model *m, int l)
     return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
 }
 
+/* wkr_pinned returns the compute thread's pinned host buffer, grown to at
+ * least n bytes (plain memory without CUDA); NULL when out of memory. */
+void *wkr_pinned(wkr *w, size_t n);
 /* wkr_compute_main is the compute thread's body. */
 void *wkr_compute_main(void *arg);
 /* wkr_enqueue hands a call to the compute thread (loop thread). */

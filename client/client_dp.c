@@ -1,0 +1,859 @@
+/* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
+#include "client_dp.h"
+
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define DP_MAX_W   256
+#define DP_MAX_SHM 8
+#define DP_MIN_SHM ((size_t)1 << 20)
+
+/* dp_shm: one shared-memory buffer, attached to every worker of its map;
+ * a call uses [0, n) for its input rows and [n, 2n) for its output rows. */
+typedef struct dp_shm {
+    uint8_t *base; /* owned mapping */
+    size_t size;
+    int busy;         /* a call uses it (under dp->mu) */
+    uint64_t *region; /* (W) its region id at each worker */
+} dp_shm;
+
+/* dp_map: the workers of one cluster generation, and connections to them.
+ * Reference counted: calls hold it while they run; a refresh replaces it. */
+typedef struct dp_map {
+    int refs; /* under dp->mu */
+    int stale;
+    uint64_t gen;
+    int W;
+    int shm;          /* shared memory usable with every worker */
+    nng_socket *sock; /* (W) req0 sockets, one per worker */
+    int *up;          /* (W) live connections of each socket (atomic, nng threads) */
+    dp_shm bufs[DP_MAX_SHM];
+    int nbufs;
+} dp_map;
+
+struct moe_dp {
+    pthread_mutex_t mu;
+    dp_map *map;
+    int no_dp;      /* the coordinator has no data plane: use the coordinator path */
+    char host[128]; /* this host's boot id */
+    unsigned next_shm;
+};
+
+moe_err moe_dp_parse_path(const char *s, int *out)
+{
+    if (!s || !*s || strcmp(s, "auto") == 0)
+        *out = MOE_PATH_AUTO;
+    else if (strcmp(s, "coordinator") == 0)
+        *out = MOE_PATH_COORD;
+    else if (strcmp(s, "socket") == 0)
+        *out = MOE_PATH_SOCKET;
+    else if (strcmp(s, "shm") == 0)
+        *out = MOE_PATH_SHM;
+    else
+        return MOE_EINVAL;
+    return MOE_OK;
+}
+
+/* sweep_dead_segments unlinks /dev/shm/moe-<pid>-* of processes that are
+ * gone: a client killed between creating a segment and unlinking it (the
+ * workers attach by name) leaves nothing behind for long. */
+static void sweep_dead_segments(void)
+{
+    DIR *d = opendir("/dev/shm");
+    struct dirent *de;
+    if (!d)
+        return;
+    while ((de = readdir(d))) {
+        long pid;
+        char name[300];
+        if (strncmp(de->d_name, "moe-", 4) != 0 || sscanf(de->d_name + 4, "%ld-", &pid) != 1 ||
+            pid <= 0)
+            continue;
+        if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) {
+            snprintf(name, sizeof(name), "/%s", de->d_name);
+            shm_unlink(name);
+        }
+    }
+    closedir(d);
+}
+
+struct moe_dp *moe_dp_new(void)
+{
+    struct moe_dp *dp = calloc(1, sizeof(*dp));
+    if (!dp)
+        return NULL;
+    pthread_mutex_init(&dp->mu, NULL);
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        if (!fgets(dp->host, sizeof(dp->host), f))
+            dp->host[0] = 0;
+        fclose(f);
+    }
+    dp->host[strcspn(dp->host, "\n")] = 0;
+    if (!dp->host[0] && gethostname(dp->host, sizeof(dp->host)) != 0)
+        dp->host[0] = 0;
+    sweep_dead_segments();
+    return dp;
+}
+
+static void shm_free(dp_shm *b)
+{
+    if (b->base)
+        munmap(b->base, b->size);
+    free(b->region);
+    memset(b, 0, sizeof(*b));
+}
+
+/* map_free closes the connections (the workers drop the regions of a
+ * closed connection) and unmaps the buffers. */
+static void map_free(dp_map *m)
+{
+    if (!m)
+        return;
+    for (int r = 0; m->sock && r < m->W; r++)
+        nng_close(m->sock[r]);
+    for (int i = 0; i < m->nbufs; i++)
+        shm_free(&m->bufs[i]);
+    free(m->sock);
+    free(m->up);
+    free(m);
+}
+
+void moe_dp_free(struct moe_dp *dp)
+{
+    if (!dp)
+        return;
+    map_free(dp->map);
+    pthread_mutex_destroy(&dp->mu);
+    free(dp);
+}
+
+static void map_put(struct moe_dp *dp, dp_map *m)
+{
+    pthread_mutex_lock(&dp->mu);
+    int last = --m->refs == 0;
+    pthread_mutex_unlock(&dp->mu);
+    if (last)
+        map_free(m);
+}
+
+/* ---- one request on a worker connection ---- */
+
+/* dp_req: an in-flight request on one worker's socket. */
+typedef struct dp_req {
+    nng_ctx ctx;
+    nng_aio *aio;
+    int open, sent;
+    uint32_t msgid;
+    nng_msg *reply; /* owned once received */
+} dp_req;
+
+static moe_err from_nng(int rv)
+{
+    switch (rv) {
+    case 0: return MOE_OK;
+    case NNG_ETIMEDOUT: return MOE_ETIMEDOUT;
+    case NNG_ENOMEM: return MOE_ENOMEM;
+    case NNG_ECLOSED: return MOE_ECLOSED;
+    case NNG_EMSGSIZE: return MOE_ETOOBIG;
+    default: return MOE_EUNAVAIL;
+    }
+}
+
+/* req_start sends m (owned from here) on sock; the reply is awaited by
+ * req_finish. */
+static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
+{
+    int rv;
+    memset(q, 0, sizeof(*q));
+    if ((rv = nng_ctx_open(&q->ctx, sock)) != 0) {
+        nng_msg_free(m);
+        return from_nng(rv);
+    }
+    if ((rv = nng_aio_alloc(&q->aio, NULL, NULL)) != 0) {
+        nng_ctx_close(q->ctx);
+        nng_msg_free(m);
+        return from_nng(rv);
+    }
+    q->open = 1;
+    nng_aio_set_timeout(q->aio, timeout_ms);
+    nng_aio_set_msg(q->aio, m);
+    nng_ctx_send(q->ctx, q->aio);
+    q->sent = 1;
+    return MOE_OK;
+}
+
+/* req_finish waits for the reply (q->reply) and parses its envelope into
+ * resp. Returns the transport's or the server's error (message in msg). */
+static moe_err req_finish(dp_req *q, int abort, moe_rpc_response *resp, char *msg, size_t msglen)
+{
+    int rv;
+    moe_err e;
+    mp_errbuf eb = {{0}};
+    if (!q->open)
+        return MOE_EINTERNAL;
+    if (abort)
+        nng_aio_cancel(q->aio);
+    nng_aio_wait(q->aio);
+    if ((rv = nng_aio_result(q->aio)) != 0) {
+        nng_msg_free(nng_aio_get_msg(q->aio));
+        snprintf(msg, msglen, "sending rows to a worker: %s", nng_strerror(rv));
+        return from_nng(rv);
+    }
+    if (abort) {
+        snprintf(msg, msglen, "the worker's connection is down");
+        return MOE_EUNAVAIL;
+    }
+    nng_ctx_recv(q->ctx, q->aio);
+    nng_aio_wait(q->aio);
+    if ((rv = nng_aio_result(q->aio)) != 0) {
+        snprintf(msg, msglen, "waiting for a worker's rows: %s", nng_strerror(rv));
+        return from_nng(rv);
+    }
+    q->reply = nng_aio_get_msg(q->aio);
+    e = moe_rpc_parse_response(nng_msg_body(q->reply), nng_msg_len(q->reply), resp, &eb);
+    if (e != MOE_OK) {
+        snprintf(msg, msglen, "malformed answer from a worker: %s", eb.msg);
+        return MOE_EPROTO;
+    }
+    if (resp->msgid != q->msgid) {
+        snprintf(msg, msglen, "answer msgid %u for request %u", resp->msgid, q->msgid);
+        return MOE_EPROTO;
+    }
+    if (resp->err != MOE_OK) {
+        snprintf(msg, msglen, "%.*s", (int)resp->errmsg_len, resp->errmsg);
+        return resp->err;
+    }
+    return MOE_OK;
+}
+
+static void req_close(dp_req *q)
+{
+    if (q->reply)
+        nng_msg_free(q->reply);
+    if (q->open) {
+        nng_aio_free(q->aio);
+        nng_ctx_close(q->ctx);
+    }
+    memset(q, 0, sizeof(*q));
+}
+
+/* msg_from_writer copies w (a complete request) plus `extra` bytes into a
+ * new message: the rows go from the caller's memory into the message once. */
+static moe_err msg_from_writer(const mp_writer *w, const void *extra, size_t extra_len,
+                               nng_msg **out)
+{
+    nng_msg *m;
+    if (w->failed || nng_msg_alloc(&m, w->len + extra_len) != 0)
+        return MOE_ENOMEM;
+    memcpy(nng_msg_body(m), w->buf, w->len);
+    if (extra_len)
+        memcpy((uint8_t *)nng_msg_body(m) + w->len, extra, extra_len);
+    *out = m;
+    return MOE_OK;
+}
+
+/* sync_call: method {params pairs} on one worker, waiting for the answer;
+ * the result reader is valid until req_close. */
+static moe_err sync_call(moe_client *c, nng_socket sock, const char *method, const mp_writer *pairs,
+                         uint32_t npairs, dp_req *q, moe_rpc_response *resp, char *msg,
+                         size_t msglen)
+{
+    mp_writer w;
+    nng_msg *m;
+    uint32_t msgid = moe__next_msgid(c);
+    const char *auth = moe__auth(c);
+    mp_writer_init(&w);
+    moe_rpc_write_request_head(&w, msgid, method);
+    mp_write_map(&w, npairs + (auth ? 1 : 0));
+    if (auth) {
+        mp_write_cstr(&w, "auth");
+        mp_write_cstr(&w, auth);
+    }
+    moe_err e = msg_from_writer(&w, pairs->buf, pairs->len, &m);
+    mp_writer_fini(&w);
+    if (e != MOE_OK)
+        return e;
+    e = req_start(q, sock, m, moe__timeout_ms(c));
+    q->msgid = msgid;
+    if (e == MOE_OK)
+        e = req_finish(q, 0, resp, msg, msglen);
+    return e;
+}
+
+/* ---- the worker map ---- */
+
+static moe_err read_str_key(mp_reader *r, const char *key, char *out, size_t len)
+{
+    uint32_t n;
+    if (mp_read_map(r, &n, NULL) != MOE_OK)
+        return MOE_EPROTO;
+    out[0] = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k, *v;
+        uint32_t kl, vl;
+        if (mp_read_str(r, &k, &kl, NULL) != MOE_OK)
+            return MOE_EPROTO;
+        if (mp_str_eq(k, kl, key) && mp_peek(r) == MP_STR) {
+            if (mp_read_str(r, &v, &vl, NULL) != MOE_OK || vl >= len)
+                return MOE_EPROTO;
+            memcpy(out, v, vl);
+            out[vl] = 0;
+        } else if (mp_skip(r, NULL) != MOE_OK) {
+            return MOE_EPROTO;
+        }
+    }
+    return MOE_OK;
+}
+
+/* on_pipe counts a socket's live connections (nng thread). */
+static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg)
+{
+    (void)p;
+    __atomic_add_fetch((int *)arg, ev == NNG_PIPE_EV_ADD_POST ? 1 : -1, __ATOMIC_RELAXED);
+}
+
+/* map_load asks the coordinator for the worker map and dials the workers.
+ * MOE_ENOMETHOD: no data plane here; MOE_EUNAVAIL: not ready. */
+static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
+{
+    moe_reply r;
+    moe_err e = moe_call(c, "dataplane.info", NULL, 0, &r);
+    if (e != MOE_OK) {
+        /* no answer at all: the caller's error; any answer but the map (an
+         * older coordinator, an error): the coordinator path */
+        int transport = r.transport;
+        moe_reply_free(&r);
+        return transport ? e : MOE_ENOMETHOD;
+    }
+    mp_reader rd, rw;
+    uint32_t n, W = 0;
+    int64_t gen = -1;
+    bool ready = false, direct = false;
+    int have_workers = 0;
+    mp_reader_init(&rd, r.buf + r.result_off, r.len - r.result_off);
+    e = mp_read_map(&rd, &n, NULL);
+    for (uint32_t i = 0; e == MOE_OK && i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if ((e = mp_read_str(&rd, &k, &kl, NULL)) != MOE_OK)
+            break;
+        if (mp_str_eq(k, kl, "generation"))
+            e = mp_read_i64(&rd, &gen, NULL);
+        else if (mp_str_eq(k, kl, "ready"))
+            e = mp_read_bool(&rd, &ready, NULL);
+        else if (mp_str_eq(k, kl, "direct"))
+            e = mp_read_bool(&rd, &direct, NULL);
+        else if (mp_str_eq(k, kl, "workers")) {
+            rw = rd;
+            have_workers = 1;
+            e = mp_read_array(&rd, &W, NULL) == MOE_OK ? MOE_OK : MOE_EPROTO;
+            rd = rw;
+            if (e == MOE_OK)
+                e = mp_skip(&rd, NULL);
+        } else
+            e = mp_skip(&rd, NULL);
+    }
+    if (e != MOE_OK || gen < 0 || !have_workers || W > DP_MAX_W) {
+        moe_reply_free(&r);
+        return MOE_ENOMETHOD; /* not a map this client understands */
+    }
+    if (!ready || W == 0) {
+        moe_reply_free(&r);
+        return MOE_EUNAVAIL;
+    }
+    if (!direct) {
+        moe_reply_free(&r);
+        return MOE_ENOMETHOD;
+    }
+    dp_map *m = calloc(1, sizeof(*m));
+    if (!m || !(m->sock = calloc(W, sizeof(nng_socket))) || !(m->up = calloc(W, sizeof(int)))) {
+        if (m)
+            free(m->sock);
+        free(m);
+        moe_reply_free(&r);
+        return MOE_ENOMEM;
+    }
+    m->refs = 1;
+    m->gen = (uint64_t)gen;
+    m->shm = moe__data_path(c) != MOE_PATH_SOCKET;
+    uint32_t nw;
+    mp_read_array(&rw, &nw, NULL);
+    for (uint32_t q = 0; q < W; q++) {
+        char url[512], host[128];
+        mp_reader one = rw, one2 = rw;
+        if (read_str_key(&one, "url", url, sizeof(url)) != MOE_OK ||
+            read_str_key(&one2, "host", host, sizeof(host)) != MOE_OK ||
+            mp_skip(&rw, NULL) != MOE_OK) {
+            e = MOE_EPROTO;
+            break;
+        }
+        if (!host[0] || strcmp(host, dp->host) != 0)
+            m->shm = 0;
+        int rv = nng_req0_open(&m->sock[q]);
+        if (rv != 0) {
+            e = MOE_EINTERNAL;
+            break;
+        }
+        m->W = (int)q + 1;
+        nng_pipe_notify(m->sock[q], NNG_PIPE_EV_ADD_POST, on_pipe, &m->up[q]);
+        nng_pipe_notify(m->sock[q], NNG_PIPE_EV_REM_POST, on_pipe, &m->up[q]);
+        nng_socket_set_ms(m->sock[q], NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
+        nng_socket_set_size(m->sock[q], NNG_OPT_RECVMAXSZ, moe__max_msg(c));
+        nng_socket_set_ms(m->sock[q], NNG_OPT_RECONNMINT, 20);
+        nng_socket_set_ms(m->sock[q], NNG_OPT_RECONNMAXT, 500);
+        if ((rv = nng_dial(m->sock[q], url, NULL, NNG_FLAG_NONBLOCK)) != 0) {
+            moe__set_error("cannot dial worker %u at %s: %s", q, url, nng_strerror(rv));
+            e = MOE_EUNAVAIL;
+            break;
+        }
+    }
+    moe_reply_free(&r);
+    if (e != MOE_OK) {
+        map_free(m);
+        return e;
+    }
+    if (moe__data_path(c) == MOE_PATH_SHM && !m->shm) {
+        moe__set_error("data path shm: a worker is on another host");
+        map_free(m);
+        return MOE_EINVAL;
+    }
+    m->W = (int)W;
+    *out = m;
+    return MOE_OK;
+}
+
+/* map_get returns the current map with a reference (loading it if needed). */
+static moe_err map_get(moe_client *c, struct moe_dp *dp, dp_map **out)
+{
+    pthread_mutex_lock(&dp->mu);
+    dp_map *m = dp->map;
+    if (m && !m->stale) {
+        m->refs++;
+        pthread_mutex_unlock(&dp->mu);
+        *out = m;
+        return MOE_OK;
+    }
+    pthread_mutex_unlock(&dp->mu);
+    dp_map *fresh = NULL;
+    moe_err e = map_load(c, dp, &fresh);
+    if (e != MOE_OK)
+        return e;
+    pthread_mutex_lock(&dp->mu);
+    dp_map *old = dp->map;
+    dp->map = fresh;
+    fresh->refs++; /* the caller's */
+    int last = old && --old->refs == 0;
+    pthread_mutex_unlock(&dp->mu);
+    if (last)
+        map_free(old);
+    *out = fresh;
+    return MOE_OK;
+}
+
+static void map_mark_stale(struct moe_dp *dp, dp_map *m)
+{
+    pthread_mutex_lock(&dp->mu);
+    m->stale = 1;
+    pthread_mutex_unlock(&dp->mu);
+}
+
+/* ---- shared memory ---- */
+
+/* shm_create makes a segment of size bytes, attaches it to every worker of
+ * m and unlinks its name (the mappings keep it alive). */
+static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t size, dp_shm *b)
+{
+    char name[96];
+    memset(b, 0, sizeof(*b));
+    snprintf(name, sizeof(name), "/moe-%ld-%016llx-%u", (long)getpid(),
+             (unsigned long long)moe_client_id(c), __atomic_add_fetch(&dp->next_shm, 1, 0));
+    int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0)
+        return MOE_EIO;
+    /* reserve the pages now: a full /dev/shm fails here, not as SIGBUS later */
+    if (ftruncate(fd, (off_t)size) != 0 || posix_fallocate(fd, 0, (off_t)size) != 0) {
+        close(fd);
+        shm_unlink(name);
+        return MOE_ENOMEM;
+    }
+    b->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    b->region = calloc((size_t)m->W, sizeof(uint64_t));
+    if (b->base == MAP_FAILED || !b->region) {
+        if (b->base != MAP_FAILED)
+            munmap(b->base, size);
+        b->base = NULL;
+        free(b->region);
+        shm_unlink(name);
+        return MOE_ENOMEM;
+    }
+    b->size = size;
+    moe_err e = MOE_OK;
+    for (int q = 0; q < m->W && e == MOE_OK; q++) {
+        mp_writer p;
+        dp_req rq;
+        moe_rpc_response resp;
+        char msg[300];
+        mp_writer_init(&p);
+        mp_write_cstr(&p, "name");
+        mp_write_cstr(&p, name);
+        mp_write_cstr(&p, "size");
+        mp_write_u64(&p, size);
+        e = sync_call(c, m->sock[q], "data.shm_attach", &p, 2, &rq, &resp, msg, sizeof(msg));
+        mp_writer_fini(&p);
+        if (e == MOE_OK) {
+            uint32_t n;
+            mp_reader rd = resp.result;
+            e = MOE_EPROTO;
+            if (mp_read_map(&rd, &n, NULL) == MOE_OK)
+                for (uint32_t i = 0; i < n; i++) {
+                    const char *k;
+                    uint32_t kl;
+                    if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+                        break;
+                    if (mp_str_eq(k, kl, "region")) {
+                        if (mp_read_u64(&rd, &b->region[q], NULL) == MOE_OK)
+                            e = MOE_OK;
+                    } else if (mp_skip(&rd, NULL) != MOE_OK)
+                        break;
+                }
+        } else {
+            moe__set_error("data.shm_attach on worker %d: %s", q, msg);
+        }
+        req_close(&rq);
+    }
+    shm_unlink(name);
+    if (e != MOE_OK)
+        shm_free(b); /* the workers drop what they mapped when the map goes */
+    return e;
+}
+
+/* shm_get: a free buffer of at least need bytes (busy on return), or NULL. */
+static dp_shm *shm_get(moe_client *c, struct moe_dp *dp, dp_map *m, size_t need)
+{
+    pthread_mutex_lock(&dp->mu);
+    dp_shm *best = NULL;
+    for (int i = 0; i < m->nbufs; i++)
+        if (!m->bufs[i].busy && m->bufs[i].size >= need && (!best || m->bufs[i].size < best->size))
+            best = &m->bufs[i];
+    if (best || m->nbufs == DP_MAX_SHM || !m->shm) {
+        if (best)
+            best->busy = 1;
+        pthread_mutex_unlock(&dp->mu);
+        return best;
+    }
+    dp_shm *b = &m->bufs[m->nbufs++];
+    b->busy = 1; /* reserved while it is made */
+    pthread_mutex_unlock(&dp->mu);
+    size_t size = DP_MIN_SHM;
+    while (size < need)
+        size *= 2;
+    dp_shm made;
+    moe_err e = shm_create(c, dp, m, size, &made);
+    pthread_mutex_lock(&dp->mu);
+    if (e == MOE_OK) {
+        *b = made;
+        b->busy = 1;
+    } else {
+        m->shm = 0;  /* shared memory does not work here: the socket path */
+        b->busy = 1; /* an empty slot never handed out */
+        b->size = 0;
+        b = NULL;
+    }
+    pthread_mutex_unlock(&dp->mu);
+    return b;
+}
+
+static void shm_put(struct moe_dp *dp, dp_shm *b)
+{
+    if (!b)
+        return;
+    pthread_mutex_lock(&dp->mu);
+    b->busy = 0;
+    pthread_mutex_unlock(&dp->mu);
+}
+
+/* shm_drop retires a buffer a worker might still write into: unmapped here
+ * (the worker's mapping keeps its pages), its slot never handed out again. */
+static void shm_drop(struct moe_dp *dp, dp_shm *b)
+{
+    pthread_mutex_lock(&dp->mu);
+    shm_free(b);
+    b->busy = 1;
+    pthread_mutex_unlock(&dp->mu);
+}
+
+/* ---- one call ---- */
+
+static int64_t shard_first(int64_t T, int W, int r)
+{
+    return T * r / W;
+}
+
+/* read_y checks a data.rows answer's y (rows,H) of dtype dt: inline bytes
+ * are copied to out; a region answer must name (region, y_off). */
+static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
+                      uint64_t region, uint64_t y_off)
+{
+    uint32_t n, m;
+    if (mp_read_map(rd, &n, NULL) != MOE_OK || n != 1)
+        return MOE_EPROTO;
+    const char *k;
+    uint32_t kl;
+    if (mp_read_str(rd, &k, &kl, NULL) != MOE_OK || !mp_str_eq(k, kl, "y") ||
+        mp_read_map(rd, &m, NULL) != MOE_OK)
+        return MOE_EPROTO;
+    size_t nbytes = (size_t)rows * (size_t)H * moe_dtype_size(dt);
+    int got_data = 0, got_region = 0, got_shape = 0;
+    uint64_t rg = 0, off = 0;
+    for (uint32_t i = 0; i < m; i++) {
+        if (mp_read_str(rd, &k, &kl, NULL) != MOE_OK)
+            return MOE_EPROTO;
+        if (mp_str_eq(k, kl, "dtype")) {
+            const char *v;
+            uint32_t vl;
+            moe_dtype got;
+            if (mp_read_str(rd, &v, &vl, NULL) != MOE_OK ||
+                moe_dtype_parse(v, vl, &got) != MOE_OK || got != dt)
+                return MOE_EPROTO;
+        } else if (mp_str_eq(k, kl, "shape")) {
+            uint32_t nd;
+            int64_t a, b;
+            if (mp_read_array(rd, &nd, NULL) != MOE_OK || nd != 2 ||
+                mp_read_i64(rd, &a, NULL) != MOE_OK || mp_read_i64(rd, &b, NULL) != MOE_OK ||
+                a != rows || b != H)
+                return MOE_EPROTO;
+            got_shape = 1;
+        } else if (mp_str_eq(k, kl, "data")) {
+            const void *d;
+            uint32_t dl;
+            if (mp_read_bin(rd, &d, &dl, NULL) != MOE_OK || dl != nbytes || region)
+                return MOE_EPROTO;
+            memcpy(out, d, nbytes);
+            got_data = 1;
+        } else if (mp_str_eq(k, kl, "region")) {
+            if (mp_read_u64(rd, &rg, NULL) != MOE_OK)
+                return MOE_EPROTO;
+            got_region = 1;
+        } else if (mp_str_eq(k, kl, "offset")) {
+            if (mp_read_u64(rd, &off, NULL) != MOE_OK)
+                return MOE_EPROTO;
+        } else if (mp_skip(rd, NULL) != MOE_OK) {
+            return MOE_EPROTO;
+        }
+    }
+    if (!got_shape)
+        return MOE_EPROTO;
+    if (region)
+        return got_region && rg == region && off == y_off ? MOE_OK : MOE_EPROTO;
+    return got_data ? MOE_OK : MOE_EPROTO;
+}
+
+/* send_cancel asks worker q to drop the ticket's rows (best effort). */
+static void send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t seq)
+{
+    mp_writer p;
+    dp_req rq;
+    moe_rpc_response resp;
+    char msg[300];
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "ticket");
+    mp_write_array(&p, 2);
+    mp_write_u64(&p, cid);
+    mp_write_u64(&p, seq);
+    sync_call(c, m->sock[q], "data.cancel", &p, 1, &rq, &resp, msg, sizeof(msg));
+    mp_writer_fini(&p);
+    req_close(&rq);
+}
+
+/* one attempt on map m; *stale set when the coordinator says the map is old */
+static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
+                          const void *ctl_pairs, size_t ctl_len, uint32_t nctl, moe_dtype dt,
+                          const void *in, int64_t T, int64_t H, void *out, moe_reply *ctl,
+                          int *stale)
+{
+    const int W = m->W;
+    const size_t es = moe_dtype_size(dt), nbytes = (size_t)T * (size_t)H * es;
+    const uint64_t cid = moe_client_id(c), seq = moe__next_msgid(c);
+    const char *auth = moe__auth(c);
+    dp_req *rq = calloc((size_t)W, sizeof(dp_req));
+    moe_err e = MOE_OK, derr = MOE_OK;
+    char dmsg[400] = "";
+    if (!rq)
+        return MOE_ENOMEM;
+    dp_shm *b = nbytes ? shm_get(c, dp, m, 2 * nbytes) : NULL;
+    if (!b && moe__data_path(c) == MOE_PATH_SHM && nbytes) {
+        free(rq);
+        moe__set_error("%s: no shared-memory buffer could be made (see the workers' logs)", method);
+        return MOE_ENOMEM;
+    }
+    if (b)
+        memcpy(b->base, in, nbytes);
+    /* 1. the rows, to their workers (rank r gets rows [T*r/W, T*(r+1)/W)) */
+    for (int q = 0; q < W && e == MOE_OK; q++) {
+        int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
+        if (rows == 0)
+            continue;
+        size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
+        mp_writer w;
+        nng_msg *msg;
+        uint32_t msgid = moe__next_msgid(c);
+        mp_writer_init(&w);
+        moe_rpc_write_request_head(&w, msgid, "data.rows");
+        mp_write_map(&w, (b ? 7u : 3u) + (auth ? 1u : 0u));
+        if (auth) {
+            mp_write_cstr(&w, "auth");
+            mp_write_cstr(&w, auth);
+        }
+        mp_write_cstr(&w, "ticket");
+        mp_write_array(&w, 2);
+        mp_write_u64(&w, cid);
+        mp_write_u64(&w, seq);
+        mp_write_cstr(&w, "deadline_ms");
+        mp_write_i64(&w, moe__timeout_ms(c));
+        if (b) {
+            mp_write_cstr(&w, "dtype");
+            mp_write_cstr(&w, moe_dtype_name(dt));
+            mp_write_cstr(&w, "shape");
+            mp_write_array(&w, 2);
+            mp_write_i64(&w, rows);
+            mp_write_i64(&w, H);
+            mp_write_cstr(&w, "region");
+            mp_write_u64(&w, b->region[q]);
+            mp_write_cstr(&w, "x_offset");
+            mp_write_u64(&w, off);
+            mp_write_cstr(&w, "y_offset");
+            mp_write_u64(&w, nbytes + off);
+            e = msg_from_writer(&w, NULL, 0, &msg);
+        } else {
+            mp_write_cstr(&w, "x");
+            mp_write_map(&w, 3);
+            mp_write_cstr(&w, "dtype");
+            mp_write_cstr(&w, moe_dtype_name(dt));
+            mp_write_cstr(&w, "shape");
+            mp_write_array(&w, 2);
+            mp_write_i64(&w, rows);
+            mp_write_i64(&w, H);
+            mp_write_cstr(&w, "data");
+            mp_write_bin_head(&w, (uint32_t)n);
+            e = msg_from_writer(&w, (const uint8_t *)in + off, n, &msg);
+        }
+        mp_writer_fini(&w);
+        if (e == MOE_OK)
+            e = req_start(&rq[q], m->sock[q], msg, moe__timeout_ms(c));
+        rq[q].msgid = msgid;
+    }
+    /* 2. the control call: the coordinator orders the job and names the
+     * ticket to every worker */
+    if (e == MOE_OK) {
+        mp_writer p;
+        mp_writer_init(&p);
+        mp_write_map(&p, nctl + 1);
+        if (ctl_len)
+            mp_write_raw(&p, ctl_pairs, ctl_len);
+        mp_write_cstr(&p, "direct");
+        mp_write_map(&p, 5);
+        mp_write_cstr(&p, "H");
+        mp_write_i64(&p, H);
+        mp_write_cstr(&p, "ticket");
+        mp_write_array(&p, 2);
+        mp_write_u64(&p, cid);
+        mp_write_u64(&p, seq);
+        mp_write_cstr(&p, "generation");
+        mp_write_u64(&p, m->gen);
+        mp_write_cstr(&p, "dtype");
+        mp_write_cstr(&p, moe_dtype_name(dt));
+        mp_write_cstr(&p, "T");
+        mp_write_i64(&p, T);
+        e = p.failed ? MOE_ENOMEM : moe_call(c, method, p.buf, p.len, ctl);
+        mp_writer_fini(&p);
+        if (e != MOE_OK && strstr(ctl->message, "dataplane.info"))
+            *stale = 1;
+    }
+    /* 3. the answers: the rows back from each worker (always awaited: a
+     * worker may still write into our buffer until it has answered) */
+    int poisoned = 0;
+    for (int q = 0; q < W; q++) {
+        if (!rq[q].open)
+            continue;
+        /* the job failed: a live worker drops the rows (data.cancel); for
+         * one whose connection is down nothing will come - stop waiting,
+         * and never reuse a shared buffer it may still write */
+        int down = e != MOE_OK && __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0;
+        if (e != MOE_OK && !down)
+            send_cancel(c, m, q, cid, seq);
+        poisoned |= down;
+        moe_rpc_response resp;
+        char msg[400];
+        int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
+        size_t off = (size_t)a * (size_t)H * es;
+        moe_err qe = req_finish(&rq[q], down, &resp, msg, sizeof(msg));
+        if (qe == MOE_OK) {
+            mp_reader rd = resp.result;
+            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, b ? b->region[q] : 0, nbytes + off);
+            if (qe != MOE_OK)
+                snprintf(msg, sizeof(msg), "malformed rows from worker %d", q);
+        }
+        if (qe != MOE_OK && derr == MOE_OK) {
+            derr = qe;
+            snprintf(dmsg, sizeof(dmsg), "worker rank %d: %s", q, msg);
+        }
+        req_close(&rq[q]);
+    }
+    free(rq);
+    if (e == MOE_OK && derr != MOE_OK) {
+        e = derr;
+        moe__set_error("%s: %s: %s", method, moe_err_code(e), dmsg);
+        snprintf(ctl->message, sizeof(ctl->message), "%s", dmsg);
+    }
+    if (e == MOE_OK && b)
+        memcpy(out, b->base + nbytes, nbytes);
+    if (poisoned && b)
+        shm_drop(dp, b);
+    else
+        shm_put(dp, b);
+    return e;
+}
+
+moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, size_t ctl_len,
+                    uint32_t nctl, moe_dtype dt, const void *in, int64_t T, int64_t H, void *out,
+                    moe_reply *ctl)
+{
+    struct moe_dp *dp = moe__dp(c);
+    memset(ctl, 0, sizeof(*ctl));
+    if (!dp)
+        return MOE_ENOMEM;
+    if (dp->no_dp && moe__data_path(c) == MOE_PATH_AUTO)
+        return MOE_ENOMETHOD;
+    for (int attempt = 0;; attempt++) {
+        dp_map *m = NULL;
+        moe_err e = map_get(c, dp, &m);
+        if (e == MOE_ENOMETHOD && moe__data_path(c) == MOE_PATH_AUTO)
+            dp->no_dp = 1;
+        if (e == MOE_ENOMETHOD || e == MOE_EUNAVAIL)
+            return moe__data_path(c) == MOE_PATH_AUTO ? MOE_ENOMETHOD : e;
+        if (e != MOE_OK)
+            return e;
+        int stale = 0;
+        e = dp_attempt(c, dp, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, &stale);
+        if (stale || e == MOE_EUNAVAIL)
+            map_mark_stale(dp, m); /* a worker went away: ask for the map again */
+        map_put(dp, m);
+        if (!stale || attempt == 1)
+            return e;
+        moe_reply_free(ctl);
+        memset(ctl, 0, sizeof(*ctl));
+    }
+}

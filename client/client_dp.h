@@ -1,0 +1,46 @@
+/*
+ * client_dp.h - libmoe's side of the data plane (internal): forward and
+ * backward send their rows straight to the workers (data.rows), the
+ * control call to the coordinator carries only a ticket. The worker map
+ * comes from the coordinator's dataplane.info and is refreshed when the
+ * cluster re-forms. docs/PROTOCOL.md ("Data plane") has the bytes.
+ */
+#ifndef MOE_CLIENT_DP_H
+#define MOE_CLIENT_DP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe.h"
+#include "proto.h"
+
+enum { MOE_PATH_AUTO = 0, MOE_PATH_COORD, MOE_PATH_SOCKET, MOE_PATH_SHM };
+
+struct moe_dp;
+
+/* moe_dp_parse_path: NULL or "" = auto. MOE_EINVAL for another name. */
+moe_err moe_dp_parse_path(const char *s, int *out);
+struct moe_dp *moe_dp_new(void);
+/* moe_dp_free closes the worker connections and unmaps shared buffers. */
+void moe_dp_free(struct moe_dp *dp);
+
+/* moe_dp_call runs one forward or backward over the data plane.
+ * method "forward" or "backward"; ctl_head: the control params map's pairs
+ * already encoded (nctl of them) without x/dy; in (T,H) of dtype dt is sent,
+ * out (T,H) receives y / dx. On success the coordinator's reply is in *ctl
+ * (free with moe_reply_free). Returns MOE_ENOMETHOD when the cluster offers
+ * no data plane (the caller then uses the coordinator path). */
+moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, size_t ctl_len,
+                    uint32_t nctl, moe_dtype dt, const void *in, int64_t T, int64_t H, void *out,
+                    moe_reply *ctl);
+
+/* internal accessors of moe_client (client.c) */
+uint32_t moe__next_msgid(moe_client *c);
+const char *moe__auth(const moe_client *c);
+int moe__timeout_ms(const moe_client *c);
+size_t moe__max_msg(const moe_client *c);
+int moe__data_path(const moe_client *c);
+struct moe_dp *moe__dp(moe_client *c);
+void moe__set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif

@@ -1,0 +1,807 @@
+/* dataplane.c - tickets and shared-memory regions of the worker's data
+ * plane; see dataplane.h. */
+#include "dataplane.h"
+
+#include <nng/nng.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpu.h"
+#include "kern.h"
+#include "log.h"
+#include "params.h"
+#include "rows.h"
+
+#define DP_MAX_REGIONS_PER_PIPE 64
+
+/* dp_region: a client's shared-memory segment mapped here. */
+struct dp_region {
+    uint64_t id;
+    uint32_t pipe;
+    uint8_t *base; /* owned mapping of size bytes */
+    size_t size;
+    int refs;       /* tickets that point into it (under mu) */
+    int dead;       /* its connection closed or it was detached */
+    int registered; /* pinned with the CUDA driver */
+    struct dp_region *next;
+};
+
+static void region_unmap(dp_region *g)
+{
+    if (g->registered)
+        wkr_gpu_host_unregister(g->base);
+    munmap(g->base, g->size);
+    free(g);
+}
+
+/* region_drop unlinks g from the table (mu held); it is unmapped now if no
+ * ticket points into it, else when the last one is released. */
+static void region_drop(dp_table *t, dp_region *g)
+{
+    for (dp_region **pp = &t->regions; *pp; pp = &(*pp)->next)
+        if (*pp == g) {
+            *pp = g->next;
+            break;
+        }
+    t->mapped_bytes -= g->size;
+    g->dead = 1;
+    if (!g->refs)
+        region_unmap(g);
+}
+
+static dp_region *region_find(dp_table *t, uint32_t pipe, uint64_t id)
+{
+    for (dp_region *g = t->regions; g; g = g->next)
+        if (g->id == id && g->pipe == pipe)
+            return g;
+    return NULL;
+}
+
+/* unlink_ticket removes tk from the list (mu held). */
+static void unlink_ticket(dp_table *t, dp_ticket *tk)
+{
+    for (dp_ticket **pp = &t->head; *pp; pp = &(*pp)->next)
+        if (*pp == tk) {
+            *pp = tk->next;
+            break;
+        }
+    t->ntickets--;
+    if (!tk->region)
+        t->staged_bytes -= tk->x.nbytes;
+}
+
+/* ticket_free drops the region reference (mu held) and frees tk. */
+static void ticket_free(dp_table *t, dp_ticket *tk)
+{
+    dp_region *g = tk->region;
+    if (g && --g->refs == 0 && g->dead)
+        region_unmap(g);
+    free(tk);
+}
+
+void dp_release(dp_table *t, dp_ticket *tk)
+{
+    if (!tk)
+        return;
+    if (tk->call) /* never left unanswered */
+        dp_answer_err(tk, MOE_EINTERNAL, "the worker dropped these rows unanswered");
+    pthread_mutex_lock(&t->mu);
+    unlink_ticket(t, tk);
+    ticket_free(t, tk);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* ---- answers ---- */
+
+/* answer_msg sends {y: tensor} with `bytes` of data produced by fill into
+ * the reply message itself (one copy at most). */
+static void answer_inline(dp_ticket *tk, moe_dtype dt, int64_t rows, int64_t H, const void *src,
+                          int src_f32)
+{
+    mp_writer w;
+    size_t es = moe_dtype_size(dt), nbytes = (size_t)rows * (size_t)H * es;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
+    mp_write_map(&w, 1);
+    mp_write_cstr(&w, "y");
+    mp_write_map(&w, 3);
+    mp_write_cstr(&w, "dtype");
+    mp_write_cstr(&w, moe_dtype_name(dt));
+    mp_write_cstr(&w, "shape");
+    mp_write_array(&w, 2);
+    mp_write_i64(&w, rows);
+    mp_write_i64(&w, H);
+    mp_write_cstr(&w, "data");
+    mp_write_bin_head(&w, (uint32_t)nbytes);
+    nng_msg *m;
+    if (w.failed || nng_msg_alloc(&m, w.len + nbytes) != 0) {
+        mp_writer_fini(&w);
+        rpc_reply_err(tk->call, MOE_ENOMEM, "out of memory for a %zu byte answer", nbytes);
+        tk->call = NULL;
+        return;
+    }
+    uint8_t *body = nng_msg_body(m);
+    memcpy(body, w.buf, w.len);
+    if (src_f32)
+        rows_f32_to_dtype(src, dt, body + w.len, (size_t)rows * (size_t)H);
+    else if (nbytes)
+        memcpy(body + w.len, src, nbytes);
+    mp_writer_fini(&w);
+    rpc_reply_msg(tk->call, m);
+    tk->call = NULL;
+}
+
+/* answer_region: y already written at y_off; the answer names where. */
+static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
+    mp_write_map(&w, 1);
+    mp_write_cstr(&w, "y");
+    mp_write_map(&w, 4);
+    mp_write_cstr(&w, "dtype");
+    mp_write_cstr(&w, moe_dtype_name(tk->x.dtype));
+    mp_write_cstr(&w, "shape");
+    mp_write_array(&w, 2);
+    mp_write_i64(&w, rows);
+    mp_write_i64(&w, H);
+    mp_write_cstr(&w, "region");
+    mp_write_u64(&w, tk->region->id);
+    mp_write_cstr(&w, "offset");
+    mp_write_u64(&w, tk->y_off);
+    rpc_reply(tk->call, &w);
+    tk->call = NULL;
+}
+
+void *dp_y_ptr(const dp_ticket *tk)
+{
+    return tk->region ? tk->region->base + tk->y_off : NULL;
+}
+
+void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H)
+{
+    if (tk->region) {
+        rows_f32_to_dtype(y, tk->x.dtype, dp_y_ptr(tk), (size_t)rows * (size_t)H);
+        answer_region(tk, rows, H);
+        return;
+    }
+    answer_inline(tk, tk->x.dtype, rows, H, y, 1);
+}
+
+void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H)
+{
+    if (tk->region) {
+        void *dst = dp_y_ptr(tk);
+        if (dst != y)
+            memcpy(dst, y, (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype));
+        answer_region(tk, rows, H);
+        return;
+    }
+    answer_inline(tk, tk->x.dtype, rows, H, y, 0);
+}
+
+void dp_answer_err(dp_ticket *tk, moe_err e, const char *fmt, ...)
+{
+    char text[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    if (tk->call)
+        rpc_reply_err(tk->call, e, "%s", text);
+    tk->call = NULL;
+}
+
+/* ---- requests ---- */
+
+static int auth_ok(dp_table *t, rpc_call *c)
+{
+    if (!t->auth_token || !t->auth_token[0])
+        return 1;
+    mp_reader r = c->req.params;
+    for (uint32_t i = 0; i < c->req.nparams; i++) {
+        const char *k, *v;
+        uint32_t kl, vl;
+        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK)
+            return 0;
+        if (mp_str_eq(k, kl, "auth"))
+            return mp_read_str(&r, &v, &vl, NULL) == MOE_OK && vl == strlen(t->auth_token) &&
+                   memcmp(v, t->auth_token, vl) == 0;
+        if (mp_skip(&r, NULL) != MOE_OK)
+            return 0;
+    }
+    return 0;
+}
+
+/* read_pair reads [a, b] of two unsigned integers. */
+static int read_pair(mp_reader *r, uint64_t *a, uint64_t *b)
+{
+    uint32_t n;
+    return mp_read_array(r, &n, NULL) == MOE_OK && n == 2 && mp_read_u64(r, a, NULL) == MOE_OK &&
+           mp_read_u64(r, b, NULL) == MOE_OK;
+}
+
+/* data.rows {ticket: [cid, seq], x: tensor, deadline_ms?} or, by reference,
+ * {ticket, dtype, shape: [R, H], region, x_offset, y_offset, deadline_ms?} */
+static void on_rows(dp_table *t, rpc_call *c)
+{
+    char err[256], dtname[8] = "";
+    mp_reader rt, rshape;
+    moe_tensor x;
+    int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0;
+    memset(&x, 0, sizeof(x));
+    pspec sp[] = {
+        {"ticket", P_RAW, &rt, true, 0, 0, 0, false},
+        {"x", P_TENSOR, &x, false, 0, 0, 0, false},
+        {"deadline_ms", P_INT, &deadline_ms, false, 1, 3600000, 0, false},
+        {"dtype", P_STR, dtname, false, 0, 0, sizeof(dtname), false},
+        {"shape", P_RAW, &rshape, false, 0, 0, 0, false},
+        {"region", P_INT, &region, false, 1, 9e18, 0, false},
+        {"x_offset", P_INT, &xoff, false, 0, 9e18, 0, false},
+        {"y_offset", P_INT, &yoff, false, 0, 9e18, 0, false},
+    };
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 8, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    uint64_t cid, seq;
+    if (!read_pair(&rt, &cid, &seq)) {
+        rpc_reply_err(c, MOE_EINVAL, "ticket must be [client_id, seq] (two unsigned integers)");
+        return;
+    }
+    dp_ticket *tk = calloc(1, sizeof(*tk));
+    if (!tk) {
+        rpc_reply_err(c, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    tk->cid = cid;
+    tk->seq = seq;
+    tk->call = c;
+    tk->pipe = rpc_call_pipe(c);
+    tk->deadline_ns = rpc_now_ns() + (uint64_t)deadline_ms * 1000000ull;
+    pthread_mutex_lock(&t->mu);
+    if (sp[1].seen == sp[5].seen) {
+        e = MOE_EINVAL;
+        snprintf(err, sizeof(err), "data.rows needs x (inline) or region (shared memory), not %s",
+                 sp[1].seen ? "both" : "neither");
+        goto fail;
+    }
+    if (sp[5].seen) { /* by reference into a region of this connection */
+        dp_region *g = region_find(t, tk->pipe, (uint64_t)region);
+        uint32_t nd;
+        int64_t R = -1, H = -1;
+        if (!g) {
+            e = MOE_ENOTFOUND;
+            snprintf(err, sizeof(err), "region %lld is not attached on this connection",
+                     (long long)region);
+            goto fail;
+        }
+        if (!sp[3].seen || moe_dtype_parse(dtname, strlen(dtname), &x.dtype) != MOE_OK ||
+            !sp[4].seen || mp_read_array(&rshape, &nd, NULL) != MOE_OK || nd != 2 ||
+            mp_read_i64(&rshape, &R, NULL) != MOE_OK || mp_read_i64(&rshape, &H, NULL) != MOE_OK ||
+            R < 0 || H <= 0 || R > (1ll << 31) || H > (1ll << 20)) {
+            e = MOE_EINVAL;
+            snprintf(err, sizeof(err), "a region reference needs dtype and shape [R, H]");
+            goto fail;
+        }
+        size_t nbytes = (size_t)R * (size_t)H * moe_dtype_size(x.dtype);
+        if ((uint64_t)xoff > g->size || nbytes > g->size - (uint64_t)xoff ||
+            (uint64_t)yoff > g->size || nbytes > g->size - (uint64_t)yoff) {
+            e = MOE_EINVAL;
+            snprintf(err, sizeof(err),
+                     "x [%lld, +%zu) or y [%lld, +%zu) outside region %lld of %zu bytes",
+                     (long long)xoff, nbytes, (long long)yoff, nbytes, (long long)region, g->size);
+            goto fail;
+        }
+        x.ndim = 2;
+        x.shape[0] = R;
+        x.shape[1] = H;
+        x.data = g->base + xoff;
+        x.nbytes = nbytes;
+        tk->region = g;
+        tk->y_off = (uint64_t)yoff;
+        g->refs++;
+    } else {
+        if (x.ndim != 2) {
+            e = MOE_EINVAL;
+            snprintf(err, sizeof(err), "x must be 2-d (R, H)");
+            goto fail;
+        }
+        if (t->staged_bytes + x.nbytes > t->max_staged_bytes) {
+            e = MOE_EBUSY;
+            snprintf(err, sizeof(err), "%zu bytes of rows already wait here (cap %zu)",
+                     t->staged_bytes, t->max_staged_bytes);
+            goto fail;
+        }
+    }
+    tk->x = x;
+    for (dp_ticket *o = t->head; o; o = o->next)
+        if (o->cid == cid && o->seq == seq) {
+            e = MOE_EPRECOND;
+            snprintf(err, sizeof(err), "ticket [%llu, %llu] is already here",
+                     (unsigned long long)cid, (unsigned long long)seq);
+            if (tk->region)
+                tk->region->refs--;
+            goto fail;
+        }
+    if (t->ntickets >= t->max_tickets) {
+        e = MOE_EBUSY;
+        snprintf(err, sizeof(err), "%d tickets already wait here", t->ntickets);
+        if (tk->region)
+            tk->region->refs--;
+        goto fail;
+    }
+    if (!tk->region)
+        t->staged_bytes += x.nbytes;
+    t->ntickets++;
+    t->rows_in_total += (uint64_t)x.shape[0];
+    t->bytes_in_total += x.nbytes;
+    tk->next = t->head;
+    t->head = tk;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    return;
+fail:
+    pthread_mutex_unlock(&t->mu);
+    free(tk);
+    rpc_reply_err(c, e, "%s", err);
+}
+
+/* data.shm_attach {name, size}: map the client's segment /dev/shm/<name>. */
+static void on_attach(dp_table *t, rpc_call *c)
+{
+    char name[256], err[256];
+    int64_t size = 0;
+    pspec sp[] = {
+        {"name", P_STR, name, true, 0, 0, sizeof(name), false},
+        {"size", P_INT, &size, true, 1, 1ll << 40, 0, false},
+    };
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 2, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    /* only the client's own segments: "/moe-" then [A-Za-z0-9_.-] */
+    int ok = strncmp(name, "/moe-", 5) == 0 && strlen(name) > 5;
+    for (const char *p = name + 1; ok && *p; p++)
+        ok = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+             *p == '_' || *p == '.' || *p == '-';
+    if (!ok) {
+        rpc_reply_err(c, MOE_EINVAL, "segment name must be /moe-[A-Za-z0-9_.-]+");
+        return;
+    }
+    uint32_t pipe = rpc_call_pipe(c);
+    pthread_mutex_lock(&t->mu);
+    int mine = 0;
+    for (dp_region *g = t->regions; g; g = g->next)
+        mine += g->pipe == pipe;
+    int over =
+        mine >= DP_MAX_REGIONS_PER_PIPE || t->mapped_bytes + (size_t)size > t->max_mapped_bytes;
+    pthread_mutex_unlock(&t->mu);
+    if (over) {
+        rpc_reply_err(c, MOE_ENOMEM, "too many shared regions (%d on this connection, %zu bytes)",
+                      mine, t->mapped_bytes);
+        return;
+    }
+    int fd = shm_open(name, O_RDWR, 0);
+    struct stat stt;
+    if (fd < 0 || fstat(fd, &stt) != 0 || stt.st_size < size) {
+        int en = errno;
+        if (fd >= 0)
+            close(fd);
+        rpc_reply_err(c, MOE_EINVAL, "cannot use shared segment %s: %s", name,
+                      fd < 0 ? strerror(en) : "smaller than the size given");
+        return;
+    }
+    void *base = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    dp_region *g = calloc(1, sizeof(*g));
+    if (base == MAP_FAILED || !g) {
+        if (base != MAP_FAILED)
+            munmap(base, (size_t)size);
+        free(g);
+        rpc_reply_err(c, MOE_ENOMEM, "cannot map shared segment %s", name);
+        return;
+    }
+    g->base = base;
+    g->size = (size_t)size;
+    g->pipe = pipe;
+    g->registered = t->gpu_register && wkr_gpu_host_register(base, (size_t)size) == MOE_OK;
+    pthread_mutex_lock(&t->mu);
+    g->id = ++t->next_region;
+    g->next = t->regions;
+    t->regions = g;
+    t->mapped_bytes += g->size;
+    t->regions_attached_total++;
+    pthread_mutex_unlock(&t->mu);
+    LOG_D("data plane: mapped %s (%lld bytes) as region %llu on connection %u", name,
+          (long long)size, (unsigned long long)g->id, pipe);
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, c->req.msgid);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "region");
+    mp_write_u64(&w, g->id);
+    mp_write_cstr(&w, "pinned");
+    mp_write_bool(&w, g->registered != 0);
+    rpc_reply(c, &w);
+}
+
+static void reply_empty(rpc_call *c)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, c->req.msgid);
+    mp_write_map(&w, 0);
+    rpc_reply(c, &w);
+}
+
+/* data.shm_detach {region} */
+static void on_detach(dp_table *t, rpc_call *c)
+{
+    char err[256];
+    int64_t id = 0;
+    pspec sp[] = {{"region", P_INT, &id, true, 1, 9e18, 0, false}};
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 1, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    pthread_mutex_lock(&t->mu);
+    dp_region *g = region_find(t, rpc_call_pipe(c), (uint64_t)id);
+    if (g)
+        region_drop(t, g);
+    pthread_mutex_unlock(&t->mu);
+    if (!g) {
+        rpc_reply_err(c, MOE_ENOTFOUND, "region %lld is not attached on this connection",
+                      (long long)id);
+        return;
+    }
+    reply_empty(c);
+}
+
+/* data.cancel {ticket}: answer a waiting ticket (cancelled) if not taken */
+static void on_cancel(dp_table *t, rpc_call *c)
+{
+    char err[256];
+    mp_reader rt;
+    uint64_t cid, seq;
+    pspec sp[] = {{"ticket", P_RAW, &rt, true, 0, 0, 0, false}};
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 1, err, sizeof(err));
+    if (e != MOE_OK || !read_pair(&rt, &cid, &seq)) {
+        rpc_reply_err(c, MOE_EINVAL, "%s", e != MOE_OK ? err : "ticket must be [client_id, seq]");
+        return;
+    }
+    dp_ticket *found = NULL;
+    int taken = 0;
+    pthread_mutex_lock(&t->mu);
+    for (dp_ticket *tk = t->head; tk; tk = tk->next)
+        if (tk->cid == cid && tk->seq == seq) {
+            taken = tk->taken;
+            if (!taken) {
+                found = tk;
+                unlink_ticket(t, tk);
+            }
+            break;
+        }
+    pthread_mutex_unlock(&t->mu);
+    if (found) {
+        dp_answer_err(found, MOE_ECLOSED, "ticket cancelled by the client");
+        pthread_mutex_lock(&t->mu);
+        ticket_free(t, found);
+        pthread_mutex_unlock(&t->mu);
+    }
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, c->req.msgid);
+    mp_write_map(&w, 1);
+    mp_write_cstr(&w, "cancelled");
+    mp_write_bool(&w, found != NULL);
+    rpc_reply(c, &w);
+}
+
+void dp_on_request(dp_table *t, rpc_call *c)
+{
+    const moe_rpc_request *q = &c->req;
+    if (!auth_ok(t, c)) {
+        rpc_reply_err(c, MOE_EUNAUTH, "missing or wrong auth token");
+        return;
+    }
+    if (mp_str_eq(q->method, q->method_len, "data.rows"))
+        on_rows(t, c);
+    else if (mp_str_eq(q->method, q->method_len, "data.shm_attach"))
+        on_attach(t, c);
+    else if (mp_str_eq(q->method, q->method_len, "data.shm_detach"))
+        on_detach(t, c);
+    else if (mp_str_eq(q->method, q->method_len, "data.cancel"))
+        on_cancel(t, c);
+    else if (mp_str_eq(q->method, q->method_len, "ping"))
+        reply_empty(c);
+    else
+        rpc_reply_err(c, MOE_ENOMETHOD, "unknown data-plane method '%.*s'", (int)q->method_len,
+                      q->method);
+}
+
+/* ---- connection close and expiry (loop thread) ---- */
+
+void dp_on_pipe_closed(uint32_t pipe, void *arg)
+{
+    dp_table *t = arg;
+    pthread_mutex_lock(&t->mu);
+    if (t->nclosed < (int)(sizeof(t->closed) / sizeof(t->closed[0])))
+        t->closed[t->nclosed++] = pipe;
+    else
+        t->closed_overflow = 1;
+    pthread_mutex_unlock(&t->mu);
+    uv_async_send(&t->closed_async);
+}
+
+/* drop_pipe answers the waiting tickets of a closed connection and drops its
+ * regions (mu held; the answers go nowhere, but release the calls). */
+static void drop_pipe(dp_table *t, uint32_t pipe, int all)
+{
+    dp_ticket **pp = &t->head;
+    while (*pp) {
+        dp_ticket *tk = *pp;
+        if (!tk->taken && (all || tk->pipe == pipe)) {
+            unlink_ticket(t, tk);
+            rpc_reply_err(tk->call, MOE_ECLOSED, "connection closed");
+            ticket_free(t, tk);
+            continue;
+        }
+        pp = &tk->next;
+    }
+    dp_region *g = t->regions;
+    while (g) {
+        dp_region *next = g->next;
+        if (all || g->pipe == pipe)
+            region_drop(t, g);
+        g = next;
+    }
+}
+
+static void on_closed_async(uv_async_t *h)
+{
+    dp_table *t = h->data;
+    pthread_mutex_lock(&t->mu);
+    if (t->closed_overflow) {
+        /* too many at once to name: keep what live connections hold */
+        LOG_W("data plane: many connections closed at once; dropping their regions by probe");
+        t->closed_overflow = 0;
+    }
+    for (int i = 0; i < t->nclosed; i++)
+        drop_pipe(t, t->closed[i], 0);
+    t->nclosed = 0;
+    pthread_mutex_unlock(&t->mu);
+}
+
+static void on_expire(uv_timer_t *h)
+{
+    dp_table *t = h->data;
+    uint64_t now = rpc_now_ns();
+    pthread_mutex_lock(&t->mu);
+    dp_ticket **pp = &t->head;
+    while (*pp) {
+        dp_ticket *tk = *pp;
+        if (!tk->taken && now > tk->deadline_ns) {
+            unlink_ticket(t, tk);
+            t->tickets_expired_total++;
+            rpc_reply_err(tk->call, MOE_ETIMEDOUT,
+                          "rows of ticket [%llu, %llu] were not asked for before their deadline",
+                          (unsigned long long)tk->cid, (unsigned long long)tk->seq);
+            ticket_free(t, tk);
+            continue;
+        }
+        pp = &tk->next;
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+moe_err dp_open(dp_table *t, uv_loop_t *loop, size_t max_staged_bytes, size_t max_mapped_bytes,
+                const char *auth_token)
+{
+    memset(t, 0, sizeof(*t));
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&t->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    t->max_tickets = 4096;
+    t->max_staged_bytes = max_staged_bytes;
+    t->max_mapped_bytes = max_mapped_bytes;
+    t->auth_token = auth_token;
+    uv_async_init(loop, &t->closed_async, on_closed_async);
+    t->closed_async.data = t;
+    uv_timer_init(loop, &t->expire_timer);
+    t->expire_timer.data = t;
+    uv_timer_start(&t->expire_timer, on_expire, 100, 100);
+    return MOE_OK;
+}
+
+void dp_close(dp_table *t)
+{
+    pthread_mutex_lock(&t->mu);
+    drop_pipe(t, 0, 1);
+    pthread_mutex_unlock(&t->mu);
+    uv_timer_stop(&t->expire_timer);
+    uv_close((uv_handle_t *)&t->expire_timer, NULL);
+    uv_close((uv_handle_t *)&t->closed_async, NULL);
+}
+
+/* ---- the compute thread's side ---- */
+
+dp_ticket *dp_take(dp_table *t, uint64_t cid, uint64_t seq, uint64_t deadline_ns)
+{
+    struct timespec ts = {(time_t)(deadline_ns / 1000000000ull),
+                          (long)(deadline_ns % 1000000000ull)};
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        for (dp_ticket *tk = t->head; tk; tk = tk->next)
+            if (tk->cid == cid && tk->seq == seq && !tk->taken) {
+                tk->taken = 1;
+                pthread_mutex_unlock(&t->mu);
+                return tk;
+            }
+        if (rpc_now_ns() >= deadline_ns ||
+            pthread_cond_timedwait(&t->cv, &t->mu, &ts) == ETIMEDOUT) {
+            /* one last look: it may have come with the timeout */
+            for (dp_ticket *tk = t->head; tk; tk = tk->next)
+                if (tk->cid == cid && tk->seq == seq && !tk->taken) {
+                    tk->taken = 1;
+                    pthread_mutex_unlock(&t->mu);
+                    return tk;
+                }
+            pthread_mutex_unlock(&t->mu);
+            return NULL;
+        }
+    }
+}
+
+moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
+                        dp_batch *b, char *err, size_t errlen)
+{
+    uint32_t n;
+    memset(b, 0, sizeof(*b));
+    if (mp_read_array(r, &n, NULL) != MOE_OK || n == 0 || n > 65536) {
+        snprintf(err, errlen, "pieces must be a non-empty array");
+        return MOE_EINVAL;
+    }
+    b->n = (int)n;
+    b->tk = calloc(n, sizeof(dp_ticket *));
+    b->rows = calloc(n, sizeof(int64_t));
+    uint64_t *cid = calloc(n, sizeof(uint64_t)), *seq = calloc(n, sizeof(uint64_t));
+    moe_err e = MOE_OK;
+    if (!b->tk || !b->rows || !cid || !seq) {
+        e = MOE_ENOMEM;
+        goto out;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t k;
+        if (mp_read_array(r, &k, NULL) != MOE_OK || k != 3 ||
+            mp_read_u64(r, &cid[i], NULL) != MOE_OK || mp_read_u64(r, &seq[i], NULL) != MOE_OK ||
+            mp_read_i64(r, &b->rows[i], NULL) != MOE_OK || b->rows[i] < 0 ||
+            b->rows[i] > (1ll << 31)) {
+            snprintf(err, errlen, "piece %u must be [client_id, seq, rows]", i);
+            e = MOE_EINVAL;
+            goto out;
+        }
+    }
+    int64_t T = 0;
+    size_t es = moe_dtype_size(dt);
+    for (uint32_t i = 0; i < n; i++) {
+        if (b->rows[i] == 0)
+            continue; /* the client sends nothing for an empty piece */
+        dp_ticket *tk = dp_take(t, cid[i], seq[i], deadline_ns);
+        if (tk && (tk->x.ndim != 2 || tk->x.shape[0] != b->rows[i] || tk->x.shape[1] != H ||
+                   tk->x.dtype != dt)) {
+            dp_answer_err(tk, MOE_EINVAL, "rows must be (%lld, %lld) of %s for this job",
+                          (long long)b->rows[i], (long long)H, moe_dtype_name(dt));
+            dp_release(t, tk);
+            tk = NULL;
+        }
+        if (!tk) {
+            LOG_W("data plane: rows of ticket [%llu, %llu] did not arrive",
+                  (unsigned long long)cid[i], (unsigned long long)seq[i]);
+            b->missing++;
+            continue;
+        }
+        b->tk[i] = tk;
+        T += b->rows[i];
+    }
+    b->x.dtype = dt;
+    b->x.ndim = 2;
+    b->x.shape[0] = T;
+    b->x.shape[1] = H;
+    b->x.nbytes = (size_t)T * (size_t)H * es;
+    int held = 0, only = -1;
+    for (int i = 0; i < b->n; i++)
+        if (b->tk[i]) {
+            held++;
+            only = i;
+        }
+    if (held == 1) {
+        b->x.data = b->tk[only]->x.data; /* zero copy */
+    } else if (held > 1) {
+        if (!(b->xbuf = malloc(b->x.nbytes ? b->x.nbytes : 1))) {
+            e = MOE_ENOMEM;
+            goto out;
+        }
+        size_t off = 0;
+        for (int i = 0; i < b->n; i++)
+            if (b->tk[i]) {
+                memcpy(b->xbuf + off, b->tk[i]->x.data, b->tk[i]->x.nbytes);
+                off += b->tk[i]->x.nbytes;
+            }
+        b->x.data = b->xbuf;
+    } else {
+        b->x.data = NULL;
+    }
+out:
+    free(cid);
+    free(seq);
+    return e;
+}
+
+void dp_batch_answer_f32(dp_batch *b, const float *y, int64_t H)
+{
+    size_t row = 0;
+    for (int i = 0; i < b->n; i++)
+        if (b->tk[i]) {
+            dp_answer_f32(b->tk[i], y + row * (size_t)H, b->rows[i], H);
+            row += (size_t)b->rows[i];
+        }
+}
+
+void dp_batch_answer_raw(dp_batch *b, const void *y, int64_t H)
+{
+    size_t row = 0, es = moe_dtype_size(b->x.dtype);
+    for (int i = 0; i < b->n; i++)
+        if (b->tk[i]) {
+            dp_answer_raw(b->tk[i], (const uint8_t *)y + row * (size_t)H * es, b->rows[i], H);
+            row += (size_t)b->rows[i];
+        }
+}
+
+void dp_batch_fail(dp_batch *b, moe_err e, const char *msg)
+{
+    for (int i = 0; i < b->n; i++)
+        if (b->tk[i])
+            dp_answer_err(b->tk[i], e, "%s", msg);
+}
+
+void dp_batch_write_missing(mp_writer *w, const dp_batch *b)
+{
+    int n = 0;
+    for (int i = 0; i < b->n; i++)
+        n += !b->tk[i] && b->rows[i] > 0;
+    mp_write_array(w, (uint32_t)n);
+    for (int i = 0; i < b->n; i++)
+        if (!b->tk[i] && b->rows[i] > 0)
+            mp_write_i64(w, i);
+}
+
+void dp_batch_free(dp_table *t, dp_batch *b)
+{
+    for (int i = 0; b->tk && i < b->n; i++)
+        if (b->tk[i])
+            dp_release(t, b->tk[i]);
+    free(b->tk);
+    free(b->rows);
+    free(b->xbuf);
+    memset(b, 0, sizeof(*b));
+}

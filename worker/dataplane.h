@@ -1,0 +1,124 @@
+/*
+ * dataplane.h - the worker's end of the data plane: clients send token rows
+ * straight to the workers (method data.rows on the worker's client
+ * endpoint), never through the coordinator. The coordinator's job names the
+ * rows by ticket ([client id, sequence]); the compute thread takes them
+ * from this table, runs the layer and answers the client's data.rows call
+ * with its output rows. docs/PROTOCOL.md ("Data plane") has the bytes.
+ *
+ * Rows arrive inline (a tensor in the message) or by reference into a
+ * shared-memory region the client attached once on the same connection
+ * (data.shm_attach): the worker reads x from the region and writes y into
+ * it. Regions and waiting tickets belong to the connection they came on:
+ * when it closes they are dropped (nothing leaks when a client dies).
+ *
+ * Threads: requests arrive on the loop thread (dp_on_request), the compute
+ * thread takes tickets (dp_take, may block, bounded) and answers them; a
+ * mutex guards the table. Connection-close events come from nng threads and
+ * are handled on the loop thread.
+ */
+#ifndef MOE_WKR_DATAPLANE_H
+#define MOE_WKR_DATAPLANE_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "proto.h"
+#include "rpcsrv.h"
+
+typedef struct dp_region dp_region;
+
+/* dp_ticket: one client's rows for one job, waiting or taken. */
+typedef struct dp_ticket {
+    uint64_t cid, seq; /* the ticket */
+    rpc_call *call;    /* the client's data.rows call; answered exactly once */
+    moe_tensor x;      /* the rows (R,H): a view into call's message or region */
+    dp_region *region; /* non-NULL: x lies in this region and y goes there */
+    uint64_t y_off;    /* byte offset of y (R,H) in region */
+    uint32_t pipe;     /* connection the call came on */
+    uint64_t deadline_ns;
+    int taken; /* the compute thread owns it */
+    struct dp_ticket *next;
+} dp_ticket;
+
+typedef struct dp_table {
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a ticket arrived */
+    dp_ticket *head;   /* waiting and taken tickets */
+    int ntickets, max_tickets;
+    size_t staged_bytes, max_staged_bytes; /* inline rows waiting */
+    dp_region *regions;
+    size_t mapped_bytes, max_mapped_bytes;
+    uint64_t next_region;
+    const char *auth_token; /* "" or NULL = none (borrowed, read-only) */
+    int gpu_register;       /* register regions with CUDA (pinned copies) */
+    /* connections closed, from nng threads, handled on the loop thread */
+    uint32_t closed[256];
+    int nclosed, closed_overflow;
+    uv_async_t closed_async;
+    uv_timer_t expire_timer;
+    /* counters (under mu) */
+    uint64_t rows_in_total, bytes_in_total, tickets_expired_total, regions_attached_total;
+} dp_table;
+
+/* dp_open initialises t on loop (timer and async handles). */
+moe_err dp_open(dp_table *t, uv_loop_t *loop, size_t max_staged_bytes, size_t max_mapped_bytes,
+                const char *auth_token);
+/* dp_close answers every waiting ticket (unavailable), unmaps every region
+ * and closes the handles (run the loop once more to release them). */
+void dp_close(dp_table *t);
+
+/* dp_on_request handles data.rows, data.shm_attach, data.shm_detach,
+ * data.cancel and ping (loop thread); it answers errors itself. */
+void dp_on_request(dp_table *t, rpc_call *c);
+/* dp_on_pipe_closed: rpcsrv's connection-close hook (nng thread). */
+void dp_on_pipe_closed(uint32_t pipe, void *arg);
+
+/* dp_take waits until the ticket (cid, seq) has arrived, or until
+ * deadline_ns; returns it (taken: the caller answers it with dp_answer_* and
+ * then dp_release), or NULL on timeout (compute thread). */
+dp_ticket *dp_take(dp_table *t, uint64_t cid, uint64_t seq, uint64_t deadline_ns);
+/* dp_answer_f32 answers the ticket with y (R,H) given as floats, converted
+ * to the ticket's dtype (inline, or written into its region). */
+void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H);
+/* dp_answer_raw answers with y (R,H) already in the ticket's dtype. */
+void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H);
+/* dp_answer_err answers the ticket with an error. */
+void dp_answer_err(dp_ticket *tk, moe_err e, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* dp_release frees an answered ticket (and its reference to its region). */
+void dp_release(dp_table *t, dp_ticket *tk);
+/* dp_y_ptr: where y (R,H) should be written for the ticket: its place in
+ * the shared region, or NULL for inline answers. */
+void *dp_y_ptr(const dp_ticket *tk);
+
+/* ---- a job's pieces: the rows of several tickets, in order ---- */
+typedef struct dp_batch {
+    int n;          /* pieces */
+    dp_ticket **tk; /* (n) NULL where the rows did not arrive */
+    int64_t *rows;  /* (n) rows the coordinator announced for each piece */
+    moe_tensor x;   /* (T,H) the pieces' rows that arrived, concatenated */
+    uint8_t *xbuf;  /* owned: the concatenation when n > 1 */
+    int missing;    /* pieces whose rows did not arrive */
+} dp_batch;
+
+/* dp_batch_gather reads the job's pieces ([[cid, seq, rows], ...] at r),
+ * takes their tickets (waiting until deadline_ns) and builds b->x of dtype
+ * dt and width H. A ticket whose rows are not (rows, H) of dtype dt is
+ * answered invalid_argument and counts as missing. Errors: MOE_EINVAL
+ * (malformed pieces), MOE_ENOMEM. */
+moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
+                        dp_batch *b, char *err, size_t errlen);
+/* dp_batch_answer_f32 sends each piece its rows of y (T,H) floats. */
+void dp_batch_answer_f32(dp_batch *b, const float *y, int64_t H);
+/* dp_batch_answer_raw: the same with y already in the batch's dtype. */
+void dp_batch_answer_raw(dp_batch *b, const void *y, int64_t H);
+/* dp_batch_fail answers every piece still held with the error. */
+void dp_batch_fail(dp_batch *b, moe_err e, const char *msg);
+/* dp_batch_write_missing writes the indices of the missing pieces (array). */
+void dp_batch_write_missing(mp_writer *w, const dp_batch *b);
+/* dp_batch_free answers what is left (internal error), releases tickets. */
+void dp_batch_free(dp_table *t, dp_batch *b);
+
+#endif
