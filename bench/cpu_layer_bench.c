@@ -10,15 +10,21 @@
  * Buffers are malloc'd per forward, as the worker does. Not a test: it times
  * (bench/cpu_peer.py runs it once per OpenBLAS core, beside PyTorch).
  *
- *   bin/cpu_layer_bench [--pick] [--T 1,4096] [--H 4096] [--F 2048] [--E 8]
- *                       [--K 2] [--warm-s 1] [--reps 5] [--dump FILE]
+ *   bin/cpu_layer_bench [--pick] [--gemv1] [--T 1,4096] [--H 4096] [--F 2048]
+ *                       [--E 8] [--K 2] [--warm-s 1] [--reps 5] [--dump FILE]
  *
- * --pick calls blas_pick_reexec first, as the worker's main does. For each
- * T it prints "RESULT T=.. median_ms=.. min_ms=.. gflops=.. reps=..", and
- * once "BLAS <blas_pick_describe>". --dump FILE runs one forward at the
+ * --pick calls blas_pick_reexec first, as the worker's main does. --gemv1
+ * runs experts with one row through three sgemv instead (not the worker's
+ * path: it measures what that change would give, after checking that the
+ * output is the sgemm path's). Prints once "BLAS <blas_pick_describe>", and
+ * for each T "RESULT T=.. median_ms=.. min_ms=.. gflops=.. reps=.." and
+ * "PHASES T=.. gate=.. dispatch=.. experts=.. combine=.. act_alone=..": the
+ * medians of the phases, and of the SwiGLU activation timed alone on the
+ * same number of values (it is part of "experts"). --dump FILE runs one forward at the
  * first T and writes int32 T,H,F,E,K then f32 x, wr, w1, w3, w2, y (the
  * weights in nn.Linear layout, kern.h) for the Python side's check.
  */
+#include <cblas.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +37,13 @@
 typedef struct {
     int H, F, E, K;
     float *wr, *w1, *w3, *w2; /* (E,H), (E,F,H), (E,F,H), (E,H,F) */
+    int gemv1;                /* --gemv1: one-row experts through sgemv */
 } layer;
+
+/* Seconds of the last forward's phases: gate, dispatch, experts, combine. */
+enum { PH_GATE, PH_DISPATCH, PH_EXPERTS, PH_COMBINE, NPH };
+static const char *ph_name[NPH] = {"gate", "dispatch", "experts", "combine"};
+static double ph_last[NPH];
 
 static double now_s(void)
 {
@@ -40,11 +52,46 @@ static double now_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* expert_gemv: kern_expert_ffn_blas's result for one row through three
+ * sgemv (what --gemv1 measures; the worker's kernel takes sgemm). */
+static void expert_gemv(const layer *L, const float *x, const float *w1, const float *w3,
+                        const float *w2, float *a, float *b, float *h, float *y)
+{
+    const int H = L->H, F = L->F;
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w1, H, x, 1, 0.0f, a, 1);
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w3, H, x, 1, 0.0f, b, 1);
+    kern_act_forward_n(KERN_ACT_SWIGLU, a, b, (size_t)F, 0, h);
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, H, F, 1.0f, w2, F, h, 1, 0.0f, y, 1);
+}
+
+/* run_experts: each expert's rows through the FFN (phase "experts"). */
+static int run_experts(const layer *L, const int32_t *counts, const int32_t *offsets,
+                       const float *xe, float *ae, float *be, float *ye)
+{
+    const int H = L->H, F = L->F;
+    const size_t fh = (size_t)F * H;
+    float *h = L->gemv1 ? malloc((size_t)F * sizeof(float)) : NULL;
+    if (L->gemv1 && !h)
+        return -1;
+    for (int e = 0; e < L->E; e++) {
+        size_t n0 = (size_t)offsets[e];
+        if (counts[e] == 1 && h)
+            expert_gemv(L, xe + n0 * H, L->w1 + e * fh, L->w3 + e * fh, L->w2 + e * fh, ae + n0 * F,
+                        be + n0 * F, h, ye + n0 * H);
+        else if (counts[e])
+            kern_expert_ffn_blas(xe + n0 * H, counts[e], H, F, L->w1 + e * fh, L->w3 + e * fh,
+                                 L->w2 + e * fh, KERN_ACT_SWIGLU, 0, ae + n0 * F, be + n0 * F,
+                                 ye + n0 * H);
+    }
+    free(h);
+    return 0;
+}
+
 /* forward: y (T,H) = the layer on x (T,H). Returns 0, or -1 out of memory. */
 static int forward(const layer *L, const float *x, int T, float *y)
 {
     const int H = L->H, F = L->F, E = L->E, K = L->K;
-    const size_t S = (size_t)T * K, fh = (size_t)F * H;
+    const size_t S = (size_t)T * K;
     float *logits = malloc((size_t)T * E * sizeof(float));
     float *probs = malloc((size_t)T * E * sizeof(float));
     float *tw = malloc(S * sizeof(float));
@@ -55,24 +102,27 @@ static int forward(const layer *L, const float *x, int T, float *y)
     float *ys = malloc(S * H * sizeof(float));
     float *ae = malloc(S * F * sizeof(float)), *be = malloc(S * F * sizeof(float));
     int rc = -1;
+    double t0 = now_s(), t1, t2, t3;
     if (!logits || !probs || !tw || !ti || !perm || !counts || !offsets || !xe || !ye || !ys ||
         !ae || !be)
         goto out;
     kern_router_logits_blas(x, L->wr, T, H, E, logits);
     kern_softmax_topk_cpu(logits, T, E, K, 1, probs, ti, tw);
     kern_layout_cpu(ti, T, K, E, counts, offsets, perm, NULL);
+    t1 = now_s();
     for (size_t i = 0; i < S; i++)
         memcpy(xe + i * H, x + (size_t)(perm[i] / K) * H, (size_t)H * sizeof(float));
-    for (int e = 0; e < E; e++) {
-        size_t n0 = (size_t)offsets[e];
-        if (counts[e])
-            kern_expert_ffn_blas(xe + n0 * H, counts[e], H, F, L->w1 + e * fh, L->w3 + e * fh,
-                                 L->w2 + e * fh, KERN_ACT_SWIGLU, 0, ae + n0 * F, be + n0 * F,
-                                 ye + n0 * H);
-    }
+    t2 = now_s();
+    if (run_experts(L, counts, offsets, xe, ae, be, ye) != 0)
+        goto out;
+    t3 = now_s();
     for (size_t i = 0; i < S; i++)
         memcpy(ys + (size_t)perm[i] * H, ye + i * H, (size_t)H * sizeof(float));
     kern_combine_cpu(ys, tw, NULL, T, K, H, 0, y);
+    ph_last[PH_GATE] = t1 - t0;
+    ph_last[PH_DISPATCH] = t2 - t1;
+    ph_last[PH_EXPERTS] = t3 - t2;
+    ph_last[PH_COMBINE] = now_s() - t3;
     rc = 0;
 out:
     free(logits), free(probs), free(tw), free(ti), free(perm), free(counts), free(offsets);
@@ -86,18 +136,66 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* time_T: warm-up for warm_s (at least one call), then reps timed calls. */
-static int time_T(const layer *L, int T, double warm_s, int reps)
+static double median(double *t, int n)
+{
+    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+/* act_ms: the SwiGLU activation alone over the layer's T*K*F values
+ * (single-threaded, inside kern_expert_ffn_blas), median of reps. */
+static double act_ms(const layer *L, int T, int reps)
+{
+    size_t n = (size_t)T * L->K * L->F;
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    float *h = malloc(n * sizeof(float));
+    double *t = malloc((size_t)reps * sizeof(double)), med = -1;
+    if (a && b && h && t) {
+        kern_fill_uniform(9, 0, -4.0f, 4.0f, a, n);
+        kern_fill_uniform(9, 1, -4.0f, 4.0f, b, n);
+        kern_act_forward_n(KERN_ACT_SWIGLU, a, b, n, 0, h);
+        for (int r = 0; r < reps; r++) {
+            double t0 = now_s();
+            kern_act_forward_n(KERN_ACT_SWIGLU, a, b, n, 0, h);
+            t[r] = now_s() - t0;
+        }
+        med = median(t, reps) * 1e3;
+    }
+    free(a), free(b), free(h), free(t);
+    return med;
+}
+
+/* gemv1_check: rel err of the --gemv1 forward against the sgemm one. */
+static double gemv1_check(layer *L, const float *x, int T)
+{
+    size_t n = (size_t)T * L->H;
+    float *y0 = malloc(n * sizeof(float)), *y1 = malloc(n * sizeof(float));
+    double r = -1;
+    int g = L->gemv1;
+    L->gemv1 = 0;
+    if (y0 && y1 && forward(L, x, T, y0) == 0) {
+        L->gemv1 = 1;
+        if (forward(L, x, T, y1) == 0)
+            r = kern_rel_err(y1, y0, n);
+    }
+    L->gemv1 = g;
+    free(y0), free(y1);
+    return r;
+}
+
+/* time_T: warm-up for warm_s (at least one call), then reps timed calls;
+ * prints the medians of the whole forward and of its phases. */
+static int time_T(layer *L, int T, double warm_s, int reps)
 {
     float *x = malloc((size_t)T * L->H * sizeof(float));
     float *y = malloc((size_t)T * L->H * sizeof(float));
-    double *t = malloc((size_t)reps * sizeof(double));
-    if (!x || !y || !t) {
-        free(x), free(y), free(t);
-        return -1;
-    }
-    kern_fill_uniform(7, (uint64_t)T, -1.0f, 1.0f, x, (size_t)T * L->H);
+    double *t = malloc((size_t)reps * (NPH + 1) * sizeof(double));
     int rc = -1;
+    if (!x || !y || !t)
+        goto out;
+    kern_fill_uniform(7, (uint64_t)T, -1.0f, 1.0f, x, (size_t)T * L->H);
+    if (L->gemv1)
+        printf("GEMV1_CHECK T=%d rel_err_vs_sgemm=%.3g\n", T, gemv1_check(L, x, T));
     double w0 = now_s();
     do {
         if (forward(L, x, T, y) != 0)
@@ -108,12 +206,20 @@ static int time_T(const layer *L, int T, double warm_s, int reps)
         if (forward(L, x, T, y) != 0)
             goto out;
         t[r] = now_s() - t0;
+        for (int p = 0; p < NPH; p++)
+            t[(size_t)(p + 1) * reps + r] = ph_last[p];
     }
-    qsort(t, (size_t)reps, sizeof(double), cmp_double);
-    double med = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
+    double mn = t[0];
+    for (int r = 1; r < reps; r++)
+        mn = t[r] < mn ? t[r] : mn;
+    double med = median(t, reps);
     double flop = 2.0 * T * L->K * 3.0 * L->H * L->F + 2.0 * T * L->H * L->E;
-    printf("RESULT T=%d median_ms=%.4f min_ms=%.4f gflops=%.2f reps=%d\n", T, med * 1e3, t[0] * 1e3,
+    printf("RESULT T=%d median_ms=%.4f min_ms=%.4f gflops=%.2f reps=%d\n", T, med * 1e3, mn * 1e3,
            flop / med * 1e-9, reps);
+    printf("PHASES T=%d", T);
+    for (int p = 0; p < NPH; p++)
+        printf(" %s=%.4f", ph_name[p], median(t + (size_t)(p + 1) * reps, reps) * 1e3);
+    printf(" act_alone=%.4f (ms, medians)\n", act_ms(L, T, reps));
     fflush(stdout);
     rc = 0;
 out:
@@ -166,10 +272,12 @@ static int layer_init(layer *L)
 
 int main(int argc, char **argv)
 {
-    for (int i = 1; i < argc; i++)
+    layer L = {4096, 2048, 8, 2, NULL, NULL, NULL, NULL, 0};
+    for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--pick") == 0)
             blas_pick_reexec(argc, argv);
-    layer L = {4096, 2048, 8, 2, NULL, NULL, NULL, NULL};
+        L.gemv1 |= strcmp(argv[i], "--gemv1") == 0;
+    }
     const char *Ts = "1,4096", *dump_path = NULL;
     double warm_s = 1.0;
     int reps = 5;
