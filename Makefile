@@ -166,7 +166,8 @@ clean:
 # bench/service_bench: checks and times a running cluster (not a test).
 bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
 	@mkdir -p bin
-	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lnng -lopenblas -lm -lpthread
+	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ $(if $(HAVE_CUDA),-L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt) \
+	    -lnng -lopenblas -lm -lpthread
 all: bin/service_bench
 
 # bench/cpu_layer_bench: one CPU-worker layer forward, timed (bench/cpu_peer.py; not a test).

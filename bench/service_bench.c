@@ -3,16 +3,29 @@
  *
  *   service_bench --url URL [--d-model H --d-ff F --experts E --top-k K]
  *                 [--dtype bf16|f32] [--tokens T,T,...] [--iters N] [--train]
+ *                 [--paths coordinator,socket,shm] [--no-ref]
  *
  * Creates a model "sb" (seed 1), then for each T: forward (and with --train
  * backward) through the service, compared with the single-process CPU
  * reference (kern_moe_forward_ref / kern_moe_backward_ref) on the same
  * seeded weights: relative error ||out - ref|| / ||ref||, bound 1e-2 for bf16
- * and 1e-4 for f32. Then the time per call (median of --iters) and tokens/s.
+ * and 1e-4 for f32. Then the time per call (median of --iters) and tokens/s,
+ * for each data path (docs/PROTOCOL.md, "Data plane"), beside the limits
+ * measured in the same run:
+ *   - compute: the workers' own time for the call (the sum of the phases
+ *     they report: gate, dispatch, experts, combine);
+ *   - nng: a raw nng req/rep round trip of the same bytes (x out, y back) on
+ *     the coordinator's transport, to an echo server in this process;
+ *   - pinned (CUDA builds): the same bytes host->device->host from pinned
+ *     memory on GPU 0.
  * Prints one line per case and exits non-zero if any check fails. Not a
  * test: it runs against whatever cluster you point it at (GPU workers too).
  */
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/rep.h>
+#include <nng/protocol/reqrep0/req.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +33,9 @@
 
 #include "kern.h"
 #include "moe.h"
+#ifdef MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 static double now_s(void)
 {
@@ -68,11 +84,110 @@ static void from_wire(const void *in, size_t n, moe_dtype dt, float *x)
         x[i] = kern_bf16_to_f32(h[i]);
 }
 
+/* ---- the raw nng floor: an echo of n bytes out and n bytes back ---- */
+
+typedef struct echo_srv {
+    nng_socket sock;
+    char url[256];
+    volatile int stop;
+} echo_srv;
+
+static void *echo_main(void *arg)
+{
+    echo_srv *e = arg;
+    while (!e->stop) {
+        nng_msg *m;
+        if (nng_recvmsg(e->sock, &m, 0) != 0)
+            return NULL;
+        if (nng_sendmsg(e->sock, m, 0) != 0) /* the same bytes back: x out, y back */
+            nng_msg_free(m);
+    }
+    return NULL;
+}
+
+/* echo_open listens on the transport of url (tcp -> 127.0.0.1, ipc -> a
+ * path beside it) and starts the echo thread. */
+static int echo_open(const char *url, echo_srv *e, pthread_t *th)
+{
+    memset(e, 0, sizeof(*e));
+    if (strncmp(url, "ipc://", 6) == 0)
+        snprintf(e->url, sizeof(e->url), "ipc:///tmp/moe-sb-echo-%d", (int)getpid());
+    else
+        snprintf(e->url, sizeof(e->url), "tcp://127.0.0.1:%d", 20000 + (int)(getpid() % 20000));
+    if (nng_rep0_open(&e->sock) != 0)
+        return -1;
+    nng_socket_set_size(e->sock, NNG_OPT_RECVMAXSZ, (size_t)2 << 30);
+    if (nng_listen(e->sock, e->url, NULL, 0) != 0)
+        return -1;
+    return pthread_create(th, NULL, echo_main, e);
+}
+
+/* raw_rtt: median seconds of a req/rep of n bytes each way */
+static double raw_rtt(const char *url, size_t n, int iters)
+{
+    nng_socket s;
+    double *t = malloc((size_t)iters * sizeof(double)), med;
+    if (!t || nng_req0_open(&s) != 0)
+        return -1;
+    nng_socket_set_size(s, NNG_OPT_RECVMAXSZ, (size_t)2 << 30);
+    if (nng_dial(s, url, NULL, 0) != 0)
+        return -1;
+    for (int it = -2; it < iters; it++) { /* two warm-up rounds */
+        nng_msg *m;
+        double t0 = now_s();
+        if (nng_msg_alloc(&m, n) != 0)
+            return -1;
+        memset(nng_msg_body(m), it & 0xff, n);
+        if (nng_sendmsg(s, m, 0) != 0 || nng_recvmsg(s, &m, 0) != 0)
+            return -1;
+        nng_msg_free(m);
+        if (it >= 0)
+            t[it] = now_s() - t0;
+    }
+    nng_close(s);
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    med = t[iters / 2];
+    free(t);
+    return med;
+}
+
+/* pinned_rtt: median seconds to copy n bytes host->device and n bytes back
+ * from pinned memory on GPU 0; -1 without CUDA or a GPU */
+static double pinned_rtt(size_t n, int iters)
+{
+#ifdef MOE_HAVE_CUDA
+    void *h = NULL, *d = NULL;
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0 ||
+        cudaMallocHost(&h, n ? n : 1) != cudaSuccess || cudaMalloc(&d, n ? n : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    double *t = malloc((size_t)iters * sizeof(double)), med;
+    for (int it = -2; it < iters; it++) {
+        double t0 = now_s();
+        cudaMemcpy(d, h, n, cudaMemcpyHostToDevice);
+        cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost);
+        if (it >= 0)
+            t[it] = now_s() - t0;
+    }
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    med = t[iters / 2];
+    free(t);
+    cudaFreeHost(h);
+    cudaFree(d);
+    return med;
+#else
+    (void)n, (void)iters;
+    return -1;
+#endif
+}
+
 int main(int argc, char **argv)
 {
     const char *url = getenv("MOE_URL") ? getenv("MOE_URL") : "tcp://127.0.0.1:7000";
     const char *dts = "bf16", *tok = "1,64,1024";
-    const char *path = NULL; /* data path: auto | socket | shm | coordinator */
+    const char *paths = "coordinator,socket,shm"; /* data paths to time */
     int H = 1024, F = 2048, E = 8, K = 2, iters = 10, train = 0, ref = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -96,8 +211,8 @@ int main(int argc, char **argv)
             train = 1;
         else if (!strcmp(a, "--no-ref"))
             ref = 0;
-        else if (!strcmp(a, "--path"))
-            path = v, i++;
+        else if (!strcmp(a, "--paths"))
+            paths = v, i++;
         else {
             fprintf(stderr, "service_bench: unknown option %s\n", a);
             return 2;
@@ -105,7 +220,7 @@ int main(int argc, char **argv)
     }
     moe_dtype dt = strcmp(dts, "f32") == 0 ? MOE_F32 : MOE_BF16;
     double bound = dt == MOE_F32 ? 1e-4 : 1e-2;
-    moe_client_opts co = {600000, 0, NULL, path};
+    moe_client_opts co = {600000, 0, NULL, NULL};
     moe_client *c;
     if (moe_client_open(url, &co, &c) != MOE_OK) {
         fprintf(stderr, "service_bench: %s\n", moe_last_error());
@@ -136,6 +251,12 @@ int main(int argc, char **argv)
     }
     kern_layer_weights lw = {wr, w1, w3, w2};
     int failures = 0;
+    echo_srv echo;
+    pthread_t echo_th;
+    if (echo_open(url, &echo, &echo_th) != 0) {
+        fprintf(stderr, "service_bench: cannot start the nng echo server\n");
+        return 1;
+    }
     printf("# service_bench %s: d_model %d d_ff %d experts %d top-%d %s\n", url, H, F, E, K,
            moe_dtype_name(dt));
     for (const char *p = tok; *p;) {
@@ -181,32 +302,69 @@ int main(int argc, char **argv)
                 free(g1), free(g3), free(g2), free(gr);
             }
         }
-        /* timing */
-        double *lat = malloc((size_t)iters * sizeof(double));
-        for (int it = 0; it < iters; it++) {
-            double t0 = now_s();
-            if (train) {
-                e = moe_forward_train(c, "sb", 0, dt, xw, T, H, yw, &info);
-                if (e == MOE_OK)
-                    e = moe_backward(c, info.handle, dt, dyw, T, H, dxw);
-                moe_fwd_info_free(&info);
-            } else {
-                e = moe_forward(c, "sb", 0, dt, xw, T, H, yw, NULL);
-            }
-            lat[it] = now_s() - t0;
-            if (e != MOE_OK)
-                failures++;
-        }
-        qsort(lat, (size_t)iters, sizeof(double), cmp_d);
-        double med = lat[iters / 2];
+        /* timing: each data path, beside the floors of the same bytes */
+        double floor_nng = raw_rtt(echo.url, n * es, iters);
+        double floor_pin = pinned_rtt(n * es, iters);
         int ok = !ref || (ey < bound && (!train || edx < bound));
         failures += !ok;
-        printf("T=%-6ld %s  y err %.2e%s  %s %.3f ms  %.0f tokens/s  (p50 of %d)\n", T,
-               ok ? "PASS" : "FAIL", ey, train ? "" : "", train ? "fwd+bwd" : "fwd", med * 1e3,
-               T / med, iters);
+        printf("T=%-6ld %s  y err %.2e", T, ok ? "PASS" : "FAIL", ey);
         if (train)
-            printf("         dx err %.2e\n", edx);
-        free(lat);
+            printf("  dx err %.2e", edx);
+        printf("  | floors for %.2f MiB each way: raw nng %.3f ms", (double)(n * es) / (1 << 20),
+               floor_nng * 1e3);
+        if (floor_pin >= 0)
+            printf(", pinned h2d+d2h %.3f ms", floor_pin * 1e3);
+        printf("\n");
+        for (const char *q = paths; *q;) {
+            char pname[32];
+            size_t pl = strcspn(q, ",");
+            snprintf(pname, sizeof(pname), "%.*s", (int)pl, q);
+            q += pl + (q[pl] == ',');
+            moe_client *pc;
+            moe_client_opts po = {600000, 0, NULL, pname};
+            if (moe_client_open(url, &po, &pc) != MOE_OK) {
+                printf("         %-11s FAIL %s\n", pname, moe_last_error());
+                failures++;
+                continue;
+            }
+            double *lat = malloc((size_t)iters * sizeof(double));
+            double *cmp = malloc((size_t)iters * sizeof(double));
+            for (int it = -1; it < iters; it++) { /* one warm-up call */
+                moe_fwd_info fi;
+                memset(&fi, 0, sizeof(fi));
+                double t0 = now_s();
+                e = train ? moe_forward_train(pc, "sb", 0, dt, xw, T, H, yw, &fi)
+                          : moe_forward(pc, "sb", 0, dt, xw, T, H, yw, &fi);
+                if (e == MOE_OK && train)
+                    e = moe_backward(pc, fi.handle, dt, dyw, T, H, dxw);
+                double dt_s = now_s() - t0;
+                if (it >= 0) {
+                    lat[it] = dt_s;
+                    cmp[it] = fi.gate_s + fi.dispatch_s + fi.experts_s + fi.combine_s;
+                }
+                moe_fwd_info_free(&fi);
+                if (e != MOE_OK) {
+                    printf("         %-11s FAIL %s\n", pname, moe_last_error());
+                    failures++;
+                    break;
+                }
+            }
+            if (e == MOE_OK) {
+                qsort(lat, (size_t)iters, sizeof(double), cmp_d);
+                qsort(cmp, (size_t)iters, sizeof(double), cmp_d);
+                double med = lat[iters / 2], kc = cmp[iters / 2];
+                printf("         %-11s %s %.3f ms  %.0f tokens/s  compute %.3f ms  "
+                       "service/(compute+nng) %.2f",
+                       pname, train ? "fwd+bwd(fwd compute)" : "fwd", med * 1e3, T / med, kc * 1e3,
+                       med / (kc + floor_nng));
+                if (floor_pin >= 0)
+                    printf("  service/(compute+pinned) %.2f", med / (kc + floor_pin));
+                printf("  nng/service %.0f%%  (p50 of %d)\n", 100 * floor_nng / med, iters);
+            }
+            free(lat);
+            free(cmp);
+            moe_client_close(pc);
+        }
         free(x), free(y), free(yr), free(dy), free(dx), free(dxr);
         free(xw), free(yw), free(dyw), free(dxw);
     }

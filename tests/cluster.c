@@ -185,7 +185,7 @@ static void arm_watchdog(void)
 
 /* ---- spawning ---- */
 
-static const char *bin_dir(void)
+const char *cluster_bin_dir(void)
 {
     static char dir[PATH_MAX + 16];
     if (dir[0])
@@ -307,7 +307,7 @@ static void av_add(argv_buf *a, const char *s)
 
 static void av_exe(argv_buf *a, const char *name)
 {
-    snprintf(a->exe, sizeof(a->exe), "%s/%s", bin_dir(), name);
+    snprintf(a->exe, sizeof(a->exe), "%s/%s", cluster_bin_dir(), name);
     a->n = 0;
     av_add(a, a->exe);
 }

@@ -106,6 +106,8 @@ typedef struct cluster_state {
 moe_err cluster_get_state(cluster *cl, cluster_state *st);
 
 /* ---- small msgpack helpers for tests ---- */
+/* cluster_bin_dir: where bin/moe-worker, bin/moectl ... are. */
+const char *cluster_bin_dir(void);
 /* mp_map_find: r is at a map; on success r is at the value of key. */
 int mp_map_find(mp_reader *r, const char *key);
 /* mp_reply_reader: a reader at the result of a successful reply. */

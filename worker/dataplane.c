@@ -514,6 +514,38 @@ static void on_cancel(dp_table *t, rpc_call *c)
     rpc_reply(c, &w);
 }
 
+/* ping: what the data plane holds now (operators and tests read it) */
+static void on_ping(dp_table *t, rpc_call *c)
+{
+    int nreg = 0;
+    pthread_mutex_lock(&t->mu);
+    for (dp_region *g = t->regions; g; g = g->next)
+        nreg++;
+    int ntk = t->ntickets;
+    size_t staged = t->staged_bytes, mapped = t->mapped_bytes;
+    uint64_t expired = t->tickets_expired_total, rows = t->rows_in_total;
+    pthread_mutex_unlock(&t->mu);
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, c->req.msgid);
+    mp_write_map(&w, 7);
+    mp_write_cstr(&w, "role");
+    mp_write_cstr(&w, "worker-data");
+    mp_write_cstr(&w, "tickets");
+    mp_write_i64(&w, ntk);
+    mp_write_cstr(&w, "regions");
+    mp_write_i64(&w, nreg);
+    mp_write_cstr(&w, "staged_bytes");
+    mp_write_u64(&w, staged);
+    mp_write_cstr(&w, "mapped_bytes");
+    mp_write_u64(&w, mapped);
+    mp_write_cstr(&w, "tickets_expired_total");
+    mp_write_u64(&w, expired);
+    mp_write_cstr(&w, "rows_in_total");
+    mp_write_u64(&w, rows);
+    rpc_reply(c, &w);
+}
+
 void dp_on_request(dp_table *t, rpc_call *c)
 {
     const moe_rpc_request *q = &c->req;
@@ -530,7 +562,7 @@ void dp_on_request(dp_table *t, rpc_call *c)
     else if (mp_str_eq(q->method, q->method_len, "data.cancel"))
         on_cancel(t, c);
     else if (mp_str_eq(q->method, q->method_len, "ping"))
-        reply_empty(c);
+        on_ping(t, c);
     else
         rpc_reply_err(c, MOE_ENOMETHOD, "unknown data-plane method '%.*s'", (int)q->method_len,
                       q->method);

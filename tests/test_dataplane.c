@@ -1,0 +1,549 @@
+/*
+ * test_dataplane.c - the data plane: rows straight between a client and the
+ * workers (docs/PROTOCOL.md, "Data plane"), on real clusters of CPU workers.
+ *  - every path (coordinator, socket, shared memory) gives bit-identical
+ *    outputs, input gradients and weight updates, on 1 and 3 workers, f32
+ *    and bf16, merged batches included;
+ *  - bad input on a worker's client endpoint gets a clear error and the
+ *    worker keeps serving: unknown region, offsets outside a region, a bad
+ *    segment name, a ticket sent twice, rows of the wrong shape, rows whose
+ *    job never comes (deadline), cancel, an unknown method;
+ *  - nothing leaks: no /dev/shm segment after clients close or are killed,
+ *    no region or ticket left on the workers when a connection closes.
+ */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cluster.h"
+#include "kern.h"
+
+static const char *paths[3] = {"coordinator", "socket", "shm"};
+
+/* count_segments: /dev/shm entries that libmoe names (moe-*). */
+static int count_segments(void)
+{
+    DIR *d = opendir("/dev/shm");
+    struct dirent *de;
+    int n = 0;
+    if (!d)
+        return 0;
+    while ((de = readdir(d)))
+        n += strncmp(de->d_name, "moe-", 4) == 0;
+    closedir(d);
+    return n;
+}
+
+static moe_client *open_path(cluster *cl, const char *path)
+{
+    moe_client *c;
+    moe_client_opts o = {30000, 0, NULL, path};
+    cr_assert_eq(moe_client_open(cl->url, &o, &c), MOE_OK, "open (%s): %s", path, moe_last_error());
+    return c;
+}
+
+static void create(cluster *cl, const char *name, int H, int F, int E, int K, moe_dtype dt)
+{
+    moe_model_config mc = {0};
+    mc.name = name;
+    mc.layers = 1;
+    mc.d_model = H;
+    mc.d_ff = F;
+    mc.n_experts = E;
+    mc.top_k = K;
+    mc.dtype = dt;
+    mc.seed = 7;
+    mc.aux_loss_coef = 0.01;
+    cr_assert_eq(moe_model_create(cl->cli, &mc), MOE_OK, "create: %s", moe_last_error());
+}
+
+/* the same forward, train forward + backward over every path: identical
+ * bytes (the rows take other roads; the math is the same) */
+static void paths_identical(int W, moe_dtype dt)
+{
+    cluster_opts o = {.workers = W};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 48, F = 64, E = 6, K = 2;
+    create(cl, "m", H, F, E, K, dt);
+    const size_t es = dt == MOE_BF16 ? 2 : 4;
+    const int Ts[3] = {1, 37, 200};
+    for (int ti = 0; ti < 3; ti++) {
+        const int T = Ts[ti];
+        size_t n = (size_t)T * H;
+        float *xf = malloc(n * 4), *dyf = malloc(n * 4);
+        uint8_t *x = malloc(n * es), *dy = malloc(n * es);
+        uint8_t *y[3], *dx[3];
+        kern_fill_uniform(11, (uint64_t)T, -1, 1, xf, n);
+        kern_fill_uniform(12, (uint64_t)T, -1, 1, dyf, n);
+        for (size_t i = 0; i < n; i++) {
+            if (dt == MOE_BF16) {
+                uint16_t a = kern_f32_to_bf16(xf[i]), b = kern_f32_to_bf16(dyf[i]);
+                memcpy(x + 2 * i, &a, 2);
+                memcpy(dy + 2 * i, &b, 2);
+            } else {
+                memcpy(x + 4 * i, &xf[i], 4);
+                memcpy(dy + 4 * i, &dyf[i], 4);
+            }
+        }
+        for (int p = 0; p < 3; p++) {
+            moe_client *c = open_path(cl, paths[p]);
+            y[p] = malloc(n * es);
+            dx[p] = malloc(n * es);
+            memset(y[p], 0xff, n * es); /* poison */
+            memset(dx[p], 0xff, n * es);
+            moe_fwd_info info;
+            memset(&info, 0, sizeof(info));
+            cr_assert_eq(moe_forward(c, "m", 0, dt, x, T, H, y[p], &info), MOE_OK,
+                         "forward over %s (W=%d, T=%d): %s", paths[p], W, T, moe_last_error());
+            int64_t routed = 0;
+            for (int e = 0; e < E; e++)
+                routed += info.tokens_per_expert[e];
+            cr_assert_eq(routed, (int64_t)T * K, "%s: stats of %lld slots", paths[p],
+                         (long long)routed);
+            moe_fwd_info_free(&info);
+            /* train forward + backward: dx over this path */
+            uint8_t *y2 = malloc(n * es);
+            cr_assert_eq(moe_forward_train(c, "m", 0, dt, x, T, H, y2, &info), MOE_OK,
+                         "train forward over %s: %s", paths[p], moe_last_error());
+            cr_assert(memcmp(y2, y[p], n * es) == 0, "%s: train forward y differs from inference",
+                      paths[p]);
+            cr_assert_eq(moe_backward(c, info.handle, dt, dy, T, H, dx[p]), MOE_OK,
+                         "backward over %s: %s", paths[p], moe_last_error());
+            moe_fwd_info_free(&info);
+            free(y2);
+            moe_client_close(c);
+            if (p > 0) {
+                cr_assert(memcmp(y[p], y[0], n * es) == 0,
+                          "y over %s differs from the coordinator path (W=%d, T=%d)", paths[p], W,
+                          T);
+                cr_assert(memcmp(dx[p], dx[0], n * es) == 0,
+                          "dx over %s differs from the coordinator path (W=%d, T=%d)", paths[p], W,
+                          T);
+            }
+        }
+        for (int p = 0; p < 3; p++) {
+            free(y[p]);
+            free(dx[p]);
+        }
+        free(xf);
+        free(dyf);
+        free(x);
+        free(dy);
+    }
+    /* the gradients of 9 backwards (3 per path) applied once: a step works */
+    moe_adamw opt = {1e-3, 0.9, 0.999, 1e-8, 0, 0, 0, 0};
+    int64_t step = 0;
+    cr_assert_eq(moe_optimizer_step(cl->cli, "m", &opt, &step, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(step, 1);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+Test(dataplane, paths_identical_w1_f32, .timeout = 120, .fini = cluster_fini_all)
+{
+    paths_identical(1, MOE_F32);
+}
+
+Test(dataplane, paths_identical_w3_f32, .timeout = 120, .fini = cluster_fini_all)
+{
+    paths_identical(3, MOE_F32);
+}
+
+Test(dataplane, paths_identical_w2_bf16, .timeout = 120, .fini = cluster_fini_all)
+{
+    paths_identical(2, MOE_BF16);
+}
+
+/* ---- raw calls on a worker's client endpoint ---- */
+
+typedef struct raw_reply {
+    uint8_t *buf;
+    size_t len;
+    moe_rpc_response resp;
+    int rv;
+} raw_reply;
+
+static nng_socket raw_open(const char *url)
+{
+    nng_socket s;
+    cr_assert_eq(nng_req0_open(&s), 0);
+    nng_socket_set_ms(s, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
+    nng_socket_set_ms(s, NNG_OPT_RECVTIMEO, 30000);
+    nng_socket_set_ms(s, NNG_OPT_SENDTIMEO, 5000);
+    int rv = nng_dial(s, url, NULL, 0);
+    cr_assert_eq(rv, 0, "dial %s: %s", url, nng_strerror(rv));
+    return s;
+}
+
+/* raw_call: method {params pairs in p (n of them)} and one reply */
+static void raw_call(nng_socket s, const char *method, const mp_writer *p, uint32_t n, raw_reply *r)
+{
+    static uint32_t next = 1;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_request_head(&w, next++, method);
+    mp_write_map(&w, n);
+    if (p)
+        mp_write_raw(&w, p->buf, p->len);
+    memset(r, 0, sizeof(*r));
+    r->rv = nng_send(s, w.buf, w.len, 0);
+    mp_writer_fini(&w);
+    if (r->rv == 0)
+        r->rv = nng_recv(s, &r->buf, &r->len, NNG_FLAG_ALLOC);
+    if (r->rv != 0)
+        return;
+    mp_errbuf eb = {{0}};
+    cr_assert_eq(moe_rpc_parse_response(r->buf, r->len, &r->resp, &eb), MOE_OK, "%s", eb.msg);
+}
+
+static void raw_free(raw_reply *r)
+{
+    if (r->buf)
+        nng_free(r->buf, r->len);
+    r->buf = NULL;
+}
+
+static void expect_err(raw_reply *r, moe_err want, const char *what)
+{
+    cr_assert_eq(r->rv, 0, "%s: no reply: %s", what, nng_strerror(r->rv));
+    cr_assert_eq(r->resp.err, want, "%s: got %s (%.*s), want %s", what, moe_err_code(r->resp.err),
+                 (int)r->resp.errmsg_len, r->resp.errmsg ? r->resp.errmsg : "", moe_err_code(want));
+    cr_assert(r->resp.errmsg_len > 0, "%s: empty message", what);
+    cr_log_info("%s -> %s: %.*s", what, moe_err_code(want), (int)r->resp.errmsg_len,
+                r->resp.errmsg);
+    raw_free(r);
+}
+
+/* worker_url: rank 0's client endpoint, from dataplane.info */
+static void worker_url(cluster *cl, int rank, char *out, size_t len)
+{
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader r = mp_reply_reader(&rep);
+    uint32_t n;
+    cr_assert(mp_map_find(&r, "workers") == 0 && mp_read_array(&r, &n, NULL) == MOE_OK &&
+              (int)n > rank);
+    for (int i = 0; i < rank; i++)
+        cr_assert(mp_skip(&r, NULL) == MOE_OK);
+    const char *s;
+    uint32_t sl;
+    cr_assert(mp_map_find(&r, "url") == 0 && mp_read_str(&r, &s, &sl, NULL) == MOE_OK);
+    snprintf(out, len, "%.*s", (int)sl, s);
+    moe_reply_free(&rep);
+}
+
+/* data_stat reads one counter of the data endpoint's ping. */
+static int64_t data_stat(const char *url, const char *key)
+{
+    nng_socket s = raw_open(url);
+    raw_reply r;
+    raw_call(s, "ping", NULL, 0, &r);
+    cr_assert_eq(r.rv, 0);
+    cr_assert_eq(r.resp.err, MOE_OK);
+    mp_reader rd = r.resp.result;
+    int64_t v = -1;
+    cr_assert(mp_map_find(&rd, key) == 0 && mp_read_i64(&rd, &v, NULL) == MOE_OK, "ping: no %s",
+              key);
+    raw_free(&r);
+    nng_close(s);
+    return v;
+}
+
+/* wait_stat: the counter reaches want (connection close is handled on the
+ * worker's loop soon after; bounded generously for a loaded machine) */
+static void wait_stat(const char *url, const char *key, int64_t want)
+{
+    int64_t v = -1;
+    for (int i = 0; i < 3000; i++) {
+        if ((v = data_stat(url, key)) == want)
+            return;
+        usleep(10000);
+    }
+    cr_assert_fail("%s stayed %lld, want %lld", key, (long long)v, (long long)want);
+}
+
+static void write_ticket(mp_writer *p, uint64_t a, uint64_t b)
+{
+    mp_write_cstr(p, "ticket");
+    mp_write_array(p, 2);
+    mp_write_u64(p, a);
+    mp_write_u64(p, b);
+}
+
+Test(dataplane, bad_input_worker_keeps_serving, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    char url[256];
+    worker_url(cl, 0, url, sizeof(url));
+    nng_socket s = raw_open(url);
+    raw_reply r;
+    mp_writer p;
+
+    /* a region nobody attached */
+    mp_writer_init(&p);
+    write_ticket(&p, 1, 1);
+    mp_write_cstr(&p, "dtype");
+    mp_write_cstr(&p, "f32");
+    mp_write_cstr(&p, "shape");
+    mp_write_array(&p, 2);
+    mp_write_i64(&p, 2);
+    mp_write_i64(&p, H);
+    mp_write_cstr(&p, "region");
+    mp_write_u64(&p, 7);
+    mp_write_cstr(&p, "x_offset");
+    mp_write_u64(&p, 0);
+    mp_write_cstr(&p, "y_offset");
+    mp_write_u64(&p, 0);
+    raw_call(s, "data.rows", &p, 6, &r);
+    mp_writer_fini(&p);
+    expect_err(&r, MOE_ENOTFOUND, "data.rows in a region never attached");
+
+    /* segment names: only the client's own (/moe-...), and they must exist */
+    static const char *bad_names[] = {"/etc-passwd", "/moe-../x", "/moe-", "/moe-does-not-exist"};
+    for (int i = 0; i < 4; i++) {
+        mp_writer_init(&p);
+        mp_write_cstr(&p, "name");
+        mp_write_cstr(&p, bad_names[i]);
+        mp_write_cstr(&p, "size");
+        mp_write_u64(&p, 4096);
+        raw_call(s, "data.shm_attach", &p, 2, &r);
+        mp_writer_fini(&p);
+        expect_err(&r, MOE_EINVAL, bad_names[i]);
+    }
+
+    /* a real segment, then offsets and lengths outside it */
+    char name[64];
+    snprintf(name, sizeof(name), "/moe-%ld-test-bad", (long)getpid());
+    int fd = shm_open(name, O_CREAT | O_RDWR, 0600);
+    cr_assert(fd >= 0);
+    cr_assert_eq(ftruncate(fd, 8192), 0);
+    close(fd);
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "name");
+    mp_write_cstr(&p, name);
+    mp_write_cstr(&p, "size");
+    mp_write_u64(&p, 1 << 20); /* larger than the segment */
+    raw_call(s, "data.shm_attach", &p, 2, &r);
+    mp_writer_fini(&p);
+    expect_err(&r, MOE_EINVAL, "a size beyond the segment");
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "name");
+    mp_write_cstr(&p, name);
+    mp_write_cstr(&p, "size");
+    mp_write_u64(&p, 8192);
+    raw_call(s, "data.shm_attach", &p, 2, &r);
+    mp_writer_fini(&p);
+    shm_unlink(name);
+    cr_assert_eq(r.rv, 0);
+    cr_assert_eq(r.resp.err, MOE_OK, "attach: %.*s", (int)r.resp.errmsg_len, r.resp.errmsg);
+    uint64_t region = 0;
+    mp_reader rd = r.resp.result;
+    cr_assert(mp_map_find(&rd, "region") == 0 && mp_read_u64(&rd, &region, NULL) == MOE_OK);
+    raw_free(&r);
+    cr_assert_eq(data_stat(url, "regions"), 1);
+    /* rows (32, 32) f32 = 4096 bytes: x at 4096 fits, y at 4097 does not */
+    static const uint64_t offs[3][2] = {{0, 4097}, {8192, 0}, {~0ull - 8, 0}};
+    for (int i = 0; i < 3; i++) {
+        mp_writer_init(&p);
+        write_ticket(&p, 2, (uint64_t)i);
+        mp_write_cstr(&p, "dtype");
+        mp_write_cstr(&p, "f32");
+        mp_write_cstr(&p, "shape");
+        mp_write_array(&p, 2);
+        mp_write_i64(&p, 32);
+        mp_write_i64(&p, H);
+        mp_write_cstr(&p, "region");
+        mp_write_u64(&p, region);
+        mp_write_cstr(&p, "x_offset");
+        mp_write_u64(&p, offs[i][0]);
+        mp_write_cstr(&p, "y_offset");
+        mp_write_u64(&p, offs[i][1]);
+        raw_call(s, "data.rows", &p, 6, &r);
+        mp_writer_fini(&p);
+        expect_err(&r, MOE_EINVAL, "offsets outside the region");
+    }
+    /* another connection cannot name this connection's region */
+    nng_socket s2 = raw_open(url);
+    mp_writer_init(&p);
+    write_ticket(&p, 3, 1);
+    mp_write_cstr(&p, "dtype");
+    mp_write_cstr(&p, "f32");
+    mp_write_cstr(&p, "shape");
+    mp_write_array(&p, 2);
+    mp_write_i64(&p, 1);
+    mp_write_i64(&p, H);
+    mp_write_cstr(&p, "region");
+    mp_write_u64(&p, region);
+    mp_write_cstr(&p, "x_offset");
+    mp_write_u64(&p, 0);
+    mp_write_cstr(&p, "y_offset");
+    mp_write_u64(&p, 128);
+    raw_call(s2, "data.rows", &p, 6, &r);
+    mp_writer_fini(&p);
+    expect_err(&r, MOE_ENOTFOUND, "a region of another connection");
+
+    /* both x and a region, neither, an unknown method */
+    float rows[4 * 32];
+    memset(rows, 0, sizeof(rows));
+    moe_tensor t = {MOE_F32, 2, {4, H, 0, 0}, rows, sizeof(rows)};
+    mp_writer_init(&p);
+    write_ticket(&p, 4, 1);
+    raw_call(s2, "data.rows", &p, 1, &r);
+    mp_writer_fini(&p);
+    expect_err(&r, MOE_EINVAL, "data.rows without rows");
+    raw_call(s2, "data.nothing", NULL, 0, &r);
+    expect_err(&r, MOE_ENOMETHOD, "unknown method");
+
+    /* a ticket sent twice: the second is refused; the first waits for a job
+     * that never comes and is answered at its deadline */
+    nng_socket s3 = raw_open(url);
+    mp_writer_init(&p);
+    write_ticket(&p, 5, 1);
+    mp_write_cstr(&p, "deadline_ms");
+    mp_write_i64(&p, 300);
+    mp_write_cstr(&p, "x");
+    moe_tensor_write(&p, &t);
+    uint32_t msgid = 9001;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_request_head(&w, msgid, "data.rows");
+    mp_write_map(&w, 3);
+    mp_write_raw(&w, p.buf, p.len);
+    cr_assert_eq(nng_send(s3, w.buf, w.len, 0), 0);
+    mp_writer_fini(&w);
+    wait_stat(url, "tickets", 1);
+    raw_call(s2, "data.rows", &p, 3, &r);
+    expect_err(&r, MOE_EPRECOND, "a ticket sent twice");
+    mp_writer_fini(&p);
+    raw_reply r3;
+    memset(&r3, 0, sizeof(r3));
+    r3.rv = nng_recv(s3, &r3.buf, &r3.len, NNG_FLAG_ALLOC);
+    cr_assert_eq(r3.rv, 0);
+    mp_errbuf eb = {{0}};
+    cr_assert_eq(moe_rpc_parse_response(r3.buf, r3.len, &r3.resp, &eb), MOE_OK);
+    expect_err(&r3, MOE_ETIMEDOUT, "rows whose job never came");
+
+    /* cancel: a waiting ticket is answered closed, and cancel says so */
+    mp_writer_init(&p);
+    write_ticket(&p, 6, 1);
+    mp_write_cstr(&p, "x");
+    moe_tensor_write(&p, &t);
+    mp_writer_init(&w);
+    moe_rpc_write_request_head(&w, 9002, "data.rows");
+    mp_write_map(&w, 2);
+    mp_write_raw(&w, p.buf, p.len);
+    cr_assert_eq(nng_send(s3, w.buf, w.len, 0), 0);
+    mp_writer_fini(&w);
+    mp_writer_fini(&p);
+    wait_stat(url, "tickets", 1);
+    mp_writer_init(&p);
+    write_ticket(&p, 6, 1);
+    raw_call(s2, "data.cancel", &p, 1, &r);
+    mp_writer_fini(&p);
+    cr_assert_eq(r.rv, 0);
+    cr_assert_eq(r.resp.err, MOE_OK);
+    bool cancelled = false;
+    rd = r.resp.result;
+    cr_assert(mp_map_find(&rd, "cancelled") == 0 && mp_read_bool(&rd, &cancelled, NULL) == MOE_OK &&
+              cancelled);
+    raw_free(&r);
+    memset(&r3, 0, sizeof(r3));
+    cr_assert_eq(nng_recv(s3, &r3.buf, &r3.len, NNG_FLAG_ALLOC), 0);
+    cr_assert_eq(moe_rpc_parse_response(r3.buf, r3.len, &r3.resp, &eb), MOE_OK);
+    expect_err(&r3, MOE_ECLOSED, "a cancelled ticket");
+
+    /* a forward whose rows have the wrong shape for the job: the worker
+     * answers the rows, the coordinator the request, nothing hangs */
+    float x[3 * 32], y[3 * 32];
+    kern_fill_uniform(3, 3, -1, 1, x, 3 * 32);
+    moe_client *cs = open_path(cl, "socket");
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 3, H + 1, y, NULL), MOE_EINVAL);
+    moe_client_close(cs);
+
+    /* closing the connection drops its region; the worker still serves */
+    nng_close(s);
+    nng_close(s2);
+    nng_close(s3);
+    wait_stat(url, "regions", 0);
+    wait_stat(url, "tickets", 0);
+    moe_client *c = open_path(cl, "shm");
+    cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, 3, H, y, NULL), MOE_OK, "%s", moe_last_error());
+    moe_client_close(c);
+    wait_stat(url, "regions", 0);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* nothing left in /dev/shm or on the workers: after clients that close,
+ * and after a client SIGKILLed in the middle of its forwards */
+Test(dataplane, no_leaked_segments_or_regions, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 64;
+    create(cl, "m", H, 64, 8, 2, MOE_F32);
+    char url0[256], url1[256];
+    worker_url(cl, 0, url0, sizeof(url0));
+    worker_url(cl, 1, url1, sizeof(url1));
+    int before = count_segments();
+    /* sizes that need new, larger buffers */
+    moe_client *c = open_path(cl, "shm");
+    static float x[4096 * 64], y[4096 * 64];
+    kern_fill_uniform(5, 5, -1, 1, x, 4096 * 64);
+    for (int T = 1; T <= 4096; T *= 4)
+        cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
+                     moe_last_error());
+    cr_assert_eq(count_segments(), before, "segments left while the client lives");
+    cr_assert(data_stat(url0, "regions") > 0, "the worker mapped no region");
+    moe_client_close(c);
+    wait_stat(url0, "regions", 0);
+    wait_stat(url1, "regions", 0);
+    cr_assert_eq(count_segments(), before, "segments left after close");
+
+    /* a client killed mid-run: moectl bench over shared memory */
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        char moectl[512];
+        snprintf(moectl, sizeof(moectl), "%s/moectl", cluster_bin_dir());
+        execl(moectl, "moectl", "--url", cl->url, "--data-path", "shm", "bench", "--model", "m",
+              "--tokens", "512", "--requests", "1000000", (char *)NULL);
+        _exit(127);
+    }
+    /* until it has mapped a region on both workers, then SIGKILL */
+    for (int i = 0;
+         i < 3000 && (data_stat(url0, "regions") == 0 || data_stat(url1, "regions") == 0); i++)
+        usleep(10000);
+    usleep(100000);
+    kill(pid, SIGKILL);
+    int st;
+    waitpid(pid, &st, 0);
+    wait_stat(url0, "regions", 0);
+    wait_stat(url1, "regions", 0);
+    wait_stat(url0, "tickets", 0);
+    wait_stat(url1, "tickets", 0);
+    /* a segment the killed client made but had not unlinked yet is swept by
+     * the next client on this host */
+    c = open_path(cl, "shm");
+    cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, 16, H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    moe_client_close(c);
+    cr_assert_eq(count_segments(), before, "segments left after a killed client");
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
