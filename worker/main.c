@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "blas_pick.h"
 #include "gpu.h"
 #include "log.h"
 #include "params.h"
@@ -260,7 +261,10 @@ static const char *pick_backend(wkr *w)
 
 int main(int argc, char **argv)
 {
-    char err[256];
+    char err[256], blas[256];
+    /* before any BLAS call: the CPU's own kernels when the library fell back
+     * to generic ones (re-executes once; blas_pick.h) */
+    blas_pick_reexec(argc, argv);
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf("usage: moe-worker [flags]\n");
@@ -324,8 +328,9 @@ int main(int argc, char **argv)
         LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());
         return 1;
     }
-    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s\n", (int)getpid(),
-            W.backend, W.device, W.rpc_url, W.data_url, W.client_url[0] ? W.client_url : "off");
+    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s blas %s\n",
+            (int)getpid(), W.backend, W.device, W.rpc_url, W.data_url,
+            W.client_url[0] ? W.client_url : "off", blas_pick_describe(blas, sizeof(blas)));
     cfg_print(worker_cfg, NCFG, stderr);
 
     pthread_create(&W.compute_thread, NULL, wkr_compute_main, &W);
