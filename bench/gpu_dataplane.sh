@@ -15,7 +15,7 @@ OUT=${OUT:-run/gpu-dp}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv | tee "$OUT/gpu.txt"
-PATHS=coordinator,socket,shm
+PATHS=${PATHS:-coordinator,socket,shm,shm-zc}
 deploy/gpu-cluster.sh -w "$W" -b cuda -- bash -c "
   set -x
   bin/service_bench --url \$MOE_URL --d-model 1024 --d-ff 512 --experts 16 --top-k 4 --dtype bf16 \
@@ -31,7 +31,7 @@ deploy/gpu-cluster.sh -w "$W" -b cuda -- bash -c "
   bin/service_bench --url \$MOE_URL --d-model 4096 --d-ff 14336 --experts 8 --top-k 2 --dtype bf16 \
       --tokens 1,64,4096 --iters 10 --no-ref --paths $PATHS 2>&1 | tee $OUT/mixtral.txt
 " 2>&1 | tail -30 > "$OUT/cluster_mixtral.log"
-if [ "$W" = 1 ] && [ -x bin/moe_bench ]; then
+if [ "$W" = 1 ] && [ -x bin/moe_bench ] && [ -z "${SKIP_KERNELS:-}" ]; then
     MOE_BENCH_NO_AB=1 bin/moe_bench --only qwen3:,qwen3-dec:1,qwen3-dec:64,mixtral-dec:1,mixtral-dec:64 \
         2>&1 | tee "$OUT/moe_bench.txt" | tail -30
 fi

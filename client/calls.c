@@ -397,3 +397,13 @@ static moe_err forward_impl(moe_client *c, const char *model, int layer, moe_dty
     moe_reply_free(&r);
     return e;
 }
+
+void *moe_buffer_alloc(moe_client *c, size_t n)
+{
+    return moe_dp_buffer_alloc(c, n);
+}
+
+void moe_buffer_free(moe_client *c, void *p)
+{
+    moe_dp_buffer_free(c, p);
+}

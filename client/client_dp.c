@@ -15,9 +15,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define DP_MAX_W   256
-#define DP_MAX_SHM 8
-#define DP_MIN_SHM ((size_t)1 << 20)
+#define DP_MAX_W    256
+#define DP_MAX_SHM  8
+#define DP_MAX_UBUF 64
+#define DP_MIN_SHM  ((size_t)1 << 20)
 
 /* dp_shm: one shared-memory buffer, attached to every worker of its map;
  * a call uses [0, n) for its input rows and [n, 2n) for its output rows. */
@@ -40,13 +41,26 @@ typedef struct dp_map {
     int *up;          /* (W) live connections of each socket (atomic, nng threads) */
     dp_shm bufs[DP_MAX_SHM];
     int nbufs;
+    uint64_t *uregion; /* (DP_MAX_UBUF, W) region id of user buffer i at worker q; 0 = none */
 } dp_map;
+
+/* dp_ubuf: a buffer the application allocated with moe_buffer_alloc: rows
+ * in it travel with no copy (its segment keeps its name until freed, so the
+ * workers of a later map can attach it too). */
+typedef struct dp_ubuf {
+    uint8_t *base; /* owned */
+    size_t size;
+    int shm; /* 1: a shared segment (name below); 0: plain memory */
+    char name[96];
+} dp_ubuf;
 
 struct moe_dp {
     pthread_mutex_t mu;
+    pthread_mutex_t att_mu; /* serialises attaching user buffers */
     dp_map *map;
-    int no_dp;      /* the coordinator has no data plane: use the coordinator path */
-    char host[128]; /* this host's boot id */
+    dp_ubuf ubuf[DP_MAX_UBUF]; /* under mu */
+    int no_dp;                 /* the coordinator has no data plane: use the coordinator path */
+    char host[128];            /* this host's boot id */
     unsigned next_shm;
 };
 
@@ -94,6 +108,7 @@ struct moe_dp *moe_dp_new(void)
     if (!dp)
         return NULL;
     pthread_mutex_init(&dp->mu, NULL);
+    pthread_mutex_init(&dp->att_mu, NULL);
     FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
     if (f) {
         if (!fgets(dp->host, sizeof(dp->host), f))
@@ -127,7 +142,19 @@ static void map_free(dp_map *m)
         shm_free(&m->bufs[i]);
     free(m->sock);
     free(m->up);
+    free(m->uregion);
     free(m);
+}
+
+static void ubuf_release(dp_ubuf *u)
+{
+    if (u->shm) {
+        munmap(u->base, u->size);
+        shm_unlink(u->name);
+    } else {
+        free(u->base);
+    }
+    memset(u, 0, sizeof(*u));
 }
 
 void moe_dp_free(struct moe_dp *dp)
@@ -135,6 +162,10 @@ void moe_dp_free(struct moe_dp *dp)
     if (!dp)
         return;
     map_free(dp->map);
+    for (int i = 0; i < DP_MAX_UBUF; i++)
+        if (dp->ubuf[i].base)
+            ubuf_release(&dp->ubuf[i]);
+    pthread_mutex_destroy(&dp->att_mu);
     pthread_mutex_destroy(&dp->mu);
     free(dp);
 }
@@ -378,9 +409,12 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         return MOE_ENOMETHOD;
     }
     dp_map *m = calloc(1, sizeof(*m));
-    if (!m || !(m->sock = calloc(W, sizeof(nng_socket))) || !(m->up = calloc(W, sizeof(int)))) {
-        if (m)
+    if (!m || !(m->sock = calloc(W, sizeof(nng_socket))) || !(m->up = calloc(W, sizeof(int))) ||
+        !(m->uregion = calloc((size_t)DP_MAX_UBUF * W, sizeof(uint64_t)))) {
+        if (m) {
             free(m->sock);
+            free(m->up);
+        }
         free(m);
         moe_reply_free(&r);
         return MOE_ENOMEM;
@@ -471,6 +505,44 @@ static void map_mark_stale(struct moe_dp *dp, dp_map *m)
 
 /* ---- shared memory ---- */
 
+/* attach_one maps segment name (size bytes) on worker q: its region id. */
+static moe_err attach_one(moe_client *c, dp_map *m, int q, const char *name, size_t size,
+                          uint64_t *region)
+{
+    mp_writer p;
+    dp_req rq;
+    moe_rpc_response resp;
+    char msg[300];
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "name");
+    mp_write_cstr(&p, name);
+    mp_write_cstr(&p, "size");
+    mp_write_u64(&p, size);
+    moe_err e = sync_call(c, m->sock[q], "data.shm_attach", &p, 2, &rq, &resp, msg, sizeof(msg));
+    mp_writer_fini(&p);
+    if (e == MOE_OK) {
+        uint32_t n;
+        mp_reader rd = resp.result;
+        e = MOE_EPROTO;
+        if (mp_read_map(&rd, &n, NULL) == MOE_OK)
+            for (uint32_t i = 0; i < n; i++) {
+                const char *k;
+                uint32_t kl;
+                if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+                    break;
+                if (mp_str_eq(k, kl, "region")) {
+                    if (mp_read_u64(&rd, region, NULL) == MOE_OK)
+                        e = MOE_OK;
+                } else if (mp_skip(&rd, NULL) != MOE_OK)
+                    break;
+            }
+    } else {
+        moe__set_error("data.shm_attach on worker %d: %s", q, msg);
+    }
+    req_close(&rq);
+    return e;
+}
+
 /* shm_create makes a segment of size bytes, attaches it to every worker of
  * m and unlinks its name (the mappings keep it alive). */
 static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t size, dp_shm *b)
@@ -501,39 +573,8 @@ static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t si
     }
     b->size = size;
     moe_err e = MOE_OK;
-    for (int q = 0; q < m->W && e == MOE_OK; q++) {
-        mp_writer p;
-        dp_req rq;
-        moe_rpc_response resp;
-        char msg[300];
-        mp_writer_init(&p);
-        mp_write_cstr(&p, "name");
-        mp_write_cstr(&p, name);
-        mp_write_cstr(&p, "size");
-        mp_write_u64(&p, size);
-        e = sync_call(c, m->sock[q], "data.shm_attach", &p, 2, &rq, &resp, msg, sizeof(msg));
-        mp_writer_fini(&p);
-        if (e == MOE_OK) {
-            uint32_t n;
-            mp_reader rd = resp.result;
-            e = MOE_EPROTO;
-            if (mp_read_map(&rd, &n, NULL) == MOE_OK)
-                for (uint32_t i = 0; i < n; i++) {
-                    const char *k;
-                    uint32_t kl;
-                    if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
-                        break;
-                    if (mp_str_eq(k, kl, "region")) {
-                        if (mp_read_u64(&rd, &b->region[q], NULL) == MOE_OK)
-                            e = MOE_OK;
-                    } else if (mp_skip(&rd, NULL) != MOE_OK)
-                        break;
-                }
-        } else {
-            moe__set_error("data.shm_attach on worker %d: %s", q, msg);
-        }
-        req_close(&rq);
-    }
+    for (int q = 0; q < m->W && e == MOE_OK; q++)
+        e = attach_one(c, m, q, name, size, &b->region[q]);
     shm_unlink(name);
     if (e != MOE_OK)
         shm_free(b); /* the workers drop what they mapped when the map goes */
@@ -593,6 +634,132 @@ static void shm_drop(struct moe_dp *dp, dp_shm *b)
     shm_free(b);
     b->busy = 1;
     pthread_mutex_unlock(&dp->mu);
+}
+
+/* ---- the application's buffers (moe_buffer_alloc) ---- */
+
+/* ubuf_find: the user buffer holding [p, p+n), or -1. */
+static int ubuf_find(struct moe_dp *dp, const void *p, size_t n)
+{
+    int found = -1;
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 0; i < DP_MAX_UBUF && found < 0; i++) {
+        const dp_ubuf *u = &dp->ubuf[i];
+        if (u->base && u->shm && (const uint8_t *)p >= u->base &&
+            (const uint8_t *)p + n <= u->base + u->size)
+            found = i;
+    }
+    pthread_mutex_unlock(&dp->mu);
+    return found;
+}
+
+/* ubuf_attached: user buffer i is mapped on every worker of m (attaching
+ * it where it is not yet); 0 when that fails. */
+static int ubuf_attached(moe_client *c, struct moe_dp *dp, dp_map *m, int i)
+{
+    int ok = m->shm;
+    pthread_mutex_lock(&dp->att_mu);
+    for (int q = 0; ok && q < m->W; q++) {
+        uint64_t *rg = &m->uregion[(size_t)i * m->W + q];
+        if (!*rg && attach_one(c, m, q, dp->ubuf[i].name, dp->ubuf[i].size, rg) != MOE_OK)
+            ok = 0;
+    }
+    pthread_mutex_unlock(&dp->att_mu);
+    return ok;
+}
+
+void *moe_dp_buffer_alloc(moe_client *c, size_t n)
+{
+    struct moe_dp *dp = moe__dp(c);
+    if (!dp || n == 0)
+        return NULL;
+    pthread_mutex_lock(&dp->mu);
+    int i = 0;
+    while (i < DP_MAX_UBUF && dp->ubuf[i].base)
+        i++;
+    if (i == DP_MAX_UBUF) {
+        pthread_mutex_unlock(&dp->mu);
+        moe__set_error("moe_buffer_alloc: %d buffers already allocated", DP_MAX_UBUF);
+        return NULL;
+    }
+    dp_ubuf *u = &dp->ubuf[i];
+    u->base = (uint8_t *)1; /* reserved while it is made */
+    pthread_mutex_unlock(&dp->mu);
+    dp_ubuf made;
+    memset(&made, 0, sizeof(made));
+    made.size = n;
+    snprintf(made.name, sizeof(made.name), "/moe-%ld-%016llx-u%u", (long)getpid(),
+             (unsigned long long)moe_client_id(c), __atomic_add_fetch(&dp->next_shm, 1, 0));
+    int fd = moe__data_path(c) == MOE_PATH_COORD || moe__data_path(c) == MOE_PATH_SOCKET
+                 ? -1
+                 : shm_open(made.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd >= 0 && ftruncate(fd, (off_t)n) == 0 && posix_fallocate(fd, 0, (off_t)n) == 0) {
+        void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) {
+            made.base = p;
+            made.shm = 1;
+        }
+    }
+    if (fd >= 0)
+        close(fd);
+    if (!made.shm) { /* no shared memory here: plain memory, rows copied */
+        if (fd >= 0)
+            shm_unlink(made.name);
+        made.base = malloc(n);
+    }
+    pthread_mutex_lock(&dp->mu);
+    *u = made;
+    pthread_mutex_unlock(&dp->mu);
+    if (!made.base)
+        moe__set_error("moe_buffer_alloc: out of memory for %zu bytes", n);
+    return made.base;
+}
+
+void moe_dp_buffer_free(moe_client *c, void *p)
+{
+    struct moe_dp *dp = moe__dp(c);
+    if (!dp || !p)
+        return;
+    pthread_mutex_lock(&dp->mu);
+    int i = 0;
+    while (i < DP_MAX_UBUF && dp->ubuf[i].base != p)
+        i++;
+    dp_map *m = dp->map;
+    if (m)
+        m->refs++;
+    pthread_mutex_unlock(&dp->mu);
+    if (i == DP_MAX_UBUF) {
+        if (m)
+            map_put(dp, m);
+        return;
+    }
+    /* the workers of the current map unmap it now (older maps' connections
+     * drop theirs when they close) */
+    pthread_mutex_lock(&dp->att_mu);
+    for (int q = 0; m && q < m->W; q++) {
+        uint64_t *rg = &m->uregion[(size_t)i * m->W + q];
+        if (*rg) {
+            mp_writer pw;
+            dp_req rq;
+            moe_rpc_response resp;
+            char msg[300];
+            mp_writer_init(&pw);
+            mp_write_cstr(&pw, "region");
+            mp_write_u64(&pw, *rg);
+            sync_call(c, m->sock[q], "data.shm_detach", &pw, 1, &rq, &resp, msg, sizeof(msg));
+            mp_writer_fini(&pw);
+            req_close(&rq);
+            *rg = 0;
+        }
+    }
+    pthread_mutex_unlock(&dp->att_mu);
+    if (m)
+        map_put(dp, m);
+    pthread_mutex_lock(&dp->mu);
+    dp_ubuf u = dp->ubuf[i];
+    memset(&dp->ubuf[i], 0, sizeof(dp->ubuf[i]));
+    pthread_mutex_unlock(&dp->mu);
+    ubuf_release(&u);
 }
 
 /* ---- one call ---- */
@@ -693,8 +860,12 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     char dmsg[400] = "";
     if (!rq)
         return MOE_ENOMEM;
-    dp_shm *b = nbytes ? shm_get(c, dp, m, 2 * nbytes) : NULL;
-    if (!b && moe__data_path(c) == MOE_PATH_SHM && nbytes) {
+    /* x and out in the application's shared buffers: no copy at all */
+    int ux = nbytes && m->shm ? ubuf_find(dp, in, nbytes) : -1;
+    int uy = ux >= 0 ? ubuf_find(dp, out, nbytes) : -1;
+    int zero_copy = uy >= 0 && ubuf_attached(c, dp, m, ux) && ubuf_attached(c, dp, m, uy);
+    dp_shm *b = nbytes && !zero_copy ? shm_get(c, dp, m, 2 * nbytes) : NULL;
+    if (!b && !zero_copy && moe__data_path(c) == MOE_PATH_SHM && nbytes) {
         free(rq);
         moe__set_error("%s: no shared-memory buffer could be made (see the workers' logs)", method);
         return MOE_ENOMEM;
@@ -712,7 +883,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         uint32_t msgid = moe__next_msgid(c);
         mp_writer_init(&w);
         moe_rpc_write_request_head(&w, msgid, "data.rows");
-        mp_write_map(&w, (b ? 7u : 3u) + (auth ? 1u : 0u));
+        mp_write_map(&w, (zero_copy ? 8u : b ? 7u : 3u) + (auth ? 1u : 0u));
         if (auth) {
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
@@ -723,7 +894,25 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         mp_write_u64(&w, seq);
         mp_write_cstr(&w, "deadline_ms");
         mp_write_i64(&w, moe__timeout_ms(c));
-        if (b) {
+        if (zero_copy) {
+            size_t xo = (size_t)((const uint8_t *)in - dp->ubuf[ux].base) + off;
+            size_t yo = (size_t)((uint8_t *)out - dp->ubuf[uy].base) + off;
+            mp_write_cstr(&w, "dtype");
+            mp_write_cstr(&w, moe_dtype_name(dt));
+            mp_write_cstr(&w, "shape");
+            mp_write_array(&w, 2);
+            mp_write_i64(&w, rows);
+            mp_write_i64(&w, H);
+            mp_write_cstr(&w, "region");
+            mp_write_u64(&w, m->uregion[(size_t)ux * W + q]);
+            mp_write_cstr(&w, "x_offset");
+            mp_write_u64(&w, xo);
+            mp_write_cstr(&w, "y_region");
+            mp_write_u64(&w, m->uregion[(size_t)uy * W + q]);
+            mp_write_cstr(&w, "y_offset");
+            mp_write_u64(&w, yo);
+            e = msg_from_writer(&w, NULL, 0, &msg);
+        } else if (b) {
             mp_write_cstr(&w, "dtype");
             mp_write_cstr(&w, moe_dtype_name(dt));
             mp_write_cstr(&w, "shape");
@@ -802,7 +991,10 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         moe_err qe = req_finish(&rq[q], down, &resp, msg, sizeof(msg));
         if (qe == MOE_OK) {
             mp_reader rd = resp.result;
-            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, b ? b->region[q] : 0, nbytes + off);
+            uint64_t rg = zero_copy ? m->uregion[(size_t)uy * W + q] : b ? b->region[q] : 0;
+            uint64_t yo =
+                zero_copy ? (uint64_t)((uint8_t *)out - dp->ubuf[uy].base) + off : nbytes + off;
+            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo);
             if (qe != MOE_OK)
                 snprintf(msg, sizeof(msg), "malformed rows from worker %d", q);
         }

@@ -34,6 +34,10 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
                     uint32_t nctl, moe_dtype dt, const void *in, int64_t T, int64_t H, void *out,
                     moe_reply *ctl);
 
+/* moe_buffer_alloc / moe_buffer_free (moe.h) */
+void *moe_dp_buffer_alloc(moe_client *c, size_t n);
+void moe_dp_buffer_free(moe_client *c, void *p);
+
 /* internal accessors of moe_client (client.c) */
 uint32_t moe__next_msgid(moe_client *c);
 const char *moe__auth(const moe_client *c);

@@ -173,6 +173,18 @@ moe_err moe_forward_train(moe_client *c, const char *model, int layer, moe_dtype
 moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *dy, int64_t T,
                      int64_t H, void *dx);
 
+/* moe_buffer_alloc: n bytes for the rows of forward and backward (x, y, dy,
+ * dx) that travel with no copy at all: a shared-memory segment that the
+ * workers on this host map once and read and write in place (for GPU
+ * workers, pinned: copied by DMA). Rows in ordinary memory are copied into
+ * such a buffer and back by the library; rows already in one are not. Where
+ * shared memory cannot be used (workers on another host, data path socket
+ * or coordinator) it is plain memory and everything still works. At most 64
+ * per client. Owned by the caller: free with moe_buffer_free (or it goes
+ * with moe_client_close). NULL when out of memory (moe_last_error). */
+void *moe_buffer_alloc(moe_client *c, size_t n);
+void moe_buffer_free(moe_client *c, void *p);
+
 typedef struct moe_adamw {
     double lr, beta1, beta2, eps, weight_decay;
     double max_grad_norm; /* 0 = no clipping */

@@ -31,16 +31,19 @@
 
 static const char *paths[3] = {"coordinator", "socket", "shm"};
 
-/* count_segments: /dev/shm entries that libmoe names (moe-*). */
-static int count_segments(void)
+/* count_segments: /dev/shm entries that libmoe made in process pid
+ * (moe-<pid>-...; other tests running beside this one have other pids). */
+static int count_segments(long pid)
 {
     DIR *d = opendir("/dev/shm");
     struct dirent *de;
+    char prefix[32];
     int n = 0;
     if (!d)
         return 0;
+    snprintf(prefix, sizeof(prefix), "moe-%ld-", pid);
     while ((de = readdir(d)))
-        n += strncmp(de->d_name, "moe-", 4) == 0;
+        n += strncmp(de->d_name, prefix, strlen(prefix)) == 0;
     closedir(d);
     return n;
 }
@@ -501,7 +504,7 @@ Test(dataplane, no_leaked_segments_or_regions, .timeout = 120, .fini = cluster_f
     char url0[256], url1[256];
     worker_url(cl, 0, url0, sizeof(url0));
     worker_url(cl, 1, url1, sizeof(url1));
-    int before = count_segments();
+    int before = count_segments(getpid());
     /* sizes that need new, larger buffers */
     moe_client *c = open_path(cl, "shm");
     static float x[4096 * 64], y[4096 * 64];
@@ -509,12 +512,12 @@ Test(dataplane, no_leaked_segments_or_regions, .timeout = 120, .fini = cluster_f
     for (int T = 1; T <= 4096; T *= 4)
         cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
                      moe_last_error());
-    cr_assert_eq(count_segments(), before, "segments left while the client lives");
+    cr_assert_eq(count_segments(getpid()), before, "segments left while the client lives");
     cr_assert(data_stat(url0, "regions") > 0, "the worker mapped no region");
     moe_client_close(c);
     wait_stat(url0, "regions", 0);
     wait_stat(url1, "regions", 0);
-    cr_assert_eq(count_segments(), before, "segments left after close");
+    cr_assert_eq(count_segments(getpid()), before, "segments left after close");
 
     /* a client killed mid-run: moectl bench over shared memory */
     pid_t pid = fork();
@@ -544,6 +547,70 @@ Test(dataplane, no_leaked_segments_or_regions, .timeout = 120, .fini = cluster_f
     cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, 16, H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
     moe_client_close(c);
-    cr_assert_eq(count_segments(), before, "segments left after a killed client");
+    cr_assert_eq(count_segments(pid), 0, "segments left after a killed client");
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* rows in moe_buffer_alloc buffers travel with no copy and give the same
+ * bytes; freeing a buffer unmaps it on the workers; on the socket path the
+ * same calls work with plain memory */
+Test(dataplane, zero_copy_buffers, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 40, T = 77;
+    const size_t n = (size_t)T * H;
+    create(cl, "m", H, 56, 5, 2, MOE_F32);
+    char url0[256];
+    worker_url(cl, 0, url0, sizeof(url0));
+    float *x = malloc(n * 4), *dy = malloc(n * 4), *yref = malloc(n * 4), *dxref = malloc(n * 4);
+    kern_fill_uniform(21, 1, -1, 1, x, n);
+    kern_fill_uniform(22, 1, -1, 1, dy, n);
+    moe_client *cc = open_path(cl, "coordinator");
+    moe_fwd_info info;
+    cr_assert_eq(moe_forward(cc, "m", 0, MOE_F32, x, T, H, yref, NULL), MOE_OK);
+    cr_assert_eq(moe_forward_train(cc, "m", 0, MOE_F32, x, T, H, yref, &info), MOE_OK);
+    cr_assert_eq(moe_backward(cc, info.handle, MOE_F32, dy, T, H, dxref), MOE_OK);
+    moe_fwd_info_free(&info);
+    moe_client_close(cc);
+    const char *ps[2] = {"shm", "socket"};
+    for (int p = 0; p < 2; p++) {
+        moe_client *c = open_path(cl, ps[p]);
+        /* x and y in one buffer, dy and dx in two others */
+        float *xy = moe_buffer_alloc(c, 2 * n * 4);
+        float *bdy = moe_buffer_alloc(c, n * 4), *bdx = moe_buffer_alloc(c, n * 4);
+        cr_assert(xy && bdy && bdx, "%s: moe_buffer_alloc: %s", ps[p], moe_last_error());
+        memcpy(xy, x, n * 4);
+        memcpy(bdy, dy, n * 4);
+        memset(xy + n, 0xff, n * 4);
+        memset(bdx, 0xff, n * 4);
+        int64_t regions0 = data_stat(url0, "regions");
+        cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, xy, T, H, xy + n, NULL), MOE_OK, "%s: %s",
+                     ps[p], moe_last_error());
+        cr_assert(memcmp(xy + n, yref, n * 4) == 0, "%s: y from the buffers differs", ps[p]);
+        cr_assert_eq(moe_forward_train(c, "m", 0, MOE_F32, xy, T, H, xy + n, &info), MOE_OK);
+        cr_assert_eq(moe_backward(c, info.handle, MOE_F32, bdy, T, H, bdx), MOE_OK, "%s: %s", ps[p],
+                     moe_last_error());
+        moe_fwd_info_free(&info);
+        cr_assert(memcmp(bdx, dxref, n * 4) == 0, "%s: dx from the buffers differs", ps[p]);
+        int64_t regions1 = data_stat(url0, "regions");
+        if (p == 0) /* the three buffers were mapped, and no copy buffer was needed */
+            cr_assert_eq(regions1 - regions0, 3, "%lld regions mapped for 3 buffers",
+                         (long long)(regions1 - regions0));
+        else
+            cr_assert_eq(regions1, regions0, "the socket path mapped a region");
+        moe_buffer_free(c, bdy);
+        if (p == 0)
+            wait_stat(url0, "regions", regions1 - 1);
+        moe_buffer_free(c, bdx);
+        moe_buffer_free(c, xy);
+        moe_client_close(c);
+    }
+    wait_stat(url0, "regions", 0);
+    free(x);
+    free(dy);
+    free(yref);
+    free(dxref);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }

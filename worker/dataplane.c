@@ -81,9 +81,11 @@ static void unlink_ticket(dp_table *t, dp_ticket *tk)
 /* ticket_free drops the region reference (mu held) and frees tk. */
 static void ticket_free(dp_table *t, dp_ticket *tk)
 {
-    dp_region *g = tk->region;
+    dp_region *g = tk->region, *gy = tk->yregion;
     if (g && --g->refs == 0 && g->dead)
         region_unmap(g);
+    if (gy && --gy->refs == 0 && gy->dead)
+        region_unmap(gy);
     free(tk);
 }
 
@@ -155,7 +157,7 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
     mp_write_i64(&w, rows);
     mp_write_i64(&w, H);
     mp_write_cstr(&w, "region");
-    mp_write_u64(&w, tk->region->id);
+    mp_write_u64(&w, tk->yregion->id);
     mp_write_cstr(&w, "offset");
     mp_write_u64(&w, tk->y_off);
     rpc_reply(tk->call, &w);
@@ -164,7 +166,7 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
 
 void *dp_y_ptr(const dp_ticket *tk)
 {
-    return tk->region ? tk->region->base + tk->y_off : NULL;
+    return tk->region ? tk->yregion->base + tk->y_off : NULL;
 }
 
 void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H)
@@ -231,13 +233,14 @@ static int read_pair(mp_reader *r, uint64_t *a, uint64_t *b)
 }
 
 /* data.rows {ticket: [cid, seq], x: tensor, deadline_ms?} or, by reference,
- * {ticket, dtype, shape: [R, H], region, x_offset, y_offset, deadline_ms?} */
+ * {ticket, dtype, shape: [R, H], region, x_offset, y_offset, y_region?,
+ * deadline_ms?} */
 static void on_rows(dp_table *t, rpc_call *c)
 {
     char err[256], dtname[8] = "";
     mp_reader rt, rshape;
     moe_tensor x;
-    int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0;
+    int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0, yregion = 0;
     memset(&x, 0, sizeof(x));
     pspec sp[] = {
         {"ticket", P_RAW, &rt, true, 0, 0, 0, false},
@@ -248,9 +251,10 @@ static void on_rows(dp_table *t, rpc_call *c)
         {"region", P_INT, &region, false, 1, 9e18, 0, false},
         {"x_offset", P_INT, &xoff, false, 0, 9e18, 0, false},
         {"y_offset", P_INT, &yoff, false, 0, 9e18, 0, false},
+        {"y_region", P_INT, &yregion, false, 1, 9e18, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 8, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 9, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(c, e, "%s", err);
         return;
@@ -279,12 +283,13 @@ static void on_rows(dp_table *t, rpc_call *c)
     }
     if (sp[5].seen) { /* by reference into a region of this connection */
         dp_region *g = region_find(t, tk->pipe, (uint64_t)region);
+        dp_region *gy = sp[8].seen ? region_find(t, tk->pipe, (uint64_t)yregion) : g;
         uint32_t nd;
         int64_t R = -1, H = -1;
-        if (!g) {
+        if (!g || !gy) {
             e = MOE_ENOTFOUND;
             snprintf(err, sizeof(err), "region %lld is not attached on this connection",
-                     (long long)region);
+                     (long long)(!g ? region : yregion));
             goto fail;
         }
         if (!sp[3].seen || moe_dtype_parse(dtname, strlen(dtname), &x.dtype) != MOE_OK ||
@@ -297,11 +302,13 @@ static void on_rows(dp_table *t, rpc_call *c)
         }
         size_t nbytes = (size_t)R * (size_t)H * moe_dtype_size(x.dtype);
         if ((uint64_t)xoff > g->size || nbytes > g->size - (uint64_t)xoff ||
-            (uint64_t)yoff > g->size || nbytes > g->size - (uint64_t)yoff) {
+            (uint64_t)yoff > gy->size || nbytes > gy->size - (uint64_t)yoff) {
             e = MOE_EINVAL;
             snprintf(err, sizeof(err),
-                     "x [%lld, +%zu) or y [%lld, +%zu) outside region %lld of %zu bytes",
-                     (long long)xoff, nbytes, (long long)yoff, nbytes, (long long)region, g->size);
+                     "x [%lld, +%zu) outside region %llu of %zu bytes, or y [%lld, +%zu) outside "
+                     "region %llu of %zu bytes",
+                     (long long)xoff, nbytes, (unsigned long long)g->id, g->size, (long long)yoff,
+                     nbytes, (unsigned long long)gy->id, gy->size);
             goto fail;
         }
         x.ndim = 2;
@@ -310,8 +317,10 @@ static void on_rows(dp_table *t, rpc_call *c)
         x.data = g->base + xoff;
         x.nbytes = nbytes;
         tk->region = g;
+        tk->yregion = gy;
         tk->y_off = (uint64_t)yoff;
         g->refs++;
+        gy->refs++;
     } else {
         if (x.ndim != 2) {
             e = MOE_EINVAL;
@@ -331,16 +340,12 @@ static void on_rows(dp_table *t, rpc_call *c)
             e = MOE_EPRECOND;
             snprintf(err, sizeof(err), "ticket [%llu, %llu] is already here",
                      (unsigned long long)cid, (unsigned long long)seq);
-            if (tk->region)
-                tk->region->refs--;
-            goto fail;
+            goto fail_unref;
         }
     if (t->ntickets >= t->max_tickets) {
         e = MOE_EBUSY;
         snprintf(err, sizeof(err), "%d tickets already wait here", t->ntickets);
-        if (tk->region)
-            tk->region->refs--;
-        goto fail;
+        goto fail_unref;
     }
     if (!tk->region)
         t->staged_bytes += x.nbytes;
@@ -352,6 +357,11 @@ static void on_rows(dp_table *t, rpc_call *c)
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
     return;
+fail_unref: /* the regions are live (mu held since they were found) */
+    if (tk->region) {
+        tk->region->refs--;
+        tk->yregion->refs--;
+    }
 fail:
     pthread_mutex_unlock(&t->mu);
     free(tk);

@@ -31,12 +31,13 @@ typedef struct dp_region dp_region;
 
 /* dp_ticket: one client's rows for one job, waiting or taken. */
 typedef struct dp_ticket {
-    uint64_t cid, seq; /* the ticket */
-    rpc_call *call;    /* the client's data.rows call; answered exactly once */
-    moe_tensor x;      /* the rows (R,H): a view into call's message or region */
-    dp_region *region; /* non-NULL: x lies in this region and y goes there */
-    uint64_t y_off;    /* byte offset of y (R,H) in region */
-    uint32_t pipe;     /* connection the call came on */
+    uint64_t cid, seq;  /* the ticket */
+    rpc_call *call;     /* the client's data.rows call; answered exactly once */
+    moe_tensor x;       /* the rows (R,H): a view into call's message or region */
+    dp_region *region;  /* non-NULL: x lies in this region */
+    dp_region *yregion; /* with region: y goes into this one (region by default) */
+    uint64_t y_off;     /* byte offset of y (R,H) in yregion */
+    uint32_t pipe;      /* connection the call came on */
     uint64_t deadline_ns;
     int taken; /* the compute thread owns it */
     struct dp_ticket *next;
