@@ -37,7 +37,8 @@ static double now_s(void)
 static void usage(void)
 {
     fprintf(stderr,
-            "usage: moectl [--url tcp://127.0.0.1:7000] [--token T] [--timeout-ms N] COMMAND\n"
+            "usage: moectl [--url tcp://127.0.0.1:7000] [--token T] [--timeout-ms N]\n"
+            "              [--data-path auto|socket|shm|coordinator] COMMAND\n"
             "  ping                                  round trip to the coordinator\n"
             "  status                                cluster.status (workers, generation)\n"
             "  info --model NAME                     model.info\n"

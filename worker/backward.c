@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "fwd.h"
 #include "gpu.h"
 #include "log.h"
@@ -53,7 +54,7 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     int32_t have = st == NULL ? 0
                    : rows_ok  ? 1
                               : 2,
-            *all_have = malloc((size_t)W * sizeof(int32_t));
+            *all_have = wpool_alloc((size_t)W * sizeof(int32_t));
     if (!all_have) {
         wkr_fwd_state_free(st);
         dp_batch_fail(&batch, MOE_ENOMEM, "out of memory");
@@ -67,7 +68,7 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         expired |= all_have[q] == 0;
         missing |= all_have[q] == 2;
     }
-    free(all_have);
+    wpool_free(all_have);
     if (e != MOE_OK || expired || missing) {
         wkr_fwd_state_free(st);
         if (e != MOE_OK) {
@@ -99,11 +100,13 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_EINVAL, "dy must have shape (%d, %d)", T, H);
         return;
     }
-    float *dy = malloc(Tn * H * sizeof(float)), *dye = malloc((S ? S : 1) * H * sizeof(float));
-    float *dw = malloc((S ? S : 1) * sizeof(float)), *dx = calloc(Tn * H, sizeof(float));
+    float *dy = wpool_alloc(Tn * H * sizeof(float)),
+          *dye = wpool_alloc((S ? S : 1) * H * sizeof(float));
+    float *dw = wpool_alloc((S ? S : 1) * sizeof(float)), *dx = wpool_calloc(Tn * H, sizeof(float));
     size_t nin = st->n_in ? st->n_in : 1;
-    float *dye_e = malloc(nin * H * sizeof(float)), *dx_e = calloc(nin * H, sizeof(float));
-    float *dx_slot = malloc((S ? S : 1) * H * sizeof(float));
+    float *dye_e = wpool_alloc(nin * H * sizeof(float)),
+          *dx_e = wpool_calloc(nin * H, sizeof(float));
+    float *dx_slot = wpool_alloc((S ? S : 1) * H * sizeof(float));
     uint8_t *sendbuf = NULL, *backbuf = NULL;
     void *recvbuf = NULL, *retbuf = NULL;
     size_t send_bytes[256], recv_bytes[256], back_bytes[256], ret_bytes[256], row0[256];
@@ -168,8 +171,8 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     const size_t fh = (size_t)F * H;
     size_t n0 = 0;
     if (m->gpu_mode == 2) {
-        int32_t *n = malloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
-        float *ye_tmp = malloc(nin * H * sizeof(float));
+        int32_t *n = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
+        float *ye_tmp = wpool_alloc(nin * H * sizeof(float));
         e = n && ye_tmp ? MOE_OK : MOE_ENOMEM;
         for (int i = 0; e == MOE_OK && i < ne; i++) {
             n[i] = 0;
@@ -183,8 +186,8 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         if (e == MOE_OK)
             e = wkr_gpu_experts_backward(m, st->layer, dye_e, n, st->kept, dx_e);
         m->gpu_handle[st->layer] = 0;
-        free(n);
-        free(ye_tmp);
+        wpool_free(n);
+        wpool_free(ye_tmp);
         if (e != MOE_OK) {
             snprintf(err, sizeof(err), "GPU expert backward failed: %s", moe_strerror(e));
             goto fail_msg;
@@ -267,15 +270,15 @@ fail:
 out:
     dp_batch_free(&w->dp, &batch);
     wkr_fwd_state_free(st);
-    free(dy);
-    free(dye);
-    free(dw);
-    free(dx);
-    free(dye_e);
-    free(dx_e);
-    free(dx_slot);
-    free(sendbuf);
-    free(backbuf);
+    wpool_free(dy);
+    wpool_free(dye);
+    wpool_free(dw);
+    wpool_free(dx);
+    wpool_free(dye_e);
+    wpool_free(dx_e);
+    wpool_free(dx_slot);
+    wpool_free(sendbuf);
+    wpool_free(backbuf);
     if (recvbuf)
         xchg_free(w->xc, recvbuf);
     if (retbuf)

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "fwd.h"
 #include "gpu.h"
 #include "log.h"
@@ -36,7 +37,7 @@ size_t fwd_pack_by_owner(const wkr_fwd_state *st, int W, int E, int H, int K, co
                         (size_t)(st->offsets[b] - st->offsets[a]) * (size_t)H * es;
         total += send_bytes[q];
     }
-    uint8_t *buf = malloc(total ? total : 1), *p = buf;
+    uint8_t *buf = wpool_alloc(total ? total : 1), *p = buf;
     if (!buf)
         return (size_t)-1;
     for (int q = 0; q < W; q++) {
@@ -94,7 +95,7 @@ size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *row
         pos[q] = total;
         total += back_bytes[q];
     }
-    uint8_t *buf = malloc(total ? total : 1);
+    uint8_t *buf = wpool_alloc(total ? total : 1);
     if (!buf)
         return (size_t)-1;
     for (int i = 0; i < ne; i++)
@@ -115,13 +116,13 @@ static moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, double *probs_sum
     const model_cfg *cfg = &st->model->cfg;
     const int T = st->T, H = cfg->d_model, E = cfg->n_experts, K = cfg->top_k;
     size_t Tn = T ? (size_t)T : 1, S = (size_t)T * K;
-    st->logits = malloc(Tn * E * sizeof(float));
-    st->probs = malloc(Tn * E * sizeof(float));
-    st->topk_w = malloc((S ? S : 1) * sizeof(float));
-    st->topk_idx = malloc((S ? S : 1) * sizeof(int32_t));
-    st->counts = calloc((size_t)E, sizeof(int32_t));
-    st->offsets = calloc((size_t)E + 1, sizeof(int32_t));
-    st->perm = malloc((S ? S : 1) * sizeof(int32_t));
+    st->logits = wpool_alloc(Tn * E * sizeof(float));
+    st->probs = wpool_alloc(Tn * E * sizeof(float));
+    st->topk_w = wpool_alloc((S ? S : 1) * sizeof(float));
+    st->topk_idx = wpool_alloc((S ? S : 1) * sizeof(int32_t));
+    st->counts = wpool_calloc((size_t)E, sizeof(int32_t));
+    st->offsets = wpool_calloc((size_t)E + 1, sizeof(int32_t));
+    st->perm = wpool_alloc((S ? S : 1) * sizeof(int32_t));
     if (!st->logits || !st->probs || !st->topk_w || !st->topk_idx || !st->counts || !st->offsets ||
         !st->perm)
         return MOE_ENOMEM;
@@ -155,8 +156,8 @@ static moe_err fwd_owner_parse(wkr_fwd_state *st, int W, int H, int bf16, const 
 {
     const int ne = st->model->ne;
     size_t es = bf16 ? 2 : 4, off = 0;
-    st->src_cnt = malloc((size_t)W * (ne ? ne : 1) * sizeof(int32_t));
-    st->kept = calloc((size_t)(ne ? ne : 1), sizeof(int32_t));
+    st->src_cnt = wpool_alloc((size_t)W * (ne ? ne : 1) * sizeof(int32_t));
+    st->kept = wpool_calloc((size_t)(ne ? ne : 1), sizeof(int32_t));
     if (!st->src_cnt || !st->kept)
         return MOE_ENOMEM;
     st->n_in = 0;
@@ -197,7 +198,7 @@ static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t
     const size_t fh = (size_t)F * H;
     int32_t cap = kern_capacity((float)cfg->capacity_factor, st->T_total, K, cfg->n_experts);
     if (st->model->gpu_mode == 2) {
-        int32_t *n = malloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
+        int32_t *n = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
         if (!n)
             return MOE_ENOMEM;
         for (int i = 0; i < ne; i++) {
@@ -210,7 +211,7 @@ static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t
         moe_err e = wkr_gpu_experts_forward(st->model, st->layer, st->xe, n, st->kept, ye, train);
         if (train && e == MOE_OK)
             st->model->gpu_handle[st->layer] = st->handle;
-        free(n);
+        wpool_free(n);
         return e;
     }
     size_t n0 = 0;
@@ -321,12 +322,12 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         return;
     }
     const wkr_layer *L = &m->layers[layer];
-    wkr_fwd_state *st = calloc(1, sizeof(*st));
+    wkr_fwd_state *st = wpool_calloc(1, sizeof(*st));
     uint8_t *sendbuf = NULL, *backbuf = NULL;
     void *recvbuf = NULL, *retbuf = NULL;
     float *ye = NULL, *y = NULL;
-    double *probs_sum = calloc((size_t)E, sizeof(double)), z_sum = 0;
-    int32_t *dropped = calloc((size_t)E, sizeof(int32_t));
+    double *probs_sum = wpool_calloc((size_t)E, sizeof(double)), z_sum = 0;
+    int32_t *dropped = wpool_calloc((size_t)E, sizeof(int32_t));
     size_t send_bytes[256], recv_bytes[256], back_bytes[256], ret_bytes[256], row0s[256];
     if (!st || !probs_sum || !dropped) {
         e = MOE_ENOMEM;
@@ -360,7 +361,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
 
     /* ---- gate ---- */
     if (!raw) {
-        st->x = malloc(Tn * H * sizeof(float));
+        st->x = wpool_alloc(Tn * H * sizeof(float));
         if (!st->x) {
             e = MOE_ENOMEM;
             goto fail;
@@ -374,8 +375,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         if (train && !m->gpu_train && (e = wkr_gpu_attach(w, m, 1)) != MOE_OK)
             goto fail;
         float aux = 0, z = 0;
-        st->counts = calloc((size_t)E, sizeof(int32_t));
-        y = raw ? NULL : malloc(Tn * H * sizeof(float));
+        st->counts = wpool_calloc((size_t)E, sizeof(int32_t));
+        y = raw ? NULL : wpool_alloc(Tn * H * sizeof(float));
         if (!st->counts || (!raw && !y)) {
             e = MOE_ENOMEM;
             goto fail;
@@ -424,8 +425,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     if (m->gpu_mode == 3) {
         /* several GPU workers over NCCL: the layer runs device-resident on
          * every rank, rows go GPU to GPU */
-        st->counts = calloc((size_t)E, sizeof(int32_t));
-        y = raw ? NULL : malloc(Tn * H * sizeof(float));
+        st->counts = wpool_calloc((size_t)E, sizeof(int32_t));
+        y = raw ? NULL : wpool_alloc(Tn * H * sizeof(float));
         if (!st->counts || (!raw && !y)) {
             e = MOE_ENOMEM;
             goto fail;
@@ -451,10 +452,10 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         goto fail;
     if (train) {
         /* the aux loss gradient needs the batch's counts: gather them */
-        st->counts_global = calloc((size_t)E, sizeof(int32_t));
-        int32_t *all = malloc((size_t)W * E * sizeof(int32_t));
+        st->counts_global = wpool_calloc((size_t)E, sizeof(int32_t));
+        int32_t *all = wpool_alloc((size_t)W * E * sizeof(int32_t));
         if (!st->counts_global || !all) {
-            free(all);
+            wpool_free(all);
             e = MOE_ENOMEM;
             goto fail;
         }
@@ -462,7 +463,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         for (int q = 0; e == MOE_OK && q < W; q++)
             for (int k = 0; k < E; k++)
                 st->counts_global[k] += all[(size_t)q * E + k];
-        free(all);
+        wpool_free(all);
         if (e != MOE_OK)
             goto fail_xchg;
     }
@@ -484,12 +485,12 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         goto fail_msg;
     size_t nin = st->n_in ? st->n_in : 1;
     int host_experts = m->gpu_mode != 2; /* the device keeps its own activations */
-    st->xe = malloc(nin * H * sizeof(float));
+    st->xe = wpool_alloc(nin * H * sizeof(float));
     if (host_experts)
-        st->ae = malloc(nin * F * sizeof(float));
+        st->ae = wpool_alloc(nin * F * sizeof(float));
     if (host_experts && cfg->act == KERN_ACT_SWIGLU)
-        st->be = malloc(nin * F * sizeof(float));
-    ye = malloc(nin * H * sizeof(float));
+        st->be = wpool_alloc(nin * F * sizeof(float));
+    ye = wpool_alloc(nin * H * sizeof(float));
     if (!st->xe || (host_experts && !st->ae) ||
         (host_experts && cfg->act == KERN_ACT_SWIGLU && !st->be) || !ye) {
         e = MOE_ENOMEM;
@@ -522,8 +523,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
                  S * H * (bf ? 2 : 4));
         goto fail_msg;
     }
-    st->ye_slot = malloc((S ? S : 1) * H * sizeof(float));
-    y = malloc(Tn * H * sizeof(float));
+    st->ye_slot = wpool_alloc((S ? S : 1) * H * sizeof(float));
+    y = wpool_alloc(Tn * H * sizeof(float));
     if (!st->ye_slot || !y) {
         e = MOE_ENOMEM;
         goto fail;
@@ -585,12 +586,12 @@ fail:
 out:
     dp_batch_free(&w->dp, &batch);
     wkr_fwd_state_free(st);
-    free(probs_sum);
-    free(dropped);
-    free(sendbuf);
-    free(backbuf);
-    free(ye);
-    free(y);
+    wpool_free(probs_sum);
+    wpool_free(dropped);
+    wpool_free(sendbuf);
+    wpool_free(backbuf);
+    wpool_free(ye);
+    wpool_free(y);
     if (recvbuf)
         xchg_free(w->xc, recvbuf);
     if (retbuf)

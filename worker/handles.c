@@ -1,28 +1,29 @@
 /* handles.c - train forwards awaiting their backward, bounded in count and age. */
 #include <stdlib.h>
 
+#include "pool.h"
 #include "worker.h"
 
 void wkr_fwd_state_free(wkr_fwd_state *st)
 {
     if (!st)
         return;
-    free(st->x);
-    free(st->logits);
-    free(st->probs);
-    free(st->topk_w);
-    free(st->topk_idx);
-    free(st->counts);
-    free(st->offsets);
-    free(st->perm);
-    free(st->counts_global);
-    free(st->ye_slot);
-    free(st->src_cnt);
-    free(st->kept);
-    free(st->xe);
-    free(st->ae);
-    free(st->be);
-    free(st);
+    wpool_free(st->x);
+    wpool_free(st->logits);
+    wpool_free(st->probs);
+    wpool_free(st->topk_w);
+    wpool_free(st->topk_idx);
+    wpool_free(st->counts);
+    wpool_free(st->offsets);
+    wpool_free(st->perm);
+    wpool_free(st->counts_global);
+    wpool_free(st->ye_slot);
+    wpool_free(st->src_cnt);
+    wpool_free(st->kept);
+    wpool_free(st->xe);
+    wpool_free(st->ae);
+    wpool_free(st->be);
+    wpool_free(st);
 }
 
 void wkr_handle_put(wkr *w, wkr_fwd_state *st)

@@ -12,6 +12,7 @@
 #include "gpu.h"
 #include "log.h"
 #include "params.h"
+#include "pool.h"
 #include "worker.h"
 
 void openblas_set_num_threads(int);
@@ -46,6 +47,8 @@ static const cfg_entry worker_cfg[] = {
     {"heartbeat-ms", CFG_INT, "500", 50, 60000, &W.heartbeat_ms, "heartbeat period"},
     {"xchg-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.xchg_timeout_ms,
      "bound on one collective between workers"},
+    {"pool-mb", CFG_INT, "2048", 0, 1 << 24, &W.pool_mb,
+     "host buffers of a layer call kept for the next one, MiB (0 = none)"},
     {"threads", CFG_INT, "0", 0, 1024, &W.threads, "BLAS threads (0 = library default)"},
     {"max-msg-mb", CFG_INT, "1024", 1, 4096, &W.max_msg_mb, "largest request accepted, MiB"},
     {"max-handles", CFG_INT, "64", 1, 1000000, &W.max_handles,
@@ -290,6 +293,7 @@ int main(int argc, char **argv)
     }
     if (W.threads > 0)
         openblas_set_num_threads((int)W.threads);
+    wpool_set_limit((size_t)W.pool_mb << 20);
     W.backend = pick_backend(&W);
     if (strcmp(W.backend_cfg, "cuda") == 0 && strcmp(W.backend, "cuda") != 0) {
         fprintf(stderr, "moe-worker: backend cuda requested but unavailable\n");

@@ -157,7 +157,7 @@ typedef struct wkr {
     rpcsrv *dsrv;                 /* loop thread */
     char client_url[CFG_STR_MAX]; /* bound */
     char host_id[128];            /* this host's boot id */
-    long long data_wait_ms, data_staged_mb, shm_max_mb;
+    long long data_wait_ms, data_staged_mb, shm_max_mb, pool_mb;
     dp_table dp;
     void *pin; /* pinned host buffer of the GPU paths (compute thread; wkr_pinned) */
     size_t pin_bytes;
