@@ -170,6 +170,15 @@ bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
 	    -lnng -lopenblas -lm -lpthread
 all: bin/service_bench
 
+ifeq ($(HAVE_CUDA),1)
+# bench/cuda_ipc_check: rows on a GPU through the service (GPU host, a second process)
+bin/cuda_ipc_check: bench/cuda_ipc_check.c lib/libmoe.a $(KERN_LIB)
+	@mkdir -p bin
+	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
+	    -lnng -lopenblas -lm -lpthread
+all: bin/cuda_ipc_check
+endif
+
 # bench/cpu_layer_bench: one CPU-worker layer forward, timed (bench/cpu_peer.py; not a test).
 bin/cpu_layer_bench: bench/cpu_layer_bench.c $(B)/worker/blas_pick.o $(KERN_LIB) $(CORE_LIB)
 	@mkdir -p bin

@@ -203,6 +203,11 @@ moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *d
         moe_reply_free(&r);
         if (e != MOE_ENOMETHOD)
             return e;
+        size_t nb = (size_t)T * (size_t)H * es;
+        if (moe_dp_on_device(c, dy, nb) || moe_dp_on_device(c, dx, nb)) {
+            moe__set_error("backward: rows on a GPU need the data plane");
+            return MOE_EINVAL;
+        }
         mp_writer_init(&w); /* no data plane here: the coordinator path */
     }
     mp_write_map(&w, 2);
@@ -336,6 +341,13 @@ static moe_err forward_impl(moe_client *c, const char *model, int layer, moe_dty
         } else
             moe_reply_free(&r);
     }
+    if (e == MOE_ENOMETHOD &&
+        (moe_dp_on_device(c, x, t.nbytes) || moe_dp_on_device(c, y, t.nbytes))) {
+        mp_writer_fini(&w);
+        moe__set_error("forward: rows on a GPU need the data plane (this cluster or data path "
+                       "has none)");
+        return MOE_EINVAL;
+    }
     if (e == MOE_ENOMETHOD) { /* the coordinator path: x inside the request */
         mp_writer p;
         mp_writer_init(&p);
@@ -406,4 +418,14 @@ void *moe_buffer_alloc(moe_client *c, size_t n)
 void moe_buffer_free(moe_client *c, void *p)
 {
     moe_dp_buffer_free(c, p);
+}
+
+moe_err moe_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle)
+{
+    return moe_dp_cuda_register(c, dptr, n, ipc_handle);
+}
+
+void moe_cuda_unregister(moe_client *c, void *dptr)
+{
+    moe_dp_buffer_free(c, dptr);
 }

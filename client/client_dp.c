@@ -48,10 +48,12 @@ typedef struct dp_map {
  * in it travel with no copy (its segment keeps its name until freed, so the
  * workers of a later map can attach it too). */
 typedef struct dp_ubuf {
-    uint8_t *base; /* owned */
+    uint8_t *base; /* owned, except for cuda: the application's device memory */
     size_t size;
-    int shm; /* 1: a shared segment (name below); 0: plain memory */
+    int shm;  /* 1: a shared segment (name below); 0: plain memory */
+    int cuda; /* 1: a GPU allocation registered by moe_cuda_register (handle below) */
     char name[96];
+    uint8_t handle[64]; /* cudaIpcMemHandle_t */
 } dp_ubuf;
 
 struct moe_dp {
@@ -148,6 +150,10 @@ static void map_free(dp_map *m)
 
 static void ubuf_release(dp_ubuf *u)
 {
+    if (u->cuda) { /* the application's memory: only forgotten */
+        memset(u, 0, sizeof(*u));
+        return;
+    }
     if (u->shm) {
         munmap(u->base, u->size);
         shm_unlink(u->name);
@@ -543,6 +549,45 @@ static moe_err attach_one(moe_client *c, dp_map *m, int q, const char *name, siz
     return e;
 }
 
+/* attach_cuda_one opens the application's GPU allocation (IPC handle) on
+ * worker q: its region id. */
+static moe_err attach_cuda_one(moe_client *c, dp_map *m, int q, const uint8_t *handle, size_t size,
+                               uint64_t *region)
+{
+    mp_writer p;
+    dp_req rq;
+    moe_rpc_response resp;
+    char msg[300];
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "handle");
+    mp_write_bin(&p, handle, 64);
+    mp_write_cstr(&p, "size");
+    mp_write_u64(&p, size);
+    moe_err e = sync_call(c, m->sock[q], "data.cuda_attach", &p, 2, &rq, &resp, msg, sizeof(msg));
+    mp_writer_fini(&p);
+    if (e == MOE_OK) {
+        mp_reader rd = resp.result;
+        uint32_t n;
+        e = MOE_EPROTO;
+        if (mp_read_map(&rd, &n, NULL) == MOE_OK)
+            for (uint32_t i = 0; i < n; i++) {
+                const char *k;
+                uint32_t kl;
+                if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
+                    break;
+                if (mp_str_eq(k, kl, "region")) {
+                    if (mp_read_u64(&rd, region, NULL) == MOE_OK)
+                        e = MOE_OK;
+                } else if (mp_skip(&rd, NULL) != MOE_OK)
+                    break;
+            }
+    } else {
+        moe__set_error("data.cuda_attach on worker %d: %s", q, msg);
+    }
+    req_close(&rq);
+    return e;
+}
+
 /* shm_create makes a segment of size bytes, attaches it to every worker of
  * m and unlinks its name (the mappings keep it alive). */
 static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t size, dp_shm *b)
@@ -645,7 +690,7 @@ static int ubuf_find(struct moe_dp *dp, const void *p, size_t n)
     pthread_mutex_lock(&dp->mu);
     for (int i = 0; i < DP_MAX_UBUF && found < 0; i++) {
         const dp_ubuf *u = &dp->ubuf[i];
-        if (u->base && u->shm && (const uint8_t *)p >= u->base &&
+        if (u->base && (u->shm || u->cuda) && (const uint8_t *)p >= u->base &&
             (const uint8_t *)p + n <= u->base + u->size)
             found = i;
     }
@@ -661,7 +706,10 @@ static int ubuf_attached(moe_client *c, struct moe_dp *dp, dp_map *m, int i)
     pthread_mutex_lock(&dp->att_mu);
     for (int q = 0; ok && q < m->W; q++) {
         uint64_t *rg = &m->uregion[(size_t)i * m->W + q];
-        if (!*rg && attach_one(c, m, q, dp->ubuf[i].name, dp->ubuf[i].size, rg) != MOE_OK)
+        if (*rg)
+            continue;
+        if (dp->ubuf[i].cuda ? attach_cuda_one(c, m, q, dp->ubuf[i].handle, dp->ubuf[i].size, rg)
+                             : attach_one(c, m, q, dp->ubuf[i].name, dp->ubuf[i].size, rg))
             ok = 0;
     }
     pthread_mutex_unlock(&dp->att_mu);
@@ -715,6 +763,48 @@ void *moe_dp_buffer_alloc(moe_client *c, size_t n)
     return made.base;
 }
 
+moe_err moe_dp_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle)
+{
+    struct moe_dp *dp = moe__dp(c);
+    if (!dp)
+        return MOE_ENOMEM;
+    if (!dptr || !n || !ipc_handle) {
+        moe__set_error("moe_cuda_register: a device pointer, its size and its IPC handle");
+        return MOE_EINVAL;
+    }
+    pthread_mutex_lock(&dp->mu);
+    int i = 0;
+    while (i < DP_MAX_UBUF && dp->ubuf[i].base)
+        i++;
+    if (i == DP_MAX_UBUF) {
+        pthread_mutex_unlock(&dp->mu);
+        moe__set_error("moe_cuda_register: %d buffers already registered", DP_MAX_UBUF);
+        return MOE_ENOMEM;
+    }
+    dp_ubuf *u = &dp->ubuf[i];
+    u->base = dptr;
+    u->size = n;
+    u->cuda = 1;
+    memcpy(u->handle, ipc_handle, 64);
+    pthread_mutex_unlock(&dp->mu);
+    return MOE_OK;
+}
+
+int moe_dp_on_device(moe_client *c, const void *p, size_t n)
+{
+    struct moe_dp *dp = moe__dp(c);
+    int on = 0;
+    if (!dp || !n)
+        return 0;
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 0; i < DP_MAX_UBUF && !on; i++) { /* where it starts is enough */
+        const dp_ubuf *u = &dp->ubuf[i];
+        on = u->cuda && (const uint8_t *)p >= u->base && (const uint8_t *)p < u->base + u->size;
+    }
+    pthread_mutex_unlock(&dp->mu);
+    return on;
+}
+
 void moe_dp_buffer_free(moe_client *c, void *p)
 {
     struct moe_dp *dp = moe__dp(c);
@@ -746,7 +836,8 @@ void moe_dp_buffer_free(moe_client *c, void *p)
             mp_writer_init(&pw);
             mp_write_cstr(&pw, "region");
             mp_write_u64(&pw, *rg);
-            sync_call(c, m->sock[q], "data.shm_detach", &pw, 1, &rq, &resp, msg, sizeof(msg));
+            sync_call(c, m->sock[q], dp->ubuf[i].cuda ? "data.cuda_detach" : "data.shm_detach", &pw,
+                      1, &rq, &resp, msg, sizeof(msg));
             mp_writer_fini(&pw);
             req_close(&rq);
             *rg = 0;
@@ -864,6 +955,16 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     int ux = nbytes && m->shm ? ubuf_find(dp, in, nbytes) : -1;
     int uy = ux >= 0 ? ubuf_find(dp, out, nbytes) : -1;
     int zero_copy = uy >= 0 && ubuf_attached(c, dp, m, ux) && ubuf_attached(c, dp, m, uy);
+    int on_gpu = moe_dp_on_device(c, in, nbytes) || moe_dp_on_device(c, out, nbytes);
+    if (on_gpu && !zero_copy) { /* GPU memory is never read or written here */
+        char why[400];
+        snprintf(why, sizeof(why), "%s", uy >= 0 ? moe_last_error() : "");
+        free(rq);
+        moe__set_error("%s: rows on a GPU need x and the output both inside registered buffers "
+                       "(moe_cuda_register / moe_buffer_alloc) and every worker on this host%s%s",
+                       method, why[0] ? ": " : "", why);
+        return MOE_EINVAL;
+    }
     dp_shm *b = nbytes && !zero_copy ? shm_get(c, dp, m, 2 * nbytes) : NULL;
     if (!b && !zero_copy && moe__data_path(c) == MOE_PATH_SHM && nbytes) {
         free(rq);

@@ -37,6 +37,9 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
 /* moe_buffer_alloc / moe_buffer_free (moe.h) */
 void *moe_dp_buffer_alloc(moe_client *c, size_t n);
 void moe_dp_buffer_free(moe_client *c, void *p);
+moe_err moe_dp_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle);
+/* moe_dp_on_device: p lies in a registered GPU buffer (n > 0) */
+int moe_dp_on_device(moe_client *c, const void *p, size_t n);
 
 /* internal accessors of moe_client (client.c) */
 uint32_t moe__next_msgid(moe_client *c);

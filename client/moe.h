@@ -185,6 +185,20 @@ moe_err moe_backward(moe_client *c, uint64_t handle, moe_dtype dt, const void *d
 void *moe_buffer_alloc(moe_client *c, size_t n);
 void moe_buffer_free(moe_client *c, void *p);
 
+/* moe_cuda_register: rows already on a GPU of this host. dptr is the base
+ * of a device allocation of n bytes (cudaMalloc) and ipc_handle the 64 bytes
+ * of its cudaIpcMemHandle_t (cudaIpcGetMemHandle(&h, dptr)): forward and
+ * backward whose x and output both lie in such buffers (or in
+ * moe_buffer_alloc ones) go GPU to GPU - each worker opens the allocation
+ * once and reads x and writes y on the device, with no host copy (the
+ * caller's stream work must be finished before the call). libmoe never
+ * reads or writes that memory itself: without a data plane to workers on
+ * this host such a call fails with MOE_EINVAL. At most 64 buffers of both
+ * kinds per client. The memory stays the caller's; moe_cuda_unregister
+ * tells the workers to close it. */
+moe_err moe_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle);
+void moe_cuda_unregister(moe_client *c, void *dptr);
+
 typedef struct moe_adamw {
     double lr, beta1, beta2, eps, weight_decay;
     double max_grad_norm; /* 0 = no clipping */

@@ -614,3 +614,41 @@ Test(dataplane, zero_copy_buffers, .timeout = 120, .fini = cluster_fini_all)
     free(dxref);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* rows registered as GPU memory (moe_cuda_register) are never touched by
+ * libmoe: on CPU workers the worker refuses the buffer with a clear error,
+ * on the coordinator path the call fails before sending anything. The
+ * "device" memory here is a PROT_NONE mapping: any read or write of it by
+ * the library would crash the test. */
+Test(dataplane, gpu_buffers_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, T = 8;
+    create(cl, "m", H, 32, 4, 2, MOE_BF16);
+    size_t n = (size_t)T * H * 2;
+    void *guard = mmap(NULL, 2 * n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    cr_assert(guard != MAP_FAILED);
+    uint8_t handle[64];
+    memset(handle, 0x3c, sizeof(handle));
+    const char *ps[3] = {"auto", "socket", "coordinator"};
+    for (int p = 0; p < 3; p++) {
+        moe_client *c = open_path(cl, ps[p]);
+        cr_assert_eq(moe_cuda_register(c, guard, 2 * n, handle), MOE_OK, "%s", moe_last_error());
+        moe_err e = moe_forward(c, "m", 0, MOE_BF16, guard, T, H, (uint8_t *)guard + n, NULL);
+        cr_assert_eq(e, MOE_EINVAL, "%s: got %s", ps[p], moe_err_code(e));
+        cr_log_info("%s: %s", ps[p], moe_last_error());
+        if (p == 0)
+            cr_assert(strstr(moe_last_error(), "no GPU"), "%s", moe_last_error());
+        /* the worker and the client still serve */
+        uint16_t x[8 * 32], y[8 * 32];
+        memset(x, 0, sizeof(x));
+        cr_assert_eq(moe_forward(c, "m", 0, MOE_BF16, x, T, H, y, NULL), MOE_OK, "%s",
+                     moe_last_error());
+        moe_cuda_unregister(c, guard);
+        moe_client_close(c);
+    }
+    munmap(guard, 2 * n);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}

@@ -43,8 +43,8 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         e = moe_dtype_parse(dtname, strlen(dtname), &dt);
         if (e == MOE_OK)
             e = dp_batch_gather(&w->dp, &rpieces, dt, st ? st->model->cfg.d_model : 0,
-                                rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, &batch, err,
-                                sizeof(err));
+                                rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, 0, &batch,
+                                err, sizeof(err));
         rows_ok = e == MOE_OK && batch.missing == 0;
         dyt = batch.x;
     }

@@ -31,11 +31,18 @@ struct dp_region {
     int refs;       /* tickets that point into it (under mu) */
     int dead;       /* its connection closed or it was detached */
     int registered; /* pinned with the CUDA driver */
+    int cuda;       /* a client's GPU allocation opened by CUDA IPC (base: device) */
+    int device;     /* with cuda: the GPU it is open on */
     struct dp_region *next;
 };
 
 static void region_unmap(dp_region *g)
 {
+    if (g->cuda) {
+        wkr_gpu_ipc_close(g->device, g->base);
+        free(g);
+        return;
+    }
     if (g->registered)
         wkr_gpu_host_unregister(g->base);
     munmap(g->base, g->size);
@@ -51,7 +58,8 @@ static void region_drop(dp_table *t, dp_region *g)
             *pp = g->next;
             break;
         }
-    t->mapped_bytes -= g->size;
+    if (!g->cuda)
+        t->mapped_bytes -= g->size;
     g->dead = 1;
     if (!g->refs)
         region_unmap(g);
@@ -164,6 +172,16 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
     tk->call = NULL;
 }
 
+int dp_x_on_device(const dp_ticket *tk)
+{
+    return tk->region && tk->region->cuda;
+}
+
+int dp_y_on_device(const dp_ticket *tk)
+{
+    return tk->region && tk->yregion->cuda;
+}
+
 void *dp_y_ptr(const dp_ticket *tk)
 {
     return tk->region ? tk->yregion->base + tk->y_off : NULL;
@@ -171,6 +189,23 @@ void *dp_y_ptr(const dp_ticket *tk)
 
 void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H)
 {
+    if (tk->region && dp_y_on_device(tk)) { /* converted here, then to the GPU */
+        size_t n = (size_t)rows * (size_t)H, nb = n * moe_dtype_size(tk->x.dtype);
+        void *tmp = malloc(nb ? nb : 1);
+        if (!tmp) {
+            dp_answer_err(tk, MOE_ENOMEM, "out of memory for a %zu byte answer", nb);
+            return;
+        }
+        rows_f32_to_dtype(y, tk->x.dtype, tmp, n);
+        moe_err e = wkr_gpu_copy(dp_y_ptr(tk), tmp, nb);
+        free(tmp);
+        if (e != MOE_OK) {
+            dp_answer_err(tk, e, "copying y to the client's GPU buffer failed");
+            return;
+        }
+        answer_region(tk, rows, H);
+        return;
+    }
     if (tk->region) {
         rows_f32_to_dtype(y, tk->x.dtype, dp_y_ptr(tk), (size_t)rows * (size_t)H);
         answer_region(tk, rows, H);
@@ -183,8 +218,15 @@ void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H)
 {
     if (tk->region) {
         void *dst = dp_y_ptr(tk);
-        if (dst != y)
-            memcpy(dst, y, (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype));
+        size_t nb = (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype);
+        if (dst != y && dp_y_on_device(tk)) {
+            if (wkr_gpu_copy(dst, y, nb) != MOE_OK) {
+                dp_answer_err(tk, MOE_EINTERNAL, "copying y to the client's GPU buffer failed");
+                return;
+            }
+        } else if (dst != y) {
+            memcpy(dst, y, nb);
+        }
         answer_region(tk, rows, H);
         return;
     }
@@ -449,6 +491,77 @@ static void on_attach(dp_table *t, rpc_call *c)
     rpc_reply(c, &w);
 }
 
+/* data.cuda_attach {handle: bin (64 bytes, cudaIpcMemHandle_t), size}: open
+ * a client's GPU allocation on this worker's GPU; rows by reference in it
+ * are read and written by the device, never through the host. */
+static void on_cuda_attach(dp_table *t, rpc_call *c)
+{
+    char err[256];
+    int64_t size = 0;
+    mp_reader rh;
+    const void *h;
+    uint32_t hl;
+    pspec sp[] = {
+        {"handle", P_RAW, &rh, true, 0, 0, 0, false},
+        {"size", P_INT, &size, true, 1, 1ll << 40, 0, false},
+    };
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 2, err, sizeof(err));
+    if (e == MOE_OK && mp_read_bin(&rh, &h, &hl, NULL) != MOE_OK) {
+        e = MOE_EINVAL;
+        snprintf(err, sizeof(err), "handle must be a bin (cudaIpcMemHandle_t)");
+    }
+    if (e == MOE_OK && t->gpu_device < 0) {
+        e = MOE_EINVAL;
+        snprintf(err, sizeof(err), "this worker has no GPU: no CUDA IPC");
+    }
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    uint32_t pipe = rpc_call_pipe(c);
+    pthread_mutex_lock(&t->mu);
+    int mine = 0;
+    for (dp_region *g = t->regions; g; g = g->next)
+        mine += g->pipe == pipe;
+    pthread_mutex_unlock(&t->mu);
+    if (mine >= DP_MAX_REGIONS_PER_PIPE) {
+        rpc_reply_err(c, MOE_ENOMEM, "too many regions on this connection (%d)", mine);
+        return;
+    }
+    void *dptr = NULL;
+    if (wkr_gpu_ipc_open(t->gpu_device, h, hl, &dptr, err, sizeof(err)) != MOE_OK) {
+        rpc_reply_err(c, MOE_EINVAL, "cannot open the client's GPU buffer: %s", err);
+        return;
+    }
+    dp_region *g = calloc(1, sizeof(*g));
+    if (!g) {
+        wkr_gpu_ipc_close(t->gpu_device, dptr);
+        rpc_reply_err(c, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    g->base = dptr;
+    g->size = (size_t)size; /* the client's word: its allocation must be this large */
+    g->pipe = pipe;
+    g->cuda = 1;
+    g->device = t->gpu_device;
+    pthread_mutex_lock(&t->mu);
+    g->id = ++t->next_region;
+    g->next = t->regions;
+    t->regions = g;
+    t->regions_attached_total++;
+    pthread_mutex_unlock(&t->mu);
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, c->req.msgid);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "region");
+    mp_write_u64(&w, g->id);
+    mp_write_cstr(&w, "device");
+    mp_write_bool(&w, true);
+    rpc_reply(c, &w);
+}
+
 static void reply_empty(rpc_call *c)
 {
     mp_writer w;
@@ -567,8 +680,11 @@ void dp_on_request(dp_table *t, rpc_call *c)
         on_rows(t, c);
     else if (mp_str_eq(q->method, q->method_len, "data.shm_attach"))
         on_attach(t, c);
-    else if (mp_str_eq(q->method, q->method_len, "data.shm_detach"))
+    else if (mp_str_eq(q->method, q->method_len, "data.shm_detach") ||
+             mp_str_eq(q->method, q->method_len, "data.cuda_detach"))
         on_detach(t, c);
+    else if (mp_str_eq(q->method, q->method_len, "data.cuda_attach"))
+        on_cuda_attach(t, c);
     else if (mp_str_eq(q->method, q->method_len, "data.cancel"))
         on_cancel(t, c);
     else if (mp_str_eq(q->method, q->method_len, "ping"))
@@ -667,6 +783,7 @@ moe_err dp_open(dp_table *t, uv_loop_t *loop, size_t max_staged_bytes, size_t ma
     t->max_staged_bytes = max_staged_bytes;
     t->max_mapped_bytes = max_mapped_bytes;
     t->auth_token = auth_token;
+    t->gpu_device = -1;
     uv_async_init(loop, &t->closed_async, on_closed_async);
     t->closed_async.data = t;
     uv_timer_init(loop, &t->expire_timer);
@@ -715,7 +832,7 @@ dp_ticket *dp_take(dp_table *t, uint64_t cid, uint64_t seq, uint64_t deadline_ns
 }
 
 moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
-                        dp_batch *b, char *err, size_t errlen)
+                        int device_ok, dp_batch *b, char *err, size_t errlen)
 {
     uint32_t n;
     memset(b, 0, sizeof(*b));
@@ -776,9 +893,10 @@ moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint
             held++;
             only = i;
         }
-    if (held == 1) {
+    if (held == 1 && (!dp_x_on_device(b->tk[only]) || device_ok)) {
         b->x.data = b->tk[only]->x.data; /* zero copy */
-    } else if (held > 1) {
+        b->x_device = dp_x_on_device(b->tk[only]);
+    } else if (held >= 1) {
         if (!(b->xbuf = malloc(b->x.nbytes ? b->x.nbytes : 1))) {
             e = MOE_ENOMEM;
             goto out;
@@ -786,7 +904,16 @@ moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint
         size_t off = 0;
         for (int i = 0; i < b->n; i++)
             if (b->tk[i]) {
-                memcpy(b->xbuf + off, b->tk[i]->x.data, b->tk[i]->x.nbytes);
+                if (dp_x_on_device(b->tk[i])) { /* rows on the client's GPU: to the host */
+                    if (wkr_gpu_copy(b->xbuf + off, b->tk[i]->x.data, b->tk[i]->x.nbytes) !=
+                        MOE_OK) {
+                        snprintf(err, errlen, "copying rows from a client's GPU buffer failed");
+                        e = MOE_EINTERNAL;
+                        goto out;
+                    }
+                } else {
+                    memcpy(b->xbuf + off, b->tk[i]->x.data, b->tk[i]->x.nbytes);
+                }
                 off += b->tk[i]->x.nbytes;
             }
         b->x.data = b->xbuf;

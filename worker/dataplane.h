@@ -54,6 +54,7 @@ typedef struct dp_table {
     uint64_t next_region;
     const char *auth_token; /* "" or NULL = none (borrowed, read-only) */
     int gpu_register;       /* register regions with CUDA (pinned copies) */
+    int gpu_device;         /* >= 0: the worker's GPU (CUDA IPC regions open there) */
     /* connections closed, from nng threads, handled on the loop thread */
     uint32_t closed[256];
     int nclosed, closed_overflow;
@@ -91,8 +92,13 @@ void dp_answer_err(dp_ticket *tk, moe_err e, const char *fmt, ...)
 /* dp_release frees an answered ticket (and its reference to its region). */
 void dp_release(dp_table *t, dp_ticket *tk);
 /* dp_y_ptr: where y (R,H) should be written for the ticket: its place in
- * the shared region, or NULL for inline answers. */
+ * the shared region (device memory when dp_y_on_device), or NULL for
+ * inline answers. */
 void *dp_y_ptr(const dp_ticket *tk);
+/* dp_x_on_device / dp_y_on_device: x / y lie in a client's GPU buffer
+ * (data.cuda_attach): device pointers of the worker's GPU. */
+int dp_x_on_device(const dp_ticket *tk);
+int dp_y_on_device(const dp_ticket *tk);
 
 /* ---- a job's pieces: the rows of several tickets, in order ---- */
 typedef struct dp_batch {
@@ -100,17 +106,20 @@ typedef struct dp_batch {
     dp_ticket **tk; /* (n) NULL where the rows did not arrive */
     int64_t *rows;  /* (n) rows the coordinator announced for each piece */
     moe_tensor x;   /* (T,H) the pieces' rows that arrived, concatenated */
-    uint8_t *xbuf;  /* owned: the concatenation when n > 1 */
+    uint8_t *xbuf;  /* owned: the concatenation when n > 1, or host rows of a GPU buffer */
+    int x_device;   /* x is device memory (one piece in a CUDA IPC region) */
     int missing;    /* pieces whose rows did not arrive */
 } dp_batch;
 
 /* dp_batch_gather reads the job's pieces ([[cid, seq, rows], ...] at r),
  * takes their tickets (waiting until deadline_ns) and builds b->x of dtype
- * dt and width H. A ticket whose rows are not (rows, H) of dtype dt is
+ * dt and width H. With device_ok and a single piece in a client's GPU
+ * buffer, b->x is that device memory (b->x_device set); otherwise rows on a
+ * GPU are copied to the host. A ticket whose rows are not (rows, H) of dtype dt is
  * answered invalid_argument and counts as missing. Errors: MOE_EINVAL
  * (malformed pieces), MOE_ENOMEM. */
 moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
-                        dp_batch *b, char *err, size_t errlen);
+                        int device_ok, dp_batch *b, char *err, size_t errlen);
 /* dp_batch_answer_f32 sends each piece its rows of y (T,H) floats. */
 void dp_batch_answer_f32(dp_batch *b, const float *y, int64_t H);
 /* dp_batch_answer_raw: the same with y already in the batch's dtype. */

@@ -298,9 +298,11 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             rpc_reply_err(c, MOE_EINVAL, "bad layer or dtype for model '%s'", model_name);
             return;
         }
+        /* rows on a client's GPU stay there when the device path takes them */
+        int device_ok = (m->gpu_mode == 1 || m->gpu_mode == 3) && bf && dt == MOE_BF16 && !train;
         e = dp_batch_gather(&w->dp, &rpieces, dt, H,
-                            rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, &batch, err,
-                            sizeof(err));
+                            rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, device_ok,
+                            &batch, err, sizeof(err));
         if (e != MOE_OK) {
             dp_batch_fail(&batch, e, err);
             dp_batch_free(&w->dp, &batch);

@@ -48,6 +48,41 @@ void wkr_gpu_host_unregister(void *p)
         (void)cudaGetLastError();
 }
 
+moe_err wkr_gpu_ipc_open(int device, const void *handle, size_t len, void **dptr, char *err,
+                         size_t errlen)
+{
+    cudaIpcMemHandle_t h;
+    if (len != sizeof(h)) {
+        snprintf(err, errlen, "a CUDA IPC handle has %zu bytes, not %zu", sizeof(h), len);
+        return MOE_EINVAL;
+    }
+    memcpy(&h, handle, sizeof(h));
+    cudaError_t ce = cudaSetDevice(device);
+    if (ce == cudaSuccess)
+        ce = cudaIpcOpenMemHandle(dptr, h, cudaIpcMemLazyEnablePeerAccess);
+    if (ce != cudaSuccess) {
+        snprintf(err, errlen, "cudaIpcOpenMemHandle: %s", cudaGetErrorString(ce));
+        (void)cudaGetLastError();
+        return MOE_EINVAL;
+    }
+    return MOE_OK;
+}
+
+void wkr_gpu_ipc_close(int device, void *dptr)
+{
+    if (cudaSetDevice(device) != cudaSuccess || cudaIpcCloseMemHandle(dptr) != cudaSuccess)
+        (void)cudaGetLastError();
+}
+
+moe_err wkr_gpu_copy(void *dst, const void *src, size_t n)
+{
+    if (n && cudaMemcpy(dst, src, n, cudaMemcpyDefault) != cudaSuccess) {
+        LOG_E("cudaMemcpy of %zu bytes: %s", n, cudaGetErrorString(cudaGetLastError()));
+        return MOE_EINTERNAL;
+    }
+    return MOE_OK;
+}
+
 void *wkr_gpu_pinned_alloc(size_t n)
 {
     void *p = NULL;
@@ -405,6 +440,22 @@ void wkr_gpu_host_unregister(void *p)
 void *wkr_gpu_pinned_alloc(size_t n)
 {
     return malloc(n ? n : 1);
+}
+moe_err wkr_gpu_ipc_open(int device, const void *handle, size_t len, void **dptr, char *err,
+                         size_t errlen)
+{
+    (void)device, (void)handle, (void)len, (void)dptr;
+    snprintf(err, errlen, "this worker has no CUDA");
+    return MOE_EINVAL;
+}
+void wkr_gpu_ipc_close(int device, void *dptr)
+{
+    (void)device, (void)dptr;
+}
+moe_err wkr_gpu_copy(void *dst, const void *src, size_t n)
+{
+    (void)dst, (void)src, (void)n;
+    return MOE_EINVAL;
 }
 void wkr_gpu_pinned_free(void *p)
 {

@@ -33,6 +33,15 @@ void wkr_gpu_host_unregister(void *p);
  * CUDA); free with wkr_gpu_pinned_free. */
 void *wkr_gpu_pinned_alloc(size_t n);
 void wkr_gpu_pinned_free(void *p);
+/* wkr_gpu_ipc_open maps another process's device allocation (a 64-byte
+ * cudaIpcMemHandle_t) into this one on `device`: *dptr. MOE_EINVAL with the
+ * driver's reason in err (no CUDA, a bad or foreign handle). Close with
+ * wkr_gpu_ipc_close. */
+moe_err wkr_gpu_ipc_open(int device, const void *handle, size_t len, void **dptr, char *err,
+                         size_t errlen);
+void wkr_gpu_ipc_close(int device, void *dptr);
+/* wkr_gpu_copy: n bytes between any host and device memory (synchronous). */
+moe_err wkr_gpu_copy(void *dst, const void *src, size_t n);
 /* wkr_gpu_attach makes the device objects of every layer of m and uploads
  * the host weights (train: with gradients). max_tokens bounds T per call. */
 moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train);

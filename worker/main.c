@@ -318,6 +318,7 @@ int main(int argc, char **argv)
     dp_open(&W.dp, W.loop, (size_t)W.data_staged_mb << 20, (size_t)W.shm_max_mb << 20,
             W.auth_token);
     W.dp.gpu_register = W.use_gpu;
+    W.dp.gpu_device = W.use_gpu ? (int)W.device_index : -1;
     if (strcmp(W.client_url_cfg, "off") != 0) {
         /* many contexts: a client's rows wait here, each holding one, until
          * the coordinator's job for them runs */
