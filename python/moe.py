@@ -1,8 +1,11 @@
 """moe - Python client of the moe service, over the C library (lib/libmoe.so).
 
-Tensors are NumPy arrays (PyTorch users: ``t.numpy()`` / ``torch.from_numpy``).
-bf16 travels as uint16 arrays holding bfloat16 bits; ``to_bf16`` and
-``from_bf16`` convert.
+Tensors are NumPy arrays or PyTorch tensors (CPU or CUDA, float32, float16
+or bfloat16; results come back as the same kind). In NumPy, bf16 travels as
+uint16 arrays holding bfloat16 bits; ``to_bf16`` and ``from_bf16`` convert.
+The rows go straight to the workers (the data plane); on the same host
+through shared memory, with no copy for arrays from ``Client.buffer``, and
+GPU to GPU for CUDA tensors (CUDA IPC).
 
     import moe, numpy as np
     c = moe.Client("tcp://127.0.0.1:7000")
@@ -80,6 +83,11 @@ _lib.moe_backward.argtypes = [_P, ctypes.c_uint64, ctypes.c_int, _P, ctypes.c_in
                               ctypes.c_int64, _P]
 _lib.moe_optimizer_step.argtypes = [_P, ctypes.c_char_p, ctypes.POINTER(_AdamW),
                                     ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)]
+_lib.moe_buffer_alloc.argtypes = [_P, ctypes.c_size_t]
+_lib.moe_buffer_alloc.restype = ctypes.c_void_p
+_lib.moe_buffer_free.argtypes = [_P, _P]
+_lib.moe_cuda_register.argtypes = [_P, _P, ctypes.c_size_t, ctypes.c_char_p]
+_lib.moe_cuda_unregister.argtypes = [_P, _P]
 _lib.moe_checkpoint_save.argtypes = [_P, ctypes.c_char_p, ctypes.c_char_p]
 _lib.moe_checkpoint_load.argtypes = [_P, ctypes.c_char_p, ctypes.c_char_p,
                                      ctypes.POINTER(ctypes.c_int64)]
@@ -88,9 +96,15 @@ _lib.moe_checkpoint_load.argtypes = [_P, ctypes.c_char_p, ctypes.c_char_p,
 class Error(Exception):
     """A failed call: .code is the stable wire code ("busy", "not_found", ...)."""
 
-    def __init__(self, err):
+    def __init__(self, err, message=None):
         self.code = _lib.moe_err_code(err).decode()
-        super().__init__("%s: %s" % (self.code, _lib.moe_last_error().decode(errors="replace")))
+        if message is None:
+            message = _lib.moe_last_error().decode(errors="replace")
+        super().__init__("%s: %s" % (self.code, message))
+
+    @classmethod
+    def closed(cls):
+        return cls(15, "the client is closed")
 
 
 def _check(err):
@@ -123,6 +137,33 @@ def _dtype_of(a):
     raise TypeError("x must be float32, float16 or uint16 (bf16 bits), not %s" % a.dtype)
 
 
+def _is_torch(a):
+    return type(a).__module__.startswith("torch")
+
+
+def _torch_to_numpy(t):
+    """A CPU torch tensor's rows as a NumPy array sharing its memory (bf16 as
+    uint16 bits); the torch dtype to give the result back in."""
+    import torch
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), t.dtype
+    if t.dtype in (torch.float32, torch.float16):
+        return t.numpy(), t.dtype
+    raise TypeError("x must be float32, float16 or bfloat16, not %s" % t.dtype)
+
+
+def _numpy_to_torch(a, dtype):
+    import torch
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+_TORCH_DTYPES = {"torch.float32": _DTYPES["f32"], "torch.bfloat16": _DTYPES["bf16"],
+                 "torch.float16": _DTYPES["f16"]}
+
+
 class Client:
     """A connection to the coordinator; thread safe like libmoe's client."""
 
@@ -132,14 +173,62 @@ class Client:
         straight to the workers, through shared memory on the same host),
         "socket", "shm" or "coordinator"; None = $MOE_DATA_PATH or auto."""
         self._c = _P()
+        self._bufs = {}      # address -> (size, array) of Client.buffer arrays
+        self._cuda = {}      # allocation base -> size of registered CUDA allocations
         opts = _Opts(timeout_ms, 0, auth_token.encode() if auth_token else None,
                      data_path.encode() if data_path else None)
         _check(_lib.moe_client_open(url.encode(), ctypes.byref(opts), ctypes.byref(self._c)))
 
+    def _live(self):
+        if not self._c:
+            raise Error.closed()
+        return self._c
+
     def close(self):
         if self._c:
-            _lib.moe_client_close(self._c)
+            _lib.moe_client_close(self._c)  # frees the buffers and registrations too
             self._c = _P()
+            self._bufs.clear()
+            self._cuda.clear()
+
+    def buffer(self, shape, dtype="f32"):
+        """A NumPy array whose rows travel with no copy: shared memory that the
+        workers on this host map once (plain memory elsewhere). dtype "f32",
+        "f16" or "bf16" (uint16 bits). Valid until free(a) or close()."""
+        npdt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dtype]
+        n = int(np.prod(shape)) * np.dtype(npdt).itemsize
+        addr = _lib.moe_buffer_alloc(self._live(), n)
+        if not addr:
+            raise MemoryError(_lib.moe_last_error().decode(errors="replace"))
+        a = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr)).view(npdt)
+        a = a.reshape(shape)
+        self._bufs[addr] = (n, a)
+        return a
+
+    def free(self, a):
+        """Gives back an array from buffer()."""
+        addr = a.ctypes.data
+        if addr in self._bufs:
+            del self._bufs[addr]
+            _lib.moe_buffer_free(self._live(), addr)
+
+    def _cuda_rows(self, t):
+        """A CUDA tensor's address, its allocation registered with the workers
+        (CUDA IPC: cudaIpcGetMemHandle through torch's storage sharing)."""
+        import torch
+        if not t.is_contiguous():
+            raise ValueError("CUDA tensors must be contiguous")
+        st = t.untyped_storage()
+        share = st._share_cuda_()
+        handle, size, offset = share[1], share[2], share[3]
+        base = st.data_ptr() - offset
+        if self._cuda.get(base, 0) < offset + size:
+            if base in self._cuda:
+                _lib.moe_cuda_unregister(self._live(), base)
+            _check(_lib.moe_cuda_register(self._live(), base, offset + size, bytes(handle)))
+            self._cuda[base] = offset + size
+        torch.cuda.current_stream(t.device).synchronize()  # x written before the workers read it
+        return t.data_ptr()
 
     def __enter__(self):
         return self
@@ -148,7 +237,7 @@ class Client:
         self.close()
 
     def ping(self):
-        _check(_lib.moe_ping(self._c))
+        _check(_lib.moe_ping(self._live()))
 
     def model_create(self, name, layers, d_model, d_ff, n_experts, top_k, activation="swiglu",
                      renormalize=False, capacity_factor=0.0, dtype="f32", seed=0,
@@ -156,16 +245,44 @@ class Client:
         cfg = _ModelCfg(name.encode(), layers, d_model, d_ff, n_experts, top_k,
                         activation.encode(), int(renormalize), capacity_factor, _DTYPES[dtype],
                         seed, aux_loss_coef, z_loss_coef)
-        _check(_lib.moe_model_create(self._c, ctypes.byref(cfg)))
+        _check(_lib.moe_model_create(self._live(), ctypes.byref(cfg)))
 
-    def _forward(self, fn, model, layer, x):
+    def _forward(self, fn, model, layer, x, out=None):
+        c = self._live()
+        back = None
+        if _is_torch(x) and x.is_cuda:  # GPU to GPU: CUDA IPC
+            import torch
+            x = x.detach().contiguous()
+            if x.ndim != 2:
+                raise ValueError("x must be 2-D (T, d_model)")
+            y = out if out is not None else torch.empty_like(x)
+            dt = _TORCH_DTYPES[str(x.dtype)]
+            xp, yp = self._cuda_rows(x), self._cuda_rows(y)
+            info = _FwdInfo()
+            _check(fn(c, model.encode(), layer, dt, xp, x.shape[0], x.shape[1], yp,
+                      ctypes.byref(info)))
+            return y, self._stats(info), self._handle(info)
+        if _is_torch(x):
+            x, back = _torch_to_numpy(x)
         x = np.ascontiguousarray(x)
         if x.ndim != 2:
             raise ValueError("x must be 2-D (T, d_model)")
-        y = np.empty_like(x)
+        y = out if out is not None else np.empty_like(x)
         info = _FwdInfo()
-        _check(fn(self._c, model.encode(), layer, _dtype_of(x), x.ctypes.data, x.shape[0],
+        _check(fn(c, model.encode(), layer, _dtype_of(x), x.ctypes.data, x.shape[0],
                   x.shape[1], y.ctypes.data, ctypes.byref(info)))
+        if back is not None:
+            y = _numpy_to_torch(y, back)
+        return y, self._stats(info), self._handle(info)
+
+    @staticmethod
+    def _handle(info):
+        handle = info.handle
+        _lib.moe_fwd_info_free(ctypes.byref(info))
+        return handle
+
+    @staticmethod
+    def _stats(info):
         n = info.n_experts
         stats = {
             "tokens_per_expert": [info.tokens_per_expert[i] for i in range(n)],
@@ -174,26 +291,38 @@ class Client:
             "gate_s": info.gate_s, "dispatch_s": info.dispatch_s, "experts_s": info.experts_s,
             "combine_s": info.combine_s, "total_s": info.total_s,
         }
-        handle = info.handle
-        _lib.moe_fwd_info_free(ctypes.byref(info))
-        return y, stats, handle
+        return stats
 
-    def forward(self, model, layer, x):
-        """y (T, d_model) of x's dtype, and the stats dict."""
-        y, stats, _ = self._forward(_lib.moe_forward, model, layer, x)
+    def forward(self, model, layer, x, out=None):
+        """y (T, d_model) of x's dtype and kind (NumPy, torch CPU or CUDA), and the
+        stats dict. out: where to write y (e.g. a Client.buffer array)."""
+        y, stats, _ = self._forward(_lib.moe_forward, model, layer, x, out)
         return y, stats
 
-    def forward_train(self, model, layer, x):
+    def forward_train(self, model, layer, x, out=None):
         """y and the handle for backward (used once)."""
-        y, _, handle = self._forward(_lib.moe_forward_train, model, layer, x)
+        y, _, handle = self._forward(_lib.moe_forward_train, model, layer, x, out)
         return y, handle
 
-    def backward(self, handle, dy):
+    def backward(self, handle, dy, out=None):
+        """dx of dy's dtype and kind."""
+        c = self._live()
+        if _is_torch(dy) and dy.is_cuda:
+            import torch
+            dy = dy.detach().contiguous()
+            dx = out if out is not None else torch.empty_like(dy)
+            dyp, dxp = self._cuda_rows(dy), self._cuda_rows(dx)
+            _check(_lib.moe_backward(c, handle, _TORCH_DTYPES[str(dy.dtype)], dyp, dy.shape[0],
+                                     dy.shape[1], dxp))
+            return dx
+        back = None
+        if _is_torch(dy):
+            dy, back = _torch_to_numpy(dy)
         dy = np.ascontiguousarray(dy)
-        dx = np.empty_like(dy)
-        _check(_lib.moe_backward(self._c, handle, _dtype_of(dy), dy.ctypes.data, dy.shape[0],
+        dx = out if out is not None else np.empty_like(dy)
+        _check(_lib.moe_backward(c, handle, _dtype_of(dy), dy.ctypes.data, dy.shape[0],
                                  dy.shape[1], dx.ctypes.data))
-        return dx
+        return dx if back is None else _numpy_to_torch(dx, back)
 
     def step(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
              max_grad_norm=0.0, expect_step=None):
@@ -202,16 +331,16 @@ class Client:
                      int(expect_step is not None), expect_step or 0)
         step = ctypes.c_int64()
         norm = ctypes.c_double()
-        _check(_lib.moe_optimizer_step(self._c, model.encode(), ctypes.byref(opt),
+        _check(_lib.moe_optimizer_step(self._live(), model.encode(), ctypes.byref(opt),
                                        ctypes.byref(step), ctypes.byref(norm)))
         return step.value, norm.value
 
     def checkpoint_save(self, model, path):
-        _check(_lib.moe_checkpoint_save(self._c, model.encode(), path.encode()))
+        _check(_lib.moe_checkpoint_save(self._live(), model.encode(), path.encode()))
 
     def checkpoint_load(self, model, path):
         step = ctypes.c_int64()
-        _check(_lib.moe_checkpoint_load(self._c, model.encode(), path.encode(),
+        _check(_lib.moe_checkpoint_load(self._live(), model.encode(), path.encode(),
                                         ctypes.byref(step)))
         return step.value
 

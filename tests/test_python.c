@@ -74,3 +74,29 @@ Test(python, soak_with_worker_kills, .timeout = 90)
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "soak failed:\n%s", out);
     cr_assert(strstr(out, "1 passed, 0 failed") != NULL, "%s", out);
 }
+
+/* The Python client over the data plane (python/dataplane_check.py): NumPy,
+ * Client.buffer arrays, torch CPU tensors when torch is installed, all
+ * byte-identical to the coordinator path; a closed client raises. */
+Test(python, dataplane_numpy_and_torch, .timeout = 120, .fini = cluster_fini_all)
+{
+    if (!have_numpy())
+        cr_skip_test("python3 with numpy is not installed");
+    if (access("lib/libmoe.so", R_OK) != 0)
+        cr_skip_test("lib/libmoe.so not built");
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    char cmd[1024], out[8192];
+    snprintf(cmd, sizeof(cmd), "python3 python/dataplane_check.py --url %s 2>&1", cl->url);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p);
+    size_t n = fread(out, 1, sizeof(out) - 1, p);
+    out[n] = 0;
+    int st = pclose(p);
+    cr_log_info("%s", out);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "dataplane_check.py failed:\n%s", out);
+    cr_assert(strstr(out, " 0 failed") != NULL, "%s", out);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
