@@ -220,12 +220,21 @@ class Client:
             raise ValueError("CUDA tensors must be contiguous")
         st = t.untyped_storage()
         share = st._share_cuda_()
-        handle, size, offset = share[1], share[2], share[3]
+        handle, size, offset = bytes(share[1]), share[2], share[3]
+        # torch's caching allocator prefixes the cudaIpcMemHandle_t (64 bytes)
+        # with a version byte and a kind byte ('c': a cudaMalloc block)
+        if len(handle) == 66 and handle[1:2] == b"c":
+            handle = handle[2:]
+        elif len(handle) == 65 and handle[0:1] == b"c":
+            handle = handle[1:]
+        if len(handle) != 64:
+            raise NotImplementedError("this CUDA allocation cannot be shared by CUDA IPC "
+                                      "(expandable segments?): pass a CPU tensor")
         base = st.data_ptr() - offset
         if self._cuda.get(base, 0) < offset + size:
             if base in self._cuda:
                 _lib.moe_cuda_unregister(self._live(), base)
-            _check(_lib.moe_cuda_register(self._live(), base, offset + size, bytes(handle)))
+            _check(_lib.moe_cuda_register(self._live(), base, offset + size, handle))
             self._cuda[base] = offset + size
         torch.cuda.current_stream(t.device).synchronize()  # x written before the workers read it
         return t.data_ptr()
