@@ -3,6 +3,7 @@
 #   make run        install missing deps, build, start a local cluster, run a demo
 #   make test       install missing deps, build, run the Criterion suite (no GPU)
 #   make check-gpu  CUDA kernels against the CPU reference (GPU machine)
+#   make check-gpu-dataplane  CUDA IPC and the Python client against a GPU worker (GPU machine)
 #   make NO_CUDA=1  skip CUDA sources
 #   make lint / make format
 
@@ -14,7 +15,7 @@ DEPS_PREFIX ?=
 
 OPT     ?= -O2
 CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-format-truncation -fno-math-errno -fvect-cost-model=cheap -fPIC \
-           -Iclient -Icommon -Iproto -Ikernels -Iworker -Iserver \
+           -Iclient -Icommon -Iproto -Irpc -Ikernels -Iworker -Iserver \
            -I/usr/include/x86_64-linux-gnu/openblas-pthread
 LDLIBS  += -lnng -luv -lmsgpackc -lopenblas -lm -lpthread
 ifneq ($(DEPS_PREFIX),)
@@ -33,6 +34,7 @@ B := build
 COMMON_SRC := $(wildcard common/*.c)
 PROTO_SRC  := $(wildcard proto/*.c)
 KERN_SRC   := $(wildcard kernels/*.c)
+RPC_SRC    := $(wildcard rpc/*.c)
 SERVER_SRC := $(filter-out server/main.c,$(wildcard server/*.c))
 WORKER_SRC := $(filter-out worker/main.c,$(wildcard worker/*.c))
 CLIENT_SRC := $(filter-out client/moectl.c,$(wildcard client/*.c))
@@ -42,6 +44,7 @@ CUDA_SRC   := $(filter-out kernels/cuda/check_gpu.cu,$(wildcard kernels/cuda/*.c
 obj = $(patsubst %.c,$(B)/%.o,$(1))
 CORE_LIB   := $(B)/libmoecore.a
 KERN_LIB   := $(B)/libmoekern.a
+RPC_LIB    := $(B)/libmoerpc.a
 SERVER_LIB := $(B)/libmoeserver.a
 WORKER_LIB := $(B)/libmoeworker.a
 CUDA_LIB   := $(B)/libmoekern_cuda.a
@@ -62,7 +65,7 @@ endif
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
 LIBS := lib/libmoe.a lib/libmoe.so
 
-.PHONY: all deps run test check-gpu check-gpu-portable bench lint format clean fuzz
+.PHONY: all deps run test check-gpu check-gpu-portable check-gpu-dataplane bench lint format clean fuzz
 all: $(BINS) $(LIBS) $(B)/moe-tests
 
 $(B)/%.o: %.c $(wildcard */*.h) Makefile
@@ -77,6 +80,8 @@ $(CORE_LIB): $(call obj,$(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
 $(KERN_LIB): $(call obj,$(KERN_SRC))
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
+$(RPC_LIB): $(call obj,$(RPC_SRC))
+	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
 $(SERVER_LIB): $(call obj,$(SERVER_SRC))
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
 $(WORKER_LIB): $(call obj,$(WORKER_SRC))
@@ -84,12 +89,12 @@ $(WORKER_LIB): $(call obj,$(WORKER_SRC))
 $(CUDA_LIB): $(CUDA_OBJS)
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
 
-bin/moe-coordinator: $(B)/server/main.o $(SERVER_LIB) lib/libmoe.a $(CORE_LIB)
+bin/moe-coordinator: $(B)/server/main.o $(SERVER_LIB) $(RPC_LIB) lib/libmoe.a $(CORE_LIB)
 	@mkdir -p bin
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
-bin/moe-worker: $(B)/worker/main.o $(WORKER_LIB) $(SERVER_LIB) lib/libmoe.a $(KERN_LIB) $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
+bin/moe-worker: $(B)/worker/main.o $(WORKER_LIB) $(RPC_LIB) lib/libmoe.a $(KERN_LIB) $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
 	@mkdir -p bin
-	$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(WORKER_LIB) $(SERVER_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) $(LDLIBS)
 lib/libmoe.a: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p lib; rm -f $@; ar rcs $@ $^
 lib/libmoe.so: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
@@ -100,8 +105,8 @@ bin/moectl: $(B)/client/moectl.o lib/libmoe.a $(KERN_LIB)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # One Criterion binary holds every test: one Synthesis line at the end.
-$(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB)
-	$(CC) $(LDFLAGS) -o $@ $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(KERN_LIB) \
+$(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB)
+	$(CC) $(LDFLAGS) -o $@ $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) \
 	    lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) -lcriterion $(LDLIBS)
 
 deps:
@@ -158,7 +163,7 @@ lint:
 	clang-format --dry-run -Werror $(FMT_SRC)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	    --suppress=missingIncludeSystem --inline-suppr -D__GNUC__ -Iclient -Icommon -Iproto \
-	    -Ikernels -Iworker -Iserver common proto kernels server worker client
+	    -Irpc -Ikernels -Iworker -Iserver common proto rpc kernels server worker client
 
 clean:
 	rm -rf $(B) bin lib
@@ -177,6 +182,12 @@ bin/cuda_ipc_check: bench/cuda_ipc_check.c lib/libmoe.a $(KERN_LIB)
 	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
 	    -lnng -lopenblas -lm -lpthread
 all: bin/cuda_ipc_check
+# check-gpu-dataplane: the data plane on this host's GPU, two processes each
+# (a worker and a client): CUDA IPC from C, then the Python client (NumPy,
+# torch CPU and CUDA tensors), against a one-GPU cluster each time
+check-gpu-dataplane: bin/cuda_ipc_check
+	deploy/gpu-cluster.sh -w 1 -b cuda -- bin/cuda_ipc_check --no-timing
+	deploy/gpu-cluster.sh -w 1 -b cuda -- bash -c 'python3 python/dataplane_check.py --url $$MOE_URL'
 endif
 
 # bench/cpu_layer_bench: one CPU-worker layer forward, timed (bench/cpu_peer.py; not a test).

@@ -30,6 +30,17 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
     float *a = need_a ? scratch + nf : a_out;          /* (N,F) */
     float *b = need_b ? h + (1 + need_a) * nf : b_out; /* (N,F), SwiGLU only */
 
+    if (N == 1) {
+        /* one row (decode): matrix-vector products; sgemm would pack the
+         * whole weight matrix for a single row (bench/NOTES.md, CPU backend) */
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w1, H, x, 1, 0.0f, a, 1);
+        if (swiglu)
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w3, H, x, 1, 0.0f, b, 1);
+        kern_act_forward_n(act, a, swiglu ? b : NULL, nf, bf16, h);
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, H, F, 1.0f, w2, F, h, 1, 0.0f, y, 1);
+        free(scratch);
+        return;
+    }
     /* a = x w1^T, b = x w3^T: (N,H) x (H,F) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, F, H, 1.0f, x, H, w1, H, 0.0f, a, F);
     if (swiglu)

@@ -236,6 +236,10 @@ void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank);
  * MOE_EUNAVAIL when the client's map is not of the current generation. */
 moe_err coord_parse_direct(coord *c, mp_reader *r, coord_job *j, int64_t *T, char *err,
                            size_t errlen);
+/* coord_write_pieces writes "pieces" of a data-plane job for rank: per
+ * request of the (merged) batch [client_id, seq, that request's rows for
+ * the rank]. */
+void coord_write_pieces(mp_writer *w, const coord_job *j, int W, int rank);
 /* coord_reply_has_missing: a worker's direct reply names pieces whose rows
  * did not arrive (or cannot be read). */
 int coord_reply_has_missing(const moe_reply *rep);
