@@ -652,3 +652,76 @@ Test(dataplane, gpu_buffers_refused_clearly_on_cpu, .timeout = 60, .fini = clust
     munmap(guard, 2 * n);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* many requests in flight on one client, over each data path: 8 threads x
+ * 6 forwards of different sizes, merged by the coordinator as they queue;
+ * every y equal to the same forward alone over the coordinator path (to f32
+ * rounding: a row's expert GEMM in a merged batch may round differently
+ * from the one-row product of a call alone) */
+typedef struct conc_arg {
+    moe_client *c;
+    int id, H;
+    const float *x;   /* (maxT, H) */
+    const float *ref; /* (6, maxT, H): y of each call's rows alone */
+    int bad;
+    char msg[256];
+} conc_arg;
+
+static const int conc_T[6] = {1, 5, 17, 64, 3, 33};
+
+static void *conc_main(void *arg)
+{
+    conc_arg *a = arg;
+    float *y = malloc((size_t)64 * a->H * 4);
+    for (int k = 0; k < 6 && !a->bad; k++) {
+        int T = conc_T[(k + a->id) % 6];
+        if (moe_forward(a->c, "m", 0, MOE_F32, a->x, T, a->H, y, NULL) != MOE_OK) {
+            snprintf(a->msg, sizeof(a->msg), "thread %d call %d: %s", a->id, k, moe_last_error());
+            a->bad = 1;
+        } else {
+            double rel = kern_rel_err(y, a->ref + (size_t)((k + a->id) % 6) * 64 * a->H,
+                                      (size_t)T * a->H);
+            if (!(rel < 1e-5)) {
+                snprintf(a->msg, sizeof(a->msg), "thread %d call %d (T=%d): rel err %.3g", a->id,
+                         k, T, rel);
+                a->bad = 1;
+            }
+        }
+    }
+    free(y);
+    return NULL;
+}
+
+Test(dataplane, many_requests_in_flight, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 48;
+    create(cl, "m", H, 64, 6, 2, MOE_F32);
+    float *x = malloc((size_t)64 * H * 4), *ref = malloc((size_t)6 * 64 * H * 4);
+    kern_fill_uniform(31, 1, -1, 1, x, (size_t)64 * H);
+    moe_client *cc = open_path(cl, "coordinator");
+    for (int k = 0; k < 6; k++)
+        cr_assert_eq(
+            moe_forward(cc, "m", 0, MOE_F32, x, conc_T[k], H, ref + (size_t)k * 64 * H, NULL),
+            MOE_OK);
+    moe_client_close(cc);
+    for (int p = 1; p < 3; p++) {
+        moe_client *c = open_path(cl, paths[p]);
+        pthread_t th[8];
+        conc_arg args[8];
+        for (int i = 0; i < 8; i++) {
+            args[i] = (conc_arg){c, i, H, x, ref, 0, ""};
+            pthread_create(&th[i], NULL, conc_main, &args[i]);
+        }
+        for (int i = 0; i < 8; i++)
+            pthread_join(th[i], NULL);
+        for (int i = 0; i < 8; i++)
+            cr_assert(!args[i].bad, "%s: %s", paths[p], args[i].msg);
+        moe_client_close(c);
+    }
+    free(x);
+    free(ref);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
