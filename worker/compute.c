@@ -44,13 +44,19 @@ static int find_rid(const moe_rpc_request *q, uint64_t rid[2])
     return 0;
 }
 
+/* WKR_REPLY_KEEP: the largest reply kept whole for a resend. On the data
+ * plane every reply to the coordinator is small (the rows go to the client);
+ * a larger one (rows inside it: the coordinator path) is not copied a second
+ * time - a resend of its request is answered failed_precondition. */
+#define WKR_REPLY_KEEP ((size_t)1 << 20)
+
 /* remember_reply keeps a copy of the reply to the request being run (runs on
  * the compute thread, which answers every request it runs). */
 static void remember_reply(rpc_call *c, const void *buf, size_t len, void *arg)
 {
     wkr *w = arg;
     struct wkr_reply_cache *e = &w->replies[w->replies_next];
-    uint8_t *copy = len <= ((size_t)64 << 20) ? malloc(len ? len : 1) : NULL;
+    uint8_t *copy = len <= WKR_REPLY_KEEP ? malloc(len ? len : 1) : NULL;
     (void)c;
     free(e->buf);
     e->buf = copy;
