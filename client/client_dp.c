@@ -1,5 +1,6 @@
 /* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
 #include "client_dp.h"
+#include "parcopy.h"
 
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
@@ -296,7 +297,7 @@ static moe_err msg_from_writer(const mp_writer *w, const void *extra, size_t ext
         return MOE_ENOMEM;
     memcpy(nng_msg_body(m), w->buf, w->len);
     if (extra_len)
-        memcpy((uint8_t *)nng_msg_body(m) + w->len, extra, extra_len);
+        par_memcpy((uint8_t *)nng_msg_body(m) + w->len, extra, extra_len);
     *out = m;
     return MOE_OK;
 }
@@ -899,7 +900,7 @@ static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void
             uint32_t dl;
             if (mp_read_bin(rd, &d, &dl, NULL) != MOE_OK || dl != nbytes || region)
                 return MOE_EPROTO;
-            memcpy(out, d, nbytes);
+            par_memcpy(out, d, nbytes);
             got_data = 1;
         } else if (mp_str_eq(k, kl, "region")) {
             if (mp_read_u64(rd, &rg, NULL) != MOE_OK)
@@ -972,7 +973,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         return MOE_ENOMEM;
     }
     if (b)
-        memcpy(b->base, in, nbytes);
+        par_memcpy(b->base, in, nbytes);
     /* 1. the rows, to their workers (rank r gets rows [T*r/W, T*(r+1)/W)) */
     for (int q = 0; q < W && e == MOE_OK; q++) {
         int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
@@ -1112,7 +1113,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         snprintf(ctl->message, sizeof(ctl->message), "%s", dmsg);
     }
     if (e == MOE_OK && b)
-        memcpy(out, b->base + nbytes, nbytes);
+        par_memcpy(out, b->base + nbytes, nbytes);
     if (poisoned && b)
         shm_drop(dp, b);
     else

@@ -679,11 +679,11 @@ static void *conc_main(void *arg)
             snprintf(a->msg, sizeof(a->msg), "thread %d call %d: %s", a->id, k, moe_last_error());
             a->bad = 1;
         } else {
-            double rel = kern_rel_err(y, a->ref + (size_t)((k + a->id) % 6) * 64 * a->H,
-                                      (size_t)T * a->H);
+            double rel =
+                kern_rel_err(y, a->ref + (size_t)((k + a->id) % 6) * 64 * a->H, (size_t)T * a->H);
             if (!(rel < 1e-5)) {
-                snprintf(a->msg, sizeof(a->msg), "thread %d call %d (T=%d): rel err %.3g", a->id,
-                         k, T, rel);
+                snprintf(a->msg, sizeof(a->msg), "thread %d call %d (T=%d): rel err %.3g", a->id, k,
+                         T, rel);
                 a->bad = 1;
             }
         }
@@ -723,5 +723,33 @@ Test(dataplane, many_requests_in_flight, .timeout = 120, .fini = cluster_fini_al
     }
     free(x);
     free(ref);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* rows over the size where copies go parallel (8 MiB), of an odd count:
+ * byte-identical over every path */
+Test(dataplane, large_rows_every_path, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 64, T = (int)((8u << 20) / (64 * 4)) + 3;
+    const size_t n = (size_t)T * H;
+    create(cl, "m", H, 8, 2, 1, MOE_F32);
+    float *x = malloc(n * 4), *y[3];
+    kern_fill_uniform(41, 1, -1, 1, x, n);
+    for (int p = 0; p < 3; p++) {
+        moe_client *c = open_path(cl, paths[p]);
+        y[p] = malloc(n * 4);
+        memset(y[p], 0xff, n * 4);
+        cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y[p], NULL), MOE_OK, "%s: %s",
+                     paths[p], moe_last_error());
+        moe_client_close(c);
+        if (p)
+            cr_assert(memcmp(y[p], y[0], n * 4) == 0, "%s: %zu-byte y differs", paths[p], n * 4);
+    }
+    for (int p = 0; p < 3; p++)
+        free(y[p]);
+    free(x);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }

@@ -18,6 +18,7 @@
 #include "kern.h"
 #include "log.h"
 #include "params.h"
+#include "parcopy.h"
 #include "rows.h"
 
 #define DP_MAX_REGIONS_PER_PIPE 64
@@ -143,7 +144,7 @@ static void answer_inline(dp_ticket *tk, moe_dtype dt, int64_t rows, int64_t H, 
     if (src_f32)
         rows_f32_to_dtype(src, dt, body + w.len, (size_t)rows * (size_t)H);
     else if (nbytes)
-        memcpy(body + w.len, src, nbytes);
+        par_memcpy(body + w.len, src, nbytes);
     mp_writer_fini(&w);
     rpc_reply_msg(tk->call, m);
     tk->call = NULL;
@@ -225,7 +226,7 @@ void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H)
                 return;
             }
         } else if (dst != y) {
-            memcpy(dst, y, nb);
+            par_memcpy(dst, y, nb);
         }
         answer_region(tk, rows, H);
         return;
