@@ -74,8 +74,12 @@ NGPU=0
 if command -v nvidia-smi >/dev/null 2>&1; then
     NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
+# ask the binary what it can do (a stripped binary has no symbol to grep)
+if ! VERSION=$(bin/moe-worker --version 2>&1); then
+    say "bin/moe-worker does not run here: $VERSION"; exit 2
+fi
 CUDA_BUILD=0
-grep -q kcu_forward bin/moe-worker 2>/dev/null && CUDA_BUILD=1
+echo "$VERSION" | grep -q '^backends:.* cuda' && CUDA_BUILD=1
 if [ -z "$BACKEND" ]; then
     if [ "$NGPU" -ge 1 ] && [ "$CUDA_BUILD" -eq 1 ]; then BACKEND=cuda; else BACKEND=cpu; fi
     [ "$NGPU" -ge 1 ] && [ "$CUDA_BUILD" -eq 0 ] && say "$NGPU GPU(s) but bin/moe-worker has no CUDA: CPU workers"

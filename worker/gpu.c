@@ -9,6 +9,7 @@
 
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 
 #include "kcu_ep.h"
 #include "kern_cuda.h"
@@ -30,6 +31,18 @@ int wkr_gpu_probe(int device, char *name, size_t len)
     }
     snprintf(name, len, "%s, %s", prop.name, kcu_arch_name());
     return 1;
+}
+
+void wkr_gpu_build_info(char *buf, size_t len)
+{
+    int rt = 0, nccl = 0;
+    cudaRuntimeGetVersion(&rt);
+    ncclGetVersion(&nccl);
+    snprintf(buf, len,
+             "cuda: runtime %d.%d (built with %d.%d), NCCL %d.%d.%d (built with %d.%d.%d), kernel "
+             "images sm_90a, sm_80 and compute_80 PTX",
+             rt / 1000, rt % 1000 / 10, CUDART_VERSION / 1000, CUDART_VERSION % 1000 / 10,
+             nccl / 10000, nccl / 100 % 100, nccl % 100, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
 }
 
 moe_err wkr_gpu_host_register(void *p, size_t n)
@@ -427,6 +440,11 @@ moe_err wkr_gpu_push_weights(wkr_model *m)
 }
 
 #else /* no CUDA */
+
+void wkr_gpu_build_info(char *buf, size_t len)
+{
+    snprintf(buf, len, "cuda: not in this build");
+}
 
 moe_err wkr_gpu_host_register(void *p, size_t n)
 {

@@ -22,6 +22,9 @@
 
 #include "worker.h"
 
+/* wkr_gpu_build_info: what this build can do on a GPU, one line ("cuda:
+ * runtime .., NCCL .., kernel images .." or "cuda: not in this build"). */
+void wkr_gpu_build_info(char *buf, size_t len);
 /* wkr_gpu_probe: 1 if CUDA device `device` exists (its name in name), else 0. */
 int wkr_gpu_probe(int device, char *name, size_t len);
 /* wkr_gpu_host_register pins [p, p+n) for the device's copy engines

@@ -251,6 +251,26 @@ static void on_signal(uv_signal_t *h, int sig)
     uv_stop(w->loop);
 }
 
+/* print_version: what this binary can do, for people and scripts (a
+ * stripped binary has no symbols to grep): the backends compiled in, the
+ * CUDA/NCCL versions and kernel images, the GPU found now, the BLAS. */
+static int print_version(void)
+{
+    char cuda[256], dev[160] = "", blas[256];
+    wkr_gpu_build_info(cuda, sizeof(cuda));
+    int gpu = wkr_gpu_probe(0, dev, sizeof(dev));
+    printf("moe-worker 0.1.0\n");
+#ifdef MOE_HAVE_CUDA
+    printf("backends: cpu cuda\n");
+#else
+    printf("backends: cpu\n");
+#endif
+    printf("%s\n", cuda);
+    printf("gpu 0: %s\n", gpu ? dev : "none usable here");
+    printf("blas: %s\n", blas_pick_describe(blas, sizeof(blas)));
+    return 0;
+}
+
 static const char *pick_backend(wkr *w)
 {
     if (strcmp(w->backend_cfg, "cpu") != 0 &&
@@ -269,8 +289,10 @@ int main(int argc, char **argv)
      * to generic ones (re-executes once; blas_pick.h) */
     blas_pick_reexec(argc, argv);
     for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--version") == 0)
+            return print_version();
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            printf("usage: moe-worker [flags]\n");
+            printf("usage: moe-worker [--version] [flags]\n");
             cfg_usage(worker_cfg, NCFG, stdout);
             return 0;
         }
