@@ -20,6 +20,9 @@
 #define DP_MAX_SHM  8
 #define DP_MAX_UBUF 64
 #define DP_MIN_SHM  ((size_t)1 << 20)
+/* after the coordinator refused or failed a job: how long a worker may take
+ * to answer the rows' cancel before the client stops waiting for it */
+#define DP_GRACE_MS 2000
 
 /* dp_shm: one shared-memory buffer, attached to every worker of its map;
  * a call uses [0, n) for its input rows and [n, 2n) for its output rows. */
@@ -193,6 +196,7 @@ typedef struct dp_req {
     nng_ctx ctx;
     nng_aio *aio;
     int open, sent;
+    int timed_out; /* the answer did not come in the time given */
     uint32_t msgid;
     nng_msg *reply; /* owned once received */
 } dp_req;
@@ -234,7 +238,8 @@ static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
 
 /* req_finish waits for the reply (q->reply) and parses its envelope into
  * resp. Returns the transport's or the server's error (message in msg). */
-static moe_err req_finish(dp_req *q, int abort, moe_rpc_response *resp, char *msg, size_t msglen)
+static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_response *resp,
+                          char *msg, size_t msglen)
 {
     int rv;
     moe_err e;
@@ -253,10 +258,13 @@ static moe_err req_finish(dp_req *q, int abort, moe_rpc_response *resp, char *ms
         snprintf(msg, msglen, "the worker's connection is down");
         return MOE_EUNAVAIL;
     }
+    if (recv_timeout_ms > 0)
+        nng_aio_set_timeout(q->aio, recv_timeout_ms);
     nng_ctx_recv(q->ctx, q->aio);
     nng_aio_wait(q->aio);
     if ((rv = nng_aio_result(q->aio)) != 0) {
         snprintf(msg, msglen, "waiting for a worker's rows: %s", nng_strerror(rv));
+        q->timed_out = rv == NNG_ETIMEDOUT;
         return from_nng(rv);
     }
     q->reply = nng_aio_get_msg(q->aio);
@@ -304,9 +312,9 @@ static moe_err msg_from_writer(const mp_writer *w, const void *extra, size_t ext
 
 /* sync_call: method {params pairs} on one worker, waiting for the answer;
  * the result reader is valid until req_close. */
-static moe_err sync_call(moe_client *c, nng_socket sock, const char *method, const mp_writer *pairs,
-                         uint32_t npairs, dp_req *q, moe_rpc_response *resp, char *msg,
-                         size_t msglen)
+static moe_err sync_call_t(moe_client *c, nng_socket sock, const char *method,
+                           const mp_writer *pairs, uint32_t npairs, int timeout_ms, dp_req *q,
+                           moe_rpc_response *resp, char *msg, size_t msglen)
 {
     mp_writer w;
     nng_msg *m;
@@ -323,11 +331,18 @@ static moe_err sync_call(moe_client *c, nng_socket sock, const char *method, con
     mp_writer_fini(&w);
     if (e != MOE_OK)
         return e;
-    e = req_start(q, sock, m, moe__timeout_ms(c));
+    e = req_start(q, sock, m, timeout_ms);
     q->msgid = msgid;
     if (e == MOE_OK)
-        e = req_finish(q, 0, resp, msg, msglen);
+        e = req_finish(q, 0, timeout_ms, resp, msg, msglen);
     return e;
+}
+
+static moe_err sync_call(moe_client *c, nng_socket sock, const char *method, const mp_writer *pairs,
+                         uint32_t npairs, dp_req *q, moe_rpc_response *resp, char *msg,
+                         size_t msglen)
+{
+    return sync_call_t(c, sock, method, pairs, npairs, moe__timeout_ms(c), q, resp, msg, msglen);
 }
 
 /* ---- the worker map ---- */
@@ -920,8 +935,9 @@ static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void
     return got_data ? MOE_OK : MOE_EPROTO;
 }
 
-/* send_cancel asks worker q to drop the ticket's rows (best effort). */
-static void send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t seq)
+/* send_cancel asks worker q to drop the ticket's rows (best effort); 0 when
+ * the worker did not answer within the grace (stopped or hung). */
+static int send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t seq)
 {
     mp_writer p;
     dp_req rq;
@@ -932,9 +948,11 @@ static void send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t 
     mp_write_array(&p, 2);
     mp_write_u64(&p, cid);
     mp_write_u64(&p, seq);
-    sync_call(c, m->sock[q], "data.cancel", &p, 1, &rq, &resp, msg, sizeof(msg));
+    moe_err e =
+        sync_call_t(c, m->sock[q], "data.cancel", &p, 1, DP_GRACE_MS, &rq, &resp, msg, sizeof(msg));
     mp_writer_fini(&p);
     req_close(&rq);
+    return e == MOE_OK;
 }
 
 /* one attempt on map m; *stale set when the coordinator says the map is old */
@@ -1083,14 +1101,18 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
          * one whose connection is down nothing will come - stop waiting,
          * and never reuse a shared buffer it may still write */
         int down = e != MOE_OK && __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0;
-        if (e != MOE_OK && !down)
-            send_cancel(c, m, q, cid, seq);
+        if (e != MOE_OK && !down && !send_cancel(c, m, q, cid, seq))
+            down = 1; /* connected but not answering: do not wait for it either */
         poisoned |= down;
         moe_rpc_response resp;
         char msg[400];
         int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
         size_t off = (size_t)a * (size_t)H * es;
-        moe_err qe = req_finish(&rq[q], down, &resp, msg, sizeof(msg));
+        /* after a failed job, a worker that does not answer within the grace
+         * (stopped, hung) is given up on; its buffer is not reused */
+        moe_err qe =
+            req_finish(&rq[q], down, e != MOE_OK ? DP_GRACE_MS : 0, &resp, msg, sizeof(msg));
+        poisoned |= rq[q].timed_out;
         if (qe == MOE_OK) {
             mp_reader rd = resp.result;
             uint64_t rg = zero_copy ? m->uregion[(size_t)uy * W + q] : b ? b->region[q] : 0;

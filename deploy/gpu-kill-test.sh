@@ -52,7 +52,10 @@ done
 [ -f lib/libmoe.so ] || { say "lib/libmoe.so is missing: build with 'make'"; exit 2; }
 
 # runtime libraries from .deps/ on a host without them (as deploy/gpu-cluster.sh)
-if ls .deps/*.deb >/dev/null 2>&1 && { ldd bin/moe-worker; ldd lib/libmoe.so; } 2>/dev/null | grep -q "not found"; then
+# (the whole ldd output is read: under pipefail, grep -q stopping early would
+# kill ldd with SIGPIPE and make the test false)
+MISSING=$({ ldd bin/moe-worker; ldd lib/libmoe.so; } 2>/dev/null | grep -c "not found" || true)
+if ls .deps/*.deb >/dev/null 2>&1 && [ "${MISSING:-0}" -gt 0 ]; then
     D=/opt/moe-deps
     mkdir -p "$D" 2>/dev/null && [ -w "$D" ] || D=${TMPDIR:-/tmp}/moe-deps
     mkdir -p "$D"

@@ -17,8 +17,8 @@ cd "$(dirname "$0")/.."
 # GPUs present (and a CUDA build): one worker per GPU, bf16 demo model (the
 # GPU kernels store bf16); otherwise CPU workers and an f32 model.
 NGPU=0
-if command -v nvidia-smi >/dev/null 2>&1 &&
-    bin/moe-worker --version 2>/dev/null | grep -q '^backends:.* cuda'; then
+WORKER_VERSION=$(bin/moe-worker --version 2>/dev/null || true)
+if command -v nvidia-smi >/dev/null 2>&1 && [[ "$WORKER_VERSION" == *"backends: cpu cuda"* ]]; then
     NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
 if [ "$NGPU" -ge 1 ]; then

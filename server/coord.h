@@ -34,6 +34,7 @@ typedef struct coord_worker {
     char client_url[CFG_STR_MAX]; /* data plane: clients send rows here ("" = none) */
     char host[128];               /* host identity (boot id): same host = shared memory */
     char backend[32], device[128];
+    uint32_t pipe; /* the connection its registration and heartbeats come on */
     int pid;
     uint64_t registered_ns, last_hb_ns;
     moe_client *cli;    /* owned: calls into the worker */
@@ -140,6 +141,11 @@ typedef struct coord {
     pthread_mutex_t done_mu;
     coord_done *done_head, *done_tail;
     int done_closed; /* done_async is closed (shutdown): nng threads must not ring it */
+    /* connections that closed (nng threads -> loop, under done_mu): a
+     * worker's means the process is gone (coord_on_pipes) */
+    uint32_t closed_pipes[64];
+    int nclosed_pipes, closed_overflow;
+    uv_async_t pipes_async;
     int draining;
     int drain_saved; /* the drain's checkpoints were queued */
     uint64_t drain_started_ns;
@@ -199,6 +205,11 @@ void coord_worker_lost(coord *c, int i, const char *why);
 void coord_maybe_form(coord *c);
 int coord_up_workers(const coord *c);
 void coord_cluster_status(coord *c, rpc_call *call);
+/* coord_pipe_closed: rpcsrv's connection-close hook (nng thread);
+ * coord_on_pipes handles them on the loop: a member whose connection
+ * closed is lost at once (not after the heartbeat timeout). */
+void coord_pipe_closed(uint32_t pipe, void *arg);
+void coord_on_pipes(uv_async_t *h);
 /* coord_dataplane_info answers where clients send rows (docs/PROTOCOL.md). */
 void coord_dataplane_info(coord *c, rpc_call *call);
 

@@ -230,7 +230,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "moe-coordinator: out of memory\n");
         return 1;
     }
-    rpcsrv_opts o = {C.listen_url, (int)C.nctx, (size_t)C.max_msg_mb << 20, on_request, &C, NULL};
+    uv_async_init(C.loop, &C.pipes_async, coord_on_pipes);
+    C.pipes_async.data = &C;
+    rpcsrv_opts o = {C.listen_url, (int)C.nctx, (size_t)C.max_msg_mb << 20,
+                     on_request,   &C,          coord_pipe_closed};
     if (rpcsrv_open(C.loop, &o, &C.srv, C.bound_url, sizeof(C.bound_url)) != MOE_OK) {
         fprintf(stderr, "moe-coordinator: cannot listen on %s\n", C.listen_url);
         return 1;
@@ -277,14 +280,17 @@ int main(int argc, char **argv)
     rpcsrv_close(C.srv);
     dedupe_free(D); /* every original was answered above, or dropped by the close */
     for (int i = 0; i < COORD_MAX_WORKERS; i++)
-        if (C.workers[i].cli)
+        if (C.workers[i].cli) {
             moe_client_close(C.workers[i].cli);
+            C.workers[i].cli = NULL;
+        }
     uv_close((uv_handle_t *)&C.tick, NULL);
     /* calls to workers closed above may still complete on nng threads */
     pthread_mutex_lock(&C.done_mu);
     C.done_closed = 1;
     pthread_mutex_unlock(&C.done_mu);
     uv_close((uv_handle_t *)&C.done_async, NULL);
+    uv_close((uv_handle_t *)&C.pipes_async, NULL);
     uv_close((uv_handle_t *)&C.sigterm, NULL);
     uv_close((uv_handle_t *)&C.sigint, NULL);
     uv_run(C.loop, UV_RUN_DEFAULT);

@@ -22,6 +22,32 @@ int coord_up_workers(const coord *c)
     return n;
 }
 
+static void on_abort_reply(moe_err err, moe_reply *r, void *arg)
+{
+    (void)err, (void)arg;
+    moe_reply_free(r);
+    free(r);
+}
+
+/* abort_survivors: a member of the current generation is gone; the others
+ * stop waiting for it in their collectives now (worker.abort), so that the
+ * job in flight is answered unavailable at once, not at its timeout. */
+static void abort_survivors(coord *c, const coord_worker *gone)
+{
+    mp_writer p;
+    mp_writer_init(&p);
+    mp_write_map(&p, 1);
+    mp_write_cstr(&p, "generation");
+    mp_write_u64(&p, c->generation);
+    for (int r = 0; r < c->world; r++) {
+        coord_worker *w = &c->workers[c->rank_to_worker[r]];
+        if (w == gone || w->state != WS_UP || !w->cli)
+            continue;
+        moe_call_async(w->cli, "worker.abort", p.buf, p.len, on_abort_reply, NULL);
+    }
+    mp_writer_fini(&p);
+}
+
 static void worker_release(coord *c, coord_worker *w)
 {
     if (w->cli) {
@@ -29,9 +55,46 @@ static void worker_release(coord *c, coord_worker *w)
         w->cli = NULL;
     }
     if (w->rank >= 0 && w->rank < c->world && c->generation) {
+        if (c->ready || c->current)
+            abort_survivors(c, w);
         c->ready = 0;
         c->need_form = 1;
     }
+}
+
+void coord_pipe_closed(uint32_t pipe, void *arg)
+{
+    coord *c = arg;
+    pthread_mutex_lock(&c->done_mu);
+    if (!c->done_closed) {
+        if (c->nclosed_pipes < (int)(sizeof(c->closed_pipes) / sizeof(c->closed_pipes[0])))
+            c->closed_pipes[c->nclosed_pipes++] = pipe;
+        else
+            c->closed_overflow = 1;
+        uv_async_send(&c->pipes_async);
+    }
+    pthread_mutex_unlock(&c->done_mu);
+}
+
+void coord_on_pipes(uv_async_t *h)
+{
+    coord *c = h->data;
+    uint32_t pipes[64];
+    pthread_mutex_lock(&c->done_mu);
+    int n = c->nclosed_pipes;
+    memcpy(pipes, c->closed_pipes, (size_t)n * sizeof(pipes[0]));
+    c->nclosed_pipes = 0;
+    c->closed_overflow = 0; /* the heartbeat timeout still finds the others */
+    int closing = c->done_closed;
+    pthread_mutex_unlock(&c->done_mu);
+    if (closing) /* shutting down: the workers' clients are closed already */
+        return;
+    for (int k = 0; k < n; k++)
+        for (int i = 0; i < COORD_MAX_WORKERS; i++)
+            if (c->workers[i].state == WS_UP && c->workers[i].pipe == pipes[k])
+                coord_worker_lost(c, i, "its connection to the coordinator closed");
+    if (n)
+        coord_maybe_form(c);
 }
 
 void coord_worker_register(coord *c, rpc_call *call)
@@ -85,6 +148,7 @@ void coord_worker_register(coord *c, rpc_call *call)
     snprintf(slot->rpc_url, sizeof(slot->rpc_url), "%s", rpc_url);
     snprintf(slot->data_url, sizeof(slot->data_url), "%s", data_url);
     snprintf(slot->client_url, sizeof(slot->client_url), "%s", client_url);
+    slot->pipe = rpc_call_pipe(call);
     snprintf(slot->host, sizeof(slot->host), "%s", host);
     snprintf(slot->backend, sizeof(slot->backend), "%s", backend);
     snprintf(slot->device, sizeof(slot->device), "%s", device);
@@ -124,6 +188,7 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
         coord_worker *w = &c->workers[i];
         if (w->state == WS_UP && w->id == id) {
             w->last_hb_ns = rpc_now_ns();
+            w->pipe = rpc_call_pipe(call); /* a reconnect brings a new one */
             known = true;
         }
     }
@@ -141,8 +206,7 @@ void coord_worker_lost(coord *c, int i, const char *why)
     coord_worker *w = &c->workers[i];
     if (w->state != WS_UP)
         return;
-    LOG_W("worker %d (%s, rank %d) did not answer: marked down (%s)", w->id, w->rpc_url, w->rank,
-          why);
+    LOG_W("worker %d (%s, rank %d) lost: marked down (%s)", w->id, w->rpc_url, w->rank, why);
     w->state = WS_DOWN;
     worker_release(c, w);
 }

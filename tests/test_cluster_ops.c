@@ -285,3 +285,47 @@ Test(cluster_ops, worker_killed_during_forward, .timeout = 60, .fini = cluster_f
                  moe_last_error());
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* A worker stuck (SIGSTOP: its connections stay open, it sends nothing) in
+ * the middle of a forward: the coordinator marks it lost when its
+ * heartbeats stop and tells the survivor to give up the generation
+ * (worker.abort), so the forward is answered unavailable long before the
+ * exchange's own timeout (60 s here). */
+Test(cluster_ops, stuck_worker_aborts_the_exchange, .timeout = 150, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2,
+                      .client_timeout_ms = 120000,
+                      .coord_args = {"--heartbeat-timeout-ms", "1000"},
+                      .worker_args = {"--heartbeat-ms", "100", "--xchg-timeout-ms", "60000"}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    create_model(cl, "m", LONG_H, 1024);
+    fwd_job j = {cl, LONG_T, LONG_H, MOE_OK, "", 0};
+    pthread_t th;
+    pthread_create(&th, NULL, fwd_thread, &j);
+    usleep(150000);
+    int64_t t_stop = cluster_now_ms();
+    cr_assert_gt(cl->worker_pid[1], 0);
+    cr_log_info("stopping worker pid %d", (int)cl->worker_pid[1]);
+    cr_assert_eq(kill(cl->worker_pid[1], SIGSTOP), 0);
+    pthread_join(th, NULL);
+    int64_t answered = cluster_now_ms() - t_stop;
+    cr_log_info("forward answered %lld ms after the stop: %s: %s", (long long)answered,
+                moe_err_code(j.err), j.msg);
+    kill(cl->worker_pid[1], SIGCONT);
+    if (j.err == MOE_OK) {
+        cr_log_warn("the forward completed before the worker stopped");
+    } else {
+        cr_assert_eq(j.err, MOE_EUNAVAIL, "%s", j.msg);
+        /* the exchange's timeout is 60 s: anything well under it is the abort */
+        cr_assert_lt(answered, 30000, "the forward waited %lld ms: no abort", (long long)answered);
+    }
+    cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_wait_ready(cl, 30000), 0, "%s", cluster_error());
+    float x[4 * LONG_H], y[4 * LONG_H];
+    kern_fill_uniform(1, 1, -1, 1, x, 4 * LONG_H);
+    cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 4, LONG_H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}

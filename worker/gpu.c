@@ -179,6 +179,7 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
             ec.chunks = (int)w->ep_chunks;
             ec.timeout_ms = (int)w->xchg_timeout_ms;
             kcu_ep *kp = NULL;
+            kcu_ep_abort_hook = xchg_aborted; /* worker.abort stops its waits */
             e = kcu_ep_create(&ec, comm, &kp);
             if (e == MOE_OK)
                 e = kcu_ep_upload(kp, L->wr, L->w1, L->w3, L->w2);

@@ -136,6 +136,7 @@ void wkr_op_join(wkr *w, rpc_call *c)
     xchg_abort(w->xc);
     w->xc = NULL;
     drop_models(w);
+    xchg_set_generation((uint64_t)gen);
     if (nccl_id) {
 #ifdef MOE_HAVE_CUDA
         e = xchg_nccl_open((int)rank, (int)world, nccl_id, (int)w->device_index,

@@ -182,4 +182,20 @@ void xchg_nccl_abort_comm(xchg *x, const char *why);
 void *xchg_nccl_comm(xchg *x);
 #endif /* MOE_HAVE_CUDA */
 
+/* ---- giving up on a generation (any thread) ----
+ * The coordinator tells the survivors when a member of their generation is
+ * gone (worker.abort): every collective of that generation, waiting or to
+ * come, then fails at once with MOE_EUNAVAIL instead of waiting for its
+ * timeout (the nng and NCCL exchanges and the device-resident layer check
+ * it in their wait loops). */
+/* xchg_set_generation: the generation this worker joined (worker.join). */
+void xchg_set_generation(uint64_t gen);
+uint64_t xchg_generation(void);
+/* xchg_request_abort: give up on generation gen. */
+void xchg_request_abort(uint64_t gen);
+/* xchg_abort_requested: 1 when gen (nonzero) was given up. */
+int xchg_abort_requested(uint64_t gen);
+/* xchg_aborted: the current generation was given up. */
+int xchg_aborted(void);
+
 #endif /* MOE_XCHG_H */

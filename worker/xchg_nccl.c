@@ -90,6 +90,10 @@ static moe_err nc_nccl(nc *x, ncclResult_t r, const char *what, int64_t deadline
 {
     int spins = 0;
     while (r == ncclInProgress) {
+        if (xchg_aborted()) {
+            LOG_W("xchg: rank %d: %s: generation given up (a member is gone)", x->pub.rank, what);
+            return MOE_EUNAVAIL;
+        }
         if (nc_now_ms() > deadline) {
             LOG_W("xchg: rank %d: %s: still in progress after %d ms", x->pub.rank, what,
                   x->timeout_ms);
@@ -127,6 +131,10 @@ static moe_err nc_sync(nc *x, const char *what, int64_t deadline)
             return MOE_OK;
         if (e != cudaErrorNotReady)
             return nc_cuda(x, e, what);
+        if (xchg_aborted()) {
+            LOG_W("xchg: rank %d: %s: generation given up (a member is gone)", x->pub.rank, what);
+            return MOE_EUNAVAIL;
+        }
         if (nc_now_ms() > deadline) {
             LOG_W("xchg: rank %d: %s timed out after %d ms (a peer is gone or hangs)", x->pub.rank,
                   what, x->timeout_ms);

@@ -636,6 +636,12 @@ static moe_err nx_round(nx *x, uint8_t kind, uint64_t seq)
     while (err == MOE_OK && !nx_complete(x)) {
         if ((err = nx_check_peers(x)) != MOE_OK)
             break;
+        if (xchg_abort_requested(x->gen)) {
+            LOG_W("xchg: rank %d: %s round %llu: generation %llu given up (a member is gone)", r,
+                  nx_kind_name[kind], (unsigned long long)seq, (unsigned long long)x->gen);
+            err = MOE_EUNAVAIL;
+            break;
+        }
         int64_t left = deadline - nx_now_ms();
         if (left <= 0) {
             char miss[256];

@@ -41,6 +41,9 @@
 #include "kcu_internal.cuh"
 #include "placement.h"
 
+/* the worker's "give up on this generation" check (kcu_ep.h) */
+extern "C" int (*kcu_ep_abort_hook)(void) = nullptr;
+
 /* EP_CHUNK_ROWS / EP_CHUNK_ROWS_TRAIN: routed rows per rank from which
  * kcu_ep_auto_chunks overlaps (4 chunks) on more than 2 GPUs, in an
  * inference forward and in a training forward (whose backward runs the same
@@ -324,6 +327,10 @@ moe_err ep_wait(kcu_ep *ep, cudaEvent_t ev, cudaStream_t st, const char *what)
             (as != ncclSuccess && as != ncclInProgress)) {
             fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error %s\n", ep->c.rank, what,
                     ncclGetErrorString(as));
+            return MOE_EUNAVAIL;
+        }
+        if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
             return MOE_EUNAVAIL;
         }
         if (now_ms() > deadline) {

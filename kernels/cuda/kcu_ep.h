@@ -147,4 +147,15 @@ int kcu_ep_local_experts(const kcu_ep *ep, int *first);
 }
 #endif
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* kcu_ep_abort_hook: when set (the worker: "a member of this generation is
+ * gone"), the layer's waits return MOE_EUNAVAIL as soon as it returns
+ * nonzero, instead of waiting for the timeout. */
+extern int (*kcu_ep_abort_hook)(void);
+#ifdef __cplusplus
+}
+#endif
+
 #endif /* MOE_KCU_EP_H */
