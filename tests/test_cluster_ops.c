@@ -329,3 +329,38 @@ Test(cluster_ops, stuck_worker_aborts_the_exchange, .timeout = 150, .fini = clus
                  moe_last_error());
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* A worker process that dies is marked down when its connection to the
+ * coordinator closes, not after the heartbeat timeout (10 minutes here, so
+ * only the connection can tell): the cluster is not ready, and after a
+ * restart it re-forms and serves. */
+Test(cluster_ops, dead_worker_noticed_by_its_connection, .timeout = 90, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2,
+                      .coord_args = {"--heartbeat-timeout-ms", "600000"},
+                      .worker_args = {"--heartbeat-ms", "100"}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    create_model(cl, "m", LONG_H, 1024);
+    int64_t t_kill = cluster_now_ms();
+    cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
+    cluster_state st = {0};
+    int64_t seen = -1;
+    while (cluster_now_ms() - t_kill < 60000) {
+        if (cluster_get_state(cl, &st) == MOE_OK && st.down >= 1 && !st.ready) {
+            seen = cluster_now_ms() - t_kill;
+            break;
+        }
+        usleep(20000);
+    }
+    cr_log_info("worker shown down %lld ms after the kill", (long long)seen);
+    cr_assert(seen >= 0,
+              "the dead worker was not marked down within 60 s (heartbeat timeout 600 s)");
+    cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_wait_ready(cl, 30000), 0, "%s", cluster_error());
+    float x[4 * LONG_H], y[4 * LONG_H];
+    kern_fill_uniform(2, 2, -1, 1, x, 4 * LONG_H);
+    cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 4, LONG_H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
