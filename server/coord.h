@@ -35,6 +35,10 @@ typedef struct coord_worker {
     char host[128];               /* host identity (boot id): same host = shared memory */
     char backend[32], device[128];
     uint32_t pipe; /* the connection its registration and heartbeats come on */
+    /* its data plane, from its last heartbeat: rows waiting for their job,
+     * clients' regions mapped, rows and bytes received, rows expired */
+    int64_t dp_tickets, dp_regions;
+    uint64_t dp_rows_total, dp_bytes_total, dp_expired_total;
     int pid;
     uint64_t registered_ns, last_hb_ns;
     moe_client *cli;    /* owned: calls into the worker */

@@ -174,10 +174,27 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
 {
     int64_t id = -1, epoch = 0;
     char err[256];
+    mp_reader rdata;
     pspec sp[] = {{"worker_id", P_INT, &id, true, 0, 1e9, 0, false},
-                  {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false}};
+                  {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false},
+                  {"data", P_RAW, &rdata, false, 0, 0, 0, false}};
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 3, err, sizeof(err));
+    int64_t dv[5] = {0, 0, 0, 0, 0};
+    if (e == MOE_OK && sp[2].seen) {
+        uint32_t n;
+        pspec dp[] = {{"tickets", P_INT, &dv[0], false, 0, 9e18, 0, false},
+                      {"regions", P_INT, &dv[1], false, 0, 9e18, 0, false},
+                      {"rows_in_total", P_INT, &dv[2], false, 0, 9e18, 0, false},
+                      {"bytes_in_total", P_INT, &dv[3], false, 0, 9e18, 0, false},
+                      {"expired_total", P_INT, &dv[4], false, 0, 9e18, 0, false}};
+        if (mp_read_map(&rdata, &n, NULL) != MOE_OK) {
+            e = MOE_EINVAL;
+            snprintf(err, sizeof(err), "data must be a map");
+        } else {
+            e = params_parse(&rdata, n, dp, 5, err, sizeof(err));
+        }
+    }
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -189,6 +206,13 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
         if (w->state == WS_UP && w->id == id) {
             w->last_hb_ns = rpc_now_ns();
             w->pipe = rpc_call_pipe(call); /* a reconnect brings a new one */
+            if (sp[2].seen) {
+                w->dp_tickets = dv[0];
+                w->dp_regions = dv[1];
+                w->dp_rows_total = (uint64_t)dv[2];
+                w->dp_bytes_total = (uint64_t)dv[3];
+                w->dp_expired_total = (uint64_t)dv[4];
+            }
             known = true;
         }
     }

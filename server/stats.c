@@ -112,6 +112,34 @@ void coord_metrics_render(coord *c)
         if (c->workers[i].state != WS_FREE)
             sb_printf(&b, "moe_alltoall_bytes_total{worker=\"%d\"} %llu\n", c->workers[i].id,
                       (unsigned long long)c->workers[i].a2a_bytes);
+    /* the data plane, per worker, as of its last heartbeat */
+    static const struct {
+        const char *name, *type, *help;
+    } dpm[5] = {
+        {"moe_worker_data_tickets", "gauge", "Clients' rows waiting at the worker for their job."},
+        {"moe_worker_data_regions", "gauge",
+         "Clients' shared or GPU buffers the worker has mapped."},
+        {"moe_worker_data_rows_total", "counter", "Rows clients sent the worker directly."},
+        {"moe_worker_data_bytes_total", "counter",
+         "Bytes of rows clients sent the worker directly."},
+        {"moe_worker_data_expired_total", "counter",
+         "Clients' rows whose job never came before their deadline."},
+    };
+    for (int k = 0; k < 5; k++) {
+        sb_printf(&b, "# HELP %s %s\n# TYPE %s %s\n", dpm[k].name, dpm[k].help, dpm[k].name,
+                  dpm[k].type);
+        for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+            const coord_worker *wk = &c->workers[i];
+            if (wk->state == WS_FREE)
+                continue;
+            unsigned long long v = k == 0   ? (unsigned long long)wk->dp_tickets
+                                   : k == 1 ? (unsigned long long)wk->dp_regions
+                                   : k == 2 ? (unsigned long long)wk->dp_rows_total
+                                   : k == 3 ? (unsigned long long)wk->dp_bytes_total
+                                            : (unsigned long long)wk->dp_expired_total;
+            sb_printf(&b, "%s{worker=\"%d\"} %llu\n", dpm[k].name, wk->id, v);
+        }
+    }
     sb_printf(&b, "# TYPE moe_worker_busy_seconds_total counter\n");
     for (int i = 0; i < COORD_MAX_WORKERS; i++)
         if (c->workers[i].state != WS_FREE)

@@ -753,3 +753,39 @@ Test(dataplane, large_rows_every_path, .timeout = 120, .fini = cluster_fini_all)
     free(x);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* operators see the data plane: /metrics carries each worker's rows and
+ * bytes received from clients and its mapped regions (from heartbeats) */
+Test(dataplane, metrics_show_the_data_plane, .timeout = 90, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2, .metrics = 1, .worker_args = {"--heartbeat-ms", "100"}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, T = 50;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    moe_client *c = open_path(cl, "shm");
+    float x[50 * 32], y[50 * 32];
+    kern_fill_uniform(51, 1, -1, 1, x, (size_t)T * H);
+    for (int k = 0; k < 3; k++)
+        cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
+                     moe_last_error());
+    static char body[1 << 16];
+    int found = 0;
+    for (int i = 0; i < 1000 && !found; i++) { /* the next heartbeats bring them */
+        int code = cluster_http_get(cl->metrics_port, "/metrics", NULL, 0, body, sizeof(body));
+        long long rows = 0, sum = 0;
+        const char *p = body;
+        while (code == 200 && (p = strstr(p, "moe_worker_data_rows_total{")) != NULL) {
+            p = strchr(p, '}');
+            if (p && sscanf(p + 1, " %lld", &rows) == 1)
+                sum += rows;
+        }
+        found = sum == 3LL * T && strstr(body, "moe_worker_data_regions{") != NULL;
+        if (!found)
+            usleep(20000);
+    }
+    cr_assert(found, "/metrics never showed %d rows received by the workers:\n%.2000s", 3 * T,
+              strstr(body, "moe_worker_data") ? strstr(body, "moe_worker_data") : body);
+    moe_client_close(c);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}

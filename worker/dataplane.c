@@ -638,6 +638,21 @@ static void on_cancel(dp_table *t, rpc_call *c)
     rpc_reply(c, &w);
 }
 
+void dp_get_counters(dp_table *t, dp_counters *o)
+{
+    memset(o, 0, sizeof(*o));
+    pthread_mutex_lock(&t->mu);
+    for (dp_region *g = t->regions; g; g = g->next)
+        o->regions++;
+    o->tickets = t->ntickets;
+    o->staged_bytes = t->staged_bytes;
+    o->mapped_bytes = t->mapped_bytes;
+    o->rows_in_total = t->rows_in_total;
+    o->bytes_in_total = t->bytes_in_total;
+    o->tickets_expired_total = t->tickets_expired_total;
+    pthread_mutex_unlock(&t->mu);
+}
+
 /* ping: what the data plane holds now (operators and tests read it) */
 static void on_ping(dp_table *t, rpc_call *c)
 {

@@ -71,6 +71,13 @@ moe_err dp_open(dp_table *t, uv_loop_t *loop, size_t max_staged_bytes, size_t ma
  * and closes the handles (run the loop once more to release them). */
 void dp_close(dp_table *t);
 
+/* dp_counters: what the data plane holds now and has taken in so far. */
+typedef struct dp_counters {
+    int64_t tickets, regions;
+    uint64_t staged_bytes, mapped_bytes, rows_in_total, bytes_in_total, tickets_expired_total;
+} dp_counters;
+void dp_get_counters(dp_table *t, dp_counters *out);
+
 /* dp_on_request handles data.rows, data.shm_attach, data.shm_detach,
  * data.cancel and ping (loop thread); it answers errors itself. */
 void dp_on_request(dp_table *t, rpc_call *c);

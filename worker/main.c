@@ -195,11 +195,25 @@ static void on_hb_timer(uv_timer_t *t)
     pthread_mutex_lock(&reg_mu);
     int64_t epoch = reg_epoch;
     pthread_mutex_unlock(&reg_mu);
-    mp_write_map(&pw, 2);
+    dp_counters dc;
+    dp_get_counters(&w->dp, &dc);
+    mp_write_map(&pw, 3);
     mp_write_cstr(&pw, "worker_id");
     mp_write_i64(&pw, w->worker_id);
     mp_write_cstr(&pw, "epoch");
     mp_write_i64(&pw, epoch);
+    mp_write_cstr(&pw, "data"); /* the data plane's counters, for /metrics */
+    mp_write_map(&pw, 5);
+    mp_write_cstr(&pw, "tickets");
+    mp_write_i64(&pw, dc.tickets);
+    mp_write_cstr(&pw, "regions");
+    mp_write_i64(&pw, dc.regions);
+    mp_write_cstr(&pw, "rows_in_total");
+    mp_write_u64(&pw, dc.rows_in_total);
+    mp_write_cstr(&pw, "bytes_in_total");
+    mp_write_u64(&pw, dc.bytes_in_total);
+    mp_write_cstr(&pw, "expired_total");
+    mp_write_u64(&pw, dc.tickets_expired_total);
     moe_call_async(w->coord, "worker.heartbeat", pw.buf, pw.len, on_heartbeat_reply, w);
     mp_writer_fini(&pw);
 }
