@@ -189,6 +189,8 @@ typedef struct fwd_part {
     int64_t a2a_bytes; /* sent to the other workers (dispatch + combine) */
     mp_reader missing; /* direct: indices of the pieces whose rows did not arrive */
     int has_missing;
+    mp_reader refused; /* direct: [[piece, row]] of pieces refused (non-finite rows) */
+    int has_refused;
 } fwd_part;
 
 static moe_err parse_part(const moe_reply *rep, int E, int direct, fwd_part *p, char *err,
@@ -216,10 +218,12 @@ static moe_err parse_part(const moe_reply *rep, int E, int direct, fwd_part *p, 
         {"aux_loss", P_F64, &p->aux_loss, false, 0, 0, 0, false},
         {"a2a_bytes", P_INT, &p->a2a_bytes, false, 0, 9e18, 0, false},
         {"missing", P_RAW, &p->missing, false, 0, 0, 0, false},
+        {"refused", P_RAW, &p->refused, false, 0, 0, 0, false},
     };
-    moe_err e = params_parse(&r, n, sp, 12, err, errlen);
+    moe_err e = params_parse(&r, n, sp, 13, err, errlen);
     p->has_aux = sp[9].seen;
     p->has_missing = sp[11].seen;
+    p->has_refused = sp[12].seen;
     if (e != MOE_OK)
         return MOE_EINTERNAL;
     if (mp_read_bin(&rc, &bc, &lc, NULL) != MOE_OK || lc != 4u * (uint32_t)E ||
@@ -312,8 +316,10 @@ void coord_forward_finish(coord *c, coord_job *j)
     }
     uint8_t *yall = j->direct ? NULL : malloc(j->x.nbytes ? j->x.nbytes : 1);
     uint8_t *lost = calloc((size_t)nbatch_of(j), 1); /* direct: pieces that did not arrive */
-    if (!cnt || !drop || !psum || (!j->direct && !yall) || !lost) {
+    int64_t *bad_row = malloc((size_t)nbatch_of(j) * sizeof(int64_t)); /* direct: refused */
+    if (!cnt || !drop || !psum || (!j->direct && !yall) || !lost || !bad_row) {
         free(lost);
+        free(bad_row);
         free(cnt);
         free(drop);
         free(psum);
@@ -327,6 +333,28 @@ void coord_forward_finish(coord *c, coord_job *j)
     for (int r = 0; !j->direct && r < W; r++) {
         memcpy(yall + yoff, parts[r].y.data, parts[r].y.nbytes);
         yoff += parts[r].y.nbytes;
+    }
+    for (int i = 0; i < nbatch_of(j); i++)
+        bad_row[i] = -1;
+    for (int r = 0; j->direct && r < W; r++) { /* refused pieces: their row in the request */
+        uint32_t nr, two;
+        int64_t idx, row;
+        mp_reader rr = parts[r].refused;
+        if (!parts[r].has_refused || mp_read_array(&rr, &nr, NULL) != MOE_OK)
+            continue;
+        for (uint32_t i = 0; i < nr; i++) {
+            if (mp_read_array(&rr, &two, NULL) != MOE_OK || two != 2 ||
+                mp_read_i64(&rr, &idx, NULL) != MOE_OK || mp_read_i64(&rr, &row, NULL) != MOE_OK)
+                break;
+            if (idx < 0 || idx >= nbatch_of(j))
+                continue;
+            const coord_job *b = j;
+            for (int64_t k = 0; k < idx; k++)
+                b = b->batch_next;
+            int64_t g = shard_first(b->xrows, W, r) + row;
+            if (bad_row[idx] < 0 || g < bad_row[idx])
+                bad_row[idx] = g;
+        }
     }
     for (int r = 0; j->direct && r < W; r++) {
         uint32_t nm;
@@ -363,6 +391,14 @@ void coord_forward_finish(coord *c, coord_job *j)
         int64_t Tb = b->xrows;
         double total_s = (double)(now - b->call->recv_ns) * 1e-9;
         bi++;
+        if (j->direct && bad_row[bi] >= 0) {
+            rpc_reply_err(b->call, MOE_EINVAL,
+                          "x row %lld is not finite (NaN or Inf): the request is refused (the "
+                          "other requests of its batch are not affected)",
+                          (long long)bad_row[bi]);
+            c->errors_total++;
+            continue;
+        }
         if (j->direct && lost[bi]) {
             rpc_reply_err(b->call, MOE_EUNAVAIL,
                           "the rows of this request did not reach every worker in time (send "
@@ -429,6 +465,7 @@ void coord_forward_finish(coord *c, coord_job *j)
     }
     free(yall);
     free(lost);
+    free(bad_row);
 
     /* stats */
     m->forwards += (uint64_t)nbatch;

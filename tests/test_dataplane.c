@@ -14,6 +14,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <math.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <pthread.h>
@@ -787,5 +788,63 @@ Test(dataplane, metrics_show_the_data_plane, .timeout = 90, .fini = cluster_fini
     cr_assert(found, "/metrics never showed %d rows received by the workers:\n%.2000s", 3 * T,
               strstr(body, "moe_worker_data") ? strstr(body, "moe_worker_data") : body);
     moe_client_close(c);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* one client's NaN is that client's error alone: its request is refused
+ * (invalid_argument naming the row), the requests beside it - merged into
+ * the same job or not - get their exact outputs */
+typedef struct nan_arg {
+    moe_client *c;
+    const float *x;
+    int T, H;
+    float *y;
+    moe_err e;
+    char msg[512];
+} nan_arg;
+
+static void *nan_main(void *arg)
+{
+    nan_arg *a = arg;
+    a->e = moe_forward(a->c, "m", 0, MOE_F32, a->x, a->T, a->H, a->y, NULL);
+    snprintf(a->msg, sizeof(a->msg), "%s", a->e ? moe_last_error() : "");
+    return NULL;
+}
+
+Test(dataplane, nan_rows_refused_alone, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, TB = 20, TG = 30;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    float xb[20 * 32], xg[30 * 32], yb[20 * 32], yg[30 * 32], yref[30 * 32];
+    kern_fill_uniform(61, 1, -1, 1, xb, (size_t)TB * H);
+    kern_fill_uniform(62, 1, -1, 1, xg, (size_t)TG * H);
+    xb[13 * H + 5] = NAN; /* row 13 (on rank 1 of 2: rows 10-19) */
+    xb[17 * H + 1] = INFINITY;
+    moe_client *cr = open_path(cl, "socket");
+    cr_assert_eq(moe_forward(cr, "m", 0, MOE_F32, xg, TG, H, yref, NULL), MOE_OK);
+    moe_err e = moe_forward(cr, "m", 0, MOE_F32, xb, TB, H, yb, NULL);
+    cr_assert_eq(e, MOE_EINVAL, "alone: %s", moe_err_code(e));
+    cr_assert(strstr(moe_last_error(), "row 13"), "alone: %s", moe_last_error());
+    for (int round = 0; round < 5; round++) { /* side by side: merged when they queue */
+        moe_client *ca = open_path(cl, "shm"), *cb = open_path(cl, "socket");
+        nan_arg a = {ca, xb, TB, H, yb, MOE_OK, ""}, b = {cb, xg, TG, H, yg, MOE_OK, ""};
+        pthread_t ta, tb;
+        pthread_create(&ta, NULL, nan_main, &a);
+        pthread_create(&tb, NULL, nan_main, &b);
+        pthread_join(ta, NULL);
+        pthread_join(tb, NULL);
+        cr_assert_eq(a.e, MOE_EINVAL, "round %d: the NaN request: %s %s", round, moe_err_code(a.e),
+                     a.msg);
+        cr_assert(strstr(a.msg, "row 13"), "round %d: %s", round, a.msg);
+        cr_assert_eq(b.e, MOE_OK, "round %d: the clean request failed: %s", round, b.msg);
+        double rel = kern_rel_err(yg, yref, (size_t)TG * H);
+        cr_assert(rel < 1e-5, "round %d: the clean request's y: rel err %.3g", round, rel);
+        moe_client_close(ca);
+        moe_client_close(cb);
+    }
+    moe_client_close(cr);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }

@@ -5,6 +5,7 @@
 #include <nng/nng.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -859,9 +860,12 @@ moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint
     b->n = (int)n;
     b->tk = calloc(n, sizeof(dp_ticket *));
     b->rows = calloc(n, sizeof(int64_t));
+    b->refused_row = malloc(n * sizeof(int64_t));
+    for (uint32_t i = 0; b->refused_row && i < n; i++)
+        b->refused_row[i] = -1;
     uint64_t *cid = calloc(n, sizeof(uint64_t)), *seq = calloc(n, sizeof(uint64_t));
     moe_err e = MOE_OK;
-    if (!b->tk || !b->rows || !cid || !seq) {
+    if (!b->tk || !b->rows || !b->refused_row || !cid || !seq) {
         e = MOE_ENOMEM;
         goto out;
     }
@@ -942,12 +946,53 @@ out:
     return e;
 }
 
+int dp_batch_refuse_nonfinite(dp_batch *b, float *x, int64_t H)
+{
+    size_t row = 0;
+    int refused = 0;
+    for (int i = 0; i < b->n; i++) {
+        if (!b->tk[i])
+            continue;
+        float *p = x + row * (size_t)H;
+        for (int64_t r = 0; r < b->rows[i] && b->refused_row[i] < 0; r++)
+            for (int64_t h = 0; h < H; h++)
+                if (!isfinite(p[(size_t)r * H + h])) {
+                    b->refused_row[i] = r;
+                    break;
+                }
+        if (b->refused_row[i] >= 0) {
+            dp_answer_err(b->tk[i], MOE_EINVAL,
+                          "row %lld of these rows is not finite (NaN or Inf): refused",
+                          (long long)b->refused_row[i]);
+            memset(p, 0, (size_t)b->rows[i] * (size_t)H * sizeof(float));
+            refused++;
+        }
+        row += (size_t)b->rows[i];
+    }
+    return refused;
+}
+
+void dp_batch_write_refused(mp_writer *w, const dp_batch *b)
+{
+    int n = 0;
+    for (int i = 0; i < b->n; i++)
+        n += b->refused_row && b->refused_row[i] >= 0;
+    mp_write_array(w, (uint32_t)n);
+    for (int i = 0; i < b->n; i++)
+        if (b->refused_row && b->refused_row[i] >= 0) {
+            mp_write_array(w, 2);
+            mp_write_i64(w, i);
+            mp_write_i64(w, b->refused_row[i]);
+        }
+}
+
 void dp_batch_answer_f32(dp_batch *b, const float *y, int64_t H)
 {
     size_t row = 0;
     for (int i = 0; i < b->n; i++)
         if (b->tk[i]) {
-            dp_answer_f32(b->tk[i], y + row * (size_t)H, b->rows[i], H);
+            if (b->tk[i]->call) /* not refused */
+                dp_answer_f32(b->tk[i], y + row * (size_t)H, b->rows[i], H);
             row += (size_t)b->rows[i];
         }
 }
@@ -957,7 +1002,8 @@ void dp_batch_answer_raw(dp_batch *b, const void *y, int64_t H)
     size_t row = 0, es = moe_dtype_size(b->x.dtype);
     for (int i = 0; i < b->n; i++)
         if (b->tk[i]) {
-            dp_answer_raw(b->tk[i], (const uint8_t *)y + row * (size_t)H * es, b->rows[i], H);
+            if (b->tk[i]->call)
+                dp_answer_raw(b->tk[i], (const uint8_t *)y + row * (size_t)H * es, b->rows[i], H);
             row += (size_t)b->rows[i];
         }
 }
@@ -987,6 +1033,7 @@ void dp_batch_free(dp_table *t, dp_batch *b)
             dp_release(t, b->tk[i]);
     free(b->tk);
     free(b->rows);
+    free(b->refused_row);
     free(b->xbuf);
     memset(b, 0, sizeof(*b));
 }

@@ -109,13 +109,14 @@ int dp_y_on_device(const dp_ticket *tk);
 
 /* ---- a job's pieces: the rows of several tickets, in order ---- */
 typedef struct dp_batch {
-    int n;          /* pieces */
-    dp_ticket **tk; /* (n) NULL where the rows did not arrive */
-    int64_t *rows;  /* (n) rows the coordinator announced for each piece */
-    moe_tensor x;   /* (T,H) the pieces' rows that arrived, concatenated */
-    uint8_t *xbuf;  /* owned: the concatenation when n > 1, or host rows of a GPU buffer */
-    int x_device;   /* x is device memory (one piece in a CUDA IPC region) */
-    int missing;    /* pieces whose rows did not arrive */
+    int n;                /* pieces */
+    dp_ticket **tk;       /* (n) NULL where the rows did not arrive */
+    int64_t *rows;        /* (n) rows the coordinator announced for each piece */
+    moe_tensor x;         /* (T,H) the pieces' rows that arrived, concatenated */
+    uint8_t *xbuf;        /* owned: the concatenation when n > 1, or host rows of a GPU buffer */
+    int x_device;         /* x is device memory (one piece in a CUDA IPC region) */
+    int64_t *refused_row; /* (n) first non-finite row of a piece refused, else -1 */
+    int missing;          /* pieces whose rows did not arrive */
 } dp_batch;
 
 /* dp_batch_gather reads the job's pieces ([[cid, seq, rows], ...] at r),
@@ -127,6 +128,14 @@ typedef struct dp_batch {
  * (malformed pieces), MOE_ENOMEM. */
 moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
                         int device_ok, dp_batch *b, char *err, size_t errlen);
+/* dp_batch_refuse_nonfinite looks at the rows of x (T,H) floats (the
+ * batch's rows, in order) piece by piece: a piece with a NaN or Inf is
+ * answered invalid_argument (naming its first such row), its rows are set
+ * to zero so the math of the others stays finite, and it is reported in
+ * dp_batch_write_refused. Returns the number of pieces refused. */
+int dp_batch_refuse_nonfinite(dp_batch *b, float *x, int64_t H);
+/* dp_batch_write_refused writes [[piece, row], ...] of the refused pieces. */
+void dp_batch_write_refused(mp_writer *w, const dp_batch *b);
 /* dp_batch_answer_f32 sends each piece its rows of y (T,H) floats. */
 void dp_batch_answer_f32(dp_batch *b, const float *y, int64_t H);
 /* dp_batch_answer_raw: the same with y already in the batch's dtype. */

@@ -256,6 +256,8 @@ static void write_y(mp_writer *wr, dp_batch *b, int direct, moe_dtype dt, const 
         dp_batch_answer_f32(b, y, H);
     mp_write_cstr(wr, "missing");
     dp_batch_write_missing(wr, b);
+    mp_write_cstr(wr, "refused");
+    dp_batch_write_refused(wr, b);
 }
 
 void wkr_op_forward(wkr *w, rpc_call *c)
@@ -371,6 +373,10 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         rows_tensor_to_f32(&xt, st->x, (size_t)T * H);
         if (bf)
             kern_bf16_round_n(st->x, (size_t)T * H);
+        /* a client's NaN or Inf is that client's error alone: its rows are
+         * refused (and zeroed here), the others computed as usual */
+        if (direct)
+            dp_batch_refuse_nonfinite(&batch, st->x, H);
     }
     if (m->gpu_mode == 1) {
         /* a cluster of one GPU worker: the whole layer on the device */
@@ -397,7 +403,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         mp_writer wr;
         mp_writer_init(&wr);
         moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-        mp_write_map(&wr, 10);
+        mp_write_map(&wr, 10 + direct);
         write_y(&wr, &batch, direct, xt.dtype, y, y_raw, T, H);
         mp_write_cstr(&wr, "counts");
         mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
@@ -543,7 +549,7 @@ reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times} */
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-    mp_write_map(&wr, 10);
+    mp_write_map(&wr, 10 + direct);
     mp_write_cstr(&wr, "a2a_bytes");
     mp_write_u64(&wr, a2a);
     write_y(&wr, &batch, direct, xt.dtype, y, y_raw, T, H);
