@@ -69,6 +69,30 @@ moe_err coord_parse_direct(coord *c, mp_reader *r, coord_job *j, int64_t *T, cha
     return MOE_OK;
 }
 
+/* first_nonfinite_row: the first row of x (T,H; f32, bf16 or f16 bits,
+ * unaligned) holding a NaN or an Inf, or -1. */
+static int64_t first_nonfinite_row(const moe_tensor *x)
+{
+    const uint8_t *p = x->data;
+    const size_t n = (size_t)x->shape[0] * (size_t)x->shape[1];
+    const int64_t H = x->shape[1];
+    for (size_t i = 0; i < n; i++) {
+        int bad;
+        if (x->dtype == MOE_F32) {
+            uint32_t u;
+            memcpy(&u, p + 4 * i, 4);
+            bad = (u & 0x7f800000u) == 0x7f800000u;
+        } else {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            bad = x->dtype == MOE_BF16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
+        }
+        if (bad)
+            return (int64_t)(i / (size_t)H);
+    }
+    return -1;
+}
+
 void coord_forward(coord *c, rpc_call *call)
 {
     char name[MODEL_NAME_MAX], err[256];
@@ -138,6 +162,13 @@ void coord_forward(coord *c, rpc_call *call)
                           (long long)x.shape[i]);
         rpc_reply_err(call, MOE_EINVAL, "x must have shape (T, d_model=%d); got (%s)",
                       m->cfg.d_model, shape);
+        return;
+    }
+    int64_t bad = x.data ? first_nonfinite_row(&x) : -1;
+    if (bad >= 0) { /* that client's error alone, before it can join a batch */
+        rpc_reply_err(call, MOE_EINVAL,
+                      "x row %lld is not finite (NaN or Inf): the request is refused",
+                      (long long)bad);
         return;
     }
     coord_job *j = coord_job_new(JOB_FORWARD, call, m);

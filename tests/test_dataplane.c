@@ -848,3 +848,26 @@ Test(dataplane, nan_rows_refused_alone, .timeout = 120, .fini = cluster_fini_all
     moe_client_close(cr);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* the coordinator path refuses a NaN row at admission, for that client */
+Test(dataplane, nan_rows_refused_on_the_coordinator_path, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, T = 9;
+    create(cl, "m", H, 32, 4, 2, MOE_BF16);
+    uint16_t x[9 * 32], y[9 * 32];
+    for (int i = 0; i < T * H; i++)
+        x[i] = kern_f32_to_bf16(0.25f);
+    x[4 * H + 3] = 0x7fc0; /* a bf16 NaN in row 4 */
+    moe_client *c = open_path(cl, "coordinator");
+    moe_err e = moe_forward(c, "m", 0, MOE_BF16, x, T, H, y, NULL);
+    cr_assert_eq(e, MOE_EINVAL, "%s", moe_err_code(e));
+    cr_assert(strstr(moe_last_error(), "row 4"), "%s", moe_last_error());
+    x[4 * H + 3] = kern_f32_to_bf16(0.25f);
+    cr_assert_eq(moe_forward(c, "m", 0, MOE_BF16, x, T, H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    moe_client_close(c);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
