@@ -1158,8 +1158,19 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
         moe_err e = map_get(c, dp, &m);
         if (e == MOE_ENOMETHOD && moe__data_path(c) == MOE_PATH_AUTO)
             dp->no_dp = 1;
-        if (e == MOE_ENOMETHOD || e == MOE_EUNAVAIL)
-            return moe__data_path(c) == MOE_PATH_AUTO ? MOE_ENOMETHOD : e;
+        if ((e == MOE_ENOMETHOD || e == MOE_EUNAVAIL) && moe__data_path(c) == MOE_PATH_AUTO)
+            return MOE_ENOMETHOD; /* the coordinator path answers (or explains) */
+        if (e == MOE_ENOMETHOD || e == MOE_EUNAVAIL) {
+            /* a path asked for by name is never replaced by another in silence */
+            moe__set_error("%s: data path %s: %s", method,
+                           moe__data_path(c) == MOE_PATH_SHM ? "shm" : "socket",
+                           e == MOE_ENOMETHOD ? "this cluster offers no data plane (workers "
+                                                "with --client-listen off, or an older "
+                                                "coordinator)"
+                                              : "the cluster is not ready");
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            return MOE_EUNAVAIL;
+        }
         if (e != MOE_OK)
             return e;
         int stale = 0;

@@ -871,3 +871,32 @@ Test(dataplane, nan_rows_refused_on_the_coordinator_path, .timeout = 60, .fini =
     moe_client_close(c);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* workers without a client endpoint (--client-listen off): the default path
+ * falls back to the coordinator path and gives the same bytes; a path asked
+ * for by name fails with a clear error instead of another path in silence */
+Test(dataplane, no_data_plane_fallback_and_named_paths, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2, .worker_args = {"--client-listen", "off"}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, T = 11;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    float x[11 * 32], y0[11 * 32], y1[11 * 32];
+    kern_fill_uniform(71, 1, -1, 1, x, (size_t)T * H);
+    moe_client *cc = open_path(cl, "coordinator"), *ca = open_path(cl, "auto");
+    cr_assert_eq(moe_forward(cc, "m", 0, MOE_F32, x, T, H, y0, NULL), MOE_OK);
+    cr_assert_eq(moe_forward(ca, "m", 0, MOE_F32, x, T, H, y1, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert(memcmp(y0, y1, sizeof(y0)) == 0, "auto without a data plane differs");
+    for (int p = 1; p < 3; p++) {
+        moe_client *c = open_path(cl, paths[p]);
+        moe_err e = moe_forward(c, "m", 0, MOE_F32, x, T, H, y1, NULL);
+        cr_assert_eq(e, MOE_EUNAVAIL, "%s: %s", paths[p], moe_err_code(e));
+        cr_assert(strstr(moe_last_error(), "no data plane"), "%s: %s", paths[p], moe_last_error());
+        moe_client_close(c);
+    }
+    moe_client_close(cc);
+    moe_client_close(ca);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
