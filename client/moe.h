@@ -75,7 +75,9 @@ typedef struct moe_client_opts {
      * they are on this host), "socket" (straight to the workers over nng),
      * "shm" (shared memory; fails where a worker is on another host),
      * "coordinator" (inside the request to the coordinator, as before the
-     * data plane). NULL = $MOE_DATA_PATH, else "auto". */
+     * data plane). NULL = $MOE_DATA_PATH, else "auto". Only "auto" falls
+     * back to the coordinator path where the cluster has no data plane;
+     * "socket" and "shm" then fail with MOE_EUNAVAIL and say why. */
     const char *data_path;
 } moe_client_opts;
 
