@@ -527,21 +527,15 @@ static void map_mark_stale(struct moe_dp *dp, dp_map *m)
 
 /* ---- shared memory ---- */
 
-/* attach_one maps segment name (size bytes) on worker q: its region id. */
-static moe_err attach_one(moe_client *c, dp_map *m, int q, const char *name, size_t size,
-                          uint64_t *region)
+/* attach_call sends method {params (2 pairs in p)} to worker q and reads
+ * the region id of its answer. */
+static moe_err attach_call(moe_client *c, dp_map *m, int q, const char *method, const mp_writer *p,
+                           uint64_t *region)
 {
-    mp_writer p;
     dp_req rq;
     moe_rpc_response resp;
     char msg[300];
-    mp_writer_init(&p);
-    mp_write_cstr(&p, "name");
-    mp_write_cstr(&p, name);
-    mp_write_cstr(&p, "size");
-    mp_write_u64(&p, size);
-    moe_err e = sync_call(c, m->sock[q], "data.shm_attach", &p, 2, &rq, &resp, msg, sizeof(msg));
-    mp_writer_fini(&p);
+    moe_err e = sync_call(c, m->sock[q], method, p, 2, &rq, &resp, msg, sizeof(msg));
     if (e == MOE_OK) {
         uint32_t n;
         mp_reader rd = resp.result;
@@ -559,9 +553,24 @@ static moe_err attach_one(moe_client *c, dp_map *m, int q, const char *name, siz
                     break;
             }
     } else {
-        moe__set_error("data.shm_attach on worker %d: %s", q, msg);
+        moe__set_error("%s on worker %d: %s", method, q, msg);
     }
     req_close(&rq);
+    return e;
+}
+
+/* attach_one maps segment name (size bytes) on worker q: its region id. */
+static moe_err attach_one(moe_client *c, dp_map *m, int q, const char *name, size_t size,
+                          uint64_t *region)
+{
+    mp_writer p;
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "name");
+    mp_write_cstr(&p, name);
+    mp_write_cstr(&p, "size");
+    mp_write_u64(&p, size);
+    moe_err e = attach_call(c, m, q, "data.shm_attach", &p, region);
+    mp_writer_fini(&p);
     return e;
 }
 
@@ -571,36 +580,13 @@ static moe_err attach_cuda_one(moe_client *c, dp_map *m, int q, const uint8_t *h
                                uint64_t *region)
 {
     mp_writer p;
-    dp_req rq;
-    moe_rpc_response resp;
-    char msg[300];
     mp_writer_init(&p);
     mp_write_cstr(&p, "handle");
     mp_write_bin(&p, handle, 64);
     mp_write_cstr(&p, "size");
     mp_write_u64(&p, size);
-    moe_err e = sync_call(c, m->sock[q], "data.cuda_attach", &p, 2, &rq, &resp, msg, sizeof(msg));
+    moe_err e = attach_call(c, m, q, "data.cuda_attach", &p, region);
     mp_writer_fini(&p);
-    if (e == MOE_OK) {
-        mp_reader rd = resp.result;
-        uint32_t n;
-        e = MOE_EPROTO;
-        if (mp_read_map(&rd, &n, NULL) == MOE_OK)
-            for (uint32_t i = 0; i < n; i++) {
-                const char *k;
-                uint32_t kl;
-                if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
-                    break;
-                if (mp_str_eq(k, kl, "region")) {
-                    if (mp_read_u64(&rd, region, NULL) == MOE_OK)
-                        e = MOE_OK;
-                } else if (mp_skip(&rd, NULL) != MOE_OK)
-                    break;
-            }
-    } else {
-        moe__set_error("data.cuda_attach on worker %d: %s", q, msg);
-    }
-    req_close(&rq);
     return e;
 }
 
