@@ -51,7 +51,7 @@ static void set_error(const char *fmt, ...)
     va_end(ap);
 }
 
-static moe_err from_nng(int rv)
+moe_err moe__from_nng(int rv)
 {
     switch (rv) {
     case 0: return MOE_OK;
@@ -318,13 +318,13 @@ moe_err moe_call(moe_client *c, const char *method, const void *params, size_t p
     }
     if ((rv = nng_ctx_open(&ctx, c->sock)) != 0) {
         nng_msg_free(m);
-        e = from_nng(rv);
+        e = moe__from_nng(rv);
         goto fail;
     }
     if ((rv = nng_aio_alloc(&aio, NULL, NULL)) != 0) {
         nng_msg_free(m);
         nng_ctx_close(ctx);
-        e = from_nng(rv);
+        e = moe__from_nng(rv);
         goto fail;
     }
     nng_aio_set_timeout(aio, c->timeout_ms);
@@ -333,13 +333,13 @@ moe_err moe_call(moe_client *c, const char *method, const void *params, size_t p
     nng_aio_wait(aio);
     if ((rv = nng_aio_result(aio)) != 0) {
         nng_msg_free(nng_aio_get_msg(aio));
-        e = from_nng(rv);
+        e = moe__from_nng(rv);
         goto fail_ctx;
     }
     nng_ctx_recv(ctx, aio);
     nng_aio_wait(aio);
     if ((rv = nng_aio_result(aio)) != 0) {
-        e = from_nng(rv);
+        e = moe__from_nng(rv);
         goto fail_ctx;
     }
     e = parse_reply(nng_aio_get_msg(aio), msgid, out);
@@ -427,7 +427,7 @@ static void acall_cb(void *arg)
     if (rv != 0) {
         if (a->state == ACALL_SEND)
             nng_msg_free(nng_aio_get_msg(a->aio));
-        r->err = from_nng(rv);
+        r->err = moe__from_nng(rv);
         r->transport = 1;
         snprintf(r->message, sizeof(r->message), "%s: transport: %s", a->method, nng_strerror(rv));
         acall_finish(a, r->err, r);
@@ -479,7 +479,7 @@ moe_err moe_call_async(moe_client *c, const char *method, const void *params, si
         nng_msg_free(m);
         free(a);
         set_error("nng_ctx_open: %s", nng_strerror(rv));
-        return from_nng(rv);
+        return moe__from_nng(rv);
     }
     if ((rv = nng_aio_alloc(&a->aio, acall_cb, a)) != 0) {
         nng_msg_free(m);

@@ -1,6 +1,8 @@
 /* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
 #include "client_dp.h"
+#include "hostid.h"
 #include "parcopy.h"
+#include "placement.h"
 
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
@@ -115,15 +117,7 @@ struct moe_dp *moe_dp_new(void)
         return NULL;
     pthread_mutex_init(&dp->mu, NULL);
     pthread_mutex_init(&dp->att_mu, NULL);
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f) {
-        if (!fgets(dp->host, sizeof(dp->host), f))
-            dp->host[0] = 0;
-        fclose(f);
-    }
-    dp->host[strcspn(dp->host, "\n")] = 0;
-    if (!dp->host[0] && gethostname(dp->host, sizeof(dp->host)) != 0)
-        dp->host[0] = 0;
+    moe_host_id(dp->host, sizeof(dp->host));
     sweep_dead_segments();
     return dp;
 }
@@ -201,18 +195,6 @@ typedef struct dp_req {
     nng_msg *reply; /* owned once received */
 } dp_req;
 
-static moe_err from_nng(int rv)
-{
-    switch (rv) {
-    case 0: return MOE_OK;
-    case NNG_ETIMEDOUT: return MOE_ETIMEDOUT;
-    case NNG_ENOMEM: return MOE_ENOMEM;
-    case NNG_ECLOSED: return MOE_ECLOSED;
-    case NNG_EMSGSIZE: return MOE_ETOOBIG;
-    default: return MOE_EUNAVAIL;
-    }
-}
-
 /* req_start sends m (owned from here) on sock; the reply is awaited by
  * req_finish. */
 static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
@@ -221,12 +203,12 @@ static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
     memset(q, 0, sizeof(*q));
     if ((rv = nng_ctx_open(&q->ctx, sock)) != 0) {
         nng_msg_free(m);
-        return from_nng(rv);
+        return moe__from_nng(rv);
     }
     if ((rv = nng_aio_alloc(&q->aio, NULL, NULL)) != 0) {
         nng_ctx_close(q->ctx);
         nng_msg_free(m);
-        return from_nng(rv);
+        return moe__from_nng(rv);
     }
     q->open = 1;
     nng_aio_set_timeout(q->aio, timeout_ms);
@@ -252,7 +234,7 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
     if ((rv = nng_aio_result(q->aio)) != 0) {
         nng_msg_free(nng_aio_get_msg(q->aio));
         snprintf(msg, msglen, "sending rows to a worker: %s", nng_strerror(rv));
-        return from_nng(rv);
+        return moe__from_nng(rv);
     }
     if (abort) {
         snprintf(msg, msglen, "the worker's connection is down");
@@ -265,7 +247,7 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
     if ((rv = nng_aio_result(q->aio)) != 0) {
         snprintf(msg, msglen, "waiting for a worker's rows: %s", nng_strerror(rv));
         q->timed_out = rv == NNG_ETIMEDOUT;
-        return from_nng(rv);
+        return moe__from_nng(rv);
     }
     q->reply = nng_aio_get_msg(q->aio);
     e = moe_rpc_parse_response(nng_msg_body(q->reply), nng_msg_len(q->reply), resp, &eb);
@@ -857,11 +839,6 @@ void moe_dp_buffer_free(moe_client *c, void *p)
 
 /* ---- one call ---- */
 
-static int64_t shard_first(int64_t T, int W, int r)
-{
-    return T * r / W;
-}
-
 /* read_y checks a data.rows answer's y (rows,H) of dtype dt: inline bytes
  * are copied to out; a region answer must name (region, y_off). */
 static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
@@ -941,7 +918,8 @@ static int send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t s
     return e == MOE_OK;
 }
 
-/* one attempt on map m; *stale set when the coordinator says the map is old */
+/* one attempt on map m; *stale set when the coordinator answered
+ * unavailable (its map may be old) */
 static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
                           const void *ctl_pairs, size_t ctl_len, uint32_t nctl, moe_dtype dt,
                           const void *in, int64_t T, int64_t H, void *out, moe_reply *ctl,
@@ -1033,16 +1011,9 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_u64(&w, nbytes + off);
             e = msg_from_writer(&w, NULL, 0, &msg);
         } else {
+            const int64_t shape[2] = {rows, H};
             mp_write_cstr(&w, "x");
-            mp_write_map(&w, 3);
-            mp_write_cstr(&w, "dtype");
-            mp_write_cstr(&w, moe_dtype_name(dt));
-            mp_write_cstr(&w, "shape");
-            mp_write_array(&w, 2);
-            mp_write_i64(&w, rows);
-            mp_write_i64(&w, H);
-            mp_write_cstr(&w, "data");
-            mp_write_bin_head(&w, (uint32_t)n);
+            moe_tensor_write_head(&w, dt, 2, shape);
             e = msg_from_writer(&w, (const uint8_t *)in + off, n, &msg);
         }
         mp_writer_fini(&w);
@@ -1074,7 +1045,9 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         mp_write_i64(&p, T);
         e = p.failed ? MOE_ENOMEM : moe_call(c, method, p.buf, p.len, ctl);
         mp_writer_fini(&p);
-        if (e != MOE_OK && strstr(ctl->message, "dataplane.info"))
+        /* the coordinator itself said unavailable (a stale map, a lost
+         * worker): the job did not complete; a new map may serve a retry */
+        if (e == MOE_EUNAVAIL && !ctl->transport)
             *stale = 1;
     }
     /* 3. the answers: the rows back from each worker (always awaited: a
@@ -1139,9 +1112,22 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
         return MOE_ENOMEM;
     if (dp->no_dp && moe__data_path(c) == MOE_PATH_AUTO)
         return MOE_ENOMETHOD;
+    moe_reply first; /* the first attempt's answer, while a retry is tried */
+    moe_err first_e = MOE_OK;
+    uint64_t first_gen = 0;
     for (int attempt = 0;; attempt++) {
         dp_map *m = NULL;
         moe_err e = map_get(c, dp, &m);
+        if (attempt == 1 && (e != MOE_OK || m->gen == first_gen)) {
+            /* no newer map (not ready again yet, or the same generation):
+             * the first attempt's answer stands */
+            if (e == MOE_OK)
+                map_put(dp, m);
+            *ctl = first;
+            return first_e;
+        }
+        if (attempt == 1)
+            moe_reply_free(&first);
         if (e == MOE_ENOMETHOD && moe__data_path(c) == MOE_PATH_AUTO)
             dp->no_dp = 1;
         if ((e == MOE_ENOMETHOD || e == MOE_EUNAVAIL) && moe__data_path(c) == MOE_PATH_AUTO)
@@ -1162,11 +1148,15 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
         int stale = 0;
         e = dp_attempt(c, dp, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, &stale);
         if (stale || e == MOE_EUNAVAIL)
-            map_mark_stale(dp, m); /* a worker went away: ask for the map again */
+            map_mark_stale(dp, m); /* ask for the map again next time */
+        uint64_t gen = m->gen;
         map_put(dp, m);
         if (!stale || attempt == 1)
             return e;
-        moe_reply_free(ctl);
+        /* once more if the cluster is at another generation now */
+        first = *ctl;
+        first_e = e;
+        first_gen = gen;
         memset(ctl, 0, sizeof(*ctl));
     }
 }

@@ -48,6 +48,8 @@ int moe__timeout_ms(const moe_client *c);
 size_t moe__max_msg(const moe_client *c);
 int moe__data_path(const moe_client *c);
 struct moe_dp *moe__dp(moe_client *c);
+/* moe__from_nng maps an nng error to moe_err (client.c) */
+moe_err moe__from_nng(int rv);
 void moe__set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif

@@ -153,6 +153,10 @@ void moe_tensor_write(mp_writer *w, const moe_tensor *t);
  * bytes (valid until the next write; no second copy). Returns NULL and sets
  * w->failed if the shape is invalid or the buffer cannot grow. */
 void *moe_tensor_write_reserve(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *shape);
+/* moe_tensor_write_head writes a tensor map whose data bin header ends the
+ * writer: the caller appends the returned number of data bytes itself (e.g.
+ * straight into the message it sends). 0 with w->failed on a bad shape. */
+size_t moe_tensor_write_head(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *shape);
 /* moe_tensor_numel returns the product of the shape; -1 if ndim is out of
  * 1..MOE_MAX_DIMS, a dim is negative, or the product overflows int64. */
 int64_t moe_tensor_numel(const moe_tensor *t);

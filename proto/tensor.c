@@ -134,17 +134,16 @@ moe_err moe_tensor_read(mp_reader *r, moe_tensor *t, mp_errbuf *eb)
     return MOE_OK;
 }
 
-/* write_head writes the map up to and including the data bin header. */
-static void *write_head(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *shape,
-                        const uint64_t *nbytes_check)
+/* write_meta writes the map up to the "data" key; *nbytes the data's size.
+ * 0 on a bad dtype or shape (the writer is marked failed). */
+static int write_meta(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *shape,
+                      uint64_t *nbytes)
 {
     int64_t numel;
-    uint64_t nbytes;
     size_t elsize = moe_dtype_size(dtype);
-    if (elsize == 0 || shape_bytes(ndim, shape, elsize, &numel, &nbytes, NULL) != MOE_OK ||
-        (nbytes_check && *nbytes_check != nbytes)) {
+    if (elsize == 0 || shape_bytes(ndim, shape, elsize, &numel, nbytes, NULL) != MOE_OK) {
         w->failed = true;
-        return NULL;
+        return 0;
     }
     mp_write_map(w, 3);
     mp_write_cstr(w, "dtype");
@@ -154,7 +153,30 @@ static void *write_head(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *
     for (int i = 0; i < ndim; i++)
         mp_write_i64(w, shape[i]);
     mp_write_cstr(w, "data");
+    return 1;
+}
+
+/* write_head writes the map up to and including the data bin header. */
+static void *write_head(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *shape,
+                        const uint64_t *nbytes_check)
+{
+    uint64_t nbytes;
+    if (!write_meta(w, dtype, ndim, shape, &nbytes))
+        return NULL;
+    if (nbytes_check && *nbytes_check != nbytes) {
+        w->failed = true;
+        return NULL;
+    }
     return mp_writer_reserve_bin(w, (uint32_t)nbytes);
+}
+
+size_t moe_tensor_write_head(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *shape)
+{
+    uint64_t nbytes;
+    if (!write_meta(w, dtype, ndim, shape, &nbytes))
+        return 0;
+    mp_write_bin_head(w, (uint32_t)nbytes);
+    return (size_t)nbytes;
 }
 
 void *moe_tensor_write_reserve(mp_writer *w, moe_dtype dtype, int ndim, const int64_t *shape)

@@ -75,6 +75,28 @@ static dp_region *region_find(dp_table *t, uint32_t pipe, uint64_t id)
     return NULL;
 }
 
+/* regions_on_pipe: how many regions connection pipe holds (mu held). */
+static int regions_on_pipe(const dp_table *t, uint32_t pipe)
+{
+    int n = 0;
+    for (const dp_region *g = t->regions; g; g = g->next)
+        n += g->pipe == pipe;
+    return n;
+}
+
+/* region_add files a mapped region under a fresh id (takes mu). */
+static void region_add(dp_table *t, dp_region *g)
+{
+    pthread_mutex_lock(&t->mu);
+    g->id = ++t->next_region;
+    g->next = t->regions;
+    t->regions = g;
+    if (!g->cuda)
+        t->mapped_bytes += g->size;
+    t->regions_attached_total++;
+    pthread_mutex_unlock(&t->mu);
+}
+
 /* unlink_ticket removes tk from the list (mu held). */
 static void unlink_ticket(dp_table *t, dp_ticket *tk)
 {
@@ -113,8 +135,8 @@ void dp_release(dp_table *t, dp_ticket *tk)
 
 /* ---- answers ---- */
 
-/* answer_msg sends {y: tensor} with `bytes` of data produced by fill into
- * the reply message itself (one copy at most). */
+/* answer_inline sends {y: tensor (rows,H) of dt} with the data written into
+ * the reply message itself: converted from floats, or copied (one pass). */
 static void answer_inline(dp_ticket *tk, moe_dtype dt, int64_t rows, int64_t H, const void *src,
                           int src_f32)
 {
@@ -123,16 +145,9 @@ static void answer_inline(dp_ticket *tk, moe_dtype dt, int64_t rows, int64_t H, 
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
     mp_write_map(&w, 1);
+    const int64_t shape[2] = {rows, H};
     mp_write_cstr(&w, "y");
-    mp_write_map(&w, 3);
-    mp_write_cstr(&w, "dtype");
-    mp_write_cstr(&w, moe_dtype_name(dt));
-    mp_write_cstr(&w, "shape");
-    mp_write_array(&w, 2);
-    mp_write_i64(&w, rows);
-    mp_write_i64(&w, H);
-    mp_write_cstr(&w, "data");
-    mp_write_bin_head(&w, (uint32_t)nbytes);
+    moe_tensor_write_head(&w, dt, 2, shape);
     nng_msg *m;
     if (w.failed || nng_msg_alloc(&m, w.len + nbytes) != 0) {
         mp_writer_fini(&w);
@@ -438,9 +453,7 @@ static void on_attach(dp_table *t, rpc_call *c)
     }
     uint32_t pipe = rpc_call_pipe(c);
     pthread_mutex_lock(&t->mu);
-    int mine = 0;
-    for (dp_region *g = t->regions; g; g = g->next)
-        mine += g->pipe == pipe;
+    int mine = regions_on_pipe(t, pipe);
     int over =
         mine >= DP_MAX_REGIONS_PER_PIPE || t->mapped_bytes + (size_t)size > t->max_mapped_bytes;
     pthread_mutex_unlock(&t->mu);
@@ -473,13 +486,7 @@ static void on_attach(dp_table *t, rpc_call *c)
     g->size = (size_t)size;
     g->pipe = pipe;
     g->registered = t->gpu_register && wkr_gpu_host_register(base, (size_t)size) == MOE_OK;
-    pthread_mutex_lock(&t->mu);
-    g->id = ++t->next_region;
-    g->next = t->regions;
-    t->regions = g;
-    t->mapped_bytes += g->size;
-    t->regions_attached_total++;
-    pthread_mutex_unlock(&t->mu);
+    region_add(t, g);
     LOG_D("data plane: mapped %s (%lld bytes) as region %llu on connection %u", name,
           (long long)size, (unsigned long long)g->id, pipe);
     mp_writer w;
@@ -523,9 +530,7 @@ static void on_cuda_attach(dp_table *t, rpc_call *c)
     }
     uint32_t pipe = rpc_call_pipe(c);
     pthread_mutex_lock(&t->mu);
-    int mine = 0;
-    for (dp_region *g = t->regions; g; g = g->next)
-        mine += g->pipe == pipe;
+    int mine = regions_on_pipe(t, pipe);
     pthread_mutex_unlock(&t->mu);
     if (mine >= DP_MAX_REGIONS_PER_PIPE) {
         rpc_reply_err(c, MOE_ENOMEM, "too many regions on this connection (%d)", mine);
@@ -547,12 +552,7 @@ static void on_cuda_attach(dp_table *t, rpc_call *c)
     g->pipe = pipe;
     g->cuda = 1;
     g->device = t->gpu_device;
-    pthread_mutex_lock(&t->mu);
-    g->id = ++t->next_region;
-    g->next = t->regions;
-    t->regions = g;
-    t->regions_attached_total++;
-    pthread_mutex_unlock(&t->mu);
+    region_add(t, g);
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, c->req.msgid);
@@ -657,14 +657,8 @@ void dp_get_counters(dp_table *t, dp_counters *o)
 /* ping: what the data plane holds now (operators and tests read it) */
 static void on_ping(dp_table *t, rpc_call *c)
 {
-    int nreg = 0;
-    pthread_mutex_lock(&t->mu);
-    for (dp_region *g = t->regions; g; g = g->next)
-        nreg++;
-    int ntk = t->ntickets;
-    size_t staged = t->staged_bytes, mapped = t->mapped_bytes;
-    uint64_t expired = t->tickets_expired_total, rows = t->rows_in_total;
-    pthread_mutex_unlock(&t->mu);
+    dp_counters k;
+    dp_get_counters(t, &k);
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, c->req.msgid);
@@ -672,17 +666,17 @@ static void on_ping(dp_table *t, rpc_call *c)
     mp_write_cstr(&w, "role");
     mp_write_cstr(&w, "worker-data");
     mp_write_cstr(&w, "tickets");
-    mp_write_i64(&w, ntk);
+    mp_write_i64(&w, k.tickets);
     mp_write_cstr(&w, "regions");
-    mp_write_i64(&w, nreg);
+    mp_write_i64(&w, k.regions);
     mp_write_cstr(&w, "staged_bytes");
-    mp_write_u64(&w, staged);
+    mp_write_u64(&w, k.staged_bytes);
     mp_write_cstr(&w, "mapped_bytes");
-    mp_write_u64(&w, mapped);
+    mp_write_u64(&w, k.mapped_bytes);
     mp_write_cstr(&w, "tickets_expired_total");
-    mp_write_u64(&w, expired);
+    mp_write_u64(&w, k.tickets_expired_total);
     mp_write_cstr(&w, "rows_in_total");
-    mp_write_u64(&w, rows);
+    mp_write_u64(&w, k.rows_in_total);
     rpc_reply(c, &w);
 }
 

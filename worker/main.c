@@ -10,6 +10,7 @@
 
 #include "blas_pick.h"
 #include "gpu.h"
+#include "hostid.h"
 #include "log.h"
 #include "params.h"
 #include "pool.h"
@@ -273,22 +274,6 @@ static void on_data_request(rpc_call *c, void *arg)
     dp_on_request(arg, c);
 }
 
-/* read_host_id: the kernel's boot id names this host for the data plane
- * (clients with the same one may use shared memory); else the hostname. */
-static void read_host_id(char *out, size_t len)
-{
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    out[0] = 0;
-    if (f) {
-        if (!fgets(out, (int)len, f))
-            out[0] = 0;
-        fclose(f);
-    }
-    out[strcspn(out, "\n")] = 0;
-    if (!out[0] && gethostname(out, len) != 0)
-        snprintf(out, len, "unknown");
-}
-
 static void on_signal(uv_signal_t *h, int sig)
 {
     wkr *w = h->data;
@@ -382,7 +367,7 @@ int main(int argc, char **argv)
     rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL};
     if (rpcsrv_open(W.loop, &o, &W.srv, W.rpc_url, sizeof(W.rpc_url)) != MOE_OK)
         return 1;
-    read_host_id(W.host_id, sizeof(W.host_id));
+    moe_host_id(W.host_id, sizeof(W.host_id));
     dp_open(&W.dp, W.loop, (size_t)W.data_staged_mb << 20, (size_t)W.shm_max_mb << 20,
             W.auth_token);
     W.dp.gpu_register = W.use_gpu;

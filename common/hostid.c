@@ -1,0 +1,23 @@
+/* hostid.c - this host's id; see hostid.h. */
+#include "hostid.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+void moe_host_id(char *out, size_t len)
+{
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (!len)
+        return;
+    out[0] = 0;
+    if (f) {
+        if (!fgets(out, (int)len, f))
+            out[0] = 0;
+        fclose(f);
+    }
+    out[strcspn(out, "\n")] = 0;
+    if (!out[0] && gethostname(out, len) != 0)
+        snprintf(out, len, "unknown");
+    out[len - 1] = 0;
+}
