@@ -7,9 +7,9 @@
 
 void moe_host_id(char *out, size_t len)
 {
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
     if (!len)
         return;
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
     out[0] = 0;
     if (f) {
         if (!fgets(out, (int)len, f))
