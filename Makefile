@@ -114,7 +114,10 @@ deps:
 
 test: deps
 	@$(MAKE) --no-print-directory all
-	@$(B)/moe-tests --color=never -j2 $(TEST_ARGS)
+	@($(B)/moe-tests --color=never -j2 $(TEST_ARGS); echo $$? > $(B)/test.rc) 2>&1 | tee $(B)/test.log
+	@st=$$(cat $(B)/test.rc); if [ "$$st" != 0 ]; then \
+	    echo "== the failed tests (whole log: $(B)/test.log) =="; \
+	    grep -E -A3 '^\[----\] [^ ]+:[0-9]+: |^\[FAIL\]' $(B)/test.log | tail -80; fi; exit $$st
 
 run: deps
 	@$(MAKE) --no-print-directory all

@@ -31,6 +31,7 @@ struct moe_client {
     pthread_cond_t acv;
     struct acall *alist;  /* doubly linked through acall.next / prev, under amu */
     int closing;          /* under amu: no new receive is started */
+    int cb_running;       /* under amu: callbacks of finished calls still running */
     int data_path;        /* MOE_PATH_*: how forward/backward rows travel */
     struct moe_dp *dp;    /* owned: the data plane (client_dp.c), made on first use */
     pthread_mutex_t dpmu; /* guards dp's creation */
@@ -383,7 +384,8 @@ static void acall_finish(acall *a, moe_err e, moe_reply *r)
     moe_client *c = a->c;
     nng_ctx_close(a->ctx);
     /* off the in-flight list before the aio goes (acall_cancel_all uses it
-     * under amu); the context is closed before moe_client_close may go on */
+     * under amu); counted in cb_running until the callback has returned, so
+     * that moe_client_close returns only after every callback ran */
     pthread_mutex_lock(&c->amu);
     if (a->prev)
         a->prev->next = a->next;
@@ -391,14 +393,17 @@ static void acall_finish(acall *a, moe_err e, moe_reply *r)
         c->alist = a->next;
     if (a->next)
         a->next->prev = a->prev;
-    if (!c->alist)
-        pthread_cond_broadcast(&c->acv);
+    c->cb_running++;
     pthread_mutex_unlock(&c->amu);
     /* The aio is freed by a reaper-safe path: nng_aio_free must not run in
      * its own callback, so use nng_aio_reap (nng >= 1.3). */
     nng_aio_reap(a->aio);
     free(a);
     cb(e, r, arg);
+    pthread_mutex_lock(&c->amu);
+    if (--c->cb_running == 0 && !c->alist)
+        pthread_cond_broadcast(&c->acv);
+    pthread_mutex_unlock(&c->amu);
 }
 
 /* moe_client_close: every async call in flight ends now (its callback gets
@@ -409,7 +414,7 @@ static void acall_cancel_all(moe_client *c)
     c->closing = 1;
     for (acall *a = c->alist; a; a = a->next)
         nng_aio_cancel(a->aio); /* the callback runs on nng's thread, after we unlock */
-    while (c->alist)
+    while (c->alist || c->cb_running)
         pthread_cond_wait(&c->acv, &c->amu);
     pthread_mutex_unlock(&c->amu);
 }

@@ -121,7 +121,9 @@ moe_err moe_call(moe_client *c, const char *method, const void *params, size_t p
  * (free it with moe_reply_free) and err == reply->err or a transport error. */
 typedef void (*moe_call_cb)(moe_err err, moe_reply *reply, void *arg);
 /* moe_call_async: like moe_call but returns at once; cb runs exactly once
- * (also on failure to send). */
+ * (also on failure to send). moe_client_close returns only after every
+ * callback of the client has returned: a callback must not close its own
+ * client. */
 moe_err moe_call_async(moe_client *c, const char *method, const void *params, size_t params_len,
                        moe_call_cb cb, void *arg);
 

@@ -221,16 +221,7 @@ static int scan_params(rpc_call *call, uint64_t *client, uint64_t *seq, int *tra
     return found;
 }
 
-/* is_mutating: the methods whose repetition would change the outcome. */
-static int is_mutating(const moe_rpc_request *q, int train)
-{
-#define IS(name) mp_str_eq(q->method, q->method_len, name)
-    return IS("backward") || IS("optimizer.step") || IS("checkpoint.save") ||
-           IS("checkpoint.load") || IS("model.create") || (IS("forward") && train);
-#undef IS
-}
-
-int dedupe_begin(dedupe *d, rpc_call *call)
+int dedupe_begin(dedupe *d, rpc_call *call, const rpc_method *m)
 {
     const moe_rpc_request *q = &call->req;
     uint64_t client = 0, seq = 0;
@@ -238,7 +229,7 @@ int dedupe_begin(dedupe *d, rpc_call *call)
     int found = scan_params(call, &client, &seq, &train);
     if (found < 0)
         return 1;
-    if (!found || !is_mutating(q, train))
+    if (!found || !rpc_method_mutating(m, train))
         return 0;
     dd_entry *e = lookup(d, client, seq);
     if (e) {

@@ -33,6 +33,7 @@
 
 #include <stddef.h>
 
+#include "methods.h"
 #include "rpcsrv.h"
 
 #define DEDUPE_MAX_ENTRIES 1024
@@ -50,12 +51,13 @@ dedupe *dedupe_new(size_t max_entries, size_t max_bytes, size_t max_reply);
  * waiting duplicates) or the server has dropped the calls. */
 void dedupe_free(dedupe *d);
 
-/* dedupe_begin runs before a request is dispatched (after the auth check).
+/* dedupe_begin runs before a request is dispatched (after the auth check),
+ * with the method's table row m (which says whether it is mutating).
  * Returns 1 when it answered the call itself (a duplicate, or a malformed
  * "rid"): the caller must not touch it again. Returns 0 when the request is
  * to run as usual; for a mutating request with a new rid it has installed
  * the reply hook on the call, which records the reply and answers the
  * duplicates that wait for it. */
-int dedupe_begin(dedupe *d, rpc_call *call);
+int dedupe_begin(dedupe *d, rpc_call *call, const rpc_method *m);
 
 #endif

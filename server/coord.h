@@ -17,6 +17,8 @@
 #include <uv.h>
 
 #include "config.h"
+#include "dedupe.h"
+#include "methods.h"
 #include "model_cfg.h"
 #include "rpcsrv.h"
 
@@ -199,6 +201,19 @@ typedef struct coord {
 } coord;
 
 extern const double coord_lat_bounds[COORD_LAT_BUCKETS];
+
+/* methods.c: the method table and the dispatch (auth, exactly-once by rid
+ * through d, refusals while draining) */
+typedef struct coord_method {
+    rpc_method m;
+    void (*fn)(coord *c, rpc_call *call);
+} coord_method;
+extern const coord_method coord_methods[];
+extern const int coord_nmethods;
+void coord_dispatch(coord *c, dedupe *d, rpc_call *call);
+/* coord_start_drain: stop taking jobs (the methods flagged
+ * RPC_REFUSED_DRAINING), finish the queue, then stop the loop. */
+void coord_start_drain(coord *c, const char *why);
 
 /* registry.c */
 void coord_worker_register(coord *c, rpc_call *call);

@@ -54,86 +54,9 @@ static const cfg_entry coord_cfg[] = {
 };
 #define NCFG ((int)(sizeof(coord_cfg) / sizeof(coord_cfg[0])))
 
-static void reply_ping(rpc_call *call)
-{
-    mp_writer w;
-    mp_writer_init(&w);
-    moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 3);
-    mp_write_cstr(&w, "role");
-    mp_write_cstr(&w, "coordinator");
-    mp_write_cstr(&w, "version");
-    mp_write_cstr(&w, "0.1.0");
-    mp_write_cstr(&w, "time_ns");
-    mp_write_u64(&w, rpc_now_ns());
-    rpc_reply(call, &w);
-}
-
-static void start_drain(coord *c, const char *why);
-
 static void on_request(rpc_call *call, void *arg)
 {
-    coord *c = arg;
-    const moe_rpc_request *q = &call->req;
-    c->requests_total++;
-    if (c->auth_token[0]) {
-        const char *tok;
-        uint32_t len;
-        if (!params_find_str(&q->params, q->nparams, "auth", &tok, &len) ||
-            !mp_str_eq(tok, len, c->auth_token)) {
-            c->errors_total++;
-            rpc_reply_err(call, MOE_EUNAUTH, "missing or wrong auth token");
-            return;
-        }
-    }
-    /* exactly-once: a duplicate (same "rid") of a mutating request gets the
-     * original's reply and does not run again (dedupe.h) */
-    if (dedupe_begin(D, call))
-        return;
-#define IS(name) mp_str_eq(q->method, q->method_len, name)
-    if (IS("ping"))
-        reply_ping(call);
-    else if (IS("worker.heartbeat"))
-        coord_worker_heartbeat(c, call);
-    else if (IS("worker.register"))
-        coord_worker_register(c, call);
-    else if (IS("cluster.status"))
-        coord_cluster_status(c, call);
-    else if (IS("dataplane.info"))
-        coord_dataplane_info(c, call);
-    else if (IS("stats"))
-        coord_stats(c, call);
-    else if (IS("model.info"))
-        coord_model_info(c, call);
-    else if (c->draining && (IS("forward") || IS("model.create") || IS("backward") ||
-                             IS("optimizer.step") || IS("checkpoint.load"))) {
-        c->errors_total++;
-        rpc_reply_err(call, MOE_EUNAVAIL, "coordinator is draining");
-    } else if (IS("model.create"))
-        coord_model_create(c, call);
-    else if (IS("forward"))
-        coord_forward(c, call);
-    else if (IS("backward"))
-        coord_backward(c, call);
-    else if (IS("optimizer.step"))
-        coord_step(c, call);
-    else if (IS("checkpoint.save"))
-        coord_ckpt_save(c, call);
-    else if (IS("checkpoint.load"))
-        coord_ckpt_load(c, call);
-    else if (IS("drain")) {
-        mp_writer w;
-        mp_writer_init(&w);
-        moe_rpc_write_response_ok_head(&w, q->msgid);
-        mp_write_map(&w, 0);
-        rpc_reply(call, &w);
-        start_drain(c, "drain requested");
-    } else {
-        c->errors_total++;
-        rpc_reply_err(call, MOE_ENOMETHOD, "unknown method '%.*s'",
-                      (int)(q->method_len > 64 ? 64 : q->method_len), q->method);
-    }
-#undef IS
+    coord_dispatch(arg, D, call);
 }
 
 static void on_tick(uv_timer_t *t)
@@ -171,15 +94,6 @@ static void on_tick(uv_timer_t *t)
     }
 }
 
-static void start_drain(coord *c, const char *why)
-{
-    if (c->draining)
-        return;
-    LOG_I("%s: draining (%d queued jobs)", why, c->qlen);
-    c->draining = 1;
-    c->drain_started_ns = rpc_now_ns();
-}
-
 static void on_signal(uv_signal_t *h, int sig)
 {
     coord *c = h->data;
@@ -189,7 +103,7 @@ static void on_signal(uv_signal_t *h, int sig)
         uv_stop(c->loop);
         return;
     }
-    start_drain(c, sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    coord_start_drain(c, sig == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
 int main(int argc, char **argv)

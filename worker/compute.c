@@ -6,7 +6,7 @@
 #include "log.h"
 #include "worker.h"
 
-void wkr_enqueue(wkr *w, rpc_call *c)
+void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m)
 {
     wkr_queue_item *it = malloc(sizeof(*it));
     if (!it) {
@@ -14,6 +14,7 @@ void wkr_enqueue(wkr *w, rpc_call *c)
         return;
     }
     it->call = c;
+    it->method = m;
     it->next = NULL;
     pthread_mutex_lock(&w->qmu);
     if (w->qtail)
@@ -68,7 +69,7 @@ static void remember_reply(rpc_call *c, const void *buf, size_t len, void *arg)
     w->replies_next = (w->replies_next + 1) % 4;
 }
 
-static void run_one(wkr *w, rpc_call *c)
+static void run_one(wkr *w, rpc_call *c, const wkr_method *m)
 {
     const moe_rpc_request *q = &c->req;
     uint64_t rid[2];
@@ -90,25 +91,7 @@ static void run_one(wkr *w, rpc_call *c)
         c->on_reply = remember_reply;
         c->on_reply_arg = w;
     }
-    if (mp_str_eq(q->method, q->method_len, "worker.forward"))
-        wkr_op_forward(w, c);
-    else if (mp_str_eq(q->method, q->method_len, "worker.backward"))
-        wkr_op_backward(w, c);
-    else if (mp_str_eq(q->method, q->method_len, "worker.step"))
-        wkr_op_step(w, c);
-    else if (mp_str_eq(q->method, q->method_len, "worker.checkpoint_save"))
-        wkr_op_ckpt_save(w, c);
-    else if (mp_str_eq(q->method, q->method_len, "worker.checkpoint_load"))
-        wkr_op_ckpt_load(w, c);
-    else if (mp_str_eq(q->method, q->method_len, "worker.xchg_id"))
-        wkr_op_xchg_id(w, c);
-    else if (mp_str_eq(q->method, q->method_len, "worker.join"))
-        wkr_op_join(w, c);
-    else if (mp_str_eq(q->method, q->method_len, "worker.model_create"))
-        wkr_op_model_create(w, c);
-    else
-        rpc_reply_err(c, MOE_ENOMETHOD, "unknown worker method '%.*s'", (int)q->method_len,
-                      q->method);
+    m->fn(w, c);
 }
 
 void *wkr_pinned(wkr *w, size_t n)
@@ -140,7 +123,7 @@ void *wkr_compute_main(void *arg)
         if (!w->qhead)
             w->qtail = NULL;
         pthread_mutex_unlock(&w->qmu);
-        run_one(w, it->call);
+        run_one(w, it->call, it->method);
         free(it);
     }
     xchg_close(w->xc);

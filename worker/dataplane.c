@@ -680,6 +680,19 @@ static void on_ping(dp_table *t, rpc_call *c)
     rpc_reply(c, &w);
 }
 
+/* the data-plane endpoint's methods (clients call them; docs/PROTOCOL.md
+ * "Data plane" lists them, checked by tests/test_methods.c) */
+const dp_method dp_methods[] = {
+    {{"ping", 0}, on_ping},
+    {{"data.rows", 0}, on_rows},
+    {{"data.cancel", 0}, on_cancel},
+    {{"data.shm_attach", 0}, on_attach},
+    {{"data.shm_detach", 0}, on_detach},
+    {{"data.cuda_attach", 0}, on_cuda_attach},
+    {{"data.cuda_detach", 0}, on_detach},
+};
+const int dp_nmethods = (int)(sizeof(dp_methods) / sizeof(dp_methods[0]));
+
 void dp_on_request(dp_table *t, rpc_call *c)
 {
     const moe_rpc_request *q = &c->req;
@@ -687,22 +700,13 @@ void dp_on_request(dp_table *t, rpc_call *c)
         rpc_reply_err(c, MOE_EUNAUTH, "missing or wrong auth token");
         return;
     }
-    if (mp_str_eq(q->method, q->method_len, "data.rows"))
-        on_rows(t, c);
-    else if (mp_str_eq(q->method, q->method_len, "data.shm_attach"))
-        on_attach(t, c);
-    else if (mp_str_eq(q->method, q->method_len, "data.shm_detach") ||
-             mp_str_eq(q->method, q->method_len, "data.cuda_detach"))
-        on_detach(t, c);
-    else if (mp_str_eq(q->method, q->method_len, "data.cuda_attach"))
-        on_cuda_attach(t, c);
-    else if (mp_str_eq(q->method, q->method_len, "data.cancel"))
-        on_cancel(t, c);
-    else if (mp_str_eq(q->method, q->method_len, "ping"))
-        on_ping(t, c);
+    const dp_method *m =
+        rpc_method_find(dp_methods, dp_nmethods, sizeof(*m), q->method, q->method_len);
+    if (!m)
+        rpc_reply_err(c, MOE_ENOMETHOD, "unknown data-plane method '%.*s'",
+                      (int)(q->method_len > 64 ? 64 : q->method_len), q->method);
     else
-        rpc_reply_err(c, MOE_ENOMETHOD, "unknown data-plane method '%.*s'", (int)q->method_len,
-                      q->method);
+        m->fn(t, c);
 }
 
 /* ---- connection close and expiry (loop thread) ---- */

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "methods.h"
 #include "proto.h"
 #include "rpcsrv.h"
 
@@ -78,8 +79,18 @@ typedef struct dp_counters {
 } dp_counters;
 void dp_get_counters(dp_table *t, dp_counters *out);
 
-/* dp_on_request handles data.rows, data.shm_attach, data.shm_detach,
- * data.cancel and ping (loop thread); it answers errors itself. */
+/* dp_method: a row of the data-plane endpoint's method table (dp_methods:
+ * data.rows, data.cancel, data.shm_attach/detach, data.cuda_attach/detach,
+ * ping) */
+typedef struct dp_method {
+    rpc_method m;
+    void (*fn)(dp_table *t, rpc_call *c);
+} dp_method;
+extern const dp_method dp_methods[];
+extern const int dp_nmethods;
+
+/* dp_on_request checks the auth token and runs the call's row of
+ * dp_methods (loop thread); it answers errors itself. */
 void dp_on_request(dp_table *t, rpc_call *c);
 /* dp_on_pipe_closed: rpcsrv's connection-close hook (nng thread). */
 void dp_on_pipe_closed(uint32_t pipe, void *arg);

@@ -219,54 +219,9 @@ static void on_hb_timer(uv_timer_t *t)
     mp_writer_fini(&pw);
 }
 
-/* worker.abort {generation}: the coordinator says a member of that
- * generation is gone; the collectives of it stop waiting now (answered on
- * the loop thread: the compute thread may be inside one) */
-static void on_abort(rpc_call *c)
-{
-    int64_t gen = 0;
-    char err[256];
-    pspec sp[] = {{"generation", P_INT, &gen, true, 1, 9e18, 0, false}};
-    mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 1, err, sizeof(err));
-    if (e != MOE_OK) {
-        rpc_reply_err(c, e, "%s", err);
-        return;
-    }
-    int current = (uint64_t)gen == xchg_generation();
-    if (current) {
-        LOG_W("generation %lld given up by the coordinator (a member is gone)", (long long)gen);
-        xchg_request_abort((uint64_t)gen);
-    }
-    mp_writer wr;
-    mp_writer_init(&wr);
-    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-    mp_write_map(&wr, 1);
-    mp_write_cstr(&wr, "aborted");
-    mp_write_bool(&wr, current != 0);
-    rpc_reply(c, &wr);
-}
-
 static void on_request(rpc_call *c, void *arg)
 {
-    wkr *w = arg;
-    if (mp_str_eq(c->req.method, c->req.method_len, "worker.abort")) {
-        on_abort(c);
-        return;
-    }
-    if (mp_str_eq(c->req.method, c->req.method_len, "ping")) {
-        mp_writer wr;
-        mp_writer_init(&wr);
-        moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-        mp_write_map(&wr, 2);
-        mp_write_cstr(&wr, "role");
-        mp_write_cstr(&wr, "worker");
-        mp_write_cstr(&wr, "backend");
-        mp_write_cstr(&wr, w->backend);
-        rpc_reply(c, &wr);
-        return;
-    }
-    wkr_enqueue(w, c);
+    wkr_dispatch(arg, c);
 }
 
 static void on_data_request(rpc_call *c, void *arg)

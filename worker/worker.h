@@ -17,6 +17,7 @@
 
 #include "config.h"
 #include "dataplane.h"
+#include "methods.h"
 #include "model_cfg.h"
 #include "params.h"
 #include "rpcsrv.h"
@@ -92,12 +93,23 @@ typedef struct wkr_fwd_state {
     float *ae, *be;   /* (n_in,F) pre-activations, kept rows only valid */
 } wkr_fwd_state;
 
+typedef struct wkr wkr;
+
+/* wkr_method: a row of the worker's method table (worker/methods.c) */
+typedef struct wkr_method {
+    rpc_method m;
+    void (*fn)(wkr *w, rpc_call *c);
+} wkr_method;
+extern const wkr_method wkr_methods[];
+extern const int wkr_nmethods;
+
 typedef struct wkr_queue_item {
     rpc_call *call;
+    const wkr_method *method; /* its row (RPC_COMPUTE) */
     struct wkr_queue_item *next;
 } wkr_queue_item;
 
-typedef struct wkr {
+struct wkr {
     /* config (read-only after start) */
     char coord_url[CFG_STR_MAX];
     char listen_url[CFG_STR_MAX];
@@ -161,7 +173,7 @@ typedef struct wkr {
     dp_table dp;
     void *pin; /* pinned host buffer of the GPU paths (compute thread; wkr_pinned) */
     size_t pin_bytes;
-} wkr;
+};
 
 /* wkr_layer_params: layer l's parameters in m->params - the router, then
  * w1, (w3,) w2 of each local expert. */
@@ -176,8 +188,11 @@ static inline wkr_param *wkr_layer_params(wkr_model *m, int l)
 void *wkr_pinned(wkr *w, size_t n);
 /* wkr_compute_main is the compute thread's body. */
 void *wkr_compute_main(void *arg);
+/* wkr_dispatch runs a coordinator call (loop thread): by its row of the
+ * method table, at once or on the compute thread (RPC_COMPUTE). */
+void wkr_dispatch(wkr *w, rpc_call *c);
 /* wkr_enqueue hands a call to the compute thread (loop thread). */
-void wkr_enqueue(wkr *w, rpc_call *c);
+void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m);
 
 /* compute-thread operations; each replies to c */
 void wkr_op_join(wkr *w, rpc_call *c);
