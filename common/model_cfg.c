@@ -45,8 +45,9 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
     if (e != MOE_OK)
         return e;
     if (!model_name_valid(out->name, strlen(out->name))) {
-        snprintf(err, errlen, "model name must be 1-63 characters of [A-Za-z0-9_.-], not \".\" "
-                              "or \"..\"");
+        snprintf(err, errlen,
+                 "model name must be 1-63 characters of [A-Za-z0-9_.-], not \".\" "
+                 "or \"..\"");
         return MOE_EINVAL;
     }
     if (K > E) {

@@ -191,8 +191,7 @@ static moe_err resolve_ckpt(const char *path, char *dir, size_t len, char *err, 
     if (latest) {
         while (n && (latest[n - 1] == '\n' || latest[n - 1] == ' '))
             latest[--n] = 0;
-        if (!n || strchr(latest, '/') || strcmp(latest, ".") == 0 ||
-            strcmp(latest, "..") == 0) {
+        if (!n || strchr(latest, '/') || strcmp(latest, ".") == 0 || strcmp(latest, "..") == 0) {
             free(latest);
             snprintf(err, errlen, "%s is corrupt", p);
             return MOE_EINVAL;

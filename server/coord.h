@@ -136,8 +136,8 @@ typedef struct coord {
     char ckpt_root[CFG_STR_MAX]; /* explicit checkpoint paths must lie under it
                                   * (empty: under ckpt_dir; neither: refused) */
     long long max_workers;       /* registry capacity (<= COORD_MAX_WORKERS) */
-    char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl */
-    long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
+    char xchg_cfg[CFG_STR_MAX];  /* auto | nng | nccl */
+    long long ckpt_every;        /* save every N optimizer steps (0 = only at drain) */
 
     uv_loop_t *loop;
     rpcsrv *srv;

@@ -359,6 +359,10 @@ void coord_http_dashboard(void *arg, httpd_resp *out)
 {
     (void)arg;
     /* the page is a static constant: not copied, not freed */
-    *out = (httpd_resp){200, "text/html; charset=utf-8", "Cache-Control: no-cache\r\n",
-                        (char *)dashboard_html, sizeof(dashboard_html) - 1, 0};
+    *out = (httpd_resp){200,
+                        "text/html; charset=utf-8",
+                        "Cache-Control: no-cache\r\n",
+                        (char *)dashboard_html,
+                        sizeof(dashboard_html) - 1,
+                        0};
 }

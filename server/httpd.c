@@ -15,10 +15,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#define HTTPD_IO_TIMEOUT_S 5           /* per read or write of one connection */
+#define HTTPD_IO_TIMEOUT_S 5          /* per read or write of one connection */
 #define HTTPD_DRAIN_MAX    (1u << 20) /* request bytes read and dropped after an answer */
-#define HTTPD_HEAD_S       10          /* bound on reading one request head */
-#define HTTPD_DRAIN_S      2           /* bound on the drain after an answer */
+#define HTTPD_HEAD_S       10         /* bound on reading one request head */
+#define HTTPD_DRAIN_S      2          /* bound on the drain after an answer */
 
 static int64_t now_s(void)
 {
@@ -87,7 +87,7 @@ static void send_resp(int fd, const httpd_resp *r, int head_only)
 
 static void send_error(int fd, int status, const char *text)
 {
-    httpd_resp r = {status, "text/plain", status == 405 ? "Allow: GET, HEAD\r\n" : NULL,
+    httpd_resp r = {status,       "text/plain", status == 405 ? "Allow: GET, HEAD\r\n" : NULL,
                     (char *)text, strlen(text), 0};
     send_resp(fd, &r, 0);
 }

@@ -105,7 +105,7 @@ Test(harden, model_names_dot_dotdot_and_nul_refused, .timeout = 30, .fini = clus
     char base[128], ckdir[200], p[300];
     make_tmpdir(base, sizeof(base));
     snprintf(ckdir, sizeof(ckdir), "%s/ck", base);
-    cluster_opts o = {.workers = 0, .expected_workers = 1, .no_wait = 1};
+    cluster_opts o = {.workers = 0, .expected_workers = 1, .no_wait = 1, .checkpoint_root = ""};
     o.coord_args[0] = "--checkpoint-dir";
     o.coord_args[1] = ckdir;
     cluster *cl = cluster_start(&o);
@@ -256,8 +256,7 @@ static void worker_url(cluster *cl, char *out, size_t cap)
     moe_reply_free(&rep);
 }
 
-Test(harden, worker_refuses_checkpoint_dirs_outside_root, .timeout = 60,
-     .fini = cluster_fini_all)
+Test(harden, worker_refuses_checkpoint_dirs_outside_root, .timeout = 60, .fini = cluster_fini_all)
 {
     char root[128], outside[128], p[300], url[256];
     make_tmpdir(root, sizeof(root));
@@ -317,7 +316,7 @@ Test(harden, worker_refuses_checkpoint_dirs_outside_root, .timeout = 60,
 
 Test(harden, backward_handle_over_2_63_not_found, .timeout = 30, .fini = cluster_fini_all)
 {
-    cluster_opts o = {.workers = 0, .expected_workers = 1, .no_wait = 1};
+    cluster_opts o = {.workers = 0, .expected_workers = 1, .no_wait = 1, .checkpoint_root = ""};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
     static const uint64_t handles[] = {1ull << 63, (1ull << 63) + 5, ~0ull, 9000000000000000001ull};
@@ -378,7 +377,8 @@ static int http_raw(int port, const char *req, size_t len, char *out, size_t cap
 
 Test(harden, metrics_http_oversized_requests_answered, .timeout = 60, .fini = cluster_fini_all)
 {
-    cluster_opts o = {.workers = 0, .expected_workers = 1, .no_wait = 1, .metrics = 1};
+    cluster_opts o = {
+        .workers = 0, .expected_workers = 1, .no_wait = 1, .metrics = 1, .checkpoint_root = ""};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
     static char req[300000], out[8192], body[4096];

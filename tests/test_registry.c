@@ -106,7 +106,8 @@ static void wait_metric_lines(cluster *cl, const char *prefix, int want)
 Test(registry, fake_registrations_beyond_capacity_do_not_fill_it, .timeout = 150,
      .fini = cluster_fini_all)
 {
-    cluster_opts o = {.workers = 0, .expected_workers = 2, .no_wait = 1, .metrics = 1};
+    cluster_opts o = {
+        .workers = 0, .expected_workers = 2, .no_wait = 1, .metrics = 1, .checkpoint_root = ""};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
     char msg[512], url[64];
@@ -134,7 +135,7 @@ Test(registry, fake_registrations_beyond_capacity_do_not_fill_it, .timeout = 150
 
 Test(registry, worker_restarts_take_the_old_rank, .timeout = 150, .fini = cluster_fini_all)
 {
-    cluster_opts o = {.workers = 1, .metrics = 1};
+    cluster_opts o = {.workers = 1, .metrics = 1, .checkpoint_root = ""};
     o.coord_args[0] = "--max-workers";
     o.coord_args[1] = "4";
     cluster *cl = cluster_start(&o);
@@ -166,7 +167,7 @@ Test(registry, worker_restarts_take_the_old_rank, .timeout = 150, .fini = cluste
 
 Test(registry, full_of_live_workers_refuses_clearly, .timeout = 60, .fini = cluster_fini_all)
 {
-    cluster_opts o = {.workers = 0, .expected_workers = 3, .no_wait = 1};
+    cluster_opts o = {.workers = 0, .expected_workers = 3, .no_wait = 1, .checkpoint_root = ""};
     o.coord_args[0] = "--max-workers";
     o.coord_args[1] = "2";
     cluster *cl = cluster_start(&o);

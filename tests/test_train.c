@@ -602,7 +602,10 @@ Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = clust
     cr_assert_eq(moe_checkpoint_load(cl->cli, "other", ck, NULL), MOE_EINVAL);
     cr_assert(strstr(moe_last_error(), "another model shape"), "%s", moe_last_error());
     /* no checkpoint there at all */
-    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", "/nonexistent/moe", NULL), MOE_ENOTFOUND);
+    char none[200];
+    snprintf(none, sizeof(none), "%s-nothing/moe", ck);
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", none, NULL), MOE_ENOTFOUND, "%s",
+                 moe_last_error());
 
     /* the service still serves */
     cr_assert_eq(moe_ping(cl->cli), MOE_OK);

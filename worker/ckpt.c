@@ -207,7 +207,8 @@ static moe_err ckpt_prepare(wkr_model *m, const char *dir, mp_reader *files_r, c
         uint32_t len;
         char path[4096], real[4096];
         if (mp_read_str(files_r, &s, &len, NULL) != MOE_OK || len == 0 || len > 255 ||
-            memchr(s, '/', len) || memchr(s, 0, len) || (len <= 2 && s[0] == '.' && s[len - 1] == '.')) {
+            memchr(s, '/', len) || memchr(s, 0, len) ||
+            (len <= 2 && s[0] == '.' && s[len - 1] == '.')) {
             snprintf(err, errlen, "bad shard file name");
             e = MOE_EINVAL;
             break;
