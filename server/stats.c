@@ -183,9 +183,13 @@ static void on_metrics(void *arg, httpd_resp *out)
 {
     coord *c = arg;
     pthread_mutex_lock(&c->metrics_mu);
-    char *copy = strdup(c->metrics_text ? c->metrics_text : "");
+    out->body = strdup(c->metrics_text ? c->metrics_text : ""); /* owned by out */
     pthread_mutex_unlock(&c->metrics_mu);
-    *out = (httpd_resp){200, "text/plain; version=0.0.4", NULL, copy, copy ? strlen(copy) : 1, 1};
+    out->status = 200;
+    out->ctype = "text/plain; version=0.0.4";
+    out->extra = NULL;
+    out->len = out->body ? strlen(out->body) : 1; /* NULL body, len 1: httpd answers 500 */
+    out->owned = 1;
 }
 
 static void on_livez(void *arg, httpd_resp *out)
