@@ -7,12 +7,15 @@
 
 #include "params.h"
 
-static int valid_name(const char *s)
+int model_name_valid(const char *s, size_t len)
 {
-    if (!*s)
+    if (len == 0 || len >= MODEL_NAME_MAX)
         return 0;
-    for (; *s; s++)
-        if (!isalnum((unsigned char)*s) && *s != '_' && *s != '-' && *s != '.')
+    /* a name is a directory under --checkpoint-dir: never "." or ".." */
+    if ((len == 1 && s[0] == '.') || (len == 2 && s[0] == '.' && s[1] == '.'))
+        return 0;
+    for (size_t i = 0; i < len; i++)
+        if (!isalnum((unsigned char)s[i]) && s[i] != '_' && s[i] != '-' && s[i] != '.')
             return 0;
     return 1;
 }
@@ -41,8 +44,10 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
     moe_err e = params_parse(r, nparams, sp, (int)(sizeof(sp) / sizeof(sp[0])), err, errlen);
     if (e != MOE_OK)
         return e;
-    if (!valid_name(out->name)) {
-        snprintf(err, errlen, "model name must be 1-63 characters of [A-Za-z0-9_.-]");
+    if (!model_name_valid(out->name, strlen(out->name))) {
+        snprintf(err, errlen,
+                 "model name must be 1-63 characters of [A-Za-z0-9_.-], not \".\" "
+                 "or \"..\"");
         return MOE_EINVAL;
     }
     if (K > E) {

@@ -6,6 +6,7 @@
 #ifndef MOE_MODEL_CFG_H
 #define MOE_MODEL_CFG_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "proto.h"
@@ -28,6 +29,9 @@ typedef struct model_cfg {
     double z_loss_coef;
 } model_cfg;
 
+/* model_name_valid: 1-63 characters of [A-Za-z0-9_.-], not "." or ".."
+ * (docs/PROTOCOL.md, model.create). */
+int model_name_valid(const char *s, size_t len);
 /* model_cfg_parse reads model.create params (r inside the map) and validates
  * every field. extra_specs (may be NULL) are accepted too (e.g. "worker"
  * fields); err gets a message naming the bad field. */

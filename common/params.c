@@ -31,6 +31,9 @@ static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
             return wrong_type(err, errlen, p->key, "a string");
         if (len + 1 > p->cap)
             return bad(err, errlen, "parameter '%s' is too long%s", p->key, "");
+        /* the value is used as a C string: an embedded NUL would cut it short */
+        if (memchr(s, 0, len))
+            return bad(err, errlen, "parameter '%s' contains a NUL byte%s", p->key, "");
         memcpy(p->out, s, len);
         ((char *)p->out)[len] = 0;
         return MOE_OK;
@@ -48,6 +51,14 @@ static moe_err parse_one(mp_reader *r, pspec *p, char *err, size_t errlen)
             return MOE_EINVAL;
         }
         *(int64_t *)p->out = v;
+        return MOE_OK;
+    }
+    case P_U64: {
+        mp_type t = mp_peek(r);
+        if (t != MP_INT && t != MP_UINT)
+            return wrong_type(err, errlen, p->key, "an integer");
+        if (mp_read_u64(r, (uint64_t *)p->out, &eb) != MOE_OK)
+            return bad(err, errlen, "parameter '%s' must be >= 0 (%s)", p->key, eb.msg);
         return MOE_OK;
     }
     case P_F64: {

@@ -14,8 +14,10 @@
 #include "proto.h"
 
 typedef enum pspec_type {
-    P_STR,    /* out: char[cap] (NUL terminated); longer values are an error */
+    P_STR,    /* out: char[cap] (NUL terminated); longer values and values with an
+               * embedded NUL are an error (invalid_argument) */
     P_INT,    /* out: int64_t, within [min, max] */
+    P_U64,    /* out: uint64_t, any value 0 .. 2^64-1 (min, max ignored) */
     P_F64,    /* out: double, within [min, max] */
     P_BOOL,   /* out: bool */
     P_TENSOR, /* out: moe_tensor (a view into the message) */

@@ -108,7 +108,9 @@ class Cluster:
                 "--heartbeat-timeout-ms", str(a.heartbeat_timeout_ms),
                 "--worker-timeout-ms", str(a.worker_timeout_ms)]
         if ckpt_dir:
-            argv += ["--checkpoint-dir", ckpt_dir, "--checkpoint-every", "1"]
+            # explicit checkpoint.save paths (the durability check's) lie in the run directory
+            argv += ["--checkpoint-dir", ckpt_dir, "--checkpoint-every", "1",
+                     "--checkpoint-root", self.run]
         self.coord, _ = self._spawn("coordinator", argv)
         t = time.monotonic()
         while time.monotonic() - t < 10:

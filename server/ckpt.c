@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "confine.h"
 #include "coord.h"
 #include "json.h"
 #include "log.h"
@@ -49,6 +50,46 @@ static int path_ok(const char *p)
     return p[0] && strlen(p) < CFG_STR_MAX - 80;
 }
 
+int coord_ckpt_roots(const coord *c, const char *roots[2])
+{
+    int n = 0;
+    if (c->ckpt_root[0])
+        roots[n++] = c->ckpt_root;
+    if (c->ckpt_dir[0] && strcmp(c->ckpt_dir, c->ckpt_root) != 0)
+        roots[n++] = c->ckpt_dir;
+    return n;
+}
+
+void coord_ckpt_init(coord *c)
+{
+    if (c->ckpt_root[0] && st_mkdir_p(c->ckpt_root) != MOE_OK)
+        LOG_W("cannot create checkpoint root %s: %s (explicit checkpoint paths will be refused)",
+              c->ckpt_root, strerror(errno));
+}
+
+/* confine_explicit resolves a client's checkpoint path into out: it must lie
+ * under --checkpoint-root, or --checkpoint-dir when no root is set. */
+static moe_err confine_explicit(const coord *c, const char *path, char *out, size_t outlen,
+                                char *err, size_t errlen)
+{
+    const char *root = c->ckpt_root[0] ? c->ckpt_root : c->ckpt_dir;
+    return path_confine(path, &root, 1, out, outlen, err, errlen);
+}
+
+/* dir_writable creates dir if missing; 1 when it is a directory we may
+ * write in, else 0 with errno set. */
+static int dir_writable(const char *dir)
+{
+    struct stat sb;
+    if (st_mkdir_p(dir) != MOE_OK || stat(dir, &sb) != 0)
+        return 0;
+    if (!S_ISDIR(sb.st_mode)) {
+        errno = ENOTDIR;
+        return 0;
+    }
+    return access(dir, W_OK) == 0;
+}
+
 /* ckpt_save_job queues a save of m under root; call (may be NULL for the
  * coordinator's own saves) gets the reply. */
 static moe_err ckpt_save_job(coord *c, coord_model *m, const char *root, rpc_call *call, int front,
@@ -58,7 +99,7 @@ static moe_err ckpt_save_job(coord *c, coord_model *m, const char *root, rpc_cal
         snprintf(err, errlen, "path must be 1-%d characters", CFG_STR_MAX - 81);
         return MOE_EINVAL;
     }
-    if (st_mkdir_p(root) != MOE_OK || access(root, W_OK) != 0) {
+    if (!dir_writable(root)) {
         snprintf(err, errlen, "cannot write checkpoint directory %s: %s", root, strerror(errno));
         return MOE_EIO;
     }
@@ -89,12 +130,15 @@ void coord_ckpt_save(coord *c, rpc_call *call)
     mp_reader r = call->req.params;
     moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
     coord_model *m = NULL;
+    char real[CFG_STR_MAX];
     if (e == MOE_OK && !(m = coord_find_model(c, name))) {
         snprintf(err, sizeof(err), "no model named '%s'", name);
         e = MOE_ENOTFOUND;
     }
     if (e == MOE_OK)
-        e = ckpt_save_job(c, m, path, call, 0, err, sizeof(err), NULL);
+        e = confine_explicit(c, path, real, sizeof(real), err, sizeof(err));
+    if (e == MOE_OK)
+        e = ckpt_save_job(c, m, real, call, 0, err, sizeof(err), NULL);
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -147,7 +191,7 @@ static moe_err resolve_ckpt(const char *path, char *dir, size_t len, char *err, 
     if (latest) {
         while (n && (latest[n - 1] == '\n' || latest[n - 1] == ' '))
             latest[--n] = 0;
-        if (!n || strchr(latest, '/')) {
+        if (!n || strchr(latest, '/') || strcmp(latest, ".") == 0 || strcmp(latest, "..") == 0) {
             free(latest);
             snprintf(err, errlen, "%s is corrupt", p);
             return MOE_EINVAL;
@@ -213,6 +257,13 @@ static moe_err ckpt_load_job(coord *c, coord_model *m, const char *path, rpc_cal
     }
     if ((e = resolve_ckpt(path, dir, sizeof(dir), err, errlen)) != MOE_OK)
         return e;
+    /* the checkpoint LATEST names may be a symlink: it stays under a root too */
+    const char *roots[2];
+    char real[CFG_STR_MAX + 300];
+    if ((e = path_confine(dir, roots, coord_ckpt_roots(c, roots), real, sizeof(real), err,
+                          errlen)) != MOE_OK)
+        return e;
+    snprintf(dir, sizeof(dir), "%s", real);
     char ip[sizeof(dir) + 40];
     size_t n;
     snprintf(ip, sizeof(ip), "%s/model.safetensors.index.json", dir);
@@ -295,12 +346,15 @@ void coord_ckpt_load(coord *c, rpc_call *call)
     mp_reader r = call->req.params;
     moe_err e = params_parse(&r, call->req.nparams, sp, 2, err, sizeof(err));
     coord_model *m = NULL;
+    char real[CFG_STR_MAX];
     if (e == MOE_OK && !(m = coord_find_model(c, name))) {
         snprintf(err, sizeof(err), "no model named '%s' (create it first)", name);
         e = MOE_ENOTFOUND;
     }
     if (e == MOE_OK)
-        e = ckpt_load_job(c, m, path, call, 0, err, sizeof(err));
+        e = confine_explicit(c, path, real, sizeof(real), err, sizeof(err));
+    if (e == MOE_OK)
+        e = ckpt_load_job(c, m, real, call, 0, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;

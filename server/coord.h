@@ -134,9 +134,12 @@ typedef struct coord {
     char log_level[CFG_STR_MAX], addr_file[CFG_STR_MAX];
     long long expected_workers, max_msg_mb, queue_depth, deadline_ms, heartbeat_timeout_ms;
     long long worker_timeout_ms, nctx, batch_max_tokens;
-    char ckpt_dir[CFG_STR_MAX]; /* automatic checkpoints (empty = off) */
-    char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl */
-    long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
+    char ckpt_dir[CFG_STR_MAX];  /* automatic checkpoints (empty = off) */
+    char ckpt_root[CFG_STR_MAX]; /* explicit checkpoint paths must lie under it
+                                  * (empty: under ckpt_dir; neither: refused) */
+    long long max_workers;       /* registry capacity (<= COORD_MAX_WORKERS) */
+    char xchg_cfg[CFG_STR_MAX];  /* auto | nng | nccl */
+    long long ckpt_every;        /* save every N optimizer steps (0 = only at drain) */
 
     uv_loop_t *loop;
     rpcsrv *srv;
@@ -197,7 +200,7 @@ typedef struct coord {
     /* metrics text rendered by the loop, copied out by the HTTP thread */
     pthread_mutex_t metrics_mu;
     char *metrics_text;
-    void *http; /* nng_http_server * */
+    struct httpd *http; /* owned: serves /metrics (httpd.h) */
 } coord;
 
 extern const double coord_lat_bounds[COORD_LAT_BUCKETS];
@@ -281,6 +284,12 @@ void coord_ckpt_save(coord *c, rpc_call *call);
 void coord_ckpt_load(coord *c, rpc_call *call);
 void coord_ckpt_finish(coord *c, coord_job *j);
 void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method);
+/* coord_ckpt_roots lists the directories checkpoints may be written in and
+ * read from (--checkpoint-root, --checkpoint-dir), for the workers; returns
+ * how many (0..2). The strings belong to c. */
+int coord_ckpt_roots(const coord *c, const char *roots[2]);
+/* coord_ckpt_init creates --checkpoint-root when it is missing (at start). */
+void coord_ckpt_init(coord *c);
 /* coord_autosave queues a save of m under <checkpoint-dir>/<name> when
  * automatic checkpoints are on and m changed since its last checkpoint. */
 void coord_autosave(coord *c, coord_model *m, int front);
@@ -306,8 +315,8 @@ void coord_stats(coord *c, rpc_call *call);
 void coord_metrics_render(coord *c);
 moe_err coord_metrics_start(coord *c);
 void coord_metrics_stop(coord *c);
-/* dashboard.c: GET /dashboard, the operator page (an nng HTTP handler) */
-struct nng_aio;
-void coord_http_dashboard(struct nng_aio *aio);
+/* dashboard.c: GET /dashboard, the operator page (an httpd.h handler) */
+struct httpd_resp;
+void coord_http_dashboard(void *arg, struct httpd_resp *out);
 
 #endif

@@ -8,8 +8,7 @@
  * The coordinator does no work for it beyond serving this constant string:
  * every number comes from /metrics (see docs/OPERATIONS.md).
  */
-#include <nng/nng.h>
-#include <nng/supplemental/http/http.h>
+#include "httpd.h"
 
 #include "coord.h"
 
@@ -356,22 +355,14 @@ static const char dashboard_html[] =
     "</body>\n"
     "</html>\n";
 
-void coord_http_dashboard(nng_aio *aio)
+void coord_http_dashboard(void *arg, httpd_resp *out)
 {
-    nng_http_res *res;
-    int rv = nng_http_res_alloc(&res);
-    if (rv != 0) {
-        nng_aio_finish(aio, rv);
-        return;
-    }
-    /* the page is a static constant: no copy */
-    if ((rv = nng_http_res_set_header(res, "Content-Type", "text/html; charset=utf-8")) != 0 ||
-        (rv = nng_http_res_set_header(res, "Cache-Control", "no-cache")) != 0 ||
-        (rv = nng_http_res_set_data(res, dashboard_html, sizeof(dashboard_html) - 1)) != 0) {
-        nng_http_res_free(res);
-        nng_aio_finish(aio, rv);
-        return;
-    }
-    nng_aio_set_output(aio, 0, res);
-    nng_aio_finish(aio, 0);
+    (void)arg;
+    /* the page is a static constant: not copied, not freed */
+    *out = (httpd_resp){200,
+                        "text/html; charset=utf-8",
+                        "Cache-Control: no-cache\r\n",
+                        (char *)dashboard_html,
+                        sizeof(dashboard_html) - 1,
+                        0};
 }

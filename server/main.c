@@ -46,6 +46,10 @@ static const cfg_entry coord_cfg[] = {
      "(0 = wait for ever)"},
     {"checkpoint-dir", CFG_STR, "", 0, 0, C.ckpt_dir,
      "automatic checkpoints under DIR/<model> (restored when the cluster forms; empty = off)"},
+    {"checkpoint-root", CFG_STR, "", 0, 0, C.ckpt_root,
+     "explicit checkpoint.save/load paths must lie under DIR (empty = checkpoint-dir)"},
+    {"max-workers", CFG_INT, "256", 1, COORD_MAX_WORKERS, &C.max_workers,
+     "registry entries (workers up, or down and still holding a rank)"},
     {"checkpoint-every", CFG_INT, "0", 0, 1000000000, &C.ckpt_every,
      "with checkpoint-dir: save every N optimizer steps (0 = only at drain)"},
     {"addr-file", CFG_STR, "", 0, 0, C.addr_file,
@@ -166,6 +170,7 @@ int main(int argc, char **argv)
             return 1;
         }
     }
+    coord_ckpt_init(&C);
     coord_models_restore(&C); /* models of a previous run, with --checkpoint-dir */
     coord_metrics_render(&C);
     uv_timer_init(C.loop, &C.tick);

@@ -5,6 +5,15 @@
  * ready. When `expected_workers` workers are up, the cluster (re)forms: a
  * new generation, ranks by registration order, a join broadcast carrying
  * every member's data address, then every model is created again.
+ *
+ * Entries of dead workers do not pile up (a worker restarted on port 0 has a
+ * new address each time): a new generation forgets every down entry (the
+ * workers that took their ranks replace them); a down entry that is not a
+ * member of the current generation is forgotten when the registry needs room
+ * for a new worker, and at the latest COORD_FORGET_DOWN_S after its last
+ * heartbeat. Only up workers and down members of the current generation
+ * hold entries for good; with --max-workers of those, a new worker is
+ * refused "registry full" (logged at warn).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +22,8 @@
 #include "coord.h"
 #include "log.h"
 #include "params.h"
+
+#define COORD_FORGET_DOWN_S 60 /* a down non-member is forgotten after this */
 
 int coord_up_workers(const coord *c)
 {
@@ -60,6 +71,30 @@ static void worker_release(coord *c, coord_worker *w)
         c->ready = 0;
         c->need_form = 1;
     }
+}
+
+/* worker_forget frees the entry of a down worker (its /metrics series go with it). */
+static void worker_forget(coord_worker *w, const char *why)
+{
+    LOG_I("worker %d (%s) forgotten: %s", w->id, w->rpc_url, why);
+    memset(w, 0, sizeof(*w));
+    w->state = WS_FREE;
+    w->rank = -1;
+}
+
+/* reclaim_one forgets the down non-member with the oldest heartbeat, to
+ * make room for a new worker; returns its slot or NULL when there is none. */
+static coord_worker *reclaim_one(coord *c)
+{
+    coord_worker *old = NULL;
+    for (int i = 0; i < c->max_workers; i++) {
+        coord_worker *w = &c->workers[i];
+        if (w->state == WS_DOWN && w->rank < 0 && (!old || w->last_hb_ns < old->last_hb_ns))
+            old = w;
+    }
+    if (old)
+        worker_forget(old, "down, and the registry needs room");
+    return old;
 }
 
 void coord_pipe_closed(uint32_t pipe, void *arg)
@@ -128,11 +163,19 @@ void coord_worker_register(coord *c, rpc_call *call)
             w->state = WS_FREE;
         }
     }
-    for (int i = 0; i < COORD_MAX_WORKERS && !slot; i++)
+    for (int i = 0; i < c->max_workers && !slot; i++)
         if (c->workers[i].state == WS_FREE)
             slot = &c->workers[i];
+    if (!slot)
+        slot = reclaim_one(c);
     if (!slot) {
-        rpc_reply_err(call, MOE_ENOMEM, "registry full (%d workers)", COORD_MAX_WORKERS);
+        LOG_W("worker at %s refused: registry full (%lld entries, each up or a down member of "
+              "generation %llu; see --max-workers)",
+              rpc_url, c->max_workers, (unsigned long long)c->generation);
+        rpc_reply_err(call, MOE_ENOMEM,
+                      "registry full: %lld workers are up or hold a rank of the current "
+                      "generation (--max-workers)",
+                      c->max_workers);
         return;
     }
     memset(slot, 0, sizeof(*slot));
@@ -161,11 +204,17 @@ void coord_worker_register(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 2);
+    const char *roots[2];
+    int nroots = coord_ckpt_roots(c, roots);
+    mp_write_map(&w, 3);
     mp_write_cstr(&w, "worker_id");
     mp_write_i64(&w, slot->id);
     mp_write_cstr(&w, "epoch");
     mp_write_i64(&w, (int64_t)c->epoch);
+    mp_write_cstr(&w, "checkpoint_roots"); /* where checkpoint calls may point the worker */
+    mp_write_array(&w, (uint32_t)nroots);
+    for (int k = 0; k < nroots; k++)
+        mp_write_cstr(&w, roots[k]);
     rpc_reply(call, &w);
     coord_maybe_form(c);
 }
@@ -246,6 +295,9 @@ void coord_check_workers(coord *c)
             w->state = WS_DOWN;
             worker_release(c, w);
         }
+        if (w->state == WS_DOWN && w->rank < 0 &&
+            now - w->last_hb_ns > (uint64_t)COORD_FORGET_DOWN_S * 1000000000ull)
+            worker_forget(w, "down and not a member of the cluster");
     }
     coord_maybe_form(c);
 }
@@ -259,8 +311,12 @@ void coord_maybe_form(coord *c)
     if (coord_up_workers(c) < c->expected_workers)
         return;
     int n = 0;
-    for (int i = 0; i < COORD_MAX_WORKERS; i++)
+    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
         c->workers[i].rank = -1;
+        /* the ranks of dead workers go to the workers up now: their entries go */
+        if (c->workers[i].state == WS_DOWN)
+            worker_forget(&c->workers[i], "replaced in a new generation");
+    }
     /* ranks in registration order */
     for (int id = 0; id < c->next_worker_id && n < c->expected_workers; id++)
         for (int i = 0; i < COORD_MAX_WORKERS; i++)

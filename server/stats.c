@@ -5,14 +5,13 @@
  * Label keys are only layer, expert and worker; counts of several models
  * are summed per (layer, expert).
  */
-#include <nng/nng.h>
-#include <nng/supplemental/http/http.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "coord.h"
+#include "httpd.h"
 #include "log.h"
 
 typedef struct sbuf {
@@ -180,92 +179,54 @@ void coord_metrics_render(coord *c)
     pthread_mutex_unlock(&c->metrics_mu);
 }
 
-static void http_reply(nng_aio *aio, uint16_t status, const char *ctype, const char *body,
-                       size_t len)
+static void on_metrics(void *arg, httpd_resp *out)
 {
-    nng_http_res *res;
-    if (nng_http_res_alloc(&res) != 0) {
-        nng_aio_finish(aio, NNG_ENOMEM);
-        return;
-    }
-    nng_http_res_set_status(res, status);
-    nng_http_res_set_header(res, "Content-Type", ctype);
-    nng_http_res_copy_data(res, body, len);
-    nng_aio_set_output(aio, 0, res);
-    nng_aio_finish(aio, 0);
-}
-
-static coord *http_coord(nng_aio *aio)
-{
-    nng_http_handler *h = nng_aio_get_input(aio, 1);
-    return nng_http_handler_get_data(h);
-}
-
-static void on_metrics(nng_aio *aio)
-{
-    coord *c = http_coord(aio);
+    coord *c = arg;
     pthread_mutex_lock(&c->metrics_mu);
-    char *copy = c->metrics_text ? strdup(c->metrics_text) : strdup("");
+    out->body = strdup(c->metrics_text ? c->metrics_text : ""); /* owned by out */
     pthread_mutex_unlock(&c->metrics_mu);
-    http_reply(aio, 200, "text/plain; version=0.0.4", copy ? copy : "", copy ? strlen(copy) : 0);
-    free(copy);
+    out->status = 200;
+    out->ctype = "text/plain; version=0.0.4";
+    out->extra = NULL;
+    out->len = out->body ? strlen(out->body) : 1; /* NULL body, len 1: httpd answers 500 */
+    out->owned = 1;
 }
 
-static void on_livez(nng_aio *aio)
+static void on_livez(void *arg, httpd_resp *out)
 {
-    http_reply(aio, 200, "text/plain", "ok\n", 3);
+    (void)arg;
+    *out = (httpd_resp){200, "text/plain", NULL, "ok\n", 3, 0};
 }
 
-static void on_readyz(nng_aio *aio)
+static void on_readyz(void *arg, httpd_resp *out)
 {
-    coord *c = http_coord(aio);
+    coord *c = arg;
     /* ready and not draining; read without the loop: a racy int read is fine here */
     int ok = __atomic_load_n(&c->ready, __ATOMIC_RELAXED) &&
              !__atomic_load_n(&c->draining, __ATOMIC_RELAXED);
     if (ok)
-        http_reply(aio, 200, "text/plain", "ready\n", 6);
+        *out = (httpd_resp){200, "text/plain", NULL, "ready\n", 6, 0};
     else
-        http_reply(aio, 503, "text/plain", "not ready\n", 10);
+        *out = (httpd_resp){503, "text/plain", NULL, "not ready\n", 10, 0};
 }
+
+static const httpd_route routes[] = {{"/metrics", on_metrics},
+                                     {"/livez", on_livez},
+                                     {"/readyz", on_readyz},
+                                     {"/dashboard", coord_http_dashboard}};
 
 moe_err coord_metrics_start(coord *c)
 {
-    nng_url *url;
-    nng_http_server *s;
-    int rv;
+    char err[512];
     if (!c->metrics_url[0])
         return MOE_OK;
-    if ((rv = nng_url_parse(&url, c->metrics_url)) != 0) {
-        LOG_E("bad metrics url %s: %s", c->metrics_url, nng_strerror(rv));
+    httpd *h = httpd_start(c->metrics_url, routes, (int)(sizeof(routes) / sizeof(routes[0])), c,
+                           err, sizeof(err));
+    if (!h) {
+        LOG_E("cannot serve metrics: %s", err);
         return MOE_EINVAL;
     }
-    rv = nng_http_server_hold(&s, url);
-    nng_url_free(url);
-    if (rv != 0) {
-        LOG_E("http server %s: %s", c->metrics_url, nng_strerror(rv));
-        return MOE_EINVAL;
-    }
-    static const struct {
-        const char *path;
-        void (*cb)(nng_aio *);
-    } routes[] = {{"/metrics", on_metrics},
-                  {"/livez", on_livez},
-                  {"/readyz", on_readyz},
-                  {"/dashboard", coord_http_dashboard}};
-    for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
-        nng_http_handler *h;
-        if (nng_http_handler_alloc(&h, routes[i].path, routes[i].cb) != 0)
-            continue;
-        nng_http_handler_set_data(h, c, NULL);
-        if (nng_http_server_add_handler(s, h) != 0)
-            nng_http_handler_free(h);
-    }
-    if ((rv = nng_http_server_start(s)) != 0) {
-        LOG_E("cannot serve metrics on %s: %s", c->metrics_url, nng_strerror(rv));
-        nng_http_server_release(s);
-        return MOE_EINVAL;
-    }
-    c->http = s;
+    c->http = h;
     LOG_I("metrics on %s/metrics", c->metrics_url);
     return MOE_OK;
 }
@@ -273,8 +234,7 @@ moe_err coord_metrics_start(coord *c)
 void coord_metrics_stop(coord *c)
 {
     if (c->http) {
-        nng_http_server_stop(c->http);
-        nng_http_server_release(c->http);
+        httpd_stop(c->http);
         c->http = NULL;
     }
 }

@@ -154,13 +154,13 @@ int coord_reply_has_missing(const moe_reply *rep)
 
 void coord_backward(coord *c, rpc_call *call)
 {
-    int64_t hid = 0;
+    uint64_t hid = 0;
     moe_tensor dy;
     char err[256];
     mp_reader rdirect;
     memset(&dy, 0, sizeof(dy));
     pspec sp[] = {
-        {"handle", P_INT, &hid, true, 0, 9e18, 0, false},
+        {"handle", P_U64, &hid, true, 0, 0, 0, false}, /* any uint: unknown is not_found */
         {"dy", P_TENSOR, &dy, false, 0, 0, 0, false},
         {"direct", P_RAW, &rdirect, false, 0, 0, 0, false},
     };
@@ -177,7 +177,7 @@ void coord_backward(coord *c, rpc_call *call)
         rpc_reply_err(call, e, "%s", err);
         return;
     }
-    coord_handle *h = lookup_handle(c, (uint64_t)hid, &e, err, sizeof(err));
+    coord_handle *h = lookup_handle(c, hid, &e, err, sizeof(err));
     if (!h) {
         rpc_reply_err(call, e, "%s", err);
         return;

@@ -483,6 +483,10 @@ cluster *cluster_start(const cluster_opts *opts)
         av_add(&a, "--auth-token");
         av_add(&a, cl->opts.auth_token);
     }
+    if (!cl->opts.checkpoint_root || cl->opts.checkpoint_root[0]) {
+        av_add(&a, "--checkpoint-root");
+        av_add(&a, cl->opts.checkpoint_root ? cl->opts.checkpoint_root : "/tmp");
+    }
     for (int k = 0; k < CLUSTER_MAX_ARGS && cl->opts.coord_args[k]; k++)
         av_add(&a, cl->opts.coord_args[k]);
     cl->coord_pid = spawn(cl, a.v, cl->paths_coord_log);

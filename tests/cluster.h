@@ -46,8 +46,10 @@ typedef struct cluster_opts {
     const char *data_path;  /* the client's data path (moe_client_opts); NULL = default */
     const char *coord_args[CLUSTER_MAX_ARGS];  /* extra coordinator flags, NULL-terminated */
     const char *worker_args[CLUSTER_MAX_ARGS]; /* extra worker flags, NULL-terminated */
-    int no_client; /* open no client and do not wait for ready: for a forked child
-                    * process, where nng cannot be used ("not fork-reentrant safe") */
+    int no_client;               /* open no client and do not wait for ready: for a forked child
+                                  * process, where nng cannot be used ("not fork-reentrant safe") */
+    const char *checkpoint_root; /* the coordinator's --checkpoint-root: NULL = /tmp (where
+                                  * tests make their checkpoint directories), "" = none */
 } cluster_opts;
 
 typedef struct cluster {

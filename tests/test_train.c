@@ -549,9 +549,15 @@ Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = clust
     cr_assert(strstr(msg, "expired"), "%s", msg);
     cr_assert_eq(call_backward_raw(cl, h[2], s.T, s.H, msg, sizeof(msg)), MOE_OK, "%s", msg);
 
-    /* a checkpoint path that cannot be written */
-    cr_assert_eq(moe_checkpoint_save(cl->cli, "d", "/proc/moe-cannot-write"), MOE_EIO);
+    /* a checkpoint path that cannot be written: a file is in the way */
+    char blocker[200];
+    snprintf(blocker, sizeof(blocker), "%s-file", ck);
+    FILE *bf = fopen(blocker, "w");
+    cr_assert(bf);
+    fclose(bf);
+    cr_assert_eq(moe_checkpoint_save(cl->cli, "d", blocker), MOE_EIO, "%s", moe_last_error());
     cr_assert(strstr(moe_last_error(), "cannot"), "%s", moe_last_error());
+    unlink(blocker);
 
     /* a good checkpoint, then corrupt and truncated copies of it */
     cr_assert_eq(moe_checkpoint_save(cl->cli, "d", ck), MOE_OK, "%s", moe_last_error());
@@ -596,7 +602,10 @@ Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = clust
     cr_assert_eq(moe_checkpoint_load(cl->cli, "other", ck, NULL), MOE_EINVAL);
     cr_assert(strstr(moe_last_error(), "another model shape"), "%s", moe_last_error());
     /* no checkpoint there at all */
-    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", "/nonexistent/moe", NULL), MOE_ENOTFOUND);
+    char none[200];
+    snprintf(none, sizeof(none), "%s-nothing/moe", ck);
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "d", none, NULL), MOE_ENOTFOUND, "%s",
+                 moe_last_error());
 
     /* the service still serves */
     cr_assert_eq(moe_ping(cl->cli), MOE_OK);

@@ -9,12 +9,14 @@
  * workers loads into a cluster of another size.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "confine.h"
 #include "kern.h"
 #include "log.h"
 #include "gpu.h"
@@ -23,6 +25,35 @@
 #include "worker.h"
 
 #define CKPT_MAX_FILES 1024
+
+/* the coordinator's checkpoint roots (from registration); under roots_mu */
+static pthread_mutex_t roots_mu = PTHREAD_MUTEX_INITIALIZER;
+static char roots[CONFINE_MAX_ROOTS][CFG_STR_MAX];
+static int nroots;
+
+void wkr_ckpt_set_roots(const char *const *r, int n)
+{
+    pthread_mutex_lock(&roots_mu);
+    nroots = 0;
+    for (int i = 0; i < n && i < CONFINE_MAX_ROOTS; i++)
+        snprintf(roots[nroots++], CFG_STR_MAX, "%s", r[i]);
+    pthread_mutex_unlock(&roots_mu);
+}
+
+/* confine resolves path into out; it must lie under one of the roots. */
+static moe_err confine(const char *path, char *out, size_t outlen, char *err, size_t errlen)
+{
+    char copy[CONFINE_MAX_ROOTS][CFG_STR_MAX];
+    const char *rp[CONFINE_MAX_ROOTS];
+    pthread_mutex_lock(&roots_mu);
+    int n = nroots;
+    for (int i = 0; i < n; i++) {
+        memcpy(copy[i], roots[i], CFG_STR_MAX);
+        rp[i] = copy[i];
+    }
+    pthread_mutex_unlock(&roots_mu);
+    return path_confine(path, rp, n, out, outlen, err, errlen);
+}
 
 static void meta_cfg(st_writer *sw, const wkr_model *m, int rank, int world)
 {
@@ -61,9 +92,14 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
     wkr_model *m = wkr_model_or_reply(w, c, name);
     if (!m)
         return;
-    moe_err e = MOE_OK;
-    if (st_mkdir_p(dir) != MOE_OK) {
-        rpc_reply_err(c, MOE_EIO, "cannot create checkpoint directory %s: %s", dir,
+    char real[2048];
+    moe_err e = confine(dir, real, sizeof(real), err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    if (st_mkdir_p(real) != MOE_OK) {
+        rpc_reply_err(c, MOE_EIO, "cannot create checkpoint directory %s: %s", real,
                       strerror(errno));
         return;
     }
@@ -74,7 +110,7 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
     }
     char file[64], path[4096], tname[160];
     snprintf(file, sizeof(file), "model-%05d-of-%05d.safetensors", w->rank + 1, w->world);
-    snprintf(path, sizeof(path), "%s/%s", dir, file);
+    snprintf(path, sizeof(path), "%s/%s", real, file);
     meta_cfg(sw, m, w->rank, w->world);
     int bf = m->cfg.dtype == MOE_BF16;
     mp_writer names;
@@ -169,15 +205,19 @@ static moe_err ckpt_prepare(wkr_model *m, const char *dir, mp_reader *files_r, c
     for (uint32_t i = 0; i < nf && e == MOE_OK; i++) {
         const char *s;
         uint32_t len;
-        char path[4096];
+        char path[4096], real[4096];
         if (mp_read_str(files_r, &s, &len, NULL) != MOE_OK || len == 0 || len > 255 ||
-            memchr(s, '/', len)) {
+            memchr(s, '/', len) || memchr(s, 0, len) ||
+            (len <= 2 && s[0] == '.' && s[len - 1] == '.')) {
             snprintf(err, errlen, "bad shard file name");
             e = MOE_EINVAL;
             break;
         }
         snprintf(path, sizeof(path), "%s/%.*s", dir, (int)len, s);
-        e = st_open(path, &files[i], err, errlen);
+        /* the file itself may be a symlink: what is read stays under a root */
+        e = confine(path, real, sizeof(real), err, errlen);
+        if (e == MOE_OK)
+            e = st_open(real, &files[i], err, errlen);
         if (e == MOE_OK) {
             const char *st = st_meta(files[i], "moe.step");
             int64_t v = st ? atoll(st) : -1;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "blas_pick.h"
+#include "confine.h"
 #include "gpu.h"
 #include "hostid.h"
 #include "log.h"
@@ -101,6 +102,28 @@ static void on_reg_async(uv_async_t *h)
     }
 }
 
+/* set_ckpt_roots reads the register reply's checkpoint_roots (NULL: none,
+ * checkpoints are refused); -1 when it is not an array of paths. */
+static int set_ckpt_roots(mp_reader *rr)
+{
+    char buf[CONFINE_MAX_ROOTS][CFG_STR_MAX];
+    const char *roots[CONFINE_MAX_ROOTS];
+    uint32_t n = 0;
+    if (rr && (mp_read_array(rr, &n, NULL) != MOE_OK || n > CONFINE_MAX_ROOTS))
+        return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *s;
+        uint32_t len;
+        if (mp_read_str(rr, &s, &len, NULL) != MOE_OK || len >= CFG_STR_MAX || memchr(s, 0, len))
+            return -1;
+        memcpy(buf[i], s, len);
+        buf[i][len] = 0;
+        roots[i] = buf[i];
+    }
+    wkr_ckpt_set_roots(roots, (int)n);
+    return 0;
+}
+
 static void on_register_reply(moe_err err, moe_reply *r, void *arg)
 {
     int id = -1;
@@ -110,15 +133,21 @@ static void on_register_reply(moe_err err, moe_reply *r, void *arg)
         uint32_t n;
         mp_reader_init(&rd, r->buf + r->result_off, r->len - r->result_off);
         int64_t v = -1;
+        mp_reader roots_r;
         pspec sp[] = {{"worker_id", P_INT, &v, true, 0, 1e9, 0, false},
-                      {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false}};
+                      {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false},
+                      {"checkpoint_roots", P_RAW, &roots_r, false, 0, 0, 0, false}};
         char e2[128];
         if (mp_read_map(&rd, &n, NULL) == MOE_OK &&
-            params_parse(&rd, n, sp, 2, e2, sizeof(e2)) == MOE_OK) {
+            params_parse(&rd, n, sp, 3, e2, sizeof(e2)) == MOE_OK &&
+            set_ckpt_roots(sp[2].seen ? &roots_r : NULL) == 0) {
             id = (int)v;
         }
-    } else if (r) {
+    } else if (r && r->transport) {
         LOG_D("register: %s", r->message);
+    } else if (r) {
+        /* the coordinator refused us (e.g. its registry is full): say why */
+        LOG_W("register with the coordinator: %s: %s", moe_err_code(err), r->message);
     }
     moe_reply_free(r);
     free(r);

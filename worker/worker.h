@@ -203,6 +203,10 @@ void wkr_op_backward(wkr *w, rpc_call *c);
 void wkr_op_step(wkr *w, rpc_call *c);
 void wkr_op_ckpt_save(wkr *w, rpc_call *c);
 void wkr_op_ckpt_load(wkr *w, rpc_call *c);
+/* wkr_ckpt_set_roots: the directories the coordinator lets checkpoints be
+ * written in and read from (its worker.register reply); checkpoint calls
+ * naming a directory or file outside them are refused. Copied; any thread. */
+void wkr_ckpt_set_roots(const char *const *roots, int n);
 wkr_model *wkr_find_model(wkr *w, const char *name);
 /* The handlers' common prologue steps; each answers the call with the
  * error and returns false / NULL when it fails. wkr_parse_or_reply parses

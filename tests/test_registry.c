@@ -1,0 +1,201 @@
+/*
+ * test_registry.c - the coordinator's worker registry does not fill up with
+ * dead workers (docs/OPERATIONS.md, "Worker registry"):
+ *   - 300 registrations of fake workers (raw worker.register on their own
+ *     connection, closed right after: each worker is then down) - more than
+ *     the default capacity of 256 - and then real workers still join, the
+ *     cluster is ready, and /metrics has series for the live workers only;
+ *   - a real worker restarted (SIGKILL) three times the capacity of a
+ *     registry of 4 entries: each restart takes the old rank, the cluster is
+ *     ready every time, and only the live worker is listed;
+ *   - a registry of live workers that is full refuses a new one with a clear
+ *     error, logged at warn.
+ * No sleeps: every wait polls cluster.status with a generous bound.
+ */
+#include <criterion/criterion.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cluster.h"
+
+/* fake_register sends worker.register for rpc_url on a fresh connection;
+ * the connection stays open (*sock) so the entry stays up until closed.
+ * Returns the reply's error code; msg gets its message. */
+static moe_err fake_register(const char *coord_url, const char *rpc_url, nng_socket *sock,
+                             char *msg, size_t cap)
+{
+    nng_socket s;
+    cr_assert_eq(nng_req0_open(&s), 0);
+    nng_socket_set_ms(s, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
+    nng_socket_set_ms(s, NNG_OPT_RECVTIMEO, 20000);
+    nng_socket_set_ms(s, NNG_OPT_SENDTIMEO, 20000);
+    cr_assert_eq(nng_dial(s, coord_url, NULL, 0), 0);
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_array(&w, 4);
+    mp_write_i64(&w, 0);
+    mp_write_i64(&w, 1);
+    mp_write_cstr(&w, "worker.register");
+    mp_write_array(&w, 1);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "rpc_url");
+    mp_write_cstr(&w, rpc_url);
+    mp_write_cstr(&w, "data_url");
+    mp_write_cstr(&w, rpc_url);
+    cr_assert_eq(nng_send(s, w.buf, w.len, 0), 0);
+    mp_writer_fini(&w);
+    uint8_t *buf;
+    size_t len;
+    int rv = nng_recv(s, &buf, &len, NNG_FLAG_ALLOC);
+    cr_assert_eq(rv, 0, "worker.register: no reply: %s", nng_strerror(rv));
+    moe_rpc_response resp;
+    mp_errbuf eb = {{0}};
+    cr_assert_eq(moe_rpc_parse_response(buf, len, &resp, &eb), MOE_OK, "%s", eb.msg);
+    snprintf(msg, cap, "%.*s", (int)resp.errmsg_len, resp.errmsg ? resp.errmsg : "");
+    moe_err e = resp.err;
+    nng_free(buf, len);
+    *sock = s;
+    return e;
+}
+
+/* wait_state polls cluster.status until up == want_up (and, with
+ * want_listed >= 0, listed == want_listed). */
+static cluster_state wait_state(cluster *cl, int want_up, int want_listed, int ready)
+{
+    cluster_state st;
+    int64_t t0 = cluster_now_ms();
+    for (;;) {
+        cr_assert_eq(cluster_get_state(cl, &st), MOE_OK, "%s", moe_last_error());
+        if (st.up == want_up && (want_listed < 0 || st.listed == want_listed) &&
+            (!ready || st.ready))
+            return st;
+        cr_assert(cluster_now_ms() - t0 < 30000,
+                  "cluster.status: up %d listed %d ready %d, want up %d listed %d ready %d", st.up,
+                  st.listed, st.ready, want_up, want_listed, ready);
+        usleep(2000); /* polling interval, not a synchronisation */
+    }
+}
+
+/* count lines of /metrics that start with prefix */
+static int metric_lines(cluster *cl, const char *prefix)
+{
+    static char body[1 << 20];
+    cr_assert_eq(cluster_http_get(cl->metrics_port, "/metrics", NULL, 0, body, sizeof(body)), 200);
+    int n = 0;
+    for (const char *p = body; (p = strstr(p, prefix)); p++)
+        n += p == body || p[-1] == '\n';
+    return n;
+}
+
+/* wait_metric_lines polls /metrics (rendered every 100 ms) for want lines. */
+static void wait_metric_lines(cluster *cl, const char *prefix, int want)
+{
+    int64_t t0 = cluster_now_ms();
+    int n;
+    while ((n = metric_lines(cl, prefix)) != want) {
+        cr_assert(cluster_now_ms() - t0 < 30000, "%d lines %s, want %d", n, prefix, want);
+        usleep(20000);
+    }
+}
+
+Test(registry, fake_registrations_beyond_capacity_do_not_fill_it, .timeout = 150,
+     .fini = cluster_fini_all)
+{
+    cluster_opts o = {
+        .workers = 0, .expected_workers = 2, .no_wait = 1, .metrics = 1, .checkpoint_root = ""};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    char msg[512], url[64];
+    for (int i = 0; i < 300; i++) {
+        nng_socket s;
+        /* a new address each time, like a worker restarted on port 0 */
+        snprintf(url, sizeof(url), "tcp://127.0.0.1:%d", 20000 + i);
+        moe_err e = fake_register(cl->url, url, &s, msg, sizeof(msg));
+        cr_assert_eq(e, MOE_OK, "registration %d: %s: %s", i, moe_err_code(e), msg);
+        nng_close(s); /* the worker is gone: its connection closed */
+        wait_state(cl, 0, -1, 0);
+    }
+    /* real workers join and the cluster forms */
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(cluster_worker_start(cl, i), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_wait_ready(cl, 60000), 0, "%s", cluster_error());
+    /* the dead fakes are gone from cluster.status and /metrics */
+    wait_state(cl, 2, 2, 1);
+    char body[64];
+    cr_assert_eq(cluster_http_get(cl->metrics_port, "/readyz", NULL, 0, body, sizeof(body)), 200);
+    wait_metric_lines(cl, "moe_worker_up{", 2);
+    wait_metric_lines(cl, "moe_worker_busy_seconds_total{", 2);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
+
+Test(registry, worker_restarts_take_the_old_rank, .timeout = 150, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1, .metrics = 1, .checkpoint_root = ""};
+    o.coord_args[0] = "--max-workers";
+    o.coord_args[1] = "4";
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    cluster_state st;
+    cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
+    uint64_t gen = st.generation;
+    for (int i = 0; i < 12; i++) {
+        cr_assert_eq(cluster_worker_kill(cl, 0, SIGKILL), 0, "%s", cluster_error());
+        cr_assert_eq(cluster_worker_start(cl, 0), 0, "%s", cluster_error());
+        /* a new generation with the restarted worker */
+        int64_t t0 = cluster_now_ms();
+        for (;;) {
+            cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
+            if (st.ready && st.generation > gen)
+                break;
+            cr_assert(cluster_now_ms() - t0 < 30000, "restart %d: not ready again: up %d, gen %llu",
+                      i, st.up, (unsigned long long)st.generation);
+            usleep(2000);
+        }
+        gen = st.generation;
+    }
+    wait_state(cl, 1, 1, 1);
+    wait_metric_lines(cl, "moe_worker_up{", 1);
+    char body[64];
+    cr_assert_eq(cluster_http_get(cl->metrics_port, "/readyz", NULL, 0, body, sizeof(body)), 200);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
+
+Test(registry, full_of_live_workers_refuses_clearly, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 0, .expected_workers = 3, .no_wait = 1, .checkpoint_root = ""};
+    o.coord_args[0] = "--max-workers";
+    o.coord_args[1] = "2";
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    nng_socket s[3];
+    char msg[512];
+    cr_assert_eq(fake_register(cl->url, "tcp://127.0.0.1:21001", &s[0], msg, sizeof(msg)), MOE_OK);
+    cr_assert_eq(fake_register(cl->url, "tcp://127.0.0.1:21002", &s[1], msg, sizeof(msg)), MOE_OK);
+    wait_state(cl, 2, 2, 0);
+    moe_err e = fake_register(cl->url, "tcp://127.0.0.1:21003", &s[2], msg, sizeof(msg));
+    cr_assert_eq(e, MOE_ENOMEM, "third worker: %s: %s", moe_err_code(e), msg);
+    cr_assert(strstr(msg, "registry full"), "%s", msg);
+    /* once one is gone, there is room again */
+    nng_close(s[0]);
+    wait_state(cl, 1, -1, 0);
+    nng_close(s[2]);
+    cr_assert_eq(fake_register(cl->url, "tcp://127.0.0.1:21004", &s[2], msg, sizeof(msg)), MOE_OK,
+                 "%s", msg);
+    nng_close(s[1]);
+    nng_close(s[2]);
+    /* the refusal is in the coordinator's log at warn */
+    FILE *f = fopen(cl->paths_coord_log, "r");
+    cr_assert(f);
+    char line[1200];
+    int warned = 0;
+    while (fgets(line, sizeof(line), f))
+        warned |= strstr(line, " W ") && strstr(line, "registry full");
+    fclose(f);
+    cr_assert(warned, "no warning about the full registry in %s", cl->paths_coord_log);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
