@@ -15,7 +15,8 @@ parameter updated by torch's AdamW with the same hyperparameters.
 Compared: the loss at every step, the aux loss the service reports, the
 input layer's gradient of the first step (it comes through the service's
 dx), and after the last step every weight (the remote ones read back from a
-new checkpoint) and an inference forward (eval, no_grad).
+new checkpoint) and an inference forward (eval, no_grad). Also: a RemoteMoE
+whose input needs no grad still sends its backward in training mode.
 
     python3 python/train_check.py --url tcp://127.0.0.1:7000 [--workdir DIR]
 
@@ -204,6 +205,27 @@ def main():
     check(remote_moe.last_stats.get("tokens_per_expert") is not None and
           sum(remote_moe.last_stats["tokens_per_expert"]) == T * K,
           "RemoteMoE.last_stats: tokens_per_expert sums to T*K")
+
+    # RemoteMoE first in a network: its input needs no grad, yet in training
+    # mode the backward must reach the service (the weight gradients)
+    first = name + "_first"
+    c.model_create(first, layers=1, d_model=H, d_ff=F, n_experts=E, top_k=K, renormalize=True,
+                   dtype="f32", seed=12, aux_loss_coef=AUX, z_loss_coef=ZLOSS)
+    m = moe_torch.RemoteMoE(c, first, 0)
+    x0 = torch.from_numpy(rng.uniform(-1, 1, (T, H)).astype(np.float32))
+    m.eval()
+    y_inf = m(x0)  # grad enabled, eval, x needs no grad: an inference forward
+    check(not y_inf.requires_grad, "eval mode, input without grad: inference forward")
+    m.train()
+    y_tr = m(x0)
+    err = rel(y_tr.detach().numpy(), y_inf.numpy())
+    check(y_tr.requires_grad and err < 1e-6,
+          "training mode, input without grad: a training forward, the same y (rel err %.1e)"
+          % err)
+    y_tr.square().sum().backward()
+    n, norm = m.step(lr=1e-3)
+    check(n == 1 and norm > 0, "its backward reached the service: step %d, grad norm %.4f"
+          % (n, norm))
     c.close()
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
