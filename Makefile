@@ -105,7 +105,7 @@ bin/moectl: $(B)/client/moectl.o lib/libmoe.a $(KERN_LIB)
 	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
 
 # One Criterion binary holds every test: one Synthesis line at the end.
-$(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB)
+$(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
 	$(CC) $(LDFLAGS) -o $@ $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) \
 	    lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) -lcriterion $(LDLIBS)
 
