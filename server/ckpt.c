@@ -106,6 +106,7 @@ static moe_err ckpt_save_job(coord *c, coord_model *m, const char *root, rpc_cal
     coord_job *j = calloc(1, sizeof(*j));
     if (!j)
         return MOE_ENOMEM;
+    j->ops = &coord_job_ckpt_save;
     j->kind = JOB_CKPT_SAVE;
     j->call = call;
     j->model = m;
@@ -317,6 +318,7 @@ static moe_err ckpt_load_job(coord *c, coord_model *m, const char *path, rpc_cal
         e = MOE_EINVAL;
     }
     if (e == MOE_OK) {
+        j->ops = &coord_job_ckpt_load;
         j->kind = JOB_CKPT_LOAD;
         j->call = call;
         j->model = m;
@@ -378,7 +380,7 @@ int coord_autorestore(coord *c, coord_model *m)
     return 1;
 }
 
-void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method)
+static void ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w)
 {
     (void)c;
     (void)rank;
@@ -387,7 +389,6 @@ void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const cha
         if (!j->path[0])
             snprintf(j->path, sizeof(j->path), "%s/ckpt-%08lld-%llx", j->root,
                      (long long)j->model->step, (unsigned long long)rpc_now_ns());
-        *method = "worker.checkpoint_save";
         mp_write_map(w, 2);
         mp_write_cstr(w, "model");
         mp_write_cstr(w, j->model->cfg.name);
@@ -395,7 +396,6 @@ void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const cha
         mp_write_cstr(w, j->path);
         return;
     case JOB_CKPT_LOAD:
-        *method = "worker.checkpoint_load";
         mp_write_map(w, 4);
         mp_write_cstr(w, "model");
         mp_write_cstr(w, j->model->cfg.name);
@@ -409,7 +409,6 @@ void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const cha
             mp_write_cstr(w, j->files[i]);
         return;
     default:
-        *method = "worker.checkpoint_load";
         mp_write_map(w, 2);
         mp_write_cstr(w, "model");
         mp_write_cstr(w, j->model->cfg.name);
@@ -531,8 +530,9 @@ static void prune(const char *root, const char *keep_name)
     }
 }
 
-void coord_ckpt_finish(coord *c, coord_job *j)
+static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
+    (void)first, (void)bad_rank;
     char err[512] = "";
     int bad = -1;
     for (int r = 0; r < j->nsent && bad < 0; r++)
@@ -616,6 +616,7 @@ void coord_ckpt_finish(coord *c, coord_job *j)
                 rpc_reply_err(j->call, MOE_ENOMEM, "out of memory");
             return;
         }
+        k->ops = &coord_job_ckpt_commit;
         k->kind = JOB_CKPT_COMMIT;
         k->model = j->model;
         k->commit = e == MOE_OK;
@@ -764,3 +765,10 @@ void coord_models_restore(coord *c)
     if (d)
         closedir(d);
 }
+
+const coord_job_ops coord_job_ckpt_save = {
+    JOB_CKPT_SAVE, "worker.checkpoint_save", 0, ckpt_encode, ckpt_finish, NULL};
+const coord_job_ops coord_job_ckpt_load = {
+    JOB_CKPT_LOAD, "worker.checkpoint_load", 0, ckpt_encode, ckpt_finish, NULL};
+const coord_job_ops coord_job_ckpt_commit = {
+    JOB_CKPT_COMMIT, "worker.checkpoint_load", 0, ckpt_encode, ckpt_finish, NULL};

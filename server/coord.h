@@ -86,9 +86,38 @@ typedef struct coord_handle {
 } coord_handle;
 #define COORD_HANDLE_RING 32768 /* > queue-depth + max-handles (both capped at 16384) */
 
-typedef struct coord_job {
-    struct coord_job *next;
+typedef struct coord coord;
+typedef struct coord_job coord_job;
+
+/* coord_job_ops: one kind of cluster job - the worker method it calls,
+ * what it sends each rank, and what it does with the W replies. Each kind
+ * is defined by the file that owns it (registry.c: xchg_id, join;
+ * models.c: model.create; forward.c; train.c: backward, step; ckpt.c);
+ * jobs.c runs jobs through these and calls nothing above it. */
+typedef struct coord_job_ops {
     job_kind kind;
+    const char *method; /* the worker method */
+    unsigned flags;     /* JOB_F_* */
+    /* encode writes the params map of rank's call */
+    void (*encode)(coord *c, coord_job *j, int rank, mp_writer *w);
+    /* finish consumes the replies: first is the first rank's error
+     * (MOE_OK when all succeeded), bad_rank that rank (-1 if none) */
+    void (*finish)(coord *c, coord_job *j, moe_err first, int bad_rank);
+    /* stale (optional): the job has nothing left to do when its turn
+     * comes; it is dropped unsent */
+    int (*stale)(coord *c, coord_job *j);
+} coord_job_ops;
+#define JOB_F_FORMING 1u /* runs while the cluster forms (before ready) */
+#define JOB_F_RANK0   2u /* sent to rank 0 only */
+
+extern const coord_job_ops coord_job_xchg_id, coord_job_join, coord_job_model_create,
+    coord_job_forward, coord_job_backward, coord_job_step, coord_job_ckpt_save, coord_job_ckpt_load,
+    coord_job_ckpt_commit;
+
+struct coord_job {
+    struct coord_job *next;
+    const coord_job_ops *ops;
+    job_kind kind;  /* ops->kind */
     rpc_call *call; /* the client request being served; NULL for internal jobs */
     coord_model *model;
     int layer;
@@ -117,7 +146,7 @@ typedef struct coord_job {
     int nsent, pending;
     moe_reply *replies[COORD_MAX_WORKERS]; /* by rank; owned */
     moe_err errs[COORD_MAX_WORKERS];
-} coord_job;
+};
 
 /* a completed worker call, from an nng thread */
 typedef struct coord_done {
@@ -128,7 +157,7 @@ typedef struct coord_done {
     moe_reply *reply;
 } coord_done;
 
-typedef struct coord {
+struct coord {
     /* config (read-only after start) */
     char listen_url[CFG_STR_MAX], metrics_url[CFG_STR_MAX], auth_token[CFG_STR_MAX];
     char log_level[CFG_STR_MAX], addr_file[CFG_STR_MAX];
@@ -201,7 +230,7 @@ typedef struct coord {
     pthread_mutex_t metrics_mu;
     char *metrics_text;
     struct httpd *http; /* owned: serves /metrics (httpd.h) */
-} coord;
+};
 
 extern const double coord_lat_bounds[COORD_LAT_BUCKETS];
 
@@ -237,9 +266,10 @@ void coord_dataplane_info(coord *c, rpc_call *call);
 
 /* jobs.c */
 moe_err coord_job_submit(coord *c, coord_job *j, int front);
-/* coord_job_new allocates a job for a client call; on failure it answers the
- * call (out of memory) and returns NULL. */
-coord_job *coord_job_new(job_kind kind, rpc_call *call, coord_model *m);
+/* coord_job_new allocates a job of a kind for a client call (call NULL: an
+ * internal job); on failure it answers the call (out of memory) and
+ * returns NULL. */
+coord_job *coord_job_new(const coord_job_ops *ops, rpc_call *call, coord_model *m);
 /* coord_job_enqueue queues j at the back; when the queue is full it answers
  * busy, frees j and returns MOE_EBUSY. The caller pumps. */
 moe_err coord_job_enqueue(coord *c, coord_job *j);
@@ -254,15 +284,11 @@ coord_model *coord_model_add(coord *c, const model_cfg *cfg, char *err, size_t e
 void coord_model_create(coord *c, rpc_call *call);
 void coord_model_info(coord *c, rpc_call *call);
 void coord_forward(coord *c, rpc_call *call);
-void coord_forward_finish(coord *c, coord_job *j);
-void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method);
 
 /* train.c */
 coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T);
 void coord_backward(coord *c, rpc_call *call);
-void coord_backward_finish(coord *c, coord_job *j);
 void coord_step(coord *c, rpc_call *call);
-void coord_step_finish(coord *c, coord_job *j);
 void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank);
 /* coord_parse_direct reads a request's "direct" map {ticket, generation,
  * dtype, T?} into j (direct, tk_*, dgen, x.dtype); *T = -1 when absent.
@@ -282,8 +308,6 @@ moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w,
 /* ckpt.c */
 void coord_ckpt_save(coord *c, rpc_call *call);
 void coord_ckpt_load(coord *c, rpc_call *call);
-void coord_ckpt_finish(coord *c, coord_job *j);
-void coord_ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method);
 /* coord_ckpt_roots lists the directories checkpoints may be written in and
  * read from (--checkpoint-root, --checkpoint-dir), for the workers; returns
  * how many (0..2). The strings belong to c. */

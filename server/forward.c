@@ -136,6 +136,7 @@ void coord_forward(coord *c, rpc_call *call)
     memset(&dj, 0, sizeof(dj));
     dj.model = m;
     dj.kind = JOB_FORWARD;
+    dj.ops = &coord_job_forward;
     if (sp[5].seen) {
         int64_t T = -1;
         e = coord_parse_direct(c, &rdirect, &dj, &T, err, sizeof(err));
@@ -171,7 +172,7 @@ void coord_forward(coord *c, rpc_call *call)
                       (long long)bad);
         return;
     }
-    coord_job *j = coord_job_new(JOB_FORWARD, call, m);
+    coord_job *j = coord_job_new(&coord_job_forward, call, m);
     if (!j)
         return;
     j->layer = (int)layer;
@@ -277,7 +278,7 @@ static int nbatch_of(const coord_job *j)
     return n;
 }
 
-void coord_forward_finish(coord *c, coord_job *j)
+static void forward_finish(coord *c, coord_job *j)
 {
     coord_model *m = j->model;
     const int E = m->cfg.n_experts, K = m->cfg.top_k, W = j->nsent > 0 ? j->nsent : 1;
@@ -516,3 +517,40 @@ void coord_forward_finish(coord *c, coord_job *j)
     free(psum);
     free(parts);
 }
+
+static void forward_encode(coord *c, coord_job *j, int rank, mp_writer *w)
+{
+    int64_t T = j->x.shape[0];
+    mp_write_map(w, j->direct ? 8 : 7);
+    mp_write_cstr(w, "handle");
+    mp_write_u64(w, j->handle ? j->handle->id : 0);
+    mp_write_cstr(w, "model");
+    mp_write_cstr(w, j->model->cfg.name);
+    mp_write_cstr(w, "layer");
+    mp_write_i64(w, j->layer);
+    mp_write_cstr(w, "T_total");
+    mp_write_i64(w, T);
+    mp_write_cstr(w, "row0");
+    mp_write_i64(w, shard_first(T, c->world, rank));
+    mp_write_cstr(w, "train");
+    mp_write_bool(w, j->train != 0);
+    if (j->direct) {
+        mp_write_cstr(w, "dtype");
+        mp_write_cstr(w, moe_dtype_name(j->x.dtype));
+        coord_write_pieces(w, j, c->world, rank);
+        return;
+    }
+    mp_write_cstr(w, "x");
+    coord_write_sharded(w, &j->x, c->world, rank);
+}
+
+static void forward_job_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
+{
+    (void)bad_rank;
+    if (first != MOE_OK && j->handle)
+        j->handle->state = H_EXPIRED;
+    forward_finish(c, j);
+}
+
+const coord_job_ops coord_job_forward = {JOB_FORWARD,    "worker.forward",   0,
+                                         forward_encode, forward_job_finish, NULL};

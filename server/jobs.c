@@ -33,14 +33,16 @@ moe_err coord_job_submit(coord *c, coord_job *j, int front)
 
 static void job_free(coord_job *j);
 
-coord_job *coord_job_new(job_kind kind, rpc_call *call, coord_model *m)
+coord_job *coord_job_new(const coord_job_ops *ops, rpc_call *call, coord_model *m)
 {
     coord_job *j = calloc(1, sizeof(*j));
     if (!j) {
-        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
+        if (call)
+            rpc_reply_err(call, MOE_ENOMEM, "out of memory");
         return NULL;
     }
-    j->kind = kind;
+    j->ops = ops;
+    j->kind = ops->kind;
     j->call = call;
     j->model = m;
     return j;
@@ -111,72 +113,7 @@ static void finish_job(coord *c, coord_job *j)
             first = j->errs[r];
             bad_rank = r;
         }
-    switch (j->kind) {
-    case JOB_XCHG_ID: {
-        const void *id = NULL;
-        uint32_t len = 0;
-        if (first == MOE_OK) {
-            mp_reader rd;
-            uint32_t n;
-            const moe_reply *rep = j->replies[0];
-            mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
-            if (mp_read_map(&rd, &n, NULL) != MOE_OK || n != 1 || mp_skip(&rd, NULL) != MOE_OK ||
-                mp_read_bin(&rd, &id, &len, NULL) != MOE_OK || len != sizeof(c->nccl_id))
-                first = MOE_EINTERNAL;
-        }
-        if (first == MOE_OK) {
-            memcpy(c->nccl_id, id, sizeof(c->nccl_id));
-            c->nccl_id_ok = 1;
-        } else {
-            LOG_W("rank 0 could not make an NCCL id: %s",
-                  j->replies[0] ? j->replies[0]->message : moe_strerror(first));
-            c->need_form = 1;
-        }
-        break;
-    }
-    case JOB_JOIN:
-        if (first == MOE_OK && j->generation == c->generation) {
-            c->ready = 1;
-            LOG_I("cluster generation %llu ready: %d workers", (unsigned long long)c->generation,
-                  c->world);
-        } else {
-            LOG_W("cluster generation %llu failed to form (rank %d: %s: %s)",
-                  (unsigned long long)j->generation, bad_rank, moe_err_code(first),
-                  bad_rank >= 0 && j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
-            c->need_form = 1;
-        }
-        break;
-    case JOB_MODEL_CREATE:
-        if (first == MOE_OK)
-            j->model->created_gen = (int)j->generation;
-        if (j->call) {
-            if (first == MOE_OK) {
-                mp_writer w;
-                mp_writer_init(&w);
-                moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
-                mp_write_map(&w, 2);
-                mp_write_cstr(&w, "name");
-                mp_write_cstr(&w, j->model->cfg.name);
-                mp_write_cstr(&w, "params");
-                mp_write_i64(&w, model_cfg_params(&j->model->cfg));
-                rpc_reply(j->call, &w);
-            } else {
-                rpc_reply_err(j->call, first, "model.create failed on worker rank %d: %s", bad_rank,
-                              j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
-            }
-        }
-        break;
-    case JOB_FORWARD:
-        if (first != MOE_OK && j->handle)
-            j->handle->state = H_EXPIRED;
-        coord_forward_finish(c, j);
-        break;
-    case JOB_BACKWARD: coord_backward_finish(c, j); break;
-    case JOB_STEP: coord_step_finish(c, j); break;
-    case JOB_CKPT_SAVE:
-    case JOB_CKPT_LOAD:
-    case JOB_CKPT_COMMIT: coord_ckpt_finish(c, j); break;
-    }
+    j->ops->finish(c, j, first, bad_rank);
     /* a worker that did not answer at all (connection lost, timed out) is
      * down now: waiting for its heartbeats to stop would only make the next
      * generation wait for it; if it is alive it registers again */
@@ -218,26 +155,20 @@ void coord_on_done(uv_async_t *h)
     coord_job_pump(c);
 }
 
-static int job_needs_ready(const coord_job *j)
-{
-    return j->kind != JOB_JOIN && j->kind != JOB_XCHG_ID;
-}
-
 /* send_job sends the job's call to every member. */
 static void send_job(coord *c, coord_job *j)
 {
     j->generation = c->generation;
     j->started_ns = rpc_now_ns();
-    int targets = j->kind == JOB_XCHG_ID ? 1 : c->world; /* the id comes from rank 0 */
+    int targets = (j->ops->flags & JOB_F_RANK0) ? 1 : c->world;
     j->nsent = targets;
     j->pending = targets;
     c->current = j;
     for (int r = 0; r < targets; r++) {
         coord_worker *wk = &c->workers[c->rank_to_worker[r]];
         mp_writer w;
-        const char *method = NULL;
         mp_writer_init(&w);
-        coord_job_encode(c, j, r, &w, &method);
+        j->ops->encode(c, j, r, &w);
         coord_done *d = calloc(1, sizeof(*d));
         moe_err e = MOE_ENOMEM;
         if (d) {
@@ -249,7 +180,7 @@ static void send_job(coord *c, coord_job *j)
             else if (w.failed)
                 e = MOE_ENOMEM;
             else
-                e = moe_call_async(wk->cli, method, w.buf, w.len, on_worker_reply, d);
+                e = moe_call_async(wk->cli, j->ops->method, w.buf, w.len, on_worker_reply, d);
         }
         mp_writer_fini(&w);
         if (e != MOE_OK) {
@@ -351,7 +282,7 @@ void coord_job_pump(coord *c)
             job_free(j);
             continue;
         }
-        if (job_needs_ready(j) && !c->ready) {
+        if (!(j->ops->flags & JOB_F_FORMING) && !c->ready) {
             if (j->call) {
                 rpc_reply_err(j->call, MOE_EUNAVAIL,
                               "cluster not ready: %d of %lld workers up (generation %llu)",
@@ -371,13 +302,7 @@ void coord_job_pump(coord *c)
             job_free(j);
             continue;
         }
-        if (j->kind == JOB_JOIN && c->use_nccl && !c->nccl_id_ok) {
-            c->need_form = 1; /* the id job failed: form again later */
-            job_free(j);
-            continue;
-        }
-        if (j->kind == JOB_MODEL_CREATE && !j->call &&
-            j->model->created_gen == (int)c->generation) {
+        if (j->ops->stale && j->ops->stale(c, j)) {
             job_free(j);
             continue;
         }

@@ -88,7 +88,7 @@ void coord_model_create(coord *c, rpc_call *call)
         rpc_reply(call, &w);
         return;
     }
-    coord_job *j = coord_job_new(JOB_MODEL_CREATE, call, m);
+    coord_job *j = coord_job_new(&coord_job_model_create, call, m);
     if (!j || coord_job_enqueue(c, j) != MOE_OK)
         return;
     coord_job_pump(c);
@@ -127,90 +127,42 @@ void coord_model_info(coord *c, rpc_call *call)
     rpc_reply(call, &w);
 }
 
-void coord_job_encode(coord *c, coord_job *j, int rank, mp_writer *w, const char **method)
+static void model_create_encode(coord *c, coord_job *j, int rank, mp_writer *w)
 {
-    switch (j->kind) {
-    case JOB_XCHG_ID:
-        *method = "worker.xchg_id";
-        mp_write_map(w, 0);
+    (void)c, (void)rank;
+    model_cfg_write(w, &j->model->cfg);
+}
+
+static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
+{
+    (void)c;
+    if (first == MOE_OK)
+        j->model->created_gen = (int)j->generation;
+    if (!j->call)
         return;
-    case JOB_JOIN:
-        *method = "worker.join";
-        mp_write_map(w, c->use_nccl ? 5 : 4);
-        if (c->use_nccl) {
-            mp_write_cstr(w, "nccl_id");
-            mp_write_bin(w, c->nccl_id, sizeof(c->nccl_id));
-        }
-        mp_write_cstr(w, "generation");
-        mp_write_u64(w, c->generation);
-        mp_write_cstr(w, "rank");
-        mp_write_i64(w, rank);
-        mp_write_cstr(w, "world");
-        mp_write_i64(w, c->world);
-        mp_write_cstr(w, "peers");
-        mp_write_array(w, (uint32_t)c->world);
-        for (int r = 0; r < c->world; r++)
-            mp_write_cstr(w, c->workers[c->rank_to_worker[r]].data_url);
-        return;
-    case JOB_MODEL_CREATE:
-        *method = "worker.model_create";
-        model_cfg_write(w, &j->model->cfg);
-        return;
-    case JOB_FORWARD: {
-        *method = "worker.forward";
-        int64_t T = j->x.shape[0];
-        mp_write_map(w, j->direct ? 8 : 7);
-        mp_write_cstr(w, "handle");
-        mp_write_u64(w, j->handle ? j->handle->id : 0);
-        mp_write_cstr(w, "model");
-        mp_write_cstr(w, j->model->cfg.name);
-        mp_write_cstr(w, "layer");
-        mp_write_i64(w, j->layer);
-        mp_write_cstr(w, "T_total");
-        mp_write_i64(w, T);
-        mp_write_cstr(w, "row0");
-        mp_write_i64(w, shard_first(T, c->world, rank));
-        mp_write_cstr(w, "train");
-        mp_write_bool(w, j->train != 0);
-        if (j->direct) {
-            mp_write_cstr(w, "dtype");
-            mp_write_cstr(w, moe_dtype_name(j->x.dtype));
-            coord_write_pieces(w, j, c->world, rank);
-            return;
-        }
-        mp_write_cstr(w, "x");
-        coord_write_sharded(w, &j->x, c->world, rank);
-        return;
-    }
-    case JOB_BACKWARD:
-        *method = "worker.backward";
-        mp_write_map(w, j->direct ? 3 : 2);
-        mp_write_cstr(w, "handle");
-        mp_write_u64(w, j->handle->id);
-        if (j->direct) {
-            mp_write_cstr(w, "dtype");
-            mp_write_cstr(w, moe_dtype_name(j->x.dtype));
-            coord_write_pieces(w, j, c->world, rank);
-            return;
-        }
-        mp_write_cstr(w, "dy");
-        coord_write_sharded(w, &j->x, c->world, rank);
-        return;
-    case JOB_STEP: {
-        static const char *names[6] = {"lr",  "beta1",        "beta2",
-                                       "eps", "weight_decay", "max_grad_norm"};
-        *method = "worker.step";
-        mp_write_map(w, 7);
-        mp_write_cstr(w, "model");
-        mp_write_cstr(w, j->model->cfg.name);
-        for (int k = 0; k < 6; k++) {
-            mp_write_cstr(w, names[k]);
-            mp_write_f64(w, j->hp[k]);
-        }
-        return;
-    }
-    case JOB_CKPT_SAVE:
-    case JOB_CKPT_LOAD:
-    case JOB_CKPT_COMMIT: coord_ckpt_encode(c, j, rank, w, method); return;
+    if (first == MOE_OK) {
+        mp_writer w;
+        mp_writer_init(&w);
+        moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+        mp_write_map(&w, 2);
+        mp_write_cstr(&w, "name");
+        mp_write_cstr(&w, j->model->cfg.name);
+        mp_write_cstr(&w, "params");
+        mp_write_i64(&w, model_cfg_params(&j->model->cfg));
+        rpc_reply(j->call, &w);
+    } else {
+        rpc_reply_err(j->call, first, "model.create failed on worker rank %d: %s", bad_rank,
+                      j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
     }
 }
+
+/* model_create_stale: a re-creation after a re-formation that an earlier
+ * one of the same generation already did */
+static int model_create_stale(coord *c, coord_job *j)
+{
+    return !j->call && j->model->created_gen == (int)c->generation;
+}
+
+const coord_job_ops coord_job_model_create = {
+    JOB_MODEL_CREATE,    "worker.model_create", 0,
+    model_create_encode, model_create_finish,   model_create_stale};

@@ -335,11 +335,9 @@ void coord_maybe_form(coord *c)
      * automatic checkpoint), ahead of queued client jobs */
     for (int m = c->nmodels - 1; m >= 0; m--) {
         coord_autorestore(c, c->models[m]);
-        coord_job *j = calloc(1, sizeof(*j));
+        coord_job *j = coord_job_new(&coord_job_model_create, NULL, c->models[m]);
         if (!j)
             continue;
-        j->kind = JOB_MODEL_CREATE;
-        j->model = c->models[m];
         coord_job_submit(c, j, 1);
     }
     /* NCCL between GPU workers (unless configured otherwise): rank 0 makes
@@ -349,15 +347,11 @@ void coord_maybe_form(coord *c)
         all_gpu &= strcmp(c->workers[c->rank_to_worker[r]].backend, "cuda") == 0;
     c->use_nccl = strcmp(c->xchg_cfg, "nccl") == 0 || (strcmp(c->xchg_cfg, "auto") == 0 && all_gpu);
     c->nccl_id_ok = 0;
-    coord_job *j = calloc(1, sizeof(*j));
-    if (j) {
-        j->kind = JOB_JOIN;
+    coord_job *j = coord_job_new(&coord_job_join, NULL, NULL);
+    if (j)
         coord_job_submit(c, j, 1);
-    }
-    if (c->use_nccl && (j = calloc(1, sizeof(*j)))) {
-        j->kind = JOB_XCHG_ID;
+    if (c->use_nccl && (j = coord_job_new(&coord_job_xchg_id, NULL, NULL)))
         coord_job_submit(c, j, 1);
-    }
     LOG_I("generation %llu exchanges over %s", (unsigned long long)c->generation,
           c->use_nccl ? "NCCL" : "nng");
     coord_job_pump(c);
@@ -441,3 +435,88 @@ void coord_dataplane_info(coord *c, rpc_call *call)
     }
     rpc_reply(call, &w);
 }
+
+/* ---- the jobs that form a generation ---- */
+
+static void xchg_id_encode(coord *c, coord_job *j, int rank, mp_writer *w)
+{
+    (void)c, (void)j, (void)rank;
+    mp_write_map(w, 0);
+}
+
+/* xchg_id_finish keeps rank 0's NCCL unique id for the JOIN */
+static void xchg_id_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
+{
+    const void *id = NULL;
+    uint32_t len = 0;
+    (void)bad_rank;
+    if (first == MOE_OK) {
+        mp_reader rd;
+        uint32_t n;
+        const moe_reply *rep = j->replies[0];
+        mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
+        if (mp_read_map(&rd, &n, NULL) != MOE_OK || n != 1 || mp_skip(&rd, NULL) != MOE_OK ||
+            mp_read_bin(&rd, &id, &len, NULL) != MOE_OK || len != sizeof(c->nccl_id))
+            first = MOE_EINTERNAL;
+    }
+    if (first == MOE_OK) {
+        memcpy(c->nccl_id, id, sizeof(c->nccl_id));
+        c->nccl_id_ok = 1;
+    } else {
+        LOG_W("rank 0 could not make an NCCL id: %s",
+              j->replies[0] ? j->replies[0]->message : moe_strerror(first));
+        c->need_form = 1;
+    }
+}
+
+const coord_job_ops coord_job_xchg_id = {
+    JOB_XCHG_ID,    "worker.xchg_id", JOB_F_FORMING | JOB_F_RANK0,
+    xchg_id_encode, xchg_id_finish,   NULL};
+
+static void join_encode(coord *c, coord_job *j, int rank, mp_writer *w)
+{
+    (void)j;
+    mp_write_map(w, c->use_nccl ? 5 : 4);
+    if (c->use_nccl) {
+        mp_write_cstr(w, "nccl_id");
+        mp_write_bin(w, c->nccl_id, sizeof(c->nccl_id));
+    }
+    mp_write_cstr(w, "generation");
+    mp_write_u64(w, c->generation);
+    mp_write_cstr(w, "rank");
+    mp_write_i64(w, rank);
+    mp_write_cstr(w, "world");
+    mp_write_i64(w, c->world);
+    mp_write_cstr(w, "peers");
+    mp_write_array(w, (uint32_t)c->world);
+    for (int r = 0; r < c->world; r++)
+        mp_write_cstr(w, c->workers[c->rank_to_worker[r]].data_url);
+}
+
+static void join_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
+{
+    if (first == MOE_OK && j->generation == c->generation) {
+        c->ready = 1;
+        LOG_I("cluster generation %llu ready: %d workers", (unsigned long long)c->generation,
+              c->world);
+    } else {
+        LOG_W("cluster generation %llu failed to form (rank %d: %s: %s)",
+              (unsigned long long)j->generation, bad_rank, moe_err_code(first),
+              bad_rank >= 0 && j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
+        c->need_form = 1;
+    }
+}
+
+/* join_stale: the id job before it failed - form again later */
+static int join_stale(coord *c, coord_job *j)
+{
+    (void)j;
+    if (c->use_nccl && !c->nccl_id_ok) {
+        c->need_form = 1;
+        return 1;
+    }
+    return 0;
+}
+
+const coord_job_ops coord_job_join = {JOB_JOIN,    "worker.join", JOB_F_FORMING,
+                                      join_encode, join_finish,   join_stale};

@@ -186,6 +186,7 @@ void coord_backward(coord *c, rpc_call *call)
     memset(&dj, 0, sizeof(dj));
     dj.model = h->model;
     dj.kind = JOB_BACKWARD;
+    dj.ops = &coord_job_backward;
     if (sp[2].seen) {
         int64_t T = -1;
         e = coord_parse_direct(c, &rdirect, &dj, &T, err, sizeof(err));
@@ -209,7 +210,7 @@ void coord_backward(coord *c, rpc_call *call)
                       (long long)h->T, h->model->cfg.d_model);
         return;
     }
-    coord_job *j = coord_job_new(JOB_BACKWARD, call, h->model);
+    coord_job *j = coord_job_new(&coord_job_backward, call, h->model);
     if (!j)
         return;
     j->layer = h->layer;
@@ -226,8 +227,9 @@ void coord_backward(coord *c, rpc_call *call)
     coord_job_pump(c);
 }
 
-void coord_backward_finish(coord *c, coord_job *j)
+static void backward_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
+    (void)first, (void)bad_rank;
     char err[256];
     for (int r = 0; r < j->nsent; r++)
         if (j->errs[r] != MOE_OK) {
@@ -308,7 +310,7 @@ void coord_step(coord *c, rpc_call *call)
                       name);
         return;
     }
-    coord_job *j = coord_job_new(JOB_STEP, call, m);
+    coord_job *j = coord_job_new(&coord_job_step, call, m);
     if (!j)
         return;
     memcpy(j->hp, hp, sizeof(hp));
@@ -317,8 +319,9 @@ void coord_step(coord *c, rpc_call *call)
     coord_job_pump(c);
 }
 
-void coord_step_finish(coord *c, coord_job *j)
+static void step_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
+    (void)first, (void)bad_rank;
     int64_t step = -1;
     double norm = 0, scale = 1;
     for (int r = 0; r < j->nsent; r++) {
@@ -373,3 +376,36 @@ void coord_step_finish(coord *c, coord_job *j)
     }
     rpc_reply(j->call, &w);
 }
+
+static void backward_encode(coord *c, coord_job *j, int rank, mp_writer *w)
+{
+    mp_write_map(w, j->direct ? 3 : 2);
+    mp_write_cstr(w, "handle");
+    mp_write_u64(w, j->handle->id);
+    if (j->direct) {
+        mp_write_cstr(w, "dtype");
+        mp_write_cstr(w, moe_dtype_name(j->x.dtype));
+        coord_write_pieces(w, j, c->world, rank);
+        return;
+    }
+    mp_write_cstr(w, "dy");
+    coord_write_sharded(w, &j->x, c->world, rank);
+}
+
+const coord_job_ops coord_job_backward = {JOB_BACKWARD,    "worker.backward", 0,
+                                          backward_encode, backward_finish,   NULL};
+
+static void step_encode(coord *c, coord_job *j, int rank, mp_writer *w)
+{
+    static const char *names[6] = {"lr", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm"};
+    (void)c, (void)rank;
+    mp_write_map(w, 7);
+    mp_write_cstr(w, "model");
+    mp_write_cstr(w, j->model->cfg.name);
+    for (int k = 0; k < 6; k++) {
+        mp_write_cstr(w, names[k]);
+        mp_write_f64(w, j->hp[k]);
+    }
+}
+
+const coord_job_ops coord_job_step = {JOB_STEP, "worker.step", 0, step_encode, step_finish, NULL};
