@@ -43,6 +43,7 @@ typedef struct dp_map {
     uint64_t gen;
     int W;
     int shm;          /* shared memory usable with every worker */
+    int lane;         /* one worker that runs inference forwards itself (the lane) */
     nng_socket *sock; /* (W) req0 sockets, one per worker */
     int *up;          /* (W) live connections of each socket (atomic, nng threads) */
     dp_shm bufs[DP_MAX_SHM];
@@ -266,6 +267,13 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
     return MOE_OK;
 }
 
+/* resp_was_answer: the worker answered (an error of its own), as opposed to
+ * a transport failure */
+static int resp_was_answer(const dp_req *q)
+{
+    return q->reply != NULL;
+}
+
 static void req_close(dp_req *q)
 {
     if (q->reply)
@@ -375,7 +383,7 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     mp_reader rd, rw;
     uint32_t n, W = 0;
     int64_t gen = -1;
-    bool ready = false, direct = false;
+    bool ready = false, direct = false, lane = false;
     int have_workers = 0;
     mp_reader_init(&rd, r.buf + r.result_off, r.len - r.result_off);
     e = mp_read_map(&rd, &n, NULL);
@@ -390,6 +398,8 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
             e = mp_read_bool(&rd, &ready, NULL);
         else if (mp_str_eq(k, kl, "direct"))
             e = mp_read_bool(&rd, &direct, NULL);
+        else if (mp_str_eq(k, kl, "lane"))
+            e = mp_read_bool(&rd, &lane, NULL);
         else if (mp_str_eq(k, kl, "workers")) {
             rw = rd;
             have_workers = 1;
@@ -425,6 +435,7 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     }
     m->refs = 1;
     m->gen = (uint64_t)gen;
+    m->lane = lane && W == 1;
     m->shm = moe__data_path(c) != MOE_PATH_SOCKET;
     uint32_t nw;
     mp_read_array(&rw, &nw, NULL);
@@ -841,16 +852,52 @@ void moe_dp_buffer_free(moe_client *c, void *p)
 
 /* read_y checks a data.rows answer's y (rows,H) of dtype dt: inline bytes
  * are copied to out; a region answer must name (region, y_off). */
+static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
+                            uint64_t region, uint64_t y_off);
+
+/* read_y reads a worker's answer to data.rows: {y} (written into out, or
+ * checked to be where it was asked in region), and on the lane also
+ * {stats}: its encoded value is returned in *stats / *stats_len (a view into
+ * the answer; NULL when absent). */
 static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
-                      uint64_t region, uint64_t y_off)
+                      uint64_t region, uint64_t y_off, const uint8_t **stats, size_t *stats_len)
 {
-    uint32_t n, m;
-    if (mp_read_map(rd, &n, NULL) != MOE_OK || n != 1)
+    uint32_t n;
+    int got_y = 0;
+    *stats = NULL;
+    *stats_len = 0;
+    if (mp_read_map(rd, &n, NULL) != MOE_OK || n < 1 || n > 2)
         return MOE_EPROTO;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(rd, &k, &kl, NULL) != MOE_OK)
+            return MOE_EPROTO;
+        if (mp_str_eq(k, kl, "y") && !got_y) {
+            moe_err e = read_y_value(rd, dt, rows, H, out, region, y_off);
+            if (e != MOE_OK)
+                return e;
+            got_y = 1;
+        } else if (mp_str_eq(k, kl, "stats") && !*stats) {
+            const uint8_t *a = rd->p;
+            if (mp_skip(rd, NULL) != MOE_OK)
+                return MOE_EPROTO;
+            *stats = a;
+            *stats_len = (size_t)(rd->p - a);
+        } else {
+            return MOE_EPROTO;
+        }
+    }
+    return got_y ? MOE_OK : MOE_EPROTO;
+}
+
+static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
+                            uint64_t region, uint64_t y_off)
+{
+    uint32_t m;
     const char *k;
     uint32_t kl;
-    if (mp_read_str(rd, &k, &kl, NULL) != MOE_OK || !mp_str_eq(k, kl, "y") ||
-        mp_read_map(rd, &m, NULL) != MOE_OK)
+    if (mp_read_map(rd, &m, NULL) != MOE_OK)
         return MOE_EPROTO;
     size_t nbytes = (size_t)rows * (size_t)H * moe_dtype_size(dt);
     int got_data = 0, got_region = 0, got_shape = 0;
@@ -898,6 +945,32 @@ static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void
     return got_data ? MOE_OK : MOE_EPROTO;
 }
 
+/* lane_reply makes the lane's answer look like the coordinator's reply to
+ * the caller: {direct: true, stats} in ctl (owned by ctl). */
+static moe_err lane_reply(moe_reply *ctl, const uint8_t *stats, size_t len, char *msg,
+                          size_t msglen)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, stats ? 2 : 1);
+    mp_write_cstr(&w, "direct");
+    mp_write_bool(&w, true);
+    if (stats) {
+        mp_write_cstr(&w, "stats");
+        mp_write_raw(&w, stats, len);
+    }
+    if (w.failed) {
+        mp_writer_fini(&w);
+        snprintf(msg, msglen, "out of memory");
+        return MOE_ENOMEM;
+    }
+    moe_reply_free(ctl);
+    memset(ctl, 0, sizeof(*ctl));
+    ctl->buf = w.buf; /* the writer's buffer, owned by ctl from here */
+    ctl->len = w.len;
+    return MOE_OK;
+}
+
 /* send_cancel asks worker q to drop the ticket's rows (best effort); 0 when
  * the worker did not answer within the grace (stopped or hung). */
 static int send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t seq)
@@ -932,6 +1005,9 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     dp_req *rq = calloc((size_t)W, sizeof(dp_req));
     moe_err e = MOE_OK, derr = MOE_OK;
     char dmsg[400] = "";
+    /* the lane: an inference forward (params model and layer only) on a
+     * cluster of one worker goes to the worker alone, which runs it */
+    const int lane = m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
     if (!rq)
         return MOE_ENOMEM;
     /* x and out in the application's shared buffers: no copy at all */
@@ -967,7 +1043,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         uint32_t msgid = moe__next_msgid(c);
         mp_writer_init(&w);
         moe_rpc_write_request_head(&w, msgid, "data.rows");
-        mp_write_map(&w, (zero_copy ? 8u : b ? 7u : 3u) + (auth ? 1u : 0u));
+        mp_write_map(&w, (zero_copy ? 8u : b ? 7u : 3u) + (auth ? 1u : 0u) + (lane ? 1u : 0u));
         if (auth) {
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
@@ -978,6 +1054,13 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         mp_write_u64(&w, seq);
         mp_write_cstr(&w, "deadline_ms");
         mp_write_i64(&w, moe__timeout_ms(c));
+        if (lane) { /* {model, layer} as the caller gave them, and the map's generation */
+            mp_write_cstr(&w, "run");
+            mp_write_map(&w, 3);
+            mp_write_raw(&w, ctl_pairs, ctl_len);
+            mp_write_cstr(&w, "generation");
+            mp_write_u64(&w, m->gen);
+        }
         if (zero_copy) {
             size_t xo = (size_t)((const uint8_t *)in - dp->ubuf[ux].base) + off;
             size_t yo = (size_t)((uint8_t *)out - dp->ubuf[uy].base) + off;
@@ -1022,8 +1105,8 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         rq[q].msgid = msgid;
     }
     /* 2. the control call: the coordinator orders the job and names the
-     * ticket to every worker */
-    if (e == MOE_OK) {
+     * ticket to every worker (not on the lane: the worker runs it) */
+    if (e == MOE_OK && !lane) {
         mp_writer p;
         mp_writer_init(&p);
         mp_write_map(&p, nctl + 1);
@@ -1077,9 +1160,23 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             uint64_t rg = zero_copy ? m->uregion[(size_t)uy * W + q] : b ? b->region[q] : 0;
             uint64_t yo =
                 zero_copy ? (uint64_t)((uint8_t *)out - dp->ubuf[uy].base) + off : nbytes + off;
-            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo);
+            const uint8_t *st = NULL;
+            size_t stlen = 0;
+            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo, &st, &stlen);
             if (qe != MOE_OK)
                 snprintf(msg, sizeof(msg), "malformed rows from worker %d", q);
+            else if (lane)
+                qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
+        } else if (lane && e == MOE_OK) {
+            /* the lane's error is the call's: a closed lane (the cluster
+             * re-formed) makes the map stale, as the coordinator's would */
+            e = qe;
+            ctl->err = qe;
+            snprintf(ctl->message, sizeof(ctl->message), "%s", msg);
+            moe__set_error("%s: %s: %s", method, moe_err_code(qe), msg);
+            if (qe == MOE_EUNAVAIL && resp_was_answer(&rq[q]))
+                *stale = 1;
+            qe = MOE_OK;
         }
         if (qe != MOE_OK && derr == MOE_OK) {
             derr = qe;

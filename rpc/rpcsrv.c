@@ -122,6 +122,17 @@ static void send_msg(rpc_slot *sl, nng_msg *m)
     nng_ctx_send(sl->ctx, sl->aio);
 }
 
+/* a local call (rpc_call_local): no slot, no nng; the answer goes to its
+ * hook and the call is freed */
+static void local_answer(rpc_call *c, const void *buf, size_t len)
+{
+    rpc_reply_hook hook = c->on_reply;
+    c->on_reply = NULL;
+    if (hook)
+        hook(c, buf, len, c->on_reply_arg);
+    free(c);
+}
+
 static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
 {
     nng_msg *m;
@@ -140,11 +151,43 @@ static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
 
 void rpc_reply_msg(rpc_call *c, void *msg)
 {
+    if (!c->slot) {
+        local_answer(c, nng_msg_body(msg), nng_msg_len(msg));
+        nng_msg_free(msg);
+        return;
+    }
     send_msg(c->slot, msg);
+}
+
+rpc_call *rpc_call_local(const char *method, const void *params, size_t len, rpc_reply_hook hook,
+                         void *arg)
+{
+    rpc_call *c = calloc(1, sizeof(*c) + len + strlen(method) + 1);
+    if (!c)
+        return NULL;
+    uint8_t *p = (uint8_t *)(c + 1);
+    char *name = (char *)p + len;
+    memcpy(p, params, len);
+    strcpy(name, method);
+    mp_reader r;
+    mp_reader_init(&r, p, len);
+    if (mp_read_map(&r, &c->req.nparams, NULL) != MOE_OK) {
+        free(c);
+        return NULL;
+    }
+    c->req.params = r;
+    c->req.method = name;
+    c->req.method_len = (uint32_t)strlen(name);
+    c->recv_ns = rpc_now_ns();
+    c->on_reply = hook;
+    c->on_reply_arg = arg;
+    return c;
 }
 
 uint32_t rpc_call_pipe(const rpc_call *c)
 {
+    if (!c->msg)
+        return 0;
     nng_pipe p = nng_msg_get_pipe((nng_msg *)c->msg);
     return nng_pipe_id(p) > 0 ? (uint32_t)nng_pipe_id(p) : 0;
 }
@@ -166,14 +209,20 @@ void rpc_reply(rpc_call *c, mp_writer *w)
         rpc_reply_err(c, MOE_ENOMEM, "reply too large to encode");
         return;
     }
-    send_bytes(sl, w->buf, w->len);
+    if (!sl)
+        local_answer(c, w->buf, w->len);
+    else
+        send_bytes(sl, w->buf, w->len);
     mp_writer_fini(w);
     mp_writer_init(w);
 }
 
 void rpc_reply_bytes(rpc_call *c, const void *buf, size_t len)
 {
-    send_bytes(c->slot, buf, len);
+    if (!c->slot)
+        local_answer(c, buf, len);
+    else
+        send_bytes(c->slot, buf, len);
 }
 
 void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
@@ -187,7 +236,10 @@ void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
     mp_writer_init(&w);
     moe_rpc_write_response_err(&w, c->req.msgid, err, text);
     MOE_LOG(LOG_DEBUG, c->req.msgid, "reply error %s: %s", moe_err_code(err), text);
-    send_bytes(c->slot, w.buf, w.len);
+    if (!c->slot)
+        local_answer(c, w.buf, w.len);
+    else
+        send_bytes(c->slot, w.buf, w.len);
     mp_writer_fini(&w);
 }
 

@@ -91,6 +91,15 @@ uint32_t rpc_call_pipe(const rpc_call *c);
  * reply is sent without another copy. Thread safe. */
 void rpc_reply_msg(rpc_call *c, void *nng_msg);
 
+/* rpc_call_local makes a call that did not come over the network: method
+ * with params (an encoded msgpack map of len bytes, copied). A handler
+ * answers it like any call (rpc_reply, rpc_reply_err, ...); the encoded
+ * answer goes to hook (which must not answer it) and the call is freed.
+ * rpc_call_pipe of a local call is 0. NULL when out of memory or params is
+ * not a map. For a daemon's internal work that reuses a method's handler. */
+rpc_call *rpc_call_local(const char *method, const void *params, size_t len, rpc_reply_hook hook,
+                         void *arg);
+
 /* rpc_now_ns returns CLOCK_MONOTONIC in nanoseconds. */
 uint64_t rpc_now_ns(void);
 

@@ -163,6 +163,7 @@ struct coord {
     char log_level[CFG_STR_MAX], addr_file[CFG_STR_MAX];
     long long expected_workers, max_msg_mb, queue_depth, deadline_ms, heartbeat_timeout_ms;
     long long worker_timeout_ms, nctx, batch_max_tokens;
+    long long lane; /* 1: dataplane.info opens the lane when the generation has one worker */
     char ckpt_dir[CFG_STR_MAX];  /* automatic checkpoints (empty = off) */
     char ckpt_root[CFG_STR_MAX]; /* explicit checkpoint paths must lie under it
                                   * (empty: under ckpt_dir; neither: refused) */
@@ -262,6 +263,9 @@ void coord_cluster_status(coord *c, rpc_call *call);
 void coord_pipe_closed(uint32_t pipe, void *arg);
 void coord_on_pipes(uv_async_t *h);
 /* coord_dataplane_info answers where clients send rows (docs/PROTOCOL.md). */
+/* coord_lane_open: clients may send inference forwards straight to the one
+ * worker of the generation (the lane). */
+int coord_lane_open(const coord *c);
 void coord_dataplane_info(coord *c, rpc_call *call);
 
 /* jobs.c */
@@ -284,6 +288,10 @@ coord_model *coord_model_add(coord *c, const model_cfg *cfg, char *err, size_t e
 void coord_model_create(coord *c, rpc_call *call);
 void coord_model_info(coord *c, rpc_call *call);
 void coord_forward(coord *c, rpc_call *call);
+/* coord_fold_lane counts the lane's forwards that worker wk reports with
+ * its heartbeat (the "lane" array, docs/PROTOCOL.md); MOE_EINVAL with err
+ * when a report is malformed (the ones before it are counted). */
+moe_err coord_fold_lane(coord *c, coord_worker *wk, mp_reader *r, char *err, size_t errlen);
 
 /* train.c */
 coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T);

@@ -554,3 +554,108 @@ static void forward_job_finish(coord *c, coord_job *j, moe_err first, int bad_ra
 
 const coord_job_ops coord_job_forward = {JOB_FORWARD,    "worker.forward",   0,
                                          forward_encode, forward_job_finish, NULL};
+
+/* read_i64s reads an array of exactly n ints into out (n may be 0). */
+static int read_i64s(mp_reader *r, int64_t *out, uint32_t n)
+{
+    uint32_t got;
+    if (mp_read_array(r, &got, NULL) != MOE_OK || got != n)
+        return 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (mp_read_i64(r, &out[i], NULL) != MOE_OK || out[i] < 0)
+            return 0;
+    return 1;
+}
+
+/* fold_one_lane: one report {model, layer, forwards, tokens, counts,
+ * dropped, phase_s, latency_s} into the model's and the cluster's stats. */
+static moe_err fold_one_lane(coord *c, coord_worker *wk, mp_reader *r, char *err, size_t errlen)
+{
+    char model[MODEL_NAME_MAX];
+    int64_t layer = 0, fwds = 0, toks = 0;
+    mp_reader rc, rd, rp, rl;
+    uint32_t n;
+    if (mp_read_map(r, &n, NULL) != MOE_OK) {
+        snprintf(err, errlen, "a lane report must be a map");
+        return MOE_EINVAL;
+    }
+    pspec sp[] = {
+        {"model", P_STR, model, true, 0, 0, sizeof(model), false},
+        {"layer", P_INT, &layer, true, 0, 1e6, 0, false},
+        {"forwards", P_INT, &fwds, true, 0, 9e18, 0, false},
+        {"tokens", P_INT, &toks, true, 0, 9e18, 0, false},
+        {"counts", P_RAW, &rc, true, 0, 0, 0, false},
+        {"dropped", P_RAW, &rd, true, 0, 0, 0, false},
+        {"phase_s", P_RAW, &rp, true, 0, 0, 0, false},
+        {"latency_s", P_RAW, &rl, true, 0, 0, 0, false},
+    };
+    moe_err e = params_parse(r, n, sp, 8, err, errlen);
+    if (e != MOE_OK)
+        return e;
+    coord_model *m = coord_find_model(c, model);
+    if (!m || layer >= m->cfg.layers) {
+        snprintf(err, errlen, "no model '%s' with a layer %lld", model, (long long)layer);
+        return MOE_EINVAL;
+    }
+    const int E = m->cfg.n_experts;
+    int64_t *cnt = calloc((size_t)E * 2, sizeof(int64_t));
+    double phase[4];
+    uint32_t np, nl;
+    if (!cnt)
+        return MOE_ENOMEM;
+    if (!read_i64s(&rc, cnt, (uint32_t)E) || !read_i64s(&rd, cnt + E, (uint32_t)E) ||
+        mp_read_array(&rp, &np, NULL) != MOE_OK || np != 4) {
+        free(cnt);
+        snprintf(err, errlen, "counts and dropped must hold %d ints, phase_s 4 numbers", E);
+        return MOE_EINVAL;
+    }
+    for (int k = 0; k < 4; k++)
+        if (mp_read_f64(&rp, &phase[k], NULL) != MOE_OK || !(phase[k] >= 0)) {
+            free(cnt);
+            snprintf(err, errlen, "phase_s must hold 4 numbers >= 0");
+            return MOE_EINVAL;
+        }
+    for (int k = 0; k < E; k++) {
+        m->tokens[(size_t)layer * E + k] += cnt[k];
+        m->dropped[(size_t)layer * E + k] += cnt[E + k];
+    }
+    free(cnt);
+    m->forwards += (uint64_t)fwds;
+    c->forwards_total += (uint64_t)fwds;
+    c->tokens_total += (uint64_t)toks;
+    c->recent_tokens += (double)toks;
+    double busy = 0;
+    for (int k = 0; k < 4; k++) {
+        c->phase_s[k] += phase[k];
+        busy += phase[k];
+    }
+    wk->busy_s += busy;
+    wk->ops_total += (uint64_t)fwds;
+    if (mp_read_array(&rl, &nl, NULL) == MOE_OK)
+        for (uint32_t i = 0; i < nl; i++) {
+            double s;
+            if (mp_read_f64(&rl, &s, NULL) != MOE_OK || !(s >= 0))
+                break;
+            int bk = 0;
+            while (bk < COORD_LAT_BUCKETS && s > coord_lat_bounds[bk])
+                bk++;
+            c->lat_hist[bk]++;
+            c->lat_sum += s;
+        }
+    return MOE_OK;
+}
+
+moe_err coord_fold_lane(coord *c, coord_worker *wk, mp_reader *r, char *err, size_t errlen)
+{
+    uint32_t n;
+    if (mp_read_array(r, &n, NULL) != MOE_OK) {
+        snprintf(err, errlen, "lane must be an array of reports");
+        return MOE_EINVAL;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        moe_err e = fold_one_lane(c, wk, r, err, errlen);
+        if (e != MOE_OK)
+            return e;
+    }
+    return MOE_OK;
+}

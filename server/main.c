@@ -36,6 +36,9 @@ static const cfg_entry coord_cfg[] = {
      "train forwards kept for backward (match the workers' max-handles)"},
     {"handle-ttl-ms", CFG_INT, "600000", 1, 86400000, &C.handle_ttl_ms,
      "a train forward not backwarded within this expires (match the workers')"},
+    {"lane", CFG_INT, "1", 0, 1, &C.lane,
+     "1: a one-worker cluster serves clients' inference forwards without the coordinator in "
+     "the path (the lane); 0: every request through the coordinator"},
     {"batch-max-tokens", CFG_INT, "8192", 0, 1000000000, &C.batch_max_tokens,
      "merge queued inference forwards of one layer up to this many tokens (0 = off)"},
     {"contexts", CFG_INT, "64", 1, 4096, &C.nctx, "concurrent requests received"},

@@ -223,12 +223,13 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
 {
     int64_t id = -1, epoch = 0;
     char err[256];
-    mp_reader rdata;
+    mp_reader rdata, rlane;
     pspec sp[] = {{"worker_id", P_INT, &id, true, 0, 1e9, 0, false},
                   {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false},
-                  {"data", P_RAW, &rdata, false, 0, 0, 0, false}};
+                  {"data", P_RAW, &rdata, false, 0, 0, 0, false},
+                  {"lane", P_RAW, &rlane, false, 0, 0, 0, false}};
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 3, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 4, err, sizeof(err));
     int64_t dv[5] = {0, 0, 0, 0, 0};
     if (e == MOE_OK && sp[2].seen) {
         uint32_t n;
@@ -262,6 +263,8 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
                 w->dp_bytes_total = (uint64_t)dv[3];
                 w->dp_expired_total = (uint64_t)dv[4];
             }
+            if (sp[3].seen && coord_fold_lane(c, w, &rlane, err, sizeof(err)) != MOE_OK)
+                LOG_W("worker %d: bad lane report in its heartbeat: %s", w->id, err);
             known = true;
         }
     }
@@ -406,6 +409,11 @@ void coord_cluster_status(coord *c, rpc_call *call)
     rpc_reply(call, &w);
 }
 
+int coord_lane_open(const coord *c)
+{
+    return c->lane && c->ready && c->world == 1 && !c->draining;
+}
+
 void coord_dataplane_info(coord *c, rpc_call *call)
 {
     int direct = c->ready;
@@ -414,9 +422,11 @@ void coord_dataplane_info(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 4);
+    mp_write_map(&w, 5);
     mp_write_cstr(&w, "generation");
     mp_write_u64(&w, c->generation);
+    mp_write_cstr(&w, "lane");
+    mp_write_bool(&w, direct && coord_lane_open(c));
     mp_write_cstr(&w, "ready");
     mp_write_bool(&w, c->ready != 0);
     mp_write_cstr(&w, "direct");

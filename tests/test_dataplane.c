@@ -900,3 +900,192 @@ Test(dataplane, no_data_plane_fallback_and_named_paths, .timeout = 60, .fini = c
     moe_client_close(ca);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* ---- the lane: a one-worker cluster serves inference forwards itself ---- */
+
+/* coord_stat reads one number of the coordinator's `stats` */
+static int64_t coord_stat(cluster *cl, const char *key)
+{
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "stats", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader r = mp_reply_reader(&rep);
+    int64_t v = -1;
+    cr_assert(mp_map_find(&r, key) == 0 && mp_read_i64(&r, &v, NULL) == MOE_OK, "stats: no %s",
+              key);
+    moe_reply_free(&rep);
+    return v;
+}
+
+/* lane_open reads dataplane.info's "lane" */
+static int lane_open(cluster *cl)
+{
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader r = mp_reply_reader(&rep);
+    bool lane = false;
+    cr_assert(mp_map_find(&r, "lane") == 0 && mp_read_bool(&r, &lane, NULL) == MOE_OK,
+              "dataplane.info has no lane");
+    moe_reply_free(&rep);
+    return lane;
+}
+
+/* One worker: the lane is open; forwards over it never reach the
+ * coordinator (its request count stays), give the coordinator path's
+ * bytes and stats, and are counted by the coordinator with the worker's
+ * next heartbeat. */
+Test(dataplane, lane_serves_one_worker_clusters, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 40, E = 5, K = 2;
+    create(cl, "m", H, 48, E, K, MOE_F32);
+    cr_assert(lane_open(cl), "a one-worker cluster should open the lane");
+    moe_client *cc = open_path(cl, "coordinator"), *cs = open_path(cl, "socket"),
+               *cm = open_path(cl, "shm");
+    const int Ts[3] = {1, 9, 130};
+    float *x = malloc(130 * 40 * 4), *y0 = malloc(130 * 40 * 4), *y1 = malloc(130 * 40 * 4);
+    /* warm the map (dataplane.info) so that the count below is the forwards' */
+    kern_fill_uniform(80, 1, -1, 1, x, (size_t)130 * H);
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 1, H, y1, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_forward(cm, "m", 0, MOE_F32, x, 1, H, y1, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    int64_t req0 = coord_stat(cl, "requests_total"), lane_tokens = 0;
+    for (int ti = 0; ti < 3; ti++) {
+        const int T = Ts[ti];
+        kern_fill_uniform(81, (uint64_t)T, -1, 1, x, (size_t)T * H);
+        moe_fwd_info i0, i1;
+        memset(&i0, 0, sizeof(i0));
+        memset(&i1, 0, sizeof(i1));
+        cr_assert_eq(moe_forward(cc, "m", 0, MOE_F32, x, T, H, y0, &i0), MOE_OK, "%s",
+                     moe_last_error());
+        for (int p = 0; p < 2; p++) {
+            memset(y1, 0xff, (size_t)T * H * 4);
+            cr_assert_eq(moe_forward(p ? cm : cs, "m", 0, MOE_F32, x, T, H, y1, &i1), MOE_OK,
+                         "lane forward T=%d: %s", T, moe_last_error());
+            cr_assert(memcmp(y0, y1, (size_t)T * H * 4) == 0, "lane y differs (T=%d, %s)", T,
+                      p ? "shm" : "socket");
+            cr_assert_eq(i1.n_experts, E, "lane stats: %d experts", i1.n_experts);
+            for (int e = 0; e < E; e++)
+                cr_assert_eq(i1.tokens_per_expert[e], i0.tokens_per_expert[e],
+                             "lane stats: expert %d", e);
+            cr_assert_float_eq(i1.imbalance, i0.imbalance, 1e-12);
+            cr_assert_float_eq(i1.aux_loss, i0.aux_loss, 1e-9);
+            moe_fwd_info_free(&i1);
+            lane_tokens += T;
+        }
+        moe_fwd_info_free(&i0);
+    }
+    /* the coordinator saw the 3 coordinator-path forwards and this stats
+     * call (each stats call counts itself), none of the 6 lane forwards */
+    int64_t req1 = coord_stat(cl, "requests_total");
+    cr_assert_eq(req1 - req0, 3 + 1, "requests at the coordinator: %lld", (long long)(req1 - req0));
+    /* ... and counts the lane's with the worker's next heartbeat */
+    /* (a fresh cluster: the 2 warm-up forwards of one row, 3 over the
+     * coordinator, 6 on the lane) */
+    int64_t want_f = 2 + 3 + 6, want_t = 2 + 140 + lane_tokens, f = 0, t = 0;
+    for (int i = 0; i < 3000 && (f < want_f || t < want_t); i++) {
+        f = coord_stat(cl, "forward_total");
+        t = coord_stat(cl, "tokens_total");
+        if (f < want_f || t < want_t)
+            usleep(10000);
+    }
+    cr_assert_eq(f, want_f, "forward_total %lld, want %lld", (long long)f, (long long)want_f);
+    cr_assert_eq(t, want_t, "tokens_total %lld, want %lld", (long long)t, (long long)want_t);
+    /* a NaN on the lane: refused to its sender, the worker goes on */
+    x[3] = NAN;
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 9, H, y1, NULL), MOE_EINVAL);
+    x[3] = 0.5f;
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 9, H, y1, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    moe_client_close(cc);
+    moe_client_close(cs);
+    moe_client_close(cm);
+    free(x);
+    free(y0);
+    free(y1);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* The lane stays closed with two workers and with --lane 0; a data.rows
+ * asking to run is refused clearly (unavailable: ask dataplane.info
+ * again) when the generation is not one of one worker, or is not the
+ * current one; bad "run" params are invalid; the worker keeps serving. */
+Test(dataplane, lane_closed_and_bad_run_refused, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o2 = {.workers = 2};
+    cluster *cl = cluster_start(&o2);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    create(cl, "m", 16, 16, 4, 1, MOE_F32);
+    cr_assert(!lane_open(cl), "two workers: no lane");
+    char url[256];
+    worker_url(cl, 0, url, sizeof(url));
+    nng_socket s = raw_open(url);
+    float x[2 * 16] = {0};
+    moe_tensor t = {MOE_F32, 2, {2, 16, 0, 0}, x, sizeof(x)};
+    for (int k = 0; k < 4; k++) {
+        mp_writer p;
+        raw_reply r;
+        mp_writer_init(&p);
+        write_ticket(&p, 77, (uint64_t)k + 1);
+        mp_write_cstr(&p, "x");
+        moe_tensor_write(&p, &t);
+        mp_write_cstr(&p, "run");
+        if (k == 3) { /* not a map */
+            mp_write_i64(&p, 1);
+        } else {
+            mp_write_map(&p, 3);
+            mp_write_cstr(&p, "model");
+            mp_write_cstr(&p, k == 2 ? "nope" : "m");
+            mp_write_cstr(&p, "layer");
+            mp_write_i64(&p, 0);
+            mp_write_cstr(&p, "generation");
+            mp_write_u64(&p, k == 1 ? 999 : 1);
+        }
+        raw_call(s, "data.rows", &p, 3, &r);
+        mp_writer_fini(&p);
+        expect_err(&r, k == 3 ? MOE_EPROTO : MOE_EUNAVAIL, "data.rows run on a closed lane");
+    }
+    nng_close(s);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+
+    /* one worker: wrong generation, unknown model */
+    cluster_opts o1 = {.workers = 1};
+    cl = cluster_start(&o1);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    create(cl, "m", 16, 16, 4, 1, MOE_F32);
+    worker_url(cl, 0, url, sizeof(url));
+    s = raw_open(url);
+    for (int k = 0; k < 2; k++) {
+        mp_writer p;
+        raw_reply r;
+        mp_writer_init(&p);
+        write_ticket(&p, 78, (uint64_t)k + 1);
+        mp_write_cstr(&p, "x");
+        moe_tensor_write(&p, &t);
+        mp_write_cstr(&p, "run");
+        mp_write_map(&p, 3);
+        mp_write_cstr(&p, "model");
+        mp_write_cstr(&p, k ? "nope" : "m");
+        mp_write_cstr(&p, "layer");
+        mp_write_i64(&p, 0);
+        mp_write_cstr(&p, "generation");
+        mp_write_u64(&p, k ? 1 : 999);
+        raw_call(s, "data.rows", &p, 3, &r);
+        mp_writer_fini(&p);
+        expect_err(&r, k ? MOE_ENOTFOUND : MOE_EUNAVAIL, "data.rows run: stale or unknown");
+    }
+    nng_close(s);
+    float y[2 * 16];
+    cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 2, 16, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+
+    /* --lane 0 on the coordinator: closed, forwards still served */
+    cluster_opts o3 = {.workers = 1, .coord_args = {"--lane", "0"}};
+    cl = cluster_start(&o3);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    cr_assert(!lane_open(cl), "--lane 0: no lane");
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}

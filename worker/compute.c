@@ -8,7 +8,7 @@
 
 void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m)
 {
-    wkr_queue_item *it = malloc(sizeof(*it));
+    wkr_queue_item *it = calloc(1, sizeof(*it));
     if (!it) {
         rpc_reply_err(c, MOE_ENOMEM, "worker out of memory");
         return;
@@ -123,7 +123,10 @@ void *wkr_compute_main(void *arg)
         if (!w->qhead)
             w->qtail = NULL;
         pthread_mutex_unlock(&w->qmu);
-        run_one(w, it->call, it->method);
+        if (it->is_run)
+            wkr_lane_run(w, &it->run);
+        else
+            run_one(w, it->call, it->method);
         free(it);
     }
     xchg_close(w->xc);

@@ -118,7 +118,29 @@ static void ticket_free(dp_table *t, dp_ticket *tk)
         region_unmap(g);
     if (gy && --gy->refs == 0 && gy->dead)
         region_unmap(gy);
+    free(tk->extra);
     free(tk);
+}
+
+moe_err dp_ticket_set_extra(dp_ticket *tk, const void *pairs, size_t len, uint32_t npairs)
+{
+    uint8_t *copy = malloc(len ? len : 1);
+    if (!copy)
+        return MOE_ENOMEM;
+    memcpy(copy, pairs, len);
+    free(tk->extra);
+    tk->extra = copy;
+    tk->extra_len = len;
+    tk->extra_pairs = npairs;
+    return MOE_OK;
+}
+
+/* answer_head writes the answer map's count and the ticket's extra pairs. */
+static void answer_head(mp_writer *w, const dp_ticket *tk)
+{
+    mp_write_map(w, 1 + tk->extra_pairs);
+    if (tk->extra_pairs)
+        mp_write_raw(w, tk->extra, tk->extra_len);
 }
 
 void dp_release(dp_table *t, dp_ticket *tk)
@@ -144,7 +166,7 @@ static void answer_inline(dp_ticket *tk, moe_dtype dt, int64_t rows, int64_t H, 
     size_t es = moe_dtype_size(dt), nbytes = (size_t)rows * (size_t)H * es;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
-    mp_write_map(&w, 1);
+    answer_head(&w, tk);
     const int64_t shape[2] = {rows, H};
     mp_write_cstr(&w, "y");
     moe_tensor_write_head(&w, dt, 2, shape);
@@ -172,7 +194,7 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
-    mp_write_map(&w, 1);
+    answer_head(&w, tk);
     mp_write_cstr(&w, "y");
     mp_write_map(&w, 4);
     mp_write_cstr(&w, "dtype");
@@ -294,10 +316,35 @@ static int read_pair(mp_reader *r, uint64_t *a, uint64_t *b)
 /* data.rows {ticket: [cid, seq], x: tensor, deadline_ms?} or, by reference,
  * {ticket, dtype, shape: [R, H], region, x_offset, y_offset, y_region?,
  * deadline_ms?} */
+/* parse_run reads data.rows' "run": {model: str, layer: int, generation:
+ * uint} (the lane: the worker runs the inference forward of these rows at
+ * once, without the coordinator). */
+static moe_err parse_run(const dp_table *t, mp_reader *r, dp_run *run, char *err, size_t errlen)
+{
+    uint32_t n;
+    int64_t gen = 0;
+    if (!t->run) {
+        snprintf(err, errlen, "this worker has no lane: send the forward to the coordinator");
+        return MOE_EPRECOND;
+    }
+    if (mp_peek(r) != MP_MAP || mp_read_map(r, &n, NULL) != MOE_OK) {
+        snprintf(err, errlen, "parameter 'run' must be a map {model, layer, generation}");
+        return MOE_EPROTO;
+    }
+    pspec sp[] = {
+        {"model", P_STR, run->model, true, 0, 0, sizeof(run->model), false},
+        {"layer", P_INT, &run->layer, true, 0, 1e6, 0, false},
+        {"generation", P_INT, &gen, true, 1, 9e18, 0, false},
+    };
+    moe_err e = params_parse(r, n, sp, 3, err, errlen);
+    run->generation = (uint64_t)gen;
+    return e;
+}
+
 static void on_rows(dp_table *t, rpc_call *c)
 {
     char err[256], dtname[8] = "";
-    mp_reader rt, rshape;
+    mp_reader rt, rshape, rrun;
     moe_tensor x;
     int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0, yregion = 0;
     memset(&x, 0, sizeof(x));
@@ -311,9 +358,10 @@ static void on_rows(dp_table *t, rpc_call *c)
         {"x_offset", P_INT, &xoff, false, 0, 9e18, 0, false},
         {"y_offset", P_INT, &yoff, false, 0, 9e18, 0, false},
         {"y_region", P_INT, &yregion, false, 1, 9e18, 0, false},
+        {"run", P_RAW, &rrun, false, 0, 0, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 9, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 10, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(c, e, "%s", err);
         return;
@@ -321,6 +369,11 @@ static void on_rows(dp_table *t, rpc_call *c)
     uint64_t cid, seq;
     if (!read_pair(&rt, &cid, &seq)) {
         rpc_reply_err(c, MOE_EINVAL, "ticket must be [client_id, seq] (two unsigned integers)");
+        return;
+    }
+    dp_run run = {cid, seq, "", 0, 0, 0, MOE_F32, c->recv_ns};
+    if (sp[9].seen && (e = parse_run(t, &rrun, &run, err, sizeof(err))) != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
         return;
     }
     dp_ticket *tk = calloc(1, sizeof(*tk));
@@ -415,6 +468,21 @@ static void on_rows(dp_table *t, rpc_call *c)
     t->head = tk;
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
+    run.rows = x.shape[0];
+    run.dtype = x.dtype;
+    if (sp[9].seen && (e = t->run(t->run_arg, &run, err, sizeof(err))) != MOE_OK) {
+        /* not queued: nobody will take the ticket */
+        pthread_mutex_lock(&t->mu);
+        if (!tk->taken) {
+            unlink_ticket(t, tk);
+            pthread_mutex_unlock(&t->mu);
+            rpc_reply_err(c, e, "%s", err);
+            tk->call = NULL;
+            pthread_mutex_lock(&t->mu);
+            ticket_free(t, tk);
+        }
+        pthread_mutex_unlock(&t->mu);
+    }
     return;
 fail_unref: /* the regions are live (mu held since they were found) */
     if (tk->region) {
@@ -886,8 +954,9 @@ moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint
         dp_ticket *tk = dp_take(t, cid[i], seq[i], deadline_ns);
         if (tk && (tk->x.ndim != 2 || tk->x.shape[0] != b->rows[i] || tk->x.shape[1] != H ||
                    tk->x.dtype != dt)) {
-            dp_answer_err(tk, MOE_EINVAL, "rows must be (%lld, %lld) of %s for this job",
-                          (long long)b->rows[i], (long long)H, moe_dtype_name(dt));
+            dp_answer_err(tk, MOE_EINVAL,
+                          "rows must be (%lld, %lld) of %s for this job (d_model %lld)",
+                          (long long)b->rows[i], (long long)H, moe_dtype_name(dt), (long long)H);
             dp_release(t, tk);
             tk = NULL;
         }

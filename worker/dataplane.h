@@ -41,8 +41,25 @@ typedef struct dp_ticket {
     uint32_t pipe;      /* connection the call came on */
     uint64_t deadline_ns;
     int taken; /* the compute thread owns it */
+    /* owned: key/value pairs added to the answer's map (a lane forward's
+     * stats, dp_ticket_set_extra) */
+    uint8_t *extra;
+    size_t extra_len;
+    uint32_t extra_pairs;
     struct dp_ticket *next;
 } dp_ticket;
+
+/* dp_run: a data.rows request that also asks the worker to run the
+ * inference forward at once ("run", docs/PROTOCOL.md "The lane") */
+typedef struct dp_run {
+    uint64_t cid, seq; /* its ticket */
+    char model[64];
+    int64_t layer;
+    uint64_t generation; /* of the client's map */
+    int64_t rows;        /* the ticket's rows (R) */
+    moe_dtype dtype;     /* and dtype */
+    uint64_t recv_ns;    /* when the data.rows arrived */
+} dp_run;
 
 typedef struct dp_table {
     pthread_mutex_t mu;
@@ -61,6 +78,11 @@ typedef struct dp_table {
     int nclosed, closed_overflow;
     uv_async_t closed_async;
     uv_timer_t expire_timer;
+    /* the lane: runs a data.rows with "run" (loop thread; the ticket is
+     * registered; MOE_OK once the job is queued, else the ticket is answered
+     * with the error and dropped). NULL = no lane. */
+    moe_err (*run)(void *arg, const dp_run *r, char *err, size_t errlen);
+    void *run_arg;
     /* counters (under mu) */
     uint64_t rows_in_total, bytes_in_total, tickets_expired_total, regions_attached_total;
 } dp_table;
@@ -107,6 +129,9 @@ void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H);
 /* dp_answer_err answers the ticket with an error. */
 void dp_answer_err(dp_ticket *tk, moe_err e, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* dp_ticket_set_extra attaches npairs encoded key/value pairs (copied) to
+ * tk's answer map. MOE_ENOMEM when the copy fails. */
+moe_err dp_ticket_set_extra(dp_ticket *tk, const void *pairs, size_t len, uint32_t npairs);
 /* dp_release frees an answered ticket (and its reference to its region). */
 void dp_release(dp_table *t, dp_ticket *tk);
 /* dp_y_ptr: where y (R,H) should be written for the ticket: its place in

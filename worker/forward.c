@@ -260,11 +260,27 @@ static void write_y(mp_writer *wr, dp_batch *b, int direct, moe_dtype dt, const 
     dp_batch_write_refused(wr, b);
 }
 
+/* lane_attach_stats: a lane forward's client gets the stats the
+ * coordinator would have sent, in its rows' answer (the one piece). */
+static void lane_attach_stats(dp_batch *b, const model_cfg *cfg, int64_t T, const int32_t *counts,
+                              const int32_t *dropped, const double *probs_sum, double z_sum,
+                              const double *aux_device, const double phase[4])
+{
+    if (b->n != 1 || !b->tk[0])
+        return;
+    mp_writer sw;
+    mp_writer_init(&sw);
+    wkr_lane_stats_write(&sw, cfg, T, counts, dropped, probs_sum, z_sum, aux_device, phase);
+    if (sw.failed || dp_ticket_set_extra(b->tk[0], sw.buf, sw.len, 1) != MOE_OK)
+        LOG_W("lane forward: no room for its stats; answered without them");
+    mp_writer_fini(&sw);
+}
+
 void wkr_op_forward(wkr *w, rpc_call *c)
 {
     char model_name[MODEL_NAME_MAX], err[256] = "";
     int64_t layer = 0, T_total = 0, row0 = 0, handle = 0;
-    bool train = false;
+    bool train = false, lane = false;
     moe_tensor xt;
     mp_reader rpieces;
     char dtname[8] = "";
@@ -281,8 +297,9 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         {"handle", P_INT, &handle, false, 0, 9e18, 0, false},
         {"pieces", P_RAW, &rpieces, false, 0, 0, 0, false},
         {"dtype", P_STR, dtname, false, 0, 0, sizeof(dtname), false},
+        {"lane", P_BOOL, &lane, false, 0, 0, 0, false},
     };
-    if (!wkr_parse_or_reply(c, sp, 9) || !wkr_xc_or_reply(w, c))
+    if (!wkr_parse_or_reply(c, sp, 10) || !wkr_xc_or_reply(w, c))
         return;
     wkr_model *m = wkr_model_or_reply(w, c, model_name);
     if (!m)
@@ -296,8 +313,13 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         /* the rows come from the clients (data plane); every rank goes on
          * with what arrived, so that no collective is left waiting */
         moe_dtype dt;
-        if (layer >= cfg->layers || moe_dtype_parse(dtname, strlen(dtname), &dt) != MOE_OK) {
-            rpc_reply_err(c, MOE_EINVAL, "bad layer or dtype for model '%s'", model_name);
+        if (layer >= cfg->layers) {
+            rpc_reply_err(c, MOE_ENOTFOUND, "model '%s' has %d layers; layer %lld does not exist",
+                          model_name, cfg->layers, (long long)layer);
+            return;
+        }
+        if (moe_dtype_parse(dtname, strlen(dtname), &dt) != MOE_OK) {
+            rpc_reply_err(c, MOE_EINVAL, "bad dtype '%s'", dtname);
             return;
         }
         /* rows on a client's GPU stay there when the device path takes them */
@@ -400,6 +422,11 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         if (train)
             m->gpu_handle[st->layer] = st->handle;
         double t1 = fwd_now_s();
+        if (lane) {
+            double ph[4] = {0, 0, t1 - t0, 0}, auxd = aux;
+            lane_attach_stats(&batch, cfg, T, st->counts, dropped, probs_sum, (double)z * T, &auxd,
+                              ph);
+        }
         mp_writer wr;
         mp_writer_init(&wr);
         moe_rpc_write_response_ok_head(&wr, c->req.msgid);
@@ -546,6 +573,10 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             a2a += send_bytes[q] + back_bytes[q];
 
 reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times} */
+    if (lane) {
+        double ph[4] = {t_gate - t0, t_disp - t_gate, t_exp - t_disp, t_comb - t_exp};
+        lane_attach_stats(&batch, cfg, T, st->counts, dropped, probs_sum, z_sum, NULL, ph);
+    }
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);

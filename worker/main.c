@@ -227,7 +227,11 @@ static void on_hb_timer(uv_timer_t *t)
     pthread_mutex_unlock(&reg_mu);
     dp_counters dc;
     dp_get_counters(&w->dp, &dc);
-    mp_write_map(&pw, 3);
+    /* the lane's counts go last; the map's size is known once they are in */
+    mp_writer lw;
+    mp_writer_init(&lw);
+    int lane = wkr_lane_write_report(w, &lw);
+    mp_write_map(&pw, 3 + lane);
     mp_write_cstr(&pw, "worker_id");
     mp_write_i64(&pw, w->worker_id);
     mp_write_cstr(&pw, "epoch");
@@ -244,6 +248,9 @@ static void on_hb_timer(uv_timer_t *t)
     mp_write_u64(&pw, dc.bytes_in_total);
     mp_write_cstr(&pw, "expired_total");
     mp_write_u64(&pw, dc.tickets_expired_total);
+    if (lane)
+        mp_write_raw(&pw, lw.buf, lw.len);
+    mp_writer_fini(&lw);
     moe_call_async(w->coord, "worker.heartbeat", pw.buf, pw.len, on_heartbeat_reply, w);
     mp_writer_fini(&pw);
 }
@@ -354,6 +361,9 @@ int main(int argc, char **argv)
     moe_host_id(W.host_id, sizeof(W.host_id));
     dp_open(&W.dp, W.loop, (size_t)W.data_staged_mb << 20, (size_t)W.shm_max_mb << 20,
             W.auth_token);
+    pthread_mutex_init(&W.lane_mu, NULL);
+    W.dp.run = wkr_lane_enqueue; /* the lane (lane.c) */
+    W.dp.run_arg = &W;
     W.dp.gpu_register = W.use_gpu;
     W.dp.gpu_device = W.use_gpu ? (int)W.device_index : -1;
     if (strcmp(W.client_url_cfg, "off") != 0) {
@@ -395,7 +405,8 @@ int main(int argc, char **argv)
     while (W.qhead) {
         wkr_queue_item *it = W.qhead;
         W.qhead = it->next;
-        rpc_reply_err(it->call, MOE_EUNAVAIL, "worker is shutting down");
+        if (it->call) /* a lane item's rows are answered by dp_close */
+            rpc_reply_err(it->call, MOE_EUNAVAIL, "worker is shutting down");
         free(it);
     }
     W.qtail = NULL;

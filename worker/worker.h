@@ -95,6 +95,19 @@ typedef struct wkr_fwd_state {
 
 typedef struct wkr wkr;
 
+/* what the lane ran for one model and layer since the last heartbeat */
+#define WKR_LANE_REPORTS 16
+#define WKR_LANE_LAT     4096 /* latencies kept per report; more are counted only */
+typedef struct wkr_lane_report {
+    char model[64];
+    int layer, E;
+    uint64_t forwards, tokens;
+    int64_t *counts, *dropped; /* (E) owned */
+    double phase_s[4];
+    float lat_s[WKR_LANE_LAT];
+    int nlat;
+} wkr_lane_report;
+
 /* wkr_method: a row of the worker's method table (worker/methods.c) */
 typedef struct wkr_method {
     rpc_method m;
@@ -106,6 +119,8 @@ extern const int wkr_nmethods;
 typedef struct wkr_queue_item {
     rpc_call *call;
     const wkr_method *method; /* its row (RPC_COMPUTE) */
+    int is_run;               /* a lane forward (lane.c) in place of a call */
+    dp_run run;
     struct wkr_queue_item *next;
 } wkr_queue_item;
 
@@ -173,6 +188,12 @@ struct wkr {
     dp_table dp;
     void *pin; /* pinned host buffer of the GPU paths (compute thread; wkr_pinned) */
     size_t pin_bytes;
+
+    /* the lane's counts for the coordinator, sent with the next heartbeat
+     * (lane.c; under lane_mu) */
+    pthread_mutex_t lane_mu;
+    wkr_lane_report lane[WKR_LANE_REPORTS];
+    int nlane;
 };
 
 /* wkr_layer_params: layer l's parameters in m->params - the router, then
@@ -191,6 +212,18 @@ void *wkr_compute_main(void *arg);
 /* wkr_dispatch runs a coordinator call (loop thread): by its row of the
  * method table, at once or on the compute thread (RPC_COMPUTE). */
 void wkr_dispatch(wkr *w, rpc_call *c);
+/* lane.c: wkr_lane_enqueue is the data plane's run hook (loop thread);
+ * wkr_lane_run runs one lane forward (compute thread);
+ * wkr_lane_stats_write writes a forward's "stats" pair as the coordinator
+ * would (aux_device: the loss computed on the device, or NULL);
+ * wkr_lane_write_report writes the "lane" pair of a heartbeat and empties
+ * the reports (returns 0 and writes nothing when there are none). */
+moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen);
+void wkr_lane_run(wkr *w, const dp_run *r);
+void wkr_lane_stats_write(mp_writer *wr, const model_cfg *cfg, int64_t T, const int32_t *counts,
+                          const int32_t *dropped, const double *probs_sum, double z_sum,
+                          const double *aux_device, const double phase[4]);
+int wkr_lane_write_report(wkr *w, mp_writer *pw);
 /* wkr_enqueue hands a call to the compute thread (loop thread). */
 void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m);
 
