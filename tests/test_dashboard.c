@@ -103,8 +103,8 @@ Test(dashboard, page_served_and_metrics_it_parses, .timeout = 30, .fini = cluste
         usleep(50000);
     } while (cluster_now_ms() - t0 < 5000);
     cr_assert(strstr(body, "\nmoe_forward_total 1\n"), "%s", body);
-    cr_assert(strstr(body, "\nmoe_expert_tokens_total{layer=\"0\",expert=\"0\"} "), "%s", body);
-    cr_assert(strstr(body, "\nmoe_expert_tokens_total{layer=\"1\",expert=\"3\"} "), "%s", body);
-    cr_assert(strstr(body, "\nmoe_layer_imbalance{layer=\"0\"} "), "%s", body);
+    cr_assert(strstr(body, "\nmoe_expert_tokens_total{model=\"m\",layer=\"0\",expert=\"0\"} "), "%s", body);
+    cr_assert(strstr(body, "\nmoe_expert_tokens_total{model=\"m\",layer=\"1\",expert=\"3\"} "), "%s", body);
+    cr_assert(strstr(body, "\nmoe_layer_imbalance{model=\"m\",layer=\"0\"} "), "%s", body);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
