@@ -582,7 +582,7 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
                               (long long)j->model->step, err);
             else if (j->call)
                 rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
-            c->errors_total++;
+            coord_count_error(c, j->call && j->deferred ? MOE_EUNAVAIL : e);
             return;
         }
         j->model->saved_step = j->model->step;
@@ -626,7 +626,7 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
                 rpc_reply_err(j->call, e, "checkpoint.load: %s (the model is unchanged)", err);
             else
                 LOG_W("restore of %s failed: %s", j->model->cfg.name, err);
-            c->errors_total++;
+            coord_count_error(c, e);
         }
         /* phase 2 continues a running job: submitted without the call, so a
          * full queue cannot refuse it (which would leak it and leave the

@@ -25,6 +25,7 @@
 #define COORD_MAX_WORKERS 256
 #define COORD_MAX_MODELS  64
 #define COORD_LAT_BUCKETS 16
+#define COORD_HIST_POINTS 180 /* the dashboard's history: 15 min at the default 5 s */
 
 typedef enum worker_state { WS_FREE = 0, WS_UP, WS_DOWN } worker_state;
 
@@ -49,6 +50,13 @@ typedef struct coord_worker {
     uint64_t ops_total;
 } coord_worker;
 
+/* One history point of a model (history.c); NaN: nothing in the interval. */
+typedef struct coord_hist_model {
+    double tokens_per_s, forwards_per_s;
+    double lat_mean_s; /* its forwards answered in the interval */
+    double imbalance;  /* the worst layer's max / mean of the interval's routed slots */
+} coord_hist_model;
+
 /* Per model: config and load-balance counters. */
 typedef struct coord_model {
     model_cfg cfg;
@@ -60,7 +68,24 @@ typedef struct coord_model {
     int64_t saved_step;      /* step of the last checkpoint written or loaded */
     int64_t pending_grads;   /* backwards since the last step */
     double last_aux, last_z; /* losses of the last forward */
+    uint64_t rows_total;     /* rows of x of its forwards */
+    uint64_t ok_forwards;    /* forwards answered successfully, and their latency sum */
+    double lat_sum;
+    /* history.c: its points since it was created (ring, owned), and its
+     * counters at the last point */
+    coord_hist_model *hist;
+    uint64_t hist_first;  /* the coordinator's point number of its first point */
+    int64_t *hist_tokens; /* (layers, E) */
+    uint64_t hist_rows, hist_ok;
+    double hist_lat_sum;
 } coord_model;
+
+/* One history point of the coordinator (history.c); NaN: nothing in the interval. */
+typedef struct coord_hist_point {
+    double t; /* wall clock, Unix seconds */
+    double tokens_per_s, requests_per_s, errors_per_s;
+    double lat_mean_s, lat_p50_s, lat_p99_s; /* of the forwards answered in the interval */
+} coord_hist_point;
 
 typedef enum job_kind {
     JOB_XCHG_ID, /* rank 0 only: make an NCCL unique id for the next JOIN */
@@ -168,6 +193,7 @@ struct coord {
     char ckpt_root[CFG_STR_MAX]; /* explicit checkpoint paths must lie under it
                                   * (empty: under ckpt_dir; neither: refused) */
     long long max_workers;       /* registry capacity (<= COORD_MAX_WORKERS) */
+    long long history_ms;        /* the dashboard history's interval */
     char xchg_cfg[CFG_STR_MAX];  /* auto | nng | nccl */
     long long ckpt_every;        /* save every N optimizer steps (0 = only at drain) */
 
@@ -220,6 +246,7 @@ struct coord {
     /* stats */
     uint64_t started_ns;
     uint64_t requests_total, errors_total, forwards_total, tokens_total, busy_total;
+    uint64_t errors_by_code[MOE_ERR_COUNT]; /* their sum is errors_total */
     double phase_s[4]; /* gate, dispatch, experts, combine: sums of slowest worker */
     uint64_t lat_hist[COORD_LAT_BUCKETS + 1];      /* forward latency histogram */
     uint64_t phase_hist[4][COORD_LAT_BUCKETS + 1]; /* per-phase latency histograms */
@@ -227,9 +254,19 @@ struct coord {
     double recent_tokens, recent_t0; /* tokens/s over a sliding window */
     double tokens_per_s;
 
-    /* metrics text rendered by the loop, copied out by the HTTP thread */
+    /* history.c: the dashboard's history (ring of COORD_HIST_POINTS), and
+     * the counters at the last point */
+    coord_hist_point hist[COORD_HIST_POINTS];
+    uint64_t hist_n; /* points taken */
+    uint64_t hist_last_ns;
+    uint64_t hist_requests, hist_errors, hist_tokens, hist_lat[COORD_LAT_BUCKETS + 1];
+    double hist_lat_sum;
+
+    /* metrics text and history JSON rendered by the loop, copied out by the
+     * HTTP thread (both owned, under metrics_mu) */
     pthread_mutex_t metrics_mu;
     char *metrics_text;
+    char *history_json;
     struct httpd *http; /* owned: serves /metrics (httpd.h) */
 };
 
@@ -343,6 +380,9 @@ void coord_model_persist(coord *c, const coord_model *m);
 void coord_models_restore(coord *c);
 
 /* stats.c */
+/* coord_count_error counts an error answer with code e (every place that
+ * answers an error the coordinator counts: docs/OPERATIONS.md) */
+void coord_count_error(coord *c, moe_err e);
 void coord_stats(coord *c, rpc_call *call);
 void coord_metrics_render(coord *c);
 moe_err coord_metrics_start(coord *c);
@@ -350,5 +390,18 @@ void coord_metrics_stop(coord *c);
 /* dashboard.c: GET /dashboard, the operator page (an httpd.h handler) */
 struct httpd_resp;
 void coord_http_dashboard(void *arg, struct httpd_resp *out);
+/* history.c: every history_ms, a point of throughput, latency and
+ * imbalance (the coordinator's and each model's) into the ring, and the
+ * JSON that GET /dashboard/history serves re-rendered (loop thread;
+ * coord_history_tick on every tick). coord_http_history is its handler. */
+void coord_history_tick(coord *c);
+void coord_history_render(coord *c);
+void coord_http_history(void *arg, struct httpd_resp *out);
+/* coord_model_free frees m and what it owns */
+void coord_model_free(coord_model *m);
+/* coord_hist_quantile: the q-quantile of a histogram over coord_lat_bounds
+ * (counts per bucket, not cumulative; linear within a bucket, as
+ * Prometheus' histogram_quantile); NaN when it is empty. */
+double coord_hist_quantile(const uint64_t *counts, double q);
 
 #endif

@@ -290,7 +290,7 @@ static void forward_finish(coord *c, coord_job *j)
             for (coord_job *b = j; b; b = b->batch_next) {
                 rpc_reply_err(b->call, j->errs[r], "worker rank %d: %s", r,
                               rep ? rep->message : moe_strerror(j->errs[r]));
-                c->errors_total++;
+                coord_count_error(c, j->errs[r]);
             }
             return;
         }
@@ -314,7 +314,7 @@ static void forward_finish(coord *c, coord_job *j)
             LOG_E("forward: bad reply from rank %d: %s", r, err);
             for (coord_job *b = j; b; b = b->batch_next) {
                 rpc_reply_err(b->call, MOE_EINTERNAL, "bad reply from worker rank %d: %s", r, err);
-                c->errors_total++;
+                coord_count_error(c, MOE_EINTERNAL);
             }
             free(parts);
             return;
@@ -428,14 +428,14 @@ static void forward_finish(coord *c, coord_job *j)
                           "x row %lld is not finite (NaN or Inf): the request is refused (the "
                           "other requests of its batch are not affected)",
                           (long long)bad_row[bi]);
-            c->errors_total++;
+            coord_count_error(c, MOE_EINVAL);
             continue;
         }
         if (j->direct && lost[bi]) {
             rpc_reply_err(b->call, MOE_EUNAVAIL,
                           "the rows of this request did not reach every worker in time (send "
                           "data.rows before, or with, the forward)");
-            c->errors_total++;
+            coord_count_error(c, MOE_EUNAVAIL);
             continue;
         }
         mp_writer w;
@@ -494,6 +494,8 @@ static void forward_finish(coord *c, coord_job *j)
         c->lat_hist[bk]++;
         c->lat_sum += total_s;
         c->forwards_total++;
+        m->lat_sum += total_s;
+        m->ok_forwards++;
     }
     free(yall);
     free(lost);
@@ -504,6 +506,7 @@ static void forward_finish(coord *c, coord_job *j)
     m->last_aux = aux;
     m->last_z = T > 0 ? z / (double)T : 0;
     c->tokens_total += (uint64_t)T;
+    m->rows_total += (uint64_t)T;
     for (int k = 0; k < 4; k++) {
         c->phase_s[k] += phase[k];
         int pb = 0;

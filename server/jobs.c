@@ -52,7 +52,7 @@ moe_err coord_job_enqueue(coord *c, coord_job *j)
 {
     if (coord_job_submit(c, j, 0) != MOE_OK) {
         rpc_reply_err(j->call, MOE_EBUSY, "queue full (%lld jobs): retry later", c->queue_depth);
-        c->errors_total++;
+        coord_count_error(c, MOE_EBUSY);
         free(j);
         return MOE_EBUSY;
     }
@@ -278,7 +278,7 @@ void coord_job_pump(coord *c)
         if (j->call && j->deadline_ns && now > j->deadline_ns) {
             rpc_reply_err(j->call, MOE_ETIMEDOUT, "deadline passed after %.3f s in the queue",
                           (double)(now - j->enqueued_ns) * 1e-9);
-            c->errors_total++;
+            coord_count_error(c, MOE_ETIMEDOUT);
             job_free(j);
             continue;
         }
@@ -288,7 +288,7 @@ void coord_job_pump(coord *c)
                               "cluster not ready: %d of %lld workers up (generation %llu)",
                               coord_up_workers(c), c->expected_workers,
                               (unsigned long long)c->generation);
-                c->errors_total++;
+                coord_count_error(c, MOE_EUNAVAIL);
             }
             job_free(j);
             continue;
@@ -298,7 +298,7 @@ void coord_job_pump(coord *c)
                           "the cluster re-formed (generation %llu) after this request was "
                           "admitted: its rows went to the old workers; ask dataplane.info again",
                           (unsigned long long)c->generation);
-            c->errors_total++;
+            coord_count_error(c, MOE_EUNAVAIL);
             job_free(j);
             continue;
         }

@@ -53,6 +53,8 @@ static const cfg_entry coord_cfg[] = {
      "explicit checkpoint.save/load paths must lie under DIR (empty = checkpoint-dir)"},
     {"max-workers", CFG_INT, "256", 1, COORD_MAX_WORKERS, &C.max_workers,
      "registry entries (workers up, or down and still holding a rank)"},
+    {"history-ms", CFG_INT, "5000", 100, 60000, &C.history_ms,
+     "the dashboard's history: one point per this many ms (180 points are kept)"},
     {"checkpoint-every", CFG_INT, "0", 0, 1000000000, &C.ckpt_every,
      "with checkpoint-dir: save every N optimizer steps (0 = only at drain)"},
     {"addr-file", CFG_STR, "", 0, 0, C.addr_file,
@@ -78,6 +80,7 @@ static void on_tick(uv_timer_t *t)
     coord_check_workers(c);
     coord_job_pump(c);
     coord_metrics_render(c);
+    coord_history_tick(c);
     if (c->draining && c->drain_timeout_ms > 0 &&
         rpc_now_ns() - c->drain_started_ns > (uint64_t)c->drain_timeout_ms * 1000000ull) {
         /* the bound on a drain: answer what is left and stop */
@@ -176,6 +179,8 @@ int main(int argc, char **argv)
     coord_ckpt_init(&C);
     coord_models_restore(&C); /* models of a previous run, with --checkpoint-dir */
     coord_metrics_render(&C);
+    C.hist_last_ns = C.started_ns;
+    coord_history_render(&C);
     uv_timer_init(C.loop, &C.tick);
     C.tick.data = &C;
     uv_timer_start(&C.tick, on_tick, 100, 100);
@@ -216,11 +221,9 @@ int main(int argc, char **argv)
     uv_close((uv_handle_t *)&C.sigterm, NULL);
     uv_close((uv_handle_t *)&C.sigint, NULL);
     uv_run(C.loop, UV_RUN_DEFAULT);
-    for (int i = 0; i < C.nmodels; i++) {
-        free(C.models[i]->tokens);
-        free(C.models[i]->dropped);
-        free(C.models[i]);
-    }
+    for (int i = 0; i < C.nmodels; i++)
+        coord_model_free(C.models[i]);
     free(C.metrics_text);
+    free(C.history_json);
     return 0;
 }

@@ -79,7 +79,7 @@ void coord_dispatch(coord *c, dedupe *d, rpc_call *call)
         uint32_t len;
         if (!params_find_str(&q->params, q->nparams, "auth", &tok, &len) ||
             !mp_str_eq(tok, len, c->auth_token)) {
-            c->errors_total++;
+            coord_count_error(c, MOE_EUNAUTH);
             rpc_reply_err(call, MOE_EUNAUTH, "missing or wrong auth token");
             return;
         }
@@ -87,7 +87,7 @@ void coord_dispatch(coord *c, dedupe *d, rpc_call *call)
     const coord_method *m =
         rpc_method_find(coord_methods, coord_nmethods, sizeof(*m), q->method, q->method_len);
     if (!m) {
-        c->errors_total++;
+        coord_count_error(c, MOE_ENOMETHOD);
         rpc_reply_err(call, MOE_ENOMETHOD, "unknown method '%.*s'",
                       (int)(q->method_len > 64 ? 64 : q->method_len), q->method);
         return;
@@ -97,7 +97,7 @@ void coord_dispatch(coord *c, dedupe *d, rpc_call *call)
     if (dedupe_begin(d, call, &m->m))
         return;
     if (c->draining && (m->m.flags & RPC_REFUSED_DRAINING)) {
-        c->errors_total++;
+        coord_count_error(c, MOE_EUNAVAIL);
         rpc_reply_err(call, MOE_EUNAVAIL, "coordinator is draining");
         return;
     }

@@ -26,19 +26,31 @@ coord_model *coord_model_add(coord *c, const model_cfg *cfg, char *err, size_t e
     coord_model *m = calloc(1, sizeof(*m));
     size_t n = (size_t)cfg->layers * (size_t)cfg->n_experts;
     if (!m || !(m->tokens = calloc(n, sizeof(int64_t))) ||
-        !(m->dropped = calloc(n, sizeof(int64_t)))) {
-        if (m)
-            free(m->tokens);
-        free(m);
+        !(m->dropped = calloc(n, sizeof(int64_t))) ||
+        !(m->hist_tokens = calloc(n, sizeof(int64_t))) ||
+        !(m->hist = calloc(COORD_HIST_POINTS, sizeof(*m->hist)))) {
+        coord_model_free(m);
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
+    m->hist_first = c->hist_n; /* its history starts at the next point */
     m->cfg = *cfg;
     c->models[c->nmodels++] = m;
     LOG_I("model %s: %d layers, d_model %d, d_ff %d, %d experts, top-%d, %s, %s", cfg->name,
           cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k,
           cfg->act ? "gelu" : "swiglu", moe_dtype_name(cfg->dtype));
     return m;
+}
+
+void coord_model_free(coord_model *m)
+{
+    if (!m)
+        return;
+    free(m->tokens);
+    free(m->dropped);
+    free(m->hist_tokens);
+    free(m->hist);
+    free(m);
 }
 
 coord_model *coord_find_model(coord *c, const char *name)

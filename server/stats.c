@@ -2,10 +2,10 @@
  * stats.c - the stats RPC, and the Prometheus text served at /metrics with
  * /livez and /readyz by nng's HTTP server. The loop thread renders the text
  * (coord_metrics_render, on every tick); the HTTP thread only copies it.
- * Label keys are only layer, expert and worker; counts of several models
- * are summed per (layer, expert).
+ * Every family is written through promtext.h (one group each, HELP and
+ * TYPE); per-model series carry a model label, per-worker ones a worker
+ * label (registry entries only), errors a code label.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,169 +13,224 @@
 #include "coord.h"
 #include "httpd.h"
 #include "log.h"
+#include "promtext.h"
 
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-} sbuf;
-
-static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_printf(sbuf *b, const char *fmt, ...)
+void coord_count_error(coord *c, moe_err e)
 {
-    va_list ap;
-    for (;;) {
-        va_start(ap, fmt);
-        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0)
-            return;
-        if (b->p && b->len + (size_t)n < b->cap) {
-            b->len += (size_t)n;
-            return;
+    if ((unsigned)e >= MOE_ERR_COUNT)
+        e = MOE_EINTERNAL;
+    c->errors_by_code[e]++;
+    c->errors_total++;
+}
+
+static const char *phase_name[4] = {"gate", "dispatch", "experts", "combine"};
+
+/* per_worker writes one sample per registry entry (up or down) of the
+ * current family; v(wk) its value */
+static void per_worker(promtext *p, const coord *c, double (*v)(const coord_worker *))
+{
+    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+        const coord_worker *wk = &c->workers[i];
+        if (wk->state == WS_FREE)
+            continue;
+        char id[16];
+        snprintf(id, sizeof(id), "%d", wk->id);
+        pt_label l = {"worker", id};
+        pt_sample_f64(p, &l, 1, v(wk));
+    }
+}
+
+static double wk_up(const coord_worker *w)
+{
+    return w->state == WS_UP;
+}
+static double wk_busy(const coord_worker *w)
+{
+    return w->busy_s;
+}
+static double wk_a2a(const coord_worker *w)
+{
+    return (double)w->a2a_bytes;
+}
+static double wk_tickets(const coord_worker *w)
+{
+    return (double)w->dp_tickets;
+}
+static double wk_regions(const coord_worker *w)
+{
+    return (double)w->dp_regions;
+}
+static double wk_rows(const coord_worker *w)
+{
+    return (double)w->dp_rows_total;
+}
+static double wk_bytes(const coord_worker *w)
+{
+    return (double)w->dp_bytes_total;
+}
+static double wk_expired(const coord_worker *w)
+{
+    return (double)w->dp_expired_total;
+}
+
+/* per_expert writes counts (layers x E) of every model, labels model, layer, expert */
+static void per_expert(promtext *p, const coord *c, int dropped)
+{
+    for (int i = 0; i < c->nmodels; i++) {
+        const coord_model *m = c->models[i];
+        const int64_t *v = dropped ? m->dropped : m->tokens;
+        for (int l = 0; l < m->cfg.layers; l++)
+            for (int e = 0; e < m->cfg.n_experts; e++) {
+                char ls[16], es[16];
+                snprintf(ls, sizeof(ls), "%d", l);
+                snprintf(es, sizeof(es), "%d", e);
+                pt_label lab[3] = {{"model", m->cfg.name}, {"layer", ls}, {"expert", es}};
+                pt_sample_u64(p, lab, 3, (uint64_t)v[(size_t)l * m->cfg.n_experts + e]);
+            }
+    }
+}
+
+/* layer_imbalance: max / mean of the layer's routed slots since start (0 before any) */
+static double layer_imbalance(const coord_model *m, int l)
+{
+    int E = m->cfg.n_experts;
+    int64_t mx = 0, tot = 0;
+    for (int e = 0; e < E; e++) {
+        int64_t t = m->tokens[(size_t)l * E + e];
+        mx = t > mx ? t : mx;
+        tot += t;
+    }
+    return tot ? (double)mx / ((double)tot / E) : 0.0;
+}
+
+/* render writes every family (docs/OPERATIONS.md, "Health and metrics") */
+static void render(promtext *p, coord *c)
+{
+    pt_family(p, "moe_uptime_seconds", PT_GAUGE, "Seconds since the coordinator started.");
+    pt_sample_f64(p, NULL, 0, (double)(rpc_now_ns() - c->started_ns) * 1e-9);
+    pt_family(p, "moe_cluster_ready", PT_GAUGE,
+              "1 when the current cluster generation is formed and whole, else 0.");
+    pt_sample_u64(p, NULL, 0, (uint64_t)(c->ready != 0));
+    pt_family(p, "moe_workers_expected", PT_GAUGE, "Workers that form the cluster (--workers).");
+    pt_sample_u64(p, NULL, 0, (uint64_t)c->expected_workers);
+    pt_family(p, "moe_workers_up", PT_GAUGE, "Workers registered and heartbeating.");
+    pt_sample_u64(p, NULL, 0, (uint64_t)coord_up_workers(c));
+    pt_family(p, "moe_queue_jobs", PT_GAUGE,
+              "Jobs waiting in the queue, not counting the running one.");
+    pt_sample_u64(p, NULL, 0, (uint64_t)c->qlen);
+    pt_family(p, "moe_queue_capacity", PT_GAUGE,
+              "Queued jobs before requests are answered busy (--queue-depth).");
+    pt_sample_u64(p, NULL, 0, (uint64_t)c->queue_depth);
+    pt_family(p, "moe_requests_total", PT_COUNTER,
+              "Requests handled, every method, worker heartbeats included.");
+    pt_sample_u64(p, NULL, 0, c->requests_total);
+    pt_family(p, "moe_request_errors_total", PT_COUNTER,
+              "Error answers the coordinator counts, by wire error code.");
+    for (int e = 1; e < MOE_ERR_COUNT; e++) {
+        pt_label l = {"code", moe_err_code((moe_err)e)};
+        pt_sample_u64(p, &l, 1, c->errors_by_code[e]);
+    }
+    pt_family(p, "moe_forward_total", PT_COUNTER, "Forward requests answered successfully.");
+    pt_sample_u64(p, NULL, 0, c->forwards_total);
+    pt_family(p, "moe_tokens_total", PT_COUNTER, "Tokens (rows of x) of forwards.");
+    pt_sample_u64(p, NULL, 0, c->tokens_total);
+    pt_family(p, "moe_tokens_per_second", PT_GAUGE,
+              "Tokens of forwards in the last completed 1 s window.");
+    pt_sample_f64(p, NULL, 0, c->tokens_per_s);
+    for (int k = 0; k < 4; k++) {
+        char name[64], help[128];
+        snprintf(name, sizeof(name), "moe_%s_seconds_total", phase_name[k]);
+        snprintf(help, sizeof(help), "Per forward, the slowest worker's %s time, summed.",
+                 phase_name[k]);
+        pt_family(p, name, PT_COUNTER, help);
+        pt_sample_f64(p, NULL, 0, c->phase_s[k]);
+    }
+    pt_family(p, "moe_forward_latency_seconds", PT_HISTOGRAM,
+              "Time from receipt to reply of a forward, at the coordinator.");
+    pt_histogram(p, NULL, 0, coord_lat_bounds, COORD_LAT_BUCKETS, c->lat_hist, c->lat_sum);
+    for (int k = 0; k < 4; k++) {
+        char name[64], help[128];
+        snprintf(name, sizeof(name), "moe_%s_latency_seconds", phase_name[k]);
+        snprintf(help, sizeof(help), "Per forward, the slowest worker's %s time.", phase_name[k]);
+        pt_family(p, name, PT_HISTOGRAM, help);
+        pt_histogram(p, NULL, 0, coord_lat_bounds, COORD_LAT_BUCKETS, c->phase_hist[k],
+                     c->phase_s[k]);
+    }
+    /* per worker: the registry's entries (a dead worker's entry, and so
+     * its series, goes when the next generation forms: registry.c) */
+    static const struct {
+        const char *name;
+        pt_type type;
+        const char *help;
+        double (*v)(const coord_worker *);
+    } wm[] = {
+        {"moe_worker_up", PT_GAUGE, "1 when the registered worker is up, 0 when down.", wk_up},
+        {"moe_worker_busy_seconds_total", PT_COUNTER,
+         "Compute time the worker reported in forwards (its four phases).", wk_busy},
+        {"moe_alltoall_bytes_total", PT_COUNTER,
+         "Bytes a worker sent to the others in dispatch and combine.", wk_a2a},
+        {"moe_worker_data_tickets", PT_GAUGE, "Clients' rows waiting at the worker for their job.",
+         wk_tickets},
+        {"moe_worker_data_regions", PT_GAUGE,
+         "Clients' shared or GPU buffers the worker has mapped.", wk_regions},
+        {"moe_worker_data_rows_total", PT_COUNTER, "Rows clients sent the worker directly.",
+         wk_rows},
+        {"moe_worker_data_bytes_total", PT_COUNTER,
+         "Bytes of rows clients sent the worker directly.", wk_bytes},
+        {"moe_worker_data_expired_total", PT_COUNTER,
+         "Clients' rows whose job never came before their deadline.", wk_expired},
+    };
+    for (size_t k = 0; k < sizeof(wm) / sizeof(wm[0]); k++) {
+        pt_family(p, wm[k].name, wm[k].type, wm[k].help);
+        per_worker(p, c, wm[k].v);
+    }
+    /* per model */
+    pt_family(p, "moe_model_forward_total", PT_COUNTER,
+              "Forward requests of the model answered successfully.");
+    for (int i = 0; i < c->nmodels; i++) {
+        pt_label l = {"model", c->models[i]->cfg.name};
+        pt_sample_u64(p, &l, 1, c->models[i]->ok_forwards);
+    }
+    pt_family(p, "moe_model_tokens_total", PT_COUNTER,
+              "Tokens (rows of x) of the model's forwards.");
+    for (int i = 0; i < c->nmodels; i++) {
+        pt_label l = {"model", c->models[i]->cfg.name};
+        pt_sample_u64(p, &l, 1, c->models[i]->rows_total);
+    }
+    pt_family(p, "moe_expert_tokens_total", PT_COUNTER,
+              "Routed slots (token x top-k choice) per expert, before capacity.");
+    per_expert(p, c, 0);
+    pt_family(p, "moe_expert_dropped_total", PT_COUNTER,
+              "Routed slots dropped by the capacity factor, per expert.");
+    per_expert(p, c, 1);
+    pt_family(p, "moe_layer_imbalance", PT_GAUGE,
+              "Max over mean of the layer's routed slots per expert since start (1 = balanced).");
+    for (int i = 0; i < c->nmodels; i++) {
+        const coord_model *m = c->models[i];
+        for (int l = 0; l < m->cfg.layers; l++) {
+            char ls[16];
+            snprintf(ls, sizeof(ls), "%d", l);
+            pt_label lab[2] = {{"model", m->cfg.name}, {"layer", ls}};
+            pt_sample_f64(p, lab, 2, layer_imbalance(m, l));
         }
-        size_t nc = (b->cap ? b->cap * 2 : 8192) + (size_t)n;
-        char *np = realloc(b->p, nc);
-        if (!np)
-            return;
-        b->p = np;
-        b->cap = nc;
     }
-}
-
-static int max_layers(const coord *c)
-{
-    int L = 0;
-    for (int i = 0; i < c->nmodels; i++)
-        L = c->models[i]->cfg.layers > L ? c->models[i]->cfg.layers : L;
-    return L;
-}
-
-/* write_histogram writes a Prometheus histogram over coord_lat_bounds. */
-static void write_histogram(sbuf *b, const char *name, const uint64_t *hist, double sum)
-{
-    uint64_t cum = 0;
-    sb_printf(b, "# TYPE %s histogram\n", name);
-    for (int i = 0; i < COORD_LAT_BUCKETS; i++) {
-        cum += hist[i];
-        sb_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, coord_lat_bounds[i],
-                  (unsigned long long)cum);
-    }
-    cum += hist[COORD_LAT_BUCKETS];
-    sb_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name,
-              (unsigned long long)cum, name, sum, name, (unsigned long long)cum);
 }
 
 void coord_metrics_render(coord *c)
 {
-    sbuf b = {0};
-    double up_s = (double)(rpc_now_ns() - c->started_ns) * 1e-9;
-    sb_printf(&b,
-              "# HELP moe_uptime_seconds Seconds since the coordinator started.\n"
-              "# TYPE moe_uptime_seconds gauge\nmoe_uptime_seconds %.3f\n",
-              up_s);
-    sb_printf(&b, "# TYPE moe_cluster_ready gauge\nmoe_cluster_ready %d\n", c->ready);
-    sb_printf(&b, "# TYPE moe_workers_expected gauge\nmoe_workers_expected %lld\n",
-              c->expected_workers);
-    sb_printf(&b, "# TYPE moe_workers_up gauge\nmoe_workers_up %d\n", coord_up_workers(c));
-    sb_printf(&b, "# TYPE moe_queue_jobs gauge\nmoe_queue_jobs %d\n", c->qlen);
-    sb_printf(&b, "# TYPE moe_requests_total counter\nmoe_requests_total %llu\n",
-              (unsigned long long)c->requests_total);
-    sb_printf(&b, "# TYPE moe_request_errors_total counter\nmoe_request_errors_total %llu\n",
-              (unsigned long long)c->errors_total);
-    sb_printf(&b, "# TYPE moe_forward_total counter\nmoe_forward_total %llu\n",
-              (unsigned long long)c->forwards_total);
-    sb_printf(&b, "# TYPE moe_tokens_total counter\nmoe_tokens_total %llu\n",
-              (unsigned long long)c->tokens_total);
-    sb_printf(&b, "# TYPE moe_tokens_per_second gauge\nmoe_tokens_per_second %.1f\n",
-              c->tokens_per_s);
-    static const char *phase[4] = {"gate", "dispatch", "experts", "combine"};
-    for (int k = 0; k < 4; k++)
-        sb_printf(&b, "# TYPE moe_%s_seconds_total counter\nmoe_%s_seconds_total %.6f\n", phase[k],
-                  phase[k], c->phase_s[k]);
-    sb_printf(&b, "# HELP moe_forward_latency_seconds Forward time at the coordinator.\n");
-    write_histogram(&b, "moe_forward_latency_seconds", c->lat_hist, c->lat_sum);
-    for (int k = 0; k < 4; k++) {
-        char name[64];
-        snprintf(name, sizeof(name), "moe_%s_latency_seconds", phase[k]);
-        sb_printf(&b, "# HELP %s Per forward, the slowest worker's %s time.\n", name, phase[k]);
-        write_histogram(&b, name, c->phase_hist[k], c->phase_s[k]);
-    }
-    sb_printf(&b, "# TYPE moe_worker_up gauge\n");
-    for (int i = 0; i < COORD_MAX_WORKERS; i++)
-        if (c->workers[i].state != WS_FREE)
-            sb_printf(&b, "moe_worker_up{worker=\"%d\"} %d\n", c->workers[i].id,
-                      c->workers[i].state == WS_UP);
-    sb_printf(&b, "# HELP moe_alltoall_bytes_total Bytes a worker sent to the others in "
-                  "dispatch and combine.\n# TYPE moe_alltoall_bytes_total counter\n");
-    for (int i = 0; i < COORD_MAX_WORKERS; i++)
-        if (c->workers[i].state != WS_FREE)
-            sb_printf(&b, "moe_alltoall_bytes_total{worker=\"%d\"} %llu\n", c->workers[i].id,
-                      (unsigned long long)c->workers[i].a2a_bytes);
-    /* the data plane, per worker, as of its last heartbeat */
-    static const struct {
-        const char *name, *type, *help;
-    } dpm[5] = {
-        {"moe_worker_data_tickets", "gauge", "Clients' rows waiting at the worker for their job."},
-        {"moe_worker_data_regions", "gauge",
-         "Clients' shared or GPU buffers the worker has mapped."},
-        {"moe_worker_data_rows_total", "counter", "Rows clients sent the worker directly."},
-        {"moe_worker_data_bytes_total", "counter",
-         "Bytes of rows clients sent the worker directly."},
-        {"moe_worker_data_expired_total", "counter",
-         "Clients' rows whose job never came before their deadline."},
-    };
-    for (int k = 0; k < 5; k++) {
-        sb_printf(&b, "# HELP %s %s\n# TYPE %s %s\n", dpm[k].name, dpm[k].help, dpm[k].name,
-                  dpm[k].type);
-        for (int i = 0; i < COORD_MAX_WORKERS; i++) {
-            const coord_worker *wk = &c->workers[i];
-            if (wk->state == WS_FREE)
-                continue;
-            unsigned long long v = k == 0   ? (unsigned long long)wk->dp_tickets
-                                   : k == 1 ? (unsigned long long)wk->dp_regions
-                                   : k == 2 ? (unsigned long long)wk->dp_rows_total
-                                   : k == 3 ? (unsigned long long)wk->dp_bytes_total
-                                            : (unsigned long long)wk->dp_expired_total;
-            sb_printf(&b, "%s{worker=\"%d\"} %llu\n", dpm[k].name, wk->id, v);
-        }
-    }
-    sb_printf(&b, "# TYPE moe_worker_busy_seconds_total counter\n");
-    for (int i = 0; i < COORD_MAX_WORKERS; i++)
-        if (c->workers[i].state != WS_FREE)
-            sb_printf(&b, "moe_worker_busy_seconds_total{worker=\"%d\"} %.6f\n", c->workers[i].id,
-                      c->workers[i].busy_s);
-    int L = max_layers(c);
-    sb_printf(&b, "# TYPE moe_expert_tokens_total counter\n");
-    sb_printf(&b, "# TYPE moe_expert_dropped_total counter\n");
-    sb_printf(&b, "# TYPE moe_layer_imbalance gauge\n");
-    for (int l = 0; l < L; l++) {
-        int E = 0;
-        for (int i = 0; i < c->nmodels; i++)
-            if (l < c->models[i]->cfg.layers && c->models[i]->cfg.n_experts > E)
-                E = c->models[i]->cfg.n_experts;
-        int64_t mx = 0, tot = 0;
-        for (int e = 0; e < E; e++) {
-            int64_t t = 0, d = 0;
-            for (int i = 0; i < c->nmodels; i++) {
-                coord_model *m = c->models[i];
-                if (l < m->cfg.layers && e < m->cfg.n_experts) {
-                    t += m->tokens[(size_t)l * m->cfg.n_experts + e];
-                    d += m->dropped[(size_t)l * m->cfg.n_experts + e];
-                }
-            }
-            sb_printf(&b, "moe_expert_tokens_total{layer=\"%d\",expert=\"%d\"} %lld\n", l, e,
-                      (long long)t);
-            sb_printf(&b, "moe_expert_dropped_total{layer=\"%d\",expert=\"%d\"} %lld\n", l, e,
-                      (long long)d);
-            mx = t > mx ? t : mx;
-            tot += t;
-        }
-        sb_printf(&b, "moe_layer_imbalance{layer=\"%d\"} %.4f\n", l,
-                  tot ? (double)mx / ((double)tot / E) : 0.0);
+    promtext p;
+    pt_init(&p);
+    render(&p, c);
+    char *text = pt_finish(&p);
+    if (!text) { /* a bug in render: keep the last good text, say why once */
+        static int said;
+        if (!said++)
+            LOG_E("metrics: %s", pt_error(&p));
+        return;
     }
     pthread_mutex_lock(&c->metrics_mu);
     free(c->metrics_text);
-    c->metrics_text = b.p;
+    c->metrics_text = text;
     pthread_mutex_unlock(&c->metrics_mu);
 }
 
@@ -213,7 +268,8 @@ static void on_readyz(void *arg, httpd_resp *out)
 static const httpd_route routes[] = {{"/metrics", on_metrics},
                                      {"/livez", on_livez},
                                      {"/readyz", on_readyz},
-                                     {"/dashboard", coord_http_dashboard}};
+                                     {"/dashboard", coord_http_dashboard},
+                                     {"/dashboard/history", coord_http_history}};
 
 moe_err coord_metrics_start(coord *c)
 {

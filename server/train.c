@@ -235,7 +235,7 @@ static void backward_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         if (j->errs[r] != MOE_OK) {
             rpc_reply_err(j->call, j->errs[r], "backward: worker rank %d: %s", r,
                           j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]));
-            c->errors_total++;
+            coord_count_error(c, j->errs[r]);
             return;
         }
     mp_writer w;
@@ -250,7 +250,7 @@ static void backward_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
                               "the dy rows did not reach worker rank %d in time; the gradients "
                               "of this backward were not accumulated there",
                               r);
-                c->errors_total++;
+                coord_count_error(c, MOE_EUNAVAIL);
                 return;
             }
         mp_write_cstr(&w, "direct");
@@ -328,7 +328,7 @@ static void step_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         if (j->errs[r] != MOE_OK) {
             rpc_reply_err(j->call, j->errs[r], "optimizer.step: worker rank %d: %s", r,
                           j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]));
-            c->errors_total++;
+            coord_count_error(c, j->errs[r]);
             return;
         }
         const moe_reply *rep = j->replies[r];

@@ -82,18 +82,21 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     double sum = 0;
     for (int e = 0; e < 4; e++) {
         char name[96];
-        snprintf(name, sizeof(name), "moe_expert_tokens_total{layer=\"1\",expert=\"%d\"}", e);
+        snprintf(name, sizeof(name),
+                 "moe_expert_tokens_total{model=\"m\",layer=\"1\",expert=\"%d\"}", e);
         double v = metric_value(body, name);
         cr_assert_eq(v, (double)info.tokens_per_expert[e], "%s = %g, forward said %lld", name, v,
                      (long long)info.tokens_per_expert[e]);
         sum += v;
-        snprintf(name, sizeof(name), "moe_expert_tokens_total{layer=\"0\",expert=\"%d\"}", e);
+        snprintf(name, sizeof(name),
+                 "moe_expert_tokens_total{model=\"m\",layer=\"0\",expert=\"%d\"}", e);
         cr_assert_eq(metric_value(body, name), 0, "layer 0 saw no forward");
-        snprintf(name, sizeof(name), "moe_expert_dropped_total{layer=\"1\",expert=\"%d\"}", e);
+        snprintf(name, sizeof(name),
+                 "moe_expert_dropped_total{model=\"m\",layer=\"1\",expert=\"%d\"}", e);
         cr_assert_eq(metric_value(body, name), 0);
     }
     cr_assert_eq(sum, T * 2);
-    cr_assert_gt(metric_value(body, "moe_layer_imbalance{layer=\"1\"}"), 0.99);
+    cr_assert_gt(metric_value(body, "moe_layer_imbalance{model=\"m\",layer=\"1\"}"), 0.99);
     cr_assert(strstr(body, "moe_worker_up{worker=\"0\"} 1"));
     cr_assert(strstr(body, "moe_worker_busy_seconds_total{worker=\"1\"}"));
     /* rows crossed between the two workers (dispatch and combine) */
