@@ -78,6 +78,27 @@ void coord_metrics_render(coord *c)
               c->expected_workers);
     sb_printf(&b, "# TYPE moe_workers_up gauge\nmoe_workers_up %d\n", coord_up_workers(c));
     sb_printf(&b, "# TYPE moe_queue_jobs gauge\nmoe_queue_jobs %d\n", c->qlen);
+    if (c->srv) {
+        rpcsrv_counters rc;
+        rpcsrv_counters_get(c->srv, &rc);
+        sb_printf(&b,
+                  "# HELP moe_inflight_bytes Request bytes held by requests in progress "
+                  "(--max-inflight-mb).\n# TYPE moe_inflight_bytes gauge\nmoe_inflight_bytes "
+                  "%llu\n",
+                  (unsigned long long)rc.held_bytes);
+        sb_printf(&b, "# TYPE moe_busy_bytes_total counter\nmoe_busy_bytes_total %llu\n",
+                  (unsigned long long)c->busy_bytes_total);
+        sb_printf(&b, "# TYPE moe_connections gauge\nmoe_connections %llu\n",
+                  (unsigned long long)rc.conns);
+        sb_printf(&b,
+                  "# TYPE moe_connections_refused_total counter\nmoe_connections_refused_total "
+                  "%llu\n",
+                  (unsigned long long)rc.conns_refused_total);
+        sb_printf(&b,
+                  "# TYPE moe_connections_idle_closed_total counter\n"
+                  "moe_connections_idle_closed_total %llu\n",
+                  (unsigned long long)rc.idle_closed_total);
+    }
     sb_printf(&b, "# TYPE moe_requests_total counter\nmoe_requests_total %llu\n",
               (unsigned long long)c->requests_total);
     sb_printf(&b, "# TYPE moe_request_errors_total counter\nmoe_request_errors_total %llu\n",
@@ -244,7 +265,19 @@ void coord_stats(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 10);
+    rpcsrv_counters rc;
+    rpcsrv_counters_get(c->srv, &rc);
+    mp_write_map(&w, 15);
+    mp_write_cstr(&w, "inflight_bytes"); /* this request's own included */
+    mp_write_u64(&w, rc.held_bytes);
+    mp_write_cstr(&w, "busy_bytes_total");
+    mp_write_u64(&w, c->busy_bytes_total);
+    mp_write_cstr(&w, "connections");
+    mp_write_u64(&w, rc.conns);
+    mp_write_cstr(&w, "connections_refused_total");
+    mp_write_u64(&w, rc.conns_refused_total);
+    mp_write_cstr(&w, "connections_idle_closed_total");
+    mp_write_u64(&w, rc.idle_closed_total);
     mp_write_cstr(&w, "uptime_s");
     mp_write_f64(&w, (double)(rpc_now_ns() - c->started_ns) * 1e-9);
     mp_write_cstr(&w, "requests_total");
