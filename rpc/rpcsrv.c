@@ -34,6 +34,7 @@ typedef struct rpc_pipe {
     nng_pipe p;
     uint32_t inflight;
     uint64_t last_ns;
+    int keep; /* never closed as idle (rpcsrv_pipe_keep) */
 } rpc_pipe;
 
 struct rpcsrv {
@@ -105,7 +106,7 @@ static void pipe_added(rpcsrv *s, nng_pipe p)
         refuse = 1;
         s->conns_refused_total++;
     } else {
-        s->pipes[s->npipes++] = (rpc_pipe){p, 0, rpc_now_ns()};
+        s->pipes[s->npipes++] = (rpc_pipe){p, 0, rpc_now_ns(), 0};
     }
     pthread_mutex_unlock(&s->pmu);
     if (refuse) {
@@ -133,7 +134,7 @@ static void on_idle_timer(uv_timer_t *t)
     pthread_mutex_lock(&s->pmu);
     for (int i = 0; i < s->npipes && n < 64; i++) {
         rpc_pipe *p = &s->pipes[i];
-        if (p->inflight == 0 && now - p->last_ns > s->idle_ns) {
+        if (!p->keep && p->inflight == 0 && now - p->last_ns > s->idle_ns) {
             idle[n++] = p->p;
             p->last_ns = now; /* closed below: not again on the next scan */
         }
@@ -271,6 +272,17 @@ static void on_pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
         pipe_removed(s, p);
     if (s->on_pipe_closed && nng_pipe_id(p) > 0)
         s->on_pipe_closed((uint32_t)nng_pipe_id(p), s->handler_arg);
+}
+
+void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe)
+{
+    if (!s->pipes)
+        return;
+    pthread_mutex_lock(&s->pmu);
+    rpc_pipe *p = pipe_find(s, pipe);
+    if (p)
+        p->keep = 1;
+    pthread_mutex_unlock(&s->pmu);
 }
 
 uint64_t rpcsrv_held_bytes(const rpcsrv *s)

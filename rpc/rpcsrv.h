@@ -111,6 +111,10 @@ void rpc_reply_msg(rpc_call *c, void *nng_msg);
  * handler and not yet answered (the handler's call included while it runs).
  * Thread safe. */
 uint64_t rpcsrv_held_bytes(const rpcsrv *s);
+/* rpcsrv_pipe_keep exempts the connection pipe (rpc_call_pipe) from
+ * idle_timeout_ms, e.g. once it proved to be a daemon of the cluster (whose
+ * heartbeats may be rarer than the bound). Thread safe. */
+void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe);
 /* rpcsrv_counters_get fills *out. Thread safe. */
 void rpcsrv_counters_get(rpcsrv *s, rpcsrv_counters *out);
 

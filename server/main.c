@@ -39,7 +39,7 @@ static const cfg_entry coord_cfg[] = {
      "open client and worker connections; more are closed at once"},
     {"idle-timeout-ms", CFG_INT, "30000", 0, 86400000, &C.idle_timeout_ms,
      "close a connection with no request in progress that completed no message for this long "
-     "(a stalled half message included; 0 = never; above the workers' heartbeat-ms)"},
+     "(a stalled half message included; 0 = never; workers' connections are exempt)"},
     {"max-msg-mb", CFG_INT, "256", 1, 2048, &C.max_msg_mb, "largest request accepted, MiB"},
     {"queue-depth", CFG_INT, "256", 1, 16384, &C.queue_depth, "queued jobs before answering busy"},
     {"deadline-ms", CFG_INT, "60000", 0, 86400000, &C.deadline_ms,

@@ -101,6 +101,8 @@ void coord_dispatch(coord *c, dedupe *d, rpc_call *call)
                       m->m.name);
         return;
     }
+    if (m->m.flags & RPC_INTERNAL) /* a worker's: its heartbeats may be rarer than the bound */
+        rpcsrv_pipe_keep(c->srv, rpc_call_pipe(call));
     char err[256];
     moe_err e = rpc_method_check_params(&m->m, q, err, sizeof(err));
     if (e != MOE_OK) {

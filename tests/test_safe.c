@@ -490,11 +490,16 @@ static int64_t wait_closed(int fd, int bound_ms)
 
 /* --idle-timeout-ms 300: a connection that sent half a message and stalled
  * is closed, and so is one that sent nothing; a client whose connection was
- * closed while idle is still served (it dials again). */
+ * closed while idle is still served (it dials again); a worker heartbeating
+ * every 2 s keeps its connection (the cluster does not re-form). */
 Test(safe, half_message_dropped_after_idle_timeout, .timeout = 90, .fini = cluster_fini_all)
 {
-    cluster *cl = start((cluster_opts){
-        .workers = 0, .expected_workers = 1, .coord_args = {"--idle-timeout-ms", "300"}});
+    int64_t t_start = cluster_now_ms();
+    cluster *cl = start((cluster_opts){.workers = 1,
+                                       .coord_args = {"--idle-timeout-ms", "300"},
+                                       .worker_args = {"--heartbeat-ms", "2000"}});
+    cluster_state st0, st;
+    cr_assert_eq(cluster_get_state(cl, &st0), MOE_OK, "%s", moe_last_error());
     int half = tcp_connect_sp(cl->url);
     /* an SP frame announcing 1000 bytes, of which 100 come */
     uint8_t frame[8 + 100] = {0, 0, 0, 0, 0, 0, 0x03, 0xe8};
@@ -509,5 +514,14 @@ Test(safe, half_message_dropped_after_idle_timeout, .timeout = 90, .fini = clust
     close(idle);
     cr_expect_geq(stats_u64(cl, "connections_idle_closed_total"), 2);
     cr_assert_eq(moe_ping(cl->cli), MOE_OK, "%s", moe_last_error());
+    /* over a window longer than the worker's heartbeat period: its
+     * connection stays (else the coordinator would lose it and re-form) */
+    do {
+        cr_assert_eq(cluster_get_state(cl, &st), MOE_OK, "%s", moe_last_error());
+        cr_assert(st.ready && st.generation == st0.generation && st.down == 0,
+                  "the worker's connection was closed: ready %d generation %llu -> %llu", st.ready,
+                  (unsigned long long)st0.generation, (unsigned long long)st.generation);
+        usleep(50000); /* polling interval of the observation window */
+    } while (cluster_now_ms() - t_start < 5000);
     cr_assert_eq(cluster_stop(cl), 0);
 }
