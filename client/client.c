@@ -21,6 +21,7 @@ struct moe_client {
     int timeout_ms;
     size_t max_msg;
     char *auth_token;   /* owned; NULL = none */
+    char *cluster;      /* owned; NULL = none: the cluster secret (moe__set_cluster) */
     uint64_t client_id; /* random, drawn at open: the first half of every "rid" */
     atomic_uint next_msgid;
     /* the async calls in flight (moe_call_async), so that moe_client_close
@@ -96,6 +97,7 @@ static void client_free(moe_client *c)
     pthread_cond_destroy(&c->acv);
     pthread_mutex_destroy(&c->amu);
     free(c->auth_token);
+    free(c->cluster);
     free(c);
 }
 
@@ -164,6 +166,16 @@ const char *moe__auth(const moe_client *c)
     return c->auth_token;
 }
 
+moe_err moe__set_cluster(moe_client *c, const char *secret)
+{
+    char *dup = secret && secret[0] ? strdup(secret) : NULL;
+    if (secret && secret[0] && !dup)
+        return MOE_ENOMEM;
+    free(c->cluster);
+    c->cluster = dup;
+    return MOE_OK;
+}
+
 int moe__timeout_ms(const moe_client *c)
 {
     return c->timeout_ms;
@@ -217,7 +229,7 @@ void moe_reply_free(moe_reply *r)
     r->len = 0;
 }
 
-/* build_request encodes [0, msgid, method, [params + rid + auth]] into an
+/* build_request encodes [0, msgid, method, [params + rid + auth + cluster]] into an
  * nng_msg. The rid is [client_id, msgid]: unique per call of this client
  * (msgid wraps after 2^32 calls), the same in nng's resends of the message. */
 static moe_err build_request(moe_client *c, uint32_t msgid, const char *method, const void *params,
@@ -237,7 +249,7 @@ static moe_err build_request(moe_client *c, uint32_t msgid, const char *method, 
             return MOE_EINVAL;
         }
     }
-    mp_write_map(&w, npairs + 1 + (c->auth_token ? 1 : 0));
+    mp_write_map(&w, npairs + 1 + (c->auth_token ? 1 : 0) + (c->cluster ? 1 : 0));
     mp_write_cstr(&w, "rid");
     mp_write_array(&w, 2);
     mp_write_u64(&w, c->client_id);
@@ -245,6 +257,10 @@ static moe_err build_request(moe_client *c, uint32_t msgid, const char *method, 
     if (c->auth_token) {
         mp_write_cstr(&w, "auth");
         mp_write_cstr(&w, c->auth_token);
+    }
+    if (c->cluster) {
+        mp_write_cstr(&w, "cluster");
+        mp_write_cstr(&w, c->cluster);
     }
     if (w.failed) {
         mp_writer_fini(&w);

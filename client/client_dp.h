@@ -44,6 +44,10 @@ int moe_dp_on_device(moe_client *c, const void *p, size_t n);
 /* internal accessors of moe_client (client.c) */
 uint32_t moe__next_msgid(moe_client *c);
 const char *moe__auth(const moe_client *c);
+/* moe__set_cluster: every later call of c carries "cluster": secret (the
+ * daemons' calls to each other; NULL or "" = none). Copied. Call it before
+ * the first call, not concurrently with calls. */
+moe_err moe__set_cluster(moe_client *c, const char *secret);
 int moe__timeout_ms(const moe_client *c);
 size_t moe__max_msg(const moe_client *c);
 int moe__data_path(const moe_client *c);

@@ -25,6 +25,16 @@ static moe_err set_value(const cfg_entry *e, const char *val, const char *src, c
         snprintf((char *)e->ptr, CFG_STR_MAX, "%s", val);
         return MOE_OK;
     }
+    if (e->type == CFG_BOOL) {
+        int on = !strcmp(val, "1") || !strcmp(val, "true") || !strcmp(val, "yes");
+        int off = !strcmp(val, "0") || !strcmp(val, "false") || !strcmp(val, "no");
+        if (!on && !off) {
+            snprintf(err, errlen, "%s: %s expects 1/0 (true/false), got '%s'", src, e->name, val);
+            return MOE_EINVAL;
+        }
+        *(long long *)e->ptr = on;
+        return MOE_OK;
+    }
     char *end;
     errno = 0;
     long long v = strtoll(val, &end, 0);
@@ -141,6 +151,8 @@ moe_err cfg_load(const cfg_entry *tab, int n, int argc, char **argv, const char 
         }
         if (eq) {
             val = eq + 1;
+        } else if (e->type == CFG_BOOL) {
+            val = "1"; /* a bare --name switches it on; never takes the next argument */
         } else if (i + 1 < argc) {
             val = argv[++i];
         } else {
@@ -156,9 +168,10 @@ moe_err cfg_load(const cfg_entry *tab, int n, int argc, char **argv, const char 
 void cfg_print(const cfg_entry *tab, int n, FILE *f)
 {
     for (int i = 0; i < n; i++) {
-        if (tab[i].type == CFG_INT)
+        if (tab[i].type != CFG_STR)
             fprintf(f, "  %-22s = %lld\n", tab[i].name, *(long long *)tab[i].ptr);
-        else if (strstr(tab[i].name, "token") && ((char *)tab[i].ptr)[0])
+        else if ((strstr(tab[i].name, "token") || !strcmp(tab[i].name, "cluster-secret")) &&
+                 ((char *)tab[i].ptr)[0])
             fprintf(f, "  %-22s = (set)\n", tab[i].name);
         else
             fprintf(f, "  %-22s = %s\n", tab[i].name, (char *)tab[i].ptr);

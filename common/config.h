@@ -15,7 +15,8 @@
 
 #include "moe.h"
 
-typedef enum cfg_type { CFG_STR, CFG_INT } cfg_type;
+/* CFG_BOOL: a long long 0/1; a bare --name sets it (--name=0 clears it) */
+typedef enum cfg_type { CFG_STR, CFG_INT, CFG_BOOL } cfg_type;
 
 #define CFG_STR_MAX 256
 
@@ -24,7 +25,7 @@ typedef struct cfg_entry {
     cfg_type type;
     const char *def;    /* default, as text */
     long long min, max; /* bounds for CFG_INT */
-    void *ptr;          /* CFG_STR: char[CFG_STR_MAX]; CFG_INT: long long */
+    void *ptr;          /* CFG_STR: char[CFG_STR_MAX]; CFG_INT, CFG_BOOL: long long */
     const char *help;
 } cfg_entry;
 
@@ -32,7 +33,8 @@ typedef struct cfg_entry {
  * out-of-bound values are errors (MOE_EINVAL, reason in err). */
 moe_err cfg_load(const cfg_entry *tab, int n, int argc, char **argv, const char *env_prefix,
                  char *err, size_t errlen);
-/* cfg_print writes "name = value" for every entry (secrets named *token* are masked). */
+/* cfg_print writes "name = value" for every entry (secrets - *token*,
+ * cluster-secret - are masked). */
 void cfg_print(const cfg_entry *tab, int n, FILE *f);
 /* cfg_usage writes the flag list with defaults and help. */
 void cfg_usage(const cfg_entry *tab, int n, FILE *f);

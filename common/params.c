@@ -115,10 +115,15 @@ moe_err params_parse(mp_reader *r, uint32_t nparams, pspec *specs, int nspecs, c
                 p = &specs[i];
         if (!p) {
             /* envelope keys every method accepts, checked elsewhere: "auth"
-             * (the coordinator's dispatch), "rid" (server/dedupe.c) */
-            if (mp_str_eq(key, klen, "auth") || mp_str_eq(key, klen, "rid")) {
+             * (the coordinator's dispatch), "rid" (server/dedupe.c),
+             * "cluster" (the dispatch of internal methods) */
+            if (mp_str_eq(key, klen, "auth") || mp_str_eq(key, klen, "rid") ||
+                mp_str_eq(key, klen, "cluster")) {
                 if (mp_skip(r, &eb) != MOE_OK)
-                    return bad(err, errlen, "parameter '%s': %s", klen == 3 ? "rid" : "auth",
+                    return bad(err, errlen, "parameter '%s': %s",
+                               klen == 3   ? "rid"
+                               : klen == 4 ? "auth"
+                                           : "cluster",
                                eb.msg);
                 continue;
             }

@@ -2,7 +2,7 @@
  * params.h - declarative parsing of an RPC params map. Each spec names a key,
  * its type and where the value goes. Unknown keys, wrong types, duplicates,
  * missing required keys and out-of-range numbers are errors with a message
- * naming the key. "auth" and "rid" are always accepted and skipped (checked
+ * naming the key. "auth", "rid" and "cluster" are always accepted and skipped (checked
  * separately: the coordinator's dispatch and server/dedupe.c).
  */
 #ifndef MOE_PARAMS_H

@@ -37,14 +37,17 @@ cleanup() {
     for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
 }
 trap cleanup EXIT
+# the coordinator writes the cluster secret to $RUN/secret (mode 0600) before
+# its address; the workers read it from there
 ./bin/moe-coordinator --listen tcp://127.0.0.1:0 --addr-file "$RUN/addr" --workers "$W" \
-    --xchg "$XCHG" --worker-timeout-ms 120000 >"$RUN/coord.log" 2>&1 &
+    --cluster-secret-file "$RUN/secret" --xchg "$XCHG" --worker-timeout-ms 120000 \
+    >"$RUN/coord.log" 2>&1 &
 pids+=($!)
 for i in $(seq 50); do [ -s "$RUN/addr" ] && break; sleep 0.1; done
 export MOE_URL=$(cat "$RUN/addr")
 for i in $(seq 0 $((W - 1))); do
-    ./bin/moe-worker --coordinator "$MOE_URL" --device "$i" --backend "$BACKEND" \
-        --xchg-timeout-ms 120000 >"$RUN/worker$i.log" 2>&1 &
+    ./bin/moe-worker --coordinator "$MOE_URL" --cluster-secret-file "$RUN/secret" --device "$i" \
+        --backend "$BACKEND" --xchg-timeout-ms 120000 >"$RUN/worker$i.log" 2>&1 &
     pids+=($!)
 done
 for i in $(seq 300); do

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # run-local.sh - `make run`: a local cluster on loopback and a short demo.
 #
-# Starts a coordinator (port 0, its address read from an --addr-file) and two
-# CPU workers (or, with GPUs and a CUDA build, one worker per GPU and a bf16
+# Starts a coordinator (port 0, its address read from an --addr-file; the
+# cluster secret in a --cluster-secret-file it creates in the run directory,
+# which the workers read) and two CPU workers (or, with GPUs and a CUDA build, one worker per GPU and a bf16
 # model), creates a model (2 layers, d_model 512, d_ff 1024, 8 experts,
 # top-2), runs a forward on a random batch through each layer (the per-expert
 # load table), benchmarks forward and ping round trips, prints a summary from
@@ -104,7 +105,7 @@ METRICS="http://127.0.0.1:$mport"
 
 echo "== starting a coordinator and $WORKERS $([ "$BACKEND" = cpu ] && echo CPU || echo GPU) workers ($THREADS BLAS thread(s) each) in $RUN"
 ./bin/moe-coordinator --listen tcp://127.0.0.1:0 --addr-file "$RUN/addr" --workers "$WORKERS" \
-    --metrics "$METRICS" >"$RUN/coordinator.log" 2>&1 &
+    --cluster-secret-file "$RUN/secret" --metrics "$METRICS" >"$RUN/coordinator.log" 2>&1 &
 pids+=($!)
 for i in $(seq 100); do
     [ -s "$RUN/addr" ] && break
@@ -116,8 +117,8 @@ URL=$(cat "$RUN/addr")
 for i in $(seq 0 $((WORKERS - 1))); do
     dev=()
     [ "$BACKEND" = cpu ] || dev=(--device $((i % NGPU)))
-    ./bin/moe-worker --coordinator "$URL" --backend "$BACKEND" "${dev[@]}" --threads "$THREADS" \
-        >"$RUN/worker$i.log" 2>&1 &
+    ./bin/moe-worker --coordinator "$URL" --cluster-secret-file "$RUN/secret" --backend "$BACKEND" \
+        "${dev[@]}" --threads "$THREADS" >"$RUN/worker$i.log" 2>&1 &
     pids+=($!)
 done
 ctl() { ./bin/moectl --url "$URL" "$@"; }

@@ -105,6 +105,7 @@ class Cluster:
             os.unlink(addr)
         argv = [os.path.join(BIN, "moe-coordinator"), "--listen", "tcp://127.0.0.1:0",
                 "--addr-file", addr, "--workers", str(a.workers), "--xchg", a.xchg,
+                "--cluster-secret-file", os.path.join(self.run, "secret"),
                 "--heartbeat-timeout-ms", str(a.heartbeat_timeout_ms),
                 "--worker-timeout-ms", str(a.worker_timeout_ms)]
         if ckpt_dir:
@@ -127,6 +128,7 @@ class Cluster:
         a = self.a
         if i not in self.wargv:
             argv = [os.path.join(BIN, "moe-worker"), "--coordinator", self.url,
+                    "--cluster-secret-file", os.path.join(self.run, "secret"),
                     "--backend", a.backend, "--heartbeat-ms", str(a.heartbeat_ms),
                     "--xchg-timeout-ms", str(a.xchg_timeout_ms), "--threads", str(a.threads)]
             if a.gpus:

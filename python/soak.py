@@ -65,6 +65,7 @@ def main():
     addr = os.path.join(d, "addr")
     spawn("coord", [os.path.join(ROOT, "bin/moe-coordinator"), "--listen", "tcp://127.0.0.1:0",
                     "--addr-file", addr, "--workers", str(a.workers), "--checkpoint-dir", ck,
+                    "--cluster-secret-file", os.path.join(d, "secret"),
                     "--checkpoint-every", "1", "--heartbeat-timeout-ms", "1000",
                     "--log-level", "warn"])
     for _ in range(100):
@@ -75,6 +76,7 @@ def main():
 
     def start_worker(i):
         spawn("w%d" % i, [os.path.join(ROOT, "bin/moe-worker"), "--coordinator", url,
+                          "--cluster-secret-file", os.path.join(d, "secret"),
                           "--threads", "1", "--heartbeat-ms", "200", "--xchg-timeout-ms", "3000",
                           "--log-level", "warn"])
 

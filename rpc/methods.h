@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "proto.h"
+
 typedef enum rpc_method_flag {
     /* a repetition would change the outcome: exactly-once by "rid"
      * (rpc/dedupe.h) */
@@ -32,6 +34,9 @@ typedef enum rpc_method_flag {
     /* worker: runs on the compute thread, in arrival order (the cluster's
      * job order); without it, on the loop thread at once */
     RPC_COMPUTE = 1u << 4,
+    /* takes no params: a key other than the envelope's ("auth", "rid",
+     * "cluster") is invalid_argument, checked by the dispatch */
+    RPC_NO_PARAMS = 1u << 5,
 } rpc_method_flag;
 
 typedef struct rpc_method {
@@ -47,5 +52,15 @@ const void *rpc_method_find(const void *table, int n, size_t stride, const char 
 /* rpc_method_mutating: whether a call of row m with the given "train" value
  * is exactly-once (RPC_MUTATING, or RPC_MUTATING_IF_TRAIN and train). */
 int rpc_method_mutating(const rpc_method *m, int train);
+
+/* rpc_method_check_params: for a row flagged RPC_NO_PARAMS, whether the
+ * request's params hold nothing but envelope keys; MOE_OK, or the error
+ * (invalid_argument: "unknown parameter 'x'") with its message in err. */
+moe_err rpc_method_check_params(const rpc_method *m, const moe_rpc_request *q, char *err,
+                                size_t errlen);
+
+/* rpc_cluster_ok: the request carries "cluster": secret (compared in
+ * constant time); never true for an empty secret. */
+int rpc_cluster_ok(const moe_rpc_request *q, const char *secret);
 
 #endif

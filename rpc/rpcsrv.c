@@ -24,7 +24,18 @@ typedef struct rpc_slot {
     slot_state state;
     rpc_call call;
     struct rpc_slot *next_ready; /* queue link, guarded by srv->mu */
+    uint32_t pipe;               /* the request's connection while it is in progress (0 = none) */
+    uint64_t held;               /* its bytes counted in srv->held_bytes (0 = none) */
 } rpc_slot;
+
+/* rpc_pipe: one open connection (with max_conns): requests in progress on
+ * it and when it last completed a message */
+typedef struct rpc_pipe {
+    nng_pipe p;
+    uint32_t inflight;
+    uint64_t last_ns;
+    int keep; /* never closed as idle (rpcsrv_pipe_keep) */
+} rpc_pipe;
 
 struct rpcsrv {
     nng_socket sock;
@@ -38,6 +49,15 @@ struct rpcsrv {
     rpc_handler handler;
     void *handler_arg;
     void (*on_pipe_closed)(uint32_t pipe, void *arg);
+    uint64_t held_bytes; /* rpcsrv_held_bytes (atomic) */
+    /* connections (max_conns > 0), guarded by pmu */
+    pthread_mutex_t pmu;
+    rpc_pipe *pipes; /* npipes of max_conns, unordered */
+    int npipes, max_conns;
+    uint64_t idle_ns; /* 0 = no idle bound */
+    uint64_t conns_refused_total, idle_closed_total;
+    uv_timer_t idle_timer; /* the idle scan (idle_ns > 0) */
+    int nhandles;          /* uv handles still to close before the server is freed */
     int closing;
     uint64_t last_send_ns;  /* when the last reply was handed to nng (atomic) */
     uint64_t last_send_len; /* its size in bytes (atomic) */
@@ -48,6 +68,102 @@ uint64_t rpc_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* pipe_find returns the entry of pipe id, or NULL. Under pmu. */
+static rpc_pipe *pipe_find(rpcsrv *s, uint32_t id)
+{
+    for (int i = 0; i < s->npipes; i++)
+        if (nng_pipe_id(s->pipes[i].p) == (int)id)
+            return &s->pipes[i];
+    return NULL;
+}
+
+/* pipe_touch: a request on pipe id arrived (delta 1) or was answered (-1). */
+static void pipe_touch(rpcsrv *s, uint32_t id, int delta)
+{
+    if (!s->pipes || id == 0)
+        return;
+    pthread_mutex_lock(&s->pmu);
+    rpc_pipe *p = pipe_find(s, id);
+    if (p) {
+        if (delta > 0)
+            p->inflight++;
+        else if (p->inflight > 0)
+            p->inflight--;
+        p->last_ns = rpc_now_ns();
+    }
+    pthread_mutex_unlock(&s->pmu);
+}
+
+/* pipe_added: a connection is about to join (nng thread). Beyond max_conns
+ * it is closed at once and never seen by the socket. */
+static void pipe_added(rpcsrv *s, nng_pipe p)
+{
+    int refuse = 0;
+    pthread_mutex_lock(&s->pmu);
+    if (s->npipes >= s->max_conns) {
+        refuse = 1;
+        s->conns_refused_total++;
+    } else {
+        s->pipes[s->npipes++] = (rpc_pipe){p, 0, rpc_now_ns(), 0};
+    }
+    pthread_mutex_unlock(&s->pmu);
+    if (refuse) {
+        LOG_D("rpcsrv: %d connections open: closing a new one", s->max_conns);
+        nng_pipe_close(p);
+    }
+}
+
+static void pipe_removed(rpcsrv *s, nng_pipe p)
+{
+    pthread_mutex_lock(&s->pmu);
+    rpc_pipe *e = pipe_find(s, (uint32_t)nng_pipe_id(p));
+    if (e)
+        *e = s->pipes[--s->npipes];
+    pthread_mutex_unlock(&s->pmu);
+}
+
+/* on_idle_timer closes the connections idle longer than the bound (loop). */
+static void on_idle_timer(uv_timer_t *t)
+{
+    rpcsrv *s = t->data;
+    nng_pipe idle[64];
+    int n = 0;
+    uint64_t now = rpc_now_ns();
+    pthread_mutex_lock(&s->pmu);
+    for (int i = 0; i < s->npipes && n < 64; i++) {
+        rpc_pipe *p = &s->pipes[i];
+        if (!p->keep && p->inflight == 0 && now - p->last_ns > s->idle_ns) {
+            idle[n++] = p->p;
+            p->last_ns = now; /* closed below: not again on the next scan */
+        }
+    }
+    s->idle_closed_total += (uint64_t)n;
+    pthread_mutex_unlock(&s->pmu);
+    for (int i = 0; i < n; i++) {
+        LOG_D("rpcsrv: closing connection %d: idle for more than %llu ms", nng_pipe_id(idle[i]),
+              (unsigned long long)(s->idle_ns / 1000000ull));
+        nng_pipe_close(idle[i]);
+    }
+}
+
+/* release_request frees the request message of sl and takes it out of the
+ * counts (held bytes, its connection's requests in progress). */
+static void release_request(rpc_slot *sl)
+{
+    if (sl->call.msg) {
+        nng_msg_free(sl->call.msg);
+        sl->call.msg = NULL;
+    }
+    if (sl->held) {
+        __atomic_sub_fetch(&sl->srv->held_bytes, sl->held, __ATOMIC_RELAXED);
+        sl->held = 0;
+    }
+    if (sl->pipe) {
+        pipe_touch(sl->srv, sl->pipe, -1);
+        sl->pipe = 0;
+    }
 }
 
 static void slot_recv(rpc_slot *sl)
@@ -75,6 +191,8 @@ static void slot_cb(void *arg)
         }
         sl->call.msg = nng_aio_get_msg(sl->aio);
         sl->call.recv_ns = rpc_now_ns();
+        sl->pipe = rpc_call_pipe(&sl->call);
+        pipe_touch(s, sl->pipe, 1);
         sl->state = SLOT_WAIT;
         pthread_mutex_lock(&s->mu);
         sl->next_ready = NULL;
@@ -111,10 +229,7 @@ static void send_msg(rpc_slot *sl, nng_msg *m)
         sl->call.on_reply = NULL;
         hook(&sl->call, nng_msg_body(m), len, sl->call.on_reply_arg);
     }
-    if (sl->call.msg) {
-        nng_msg_free(sl->call.msg);
-        sl->call.msg = NULL;
-    }
+    release_request(sl);
     __atomic_store_n(&sl->srv->last_send_len, (uint64_t)len, __ATOMIC_RELAXED);
     __atomic_store_n(&sl->srv->last_send_ns, rpc_now_ns(), __ATOMIC_RELAXED);
     __atomic_store_n(&sl->state, SLOT_SEND, __ATOMIC_RELEASE);
@@ -138,10 +253,7 @@ static void send_bytes(rpc_slot *sl, const void *buf, size_t len)
     nng_msg *m;
     if (nng_msg_alloc(&m, len) != 0) {
         LOG_E("rpcsrv: out of memory for a %zu byte reply", len);
-        if (sl->call.msg) {
-            nng_msg_free(sl->call.msg);
-            sl->call.msg = NULL;
-        }
+        release_request(sl);
         slot_recv(sl);
         return;
     }
@@ -195,9 +307,40 @@ uint32_t rpc_call_pipe(const rpc_call *c)
 static void on_pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
 {
     rpcsrv *s = arg;
-    (void)ev;
+    if (ev == NNG_PIPE_EV_ADD_PRE) {
+        pipe_added(s, p);
+        return;
+    }
+    if (s->pipes)
+        pipe_removed(s, p);
     if (s->on_pipe_closed && nng_pipe_id(p) > 0)
         s->on_pipe_closed((uint32_t)nng_pipe_id(p), s->handler_arg);
+}
+
+void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe)
+{
+    if (!s->pipes)
+        return;
+    pthread_mutex_lock(&s->pmu);
+    rpc_pipe *p = pipe_find(s, pipe);
+    if (p)
+        p->keep = 1;
+    pthread_mutex_unlock(&s->pmu);
+}
+
+uint64_t rpcsrv_held_bytes(const rpcsrv *s)
+{
+    return __atomic_load_n(&s->held_bytes, __ATOMIC_RELAXED);
+}
+
+void rpcsrv_counters_get(rpcsrv *s, rpcsrv_counters *out)
+{
+    out->held_bytes = rpcsrv_held_bytes(s);
+    pthread_mutex_lock(&s->pmu);
+    out->conns = (uint64_t)s->npipes;
+    out->conns_refused_total = s->conns_refused_total;
+    out->idle_closed_total = s->idle_closed_total;
+    pthread_mutex_unlock(&s->pmu);
 }
 
 void rpc_reply(rpc_call *c, mp_writer *w)
@@ -269,6 +412,8 @@ static void on_wake(uv_async_t *h)
         } else if (s->closing) {
             rpc_reply_err(c, MOE_EUNAVAIL, "server is shutting down");
         } else {
+            sl->held = nng_msg_len(m);
+            __atomic_add_fetch(&s->held_bytes, sl->held, __ATOMIC_RELAXED);
             s->handler(c, s->handler_arg);
         }
         sl = next;
@@ -290,6 +435,16 @@ static void format_bound(nng_listener lis, const char *url, char *out, size_t le
     }
 }
 
+/* srv_free releases what rpcsrv_open allocated (the socket is closed) */
+static void srv_free(rpcsrv *s)
+{
+    pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->pmu);
+    free(s->pipes);
+    free(s->slots);
+    free(s);
+}
+
 moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *bound_url,
                     size_t bound_len)
 {
@@ -302,22 +457,32 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
     s->handler_arg = o->handler_arg;
     s->on_pipe_closed = o->on_pipe_closed;
     s->nslots = o->nctx > 0 ? o->nctx : 16;
+    s->max_conns = o->max_conns > 0 ? o->max_conns : 0;
+    s->idle_ns =
+        s->max_conns && o->idle_timeout_ms > 0 ? (uint64_t)o->idle_timeout_ms * 1000000ull : 0;
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->pmu, NULL);
+    if (s->max_conns && !(s->pipes = calloc((size_t)s->max_conns, sizeof(rpc_pipe)))) {
+        srv_free(s);
+        return MOE_ENOMEM;
+    }
     if ((rv = nng_rep0_open(&s->sock)) != 0) {
         LOG_E("nng_rep0_open: %s", nng_strerror(rv));
-        free(s);
+        srv_free(s);
         return MOE_EINTERNAL;
     }
     /* Transport hard cap: twice the protocol cap, so requests a little over
      * the cap still get a "too_large" answer; beyond it nng drops the pipe. */
     nng_socket_set_size(s->sock, NNG_OPT_RECVMAXSZ, o->max_msg * 2 + 4096);
-    if (s->on_pipe_closed)
+    if (s->on_pipe_closed || s->pipes)
         nng_pipe_notify(s->sock, NNG_PIPE_EV_REM_POST, on_pipe_event, s);
+    if (s->pipes)
+        nng_pipe_notify(s->sock, NNG_PIPE_EV_ADD_PRE, on_pipe_event, s);
     if ((rv = nng_listener_create(&s->lis, s->sock, o->url)) != 0 ||
         (rv = nng_listener_start(s->lis, 0)) != 0) {
         LOG_E("cannot listen on %s: %s", o->url, nng_strerror(rv));
         nng_close(s->sock);
-        free(s);
+        srv_free(s);
         return MOE_EINVAL;
     }
     format_bound(s->lis, o->url, bound_url, bound_len);
@@ -325,12 +490,20 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
     if (!s->slots) {
         LOG_E("rpcsrv: out of memory for %d contexts", s->nslots);
         nng_close(s->sock);
-        pthread_mutex_destroy(&s->mu);
-        free(s);
+        srv_free(s);
         return MOE_ENOMEM;
     }
     uv_async_init(loop, &s->wake, on_wake);
     s->wake.data = s;
+    s->nhandles = 1;
+    if (s->idle_ns) {
+        uint64_t period = s->idle_ns / 4000000ull; /* a quarter of the bound, in ms */
+        period = period < 10 ? 10 : period > 1000 ? 1000 : period;
+        uv_timer_init(loop, &s->idle_timer);
+        s->idle_timer.data = s;
+        uv_timer_start(&s->idle_timer, on_idle_timer, period, period);
+        s->nhandles = 2;
+    }
     for (int i = 0; i < s->nslots; i++) {
         rpc_slot *sl = &s->slots[i];
         sl->srv = s;
@@ -346,11 +519,11 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
     return MOE_OK;
 }
 
-static void on_wake_closed(uv_handle_t *h)
+static void on_handle_closed(uv_handle_t *h)
 {
     rpcsrv *s = h->data;
-    pthread_mutex_destroy(&s->mu);
-    free(s);
+    if (--s->nhandles == 0)
+        srv_free(s);
 }
 
 /* RPCSRV_FLUSH_MS bounds how long rpcsrv_close waits for replies in flight. */
@@ -414,6 +587,7 @@ void rpcsrv_close(rpcsrv *s)
             nng_msg_free(s->slots[i].call.msg);
         nng_aio_free(s->slots[i].aio);
     }
-    free(s->slots);
-    uv_close((uv_handle_t *)&s->wake, on_wake_closed);
+    if (s->idle_ns)
+        uv_close((uv_handle_t *)&s->idle_timer, on_handle_closed);
+    uv_close((uv_handle_t *)&s->wake, on_handle_closed);
 }

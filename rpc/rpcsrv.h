@@ -57,7 +57,23 @@ typedef struct rpcsrv_opts {
     /* optional: runs on an nng thread when a connection (pipe) closes, with
      * the id rpc_call_pipe reports for its calls; must not block */
     void (*on_pipe_closed)(uint32_t pipe, void *arg);
+    /* optional bounds on connections (0 = none). max_conns: connections
+     * beyond it are closed as they arrive. idle_timeout_ms (needs
+     * max_conns): a connection with no request in progress that completed
+     * no message (in either direction) for this long is closed - an idle
+     * client, or one that sent part of a message and stalled. A client's
+     * next call dials again (libmoe and nng do it by themselves). */
+    int max_conns;
+    int idle_timeout_ms;
 } rpcsrv_opts;
+
+/* rpcsrv_counters: a snapshot of an endpoint's bounds (rpcsrv_counters_get) */
+typedef struct rpcsrv_counters {
+    uint64_t held_bytes;          /* bytes of requests handed to the handler, not yet answered */
+    uint64_t conns;               /* connections open (0 without max_conns) */
+    uint64_t conns_refused_total; /* closed at once: max_conns reached */
+    uint64_t idle_closed_total;   /* closed by idle_timeout_ms */
+} rpcsrv_counters;
 
 /* rpcsrv_open starts listening. bound_url (may be NULL) receives the actual
  * address (useful with port 0). The server is owned by the caller: close it
@@ -99,6 +115,16 @@ void rpc_reply_msg(rpc_call *c, void *nng_msg);
  * not a map. For a daemon's internal work that reuses a method's handler. */
 rpc_call *rpc_call_local(const char *method, const void *params, size_t len, rpc_reply_hook hook,
                          void *arg);
+/* rpcsrv_held_bytes: the size of the request messages handed to the
+ * handler and not yet answered (the handler's call included while it runs).
+ * Thread safe. */
+uint64_t rpcsrv_held_bytes(const rpcsrv *s);
+/* rpcsrv_pipe_keep exempts the connection pipe (rpc_call_pipe) from
+ * idle_timeout_ms, e.g. once it proved to be a daemon of the cluster (whose
+ * heartbeats may be rarer than the bound). Thread safe. */
+void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe);
+/* rpcsrv_counters_get fills *out. Thread safe. */
+void rpcsrv_counters_get(rpcsrv *s, rpcsrv_counters *out);
 
 /* rpc_now_ns returns CLOCK_MONOTONIC in nanoseconds. */
 uint64_t rpc_now_ns(void);

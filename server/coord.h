@@ -196,6 +196,12 @@ struct coord {
     long long history_ms;        /* the dashboard history's interval */
     char xchg_cfg[CFG_STR_MAX];  /* auto | nng | nccl */
     long long ckpt_every;        /* save every N optimizer steps (0 = only at drain) */
+    /* the cluster secret: internal methods (worker.*) require it, and the
+     * calls to workers carry it (secret.h; never empty after start) */
+    char cluster_secret[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
+    long long insecure; /* non-loopback listeners without --auth-token allowed */
+    /* byte and connection bounds (OPERATIONS.md) */
+    long long max_inflight_mb, max_conns, idle_timeout_ms;
 
     uv_loop_t *loop;
     rpcsrv *srv;
@@ -247,7 +253,8 @@ struct coord {
     uint64_t started_ns;
     uint64_t requests_total, errors_total, forwards_total, tokens_total, busy_total;
     uint64_t errors_by_code[MOE_ERR_COUNT]; /* their sum is errors_total */
-    double phase_s[4]; /* gate, dispatch, experts, combine: sums of slowest worker */
+    uint64_t busy_bytes_total; /* requests answered busy: over --max-inflight-mb */
+    double phase_s[4];         /* gate, dispatch, experts, combine: sums of slowest worker */
     uint64_t lat_hist[COORD_LAT_BUCKETS + 1];      /* forward latency histogram */
     uint64_t phase_hist[4][COORD_LAT_BUCKETS + 1]; /* per-phase latency histograms */
     double lat_sum;

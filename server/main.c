@@ -13,6 +13,7 @@
 #include "dedupe.h"
 #include "log.h"
 #include "params.h"
+#include "secret.h"
 
 static coord C;
 static dedupe *D; /* replies of mutating requests by "rid"; loop thread */
@@ -24,6 +25,21 @@ static const cfg_entry coord_cfg[] = {
     {"metrics", CFG_STR, "", 0, 0, C.metrics_url,
      "HTTP address for /metrics /livez /readyz, e.g. http://127.0.0.1:9100 (empty = off)"},
     {"auth-token", CFG_STR, "", 0, 0, C.auth_token, "require this token in every request"},
+    {"cluster-secret", CFG_STR, "", 0, 0, C.cluster_secret,
+     "the secret workers prove themselves with (empty = read or create cluster-secret-file)"},
+    {"cluster-secret-file", CFG_STR, "~/.moe/cluster-secret", 0, 0, C.cluster_secret_file,
+     "without cluster-secret: read the secret here, or create the file (mode 0600) with a "
+     "random one"},
+    {"insecure", CFG_BOOL, "0", 0, 1, &C.insecure,
+     "allow listening on non-loopback addresses without auth-token"},
+    {"max-inflight-mb", CFG_INT, "1024", 1, 1 << 20, &C.max_inflight_mb,
+     "request bytes held by queued and running requests, MiB; beyond it: busy "
+     "(>= max-msg-mb)"},
+    {"max-conns", CFG_INT, "1024", 1, 1 << 20, &C.max_conns,
+     "open client and worker connections; more are closed at once"},
+    {"idle-timeout-ms", CFG_INT, "30000", 0, 86400000, &C.idle_timeout_ms,
+     "close a connection with no request in progress that completed no message for this long "
+     "(a stalled half message included; 0 = never; workers' connections are exempt)"},
     {"max-msg-mb", CFG_INT, "256", 1, 2048, &C.max_msg_mb, "largest request accepted, MiB"},
     {"queue-depth", CFG_INT, "256", 1, 16384, &C.queue_depth, "queued jobs before answering busy"},
     {"deadline-ms", CFG_INT, "60000", 0, 86400000, &C.deadline_ms,
@@ -116,6 +132,57 @@ static void on_signal(uv_signal_t *h, int sig)
     coord_start_drain(c, sig == SIGTERM ? "SIGTERM" : "SIGINT");
 }
 
+/* check_exposure refuses listeners other hosts can reach when no auth token
+ * guards them, unless --insecure (0: fine) */
+static int check_exposure(const coord *c)
+{
+    const char *urls[2] = {c->listen_url, c->metrics_url};
+    if (c->auth_token[0] || c->insecure)
+        return 0;
+    for (int i = 0; i < 2; i++) {
+        if (urls[i][0] && !url_is_loopback(urls[i])) {
+            fprintf(stderr,
+                    "moe-coordinator: refusing to listen on %s without --auth-token: anyone who "
+                    "can reach it could use and stop the service (set --auth-token, or pass "
+                    "--insecure on a trusted network)\n",
+                    urls[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* setup_secret: --cluster-secret, else the secret file's, else a new one
+ * written to the file (secret.h). 0 on success. */
+static int setup_secret(coord *c)
+{
+    char path[CFG_STR_MAX], err[512];
+    if (c->cluster_secret[0])
+        return 0;
+    if (!c->cluster_secret_file[0]) {
+        fprintf(stderr, "moe-coordinator: no --cluster-secret and no --cluster-secret-file: "
+                        "workers could not prove themselves\n");
+        return -1;
+    }
+    if (secret_expand_path(c->cluster_secret_file, path, sizeof(path), err, sizeof(err)) !=
+        MOE_OK) {
+        fprintf(stderr, "moe-coordinator: cluster-secret-file %s\n", err);
+        return -1;
+    }
+    moe_err e =
+        secret_read_file(path, c->cluster_secret, sizeof(c->cluster_secret), err, sizeof(err));
+    if (e == MOE_OK)
+        return 0;
+    if (e == MOE_ENOTFOUND &&
+        secret_generate(c->cluster_secret, sizeof(c->cluster_secret)) == MOE_OK &&
+        secret_write_file(path, c->cluster_secret, err, sizeof(err)) == MOE_OK) {
+        fprintf(stderr, "moe-coordinator: wrote a new cluster secret to %s\n", path);
+        return 0;
+    }
+    fprintf(stderr, "moe-coordinator: cluster secret: %s\n", err);
+    return -1;
+}
+
 int main(int argc, char **argv)
 {
     char err[256];
@@ -134,6 +201,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "moe-coordinator: xchg must be auto, nng or nccl\n");
         return 2;
     }
+    if (C.max_inflight_mb < C.max_msg_mb) {
+        fprintf(stderr,
+                "moe-coordinator: max-inflight-mb (%lld) must be at least max-msg-mb "
+                "(%lld): a request of the largest size must fit\n",
+                C.max_inflight_mb, C.max_msg_mb);
+        return 2;
+    }
+    if (check_exposure(&C) != 0 || setup_secret(&C) != 0)
+        return 2;
     int lvl = log_level_parse(C.log_level);
     log_init("coord", lvl < 0 ? LOG_INFO : (log_level)lvl);
     signal(SIGPIPE, SIG_IGN);
@@ -156,8 +232,9 @@ int main(int argc, char **argv)
     }
     uv_async_init(C.loop, &C.pipes_async, coord_on_pipes);
     C.pipes_async.data = &C;
-    rpcsrv_opts o = {C.listen_url, (int)C.nctx, (size_t)C.max_msg_mb << 20,
-                     on_request,   &C,          coord_pipe_closed};
+    rpcsrv_opts o = {
+        C.listen_url, (int)C.nctx,       (size_t)C.max_msg_mb << 20, on_request,
+        &C,           coord_pipe_closed, (int)C.max_conns,           (int)C.idle_timeout_ms};
     if (rpcsrv_open(C.loop, &o, &C.srv, C.bound_url, sizeof(C.bound_url)) != MOE_OK) {
         fprintf(stderr, "moe-coordinator: cannot listen on %s\n", C.listen_url);
         return 1;

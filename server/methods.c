@@ -50,13 +50,14 @@ enum {
     MUT_TRAIN = RPC_MUTATING_IF_TRAIN,
     NO_DRAIN = RPC_REFUSED_DRAINING,
     INTERNAL = RPC_INTERNAL,
+    NONE = RPC_NO_PARAMS,
 };
 
 const coord_method coord_methods[] = {
-    {{"ping", 0}, coord_ping},
-    {{"cluster.status", 0}, coord_cluster_status},
-    {{"dataplane.info", 0}, coord_dataplane_info},
-    {{"stats", 0}, coord_stats},
+    {{"ping", NONE}, coord_ping},
+    {{"cluster.status", NONE}, coord_cluster_status},
+    {{"dataplane.info", NONE}, coord_dataplane_info},
+    {{"stats", NONE}, coord_stats},
     {{"model.info", 0}, coord_model_info},
     {{"model.create", MUT | NO_DRAIN}, coord_model_create},
     {{"forward", MUT_TRAIN | NO_DRAIN}, coord_forward},
@@ -64,7 +65,7 @@ const coord_method coord_methods[] = {
     {{"optimizer.step", MUT | NO_DRAIN}, coord_step},
     {{"checkpoint.save", MUT}, coord_ckpt_save},
     {{"checkpoint.load", MUT | NO_DRAIN}, coord_ckpt_load},
-    {{"drain", 0}, coord_drain},
+    {{"drain", NONE}, coord_drain},
     {{"worker.register", INTERNAL}, coord_worker_register},
     {{"worker.heartbeat", INTERNAL}, coord_worker_heartbeat},
 };
@@ -90,6 +91,36 @@ void coord_dispatch(coord *c, dedupe *d, rpc_call *call)
         coord_count_error(c, MOE_ENOMETHOD);
         rpc_reply_err(call, MOE_ENOMETHOD, "unknown method '%.*s'",
                       (int)(q->method_len > 64 ? 64 : q->method_len), q->method);
+        return;
+    }
+    /* internal methods: only the cluster's own daemons know the secret */
+    if ((m->m.flags & RPC_INTERNAL) && !rpc_cluster_ok(q, c->cluster_secret)) {
+        coord_count_error(c, MOE_EUNAUTH);
+        rpc_reply_err(call, MOE_EUNAUTH,
+                      "'%s' is internal: missing or wrong cluster secret (params key \"cluster\")",
+                      m->m.name);
+        return;
+    }
+    if (m->m.flags & RPC_INTERNAL) /* a worker's: its heartbeats may be rarer than the bound */
+        rpcsrv_pipe_keep(c->srv, rpc_call_pipe(call));
+    char err[256];
+    moe_err e = rpc_method_check_params(&m->m, q, err, sizeof(err));
+    if (e != MOE_OK) {
+        coord_count_error(c, e);
+        rpc_reply_err(call, e, "%s", err);
+        return;
+    }
+    /* the byte budget: the request messages held by the calls in progress
+     * (this one included) stay within --max-inflight-mb; the cluster's own
+     * small calls are never refused by it */
+    uint64_t held = rpcsrv_held_bytes(c->srv);
+    if (!(m->m.flags & RPC_INTERNAL) && held > ((uint64_t)c->max_inflight_mb << 20)) {
+        coord_count_error(c, MOE_EBUSY);
+        c->busy_total++;
+        c->busy_bytes_total++;
+        rpc_reply_err(call, MOE_EBUSY,
+                      "busy: requests in progress hold %llu MiB (--max-inflight-mb %lld)",
+                      (unsigned long long)(held >> 20), c->max_inflight_mb);
         return;
     }
     /* exactly-once: a duplicate (same "rid") of a mutating request gets the

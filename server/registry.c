@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "client_dp.h" /* moe__set_cluster */
 #include "coord.h"
 #include "log.h"
 #include "params.h"
@@ -183,6 +184,12 @@ void coord_worker_register(coord *c, rpc_call *call)
     if (moe_client_open(rpc_url, &o, &slot->cli) != MOE_OK) {
         rpc_reply_err(call, MOE_EINVAL, "cannot dial worker rpc_url %s: %s", rpc_url,
                       moe_last_error());
+        return;
+    }
+    if (moe__set_cluster(slot->cli, c->cluster_secret) != MOE_OK) { /* workers require it */
+        moe_client_close(slot->cli);
+        slot->cli = NULL;
+        rpc_reply_err(call, MOE_ENOMEM, "out of memory");
         return;
     }
     slot->id = c->next_worker_id++;

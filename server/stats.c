@@ -121,6 +121,24 @@ static void render(promtext *p, coord *c)
     pt_family(p, "moe_queue_capacity", PT_GAUGE,
               "Queued jobs before requests are answered busy (--queue-depth).");
     pt_sample_u64(p, NULL, 0, (uint64_t)c->queue_depth);
+    if (c->srv) { /* the byte and connection bounds (docs/OPERATIONS.md, "Bounds") */
+        rpcsrv_counters rc;
+        rpcsrv_counters_get(c->srv, &rc);
+        pt_family(p, "moe_inflight_bytes", PT_GAUGE,
+                  "Request bytes held by requests in progress (--max-inflight-mb).");
+        pt_sample_u64(p, NULL, 0, (uint64_t)rc.held_bytes);
+        pt_family(p, "moe_busy_bytes_total", PT_COUNTER,
+                  "Requests answered busy because the byte budget was full.");
+        pt_sample_u64(p, NULL, 0, (uint64_t)c->busy_bytes_total);
+        pt_family(p, "moe_connections", PT_GAUGE, "Client and worker connections open now.");
+        pt_sample_u64(p, NULL, 0, (uint64_t)rc.conns);
+        pt_family(p, "moe_connections_refused_total", PT_COUNTER,
+                  "Connections closed at once because --max-conns were open.");
+        pt_sample_u64(p, NULL, 0, (uint64_t)rc.conns_refused_total);
+        pt_family(p, "moe_connections_idle_closed_total", PT_COUNTER,
+                  "Connections closed after --idle-timeout-ms without a request in progress.");
+        pt_sample_u64(p, NULL, 0, (uint64_t)rc.idle_closed_total);
+    }
     pt_family(p, "moe_requests_total", PT_COUNTER,
               "Requests handled, every method, worker heartbeats included.");
     pt_sample_u64(p, NULL, 0, c->requests_total);
@@ -300,7 +318,19 @@ void coord_stats(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 10);
+    rpcsrv_counters rc;
+    rpcsrv_counters_get(c->srv, &rc);
+    mp_write_map(&w, 15);
+    mp_write_cstr(&w, "inflight_bytes"); /* this request's own included */
+    mp_write_u64(&w, rc.held_bytes);
+    mp_write_cstr(&w, "busy_bytes_total");
+    mp_write_u64(&w, c->busy_bytes_total);
+    mp_write_cstr(&w, "connections");
+    mp_write_u64(&w, rc.conns);
+    mp_write_cstr(&w, "connections_refused_total");
+    mp_write_u64(&w, rc.conns_refused_total);
+    mp_write_cstr(&w, "connections_idle_closed_total");
+    mp_write_u64(&w, rc.idle_closed_total);
     mp_write_cstr(&w, "uptime_s");
     mp_write_f64(&w, (double)(rpc_now_ns() - c->started_ns) * 1e-9);
     mp_write_cstr(&w, "requests_total");

@@ -134,6 +134,7 @@ static void remove_files(const cluster *cl)
         unlink(tmp);
     }
     unlink(cl->paths_coord_log);
+    unlink(cl->paths_secret);
     for (int i = 0; i < CLUSTER_MAX_WORKERS; i++)
         unlink(cl->paths_worker_log[i]);
     rmdir(cl->dir);
@@ -359,6 +360,8 @@ int cluster_worker_start(cluster *cl, int i)
     av_add(&a, cl->url);
     av_add(&a, "--threads");
     av_add(&a, "1");
+    av_add(&a, "--cluster-secret-file");
+    av_add(&a, cl->paths_secret);
     if (cl->opts.auth_token) {
         av_add(&a, "--auth-token");
         av_add(&a, cl->opts.auth_token);
@@ -428,6 +431,22 @@ static int read_addr(cluster *cl, int timeout_ms)
     }
 }
 
+/* read_secret reads the cluster secret the coordinator wrote (it does so
+ * before it writes its address) into cl->secret */
+static int read_secret(cluster *cl)
+{
+    FILE *f = fopen(cl->paths_secret, "r");
+    char *ok = f ? fgets(cl->secret, sizeof(cl->secret), f) : NULL;
+    if (f)
+        fclose(f);
+    cl->secret[strcspn(cl->secret, "\r\n")] = 0;
+    if (!ok || !cl->secret[0]) {
+        set_err(cl, "no cluster secret in %s", cl->paths_secret);
+        return -1;
+    }
+    return 0;
+}
+
 cluster *cluster_start(const cluster_opts *opts)
 {
     cluster *cl = NULL;
@@ -454,6 +473,7 @@ cluster *cluster_start(const cluster_opts *opts)
     }
     snprintf(cl->paths_addr, sizeof(cl->paths_addr), "%s/addr", cl->dir);
     snprintf(cl->paths_coord_log, sizeof(cl->paths_coord_log), "%s/coord.log", cl->dir);
+    snprintf(cl->paths_secret, sizeof(cl->paths_secret), "%s/secret", cl->dir);
     for (int i = 0; i < CLUSTER_MAX_WORKERS; i++)
         snprintf(cl->paths_worker_log[i], sizeof(cl->paths_worker_log[i]), "%s/worker-%d.log",
                  cl->dir, i);
@@ -473,6 +493,8 @@ cluster *cluster_start(const cluster_opts *opts)
     av_add(&a, cl->paths_addr);
     av_add(&a, "--workers");
     av_add(&a, nworkers);
+    av_add(&a, "--cluster-secret-file");
+    av_add(&a, cl->paths_secret);
     if (cl->opts.metrics) {
         cl->metrics_port = free_port();
         snprintf(metrics, sizeof(metrics), "http://127.0.0.1:%d", cl->metrics_port);
@@ -494,7 +516,7 @@ cluster *cluster_start(const cluster_opts *opts)
         cl->coord_pid = 0;
         return NULL;
     }
-    if (read_addr(cl, 10000) != 0)
+    if (read_addr(cl, 10000) != 0 || read_secret(cl) != 0)
         return NULL;
     for (int i = 0; i < cl->opts.workers; i++)
         if (cluster_worker_start(cl, i) != 0)

@@ -63,10 +63,13 @@ typedef struct cluster {
     moe_client *cli;  /* connected client (with the auth token, if any) */
     int coord_status; /* coordinator wait status after cluster_stop; -1 unknown */
     char err[512];    /* why the last harness call failed */
+    char secret[256]; /* the cluster secret (the coordinator writes it to <dir>/secret, which
+                       * every daemon is given as --cluster-secret-file) */
     /* private */
     cluster_opts opts;
     int live;
-    char paths_addr[320], paths_coord_log[320], paths_worker_log[CLUSTER_MAX_WORKERS][320];
+    char paths_addr[320], paths_coord_log[320], paths_secret[320],
+        paths_worker_log[CLUSTER_MAX_WORKERS][320];
 } cluster;
 
 /* cluster_start starts the coordinator and opts->workers workers, opens

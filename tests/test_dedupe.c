@@ -567,7 +567,9 @@ Test(dedupe, worker_resent_step_runs_once, .timeout = 60, .fini = cluster_fini_a
     nng_socket s = raw_open(url);
     const uint64_t rid[2] = {0xfeedfacecafebeefull, 42};
     mp_writer w;
-    req_head(&w, 42, "worker.step", 1, rid);
+    req_head(&w, 42, "worker.step", 2, rid);
+    mp_write_cstr(&w, "cluster"); /* the worker's endpoint requires the secret */
+    mp_write_cstr(&w, cl->secret);
     mp_write_cstr(&w, "model");
     mp_write_cstr(&w, "m");
     raw_reply a, b;
@@ -582,7 +584,9 @@ Test(dedupe, worker_resent_step_runs_once, .timeout = 60, .fini = cluster_fini_a
      * worker directly with a new rid */
     const uint64_t rid2[2] = {0xfeedfacecafebeefull, 43};
     mp_writer w2;
-    req_head(&w2, 43, "worker.step", 1, rid2);
+    req_head(&w2, 43, "worker.step", 2, rid2);
+    mp_write_cstr(&w2, "cluster");
+    mp_write_cstr(&w2, cl->secret);
     mp_write_cstr(&w2, "model");
     mp_write_cstr(&w2, "m");
     raw_reply c;

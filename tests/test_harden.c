@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "client_dp.h" /* moe__set_cluster */
 #include "cluster.h"
 #include "kern.h"
 
@@ -269,6 +270,7 @@ Test(harden, worker_refuses_checkpoint_dirs_outside_root, .timeout = 60, .fini =
     moe_client *wc = NULL;
     moe_client_opts co = {10000, 0, NULL, "coordinator"};
     cr_assert_eq(moe_client_open(url, &co, &wc), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe__set_cluster(wc, cl->secret), MOE_OK); /* worker.* require it */
     mp_writer w;
     snprintf(p, sizeof(p), "%s/ckpt-1", outside);
     mp_writer_init(&w);

@@ -23,11 +23,12 @@
 
 #include "cluster.h"
 
-/* fake_register sends worker.register for rpc_url on a fresh connection;
- * the connection stays open (*sock) so the entry stays up until closed.
- * Returns the reply's error code; msg gets its message. */
-static moe_err fake_register(const char *coord_url, const char *rpc_url, nng_socket *sock,
-                             char *msg, size_t cap)
+/* fake_register sends worker.register for rpc_url on a fresh connection,
+ * with the cluster secret (NULL: none); the connection stays open (*sock)
+ * so the entry stays up until closed. Returns the reply's error code; msg
+ * gets its message. */
+static moe_err fake_register(const char *coord_url, const char *secret, const char *rpc_url,
+                             nng_socket *sock, char *msg, size_t cap)
 {
     nng_socket s;
     cr_assert_eq(nng_req0_open(&s), 0);
@@ -42,7 +43,11 @@ static moe_err fake_register(const char *coord_url, const char *rpc_url, nng_soc
     mp_write_i64(&w, 1);
     mp_write_cstr(&w, "worker.register");
     mp_write_array(&w, 1);
-    mp_write_map(&w, 2);
+    mp_write_map(&w, secret ? 3 : 2);
+    if (secret) {
+        mp_write_cstr(&w, "cluster");
+        mp_write_cstr(&w, secret);
+    }
     mp_write_cstr(&w, "rpc_url");
     mp_write_cstr(&w, rpc_url);
     mp_write_cstr(&w, "data_url");
@@ -115,7 +120,7 @@ Test(registry, fake_registrations_beyond_capacity_do_not_fill_it, .timeout = 150
         nng_socket s;
         /* a new address each time, like a worker restarted on port 0 */
         snprintf(url, sizeof(url), "tcp://127.0.0.1:%d", 20000 + i);
-        moe_err e = fake_register(cl->url, url, &s, msg, sizeof(msg));
+        moe_err e = fake_register(cl->url, cl->secret, url, &s, msg, sizeof(msg));
         cr_assert_eq(e, MOE_OK, "registration %d: %s: %s", i, moe_err_code(e), msg);
         nng_close(s); /* the worker is gone: its connection closed */
         wait_state(cl, 0, -1, 0);
@@ -174,18 +179,24 @@ Test(registry, full_of_live_workers_refuses_clearly, .timeout = 60, .fini = clus
     cr_assert(cl, "%s", cluster_error());
     nng_socket s[3];
     char msg[512];
-    cr_assert_eq(fake_register(cl->url, "tcp://127.0.0.1:21001", &s[0], msg, sizeof(msg)), MOE_OK);
-    cr_assert_eq(fake_register(cl->url, "tcp://127.0.0.1:21002", &s[1], msg, sizeof(msg)), MOE_OK);
+    cr_assert_eq(
+        fake_register(cl->url, cl->secret, "tcp://127.0.0.1:21001", &s[0], msg, sizeof(msg)),
+        MOE_OK);
+    cr_assert_eq(
+        fake_register(cl->url, cl->secret, "tcp://127.0.0.1:21002", &s[1], msg, sizeof(msg)),
+        MOE_OK);
     wait_state(cl, 2, 2, 0);
-    moe_err e = fake_register(cl->url, "tcp://127.0.0.1:21003", &s[2], msg, sizeof(msg));
+    moe_err e =
+        fake_register(cl->url, cl->secret, "tcp://127.0.0.1:21003", &s[2], msg, sizeof(msg));
     cr_assert_eq(e, MOE_ENOMEM, "third worker: %s: %s", moe_err_code(e), msg);
     cr_assert(strstr(msg, "registry full"), "%s", msg);
     /* once one is gone, there is room again */
     nng_close(s[0]);
     wait_state(cl, 1, -1, 0);
     nng_close(s[2]);
-    cr_assert_eq(fake_register(cl->url, "tcp://127.0.0.1:21004", &s[2], msg, sizeof(msg)), MOE_OK,
-                 "%s", msg);
+    cr_assert_eq(
+        fake_register(cl->url, cl->secret, "tcp://127.0.0.1:21004", &s[2], msg, sizeof(msg)),
+        MOE_OK, "%s", msg);
     nng_close(s[1]);
     nng_close(s[2]);
     /* the refusal is in the coordinator's log at warn */
@@ -197,5 +208,31 @@ Test(registry, full_of_live_workers_refuses_clearly, .timeout = 60, .fini = clus
         warned |= strstr(line, " W ") && strstr(line, "registry full");
     fclose(f);
     cr_assert(warned, "no warning about the full registry in %s", cl->paths_coord_log);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
+
+/* Without the cluster secret nobody can register a worker (a fake one used
+ * to break every re-formation): refused `unauthenticated`, with a wrong
+ * secret too, and the registry stays empty; with the secret it registers. */
+Test(registry, register_without_cluster_secret_refused, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 0, .expected_workers = 1, .no_wait = 1, .checkpoint_root = ""};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    char msg[512];
+    nng_socket s;
+    moe_err e = fake_register(cl->url, NULL, "tcp://127.0.0.1:21011", &s, msg, sizeof(msg));
+    cr_expect_eq(e, MOE_EUNAUTH, "no secret: %s: %s", moe_err_code(e), msg);
+    cr_expect(strstr(msg, "cluster secret"), "%s", msg);
+    nng_close(s);
+    e = fake_register(cl->url, "not-the-secret", "tcp://127.0.0.1:21012", &s, msg, sizeof(msg));
+    cr_expect_eq(e, MOE_EUNAUTH, "wrong secret: %s: %s", moe_err_code(e), msg);
+    nng_close(s);
+    cluster_state st;
+    cr_assert_eq(cluster_get_state(cl, &st), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(st.listed, 0, "%d workers listed after refused registrations", st.listed);
+    e = fake_register(cl->url, cl->secret, "tcp://127.0.0.1:21013", &s, msg, sizeof(msg));
+    cr_expect_eq(e, MOE_OK, "with the secret: %s: %s", moe_err_code(e), msg);
+    nng_close(s);
     cr_assert_eq(cluster_stop(cl), 0);
 }

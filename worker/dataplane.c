@@ -751,12 +751,9 @@ static void on_ping(dp_table *t, rpc_call *c)
 /* the data-plane endpoint's methods (clients call them; docs/PROTOCOL.md
  * "Data plane" lists them, checked by tests/test_methods.c) */
 const dp_method dp_methods[] = {
-    {{"ping", 0}, on_ping},
-    {{"data.rows", 0}, on_rows},
-    {{"data.cancel", 0}, on_cancel},
-    {{"data.shm_attach", 0}, on_attach},
-    {{"data.shm_detach", 0}, on_detach},
-    {{"data.cuda_attach", 0}, on_cuda_attach},
+    {{"ping", RPC_NO_PARAMS}, on_ping},   {{"data.rows", 0}, on_rows},
+    {{"data.cancel", 0}, on_cancel},      {{"data.shm_attach", 0}, on_attach},
+    {{"data.shm_detach", 0}, on_detach},  {{"data.cuda_attach", 0}, on_cuda_attach},
     {{"data.cuda_detach", 0}, on_detach},
 };
 const int dp_nmethods = (int)(sizeof(dp_methods) / sizeof(dp_methods[0]));
@@ -770,9 +767,13 @@ void dp_on_request(dp_table *t, rpc_call *c)
     }
     const dp_method *m =
         rpc_method_find(dp_methods, dp_nmethods, sizeof(*m), q->method, q->method_len);
+    char err[256];
+    moe_err e;
     if (!m)
         rpc_reply_err(c, MOE_ENOMETHOD, "unknown data-plane method '%.*s'",
                       (int)(q->method_len > 64 ? 64 : q->method_len), q->method);
+    else if ((e = rpc_method_check_params(&m->m, q, err, sizeof(err))) != MOE_OK)
+        rpc_reply_err(c, e, "%s", err);
     else
         m->fn(t, c);
 }

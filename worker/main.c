@@ -15,7 +15,9 @@
 #include "log.h"
 #include "params.h"
 #include "pool.h"
+#include "secret.h"
 #include "worker.h"
+#include "client_dp.h" /* moe__set_cluster */
 
 void openblas_set_num_threads(int);
 
@@ -57,7 +59,14 @@ static const cfg_entry worker_cfg[] = {
      "train forwards kept for backward; the oldest is dropped beyond this"},
     {"handle-ttl-ms", CFG_INT, "600000", 1, 86400000, &W.handle_ttl_ms,
      "a train forward not backwarded within this expires"},
-    {"auth-token", CFG_STR, "", 0, 0, W.auth_token, "token sent to the coordinator"},
+    {"auth-token", CFG_STR, "", 0, 0, W.auth_token,
+     "token sent to the coordinator, and required from clients on the data plane"},
+    {"cluster-secret", CFG_STR, "", 0, 0, W.cluster_secret_cfg,
+     "the coordinator's cluster secret (empty = read cluster-secret-file)"},
+    {"cluster-secret-file", CFG_STR, "~/.moe/cluster-secret", 0, 0, W.cluster_secret_file,
+     "without cluster-secret: read the secret here before each registration"},
+    {"insecure", CFG_BOOL, "0", 0, 1, &W.insecure,
+     "allow listening on non-loopback addresses without auth-token"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))
@@ -185,9 +194,39 @@ static void on_heartbeat_reply(moe_err err, moe_reply *r, void *arg)
     }
 }
 
+/* load_secret makes w->cluster_secret current: --cluster-secret, else the
+ * secret file as it is now (the coordinator may have written it after we
+ * started, or a new one after a restart). 0 when a secret is known. */
+static int load_secret(wkr *w)
+{
+    static char last_err[512];
+    char path[CFG_STR_MAX], err[512] = "", secret[CFG_STR_MAX];
+    if (w->cluster_secret_cfg[0]) {
+        snprintf(secret, sizeof(secret), "%s", w->cluster_secret_cfg);
+    } else if (secret_expand_path(w->cluster_secret_file, path, sizeof(path), err, sizeof(err)) !=
+                   MOE_OK ||
+               secret_read_file(path, secret, sizeof(secret), err, sizeof(err)) != MOE_OK) {
+        if (strcmp(err, last_err) != 0) /* say it once, not every heartbeat */
+            LOG_W("cluster secret: %s (set --cluster-secret or --cluster-secret-file); "
+                  "not registering until it is readable",
+                  err);
+        snprintf(last_err, sizeof(last_err), "%s", err);
+        return -1;
+    }
+    last_err[0] = 0;
+    if (strcmp(secret, w->cluster_secret) != 0) {
+        if (moe__set_cluster(w->coord, secret) != MOE_OK)
+            return -1;
+        snprintf(w->cluster_secret, sizeof(w->cluster_secret), "%s", secret);
+    }
+    return 0;
+}
+
 static void send_register(wkr *w)
 {
     mp_writer pw;
+    if (load_secret(w) != 0)
+        return;
     mp_writer_init(&pw);
     mp_write_map(&pw, 7);
     mp_write_cstr(&pw, "client_url");
@@ -335,6 +374,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "moe-worker: ep must be auto or off\n");
         return 2;
     }
+    if (!W.auth_token[0] && !W.insecure) {
+        const char *urls[3] = {W.listen_url, W.data_url_cfg, W.client_url_cfg};
+        for (int i = 0; i < 3; i++) {
+            if (strcmp(urls[i], "off") != 0 && !url_is_loopback(urls[i])) {
+                fprintf(stderr,
+                        "moe-worker: refusing to listen on %s without --auth-token (set "
+                        "--auth-token, or pass --insecure on a trusted network)\n",
+                        urls[i]);
+                return 2;
+            }
+        }
+    }
     if (W.threads > 0)
         openblas_set_num_threads((int)W.threads);
     wpool_set_limit((size_t)W.pool_mb << 20);
@@ -355,7 +406,7 @@ int main(int argc, char **argv)
         LOG_E("cannot listen on data address %s", W.data_url_cfg);
         return 1;
     }
-    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL};
+    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL, 0, 0};
     if (rpcsrv_open(W.loop, &o, &W.srv, W.rpc_url, sizeof(W.rpc_url)) != MOE_OK)
         return 1;
     moe_host_id(W.host_id, sizeof(W.host_id));
@@ -369,8 +420,14 @@ int main(int argc, char **argv)
     if (strcmp(W.client_url_cfg, "off") != 0) {
         /* many contexts: a client's rows wait here, each holding one, until
          * the coordinator's job for them runs */
-        rpcsrv_opts d = {W.client_url_cfg, 256,   (size_t)W.max_msg_mb << 20,
-                         on_data_request,  &W.dp, dp_on_pipe_closed};
+        rpcsrv_opts d = {W.client_url_cfg,
+                         256,
+                         (size_t)W.max_msg_mb << 20,
+                         on_data_request,
+                         &W.dp,
+                         dp_on_pipe_closed,
+                         0,
+                         0};
         if (rpcsrv_open(W.loop, &d, &W.dsrv, W.client_url, sizeof(W.client_url)) != MOE_OK)
             return 1;
     }

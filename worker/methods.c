@@ -52,12 +52,12 @@ static void wkr_abort(wkr *w, rpc_call *c)
     rpc_reply(c, &wr);
 }
 
-enum { COMPUTE = RPC_COMPUTE | RPC_INTERNAL, LOOP = RPC_INTERNAL };
+enum { COMPUTE = RPC_COMPUTE | RPC_INTERNAL, LOOP = RPC_INTERNAL, NONE = RPC_NO_PARAMS };
 
 const wkr_method wkr_methods[] = {
-    {{"ping", 0}, wkr_ping},
+    {{"ping", NONE}, wkr_ping},
     {{"worker.abort", LOOP}, wkr_abort},
-    {{"worker.xchg_id", COMPUTE}, wkr_op_xchg_id},
+    {{"worker.xchg_id", COMPUTE | NONE}, wkr_op_xchg_id},
     {{"worker.join", COMPUTE}, wkr_op_join},
     {{"worker.model_create", COMPUTE}, wkr_op_model_create},
     {{"worker.forward", COMPUTE}, wkr_op_forward},
@@ -73,9 +73,17 @@ void wkr_dispatch(wkr *w, rpc_call *c)
     const moe_rpc_request *q = &c->req;
     const wkr_method *m =
         rpc_method_find(wkr_methods, wkr_nmethods, sizeof(*m), q->method, q->method_len);
+    char err[256];
+    moe_err e;
     if (!m)
         rpc_reply_err(c, MOE_ENOMETHOD, "unknown worker method '%.*s'",
                       (int)(q->method_len > 64 ? 64 : q->method_len), q->method);
+    else if ((m->m.flags & RPC_INTERNAL) && !rpc_cluster_ok(q, w->cluster_secret))
+        rpc_reply_err(c, MOE_EUNAUTH,
+                      "'%s' is internal: missing or wrong cluster secret (params key \"cluster\")",
+                      m->m.name);
+    else if ((e = rpc_method_check_params(&m->m, q, err, sizeof(err))) != MOE_OK)
+        rpc_reply_err(c, e, "%s", err);
     else if (m->m.flags & RPC_COMPUTE)
         wkr_enqueue(w, c, m);
     else

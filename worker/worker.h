@@ -133,6 +133,8 @@ struct wkr {
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
+    char cluster_secret_cfg[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
+    long long insecure; /* non-loopback listeners without --auth-token allowed */
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
     long long ep_chunks;      /* kcu_ep overlap degree, 0 = by shape */
     long long gpu_grad_bf16;  /* kcu_config.grad_bf16 of whole-layer GPU models */
@@ -148,6 +150,10 @@ struct wkr {
     char device[128];
     moe_client *coord; /* owned */
     int worker_id;     /* from the coordinator; -1 until registered */
+    /* the cluster secret: the coordinator's calls (worker.*) must carry it,
+     * ours to it carry it; --cluster-secret, else read from the secret file
+     * before each registration ("" until known) */
+    char cluster_secret[CFG_STR_MAX];
     int registering;
     uv_timer_t hb_timer;
     uv_signal_t sigterm, sigint;
