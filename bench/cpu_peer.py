@@ -14,8 +14,9 @@ per configuration, since OpenBLAS reads OPENBLAS_CORETYPE only when it loads:
             0.3.21 takes on CPUs newer than its table (the issue's Xeon)
   Haswell   OPENBLAS_CORETYPE=Haswell: the AVX2 kernels (what the pick
             chooses on an AVX2 CPU; on an AVX-512 CPU, the class kept)
-  pick+gemv1  the pick's core with one-row experts through sgemv instead
-            of sgemm: not the worker's path, what that change would give
+  pick+fresh  the pick's core with the forward's buffers malloc'd per call
+            (--fresh-buffers: page faults on every call, as before the
+            worker's buffer pool)
 
 torch side: the Hugging Face Mixtral sparse-MoE block written out (router
 linear, softmax, top-k renormalised, one F.linear SwiGLU per expert that
@@ -31,7 +32,7 @@ time over this row's (above 1: faster than torch).
 
   python3 bench/cpu_peer.py [--T 1,4096] [--H 4096] [--F 2048] [--E 8]
                             [--K 2] [--reps 5] [--warm-s 1]
-                            [--rounds 1] [--configs default,pick,Prescott,Haswell,pick+gemv1]
+                            [--rounds 1] [--configs default,pick,Prescott,Haswell]
                             [--before OLD_BIN]
 
 A config named before:NAME runs NAME with the binary given by --before (a
@@ -83,9 +84,9 @@ def run_moe(a, name, phases):
             sys.exit("config %s needs --before BIN" % name)
         bench, name = a.before, name[len("before:"):]
     cmd = [bench, "--T", a.T, "--reps", str(a.reps), "--warm-s", str(a.warm_s)] + shape_args(a)
-    if name.endswith("+gemv1"):
-        cmd.append("--gemv1")
-        name = name[:-len("+gemv1")]
+    if name.endswith("+fresh"):
+        cmd.append("--fresh-buffers")
+        name = name[:-len("+fresh")]
     if name == "pick":
         cmd.append("--pick")
         env.pop("OPENBLAS_CORETYPE", None)
@@ -96,9 +97,6 @@ def run_moe(a, name, phases):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit("cpu_layer_bench (%s) failed: %s" % (name, p.stderr.strip()))
-    for line in p.stdout.splitlines():
-        if line.startswith("GEMV1_CHECK"):
-            print("  " + line)
     return parse_results(p.stdout, phases)
 
 
@@ -184,7 +182,7 @@ def main():
     ap.add_argument("--warm-s", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every configuration this many times, keep each one's best median")
-    ap.add_argument("--configs", default="default,pick,Prescott,Haswell,pick+gemv1")
+    ap.add_argument("--configs", default="default,pick,Prescott,Haswell")
     ap.add_argument("--before", default=None,
                     help="another cpu_layer_bench binary (an older build), run by configs "
                     "named before:NAME")

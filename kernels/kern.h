@@ -110,7 +110,7 @@ void kern_expert_ffn_cpu(const float *x, int N, int H, int F, const float *w1, c
  * KERN_BLAS_GEMV_ROWS rows go through one sgemv per row and matrix instead
  * of sgemm (same result within rounding); the activation runs over
  * kern_par_threads() threads. */
-#define KERN_BLAS_GEMV_ROWS 2
+#define KERN_BLAS_GEMV_ROWS 4
 void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, const float *w3,
                           const float *w2, kern_act act, int bf16, float *a_out, float *b_out,
                           float *y);
@@ -248,6 +248,9 @@ void kern_act_backward_par(kern_act act, const float *a, const float *b, const f
 /* kern_combine_par: kern_combine_cpu split over tokens. */
 void kern_combine_par(const float *ye, const float *topk_w, const uint8_t *keep, int T, int K,
                       int H, int bf16, float *y);
+/* kern_combine_backward_par: kern_combine_backward_cpu split over tokens. */
+void kern_combine_backward_par(const float *dy, const float *ye_unweighted, const float *topk_w,
+                               const uint8_t *keep, int T, int K, int H, float *dye, float *dw);
 /* kern_rows_gather_par: dst (n,H) out, row r = src row idx[r] / div (div >= 1:
  * slot -> token with div = K). */
 void kern_rows_gather_par(float *dst, const float *src, const int32_t *idx, int div, size_t n,

@@ -141,6 +141,34 @@ void kern_combine_par(const float *ye, const float *topk_w, const uint8_t *keep,
     kern_par_for((size_t)T, KERN_PAR_GRAIN / per_tok + 1, comb_part, &j);
 }
 
+typedef struct comb_bwd_job {
+    const float *dy, *ye, *topk_w;
+    const uint8_t *keep;
+    int K, H;
+    float *dye, *dw;
+} comb_bwd_job;
+
+static void comb_bwd_part(void *p, size_t t0, size_t t1)
+{
+    const comb_bwd_job *j = p;
+    size_t s0 = t0 * (size_t)j->K, h = (size_t)j->H;
+    kern_combine_backward_cpu(j->dy + t0 * h, j->ye + s0 * h, j->topk_w + s0,
+                              j->keep ? j->keep + s0 : NULL, (int)(t1 - t0), j->K, j->H,
+                              j->dye + s0 * h, j->dw + s0);
+}
+
+void kern_combine_backward_par(const float *dy, const float *ye_unweighted, const float *topk_w,
+                               const uint8_t *keep, int T, int K, int H, float *dye, float *dw)
+{
+    /* dy (T,H), ye_unweighted (S,H), topk_w (T,K), keep (S) or NULL; dye
+     * (S,H) out, dw (T,K) out; per token, as kern_combine_par */
+    if (T <= 0)
+        return;
+    comb_bwd_job j = {dy, ye_unweighted, topk_w, keep, K, H, dye, dw};
+    size_t per_tok = (size_t)K * (size_t)(H > 0 ? H : 1);
+    kern_par_for((size_t)T, KERN_PAR_GRAIN / per_tok + 1, comb_bwd_part, &j);
+}
+
 typedef struct gather_job {
     float *dst;
     const float *src;

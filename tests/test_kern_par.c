@@ -1,5 +1,6 @@
-/* test_kern_par.c - the CPU phases over threads (kernels/par.c and the
- * worker's row moves in worker/forward.c) against their one-thread forms on
+/* test_kern_par.c - the CPU phases over threads (kernels/par.c: activation
+ * forward and backward, combine forward and backward, row gather/scatter;
+ * and the worker's row moves in worker/forward.c) against their one-thread forms on
  * fresh random inputs: bit-identical (memcmp), for several thread counts
  * and sizes that split into parts. Thread counts are fixed with
  * kern_par_set_threads, so the split happens on any machine. */
@@ -123,6 +124,35 @@ Test(kern_par, combine_bit_identical)
                 }
                 free(ye), free(w), free(u), free(want), free(got), free(keep);
             }
+    kern_par_set_threads(0);
+}
+
+Test(kern_par, combine_backward_bit_identical)
+{
+    enum { H = 80, K = 2 };
+    const int T = (int)(3 * (KERN_PAR_GRAIN / (K * H) + 1)) + 3;
+    const size_t S = (size_t)T * K;
+    float *dy = rnd(35, 0, (size_t)T * H, 1.0f), *ye = rnd(35, 1, S * H, 2.0f);
+    float *w = rnd(35, 2, S, 1.0f), *u = rnd(35, 3, S, 1.0f);
+    float *dye0 = rnd(35, 4, S * H, 1.0f), *dye1 = rnd(35, 5, S * H, 1.0f);
+    float *dw0 = rnd(35, 6, S, 1.0f), *dw1 = rnd(35, 7, S, 1.0f);
+    uint8_t *keep = malloc(S);
+    cr_assert(keep);
+    for (size_t i = 0; i < S; i++)
+        keep[i] = u[i] > -0.3f;
+    for (int use_keep = 0; use_keep < 2; use_keep++) {
+        kern_combine_backward_cpu(dy, ye, w, use_keep ? keep : NULL, T, K, H, dye0, dw0);
+        for (int t = 0; t < NTC; t++) {
+            kern_par_set_threads(thread_counts[t]);
+            memset(dye1, 0xff, S * H * sizeof(float));
+            memset(dw1, 0xff, S * sizeof(float));
+            kern_combine_backward_par(dy, ye, w, use_keep ? keep : NULL, T, K, H, dye1, dw1);
+            expect_same("combine backward dye", dye1, dye0, S * H * sizeof(float),
+                        thread_counts[t]);
+            expect_same("combine backward dw", dw1, dw0, S * sizeof(float), thread_counts[t]);
+        }
+    }
+    free(dy), free(ye), free(w), free(u), free(dye0), free(dye1), free(dw0), free(dw1), free(keep);
     kern_par_set_threads(0);
 }
 
