@@ -14,8 +14,9 @@ per configuration, since OpenBLAS reads OPENBLAS_CORETYPE only when it loads:
             0.3.21 takes on CPUs newer than its table (the issue's Xeon)
   Haswell   OPENBLAS_CORETYPE=Haswell: the AVX2 kernels (what the pick
             chooses on an AVX2 CPU; on an AVX-512 CPU, the class kept)
-  pick+gemv1  the pick's core with one-row experts through sgemv instead
-            of sgemm: not the worker's path, what that change would give
+  pick+fresh  the pick's core with the forward's buffers malloc'd per call
+            (--fresh-buffers: page faults on every call, as before the
+            worker's buffer pool)
 
 torch side: the Hugging Face Mixtral sparse-MoE block written out (router
 linear, softmax, top-k renormalised, one F.linear SwiGLU per expert that
@@ -24,13 +25,19 @@ core), in its own process, on the very weights and tokens of the moe run
 (bin/cpu_layer_bench --dump); its output is checked against moe's first.
 
 Each T: warm-up of --warm-s (at least one call), then the median of --reps
-timed calls; with --rounds N every configuration runs N times, interleaved,
-and each keeps its lowest median (on a shared host, the least disturbed). GFLOP/s counts 2*T*K*3*H*F + 2*T*H*E. "vs torch" is torch's
+timed calls; with --rounds N every configuration runs N times, interleaved
+with torch, and the table gives the median of the rounds' medians (and the
+lowest, the least disturbed round on a shared host). GFLOP/s counts 2*T*K*3*H*F + 2*T*H*E. "vs torch" is torch's
 time over this row's (above 1: faster than torch).
 
   python3 bench/cpu_peer.py [--T 1,4096] [--H 4096] [--F 2048] [--E 8]
                             [--K 2] [--reps 5] [--warm-s 1]
-                            [--rounds 1] [--configs default,pick,Prescott,Haswell,pick+gemv1]
+                            [--rounds 1] [--configs default,pick,Prescott,Haswell]
+                            [--before OLD_BIN]
+
+A config named before:NAME runs NAME with the binary given by --before (a
+build of an older commit), so that a change is timed before and after in
+the same run as torch.
 """
 import argparse
 import os
@@ -71,10 +78,15 @@ def parse_results(text, phases=None):
 def run_moe(a, name, phases):
     env = dict(os.environ)
     env.pop("MOE_BLAS_REEXEC", None)
-    cmd = [BENCH, "--T", a.T, "--reps", str(a.reps), "--warm-s", str(a.warm_s)] + shape_args(a)
-    if name.endswith("+gemv1"):
-        cmd.append("--gemv1")
-        name = name[:-len("+gemv1")]
+    bench = BENCH
+    if name.startswith("before:"):
+        if not a.before:
+            sys.exit("config %s needs --before BIN" % name)
+        bench, name = a.before, name[len("before:"):]
+    cmd = [bench, "--T", a.T, "--reps", str(a.reps), "--warm-s", str(a.warm_s)] + shape_args(a)
+    if name.endswith("+fresh"):
+        cmd.append("--fresh-buffers")
+        name = name[:-len("+fresh")]
     if name == "pick":
         cmd.append("--pick")
         env.pop("OPENBLAS_CORETYPE", None)
@@ -85,9 +97,6 @@ def run_moe(a, name, phases):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit("cpu_layer_bench (%s) failed: %s" % (name, p.stderr.strip()))
-    for line in p.stdout.splitlines():
-        if line.startswith("GEMV1_CHECK"):
-            print("  " + line)
     return parse_results(p.stdout, phases)
 
 
@@ -173,7 +182,10 @@ def main():
     ap.add_argument("--warm-s", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every configuration this many times, keep each one's best median")
-    ap.add_argument("--configs", default="default,pick,Prescott,Haswell,pick+gemv1")
+    ap.add_argument("--configs", default="default,pick,Prescott,Haswell")
+    ap.add_argument("--before", default=None,
+                    help="another cpu_layer_bench binary (an older build), run by configs "
+                    "named before:NAME")
     ap.add_argument("--torch-worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.torch_worker:
@@ -187,16 +199,18 @@ def main():
           (cpu.group(1) if cpu else "?", os.cpu_count(), a.H, a.F, a.E, a.K, a.reps, a.warm_s))
     print("load average at start: %.2f" % os.getloadavg()[0])
 
-    rows = {}  # label: [blas, {T: (med, min)}], the best round's median per T
-    phases = {}  # label: {T: text}, of the round kept
+    rows = {}  # label: [blas, {T: [(med, min) of each round]}]
+    phases = {}  # label: {T: [text of each round]}
 
     def keep(label, blas, res, ph=None):
         row = rows.setdefault(label, [blas, {}])
         for T, v in res.items():
-            if T not in row[1] or v[0] < row[1][T][0]:
-                row[1][T] = v
-                if ph is not None and T in ph:
-                    phases.setdefault(label, {})[T] = ph[T]
+            row[1].setdefault(T, []).append(v)
+            if ph is not None and T in ph:
+                phases.setdefault(label, {}).setdefault(T, []).append(ph[T])
+
+    def brief(res):
+        return " ".join("T=%d %.3f ms" % (T, v[0]) for T, v in sorted(res.items()))
 
     names = [c for c in a.configs.split(",") if c]
     # the layer's weights and tokens for torch (the largest T's tokens)
@@ -214,12 +228,12 @@ def main():
                 ph = {}
                 res, blas = run_moe(a, name, ph)
                 keep("moe " + name, blas, res, ph)
-                print("  round %d: moe %-11s %s  (load %.2f)" %
-                      (rnd + 1, name, blas, os.getloadavg()[0]))
+                print("  round %d: moe %-11s %s  %s  (load %.2f)" %
+                      (rnd + 1, name, brief(res), blas, os.getloadavg()[0]))
                 if i == 1 or len(names) == 1:  # torch in the middle of the moe runs
                     tres, check = run_torch(a, dump_path)
-                    print("  round %d: torch: %s  (load %.2f)" %
-                          (rnd + 1, check, os.getloadavg()[0]))
+                    print("  round %d: torch %s  %s  (load %.2f)" %
+                          (rnd + 1, brief(tres or {}), check, os.getloadavg()[0]))
                     if tres is not None:
                         keep("torch", "PyTorch, MKL (F.linear per expert)", tres)
     finally:
@@ -227,27 +241,36 @@ def main():
     print("load average at end: %.2f" % os.getloadavg()[0])
     rows = [(label, r[0], r[1]) for label, r in rows.items()]
 
+    def med_of(vals):
+        v = sorted(vals)
+        n = len(v)
+        return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
     torch_row = next((r for r in rows if r[0] == "torch"), None)
     print()
-    print("| T | run | BLAS | median ms | min ms | GFLOP/s | vs torch |")
-    print("|---|---|---|---|---|---|---|")
+    print("median ms: the median over the rounds of each round's median; best: the lowest")
+    print("round median; vs torch: torch's median ms over the row's")
+    print()
+    print("| T | run | BLAS | median ms | best ms | rounds | GFLOP/s | vs torch |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in Ts:
         for label, blas, res in rows:
             if T not in res:
                 continue
-            med, mn = res[T]
+            meds = [v[0] for v in res[T]]
+            med, best = med_of(meds), min(meds)
             g = flops(T, a.H, a.F, a.E, a.K) / (med * 1e-3) * 1e-9
             vs = "-"
             if torch_row and T in torch_row[2]:
-                vs = "%.2f" % (torch_row[2][T][0] / med)
-            print("| %d | %s | %s | %.3f | %.3f | %.1f | %s |" % (T, label, blas, med, mn, g, vs))
+                vs = "%.2f" % (med_of([v[0] for v in torch_row[2][T]]) / med)
+            print("| %d | %s | %s | %.3f | %.3f | %d | %.1f | %s |" %
+                  (T, label, blas, med, best, len(meds), g, vs))
     print()
-    print("phases of the moe runs (ms, medians; act_alone is part of experts):")
+    print("phases of the moe runs, each round (ms, medians; act_alone is part of experts):")
     for T in Ts:
         for label, ph in phases.items():
-            if T in ph:
-                print("  T=%d %-18s %s" % (T, label, ph[T]))
-
+            for i, text in enumerate(ph.get(T, [])):
+                print("  T=%d %-18s r%d %s" % (T, label, i + 1, text))
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,8 @@
 /* expert_blas.c - expert FFN through OpenBLAS sgemm (CPU workers' fast
  * path). Same contract as expert.c; scratch is malloc'd per call and the
- * plain loops take over if that fails. */
+ * plain loops take over if that fails. Experts with few rows go through one
+ * sgemv per row (KERN_BLAS_GEMV_ROWS); the activations run over threads
+ * (par.c). */
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,14 +32,21 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
     float *a = need_a ? scratch + nf : a_out;          /* (N,F) */
     float *b = need_b ? h + (1 + need_a) * nf : b_out; /* (N,F), SwiGLU only */
 
-    if (N == 1) {
-        /* one row (decode): matrix-vector products; sgemm would pack the
-         * whole weight matrix for a single row (bench/NOTES.md, CPU backend) */
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w1, H, x, 1, 0.0f, a, 1);
-        if (swiglu)
-            cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w3, H, x, 1, 0.0f, b, 1);
-        kern_act_forward_n(act, a, swiglu ? b : NULL, nf, bf16, h);
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, H, F, 1.0f, w2, F, h, 1, 0.0f, y, 1);
+    if (N <= KERN_BLAS_GEMV_ROWS) {
+        /* few rows (decode): matrix-vector products, row by row; sgemm would
+         * pack the whole weight matrix for a handful of rows (bench/NOTES.md,
+         * CPU backend) */
+        for (int r = 0; r < N; r++) {
+            const float *xr = x + (size_t)r * H;
+            float *ar = a + (size_t)r * F, *br = swiglu ? b + (size_t)r * F : NULL;
+            float *hr = h + (size_t)r * F;
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w1, H, xr, 1, 0.0f, ar, 1);
+            if (swiglu)
+                cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w3, H, xr, 1, 0.0f, br, 1);
+            kern_act_forward_n(act, ar, br, (size_t)F, bf16, hr);
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, H, F, 1.0f, w2, F, hr, 1, 0.0f,
+                        y + (size_t)r * H, 1);
+        }
         free(scratch);
         return;
     }
@@ -46,7 +55,7 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
     if (swiglu)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, F, H, 1.0f, x, H, w3, H, 0.0f, b,
                     F);
-    kern_act_forward_n(act, a, swiglu ? b : NULL, nf, bf16, h);
+    kern_act_forward_par(act, a, swiglu ? b : NULL, nf, bf16, h);
     /* y = h w2^T: (N,F) x (F,H) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, H, F, 1.0f, h, F, w2, F, 0.0f, y, H);
     free(scratch);
@@ -76,13 +85,13 @@ void kern_expert_ffn_backward_blas(const float *x, const float *a, const float *
     float *da = scratch + nf;            /* (N,F): dh, then da in place */
     float *db = swiglu ? da + nf : NULL; /* (N,F) */
 
-    kern_act_forward_n(act, a, swiglu ? b : NULL, nf, 0, h);
+    kern_act_forward_par(act, a, swiglu ? b : NULL, nf, 0, h);
     /* dh = dy w2: (N,H) x (H,F) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, F, H, 1.0f, dy, H, w2, F, 0.0f, da,
                 F);
     /* dw2 += dy^T h: (H,N) x (N,F) */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, F, N, 1.0f, dy, H, h, F, 1.0f, dw2, F);
-    kern_act_backward_n(act, a, swiglu ? b : NULL, da, nf, da, db);
+    kern_act_backward_par(act, a, swiglu ? b : NULL, da, nf, da, db);
     /* dx = da w1 + db w3: (N,F) x (F,H) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, H, F, 1.0f, da, F, w1, H, 0.0f, dx,
                 H);

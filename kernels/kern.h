@@ -106,7 +106,11 @@ void kern_expert_ffn_cpu(const float *x, int N, int H, int F, const float *w1, c
                          float *y);
 /* Same contract through OpenBLAS sgemm (the CPU workers' fast path). It
  * mallocs an (N,F) scratch for h; if that fails it falls back to the plain
- * loops (same result within rounding), so it cannot fail. */
+ * loops (same result within rounding), so it cannot fail. N <=
+ * KERN_BLAS_GEMV_ROWS rows go through one sgemv per row and matrix instead
+ * of sgemm (same result within rounding); the activation runs over
+ * kern_par_threads() threads. */
+#define KERN_BLAS_GEMV_ROWS 4
 void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, const float *w3,
                           const float *w2, kern_act act, int bf16, float *a_out, float *b_out,
                           float *y);
@@ -217,6 +221,43 @@ void kern_act_forward_n(kern_act act, const float *a, const float *b, size_t n, 
  * alias da. */
 void kern_act_backward_n(kern_act act, const float *a, const float *b, const float *dh, size_t n,
                          float *da, float *db);
+
+/* ---- threads: the CPU phases around the GEMMs (par.c) ----
+ * The fast paths split their elementwise and row-copy work over threads;
+ * every split function gives the bits of its one-thread form (the parts are
+ * disjoint and each item is computed as the one-thread code does). */
+/* kern_par_threads: threads a split uses: kern_par_set_threads's number, or
+ * else the BLAS's (openblas_set_num_threads, the worker's --threads). */
+int kern_par_threads(void);
+/* kern_par_set_threads: n > 0 fixes the thread count, 0 follows the BLAS. */
+void kern_par_set_threads(int n);
+/* kern_par_fn does items [i0, i1) of a split job. */
+typedef void (*kern_par_fn)(void *arg, size_t i0, size_t i1);
+/* kern_par_for: fn over [0, n) in contiguous parts, one per thread, each of
+ * at least grain items (so a small n runs on the caller alone); returns
+ * when all parts are done. fn must write disjoint memory per part. */
+void kern_par_for(size_t n, size_t grain, kern_par_fn fn, void *arg);
+#define KERN_PAR_GRAIN     ((size_t)1 << 17) /* floats moved per thread, at least */
+#define KERN_PAR_GRAIN_ACT ((size_t)1 << 14) /* activations per thread, at least */
+/* kern_act_forward_par: kern_act_forward_n split over threads. */
+void kern_act_forward_par(kern_act act, const float *a, const float *b, size_t n, int bf16,
+                          float *h);
+/* kern_act_backward_par: kern_act_backward_n split over threads. */
+void kern_act_backward_par(kern_act act, const float *a, const float *b, const float *dh, size_t n,
+                           float *da, float *db);
+/* kern_combine_par: kern_combine_cpu split over tokens. */
+void kern_combine_par(const float *ye, const float *topk_w, const uint8_t *keep, int T, int K,
+                      int H, int bf16, float *y);
+/* kern_combine_backward_par: kern_combine_backward_cpu split over tokens. */
+void kern_combine_backward_par(const float *dy, const float *ye_unweighted, const float *topk_w,
+                               const uint8_t *keep, int T, int K, int H, float *dye, float *dw);
+/* kern_rows_gather_par: dst (n,H) out, row r = src row idx[r] / div (div >= 1:
+ * slot -> token with div = K). */
+void kern_rows_gather_par(float *dst, const float *src, const int32_t *idx, int div, size_t n,
+                          int H);
+/* kern_rows_scatter_par: dst row idx[r] out = src row r, r < n (idx distinct). */
+void kern_rows_scatter_par(float *dst, const float *src, const int32_t *idx, size_t n, int H);
+
 /* kern_rel_err returns ||a - b|| / ||b|| (2-norms, double accumulation);
  * ||a - b|| when ||b|| = 0. NaN anywhere gives NaN. */
 double kern_rel_err(const float *a, const float *b, size_t n);

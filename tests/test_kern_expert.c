@@ -1,6 +1,8 @@
 /* test_kern_expert.c - the OpenBLAS fast paths (expert FFN forward and
  * backward, router logits) against the plain-loop reference: SwiGLU and
- * GELU, N = 0, N = 1, odd sizes; f32 within 1e-5 relative. */
+ * GELU, N = 0, N = 1, the few-row sgemv path (N <= KERN_BLAS_GEMV_ROWS) and
+ * the row count after it, odd sizes, and a size whose activation is split
+ * over threads; f32 within 1e-5 relative. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -29,8 +31,19 @@ typedef struct {
     int N, H, F;
 } ffn_shape;
 
-static const ffn_shape shapes[] = {{0, 8, 12}, {1, 8, 12},    {1, 1, 1},   {13, 17, 23},
-                                   {5, 3, 29}, {64, 96, 160}, {37, 64, 45}};
+static const ffn_shape shapes[] = {
+    {0, 8, 12},
+    {1, 8, 12},
+    {1, 1, 1},
+    {13, 17, 23},
+    {5, 3, 29},
+    {64, 96, 160},
+    {37, 64, 45},
+    {2, 33, 20},
+    {KERN_BLAS_GEMV_ROWS, 19, 31},
+    {KERN_BLAS_GEMV_ROWS + 1, 19, 31},
+    {300, 24, 2 * KERN_PAR_GRAIN_ACT / 300 + 64}, /* N*F > 2 grains: split act */
+};
 
 static void check_forward(ffn_shape sh, kern_act act, int bf16, double tol)
 {
@@ -80,6 +93,32 @@ Test(kern_expert, forward_blas_matches_ref)
         check_forward(shapes[i], KERN_ACT_SWIGLU, 0, 1e-5);
         check_forward(shapes[i], KERN_ACT_GELU, 0, 1e-5);
     }
+}
+
+Test(kern_expert, forward_blas_same_bits_for_any_thread_count)
+{
+    /* only the activation's split changes with kern_par_set_threads (the
+     * BLAS keeps its own threads): y, a, b must not change by one bit */
+    const int N = 300, H = 24, F = 2 * KERN_PAR_GRAIN_ACT / 300 + 64;
+    size_t nh = (size_t)N * H, nf = (size_t)N * F, fh = (size_t)F * H;
+    float *x = rnd(7, 0, nh, 1.0f), *w1 = rnd(7, 1, fh, 0.2f), *w3 = rnd(7, 2, fh, 0.2f);
+    float *w2 = rnd(7, 3, fh, 0.1f);
+    float *y[2] = {rnd(7, 4, nh, 1.0f), rnd(7, 5, nh, 1.0f)};
+    float *a[2] = {rnd(7, 6, nf, 1.0f), rnd(7, 7, nf, 1.0f)};
+    float *b[2] = {rnd(7, 8, nf, 1.0f), rnd(7, 9, nf, 1.0f)};
+    const int th[2] = {1, 3};
+    for (int act = 0; act < 2; act++) {
+        for (int k = 0; k < 2; k++) {
+            kern_par_set_threads(th[k]);
+            kern_expert_ffn_blas(x, N, H, F, w1, w3, w2, (kern_act)act, act == 0, a[k], b[k], y[k]);
+        }
+        cr_expect(memcmp(y[0], y[1], nh * sizeof(float)) == 0, "y differs, act %d", act);
+        cr_expect(memcmp(a[0], a[1], nf * sizeof(float)) == 0, "a differs, act %d", act);
+    }
+    kern_par_set_threads(0);
+    free(x), free(w1), free(w3), free(w2);
+    for (int k = 0; k < 2; k++)
+        free(y[k]), free(a[k]), free(b[k]);
 }
 
 Test(kern_expert, forward_bf16_blas_matches_ref)

@@ -16,6 +16,27 @@
 #include "params.h"
 #include "rows.h"
 
+/* slot_sum_job: dx (T,H) += the token's K slot rows of dx_slot (S,H), in
+ * slot order; split over tokens (kern_par_for), so the sums keep their
+ * one-thread order and bits. */
+typedef struct slot_sum_job {
+    const float *dx_slot;
+    int K, H;
+    float *dx;
+} slot_sum_job;
+
+static void slot_sum_part(void *p, size_t t0, size_t t1)
+{
+    const slot_sum_job *j = p;
+    for (size_t t = t0; t < t1; t++)
+        for (int k = 0; k < j->K; k++) {
+            const float *src = j->dx_slot + (t * j->K + k) * j->H;
+            float *d = j->dx + t * j->H;
+            for (int h = 0; h < j->H; h++)
+                d[h] += src[h];
+        }
+}
+
 void wkr_op_backward(wkr *w, rpc_call *c)
 {
     int64_t handle = 0;
@@ -138,7 +159,7 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         m->has_grads = 1;
         goto reply;
     }
-    kern_combine_backward_cpu(dy, st->ye_slot, st->topk_w, NULL, T, K, H, dye, dw);
+    kern_combine_backward_par(dy, st->ye_slot, st->topk_w, NULL, T, K, H, dye, dw);
 
     /* expert output gradients to the owners, in dispatch order */
     if (fwd_pack_by_owner(st, W, E, H, K, dye, 0, 0, bf, &sendbuf, send_bytes) == (size_t)-1) {
@@ -225,13 +246,8 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         goto fail_msg;
     }
     fwd_unpack_sorted(st, retbuf, H, bf, dx_slot);
-    for (int t = 0; t < T; t++)
-        for (int j = 0; j < K; j++) {
-            const float *src = dx_slot + ((size_t)t * K + j) * H;
-            float *d = dx + (size_t)t * H;
-            for (int h = 0; h < H; h++)
-                d[h] += src[h];
-        }
+    slot_sum_job sj = {dx_slot, K, H, dx};
+    kern_par_for((size_t)T, KERN_PAR_GRAIN / ((size_t)K * H) + 1, slot_sum_part, &sj);
     kern_router_backward_cpu(st->x, L->wr, st->logits, st->probs, st->topk_idx, dw, T, H, E, K,
                              cfg->renormalize, st->counts_global, st->T_total,
                              (float)cfg->aux_loss_coef, (float)cfg->z_loss_coef, lp[0].grad, dx);

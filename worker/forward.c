@@ -27,31 +27,133 @@ double fwd_now_s(void)
     return (double)rpc_now_ns() * 1e-9;
 }
 
+/* ---- row moves between float rows and message buffers, over threads ----
+ * Every move is a set of whole rows with disjoint destinations, split by
+ * kern_par_for: the bytes are the one-thread loop's. */
+
+/* idx_job: sorted row i <-> float row perm[i] / div, at buffer byte
+ * i * rowb + the headers before i's owner (hdr_end, row_end: per owner q,
+ * header bytes up to and including q and the end of q's sorted rows; NULL
+ * when the buffer has no headers). */
+typedef struct idx_job {
+    const int32_t *perm;
+    int div, H, bf16, to_buf, W;
+    const size_t *hdr_end;
+    const int32_t *row_end;
+    float *rows;
+    uint8_t *buf;
+} idx_job;
+
+static void idx_part(void *p, size_t i0, size_t i1)
+{
+    const idx_job *j = p;
+    size_t rowb = (size_t)j->H * (j->bf16 ? 2 : 4), hdr = 0;
+    int q = 0;
+    for (size_t i = i0; i < i1; i++) {
+        if (j->hdr_end) {
+            while (q < j->W - 1 && (int64_t)i >= j->row_end[q])
+                q++;
+            hdr = j->hdr_end[q];
+        }
+        float *f = j->rows + (size_t)(j->perm[i] / j->div) * j->H;
+        uint8_t *m = j->buf + hdr + i * rowb;
+        if (j->to_buf)
+            rows_put(m, f, (size_t)j->H, j->bf16);
+        else
+            rows_get(f, m, (size_t)j->H, j->bf16);
+    }
+}
+
+static void idx_run(idx_job *j, size_t n)
+{
+    kern_par_for(n, KERN_PAR_GRAIN / (size_t)(j->H > 0 ? j->H : 1) + 1, idx_part, j);
+}
+
+/* seg_job: expert-major float rows [0, n) <-> per-source segments of the
+ * buffer: segment g holds rows [row0[g], row0[g+1]) at byte off[g]. */
+typedef struct seg_job {
+    const size_t *row0, *off;
+    size_t nseg;
+    int H, bf16, to_buf;
+    float *rows;
+    uint8_t *buf;
+} seg_job;
+
+static void seg_part(void *p, size_t r0, size_t r1)
+{
+    const seg_job *j = p;
+    size_t rowb = (size_t)j->H * (j->bf16 ? 2 : 4), g = 0;
+    for (size_t r = r0; r < r1;) {
+        while (j->row0[g + 1] <= r) /* to r's segment; row0[nseg] = n > r */
+            g++;
+        size_t end = j->row0[g + 1] < r1 ? j->row0[g + 1] : r1;
+        float *f = j->rows + r * j->H;
+        uint8_t *m = j->buf + j->off[g] + (r - j->row0[g]) * rowb;
+        if (j->to_buf)
+            rows_put(m, f, (end - r) * j->H, j->bf16);
+        else
+            rows_get(f, m, (end - r) * j->H, j->bf16);
+        r = end;
+    }
+}
+
+/* seg_run: the segments in expert-major order (expert i, then rank q) at
+ * byte pos[q] onward in the buffer; pos advances. Returns 0, or -1 when
+ * the table cannot be allocated (then nothing is moved). */
+static int seg_run(const wkr_fwd_state *st, int W, size_t *pos, int H, int bf16, int to_buf,
+                   float *rows, uint8_t *buf)
+{
+    const int ne = st->model->ne;
+    size_t nseg = (size_t)ne * W, es = bf16 ? 2 : 4, n = 0;
+    size_t *row0 = malloc((nseg + 1) * sizeof(size_t)), *off = malloc((nseg + 1) * sizeof(size_t));
+    if (!row0 || !off) {
+        free(row0), free(off);
+        return -1;
+    }
+    for (int i = 0; i < ne; i++)
+        for (int q = 0; q < W; q++) {
+            size_t g = (size_t)i * W + q, k = (size_t)st->src_cnt[(size_t)q * ne + i];
+            row0[g] = n;
+            off[g] = pos[q];
+            pos[q] += k * H * es;
+            n += k;
+        }
+    row0[nseg] = n;
+    off[nseg] = 0;
+    seg_job j = {row0, off, nseg, H, bf16, to_buf, rows, buf};
+    if (nseg)
+        kern_par_for(n, KERN_PAR_GRAIN / (size_t)(H > 0 ? H : 1) + 1, seg_part, &j);
+    free(row0), free(off);
+    return 0;
+}
+
 size_t fwd_pack_by_owner(const wkr_fwd_state *st, int W, int E, int H, int K, const float *rows,
                          int by_token, int with_counts, int bf16, uint8_t **out, size_t *send_bytes)
 {
-    size_t es = bf16 ? 2 : 4, total = 0;
+    size_t es = bf16 ? 2 : 4, total = 0, hdr = 0;
+    size_t hdr_end[256]; /* W <= 256 (worker.join) */
+    int32_t row_end[256];
     for (int q = 0; q < W; q++) {
         int a = placement_first(E, W, q), b = a + placement_count(E, W, q);
         send_bytes[q] = (with_counts ? 4 * (size_t)(b - a) : 0) +
                         (size_t)(st->offsets[b] - st->offsets[a]) * (size_t)H * es;
         total += send_bytes[q];
+        hdr += with_counts ? 4 * (size_t)(b - a) : 0;
+        hdr_end[q] = hdr;
+        row_end[q] = st->offsets[b];
     }
-    uint8_t *buf = wpool_alloc(total ? total : 1), *p = buf;
+    uint8_t *buf = wpool_alloc(total ? total : 1);
     if (!buf)
         return (size_t)-1;
-    for (int q = 0; q < W; q++) {
+    for (int q = 0; q < W && with_counts; q++) { /* each owner's counts before its rows */
         int a = placement_first(E, W, q), b = a + placement_count(E, W, q);
-        if (with_counts) {
-            memcpy(p, st->counts + a, 4 * (size_t)(b - a));
-            p += 4 * (size_t)(b - a);
-        }
-        for (int i = st->offsets[a]; i < st->offsets[b]; i++) {
-            int32_t src = by_token ? st->perm[i] / K : st->perm[i];
-            rows_put(p, rows + (size_t)src * H, (size_t)H, bf16);
-            p += (size_t)H * es;
-        }
+        size_t at = hdr_end[q] - 4 * (size_t)(b - a) + (size_t)st->offsets[a] * H * es;
+        memcpy(buf + at, st->counts + a, 4 * (size_t)(b - a));
     }
+    /* rows: owners' blocks are contiguous in sorted order (placement.h) */
+    idx_job j = {st->perm, by_token ? K : 1, H,  bf16, 1, W, with_counts ? hdr_end : NULL,
+                 row_end,  (float *)rows,    buf};
+    idx_run(&j, (size_t)st->offsets[E]);
     *out = buf;
     return total;
 }
@@ -59,17 +161,22 @@ size_t fwd_pack_by_owner(const wkr_fwd_state *st, int W, int E, int H, int K, co
 void fwd_unpack_sorted(const wkr_fwd_state *st, const uint8_t *buf, int H, int bf16,
                        float *slot_rows)
 {
-    size_t S = (size_t)st->T * (size_t)st->model->cfg.top_k, es = bf16 ? 2 : 4;
-    for (size_t i = 0; i < S; i++)
-        rows_get(slot_rows + (size_t)st->perm[i] * H, buf + i * H * es, (size_t)H, bf16);
+    size_t S = (size_t)st->T * (size_t)st->model->cfg.top_k;
+    idx_job j = {st->perm, 1, H, bf16, 0, 1, NULL, NULL, slot_rows, (uint8_t *)buf};
+    idx_run(&j, S);
 }
 
 void fwd_owner_gather(const wkr_fwd_state *st, int W, const uint8_t *buf, const size_t *row0, int H,
                       int bf16, float *rows)
 {
+    size_t pos[256]; /* W <= 256 (worker.join) */
+    for (int q = 0; q < W; q++)
+        pos[q] = row0[q];
+    if (seg_run(st, W, pos, H, bf16, 0, rows, (uint8_t *)buf) == 0)
+        return;
+    /* no memory for the table: the same moves on this thread */
     const int ne = st->model->ne;
     size_t es = bf16 ? 2 : 4, n = 0;
-    size_t pos[256]; /* W <= 256 (worker.join) */
     for (int q = 0; q < W; q++)
         pos[q] = row0[q];
     for (int i = 0; i < ne; i++)
@@ -85,7 +192,7 @@ size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *row
                          uint8_t **out, size_t *back_bytes)
 {
     const int ne = st->model->ne;
-    size_t es = bf16 ? 2 : 4, total = 0, n = 0;
+    size_t es = bf16 ? 2 : 4, total = 0;
     size_t pos[256]; /* W <= 256 (worker.join) */
     for (int q = 0; q < W; q++) {
         size_t nrows = 0;
@@ -98,13 +205,10 @@ size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *row
     uint8_t *buf = wpool_alloc(total ? total : 1);
     if (!buf)
         return (size_t)-1;
-    for (int i = 0; i < ne; i++)
-        for (int q = 0; q < W; q++) {
-            int32_t k = st->src_cnt[(size_t)q * ne + i];
-            rows_put(buf + pos[q], rows + n * H, (size_t)k * H, bf16);
-            pos[q] += (size_t)k * H * es;
-            n += (size_t)k;
-        }
+    if (seg_run(st, W, pos, H, bf16, 1, (float *)rows, buf) != 0) {
+        wpool_free(buf);
+        return (size_t)-1;
+    }
     *out = buf;
     return total;
 }
@@ -565,7 +669,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         goto fail;
     }
     fwd_unpack_sorted(st, retbuf, H, bf, st->ye_slot);
-    kern_combine_cpu(st->ye_slot, st->topk_w, NULL, T, K, H, bf, y);
+    kern_combine_par(st->ye_slot, st->topk_w, NULL, T, K, H, bf, y);
     t_comb = fwd_now_s();
 
     for (int q = 0; q < W; q++)
