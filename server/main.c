@@ -13,9 +13,11 @@
 #include "dedupe.h"
 #include "log.h"
 #include "params.h"
+#include "sdnotify.h"
 #include "secret.h"
 
 static coord C;
+static sdn S;     /* systemd notifications (Type=notify); loop thread */
 static dedupe *D; /* replies of mutating requests by "rid"; loop thread */
 
 static const cfg_entry coord_cfg[] = {
@@ -88,6 +90,7 @@ static void on_tick(uv_timer_t *t)
 {
     coord *c = t->data;
     double now = (double)rpc_now_ns() * 1e-9;
+    sdn_tick(&S, c->ready, c->draining, "cluster ready", rpc_now_ns());
     if (now - c->recent_t0 >= 1.0) {
         c->tokens_per_s = c->recent_tokens / (now - c->recent_t0);
         c->recent_tokens = 0;
@@ -258,6 +261,7 @@ int main(int argc, char **argv)
     coord_metrics_render(&C);
     C.hist_last_ns = C.started_ns;
     coord_history_render(&C);
+    sdn_init(&S);
     uv_timer_init(C.loop, &C.tick);
     C.tick.data = &C;
     uv_timer_start(&C.tick, on_tick, 100, 100);

@@ -15,6 +15,7 @@
 #include "log.h"
 #include "params.h"
 #include "pool.h"
+#include "sdnotify.h"
 #include "secret.h"
 #include "worker.h"
 #include "client_dp.h" /* moe__set_cluster */
@@ -22,6 +23,8 @@
 void openblas_set_num_threads(int);
 
 static wkr W;
+static sdn S;                /* systemd notifications (Type=notify); loop thread */
+static uv_timer_t sdn_timer; /* the watchdog, when systemd asks for one */
 
 static const cfg_entry worker_cfg[] = {
     {"coordinator", CFG_STR, "tcp://127.0.0.1:7000", 0, 0, W.coord_url,
@@ -102,6 +105,7 @@ static void on_reg_async(uv_async_t *h)
         w->worker_id = id;
         w->registering = 0;
         LOG_I("registered with %s as worker %d", w->coord_url, id);
+        sdn_tick(&S, 1, 0, "registered", rpc_now_ns());
     } else if (id == -1) {
         w->registering = 0;
     }
@@ -294,6 +298,11 @@ static void on_hb_timer(uv_timer_t *t)
     mp_writer_fini(&pw);
 }
 
+static void on_sdn_timer(uv_timer_t *t)
+{
+    sdn_tick(&S, W.worker_id >= 0, W.stopping, "registered", rpc_now_ns());
+}
+
 static void on_request(rpc_call *c, void *arg)
 {
     wkr_dispatch(arg, c);
@@ -308,6 +317,7 @@ static void on_signal(uv_signal_t *h, int sig)
 {
     wkr *w = h->data;
     LOG_I("signal %d: stopping", sig);
+    sdn_tick(&S, 0, 1, NULL, rpc_now_ns());
     w->stopping = 1;
     uv_stop(w->loop);
 }
@@ -448,6 +458,10 @@ int main(int argc, char **argv)
     uv_timer_init(W.loop, &W.hb_timer);
     W.hb_timer.data = &W;
     uv_timer_start(&W.hb_timer, on_hb_timer, 0, (uint64_t)W.heartbeat_ms);
+    sdn_init(&S);
+    uv_timer_init(W.loop, &sdn_timer);
+    if (sdn_period_ms(&S))
+        uv_timer_start(&sdn_timer, on_sdn_timer, 0, sdn_period_ms(&S));
     uv_signal_init(W.loop, &W.sigterm);
     uv_signal_init(W.loop, &W.sigint);
     W.sigterm.data = W.sigint.data = &W;
@@ -475,6 +489,7 @@ int main(int argc, char **argv)
     if (W.dsrv)
         rpcsrv_close(W.dsrv);
     uv_close((uv_handle_t *)&W.hb_timer, NULL);
+    uv_close((uv_handle_t *)&sdn_timer, NULL);
     /* register/heartbeat replies (or their failures when the client closes)
      * still arrive on nng threads: they must not ring a closed handle */
     pthread_mutex_lock(&reg_mu);
