@@ -6,6 +6,8 @@
 #   make check-gpu-dataplane  CUDA IPC and the Python client against a GPU worker (GPU machine)
 #   make NO_CUDA=1  skip CUDA sources
 #   make lint / make format
+#   make install [PREFIX=/usr/local] [DESTDIR=]  binaries, library, header, systemd units, docs
+#   make bundle     a tarball for air-gapped hosts (build/moe-bundle-*.tar.gz; docs/OPERATIONS.md)
 
 CC      ?= gcc
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
@@ -72,7 +74,7 @@ endif
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
 LIBS := lib/libmoe.a lib/libmoe.so
 
-.PHONY: all deps run test check-gpu check-gpu-portable check-gpu-dataplane bench lint format clean fuzz
+.PHONY: all deps run test install bundle check-gpu check-gpu-portable check-gpu-dataplane bench lint format clean fuzz
 # `all` is declared once, at the end, from ALL_TARGETS
 .DEFAULT_GOAL := all
 ALL_TARGETS := $(BINS) $(LIBS) $(B)/moe-tests
@@ -129,6 +131,17 @@ test: deps
 	@st=$$(cat $(B)/test.rc); if [ "$$st" != 0 ]; then \
 	    echo "== the failed tests (whole log: $(B)/test.log) =="; \
 	    grep -E -A3 '^\[----\] [^ ]+:[0-9]+: |^\[FAIL\]' $(B)/test.log | tail -80; fi; exit $$st
+
+# install: what deploy/install.sh lays out (docs/OPERATIONS.md, "systemd")
+PREFIX ?= /usr/local
+DESTDIR ?=
+install: $(BINS) $(LIBS)
+	PREFIX='$(PREFIX)' DESTDIR='$(DESTDIR)' bash deploy/install.sh
+
+# bundle: binaries, library, runtime .debs, NCCL, the Python wheel(s) and
+# deploy/install-bundle.sh in one tarball (deploy/bundle.sh)
+bundle: $(BINS) $(LIBS)
+	bash deploy/bundle.sh --out $(B)
 
 run: deps
 	@$(MAKE) --no-print-directory all
