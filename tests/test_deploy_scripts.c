@@ -59,3 +59,8 @@ Test(deploy_files, systemd_units_install_and_verify, .timeout = 120)
 {
     check_script("systemd.sh");
 }
+
+Test(deploy_files, kubernetes_manifests_and_dockerfile, .timeout = 120)
+{
+    check_script("k8s.sh");
+}
