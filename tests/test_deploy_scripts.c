@@ -64,3 +64,8 @@ Test(deploy_files, kubernetes_manifests_and_dockerfile, .timeout = 120)
 {
     check_script("k8s.sh");
 }
+
+Test(deploy_files, slurm_batch_script_with_stub_srun, .timeout = 300)
+{
+    check_script("slurm.sh");
+}
