@@ -69,3 +69,8 @@ Test(deploy_files, slurm_batch_script_with_stub_srun, .timeout = 300)
 {
     check_script("slurm.sh");
 }
+
+Test(deploy_files, bundle_installs_and_runs_from_a_fresh_directory, .timeout = 600)
+{
+    check_script("bundle.sh");
+}
