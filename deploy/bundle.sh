@@ -62,7 +62,7 @@ for p in "${DEBS[@]}"; do
     v=$(dpkg-query -W -f='${Version}' "$p" 2>/dev/null || true)
     file=""
     for dir in "$DEBS_FROM" "$ROOT/.deps" /var/cache/apt/archives; do
-        [ -n "$dir" ] && [ -d "$dir" ] || continue
+        if [ -z "$dir" ] || [ ! -d "$dir" ]; then continue; fi
         # a file name's version has its epoch colon as %3a
         cand=$(ls "$dir/${p}_${v/:/%3a}_"*.deb 2>/dev/null | head -n1 || true)
         [ -n "$v" ] || cand=$(ls "$dir/${p}_"*.deb 2>/dev/null | head -n1 || true)
@@ -103,9 +103,9 @@ if [ "$PYTHON" = 1 ]; then
     # built from a copy: pip writes build/ and *.egg-info next to the sources
     cp -r "$ROOT/python" "$STAGE/python"
     rm -rf "$STAGE/python/build" "$STAGE"/python/*.egg-info
-    if MOE_LIB="$ROOT/lib/libmoe.so" $PY -m pip wheel -q --no-deps --no-build-isolation \
+    if MOE_LIB="$ROOT/lib/libmoe.so" "$PY" -m pip wheel -q --no-deps --no-build-isolation \
         -w "$B/wheels" "$STAGE/python" >/dev/null 2>&1 ||
-        MOE_LIB="$ROOT/lib/libmoe.so" timeout 300 $PY -m pip wheel -q --no-deps \
+        MOE_LIB="$ROOT/lib/libmoe.so" timeout 300 "$PY" -m pip wheel -q --no-deps \
             -w "$B/wheels" "$STAGE/python" >/dev/null 2>&1; then
         notes+=("python: $(cd "$B/wheels" && ls moe-*.whl)")
     else
@@ -114,7 +114,7 @@ if [ "$PYTHON" = 1 ]; then
     fi
     if [ "$PYDEPS" = 1 ]; then
         npv=$($PY -c 'import numpy; print(numpy.__version__)' 2>/dev/null || true)
-        if timeout 300 $PY -m pip download -q --only-binary=:all: --no-deps -d "$B/wheels" \
+        if timeout 300 "$PY" -m pip download -q --only-binary=:all: --no-deps -d "$B/wheels" \
             "numpy${npv:+==$npv}" >/dev/null 2>&1; then
             notes+=("python: $(cd "$B/wheels" && ls numpy-*.whl) for $($PY -V 2>&1)")
         else

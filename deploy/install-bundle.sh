@@ -94,10 +94,15 @@ say "programs in $PREFIX/bin (source $PREFIX/env.sh for PATH and LD_LIBRARY_PATH
 # 4. the Python client, from the bundle's wheels only
 PY=${PYTHON3:-python3}
 if [ "$PYMODE" != off ] && ls "$HERE"/wheels/moe-*.whl >/dev/null 2>&1; then
-    pip_in() { "$@" -m pip install -q --no-index --find-links "$HERE/wheels" moe; }
+    # pip_in PYTHON [pip options]: the client and its dependencies from the wheels
+    pip_in() {
+        local py=$1
+        shift
+        "$py" -m pip install -q --no-index --find-links "$HERE/wheels" "$@" moe
+    }
     ok=0
     if [ "$PYMODE" = venv ]; then
-        if $PY -m venv --system-site-packages "$VENV" >/dev/null 2>&1 && pip_in "$VENV/bin/python"; then
+        if "$PY" -m venv --system-site-packages "$VENV" >/dev/null 2>&1 && pip_in "$VENV/bin/python"; then
             echo ". \"$PREFIX/env.sh\"" >>"$VENV/bin/activate"
             say "Python client in the venv $VENV (. $VENV/bin/activate)"
             ok=1
