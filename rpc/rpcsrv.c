@@ -319,7 +319,7 @@ static void on_pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
 
 void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe)
 {
-    if (!s->pipes)
+    if (!s || !s->pipes)
         return;
     pthread_mutex_lock(&s->pmu);
     rpc_pipe *p = pipe_find(s, pipe);
@@ -330,11 +330,16 @@ void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe)
 
 uint64_t rpcsrv_held_bytes(const rpcsrv *s)
 {
+    if (!s) /* no server (a daemon's handlers driven by local calls) */
+        return 0;
     return __atomic_load_n(&s->held_bytes, __ATOMIC_RELAXED);
 }
 
 void rpcsrv_counters_get(rpcsrv *s, rpcsrv_counters *out)
 {
+    memset(out, 0, sizeof(*out));
+    if (!s)
+        return;
     out->held_bytes = rpcsrv_held_bytes(s);
     pthread_mutex_lock(&s->pmu);
     out->conns = (uint64_t)s->npipes;
