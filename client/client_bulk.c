@@ -181,16 +181,15 @@ static int send_rows(moe_bulk_xfer *t)
     uint8_t hb[MOE_BULK_REQ_LEN];
     size_t al = t->auth ? strlen(t->auth) : 0;
     size_t nb = (size_t)t->rows * (size_t)t->cols * moe_dtype_size(t->dt);
-    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION, (uint16_t)al, t->cid, t->seq,
-                      (uint32_t)t->dt, t->rows,         t->cols,      nb};
+    moe_bulk_req h = {MOE_BULK_MAGIC,  MOE_BULK_VERSION, (uint16_t)al, t->cid, t->seq,
+                      (uint32_t)t->dt, t->rows,          t->cols,      nb};
     moe_bulk_req_encode(&h, hb);
     if (io_full(t->fd, hb, sizeof(hb), 1) != 0 || io_full(t->fd, (void *)t->auth, al, 1) != 0 ||
         io_full(t->fd, (void *)t->x, nb, 1) != 0) {
         /* the worker may have answered why before closing */
         moe_bulk_rep r;
         int en = errno;
-        if (read_rep(t, &r, "while sending") < 0 && t->e != MOE_EUNAVAIL &&
-            t->e != MOE_ETIMEDOUT)
+        if (read_rep(t, &r, "while sending") < 0 && t->e != MOE_EUNAVAIL && t->e != MOE_ETIMEDOUT)
             return -1;
         t->e = en == EAGAIN || en == EWOULDBLOCK ? MOE_ETIMEDOUT : MOE_EUNAVAIL;
         snprintf(t->msg, sizeof(t->msg), "sending rows to %s: %s", t->pool->url,

@@ -46,12 +46,12 @@ typedef struct dp_map {
     int stale;
     uint64_t gen;
     int W;
-    int shm;          /* shared memory usable with every worker */
-    int lane;         /* one worker that runs inference forwards itself (the lane) */
-    nng_socket *sock; /* (W) req0 sockets, one per worker */
+    int shm;             /* shared memory usable with every worker */
+    int lane;            /* one worker that runs inference forwards itself (the lane) */
+    nng_socket *sock;    /* (W) req0 sockets, one per worker */
     moe_bulk_pool *bulk; /* (W) bulk connections per worker (url "" = it offers none) */
     int *remote;         /* (W) the worker is on another host */
-    int *up;          /* (W) live connections of each socket (atomic, nng threads) */
+    int *up;             /* (W) live connections of each socket (atomic, nng threads) */
     dp_shm bufs[DP_MAX_SHM];
     int nbufs;
     uint64_t *uregion; /* (DP_MAX_UBUF, W) region id of user buffer i at worker q; 0 = none */
@@ -1245,8 +1245,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
                 zero_copy ? (uint64_t)((uint8_t *)out - dp->ubuf[uy].base) + off : nbytes + off;
             const uint8_t *st = NULL;
             size_t stlen = 0;
-            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo, bx[q].started, &st,
-                        &stlen);
+            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo, bx[q].started, &st, &stlen);
             if (qe != MOE_OK)
                 snprintf(msg, sizeof(msg), "malformed rows from worker %d", q);
             else if (bx[q].started && (qe = moe_bulk_finish(&bx[q], 0)) != MOE_OK)

@@ -101,9 +101,8 @@ moe_err moe_bulk_req_decode(const uint8_t *in, uint64_t max_bytes, moe_bulk_req 
     h->cols = (int64_t)cols;
     if (h->nbytes != rows * cols * es) { /* no overflow: < 2^31 x 2^20 x 4 */
         snprintf(err, errlen, "bulk nbytes %llu for (%llu, %llu) of %s (want %llu)",
-                 (unsigned long long)h->nbytes, (unsigned long long)rows,
-                 (unsigned long long)cols, moe_dtype_name((moe_dtype)h->dtype),
-                 (unsigned long long)(rows * cols * es));
+                 (unsigned long long)h->nbytes, (unsigned long long)rows, (unsigned long long)cols,
+                 moe_dtype_name((moe_dtype)h->dtype), (unsigned long long)(rows * cols * es));
         return MOE_EINVAL;
     }
     if (h->nbytes > max_bytes) {

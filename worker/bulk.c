@@ -105,8 +105,14 @@ static int send_rep(int fd, int kind, moe_err st, const char *msg, uint64_t cid,
     size_t ml = msg ? strlen(msg) : 0;
     if (ml > MOE_BULK_MSG_MAX)
         ml = MOE_BULK_MSG_MAX;
-    moe_bulk_rep r = {MOE_BULK_MAGIC, MOE_BULK_VERSION, (uint16_t)kind, (uint32_t)st,
-                      (uint32_t)ml,   cid,              seq,            rows,
+    moe_bulk_rep r = {MOE_BULK_MAGIC,
+                      MOE_BULK_VERSION,
+                      (uint16_t)kind,
+                      (uint32_t)st,
+                      (uint32_t)ml,
+                      cid,
+                      seq,
+                      rows,
                       nbytes};
     moe_bulk_rep_encode(&r, h);
     memcpy(h + MOE_BULK_REP_LEN, msg ? msg : "", ml);
@@ -152,8 +158,7 @@ static int wait_answer(bconn *k, dp_bulk *b)
         }
         if (n > 0 && pf[0].revents)
             return -1; /* closed, or bytes before the answer: both end it */
-        if (st == DP_BULK_PARKED && now_ns() >= b->park_deadline_ns &&
-            dp_bulk_unpark(t, b, 0)) {
+        if (st == DP_BULK_PARKED && now_ns() >= b->park_deadline_ns && dp_bulk_unpark(t, b, 0)) {
             pthread_mutex_lock(b->mu);
             b->err = MOE_ETIMEDOUT;
             snprintf(b->msg, sizeof(b->msg),

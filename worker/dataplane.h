@@ -41,15 +41,15 @@ typedef struct dp_bulk {
     uint64_t cid, seq; /* the ticket */
     moe_dtype dtype;
     int64_t rows, cols;
-    uint8_t *buf;    /* owned (wpool): x (rows, cols) as received, then y in place */
-    size_t nbytes;   /* rows x cols x element size */
-    size_t reserved; /* counted in the table's staged_bytes while parked */
-    int state;       /* DP_BULK_* */
-    int dead;        /* its connection is gone: nobody waits for the answer */
-    int refs;        /* the connection's thread, and the ticket that claimed it */
-    int wake_fd;     /* the connection's eventfd, written when state becomes DONE */
+    uint8_t *buf;        /* owned (wpool): x (rows, cols) as received, then y in place */
+    size_t nbytes;       /* rows x cols x element size */
+    size_t reserved;     /* counted in the table's staged_bytes while parked */
+    int state;           /* DP_BULK_* */
+    int dead;            /* its connection is gone: nobody waits for the answer */
+    int refs;            /* the connection's thread, and the ticket that claimed it */
+    int wake_fd;         /* the connection's eventfd, written when state becomes DONE */
     pthread_mutex_t *mu; /* the table's */
-    moe_err err;     /* with DONE: MOE_OK = y (nbytes in buf), else the error */
+    moe_err err;         /* with DONE: MOE_OK = y (nbytes in buf), else the error */
     char msg[256];
     uint64_t park_deadline_ns; /* parked rows not claimed by then are dropped */
     struct dp_bulk *next;      /* in the table's parked list */

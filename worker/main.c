@@ -460,8 +460,7 @@ int main(int argc, char **argv)
         LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());
         return 1;
     }
-    fprintf(stderr,
-            "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s bulk %s blas %s\n",
+    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s bulk %s blas %s\n",
             (int)getpid(), W.backend, W.device, W.rpc_url, W.data_url,
             W.client_url[0] ? W.client_url : "off", W.bulk_url[0] ? W.bulk_url : "off",
             blas_pick_describe(blas, sizeof(blas)));
