@@ -14,7 +14,7 @@
 #include "moe.h"
 #include "proto.h"
 
-enum { MOE_PATH_AUTO = 0, MOE_PATH_COORD, MOE_PATH_SOCKET, MOE_PATH_SHM };
+enum { MOE_PATH_AUTO = 0, MOE_PATH_COORD, MOE_PATH_SOCKET, MOE_PATH_SHM, MOE_PATH_BULK };
 
 struct moe_dp;
 

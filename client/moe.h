@@ -88,12 +88,15 @@ typedef struct moe_client_opts {
     const char *auth_token; /* sent as params "auth" on every call; NULL = none */
     /* how the rows of forward and backward travel (docs/PROTOCOL.md, "Data
      * plane"): "auto" (straight to the workers; through shared memory when
-     * they are on this host), "socket" (straight to the workers over nng),
-     * "shm" (shared memory; fails where a worker is on another host),
-     * "coordinator" (inside the request to the coordinator, as before the
-     * data plane). NULL = $MOE_DATA_PATH, else "auto". Only "auto" falls
-     * back to the coordinator path where the cluster has no data plane;
-     * "socket" and "shm" then fail with MOE_EUNAVAIL and say why. */
+     * they are on this host; rows of 1 MiB or more per worker on another
+     * host over its bulk TCP endpoint), "socket" (straight to the workers
+     * over nng), "shm" (shared memory; fails where a worker is on another
+     * host), "bulk" (every worker's rows over its bulk endpoint; fails where
+     * a worker offers none), "coordinator" (inside the request to the
+     * coordinator, as before the data plane). NULL = $MOE_DATA_PATH, else
+     * "auto". Only "auto" falls back to the coordinator path where the
+     * cluster has no data plane; "socket", "shm" and "bulk" then fail with
+     * MOE_EUNAVAIL and say why. */
     const char *data_path;
 } moe_client_opts;
 

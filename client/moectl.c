@@ -20,7 +20,7 @@
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
-    const char *data_path; /* --data-path: auto | socket | shm | coordinator */
+    const char *data_path; /* --data-path: auto | socket | shm | bulk | coordinator */
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;
     double cf, aux, z;
@@ -38,7 +38,7 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: moectl [--url tcp://127.0.0.1:7000] [--token T] [--timeout-ms N]\n"
-            "              [--data-path auto|socket|shm|coordinator] COMMAND\n"
+            "              [--data-path auto|socket|shm|bulk|coordinator] COMMAND\n"
             "  ping                                  round trip to the coordinator\n"
             "  status                                cluster.status (workers, generation)\n"
             "  info --model NAME                     model.info\n"

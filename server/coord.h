@@ -35,6 +35,7 @@ typedef struct coord_worker {
     int rank; /* in the current generation, -1 if not a member */
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX];
     char client_url[CFG_STR_MAX]; /* data plane: clients send rows here ("" = none) */
+    char bulk_url[CFG_STR_MAX];   /* data plane: bulk rows over plain TCP ("" = none) */
     char host[128];               /* host identity (boot id): same host = shared memory */
     char backend[32], device[128];
     uint32_t pipe; /* the connection its registration and heartbeats come on */

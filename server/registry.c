@@ -136,7 +136,7 @@ void coord_on_pipes(uv_async_t *h)
 void coord_worker_register(coord *c, rpc_call *call)
 {
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX], backend[32] = "cpu", device[128] = "";
-    char client_url[CFG_STR_MAX] = "", host[128] = "";
+    char client_url[CFG_STR_MAX] = "", host[128] = "", bulk_url[CFG_STR_MAX] = "";
     int64_t pid = 0;
     char err[256];
     pspec sp[] = {
@@ -147,9 +147,10 @@ void coord_worker_register(coord *c, rpc_call *call)
         {"pid", P_INT, &pid, false, 0, 1e9, 0, false},
         {"client_url", P_STR, client_url, false, 0, 0, sizeof(client_url), false},
         {"host", P_STR, host, false, 0, 0, sizeof(host), false},
+        {"bulk_url", P_STR, bulk_url, false, 0, 0, sizeof(bulk_url), false},
     };
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 7, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 8, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -198,6 +199,7 @@ void coord_worker_register(coord *c, rpc_call *call)
     snprintf(slot->rpc_url, sizeof(slot->rpc_url), "%s", rpc_url);
     snprintf(slot->data_url, sizeof(slot->data_url), "%s", data_url);
     snprintf(slot->client_url, sizeof(slot->client_url), "%s", client_url);
+    snprintf(slot->bulk_url, sizeof(slot->bulk_url), "%s", bulk_url);
     slot->pipe = rpc_call_pipe(call);
     snprintf(slot->host, sizeof(slot->host), "%s", host);
     snprintf(slot->backend, sizeof(slot->backend), "%s", backend);
@@ -442,9 +444,11 @@ void coord_dataplane_info(coord *c, rpc_call *call)
     mp_write_array(&w, c->ready ? (uint32_t)c->world : 0);
     for (int r = 0; c->ready && r < c->world; r++) {
         coord_worker *wk = &c->workers[c->rank_to_worker[r]];
-        mp_write_map(&w, 3);
+        mp_write_map(&w, 4);
         mp_write_cstr(&w, "url");
         mp_write_cstr(&w, wk->client_url);
+        mp_write_cstr(&w, "bulk_url"); /* "" = no bulk path */
+        mp_write_cstr(&w, wk->bulk_url);
         mp_write_cstr(&w, "host");
         mp_write_cstr(&w, wk->host);
         mp_write_cstr(&w, "backend");

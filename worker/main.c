@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "blas_pick.h"
+#include "bulk.h"
 #include "confine.h"
 #include "gpu.h"
 #include "hostid.h"
@@ -32,6 +33,11 @@ static const cfg_entry worker_cfg[] = {
      "exchange address other workers dial (port 0 = any)"},
     {"client-listen", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.client_url_cfg,
      "data plane: address clients send token rows to (port 0 = any; \"off\" = none)"},
+    {"bulk-listen", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.bulk_url_cfg,
+     "data plane: plain TCP address for large rows from clients on other hosts (port 0 = any; "
+     "\"off\" = none)"},
+    {"bulk-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.bulk_timeout_ms,
+     "data plane: a bulk transfer whose bytes stop for this long is dropped"},
     {"data-wait-ms", CFG_INT, "10000", 1, 3600000, &W.data_wait_ms,
      "data plane: how long a job waits for a client's rows to arrive"},
     {"data-staged-mb", CFG_INT, "4096", 1, 1 << 20, &W.data_staged_mb,
@@ -228,7 +234,11 @@ static void send_register(wkr *w)
     if (load_secret(w) != 0)
         return;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 7);
+    mp_write_map(&pw, 7 + (w->bulk_url[0] ? 1 : 0));
+    if (w->bulk_url[0]) {
+        mp_write_cstr(&pw, "bulk_url");
+        mp_write_cstr(&pw, w->bulk_url);
+    }
     mp_write_cstr(&pw, "client_url");
     mp_write_cstr(&pw, w->client_url);
     mp_write_cstr(&pw, "host");
@@ -375,8 +385,8 @@ int main(int argc, char **argv)
         return 2;
     }
     if (!W.auth_token[0] && !W.insecure) {
-        const char *urls[3] = {W.listen_url, W.data_url_cfg, W.client_url_cfg};
-        for (int i = 0; i < 3; i++) {
+        const char *urls[4] = {W.listen_url, W.data_url_cfg, W.client_url_cfg, W.bulk_url_cfg};
+        for (int i = 0; i < 4; i++) {
             if (strcmp(urls[i], "off") != 0 && !url_is_loopback(urls[i])) {
                 fprintf(stderr,
                         "moe-worker: refusing to listen on %s without --auth-token (set "
@@ -430,6 +440,19 @@ int main(int argc, char **argv)
                          0};
         if (rpcsrv_open(W.loop, &d, &W.dsrv, W.client_url, sizeof(W.client_url)) != MOE_OK)
             return 1;
+        /* the bulk path rides on the client endpoint (its control) */
+        if (strcmp(W.bulk_url_cfg, "off") != 0) {
+            wkr_bulk_opts bo = {W.bulk_url_cfg,
+                                &W.dp,
+                                (size_t)W.max_msg_mb << 20,
+                                (int)W.bulk_timeout_ms,
+                                (int)W.data_wait_ms,
+                                60000,
+                                64,
+                                W.auth_token};
+            if (wkr_bulk_open(&bo, &W.bulk, W.bulk_url, sizeof(W.bulk_url)) != MOE_OK)
+                return 1;
+        }
     }
     moe_client_opts co = {0, 0, W.auth_token[0] ? W.auth_token : NULL, "coordinator"};
     co.timeout_ms = (int)(W.heartbeat_ms * 4);
@@ -437,9 +460,10 @@ int main(int argc, char **argv)
         LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());
         return 1;
     }
-    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s blas %s\n",
+    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s bulk %s blas %s\n",
             (int)getpid(), W.backend, W.device, W.rpc_url, W.data_url,
-            W.client_url[0] ? W.client_url : "off", blas_pick_describe(blas, sizeof(blas)));
+            W.client_url[0] ? W.client_url : "off", W.bulk_url[0] ? W.bulk_url : "off",
+            blas_pick_describe(blas, sizeof(blas)));
     cfg_print(worker_cfg, NCFG, stderr);
 
     pthread_create(&W.compute_thread, NULL, wkr_compute_main, &W);
@@ -472,6 +496,7 @@ int main(int argc, char **argv)
     pthread_join(W.compute_thread, NULL);
     rpcsrv_close(W.srv);
     dp_close(&W.dp); /* answers the rows still waiting, before their server goes */
+    wkr_bulk_close(W.bulk);
     if (W.dsrv)
         rpcsrv_close(W.dsrv);
     uv_close((uv_handle_t *)&W.hb_timer, NULL);

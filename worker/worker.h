@@ -187,9 +187,13 @@ struct wkr {
     long long max_handles, handle_ttl_ms;
 
     /* data plane: rows straight from clients (dataplane.h) */
-    rpcsrv *dsrv;                 /* loop thread */
-    char client_url[CFG_STR_MAX]; /* bound */
-    char host_id[128];            /* this host's boot id */
+    rpcsrv *dsrv;                   /* loop thread */
+    char client_url[CFG_STR_MAX];   /* bound */
+    char bulk_url_cfg[CFG_STR_MAX]; /* --bulk-listen */
+    char bulk_url[CFG_STR_MAX];     /* bound ("" = none) */
+    long long bulk_timeout_ms;
+    struct wkr_bulk *bulk; /* the bulk listener (bulk.h), or NULL */
+    char host_id[128];     /* this host's boot id */
     long long data_wait_ms, data_staged_mb, shm_max_mb, pool_mb;
     dp_table dp;
     void *pin; /* pinned host buffer of the GPU paths (compute thread; wkr_pinned) */

@@ -233,8 +233,9 @@ class Client:
         """url: the coordinator (tcp://host:port, ipc:///path). timeout_ms: per
         call. auth_token: the coordinator's --auth-token, if any. data_path:
         how forward/backward rows travel - "auto" (default: straight to the
-        workers, through shared memory on the same host), "socket", "shm" or
-        "coordinator"; None = $MOE_DATA_PATH or auto. max_msg: the largest
+        workers, through shared memory on the same host, large rows to
+        workers on other hosts over their bulk TCP endpoint), "socket", "shm",
+        "bulk" or "coordinator"; None = $MOE_DATA_PATH or auto. max_msg: the largest
         response accepted in bytes (0 = 1 GiB)."""
         lib = _need_lib()
         self._c = _P()
