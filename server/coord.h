@@ -202,6 +202,9 @@ struct coord {
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     /* byte and connection bounds (OPERATIONS.md) */
     long long max_inflight_mb, max_conns, idle_timeout_ms;
+    /* TLS (tls.h): the listener's certificate and key, the CA of workers'
+     * certificates (PEM paths; empty = none) */
+    char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
 
     uv_loop_t *loop;
     rpcsrv *srv;

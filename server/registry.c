@@ -180,7 +180,8 @@ void coord_worker_register(coord *c, rpc_call *call)
         return;
     }
     memset(slot, 0, sizeof(*slot));
-    moe_client_opts o = {(int)c->worker_timeout_ms, 0, NULL, "coordinator"};
+    moe_client_opts o = {(int)c->worker_timeout_ms, 0, NULL, "coordinator", c->tls_ca, c->tls_cert,
+                         c->tls_key};
     if (moe_client_open(rpc_url, &o, &slot->cli) != MOE_OK) {
         rpc_reply_err(call, MOE_EINVAL, "cannot dial worker rpc_url %s: %s", rpc_url,
                       moe_last_error());

@@ -133,6 +133,9 @@ struct wkr {
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
+    /* TLS (tls.h): the listeners' certificate and key, the CA of the peers'
+     * certificates (PEM paths; empty = none) */
+    char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
     char cluster_secret_cfg[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
