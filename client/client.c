@@ -30,13 +30,13 @@ struct moe_client {
      * from a server that died could block forever (seen in the tests) */
     pthread_mutex_t amu;
     pthread_cond_t acv;
-    struct acall *alist;  /* doubly linked through acall.next / prev, under amu */
-    int closing;          /* under amu: no new receive is started */
-    int cb_running;       /* under amu: callbacks of finished calls still running */
-    int data_path;        /* MOE_PATH_*: how forward/backward rows travel */
-    struct moe_dp *dp;    /* owned: the data plane (client_dp.c), made on first use */
+    struct acall *alist;               /* doubly linked through acall.next / prev, under amu */
+    int closing;                       /* under amu: no new receive is started */
+    int cb_running;                    /* under amu: callbacks of finished calls still running */
+    int data_path;                     /* MOE_PATH_*: how forward/backward rows travel */
+    struct moe_dp *dp;                 /* owned: the data plane (client_dp.c), made on first use */
     char *tls_ca, *tls_cert, *tls_key; /* owned copies of the TLS paths (NULL = none) */
-    pthread_mutex_t dpmu; /* guards dp's creation */
+    pthread_mutex_t dpmu;              /* guards dp's creation */
 };
 
 static __thread char last_error[512];

@@ -20,7 +20,7 @@
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
-    const char *data_path; /* --data-path: auto | socket | shm | coordinator */
+    const char *data_path;                   /* --data-path: auto | socket | shm | coordinator */
     const char *tls_ca, *tls_cert, *tls_key; /* --tls-ca/--tls-cert/--tls-key: PEM paths */
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;

@@ -74,7 +74,10 @@ static moe_err read_pem(const char *what, const char *path, char **out, char *er
     fclose(f);
     if (!buf || bad || n == 0 || n > TLS_PEM_MAX) {
         snprintf(err, errlen, "cannot read %s file %s: %s", what, path,
-                 !buf ? "out of memory" : bad ? "read error" : n == 0 ? "empty" : "over 1 MiB");
+                 !buf     ? "out of memory"
+                 : bad    ? "read error"
+                 : n == 0 ? "empty"
+                          : "over 1 MiB");
         free(buf);
         return MOE_EIO;
     }
@@ -127,8 +130,10 @@ moe_err moe_tls_listener_setup(nng_listener l, const char *url, const moe_tls_fi
     if (!moe_tls_url(url))
         return MOE_OK;
     if (!f || !given(f->cert) || !given(f->key)) {
-        snprintf(err, errlen, "%s is a TLS address: it needs a certificate and its key (--tls-cert "
-                              "and --tls-key)", url);
+        snprintf(err, errlen,
+                 "%s is a TLS address: it needs a certificate and its key (--tls-cert "
+                 "and --tls-key)",
+                 url);
         return MOE_EINVAL;
     }
     nng_tls_config *cfg = NULL; /* ours until the end; the listener holds its own reference */
@@ -153,8 +158,10 @@ moe_err moe_tls_dialer_setup(nng_dialer d, const char *url, const moe_tls_files 
     if (!moe_tls_url(url))
         return MOE_OK;
     if (!f || !given(f->ca)) {
-        snprintf(err, errlen, "%s is a TLS address: it needs the CA that signed the server's "
-                              "certificate (--tls-ca)", url);
+        snprintf(err, errlen,
+                 "%s is a TLS address: it needs the CA that signed the server's "
+                 "certificate (--tls-ca)",
+                 url);
         return MOE_EINVAL;
     }
     if (given(f->cert) != given(f->key)) {

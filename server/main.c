@@ -259,15 +259,9 @@ int main(int argc, char **argv)
     uv_async_init(C.loop, &C.pipes_async, coord_on_pipes);
     C.pipes_async.data = &C;
     const moe_tls_files tls = {C.tls_cert, C.tls_key, C.tls_ca};
-    rpcsrv_opts o = {C.listen_url,
-                     (int)C.nctx,
-                     (size_t)C.max_msg_mb << 20,
-                     on_request,
-                     &C,
-                     coord_pipe_closed,
-                     (int)C.max_conns,
-                     (int)C.idle_timeout_ms,
-                     &tls};
+    rpcsrv_opts o = {
+        C.listen_url,      (int)C.nctx,      (size_t)C.max_msg_mb << 20, on_request, &C,
+        coord_pipe_closed, (int)C.max_conns, (int)C.idle_timeout_ms,     &tls};
     if (rpcsrv_open(C.loop, &o, &C.srv, C.bound_url, sizeof(C.bound_url)) != MOE_OK) {
         fprintf(stderr, "moe-coordinator: cannot listen on %s\n", C.listen_url);
         return 1;

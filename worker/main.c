@@ -69,11 +69,10 @@ static const cfg_entry worker_cfg[] = {
     {"insecure", CFG_BOOL, "0", 0, 1, &W.insecure,
      "allow listening on non-loopback addresses without auth-token"},
     {"tls-cert", CFG_STR, "", 0, 0, W.tls_cert,
-     "PEM certificate chain its tls+tcp:// listen, data and client-listen addresses present"},
+     "PEM certificate chain its tls+tcp:// listen and client-listen addresses present"},
     {"tls-key", CFG_STR, "", 0, 0, W.tls_key, "PEM private key of tls-cert"},
     {"tls-ca", CFG_STR, "", 0, 0, W.tls_ca,
-     "PEM CA certificates that the coordinator's and other workers' tls+tcp:// certificates "
-     "must chain to"},
+     "PEM CA certificates that the coordinator's tls+tcp:// certificate must chain to"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))
@@ -340,13 +339,24 @@ static int print_version(void)
 }
 
 /* check_tls: every tls+tcp:// address needs the TLS engine, a listener's a
- * certificate and key, the coordinator's a CA (0: fine) */
+ * certificate and key, the coordinator's a CA; the data address is never
+ * TLS (0: fine) */
 static int check_tls(const wkr *w)
 {
-    const char *listens[3] = {w->listen_url, w->data_url_cfg, w->client_url_cfg};
+    const char *listens[2] = {w->listen_url, w->client_url_cfg};
     char why[256];
     int any = moe_tls_url(w->coord_url);
-    for (int i = 0; i < 3; i++) {
+    if (moe_tls_url(w->data_url_cfg)) {
+        /* nng 1.5.2 (Debian 12) can hang for ever closing a TLS push socket
+         * whose last message the peer has not read yet: a worker would not
+         * stop, nor leave a generation */
+        fprintf(stderr,
+                "moe-worker: the exchange between workers (--data %s) does not run over "
+                "TLS: use tcp:// on a private network, or ipc:// on one host\n",
+                w->data_url_cfg);
+        return -1;
+    }
+    for (int i = 0; i < 2; i++) {
         if (!moe_tls_url(listens[i]))
             continue;
         any = 1;
@@ -360,9 +370,8 @@ static int check_tls(const wkr *w)
         fprintf(stderr, "moe-worker: TLS addresses given but %s\n", why);
         return -1;
     }
-    if ((moe_tls_url(w->coord_url) || moe_tls_url(w->data_url_cfg)) && !w->tls_ca[0]) {
-        fprintf(stderr, "moe-worker: dialing tls+tcp:// (the coordinator, other workers' data "
-                        "addresses) needs --tls-ca\n");
+    if (moe_tls_url(w->coord_url) && !w->tls_ca[0]) {
+        fprintf(stderr, "moe-worker: dialing the coordinator at %s needs --tls-ca\n", w->coord_url);
         return -1;
     }
     return 0;
@@ -439,14 +448,13 @@ int main(int argc, char **argv)
     pthread_cond_init(&W.qcv, NULL);
 
     const moe_tls_files tls = {W.tls_cert, W.tls_key, W.tls_ca};
-    if (check_tls(&W) != 0 || xchg_nng_set_tls(&tls) != MOE_OK)
+    if (check_tls(&W) != 0)
         return 2;
     if (xchg_nng_listen(W.data_url_cfg, &W.lis, W.data_url, sizeof(W.data_url)) != MOE_OK) {
         LOG_E("cannot listen on data address %s", W.data_url_cfg);
         return 1;
     }
-    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL, 0, 0,
-                     &tls};
+    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL, 0, 0, &tls};
     if (rpcsrv_open(W.loop, &o, &W.srv, W.rpc_url, sizeof(W.rpc_url)) != MOE_OK)
         return 1;
     moe_host_id(W.host_id, sizeof(W.host_id));
@@ -472,9 +480,9 @@ int main(int argc, char **argv)
         if (rpcsrv_open(W.loop, &d, &W.dsrv, W.client_url, sizeof(W.client_url)) != MOE_OK)
             return 1;
     }
-    moe_client_opts co = {0,        0,         W.auth_token[0] ? W.auth_token : NULL,
-                          "coordinator", W.tls_ca, W.tls_cert,
-                          W.tls_key};
+    moe_client_opts co = {
+        0,          0,        W.auth_token[0] ? W.auth_token : NULL, "coordinator", W.tls_ca,
+        W.tls_cert, W.tls_key};
     co.timeout_ms = (int)(W.heartbeat_ms * 4);
     if (moe_client_open(W.coord_url, &co, &W.coord) != MOE_OK) {
         LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());

@@ -17,7 +17,6 @@
 #include <stdint.h>
 
 #include "moe.h"
-#include "tls.h"
 
 typedef struct xchg xchg;
 
@@ -85,10 +84,6 @@ moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener 
 moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *const *peer_urls,
                       uint64_t generation, int timeout_ms, xchg **out);
 void xchg_nng_listener_close(xchg_nng_listener *lis);
-/* xchg_nng_set_tls: the TLS files (tls.h; copied) that listeners and
- * dials on tls+tcp:// data addresses use from now on. Call once at start,
- * before any xchg_nng_listen. MOE_EINVAL when a path is too long. */
-moe_err xchg_nng_set_tls(const moe_tls_files *f);
 
 /* Errors of the collectives: MOE_EUNAVAIL (timeout, peer gone, socket
  * error; the communicator is failed from then on), MOE_ENOMEM (nng: when

@@ -45,7 +45,6 @@
 #include <nng/protocol/pipeline0/push.h>
 
 #include "log.h"
-#include "tls.h"
 #include "xchg.h"
 
 #define NX_MAGIC        0x4843584du /* "MXCH" read as a little-endian u32 */
@@ -147,23 +146,6 @@ static int64_t nx_now_ms(void)
 
 /* ---------------------------------------------------------------- listener */
 
-/* the TLS files of tls+tcp:// data addresses (xchg_nng_set_tls): copies,
- * set once at start before any listener or communicator */
-static char nx_tls_cert[1024], nx_tls_key[1024], nx_tls_ca[1024];
-static const moe_tls_files nx_tls = {nx_tls_cert, nx_tls_key, nx_tls_ca};
-
-moe_err xchg_nng_set_tls(const moe_tls_files *f)
-{
-    const char *src[3] = {f ? f->cert : NULL, f ? f->key : NULL, f ? f->ca : NULL};
-    char *dst[3] = {nx_tls_cert, nx_tls_key, nx_tls_ca};
-    for (int i = 0; i < 3; i++) {
-        if (src[i] && strlen(src[i]) >= sizeof(nx_tls_cert))
-            return MOE_EINVAL;
-        snprintf(dst[i], sizeof(nx_tls_cert), "%s", src[i] ? src[i] : "");
-    }
-    return MOE_OK;
-}
-
 static moe_err nx_format_addr(const nng_sockaddr *sa, const char *url, char *buf, size_t len)
 {
     char ip[INET6_ADDRSTRLEN];
@@ -174,16 +156,14 @@ static moe_err nx_format_addr(const nng_sockaddr *sa, const char *url, char *buf
             snprintf(ip, sizeof(ip), "127.0.0.1");
         else
             inet_ntop(AF_INET, &a, ip, sizeof(ip));
-        n = snprintf(buf, len, "%s://%s:%u", moe_tls_url(url) ? "tls+tcp" : "tcp", ip,
-                     (unsigned)ntohs(sa->s_in.sa_port));
+        n = snprintf(buf, len, "tcp://%s:%u", ip, (unsigned)ntohs(sa->s_in.sa_port));
     } else if (sa->s_family == NNG_AF_INET6) {
         static const uint8_t any[16];
         if (memcmp(sa->s_in6.sa_addr, any, 16) == 0)
             snprintf(ip, sizeof(ip), "::1");
         else
             inet_ntop(AF_INET6, sa->s_in6.sa_addr, ip, sizeof(ip));
-        n = snprintf(buf, len, "%s://[%s]:%u", moe_tls_url(url) ? "tls+tcp" : "tcp", ip,
-                     (unsigned)ntohs(sa->s_in6.sa_port));
+        n = snprintf(buf, len, "tcp://[%s]:%u", ip, (unsigned)ntohs(sa->s_in6.sa_port));
     } else {
         n = snprintf(buf, len, "%s", url);
     }
@@ -225,12 +205,6 @@ moe_err xchg_nng_listen_max(const char *url, size_t recv_max, xchg_nng_listener 
     rv = nng_listener_set_size(l, NNG_OPT_RECVMAXSZ, recv_max);
     if (rv != 0 && rv != NNG_ENOTSUP) {
         LOG_E("xchg_nng_listen: %s: set recv-size-max: %s", url, nng_strerror(rv));
-        goto fail;
-    }
-    char terr[512];
-    if (moe_tls_listener_setup(l, url, &nx_tls, terr, sizeof(terr)) != MOE_OK) {
-        LOG_E("xchg_nng_listen: %s", terr);
-        err = MOE_EINVAL;
         goto fail;
     }
     if ((rv = nng_listener_start(l, 0)) != 0) {
@@ -995,27 +969,6 @@ static const xchg_ops nx_ops = {
     .close = nx_close,
 };
 
-/* nx_dial starts a non-blocking dial of peer q at url on push (TLS for a
- * tls+tcp:// url). MOE_EINVAL when it cannot start. */
-static moe_err nx_dial(nng_socket push, int rank, int q, const char *url)
-{
-    nng_dialer d;
-    char terr[512];
-    int rv = nng_dialer_create(&d, push, url);
-    if (rv == 0 && moe_tls_dialer_setup(d, url, &nx_tls, terr, sizeof(terr)) != MOE_OK) {
-        LOG_E("xchg_nng_open: rank %d: cannot dial rank %d at %s: %s", rank, q, url, terr);
-        return MOE_EINVAL;
-    }
-    if (rv == 0)
-        rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK);
-    if (rv != 0) {
-        LOG_E("xchg_nng_open: rank %d: cannot dial rank %d at %s: %s", rank, q, url,
-              nng_strerror(rv));
-        return MOE_EINVAL;
-    }
-    return MOE_OK;
-}
-
 moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *const *peer_urls,
                       uint64_t generation, int timeout_ms, xchg **out)
 {
@@ -1097,8 +1050,12 @@ moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *c
         }
         nng_socket_set_ms(p->push, NNG_OPT_RECONNMINT, 10);
         nng_socket_set_ms(p->push, NNG_OPT_RECONNMAXT, 200);
-        if ((err = nx_dial(p->push, rank, q, peer_urls[q])) != MOE_OK)
+        if ((rv = nng_dial(p->push, peer_urls[q], NULL, NNG_FLAG_NONBLOCK)) != 0) {
+            LOG_E("xchg_nng_open: rank %d: cannot dial rank %d at %s: %s", rank, q, peer_urls[q],
+                  nng_strerror(rv));
+            err = MOE_EINVAL;
             goto fail;
+        }
     }
 
     /* handshake: round 0 carries each rank's receive cap */
