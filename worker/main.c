@@ -73,6 +73,11 @@ static const cfg_entry worker_cfg[] = {
     {"tls-key", CFG_STR, "", 0, 0, W.tls_key, "PEM private key of tls-cert"},
     {"tls-ca", CFG_STR, "", 0, 0, W.tls_ca,
      "PEM CA certificates that the coordinator's tls+tcp:// certificate must chain to"},
+    {"mem-report-mb", CFG_INT, "0", 0, 1LL << 40, &W.mem_report_mb,
+     "host memory offered for models, MiB, reported to the coordinator, which refuses a "
+     "model.create that does not fit (0 = MemAvailable of /proc/meminfo)"},
+    {"fail-create-for-tests", CFG_STR, "", 0, 0, W.fail_create_for_tests,
+     "testing: worker.model_create of the model of this name fails (resource_exhausted)"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))
@@ -234,7 +239,8 @@ static void send_register(wkr *w)
     if (load_secret(w) != 0)
         return;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 7);
+    mp_write_map(&pw, 8);
+    wkr_write_mem(w, &pw);
     mp_write_cstr(&pw, "client_url");
     mp_write_cstr(&pw, w->client_url);
     mp_write_cstr(&pw, "host");
@@ -276,7 +282,8 @@ static void on_hb_timer(uv_timer_t *t)
     mp_writer lw;
     mp_writer_init(&lw);
     int lane = wkr_lane_write_report(w, &lw);
-    mp_write_map(&pw, 3 + lane);
+    mp_write_map(&pw, 4 + lane);
+    wkr_write_mem(w, &pw);
     mp_write_cstr(&pw, "worker_id");
     mp_write_i64(&pw, w->worker_id);
     mp_write_cstr(&pw, "epoch");
