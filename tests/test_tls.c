@@ -180,11 +180,15 @@ Test(tls, cluster_over_tls_and_wrong_ca_refused, .timeout = 120, .fini = cluster
                  "print(c.model_info('tm')['params'])\n"
                  "b = moe.Client('%s', tls_ca='%s', timeout_ms=1500)\n"
                  "try:\n    b.ping()\n    print('WRONG CA ANSWERED')\n"
-                 "except moe.Error as e:\n    print('refused', e.code)\n\" 2>&1",
+                 "except moe.Error as e:\n    print('refused', e.code)\n"
+                 "c.model_delete('tm')\n"
+                 "try:\n    c.model_info('tm')\n    print('NOT DELETED')\n"
+                 "except moe.NotFoundError:\n    print('deleted')\n\" 2>&1",
                  cl->url, t.ca, cl->url, t.other_ca);
         int rc = run_cmd(cmd, out, sizeof(out));
         cr_expect_eq(rc, 0, "python: %s", out);
         cr_expect(strstr(out, "refused") && !strstr(out, "WRONG"), "python: %s", out);
+        cr_expect(strstr(out, "deleted") && !strstr(out, "NOT DELETED"), "python: %s", out);
     }
     /* the right CA still works after all that */
     cr_assert_eq(moe_ping(cl->cli), MOE_OK, "%s", moe_last_error());

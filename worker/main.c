@@ -77,7 +77,8 @@ static const cfg_entry worker_cfg[] = {
      "host memory offered for models, MiB, reported to the coordinator, which refuses a "
      "model.create that does not fit (0 = MemAvailable of /proc/meminfo)"},
     {"fail-create-for-tests", CFG_STR, "", 0, 0, W.fail_create_for_tests,
-     "testing: worker.model_create of the model of this name fails (resource_exhausted)"},
+     "testing: the first worker.model_create of the model of this name fails "
+     "(resource_exhausted)"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))

@@ -137,7 +137,9 @@ struct wkr {
      * certificates (PEM paths; empty = none) */
     char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
     long long mem_report_mb;                 /* > 0: report this as host memory available */
-    char fail_create_for_tests[CFG_STR_MAX]; /* worker.model_create of this name fails */
+    char fail_create_for_tests[CFG_STR_MAX]; /* the first worker.model_create of this name
+                                              * fails (tests) */
+    int fail_create_done;                    /* it did (compute thread) */
     char cluster_secret_cfg[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
