@@ -306,7 +306,7 @@ int main(int argc, char **argv)
     }
     moe_dtype dt = strcmp(dts, "f32") == 0 ? MOE_F32 : MOE_BF16;
     double bound = dt == MOE_F32 ? 1e-4 : 1e-2;
-    moe_client_opts co = {600000, 0, NULL, NULL};
+    moe_client_opts co = {.timeout_ms = 600000};
     moe_client *c;
     if (moe_client_open(url, &co, &c) != MOE_OK) {
         fprintf(stderr, "service_bench: %s\n", moe_last_error());
@@ -411,7 +411,7 @@ int main(int argc, char **argv)
             /* "shm-zc": shared memory with x and y in moe_buffer_alloc buffers */
             int zc = strcmp(pname, "shm-zc") == 0;
             moe_client *pc;
-            moe_client_opts po = {600000, 0, NULL, zc ? "shm" : pname};
+            moe_client_opts po = {.timeout_ms = 600000, .data_path = zc ? "shm" : pname};
             if (moe_client_open(url, &po, &pc) != MOE_OK) {
                 printf("         %-11s FAIL %s\n", pname, moe_last_error());
                 failures++;

@@ -481,11 +481,8 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         nng_socket_set_size(m->sock[q], NNG_OPT_RECVMAXSZ, moe__max_msg(c));
         nng_socket_set_ms(m->sock[q], NNG_OPT_RECONNMINT, 20);
         nng_socket_set_ms(m->sock[q], NNG_OPT_RECONNMAXT, 500);
-        if ((rv = nng_dial(m->sock[q], url, NULL, NNG_FLAG_NONBLOCK)) != 0) {
-            moe__set_error("cannot dial worker %u at %s: %s", q, url, nng_strerror(rv));
-            e = MOE_EUNAVAIL;
+        if ((e = moe__dial(c, m->sock[q], url, "worker")) != MOE_OK)
             break;
-        }
     }
     moe_reply_free(&r);
     if (e != MOE_OK) {

@@ -98,6 +98,16 @@ typedef struct moe_client_opts {
      * cluster has no data plane; "socket", "shm" and "bulk" then fail with
      * MOE_EUNAVAIL and say why. */
     const char *data_path;
+    /* TLS, for tls+tcp:// urls (the coordinator's and the workers' data
+     * plane); ignored for others. PEM file paths, NULL = none. tls_ca: the
+     * CA certificates the server's certificate must chain to (required for
+     * a tls+tcp:// url; its host name is checked against the certificate).
+     * tls_cert and tls_key: a client certificate and its key (optional,
+     * both or neither). Added after data_path: callers that set only the
+     * fields above keep working. */
+    const char *tls_ca;
+    const char *tls_cert;
+    const char *tls_key;
 } moe_client_opts;
 
 /* moe_client_open dials url (tcp://host:port, ipc://path). opts may be NULL.
@@ -176,6 +186,10 @@ typedef struct moe_model_config {
     }
 
 moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
+/* moe_model_delete removes model from the coordinator and every worker
+ * (model.delete); its name may be created again. MOE_ENOTFOUND when there
+ * is no such model; MOE_EPRECOND while requests for it are queued. */
+moe_err moe_model_delete(moe_client *c, const char *model);
 
 /* moe_fwd_info: what forward reports besides y. Arrays are malloc'ed by the
  * library (free with moe_fwd_info_free). */

@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "tls.h"
 
 typedef enum slot_state { SLOT_RECV, SLOT_WAIT, SLOT_SEND, SLOT_CLOSED } slot_state;
 
@@ -435,8 +436,11 @@ static void format_bound(nng_listener lis, const char *url, char *out, size_t le
         return;
     if (sa.s_family == NNG_AF_INET) {
         const uint8_t *ip = (const uint8_t *)&sa.s_in.sa_addr;
-        snprintf(out, len, "tcp://%u.%u.%u.%u:%u", ip[0], ip[1], ip[2], ip[3],
-                 (unsigned)ntohs(sa.s_in.sa_port));
+        /* the url's own scheme (tcp://, tls+tcp://) */
+        const char *sep = strstr(url, "://");
+        int slen = sep ? (int)(sep - url) : 3;
+        snprintf(out, len, "%.*s://%u.%u.%u.%u:%u", slen, sep ? url : "tcp", ip[0], ip[1], ip[2],
+                 ip[3], (unsigned)ntohs(sa.s_in.sa_port));
     }
 }
 
@@ -483,8 +487,20 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
         nng_pipe_notify(s->sock, NNG_PIPE_EV_REM_POST, on_pipe_event, s);
     if (s->pipes)
         nng_pipe_notify(s->sock, NNG_PIPE_EV_ADD_PRE, on_pipe_event, s);
-    if ((rv = nng_listener_create(&s->lis, s->sock, o->url)) != 0 ||
-        (rv = nng_listener_start(s->lis, 0)) != 0) {
+    if ((rv = nng_listener_create(&s->lis, s->sock, o->url)) != 0) {
+        LOG_E("cannot listen on %s: %s", o->url, nng_strerror(rv));
+        nng_close(s->sock);
+        srv_free(s);
+        return MOE_EINVAL;
+    }
+    char terr[512];
+    if (moe_tls_listener_setup(s->lis, o->url, o->tls, terr, sizeof(terr)) != MOE_OK) {
+        LOG_E("cannot listen on %s: %s", o->url, terr);
+        nng_close(s->sock);
+        srv_free(s);
+        return MOE_EINVAL;
+    }
+    if ((rv = nng_listener_start(s->lis, 0)) != 0) {
         LOG_E("cannot listen on %s: %s", o->url, nng_strerror(rv));
         nng_close(s->sock);
         srv_free(s);

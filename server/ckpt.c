@@ -691,6 +691,22 @@ void coord_model_persist(coord *c, const coord_model *m)
     free(text);
 }
 
+void coord_model_unpersist(coord *c, const coord_model *m)
+{
+    char root[CFG_STR_MAX], path[CFG_STR_MAX + 48];
+    if (!auto_root(c, m, root, sizeof(root)) || access(root, F_OK) != 0)
+        return;
+    snprintf(path, sizeof(path), "%s/model.json", root);
+    if (unlink(path) != 0 && errno != ENOENT)
+        LOG_W("cannot remove %s: %s", path, strerror(errno));
+    /* '~' is no name character: the directory can never be a model's again */
+    snprintf(path, sizeof(path), "%s~deleted-%llu", root, (unsigned long long)rpc_now_ns());
+    if (rename(root, path) != 0)
+        LOG_W("cannot rename %s to %s: %s", root, path, strerror(errno));
+    else
+        LOG_I("model %s: its checkpoints are kept in %s", m->cfg.name, path);
+}
+
 /* json_to_params re-encodes a flat JSON object as a msgpack map, so the one
  * validating parser (model_cfg_parse) reads it */
 static int json_to_params(const json_node *o, mp_writer *w)

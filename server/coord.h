@@ -49,6 +49,9 @@ typedef struct coord_worker {
     double busy_s;      /* compute time reported by forwards */
     uint64_t a2a_bytes; /* bytes it sent to the other workers in forwards */
     uint64_t ops_total;
+    /* memory it reported with its registration and heartbeats (bytes; -1 =
+     * not reported): host memory available, free GPU memory */
+    int64_t mem_host, mem_gpu;
 } coord_worker;
 
 /* One history point of a model (history.c); NaN: nothing in the interval. */
@@ -98,6 +101,7 @@ typedef enum job_kind {
     JOB_CKPT_SAVE,
     JOB_CKPT_LOAD,   /* phase 1: every worker reads and validates into staging */
     JOB_CKPT_COMMIT, /* phase 2: swap staging in (or drop it: ckpt_abort) */
+    JOB_MODEL_DELETE,
 } job_kind;
 
 /* A train forward's handle, until its backward (or expiry). */
@@ -138,7 +142,7 @@ typedef struct coord_job_ops {
 
 extern const coord_job_ops coord_job_xchg_id, coord_job_join, coord_job_model_create,
     coord_job_forward, coord_job_backward, coord_job_step, coord_job_ckpt_save, coord_job_ckpt_load,
-    coord_job_ckpt_commit;
+    coord_job_ckpt_commit, coord_job_model_delete;
 
 struct coord_job {
     struct coord_job *next;
@@ -203,6 +207,9 @@ struct coord {
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     /* byte and connection bounds (OPERATIONS.md) */
     long long max_inflight_mb, max_conns, idle_timeout_ms;
+    /* TLS (tls.h): the listener's certificate and key, the CA of workers'
+     * certificates (PEM paths; empty = none) */
+    char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
 
     uv_loop_t *loop;
     rpcsrv *srv;
@@ -325,6 +332,9 @@ moe_err coord_job_enqueue(coord *c, coord_job *j);
 void coord_job_pump(coord *c);
 void coord_on_done(uv_async_t *h);
 void coord_job_fail_all(coord *c, moe_err e, const char *why);
+/* coord_job_discard frees a job that is in no queue (its call, if any, must
+ * have been answered). */
+void coord_job_discard(coord_job *j);
 
 /* models.c */
 coord_model *coord_find_model(coord *c, const char *name);
@@ -385,7 +395,28 @@ int coord_autorestore(coord *c, coord_model *m);
  * again (their weights come back from the newest checkpoint when the
  * cluster forms). */
 void coord_model_persist(coord *c, const coord_model *m);
+/* coord_model_unpersist removes m's model.json and renames its directory
+ * <checkpoint-dir>/<name>~deleted-<ns> (kept, never restored) */
+void coord_model_unpersist(coord *c, const coord_model *m);
 void coord_models_restore(coord *c);
+
+/* model_delete.c */
+/* coord_parse_mem reads a worker's "mem" map {host_available, gpu_free}. */
+moe_err coord_parse_mem(mp_reader *r, int64_t *host, int64_t *gpu, char *err, size_t errlen);
+/* coord_model_bytes: the memory the rank's share of a model takes on a
+ * worker of a world of `world` (weights, f32). */
+double coord_model_bytes(const model_cfg *cfg, int world, int rank);
+/* coord_model_mem_check: MOE_ENOMEM (with the need and the worst worker's
+ * memory in err) when a worker reported less memory available than its
+ * share of cfg needs. */
+moe_err coord_model_mem_check(coord *c, const model_cfg *cfg, char *err, size_t errlen);
+/* coord_model_jobs: how many queued or running jobs are for m. */
+int coord_model_jobs(const coord *c, const coord_model *m);
+/* coord_model_create_rollback: the client's first model.create of j->model
+ * failed on a worker: the model goes from the coordinator (j->model is
+ * freed and cleared) and a worker.model_delete job is queued first. */
+void coord_model_create_rollback(coord *c, coord_job *j);
+void coord_model_delete(coord *c, rpc_call *call);
 
 /* stats.c */
 /* coord_count_error counts an error answer with code e (every place that

@@ -78,6 +78,10 @@ void coord_model_create(coord *c, rpc_call *call)
                       cfg.name);
         return;
     }
+    if (!m && (e = coord_model_mem_check(c, &cfg, err, sizeof(err))) != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err); /* before any worker allocates */
+        return;
+    }
     if (!m) {
         if (!(m = coord_model_add(c, &cfg, err, sizeof(err)))) {
             rpc_reply_err(call, MOE_ENOMEM, "%s", err);
@@ -147,7 +151,6 @@ static void model_create_encode(coord *c, coord_job *j, int rank, mp_writer *w)
 
 static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
-    (void)c;
     if (first == MOE_OK)
         j->model->created_gen = (int)j->generation;
     if (!j->call)
@@ -165,6 +168,8 @@ static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_r
     } else {
         rpc_reply_err(j->call, first, "model.create failed on worker rank %d: %s", bad_rank,
                       j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
+        if (!j->model->created_gen) /* a new model: no ghost of it stays */
+            coord_model_create_rollback(c, j);
     }
 }
 

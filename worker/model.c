@@ -306,6 +306,12 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_EUNAVAIL, "worker has not joined a cluster");
         return;
     }
+    if (w->fail_create_for_tests[0] && strcmp(w->fail_create_for_tests, cfg.name) == 0 &&
+        !w->fail_create_done++) {
+        rpc_reply_err(c, MOE_ENOMEM, "cannot allocate model '%s' (--fail-create-for-tests)",
+                      cfg.name);
+        return;
+    }
     wkr_model *old = wkr_find_model(w, cfg.name);
     if (old && !model_cfg_same(&old->cfg, &cfg)) {
         rpc_reply_err(c, MOE_EINVAL, "model '%s' exists with another configuration", cfg.name);

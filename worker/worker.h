@@ -133,6 +133,13 @@ struct wkr {
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
+    /* TLS (tls.h): the listeners' certificate and key, the CA of the peers'
+     * certificates (PEM paths; empty = none) */
+    char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
+    long long mem_report_mb;                 /* > 0: report this as host memory available */
+    char fail_create_for_tests[CFG_STR_MAX]; /* the first worker.model_create of this name
+                                              * fails (tests) */
+    int fail_create_done;                    /* it did (compute thread) */
     char cluster_secret_cfg[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
@@ -241,6 +248,10 @@ void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m);
 void wkr_op_join(wkr *w, rpc_call *c);
 void wkr_op_xchg_id(wkr *w, rpc_call *c);
 void wkr_op_model_create(wkr *w, rpc_call *c);
+/* model_delete.c: worker.model_delete, and the "mem" report (a key and its
+ * map, written into pw) of worker.register and worker.heartbeat */
+void wkr_op_model_delete(wkr *w, rpc_call *c);
+void wkr_write_mem(const wkr *w, mp_writer *pw);
 void wkr_op_forward(wkr *w, rpc_call *c);
 void wkr_op_backward(wkr *w, rpc_call *c);
 void wkr_op_step(wkr *w, rpc_call *c);

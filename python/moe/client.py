@@ -79,7 +79,9 @@ def _need_lib() -> ctypes.CDLL:
 
 class _Opts(ctypes.Structure):
     _fields_ = [("timeout_ms", ctypes.c_int), ("max_msg", ctypes.c_size_t),
-                ("auth_token", ctypes.c_char_p), ("data_path", ctypes.c_char_p)]
+                ("auth_token", ctypes.c_char_p), ("data_path", ctypes.c_char_p),
+                ("tls_ca", ctypes.c_char_p), ("tls_cert", ctypes.c_char_p),
+                ("tls_key", ctypes.c_char_p)]
 
 
 class _ModelCfg(ctypes.Structure):
@@ -131,6 +133,7 @@ def _declare(lib: ctypes.CDLL):
     lib.moe_reply_free.argtypes = [ctypes.POINTER(_Reply)]
     lib.moe_ping.argtypes = [_P]
     lib.moe_model_create.argtypes = [_P, ctypes.POINTER(_ModelCfg)]
+    lib.moe_model_delete.argtypes = [_P, ctypes.c_char_p]
     lib.moe_forward.argtypes = [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, _P,
                                 ctypes.c_int64, ctypes.c_int64, _P, ctypes.POINTER(_FwdInfo)]
     lib.moe_forward_train.argtypes = lib.moe_forward.argtypes
@@ -229,20 +232,27 @@ class Client:
 
     def __init__(self, url: str = "tcp://127.0.0.1:7000", timeout_ms: int = 60000,
                  auth_token: Optional[str] = None, data_path: Optional[str] = None,
-                 max_msg: int = 0):
-        """url: the coordinator (tcp://host:port, ipc:///path). timeout_ms: per
-        call. auth_token: the coordinator's --auth-token, if any. data_path:
-        how forward/backward rows travel - "auto" (default: straight to the
-        workers, through shared memory on the same host, large rows to
-        workers on other hosts over their bulk TCP endpoint), "socket", "shm",
-        "bulk" or "coordinator"; None = $MOE_DATA_PATH or auto. max_msg: the largest
-        response accepted in bytes (0 = 1 GiB)."""
+                 max_msg: int = 0, tls_ca: Optional[str] = None,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None):
+        """url: the coordinator (tcp://host:port, tls+tcp://host:port,
+        ipc:///path). timeout_ms: per call. auth_token: the coordinator's
+        --auth-token, if any. data_path: how forward/backward rows travel -
+        "auto" (default: straight to the workers, through shared memory on
+        the same host, large rows to workers on other hosts over their bulk
+        TCP endpoint), "socket", "shm", "bulk" or "coordinator"; None =
+        $MOE_DATA_PATH or auto. max_msg: the largest response accepted in
+        bytes (0 = 1 GiB). tls_ca: PEM file of the CA that signed the
+        server's certificate (required for tls+tcp://; the host name of the
+        url is checked against the certificate); tls_cert, tls_key: a client
+        certificate and its key (optional)."""
         lib = _need_lib()
         self._c = _P()
         self._bufs: Dict[int, Tuple[int, np.ndarray]] = {}  # address -> Client.buffer array
         self._cuda: Dict[int, int] = {}  # allocation base -> size of registered CUDA memory
-        opts = _Opts(timeout_ms, max_msg, auth_token.encode() if auth_token else None,
-                     data_path.encode() if data_path else None)
+        def enc(v: Optional[str]) -> Optional[bytes]:
+            return v.encode() if v else None
+        opts = _Opts(timeout_ms, max_msg, enc(auth_token), enc(data_path), enc(tls_ca),
+                     enc(tls_cert), enc(tls_key))
         _check(lib.moe_client_open(url.encode(), ctypes.byref(opts), ctypes.byref(self._c)))
         self.url = url
 
@@ -342,6 +352,12 @@ class Client:
                         activation.encode(), int(renormalize), capacity_factor, _DTYPES[dtype],
                         seed, aux_loss_coef, z_loss_coef)
         _check(_lib.moe_model_create(self._live(), ctypes.byref(cfg)))
+
+    def model_delete(self, name: str) -> None:
+        """Deletes a model everywhere (model.delete); the name may be created
+        again. NotFoundError when there is none; FailedPreconditionError
+        while requests for it are queued."""
+        _check(_lib.moe_model_delete(self._live(), name.encode()))
 
     # ---- rows in place ----
 
