@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "hfcfg.h"
 #include "params.h"
 
 int model_name_valid(const char *s, size_t len)
@@ -40,6 +41,8 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
         {"seed", P_INT, &seed, false, 0, 9.2e18, 0, false},
         {"aux_loss_coef", P_F64, &aux, false, 0, 1000, 0, false},
         {"z_loss_coef", P_F64, &z, false, 0, 1000, 0, false},
+        {"hf_dir", P_STR, out->hf_dir, false, 0, 0, MODEL_HF_DIR_MAX, false},
+        {"hf_family", P_STR, out->hf_family, false, 0, 0, sizeof(out->hf_family), false},
     };
     moe_err e = params_parse(r, nparams, sp, (int)(sizeof(sp) / sizeof(sp[0])), err, errlen);
     if (e != MOE_OK)
@@ -48,6 +51,13 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
         snprintf(err, errlen,
                  "model name must be 1-63 characters of [A-Za-z0-9_.-], not \".\" "
                  "or \"..\"");
+        return MOE_EINVAL;
+    }
+    if ((out->hf_dir[0] != 0) != (out->hf_family[0] != 0) ||
+        (out->hf_family[0] && hf_family_parse(out->hf_family) == HF_NONE) ||
+        (out->hf_dir[0] && out->hf_dir[0] != '/')) {
+        snprintf(err, errlen, "hf_dir and hf_family go together (an absolute directory and "
+                              "mixtral, qwen3_moe or olmoe)");
         return MOE_EINVAL;
     }
     if (K > E) {
@@ -89,7 +99,14 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
 
 void model_cfg_write(mp_writer *w, const model_cfg *c)
 {
-    mp_write_map(w, 13);
+    int hf = c->hf_dir[0] != 0;
+    mp_write_map(w, 13 + 2 * hf);
+    if (hf) {
+        mp_write_cstr(w, "hf_dir");
+        mp_write_cstr(w, c->hf_dir);
+        mp_write_cstr(w, "hf_family");
+        mp_write_cstr(w, c->hf_family);
+    }
     mp_write_cstr(w, "name");
     mp_write_cstr(w, c->name);
     mp_write_cstr(w, "layers");
@@ -124,7 +141,8 @@ int model_cfg_same(const model_cfg *a, const model_cfg *b)
            a->d_ff == b->d_ff && a->n_experts == b->n_experts && a->top_k == b->top_k &&
            a->act == b->act && a->renormalize == b->renormalize &&
            a->capacity_factor == b->capacity_factor && a->dtype == b->dtype && a->seed == b->seed &&
-           a->aux_loss_coef == b->aux_loss_coef && a->z_loss_coef == b->z_loss_coef;
+           a->aux_loss_coef == b->aux_loss_coef && a->z_loss_coef == b->z_loss_coef &&
+           strcmp(a->hf_dir, b->hf_dir) == 0 && strcmp(a->hf_family, b->hf_family) == 0;
 }
 
 int64_t model_cfg_params(const model_cfg *c)

@@ -40,6 +40,16 @@ void wkr_ckpt_set_roots(const char *const *r, int n)
     pthread_mutex_unlock(&roots_mu);
 }
 
+int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max)
+{
+    pthread_mutex_lock(&roots_mu);
+    int n = nroots < max ? nroots : max;
+    for (int i = 0; i < n; i++)
+        memcpy(out[i], roots[i], CFG_STR_MAX);
+    pthread_mutex_unlock(&roots_mu);
+    return n;
+}
+
 /* confine resolves path into out; it must lie under one of the roots. */
 static moe_err confine(const char *path, char *out, size_t outlen, char *err, size_t errlen)
 {

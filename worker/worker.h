@@ -246,6 +246,17 @@ void wkr_op_ckpt_load(wkr *w, rpc_call *c);
  * written in and read from (its worker.register reply); checkpoint calls
  * naming a directory or file outside them are refused. Copied; any thread. */
 void wkr_ckpt_set_roots(const char *const *roots, int n);
+/* wkr_ckpt_get_roots copies up to max of them into out; returns how many. */
+int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max);
+/* hf.c: models from a Hugging Face directory (cfg.hf_dir). wkr_hf_names
+ * names m's parameters as the checkpoint does (hc: its config.json);
+ * wkr_hf_load reads the router and this worker's experts of every moe
+ * layer from the directory's files, converted to the model's dtype. */
+struct hf_cfg;
+void wkr_hf_names(wkr_model *m, const struct hf_cfg *hc);
+moe_err wkr_hf_load(wkr_model *m, const struct hf_cfg *hc, char *err, size_t errlen);
+/* grads.c: worker.grads {model, layer, expert?} */
+void wkr_op_grads(wkr *w, rpc_call *c);
 wkr_model *wkr_find_model(wkr *w, const char *name);
 /* The handlers' common prologue steps; each answers the call with the
  * error and returns false / NULL when it fails. wkr_parse_or_reply parses
