@@ -149,6 +149,14 @@ typedef struct moe_model_config {
 } moe_model_config;
 
 moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
+/* moe_model_create_from_hf creates model `name` from a Hugging Face model
+ * directory as published (config.json + model.safetensors, or shards with
+ * model.safetensors.index.json; Mixtral, Qwen3-MoE, OLMoE): one moe layer
+ * per MoE layer of the checkpoint, its weights and tensor names. dir is on
+ * the coordinator's file system, under its --checkpoint-root. dtype "f32",
+ * "bf16", or NULL for the checkpoint's own (docs/PROTOCOL.md). */
+moe_err moe_model_create_from_hf(moe_client *c, const char *name, const char *dir,
+                                 const char *dtype);
 
 /* moe_fwd_info: what forward reports besides y. Arrays are malloc'ed by the
  * library (free with moe_fwd_info_free). */

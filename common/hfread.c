@@ -94,9 +94,12 @@ moe_err hf_reader_get(hf_reader *r, int layer, int expert, hf_mat mat, const st_
         return MOE_EINVAL;
     }
     st_file *f;
-    moe_err e = hf_reader_file_open(r, fi, &f, err, errlen);
-    if (e != MOE_OK)
+    char ferr[600];
+    moe_err e = hf_reader_file_open(r, fi, &f, ferr, sizeof(ferr));
+    if (e != MOE_OK) {
+        snprintf(err, errlen, "%s (reading tensor %s)", ferr, name);
         return e;
+    }
     const char *file = hf_files_name(r->files, fi);
     const st_tensor *s = st_find(f, name);
     if (!s) {

@@ -97,6 +97,7 @@ typedef enum job_kind {
     JOB_CKPT_SAVE,
     JOB_CKPT_LOAD,   /* phase 1: every worker reads and validates into staging */
     JOB_CKPT_COMMIT, /* phase 2: swap staging in (or drop it: ckpt_abort) */
+    JOB_GRADS,       /* model.grads: every worker's share of a layer's gradients */
 } job_kind;
 
 /* A train forward's handle, until its backward (or expiry). */

