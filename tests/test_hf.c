@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cluster.h"
@@ -314,6 +315,119 @@ Test(hf, bad_directories_clear_errors_cluster_serves, .timeout = 120, .fini = cl
     snprintf(d, sizeof(d), "%s/mixtral-f32", root);
     cr_assert_eq(moe_model_create_from_hf(cl->cli, "good", d, NULL), MOE_OK, "%s",
                  moe_last_error());
+    cr_assert_eq(cluster_stop(cl), 0);
+    rm_rf(root);
+}
+
+/* save_f32 writes tensors x and y (T, H) to path (for the transformers check) */
+static void save_xy(const char *path, const float *x, const float *y, int64_t T, int64_t H)
+{
+    st_writer *sw;
+    char err[300];
+    int64_t shape[2] = {T, H};
+    cr_assert_eq(st_writer_new(&sw), MOE_OK);
+    cr_assert_eq(st_writer_add(sw, "x", 2, shape, x), MOE_OK);
+    cr_assert_eq(st_writer_add(sw, "y", 2, shape, y), MOE_OK);
+    cr_assert_eq(st_writer_save(sw, path, err, sizeof(err)), MOE_OK, "%s", err);
+    st_writer_free(sw);
+}
+
+static int saved_dir(const char *root, char *out, size_t len)
+{
+    char p[400], latest[200] = "";
+    snprintf(p, sizeof(p), "%s/LATEST", root);
+    FILE *f = fopen(p, "r");
+    if (!f || !fgets(latest, sizeof(latest), f)) {
+        if (f)
+            fclose(f);
+        return -1;
+    }
+    fclose(f);
+    latest[strcspn(latest, "\n")] = 0;
+    snprintf(out, len, "%s/%s", root, latest);
+    return 0;
+}
+
+/* train one step of a bf16 Qwen3-MoE model (a dense layer skipped), save
+ * it: the family's names in BF16 with every other tensor and config.json,
+ * and it loads back (from_hf and checkpoint.load) and into transformers */
+Test(hf, save_writes_family_names_and_dtype, .timeout = 180, .fini = cluster_fini_all)
+{
+    char root[64], src[200], ck[200], dir[300], ep[300], err[300];
+    fixtures(root, sizeof(root));
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    snprintf(src, sizeof(src), "%s/qwen3_moe-bf16", root);
+    cr_assert_eq(moe_model_create_from_hf(cl->cli, "q", src, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    snprintf(ep, sizeof(ep), "%s/qwen3_moe-bf16.expected.safetensors", root);
+    st_file *exp;
+    cr_assert_eq(st_open(ep, &exp, err, sizeof(err)), MOE_OK, "%s", err);
+    size_t nx;
+    float *x = want(exp, "x.0", &nx), *y = malloc(nx * 4), *y2 = malloc(nx * 4),
+          *dx = malloc(nx * 4);
+    int64_t T = st_find(exp, "x.0")->shape[0], H = st_find(exp, "x.0")->shape[1];
+    moe_fwd_info info = {0};
+    cr_assert_eq(moe_forward_train(cl->cli, "q", 0, MOE_F32, x, T, H, y, &info), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, x, T, H, dx), MOE_OK, "%s",
+                 moe_last_error());
+    moe_fwd_info_free(&info);
+    moe_adamw opt = {0.01, 0.9, 0.99, 1e-8, 0, 0, 0, 0};
+    cr_assert_eq(moe_optimizer_step(cl->cli, "q", &opt, NULL, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_forward(cl->cli, "q", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    snprintf(ck, sizeof(ck), "%s/saved", root);
+    cr_assert_eq(moe_checkpoint_save(cl->cli, "q", ck), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(saved_dir(ck, dir, sizeof(dir)), 0);
+
+    /* the files: config.json, the family's names in BF16, the dense layer */
+    char p[400];
+    snprintf(p, sizeof(p), "%s/config.json", dir);
+    cr_assert_eq(access(p, R_OK), 0, "no %s", p);
+    st_file *f;
+    snprintf(p, sizeof(p), "%s/model-00001-of-00002.safetensors", dir);
+    cr_assert_eq(st_open_flags(p, ST_OPEN_ANY_DTYPE, &f, err, sizeof(err)), MOE_OK, "%s", err);
+    const st_tensor *t = st_find(f, "model.layers.1.mlp.experts.0.gate_proj.weight");
+    cr_assert(t && t->dtype == ST_BF16, "expert 0 of layer 1 missing or not BF16");
+    cr_assert(st_find(f, "model.layers.0.mlp.gate_proj.weight"), "dense layer 0 not kept");
+    cr_assert(st_find(f, "model.embed_tokens.weight"), "embeddings not kept");
+    cr_assert(!st_find(f, "optimizer.exp_avg.model.layers.1.mlp.gate.weight"),
+              "optimizer state in the model file");
+    st_close(f);
+
+    /* it loads back: as a new model from the directory, and into the model */
+    cr_assert_eq(moe_model_create_from_hf(cl->cli, "q2", dir, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_forward(cl->cli, "q2", 0, MOE_F32, x, T, H, y2, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(memcmp(y, y2, nx * 4), 0, "the saved model computes another y");
+    int64_t step = -1;
+    cr_assert_eq(moe_checkpoint_load(cl->cli, "q", ck, &step), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(step, 1);
+    cr_assert_eq(moe_forward(cl->cli, "q", 0, MOE_F32, x, T, H, y2, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(memcmp(y, y2, nx * 4), 0, "checkpoint.load computes another y");
+
+    /* transformers loads it (skipped without transformers) */
+    char yp[300], cmd[1200];
+    snprintf(yp, sizeof(yp), "%s/moe_y.safetensors", root);
+    save_xy(yp, x, y, T, H);
+    snprintf(cmd, sizeof(cmd), "python3 python/hf_writeback_check.py '%s' '%s' '%s' 2>&1", dir,
+             src, yp);
+    FILE *pp = popen(cmd, "r");
+    char line[600], last[600] = "";
+    while (pp && fgets(line, sizeof(line), pp))
+        snprintf(last, sizeof(last), "%s", line);
+    int rc = pp ? pclose(pp) : -1;
+    rc = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+    cr_log_info("transformers: %s", last);
+    cr_expect(rc == 0 || rc == 2, "transformers check failed (%d): %s", rc, last);
+    free(x), free(y), free(y2), free(dx);
+    st_close(exp);
     cr_assert_eq(cluster_stop(cl), 0);
     rm_rf(root);
 }

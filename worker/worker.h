@@ -255,6 +255,17 @@ int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max);
 struct hf_cfg;
 void wkr_hf_names(wkr_model *m, const struct hf_cfg *hc);
 moe_err wkr_hf_load(wkr_model *m, const struct hf_cfg *hc, char *err, size_t errlen);
+/* wkr_hf_ckpt_save answers worker.checkpoint_save of a model from a
+ * Hugging Face directory into dir (resolved): model-<r>-of-<W>.safetensors
+ * holds the weights in the model's dtype under the family's names (rank 0
+ * also the routers, every other tensor of the source directory unchanged,
+ * and config.json); optimizer-<r>-of-<W>.safetensors the fp32 masters and
+ * AdamW moments, once trained. Reply {file, bytes, names, opt_file?,
+ * opt_names?}. */
+struct st_writer;
+void wkr_hf_ckpt_save(wkr *w, rpc_call *c, wkr_model *m, const char *dir);
+/* wkr_ckpt_meta writes the moe.* metadata of a checkpoint file */
+void wkr_ckpt_meta(struct st_writer *sw, const wkr_model *m, int rank, int world);
 /* grads.c: worker.grads {model, layer, expert?} */
 void wkr_op_grads(wkr *w, rpc_call *c);
 wkr_model *wkr_find_model(wkr *w, const char *name);
