@@ -706,6 +706,14 @@ void coord_model_persist(coord *c, const coord_model *m)
             g->layers, g->d_model, g->d_ff, g->n_experts, g->top_k, g->act ? "gelu" : "swiglu",
             g->renormalize ? "true" : "false", g->capacity_factor, moe_dtype_name(g->dtype),
             (unsigned long long)g->seed, g->aux_loss_coef, g->z_loss_coef);
+    if (g->hf_dir[0]) { /* from a Hugging Face directory: it is read again at restart */
+        fseek(f, -2, SEEK_CUR); /* before "}\n" */
+        fprintf(f, ", \"hf_dir\": ");
+        json_write_str(f, g->hf_dir);
+        fprintf(f, ", \"hf_family\": ");
+        json_write_str(f, g->hf_family);
+        fprintf(f, "}\n");
+    }
     fclose(f);
     snprintf(path, sizeof(path), "%s/model.json", root);
     if (st_write_durable(path, text, len, err, sizeof(err)) != MOE_OK)

@@ -431,3 +431,37 @@ Test(hf, save_writes_family_names_and_dtype, .timeout = 180, .fini = cluster_fin
     cr_assert_eq(cluster_stop(cl), 0);
     rm_rf(root);
 }
+
+/* the Python client: model_create_from_hf, model_info, model_grads */
+Test(hf, python_client, .timeout = 120, .fini = cluster_fini_all)
+{
+    if (system("python3 -c 'import numpy' >/dev/null 2>&1") != 0)
+        cr_skip_test("python3 with numpy is not installed");
+    if (access("lib/libmoe.so", R_OK) != 0)
+        cr_skip_test("lib/libmoe.so not built");
+    char root[64], cmd[600], line[600], out[2000] = "";
+    fixtures(root, sizeof(root));
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    snprintf(cmd, sizeof(cmd), "python3 python/hf_check.py --url %s --dir %s/olmoe-f32 2>&1",
+             cl->url, root);
+    FILE *p = popen(cmd, "r");
+    while (p && fgets(line, sizeof(line), p))
+        strncat(out, line, sizeof(out) - strlen(out) - 1);
+    int rc = p ? pclose(p) : -1;
+    cr_log_info("%s", out);
+    cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0 && strstr(out, "PASS"), "%s", out);
+    /* and moectl create --from-hf */
+    snprintf(cmd, sizeof(cmd), "%s/moectl --url %s create --name m --from-hf %s/mixtral-bf16 2>&1",
+             cluster_bin_dir(), cl->url, root);
+    p = popen(cmd, "r");
+    out[0] = 0;
+    while (p && fgets(line, sizeof(line), p))
+        strncat(out, line, sizeof(out) - strlen(out) - 1);
+    rc = p ? pclose(p) : -1;
+    cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0 && strstr(out, "created model m"), "%s", out);
+    cr_assert_eq(cluster_stop(cl), 0);
+    rm_rf(root);
+}
