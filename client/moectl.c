@@ -20,7 +20,7 @@
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
-    const char *from_hf; /* create --from-hf DIR */
+    const char *from_hf;   /* create --from-hf DIR */
     const char *data_path; /* --data-path: auto | socket | shm | coordinator */
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;

@@ -91,9 +91,8 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
     }
     const json_node *mt = json_get(root, "model_type"), *ar = json_get(root, "architectures");
     const char *type = mt && mt->type == J_STR ? mt->str : NULL;
-    const char *arch = ar && ar->type == J_ARR && ar->len && ar->kids[0].type == J_STR
-                           ? ar->kids[0].str
-                           : "";
+    const char *arch =
+        ar && ar->type == J_ARR && ar->len && ar->kids[0].type == J_STR ? ar->kids[0].str : "";
     if (!type) { /* older files: the family from the architecture */
         if (strncmp(arch, "Mixtral", 7) == 0)
             type = "mixtral";
@@ -166,8 +165,8 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
         if (strcmp(dt->str, "bfloat16") != 0 && strcmp(dt->str, "float16") != 0 &&
             strcmp(dt->str, "float32") != 0) {
             snprintf(err, errlen,
-                     "%s (family %s): dtype \"%s\" is not bfloat16, float16 or float32", path,
-                     type, dt->str);
+                     "%s (family %s): dtype \"%s\" is not bfloat16, float16 or float32", path, type,
+                     dt->str);
             goto out;
         }
         out->dtype_known = 1;

@@ -30,14 +30,14 @@ typedef enum hf_mat { HF_ROUTER = 0, HF_GATE, HF_UP, HF_DOWN } hf_mat;
 typedef struct hf_cfg {
     hf_family family;
     char model_type[32];
-    int n_layers;       /* num_hidden_layers */
-    int n_moe;          /* MoE layers */
+    int n_layers;           /* num_hidden_layers */
+    int n_moe;              /* MoE layers */
     int moe[HF_MAX_LAYERS]; /* (n_moe) the model's index of each MoE layer, ascending */
     int H, F, E, K;
-    int renormalize;        /* norm_topk_prob (Mixtral: always) */
+    int renormalize; /* norm_topk_prob (Mixtral: always) */
     double router_aux_loss_coef;
-    int dtype_known;        /* config.json names a dtype ("dtype" or "torch_dtype") */
-    char dtype[16];         /* "bfloat16", "float16", "float32" */
+    int dtype_known; /* config.json names a dtype ("dtype" or "torch_dtype") */
+    char dtype[16];  /* "bfloat16", "float16", "float32" */
 } hf_cfg;
 
 /* hf_family_name: "mixtral", "qwen3_moe", "olmoe" (NULL for HF_NONE). */

@@ -89,8 +89,8 @@ moe_err hf_reader_get(hf_reader *r, int layer, int expert, hf_mat mat, const st_
     int fi = hf_files_find(r->files, name);
     if (fi < 0) {
         snprintf(err, errlen,
-                 "%s/model.safetensors.index.json names no file for tensor %s (family %s)",
-                 r->dir, name, r->cfg->model_type);
+                 "%s/model.safetensors.index.json names no file for tensor %s (family %s)", r->dir,
+                 name, r->cfg->model_type);
         return MOE_EINVAL;
     }
     st_file *f;
@@ -113,8 +113,8 @@ moe_err hf_reader_get(hf_reader *r, int layer, int expert, hf_mat mat, const st_
         return MOE_EINVAL;
     }
     if (r->cfg->dtype_known && strcmp(torch_name(s->dtype), r->cfg->dtype) != 0) {
-        snprintf(err, errlen, "%s/%s: tensor %s is %s but config.json says dtype %s", r->dir,
-                 file, name, s->dtype_name, r->cfg->dtype);
+        snprintf(err, errlen, "%s/%s: tensor %s is %s but config.json says dtype %s", r->dir, file,
+                 name, s->dtype_name, r->cfg->dtype);
         return MOE_EINVAL;
     }
     int64_t want[2];

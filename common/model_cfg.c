@@ -56,8 +56,9 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
     if ((out->hf_dir[0] != 0) != (out->hf_family[0] != 0) ||
         (out->hf_family[0] && hf_family_parse(out->hf_family) == HF_NONE) ||
         (out->hf_dir[0] && out->hf_dir[0] != '/')) {
-        snprintf(err, errlen, "hf_dir and hf_family go together (an absolute directory and "
-                              "mixtral, qwen3_moe or olmoe)");
+        snprintf(err, errlen,
+                 "hf_dir and hf_family go together (an absolute directory and "
+                 "mixtral, qwen3_moe or olmoe)");
         return MOE_EINVAL;
     }
     if (K > E) {

@@ -299,9 +299,9 @@ static const struct {
     size_t size;
     st_dtype dt;
 } st_dtypes[] = {
-    {"F32", 4, ST_F32},    {"BF16", 2, ST_BF16},   {"F16", 2, ST_F16},     {"F64", 8, ST_OTHER},
-    {"I64", 8, ST_OTHER},  {"U64", 8, ST_OTHER},   {"I32", 4, ST_OTHER},   {"U32", 4, ST_OTHER},
-    {"I16", 2, ST_OTHER},  {"U16", 2, ST_OTHER},   {"I8", 1, ST_OTHER},    {"U8", 1, ST_OTHER},
+    {"F32", 4, ST_F32},    {"BF16", 2, ST_BF16},     {"F16", 2, ST_F16},       {"F64", 8, ST_OTHER},
+    {"I64", 8, ST_OTHER},  {"U64", 8, ST_OTHER},     {"I32", 4, ST_OTHER},     {"U32", 4, ST_OTHER},
+    {"I16", 2, ST_OTHER},  {"U16", 2, ST_OTHER},     {"I8", 1, ST_OTHER},      {"U8", 1, ST_OTHER},
     {"BOOL", 1, ST_OTHER}, {"F8_E4M3", 1, ST_OTHER}, {"F8_E5M2", 1, ST_OTHER},
 };
 

@@ -137,14 +137,14 @@ def one(family, dtype, out, gen):
         if dtype != "f32":
             continue
         lbl = mod.load_balancing_loss_func((logits,), E, K)
-        mine = moe_aux(logits.detach())
-        assert abs(mine - float(lbl.detach()) / K) <= 1e-6 * abs(mine), (mine, float(lbl.detach()) / K)
+        mine, theirs = moe_aux(logits.detach()), float(lbl.detach()) / K
+        assert abs(mine - theirs) <= 1e-6 * abs(mine), (mine, theirs)
         dy = torch.randn(T, H, generator=gen)
         params = [xt, blk.gate.weight, blk.experts.gate_up_proj, blk.experts.down_proj]
         g = torch.autograd.grad((y * dy).sum() + coef * lbl, params)
         tensors[f"dy.{i}"] = dy
         tensors[f"dx.{i}"] = g[0].contiguous()
-        tensors[f"aux.{i}"] = torch.tensor([float(lbl.detach()) / K])
+        tensors[f"aux.{i}"] = torch.tensor([theirs])
         names = (("w1", "w3", "w2") if family == "mixtral"
                  else ("gate_proj", "up_proj", "down_proj"))
         tensors[f"grad.{prefix}.gate.weight"] = g[1].contiguous()

@@ -482,8 +482,7 @@ static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errle
                         break;
                     char nm[256], fl[256];
                     snprintf(nm, sizeof(nm), "%.*s", (int)sl, s);
-                    snprintf(fl, sizeof(fl), "%.*s", (int)(opt ? oflen : flen),
-                             opt ? ofile : file);
+                    snprintf(fl, sizeof(fl), "%.*s", (int)(opt ? oflen : flen), opt ? ofile : file);
                     fprintf(opt ? of : f, "%s\n    ", (opt ? ofirst : first) ? "" : ",");
                     json_write_str(opt ? of : f, nm);
                     fprintf(opt ? of : f, ": ");
@@ -706,7 +705,7 @@ void coord_model_persist(coord *c, const coord_model *m)
             g->layers, g->d_model, g->d_ff, g->n_experts, g->top_k, g->act ? "gelu" : "swiglu",
             g->renormalize ? "true" : "false", g->capacity_factor, moe_dtype_name(g->dtype),
             (unsigned long long)g->seed, g->aux_loss_coef, g->z_loss_coef);
-    if (g->hf_dir[0]) { /* from a Hugging Face directory: it is read again at restart */
+    if (g->hf_dir[0]) {         /* from a Hugging Face directory: it is read again at restart */
         fseek(f, -2, SEEK_CUR); /* before "}\n" */
         fprintf(f, ", \"hf_dir\": ");
         json_write_str(f, g->hf_dir);

@@ -254,8 +254,8 @@ struct coord {
     uint64_t started_ns;
     uint64_t requests_total, errors_total, forwards_total, tokens_total, busy_total;
     uint64_t errors_by_code[MOE_ERR_COUNT]; /* their sum is errors_total */
-    uint64_t busy_bytes_total; /* requests answered busy: over --max-inflight-mb */
-    double phase_s[4];         /* gate, dispatch, experts, combine: sums of slowest worker */
+    uint64_t busy_bytes_total;              /* requests answered busy: over --max-inflight-mb */
+    double phase_s[4]; /* gate, dispatch, experts, combine: sums of slowest worker */
     uint64_t lat_hist[COORD_LAT_BUCKETS + 1];      /* forward latency histogram */
     uint64_t phase_hist[4][COORD_LAT_BUCKETS + 1]; /* per-phase latency histograms */
     double lat_sum;

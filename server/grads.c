@@ -109,8 +109,8 @@ static void grads_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
     rpc_reply(j->call, &w);
 }
 
-const coord_job_ops coord_job_grads = {JOB_GRADS, "worker.grads", 0, grads_encode, grads_finish,
-                                       NULL};
+const coord_job_ops coord_job_grads = {JOB_GRADS,    "worker.grads", 0,
+                                       grads_encode, grads_finish,   NULL};
 
 void coord_grads(coord *c, rpc_call *call)
 {

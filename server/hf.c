@@ -55,9 +55,9 @@ static moe_err check_tensors(const coord *c, const char *dir, const hf_cfg *hc, 
 
 /* hf_cfg_to_model builds (and validates, through model_cfg_parse) the
  * model's config from the checkpoint's and the request's overrides. */
-static moe_err hf_cfg_to_model(const hf_cfg *hc, const char *name, const char *dir,
-                               moe_dtype dtype, const double *cf, const double *aux,
-                               const double *z, model_cfg *out, char *err, size_t errlen)
+static moe_err hf_cfg_to_model(const hf_cfg *hc, const char *name, const char *dir, moe_dtype dtype,
+                               const double *cf, const double *aux, const double *z, model_cfg *out,
+                               char *err, size_t errlen)
 {
     model_cfg m;
     memset(&m, 0, sizeof(m));
@@ -165,7 +165,7 @@ static void hf_create_finish(coord *c, coord_job *j, moe_err first, int bad_rank
 }
 
 const coord_job_ops coord_job_hf_create = {JOB_MODEL_CREATE, "worker.model_create", 0,
-                                           hf_create_encode, hf_create_finish, NULL};
+                                           hf_create_encode, hf_create_finish,      NULL};
 
 void coord_hf_create(coord *c, rpc_call *call)
 {
@@ -182,8 +182,9 @@ void coord_hf_create(coord *c, rpc_call *call)
     mp_reader r = call->req.params;
     moe_err e = params_parse(&r, call->req.nparams, sp, 6, err, sizeof(err));
     if (e != MOE_OK && strstr(err, "hf_"))
-        snprintf(err, sizeof(err), "hf_dir and hf_family are set by the coordinator: pass "
-                                   "from_hf (a Hugging Face model directory)");
+        snprintf(err, sizeof(err),
+                 "hf_dir and hf_family are set by the coordinator: pass "
+                 "from_hf (a Hugging Face model directory)");
     if (e != MOE_OK && !sp[1].seen)
         snprintf(err, sizeof(err), "model.create from a Hugging Face directory needs from_hf");
     const char *roots[2];
@@ -208,8 +209,8 @@ void coord_hf_create(coord *c, rpc_call *call)
         e = check_tensors(c, real, hc, &src, err, sizeof(err));
     if (e == MOE_OK) {
         dt = hc->dtype_known ? (strcmp(hc->dtype, "bfloat16") == 0 ? MOE_BF16 : MOE_F32) : src;
-        if (sp[2].seen && (moe_dtype_parse(dtype_s, strlen(dtype_s), &dt) != MOE_OK ||
-                           dt == MOE_F16)) {
+        if (sp[2].seen &&
+            (moe_dtype_parse(dtype_s, strlen(dtype_s), &dt) != MOE_OK || dt == MOE_F16)) {
             snprintf(err, sizeof(err), "dtype must be \"f32\" or \"bf16\", not \"%s\"", dtype_s);
             e = MOE_EINVAL;
         }

@@ -182,8 +182,8 @@ static void check_fixture(cluster *cl, const char *root, const char *fx, int f32
         free(x), free(y0), free(y), free(dx), free(counts);
     }
     cr_assert(layers > 0, "%s: no layer in the fixture", fx);
-    cr_log_info("%s: %d MoE layers, worst rel err y %.2e, dx %.2e, weight grads %.2e", fx,
-                layers, wy, wdx, wg);
+    cr_log_info("%s: %d MoE layers, worst rel err y %.2e, dx %.2e, weight grads %.2e", fx, layers,
+                wy, wdx, wg);
     st_close(exp);
 }
 
@@ -195,7 +195,7 @@ Test(hf, fixtures_match_transformers, .timeout = 240, .fini = cluster_fini_all)
     o.workers = 2;
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
-    static const char *fx[] = {"mixtral-f32", "qwen3_moe-f32", "olmoe-f32",
+    static const char *fx[] = {"mixtral-f32",  "qwen3_moe-f32",  "olmoe-f32",
                                "mixtral-bf16", "qwen3_moe-bf16", "olmoe-bf16"};
     for (int i = 0; i < 6; i++)
         check_fixture(cl, root, fx[i], i < 3);
@@ -306,8 +306,7 @@ Test(hf, bad_directories_clear_errors_cluster_serves, .timeout = 120, .fini = cl
     static char zeros[1024];
     fwrite(zeros, 1, sizeof(zeros), f);
     fclose(f);
-    create_fails(cl, d, MOE_EINVAL, "model.layers.0.block_sparse_moe.gate.weight",
-                 "past the file");
+    create_fails(cl, d, MOE_EINVAL, "model.layers.0.block_sparse_moe.gate.weight", "past the file");
     /* the cluster keeps serving: the plain model and a good directory */
     float x[3 * 16] = {0.5f}, y[3 * 16];
     cr_assert_eq(moe_forward(cl->cli, "plain", 0, MOE_F32, x, 3, 16, y, NULL), MOE_OK, "%s",
@@ -360,8 +359,7 @@ Test(hf, save_writes_family_names_and_dtype, .timeout = 180, .fini = cluster_fin
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
     snprintf(src, sizeof(src), "%s/qwen3_moe-bf16", root);
-    cr_assert_eq(moe_model_create_from_hf(cl->cli, "q", src, NULL), MOE_OK, "%s",
-                 moe_last_error());
+    cr_assert_eq(moe_model_create_from_hf(cl->cli, "q", src, NULL), MOE_OK, "%s", moe_last_error());
     snprintf(ep, sizeof(ep), "%s/qwen3_moe-bf16.expected.safetensors", root);
     st_file *exp;
     cr_assert_eq(st_open(ep, &exp, err, sizeof(err)), MOE_OK, "%s", err);
@@ -416,8 +414,8 @@ Test(hf, save_writes_family_names_and_dtype, .timeout = 180, .fini = cluster_fin
     char yp[300], cmd[1200];
     snprintf(yp, sizeof(yp), "%s/moe_y.safetensors", root);
     save_xy(yp, x, y, T, H);
-    snprintf(cmd, sizeof(cmd), "python3 python/hf_writeback_check.py '%s' '%s' '%s' 2>&1", dir,
-             src, yp);
+    snprintf(cmd, sizeof(cmd), "python3 python/hf_writeback_check.py '%s' '%s' '%s' 2>&1", dir, src,
+             yp);
     FILE *pp = popen(cmd, "r");
     char line[600], last[600] = "";
     while (pp && fgets(line, sizeof(line), pp))
