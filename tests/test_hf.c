@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -462,4 +463,89 @@ Test(hf, python_client, .timeout = 120, .fini = cluster_fini_all)
     cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0 && strstr(out, "created model m"), "%s", out);
     cr_assert_eq(cluster_stop(cl), 0);
     rm_rf(root);
+}
+
+/* a model from a directory survives a coordinator restart: model.json keeps
+ * the directory, the workers read it again, the newest automatic
+ * checkpoint (in the family's layout) is restored */
+Test(hf, coordinator_restart_recovers_model, .timeout = 180, .fini = cluster_fini_all)
+{
+    char root[64], ck[200], src[200], ep[300], err[300];
+    fixtures(root, sizeof(root));
+    snprintf(ck, sizeof(ck), "%s/auto", root);
+    snprintf(src, sizeof(src), "%s/mixtral-bf16", root);
+    cluster_opts o = {0};
+    o.workers = 2;
+    o.coord_args[0] = "--checkpoint-dir";
+    o.coord_args[1] = ck;
+    o.coord_args[2] = "--checkpoint-every";
+    o.coord_args[3] = "1";
+    cluster *a = cluster_start(&o);
+    cr_assert(a, "%s", cluster_error());
+    cr_assert_eq(moe_model_create_from_hf(a->cli, "r", src, NULL), MOE_OK, "%s", moe_last_error());
+    snprintf(ep, sizeof(ep), "%s/mixtral-bf16.expected.safetensors", root);
+    st_file *exp;
+    cr_assert_eq(st_open(ep, &exp, err, sizeof(err)), MOE_OK, "%s", err);
+    size_t nx;
+    float *x = want(exp, "x.1", &nx), *ya = malloc(nx * 4), *yb = malloc(nx * 4);
+    int64_t T = st_find(exp, "x.1")->shape[0], H = st_find(exp, "x.1")->shape[1];
+    moe_fwd_info info = {0};
+    cr_assert_eq(moe_forward_train(a->cli, "r", 1, MOE_F32, x, T, H, ya, &info), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_backward(a->cli, info.handle, MOE_F32, x, T, H, yb), MOE_OK, "%s",
+                 moe_last_error());
+    moe_fwd_info_free(&info);
+    moe_adamw opt = {0.01, 0.9, 0.99, 1e-8, 0, 0, 0, 0};
+    cr_assert_eq(moe_optimizer_step(a->cli, "r", &opt, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_forward(a->cli, "r", 1, MOE_F32, x, T, H, ya, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    kill(a->coord_pid, SIGKILL);
+    for (int i = 0; i < a->nworkers; i++)
+        cluster_worker_kill(a, i, SIGKILL);
+    cluster_stop(a);
+
+    cluster *b = cluster_start(&o);
+    cr_assert(b, "%s", cluster_error());
+    cr_assert_eq(moe_forward(b->cli, "r", 1, MOE_F32, x, T, H, yb, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(memcmp(ya, yb, nx * 4), 0, "the restarted coordinator lost the trained weights");
+    free(x), free(ya), free(yb);
+    st_close(exp);
+    cr_assert_eq(cluster_stop(b), 0);
+    rm_rf(root);
+}
+
+/* the reader's dtypes: BF16, F16 (normal, subnormal, inf) and F32 convert
+ * exactly; st_open (moe's own checkpoints) still takes F32 only */
+Test(hf, safetensors_reads_bf16_f16)
+{
+    char path[] = "/tmp/moe-hf-st-XXXXXX", err[300];
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    close(fd);
+    uint16_t bf[3] = {0x3f80, 0xc000, 0x0001};         /* 1, -2, the smallest subnormal */
+    uint16_t hf[4] = {0x3c00, 0x0001, 0x7c00, 0xc200}; /* 1, 2^-24, inf, -3 */
+    float f32[2] = {0.25f, -7.5f};
+    int64_t s3 = 3, s4 = 4, s2 = 2;
+    st_writer *sw;
+    cr_assert_eq(st_writer_new(&sw), MOE_OK);
+    cr_assert_eq(st_writer_add_typed(sw, "b", "BF16", 2, 1, &s3, bf), MOE_OK);
+    cr_assert_eq(st_writer_add_typed(sw, "h", "F16", 2, 1, &s4, hf), MOE_OK);
+    cr_assert_eq(st_writer_add(sw, "f", 1, &s2, f32), MOE_OK);
+    cr_assert_eq(st_writer_save(sw, path, err, sizeof(err)), MOE_OK, "%s", err);
+    st_writer_free(sw);
+    st_file *f;
+    cr_assert_eq(st_open(path, &f, err, sizeof(err)), MOE_EINVAL);
+    cr_expect(strstr(err, "tensor b: dtype BF16 is not F32"), "%s", err);
+    cr_assert_eq(st_open_flags(path, ST_OPEN_ANY_DTYPE, &f, err, sizeof(err)), MOE_OK, "%s", err);
+    float out[4];
+    cr_assert_eq(st_to_f32(st_find(f, "b"), out, 3), MOE_OK);
+    cr_expect(out[0] == 1.0f && out[1] == -2.0f && out[2] == ldexpf(1.0f, -133));
+    cr_assert_eq(st_to_f32(st_find(f, "h"), out, 4), MOE_OK);
+    cr_expect(out[0] == 1.0f && out[1] == ldexpf(1.0f, -24) && isinf(out[2]) && out[3] == -3.0f);
+    cr_assert_eq(st_to_f32(st_find(f, "f"), out, 2), MOE_OK);
+    cr_expect(out[0] == 0.25f && out[1] == -7.5f);
+    cr_expect_eq(st_to_f32(st_find(f, "f"), out, 3), MOE_EINVAL);
+    st_close(f);
+    unlink(path);
 }
