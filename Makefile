@@ -15,9 +15,16 @@ DEPS_PREFIX ?=
 
 OPT     ?= -O2
 CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-format-truncation -fno-math-errno -fvect-cost-model=cheap -fPIC \
+           -fvisibility=hidden -MMD -MP \
            -Iclient -Icommon -Iproto -Irpc -Ikernels -Iworker -Iserver \
            -I/usr/include/x86_64-linux-gnu/openblas-pthread
 LDLIBS  += -lnng -luv -lmsgpackc -lopenblas -lm -lpthread
+# whole programs built in one step (bench/): no dependency files next to them
+CFLAGS_PROG = $(filter-out -MMD -MP,$(CFLAGS))
+# WERROR=1 (CI): a warning fails the build
+ifeq ($(WERROR),1)
+CFLAGS  += -Werror
+endif
 ifneq ($(DEPS_PREFIX),)
 CFLAGS  += -I$(DEPS_PREFIX)/usr/include
 LDFLAGS += -L$(DEPS_PREFIX)/usr/lib/x86_64-linux-gnu -Wl,-rpath-link,$(DEPS_PREFIX)/usr/lib/x86_64-linux-gnu \
@@ -66,11 +73,15 @@ BINS := bin/moe-coordinator bin/moe-worker bin/moectl
 LIBS := lib/libmoe.a lib/libmoe.so
 
 .PHONY: all deps run test check-gpu check-gpu-portable check-gpu-dataplane bench lint format clean fuzz
-all: $(BINS) $(LIBS) $(B)/moe-tests
+# `all` is declared once, at the end, from ALL_TARGETS
+.DEFAULT_GOAL := all
+ALL_TARGETS := $(BINS) $(LIBS) $(B)/moe-tests
 
-$(B)/%.o: %.c $(wildcard */*.h) Makefile
+# header dependencies come from the compiler (-MMD -MP: build/**/*.d)
+$(B)/%.o: %.c Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+-include $(shell find $(B) -name '*.d' 2>/dev/null)
 
 $(B)/%.o: %.cu $(wildcard kernels/*.h kernels/cuda/*.h kernels/cuda/*.cuh)
 	@mkdir -p $(dir $@)
@@ -156,7 +167,7 @@ bin/topk_bench: bench/topk_bench.cu kernels/cuda/kcu_topk.cuh
 	$(NVCC) $(NVCCFLAGS) -o $@ $<
 bench: bin/moe_bench bin/ep_bench
 	./bin/moe_bench
-all: bin/ep_bench bin/topk_bench
+ALL_TARGETS += bin/ep_bench bin/topk_bench
 endif
 
 FMT_SRC = $(sort $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))
@@ -174,17 +185,17 @@ clean:
 # bench/service_bench: checks and times a running cluster (not a test).
 bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
 	@mkdir -p bin
-	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ $(if $(HAVE_CUDA),-L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt) \
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(if $(HAVE_CUDA),-L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt) \
 	    -lnng -lopenblas -lm -lpthread
-all: bin/service_bench
+ALL_TARGETS += bin/service_bench
 
 ifeq ($(HAVE_CUDA),1)
 # bench/cuda_ipc_check: rows on a GPU through the service (GPU host, a second process)
 bin/cuda_ipc_check: bench/cuda_ipc_check.c lib/libmoe.a $(KERN_LIB)
 	@mkdir -p bin
-	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
 	    -lnng -lopenblas -lm -lpthread
-all: bin/cuda_ipc_check
+ALL_TARGETS += bin/cuda_ipc_check
 # check-gpu-dataplane: the data plane on this host's GPU, two processes each
 # (a worker and a client): CUDA IPC from C, then the Python client (NumPy,
 # torch CPU and CUDA tensors), against a one-GPU cluster each time
@@ -196,8 +207,8 @@ endif
 # bench/cpu_layer_bench: one CPU-worker layer forward, timed (bench/cpu_peer.py; not a test).
 bin/cpu_layer_bench: bench/cpu_layer_bench.c $(B)/worker/blas_pick.o $(KERN_LIB) $(CORE_LIB)
 	@mkdir -p bin
-	$(CC) $(CFLAGS) $(LDFLAGS) -o $@ $^ -lopenblas -lm -lpthread
-all: bin/cpu_layer_bench
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -lopenblas -lm -lpthread
+ALL_TARGETS += bin/cpu_layer_bench
 
 # fuzz: the wire decoder under libFuzzer for FUZZ_SECONDS (see fuzz/README.md).
 FUZZ_SECONDS ?= 60
@@ -207,3 +218,5 @@ fuzz:
 	    fuzz/fuzz_decode.c proto/*.c common/err.c -o $(B)/fuzz_decode
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(B)/fuzz_decode fuzz/corpus-out fuzz/corpus \
 	    -max_total_time=$(FUZZ_SECONDS) -max_len=4096
+
+all: $(ALL_TARGETS)

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "client_dp.h"
+#include "model_cfg.h"
 #include "moe.h"
 #include "params.h"
 #include "proto.h"
@@ -26,35 +27,18 @@ moe_err moe_model_create(moe_client *c, const moe_model_config *cfg)
 {
     mp_writer w;
     mp_writer_init(&w);
-    mp_write_map(&w, 13);
-    mp_write_cstr(&w, "name");
-    mp_write_cstr(&w, cfg->name ? cfg->name : "");
-    mp_write_cstr(&w, "layers");
-    mp_write_i64(&w, cfg->layers);
-    mp_write_cstr(&w, "d_model");
-    mp_write_i64(&w, cfg->d_model);
-    mp_write_cstr(&w, "d_ff");
-    mp_write_i64(&w, cfg->d_ff);
-    mp_write_cstr(&w, "n_experts");
-    mp_write_i64(&w, cfg->n_experts);
-    mp_write_cstr(&w, "top_k");
-    mp_write_i64(&w, cfg->top_k);
-    mp_write_cstr(&w, "activation");
-    mp_write_cstr(&w, cfg->activation ? cfg->activation : "swiglu");
-    mp_write_cstr(&w, "renormalize");
-    mp_write_bool(&w, cfg->renormalize != 0);
-    mp_write_cstr(&w, "capacity_factor");
-    mp_write_f64(&w, cfg->capacity_factor);
-    mp_write_cstr(&w, "dtype");
-    mp_write_cstr(&w, moe_dtype_name(cfg->dtype) ? moe_dtype_name(cfg->dtype) : "?");
-    mp_write_cstr(&w, "seed");
-    mp_write_i64(&w, (int64_t)cfg->seed);
-    mp_write_cstr(&w, "aux_loss_coef");
-    mp_write_f64(&w, cfg->aux_loss_coef);
-    mp_write_cstr(&w, "z_loss_coef");
-    mp_write_f64(&w, cfg->z_loss_coef);
+    moe_err e = model_cfg_write_request(
+        &w, cfg->name ? cfg->name : "", cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts,
+        cfg->top_k, cfg->activation, cfg->renormalize, cfg->capacity_factor,
+        moe_dtype_name(cfg->dtype) ? moe_dtype_name(cfg->dtype) : "?", cfg->seed,
+        cfg->aux_loss_coef, cfg->z_loss_coef);
+    if (e != MOE_OK) {
+        mp_writer_fini(&w);
+        moe__set_error("model.create: a name, activation or dtype is too long");
+        return e;
+    }
     moe_reply r;
-    moe_err e = w.failed ? MOE_ENOMEM : moe_call(c, "model.create", w.buf, w.len, &r);
+    e = w.failed ? MOE_ENOMEM : moe_call(c, "model.create", w.buf, w.len, &r);
     mp_writer_fini(&w);
     if (!w.failed)
         moe_reply_free(&r);
@@ -262,27 +246,24 @@ static moe_err read_i64_key(moe_reply *r, const char *key, int64_t *out)
 moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *opt,
                            int64_t *step_out, double *grad_norm_out)
 {
+    /* the keys the caller set (MOE_UNSET doubles are left out: the
+     * service's defaults apply; see MOE_ADAMW_DEFAULT) */
+    int64_t expect = opt->expect_step;
+    double hp[6] = {opt->lr,  opt->beta1,        opt->beta2,
+                    opt->eps, opt->weight_decay, opt->max_grad_norm};
+    pspec sp[8] = {
+        {"model", P_STR, (void *)model, true, 0, 0, 0, false},
+        {"lr", P_F64, &hp[0], false, 0, 0, 0, false},
+        {"beta1", P_F64, &hp[1], false, 0, 0, 0, false},
+        {"beta2", P_F64, &hp[2], false, 0, 0, 0, false},
+        {"eps", P_F64, &hp[3], false, 0, 0, 0, false},
+        {"weight_decay", P_F64, &hp[4], false, 0, 0, 0, false},
+        {"max_grad_norm", P_F64, &hp[5], false, 0, 0, 0, false},
+        {"expect_step", P_INT, &expect, false, 0, 0, 0, false},
+    };
     mp_writer w;
     mp_writer_init(&w);
-    mp_write_map(&w, opt->check_step ? 8 : 7);
-    if (opt->check_step) {
-        mp_write_cstr(&w, "expect_step");
-        mp_write_i64(&w, opt->expect_step);
-    }
-    mp_write_cstr(&w, "model");
-    mp_write_cstr(&w, model);
-    mp_write_cstr(&w, "lr");
-    mp_write_f64(&w, opt->lr);
-    mp_write_cstr(&w, "beta1");
-    mp_write_f64(&w, opt->beta1);
-    mp_write_cstr(&w, "beta2");
-    mp_write_f64(&w, opt->beta2);
-    mp_write_cstr(&w, "eps");
-    mp_write_f64(&w, opt->eps);
-    mp_write_cstr(&w, "weight_decay");
-    mp_write_f64(&w, opt->weight_decay);
-    mp_write_cstr(&w, "max_grad_norm");
-    mp_write_f64(&w, opt->max_grad_norm);
+    params_write(&w, sp, opt->check_step ? 8 : 7);
     moe_reply r;
     moe_err e = moe_call(c, "optimizer.step", w.buf, w.len, &r);
     mp_writer_fini(&w);

@@ -15,6 +15,22 @@
 extern "C" {
 #endif
 
+/* Everything declared here is libmoe's public interface: the library is
+ * built with hidden visibility and exports exactly these functions. */
+#pragma GCC visibility push(default)
+
+/* the library's version: MOE_VERSION_* of the header it was built with */
+#define MOE_VERSION_MAJOR  0
+#define MOE_VERSION_MINOR  2
+#define MOE_VERSION_PATCH  0
+#define MOE_VERSION_STRING "0.2.0"
+/* moe_version returns the library's MOE_VERSION_STRING (static). */
+const char *moe_version(void);
+
+/* MOE_UNSET: a double field of moe_model_config or moe_adamw left unset
+ * (not sent: the service's default applies, docs/PROTOCOL.md). */
+#define MOE_UNSET (__builtin_nan(""))
+
 /* moe_err: the one error enum. Each value has a stable wire code string
  * (moe_err_code) used in RPC error responses. Never renumber. */
 typedef enum moe_err {
@@ -147,6 +163,14 @@ typedef struct moe_model_config {
     double aux_loss_coef;   /* training: load-balancing loss coefficient */
     double z_loss_coef;     /* training: router z-loss coefficient */
 } moe_model_config;
+/* MOE_MODEL_CONFIG_DEFAULT: start from it and set what you need; fields it
+ * leaves unset (activation NULL, MOE_UNSET doubles) take the service's
+ * defaults (swiglu, dropless, aux_loss_coef 0.01, z_loss_coef 0). A zeroed
+ * struct sends its zeros. */
+#define MOE_MODEL_CONFIG_DEFAULT                                                                   \
+    {                                                                                              \
+        NULL, 0, 0, 0, 0, 0, NULL, 0, MOE_UNSET, MOE_F32, 0, MOE_UNSET, MOE_UNSET                  \
+    }
 
 moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
 /* moe_model_create_from_hf creates model `name` from a Hugging Face model
@@ -217,6 +241,13 @@ typedef struct moe_adamw {
     int check_step;       /* 1: apply only if the model is at expect_step (idempotent retry) */
     int64_t expect_step;
 } moe_adamw;
+/* MOE_ADAMW_DEFAULT: every hyperparameter unset (MOE_UNSET: not sent, the
+ * service's defaults apply: lr 1e-3, beta1 0.9, beta2 0.999, eps 1e-8,
+ * weight_decay 0, max_grad_norm 0); set the ones you change. */
+#define MOE_ADAMW_DEFAULT                                                                          \
+    {                                                                                              \
+        MOE_UNSET, MOE_UNSET, MOE_UNSET, MOE_UNSET, MOE_UNSET, MOE_UNSET, 0, 0                     \
+    }
 /* moe_optimizer_step applies AdamW to every parameter of model and zeroes
  * the gradients. step_out and grad_norm_out may be NULL. */
 moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *opt,
@@ -226,6 +257,13 @@ moe_err moe_optimizer_step(moe_client *c, const char *model, const moe_adamw *op
  * newest complete one (or path itself if it holds an index). */
 moe_err moe_checkpoint_save(moe_client *c, const char *model, const char *path);
 moe_err moe_checkpoint_load(moe_client *c, const char *model, const char *path, int64_t *step_out);
+
+/* bf16 <-> f32 (round to nearest even; NaN stays NaN), n elements: the
+ * conversions a caller needs to hand the library bf16 rows. */
+void moe_bf16_from_f32(const float *in, uint16_t *out, size_t n);
+void moe_f32_from_bf16(const uint16_t *in, float *out, size_t n);
+
+#pragma GCC visibility pop
 
 #ifdef __cplusplus
 }

@@ -21,44 +21,70 @@ int model_name_valid(const char *s, size_t len)
     return 1;
 }
 
+/* cfg_wire: model.create's params in the wire's types; cfg_specs makes the
+ * one spec that both reads (model_cfg_parse) and writes (model_cfg_write,
+ * libmoe's moe_model_create) them */
+typedef struct cfg_wire {
+    char name[MODEL_NAME_MAX];
+    int64_t layers, H, F, E, K, seed;
+    double cf, aux, z;
+    char act[16], dtype[8];
+    bool renorm;
+    char hf_dir[MODEL_HF_DIR_MAX], hf_family[16]; /* "" = not from a directory (unset) */
+} cfg_wire;
+#define CFG_NSPECS 15
+
+static void cfg_specs(pspec sp[CFG_NSPECS], cfg_wire *v)
+{
+    const pspec s[CFG_NSPECS] = {
+        {"name", P_STR, v->name, true, 0, 0, MODEL_NAME_MAX, false},
+        {"layers", P_INT, &v->layers, true, 1, 1024, 0, false},
+        {"d_model", P_INT, &v->H, true, 1, 65536, 0, false},
+        {"d_ff", P_INT, &v->F, true, 1, 262144, 0, false},
+        {"n_experts", P_INT, &v->E, true, 1, 4096, 0, false},
+        {"top_k", P_INT, &v->K, true, 1, 4096, 0, false},
+        {"activation", P_STR, v->act, false, 0, 0, sizeof(v->act), false},
+        {"renormalize", P_BOOL, &v->renorm, false, 0, 0, 0, false},
+        {"capacity_factor", P_F64, &v->cf, false, 0, 1000, 0, false},
+        {"dtype", P_STR, v->dtype, false, 0, 0, sizeof(v->dtype), false},
+        {"seed", P_INT, &v->seed, false, 0, 9.2e18, 0, false},
+        {"aux_loss_coef", P_F64, &v->aux, false, 0, 1000, 0, false},
+        {"z_loss_coef", P_F64, &v->z, false, 0, 1000, 0, false},
+        {"hf_dir", P_STR, v->hf_dir, false, 0, 0, MODEL_HF_DIR_MAX, false},
+        {"hf_family", P_STR, v->hf_family, false, 0, 0, sizeof(v->hf_family), false},
+    };
+    memcpy(sp, s, sizeof(s));
+}
+
 moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *err, size_t errlen)
 {
-    int64_t layers = 0, H = 0, F = 0, E = 0, K = 0, renorm = 0, seed = 0;
-    double cf = 0, aux = 0.01, z = 0;
-    char act[16] = "swiglu", dtype[8] = "f32";
-    bool renorm_b = false;
-    pspec sp[] = {
-        {"name", P_STR, out->name, true, 0, 0, MODEL_NAME_MAX, false},
-        {"layers", P_INT, &layers, true, 1, 1024, 0, false},
-        {"d_model", P_INT, &H, true, 1, 65536, 0, false},
-        {"d_ff", P_INT, &F, true, 1, 262144, 0, false},
-        {"n_experts", P_INT, &E, true, 1, 4096, 0, false},
-        {"top_k", P_INT, &K, true, 1, 4096, 0, false},
-        {"activation", P_STR, act, false, 0, 0, sizeof(act), false},
-        {"renormalize", P_BOOL, &renorm_b, false, 0, 0, 0, false},
-        {"capacity_factor", P_F64, &cf, false, 0, 1000, 0, false},
-        {"dtype", P_STR, dtype, false, 0, 0, sizeof(dtype), false},
-        {"seed", P_INT, &seed, false, 0, 9.2e18, 0, false},
-        {"aux_loss_coef", P_F64, &aux, false, 0, 1000, 0, false},
-        {"z_loss_coef", P_F64, &z, false, 0, 1000, 0, false},
-        {"hf_dir", P_STR, out->hf_dir, false, 0, 0, MODEL_HF_DIR_MAX, false},
-        {"hf_family", P_STR, out->hf_family, false, 0, 0, sizeof(out->hf_family), false},
-    };
-    moe_err e = params_parse(r, nparams, sp, (int)(sizeof(sp) / sizeof(sp[0])), err, errlen);
+    /* the protocol's defaults (docs/PROTOCOL.md, model.create) */
+    cfg_wire v = {.cf = 0, .aux = 0.01, .z = 0, .act = "swiglu", .dtype = "f32"};
+    pspec sp[CFG_NSPECS];
+    cfg_specs(sp, &v);
+    int64_t layers, H, F, E, K, renorm, seed;
+    double cf, aux, z;
+    char *act = v.act, *dtype = v.dtype;
+    moe_err e = params_parse(r, nparams, sp, CFG_NSPECS, err, errlen);
     if (e != MOE_OK)
         return e;
-    if (!model_name_valid(out->name, strlen(out->name))) {
-        snprintf(err, errlen,
-                 "model name must be 1-63 characters of [A-Za-z0-9_.-], not \".\" "
-                 "or \"..\"");
-        return MOE_EINVAL;
-    }
+    memcpy(out->name, v.name, sizeof(out->name));
+    memcpy(out->hf_dir, v.hf_dir, sizeof(out->hf_dir));
+    memcpy(out->hf_family, v.hf_family, sizeof(out->hf_family));
     if ((out->hf_dir[0] != 0) != (out->hf_family[0] != 0) ||
         (out->hf_family[0] && hf_family_parse(out->hf_family) == HF_NONE) ||
         (out->hf_dir[0] && out->hf_dir[0] != '/')) {
         snprintf(err, errlen,
                  "hf_dir and hf_family go together (an absolute directory and "
                  "mixtral, qwen3_moe or olmoe)");
+        return MOE_EINVAL;
+    }
+    layers = v.layers, H = v.H, F = v.F, E = v.E, K = v.K, seed = v.seed;
+    cf = v.cf, aux = v.aux, z = v.z;
+    if (!model_name_valid(out->name, strlen(out->name))) {
+        snprintf(err, errlen,
+                 "model name must be 1-63 characters of [A-Za-z0-9_.-], not \".\" "
+                 "or \"..\"");
         return MOE_EINVAL;
     }
     if (K > E) {
@@ -84,7 +110,7 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
                  (long long)(H * F));
         return MOE_EINVAL;
     }
-    renorm = renorm_b;
+    renorm = v.renorm;
     out->layers = (int)layers;
     out->d_model = (int)H;
     out->d_ff = (int)F;
@@ -100,40 +126,52 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
 
 void model_cfg_write(mp_writer *w, const model_cfg *c)
 {
-    int hf = c->hf_dir[0] != 0;
-    mp_write_map(w, 13 + 2 * hf);
-    if (hf) {
-        mp_write_cstr(w, "hf_dir");
-        mp_write_cstr(w, c->hf_dir);
-        mp_write_cstr(w, "hf_family");
-        mp_write_cstr(w, c->hf_family);
-    }
-    mp_write_cstr(w, "name");
-    mp_write_cstr(w, c->name);
-    mp_write_cstr(w, "layers");
-    mp_write_i64(w, c->layers);
-    mp_write_cstr(w, "d_model");
-    mp_write_i64(w, c->d_model);
-    mp_write_cstr(w, "d_ff");
-    mp_write_i64(w, c->d_ff);
-    mp_write_cstr(w, "n_experts");
-    mp_write_i64(w, c->n_experts);
-    mp_write_cstr(w, "top_k");
-    mp_write_i64(w, c->top_k);
-    mp_write_cstr(w, "activation");
-    mp_write_cstr(w, c->act ? "gelu" : "swiglu");
-    mp_write_cstr(w, "renormalize");
-    mp_write_bool(w, c->renormalize != 0);
-    mp_write_cstr(w, "capacity_factor");
-    mp_write_f64(w, c->capacity_factor);
-    mp_write_cstr(w, "dtype");
-    mp_write_cstr(w, moe_dtype_name(c->dtype));
-    mp_write_cstr(w, "seed");
-    mp_write_i64(w, (int64_t)c->seed);
-    mp_write_cstr(w, "aux_loss_coef");
-    mp_write_f64(w, c->aux_loss_coef);
-    mp_write_cstr(w, "z_loss_coef");
-    mp_write_f64(w, c->z_loss_coef);
+    cfg_wire v = {.layers = c->layers,
+                  .H = c->d_model,
+                  .F = c->d_ff,
+                  .E = c->n_experts,
+                  .K = c->top_k,
+                  .seed = (int64_t)c->seed,
+                  .cf = c->capacity_factor,
+                  .aux = c->aux_loss_coef,
+                  .z = c->z_loss_coef,
+                  .renorm = c->renormalize != 0};
+    snprintf(v.name, sizeof(v.name), "%s", c->name);
+    snprintf(v.act, sizeof(v.act), "%s", c->act ? "gelu" : "swiglu");
+    snprintf(v.dtype, sizeof(v.dtype), "%s", moe_dtype_name(c->dtype));
+    snprintf(v.hf_dir, sizeof(v.hf_dir), "%s", c->hf_dir);
+    snprintf(v.hf_family, sizeof(v.hf_family), "%s", c->hf_family);
+    pspec sp[CFG_NSPECS];
+    cfg_specs(sp, &v);
+    params_write(w, sp, CFG_NSPECS);
+}
+
+moe_err model_cfg_write_request(mp_writer *w, const char *name, int64_t layers, int64_t d_model,
+                                int64_t d_ff, int64_t n_experts, int64_t top_k,
+                                const char *activation, int renormalize, double capacity_factor,
+                                const char *dtype, uint64_t seed, double aux_loss_coef,
+                                double z_loss_coef)
+{
+    cfg_wire v = {.layers = layers,
+                  .H = d_model,
+                  .F = d_ff,
+                  .E = n_experts,
+                  .K = top_k,
+                  .seed = (int64_t)seed,
+                  .cf = capacity_factor,
+                  .aux = aux_loss_coef,
+                  .z = z_loss_coef,
+                  .renorm = renormalize != 0};
+    if (strlen(name) >= sizeof(v.name) || (activation && strlen(activation) >= sizeof(v.act)) ||
+        (dtype && strlen(dtype) >= sizeof(v.dtype)))
+        return MOE_EINVAL;
+    snprintf(v.name, sizeof(v.name), "%s", name);
+    snprintf(v.act, sizeof(v.act), "%s", activation ? activation : "");
+    snprintf(v.dtype, sizeof(v.dtype), "%s", dtype ? dtype : "");
+    pspec sp[CFG_NSPECS];
+    cfg_specs(sp, &v);
+    params_write(w, sp, CFG_NSPECS);
+    return MOE_OK;
 }
 
 int model_cfg_same(const model_cfg *a, const model_cfg *b)

@@ -45,6 +45,15 @@ int model_name_valid(const char *s, size_t len);
 moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *err, size_t errlen);
 /* model_cfg_write writes the config as a params map (the model.create form). */
 void model_cfg_write(mp_writer *w, const model_cfg *c);
+/* model_cfg_write_request writes model.create's params as a client sends
+ * them: the keys whose values are set (a NaN double or a NULL / empty
+ * string is left out: the coordinator's default applies). MOE_EINVAL when a
+ * string is too long. */
+moe_err model_cfg_write_request(mp_writer *w, const char *name, int64_t layers, int64_t d_model,
+                                int64_t d_ff, int64_t n_experts, int64_t top_k,
+                                const char *activation, int renormalize, double capacity_factor,
+                                const char *dtype, uint64_t seed, double aux_loss_coef,
+                                double z_loss_coef);
 /* model_cfg_same: equal in every field. */
 int model_cfg_same(const model_cfg *a, const model_cfg *b);
 /* model_cfg_params: parameter count (router + all experts, all layers). */

@@ -159,3 +159,39 @@ bool params_find_str(const mp_reader *r0, uint32_t nparams, const char *key, con
     }
     return false;
 }
+
+/* spec_is_set: whether params_write writes the spec's value */
+static int spec_is_set(const pspec *p)
+{
+    switch (p->type) {
+    case P_INT:
+    case P_BOOL: return 1;
+    case P_F64: {
+        double v = *(const double *)p->out;
+        return p->required || v == v;
+    }
+    case P_STR: return p->required || ((const char *)p->out)[0] != 0;
+    default: return 0;
+    }
+}
+
+void params_write(mp_writer *w, const pspec *specs, int nspecs)
+{
+    uint32_t n = 0;
+    for (int i = 0; i < nspecs; i++)
+        n += (uint32_t)spec_is_set(&specs[i]);
+    mp_write_map(w, n);
+    for (int i = 0; i < nspecs; i++) {
+        const pspec *p = &specs[i];
+        if (!spec_is_set(p))
+            continue;
+        mp_write_cstr(w, p->key);
+        switch (p->type) {
+        case P_INT: mp_write_i64(w, *(const int64_t *)p->out); break;
+        case P_BOOL: mp_write_bool(w, *(const bool *)p->out); break;
+        case P_F64: mp_write_f64(w, *(const double *)p->out); break;
+        case P_STR: mp_write_cstr(w, (const char *)p->out); break;
+        default: break;
+        }
+    }
+}

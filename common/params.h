@@ -37,6 +37,12 @@ typedef struct pspec {
 /* params_parse walks nparams pairs of r (positioned inside the map). */
 moe_err params_parse(mp_reader *r, uint32_t nparams, pspec *specs, int nspecs, char *err,
                      size_t errlen);
+/* params_write writes the map params_parse reads back: the specs' values
+ * (from out) - every required key, and each optional one that is set: a
+ * P_F64 that is not NaN, a P_STR that is not empty (P_INT and P_BOOL are
+ * always set). An unset key is left out, so the reader's default applies.
+ * P_TENSOR and P_RAW specs are not written. */
+void params_write(mp_writer *w, const pspec *specs, int nspecs);
 /* params_find_str finds a string value for key without consuming r (a
  * copy is walked). Returns false if absent or not a string. */
 bool params_find_str(const mp_reader *r, uint32_t nparams, const char *key, const char **s,

@@ -624,6 +624,8 @@ static moe_err fold_one_lane(coord *c, coord_worker *wk, mp_reader *r, char *err
     }
     free(cnt);
     m->forwards += (uint64_t)fwds;
+    m->ok_forwards += (uint64_t)fwds;
+    m->rows_total += (uint64_t)toks;
     c->forwards_total += (uint64_t)fwds;
     c->tokens_total += (uint64_t)toks;
     c->recent_tokens += (double)toks;
@@ -644,6 +646,7 @@ static moe_err fold_one_lane(coord *c, coord_worker *wk, mp_reader *r, char *err
                 bk++;
             c->lat_hist[bk]++;
             c->lat_sum += s;
+            m->lat_sum += s;
         }
     return MOE_OK;
 }
