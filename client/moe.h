@@ -190,6 +190,14 @@ moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
  * (model.delete); its name may be created again. MOE_ENOTFOUND when there
  * is no such model; MOE_EPRECOND while requests for it are queued. */
 moe_err moe_model_delete(moe_client *c, const char *model);
+/* moe_model_create_from_hf creates model `name` from a Hugging Face model
+ * directory as published (config.json + model.safetensors, or shards with
+ * model.safetensors.index.json; Mixtral, Qwen3-MoE, OLMoE): one moe layer
+ * per MoE layer of the checkpoint, its weights and tensor names. dir is on
+ * the coordinator's file system, under its --checkpoint-root. dtype "f32",
+ * "bf16", or NULL for the checkpoint's own (docs/PROTOCOL.md). */
+moe_err moe_model_create_from_hf(moe_client *c, const char *name, const char *dir,
+                                 const char *dtype);
 
 /* moe_fwd_info: what forward reports besides y. Arrays are malloc'ed by the
  * library (free with moe_fwd_info_free). */

@@ -20,6 +20,7 @@
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
+    const char *from_hf;   /* create --from-hf DIR */
     const char *data_path; /* --data-path: auto | socket | shm | bulk | coordinator */
     const char *tls_ca, *tls_cert, *tls_key; /* --tls-ca/--tls-cert/--tls-key: PEM paths */
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
@@ -49,6 +50,9 @@ static void usage(void)
             "         [--activation swiglu|gelu] [--renormalize] [--capacity-factor C]\n"
             "         [--dtype f32|bf16] [--seed S] [--aux-loss-coef A] [--z-loss-coef Z]\n"
             "  delete --model NAME                   model.delete\n"
+            "  create --name NAME --from-hf DIR [--dtype f32|bf16]\n"
+            "                                        a Hugging Face model directory (on the\n"
+            "                                        coordinator, under its checkpoint root)\n"
             "  forward --model NAME [--layer L] [--tokens T | --input FILE] [--dtype f32|bf16]\n"
             "          [--output FILE] [--seed S]    FILE: raw row-major (T, d_model)\n"
             "  stats                                 cumulative stats\n"
@@ -507,6 +511,15 @@ static int cmd_bench(moe_client *c, const opts *o)
 
 static int cmd_create(moe_client *c, const opts *o)
 {
+    if (o->from_hf) {
+        moe_err e = moe_model_create_from_hf(c, o->name, o->from_hf, o->dtype);
+        if (e != MOE_OK) {
+            fprintf(stderr, "moectl: create: %s: %s\n", moe_err_code(e), moe_last_error());
+            return 1;
+        }
+        printf("created model %s from %s\n", o->name, o->from_hf);
+        return 0;
+    }
     moe_model_config cfg = {0};
     cfg.name = o->name;
     cfg.layers = o->layers;
@@ -562,6 +575,8 @@ int main(int argc, char **argv)
             o.timeout_ms = atoi(v);
         else if (OPT("--name"))
             o.name = v;
+        else if (OPT("--from-hf"))
+            o.from_hf = v;
         else if (OPT("--model"))
             o.model = v;
         else if (OPT("--layers"))

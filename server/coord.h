@@ -102,6 +102,7 @@ typedef enum job_kind {
     JOB_CKPT_LOAD,   /* phase 1: every worker reads and validates into staging */
     JOB_CKPT_COMMIT, /* phase 2: swap staging in (or drop it: ckpt_abort) */
     JOB_MODEL_DELETE,
+    JOB_GRADS, /* model.grads: every worker's share of a layer's gradients */
 } job_kind;
 
 /* A train forward's handle, until its backward (or expiry). */
@@ -367,6 +368,18 @@ void coord_write_pieces(mp_writer *w, const coord_job *j, int W, int rank);
 int coord_reply_has_missing(const moe_reply *rep);
 moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w, char *err,
                           size_t errlen);
+
+/* hf.c: model.create from a Hugging Face directory (from_hf) */
+/* coord_hf_wants: the request names from_hf (or hf_dir / hf_family, which
+ * only the coordinator sets): coord_hf_create answers it. */
+int coord_hf_wants(const rpc_call *call);
+void coord_hf_create(coord *c, rpc_call *call);
+/* coord_hf_info writes model.info's "hf" value of a model from a directory. */
+void coord_hf_info(mp_writer *w, const coord_model *m);
+extern const coord_job_ops coord_job_hf_create;
+/* grads.c: model.grads {model, layer, expert?} */
+void coord_grads(coord *c, rpc_call *call);
+extern const coord_job_ops coord_job_grads;
 
 /* ckpt.c */
 void coord_ckpt_save(coord *c, rpc_call *call);

@@ -65,6 +65,10 @@ void coord_model_create(coord *c, rpc_call *call)
 {
     model_cfg cfg;
     char err[256];
+    if (coord_hf_wants(call)) { /* a Hugging Face directory: hf.c */
+        coord_hf_create(c, call);
+        return;
+    }
     memset(&cfg, 0, sizeof(cfg));
     mp_reader r = call->req.params;
     moe_err e = model_cfg_parse(&r, call->req.nparams, &cfg, err, sizeof(err));
@@ -128,7 +132,12 @@ void coord_model_info(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 4);
+    int hf = m->cfg.hf_dir[0] != 0;
+    mp_write_map(&w, 4 + hf);
+    if (hf) { /* the Hugging Face directory it came from (hf.c) */
+        mp_write_cstr(&w, "hf");
+        coord_hf_info(&w, m);
+    }
     mp_write_cstr(&w, "config");
     model_cfg_write(&w, &m->cfg);
     mp_write_cstr(&w, "params");

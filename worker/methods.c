@@ -66,6 +66,7 @@ const wkr_method wkr_methods[] = {
     {{"worker.step", COMPUTE}, wkr_op_step},
     {{"worker.checkpoint_save", COMPUTE}, wkr_op_ckpt_save},
     {{"worker.checkpoint_load", COMPUTE}, wkr_op_ckpt_load},
+    {{"worker.grads", COMPUTE}, wkr_op_grads},
 };
 const int wkr_nmethods = (int)(sizeof(wkr_methods) / sizeof(wkr_methods[0]));
 

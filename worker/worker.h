@@ -261,6 +261,28 @@ void wkr_op_ckpt_load(wkr *w, rpc_call *c);
  * written in and read from (its worker.register reply); checkpoint calls
  * naming a directory or file outside them are refused. Copied; any thread. */
 void wkr_ckpt_set_roots(const char *const *roots, int n);
+/* wkr_ckpt_get_roots copies up to max of them into out; returns how many. */
+int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max);
+/* hf.c: models from a Hugging Face directory (cfg.hf_dir). wkr_hf_names
+ * names m's parameters as the checkpoint does (hc: its config.json);
+ * wkr_hf_load reads the router and this worker's experts of every moe
+ * layer from the directory's files, converted to the model's dtype. */
+struct hf_cfg;
+void wkr_hf_names(wkr_model *m, const struct hf_cfg *hc);
+moe_err wkr_hf_load(wkr_model *m, const struct hf_cfg *hc, char *err, size_t errlen);
+/* wkr_hf_ckpt_save answers worker.checkpoint_save of a model from a
+ * Hugging Face directory into dir (resolved): model-<r>-of-<W>.safetensors
+ * holds the weights in the model's dtype under the family's names (rank 0
+ * also the routers, every other tensor of the source directory unchanged,
+ * and config.json); optimizer-<r>-of-<W>.safetensors the fp32 masters and
+ * AdamW moments, once trained. Reply {file, bytes, names, opt_file?,
+ * opt_names?}. */
+struct st_writer;
+void wkr_hf_ckpt_save(wkr *w, rpc_call *c, wkr_model *m, const char *dir);
+/* wkr_ckpt_meta writes the moe.* metadata of a checkpoint file */
+void wkr_ckpt_meta(struct st_writer *sw, const wkr_model *m, int rank, int world);
+/* grads.c: worker.grads {model, layer, expert?} */
+void wkr_op_grads(wkr *w, rpc_call *c);
 wkr_model *wkr_find_model(wkr *w, const char *name);
 /* The handlers' common prologue steps; each answers the call with the
  * error and returns false / NULL when it fails. wkr_parse_or_reply parses

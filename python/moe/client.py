@@ -134,6 +134,8 @@ def _declare(lib: ctypes.CDLL):
     lib.moe_ping.argtypes = [_P]
     lib.moe_model_create.argtypes = [_P, ctypes.POINTER(_ModelCfg)]
     lib.moe_model_delete.argtypes = [_P, ctypes.c_char_p]
+    lib.moe_model_create_from_hf.argtypes = [_P, ctypes.c_char_p, ctypes.c_char_p,
+                                             ctypes.c_char_p]
     lib.moe_forward.argtypes = [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, _P,
                                 ctypes.c_int64, ctypes.c_int64, _P, ctypes.POINTER(_FwdInfo)]
     lib.moe_forward_train.argtypes = lib.moe_forward.argtypes
@@ -358,6 +360,30 @@ class Client:
         again. NotFoundError when there is none; FailedPreconditionError
         while requests for it are queued."""
         _check(_lib.moe_model_delete(self._live(), name.encode()))
+
+    def model_create_from_hf(self, name: str, path: str, dtype: Optional[str] = None) -> None:
+        """Creates model `name` from a Hugging Face model directory as
+        published (config.json + model.safetensors, or shards with
+        model.safetensors.index.json; Mixtral, Qwen3-MoE, OLMoE): one moe
+        layer per MoE layer of the checkpoint, with its weights and tensor
+        names (model_info(name)["hf"]). path is on the coordinator's file
+        system, under its checkpoint root. dtype "f32" or "bf16"; None: the
+        checkpoint's own."""
+        _check(_lib.moe_model_create_from_hf(self._live(), name.encode(), path.encode(),
+                                             dtype.encode() if dtype else None))
+
+    def model_grads(self, model: str, layer: int,
+                    expert: Optional[int] = None) -> Dict[str, np.ndarray]:
+        """model.grads: the weight gradients of one layer accumulated by the
+        backwards since the last optimizer_step, {tensor name: float32 array}
+        (names as in the model's checkpoint; with expert, only its matrices
+        and the router's)."""
+        params: Dict[str, Any] = {"model": model, "layer": layer}
+        if expert is not None:
+            params["expert"] = expert
+        res = self.call("model.grads", params)
+        return {k: np.frombuffer(t["data"], dtype=np.float32).reshape(t["shape"]).copy()
+                for k, t in res["tensors"].items()}
 
     # ---- rows in place ----
 
