@@ -223,13 +223,23 @@ bin/cpu_layer_bench: bench/cpu_layer_bench.c $(B)/worker/blas_pick.o $(KERN_LIB)
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -lopenblas -lm -lpthread
 ALL_TARGETS += bin/cpu_layer_bench
 
-# fuzz: the wire decoder under libFuzzer for FUZZ_SECONDS (see fuzz/README.md).
+# fuzz: libFuzzer for FUZZ_SECONDS each (see fuzz/README.md): the wire
+# decoder, the params layer, and the coordinator's request handling
 FUZZ_SECONDS ?= 60
+FUZZ_CC = clang -g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE \
+          -Iclient -Icommon -Iproto -Irpc -Iserver -Ikernels
+FUZZ_RUN = UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+COORD_FUZZ_SRC = $(SERVER_SRC) $(RPC_SRC) $(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC)
 fuzz:
-	@mkdir -p $(B) fuzz/corpus-out
-	clang -g -O1 -fsanitize=fuzzer,address,undefined -Iclient -Icommon -Iproto \
-	    fuzz/fuzz_decode.c proto/*.c common/err.c -o $(B)/fuzz_decode
-	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(B)/fuzz_decode fuzz/corpus-out fuzz/corpus \
+	@mkdir -p $(B)/fuzz fuzz/corpus-out fuzz/corpus-params-out fuzz/corpus-coord-out
+	$(FUZZ_CC) fuzz/fuzz_decode.c $(PROTO_SRC) common/err.c -o $(B)/fuzz/decode
+	$(FUZZ_CC) fuzz/fuzz_params.c common/params.c common/model_cfg.c $(PROTO_SRC) common/err.c \
+	    -o $(B)/fuzz/params
+	$(FUZZ_CC) fuzz/fuzz_coord.c $(COORD_FUZZ_SRC) -o $(B)/fuzz/coord -lnng -luv -lpthread -lm
+	$(FUZZ_RUN) $(B)/fuzz/decode fuzz/corpus-out fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -max_len=4096
+	$(FUZZ_RUN) $(B)/fuzz/params fuzz/corpus-params-out fuzz/corpus-params \
 	    -max_total_time=$(FUZZ_SECONDS) -max_len=4096
+	cd $(B)/fuzz && $(FUZZ_RUN) ./coord ../../fuzz/corpus-coord-out ../../fuzz/corpus-coord \
+	    -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -detect_leaks=0
 
 all: $(ALL_TARGETS)

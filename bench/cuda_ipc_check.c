@@ -85,7 +85,7 @@ int main(int argc, char **argv)
             timing = 0;
     }
     moe_client *c;
-    moe_client_opts co = {600000, 0, NULL, NULL};
+    moe_client_opts co = {.timeout_ms = 600000};
     if (moe_client_open(url, &co, &c) != MOE_OK) {
         printf("FAIL open %s: %s\n", url, moe_last_error());
         return 1;

@@ -3,21 +3,30 @@
  *
  *   service_bench --url URL [--d-model H --d-ff F --experts E --top-k K]
  *                 [--dtype bf16|f32] [--tokens T,T,...] [--iters N] [--train]
- *                 [--paths coordinator,socket,shm] [--no-ref]
+ *                 [--paths coordinator,socket,shm,bulk] [--no-ref]
  *
  * Creates a model "sb" (seed 1), then for each T: forward (and with --train
  * backward) through the service, compared with the single-process CPU
  * reference (kern_moe_forward_ref / kern_moe_backward_ref) on the same
  * seeded weights: relative error ||out - ref|| / ||ref||, bound 1e-2 for bf16
  * and 1e-4 for f32. Then the time per call (median of --iters) and tokens/s,
- * for each data path (docs/PROTOCOL.md, "Data plane"), beside the limits
- * measured in the same run:
+ * for each data path (docs/PROTOCOL.md, "Data plane"; "bulk": every
+ * worker's rows over its bulk TCP endpoint; "shm-zc": shared memory with x
+ * and y in moe_buffer_alloc buffers), beside the limits measured in the
+ * same run:
  *   - compute: the workers' own time for the call (the sum of the phases
  *     they report: gate, dispatch, experts, combine);
  *   - nng: a raw nng req/rep round trip of the same bytes (x out, y back) on
  *     the coordinator's transport, to an echo server in this process;
+ *   - tcp: the same bytes out and back over one plain loopback TCP
+ *     connection with large writes, to an echo thread in this process (the
+ *     most the bulk path can do here);
  *   - pinned (CUDA builds): the same bytes host->device->host from pinned
  *     memory on GPU 0.
+ * Each path's line also gives "path": the call's time less the workers'
+ * compute (what moving the rows costs on that path, copies included), and
+ * raw nng's time over it ("nng/path": how many times faster than one raw
+ * nng round trip of the same bytes the path moves them).
  * Prints one line per case and exits non-zero if any check fails. Not a
  * test: it runs against whatever cluster you point it at (GPU workers too).
  */
@@ -25,7 +34,9 @@
 #include <nng/protocol/reqrep0/rep.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <math.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -152,6 +163,80 @@ static double raw_rtt(const char *url, size_t n, int iters)
     return med;
 }
 
+/* tcp_rtt: median seconds of n bytes out and n bytes back over one
+ * loopback TCP connection (an echo thread reads them all, then writes them
+ * back); -1 on failure */
+typedef struct tcp_echo {
+    int lfd;
+    size_t n;
+    int iters;
+} tcp_echo;
+
+static int tcp_io(int fd, uint8_t *p, size_t n, int wr)
+{
+    while (n) {
+        ssize_t k = wr ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, MSG_WAITALL);
+        if (k <= 0)
+            return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static void *tcp_echo_main(void *arg)
+{
+    tcp_echo *e = arg;
+    int fd = accept(e->lfd, NULL, NULL);
+    uint8_t *b = malloc(e->n ? e->n : 1);
+    for (int i = 0; fd >= 0 && b && i < e->iters + 2; i++)
+        if (tcp_io(fd, b, e->n, 0) != 0 || tcp_io(fd, b, e->n, 1) != 0)
+            break;
+    free(b);
+    if (fd >= 0)
+        close(fd);
+    return NULL;
+}
+
+static double tcp_rtt(size_t n, int iters)
+{
+    struct sockaddr_in sa = {0};
+    socklen_t sl = sizeof(sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    tcp_echo e = {socket(AF_INET, SOCK_STREAM, 0), n, iters};
+    if (e.lfd < 0 || bind(e.lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+        listen(e.lfd, 1) != 0 || getsockname(e.lfd, (struct sockaddr *)&sa, &sl) != 0)
+        return -1;
+    pthread_t th;
+    pthread_create(&th, NULL, tcp_echo_main, &e);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    double *t = malloc((size_t)iters * sizeof(double)), med = -1;
+    uint8_t *b = malloc(n ? n : 1);
+    if (fd >= 0 && t && b && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+        memset(b, 1, n);
+        int it;
+        for (it = -2; it < iters; it++) {
+            double t0 = now_s();
+            if (tcp_io(fd, b, n, 1) != 0 || tcp_io(fd, b, n, 0) != 0)
+                break;
+            if (it >= 0)
+                t[it] = now_s() - t0;
+        }
+        if (it == iters) {
+            qsort(t, (size_t)iters, sizeof(double), cmp_d);
+            med = t[iters / 2];
+        }
+    }
+    if (fd >= 0)
+        close(fd);
+    pthread_join(th, NULL);
+    close(e.lfd);
+    free(t);
+    free(b);
+    return med;
+}
+
 /* pinned_rtt: median seconds to copy n bytes host->device and n bytes back
  * from pinned memory on GPU 0; -1 without CUDA or a GPU */
 static double pinned_rtt(size_t n, int iters)
@@ -221,7 +306,7 @@ int main(int argc, char **argv)
     }
     moe_dtype dt = strcmp(dts, "f32") == 0 ? MOE_F32 : MOE_BF16;
     double bound = dt == MOE_F32 ? 1e-4 : 1e-2;
-    moe_client_opts co = {600000, 0, NULL, NULL};
+    moe_client_opts co = {.timeout_ms = 600000};
     moe_client *c;
     if (moe_client_open(url, &co, &c) != MOE_OK) {
         fprintf(stderr, "service_bench: %s\n", moe_last_error());
@@ -305,14 +390,16 @@ int main(int argc, char **argv)
         }
         /* timing: each data path, beside the floors of the same bytes */
         double floor_nng = raw_rtt(echo.url, n * es, iters);
+        double floor_tcp = tcp_rtt(n * es, iters);
         double floor_pin = pinned_rtt(n * es, iters);
         int ok = !ref || (ey < bound && (!train || edx < bound));
         failures += !ok;
         printf("T=%-6ld %s  y err %.2e", T, ok ? "PASS" : "FAIL", ey);
         if (train)
             printf("  dx err %.2e", edx);
-        printf("  | floors for %.2f MiB each way: raw nng %.3f ms", (double)(n * es) / (1 << 20),
-               floor_nng * 1e3);
+        printf("  | floors for %.2f MiB each way: raw nng %.3f ms, raw tcp %.3f ms (%.2fx nng)",
+               (double)(n * es) / (1 << 20), floor_nng * 1e3, floor_tcp * 1e3,
+               floor_tcp > 0 ? floor_nng / floor_tcp : 0.0);
         if (floor_pin >= 0)
             printf(", pinned h2d+d2h %.3f ms", floor_pin * 1e3);
         printf("\n");
@@ -324,7 +411,7 @@ int main(int argc, char **argv)
             /* "shm-zc": shared memory with x and y in moe_buffer_alloc buffers */
             int zc = strcmp(pname, "shm-zc") == 0;
             moe_client *pc;
-            moe_client_opts po = {600000, 0, NULL, zc ? "shm" : pname};
+            moe_client_opts po = {.timeout_ms = 600000, .data_path = zc ? "shm" : pname};
             if (moe_client_open(url, &po, &pc) != MOE_OK) {
                 printf("         %-11s FAIL %s\n", pname, moe_last_error());
                 failures++;
@@ -377,7 +464,9 @@ int main(int argc, char **argv)
                        med / (kc + floor_nng));
                 if (floor_pin >= 0)
                     printf("  service/(compute+pinned) %.2f", med / (kc + floor_pin));
-                printf("  nng/service %.0f%%  (p50 of %d)%s\n", 100 * floor_nng / med, iters,
+                printf("  nng/service %.0f%%  path %.3f ms  nng/path %.2fx  (p50 of %d)%s\n",
+                       100 * floor_nng / med, (med - kc) * 1e3,
+                       med > kc ? floor_nng / (med - kc) : 0.0, iters,
                        yout != yw && memcmp(yout, yw, n * es) ? "  y DIFFERS from the first path"
                                                               : "");
                 failures += yout != yw && memcmp(yout, yw, n * es) != 0;

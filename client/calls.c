@@ -45,6 +45,43 @@ moe_err moe_model_create(moe_client *c, const moe_model_config *cfg)
     return e;
 }
 
+moe_err moe_model_delete(moe_client *c, const char *model)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 1);
+    mp_write_cstr(&w, "model");
+    mp_write_cstr(&w, model ? model : "");
+    moe_reply r;
+    moe_err e = w.failed ? MOE_ENOMEM : moe_call(c, "model.delete", w.buf, w.len, &r);
+    mp_writer_fini(&w);
+    if (!w.failed)
+        moe_reply_free(&r);
+    return e;
+}
+
+moe_err moe_model_create_from_hf(moe_client *c, const char *name, const char *dir,
+                                 const char *dtype)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, dtype ? 3 : 2);
+    mp_write_cstr(&w, "name");
+    mp_write_cstr(&w, name ? name : "");
+    mp_write_cstr(&w, "from_hf");
+    mp_write_cstr(&w, dir ? dir : "");
+    if (dtype) {
+        mp_write_cstr(&w, "dtype");
+        mp_write_cstr(&w, dtype);
+    }
+    moe_reply r;
+    moe_err e = w.failed ? MOE_ENOMEM : moe_call(c, "model.create", w.buf, w.len, &r);
+    mp_writer_fini(&w);
+    if (!w.failed)
+        moe_reply_free(&r);
+    return e;
+}
+
 void moe_fwd_info_free(moe_fwd_info *info)
 {
     if (!info)

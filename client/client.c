@@ -14,10 +14,10 @@
 #include "client_dp.h"
 #include "moe.h"
 #include "proto.h"
+#include "tls.h"
 
 struct moe_client {
     nng_socket sock;
-    nng_dialer dialer;
     int timeout_ms;
     size_t max_msg;
     char *auth_token;   /* owned; NULL = none */
@@ -30,12 +30,13 @@ struct moe_client {
      * from a server that died could block forever (seen in the tests) */
     pthread_mutex_t amu;
     pthread_cond_t acv;
-    struct acall *alist;  /* doubly linked through acall.next / prev, under amu */
-    int closing;          /* under amu: no new receive is started */
-    int cb_running;       /* under amu: callbacks of finished calls still running */
-    int data_path;        /* MOE_PATH_*: how forward/backward rows travel */
-    struct moe_dp *dp;    /* owned: the data plane (client_dp.c), made on first use */
-    pthread_mutex_t dpmu; /* guards dp's creation */
+    struct acall *alist;               /* doubly linked through acall.next / prev, under amu */
+    int closing;                       /* under amu: no new receive is started */
+    int cb_running;                    /* under amu: callbacks of finished calls still running */
+    int data_path;                     /* MOE_PATH_*: how forward/backward rows travel */
+    struct moe_dp *dp;                 /* owned: the data plane (client_dp.c), made on first use */
+    char *tls_ca, *tls_cert, *tls_key; /* owned copies of the TLS paths (NULL = none) */
+    pthread_mutex_t dpmu;              /* guards dp's creation */
 };
 
 static __thread char last_error[512];
@@ -98,7 +99,42 @@ static void client_free(moe_client *c)
     pthread_mutex_destroy(&c->amu);
     free(c->auth_token);
     free(c->cluster);
+    free(c->tls_ca);
+    free(c->tls_cert);
+    free(c->tls_key);
     free(c);
+}
+
+/* dup_opt copies an optional string option into *out; -1 when out of memory */
+static int dup_opt(const char *s, char **out)
+{
+    *out = s && s[0] ? strdup(s) : NULL;
+    return s && s[0] && !*out ? -1 : 0;
+}
+
+moe_err moe__dial(moe_client *c, nng_socket s, const char *url, const char *what)
+{
+    nng_dialer d;
+    char err[512];
+    const moe_tls_files tls = {c->tls_cert, c->tls_key, c->tls_ca};
+    int rv = nng_dialer_create(&d, s, url);
+    if (rv != 0) {
+        set_error("cannot dial %s at %s: %s", what, url, nng_strerror(rv));
+        return rv == NNG_EADDRINVAL || rv == NNG_ENOTSUP ? MOE_EINVAL : MOE_EUNAVAIL;
+    }
+    moe_err e = moe_tls_dialer_setup(d, url, &tls, err, sizeof(err));
+    if (e != MOE_OK) {
+        nng_dialer_close(d);
+        set_error("cannot dial %s at %s: %s", what, url, err);
+        return e == MOE_EIO ? MOE_EINVAL : e;
+    }
+    /* Non-blocking dial: the server may come up later; calls time out. */
+    if ((rv = nng_dialer_start(d, NNG_FLAG_NONBLOCK)) != 0) {
+        nng_dialer_close(d);
+        set_error("cannot dial %s at %s: %s", what, url, nng_strerror(rv));
+        return MOE_EUNAVAIL;
+    }
+    return MOE_OK;
 }
 
 moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client **out)
@@ -109,8 +145,13 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
         return MOE_ENOMEM;
     c->timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : 60000;
     c->max_msg = opts && opts->max_msg ? opts->max_msg : ((size_t)1 << 30);
-    if (opts && opts->auth_token && !(c->auth_token = strdup(opts->auth_token))) {
+    if ((opts && opts->auth_token && !(c->auth_token = strdup(opts->auth_token))) ||
+        (opts && (dup_opt(opts->tls_ca, &c->tls_ca) || dup_opt(opts->tls_cert, &c->tls_cert) ||
+                  dup_opt(opts->tls_key, &c->tls_key)))) {
         set_error("out of memory");
+        free(c->auth_token);
+        free(c->tls_ca);
+        free(c->tls_cert);
         free(c);
         return MOE_ENOMEM;
     }
@@ -120,9 +161,9 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
     const char *path = opts && opts->data_path ? opts->data_path : getenv("MOE_DATA_PATH");
     if (moe_dp_parse_path(path, &c->data_path) != MOE_OK) {
         set_error("data path must be auto, coordinator, socket or shm; got '%s'", path);
-        pthread_mutex_destroy(&c->dpmu);
-        free(c->auth_token);
-        free(c);
+        pthread_mutex_init(&c->amu, NULL);
+        pthread_cond_init(&c->acv, NULL);
+        client_free(c);
         return MOE_EINVAL;
     }
     pthread_mutex_init(&c->amu, NULL);
@@ -140,12 +181,11 @@ moe_err moe_client_open(const char *url, const moe_client_opts *opts, moe_client
     nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, c->max_msg);
     nng_socket_set_ms(c->sock, NNG_OPT_RECONNMINT, 20);
     nng_socket_set_ms(c->sock, NNG_OPT_RECONNMAXT, 500);
-    /* Non-blocking dial: the server may come up later; calls time out. */
-    if ((rv = nng_dial(c->sock, url, &c->dialer, NNG_FLAG_NONBLOCK)) != 0) {
-        set_error("cannot dial %s: %s", url, nng_strerror(rv));
+    moe_err e = moe__dial(c, c->sock, url, "the server");
+    if (e != MOE_OK) {
         nng_close(c->sock);
         client_free(c);
-        return rv == NNG_EADDRINVAL || rv == NNG_ENOTSUP ? MOE_EINVAL : MOE_EUNAVAIL;
+        return e;
     }
     *out = c;
     return MOE_OK;

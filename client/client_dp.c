@@ -1,5 +1,6 @@
 /* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
 #include "client_dp.h"
+#include "client_bulk.h"
 #include "hostid.h"
 #include "parcopy.h"
 #include "placement.h"
@@ -22,6 +23,9 @@
 #define DP_MAX_SHM  8
 #define DP_MAX_UBUF 64
 #define DP_MIN_SHM  ((size_t)1 << 20)
+/* auto path: a rank's rows of at least this many bytes go to a worker on
+ * another host over its bulk endpoint */
+#define DP_MIN_BULK ((size_t)1 << 20)
 /* after the coordinator refused or failed a job: how long a worker may take
  * to answer the rows' cancel before the client stops waiting for it */
 #define DP_GRACE_MS 2000
@@ -42,10 +46,12 @@ typedef struct dp_map {
     int stale;
     uint64_t gen;
     int W;
-    int shm;          /* shared memory usable with every worker */
-    int lane;         /* one worker that runs inference forwards itself (the lane) */
-    nng_socket *sock; /* (W) req0 sockets, one per worker */
-    int *up;          /* (W) live connections of each socket (atomic, nng threads) */
+    int shm;             /* shared memory usable with every worker */
+    int lane;            /* one worker that runs inference forwards itself (the lane) */
+    nng_socket *sock;    /* (W) req0 sockets, one per worker */
+    moe_bulk_pool *bulk; /* (W) bulk connections per worker (url "" = it offers none) */
+    int *remote;         /* (W) the worker is on another host */
+    int *up;             /* (W) live connections of each socket (atomic, nng threads) */
     dp_shm bufs[DP_MAX_SHM];
     int nbufs;
     uint64_t *uregion; /* (DP_MAX_UBUF, W) region id of user buffer i at worker q; 0 = none */
@@ -83,6 +89,8 @@ moe_err moe_dp_parse_path(const char *s, int *out)
         *out = MOE_PATH_SOCKET;
     else if (strcmp(s, "shm") == 0)
         *out = MOE_PATH_SHM;
+    else if (strcmp(s, "bulk") == 0)
+        *out = MOE_PATH_BULK;
     else
         return MOE_EINVAL;
     return MOE_OK;
@@ -139,8 +147,12 @@ static void map_free(dp_map *m)
         return;
     for (int r = 0; m->sock && r < m->W; r++)
         nng_close(m->sock[r]);
+    for (int r = 0; m->bulk && r < m->W; r++)
+        moe_bulk_pool_fini(&m->bulk[r]);
     for (int i = 0; i < m->nbufs; i++)
         shm_free(&m->bufs[i]);
+    free(m->bulk);
+    free(m->remote);
     free(m->sock);
     free(m->up);
     free(m->uregion);
@@ -424,10 +436,14 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     }
     dp_map *m = calloc(1, sizeof(*m));
     if (!m || !(m->sock = calloc(W, sizeof(nng_socket))) || !(m->up = calloc(W, sizeof(int))) ||
-        !(m->uregion = calloc((size_t)DP_MAX_UBUF * W, sizeof(uint64_t)))) {
+        !(m->uregion = calloc((size_t)DP_MAX_UBUF * W, sizeof(uint64_t))) ||
+        !(m->bulk = calloc(W ? W : 1, sizeof(moe_bulk_pool))) ||
+        !(m->remote = calloc(W ? W : 1, sizeof(int)))) {
         if (m) {
             free(m->sock);
             free(m->up);
+            free(m->uregion);
+            free(m->bulk);
         }
         free(m);
         moe_reply_free(&r);
@@ -436,19 +452,22 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     m->refs = 1;
     m->gen = (uint64_t)gen;
     m->lane = lane && W == 1;
-    m->shm = moe__data_path(c) != MOE_PATH_SOCKET;
+    m->shm = moe__data_path(c) != MOE_PATH_SOCKET && moe__data_path(c) != MOE_PATH_BULK;
     uint32_t nw;
     mp_read_array(&rw, &nw, NULL);
     for (uint32_t q = 0; q < W; q++) {
-        char url[512], host[128];
-        mp_reader one = rw, one2 = rw;
+        char url[512], host[128], bulk[256];
+        mp_reader one = rw, one2 = rw, one3 = rw;
         if (read_str_key(&one, "url", url, sizeof(url)) != MOE_OK ||
             read_str_key(&one2, "host", host, sizeof(host)) != MOE_OK ||
+            read_str_key(&one3, "bulk_url", bulk, sizeof(bulk)) != MOE_OK ||
             mp_skip(&rw, NULL) != MOE_OK) {
             e = MOE_EPROTO;
             break;
         }
-        if (!host[0] || strcmp(host, dp->host) != 0)
+        moe_bulk_pool_init(&m->bulk[q], bulk); /* "" when absent: no bulk path */
+        m->remote[q] = !host[0] || strcmp(host, dp->host) != 0;
+        if (m->remote[q])
             m->shm = 0;
         int rv = nng_req0_open(&m->sock[q]);
         if (rv != 0) {
@@ -462,11 +481,8 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         nng_socket_set_size(m->sock[q], NNG_OPT_RECVMAXSZ, moe__max_msg(c));
         nng_socket_set_ms(m->sock[q], NNG_OPT_RECONNMINT, 20);
         nng_socket_set_ms(m->sock[q], NNG_OPT_RECONNMAXT, 500);
-        if ((rv = nng_dial(m->sock[q], url, NULL, NNG_FLAG_NONBLOCK)) != 0) {
-            moe__set_error("cannot dial worker %u at %s: %s", q, url, nng_strerror(rv));
-            e = MOE_EUNAVAIL;
+        if ((e = moe__dial(c, m->sock[q], url, "worker")) != MOE_OK)
             break;
-        }
     }
     moe_reply_free(&r);
     if (e != MOE_OK) {
@@ -733,7 +749,8 @@ void *moe_dp_buffer_alloc(moe_client *c, size_t n)
     made.size = n;
     snprintf(made.name, sizeof(made.name), "/moe-%ld-%016llx-u%u", (long)getpid(),
              (unsigned long long)moe_client_id(c), __atomic_add_fetch(&dp->next_shm, 1, 0));
-    int fd = moe__data_path(c) == MOE_PATH_COORD || moe__data_path(c) == MOE_PATH_SOCKET
+    int fd = moe__data_path(c) == MOE_PATH_COORD || moe__data_path(c) == MOE_PATH_SOCKET ||
+                     moe__data_path(c) == MOE_PATH_BULK
                  ? -1
                  : shm_open(made.name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd >= 0 && ftruncate(fd, (off_t)n) == 0 && posix_fallocate(fd, 0, (off_t)n) == 0) {
@@ -853,14 +870,15 @@ void moe_dp_buffer_free(moe_client *c, void *p)
 /* read_y checks a data.rows answer's y (rows,H) of dtype dt: inline bytes
  * are copied to out; a region answer must name (region, y_off). */
 static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
-                            uint64_t region, uint64_t y_off);
+                            uint64_t region, uint64_t y_off, int bulk);
 
 /* read_y reads a worker's answer to data.rows: {y} (written into out, or
  * checked to be where it was asked in region), and on the lane also
  * {stats}: its encoded value is returned in *stats / *stats_len (a view into
  * the answer; NULL when absent). */
 static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
-                      uint64_t region, uint64_t y_off, const uint8_t **stats, size_t *stats_len)
+                      uint64_t region, uint64_t y_off, int bulk, const uint8_t **stats,
+                      size_t *stats_len)
 {
     uint32_t n;
     int got_y = 0;
@@ -874,7 +892,7 @@ static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void
         if (mp_read_str(rd, &k, &kl, NULL) != MOE_OK)
             return MOE_EPROTO;
         if (mp_str_eq(k, kl, "y") && !got_y) {
-            moe_err e = read_y_value(rd, dt, rows, H, out, region, y_off);
+            moe_err e = read_y_value(rd, dt, rows, H, out, region, y_off, bulk);
             if (e != MOE_OK)
                 return e;
             got_y = 1;
@@ -892,8 +910,9 @@ static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void
 }
 
 static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
-                            uint64_t region, uint64_t y_off)
+                            uint64_t region, uint64_t y_off, int bulk)
 {
+    bool bulk_y = false;
     uint32_t m;
     const char *k;
     uint32_t kl;
@@ -923,7 +942,7 @@ static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H
         } else if (mp_str_eq(k, kl, "data")) {
             const void *d;
             uint32_t dl;
-            if (mp_read_bin(rd, &d, &dl, NULL) != MOE_OK || dl != nbytes || region)
+            if (mp_read_bin(rd, &d, &dl, NULL) != MOE_OK || dl != nbytes || region || bulk)
                 return MOE_EPROTO;
             par_memcpy(out, d, nbytes);
             got_data = 1;
@@ -931,6 +950,9 @@ static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H
             if (mp_read_u64(rd, &rg, NULL) != MOE_OK)
                 return MOE_EPROTO;
             got_region = 1;
+        } else if (mp_str_eq(k, kl, "bulk")) { /* y follows on the bulk connection */
+            if (mp_read_bool(rd, &bulk_y, NULL) != MOE_OK)
+                return MOE_EPROTO;
         } else if (mp_str_eq(k, kl, "offset")) {
             if (mp_read_u64(rd, &off, NULL) != MOE_OK)
                 return MOE_EPROTO;
@@ -940,6 +962,8 @@ static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H
     }
     if (!got_shape)
         return MOE_EPROTO;
+    if (bulk)
+        return bulk_y && !got_data && !got_region ? MOE_OK : MOE_EPROTO;
     if (region)
         return got_region && rg == region && off == y_off ? MOE_OK : MOE_EPROTO;
     return got_data ? MOE_OK : MOE_EPROTO;
@@ -991,6 +1015,17 @@ static int send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t s
     return e == MOE_OK;
 }
 
+/* use_bulk: rank q's n bytes of rows go over its bulk endpoint - always on
+ * the bulk path, on auto when the worker is on another host and the rows
+ * are large */
+static int use_bulk(moe_client *c, const dp_map *m, int q, size_t n)
+{
+    int path = moe__data_path(c);
+    if (path == MOE_PATH_BULK)
+        return 1;
+    return path == MOE_PATH_AUTO && m->remote[q] && m->bulk[q].url[0] && n >= DP_MIN_BULK;
+}
+
 /* one attempt on map m; *stale set when the coordinator answered
  * unavailable (its map may be old) */
 static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
@@ -1032,18 +1067,59 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     }
     if (b)
         par_memcpy(b->base, in, nbytes);
+    /* 0. large rows for workers with a bulk endpoint: on their own
+     * connections, all at once (each waits for its ack before data.rows) */
+    moe_bulk_xfer *bx = calloc((size_t)W, sizeof(moe_bulk_xfer));
+    if (!bx) {
+        free(rq);
+        shm_put(dp, b);
+        return MOE_ENOMEM;
+    }
+    for (int q = 0; q < W && e == MOE_OK && !zero_copy && !b; q++) {
+        int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
+        size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
+        if (rows == 0 || !use_bulk(c, m, q, n))
+            continue;
+        if (!m->bulk[q].url[0]) { /* asked for by name: never replaced in silence */
+            e = MOE_EUNAVAIL;
+            moe__set_error("%s: data path bulk: worker rank %d offers no bulk endpoint "
+                           "(--bulk-listen off)",
+                           method, q);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            break;
+        }
+        moe_bulk_xfer *t = &bx[q];
+        t->pool = &m->bulk[q];
+        t->auth = auth;
+        t->cid = cid;
+        t->seq = seq;
+        t->dt = dt;
+        t->rows = rows;
+        t->cols = H;
+        t->x = (const uint8_t *)in + off;
+        t->y = (uint8_t *)out + off;
+        t->timeout_ms = moe__timeout_ms(c);
+        e = moe_bulk_start(t);
+    }
     /* 1. the rows, to their workers (rank r gets rows [T*r/W, T*(r+1)/W)) */
     for (int q = 0; q < W && e == MOE_OK; q++) {
         int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
         if (rows == 0)
             continue;
         size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
+        if (bx[q].started && (e = moe_bulk_wait_ack(&bx[q])) != MOE_OK) {
+            moe__set_error("%s: bulk rows to worker rank %d: %s: %s", method, q, moe_err_code(e),
+                           bx[q].msg);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            break;
+        }
         mp_writer w;
         nng_msg *msg;
         uint32_t msgid = moe__next_msgid(c);
         mp_writer_init(&w);
         moe_rpc_write_request_head(&w, msgid, "data.rows");
         mp_write_map(&w, (zero_copy ? 8u : b ? 7u : 3u) + (auth ? 1u : 0u) + (lane ? 1u : 0u));
+        /* (bulk: ticket, deadline_ms, bulk = 3 pairs, as inline) */
         if (auth) {
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
@@ -1092,6 +1168,10 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_u64(&w, off);
             mp_write_cstr(&w, "y_offset");
             mp_write_u64(&w, nbytes + off);
+            e = msg_from_writer(&w, NULL, 0, &msg);
+        } else if (bx[q].started) { /* the rows are at the worker already */
+            mp_write_cstr(&w, "bulk");
+            mp_write_bool(&w, true);
             e = msg_from_writer(&w, NULL, 0, &msg);
         } else {
             const int64_t shape[2] = {rows, H};
@@ -1162,9 +1242,11 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
                 zero_copy ? (uint64_t)((uint8_t *)out - dp->ubuf[uy].base) + off : nbytes + off;
             const uint8_t *st = NULL;
             size_t stlen = 0;
-            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo, &st, &stlen);
+            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo, bx[q].started, &st, &stlen);
             if (qe != MOE_OK)
                 snprintf(msg, sizeof(msg), "malformed rows from worker %d", q);
+            else if (bx[q].started && (qe = moe_bulk_finish(&bx[q], 0)) != MOE_OK)
+                snprintf(msg, sizeof(msg), "%s", bx[q].msg); /* y did not come in bulk */
             else if (lane)
                 qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
         } else if (lane && e == MOE_OK) {
@@ -1184,6 +1266,10 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         }
         req_close(&rq[q]);
     }
+    for (int q = 0; q < W; q++) /* not answered in bulk: the call failed, the connection shut */
+        if (bx[q].started)
+            (void)moe_bulk_finish(&bx[q], 1);
+    free(bx);
     free(rq);
     if (e == MOE_OK && derr != MOE_OK) {
         e = derr;
@@ -1232,7 +1318,9 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
         if (e == MOE_ENOMETHOD || e == MOE_EUNAVAIL) {
             /* a path asked for by name is never replaced by another in silence */
             moe__set_error("%s: data path %s: %s", method,
-                           moe__data_path(c) == MOE_PATH_SHM ? "shm" : "socket",
+                           moe__data_path(c) == MOE_PATH_SHM    ? "shm"
+                           : moe__data_path(c) == MOE_PATH_BULK ? "bulk"
+                                                                : "socket",
                            e == MOE_ENOMETHOD ? "this cluster offers no data plane (workers "
                                                 "with --client-listen off, or an older "
                                                 "coordinator)"

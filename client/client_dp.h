@@ -11,10 +11,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <nng/nng.h>
+
 #include "moe.h"
 #include "proto.h"
 
-enum { MOE_PATH_AUTO = 0, MOE_PATH_COORD, MOE_PATH_SOCKET, MOE_PATH_SHM };
+enum { MOE_PATH_AUTO = 0, MOE_PATH_COORD, MOE_PATH_SOCKET, MOE_PATH_SHM, MOE_PATH_BULK };
 
 struct moe_dp;
 
@@ -52,6 +54,10 @@ int moe__timeout_ms(const moe_client *c);
 size_t moe__max_msg(const moe_client *c);
 int moe__data_path(const moe_client *c);
 struct moe_dp *moe__dp(moe_client *c);
+/* moe__dial starts a non-blocking dial of url on s with c's TLS files
+ * (tls+tcp:// urls; tls.h). MOE_EINVAL for a bad url or missing TLS
+ * settings, MOE_EUNAVAIL otherwise; the reason in moe_last_error. */
+moe_err moe__dial(moe_client *c, nng_socket s, const char *url, const char *what);
 /* moe__from_nng maps an nng error to moe_err (client.c) */
 moe_err moe__from_nng(int rv);
 void moe__set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -88,13 +88,26 @@ typedef struct moe_client_opts {
     const char *auth_token; /* sent as params "auth" on every call; NULL = none */
     /* how the rows of forward and backward travel (docs/PROTOCOL.md, "Data
      * plane"): "auto" (straight to the workers; through shared memory when
-     * they are on this host), "socket" (straight to the workers over nng),
-     * "shm" (shared memory; fails where a worker is on another host),
-     * "coordinator" (inside the request to the coordinator, as before the
-     * data plane). NULL = $MOE_DATA_PATH, else "auto". Only "auto" falls
-     * back to the coordinator path where the cluster has no data plane;
-     * "socket" and "shm" then fail with MOE_EUNAVAIL and say why. */
+     * they are on this host; rows of 1 MiB or more per worker on another
+     * host over its bulk TCP endpoint), "socket" (straight to the workers
+     * over nng), "shm" (shared memory; fails where a worker is on another
+     * host), "bulk" (every worker's rows over its bulk endpoint; fails where
+     * a worker offers none), "coordinator" (inside the request to the
+     * coordinator, as before the data plane). NULL = $MOE_DATA_PATH, else
+     * "auto". Only "auto" falls back to the coordinator path where the
+     * cluster has no data plane; "socket", "shm" and "bulk" then fail with
+     * MOE_EUNAVAIL and say why. */
     const char *data_path;
+    /* TLS, for tls+tcp:// urls (the coordinator's and the workers' data
+     * plane); ignored for others. PEM file paths, NULL = none. tls_ca: the
+     * CA certificates the server's certificate must chain to (required for
+     * a tls+tcp:// url; its host name is checked against the certificate).
+     * tls_cert and tls_key: a client certificate and its key (optional,
+     * both or neither). Added after data_path: callers that set only the
+     * fields above keep working. */
+    const char *tls_ca;
+    const char *tls_cert;
+    const char *tls_key;
 } moe_client_opts;
 
 /* moe_client_open dials url (tcp://host:port, ipc://path). opts may be NULL.
@@ -173,6 +186,18 @@ typedef struct moe_model_config {
     }
 
 moe_err moe_model_create(moe_client *c, const moe_model_config *cfg);
+/* moe_model_delete removes model from the coordinator and every worker
+ * (model.delete); its name may be created again. MOE_ENOTFOUND when there
+ * is no such model; MOE_EPRECOND while requests for it are queued. */
+moe_err moe_model_delete(moe_client *c, const char *model);
+/* moe_model_create_from_hf creates model `name` from a Hugging Face model
+ * directory as published (config.json + model.safetensors, or shards with
+ * model.safetensors.index.json; Mixtral, Qwen3-MoE, OLMoE): one moe layer
+ * per MoE layer of the checkpoint, its weights and tensor names. dir is on
+ * the coordinator's file system, under its --checkpoint-root. dtype "f32",
+ * "bf16", or NULL for the checkpoint's own (docs/PROTOCOL.md). */
+moe_err moe_model_create_from_hf(moe_client *c, const char *name, const char *dir,
+                                 const char *dtype);
 
 /* moe_fwd_info: what forward reports besides y. Arrays are malloc'ed by the
  * library (free with moe_fwd_info_free). */

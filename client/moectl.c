@@ -1,9 +1,9 @@
 /*
  * moectl - the command-line client.
  *
- *   moectl [--url URL] [--token TOKEN] [--timeout-ms N] COMMAND [options]
+ *   moectl [--url URL] [--token TOKEN] [--timeout-ms N] [--tls-ca PEM] COMMAND [options]
  *
- * Commands: ping, status, info, create, forward, stats, bench, drain.
+ * Commands: ping, status, info, create, delete, forward, stats, bench, drain.
  * Replies of status/info/stats print as JSON; forward prints the load table.
  */
 #include <math.h>
@@ -20,7 +20,9 @@
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
-    const char *data_path; /* --data-path: auto | socket | shm | coordinator */
+    const char *from_hf;   /* create --from-hf DIR */
+    const char *data_path; /* --data-path: auto | socket | shm | bulk | coordinator */
+    const char *tls_ca, *tls_cert, *tls_key; /* --tls-ca/--tls-cert/--tls-key: PEM paths */
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;
     double cf, aux, z;
@@ -38,13 +40,19 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: moectl [--url tcp://127.0.0.1:7000] [--token T] [--timeout-ms N]\n"
-            "              [--data-path auto|socket|shm|coordinator] COMMAND\n"
+            "              [--data-path auto|socket|shm|bulk|coordinator]\n"
+            "              [--tls-ca PEM [--tls-cert PEM --tls-key PEM]] COMMAND\n"
+            "  (a tls+tcp:// url needs --tls-ca: the CA of the server's certificate)\n"
             "  ping                                  round trip to the coordinator\n"
             "  status                                cluster.status (workers, generation)\n"
             "  info --model NAME                     model.info\n"
             "  create --name NAME --layers L --d-model H --d-ff F --experts E --top-k K\n"
             "         [--activation swiglu|gelu] [--renormalize] [--capacity-factor C]\n"
             "         [--dtype f32|bf16] [--seed S] [--aux-loss-coef A] [--z-loss-coef Z]\n"
+            "  delete --model NAME                   model.delete\n"
+            "  create --name NAME --from-hf DIR [--dtype f32|bf16]\n"
+            "                                        a Hugging Face model directory (on the\n"
+            "                                        coordinator, under its checkpoint root)\n"
             "  forward --model NAME [--layer L] [--tokens T | --input FILE] [--dtype f32|bf16]\n"
             "          [--output FILE] [--seed S]    FILE: raw row-major (T, d_model)\n"
             "  stats                                 cumulative stats\n"
@@ -503,6 +511,15 @@ static int cmd_bench(moe_client *c, const opts *o)
 
 static int cmd_create(moe_client *c, const opts *o)
 {
+    if (o->from_hf) {
+        moe_err e = moe_model_create_from_hf(c, o->name, o->from_hf, o->dtype);
+        if (e != MOE_OK) {
+            fprintf(stderr, "moectl: create: %s: %s\n", moe_err_code(e), moe_last_error());
+            return 1;
+        }
+        printf("created model %s from %s\n", o->name, o->from_hf);
+        return 0;
+    }
     moe_model_config cfg = {0};
     cfg.name = o->name;
     cfg.layers = o->layers;
@@ -548,10 +565,18 @@ int main(int argc, char **argv)
             o.token = v;
         else if (OPT("--data-path"))
             o.data_path = v;
+        else if (OPT("--tls-ca"))
+            o.tls_ca = v;
+        else if (OPT("--tls-cert"))
+            o.tls_cert = v;
+        else if (OPT("--tls-key"))
+            o.tls_key = v;
         else if (OPT("--timeout-ms"))
             o.timeout_ms = atoi(v);
         else if (OPT("--name"))
             o.name = v;
+        else if (OPT("--from-hf"))
+            o.from_hf = v;
         else if (OPT("--model"))
             o.model = v;
         else if (OPT("--layers"))
@@ -612,7 +637,12 @@ int main(int argc, char **argv)
         usage();
         return 2;
     }
-    moe_client_opts co = {o.timeout_ms, 0, o.token, o.data_path};
+    moe_client_opts co = {.timeout_ms = o.timeout_ms,
+                          .auth_token = o.token,
+                          .data_path = o.data_path,
+                          .tls_ca = o.tls_ca,
+                          .tls_cert = o.tls_cert,
+                          .tls_key = o.tls_key};
     moe_client *c;
     if (moe_client_open(o.url, &co, &c) != MOE_OK) {
         fprintf(stderr, "moectl: %s\n", moe_last_error());
@@ -656,6 +686,13 @@ int main(int argc, char **argv)
         rc = e != MOE_OK;
     } else if (strcmp(cmd, "create") == 0) {
         rc = cmd_create(c, &o);
+    } else if (strcmp(cmd, "delete") == 0) {
+        moe_err e = o.model ? moe_model_delete(c, o.model) : MOE_EINVAL;
+        if (e == MOE_OK)
+            printf("deleted model %s\n", o.model);
+        else
+            fprintf(stderr, "moectl: delete: %s\n", o.model ? moe_last_error() : "needs --model");
+        rc = e != MOE_OK;
     } else if (strcmp(cmd, "forward") == 0) {
         rc = cmd_forward(c, &o);
     } else if (strcmp(cmd, "bench") == 0) {

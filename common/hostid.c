@@ -2,6 +2,7 @@
 #include "hostid.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -9,6 +10,11 @@ void moe_host_id(char *out, size_t len)
 {
     if (!len)
         return;
+    const char *env = getenv("MOE_HOST_ID"); /* another host as far as the data plane knows */
+    if (env && env[0]) {
+        snprintf(out, len, "%s", env);
+        return;
+    }
     FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
     out[0] = 0;
     if (f) {

@@ -1,6 +1,8 @@
 /*
  * hostid.h - which host this process runs on, for the data plane: a client
- * and a worker with the same id may share memory. The kernel's boot id
+ * and a worker with the same id may share memory. $MOE_HOST_ID when set
+ * (a process that must count as on another host, e.g. to try the bulk
+ * path on one machine), else the kernel's boot id
  * (/proc/sys/kernel/random/boot_id), else the hostname.
  */
 #ifndef MOE_HOSTID_H

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "hfcfg.h"
 #include "params.h"
 
 int model_name_valid(const char *s, size_t len)
@@ -29,8 +30,9 @@ typedef struct cfg_wire {
     double cf, aux, z;
     char act[16], dtype[8];
     bool renorm;
+    char hf_dir[MODEL_HF_DIR_MAX], hf_family[16]; /* "" = not from a directory (unset) */
 } cfg_wire;
-#define CFG_NSPECS 13
+#define CFG_NSPECS 15
 
 static void cfg_specs(pspec sp[CFG_NSPECS], cfg_wire *v)
 {
@@ -48,6 +50,8 @@ static void cfg_specs(pspec sp[CFG_NSPECS], cfg_wire *v)
         {"seed", P_INT, &v->seed, false, 0, 9.2e18, 0, false},
         {"aux_loss_coef", P_F64, &v->aux, false, 0, 1000, 0, false},
         {"z_loss_coef", P_F64, &v->z, false, 0, 1000, 0, false},
+        {"hf_dir", P_STR, v->hf_dir, false, 0, 0, MODEL_HF_DIR_MAX, false},
+        {"hf_family", P_STR, v->hf_family, false, 0, 0, sizeof(v->hf_family), false},
     };
     memcpy(sp, s, sizeof(s));
 }
@@ -65,6 +69,16 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
     if (e != MOE_OK)
         return e;
     memcpy(out->name, v.name, sizeof(out->name));
+    memcpy(out->hf_dir, v.hf_dir, sizeof(out->hf_dir));
+    memcpy(out->hf_family, v.hf_family, sizeof(out->hf_family));
+    if ((out->hf_dir[0] != 0) != (out->hf_family[0] != 0) ||
+        (out->hf_family[0] && hf_family_parse(out->hf_family) == HF_NONE) ||
+        (out->hf_dir[0] && out->hf_dir[0] != '/')) {
+        snprintf(err, errlen,
+                 "hf_dir and hf_family go together (an absolute directory and "
+                 "mixtral, qwen3_moe or olmoe)");
+        return MOE_EINVAL;
+    }
     layers = v.layers, H = v.H, F = v.F, E = v.E, K = v.K, seed = v.seed;
     cf = v.cf, aux = v.aux, z = v.z;
     if (!model_name_valid(out->name, strlen(out->name))) {
@@ -125,6 +139,8 @@ void model_cfg_write(mp_writer *w, const model_cfg *c)
     snprintf(v.name, sizeof(v.name), "%s", c->name);
     snprintf(v.act, sizeof(v.act), "%s", c->act ? "gelu" : "swiglu");
     snprintf(v.dtype, sizeof(v.dtype), "%s", moe_dtype_name(c->dtype));
+    snprintf(v.hf_dir, sizeof(v.hf_dir), "%s", c->hf_dir);
+    snprintf(v.hf_family, sizeof(v.hf_family), "%s", c->hf_family);
     pspec sp[CFG_NSPECS];
     cfg_specs(sp, &v);
     params_write(w, sp, CFG_NSPECS);
@@ -164,7 +180,8 @@ int model_cfg_same(const model_cfg *a, const model_cfg *b)
            a->d_ff == b->d_ff && a->n_experts == b->n_experts && a->top_k == b->top_k &&
            a->act == b->act && a->renormalize == b->renormalize &&
            a->capacity_factor == b->capacity_factor && a->dtype == b->dtype && a->seed == b->seed &&
-           a->aux_loss_coef == b->aux_loss_coef && a->z_loss_coef == b->z_loss_coef;
+           a->aux_loss_coef == b->aux_loss_coef && a->z_loss_coef == b->z_loss_coef &&
+           strcmp(a->hf_dir, b->hf_dir) == 0 && strcmp(a->hf_family, b->hf_family) == 0;
 }
 
 int64_t model_cfg_params(const model_cfg *c)

@@ -11,7 +11,8 @@
 
 #include "proto.h"
 
-#define MODEL_NAME_MAX 64
+#define MODEL_NAME_MAX   64
+#define MODEL_HF_DIR_MAX 256
 
 typedef struct model_cfg {
     char name[MODEL_NAME_MAX];
@@ -27,6 +28,12 @@ typedef struct model_cfg {
     uint64_t seed;
     double aux_loss_coef;
     double z_loss_coef;
+    /* a model loaded from a Hugging Face directory (server/hf.c): the
+     * directory, resolved under the checkpoint root, and its family
+     * ("mixtral", "qwen3_moe", "olmoe"); both "" otherwise. Set by the
+     * coordinator (model.create from_hf), never by a client. */
+    char hf_dir[MODEL_HF_DIR_MAX];
+    char hf_family[16];
 } model_cfg;
 
 /* model_name_valid: 1-63 characters of [A-Za-z0-9_.-], not "." or ".."

@@ -62,7 +62,15 @@ void st_writer_free(st_writer *w)
 moe_err st_writer_add(st_writer *w, const char *name, int ndim, const int64_t *shape,
                       const float *data)
 {
-    if (ndim < 1 || ndim > ST_MAX_DIMS)
+    if (ndim < 1)
+        return MOE_EINVAL;
+    return st_writer_add_typed(w, name, "F32", sizeof(float), ndim, shape, data);
+}
+
+moe_err st_writer_add_typed(st_writer *w, const char *name, const char *dtype_name, size_t esize,
+                            int ndim, const int64_t *shape, const void *data)
+{
+    if (ndim < 0 || ndim > ST_MAX_DIMS || esize == 0 || strlen(dtype_name) > 15)
         return MOE_EINVAL;
     if (w->n == w->cap) {
         int nc = w->cap ? w->cap * 2 : 64;
@@ -78,13 +86,15 @@ moe_err st_writer_add(st_writer *w, const char *name, int ndim, const int64_t *s
     if (!t->name)
         return MOE_ENOMEM;
     t->ndim = ndim;
+    t->dtype_name = dtype_name;
+    t->esize = esize;
     size_t n = 1;
     for (int i = 0; i < ndim; i++) {
         t->shape[i] = shape[i];
         n *= (size_t)shape[i];
     }
     t->data = data;
-    t->nbytes = n * sizeof(float);
+    t->nbytes = n * esize;
     w->n++;
     return MOE_OK;
 }
@@ -194,7 +204,7 @@ moe_err st_writer_save(st_writer *w, const char *path, char *err, size_t errlen)
     for (int i = 0; i < w->n; i++) {
         fputc(',', f);
         json_write_str(f, w->t[i].name);
-        fprintf(f, ":{\"dtype\":\"F32\",\"shape\":[");
+        fprintf(f, ":{\"dtype\":\"%s\",\"shape\":[", w->t[i].dtype_name);
         for (int d = 0; d < w->t[i].ndim; d++)
             fprintf(f, "%s%lld", d ? "," : "", (long long)w->t[i].shape[d]);
         fprintf(f, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
@@ -283,7 +293,32 @@ static moe_err bad(st_file *f, char *err, size_t errlen, const char *path, const
     return MOE_EINVAL;
 }
 
+/* the dtypes of the safetensors format and their sizes */
+static const struct {
+    const char *name;
+    size_t size;
+    st_dtype dt;
+} st_dtypes[] = {
+    {"F32", 4, ST_F32},    {"BF16", 2, ST_BF16},     {"F16", 2, ST_F16},       {"F64", 8, ST_OTHER},
+    {"I64", 8, ST_OTHER},  {"U64", 8, ST_OTHER},     {"I32", 4, ST_OTHER},     {"U32", 4, ST_OTHER},
+    {"I16", 2, ST_OTHER},  {"U16", 2, ST_OTHER},     {"I8", 1, ST_OTHER},      {"U8", 1, ST_OTHER},
+    {"BOOL", 1, ST_OTHER}, {"F8_E4M3", 1, ST_OTHER}, {"F8_E5M2", 1, ST_OTHER},
+};
+
+static moe_err bad_t(st_file *f, char *err, size_t errlen, const char *path, const char *tensor,
+                     const char *why)
+{
+    snprintf(err, errlen, "%s: tensor %s: %s", path, tensor, why);
+    st_close(f);
+    return MOE_EINVAL;
+}
+
 moe_err st_open(const char *path, st_file **out, char *err, size_t errlen)
+{
+    return st_open_flags(path, 0, out, err, errlen);
+}
+
+moe_err st_open_flags(const char *path, unsigned flags, st_file **out, char *err, size_t errlen)
 {
     st_file *f = calloc(1, sizeof(*f));
     if (!f)
@@ -332,13 +367,27 @@ moe_err st_open(const char *path, st_file **out, char *err, size_t errlen)
         }
         const json_node *dt = json_get(m, "dtype"), *sh = json_get(m, "shape"),
                         *of = json_get(m, "data_offsets");
-        if (!dt || dt->type != J_STR || strcmp(dt->str, "F32") != 0)
-            return bad(f, err, errlen, path, "a tensor is not F32");
-        if (!sh || sh->type != J_ARR || sh->len < 1 || sh->len > ST_MAX_DIMS || !of ||
+        int di = -1;
+        for (size_t k = 0; dt && dt->type == J_STR && k < sizeof(st_dtypes) / sizeof(st_dtypes[0]);
+             k++)
+            if (strcmp(dt->str, st_dtypes[k].name) == 0)
+                di = (int)k;
+        if (di < 0 || (!(flags & ST_OPEN_ANY_DTYPE) && st_dtypes[di].dt != ST_F32)) {
+            char why[96];
+            snprintf(why, sizeof(why), "dtype %s is not %s",
+                     dt && dt->type == J_STR ? dt->str : "(missing)",
+                     flags & ST_OPEN_ANY_DTYPE ? "a safetensors dtype" : "F32");
+            return bad_t(f, err, errlen, path, m->key, why);
+        }
+        int min_dims = flags & ST_OPEN_ANY_DTYPE ? 0 : 1;
+        if (!sh || sh->type != J_ARR || (int)sh->len < min_dims || sh->len > ST_MAX_DIMS || !of ||
             of->type != J_ARR || of->len != 2)
-            return bad(f, err, errlen, path, "a tensor has a bad shape or offsets");
+            return bad_t(f, err, errlen, path, m->key, "bad shape or data_offsets");
         st_tensor *t = &f->t[f->n];
         t->name = m->key;
+        t->dtype = st_dtypes[di].dt;
+        t->dtype_name = st_dtypes[di].name;
+        t->esize = st_dtypes[di].size;
         t->ndim = (int)sh->len;
         double numel = 1;
         for (size_t d = 0; d < sh->len; d++) {
@@ -346,14 +395,24 @@ moe_err st_open(const char *path, st_file **out, char *err, size_t errlen)
             if (sh->kids[d].type != J_NUM || !(sh->kids[d].num >= 0) ||
                 sh->kids[d].num > 9007199254740992.0 ||
                 sh->kids[d].num != (double)(int64_t)sh->kids[d].num)
-                return bad(f, err, errlen, path, "a tensor has a bad shape");
+                return bad_t(f, err, errlen, path, m->key, "bad shape");
             t->shape[d] = (int64_t)sh->kids[d].num;
             numel *= sh->kids[d].num;
         }
         double a = of->kids[0].num, z = of->kids[1].num;
-        if (of->kids[0].type != J_NUM || of->kids[1].type != J_NUM || a < 0 || z < a ||
-            z > (double)data_len || (z - a) != numel * 4)
-            return bad(f, err, errlen, path, "truncated or corrupt: tensor data out of range");
+        if (of->kids[0].type != J_NUM || of->kids[1].type != J_NUM || a < 0 || z < a)
+            return bad_t(f, err, errlen, path, m->key, "corrupt data_offsets");
+        if (z > (double)data_len) {
+            char why[160];
+            snprintf(why, sizeof(why),
+                     "truncated or corrupt: data_offsets end at %.0f, past the file's %zu data "
+                     "bytes",
+                     z, data_len);
+            return bad_t(f, err, errlen, path, m->key, why);
+        }
+        if ((z - a) != numel * (double)t->esize)
+            return bad_t(f, err, errlen, path, m->key,
+                         "corrupt: data_offsets do not span shape x dtype size");
         t->data = data + (size_t)a;
         t->nbytes = (size_t)(z - a);
         if ((size_t)z > end_max)
@@ -362,7 +421,7 @@ moe_err st_open(const char *path, st_file **out, char *err, size_t errlen)
     }
     if (end_max != data_len)
         return bad(f, err, errlen, path, "truncated or padded: data length does not match");
-    const char *ck = st_meta(f, "moe.checksum");
+    const char *ck = flags & ST_OPEN_NO_CHECKSUM ? NULL : st_meta(f, "moe.checksum");
     if (ck) {
         uint64_t h = ST_FNV_INIT;
         for (int i = 0; i < f->n; i++)
@@ -398,4 +457,47 @@ int st_count(const st_file *f)
 const st_tensor *st_at(const st_file *f, int i)
 {
     return &f->t[i];
+}
+
+float st_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) { /* inf, NaN */
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) { /* normal */
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) { /* zero */
+        u = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            exp--;
+        }
+        u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+moe_err st_to_f32(const st_tensor *t, float *out, size_t n)
+{
+    if (t->esize == 0 || t->nbytes / t->esize != n)
+        return MOE_EINVAL;
+    const unsigned char *p = t->data; /* possibly unaligned: bytes, never cast */
+    switch (t->dtype) {
+    case ST_F32: memcpy(out, p, n * sizeof(float)); return MOE_OK;
+    case ST_BF16:
+        for (size_t i = 0; i < n; i++) {
+            uint32_t u = ((uint32_t)p[2 * i] | (uint32_t)p[2 * i + 1] << 8) << 16;
+            memcpy(&out[i], &u, sizeof(float));
+        }
+        return MOE_OK;
+    case ST_F16:
+        for (size_t i = 0; i < n; i++)
+            out[i] = st_f16_to_f32((uint16_t)(p[2 * i] | p[2 * i + 1] << 8));
+        return MOE_OK;
+    default: return MOE_EINVAL;
+    }
 }

@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "tls.h"
 
 typedef enum slot_state { SLOT_RECV, SLOT_WAIT, SLOT_SEND, SLOT_CLOSED } slot_state;
 
@@ -319,7 +320,7 @@ static void on_pipe_event(nng_pipe p, nng_pipe_ev ev, void *arg)
 
 void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe)
 {
-    if (!s->pipes)
+    if (!s || !s->pipes)
         return;
     pthread_mutex_lock(&s->pmu);
     rpc_pipe *p = pipe_find(s, pipe);
@@ -330,11 +331,16 @@ void rpcsrv_pipe_keep(rpcsrv *s, uint32_t pipe)
 
 uint64_t rpcsrv_held_bytes(const rpcsrv *s)
 {
+    if (!s) /* no server (a daemon's handlers driven by local calls) */
+        return 0;
     return __atomic_load_n(&s->held_bytes, __ATOMIC_RELAXED);
 }
 
 void rpcsrv_counters_get(rpcsrv *s, rpcsrv_counters *out)
 {
+    memset(out, 0, sizeof(*out));
+    if (!s)
+        return;
     out->held_bytes = rpcsrv_held_bytes(s);
     pthread_mutex_lock(&s->pmu);
     out->conns = (uint64_t)s->npipes;
@@ -430,8 +436,11 @@ static void format_bound(nng_listener lis, const char *url, char *out, size_t le
         return;
     if (sa.s_family == NNG_AF_INET) {
         const uint8_t *ip = (const uint8_t *)&sa.s_in.sa_addr;
-        snprintf(out, len, "tcp://%u.%u.%u.%u:%u", ip[0], ip[1], ip[2], ip[3],
-                 (unsigned)ntohs(sa.s_in.sa_port));
+        /* the url's own scheme (tcp://, tls+tcp://) */
+        const char *sep = strstr(url, "://");
+        int slen = sep ? (int)(sep - url) : 3;
+        snprintf(out, len, "%.*s://%u.%u.%u.%u:%u", slen, sep ? url : "tcp", ip[0], ip[1], ip[2],
+                 ip[3], (unsigned)ntohs(sa.s_in.sa_port));
     }
 }
 
@@ -478,8 +487,20 @@ moe_err rpcsrv_open(uv_loop_t *loop, const rpcsrv_opts *o, rpcsrv **out, char *b
         nng_pipe_notify(s->sock, NNG_PIPE_EV_REM_POST, on_pipe_event, s);
     if (s->pipes)
         nng_pipe_notify(s->sock, NNG_PIPE_EV_ADD_PRE, on_pipe_event, s);
-    if ((rv = nng_listener_create(&s->lis, s->sock, o->url)) != 0 ||
-        (rv = nng_listener_start(s->lis, 0)) != 0) {
+    if ((rv = nng_listener_create(&s->lis, s->sock, o->url)) != 0) {
+        LOG_E("cannot listen on %s: %s", o->url, nng_strerror(rv));
+        nng_close(s->sock);
+        srv_free(s);
+        return MOE_EINVAL;
+    }
+    char terr[512];
+    if (moe_tls_listener_setup(s->lis, o->url, o->tls, terr, sizeof(terr)) != MOE_OK) {
+        LOG_E("cannot listen on %s: %s", o->url, terr);
+        nng_close(s->sock);
+        srv_free(s);
+        return MOE_EINVAL;
+    }
+    if ((rv = nng_listener_start(s->lis, 0)) != 0) {
         LOG_E("cannot listen on %s: %s", o->url, nng_strerror(rv));
         nng_close(s->sock);
         srv_free(s);

@@ -16,6 +16,7 @@
 #include <uv.h>
 
 #include "proto.h"
+#include "tls.h"
 
 typedef struct rpcsrv rpcsrv;
 
@@ -65,6 +66,9 @@ typedef struct rpcsrv_opts {
      * next call dials again (libmoe and nng do it by themselves). */
     int max_conns;
     int idle_timeout_ms;
+    /* optional: the certificate and key of a tls+tcp:// url (tls.h;
+     * borrowed for the call to rpcsrv_open); NULL for other urls */
+    const moe_tls_files *tls;
 } rpcsrv_opts;
 
 /* rpcsrv_counters: a snapshot of an endpoint's bounds (rpcsrv_counters_get) */

@@ -279,6 +279,7 @@ static moe_err ckpt_load_job(coord *c, coord_model *m, const char *path, rpc_cal
     free(text);
     const json_node *meta = e == MOE_OK ? json_get(root, "metadata") : NULL;
     const json_node *wm = e == MOE_OK ? json_get(root, "weight_map") : NULL;
+    const json_node *om = e == MOE_OK ? json_get(root, "moe_optimizer_map") : NULL;
     int64_t step = 0;
     if (e == MOE_OK && (!meta || !wm || wm->type != J_OBJ)) {
         snprintf(err, errlen, "%s has no metadata or weight_map", ip);
@@ -289,9 +290,10 @@ static moe_err ckpt_load_job(coord *c, coord_model *m, const char *path, rpc_cal
     coord_job *j = NULL;
     if (e == MOE_OK && !(j = calloc(1, sizeof(*j))))
         e = MOE_ENOMEM;
-    /* the distinct shard files of the weight map */
-    for (size_t i = 0; e == MOE_OK && i < wm->len; i++) {
-        const json_node *f = &wm->kids[i];
+    /* the distinct shard files of the weight map (and optimizer map) */
+    size_t nw = e == MOE_OK ? wm->len : 0, no = om && om->type == J_OBJ ? om->len : 0;
+    for (size_t i = 0; e == MOE_OK && i < nw + no; i++) {
+        const json_node *f = i < nw ? &wm->kids[i] : &om->kids[i - nw];
         if (f->type != J_STR || !f->str[0] || strchr(f->str, '/')) {
             snprintf(err, errlen, "%s: bad file name in weight_map", ip);
             e = MOE_EINVAL;
@@ -438,14 +440,25 @@ static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errle
             "    \"moe.activation\": \"%s\",\n    \"moe.dtype\": \"%s\"\n  },\n",
             cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k,
             cfg->act ? "gelu" : "swiglu", moe_dtype_name(cfg->dtype));
+    /* weight_map: the model's tensors; moe_optimizer_map (models from a
+     * Hugging Face directory): the optimizer files' tensors, kept out of
+     * weight_map so that transformers loads the directory as it is */
+    char *otext = NULL;
+    size_t olen = 0;
+    FILE *of = open_memstream(&otext, &olen);
+    if (!of) {
+        fclose(f);
+        free(text);
+        return MOE_ENOMEM;
+    }
     fprintf(f, "  \"weight_map\": {");
-    int first = 1;
+    int first = 1, ofirst = 1;
     for (int r = 0; r < j->nsent; r++) {
         const moe_reply *rep = j->replies[r];
         mp_reader rd;
         uint32_t n;
-        const char *file = NULL;
-        uint32_t flen = 0;
+        const char *file = NULL, *ofile = NULL;
+        uint32_t flen = 0, oflen = 0;
         mp_reader_init(&rd, rep->buf + rep->result_off, rep->len - rep->result_off);
         if (mp_read_map(&rd, &n, NULL) != MOE_OK)
             break;
@@ -454,10 +467,14 @@ static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errle
             uint32_t kl, nn;
             if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
                 break;
+            int opt = mp_str_eq(k, kl, "opt_names");
             if (mp_str_eq(k, kl, "file")) {
                 mp_read_str(&rd, &file, &flen, NULL);
-            } else if (mp_str_eq(k, kl, "names") && file &&
-                       mp_read_array(&rd, &nn, NULL) == MOE_OK) {
+            } else if (mp_str_eq(k, kl, "opt_file")) {
+                mp_read_str(&rd, &ofile, &oflen, NULL);
+            } else if ((mp_str_eq(k, kl, "names") && file) || (opt && ofile)) {
+                if (mp_read_array(&rd, &nn, NULL) != MOE_OK)
+                    break;
                 for (uint32_t t = 0; t < nn; t++) {
                     const char *s;
                     uint32_t sl;
@@ -465,18 +482,22 @@ static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errle
                         break;
                     char nm[256], fl[256];
                     snprintf(nm, sizeof(nm), "%.*s", (int)sl, s);
-                    snprintf(fl, sizeof(fl), "%.*s", (int)flen, file);
-                    fprintf(f, "%s\n    ", first ? "" : ",");
-                    json_write_str(f, nm);
-                    fprintf(f, ": ");
-                    json_write_str(f, fl);
-                    first = 0;
+                    snprintf(fl, sizeof(fl), "%.*s", (int)(opt ? oflen : flen), opt ? ofile : file);
+                    fprintf(opt ? of : f, "%s\n    ", (opt ? ofirst : first) ? "" : ",");
+                    json_write_str(opt ? of : f, nm);
+                    fprintf(opt ? of : f, ": ");
+                    json_write_str(opt ? of : f, fl);
+                    *(opt ? &ofirst : &first) = 0;
                 }
             } else {
                 mp_skip(&rd, NULL);
             }
         }
     }
+    fclose(of);
+    if (!ofirst)
+        fprintf(f, "\n  },\n  \"moe_optimizer_map\": {%s", otext);
+    free(otext);
     fprintf(f, "\n  }\n}\n");
     fclose(f);
     char p[CFG_STR_MAX + 64];
@@ -684,11 +705,35 @@ void coord_model_persist(coord *c, const coord_model *m)
             g->layers, g->d_model, g->d_ff, g->n_experts, g->top_k, g->act ? "gelu" : "swiglu",
             g->renormalize ? "true" : "false", g->capacity_factor, moe_dtype_name(g->dtype),
             (unsigned long long)g->seed, g->aux_loss_coef, g->z_loss_coef);
+    if (g->hf_dir[0]) {         /* from a Hugging Face directory: it is read again at restart */
+        fseek(f, -2, SEEK_CUR); /* before "}\n" */
+        fprintf(f, ", \"hf_dir\": ");
+        json_write_str(f, g->hf_dir);
+        fprintf(f, ", \"hf_family\": ");
+        json_write_str(f, g->hf_family);
+        fprintf(f, "}\n");
+    }
     fclose(f);
     snprintf(path, sizeof(path), "%s/model.json", root);
     if (st_write_durable(path, text, len, err, sizeof(err)) != MOE_OK)
         LOG_W("cannot persist the config of %s: %s", g->name, err);
     free(text);
+}
+
+void coord_model_unpersist(coord *c, const coord_model *m)
+{
+    char root[CFG_STR_MAX], path[CFG_STR_MAX + 48];
+    if (!auto_root(c, m, root, sizeof(root)) || access(root, F_OK) != 0)
+        return;
+    snprintf(path, sizeof(path), "%s/model.json", root);
+    if (unlink(path) != 0 && errno != ENOENT)
+        LOG_W("cannot remove %s: %s", path, strerror(errno));
+    /* '~' is no name character: the directory can never be a model's again */
+    snprintf(path, sizeof(path), "%s~deleted-%llu", root, (unsigned long long)rpc_now_ns());
+    if (rename(root, path) != 0)
+        LOG_W("cannot rename %s to %s: %s", root, path, strerror(errno));
+    else
+        LOG_I("model %s: its checkpoints are kept in %s", m->cfg.name, path);
 }
 
 /* json_to_params re-encodes a flat JSON object as a msgpack map, so the one

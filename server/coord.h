@@ -35,6 +35,7 @@ typedef struct coord_worker {
     int rank; /* in the current generation, -1 if not a member */
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX];
     char client_url[CFG_STR_MAX]; /* data plane: clients send rows here ("" = none) */
+    char bulk_url[CFG_STR_MAX];   /* data plane: bulk rows over plain TCP ("" = none) */
     char host[128];               /* host identity (boot id): same host = shared memory */
     char backend[32], device[128];
     uint32_t pipe; /* the connection its registration and heartbeats come on */
@@ -48,6 +49,9 @@ typedef struct coord_worker {
     double busy_s;      /* compute time reported by forwards */
     uint64_t a2a_bytes; /* bytes it sent to the other workers in forwards */
     uint64_t ops_total;
+    /* memory it reported with its registration and heartbeats (bytes; -1 =
+     * not reported): host memory available, free GPU memory */
+    int64_t mem_host, mem_gpu;
 } coord_worker;
 
 /* One history point of a model (history.c); NaN: nothing in the interval. */
@@ -97,6 +101,8 @@ typedef enum job_kind {
     JOB_CKPT_SAVE,
     JOB_CKPT_LOAD,   /* phase 1: every worker reads and validates into staging */
     JOB_CKPT_COMMIT, /* phase 2: swap staging in (or drop it: ckpt_abort) */
+    JOB_MODEL_DELETE,
+    JOB_GRADS, /* model.grads: every worker's share of a layer's gradients */
 } job_kind;
 
 /* A train forward's handle, until its backward (or expiry). */
@@ -137,7 +143,7 @@ typedef struct coord_job_ops {
 
 extern const coord_job_ops coord_job_xchg_id, coord_job_join, coord_job_model_create,
     coord_job_forward, coord_job_backward, coord_job_step, coord_job_ckpt_save, coord_job_ckpt_load,
-    coord_job_ckpt_commit;
+    coord_job_ckpt_commit, coord_job_model_delete;
 
 struct coord_job {
     struct coord_job *next;
@@ -202,6 +208,9 @@ struct coord {
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     /* byte and connection bounds (OPERATIONS.md) */
     long long max_inflight_mb, max_conns, idle_timeout_ms;
+    /* TLS (tls.h): the listener's certificate and key, the CA of workers'
+     * certificates (PEM paths; empty = none) */
+    char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
 
     uv_loop_t *loop;
     rpcsrv *srv;
@@ -324,6 +333,9 @@ moe_err coord_job_enqueue(coord *c, coord_job *j);
 void coord_job_pump(coord *c);
 void coord_on_done(uv_async_t *h);
 void coord_job_fail_all(coord *c, moe_err e, const char *why);
+/* coord_job_discard frees a job that is in no queue (its call, if any, must
+ * have been answered). */
+void coord_job_discard(coord_job *j);
 
 /* models.c */
 coord_model *coord_find_model(coord *c, const char *name);
@@ -357,6 +369,18 @@ int coord_reply_has_missing(const moe_reply *rep);
 moe_err coord_gather_rows(coord *c, coord_job *j, const char *key, mp_writer *w, char *err,
                           size_t errlen);
 
+/* hf.c: model.create from a Hugging Face directory (from_hf) */
+/* coord_hf_wants: the request names from_hf (or hf_dir / hf_family, which
+ * only the coordinator sets): coord_hf_create answers it. */
+int coord_hf_wants(const rpc_call *call);
+void coord_hf_create(coord *c, rpc_call *call);
+/* coord_hf_info writes model.info's "hf" value of a model from a directory. */
+void coord_hf_info(mp_writer *w, const coord_model *m);
+extern const coord_job_ops coord_job_hf_create;
+/* grads.c: model.grads {model, layer, expert?} */
+void coord_grads(coord *c, rpc_call *call);
+extern const coord_job_ops coord_job_grads;
+
 /* ckpt.c */
 void coord_ckpt_save(coord *c, rpc_call *call);
 void coord_ckpt_load(coord *c, rpc_call *call);
@@ -384,7 +408,28 @@ int coord_autorestore(coord *c, coord_model *m);
  * again (their weights come back from the newest checkpoint when the
  * cluster forms). */
 void coord_model_persist(coord *c, const coord_model *m);
+/* coord_model_unpersist removes m's model.json and renames its directory
+ * <checkpoint-dir>/<name>~deleted-<ns> (kept, never restored) */
+void coord_model_unpersist(coord *c, const coord_model *m);
 void coord_models_restore(coord *c);
+
+/* model_delete.c */
+/* coord_parse_mem reads a worker's "mem" map {host_available, gpu_free}. */
+moe_err coord_parse_mem(mp_reader *r, int64_t *host, int64_t *gpu, char *err, size_t errlen);
+/* coord_model_bytes: the memory the rank's share of a model takes on a
+ * worker of a world of `world` (weights, f32). */
+double coord_model_bytes(const model_cfg *cfg, int world, int rank);
+/* coord_model_mem_check: MOE_ENOMEM (with the need and the worst worker's
+ * memory in err) when a worker reported less memory available than its
+ * share of cfg needs. */
+moe_err coord_model_mem_check(coord *c, const model_cfg *cfg, char *err, size_t errlen);
+/* coord_model_jobs: how many queued or running jobs are for m. */
+int coord_model_jobs(const coord *c, const coord_model *m);
+/* coord_model_create_rollback: the client's first model.create of j->model
+ * failed on a worker: the model goes from the coordinator (j->model is
+ * freed and cleared) and a worker.model_delete job is queued first. */
+void coord_model_create_rollback(coord *c, coord_job *j);
+void coord_model_delete(coord *c, rpc_call *call);
 
 /* stats.c */
 /* coord_count_error counts an error answer with code e (every place that

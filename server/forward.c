@@ -236,18 +236,18 @@ static moe_err parse_part(const moe_reply *rep, int E, int direct, fwd_part *p, 
         snprintf(err, errlen, "worker reply is not a map");
         return MOE_EINTERNAL;
     }
-    mp_reader rc, rd, rp;
+    mp_reader rc, rd, rp, rz, ra;
     pspec sp[] = {
         {"y", P_TENSOR, &p->y, !direct, 0, 0, 0, false},
         {"counts", P_RAW, &rc, true, 0, 0, 0, false},
         {"dropped", P_RAW, &rd, true, 0, 0, 0, false},
         {"probs_sum", P_RAW, &rp, true, 0, 0, 0, false},
-        {"z_sum", P_F64, &p->z_sum, true, 0, 0, 0, false},
+        {"z_sum", P_RAW, &rz, true, 0, 0, 0, false},
         {"gate_s", P_F64, &p->phase[0], true, 0, 0, 0, false},
         {"dispatch_s", P_F64, &p->phase[1], true, 0, 0, 0, false},
         {"experts_s", P_F64, &p->phase[2], true, 0, 0, 0, false},
         {"combine_s", P_F64, &p->phase[3], true, 0, 0, 0, false},
-        {"aux_loss", P_F64, &p->aux_loss, false, 0, 0, 0, false},
+        {"aux_loss", P_RAW, &ra, false, 0, 0, 0, false},
         {"a2a_bytes", P_INT, &p->a2a_bytes, false, 0, 9e18, 0, false},
         {"missing", P_RAW, &p->missing, false, 0, 0, 0, false},
         {"refused", P_RAW, &p->refused, false, 0, 0, 0, false},
@@ -258,6 +258,14 @@ static moe_err parse_part(const moe_reply *rep, int E, int direct, fwd_part *p, 
     p->has_refused = sp[12].seen;
     if (e != MOE_OK)
         return MOE_EINTERNAL;
+    /* the losses may be NaN or Inf: a GPU worker's bf16 inference path
+     * computes unchecked rows through (docs/PROTOCOL.md, "Non-finite rows");
+     * that is no reason to fail the batch */
+    if (mp_read_f64(&rz, &p->z_sum, NULL) != MOE_OK ||
+        (p->has_aux && mp_read_f64(&ra, &p->aux_loss, NULL) != MOE_OK)) {
+        snprintf(err, errlen, "z_sum and aux_loss must be numbers");
+        return MOE_EINTERNAL;
+    }
     if (mp_read_bin(&rc, &bc, &lc, NULL) != MOE_OK || lc != 4u * (uint32_t)E ||
         mp_read_bin(&rd, &bd, &ld, NULL) != MOE_OK || ld != 4u * (uint32_t)E ||
         mp_read_bin(&rp, &bp, &lp, NULL) != MOE_OK || lp != 8u * (uint32_t)E) {
@@ -503,8 +511,10 @@ static void forward_finish(coord *c, coord_job *j)
 
     /* stats */
     m->forwards += (uint64_t)nbatch;
-    m->last_aux = aux;
-    m->last_z = T > 0 ? z / (double)T : 0;
+    if (isfinite(aux) && isfinite(z)) { /* the model's last losses stay the last finite ones */
+        m->last_aux = aux;
+        m->last_z = T > 0 ? z / (double)T : 0;
+    }
     c->tokens_total += (uint64_t)T;
     m->rows_total += (uint64_t)T;
     for (int k = 0; k < 4; k++) {

@@ -81,6 +81,11 @@ static void job_free(coord_job *j)
     free(j);
 }
 
+void coord_job_discard(coord_job *j)
+{
+    job_free(j);
+}
+
 /* on_worker_reply runs on an nng thread. */
 static void on_worker_reply(moe_err err, moe_reply *reply, void *arg)
 {

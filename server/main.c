@@ -15,6 +15,7 @@
 #include "params.h"
 #include "sdnotify.h"
 #include "secret.h"
+#include "tls.h"
 
 static coord C;
 static sdn S;     /* systemd notifications (Type=notify); loop thread */
@@ -42,6 +43,12 @@ static const cfg_entry coord_cfg[] = {
     {"idle-timeout-ms", CFG_INT, "30000", 0, 86400000, &C.idle_timeout_ms,
      "close a connection with no request in progress that completed no message for this long "
      "(a stalled half message included; 0 = never; workers' connections are exempt)"},
+    {"tls-cert", CFG_STR, "", 0, 0, C.tls_cert,
+     "PEM certificate chain a tls+tcp:// listen address presents"},
+    {"tls-key", CFG_STR, "", 0, 0, C.tls_key, "PEM private key of tls-cert"},
+    {"tls-ca", CFG_STR, "", 0, 0, C.tls_ca,
+     "PEM CA certificates that workers' tls+tcp:// certificates must chain to (the "
+     "coordinator's calls to workers)"},
     {"max-msg-mb", CFG_INT, "256", 1, 2048, &C.max_msg_mb, "largest request accepted, MiB"},
     {"queue-depth", CFG_INT, "256", 1, 16384, &C.queue_depth, "queued jobs before answering busy"},
     {"deadline-ms", CFG_INT, "60000", 0, 86400000, &C.deadline_ms,
@@ -155,6 +162,25 @@ static int check_exposure(const coord *c)
     return 0;
 }
 
+/* check_tls: a tls+tcp:// listen address needs a certificate and key, and
+ * the TLS engine must be there (0: fine) */
+static int check_tls(const coord *c)
+{
+    char why[256];
+    if (!moe_tls_url(c->listen_url))
+        return 0;
+    if (!moe_tls_available(why, sizeof(why))) {
+        fprintf(stderr, "moe-coordinator: cannot listen on %s: %s\n", c->listen_url, why);
+        return -1;
+    }
+    if (!c->tls_cert[0] || !c->tls_key[0]) {
+        fprintf(stderr, "moe-coordinator: %s is a TLS address: give --tls-cert and --tls-key\n",
+                c->listen_url);
+        return -1;
+    }
+    return 0;
+}
+
 /* setup_secret: --cluster-secret, else the secret file's, else a new one
  * written to the file (secret.h). 0 on success. */
 static int setup_secret(coord *c)
@@ -211,7 +237,7 @@ int main(int argc, char **argv)
                 C.max_inflight_mb, C.max_msg_mb);
         return 2;
     }
-    if (check_exposure(&C) != 0 || setup_secret(&C) != 0)
+    if (check_exposure(&C) != 0 || setup_secret(&C) != 0 || check_tls(&C) != 0)
         return 2;
     int lvl = log_level_parse(C.log_level);
     log_init("coord", lvl < 0 ? LOG_INFO : (log_level)lvl);
@@ -235,9 +261,10 @@ int main(int argc, char **argv)
     }
     uv_async_init(C.loop, &C.pipes_async, coord_on_pipes);
     C.pipes_async.data = &C;
+    const moe_tls_files tls = {C.tls_cert, C.tls_key, C.tls_ca};
     rpcsrv_opts o = {
-        C.listen_url, (int)C.nctx,       (size_t)C.max_msg_mb << 20, on_request,
-        &C,           coord_pipe_closed, (int)C.max_conns,           (int)C.idle_timeout_ms};
+        C.listen_url,      (int)C.nctx,      (size_t)C.max_msg_mb << 20, on_request, &C,
+        coord_pipe_closed, (int)C.max_conns, (int)C.idle_timeout_ms,     &tls};
     if (rpcsrv_open(C.loop, &o, &C.srv, C.bound_url, sizeof(C.bound_url)) != MOE_OK) {
         fprintf(stderr, "moe-coordinator: cannot listen on %s\n", C.listen_url);
         return 1;

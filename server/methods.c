@@ -60,6 +60,8 @@ const coord_method coord_methods[] = {
     {{"stats", NONE}, coord_stats},
     {{"model.info", 0}, coord_model_info},
     {{"model.create", MUT | NO_DRAIN}, coord_model_create},
+    {{"model.delete", MUT | NO_DRAIN}, coord_model_delete},
+    {{"model.grads", 0}, coord_grads},
     {{"forward", MUT_TRAIN | NO_DRAIN}, coord_forward},
     {{"backward", MUT | NO_DRAIN}, coord_backward},
     {{"optimizer.step", MUT | NO_DRAIN}, coord_step},

@@ -65,6 +65,10 @@ void coord_model_create(coord *c, rpc_call *call)
 {
     model_cfg cfg;
     char err[256];
+    if (coord_hf_wants(call)) { /* a Hugging Face directory: hf.c */
+        coord_hf_create(c, call);
+        return;
+    }
     memset(&cfg, 0, sizeof(cfg));
     mp_reader r = call->req.params;
     moe_err e = model_cfg_parse(&r, call->req.nparams, &cfg, err, sizeof(err));
@@ -76,6 +80,10 @@ void coord_model_create(coord *c, rpc_call *call)
     if (m && !model_cfg_same(&m->cfg, &cfg)) {
         rpc_reply_err(call, MOE_EINVAL, "model '%s' already exists with another configuration",
                       cfg.name);
+        return;
+    }
+    if (!m && (e = coord_model_mem_check(c, &cfg, err, sizeof(err))) != MOE_OK) {
+        rpc_reply_err(call, e, "%s", err); /* before any worker allocates */
         return;
     }
     if (!m) {
@@ -124,7 +132,12 @@ void coord_model_info(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 4);
+    int hf = m->cfg.hf_dir[0] != 0;
+    mp_write_map(&w, 4 + hf);
+    if (hf) { /* the Hugging Face directory it came from (hf.c) */
+        mp_write_cstr(&w, "hf");
+        coord_hf_info(&w, m);
+    }
     mp_write_cstr(&w, "config");
     model_cfg_write(&w, &m->cfg);
     mp_write_cstr(&w, "params");
@@ -147,7 +160,6 @@ static void model_create_encode(coord *c, coord_job *j, int rank, mp_writer *w)
 
 static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
-    (void)c;
     if (first == MOE_OK)
         j->model->created_gen = (int)j->generation;
     if (!j->call)
@@ -165,6 +177,8 @@ static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_r
     } else {
         rpc_reply_err(j->call, first, "model.create failed on worker rank %d: %s", bad_rank,
                       j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
+        if (!j->model->created_gen) /* a new model: no ghost of it stays */
+            coord_model_create_rollback(c, j);
     }
 }
 

@@ -136,8 +136,9 @@ void coord_on_pipes(uv_async_t *h)
 void coord_worker_register(coord *c, rpc_call *call)
 {
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX], backend[32] = "cpu", device[128] = "";
-    char client_url[CFG_STR_MAX] = "", host[128] = "";
+    char client_url[CFG_STR_MAX] = "", host[128] = "", bulk_url[CFG_STR_MAX] = "";
     int64_t pid = 0;
+    mp_reader rmem;
     char err[256];
     pspec sp[] = {
         {"rpc_url", P_STR, rpc_url, true, 0, 0, sizeof(rpc_url), false},
@@ -147,9 +148,14 @@ void coord_worker_register(coord *c, rpc_call *call)
         {"pid", P_INT, &pid, false, 0, 1e9, 0, false},
         {"client_url", P_STR, client_url, false, 0, 0, sizeof(client_url), false},
         {"host", P_STR, host, false, 0, 0, sizeof(host), false},
+        {"bulk_url", P_STR, bulk_url, false, 0, 0, sizeof(bulk_url), false},
+        {"mem", P_RAW, &rmem, false, 0, 0, 0, false},
     };
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 7, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 9, err, sizeof(err));
+    int64_t mem_host = -1, mem_gpu = -1;
+    if (e == MOE_OK && sp[8].seen)
+        e = coord_parse_mem(&rmem, &mem_host, &mem_gpu, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(call, e, "%s", err);
         return;
@@ -180,7 +186,8 @@ void coord_worker_register(coord *c, rpc_call *call)
         return;
     }
     memset(slot, 0, sizeof(*slot));
-    moe_client_opts o = {(int)c->worker_timeout_ms, 0, NULL, "coordinator"};
+    moe_client_opts o = {
+        (int)c->worker_timeout_ms, 0, NULL, "coordinator", c->tls_ca, c->tls_cert, c->tls_key};
     if (moe_client_open(rpc_url, &o, &slot->cli) != MOE_OK) {
         rpc_reply_err(call, MOE_EINVAL, "cannot dial worker rpc_url %s: %s", rpc_url,
                       moe_last_error());
@@ -198,11 +205,14 @@ void coord_worker_register(coord *c, rpc_call *call)
     snprintf(slot->rpc_url, sizeof(slot->rpc_url), "%s", rpc_url);
     snprintf(slot->data_url, sizeof(slot->data_url), "%s", data_url);
     snprintf(slot->client_url, sizeof(slot->client_url), "%s", client_url);
+    snprintf(slot->bulk_url, sizeof(slot->bulk_url), "%s", bulk_url);
     slot->pipe = rpc_call_pipe(call);
     snprintf(slot->host, sizeof(slot->host), "%s", host);
     snprintf(slot->backend, sizeof(slot->backend), "%s", backend);
     snprintf(slot->device, sizeof(slot->device), "%s", device);
     slot->pid = (int)pid;
+    slot->mem_host = mem_host;
+    slot->mem_gpu = mem_gpu;
     slot->registered_ns = slot->last_hb_ns = rpc_now_ns();
     LOG_I("worker %d registered: rpc %s data %s backend %s pid %d (%d of %lld up)", slot->id,
           rpc_url, data_url, backend, slot->pid, coord_up_workers(c), c->expected_workers);
@@ -230,13 +240,17 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
 {
     int64_t id = -1, epoch = 0;
     char err[256];
-    mp_reader rdata, rlane;
+    mp_reader rdata, rlane, rmem;
     pspec sp[] = {{"worker_id", P_INT, &id, true, 0, 1e9, 0, false},
                   {"epoch", P_INT, &epoch, false, 0, 9.2e18, 0, false},
                   {"data", P_RAW, &rdata, false, 0, 0, 0, false},
-                  {"lane", P_RAW, &rlane, false, 0, 0, 0, false}};
+                  {"lane", P_RAW, &rlane, false, 0, 0, 0, false},
+                  {"mem", P_RAW, &rmem, false, 0, 0, 0, false}};
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 4, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 5, err, sizeof(err));
+    int64_t mem_host = -1, mem_gpu = -1;
+    if (e == MOE_OK && sp[4].seen)
+        e = coord_parse_mem(&rmem, &mem_host, &mem_gpu, err, sizeof(err));
     int64_t dv[5] = {0, 0, 0, 0, 0};
     if (e == MOE_OK && sp[2].seen) {
         uint32_t n;
@@ -269,6 +283,10 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
                 w->dp_rows_total = (uint64_t)dv[2];
                 w->dp_bytes_total = (uint64_t)dv[3];
                 w->dp_expired_total = (uint64_t)dv[4];
+            }
+            if (sp[4].seen) {
+                w->mem_host = mem_host;
+                w->mem_gpu = mem_gpu;
             }
             if (sp[3].seen && coord_fold_lane(c, w, &rlane, err, sizeof(err)) != MOE_OK)
                 LOG_W("worker %d: bad lane report in its heartbeat: %s", w->id, err);
@@ -442,9 +460,11 @@ void coord_dataplane_info(coord *c, rpc_call *call)
     mp_write_array(&w, c->ready ? (uint32_t)c->world : 0);
     for (int r = 0; c->ready && r < c->world; r++) {
         coord_worker *wk = &c->workers[c->rank_to_worker[r]];
-        mp_write_map(&w, 3);
+        mp_write_map(&w, 4);
         mp_write_cstr(&w, "url");
         mp_write_cstr(&w, wk->client_url);
+        mp_write_cstr(&w, "bulk_url"); /* "" = no bulk path */
+        mp_write_cstr(&w, wk->bulk_url);
         mp_write_cstr(&w, "host");
         mp_write_cstr(&w, wk->host);
         mp_write_cstr(&w, "backend");

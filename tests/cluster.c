@@ -523,8 +523,11 @@ cluster *cluster_start(const cluster_opts *opts)
             return NULL;
     if (cl->opts.no_client)
         return cl;
-    moe_client_opts co = {cl->opts.client_timeout_ms ? cl->opts.client_timeout_ms : 30000, 0,
-                          cl->opts.auth_token, cl->opts.data_path};
+    moe_client_opts co = {.timeout_ms =
+                              cl->opts.client_timeout_ms ? cl->opts.client_timeout_ms : 30000,
+                          .auth_token = cl->opts.auth_token,
+                          .data_path = cl->opts.data_path,
+                          .tls_ca = cl->opts.tls_ca};
     if (moe_client_open(cl->url, &co, &cl->cli) != MOE_OK) {
         set_err(cl, "moe_client_open %s: %s", cl->url, moe_last_error());
         return NULL;

@@ -50,6 +50,7 @@ typedef struct cluster_opts {
                                   * process, where nng cannot be used ("not fork-reentrant safe") */
     const char *checkpoint_root; /* the coordinator's --checkpoint-root: NULL = /tmp (where
                                   * tests make their checkpoint directories), "" = none */
+    const char *tls_ca;          /* the client's CA file (moe_client_opts.tls_ca); NULL = none */
 } cluster_opts;
 
 typedef struct cluster {

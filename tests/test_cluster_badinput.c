@@ -555,7 +555,7 @@ Test(cluster_badinput, auth_token, .timeout = 30, .fini = cluster_fini_all)
     model_create(cl, "m", 1); /* cl->cli carries the right token */
     static const char *bad_tokens[] = {NULL, "wrong", "s3cret-toke", ""};
     for (size_t i = 0; i < sizeof(bad_tokens) / sizeof(bad_tokens[0]); i++) {
-        moe_client_opts o = {5000, 0, bad_tokens[i], NULL};
+        moe_client_opts o = {.timeout_ms = 5000, .auth_token = bad_tokens[i]};
         moe_client *c;
         cr_assert_eq(moe_client_open(cl->url, &o, &c), MOE_OK);
         cr_assert_eq(moe_ping(c), MOE_EUNAUTH, "token %s: ping should be refused",

@@ -52,7 +52,7 @@ static int count_segments(long pid)
 static moe_client *open_path(cluster *cl, const char *path)
 {
     moe_client *c;
-    moe_client_opts o = {30000, 0, NULL, path};
+    moe_client_opts o = {.timeout_ms = 30000, .data_path = path};
     cr_assert_eq(moe_client_open(cl->url, &o, &c), MOE_OK, "open (%s): %s", path, moe_last_error());
     return c;
 }

@@ -268,7 +268,7 @@ Test(harden, worker_refuses_checkpoint_dirs_outside_root, .timeout = 60, .fini =
     create_ok(cl, "m");
     worker_url(cl, url, sizeof(url));
     moe_client *wc = NULL;
-    moe_client_opts co = {10000, 0, NULL, "coordinator"};
+    moe_client_opts co = {.timeout_ms = 10000, .data_path = "coordinator"};
     cr_assert_eq(moe_client_open(url, &co, &wc), MOE_OK, "%s", moe_last_error());
     cr_assert_eq(moe__set_cluster(wc, cl->secret), MOE_OK); /* worker.* require it */
     mp_writer w;

@@ -305,7 +305,7 @@ static void fake_forward(int dropped_len, int bad_y, moe_err *err, moe_fwd_info 
     pthread_create(&th, NULL, fake_main, &f);
     moe_client *cli;
     /* the coordinator path: this fake answers one forward with y inside */
-    moe_client_opts co = {5000, 0, NULL, "coordinator"};
+    moe_client_opts co = {.timeout_ms = 5000, .data_path = "coordinator"};
     cr_assert_eq(moe_client_open(f.url, &co, &cli), MOE_OK);
     float x[8] = {0}, y[8];
     *err = moe_forward(cli, "m", 0, MOE_F32, x, 2, 4, y, info);
@@ -374,7 +374,7 @@ static void close_with_call_in_flight(int server_dies)
     snprintf(url, sizeof(url), "tcp://%u.%u.%u.%u:%u", ip[0], ip[1], ip[2], ip[3],
              (unsigned)ntohs(sa.s_in.sa_port));
     moe_client *cli;
-    moe_client_opts co = {30000, 0, NULL, NULL};
+    moe_client_opts co = {.timeout_ms = 30000};
     cr_assert_eq(moe_client_open(url, &co, &cli), MOE_OK);
     close_cb_state st = {0};
     mp_writer w;

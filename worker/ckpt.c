@@ -40,6 +40,16 @@ void wkr_ckpt_set_roots(const char *const *r, int n)
     pthread_mutex_unlock(&roots_mu);
 }
 
+int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max)
+{
+    pthread_mutex_lock(&roots_mu);
+    int n = nroots < max ? nroots : max;
+    for (int i = 0; i < n; i++)
+        memcpy(out[i], roots[i], CFG_STR_MAX);
+    pthread_mutex_unlock(&roots_mu);
+    return n;
+}
+
 /* confine resolves path into out; it must lie under one of the roots. */
 static moe_err confine(const char *path, char *out, size_t outlen, char *err, size_t errlen)
 {
@@ -55,7 +65,7 @@ static moe_err confine(const char *path, char *out, size_t outlen, char *err, si
     return path_confine(path, rp, n, out, outlen, err, errlen);
 }
 
-static void meta_cfg(st_writer *sw, const wkr_model *m, int rank, int world)
+void wkr_ckpt_meta(st_writer *sw, const wkr_model *m, int rank, int world)
 {
     char v[64];
     const model_cfg *c = &m->cfg;
@@ -103,6 +113,10 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
                       strerror(errno));
         return;
     }
+    if (m->cfg.hf_dir[0]) { /* the family's names and dtype (hf.c) */
+        wkr_hf_ckpt_save(w, c, m, real);
+        return;
+    }
     st_writer *sw;
     if (st_writer_new(&sw) != MOE_OK) {
         rpc_reply_err(c, MOE_ENOMEM, "out of memory");
@@ -111,7 +125,7 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
     char file[64], path[4096], tname[160];
     snprintf(file, sizeof(file), "model-%05d-of-%05d.safetensors", w->rank + 1, w->world);
     snprintf(path, sizeof(path), "%s/%s", real, file);
-    meta_cfg(sw, m, w->rank, w->world);
+    wkr_ckpt_meta(sw, m, w->rank, w->world);
     int bf = m->cfg.dtype == MOE_BF16;
     mp_writer names;
     mp_writer_init(&names);
@@ -216,8 +230,11 @@ static moe_err ckpt_prepare(wkr_model *m, const char *dir, mp_reader *files_r, c
         snprintf(path, sizeof(path), "%s/%.*s", dir, (int)len, s);
         /* the file itself may be a symlink: what is read stays under a root */
         e = confine(path, real, sizeof(real), err, errlen);
+        /* a model from a Hugging Face directory saves its weights in its
+         * dtype (BF16) next to other tensors of any dtype (hf.c) */
         if (e == MOE_OK)
-            e = st_open(real, &files[i], err, errlen);
+            e = st_open_flags(real, m->cfg.hf_dir[0] ? ST_OPEN_ANY_DTYPE : 0, &files[i], err,
+                              errlen);
         if (e == MOE_OK) {
             const char *st = st_meta(files[i], "moe.step");
             int64_t v = st ? atoll(st) : -1;
@@ -240,7 +257,14 @@ static moe_err ckpt_prepare(wkr_model *m, const char *dir, mp_reader *files_r, c
             else
                 snprintf(tname, sizeof(tname), "optimizer.%s.%s", k == 1 ? "exp_avg" : "exp_avg_sq",
                          p->name);
-            const st_tensor *t = find_any(files, (int)nf, tname);
+            const st_tensor *t = NULL;
+            if (k == 0 && m->cfg.hf_dir[0]) { /* the fp32 master, when one was saved */
+                char mname[200];
+                snprintf(mname, sizeof(mname), "optimizer.master.%s", p->name);
+                t = find_any(files, (int)nf, mname);
+            }
+            if (!t)
+                t = find_any(files, (int)nf, tname);
             if (!t && k > 0)
                 continue; /* saved before any training: moments start at zero */
             if (!t) {
@@ -251,10 +275,12 @@ static moe_err ckpt_prepare(wkr_model *m, const char *dir, mp_reader *files_r, c
                          tname, (long long)t->shape[0], (long long)(t->ndim > 1 ? t->shape[1] : 0),
                          p->rows, p->cols);
                 e = MOE_EINVAL;
-            } else if (!(m->staged[3 * i + k] = malloc(t->nbytes))) {
+            } else if (!(m->staged[3 * i + k] = malloc(p->n * sizeof(float)))) {
                 e = MOE_ENOMEM;
-            } else {
-                memcpy(m->staged[3 * i + k], t->data, t->nbytes);
+            } else if (st_to_f32(t, m->staged[3 * i + k], p->n) != MOE_OK) {
+                snprintf(err, errlen, "tensor %s is %s: only F32, BF16 and F16 are read", tname,
+                         t->dtype_name);
+                e = MOE_EINVAL;
             }
         }
     }

@@ -20,6 +20,7 @@
 #include "log.h"
 #include "params.h"
 #include "parcopy.h"
+#include "pool.h"
 #include "rows.h"
 
 #define DP_MAX_REGIONS_PER_PIPE 64
@@ -110,10 +111,155 @@ static void unlink_ticket(dp_table *t, dp_ticket *tk)
         t->staged_bytes -= tk->x.nbytes;
 }
 
+/* ---- bulk rows (the connection's side is worker/bulk.c) ---- */
+
+/* bulk_finish hands the ticket's answer to the bulk connection (mu held):
+ * y already in b->buf (e == MOE_OK), or the error. Once only. */
+static void bulk_finish(dp_bulk *b, moe_err e, const char *msg)
+{
+    if (b->state == DP_BULK_DONE)
+        return;
+    b->state = DP_BULK_DONE;
+    b->err = e;
+    snprintf(b->msg, sizeof(b->msg), "%s", msg);
+    if (!b->dead) {
+        uint64_t one = 1;
+        ssize_t n = write(b->wake_fd, &one, sizeof(one));
+        (void)n; /* an eventfd: cannot fill up here */
+    }
+}
+
+/* bulk_unref drops one reference (mu held); the last frees b. */
+static void bulk_unref(dp_bulk *b)
+{
+    if (--b->refs > 0)
+        return;
+    wpool_free(b->buf);
+    free(b);
+}
+
+moe_err dp_bulk_reserve(dp_table *t, size_t n, char *err, size_t errlen)
+{
+    moe_err e = MOE_OK;
+    pthread_mutex_lock(&t->mu);
+    if (t->staged_bytes + n > t->max_staged_bytes) {
+        e = MOE_EBUSY;
+        snprintf(err, errlen, "%zu bytes of rows already wait here (cap %zu)", t->staged_bytes,
+                 t->max_staged_bytes);
+    } else {
+        t->staged_bytes += n;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return e;
+}
+
+void dp_bulk_unreserve(dp_table *t, size_t n)
+{
+    pthread_mutex_lock(&t->mu);
+    t->staged_bytes -= n;
+    pthread_mutex_unlock(&t->mu);
+}
+
+moe_err dp_bulk_park(dp_table *t, dp_bulk *b, char *err, size_t errlen)
+{
+    moe_err e = MOE_OK;
+    pthread_mutex_lock(&t->mu);
+    for (dp_bulk *o = t->parked; o && e == MOE_OK; o = o->next)
+        if (o->cid == b->cid && o->seq == b->seq)
+            e = MOE_EPRECOND;
+    for (dp_ticket *o = t->head; o && e == MOE_OK; o = o->next)
+        if (o->cid == b->cid && o->seq == b->seq)
+            e = MOE_EPRECOND;
+    if (e != MOE_OK) {
+        snprintf(err, errlen, "ticket [%llu, %llu] is already here", (unsigned long long)b->cid,
+                 (unsigned long long)b->seq);
+    } else {
+        b->state = DP_BULK_PARKED;
+        b->refs = 1;
+        b->mu = &t->mu;
+        b->next = t->parked;
+        t->parked = b;
+        t->bulk_parked++;
+        t->bulk_in_total++;
+    }
+    pthread_mutex_unlock(&t->mu);
+    return e;
+}
+
+/* bulk_unlink removes b from the parked list (mu held): 1 if it was there. */
+static int bulk_unlink(dp_table *t, dp_bulk *b)
+{
+    for (dp_bulk **pp = &t->parked; *pp; pp = &(*pp)->next)
+        if (*pp == b) {
+            *pp = b->next;
+            b->next = NULL;
+            t->bulk_parked--;
+            return 1;
+        }
+    return 0;
+}
+
+int dp_bulk_unpark(dp_table *t, dp_bulk *b, int dead)
+{
+    pthread_mutex_lock(&t->mu);
+    int was = b->state == DP_BULK_PARKED && bulk_unlink(t, b);
+    if (was) {
+        t->staged_bytes -= b->reserved;
+        b->reserved = 0;
+        b->state = DP_BULK_DONE;
+    }
+    if (dead)
+        b->dead = 1;
+    pthread_mutex_unlock(&t->mu);
+    return was;
+}
+
+void dp_bulk_put(dp_table *t, dp_bulk *b)
+{
+    pthread_mutex_lock(&t->mu);
+    bulk_unref(b);
+    pthread_mutex_unlock(&t->mu);
+}
+
+void dp_bulk_conn_count(dp_table *t, int d)
+{
+    pthread_mutex_lock(&t->mu);
+    t->bulk_conns += d;
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* bulk_claim takes the parked rows of ticket (cid, seq) for tk (mu held):
+ * tk's x is a view into their buffer; the bytes stay counted in
+ * staged_bytes, now as the ticket's. NULL when none are parked. */
+static dp_bulk *bulk_claim(dp_table *t, dp_ticket *tk)
+{
+    dp_bulk *b = t->parked;
+    while (b && !(b->cid == tk->cid && b->seq == tk->seq))
+        b = b->next;
+    if (!b || b->dead)
+        return NULL;
+    bulk_unlink(t, b);
+    b->state = DP_BULK_CLAIMED;
+    b->reserved = 0;
+    b->refs++;
+    tk->bulk = b;
+    tk->x.dtype = b->dtype;
+    tk->x.ndim = 2;
+    tk->x.shape[0] = b->rows;
+    tk->x.shape[1] = b->cols;
+    tk->x.data = b->buf;
+    tk->x.nbytes = b->nbytes;
+    return b;
+}
+
 /* ticket_free drops the region reference (mu held) and frees tk. */
 static void ticket_free(dp_table *t, dp_ticket *tk)
 {
     dp_region *g = tk->region, *gy = tk->yregion;
+    if (tk->bulk) { /* an answer the bulk connection did not get yet: the error's */
+        bulk_finish(tk->bulk, MOE_ECLOSED, "the rows were dropped; data.rows has the reason");
+        bulk_unref(tk->bulk);
+    }
     if (g && --g->refs == 0 && g->dead)
         region_unmap(g);
     if (gy && --gy->refs == 0 && gy->dead)
@@ -226,8 +372,40 @@ void *dp_y_ptr(const dp_ticket *tk)
     return tk->region ? tk->yregion->base + tk->y_off : NULL;
 }
 
+/* answer_bulk: y (rows,H) of the ticket's dtype is in its bulk buffer;
+ * the connection's thread writes it to the client, and data.rows is
+ * answered {y: {bulk: true, dtype, shape}}. */
+static void answer_bulk(dp_ticket *tk, int64_t rows, int64_t H)
+{
+    dp_bulk *b = tk->bulk;
+    pthread_mutex_lock(b->mu);
+    bulk_finish(b, MOE_OK, "");
+    pthread_mutex_unlock(b->mu);
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
+    answer_head(&w, tk);
+    mp_write_cstr(&w, "y");
+    mp_write_map(&w, 3);
+    mp_write_cstr(&w, "bulk");
+    mp_write_bool(&w, true);
+    mp_write_cstr(&w, "dtype");
+    mp_write_cstr(&w, moe_dtype_name(tk->x.dtype));
+    mp_write_cstr(&w, "shape");
+    mp_write_array(&w, 2);
+    mp_write_i64(&w, rows);
+    mp_write_i64(&w, H);
+    rpc_reply(tk->call, &w);
+    tk->call = NULL;
+}
+
 void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H)
 {
+    if (tk->bulk) { /* into the buffer x came in (same shape and dtype) */
+        rows_f32_to_dtype(y, tk->x.dtype, tk->bulk->buf, (size_t)rows * (size_t)H);
+        answer_bulk(tk, rows, H);
+        return;
+    }
     if (tk->region && dp_y_on_device(tk)) { /* converted here, then to the GPU */
         size_t n = (size_t)rows * (size_t)H, nb = n * moe_dtype_size(tk->x.dtype);
         void *tmp = malloc(nb ? nb : 1);
@@ -255,6 +433,13 @@ void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H)
 
 void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H)
 {
+    if (tk->bulk) {
+        size_t nb = (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype);
+        if ((const uint8_t *)y != tk->bulk->buf)
+            par_memcpy(tk->bulk->buf, y, nb);
+        answer_bulk(tk, rows, H);
+        return;
+    }
     if (tk->region) {
         void *dst = dp_y_ptr(tk);
         size_t nb = (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype);
@@ -279,6 +464,11 @@ void dp_answer_err(dp_ticket *tk, moe_err e, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
+    if (tk->bulk) {
+        pthread_mutex_lock(tk->bulk->mu);
+        bulk_finish(tk->bulk, e, text);
+        pthread_mutex_unlock(tk->bulk->mu);
+    }
     if (tk->call)
         rpc_reply_err(tk->call, e, "%s", text);
     tk->call = NULL;
@@ -347,6 +537,7 @@ static void on_rows(dp_table *t, rpc_call *c)
     mp_reader rt, rshape, rrun;
     moe_tensor x;
     int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0, yregion = 0;
+    bool bulk = false;
     memset(&x, 0, sizeof(x));
     pspec sp[] = {
         {"ticket", P_RAW, &rt, true, 0, 0, 0, false},
@@ -359,9 +550,10 @@ static void on_rows(dp_table *t, rpc_call *c)
         {"y_offset", P_INT, &yoff, false, 0, 9e18, 0, false},
         {"y_region", P_INT, &yregion, false, 1, 9e18, 0, false},
         {"run", P_RAW, &rrun, false, 0, 0, 0, false},
+        {"bulk", P_BOOL, &bulk, false, 0, 0, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 10, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 11, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(c, e, "%s", err);
         return;
@@ -387,13 +579,26 @@ static void on_rows(dp_table *t, rpc_call *c)
     tk->pipe = rpc_call_pipe(c);
     tk->deadline_ns = rpc_now_ns() + (uint64_t)deadline_ms * 1000000ull;
     pthread_mutex_lock(&t->mu);
-    if (sp[1].seen == sp[5].seen) {
+    int ways = sp[1].seen + sp[5].seen + (bulk ? 1 : 0);
+    if (ways != 1) {
         e = MOE_EINVAL;
-        snprintf(err, sizeof(err), "data.rows needs x (inline) or region (shared memory), not %s",
-                 sp[1].seen ? "both" : "neither");
+        snprintf(err, sizeof(err),
+                 "data.rows needs one of x (inline), region (shared memory) or bulk: true (rows "
+                 "sent on the bulk connection), not %s",
+                 ways ? "several" : "none");
         goto fail;
     }
-    if (sp[5].seen) { /* by reference into a region of this connection */
+    if (bulk) { /* the rows came first, on a bulk connection */
+        if (!bulk_claim(t, tk)) {
+            e = MOE_ENOTFOUND;
+            snprintf(err, sizeof(err),
+                     "no bulk rows of ticket [%llu, %llu] are here (send them on the bulk "
+                     "connection and wait for its ack first)",
+                     (unsigned long long)cid, (unsigned long long)seq);
+            goto fail;
+        }
+        x = tk->x;
+    } else if (sp[5].seen) { /* by reference into a region of this connection */
         dp_region *g = region_find(t, tk->pipe, (uint64_t)region);
         dp_region *gy = sp[8].seen ? region_find(t, tk->pipe, (uint64_t)yregion) : g;
         uint32_t nd;
@@ -459,7 +664,7 @@ static void on_rows(dp_table *t, rpc_call *c)
         snprintf(err, sizeof(err), "%d tickets already wait here", t->ntickets);
         goto fail_unref;
     }
-    if (!tk->region)
+    if (!tk->region && !tk->bulk) /* bulk rows were counted when they arrived */
         t->staged_bytes += x.nbytes;
     t->ntickets++;
     t->rows_in_total += (uint64_t)x.shape[0];
@@ -488,6 +693,11 @@ fail_unref: /* the regions are live (mu held since they were found) */
     if (tk->region) {
         tk->region->refs--;
         tk->yregion->refs--;
+    }
+    if (tk->bulk) { /* claimed: its bytes are the ticket's no more */
+        t->staged_bytes -= tk->bulk->nbytes;
+        bulk_finish(tk->bulk, e, err);
+        bulk_unref(tk->bulk);
     }
 fail:
     pthread_mutex_unlock(&t->mu);
@@ -719,6 +929,9 @@ void dp_get_counters(dp_table *t, dp_counters *o)
     o->rows_in_total = t->rows_in_total;
     o->bytes_in_total = t->bytes_in_total;
     o->tickets_expired_total = t->tickets_expired_total;
+    o->bulk_conns = t->bulk_conns;
+    o->bulk_parked = t->bulk_parked;
+    o->bulk_in_total = t->bulk_in_total;
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -730,7 +943,7 @@ static void on_ping(dp_table *t, rpc_call *c)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, c->req.msgid);
-    mp_write_map(&w, 7);
+    mp_write_map(&w, 10);
     mp_write_cstr(&w, "role");
     mp_write_cstr(&w, "worker-data");
     mp_write_cstr(&w, "tickets");
@@ -745,6 +958,12 @@ static void on_ping(dp_table *t, rpc_call *c)
     mp_write_u64(&w, k.tickets_expired_total);
     mp_write_cstr(&w, "rows_in_total");
     mp_write_u64(&w, k.rows_in_total);
+    mp_write_cstr(&w, "bulk_conns");
+    mp_write_i64(&w, k.bulk_conns);
+    mp_write_cstr(&w, "bulk_parked");
+    mp_write_i64(&w, k.bulk_parked);
+    mp_write_cstr(&w, "bulk_in_total");
+    mp_write_u64(&w, k.bulk_in_total);
     rpc_reply(c, &w);
 }
 

@@ -30,12 +30,38 @@
 
 typedef struct dp_region dp_region;
 
+/* dp_bulk: rows that came on a bulk connection (worker/bulk.c, docs/
+ * PROTOCOL.md "Bulk rows"), named by a ticket. Parked in the table until a
+ * data.rows with bulk: true claims them; the ticket's x is then a view into
+ * buf, and its answer (y into the same buf, or the error) is handed back to
+ * the connection's thread, which writes it to the client. Shared by the
+ * connection's thread and the ticket: refs and state under the table's mu. */
+enum { DP_BULK_PARKED = 1, DP_BULK_CLAIMED, DP_BULK_DONE };
+typedef struct dp_bulk {
+    uint64_t cid, seq; /* the ticket */
+    moe_dtype dtype;
+    int64_t rows, cols;
+    uint8_t *buf;        /* owned (wpool): x (rows, cols) as received, then y in place */
+    size_t nbytes;       /* rows x cols x element size */
+    size_t reserved;     /* counted in the table's staged_bytes while parked */
+    int state;           /* DP_BULK_* */
+    int dead;            /* its connection is gone: nobody waits for the answer */
+    int refs;            /* the connection's thread, and the ticket that claimed it */
+    int wake_fd;         /* the connection's eventfd, written when state becomes DONE */
+    pthread_mutex_t *mu; /* the table's */
+    moe_err err;         /* with DONE: MOE_OK = y (nbytes in buf), else the error */
+    char msg[256];
+    uint64_t park_deadline_ns; /* parked rows not claimed by then are dropped */
+    struct dp_bulk *next;      /* in the table's parked list */
+} dp_bulk;
+
 /* dp_ticket: one client's rows for one job, waiting or taken. */
 typedef struct dp_ticket {
     uint64_t cid, seq;  /* the ticket */
     rpc_call *call;     /* the client's data.rows call; answered exactly once */
     moe_tensor x;       /* the rows (R,H): a view into call's message or region */
     dp_region *region;  /* non-NULL: x lies in this region */
+    dp_bulk *bulk;      /* non-NULL: x came on a bulk connection (x, then y, in its buf) */
     dp_region *yregion; /* with region: y goes into this one (region by default) */
     uint64_t y_off;     /* byte offset of y (R,H) in yregion */
     uint32_t pipe;      /* connection the call came on */
@@ -70,6 +96,9 @@ typedef struct dp_table {
     dp_region *regions;
     size_t mapped_bytes, max_mapped_bytes;
     uint64_t next_region;
+    dp_bulk *parked; /* bulk rows waiting for their data.rows */
+    int bulk_conns, bulk_parked;
+    uint64_t bulk_in_total; /* transfers received on bulk connections */
     const char *auth_token; /* "" or NULL = none (borrowed, read-only) */
     int gpu_register;       /* register regions with CUDA (pinned copies) */
     int gpu_device;         /* >= 0: the worker's GPU (CUDA IPC regions open there) */
@@ -98,8 +127,29 @@ void dp_close(dp_table *t);
 typedef struct dp_counters {
     int64_t tickets, regions;
     uint64_t staged_bytes, mapped_bytes, rows_in_total, bytes_in_total, tickets_expired_total;
+    int64_t bulk_conns, bulk_parked; /* open bulk connections, rows waiting for data.rows */
+    uint64_t bulk_in_total;          /* transfers received on bulk connections */
 } dp_counters;
 void dp_get_counters(dp_table *t, dp_counters *out);
+
+/* ---- the bulk path's side (worker/bulk.c; the table's mu inside) ---- */
+/* dp_bulk_reserve counts n bytes of rows on their way in staged_bytes:
+ * MOE_EBUSY (reason in err) beyond --data-staged-mb. */
+moe_err dp_bulk_reserve(dp_table *t, size_t n, char *err, size_t errlen);
+/* dp_bulk_unreserve gives back what dp_bulk_reserve counted. */
+void dp_bulk_unreserve(dp_table *t, size_t n);
+/* dp_bulk_park files received rows (b->reserved bytes counted) until a
+ * data.rows claims them or park_deadline_ns; refs becomes 1 (the caller's).
+ * MOE_EPRECOND when the ticket is already here. */
+moe_err dp_bulk_park(dp_table *t, dp_bulk *b, char *err, size_t errlen);
+/* dp_bulk_unpark drops b from the parked list if it is still there
+ * (unreserving its bytes): 1 if it was parked. With dead, b is marked
+ * gone (its answer goes nowhere; the wake fd is no longer written). */
+int dp_bulk_unpark(dp_table *t, dp_bulk *b, int dead);
+/* dp_bulk_put drops the caller's reference; the last one frees b and buf. */
+void dp_bulk_put(dp_table *t, dp_bulk *b);
+/* dp_bulk_conn_count adds d to the open bulk connections (ping). */
+void dp_bulk_conn_count(dp_table *t, int d);
 
 /* dp_method: a row of the data-plane endpoint's method table (dp_methods:
  * data.rows, data.cancel, data.shm_attach/detach, data.cuda_attach/detach,

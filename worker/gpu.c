@@ -14,6 +14,14 @@
 #include "kcu_ep.h"
 #include "kern_cuda.h"
 
+int64_t wkr_gpu_mem_free(int device)
+{
+    size_t free_b = 0, total_b = 0;
+    if (cudaSetDevice(device) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess)
+        return -1;
+    return (int64_t)free_b;
+}
+
 int wkr_gpu_probe(int device, char *name, size_t len)
 {
     int n = 0;
@@ -479,6 +487,12 @@ moe_err wkr_gpu_copy(void *dst, const void *src, size_t n)
 void wkr_gpu_pinned_free(void *p)
 {
     free(p);
+}
+
+int64_t wkr_gpu_mem_free(int device)
+{
+    (void)device;
+    return -1;
 }
 
 int wkr_gpu_probe(int device, char *name, size_t len)

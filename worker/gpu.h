@@ -32,6 +32,9 @@ int wkr_gpu_probe(int device, char *name, size_t len);
  * CUDA or when the driver refuses. */
 moe_err wkr_gpu_host_register(void *p, size_t n);
 void wkr_gpu_host_unregister(void *p);
+/* wkr_gpu_mem_free: free memory of CUDA device `device` in bytes (cudaMemGetInfo);
+ * -1 without CUDA or when it cannot be read. */
+int64_t wkr_gpu_mem_free(int device);
 /* wkr_gpu_pinned_alloc: n bytes of pinned host memory (plain malloc without
  * CUDA); free with wkr_gpu_pinned_free. */
 void *wkr_gpu_pinned_alloc(size_t n);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "blas_pick.h"
+#include "bulk.h"
 #include "confine.h"
 #include "gpu.h"
 #include "hostid.h"
@@ -17,6 +18,7 @@
 #include "pool.h"
 #include "sdnotify.h"
 #include "secret.h"
+#include "tls.h"
 #include "worker.h"
 #include "client_dp.h" /* moe__set_cluster */
 
@@ -35,6 +37,11 @@ static const cfg_entry worker_cfg[] = {
      "exchange address other workers dial (port 0 = any)"},
     {"client-listen", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.client_url_cfg,
      "data plane: address clients send token rows to (port 0 = any; \"off\" = none)"},
+    {"bulk-listen", CFG_STR, "tcp://127.0.0.1:0", 0, 0, W.bulk_url_cfg,
+     "data plane: plain TCP address for large rows from clients on other hosts (port 0 = any; "
+     "\"off\" = none)"},
+    {"bulk-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.bulk_timeout_ms,
+     "data plane: a bulk transfer whose bytes stop for this long is dropped"},
     {"data-wait-ms", CFG_INT, "10000", 1, 3600000, &W.data_wait_ms,
      "data plane: how long a job waits for a client's rows to arrive"},
     {"data-staged-mb", CFG_INT, "4096", 1, 1 << 20, &W.data_staged_mb,
@@ -70,6 +77,17 @@ static const cfg_entry worker_cfg[] = {
      "without cluster-secret: read the secret here before each registration"},
     {"insecure", CFG_BOOL, "0", 0, 1, &W.insecure,
      "allow listening on non-loopback addresses without auth-token"},
+    {"tls-cert", CFG_STR, "", 0, 0, W.tls_cert,
+     "PEM certificate chain its tls+tcp:// listen and client-listen addresses present"},
+    {"tls-key", CFG_STR, "", 0, 0, W.tls_key, "PEM private key of tls-cert"},
+    {"tls-ca", CFG_STR, "", 0, 0, W.tls_ca,
+     "PEM CA certificates that the coordinator's tls+tcp:// certificate must chain to"},
+    {"mem-report-mb", CFG_INT, "0", 0, 1LL << 40, &W.mem_report_mb,
+     "host memory offered for models, MiB, reported to the coordinator, which refuses a "
+     "model.create that does not fit (0 = MemAvailable of /proc/meminfo)"},
+    {"fail-create-for-tests", CFG_STR, "", 0, 0, W.fail_create_for_tests,
+     "testing: the first worker.model_create of the model of this name fails "
+     "(resource_exhausted)"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))
@@ -232,7 +250,12 @@ static void send_register(wkr *w)
     if (load_secret(w) != 0)
         return;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 7);
+    mp_write_map(&pw, 8 + (w->bulk_url[0] ? 1 : 0));
+    if (w->bulk_url[0]) {
+        mp_write_cstr(&pw, "bulk_url");
+        mp_write_cstr(&pw, w->bulk_url);
+    }
+    wkr_write_mem(w, &pw);
     mp_write_cstr(&pw, "client_url");
     mp_write_cstr(&pw, w->client_url);
     mp_write_cstr(&pw, "host");
@@ -274,7 +297,8 @@ static void on_hb_timer(uv_timer_t *t)
     mp_writer lw;
     mp_writer_init(&lw);
     int lane = wkr_lane_write_report(w, &lw);
-    mp_write_map(&pw, 3 + lane);
+    mp_write_map(&pw, 4 + lane);
+    wkr_write_mem(w, &pw);
     mp_write_cstr(&pw, "worker_id");
     mp_write_i64(&pw, w->worker_id);
     mp_write_cstr(&pw, "epoch");
@@ -342,6 +366,45 @@ static int print_version(void)
     return 0;
 }
 
+/* check_tls: every tls+tcp:// address needs the TLS engine, a listener's a
+ * certificate and key, the coordinator's a CA; the data address is never
+ * TLS (0: fine) */
+static int check_tls(const wkr *w)
+{
+    const char *listens[2] = {w->listen_url, w->client_url_cfg};
+    char why[256];
+    int any = moe_tls_url(w->coord_url);
+    if (moe_tls_url(w->data_url_cfg)) {
+        /* nng 1.5.2 (Debian 12) can hang for ever closing a TLS push socket
+         * whose last message the peer has not read yet: a worker would not
+         * stop, nor leave a generation */
+        fprintf(stderr,
+                "moe-worker: the exchange between workers (--data %s) does not run over "
+                "TLS: use tcp:// on a private network, or ipc:// on one host\n",
+                w->data_url_cfg);
+        return -1;
+    }
+    for (int i = 0; i < 2; i++) {
+        if (!moe_tls_url(listens[i]))
+            continue;
+        any = 1;
+        if (!w->tls_cert[0] || !w->tls_key[0]) {
+            fprintf(stderr, "moe-worker: %s is a TLS address: give --tls-cert and --tls-key\n",
+                    listens[i]);
+            return -1;
+        }
+    }
+    if (any && !moe_tls_available(why, sizeof(why))) {
+        fprintf(stderr, "moe-worker: TLS addresses given but %s\n", why);
+        return -1;
+    }
+    if (moe_tls_url(w->coord_url) && !w->tls_ca[0]) {
+        fprintf(stderr, "moe-worker: dialing the coordinator at %s needs --tls-ca\n", w->coord_url);
+        return -1;
+    }
+    return 0;
+}
+
 static const char *pick_backend(wkr *w)
 {
     if (strcmp(w->backend_cfg, "cpu") != 0 &&
@@ -385,8 +448,8 @@ int main(int argc, char **argv)
         return 2;
     }
     if (!W.auth_token[0] && !W.insecure) {
-        const char *urls[3] = {W.listen_url, W.data_url_cfg, W.client_url_cfg};
-        for (int i = 0; i < 3; i++) {
+        const char *urls[4] = {W.listen_url, W.data_url_cfg, W.client_url_cfg, W.bulk_url_cfg};
+        for (int i = 0; i < 4; i++) {
             if (strcmp(urls[i], "off") != 0 && !url_is_loopback(urls[i])) {
                 fprintf(stderr,
                         "moe-worker: refusing to listen on %s without --auth-token (set "
@@ -412,11 +475,14 @@ int main(int argc, char **argv)
     pthread_mutex_init(&W.qmu, NULL);
     pthread_cond_init(&W.qcv, NULL);
 
+    const moe_tls_files tls = {W.tls_cert, W.tls_key, W.tls_ca};
+    if (check_tls(&W) != 0)
+        return 2;
     if (xchg_nng_listen(W.data_url_cfg, &W.lis, W.data_url, sizeof(W.data_url)) != MOE_OK) {
         LOG_E("cannot listen on data address %s", W.data_url_cfg);
         return 1;
     }
-    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL, 0, 0};
+    rpcsrv_opts o = {W.listen_url, 8, (size_t)W.max_msg_mb << 20, on_request, &W, NULL, 0, 0, &tls};
     if (rpcsrv_open(W.loop, &o, &W.srv, W.rpc_url, sizeof(W.rpc_url)) != MOE_OK)
         return 1;
     moe_host_id(W.host_id, sizeof(W.host_id));
@@ -437,19 +503,36 @@ int main(int argc, char **argv)
                          &W.dp,
                          dp_on_pipe_closed,
                          0,
-                         0};
+                         0,
+                         &tls};
         if (rpcsrv_open(W.loop, &d, &W.dsrv, W.client_url, sizeof(W.client_url)) != MOE_OK)
             return 1;
+        /* the bulk path rides on the client endpoint (its control) */
+        if (strcmp(W.bulk_url_cfg, "off") != 0) {
+            wkr_bulk_opts bo = {W.bulk_url_cfg,
+                                &W.dp,
+                                (size_t)W.max_msg_mb << 20,
+                                (int)W.bulk_timeout_ms,
+                                (int)W.data_wait_ms,
+                                60000,
+                                64,
+                                W.auth_token};
+            if (wkr_bulk_open(&bo, &W.bulk, W.bulk_url, sizeof(W.bulk_url)) != MOE_OK)
+                return 1;
+        }
     }
-    moe_client_opts co = {0, 0, W.auth_token[0] ? W.auth_token : NULL, "coordinator"};
+    moe_client_opts co = {
+        0,          0,        W.auth_token[0] ? W.auth_token : NULL, "coordinator", W.tls_ca,
+        W.tls_cert, W.tls_key};
     co.timeout_ms = (int)(W.heartbeat_ms * 4);
     if (moe_client_open(W.coord_url, &co, &W.coord) != MOE_OK) {
         LOG_E("cannot dial coordinator %s: %s", W.coord_url, moe_last_error());
         return 1;
     }
-    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s blas %s\n",
+    fprintf(stderr, "moe-worker pid %d backend %s (%s) rpc %s data %s clients %s bulk %s blas %s\n",
             (int)getpid(), W.backend, W.device, W.rpc_url, W.data_url,
-            W.client_url[0] ? W.client_url : "off", blas_pick_describe(blas, sizeof(blas)));
+            W.client_url[0] ? W.client_url : "off", W.bulk_url[0] ? W.bulk_url : "off",
+            blas_pick_describe(blas, sizeof(blas)));
     cfg_print(worker_cfg, NCFG, stderr);
 
     pthread_create(&W.compute_thread, NULL, wkr_compute_main, &W);
@@ -486,6 +569,7 @@ int main(int argc, char **argv)
     pthread_join(W.compute_thread, NULL);
     rpcsrv_close(W.srv);
     dp_close(&W.dp); /* answers the rows still waiting, before their server goes */
+    wkr_bulk_close(W.bulk);
     if (W.dsrv)
         rpcsrv_close(W.dsrv);
     uv_close((uv_handle_t *)&W.hb_timer, NULL);

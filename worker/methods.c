@@ -60,11 +60,13 @@ const wkr_method wkr_methods[] = {
     {{"worker.xchg_id", COMPUTE | NONE}, wkr_op_xchg_id},
     {{"worker.join", COMPUTE}, wkr_op_join},
     {{"worker.model_create", COMPUTE}, wkr_op_model_create},
+    {{"worker.model_delete", COMPUTE}, wkr_op_model_delete},
     {{"worker.forward", COMPUTE}, wkr_op_forward},
     {{"worker.backward", COMPUTE}, wkr_op_backward},
     {{"worker.step", COMPUTE}, wkr_op_step},
     {{"worker.checkpoint_save", COMPUTE}, wkr_op_ckpt_save},
     {{"worker.checkpoint_load", COMPUTE}, wkr_op_ckpt_load},
+    {{"worker.grads", COMPUTE}, wkr_op_grads},
 };
 const int wkr_nmethods = (int)(sizeof(wkr_methods) / sizeof(wkr_methods[0]));
 

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hfcfg.h"
 #include "kern.h"
 #include "log.h"
 #include "params.h"
@@ -228,6 +229,7 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
     m->layers = calloc((size_t)cfg->layers, sizeof(wkr_layer));
     if (!m->layers)
         goto oom;
+    int hf = cfg->hf_dir[0] != 0; /* weights come from the directory: no init */
     for (int l = 0; l < cfg->layers; l++) {
         wkr_layer *L = &m->layers[l];
         size_t fh = (size_t)F * H;
@@ -238,7 +240,7 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
             L->w3 = malloc((size_t)(m->ne ? m->ne : 1) * fh * sizeof(float));
         if (!L->wr || !L->w1 || !L->w2 || (cfg->act == KERN_ACT_SWIGLU && !L->w3))
             goto oom;
-        for (int i = 0; i < m->ne; i++) {
+        for (int i = 0; i < m->ne && !hf; i++) {
             int e = m->e0 + i;
             kern_init_weight(cfg->seed, l, e, KERN_W1, F, H, L->w1 + i * fh);
             kern_init_weight(cfg->seed, l, e, KERN_W2, H, F, L->w2 + i * fh);
@@ -306,6 +308,12 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_EUNAVAIL, "worker has not joined a cluster");
         return;
     }
+    if (w->fail_create_for_tests[0] && strcmp(w->fail_create_for_tests, cfg.name) == 0 &&
+        !w->fail_create_done++) {
+        rpc_reply_err(c, MOE_ENOMEM, "cannot allocate model '%s' (--fail-create-for-tests)",
+                      cfg.name);
+        return;
+    }
     wkr_model *old = wkr_find_model(w, cfg.name);
     if (old && !model_cfg_same(&old->cfg, &cfg)) {
         rpc_reply_err(c, MOE_EINVAL, "model '%s' exists with another configuration", cfg.name);
@@ -321,6 +329,21 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
         if (e != MOE_OK) {
             rpc_reply_err(c, e, "cannot allocate model '%s'", cfg.name);
             return;
+        }
+        if (cfg.hf_dir[0]) { /* a Hugging Face directory: its names and weights (hf.c) */
+            char herr[768];
+            hf_cfg *hc = malloc(sizeof(*hc));
+            e = hc ? hf_cfg_read(cfg.hf_dir, hc, herr, sizeof(herr)) : MOE_ENOMEM;
+            if (e == MOE_OK) {
+                wkr_hf_names(m, hc);
+                e = wkr_hf_load(m, hc, herr, sizeof(herr));
+            }
+            free(hc);
+            if (e != MOE_OK) {
+                wkr_model_free(m);
+                rpc_reply_err(c, e, "%s", e == MOE_ENOMEM ? "out of memory" : herr);
+                return;
+            }
         }
         /* the GPU kernels store bf16: an f32 model stays on the exact CPU path */
         if (w->use_gpu && cfg.dtype != MOE_BF16)

@@ -133,6 +133,13 @@ struct wkr {
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
     char auth_token[CFG_STR_MAX];
+    /* TLS (tls.h): the listeners' certificate and key, the CA of the peers'
+     * certificates (PEM paths; empty = none) */
+    char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
+    long long mem_report_mb;                 /* > 0: report this as host memory available */
+    char fail_create_for_tests[CFG_STR_MAX]; /* the first worker.model_create of this name
+                                              * fails (tests) */
+    int fail_create_done;                    /* it did (compute thread) */
     char cluster_secret_cfg[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
@@ -187,9 +194,13 @@ struct wkr {
     long long max_handles, handle_ttl_ms;
 
     /* data plane: rows straight from clients (dataplane.h) */
-    rpcsrv *dsrv;                 /* loop thread */
-    char client_url[CFG_STR_MAX]; /* bound */
-    char host_id[128];            /* this host's boot id */
+    rpcsrv *dsrv;                   /* loop thread */
+    char client_url[CFG_STR_MAX];   /* bound */
+    char bulk_url_cfg[CFG_STR_MAX]; /* --bulk-listen */
+    char bulk_url[CFG_STR_MAX];     /* bound ("" = none) */
+    long long bulk_timeout_ms;
+    struct wkr_bulk *bulk; /* the bulk listener (bulk.h), or NULL */
+    char host_id[128];     /* this host's boot id */
     long long data_wait_ms, data_staged_mb, shm_max_mb, pool_mb;
     dp_table dp;
     void *pin; /* pinned host buffer of the GPU paths (compute thread; wkr_pinned) */
@@ -237,6 +248,10 @@ void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m);
 void wkr_op_join(wkr *w, rpc_call *c);
 void wkr_op_xchg_id(wkr *w, rpc_call *c);
 void wkr_op_model_create(wkr *w, rpc_call *c);
+/* model_delete.c: worker.model_delete, and the "mem" report (a key and its
+ * map, written into pw) of worker.register and worker.heartbeat */
+void wkr_op_model_delete(wkr *w, rpc_call *c);
+void wkr_write_mem(const wkr *w, mp_writer *pw);
 void wkr_op_forward(wkr *w, rpc_call *c);
 void wkr_op_backward(wkr *w, rpc_call *c);
 void wkr_op_step(wkr *w, rpc_call *c);
@@ -246,6 +261,28 @@ void wkr_op_ckpt_load(wkr *w, rpc_call *c);
  * written in and read from (its worker.register reply); checkpoint calls
  * naming a directory or file outside them are refused. Copied; any thread. */
 void wkr_ckpt_set_roots(const char *const *roots, int n);
+/* wkr_ckpt_get_roots copies up to max of them into out; returns how many. */
+int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max);
+/* hf.c: models from a Hugging Face directory (cfg.hf_dir). wkr_hf_names
+ * names m's parameters as the checkpoint does (hc: its config.json);
+ * wkr_hf_load reads the router and this worker's experts of every moe
+ * layer from the directory's files, converted to the model's dtype. */
+struct hf_cfg;
+void wkr_hf_names(wkr_model *m, const struct hf_cfg *hc);
+moe_err wkr_hf_load(wkr_model *m, const struct hf_cfg *hc, char *err, size_t errlen);
+/* wkr_hf_ckpt_save answers worker.checkpoint_save of a model from a
+ * Hugging Face directory into dir (resolved): model-<r>-of-<W>.safetensors
+ * holds the weights in the model's dtype under the family's names (rank 0
+ * also the routers, every other tensor of the source directory unchanged,
+ * and config.json); optimizer-<r>-of-<W>.safetensors the fp32 masters and
+ * AdamW moments, once trained. Reply {file, bytes, names, opt_file?,
+ * opt_names?}. */
+struct st_writer;
+void wkr_hf_ckpt_save(wkr *w, rpc_call *c, wkr_model *m, const char *dir);
+/* wkr_ckpt_meta writes the moe.* metadata of a checkpoint file */
+void wkr_ckpt_meta(struct st_writer *sw, const wkr_model *m, int rank, int world);
+/* grads.c: worker.grads {model, layer, expert?} */
+void wkr_op_grads(wkr *w, rpc_call *c);
 wkr_model *wkr_find_model(wkr *w, const char *name);
 /* The handlers' common prologue steps; each answers the call with the
  * error and returns false / NULL when it fails. wkr_parse_or_reply parses

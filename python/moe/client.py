@@ -79,7 +79,9 @@ def _need_lib() -> ctypes.CDLL:
 
 class _Opts(ctypes.Structure):
     _fields_ = [("timeout_ms", ctypes.c_int), ("max_msg", ctypes.c_size_t),
-                ("auth_token", ctypes.c_char_p), ("data_path", ctypes.c_char_p)]
+                ("auth_token", ctypes.c_char_p), ("data_path", ctypes.c_char_p),
+                ("tls_ca", ctypes.c_char_p), ("tls_cert", ctypes.c_char_p),
+                ("tls_key", ctypes.c_char_p)]
 
 
 class _ModelCfg(ctypes.Structure):
@@ -131,6 +133,9 @@ def _declare(lib: ctypes.CDLL):
     lib.moe_reply_free.argtypes = [ctypes.POINTER(_Reply)]
     lib.moe_ping.argtypes = [_P]
     lib.moe_model_create.argtypes = [_P, ctypes.POINTER(_ModelCfg)]
+    lib.moe_model_delete.argtypes = [_P, ctypes.c_char_p]
+    lib.moe_model_create_from_hf.argtypes = [_P, ctypes.c_char_p, ctypes.c_char_p,
+                                             ctypes.c_char_p]
     lib.moe_forward.argtypes = [_P, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, _P,
                                 ctypes.c_int64, ctypes.c_int64, _P, ctypes.POINTER(_FwdInfo)]
     lib.moe_forward_train.argtypes = lib.moe_forward.argtypes
@@ -229,19 +234,27 @@ class Client:
 
     def __init__(self, url: str = "tcp://127.0.0.1:7000", timeout_ms: int = 60000,
                  auth_token: Optional[str] = None, data_path: Optional[str] = None,
-                 max_msg: int = 0):
-        """url: the coordinator (tcp://host:port, ipc:///path). timeout_ms: per
-        call. auth_token: the coordinator's --auth-token, if any. data_path:
-        how forward/backward rows travel - "auto" (default: straight to the
-        workers, through shared memory on the same host), "socket", "shm" or
-        "coordinator"; None = $MOE_DATA_PATH or auto. max_msg: the largest
-        response accepted in bytes (0 = 1 GiB)."""
+                 max_msg: int = 0, tls_ca: Optional[str] = None,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None):
+        """url: the coordinator (tcp://host:port, tls+tcp://host:port,
+        ipc:///path). timeout_ms: per call. auth_token: the coordinator's
+        --auth-token, if any. data_path: how forward/backward rows travel -
+        "auto" (default: straight to the workers, through shared memory on
+        the same host, large rows to workers on other hosts over their bulk
+        TCP endpoint), "socket", "shm", "bulk" or "coordinator"; None =
+        $MOE_DATA_PATH or auto. max_msg: the largest response accepted in
+        bytes (0 = 1 GiB). tls_ca: PEM file of the CA that signed the
+        server's certificate (required for tls+tcp://; the host name of the
+        url is checked against the certificate); tls_cert, tls_key: a client
+        certificate and its key (optional)."""
         lib = _need_lib()
         self._c = _P()
         self._bufs: Dict[int, Tuple[int, np.ndarray]] = {}  # address -> Client.buffer array
         self._cuda: Dict[int, int] = {}  # allocation base -> size of registered CUDA memory
-        opts = _Opts(timeout_ms, max_msg, auth_token.encode() if auth_token else None,
-                     data_path.encode() if data_path else None)
+        def enc(v: Optional[str]) -> Optional[bytes]:
+            return v.encode() if v else None
+        opts = _Opts(timeout_ms, max_msg, enc(auth_token), enc(data_path), enc(tls_ca),
+                     enc(tls_cert), enc(tls_key))
         _check(lib.moe_client_open(url.encode(), ctypes.byref(opts), ctypes.byref(self._c)))
         self.url = url
 
@@ -341,6 +354,36 @@ class Client:
                         activation.encode(), int(renormalize), capacity_factor, _DTYPES[dtype],
                         seed, aux_loss_coef, z_loss_coef)
         _check(_lib.moe_model_create(self._live(), ctypes.byref(cfg)))
+
+    def model_delete(self, name: str) -> None:
+        """Deletes a model everywhere (model.delete); the name may be created
+        again. NotFoundError when there is none; FailedPreconditionError
+        while requests for it are queued."""
+        _check(_lib.moe_model_delete(self._live(), name.encode()))
+
+    def model_create_from_hf(self, name: str, path: str, dtype: Optional[str] = None) -> None:
+        """Creates model `name` from a Hugging Face model directory as
+        published (config.json + model.safetensors, or shards with
+        model.safetensors.index.json; Mixtral, Qwen3-MoE, OLMoE): one moe
+        layer per MoE layer of the checkpoint, with its weights and tensor
+        names (model_info(name)["hf"]). path is on the coordinator's file
+        system, under its checkpoint root. dtype "f32" or "bf16"; None: the
+        checkpoint's own."""
+        _check(_lib.moe_model_create_from_hf(self._live(), name.encode(), path.encode(),
+                                             dtype.encode() if dtype else None))
+
+    def model_grads(self, model: str, layer: int,
+                    expert: Optional[int] = None) -> Dict[str, np.ndarray]:
+        """model.grads: the weight gradients of one layer accumulated by the
+        backwards since the last optimizer_step, {tensor name: float32 array}
+        (names as in the model's checkpoint; with expert, only its matrices
+        and the router's)."""
+        params: Dict[str, Any] = {"model": model, "layer": layer}
+        if expert is not None:
+            params["expert"] = expert
+        res = self.call("model.grads", params)
+        return {k: np.frombuffer(t["data"], dtype=np.float32).reshape(t["shape"]).copy()
+                for k, t in res["tensors"].items()}
 
     # ---- rows in place ----
 
