@@ -86,7 +86,7 @@ def main():
                     errs.append(f"Service {host} has no port {port}")
                 if ("Deployment", "moe-coordinator") not in selects(reg["spec"]["selector"]):
                     errs.append(f"Service {host} does not select the coordinator")
-        for flag in ("--listen", "--data", "--client-listen"):
+        for flag in ("--listen", "--data", "--client-listen", "--bulk-listen"):
             if not re.search(flag + r"[ =]tcp://\$POD_IP:", cmd):
                 errs.append(f"the worker's {flag} is not on the pod address")
 
