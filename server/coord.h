@@ -63,10 +63,10 @@ typedef struct coord_model {
     int64_t *tokens;  /* (layers, E) routed slots, cumulative */
     int64_t *dropped; /* (layers, E) dropped slots, cumulative */
     uint64_t forwards;
-    int created_gen;         /* generation the workers hold it in; 0 = not yet */
-    int64_t step;            /* optimizer steps completed */
-    int64_t saved_step;      /* step of the last checkpoint written or loaded */
-    int64_t pending_grads;   /* backwards since the last step */
+    int created_gen;       /* generation the workers hold it in; 0 = not yet */
+    int64_t step;          /* optimizer steps completed */
+    int64_t saved_step;    /* step of the last checkpoint written or loaded */
+    int64_t pending_grads; /* backwards since the last step */
     /* restoring: the workers do not hold the model's durable state yet, so
      * training calls are refused (coord_train_refused): 1 while its newest
      * checkpoint is being restored (a re-formation, or a step whose outcome
@@ -172,8 +172,8 @@ struct coord_job {
     uint8_t *deferred;      /* JOB_CKPT_SAVE: an optimizer.step reply sent only once this
                              * checkpoint is durable (owned) */
     size_t deferred_len;
-    int64_t expect_step;  /* JOB_STEP: the client's expect_step (-1: none) */
-    uint64_t admit_gen;   /* JOB_STEP: the generation it was admitted in */
+    int64_t expect_step; /* JOB_STEP: the client's expect_step (-1: none) */
+    uint64_t admit_gen;  /* JOB_STEP: the generation it was admitted in */
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
     int nsent, pending;
@@ -261,8 +261,8 @@ struct coord {
     uint64_t started_ns;
     uint64_t requests_total, errors_total, forwards_total, tokens_total, busy_total;
     uint64_t errors_by_code[MOE_ERR_COUNT]; /* their sum is errors_total */
-    uint64_t busy_bytes_total; /* requests answered busy: over --max-inflight-mb */
-    double phase_s[4];         /* gate, dispatch, experts, combine: sums of slowest worker */
+    uint64_t busy_bytes_total;              /* requests answered busy: over --max-inflight-mb */
+    double phase_s[4]; /* gate, dispatch, experts, combine: sums of slowest worker */
     uint64_t lat_hist[COORD_LAT_BUCKETS + 1];      /* forward latency histogram */
     uint64_t phase_hist[4][COORD_LAT_BUCKETS + 1]; /* per-phase latency histograms */
     double lat_sum;

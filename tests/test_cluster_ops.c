@@ -264,8 +264,8 @@ Test(cluster_ops, draining_refuses_new_forwards, .timeout = 60, .fini = cluster_
         char msg[512];
         snprintf(msg, sizeof(msg), "%s", moe_last_error());
         moe_client_close(c2);
-        cr_assert_eq(e, MOE_EUNAVAIL, "%s forward during drain: %s: %s", paths[p],
-                     moe_err_code(e), msg);
+        cr_assert_eq(e, MOE_EUNAVAIL, "%s forward during drain: %s: %s", paths[p], moe_err_code(e),
+                     msg);
         cr_assert(strstr(msg, "draining"), "message: %s", msg);
     }
     release_worker(cl);

@@ -204,8 +204,10 @@ static void verify(cluster *cl, uint64_t gen, int64_t acked, float (*ref)[DN], i
         usleep(20 * 1000);
     }
     int64_t at = read_step(cl->cli, 60000);
-    cr_assert_eq(at, acked, "after the re-formation the model is at step %lld, the last "
-                 "acknowledged step is %lld", (long long)at, (long long)acked);
+    cr_assert_eq(at, acked,
+                 "after the re-formation the model is at step %lld, the last "
+                 "acknowledged step is %lld",
+                 (long long)at, (long long)acked);
     static float y[DN];
     moe_err e;
     t0 = cluster_now_ms();
@@ -222,8 +224,7 @@ static void verify(cluster *cl, uint64_t gen, int64_t acked, float (*ref)[DN], i
               "the weights after the restore are not those of step %lld", (long long)acked);
 }
 
-Test(durable, acknowledged_steps_survive_worker_kills, .timeout = 240,
-     .fini = cluster_fini_all)
+Test(durable, acknowledged_steps_survive_worker_kills, .timeout = 240, .fini = cluster_fini_all)
 {
     char ck[128];
     make_tmpdir(ck, sizeof(ck));
@@ -272,8 +273,7 @@ Test(durable, acknowledged_steps_survive_worker_kills, .timeout = 240,
             /* the only refusal a worker's crash may cause: the restore
              * dropped the gradients (never "is at step": no step was
              * applied that was not acknowledged) */
-            cr_assert(strstr(msg, "no gradients"), "step %lld refused: %s", (long long)acked,
-                      msg);
+            cr_assert(strstr(msg, "no gradients"), "step %lld refused: %s", (long long)acked, msg);
             refused++;
         } else {
             cr_assert(e == MOE_EUNAVAIL || e == MOE_ETIMEDOUT, "step: %s: %s", moe_err_code(e),
@@ -288,8 +288,8 @@ Test(durable, acknowledged_steps_survive_worker_kills, .timeout = 240,
                 have_ref[acked] = probe(cl->cli, ref[acked]) == MOE_OK;
             } else if (e == MOE_EPRECOND && parse_at(msg) != acked) {
                 /* "already applied": the service says step acked+1 happened */
-                cr_assert_eq(parse_at(msg), acked + 1, "retry of step %lld: %s",
-                             (long long)acked, msg);
+                cr_assert_eq(parse_at(msg), acked + 1, "retry of step %lld: %s", (long long)acked,
+                             msg);
                 acked++;
                 have_ref[acked] = 0;
             }
@@ -302,8 +302,8 @@ Test(durable, acknowledged_steps_survive_worker_kills, .timeout = 240,
     pthread_cond_broadcast(&k.cv);
     pthread_mutex_unlock(&k.mu);
     pthread_join(th, NULL);
-    cr_log_info("%d kills: %d steps acknowledged, %d outcome unknown, %d refused", k.kills,
-                applied, unknown, refused);
+    cr_log_info("%d kills: %d steps acknowledged, %d outcome unknown, %d refused", k.kills, applied,
+                unknown, refused);
     cr_assert_geq(k.kills, 10, "only %d kills in the time budget", k.kills);
     /* training goes on after the last kill */
     cr_assert_eq(grads(cl->cli, rows++), MOE_OK, "%s", moe_last_error());
