@@ -184,6 +184,7 @@ moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *
     }
     j->call = call;
     j->deferred = reply;
+    j->admit_gen = c->generation;
     j->deferred_len = len;
     return MOE_OK;
 }
@@ -584,6 +585,8 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         }
         if (e != MOE_OK) {
             LOG_W("checkpoint.save of %s failed: %s", j->model->cfg.name, err);
+            if (j->deferred)
+                j->model->step_unsettled = 0;
             if (j->call && j->deferred) {
                 rpc_reply_err(j->call, MOE_EUNAVAIL,
                               "optimizer.step outcome unknown: step %lld of model '%s' ran on "
@@ -603,6 +606,7 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         if (!j->call)
             return;
         if (j->deferred) { /* the optimizer.step this checkpoint made durable */
+            j->model->step_unsettled = 0;
             rpc_reply_bytes(j->call, j->deferred, j->deferred_len);
             return;
         }
@@ -787,8 +791,27 @@ void coord_models_restore(coord *c)
         closedir(d);
 }
 
-const coord_job_ops coord_job_ckpt_save = {
-    JOB_CKPT_SAVE, "worker.checkpoint_save", 0, ckpt_encode, ckpt_finish, NULL};
+/* ckpt_save_stale: the checkpoint of a step (deferred reply) whose cluster
+ * is no longer the one that ran it - not ready, or re-formed (and restored)
+ * since - cannot make that step durable: its outcome is unknown. */
+static int ckpt_save_stale(coord *c, coord_job *j)
+{
+    if (!j->deferred || (c->ready && j->admit_gen == c->generation))
+        return 0;
+    j->model->step_unsettled = 0;
+    rpc_reply_err(j->call, MOE_EUNAVAIL,
+                  "optimizer.step outcome unknown: step %lld of model '%s' ran on the workers but "
+                  "the cluster re-formed before its checkpoint was written; the model returns to "
+                  "its newest checkpoint: retry with expect_step",
+                  (long long)j->model->step, j->model->cfg.name);
+    coord_count_error(c, MOE_EUNAVAIL);
+    if (j->admit_gen == c->generation) /* not re-formed yet: it will restore */
+        coord_step_rollback(c, j->model);
+    return 1;
+}
+
+const coord_job_ops coord_job_ckpt_save = {JOB_CKPT_SAVE, "worker.checkpoint_save", 0, ckpt_encode,
+                                           ckpt_finish,   ckpt_save_stale};
 const coord_job_ops coord_job_ckpt_load = {
     JOB_CKPT_LOAD, "worker.checkpoint_load", 0, ckpt_encode, ckpt_finish, NULL};
 const coord_job_ops coord_job_ckpt_commit = {

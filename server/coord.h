@@ -73,6 +73,10 @@ typedef struct coord_model {
      * is unknown rolled it back), 2 when that restore failed (until a
      * checkpoint.load succeeds) */
     int restoring;
+    /* step_unsettled: a step ran on the workers and its checkpoint is being
+     * written; until it is durable (or failed) a step's expect_step and
+     * gradients are checked when its turn comes, not when it arrives */
+    int step_unsettled;
     double last_aux, last_z; /* losses of the last forward */
     uint64_t rows_total;     /* rows of x of its forwards */
     uint64_t ok_forwards;    /* forwards answered successfully, and their latency sum */
@@ -173,7 +177,7 @@ struct coord_job {
                              * checkpoint is durable (owned) */
     size_t deferred_len;
     int64_t expect_step; /* JOB_STEP: the client's expect_step (-1: none) */
-    uint64_t admit_gen;  /* JOB_STEP: the generation it was admitted in */
+    uint64_t admit_gen;  /* JOB_CKPT_SAVE with deferred: the generation of its step */
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
     int nsent, pending;

@@ -350,6 +350,7 @@ void coord_maybe_form(coord *c)
         int r = coord_autorestore(c, md);
         md->restoring = r > 0 ? 1 : r < 0 ? 2 : 0;
         md->pending_grads = 0;
+        md->step_unsettled = 0;
         if (r == 0) /* nothing to restore: the model starts again at step 0 */
             md->step = md->saved_step = 0;
         coord_job *j = coord_job_new(&coord_job_model_create, NULL, md);

@@ -355,14 +355,17 @@ void coord_step(coord *c, rpc_call *call)
     }
     /* never answered against a state the workers do not hold (docs/PROTOCOL.md,
      * optimizer.step: the answers agree with the state after any crash) */
-    if (coord_train_refused(c, m, call) || step_refused(c, m, sp[0].seen ? expect : -1, call))
+    if (coord_train_refused(c, m, call))
+        return;
+    /* while the last step's checkpoint is being written, step_stale checks
+     * when this step's turn comes, once that step is settled */
+    if (!m->step_unsettled && step_refused(c, m, sp[0].seen ? expect : -1, call))
         return;
     coord_job *j = coord_job_new(&coord_job_step, call, m);
     if (!j)
         return;
     memcpy(j->hp, hp, sizeof(hp));
     j->expect_step = sp[0].seen ? expect : -1;
-    j->admit_gen = c->generation;
     if (coord_job_enqueue(c, j) != MOE_OK)
         return;
     coord_job_pump(c);
@@ -434,8 +437,10 @@ static void step_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
     size_t len = 0;
     uint8_t *reply = mp_writer_take(&w, &len); /* NULL when w failed */
     mp_writer_fini(&w);
-    if (reply && coord_autosave_reply(c, j->model, j->call, reply, len) == MOE_OK)
+    if (reply && coord_autosave_reply(c, j->model, j->call, reply, len) == MOE_OK) {
+        j->model->step_unsettled = 1;
         return;
+    }
     free(reply);
     rpc_reply_err(j->call, MOE_EUNAVAIL,
                   "optimizer.step outcome unknown: step %lld of model '%s' ran on the workers but "
@@ -455,8 +460,6 @@ static int step_stale(coord *c, coord_job *j)
         return 0;
     if (coord_train_refused(c, m, j->call))
         return 1;
-    if (j->admit_gen != c->generation)
-        m->pending_grads = 0; /* the join dropped them (coord_maybe_form did too) */
     return step_refused(c, m, j->expect_step, j->call);
 }
 

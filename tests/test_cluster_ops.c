@@ -277,6 +277,33 @@ Test(cluster_ops, draining_refuses_new_forwards, .timeout = 60, .fini = cluster_
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
 
+/* The lane (a one-worker cluster): forwards go to the worker alone, so a
+ * drain of the coordinator does not stop them: one sent on the lane after
+ * the coordinator drained and exited is answered by the worker, with the
+ * same rows as before. */
+Test(cluster_ops, lane_forwards_answered_after_drain, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1, .client_timeout_ms = 10000};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    create_model(cl, "m", 64, 128);
+    float x[8 * 64], y0[8 * 64], y1[8 * 64];
+    kern_fill_uniform(3, 3, -1, 1, x, sizeof(x) / sizeof(x[0]));
+    cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 8, 64, y0, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "drain", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    moe_reply_free(&rep);
+    int status = cluster_coord_wait(cl, 20000);
+    cr_assert(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "coordinator after drain: status 0x%x", status);
+    moe_err e = moe_forward(cl->cli, "m", 0, MOE_F32, x, 8, 64, y1, NULL);
+    cr_assert_eq(e, MOE_OK, "lane forward after the drain: %s: %s", moe_err_code(e),
+                 moe_last_error());
+    cr_assert(memcmp(y0, y1, sizeof(y0)) == 0, "the lane answered other rows");
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
 /* A worker SIGKILLed in the middle of a forward: the forward is answered
  * with an error (never hangs), the dead worker is marked down, a restarted
  * worker brings the cluster back. --xchg-timeout-ms bounds how long the
