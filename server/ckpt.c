@@ -136,10 +136,10 @@ void coord_ckpt_save(coord *c, rpc_call *call)
         snprintf(err, sizeof(err), "no model named '%s'", name);
         e = MOE_ENOTFOUND;
     }
-    if (e == MOE_OK && coord_train_refused(c, m, call))
-        return; /* the workers do not hold its state yet: nothing to save */
     if (e == MOE_OK)
         e = confine_explicit(c, path, real, sizeof(real), err, sizeof(err));
+    if (e == MOE_OK && coord_train_refused(c, m, call))
+        return; /* the workers do not hold its state yet: nothing to save */
     if (e == MOE_OK)
         e = ckpt_save_job(c, m, real, call, 0, err, sizeof(err), NULL);
     if (e != MOE_OK) {
