@@ -315,8 +315,16 @@ class Stream:
                     y, _ = self._call(name, "probe", c.forward, model, 0, probe_x)
                     self.probes[s] = moe.from_bf16(y)
                 except moe.Error as e:
-                    m = re.search(r"is at step (\d+)", str(e))
-                    if e.code == "failed_precondition" and m:
+                    m = re.search(r"is at step (\d+), not", str(e))
+                    if e.code == "failed_precondition" and m and self.reset_ok and \
+                            int(m.group(1)) == 0:
+                        # no checkpoints: the re-formed model starts again at step 0
+                        self.reset_note = ("after the re-formation the model is at step 0 "
+                                           "(was %d)" % self.step)
+                        log("  train: %s" % self.reset_note)
+                        self.step = 0
+                        self.reset_ok = False
+                    elif e.code == "failed_precondition" and m:
                         self.crashes.append("step %d refused: %s" % (self.step, e))
                     self.stop.wait(0.05)
         except Exception as e:  # noqa: BLE001

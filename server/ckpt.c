@@ -138,6 +138,8 @@ void coord_ckpt_save(coord *c, rpc_call *call)
     }
     if (e == MOE_OK)
         e = confine_explicit(c, path, real, sizeof(real), err, sizeof(err));
+    if (e == MOE_OK && coord_train_refused(c, m, call))
+        return; /* the workers do not hold its state yet: nothing to save */
     if (e == MOE_OK)
         e = ckpt_save_job(c, m, real, call, 0, err, sizeof(err), NULL);
     if (e != MOE_OK) {
@@ -159,7 +161,10 @@ static int auto_root(const coord *c, const coord_model *m, char *out, size_t len
 void coord_autosave(coord *c, coord_model *m, int front)
 {
     char root[CFG_STR_MAX], err[512];
-    if (!auto_root(c, m, root, sizeof(root)) || m->saved_step == m->step)
+    /* never of a model whose workers do not hold its durable state: the
+     * save would become its newest checkpoint */
+    if (!auto_root(c, m, root, sizeof(root)) || m->saved_step == m->step || m->restoring ||
+        m->created_gen != (int)c->generation)
         return;
     if (ckpt_save_job(c, m, root, NULL, front, err, sizeof(err), NULL) != MOE_OK)
         LOG_W("automatic checkpoint of %s not queued: %s", m->cfg.name, err);
@@ -171,12 +176,15 @@ moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *
     coord_job *j = NULL;
     if (!auto_root(c, m, root, sizeof(root)))
         return MOE_EINVAL;
-    moe_err e = ckpt_save_job(c, m, root, call, 1, err, sizeof(err), &j);
+    /* queued without the call, so that a full queue cannot refuse it */
+    moe_err e = ckpt_save_job(c, m, root, NULL, 1, err, sizeof(err), &j);
     if (e != MOE_OK) {
         LOG_W("automatic checkpoint of %s not queued: %s", m->cfg.name, err);
         return e;
     }
+    j->call = call;
     j->deferred = reply;
+    j->admit_gen = c->generation;
     j->deferred_len = len;
     return MOE_OK;
 }
@@ -375,8 +383,10 @@ int coord_autorestore(coord *c, coord_model *m)
     if (e == MOE_ENOTFOUND)
         return 0;
     if (e != MOE_OK) {
-        LOG_W("cannot restore %s from %s: %s", m->cfg.name, root, err);
-        return 0;
+        LOG_W("cannot restore %s from %s: %s (training calls on it are refused until a "
+              "checkpoint.load succeeds)",
+              m->cfg.name, root, err);
+        return -1;
     }
     LOG_I("restoring %s from %s", m->cfg.name, root);
     return 1;
@@ -596,12 +606,16 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         }
         if (e != MOE_OK) {
             LOG_W("checkpoint.save of %s failed: %s", j->model->cfg.name, err);
-            if (j->call && j->deferred)
+            if (j->deferred)
+                j->model->step_unsettled = 0;
+            if (j->call && j->deferred) {
                 rpc_reply_err(j->call, MOE_EUNAVAIL,
-                              "optimizer step %lld was applied but its checkpoint failed (%s); "
-                              "the model may be restored to the previous checkpoint",
-                              (long long)j->model->step, err);
-            else if (j->call)
+                              "optimizer.step outcome unknown: step %lld of model '%s' ran on "
+                              "the workers but its checkpoint did not become durable (%s); the "
+                              "model returns to its newest checkpoint: retry with expect_step",
+                              (long long)j->model->step, j->model->cfg.name, err);
+                coord_step_rollback(c, j->model);
+            } else if (j->call)
                 rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
             coord_count_error(c, j->call && j->deferred ? MOE_EUNAVAIL : e);
             return;
@@ -613,6 +627,7 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         if (!j->call)
             return;
         if (j->deferred) { /* the optimizer.step this checkpoint made durable */
+            j->model->step_unsettled = 0;
             rpc_reply_bytes(j->call, j->deferred, j->deferred_len);
             return;
         }
@@ -643,10 +658,14 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         k->commit = e == MOE_OK;
         k->ckpt_step = j->ckpt_step;
         if (e != MOE_OK) {
-            if (j->call)
+            if (j->call) {
                 rpc_reply_err(j->call, e, "checkpoint.load: %s (the model is unchanged)", err);
-            else
-                LOG_W("restore of %s failed: %s", j->model->cfg.name, err);
+            } else {
+                LOG_W("restore of %s failed: %s (training calls on it are refused until a "
+                      "checkpoint.load succeeds, or the cluster re-forms)",
+                      j->model->cfg.name, err);
+                j->model->restoring = 2;
+            }
             coord_count_error(c, e);
         }
         /* phase 2 continues a running job: submitted without the call, so a
@@ -662,6 +681,12 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
             j->model->step = j->ckpt_step;
             j->model->saved_step = j->ckpt_step;
             j->model->pending_grads = 0;
+            j->model->restoring = 0; /* the workers hold a durable state again */
+            LOG_I("model %s at step %lld from its checkpoint", j->model->cfg.name,
+                  (long long)j->ckpt_step);
+        } else if (!j->call && j->commit) {
+            LOG_W("restore of %s failed at commit: %s", j->model->cfg.name, err);
+            j->model->restoring = 2;
         }
         if (j->call) {
             if (e != MOE_OK) {
@@ -811,8 +836,27 @@ void coord_models_restore(coord *c)
         closedir(d);
 }
 
-const coord_job_ops coord_job_ckpt_save = {
-    JOB_CKPT_SAVE, "worker.checkpoint_save", 0, ckpt_encode, ckpt_finish, NULL};
+/* ckpt_save_stale: the checkpoint of a step (deferred reply) whose cluster
+ * is no longer the one that ran it - not ready, or re-formed (and restored)
+ * since - cannot make that step durable: its outcome is unknown. */
+static int ckpt_save_stale(coord *c, coord_job *j)
+{
+    if (!j->deferred || (c->ready && j->admit_gen == c->generation))
+        return 0;
+    j->model->step_unsettled = 0;
+    rpc_reply_err(j->call, MOE_EUNAVAIL,
+                  "optimizer.step outcome unknown: step %lld of model '%s' ran on the workers but "
+                  "the cluster re-formed before its checkpoint was written; the model returns to "
+                  "its newest checkpoint: retry with expect_step",
+                  (long long)j->model->step, j->model->cfg.name);
+    coord_count_error(c, MOE_EUNAVAIL);
+    if (j->admit_gen == c->generation) /* not re-formed yet: it will restore */
+        coord_step_rollback(c, j->model);
+    return 1;
+}
+
+const coord_job_ops coord_job_ckpt_save = {JOB_CKPT_SAVE, "worker.checkpoint_save", 0, ckpt_encode,
+                                           ckpt_finish,   ckpt_save_stale};
 const coord_job_ops coord_job_ckpt_load = {
     JOB_CKPT_LOAD, "worker.checkpoint_load", 0, ckpt_encode, ckpt_finish, NULL};
 const coord_job_ops coord_job_ckpt_commit = {

@@ -67,10 +67,20 @@ typedef struct coord_model {
     int64_t *tokens;  /* (layers, E) routed slots, cumulative */
     int64_t *dropped; /* (layers, E) dropped slots, cumulative */
     uint64_t forwards;
-    int created_gen;         /* generation the workers hold it in; 0 = not yet */
-    int64_t step;            /* optimizer steps completed */
-    int64_t saved_step;      /* step of the last checkpoint written or loaded */
-    int64_t pending_grads;   /* backwards since the last step */
+    int created_gen;       /* generation the workers hold it in; 0 = not yet */
+    int64_t step;          /* optimizer steps completed */
+    int64_t saved_step;    /* step of the last checkpoint written or loaded */
+    int64_t pending_grads; /* backwards since the last step */
+    /* restoring: the workers do not hold the model's durable state yet, so
+     * training calls are refused (coord_train_refused): 1 while its newest
+     * checkpoint is being restored (a re-formation, or a step whose outcome
+     * is unknown rolled it back), 2 when that restore failed (until a
+     * checkpoint.load succeeds) */
+    int restoring;
+    /* step_unsettled: a step ran on the workers and its checkpoint is being
+     * written; until it is durable (or failed) a step's expect_step and
+     * gradients are checked when its turn comes, not when it arrives */
+    int step_unsettled;
     double last_aux, last_z; /* losses of the last forward */
     uint64_t rows_total;     /* rows of x of its forwards */
     uint64_t ok_forwards;    /* forwards answered successfully, and their latency sum */
@@ -172,6 +182,8 @@ struct coord_job {
     uint8_t *deferred;      /* JOB_CKPT_SAVE: an optimizer.step reply sent only once this
                              * checkpoint is durable (owned) */
     size_t deferred_len;
+    int64_t expect_step; /* JOB_STEP: the client's expect_step (-1: none) */
+    uint64_t admit_gen;  /* JOB_CKPT_SAVE with deferred: the generation of its step */
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
     int nsent, pending;
@@ -354,6 +366,15 @@ coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T);
 void coord_backward(coord *c, rpc_call *call);
 void coord_step(coord *c, rpc_call *call);
 void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank);
+/* coord_train_refused answers call `unavailable` ("restoring") and returns 1
+ * when training calls on m must wait: the cluster is not ready, m is not
+ * created in this generation, or its restore is pending or failed. */
+int coord_train_refused(coord *c, const coord_model *m, rpc_call *call);
+/* coord_step_rollback: the outcome of a step of m on the workers is unknown
+ * (a worker failed during it, or its checkpoint did not become durable).
+ * With automatic checkpoints m returns to its newest checkpoint: training
+ * calls are refused until the cluster re-forms and restores it. */
+void coord_step_rollback(coord *c, coord_model *m);
 /* coord_parse_direct reads a request's "direct" map {ticket, generation,
  * dtype, T?} into j (direct, tk_*, dgen, x.dtype); *T = -1 when absent.
  * MOE_EUNAVAIL when the client's map is not of the current generation. */
@@ -400,7 +421,9 @@ void coord_autosave(coord *c, coord_model *m, int front);
  * nothing was taken and the caller answers. */
 moe_err coord_autosave_reply(coord *c, coord_model *m, rpc_call *call, uint8_t *reply, size_t len);
 /* coord_autorestore queues a load of m's newest automatic checkpoint, if
- * any (at the queue's front); returns 1 when queued. */
+ * any (at the queue's front); returns 1 when queued, 0 when there is none
+ * (or automatic checkpoints are off), -1 when one exists but cannot be
+ * loaded (logged). */
 int coord_autorestore(coord *c, coord_model *m);
 /* coord_model_persist writes m's config to <checkpoint-dir>/<name>/model.json
  * (durably) when automatic checkpoints are on; coord_models_restore reads

@@ -132,6 +132,8 @@ void coord_forward(coord *c, rpc_call *call)
                       name, m->cfg.layers, (long long)layer);
         return;
     }
+    if (train && coord_train_refused(c, m, call))
+        return;
     coord_job dj;
     memset(&dj, 0, sizeof(dj));
     dj.model = m;

@@ -287,6 +287,13 @@ void coord_job_pump(coord *c)
             job_free(j);
             continue;
         }
+        /* stale first: a job that answers for itself when it has nothing
+         * left to do (e.g. the checkpoint of a step) also does when the
+         * cluster is not ready */
+        if (j->ops->stale && j->ops->stale(c, j)) {
+            job_free(j);
+            continue;
+        }
         if (!(j->ops->flags & JOB_F_FORMING) && !c->ready) {
             if (j->call) {
                 rpc_reply_err(j->call, MOE_EUNAVAIL,
@@ -304,10 +311,6 @@ void coord_job_pump(coord *c)
                           "admitted: its rows went to the old workers; ask dataplane.info again",
                           (unsigned long long)c->generation);
             coord_count_error(c, MOE_EUNAVAIL);
-            job_free(j);
-            continue;
-        }
-        if (j->ops->stale && j->ops->stale(c, j)) {
             job_free(j);
             continue;
         }

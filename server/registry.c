@@ -362,8 +362,16 @@ void coord_maybe_form(coord *c)
     /* JOIN first, then re-create every model (and restore its newest
      * automatic checkpoint), ahead of queued client jobs */
     for (int m = c->nmodels - 1; m >= 0; m--) {
-        coord_autorestore(c, c->models[m]);
-        coord_job *j = coord_job_new(&coord_job_model_create, NULL, c->models[m]);
+        coord_model *md = c->models[m];
+        /* the join drops the workers' models: they come back from the seed,
+         * then from the newest checkpoint; training waits for that */
+        int r = coord_autorestore(c, md);
+        md->restoring = r > 0 ? 1 : r < 0 ? 2 : 0;
+        md->pending_grads = 0;
+        md->step_unsettled = 0;
+        if (r == 0) /* nothing to restore: the model starts again at step 0 */
+            md->step = md->saved_step = 0;
+        coord_job *j = coord_job_new(&coord_job_model_create, NULL, md);
         if (!j)
             continue;
         coord_job_submit(c, j, 1);

@@ -65,6 +65,37 @@ static coord_handle *lookup_handle(coord *c, uint64_t id, moe_err *e, char *err,
     return h;
 }
 
+int coord_train_refused(coord *c, const coord_model *m, rpc_call *call)
+{
+    if (c->ready && m->created_gen == (int)c->generation && !m->restoring)
+        return 0;
+    coord_count_error(c, MOE_EUNAVAIL);
+    if (m->restoring == 2)
+        rpc_reply_err(call, MOE_EUNAVAIL,
+                      "model '%s' is restoring: its newest checkpoint could not be restored "
+                      "(see the coordinator's log); training resumes after a checkpoint.load "
+                      "succeeds",
+                      m->cfg.name);
+    else
+        rpc_reply_err(call, MOE_EUNAVAIL,
+                      "model '%s' is restoring: training calls wait until the cluster is "
+                      "ready and the model holds its newest checkpoint (generation %llu); retry",
+                      m->cfg.name, (unsigned long long)c->generation);
+    return 1;
+}
+
+void coord_step_rollback(coord *c, coord_model *m)
+{
+    if (!c->ckpt_dir[0])
+        return; /* no checkpoints: nothing durable to return to */
+    LOG_W("model %s: the outcome of step %lld is unknown: re-forming the cluster to restore its "
+          "newest checkpoint",
+          m->cfg.name, (long long)m->step);
+    m->restoring = 1;
+    c->ready = 0;
+    c->need_form = 1;
+}
+
 void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank)
 {
     int64_t T = x->shape[0], H = x->shape[1];
@@ -182,6 +213,8 @@ void coord_backward(coord *c, rpc_call *call)
         rpc_reply_err(call, e, "%s", err);
         return;
     }
+    if (coord_train_refused(c, h->model, call))
+        return;
     coord_job dj;
     memset(&dj, 0, sizeof(dj));
     dj.model = h->model;
@@ -270,6 +303,30 @@ static void backward_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
     rpc_reply(j->call, &w);
 }
 
+/* step_refused answers call failed_precondition and returns 1 when the
+ * model is not at expect (>= 0) or has no gradients to apply. */
+static int step_refused(coord *c, const coord_model *m, int64_t expect, rpc_call *call)
+{
+    /* idempotency guard: a step resent after a lost reply must not apply twice */
+    if (expect >= 0 && expect != m->step) {
+        rpc_reply_err(call, MOE_EPRECOND,
+                      "model '%s' is at step %lld, not %lld: this step was already applied or "
+                      "another one ran",
+                      m->cfg.name, (long long)m->step, (long long)expect);
+        coord_count_error(c, MOE_EPRECOND);
+        return 1;
+    }
+    if (m->pending_grads == 0) {
+        rpc_reply_err(call, MOE_EPRECOND,
+                      "no gradients to apply: run backward on model '%s' since the last step "
+                      "(it is at step %lld; a restore of its checkpoint drops gradients)",
+                      m->cfg.name, (long long)m->step);
+        coord_count_error(c, MOE_EPRECOND);
+        return 1;
+    }
+    return 0;
+}
+
 void coord_step(coord *c, rpc_call *call)
 {
     char name[MODEL_NAME_MAX], err[256];
@@ -296,24 +353,19 @@ void coord_step(coord *c, rpc_call *call)
         rpc_reply_err(call, MOE_ENOTFOUND, "no model named '%s'", name);
         return;
     }
-    /* idempotency guard: a step resent after a lost reply must not apply twice */
-    if (sp[0].seen && expect != m->step) {
-        rpc_reply_err(call, MOE_EPRECOND,
-                      "model '%s' is at step %lld, not %lld: this step was already applied or "
-                      "another one ran",
-                      name, (long long)m->step, (long long)expect);
+    /* never answered against a state the workers do not hold (docs/PROTOCOL.md,
+     * optimizer.step: the answers agree with the state after any crash) */
+    if (coord_train_refused(c, m, call))
         return;
-    }
-    if (m->pending_grads == 0) {
-        rpc_reply_err(call, MOE_EPRECOND,
-                      "no gradients to apply: run backward on model '%s' since the last step",
-                      name);
+    /* while the last step's checkpoint is being written, step_stale checks
+     * when this step's turn comes, once that step is settled */
+    if (!m->step_unsettled && step_refused(c, m, sp[0].seen ? expect : -1, call))
         return;
-    }
     coord_job *j = coord_job_new(&coord_job_step, call, m);
     if (!j)
         return;
     memcpy(j->hp, hp, sizeof(hp));
+    j->expect_step = sp[0].seen ? expect : -1;
     if (coord_job_enqueue(c, j) != MOE_OK)
         return;
     coord_job_pump(c);
@@ -326,8 +378,17 @@ static void step_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
     double norm = 0, scale = 1;
     for (int r = 0; r < j->nsent; r++) {
         if (j->errs[r] != MOE_OK) {
-            rpc_reply_err(j->call, j->errs[r], "optimizer.step: worker rank %d: %s", r,
-                          j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]));
+            const char *why = j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]);
+            if (c->ckpt_dir[0]) { /* some workers may have applied it: roll back */
+                rpc_reply_err(j->call, MOE_EUNAVAIL,
+                              "optimizer.step outcome unknown: worker rank %d: %s: %s; the "
+                              "model returns to its newest checkpoint: retry with expect_step",
+                              r, moe_err_code(j->errs[r]), why);
+                coord_count_error(c, MOE_EUNAVAIL);
+                coord_step_rollback(c, j->model);
+                return;
+            }
+            rpc_reply_err(j->call, j->errs[r], "optimizer.step: worker rank %d: %s", r, why);
             coord_count_error(c, j->errs[r]);
             return;
         }
@@ -345,6 +406,8 @@ static void step_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         if (mp_read_map(&rd, &n, NULL) != MOE_OK ||
             params_parse(&rd, n, sp, 3, err, sizeof(err)) != MOE_OK || (step >= 0 && s != step)) {
             rpc_reply_err(j->call, MOE_EINTERNAL, "workers disagree on the step count");
+            coord_count_error(c, MOE_EINTERNAL);
+            coord_step_rollback(c, j->model);
             return;
         }
         step = s;
@@ -354,27 +417,50 @@ static void step_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
-    mp_write_map(&w, 3);
+    const int durable = c->ckpt_dir[0] && c->ckpt_every > 0 && step % c->ckpt_every == 0;
+    mp_write_map(&w, 4);
     mp_write_cstr(&w, "step");
     mp_write_i64(&w, step);
     mp_write_cstr(&w, "grad_norm");
     mp_write_f64(&w, norm);
     mp_write_cstr(&w, "clip_scale");
     mp_write_f64(&w, scale);
-    if (c->ckpt_dir[0] && c->ckpt_every > 0 && step % c->ckpt_every == 0 && !w.failed) {
-        /* a step is acknowledged once its automatic checkpoint is durable:
-         * an acknowledged step is never lost to a crash */
-        size_t len;
-        uint8_t *reply = mp_writer_take(&w, &len);
-        if (reply && coord_autosave_reply(c, j->model, j->call, reply, len) == MOE_OK)
-            return;
-        if (reply) {
-            rpc_reply_bytes(j->call, reply, len);
-            free(reply);
-            return;
-        }
+    mp_write_cstr(&w, "durable");
+    mp_write_bool(&w, durable);
+    if (!durable) {
+        rpc_reply(j->call, &w);
+        return;
     }
-    rpc_reply(j->call, &w);
+    /* acknowledged only once its automatic checkpoint is durable: an
+     * acknowledged step is never lost to a crash. If the save cannot even be
+     * queued, the outcome is unknown as when it fails. */
+    size_t len = 0;
+    uint8_t *reply = mp_writer_take(&w, &len); /* NULL when w failed */
+    mp_writer_fini(&w);
+    if (reply && coord_autosave_reply(c, j->model, j->call, reply, len) == MOE_OK) {
+        j->model->step_unsettled = 1;
+        return;
+    }
+    free(reply);
+    rpc_reply_err(j->call, MOE_EUNAVAIL,
+                  "optimizer.step outcome unknown: step %lld of model '%s' ran on the workers but "
+                  "its checkpoint could not be started; the model returns to its newest "
+                  "checkpoint: retry with expect_step",
+                  (long long)step, j->model->cfg.name);
+    coord_count_error(c, MOE_EUNAVAIL);
+    coord_step_rollback(c, j->model);
+}
+
+/* step_stale: a step admitted before the model changed under it (a restore,
+ * a re-formation, another step) is answered as it would be now, unsent. */
+static int step_stale(coord *c, coord_job *j)
+{
+    coord_model *m = j->model;
+    if (!j->call)
+        return 0;
+    if (coord_train_refused(c, m, j->call))
+        return 1;
+    return step_refused(c, m, j->expect_step, j->call);
 }
 
 static void backward_encode(coord *c, coord_job *j, int rank, mp_writer *w)
@@ -408,4 +494,5 @@ static void step_encode(coord *c, coord_job *j, int rank, mp_writer *w)
     }
 }
 
-const coord_job_ops coord_job_step = {JOB_STEP, "worker.step", 0, step_encode, step_finish, NULL};
+const coord_job_ops coord_job_step = {JOB_STEP,    "worker.step", 0,
+                                      step_encode, step_finish,   step_stale};
