@@ -258,7 +258,7 @@ Test(cluster_ops, draining_refuses_new_forwards, .timeout = 60, .fini = cluster_
         float x[4 * LONG_H], y[4 * LONG_H];
         memset(x, 0, sizeof(x));
         moe_client *c2;
-        moe_client_opts co = {20000, 0, NULL, paths[p]};
+        moe_client_opts co = {.timeout_ms = 20000, .data_path = paths[p]};
         cr_assert_eq(moe_client_open(cl->url, &co, &c2), MOE_OK, "%s", moe_last_error());
         moe_err e = moe_forward(c2, "m", 0, MOE_F32, x, 4, LONG_H, y, NULL);
         char msg[512];
