@@ -226,6 +226,8 @@ void coord_hf_create(coord *c, rpc_call *call)
         e = MOE_EINVAL;
     }
     int added = 0;
+    if (e == MOE_OK && !m) /* the same memory check as model.create's, before any worker reads */
+        e = coord_model_mem_check(c, &cfg, err, sizeof(err));
     if (e == MOE_OK && !m) {
         if (!(m = coord_model_add(c, &cfg, err, sizeof(err))))
             e = MOE_ENOMEM;
