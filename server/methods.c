@@ -20,7 +20,7 @@ static void coord_ping(coord *c, rpc_call *call)
     mp_write_cstr(&w, "role");
     mp_write_cstr(&w, "coordinator");
     mp_write_cstr(&w, "version");
-    mp_write_cstr(&w, "0.1.0");
+    mp_write_cstr(&w, MOE_VERSION_STRING);
     mp_write_cstr(&w, "time_ns");
     mp_write_u64(&w, rpc_now_ns());
     rpc_reply(call, &w);

@@ -354,7 +354,7 @@ static int print_version(void)
     char cuda[256], dev[160] = "", blas[256];
     wkr_gpu_build_info(cuda, sizeof(cuda));
     int gpu = wkr_gpu_probe(0, dev, sizeof(dev));
-    printf("moe-worker 0.1.0\n");
+    printf("moe-worker %s\n", MOE_VERSION_STRING);
 #ifdef MOE_HAVE_CUDA
     printf("backends: cpu cuda\n");
 #else

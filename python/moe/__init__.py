@@ -28,7 +28,7 @@ from .errors import (ERROR_CLASSES, BusyError, ClosedError, DeadlineExceededErro
                      TooLargeError, UnauthenticatedError, UnavailableError, UnknownMethodError,
                      error_from_code)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Client", "Error", "ERROR_CLASSES", "BusyError", "ClosedError", "DeadlineExceededError",
