@@ -18,8 +18,7 @@ DEPS_PREFIX ?=
 OPT     ?= -O2
 CFLAGS  += $(OPT) -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -Wno-format-truncation -fno-math-errno -fvect-cost-model=cheap -fPIC \
            -fvisibility=hidden -MMD -MP \
-           -Iclient -Icommon -Iproto -Irpc -Ikernels -Iworker -Iserver \
-           -I/usr/include/x86_64-linux-gnu/openblas-pthread
+           -I. -I/usr/include/x86_64-linux-gnu/openblas-pthread
 LDLIBS  += -lnng -luv -lmsgpackc -lopenblas -lm -lpthread
 # whole programs built in one step (bench/): no dependency files next to them
 CFLAGS_PROG = $(filter-out -MMD -MP,$(CFLAGS))
@@ -65,10 +64,10 @@ ifeq ($(HAVE_CUDA),1)
 NVCC_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
                 -gencode=arch=compute_80,code=compute_80
 NVCCFLAGS ?= -O3 -std=c++17 $(NVCC_GENCODE) -Xcompiler -fPIC \
-             -Iclient -Icommon -Ikernels -Ikernels/cuda
+             -I.
 CUDA_OBJS  := $(patsubst %.cu,$(B)/%.o,$(CUDA_SRC))
 CUDA_LINK  := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -lstdc++
-CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include -Ikernels/cuda
+CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 endif
 
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
@@ -162,8 +161,8 @@ check-gpu: bin/check-gpu
 bin/check-gpu-portable: kernels/cuda/check_gpu.cu $(CUDA_SRC) $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h) $(KERN_LIB) $(CORE_LIB)
 	@$(MAKE) --no-print-directory B=$(B)/portable NVCC_GENCODE='-gencode=arch=compute_80,code=compute_80' \
 	    $(B)/portable/libmoekern_cuda.a
-	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_80,code=compute_80 -Xcompiler -fPIC -Iclient \
-	    -Icommon -Ikernels -Ikernels/cuda -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< \
+	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_80,code=compute_80 -Xcompiler -fPIC -I. \
+	    -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< \
 	    $(B)/portable/libmoekern_cuda.a $(KERN_LIB) $(CORE_LIB) -lm
 check-gpu-portable: bin/check-gpu-portable
 	./bin/check-gpu-portable
@@ -189,8 +188,8 @@ format:
 lint:
 	clang-format --dry-run -Werror $(FMT_SRC)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
-	    --suppress=missingIncludeSystem --inline-suppr -D__GNUC__ -Iclient -Icommon -Iproto \
-	    -Irpc -Ikernels -Iworker -Iserver common proto rpc kernels server worker client
+	    --suppress=missingIncludeSystem --inline-suppr -D__GNUC__ -I. \
+	    common proto rpc kernels server worker client
 
 clean:
 	rm -rf $(B) bin lib
@@ -227,13 +226,14 @@ ALL_TARGETS += bin/cpu_layer_bench
 # decoder, the params layer, and the coordinator's request handling
 FUZZ_SECONDS ?= 60
 FUZZ_CC = clang -g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE \
-          -Iclient -Icommon -Iproto -Irpc -Iserver -Ikernels
+          -I.
 FUZZ_RUN = UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 COORD_FUZZ_SRC = $(SERVER_SRC) $(RPC_SRC) $(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC)
 fuzz:
 	@mkdir -p $(B)/fuzz fuzz/corpus-out fuzz/corpus-params-out fuzz/corpus-coord-out
 	$(FUZZ_CC) fuzz/fuzz_decode.c $(PROTO_SRC) common/err.c -o $(B)/fuzz/decode
-	$(FUZZ_CC) fuzz/fuzz_params.c common/params.c common/model_cfg.c $(PROTO_SRC) common/err.c \
+	$(FUZZ_CC) fuzz/fuzz_params.c common/params.c common/model_cfg.c common/hfcfg.c common/json.c \
+	    $(PROTO_SRC) common/err.c \
 	    -o $(B)/fuzz/params
 	$(FUZZ_CC) fuzz/fuzz_coord.c $(COORD_FUZZ_SRC) -o $(B)/fuzz/coord -lnng -luv -lpthread -lm
 	$(FUZZ_RUN) $(B)/fuzz/decode fuzz/corpus-out fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -max_len=4096

@@ -37,8 +37,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "blas_pick.h"
-#include "kern.h"
+#include "worker/blas_pick.h"
+#include "kernels/kern.h"
 
 typedef struct {
     int H, F, E, K;

@@ -20,8 +20,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "kern.h"
-#include "moe.h"
+#include "kernels/kern.h"
+#include "client/moe.h"
 
 static int failures;
 

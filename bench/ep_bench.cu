@@ -30,10 +30,10 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include "kcu_ep.h"
-#include "kern_cuda.h"
-#include "kcu_tool.h"
-#include "placement.h"
+#include "kernels/cuda/kcu_ep.h"
+#include "kernels/cuda/kern_cuda.h"
+#include "kernels/cuda/kcu_tool.h"
+#include "common/placement.h"
 
 #define CKN(call)                                                                                  \
     do {                                                                                           \

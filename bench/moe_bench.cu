@@ -19,8 +19,8 @@
 #include <string.h>
 #include <vector>
 
-#include "kcu_internal.cuh"
-#include "kcu_tool.h"
+#include "kernels/cuda/kcu_internal.cuh"
+#include "kernels/cuda/kcu_tool.h"
 
 /* uniform in [lo, hi) from a hash of (seed, i), stored as bf16 */
 __global__ void k_fill(bf16 *p, size_t n, uint64_t seed, float lo, float hi)

@@ -43,8 +43,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kern.h"
-#include "moe.h"
+#include "kernels/kern.h"
+#include "client/moe.h"
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif

@@ -17,8 +17,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "kcu_topk.cuh"
-#include "kcu_tool.h"
+#include "kernels/cuda/kcu_topk.cuh"
+#include "kernels/cuda/kcu_tool.h"
 
 template <int NV, int BM>
 __device__ __forceinline__ void run(const float *lt, int E, int K, float (&v)[8], float &lse,

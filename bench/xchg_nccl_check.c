@@ -15,7 +15,7 @@
  *
  * Build (from the repo root):
  *   gcc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -DMOE_HAVE_CUDA=1 \
- *       -I/usr/local/cuda/include -Iclient -Icommon -Iworker \
+ *       -I/usr/local/cuda/include -I. \
  *       bench/xchg_nccl_check.c worker/xchg_nccl.c common/log.c common/err.c \
  *       -o build/xchg_nccl_check -L/usr/local/cuda/lib64 -lnccl -lcudart_static \
  *       -ldl -lrt -lpthread
@@ -34,8 +34,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "log.h"
-#include "xchg.h"
+#include "common/log.h"
+#include "worker/xchg.h"
 
 #define MAXR 64
 

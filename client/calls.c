@@ -3,11 +3,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client_dp.h"
-#include "model_cfg.h"
-#include "moe.h"
-#include "params.h"
-#include "proto.h"
+#include "client/client_dp.h"
+#include "common/model_cfg.h"
+#include "client/moe.h"
+#include "common/params.h"
+#include "proto/proto.h"
 
 static moe_err fail(moe_reply *r, moe_err e)
 {

@@ -11,10 +11,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "client_dp.h"
-#include "moe.h"
-#include "proto.h"
-#include "tls.h"
+#include "client/client_dp.h"
+#include "client/moe.h"
+#include "proto/proto.h"
+#include "common/tls.h"
 
 struct moe_client {
     nng_socket sock;

@@ -1,6 +1,6 @@
 /* client_bulk.c - libmoe's side of the bulk path; see client_bulk.h. */
-#include "client_bulk.h"
-#include "bulk_wire.h"
+#include "client/client_bulk.h"
+#include "proto/bulk_wire.h"
 
 #include <errno.h>
 #include <fcntl.h>

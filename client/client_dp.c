@@ -1,9 +1,9 @@
 /* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
-#include "client_dp.h"
-#include "client_bulk.h"
-#include "hostid.h"
-#include "parcopy.h"
-#include "placement.h"
+#include "client/client_dp.h"
+#include "client/client_bulk.h"
+#include "common/hostid.h"
+#include "common/parcopy.h"
+#include "common/placement.h"
 
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>

@@ -13,10 +13,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "bench_stats.h"
-#include "kern.h"
-#include "moe.h"
-#include "proto.h"
+#include "client/bench_stats.h"
+#include "kernels/kern.h"
+#include "client/moe.h"
+#include "proto/proto.h"
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;

@@ -1,7 +1,7 @@
 /* version.c - moe_version and the public bf16 conversions; see moe.h. */
 #include <string.h>
 
-#include "moe.h"
+#include "client/moe.h"
 
 const char *moe_version(void)
 {

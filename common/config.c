@@ -1,5 +1,5 @@
 /* config.c - the config table; see config.h. */
-#include "config.h"
+#include "common/config.h"
 
 #include <ctype.h>
 #include <errno.h>

@@ -1,5 +1,5 @@
 /* confine.c - paths kept inside configured roots; see confine.h. */
-#include "confine.h"
+#include "common/confine.h"
 
 #include <errno.h>
 #include <limits.h>

@@ -13,7 +13,7 @@
 
 #include <stddef.h>
 
-#include "moe.h"
+#include "client/moe.h"
 
 #define CONFINE_MAX_ROOTS 4
 

@@ -1,5 +1,5 @@
 /* hfcfg.c - Hugging Face model directories; see hfcfg.h. */
-#include "hfcfg.h"
+#include "common/hfcfg.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -7,7 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "json.h"
+#include "common/json.h"
 
 #define HF_MAX_JSON (64u << 20)
 

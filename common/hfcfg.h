@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "moe.h"
+#include "client/moe.h"
 
 #define HF_MAX_LAYERS 1024
 

@@ -3,9 +3,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "confine.h"
-#include "hfcfg.h"
-#include "safetensors.h"
+#include "common/confine.h"
+#include "common/hfcfg.h"
+#include "common/safetensors.h"
 
 struct hf_reader {
     char dir[4096];

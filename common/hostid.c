@@ -1,5 +1,5 @@
 /* hostid.c - this host's id; see hostid.h. */
-#include "hostid.h"
+#include "common/hostid.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /* json.c - strict JSON reader; see json.h. */
-#include "json.h"
+#include "common/json.h"
 
 #include <stdlib.h>
 #include <string.h>

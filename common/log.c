@@ -1,5 +1,5 @@
 /* log.c - line logger; see log.h. */
-#include "log.h"
+#include "common/log.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -1,12 +1,12 @@
 /* model_cfg.c - model.create params; see model_cfg.h. */
-#include "model_cfg.h"
+#include "common/model_cfg.h"
 
 #include <ctype.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "hfcfg.h"
-#include "params.h"
+#include "common/hfcfg.h"
+#include "common/params.h"
 
 int model_name_valid(const char *s, size_t len)
 {

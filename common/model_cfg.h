@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 #define MODEL_NAME_MAX   64
 #define MODEL_HF_DIR_MAX 256

@@ -1,5 +1,5 @@
 /* params.c - declarative params parsing; see params.h. */
-#include "params.h"
+#include "common/params.h"
 
 #include <stdio.h>
 #include <string.h>

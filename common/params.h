@@ -11,7 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 typedef enum pspec_type {
     P_STR,    /* out: char[cap] (NUL terminated); longer values and values with an

@@ -1,5 +1,5 @@
 /* parcopy.c - large copies on several threads; see parcopy.h. */
-#include "parcopy.h"
+#include "common/parcopy.h"
 
 #include <pthread.h>
 #include <stdint.h>

@@ -1,5 +1,5 @@
 /* safetensors.c - safetensors reader/writer; see safetensors.h. */
-#include "safetensors.h"
+#include "common/safetensors.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -11,7 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "json.h"
+#include "common/json.h"
 
 #define ST_MAX_HEADER (64u << 20)
 

@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "moe.h"
+#include "client/moe.h"
 
 #define ST_MAX_DIMS 4
 

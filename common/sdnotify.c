@@ -1,5 +1,5 @@
 /* sdnotify.c - systemd notifications without libsystemd; see sdnotify.h. */
-#include "sdnotify.h"
+#include "common/sdnotify.h"
 
 #include <errno.h>
 #include <stddef.h>

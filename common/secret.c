@@ -1,5 +1,5 @@
 /* secret.c - the cluster secret and the loopback test; see secret.h. */
-#include "secret.h"
+#include "common/secret.h"
 
 #include <ctype.h>
 #include <errno.h>

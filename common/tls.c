@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tls.h"
+#include "common/tls.h"
 
 #define TLS_PEM_MAX (1u << 20) /* a certificate chain or key larger than 1 MiB is refused */
 

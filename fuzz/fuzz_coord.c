@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
+#include "server/coord.h"
 
 static coord *C;
 static dedupe *D;

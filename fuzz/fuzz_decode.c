@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 #define FUZZ_MAX_LEN (1u << 20)
 

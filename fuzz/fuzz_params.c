@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model_cfg.h"
-#include "params.h"
+#include "common/model_cfg.h"
+#include "common/params.h"
 
 static void check(int ok)
 {

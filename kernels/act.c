@@ -2,7 +2,7 @@
  * on arrays: one switch per call, plain loops inside. */
 #include <math.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 #define INV_SQRT2    0.70710678118654752f
 #define INV_SQRT_2PI 0.39894228040143268f

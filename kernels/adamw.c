@@ -1,7 +1,7 @@
 /* adamw.c - AdamW step and the sum of squares for global-norm clipping. */
 #include <math.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 void kern_adamw_cpu(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,
                     float beta2, float eps, float wd, int64_t step, float grad_scale)

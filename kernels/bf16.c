@@ -1,7 +1,7 @@
 /* bf16.c - float <-> bf16 conversion, round to nearest even. */
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 /* The conversions are the inline ones of kern.h: ties to even, overflow
  * rounds to inf, NaN stays NaN (sign kept, quiet bit forced). */

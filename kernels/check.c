@@ -2,7 +2,7 @@
 #include <math.h>
 #include <stdio.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 double kern_rel_err(const float *a, const float *b, size_t n)
 {

@@ -1,6 +1,6 @@
 /* combine.c - weighted sum of a token's K expert rows, in fixed order, and
  * its backward. */
-#include "kern.h"
+#include "kernels/kern.h"
 
 void kern_combine_cpu(const float *ye, const float *topk_w, const uint8_t *keep, int T, int K,
                       int H, int bf16, float *y)

@@ -1,6 +1,6 @@
 /* expert.c - expert FFN reference (plain loops), forward and backward, on
  * the N rows routed to one expert. No scratch: one (n, f) element at a time. */
-#include "kern.h"
+#include "kernels/kern.h"
 
 void kern_expert_ffn_cpu(const float *x, int N, int H, int F, const float *w1, const float *w3,
                          const float *w2, kern_act act, int bf16, float *a_out, float *b_out,

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, const float *w3,
                           const float *w2, kern_act act, int bf16, float *a_out, float *b_out,

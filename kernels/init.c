@@ -2,7 +2,7 @@
  * (splitmix64): value i depends only on the key and i, never on who asks. */
 #include <math.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 #define GOLDEN 0x9e3779b97f4a7c15ull
 

@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "moe.h"
+#include "client/moe.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,7 +1,7 @@
 /* layout.c - counting sort of routed slots by expert, and capacity drops. */
 #include <math.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 void kern_layout_cpu(const int32_t *topk_idx, int T, int K, int E, int32_t *counts,
                      int32_t *offsets, int32_t *perm, int32_t *inv)

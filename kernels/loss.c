@@ -1,7 +1,7 @@
 /* loss.c - router auxiliary losses: load balancing (Switch/GShard) and z-loss. */
 #include <math.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 float kern_aux_loss_cpu(const float *probs, const int32_t *counts, int T, int E, int K)
 {

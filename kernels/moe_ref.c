@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 /* ref_state: the forward's intermediates, carved from one allocation. */
 typedef struct ref_state {

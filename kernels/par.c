@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 #define PAR_MAX_TH 64
 

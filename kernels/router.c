@@ -2,7 +2,7 @@
 #include <cblas.h>
 #include <math.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 void kern_router_logits_cpu(const float *x, const float *wr, int T, int H, int E, float *logits)
 {

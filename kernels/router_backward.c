@@ -3,7 +3,7 @@
  * global counts) and the z-loss, then softmax and the logits GEMM. */
 #include <math.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 void kern_router_backward_cpu(const float *x, const float *wr, const float *logits,
                               const float *probs, const int32_t *topk_idx, const float *dw, int T,

@@ -1,5 +1,5 @@
 /* bulk_wire.c - the bulk path's headers; see bulk_wire.h. */
-#include "bulk_wire.h"
+#include "proto/bulk_wire.h"
 
 #include <stdio.h>
 #include <string.h>

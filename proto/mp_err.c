@@ -3,7 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 moe_err mp_errf(mp_errbuf *eb, moe_err err, const char *fmt, ...)
 {

@@ -11,7 +11,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 /* hdr: one decoded header. For str/bin/ext, n is the payload length (not yet
  * consumed; for ext the type byte is consumed); for array/map, the count. */

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 #define MP_WRITER_MIN_CAP 256
 

@@ -10,7 +10,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 /* read_head reads "[type, msgid" of a 4-element message. */
 static moe_err read_head(mp_reader *r, uint64_t want_type, uint32_t *msgid, mp_errbuf *eb)

@@ -6,7 +6,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 /* shape_bytes computes numel and numel * elsize, overflow-checked. */
 static moe_err shape_bytes(int ndim, const int64_t *shape, size_t elsize, int64_t *numel,

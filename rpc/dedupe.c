@@ -1,11 +1,11 @@
 /* dedupe.c - reply cache keyed by request id; see dedupe.h. */
-#include "dedupe.h"
+#include "rpc/dedupe.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "log.h"
+#include "common/log.h"
 
 typedef enum dd_state { DD_RUNNING, DD_ANSWERED } dd_state;
 

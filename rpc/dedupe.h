@@ -33,8 +33,8 @@
 
 #include <stddef.h>
 
-#include "methods.h"
-#include "rpcsrv.h"
+#include "rpc/methods.h"
+#include "rpc/rpcsrv.h"
 
 #define DEDUPE_MAX_ENTRIES 1024
 #define DEDUPE_MAX_BYTES   ((size_t)64 << 20)

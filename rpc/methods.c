@@ -1,9 +1,9 @@
 /* methods.c - method table lookup; see methods.h. */
-#include "methods.h"
+#include "rpc/methods.h"
 
 #include <string.h>
 
-#include "params.h"
+#include "common/params.h"
 
 const void *rpc_method_find(const void *table, int n, size_t stride, const char *name, uint32_t len)
 {

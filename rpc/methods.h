@@ -19,7 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 typedef enum rpc_method_flag {
     /* a repetition would change the outcome: exactly-once by "rid"

@@ -1,5 +1,5 @@
 /* rpcsrv.c - async msgpack-rpc endpoint over nng rep0; see rpcsrv.h. */
-#include "rpcsrv.h"
+#include "rpc/rpcsrv.h"
 
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
@@ -12,8 +12,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "log.h"
-#include "tls.h"
+#include "common/log.h"
+#include "common/tls.h"
 
 typedef enum slot_state { SLOT_RECV, SLOT_WAIT, SLOT_SEND, SLOT_CLOSED } slot_state;
 

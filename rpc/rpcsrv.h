@@ -15,8 +15,8 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "proto.h"
-#include "tls.h"
+#include "proto/proto.h"
+#include "common/tls.h"
 
 typedef struct rpcsrv rpcsrv;
 

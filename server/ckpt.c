@@ -19,12 +19,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "confine.h"
-#include "coord.h"
-#include "json.h"
-#include "log.h"
-#include "params.h"
-#include "safetensors.h"
+#include "common/confine.h"
+#include "server/coord.h"
+#include "common/json.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/safetensors.h"
 
 #define CKPT_KEEP 3
 

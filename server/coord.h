@@ -16,11 +16,11 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "config.h"
-#include "dedupe.h"
-#include "methods.h"
-#include "model_cfg.h"
-#include "rpcsrv.h"
+#include "common/config.h"
+#include "rpc/dedupe.h"
+#include "rpc/methods.h"
+#include "common/model_cfg.h"
+#include "rpc/rpcsrv.h"
 
 #define COORD_MAX_WORKERS 256
 #define COORD_MAX_MODELS  64

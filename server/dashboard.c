@@ -11,9 +11,9 @@
  * this constant string the coordinator serves only /metrics and the
  * history JSON (see docs/OPERATIONS.md).
  */
-#include "httpd.h"
+#include "server/httpd.h"
 
-#include "coord.h"
+#include "server/coord.h"
 
 static const char dashboard_html[] =
     "<!doctype html>\n"

@@ -9,10 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
-#include "log.h"
-#include "params.h"
-#include "placement.h"
+#include "server/coord.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/placement.h"
 
 moe_err coord_parse_direct(coord *c, mp_reader *r, coord_job *j, int64_t *T, char *err,
                            size_t errlen)

@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
-#include "params.h"
+#include "server/coord.h"
+#include "common/params.h"
 
 static void grads_encode(coord *c, coord_job *j, int rank, mp_writer *w)
 {

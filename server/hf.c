@@ -13,12 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "confine.h"
-#include "coord.h"
-#include "hfcfg.h"
-#include "log.h"
-#include "params.h"
-#include "safetensors.h"
+#include "common/confine.h"
+#include "server/coord.h"
+#include "common/hfcfg.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/safetensors.h"
 
 int coord_hf_wants(const rpc_call *call)
 {

@@ -14,10 +14,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "coord.h"
-#include "httpd.h"
-#include "json.h"
-#include "log.h"
+#include "server/coord.h"
+#include "server/httpd.h"
+#include "common/json.h"
+#include "common/log.h"
 
 double coord_hist_quantile(const uint64_t *counts, double q)
 {

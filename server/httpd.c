@@ -1,5 +1,5 @@
 /* httpd.c - the coordinator's small HTTP/1.x server; see httpd.h. */
-#include "httpd.h"
+#include "server/httpd.h"
 
 #include <errno.h>
 #include <fcntl.h>

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
-#include "log.h"
+#include "server/coord.h"
+#include "common/log.h"
 
 moe_err coord_job_submit(coord *c, coord_job *j, int front)
 {

@@ -9,13 +9,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "coord.h"
-#include "dedupe.h"
-#include "log.h"
-#include "params.h"
-#include "sdnotify.h"
-#include "secret.h"
-#include "tls.h"
+#include "server/coord.h"
+#include "rpc/dedupe.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/sdnotify.h"
+#include "common/secret.h"
+#include "common/tls.h"
 
 static coord C;
 static sdn S;     /* systemd notifications (Type=notify); loop thread */

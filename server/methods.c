@@ -6,9 +6,9 @@
  */
 #include <string.h>
 
-#include "coord.h"
-#include "log.h"
-#include "params.h"
+#include "server/coord.h"
+#include "common/log.h"
+#include "common/params.h"
 
 static void coord_ping(coord *c, rpc_call *call)
 {

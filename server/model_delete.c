@@ -11,10 +11,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "coord.h"
-#include "log.h"
-#include "params.h"
-#include "placement.h"
+#include "server/coord.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/placement.h"
 
 moe_err coord_parse_mem(mp_reader *r, int64_t *host, int64_t *gpu, char *err, size_t errlen)
 {

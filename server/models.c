@@ -9,10 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
-#include "log.h"
-#include "params.h"
-#include "placement.h"
+#include "server/coord.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/placement.h"
 
 const double coord_lat_bounds[COORD_LAT_BUCKETS] = {
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};

@@ -1,7 +1,7 @@
 /*
  * promtext.c - the Prometheus text writer and its checker (promtext.h).
  */
-#include "promtext.h"
+#include "server/promtext.h"
 
 #include <math.h>
 #include <stdarg.h>

@@ -19,10 +19,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "client_dp.h" /* moe__set_cluster */
-#include "coord.h"
-#include "log.h"
-#include "params.h"
+#include "client/client_dp.h" /* moe__set_cluster */
+#include "server/coord.h"
+#include "common/log.h"
+#include "common/params.h"
 
 #define COORD_FORGET_DOWN_S 60 /* a down non-member is forgotten after this */
 

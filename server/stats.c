@@ -10,10 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
-#include "httpd.h"
-#include "log.h"
-#include "promtext.h"
+#include "server/coord.h"
+#include "server/httpd.h"
+#include "common/log.h"
+#include "server/promtext.h"
 
 void coord_count_error(coord *c, moe_err e)
 {

@@ -9,10 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
-#include "log.h"
-#include "params.h"
-#include "placement.h"
+#include "server/coord.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/placement.h"
 
 coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T)
 {

@@ -1,5 +1,5 @@
 /* cluster.c - test harness: real daemons on loopback; see cluster.h. */
-#include "cluster.h"
+#include "tests/cluster.h"
 
 #include <criterion/criterion.h>
 #include <errno.h>

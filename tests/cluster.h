@@ -29,8 +29,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "moe.h"
-#include "proto.h"
+#include "client/moe.h"
+#include "proto/proto.h"
 
 #define CLUSTER_MAX_WORKERS 8
 #define CLUSTER_MAX_ARGS    16

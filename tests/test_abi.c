@@ -12,8 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 static char *read_file(const char *path)
 {

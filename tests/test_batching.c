@@ -11,8 +11,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 #define NREQ 24
 

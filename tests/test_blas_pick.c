@@ -15,8 +15,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "blas_pick.h"
-#include "kern.h"
+#include "worker/blas_pick.h"
+#include "kernels/kern.h"
 
 #define OUT_ENV "MOE_BLAS_PICK_OUT"
 

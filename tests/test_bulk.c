@@ -27,9 +27,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "bulk_wire.h"
-#include "cluster.h"
-#include "kern.h"
+#include "proto/bulk_wire.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 static moe_client *open_path(cluster *cl, const char *path)
 {

@@ -19,8 +19,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 /* one forward case: a model and the batch sizes run through it */
 typedef struct fcase {

@@ -15,7 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
+#include "tests/cluster.h"
 
 /* gone: pid does not run any more (no such process, or a zombie whose new
  * parent has not reaped it yet). */

@@ -17,8 +17,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 /* metric_value finds "name value" (name with labels, exact) in text. */
 static double metric_value(const char *text, const char *name)

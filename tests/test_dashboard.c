@@ -18,9 +18,9 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "json.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "common/json.h"
+#include "kernels/kern.h"
 
 /* header_value: the value of header name in head (case-insensitive name), or NULL */
 static const char *header_value(const char *head, const char *name, char *out, size_t cap)

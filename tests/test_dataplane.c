@@ -27,8 +27,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 static const char *paths[3] = {"coordinator", "socket", "shm"};
 

@@ -18,8 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 #define H 64
 

@@ -15,9 +15,9 @@
 #include <string.h>
 #include <sys/wait.h>
 
-#include "cluster.h"
-#include "json.h"
-#include "promtext.h"
+#include "tests/cluster.h"
+#include "common/json.h"
+#include "server/promtext.h"
 
 static pt_family_info fams[PT_MAX_FAMILIES];
 static int nfams;

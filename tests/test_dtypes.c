@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 Test(dtypes, f16_input_and_output, .timeout = 60, .fini = cluster_fini_all)
 {

@@ -21,8 +21,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 #define DT 20 /* rows of a train forward and of the probe */
 #define DH 16 /* d_model */

@@ -20,9 +20,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "client_dp.h" /* moe__set_cluster */
-#include "cluster.h"
-#include "kern.h"
+#include "client/client_dp.h" /* moe__set_cluster */
+#include "tests/cluster.h"
+#include "kernels/kern.h"
 
 #define H 16
 

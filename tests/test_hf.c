@@ -16,8 +16,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "safetensors.h"
+#include "tests/cluster.h"
+#include "common/safetensors.h"
 
 /* bf16 models: moe keeps the router logits in fp32 and sums the expert
  * rows in fp32 where transformers rounds both to bf16 (OPERATIONS.md) */

@@ -5,7 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 Test(kern_adamw, one_step_by_hand)
 {

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 static float from_bits(uint32_t u)
 {

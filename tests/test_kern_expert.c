@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 static void expect_rel(const char *name, const float *got, const float *want, size_t n, double tol)
 {

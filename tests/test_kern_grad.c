@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 enum { T = 5, H = 6, F = 7, E = 4, K = 2 };
 

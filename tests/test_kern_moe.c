@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
+#include "kernels/kern.h"
 
 enum { T = 16, H = 24, F = 20, E = 4, K = 2 };
 

@@ -8,11 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fwd.h"
-#include "kern.h"
-#include "placement.h"
-#include "pool.h"
-#include "rows.h"
+#include "worker/fwd.h"
+#include "kernels/kern.h"
+#include "common/placement.h"
+#include "worker/pool.h"
+#include "worker/rows.h"
 
 static const int thread_counts[] = {1, 2, 3, 7};
 #define NTC ((int)(sizeof(thread_counts) / sizeof(thread_counts[0])))

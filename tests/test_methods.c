@@ -11,9 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "coord.h"
-#include "dataplane.h"
-#include "worker.h"
+#include "server/coord.h"
+#include "worker/dataplane.h"
+#include "worker/worker.h"
 
 typedef struct doc_row {
     char endpoint[32], method[64], once[32], drain[32], caller[32], thread[32];

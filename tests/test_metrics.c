@@ -20,9 +20,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
-#include "promtext.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
+#include "server/promtext.h"
 
 #define WORKER_IDS 256 /* worker ids of a test cluster stay below */
 

@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "cluster.h"
+#include "tests/cluster.h"
 
 #define H 32
 

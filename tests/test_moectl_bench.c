@@ -21,8 +21,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "bench_stats.h"
-#include "cluster.h"
+#include "client/bench_stats.h"
+#include "tests/cluster.h"
 
 /* ---- the percentile ---- */
 

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "parcopy.h"
+#include "common/parcopy.h"
 
 Test(parcopy, every_byte_and_nothing_more)
 {

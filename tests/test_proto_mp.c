@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 /* ---- helpers ---- */
 

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proto.h"
+#include "proto/proto.h"
 
 #define ASSERT_ERR(call, code, eb)                                                                 \
     do {                                                                                           \

@@ -16,7 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
+#include "tests/cluster.h"
 
 static int have_numpy(void)
 {

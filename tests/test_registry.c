@@ -21,7 +21,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cluster.h"
+#include "tests/cluster.h"
 
 /* fake_register sends worker.register for rpc_url on a fresh connection,
  * with the cluster secret (NULL: none); the connection stays open (*sock)

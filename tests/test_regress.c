@@ -23,9 +23,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
-#include "safetensors.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
+#include "common/safetensors.h"
 
 /* ---- async answers ---- */
 

@@ -31,7 +31,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
+#include "tests/cluster.h"
 
 /* ---- helpers ---- */
 

@@ -19,8 +19,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "sdnotify.h"
+#include "tests/cluster.h"
+#include "common/sdnotify.h"
 
 /* notify_socket binds a datagram socket at name ('@' = abstract) that
  * receives the sender's credentials */

@@ -12,7 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cluster.h"
+#include "tests/cluster.h"
 
 /* tls_dir: a temporary directory with ca.pem, other-ca.pem (a CA that
  * signed nothing here), srv.pem and srv.key (CN and SAN 127.0.0.1, signed

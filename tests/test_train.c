@@ -15,9 +15,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cluster.h"
-#include "kern.h"
-#include "safetensors.h"
+#include "tests/cluster.h"
+#include "kernels/kern.h"
+#include "common/safetensors.h"
 
 typedef struct tshape {
     int T, H, F, E, K, act, renorm, W;

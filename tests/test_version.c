@@ -9,7 +9,7 @@
 #include <string.h>
 #include <sys/wait.h>
 
-#include "cluster.h"
+#include "tests/cluster.h"
 
 Test(version, worker_says_its_backends)
 {

@@ -22,8 +22,8 @@
 #include <nng/nng.h>
 #include <nng/protocol/pipeline0/push.h>
 
-#include "log.h"
-#include "xchg.h"
+#include "common/log.h"
+#include "worker/xchg.h"
 
 #define MAXW 8
 

@@ -9,12 +9,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pool.h"
-#include "fwd.h"
-#include "gpu.h"
-#include "log.h"
-#include "params.h"
-#include "rows.h"
+#include "worker/pool.h"
+#include "worker/fwd.h"
+#include "worker/gpu.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "worker/rows.h"
 
 /* slot_sum_job: dx (T,H) += the token's K slot rows of dx_slot (S,H), in
  * slot order; split over tokens (kern_par_for), so the sums keep their

@@ -12,7 +12,7 @@
 #include <strings.h>
 #include <unistd.h>
 
-#include "blas_pick.h"
+#include "worker/blas_pick.h"
 
 /* The core a failed re-exec asked for (empty if none), for the start line. */
 static char exec_failed_core[32];

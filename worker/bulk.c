@@ -1,5 +1,5 @@
 /* bulk.c - the worker's bulk listener; see bulk.h. */
-#include "bulk.h"
+#include "worker/bulk.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -16,10 +16,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bulk_wire.h"
-#include "log.h"
-#include "pool.h"
-#include "rpcsrv.h"
+#include "proto/bulk_wire.h"
+#include "common/log.h"
+#include "worker/pool.h"
+#include "rpc/rpcsrv.h"
 
 #define DRAIN_CHUNK ((size_t)1 << 20)
 

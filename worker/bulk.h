@@ -18,7 +18,7 @@
 
 #include <stddef.h>
 
-#include "dataplane.h"
+#include "worker/dataplane.h"
 
 typedef struct wkr_bulk wkr_bulk;
 

@@ -16,13 +16,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "confine.h"
-#include "kern.h"
-#include "log.h"
-#include "gpu.h"
-#include "params.h"
-#include "safetensors.h"
-#include "worker.h"
+#include "common/confine.h"
+#include "kernels/kern.h"
+#include "common/log.h"
+#include "worker/gpu.h"
+#include "common/params.h"
+#include "common/safetensors.h"
+#include "worker/worker.h"
 
 #define CKPT_MAX_FILES 1024
 

@@ -2,9 +2,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu.h"
-#include "log.h"
-#include "worker.h"
+#include "worker/gpu.h"
+#include "common/log.h"
+#include "worker/worker.h"
 
 void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m)
 {

@@ -1,6 +1,6 @@
 /* dataplane.c - tickets and shared-memory regions of the worker's data
  * plane; see dataplane.h. */
-#include "dataplane.h"
+#include "worker/dataplane.h"
 
 #include <nng/nng.h>
 #include <errno.h>
@@ -15,13 +15,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "gpu.h"
-#include "kern.h"
-#include "log.h"
-#include "params.h"
-#include "parcopy.h"
-#include "pool.h"
-#include "rows.h"
+#include "worker/gpu.h"
+#include "kernels/kern.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/parcopy.h"
+#include "worker/pool.h"
+#include "worker/rows.h"
 
 #define DP_MAX_REGIONS_PER_PIPE 64
 

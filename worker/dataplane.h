@@ -24,9 +24,9 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "methods.h"
-#include "proto.h"
-#include "rpcsrv.h"
+#include "rpc/methods.h"
+#include "proto/proto.h"
+#include "rpc/rpcsrv.h"
 
 typedef struct dp_region dp_region;
 

@@ -14,13 +14,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pool.h"
-#include "fwd.h"
-#include "gpu.h"
-#include "log.h"
-#include "params.h"
-#include "placement.h"
-#include "rows.h"
+#include "worker/pool.h"
+#include "worker/fwd.h"
+#include "worker/gpu.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "common/placement.h"
+#include "worker/rows.h"
 
 double fwd_now_s(void)
 {

@@ -7,7 +7,7 @@
 #ifndef MOE_WKR_FWD_H
 #define MOE_WKR_FWD_H
 
-#include "worker.h"
+#include "worker/worker.h"
 
 double fwd_now_s(void);
 /* fwd_pack_by_owner: for each rank q, [counts of q's experts if with_counts]

@@ -1,18 +1,18 @@
 /* gpu.c - the worker's GPU backend; see gpu.h. */
-#include "gpu.h"
+#include "worker/gpu.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "log.h"
+#include "common/log.h"
 
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "kcu_ep.h"
-#include "kern_cuda.h"
+#include "kernels/cuda/kcu_ep.h"
+#include "kernels/cuda/kern_cuda.h"
 
 int64_t wkr_gpu_mem_free(int device)
 {

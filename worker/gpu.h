@@ -20,7 +20,7 @@
 #ifndef MOE_WKR_GPU_H
 #define MOE_WKR_GPU_H
 
-#include "worker.h"
+#include "worker/worker.h"
 
 /* wkr_gpu_build_info: what this build can do on a GPU, one line ("cuda:
  * runtime .., NCCL .., kernel images .." or "cuda: not in this build"). */

@@ -9,8 +9,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpu.h"
-#include "worker.h"
+#include "worker/gpu.h"
+#include "worker/worker.h"
 
 void wkr_op_grads(wkr *w, rpc_call *c)
 {

@@ -1,8 +1,8 @@
 /* handles.c - train forwards awaiting their backward, bounded in count and age. */
 #include <stdlib.h>
 
-#include "pool.h"
-#include "worker.h"
+#include "worker/pool.h"
+#include "worker/worker.h"
 
 void wkr_fwd_state_free(wkr_fwd_state *st)
 {

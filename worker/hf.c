@@ -10,11 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "confine.h"
-#include "hfcfg.h"
-#include "kern.h"
-#include "safetensors.h"
-#include "worker.h"
+#include "common/confine.h"
+#include "common/hfcfg.h"
+#include "kernels/kern.h"
+#include "common/safetensors.h"
+#include "worker/worker.h"
 
 void wkr_hf_names(wkr_model *m, const hf_cfg *hc)
 {

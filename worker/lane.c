@@ -16,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "log.h"
-#include "worker.h"
+#include "common/log.h"
+#include "worker/worker.h"
 
 moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen)
 {

@@ -8,19 +8,19 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "blas_pick.h"
-#include "bulk.h"
-#include "confine.h"
-#include "gpu.h"
-#include "hostid.h"
-#include "log.h"
-#include "params.h"
-#include "pool.h"
-#include "sdnotify.h"
-#include "secret.h"
-#include "tls.h"
-#include "worker.h"
-#include "client_dp.h" /* moe__set_cluster */
+#include "worker/blas_pick.h"
+#include "worker/bulk.h"
+#include "common/confine.h"
+#include "worker/gpu.h"
+#include "common/hostid.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "worker/pool.h"
+#include "common/sdnotify.h"
+#include "common/secret.h"
+#include "common/tls.h"
+#include "worker/worker.h"
+#include "client/client_dp.h" /* moe__set_cluster */
 
 void openblas_set_num_threads(int);
 

@@ -5,10 +5,10 @@
  * the loop thread at once. docs/PROTOCOL.md's table is checked against
  * this one (tests/test_methods.c).
  */
-#include "log.h"
-#include "params.h"
-#include "worker.h"
-#include "xchg.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "worker/worker.h"
+#include "worker/xchg.h"
 
 static void wkr_ping(wkr *w, rpc_call *c)
 {

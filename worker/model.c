@@ -3,13 +3,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "hfcfg.h"
-#include "kern.h"
-#include "log.h"
-#include "params.h"
-#include "gpu.h"
-#include "placement.h"
-#include "worker.h"
+#include "common/hfcfg.h"
+#include "kernels/kern.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "worker/gpu.h"
+#include "common/placement.h"
+#include "worker/worker.h"
 
 #define MAX_WORLD 256
 

@@ -7,10 +7,10 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpu.h"
-#include "log.h"
-#include "params.h"
-#include "worker.h"
+#include "worker/gpu.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "worker/worker.h"
 
 /* host_mem_available: MemAvailable of /proc/meminfo in bytes; -1 if unknown */
 static int64_t host_mem_available(void)

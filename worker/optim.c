@@ -9,11 +9,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kern.h"
-#include "log.h"
-#include "gpu.h"
-#include "params.h"
-#include "worker.h"
+#include "kernels/kern.h"
+#include "common/log.h"
+#include "worker/gpu.h"
+#include "common/params.h"
+#include "worker/worker.h"
 
 moe_err wkr_model_train_alloc(wkr_model *m)
 {

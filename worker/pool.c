@@ -1,5 +1,5 @@
 /* pool.c - cached large host buffers; see pool.h. */
-#include "pool.h"
+#include "worker/pool.h"
 
 #include <pthread.h>
 #include <stdint.h>

@@ -1,5 +1,5 @@
 /* rows.c - wire tensors <-> float rows; see rows.h. */
-#include "rows.h"
+#include "worker/rows.h"
 
 #include <math.h>
 

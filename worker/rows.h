@@ -10,8 +10,8 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "kern.h"
-#include "proto.h"
+#include "kernels/kern.h"
+#include "proto/proto.h"
 
 static inline void rows_put(void *dst, const float *src, size_t n, int bf16)
 {

@@ -15,13 +15,13 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "config.h"
-#include "dataplane.h"
-#include "methods.h"
-#include "model_cfg.h"
-#include "params.h"
-#include "rpcsrv.h"
-#include "xchg.h"
+#include "common/config.h"
+#include "worker/dataplane.h"
+#include "rpc/methods.h"
+#include "common/model_cfg.h"
+#include "common/params.h"
+#include "rpc/rpcsrv.h"
+#include "worker/xchg.h"
 
 #define WKR_MAX_MODELS 64
 

@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "moe.h"
+#include "client/moe.h"
 
 typedef struct xchg xchg;
 

@@ -2,7 +2,7 @@
  * waiting at once; see xchg.h (xchg_request_abort). */
 #include <stdatomic.h>
 
-#include "xchg.h"
+#include "worker/xchg.h"
 
 static _Atomic uint64_t cur_gen;   /* the generation this worker is in (0 = none) */
 static _Atomic uint64_t abort_gen; /* the last generation the coordinator gave up */

@@ -28,8 +28,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "log.h"
-#include "xchg.h"
+#include "common/log.h"
+#include "worker/xchg.h"
 
 _Static_assert(sizeof(ncclUniqueId) == XCHG_NCCL_ID_BYTES, "ncclUniqueId size");
 

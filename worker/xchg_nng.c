@@ -44,8 +44,8 @@
 #include <nng/protocol/pipeline0/pull.h>
 #include <nng/protocol/pipeline0/push.h>
 
-#include "log.h"
-#include "xchg.h"
+#include "common/log.h"
+#include "worker/xchg.h"
 
 #define NX_MAGIC        0x4843584du /* "MXCH" read as a little-endian u32 */
 #define NX_VERSION      1

@@ -24,8 +24,8 @@
 #include <thread>
 #include <vector>
 
-#include "kcu_internal.cuh"
-#include "kcu_tool.h"
+#include "kernels/cuda/kcu_internal.cuh"
+#include "kernels/cuda/kcu_tool.h"
 
 /* The reference's OpenBLAS paths are not used here, and the GPU machine has
  * no OpenBLAS: this definition satisfies the linker for router.o. */

@@ -45,8 +45,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kcu_internal.cuh"
-#include "kcu_topk.cuh"
+#include "kernels/cuda/kcu_internal.cuh"
+#include "kernels/cuda/kcu_topk.cuh"
 
 int kcu_decode_override = -1;
 long long kcu_decode_calls = 0;

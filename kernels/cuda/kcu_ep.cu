@@ -37,9 +37,9 @@
 
 #include <nccl.h>
 
-#include "kcu_ep.h"
-#include "kcu_internal.cuh"
-#include "placement.h"
+#include "kernels/cuda/kcu_ep.h"
+#include "kernels/cuda/kcu_internal.cuh"
+#include "common/placement.h"
 
 /* the worker's "give up on this generation" check (kcu_ep.h) */
 extern "C" int (*kcu_ep_abort_hook)(void) = nullptr;

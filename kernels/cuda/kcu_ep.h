@@ -47,8 +47,8 @@
 extern "C" {
 #endif
 
-#include "kern.h"
-#include "moe.h"
+#include "kernels/kern.h"
+#include "client/moe.h"
 
 typedef struct kcu_ep kcu_ep;
 

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kcu_internal.cuh"
+#include "kernels/cuda/kcu_internal.cuh"
 
 namespace
 {

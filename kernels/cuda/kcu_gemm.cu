@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kcu_internal.cuh"
+#include "kernels/cuda/kcu_internal.cuh"
 
 /* the portable image (kcu_arch.cu) compiles the Hopper kernels empty: their
  * device helpers are then unreferenced there, which is expected */

@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "kern_cuda.h"
+#include "kernels/cuda/kern_cuda.h"
 
 typedef __nv_bfloat16 bf16;
 

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kcu_internal.cuh"
+#include "kernels/cuda/kcu_internal.cuh"
 
 void (*kcu_phase_hook)(const char *phase, cudaStream_t st) = nullptr;
 #define PHASE(name)                                                                                \

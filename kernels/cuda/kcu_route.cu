@@ -8,8 +8,8 @@
 #include <limits.h>
 #include <string.h>
 
-#include "kcu_internal.cuh"
-#include "kcu_topk.cuh"
+#include "kernels/cuda/kcu_internal.cuh"
+#include "kernels/cuda/kcu_topk.cuh"
 
 namespace
 {

@@ -37,8 +37,8 @@
 extern "C" { /* kern.h and moe.h carry no C++ guards of their own */
 #endif
 
-#include "kern.h"
-#include "moe.h"
+#include "kernels/kern.h"
+#include "client/moe.h"
 
 typedef struct kcu_layer kcu_layer;
 
