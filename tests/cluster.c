@@ -606,6 +606,25 @@ int cluster_coord_wait(cluster *cl, int timeout_ms)
     return st;
 }
 
+int cluster_worker_wait(cluster *cl, int i, int timeout_ms)
+{
+    int64_t t0 = cluster_now_ms();
+    int st = -1;
+    if (i < 0 || i >= CLUSTER_MAX_WORKERS || cl->worker_pid[i] <= 0) {
+        set_err(cl, "worker %d is not running", i);
+        return -1;
+    }
+    while (!reap_nohang(cl->worker_pid[i], &st)) {
+        if (cluster_now_ms() - t0 > timeout_ms) {
+            set_err(cl, "worker %d still runs after %d ms", i, timeout_ms);
+            return -1;
+        }
+        sleep_ms(5);
+    }
+    cl->worker_pid[i] = 0;
+    return st;
+}
+
 int cluster_stop(cluster *cl)
 {
     if (!cl || !cl->live)

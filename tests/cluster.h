@@ -94,6 +94,9 @@ int cluster_coord_signal(cluster *cl, int sig);
  * a signal or a drain) and reaps it. Returns its wait status, or -1 if it is
  * still running (or was not). */
 int cluster_coord_wait(cluster *cl, int timeout_ms);
+/* cluster_worker_wait waits up to timeout_ms for worker i to exit on its
+ * own and reaps it: its wait status, or -1 if it still runs (or was not). */
+int cluster_worker_wait(cluster *cl, int i, int timeout_ms);
 /* cluster_stop stops every daemon (SIGTERM, bounded wait, SIGKILL) and
  * removes the directory. Returns the number of daemons that needed SIGKILL
  * or did not exit 0 (0 = clean). Idempotent. */

@@ -386,6 +386,49 @@ Test(cluster_ops, stuck_worker_aborts_the_exchange, .timeout = 150, .fini = clus
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
 
+/* A device that cannot be recovered: the survivor's compute thread is stuck
+ * inside a forward (a test hook hangs it, deaf to aborts, as a kernel that
+ * never ends would). When the coordinator gives the generation up (the
+ * other member is killed), the stuck worker exits with status 3 after
+ * --stuck-exit-ms so that its supervisor restarts it; restarted, both
+ * workers form the cluster again. */
+Test(cluster_ops, stuck_device_exits_for_its_supervisor, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2,
+                      .client_timeout_ms = 60000,
+                      .coord_args = {QUIET_COORD},
+                      .worker_args = {QUIET_WORKER, "--stuck-exit-ms", "1000",
+                                      "--test-hang-forward-ms", "600000"}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    create_model(cl, "m", LONG_H, 1024);
+    /* start_forward's warm-up forward would hang too: the rows' map first,
+     * through a call that is no forward */
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    moe_reply_free(&rep);
+    fwd_job j = {cl, 4, LONG_H, MOE_OK, "", 0};
+    pthread_t th;
+    /* held: the coordinator holds the forward's control call (its bytes in
+     * progress; the stats call alone is under 40 bytes), so the job went to
+     * the workers, where it hangs */
+    uint64_t base = inflight_bytes(cl) + 40;
+    pthread_create(&th, NULL, fwd_thread, &j);
+    int64_t t0 = cluster_now_ms();
+    while (inflight_bytes(cl) <= base) {
+        cr_assert(cluster_now_ms() - t0 < 30000, "the forward never reached the coordinator");
+        usleep(5000);
+    }
+    cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
+    int st = cluster_worker_wait(cl, 0, 60000);
+    cr_assert(st != -1, "the stuck worker did not exit: %s", cluster_error());
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 3, "stuck worker: status 0x%x, want exit 3", st);
+    pthread_join(th, NULL);
+    cr_assert_neq(j.err, MOE_OK, "the forward cannot have completed");
+    cr_log_info("forward answered %s: %s", moe_err_code(j.err), j.msg);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
 /* A worker process that dies is marked down when its connection to the
  * coordinator closes, not after the heartbeat timeout (10 minutes here, so
  * only the connection can tell): the cluster is not ready, and after a

@@ -123,10 +123,12 @@ void *wkr_compute_main(void *arg)
         if (!w->qhead)
             w->qtail = NULL;
         pthread_mutex_unlock(&w->qmu);
+        atomic_store(&w->busy_since_ns, rpc_now_ns());
         if (it->is_run)
             wkr_lane_run(w, &it->run);
         else
             run_one(w, it->call, it->method);
+        atomic_store(&w->busy_since_ns, 0);
         free(it);
     }
     xchg_close(w->xc);

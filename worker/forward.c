@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "worker/pool.h"
 #include "worker/fwd.h"
@@ -403,6 +404,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         {"dtype", P_STR, dtname, false, 0, 0, sizeof(dtname), false},
         {"lane", P_BOOL, &lane, false, 0, 0, 0, false},
     };
+    if (w->test_hang_forward_ms > 0) /* tests: a kernel that never ends, deaf to aborts */
+        usleep((useconds_t)(w->test_hang_forward_ms * 1000));
     if (!wkr_parse_or_reply(c, sp, 10) || !wkr_xc_or_reply(w, c))
         return;
     wkr_model *m = wkr_model_or_reply(w, c, model_name);

@@ -59,6 +59,12 @@ static const cfg_entry worker_cfg[] = {
     {"ep", CFG_STR, "auto", 0, 0, W.ep_cfg,
      "auto | off: several GPU workers over NCCL run the layer device-resident (kcu_ep)"},
     {"heartbeat-ms", CFG_INT, "500", 50, 60000, &W.heartbeat_ms, "heartbeat period"},
+    {"stuck-exit-ms", CFG_INT, "30000", 0, 86400000, &W.stuck_exit_ms,
+     "after the coordinator gave up this worker's generation, exit with status 3 (for the "
+     "supervisor to restart it) if the compute thread has not come back from its job within "
+     "this bound - a device that cannot be recovered (0 = never)"},
+    {"test-hang-forward-ms", CFG_INT, "0", 0, 3600000, &W.test_hang_forward_ms,
+     "tests only: every forward first hangs this long, deaf to aborts"},
     {"xchg-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.xchg_timeout_ms,
      "bound on one collective between workers"},
     {"pool-mb", CFG_INT, "2048", 0, 1 << 24, &W.pool_mb,
@@ -274,6 +280,33 @@ static void send_register(wkr *w)
     if (moe_call_async(w->coord, "worker.register", pw.buf, pw.len, on_register_reply, w) != MOE_OK)
         w->registering = 0;
     mp_writer_fini(&pw);
+}
+
+/* check_stuck: the coordinator gave up our generation (a member is gone)
+ * but the compute thread is still inside the job it began before: a
+ * collective or kernel that cannot be interrupted. Past --stuck-exit-ms the
+ * worker exits (status 3) so that its supervisor restarts it with a fresh
+ * device, instead of leaving the cluster unable to re-form around it. */
+static void check_stuck(wkr *w)
+{
+    uint64_t since = atomic_load(&w->busy_since_ns), ab = xchg_abort_requested_ns();
+    uint64_t now = rpc_now_ns(), bound = (uint64_t)w->stuck_exit_ms * 1000000ull;
+    /* a job that began after the abort fails at its first collective: it
+     * too is stuck when it has not come back within the bound */
+    uint64_t from = since > ab ? since : ab;
+    if (w->stuck_exit_ms <= 0 || !since || !ab || now - from <= bound)
+        return;
+    LOG_E("the compute thread has not come back %.1f s after generation %llu was given up (its "
+          "job began %.1f s ago): the device or exchange cannot be recovered; exiting with "
+          "status 3 for the supervisor to restart this worker",
+          (double)(now - ab) * 1e-9, (unsigned long long)xchg_generation(),
+          (double)(now - since) * 1e-9);
+    _exit(3);
+}
+
+static void on_stuck_timer(uv_timer_t *t)
+{
+    check_stuck(t->data);
 }
 
 static void on_hb_timer(uv_timer_t *t)
@@ -541,6 +574,9 @@ int main(int argc, char **argv)
     uv_timer_init(W.loop, &W.hb_timer);
     W.hb_timer.data = &W;
     uv_timer_start(&W.hb_timer, on_hb_timer, 0, (uint64_t)W.heartbeat_ms);
+    uv_timer_init(W.loop, &W.stuck_timer); /* check_stuck, 5 times a second */
+    W.stuck_timer.data = &W;
+    uv_timer_start(&W.stuck_timer, on_stuck_timer, 200, 200);
     sdn_init(&S);
     uv_timer_init(W.loop, &sdn_timer);
     if (sdn_period_ms(&S))
@@ -573,6 +609,7 @@ int main(int argc, char **argv)
     if (W.dsrv)
         rpcsrv_close(W.dsrv);
     uv_close((uv_handle_t *)&W.hb_timer, NULL);
+    uv_close((uv_handle_t *)&W.stuck_timer, NULL);
     uv_close((uv_handle_t *)&sdn_timer, NULL);
     /* register/heartbeat replies (or their failures when the client closes)
      * still arrive on nng threads: they must not ring a closed handle */

@@ -12,6 +12,7 @@
 #define MOE_WORKER_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <uv.h>
 
@@ -143,10 +144,15 @@ struct wkr {
     char cluster_secret_cfg[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
-    long long ep_chunks;      /* kcu_ep overlap degree, 0 = by shape */
-    long long gpu_grad_bf16;  /* kcu_config.grad_bf16 of whole-layer GPU models */
-    char ep_cfg[CFG_STR_MAX]; /* "auto" | "off" */
-    int use_gpu;              /* the CUDA backend was chosen at start */
+    long long stuck_exit_ms;        /* exit 3 when the compute thread does not come back from a
+                                     * job this long after its generation was given up */
+    long long test_hang_forward_ms; /* tests only: a forward first sleeps this long (ignoring
+                                     * aborts), as a kernel that never ends would */
+    _Atomic uint64_t busy_since_ns; /* the compute thread's current job began (0 = idle) */
+    long long ep_chunks;            /* kcu_ep overlap degree, 0 = by shape */
+    long long gpu_grad_bf16;        /* kcu_config.grad_bf16 of whole-layer GPU models */
+    char ep_cfg[CFG_STR_MAX];       /* "auto" | "off" */
+    int use_gpu;                    /* the CUDA backend was chosen at start */
 
     /* loop thread */
     uv_loop_t *loop;
@@ -163,6 +169,7 @@ struct wkr {
     char cluster_secret[CFG_STR_MAX];
     int registering;
     uv_timer_t hb_timer;
+    uv_timer_t stuck_timer; /* check_stuck (main.c) */
     uv_signal_t sigterm, sigint;
     int stopping;
 

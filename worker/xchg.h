@@ -193,6 +193,9 @@ void xchg_set_generation(uint64_t gen);
 uint64_t xchg_generation(void);
 /* xchg_request_abort: give up on generation gen. */
 void xchg_request_abort(uint64_t gen);
+/* xchg_abort_requested_ns: when the current generation was given up
+ * (rpc_now_ns), 0 when it was not. */
+uint64_t xchg_abort_requested_ns(void);
 /* xchg_abort_requested: 1 when gen (nonzero) was given up. */
 int xchg_abort_requested(uint64_t gen);
 /* xchg_aborted: the current generation was given up. */
