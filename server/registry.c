@@ -521,7 +521,17 @@ const coord_job_ops coord_job_xchg_id = {
 static void join_encode(coord *c, coord_job *j, int rank, mp_writer *w)
 {
     (void)j;
-    mp_write_map(w, c->use_nccl ? 5 : 4);
+    /* the checkpoint roots again (as in the register reply): the join runs
+     * on the worker's compute thread before this generation's model
+     * create and restore, whereas the register reply is read on another
+     * thread, possibly after them */
+    const char *roots[2];
+    int nroots = coord_ckpt_roots(c, roots);
+    mp_write_map(w, c->use_nccl ? 6 : 5);
+    mp_write_cstr(w, "checkpoint_roots");
+    mp_write_array(w, (uint32_t)nroots);
+    for (int k = 0; k < nroots; k++)
+        mp_write_cstr(w, roots[k]);
     if (c->use_nccl) {
         mp_write_cstr(w, "nccl_id");
         mp_write_bin(w, c->nccl_id, sizeof(c->nccl_id));

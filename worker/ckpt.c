@@ -40,6 +40,31 @@ void wkr_ckpt_set_roots(const char *const *r, int n)
     pthread_mutex_unlock(&roots_mu);
 }
 
+moe_err wkr_ckpt_set_roots_from(mp_reader *rr, char *err, size_t errlen)
+{
+    char buf[CONFINE_MAX_ROOTS][CFG_STR_MAX];
+    const char *r[CONFINE_MAX_ROOTS];
+    uint32_t n = 0;
+    if (rr && (mp_read_array(rr, &n, NULL) != MOE_OK || n > CONFINE_MAX_ROOTS))
+        goto bad;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *s;
+        uint32_t len;
+        if (mp_read_str(rr, &s, &len, NULL) != MOE_OK || len >= CFG_STR_MAX || memchr(s, 0, len))
+            goto bad;
+        memcpy(buf[i], s, len);
+        buf[i][len] = 0;
+        r[i] = buf[i];
+    }
+    wkr_ckpt_set_roots(r, (int)n);
+    return MOE_OK;
+bad:
+    if (err)
+        snprintf(err, errlen, "checkpoint_roots must be an array of at most %d paths",
+                 CONFINE_MAX_ROOTS);
+    return MOE_EINVAL;
+}
+
 int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max)
 {
     pthread_mutex_lock(&roots_mu);

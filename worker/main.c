@@ -139,28 +139,6 @@ static void on_reg_async(uv_async_t *h)
     }
 }
 
-/* set_ckpt_roots reads the register reply's checkpoint_roots (NULL: none,
- * checkpoints are refused); -1 when it is not an array of paths. */
-static int set_ckpt_roots(mp_reader *rr)
-{
-    char buf[CONFINE_MAX_ROOTS][CFG_STR_MAX];
-    const char *roots[CONFINE_MAX_ROOTS];
-    uint32_t n = 0;
-    if (rr && (mp_read_array(rr, &n, NULL) != MOE_OK || n > CONFINE_MAX_ROOTS))
-        return -1;
-    for (uint32_t i = 0; i < n; i++) {
-        const char *s;
-        uint32_t len;
-        if (mp_read_str(rr, &s, &len, NULL) != MOE_OK || len >= CFG_STR_MAX || memchr(s, 0, len))
-            return -1;
-        memcpy(buf[i], s, len);
-        buf[i][len] = 0;
-        roots[i] = buf[i];
-    }
-    wkr_ckpt_set_roots(roots, (int)n);
-    return 0;
-}
-
 static void on_register_reply(moe_err err, moe_reply *r, void *arg)
 {
     int id = -1;
@@ -177,7 +155,7 @@ static void on_register_reply(moe_err err, moe_reply *r, void *arg)
         char e2[128];
         if (mp_read_map(&rd, &n, NULL) == MOE_OK &&
             params_parse(&rd, n, sp, 3, e2, sizeof(e2)) == MOE_OK &&
-            set_ckpt_roots(sp[2].seen ? &roots_r : NULL) == 0) {
+            wkr_ckpt_set_roots_from(sp[2].seen ? &roots_r : NULL, NULL, 0) == MOE_OK) {
             id = (int)v;
         }
     } else if (r && r->transport) {

@@ -86,7 +86,7 @@ static void drop_models(wkr *w)
 void wkr_op_join(wkr *w, rpc_call *c)
 {
     int64_t gen = 0, rank = 0, world = 0;
-    mp_reader peers_r, id_r;
+    mp_reader peers_r, id_r, roots_r;
     char err[256];
     pspec sp[] = {
         {"generation", P_INT, &gen, true, 0, 9e18, 0, false},
@@ -94,9 +94,12 @@ void wkr_op_join(wkr *w, rpc_call *c)
         {"world", P_INT, &world, true, 1, MAX_WORLD, 0, false},
         {"peers", P_RAW, &peers_r, true, 0, 0, 0, false},
         {"nccl_id", P_RAW, &id_r, false, 0, 0, 0, false},
+        {"checkpoint_roots", P_RAW, &roots_r, false, 0, 0, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 5, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 6, err, sizeof(err));
+    if (e == MOE_OK && sp[5].seen)
+        e = wkr_ckpt_set_roots_from(&roots_r, err, sizeof(err));
     const void *nccl_id = NULL;
     uint32_t id_len = 0;
     if (e == MOE_OK && sp[4].seen &&

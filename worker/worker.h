@@ -268,6 +268,10 @@ void wkr_op_ckpt_load(wkr *w, rpc_call *c);
  * written in and read from (its worker.register reply); checkpoint calls
  * naming a directory or file outside them are refused. Copied; any thread. */
 void wkr_ckpt_set_roots(const char *const *roots, int n);
+/* wkr_ckpt_set_roots_from reads them from a "checkpoint_roots" array (the
+ * register reply's, or worker.join's; NULL: none); MOE_EINVAL (err) when
+ * it is not an array of paths. */
+moe_err wkr_ckpt_set_roots_from(mp_reader *rr, char *err, size_t errlen);
 /* wkr_ckpt_get_roots copies up to max of them into out; returns how many. */
 int wkr_ckpt_get_roots(char out[][CFG_STR_MAX], int max);
 /* hf.c: models from a Hugging Face directory (cfg.hf_dir). wkr_hf_names
