@@ -335,7 +335,7 @@ int main(int argc, char **argv)
         kern_bf16_round_n(w3, E * fh);
         kern_bf16_round_n(w2, E * fh);
     }
-    kern_layer_weights lw = {wr, w1, w3, w2};
+    kern_layer_weights lw = {.wr = wr, .w1 = w1, .w3 = w3, .w2 = w2};
     int failures = 0;
     echo_srv echo;
     pthread_t echo_th;
@@ -375,7 +375,15 @@ int main(int argc, char **argv)
         moe_fwd_info_free(&info);
         double ey = 0, edx = 0;
         if (ref) {
-            kern_moe_shape sh = {(int)T, H, F, E, K, KERN_ACT_SWIGLU, 1, 0, dt == MOE_BF16};
+            kern_moe_shape sh = {.T = (int)T,
+                                 .H = H,
+                                 .F = F,
+                                 .E = E,
+                                 .K = K,
+                                 .act = KERN_ACT_SWIGLU,
+                                 .renorm = 1,
+                                 .capacity_factor = 0,
+                                 .bf16 = dt == MOE_BF16};
             kern_moe_forward_ref(&sh, &lw, x, yr, NULL);
             from_wire(yw, n, dt, y);
             ey = rel_err(y, yr, n);

@@ -2,6 +2,7 @@
 #include "common/model_cfg.h"
 
 #include <ctype.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -30,9 +31,13 @@ typedef struct cfg_wire {
     double cf, aux, z;
     char act[16], dtype[8];
     bool renorm;
+    char scoring[16];
+    bool score_bias, shared_gate;
+    int64_t n_group, topk_group, group_topn, shared_F;
+    double rscale;
     char hf_dir[MODEL_HF_DIR_MAX], hf_family[16]; /* "" = not from a directory (unset) */
 } cfg_wire;
-#define CFG_NSPECS 15
+#define CFG_NSPECS 23
 
 static void cfg_specs(pspec sp[CFG_NSPECS], cfg_wire *v)
 {
@@ -52,6 +57,14 @@ static void cfg_specs(pspec sp[CFG_NSPECS], cfg_wire *v)
         {"z_loss_coef", P_F64, &v->z, false, 0, 1000, 0, false},
         {"hf_dir", P_STR, v->hf_dir, false, 0, 0, MODEL_HF_DIR_MAX, false},
         {"hf_family", P_STR, v->hf_family, false, 0, 0, sizeof(v->hf_family), false},
+        {"scoring", P_STR, v->scoring, false, 0, 0, sizeof(v->scoring), false},
+        {"score_bias", P_BOOL, &v->score_bias, false, 0, 0, 0, false},
+        {"n_group", P_INT, &v->n_group, false, 0, 256, 0, false},
+        {"topk_group", P_INT, &v->topk_group, false, 0, 256, 0, false},
+        {"group_topn", P_INT, &v->group_topn, false, 0, 2, 0, false},
+        {"routed_scaling_factor", P_F64, &v->rscale, false, 0, 1e6, 0, false},
+        {"shared_d_ff", P_INT, &v->shared_F, false, 0, 262144, 0, false},
+        {"shared_gate", P_BOOL, &v->shared_gate, false, 0, 0, 0, false},
     };
     memcpy(sp, s, sizeof(s));
 }
@@ -59,7 +72,13 @@ static void cfg_specs(pspec sp[CFG_NSPECS], cfg_wire *v)
 moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *err, size_t errlen)
 {
     /* the protocol's defaults (docs/PROTOCOL.md, model.create) */
-    cfg_wire v = {.cf = 0, .aux = 0.01, .z = 0, .act = "swiglu", .dtype = "f32"};
+    cfg_wire v = {.cf = 0,
+                  .aux = 0.01,
+                  .z = 0,
+                  .act = "swiglu",
+                  .dtype = "f32",
+                  .scoring = "softmax",
+                  .rscale = 1.0};
     pspec sp[CFG_NSPECS];
     cfg_specs(sp, &v);
     int64_t layers, H, F, E, K, renorm, seed;
@@ -110,6 +129,52 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
                  (long long)(H * F));
         return MOE_EINVAL;
     }
+    /* routing family: 0 means the default for the group knobs */
+    if (strcmp(v.scoring, "softmax") == 0)
+        out->scoring = 0;
+    else if (strcmp(v.scoring, "sigmoid") == 0)
+        out->scoring = 1;
+    else {
+        snprintf(err, errlen, "scoring must be \"softmax\" or \"sigmoid\", not \"%s\"", v.scoring);
+        return MOE_EINVAL;
+    }
+    int64_t ng = v.n_group ? v.n_group : 1, tg = v.topk_group ? v.topk_group : ng;
+    if (E % ng != 0) {
+        snprintf(err, errlen, "n_group = %lld does not divide n_experts = %lld", (long long)ng,
+                 (long long)E);
+        return MOE_EINVAL;
+    }
+    if (tg > ng) {
+        snprintf(err, errlen, "topk_group = %lld is larger than n_group = %lld", (long long)tg,
+                 (long long)ng);
+        return MOE_EINVAL;
+    }
+    if (K > tg * (E / ng)) {
+        snprintf(err, errlen,
+                 "top_k = %lld is larger than the experts of topk_group groups (%lld * %lld)",
+                 (long long)K, (long long)tg, (long long)(E / ng));
+        return MOE_EINVAL;
+    }
+    if (!(v.rscale > 0)) {
+        snprintf(err, errlen, "routed_scaling_factor must be > 0, not %g", v.rscale);
+        return MOE_EINVAL;
+    }
+    if (v.shared_gate && v.shared_F == 0) {
+        snprintf(err, errlen, "shared_gate needs a shared expert (shared_d_ff > 0)");
+        return MOE_EINVAL;
+    }
+    if ((double)H * (double)v.shared_F * 3.0 > 4e9) {
+        snprintf(err, errlen, "d_model * shared_d_ff = %lld is too large for one expert",
+                 (long long)(H * v.shared_F));
+        return MOE_EINVAL;
+    }
+    out->score_bias = v.score_bias;
+    out->n_group = (int)ng;
+    out->topk_group = (int)tg;
+    out->group_topn = v.group_topn ? (int)v.group_topn : 2;
+    out->routed_scale = v.rscale;
+    out->shared_d_ff = (int)v.shared_F;
+    out->shared_gate = v.shared_gate;
     renorm = v.renorm;
     out->layers = (int)layers;
     out->d_model = (int)H;
@@ -135,7 +200,15 @@ void model_cfg_write(mp_writer *w, const model_cfg *c)
                   .cf = c->capacity_factor,
                   .aux = c->aux_loss_coef,
                   .z = c->z_loss_coef,
-                  .renorm = c->renormalize != 0};
+                  .renorm = c->renormalize != 0,
+                  .score_bias = c->score_bias != 0,
+                  .shared_gate = c->shared_gate != 0,
+                  .n_group = c->n_group,
+                  .topk_group = c->topk_group,
+                  .group_topn = c->group_topn,
+                  .shared_F = c->shared_d_ff,
+                  .rscale = c->routed_scale};
+    snprintf(v.scoring, sizeof(v.scoring), "%s", c->scoring ? "sigmoid" : "softmax");
     snprintf(v.name, sizeof(v.name), "%s", c->name);
     snprintf(v.act, sizeof(v.act), "%s", c->act ? "gelu" : "swiglu");
     snprintf(v.dtype, sizeof(v.dtype), "%s", moe_dtype_name(c->dtype));
@@ -161,7 +234,8 @@ moe_err model_cfg_write_request(mp_writer *w, const char *name, int64_t layers, 
                   .cf = capacity_factor,
                   .aux = aux_loss_coef,
                   .z = z_loss_coef,
-                  .renorm = renormalize != 0};
+                  .renorm = renormalize != 0,
+                  .rscale = NAN}; /* routing keys unset: the protocol's defaults */
     if (strlen(name) >= sizeof(v.name) || (activation && strlen(activation) >= sizeof(v.act)) ||
         (dtype && strlen(dtype) >= sizeof(v.dtype)))
         return MOE_EINVAL;
@@ -181,11 +255,34 @@ int model_cfg_same(const model_cfg *a, const model_cfg *b)
            a->act == b->act && a->renormalize == b->renormalize &&
            a->capacity_factor == b->capacity_factor && a->dtype == b->dtype && a->seed == b->seed &&
            a->aux_loss_coef == b->aux_loss_coef && a->z_loss_coef == b->z_loss_coef &&
-           strcmp(a->hf_dir, b->hf_dir) == 0 && strcmp(a->hf_family, b->hf_family) == 0;
+           a->scoring == b->scoring && a->score_bias == b->score_bias && a->n_group == b->n_group &&
+           a->topk_group == b->topk_group && a->group_topn == b->group_topn &&
+           a->routed_scale == b->routed_scale && a->shared_d_ff == b->shared_d_ff &&
+           a->shared_gate == b->shared_gate && strcmp(a->hf_dir, b->hf_dir) == 0 &&
+           strcmp(a->hf_family, b->hf_family) == 0;
+}
+
+const char *model_cfg_routing_extra(const model_cfg *c)
+{
+    if (c->scoring != 0)
+        return "sigmoid scoring";
+    if (c->score_bias)
+        return "score_bias";
+    if (c->n_group > 1)
+        return "n_group";
+    if (c->routed_scale != 1.0)
+        return "routed_scaling_factor";
+    if (c->shared_d_ff > 0)
+        return "shared expert";
+    return NULL;
 }
 
 int64_t model_cfg_params(const model_cfg *c)
 {
-    int64_t per_expert = (int64_t)c->d_model * c->d_ff * (c->act == 0 ? 3 : 2);
-    return (int64_t)c->layers * ((int64_t)c->n_experts * c->d_model + c->n_experts * per_expert);
+    int nmat = c->act == 0 ? 3 : 2;
+    int64_t per_expert = (int64_t)c->d_model * c->d_ff * nmat;
+    int64_t shared =
+        (int64_t)c->d_model * c->shared_d_ff * nmat + (c->shared_gate ? c->d_model : 0);
+    return (int64_t)c->layers *
+           ((int64_t)c->n_experts * c->d_model + c->n_experts * per_expert + shared);
 }

@@ -28,6 +28,16 @@ typedef struct model_cfg {
     uint64_t seed;
     double aux_loss_coef;
     double z_loss_coef;
+    /* routing family (kernels/kern.h kern_route_cfg; docs/PROTOCOL.md):
+     * the defaults (0, 0, 1, 1, 2, 1.0, 0, 0) are softmax top-k */
+    int scoring;         /* kern_scoring: 0 softmax, 1 sigmoid */
+    int score_bias;      /* 0/1: a per-expert choice bias (e_score_correction_bias) */
+    int n_group;         /* expert groups, 1 = none; divides n_experts */
+    int topk_group;      /* groups kept per token, 1..n_group */
+    int group_topn;      /* a group's score: the sum of its 1 or 2 best */
+    double routed_scale; /* routed_scaling_factor, > 0 */
+    int shared_d_ff;     /* d_ff of the shared expert(s), 0 = none */
+    int shared_gate;     /* 0/1: the shared expert is gated by sigmoid(x . w) */
     /* a model loaded from a Hugging Face directory (server/hf.c): the
      * directory, resolved under the checkpoint root, and its family
      * ("mixtral", "qwen3_moe", "olmoe"); both "" otherwise. Set by the
@@ -56,6 +66,11 @@ moe_err model_cfg_write_request(mp_writer *w, const char *name, int64_t layers, 
                                 double z_loss_coef);
 /* model_cfg_same: equal in every field. */
 int model_cfg_same(const model_cfg *a, const model_cfg *b);
+/* model_cfg_routing_extra: NULL for the softmax top-k routing without a
+ * shared expert (what every path computes), else the first knob beyond it
+ * ("sigmoid scoring", "score_bias", "n_group", "routed_scaling_factor",
+ * "shared expert"), for the paths that have only the plain routing. */
+const char *model_cfg_routing_extra(const model_cfg *c);
 /* model_cfg_params: parameter count (router + all experts, all layers). */
 int64_t model_cfg_params(const model_cfg *c);
 

@@ -81,6 +81,41 @@ void kern_router_logits_blas(const float *x, const float *wr, int T, int H, int 
 void kern_softmax_topk_cpu(const float *logits, int T, int E, int K, int renorm, float *probs,
                            int32_t *topk_idx, float *topk_w);
 
+/* Routing families (model.create's scoring, score_bias, n_group, ...). A
+ * zeroed kern_route_cfg is today's softmax top-k without renormalisation.
+ *   scores  s = softmax(logits) over E, or sigmoid(logits) per expert;
+ *   choice  c = s + bias (bias (E) may be NULL = 0); with n_group > 1 the E
+ *           experts form n_group contiguous groups of E/n_group, a group's
+ *           score is the sum of its group_topn (0 = 2) largest c, the
+ *           topk_group best groups are kept and the other experts' c = -inf;
+ *   top-K   the K largest c (descending; ties go to the lower index);
+ *   weights w_j = s[idx_j] (never the bias); with renorm divided by their
+ *           sum (plus 1e-20 for sigmoid, as DeepSeek-V3 does); then times
+ *           scale (routed_scaling_factor; 0 means 1).
+ * Mixtral / Qwen3-MoE / OLMoE / Qwen2-MoE: softmax, renorm per model.
+ * DeepSeek-V3 / Kimi-K2: sigmoid, bias, groups (top-2 sum), renorm, scale.
+ * DeepSeek-V2: softmax, groups with group_topn = 1 (the group's max), scale. */
+typedef enum kern_scoring { KERN_SCORE_SOFTMAX = 0, KERN_SCORE_SIGMOID = 1 } kern_scoring;
+#define KERN_ROUTE_MAX_E      4096 /* E limit of kern_route_cpu (model.create's) */
+#define KERN_ROUTE_MAX_GROUPS 256
+typedef struct kern_route_cfg {
+    kern_scoring scoring;
+    int renorm;
+    const float *bias; /* (E) or NULL; choice only */
+    int n_group;       /* 0 or 1: no groups; else divides E, <= KERN_ROUTE_MAX_GROUPS */
+    int topk_group;    /* groups kept, 1..n_group (0 = all) */
+    int group_topn;    /* 1 or 2 (0 = 2) */
+    float scale;       /* 0 = 1 */
+} kern_route_cfg;
+/* kern_route_scale: rc's scale with 0 read as 1. */
+float kern_route_scale(const kern_route_cfg *rc);
+/* kern_route_cpu: the routing above for T tokens; rc NULL = zeroed. E <=
+ * KERN_ROUTE_MAX_E; K <= topk_group * E / n_group. probs (T,E) out: the
+ * scores s; topk_idx (T,K) out; topk_w (T,K) out. With a zeroed rc (or only
+ * renorm set) it gives kern_softmax_topk_cpu's bits. */
+void kern_route_cpu(const float *logits, int T, int E, int K, const kern_route_cfg *rc,
+                    float *probs, int32_t *topk_idx, float *topk_w);
+
 /* ---- layout: counting sort of slots by expert ---- */
 /* counts (E) out: slots per expert. offsets (E+1) out: exclusive prefix sum.
  * topk_idx values must lie in [0, E) (kern_softmax_topk_cpu guarantees it).
@@ -161,6 +196,34 @@ void kern_router_backward_cpu(const float *x, const float *wr, const float *logi
                               int H, int E, int K, int renorm, const int32_t *counts_global,
                               int T_global, float aux_coef, float z_coef, float *dwr, float *dx);
 
+/* kern_route_backward_cpu: kern_router_backward_cpu for any routing rc
+ * (NULL = zeroed): probs are kern_route_cpu's scores; the aux loss uses them
+ * as they are, the z-loss the logits' logsumexp; the bias gets no gradient.
+ * With rc = {.renorm = renorm} it is kern_router_backward_cpu, bit for bit. */
+void kern_route_backward_cpu(const float *x, const float *wr, const float *logits,
+                             const float *probs, const int32_t *topk_idx, const float *dw, int T,
+                             int H, int E, int K, const kern_route_cfg *rc,
+                             const int32_t *counts_global, int T_global, float aux_coef,
+                             float z_coef, float *dwr, float *dx);
+
+/* ---- shared expert: a dense expert every token goes through ----
+ * ys = expert(x) with d_ff Fs (the layer's activation); with a gate wsg (H)
+ * ys is multiplied by sigmoid(x . wsg) (Qwen2-MoE); y += ys. With bf16 the
+ * gated row is rounded, then y + row is rounded (bf16 tensors added).
+ * x (T,H); ws1, ws3 (Fs,H); ws2 (H,Fs); wsg (H) or NULL; y (T,H) in/out.
+ * blas picks kern_expert_ffn_blas over the plain loops. MOE_ENOMEM when its
+ * (T,H) scratch cannot be allocated (y untouched). */
+moe_err kern_shared_forward_cpu(const float *x, int T, int H, int Fs, const float *ws1,
+                                const float *ws3, const float *ws2, const float *wsg, kern_act act,
+                                int bf16, int blas, float *y);
+/* kern_shared_backward_cpu: the shared expert's part of the backward for
+ * dy (T,H) (recomputes its forward): dx (T,H) +=; dws1, dws3 (Fs,H), dws2
+ * (H,Fs), dwsg (H) += (dws3 NULL for GELU, dwsg NULL without a gate). */
+moe_err kern_shared_backward_cpu(const float *x, const float *dy, int T, int H, int Fs,
+                                 const float *ws1, const float *ws3, const float *ws2,
+                                 const float *wsg, kern_act act, int bf16, int blas, float *dx,
+                                 float *dws1, float *dws3, float *dws2, float *dwsg);
+
 /* ---- AdamW (decoupled weight decay, bias corrected, step counted from 1) ---- */
 /* p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), with grad g scaled by
  * grad_scale first (for clipping). m, v updated in place. m = b1 m + (1-b1) g,
@@ -178,17 +241,35 @@ typedef struct kern_moe_shape {
     int renorm;
     float capacity_factor; /* 0 = dropless */
     int bf16;
+    /* routing family (kern_route_cfg; all 0 = softmax top-k as above) */
+    kern_scoring scoring;
+    int n_group, topk_group, group_topn;
+    float route_scale; /* routed_scaling_factor, 0 = 1 */
+    /* shared expert: Fs = its d_ff (0 = none); shared_gate: sigmoid gate */
+    int Fs, shared_gate;
 } kern_moe_shape;
 
 /* With bf16 set, the weights must already hold bf16 values (round them once
  * with kern_bf16_round_n when they are made or loaded); x is rounded inside.
  * For GELU, w3 may be NULL (and dw3 in backward may be NULL). */
 typedef struct kern_layer_weights {
-    const float *wr; /* (E,H) */
-    const float *w1; /* (E,F,H) */
-    const float *w3; /* (E,F,H) */
-    const float *w2; /* (E,H,F) */
+    const float *wr;   /* (E,H) */
+    const float *w1;   /* (E,F,H) */
+    const float *w3;   /* (E,F,H) */
+    const float *w2;   /* (E,H,F) */
+    const float *bias; /* (E) choice bias (e_score_correction_bias), NULL = none */
+    const float *ws1;  /* (Fs,H) shared expert gate proj, when Fs > 0 */
+    const float *ws3;  /* (Fs,H) shared up proj (SwiGLU) */
+    const float *ws2;  /* (H,Fs) shared down proj */
+    const float *wsg;  /* (H) shared expert gate, when shared_gate */
 } kern_layer_weights;
+
+/* kern_layer_grads: kern_moe_backward_ref_g's outputs (overwritten); the
+ * shared ones only when the shape has a shared expert (and gate). */
+typedef struct kern_layer_grads {
+    float *dwr, *dw1, *dw3, *dw2;
+    float *dws1, *dws3, *dws2, *dwsg;
+} kern_layer_grads;
 
 typedef struct kern_fwd_stats {
     int32_t *counts;  /* (E) out, slots routed per expert (before capacity) */
@@ -211,6 +292,14 @@ moe_err kern_moe_forward_ref(const kern_moe_shape *s, const kern_layer_weights *
 moe_err kern_moe_backward_ref(const kern_moe_shape *s, const kern_layer_weights *w, const float *x,
                               const float *dy, float aux_coef, float z_coef, float *dx, float *dwr,
                               float *dw1, float *dw3, float *dw2);
+
+/* kern_moe_backward_ref_g: kern_moe_backward_ref with every gradient,
+ * shared expert included, in one struct. */
+moe_err kern_moe_backward_ref_g(const kern_moe_shape *s, const kern_layer_weights *w,
+                                const float *x, const float *dy, float aux_coef, float z_coef,
+                                float *dx, const kern_layer_grads *g);
+/* kern_route_of_shape: the routing of a shape and its weights (bias). */
+kern_route_cfg kern_route_of_shape(const kern_moe_shape *s, const kern_layer_weights *w);
 
 /* ---- additions: shared pieces and test helpers ---- */
 /* kern_act_forward_n: h (n) out = silu(a)*b (SwiGLU) or gelu(a) (GELU, b

@@ -49,7 +49,28 @@ static moe_err check_shape(const kern_moe_shape *s, const kern_layer_weights *w,
         return MOE_EINVAL;
     if (s->T > 0 && !x)
         return MOE_EINVAL;
+    /* routing family and shared expert (kern_route_cfg) */
+    if (s->scoring != KERN_SCORE_SOFTMAX && s->scoring != KERN_SCORE_SIGMOID)
+        return MOE_EINVAL;
+    if (s->E > KERN_ROUTE_MAX_E || s->n_group < 0 || s->n_group > KERN_ROUTE_MAX_GROUPS ||
+        s->topk_group < 0 || s->group_topn < 0 || s->group_topn > 2 || s->route_scale < 0)
+        return MOE_EINVAL;
+    if (s->n_group > 1) {
+        int tg = s->topk_group ? s->topk_group : s->n_group;
+        if (s->E % s->n_group != 0 || tg > s->n_group || s->K > tg * (s->E / s->n_group))
+            return MOE_EINVAL;
+    }
+    if (s->Fs < 0 || (s->Fs > 0 && (!w->ws1 || !w->ws2 || (s->act == KERN_ACT_SWIGLU && !w->ws3) ||
+                                    (s->shared_gate && !w->wsg))))
+        return MOE_EINVAL;
     return MOE_OK;
+}
+
+kern_route_cfg kern_route_of_shape(const kern_moe_shape *s, const kern_layer_weights *w)
+{
+    kern_route_cfg rc = {s->scoring,    s->renorm,     w ? w->bias : NULL, s->n_group,
+                         s->topk_group, s->group_topn, s->route_scale};
+    return rc;
 }
 
 /* ref_forward runs the forward into st (allocating it) and, if y is not
@@ -101,7 +122,8 @@ static moe_err ref_forward(const kern_moe_shape *s, const kern_layer_weights *w,
 
     /* router */
     kern_router_logits_cpu(xin, w->wr, T, H, E, st->logits);
-    kern_softmax_topk_cpu(st->logits, T, E, K, s->renorm, st->probs, st->idx, st->tw);
+    kern_route_cfg rc = kern_route_of_shape(s, w);
+    kern_route_cpu(st->logits, T, E, K, &rc, st->probs, st->idx, st->tw);
     /* layout and capacity */
     kern_layout_cpu(st->idx, T, K, E, st->counts, st->offsets, st->perm, NULL);
     int32_t cap = kern_capacity(s->capacity_factor, T, K, E);
@@ -131,8 +153,15 @@ static moe_err ref_forward(const kern_moe_shape *s, const kern_layer_weights *w,
                    (size_t)H * sizeof(float));
         }
     }
-    if (y)
+    if (y) {
         kern_combine_cpu(st->ye, st->tw, st->keep, T, K, H, s->bf16, y);
+        if (s->Fs > 0 && kern_shared_forward_cpu(xin, T, H, s->Fs, w->ws1, w->ws3, w->ws2,
+                                                 s->shared_gate ? w->wsg : NULL, s->act, s->bf16, 0,
+                                                 y) != MOE_OK) {
+            free(st->arena);
+            return MOE_ENOMEM;
+        }
+    }
     return MOE_OK;
 }
 
@@ -164,10 +193,26 @@ moe_err kern_moe_backward_ref(const kern_moe_shape *s, const kern_layer_weights 
                               const float *dy, float aux_coef, float z_coef, float *dx, float *dwr,
                               float *dw1, float *dw3, float *dw2)
 {
+    if (s && s->Fs > 0)
+        return MOE_EINVAL; /* the shared expert's gradients: kern_moe_backward_ref_g */
+    kern_layer_grads g = {dwr, dw1, dw3, dw2, NULL, NULL, NULL, NULL};
+    return kern_moe_backward_ref_g(s, w, x, dy, aux_coef, z_coef, dx, &g);
+}
+
+moe_err kern_moe_backward_ref_g(const kern_moe_shape *s, const kern_layer_weights *w,
+                                const float *x, const float *dy, float aux_coef, float z_coef,
+                                float *dx, const kern_layer_grads *g)
+{
     moe_err err = check_shape(s, w, x);
     if (err != MOE_OK)
         return err;
+    if (!g)
+        return MOE_EINVAL;
+    float *dwr = g->dwr, *dw1 = g->dw1, *dw3 = g->dw3, *dw2 = g->dw2;
     if ((s->T > 0 && (!dy || !dx)) || !dwr || !dw1 || !dw2 || (s->act == KERN_ACT_SWIGLU && !dw3))
+        return MOE_EINVAL;
+    if (s->Fs > 0 && (!g->dws1 || !g->dws2 || (s->act == KERN_ACT_SWIGLU && !g->dws3) ||
+                      (s->shared_gate && !g->dwsg)))
         return MOE_EINVAL;
     int T = s->T, H = s->H, F = s->F, E = s->E, K = s->K;
     size_t S = (size_t)T * K;
@@ -206,8 +251,21 @@ moe_err kern_moe_backward_ref(const kern_moe_shape *s, const kern_layer_weights 
                 dxt[h] += src[h];
         }
     }
-    kern_router_backward_cpu(st.xin, w->wr, st.logits, st.probs, st.idx, st.dtw, T, H, E, K,
-                             s->renorm, st.counts, T, aux_coef, z_coef, dwr, dx);
+    kern_route_cfg rc = kern_route_of_shape(s, w);
+    kern_route_backward_cpu(st.xin, w->wr, st.logits, st.probs, st.idx, st.dtw, T, H, E, K, &rc,
+                            st.counts, T, aux_coef, z_coef, dwr, dx);
+    if (s->Fs > 0) {
+        size_t sfh = (size_t)s->Fs * H;
+        memset(g->dws1, 0, sfh * sizeof(float));
+        if (g->dws3)
+            memset(g->dws3, 0, sfh * sizeof(float));
+        memset(g->dws2, 0, sfh * sizeof(float));
+        if (s->shared_gate)
+            memset(g->dwsg, 0, (size_t)H * sizeof(float));
+        err = kern_shared_backward_cpu(st.xin, dy, T, H, s->Fs, w->ws1, w->ws3, w->ws2,
+                                       s->shared_gate ? w->wsg : NULL, s->act, s->bf16, 0, dx,
+                                       g->dws1, g->dws3, g->dws2, s->shared_gate ? g->dwsg : NULL);
+    }
     free(st.arena);
-    return MOE_OK;
+    return err;
 }

@@ -730,6 +730,16 @@ void coord_model_persist(coord *c, const coord_model *m)
             g->layers, g->d_model, g->d_ff, g->n_experts, g->top_k, g->act ? "gelu" : "swiglu",
             g->renormalize ? "true" : "false", g->capacity_factor, moe_dtype_name(g->dtype),
             (unsigned long long)g->seed, g->aux_loss_coef, g->z_loss_coef);
+    if (model_cfg_routing_extra(g)) { /* a routing family: its keys (docs/PROTOCOL.md) */
+        fseek(f, -2, SEEK_CUR);       /* before "}\n" */
+        fprintf(f,
+                ", \"scoring\": \"%s\", \"score_bias\": %s, \"n_group\": %d, \"topk_group\": %d, "
+                "\"group_topn\": %d, \"routed_scaling_factor\": %.17g, \"shared_d_ff\": %d, "
+                "\"shared_gate\": %s}\n",
+                g->scoring ? "sigmoid" : "softmax", g->score_bias ? "true" : "false", g->n_group,
+                g->topk_group, g->group_topn, g->routed_scale, g->shared_d_ff,
+                g->shared_gate ? "true" : "false");
+    }
     if (g->hf_dir[0]) {         /* from a Hugging Face directory: it is read again at restart */
         fseek(f, -2, SEEK_CUR); /* before "}\n" */
         fprintf(f, ", \"hf_dir\": ");

@@ -69,6 +69,10 @@ static moe_err hf_cfg_to_model(const hf_cfg *hc, const char *name, const char *d
     m.top_k = hc->K;
     m.act = 0; /* SwiGLU */
     m.renormalize = hc->renormalize;
+    /* the routing family's defaults: softmax top-k (model_cfg.h) */
+    m.n_group = m.topk_group = 1;
+    m.group_topn = 2;
+    m.routed_scale = 1.0;
     m.capacity_factor = cf ? *cf : 0;
     m.dtype = dtype;
     /* moe's aux loss is transformers' load_balancing_loss_func / K: K times

@@ -59,7 +59,7 @@ Test(batching, merged_requests_get_their_own_rows, .timeout = 60, .fini = cluste
         kern_init_weight(4, 0, e, KERN_W3, F, H, w3 + e * fh);
         kern_init_weight(4, 0, e, KERN_W2, H, F, w2 + e * fh);
     }
-    kern_layer_weights lw = {wr, w1, w3, w2};
+    kern_layer_weights lw = {.wr = wr, .w1 = w1, .w3 = w3, .w2 = w2};
     slot s;
     memset(&s, 0, sizeof(s));
     pthread_mutex_init(&s.mu, NULL);
@@ -100,7 +100,15 @@ Test(batching, merged_requests_get_their_own_rows, .timeout = 60, .fini = cluste
                      (long long)y.shape[0], T[i]);
         float *got = malloc(y.nbytes), *want = malloc(y.nbytes);
         memcpy(got, y.data, y.nbytes);
-        kern_moe_shape sh = {T[i], H, F, E, K, KERN_ACT_SWIGLU, 0, 0, 0};
+        kern_moe_shape sh = {.T = T[i],
+                             .H = H,
+                             .F = F,
+                             .E = E,
+                             .K = K,
+                             .act = KERN_ACT_SWIGLU,
+                             .renorm = 0,
+                             .capacity_factor = 0,
+                             .bf16 = 0};
         cr_assert_eq(kern_moe_forward_ref(&sh, &lw, xs[i], want, NULL), MOE_OK);
         double d = 0, n = 0;
         for (size_t k = 0; k < (size_t)T[i] * H; k++) {

@@ -127,7 +127,7 @@ static void run_case(cluster *cl, const fcase *c, int W)
     for (int layer = 0; layer < c->layers; layer++) {
         ref_weights w;
         ref_build(c, seed, layer, &w);
-        kern_layer_weights lw = {w.wr, w.w1, w.w3, w.w2};
+        kern_layer_weights lw = {.wr = w.wr, .w1 = w.w1, .w3 = w.w3, .w2 = w.w2};
         for (int ti = 0; ti < 4 && (ti == 0 || c->T[ti]); ti++) {
             const int T = c->T[ti];
             size_t n = (size_t)T * H;
@@ -145,11 +145,15 @@ static void run_case(cluster *cl, const fcase *c, int W)
                 }
             for (size_t i = 0; i < n; i++)
                 y[i] = yref[i] = NAN; /* poison */
-            kern_moe_shape s = {T,         H,
-                                c->F,      E,
-                                c->K,      strcmp(c->act, "gelu") ? KERN_ACT_SWIGLU : KERN_ACT_GELU,
-                                c->renorm, (float)c->cf,
-                                bf};
+            kern_moe_shape s = {.T = T,
+                                .H = H,
+                                .F = c->F,
+                                .E = E,
+                                .K = c->K,
+                                .act = strcmp(c->act, "gelu") ? KERN_ACT_SWIGLU : KERN_ACT_GELU,
+                                .renorm = c->renorm,
+                                .capacity_factor = (float)c->cf,
+                                .bf16 = bf};
             kern_fwd_stats rs = {cnt, drop, 0, 0};
             cr_assert_eq(kern_moe_forward_ref(&s, &lw, x, yref, &rs), MOE_OK);
 
@@ -291,13 +295,21 @@ static void *conc_main(void *p)
         snprintf(a->fail, sizeof(a->fail), "open: %s", moe_last_error());
         return NULL;
     }
-    kern_layer_weights lw = {a->w->wr, a->w->w1, a->w->w3, a->w->w2};
+    kern_layer_weights lw = {.wr = a->w->wr, .w1 = a->w->w1, .w3 = a->w->w3, .w2 = a->w->w2};
     for (int it = 0; it < NITER && !a->fail[0]; it++) {
         int T = 3 + 5 * a->id + it; /* every call a different shape and input */
         size_t n = (size_t)T * c->H;
         float *x = malloc(n * 4), *y = malloc(n * 4), *yref = malloc(n * 4);
         kern_fill_uniform(77, (uint64_t)(a->id * 100 + it), -1, 1, x, n);
-        kern_moe_shape s = {T, c->H, c->F, c->E, c->K, KERN_ACT_SWIGLU, 0, 0, 0};
+        kern_moe_shape s = {.T = T,
+                            .H = c->H,
+                            .F = c->F,
+                            .E = c->E,
+                            .K = c->K,
+                            .act = KERN_ACT_SWIGLU,
+                            .renorm = 0,
+                            .capacity_factor = 0,
+                            .bf16 = 0};
         kern_moe_forward_ref(&s, &lw, x, yref, NULL);
         moe_err e = moe_forward(cli, "conc", 0, MOE_F32, x, T, c->H, y, NULL);
         double rel = e == MOE_OK ? kern_rel_err(y, yref, n) : 1;

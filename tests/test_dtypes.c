@@ -38,8 +38,16 @@ Test(dtypes, f16_input_and_output, .timeout = 60, .fini = cluster_fini_all)
         kern_init_weight(6, 0, e, KERN_W3, F, H, w3 + e * fh);
         kern_init_weight(6, 0, e, KERN_W2, H, F, w2 + e * fh);
     }
-    kern_moe_shape sh = {T, H, F, E, K, KERN_ACT_SWIGLU, 1, 0, 0};
-    kern_layer_weights lw = {wr, w1, w3, w2};
+    kern_moe_shape sh = {.T = T,
+                         .H = H,
+                         .F = F,
+                         .E = E,
+                         .K = K,
+                         .act = KERN_ACT_SWIGLU,
+                         .renorm = 1,
+                         .capacity_factor = 0,
+                         .bf16 = 0};
+    kern_layer_weights lw = {.wr = wr, .w1 = w1, .w3 = w3, .w2 = w2};
     cr_assert_eq(kern_moe_forward_ref(&sh, &lw, x, yr, NULL), MOE_OK);
     double d = 0, r = 0;
     for (size_t i = 0; i < n; i++) {

@@ -108,7 +108,15 @@ static void expect_grad(const char *name, const float *got, const float *want, s
 static void grad_check(kern_act act, int renorm, float cf, uint64_t seed)
 {
     const float aux_coef = 0.3f, z_coef = 0.2f;
-    kern_moe_shape s = {T, H, F, E, K, act, renorm, cf, 0};
+    kern_moe_shape s = {.T = T,
+                        .H = H,
+                        .F = F,
+                        .E = E,
+                        .K = K,
+                        .act = act,
+                        .renorm = renorm,
+                        .capacity_factor = cf,
+                        .bf16 = 0};
     /* float inputs; the router weights are larger so that routing margins
      * are wide compared with the FD step */
     static float x[T * H], wr[E * H], w1[E * F * H], w3[E * F * H], w2[E * H * F], dy[T * H];
@@ -118,7 +126,7 @@ static void grad_check(kern_act act, int renorm, float cf, uint64_t seed)
     kern_fill_uniform(seed, 3, -0.5f, 0.5f, w3, E * F * H);
     kern_fill_uniform(seed, 4, -0.5f, 0.5f, w2, E * H * F);
     kern_fill_uniform(seed, 5, -1.0f, 1.0f, dy, T * H);
-    kern_layer_weights w = {wr, w1, act == KERN_ACT_GELU ? NULL : w3, w2};
+    kern_layer_weights w = {.wr = wr, .w1 = w1, .w3 = act == KERN_ACT_GELU ? NULL : w3, .w2 = w2};
 
     static float dx[T * H], dwr[E * H], dw1[E * F * H], dw3[E * F * H], dw2[E * H * F];
     memset(dw3, 0, sizeof(dw3));

@@ -60,8 +60,16 @@ static void per_token(const kern_moe_shape *s, float *y, int32_t *dropped_out)
 static void check_forward(kern_act act, int renorm, float cf)
 {
     make_inputs(60 + (uint64_t)act, 0);
-    kern_moe_shape s = {T, H, F, E, K, act, renorm, cf, 0};
-    kern_layer_weights w = {wr, w1, w3, w2};
+    kern_moe_shape s = {.T = T,
+                        .H = H,
+                        .F = F,
+                        .E = E,
+                        .K = K,
+                        .act = act,
+                        .renorm = renorm,
+                        .capacity_factor = cf,
+                        .bf16 = 0};
+    kern_layer_weights w = {.wr = wr, .w1 = w1, .w3 = w3, .w2 = w2};
     float y[T * H], want[T * H];
     int32_t counts[E], dropped[E], want_dropped[E];
     kern_fwd_stats st = {counts, dropped, 0, 0};
@@ -102,9 +110,17 @@ Test(kern_moe, forward_capacity_drops_counted_and_zero)
     /* a cap of 1 per expert over 16 tokens: at most 4 slots survive, so at
      * least 12 tokens have all slots dropped and output exactly zero */
     make_inputs(70, 0);
-    kern_moe_shape s = {T, H, F, E, K, KERN_ACT_SWIGLU, 1, 0.125f, 0};
+    kern_moe_shape s = {.T = T,
+                        .H = H,
+                        .F = F,
+                        .E = E,
+                        .K = K,
+                        .act = KERN_ACT_SWIGLU,
+                        .renorm = 1,
+                        .capacity_factor = 0.125f,
+                        .bf16 = 0};
     cr_assert_eq(kern_capacity(s.capacity_factor, T, K, E), 1);
-    kern_layer_weights w = {wr, w1, w3, w2};
+    kern_layer_weights w = {.wr = wr, .w1 = w1, .w3 = w3, .w2 = w2};
     float y[T * H];
     int32_t counts[E], dropped[E];
     kern_fwd_stats st = {counts, dropped, 0, 0};
@@ -125,8 +141,16 @@ Test(kern_moe, forward_capacity_drops_counted_and_zero)
 Test(kern_moe, forward_bf16_output_is_bf16)
 {
     make_inputs(80, 1);
-    kern_moe_shape s = {T, H, F, E, K, KERN_ACT_SWIGLU, 1, 0.0f, 1};
-    kern_layer_weights w = {wr, w1, w3, w2};
+    kern_moe_shape s = {.T = T,
+                        .H = H,
+                        .F = F,
+                        .E = E,
+                        .K = K,
+                        .act = KERN_ACT_SWIGLU,
+                        .renorm = 1,
+                        .capacity_factor = 0.0f,
+                        .bf16 = 1};
+    kern_layer_weights w = {.wr = wr, .w1 = w1, .w3 = w3, .w2 = w2};
     float y[T * H], y32[T * H];
     cr_assert_eq(kern_moe_forward_ref(&s, &w, x, y, NULL), MOE_OK);
     for (int i = 0; i < T * H; i++)
@@ -142,9 +166,17 @@ Test(kern_moe, forward_bf16_output_is_bf16)
 Test(kern_moe, bad_arguments)
 {
     make_inputs(90, 0);
-    kern_layer_weights w = {wr, w1, w3, w2};
+    kern_layer_weights w = {.wr = wr, .w1 = w1, .w3 = w3, .w2 = w2};
     float y[T * H], dx[T * H], dwr[E * H], dw1[E * F * H], dw3[E * F * H], dw2[E * H * F];
-    kern_moe_shape s = {T, H, F, E, E + 1, KERN_ACT_SWIGLU, 1, 0.0f, 0};
+    kern_moe_shape s = {.T = T,
+                        .H = H,
+                        .F = F,
+                        .E = E,
+                        .K = E + 1,
+                        .act = KERN_ACT_SWIGLU,
+                        .renorm = 1,
+                        .capacity_factor = 0.0f,
+                        .bf16 = 0};
     cr_expect_eq(kern_moe_forward_ref(&s, &w, x, y, NULL), MOE_EINVAL);
     s.K = 0;
     cr_expect_eq(kern_moe_forward_ref(&s, &w, x, y, NULL), MOE_EINVAL);
@@ -155,7 +187,7 @@ Test(kern_moe, bad_arguments)
     s.act = (kern_act)7;
     cr_expect_eq(kern_moe_forward_ref(&s, &w, x, y, NULL), MOE_EINVAL);
     s.act = KERN_ACT_SWIGLU;
-    kern_layer_weights no_w3 = {wr, w1, NULL, w2};
+    kern_layer_weights no_w3 = {.wr = wr, .w1 = w1, .w3 = NULL, .w2 = w2};
     cr_expect_eq(kern_moe_forward_ref(&s, &no_w3, x, y, NULL), MOE_EINVAL);
     cr_expect_eq(kern_moe_backward_ref(&s, &w, x, x, 0, 0, dx, dwr, dw1, NULL, dw2), MOE_EINVAL);
     /* T = 0 is fine: nothing out, gradients zeroed */

@@ -159,8 +159,16 @@ static void check_step(const tshape *s)
 
     weights w;
     make_weights(s, 11, 0, &w);
-    kern_moe_shape sh = {T, H, F, E, s->K, (kern_act)s->act, s->renorm, (float)s->cf, 0};
-    kern_layer_weights lw = {w.wr, w.w1, w.w3, w.w2};
+    kern_moe_shape sh = {.T = T,
+                         .H = H,
+                         .F = F,
+                         .E = E,
+                         .K = s->K,
+                         .act = (kern_act)s->act,
+                         .renorm = s->renorm,
+                         .capacity_factor = (float)s->cf,
+                         .bf16 = 0};
+    kern_layer_weights lw = {.wr = w.wr, .w1 = w.w1, .w3 = w.w3, .w2 = w.w2};
     float *gr = calloc((size_t)E * H, 4), *g1 = calloc(E * fh, 4), *g3 = calloc(E * fh, 4),
           *g2 = calloc(E * fh, 4);
     cr_assert_eq(kern_moe_forward_ref(&sh, &lw, x, yr, NULL), MOE_OK);
@@ -269,8 +277,16 @@ Test(train, student_learns_teacher, .timeout = 120, .fini = cluster_fini_all)
         tw.w1[i] *= 2, tw.w2[i] *= 2;
         tw.w3[i] *= 2;
     }
-    kern_moe_shape sh = {s.T, s.H, s.F, s.E, s.K, KERN_ACT_SWIGLU, 1, 0, 0};
-    kern_layer_weights lw = {tw.wr, tw.w1, tw.w3, tw.w2};
+    kern_moe_shape sh = {.T = s.T,
+                         .H = s.H,
+                         .F = s.F,
+                         .E = s.E,
+                         .K = s.K,
+                         .act = KERN_ACT_SWIGLU,
+                         .renorm = 1,
+                         .capacity_factor = 0,
+                         .bf16 = 0};
+    kern_layer_weights lw = {.wr = tw.wr, .w1 = tw.w1, .w3 = tw.w3, .w2 = tw.w2};
     size_t n = (size_t)s.T * s.H;
     float *x = malloc(n * 4), *yt = malloc(n * 4), *y = malloc(n * 4), *dy = malloc(n * 4),
           *dx = malloc(n * 4);

@@ -248,9 +248,20 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     fwd_unpack_sorted(st, retbuf, H, bf, dx_slot);
     slot_sum_job sj = {dx_slot, K, H, dx};
     kern_par_for((size_t)T, KERN_PAR_GRAIN / ((size_t)K * H) + 1, slot_sum_part, &sj);
-    kern_router_backward_cpu(st->x, L->wr, st->logits, st->probs, st->topk_idx, dw, T, H, E, K,
-                             cfg->renormalize, st->counts_global, st->T_total,
-                             (float)cfg->aux_loss_coef, (float)cfg->z_loss_coef, lp[0].grad, dx);
+    kern_route_cfg rc = fwd_route_cfg(cfg, L);
+    kern_route_backward_cpu(st->x, L->wr, st->logits, st->probs, st->topk_idx, dw, T, H, E, K, &rc,
+                            st->counts_global, st->T_total, (float)cfg->aux_loss_coef,
+                            (float)cfg->z_loss_coef, lp[0].grad, dx);
+    if (cfg->shared_d_ff > 0) {
+        /* the shared expert on this rank's tokens; its gradients are
+         * all-reduced at the step like the router's */
+        float *dws1, *dws3, *dws2, *dwsg;
+        fwd_shared_grads(m, st->layer, &dws1, &dws3, &dws2, &dwsg);
+        e = kern_shared_backward_cpu(st->x, dy, T, H, cfg->shared_d_ff, L->ws1, L->ws3, L->ws2,
+                                     L->wsg, (kern_act)cfg->act, bf, 1, dx, dws1, dws3, dws2, dwsg);
+        if (e != MOE_OK)
+            goto fail;
+    }
     m->has_grads = 1;
 
 reply:;

@@ -232,8 +232,8 @@ static moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, double *probs_sum
         !st->perm)
         return MOE_ENOMEM;
     kern_router_logits_blas(st->x, L->wr, T, H, E, st->logits);
-    kern_softmax_topk_cpu(st->logits, T, E, K, cfg->renormalize, st->probs, st->topk_idx,
-                          st->topk_w);
+    kern_route_cfg rc = fwd_route_cfg(cfg, L);
+    kern_route_cpu(st->logits, T, E, K, &rc, st->probs, st->topk_idx, st->topk_w);
     kern_layout_cpu(st->topk_idx, T, K, E, st->counts, st->offsets, st->perm, NULL);
     *z_sum = 0;
     for (int e = 0; e < E; e++)
@@ -673,6 +673,11 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     }
     fwd_unpack_sorted(st, retbuf, H, bf, st->ye_slot);
     kern_combine_par(st->ye_slot, st->topk_w, NULL, T, K, H, bf, y);
+    /* the shared expert: replicated, on this rank's own tokens */
+    if (cfg->shared_d_ff > 0 &&
+        (e = kern_shared_forward_cpu(st->x, T, H, cfg->shared_d_ff, L->ws1, L->ws3, L->ws2, L->wsg,
+                                     (kern_act)cfg->act, bf, 1, y)) != MOE_OK)
+        goto fail;
     t_comb = fwd_now_s();
 
     for (int q = 0; q < W; q++)

@@ -7,9 +7,35 @@
 #ifndef MOE_WKR_FWD_H
 #define MOE_WKR_FWD_H
 
+#include "kernels/kern.h"
 #include "worker/worker.h"
 
 double fwd_now_s(void);
+/* fwd_route_cfg: the layer's routing (model_cfg's family knobs, the layer's
+ * bias). */
+static inline kern_route_cfg fwd_route_cfg(const model_cfg *c, const wkr_layer *L)
+{
+    kern_route_cfg rc = {
+        (kern_scoring)c->scoring, c->renormalize, L->bias, c->n_group, c->topk_group, c->group_topn,
+        (float)c->routed_scale};
+    return rc;
+}
+/* fwd_shared_grads: layer l's shared expert gradients in its extra params
+ * (NULL where the config has none). */
+static inline void fwd_shared_grads(wkr_model *m, int l, float **dws1, float **dws3, float **dws2,
+                                    float **dwsg)
+{
+    wkr_param *p = wkr_layer_extra(m, l) + (m->cfg.score_bias ? 1 : 0);
+    *dws1 = *dws3 = *dws2 = *dwsg = NULL;
+    if (m->cfg.shared_d_ff > 0) {
+        *dws1 = (p++)->grad;
+        if (m->cfg.act == 0)
+            *dws3 = (p++)->grad;
+        *dws2 = (p++)->grad;
+    }
+    if (m->cfg.shared_gate)
+        *dwsg = p->grad;
+}
 /* fwd_pack_by_owner: for each rank q, [counts of q's experts if with_counts]
  * then the rows of the slots q owns in sorted order. A row is
  * rows[perm[i] / K] when by_token (token rows), else rows[perm[i]] (slot

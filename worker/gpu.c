@@ -140,6 +140,11 @@ void wkr_gpu_detach(wkr_model *m)
 moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
 {
     const model_cfg *c = &m->cfg;
+    if (model_cfg_routing_extra(c)) {
+        /* the device kernels know softmax top-k only: never a wrong result */
+        LOG_E("model %s: routing %s is not on the GPU yet", c->name, model_cfg_routing_extra(c));
+        return MOE_EINVAL;
+    }
     wkr_gpu_detach(m);
     if (cudaSetDevice((int)w->device_index) != cudaSuccess)
         return MOE_EUNAVAIL;

@@ -34,6 +34,11 @@ void wkr_model_free(wkr_model *m)
         free(m->layers[l].w1);
         free(m->layers[l].w3);
         free(m->layers[l].w2);
+        free(m->layers[l].bias);
+        free(m->layers[l].ws1);
+        free(m->layers[l].ws3);
+        free(m->layers[l].ws2);
+        free(m->layers[l].wsg);
     }
     free(m->layers);
     free(m);
@@ -250,6 +255,37 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
             if (L->w3)
                 kern_init_weight(cfg->seed, l, e, KERN_W3, F, H, L->w3 + i * fh);
         }
+        /* routing families: the bias starts at 0; the shared expert is
+         * initialised as expert E of the layer (the same on every rank) */
+        int Fs = cfg->shared_d_ff;
+        size_t sfh = (size_t)Fs * H;
+        if (cfg->score_bias && !(L->bias = calloc((size_t)E, sizeof(float))))
+            goto oom;
+        if (Fs > 0) {
+            L->ws1 = malloc(sfh * sizeof(float));
+            L->ws2 = malloc(sfh * sizeof(float));
+            if (cfg->act == KERN_ACT_SWIGLU)
+                L->ws3 = malloc(sfh * sizeof(float));
+            if (!L->ws1 || !L->ws2 || (cfg->act == KERN_ACT_SWIGLU && !L->ws3))
+                goto oom;
+            kern_init_weight(cfg->seed, l, E, KERN_W1, Fs, H, L->ws1);
+            kern_init_weight(cfg->seed, l, E, KERN_W2, H, Fs, L->ws2);
+            if (L->ws3)
+                kern_init_weight(cfg->seed, l, E, KERN_W3, Fs, H, L->ws3);
+        }
+        if (cfg->shared_gate) {
+            if (!(L->wsg = malloc((size_t)H * sizeof(float))))
+                goto oom;
+            kern_init_weight(cfg->seed, l, E + 1, KERN_W1, 1, H, L->wsg);
+        }
+        if (bf && Fs > 0) {
+            kern_bf16_round_n(L->ws1, sfh);
+            kern_bf16_round_n(L->ws2, sfh);
+            if (L->ws3)
+                kern_bf16_round_n(L->ws3, sfh);
+        }
+        if (bf && L->wsg)
+            kern_bf16_round_n(L->wsg, (size_t)H);
         if (bf) {
             kern_bf16_round_n(L->w1, (size_t)m->ne * fh);
             kern_bf16_round_n(L->w2, (size_t)m->ne * fh);
@@ -259,7 +295,8 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
     }
     /* the parameter list: per layer the router, then w1, (w3,) w2 of each local expert */
     int nmat = cfg->act == KERN_ACT_SWIGLU ? 3 : 2;
-    m->nparams = cfg->layers * (1 + m->ne * nmat);
+    int nextra = wkr_layer_nextra(cfg);
+    m->nparams = cfg->layers * (1 + m->ne * nmat + nextra);
     m->params = calloc((size_t)m->nparams, sizeof(wkr_param));
     if (!m->params)
         goto oom;
@@ -285,6 +322,39 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
             snprintf(p->name, sizeof(p->name),
                      "model.layers.%d.block_sparse_moe.experts.%d.w2.weight", l, e);
             p->w = L->w2 + i * fh, p->n = fh, p->rows = H, p->cols = F;
+            p++;
+        }
+    }
+    /* the layers' extra replicated tensors (wkr_layer_extra), in the
+     * Hugging Face names of DeepSeek-V3 / Qwen2-MoE (model.layers.L.mlp.*) */
+    for (int l = 0; l < cfg->layers; l++) {
+        wkr_layer *L = &m->layers[l];
+        int Fs = cfg->shared_d_ff;
+        size_t sfh = (size_t)Fs * H;
+        const char *sh = cfg->shared_gate ? "shared_expert" : "shared_experts";
+        if (cfg->score_bias) {
+            snprintf(p->name, sizeof(p->name), "model.layers.%d.mlp.gate.e_score_correction_bias",
+                     l);
+            p->w = L->bias, p->n = (size_t)E, p->rows = 1, p->cols = E;
+            p->replicated = 1, p->frozen = 1;
+            p++;
+        }
+        if (Fs > 0) {
+            snprintf(p->name, sizeof(p->name), "model.layers.%d.mlp.%s.gate_proj.weight", l, sh);
+            p->w = L->ws1, p->n = sfh, p->rows = Fs, p->cols = H, p->replicated = 1;
+            p++;
+            if (nmat == 3) {
+                snprintf(p->name, sizeof(p->name), "model.layers.%d.mlp.%s.up_proj.weight", l, sh);
+                p->w = L->ws3, p->n = sfh, p->rows = Fs, p->cols = H, p->replicated = 1;
+                p++;
+            }
+            snprintf(p->name, sizeof(p->name), "model.layers.%d.mlp.%s.down_proj.weight", l, sh);
+            p->w = L->ws2, p->n = sfh, p->rows = H, p->cols = Fs, p->replicated = 1;
+            p++;
+        }
+        if (cfg->shared_gate) {
+            snprintf(p->name, sizeof(p->name), "model.layers.%d.mlp.shared_expert_gate.weight", l);
+            p->w = L->wsg, p->n = (size_t)H, p->rows = 1, p->cols = H, p->replicated = 1;
             p++;
         }
     }
@@ -351,6 +421,9 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
         /* the GPU kernels store bf16: an f32 model stays on the exact CPU path */
         if (w->use_gpu && cfg.dtype != MOE_BF16)
             LOG_I("model %s is f32: computed on the CPU path (GPU kernels are bf16)", cfg.name);
+        else if (w->use_gpu && model_cfg_routing_extra(&cfg))
+            LOG_I("model %s: routing %s is not on the GPU yet: computed on the CPU path", cfg.name,
+                  model_cfg_routing_extra(&cfg));
         else if (w->use_gpu && wkr_gpu_attach(w, m, 0) != MOE_OK)
             LOG_W("model %s stays on the CPU path (GPU kernels need d_model and d_ff multiples "
                   "of 128, n_experts <= 256, top_k <= 8, and the memory)",

@@ -117,6 +117,8 @@ void wkr_op_step(wkr *w, rpc_call *c)
     int bf = m->cfg.dtype == MOE_BF16;
     for (int i = 0; i < m->nparams; i++) {
         wkr_param *p = &m->params[i];
+        if (p->frozen) /* the choice bias: set by the checkpoint, never trained */
+            continue;
         float *target = bf ? p->master : p->w;
         kern_adamw_cpu(target, p->grad, p->m, p->v, p->n, (float)lr, (float)b1, (float)b2,
                        (float)eps, (float)wd, m->step, scale);

@@ -33,6 +33,12 @@ typedef struct wkr_layer {
     float *w1; /* (ne,F,H) */
     float *w3; /* (ne,F,H), NULL for GELU */
     float *w2; /* (ne,H,F) */
+    /* routing families (model_cfg): replicated on every rank */
+    float *bias; /* (E) choice bias, score_bias only; no gradient */
+    float *ws1;  /* (Fs,H) shared expert, shared_d_ff > 0 only */
+    float *ws3;  /* (Fs,H), NULL for GELU */
+    float *ws2;  /* (H,Fs) */
+    float *wsg;  /* (H) shared expert gate, shared_gate only */
 } wkr_layer;
 
 /* One trainable tensor of a model on this worker. Training state (grad, m,
@@ -46,6 +52,7 @@ typedef struct wkr_param {
     size_t n;
     int rows, cols;
     int replicated;               /* router: the same on every rank, gradient all-reduced */
+    int frozen;                   /* no gradient, never stepped (the choice bias) */
     float *grad, *m, *v, *master; /* owned; NULL until training starts */
 } wkr_param;
 
@@ -221,11 +228,27 @@ struct wkr {
 };
 
 /* wkr_layer_params: layer l's parameters in m->params - the router, then
- * w1, (w3,) w2 of each local expert. */
+ * w1, (w3,) w2 of each local expert. After every layer's block come the
+ * layers' extra replicated tensors (wkr_layer_extra). */
 static inline wkr_param *wkr_layer_params(wkr_model *m, int l)
 {
     int nmat = m->cfg.act == 0 /* swiglu */ ? 3 : 2;
     return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
+}
+
+/* wkr_layer_nextra: replicated tensors per layer beyond the router: bias,
+ * then ws1, (ws3,) ws2, then wsg, each when the config has it. */
+static inline int wkr_layer_nextra(const model_cfg *c)
+{
+    int nmat = c->act == 0 ? 3 : 2;
+    return (c->score_bias ? 1 : 0) + (c->shared_d_ff > 0 ? nmat : 0) + (c->shared_gate ? 1 : 0);
+}
+/* wkr_layer_extra: layer l's extra tensors (wkr_layer_nextra of them). */
+static inline wkr_param *wkr_layer_extra(wkr_model *m, int l)
+{
+    int nmat = m->cfg.act == 0 ? 3 : 2;
+    return &m->params[(size_t)m->cfg.layers * (1 + (size_t)m->ne * nmat) +
+                      (size_t)l * wkr_layer_nextra(&m->cfg)];
 }
 
 /* wkr_pinned returns the compute thread's pinned host buffer, grown to at
