@@ -17,13 +17,15 @@ const char *hf_family_name(hf_family f)
     case HF_MIXTRAL: return "mixtral";
     case HF_QWEN3_MOE: return "qwen3_moe";
     case HF_OLMOE: return "olmoe";
+    case HF_QWEN2_MOE: return "qwen2_moe";
+    case HF_DEEPSEEK_V3: return "deepseek_v3";
     default: return NULL;
     }
 }
 
 hf_family hf_family_parse(const char *s)
 {
-    for (int f = HF_MIXTRAL; f <= HF_OLMOE; f++)
+    for (int f = HF_MIXTRAL; f <= HF_FAMILY_LAST; f++)
         if (strcmp(s, hf_family_name((hf_family)f)) == 0)
             return (hf_family)f;
     return HF_NONE;
@@ -52,9 +54,7 @@ static char *read_text(const char *path, size_t *len)
 static const struct {
     const char *type, *why;
 } refused[] = {
-    {"qwen2_moe", "shared experts with a sigmoid gate"},
     {"deepseek_v2", "shared experts and group-limited routing"},
-    {"deepseek_v3", "shared experts, sigmoid scoring with a correction bias, group-limited top-k"},
     {"kimi_k2", "shared experts, sigmoid scoring with a correction bias, group-limited top-k"},
 };
 
@@ -65,6 +65,58 @@ static int get_int(const json_node *root, const char *key, int *out)
         return 0;
     *out = (int)v->num;
     return 1;
+}
+
+/* get_num: a number key, dflt when absent; 0 when present but not a number */
+static int get_num(const json_node *root, const char *key, double dflt, double *out)
+{
+    const json_node *v = json_get(root, key);
+    *out = v && v->type == J_NUM ? v->num : dflt;
+    return !v || v->type == J_NUM;
+}
+
+/* ds_routing reads DeepSeek-V3's routing keys. Absent keys take
+ * transformers' DeepseekV3Config defaults (n_shared_experts 1, n_group 8,
+ * topk_group 4, routed_scaling_factor 2.5, norm_topk_prob true);
+ * scoring_func and topk_method, when present, must be sigmoid and
+ * noaux_tc, what transformers computes. */
+static moe_err ds_routing(const json_node *root, hf_cfg *out, const char *path, const char *type,
+                          char *err, size_t errlen)
+{
+    static const struct {
+        const char *key, *want;
+    } fixed[] = {{"scoring_func", "sigmoid"}, {"topk_method", "noaux_tc"}};
+    for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++) {
+        const json_node *v = json_get(root, fixed[i].key);
+        if (v && (v->type != J_STR || strcmp(v->str, fixed[i].want) != 0)) {
+            snprintf(err, errlen, "%s (family %s): %s must be \"%s\" (the only one supported)",
+                     path, type, fixed[i].key, fixed[i].want);
+            return MOE_EINVAL;
+        }
+    }
+    out->scoring = 1;
+    out->score_bias = 1;
+    double ns, ng, tg, sc;
+    const char *bad = NULL;
+    if (!get_num(root, "n_shared_experts", 1, &ns) || ns < 0 || ns != (double)(int)ns)
+        bad = "n_shared_experts";
+    else if (!get_num(root, "n_group", 8, &ng) || ng < 1 || ng != (double)(int)ng)
+        bad = "n_group";
+    else if (!get_num(root, "topk_group", 4, &tg) || tg < 1 || tg > ng || tg != (double)(int)tg)
+        bad = "topk_group";
+    else if (!get_num(root, "routed_scaling_factor", 2.5, &sc) || !(sc > 0))
+        bad = "routed_scaling_factor";
+    if (bad) {
+        snprintf(err, errlen, "%s (family %s): bad key \"%s\"", path, type, bad);
+        return MOE_EINVAL;
+    }
+    out->Fs = (int)ns * out->F;
+    out->n_group = (int)ng;
+    out->topk_group = (int)tg;
+    out->routed_scale = sc;
+    const json_node *nt = json_get(root, "norm_topk_prob");
+    out->renormalize = !nt || (nt->type == J_BOOL && nt->num != 0);
+    return MOE_OK;
 }
 
 moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
@@ -100,6 +152,10 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
             type = "qwen3_moe";
         else if (strncmp(arch, "Olmoe", 5) == 0)
             type = "olmoe";
+        else if (strncmp(arch, "Qwen2Moe", 8) == 0)
+            type = "qwen2_moe";
+        else if (strncmp(arch, "DeepseekV3", 10) == 0)
+            type = "deepseek_v3";
     }
     e = MOE_EINVAL;
     if (!type) {
@@ -117,12 +173,17 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
         }
     if (out->family == HF_NONE) {
         snprintf(err, errlen,
-                 "%s: model_type \"%s\" is not a supported MoE family (mixtral, qwen3_moe, olmoe)",
+                 "%s: model_type \"%s\" is not a supported MoE family (mixtral, qwen3_moe, "
+                 "olmoe, qwen2_moe, deepseek_v3)",
                  path, type);
         goto out;
     }
-    const char *ekey = out->family == HF_MIXTRAL ? "num_local_experts" : "num_experts";
-    const char *fkey = out->family == HF_QWEN3_MOE ? "moe_intermediate_size" : "intermediate_size";
+    hf_family fam = out->family;
+    const char *ekey = fam == HF_MIXTRAL       ? "num_local_experts"
+                       : fam == HF_DEEPSEEK_V3 ? "n_routed_experts"
+                                               : "num_experts";
+    const char *fkey =
+        fam == HF_MIXTRAL || fam == HF_OLMOE ? "intermediate_size" : "moe_intermediate_size";
     const struct {
         const char *key;
         int *dst;
@@ -134,7 +195,7 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
     for (size_t i = 0; i < sizeof(req) / sizeof(req[0]); i++) {
         int ok = get_int(root, req[i].key, req[i].dst);
         if (!ok && req[i].dst == &out->E) /* the other spelling of the expert count */
-            ok = get_int(root, out->family == HF_MIXTRAL ? "num_experts" : "num_local_experts",
+            ok = get_int(root, fam == HF_MIXTRAL ? "num_experts" : "num_local_experts",
                          req[i].dst);
         if (!ok || *req[i].dst < 1) {
             snprintf(err, errlen, "%s (family %s): missing or bad key \"%s\"", path, type,
@@ -155,9 +216,23 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
         goto out;
     }
     const json_node *nt = json_get(root, "norm_topk_prob");
-    out->renormalize = out->family == HF_MIXTRAL ? 1 : (nt && nt->type == J_BOOL && nt->num != 0);
+    out->renormalize = fam == HF_MIXTRAL ? 1 : (nt && nt->type == J_BOOL && nt->num != 0);
     const json_node *ac = json_get(root, "router_aux_loss_coef");
     out->router_aux_loss_coef = ac && ac->type == J_NUM ? ac->num : 0;
+    out->n_group = out->topk_group = 1;
+    out->routed_scale = 1.0;
+    if (fam == HF_QWEN2_MOE) { /* a shared expert behind a sigmoid gate */
+        out->shared_gate = 1;
+        if (!get_int(root, "shared_expert_intermediate_size", &out->Fs) || out->Fs < 1) {
+            snprintf(err, errlen,
+                     "%s (family %s): missing or bad key \"shared_expert_intermediate_size\"",
+                     path, type);
+            goto out;
+        }
+    }
+    if (fam == HF_DEEPSEEK_V3 && (e = ds_routing(root, out, path, type, err, errlen)) != MOE_OK)
+        goto out;
+    e = MOE_EINVAL;
     const json_node *dt = json_get(root, "dtype");
     if (!dt || dt->type != J_STR)
         dt = json_get(root, "torch_dtype");
@@ -172,11 +247,17 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
         out->dtype_known = 1;
         snprintf(out->dtype, sizeof(out->dtype), "%s", dt->str);
     }
-    /* which layers are MoE: Qwen3-MoE skips mlp_only_layers and keeps every
-     * decoder_sparse_step-th layer; Mixtral and OLMoE: every layer */
-    int step = 1;
+    /* which layers are MoE: Qwen3-MoE and Qwen2-MoE skip mlp_only_layers
+     * and keep every decoder_sparse_step-th layer; DeepSeek-V3 keeps the
+     * layers from first_k_dense_replace on; Mixtral and OLMoE: every layer */
+    int step = 1, first = 0;
     const json_node *only = NULL;
-    if (out->family == HF_QWEN3_MOE) {
+    if (fam == HF_DEEPSEEK_V3 && json_get(root, "first_k_dense_replace") &&
+        (!get_int(root, "first_k_dense_replace", &first) || first < 0)) {
+        snprintf(err, errlen, "%s (family %s): bad key \"first_k_dense_replace\"", path, type);
+        goto out;
+    }
+    if (fam == HF_QWEN3_MOE || fam == HF_QWEN2_MOE) {
         if (json_get(root, "decoder_sparse_step") && !get_int(root, "decoder_sparse_step", &step))
             step = 0;
         if (step < 1) {
@@ -190,7 +271,7 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
         }
     }
     for (int l = 0; l < out->n_layers; l++) {
-        int dense = (l + 1) % step != 0;
+        int dense = (l + 1) % step != 0 || l < first;
         for (size_t i = 0; only && i < only->len; i++)
             if (only->kids[i].type == J_NUM && only->kids[i].num == l)
                 dense = 1;
@@ -211,17 +292,51 @@ void hf_tensor_name(hf_family f, int layer, int expert, hf_mat mat, char *out, s
 {
     static const char *mix[] = {"w1", "w3", "w2"}, *qo[] = {"gate_proj", "up_proj", "down_proj"};
     const char *block = f == HF_MIXTRAL ? "block_sparse_moe" : "mlp";
-    if (mat == HF_ROUTER)
-        snprintf(out, len, "model.layers.%d.%s.gate.weight", layer, block);
-    else
+    const char *sh = f == HF_QWEN2_MOE ? "shared_expert" : "shared_experts";
+    switch (mat) {
+    case HF_ROUTER: snprintf(out, len, "model.layers.%d.%s.gate.weight", layer, block); break;
+    case HF_BIAS:
+        snprintf(out, len, "model.layers.%d.%s.gate.e_score_correction_bias", layer, block);
+        break;
+    case HF_SH_GATE:
+    case HF_SH_UP:
+    case HF_SH_DOWN:
+        snprintf(out, len, "model.layers.%d.%s.%s.%s.weight", layer, block, sh,
+                 qo[mat - HF_SH_GATE]);
+        break;
+    case HF_SH_GATEW:
+        snprintf(out, len, "model.layers.%d.%s.shared_expert_gate.weight", layer, block);
+        break;
+    default:
         snprintf(out, len, "model.layers.%d.%s.experts.%d.%s.weight", layer, block, expert,
                  (f == HF_MIXTRAL ? mix : qo)[mat - 1]);
+    }
 }
 
-void hf_tensor_shape(const hf_cfg *c, hf_mat mat, int64_t shape[2])
+int hf_tensor_shape(const hf_cfg *c, hf_mat mat, int64_t shape[2])
 {
-    shape[0] = mat == HF_ROUTER ? c->E : mat == HF_DOWN ? c->H : c->F;
-    shape[1] = mat == HF_DOWN ? c->F : c->H;
+    switch (mat) {
+    case HF_ROUTER: shape[0] = c->E, shape[1] = c->H; return 2;
+    case HF_BIAS: shape[0] = c->E, shape[1] = 1; return 1;
+    case HF_SH_GATE:
+    case HF_SH_UP: shape[0] = c->Fs, shape[1] = c->H; return 2;
+    case HF_SH_DOWN: shape[0] = c->H, shape[1] = c->Fs; return 2;
+    case HF_SH_GATEW: shape[0] = 1, shape[1] = c->H; return 2;
+    case HF_DOWN: shape[0] = c->H, shape[1] = c->F; return 2;
+    default: shape[0] = c->F, shape[1] = c->H; return 2;
+    }
+}
+
+int hf_cfg_has(const hf_cfg *c, hf_mat mat)
+{
+    switch (mat) {
+    case HF_BIAS: return c->score_bias;
+    case HF_SH_GATE:
+    case HF_SH_UP:
+    case HF_SH_DOWN: return c->Fs > 0;
+    case HF_SH_GATEW: return c->shared_gate;
+    default: return 1;
+    }
 }
 
 /* ---- which file holds a tensor ---- */

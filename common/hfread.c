@@ -112,22 +112,35 @@ moe_err hf_reader_get(hf_reader *r, int layer, int expert, hf_mat mat, const st_
                  file, name, s->dtype_name);
         return MOE_EINVAL;
     }
-    if (r->cfg->dtype_known && strcmp(torch_name(s->dtype), r->cfg->dtype) != 0) {
+    if (r->cfg->dtype_known && mat != HF_BIAS && strcmp(torch_name(s->dtype), r->cfg->dtype) != 0) {
         snprintf(err, errlen, "%s/%s: tensor %s is %s but config.json says dtype %s", r->dir, file,
                  name, s->dtype_name, r->cfg->dtype);
         return MOE_EINVAL;
     }
     int64_t want[2];
-    hf_tensor_shape(r->cfg, mat, want);
-    if (s->ndim != 2 || s->shape[0] != want[0] || s->shape[1] != want[1]) {
+    int nd = hf_tensor_shape(r->cfg, mat, want);
+    if (nd == 1 && (s->ndim != 1 || s->shape[0] != want[0])) {
+        snprintf(err, errlen,
+                 "%s/%s: tensor %s has %d dimensions (first %lld), config.json implies (%lld) "
+                 "(experts %d)",
+                 r->dir, file, name, s->ndim, (long long)(s->ndim > 0 ? s->shape[0] : 0),
+                 (long long)want[0], r->cfg->E);
+        return MOE_EINVAL;
+    }
+    if (nd == 2 && (s->ndim != 2 || s->shape[0] != want[0] || s->shape[1] != want[1])) {
+        int sh = mat >= HF_SH_GATE && mat <= HF_SH_DOWN;
+        const char *fk = sh ? (r->cfg->family == HF_QWEN2_MOE ? "shared_expert_intermediate_size"
+                                                              : "n_shared_experts x moe_intermediate_size")
+                         : r->cfg->family == HF_MIXTRAL || r->cfg->family == HF_OLMOE
+                             ? "intermediate_size"
+                             : "moe_intermediate_size";
         snprintf(err, errlen,
                  "%s/%s: tensor %s has shape (%lld, %lld%s), config.json implies (%lld, %lld) "
                  "(hidden_size %d, %s %d, experts %d)",
                  r->dir, file, name, (long long)(s->ndim > 0 ? s->shape[0] : 0),
                  (long long)(s->ndim > 1 ? s->shape[1] : 0), s->ndim > 2 ? ", ..." : "",
-                 (long long)want[0], (long long)want[1], r->cfg->H,
-                 r->cfg->family == HF_QWEN3_MOE ? "moe_intermediate_size" : "intermediate_size",
-                 r->cfg->F, r->cfg->E);
+                 (long long)want[0], (long long)want[1], r->cfg->H, fk, sh ? r->cfg->Fs : r->cfg->F,
+                 r->cfg->E);
         return MOE_EINVAL;
     }
     *t = s;

@@ -30,7 +30,8 @@ int coord_hf_wants(const rpc_call *call)
            params_find_str(r, call->req.nparams, "hf_family", &s, &len);
 }
 
-/* check_tensors checks every router and expert tensor of every MoE layer */
+/* check_tensors checks every router and expert tensor of every MoE layer,
+ * and the bias and shared expert tensors the family has */
 static moe_err check_tensors(const coord *c, const char *dir, const hf_cfg *hc, moe_dtype *src,
                              char *err, size_t errlen)
 {
@@ -48,6 +49,9 @@ static moe_err check_tensors(const coord *c, const char *dir, const hf_cfg *hc, 
         for (int x = 0; e == MOE_OK && x < hc->E; x++)
             for (int mat = HF_GATE; e == MOE_OK && mat <= HF_DOWN; mat++)
                 e = hf_reader_get(rd, hc->moe[l], x, (hf_mat)mat, &t, err, errlen);
+        for (int mat = HF_BIAS; e == MOE_OK && mat <= HF_SH_GATEW; mat++)
+            if (hf_cfg_has(hc, (hf_mat)mat))
+                e = hf_reader_get(rd, hc->moe[l], 0, (hf_mat)mat, &t, err, errlen);
     }
     hf_reader_close(rd);
     return e;
@@ -69,10 +73,16 @@ static moe_err hf_cfg_to_model(const hf_cfg *hc, const char *name, const char *d
     m.top_k = hc->K;
     m.act = 0; /* SwiGLU */
     m.renormalize = hc->renormalize;
-    /* the routing family's defaults: softmax top-k (model_cfg.h) */
-    m.n_group = m.topk_group = 1;
+    /* the routing family: softmax top-k (model_cfg.h's defaults) unless
+     * the checkpoint's family has more (hfcfg.h) */
+    m.scoring = hc->scoring;
+    m.score_bias = hc->score_bias;
+    m.n_group = hc->n_group;
+    m.topk_group = hc->topk_group;
     m.group_topn = 2;
-    m.routed_scale = 1.0;
+    m.routed_scale = hc->routed_scale;
+    m.shared_d_ff = hc->Fs;
+    m.shared_gate = hc->shared_gate;
     m.capacity_factor = cf ? *cf : 0;
     m.dtype = dtype;
     /* moe's aux loss is transformers' load_balancing_loss_func / K: K times

@@ -1,7 +1,8 @@
 /*
  * hf.c - this worker's part of a model from a Hugging Face directory: its
  * parameters get the checkpoint's own tensor names, and its weights (the
- * routers, replicated, and its own experts) are read from the directory's
+ * routers, correction biases and shared experts, replicated, and its own
+ * experts) are read from the directory's
  * safetensors files. The files are mapped and only the tensors read here
  * are touched: a worker never reads the other workers' experts.
  */
@@ -28,6 +29,11 @@ void wkr_hf_names(wkr_model *m, const hf_cfg *hc)
             hf_tensor_name(f, hc->moe[l], m->e0 + i, HF_UP, (p++)->name, sizeof(p->name));
             hf_tensor_name(f, hc->moe[l], m->e0 + i, HF_DOWN, (p++)->name, sizeof(p->name));
         }
+        /* the extra tensors in wkr_layer_nextra's order */
+        p = wkr_layer_extra(m, l);
+        for (int mat = HF_BIAS; mat <= HF_SH_GATEW; mat++)
+            if (hf_cfg_has(hc, (hf_mat)mat))
+                hf_tensor_name(f, hc->moe[l], 0, (hf_mat)mat, (p++)->name, sizeof(p->name));
     }
 }
 
@@ -52,7 +58,8 @@ moe_err wkr_hf_load(wkr_model *m, const hf_cfg *hc, char *err, size_t errlen)
 {
     const model_cfg *c = &m->cfg;
     if (hc->n_moe != c->layers || hc->H != c->d_model || hc->F != c->d_ff ||
-        hc->E != c->n_experts || hc->K != c->top_k) {
+        hc->E != c->n_experts || hc->K != c->top_k || hc->Fs != c->shared_d_ff ||
+        hc->score_bias != c->score_bias || hc->shared_gate != c->shared_gate) {
         snprintf(err, errlen, "%s/config.json changed since the coordinator read it", c->hf_dir);
         return MOE_EINVAL;
     }
@@ -80,13 +87,26 @@ moe_err wkr_hf_load(wkr_model *m, const hf_cfg *hc, char *err, size_t errlen)
             if (e == MOE_OK)
                 e = load_one(rd, hl, x, HF_DOWN, L->w2 + i * fh, fh, bf, err, errlen);
         }
+        /* replicated: the bias (kept in f32, never rounded), the shared expert, its gate */
+        size_t sfh = (size_t)c->shared_d_ff * c->d_model;
+        if (e == MOE_OK && c->score_bias)
+            e = load_one(rd, hl, 0, HF_BIAS, L->bias, (size_t)c->n_experts, 0, err, errlen);
+        if (e == MOE_OK && c->shared_d_ff > 0)
+            e = load_one(rd, hl, 0, HF_SH_GATE, L->ws1, sfh, bf, err, errlen);
+        if (e == MOE_OK && c->shared_d_ff > 0)
+            e = load_one(rd, hl, 0, HF_SH_UP, L->ws3, sfh, bf, err, errlen);
+        if (e == MOE_OK && c->shared_d_ff > 0)
+            e = load_one(rd, hl, 0, HF_SH_DOWN, L->ws2, sfh, bf, err, errlen);
+        if (e == MOE_OK && c->shared_gate)
+            e = load_one(rd, hl, 0, HF_SH_GATEW, L->wsg, (size_t)c->d_model, bf, err, errlen);
     }
     hf_reader_close(rd);
     return e;
 }
 
-/* is_moe_tensor: name is a router or expert tensor of a MoE layer (the
- * model's own parameters); every other tensor passes through a save */
+/* is_moe_tensor: name is a router, bias, expert or shared expert tensor of
+ * a MoE layer (the model's own parameters); every other tensor passes
+ * through a save */
 static int is_moe_tensor(const hf_cfg *hc, const char *name)
 {
     int layer, at = 0;
@@ -97,7 +117,9 @@ static int is_moe_tensor(const hf_cfg *hc, const char *name)
     if (strncmp(rest, block, strlen(block)) != 0)
         return 0;
     rest += strlen(block);
-    if (strcmp(rest, "gate.weight") != 0 && strncmp(rest, "experts.", 8) != 0)
+    if (strcmp(rest, "gate.weight") != 0 && strncmp(rest, "experts.", 8) != 0 &&
+        !(hc->score_bias && strcmp(rest, "gate.e_score_correction_bias") == 0) &&
+        !(hc->Fs > 0 && strncmp(rest, "shared_expert", 13) == 0))
         return 0;
     for (int l = 0; l < hc->n_moe; l++)
         if (hc->moe[l] == layer)
