@@ -195,8 +195,7 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
     for (size_t i = 0; i < sizeof(req) / sizeof(req[0]); i++) {
         int ok = get_int(root, req[i].key, req[i].dst);
         if (!ok && req[i].dst == &out->E) /* the other spelling of the expert count */
-            ok = get_int(root, fam == HF_MIXTRAL ? "num_experts" : "num_local_experts",
-                         req[i].dst);
+            ok = get_int(root, fam == HF_MIXTRAL ? "num_experts" : "num_local_experts", req[i].dst);
         if (!ok || *req[i].dst < 1) {
             snprintf(err, errlen, "%s (family %s): missing or bad key \"%s\"", path, type,
                      req[i].key);
@@ -225,8 +224,8 @@ moe_err hf_cfg_read(const char *dir, hf_cfg *out, char *err, size_t errlen)
         out->shared_gate = 1;
         if (!get_int(root, "shared_expert_intermediate_size", &out->Fs) || out->Fs < 1) {
             snprintf(err, errlen,
-                     "%s (family %s): missing or bad key \"shared_expert_intermediate_size\"",
-                     path, type);
+                     "%s (family %s): missing or bad key \"shared_expert_intermediate_size\"", path,
+                     type);
             goto out;
         }
     }

@@ -129,11 +129,11 @@ moe_err hf_reader_get(hf_reader *r, int layer, int expert, hf_mat mat, const st_
     }
     if (nd == 2 && (s->ndim != 2 || s->shape[0] != want[0] || s->shape[1] != want[1])) {
         int sh = mat >= HF_SH_GATE && mat <= HF_SH_DOWN;
-        const char *fk = sh ? (r->cfg->family == HF_QWEN2_MOE ? "shared_expert_intermediate_size"
-                                                              : "n_shared_experts x moe_intermediate_size")
-                         : r->cfg->family == HF_MIXTRAL || r->cfg->family == HF_OLMOE
-                             ? "intermediate_size"
-                             : "moe_intermediate_size";
+        const char *fk =
+            sh ? (r->cfg->family == HF_QWEN2_MOE ? "shared_expert_intermediate_size"
+                                                 : "n_shared_experts x moe_intermediate_size")
+            : r->cfg->family == HF_MIXTRAL || r->cfg->family == HF_OLMOE ? "intermediate_size"
+                                                                         : "moe_intermediate_size";
         snprintf(err, errlen,
                  "%s/%s: tensor %s has shape (%lld, %lld%s), config.json implies (%lld, %lld) "
                  "(hidden_size %d, %s %d, experts %d)",
