@@ -2,7 +2,8 @@
 """hf_writeback_check.py - a checkpoint that moe saved of a model created
 from a Hugging Face directory loads into transformers with from_pretrained,
 as it is: no missing or unexpected keys, the checkpoint's dtype, every
-tensor that is not a MoE router or expert as in the source directory, and
+tensor that is not a MoE router, expert or shared expert (Qwen2-MoE,
+DeepSeek-V3) as in the source directory, and
 the first MoE block computing what moe computed (y of moe for x, in
 MOE_Y: a safetensors file with tensors x and y).
 
@@ -36,8 +37,8 @@ def main():
     sp = dict(src.named_parameters())
     same = diff = 0
     for name, p in model.named_parameters():
-        moe = ".experts." in name or name.endswith((".block_sparse_moe.gate.weight",
-                                                     ".mlp.gate.weight"))
+        moe = (".experts." in name or ".shared_expert" in name
+               or name.endswith((".block_sparse_moe.gate.weight", ".mlp.gate.weight")))
         if moe:
             diff += int(not torch.equal(p, sp[name]))
         elif not torch.equal(p, sp[name]):

@@ -436,6 +436,93 @@ Test(hf, save_writes_family_names_and_dtype, .timeout = 180, .fini = cluster_fin
     rm_rf(root);
 }
 
+/* the shared-expert families (f32): one training step changes the shared
+ * expert too; the save has the bias (F32, once, rank 0) and the shared
+ * expert under the family's names, loads back as a new model and with
+ * checkpoint.load, and into transformers */
+static void save_shared_family(cluster *cl, const char *root, const char *fx, const char *shared)
+{
+    char src[200], ck[300], dir[400], ep[300], err[300], p[500], nm[200];
+    snprintf(src, sizeof(src), "%s/%s", root, fx);
+    cr_assert_eq(moe_model_create_from_hf(cl->cli, fx, src, NULL), MOE_OK, "%s", moe_last_error());
+    snprintf(ep, sizeof(ep), "%s/%s.expected.safetensors", root, fx);
+    st_file *exp;
+    cr_assert_eq(st_open(ep, &exp, err, sizeof(err)), MOE_OK, "%s", err);
+    size_t nx;
+    float *x = want(exp, "x.0", &nx), *y0 = malloc(nx * 4), *y = malloc(nx * 4),
+          *y2 = malloc(nx * 4), *dx = malloc(nx * 4);
+    int64_t T = st_find(exp, "x.0")->shape[0], H = st_find(exp, "x.0")->shape[1];
+    moe_fwd_info info = {0};
+    cr_assert_eq(moe_forward_train(cl->cli, fx, 0, MOE_F32, x, T, H, y0, &info), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, x, T, H, dx), MOE_OK, "%s",
+                 moe_last_error());
+    moe_fwd_info_free(&info);
+    moe_adamw opt = {0.01, 0.9, 0.99, 1e-8, 0, 0, 0, 0};
+    cr_assert_eq(moe_optimizer_step(cl->cli, fx, &opt, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_forward(cl->cli, fx, 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    snprintf(ck, sizeof(ck), "%s/saved-%s", root, fx);
+    cr_assert_eq(moe_checkpoint_save(cl->cli, fx, ck), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(saved_dir(ck, dir, sizeof(dir)), 0);
+    st_file *f[2];
+    for (int r = 0; r < 2; r++) {
+        snprintf(p, sizeof(p), "%s/model-%05d-of-00002.safetensors", dir, r + 1);
+        cr_assert_eq(st_open_flags(p, ST_OPEN_ANY_DTYPE, &f[r], err, sizeof(err)), MOE_OK, "%s",
+                     err);
+    }
+    snprintf(nm, sizeof(nm), "model.layers.1.mlp.%s.down_proj.weight", shared);
+    cr_expect(st_find(f[0], nm) && !st_find(f[1], nm), "%s: %s not in rank 0's file only", fx, nm);
+    const st_tensor *t = st_find(f[0], "model.layers.1.mlp.gate.e_score_correction_bias");
+    if (strcmp(shared, "shared_experts") == 0)
+        cr_expect(t && t->dtype == ST_F32 && t->ndim == 1 &&
+                      !st_find(f[1], "model.layers.1.mlp.gate.e_score_correction_bias"),
+                  "%s: the bias is not in rank 0's file only, F32, (E)", fx);
+    else
+        cr_expect(st_find(f[0], "model.layers.1.mlp.shared_expert_gate.weight"),
+                  "%s: no shared_expert_gate", fx);
+    st_close(f[0]), st_close(f[1]);
+    snprintf(nm, sizeof(nm), "%s-back", fx);
+    cr_assert_eq(moe_model_create_from_hf(cl->cli, nm, dir, NULL), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_forward(cl->cli, nm, 0, MOE_F32, x, T, H, y2, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(memcmp(y, y2, nx * 4), 0, "%s: the saved model computes another y", fx);
+    cr_expect_neq(memcmp(y, y0, nx * 4), 0, "%s: the step changed nothing", fx);
+    int64_t step = -1;
+    cr_assert_eq(moe_checkpoint_load(cl->cli, fx, ck, &step), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_forward(cl->cli, fx, 0, MOE_F32, x, T, H, y2, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(memcmp(y, y2, nx * 4), 0, "%s: checkpoint.load computes another y", fx);
+    char yp[300], cmd[1400], line[600], last[600] = "";
+    snprintf(yp, sizeof(yp), "%s/moe_y_%s.safetensors", root, fx);
+    save_xy(yp, x, y, T, H);
+    snprintf(cmd, sizeof(cmd), "python3 python/hf_writeback_check.py '%s' '%s' '%s' 2>&1", dir, src,
+             yp);
+    FILE *pp = popen(cmd, "r");
+    while (pp && fgets(line, sizeof(line), pp))
+        snprintf(last, sizeof(last), "%s", line);
+    int rc = pp ? pclose(pp) : -1;
+    rc = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+    cr_log_info("%s transformers: %s", fx, last);
+    cr_expect(rc == 0 || rc == 2, "%s: transformers check failed (%d): %s", fx, rc, last);
+    free(x), free(y0), free(y), free(y2), free(dx);
+    st_close(exp);
+}
+
+Test(hf, shared_families_save_and_reload, .timeout = 180, .fini = cluster_fini_all)
+{
+    char root[64];
+    fixtures(root, sizeof(root));
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    save_shared_family(cl, root, "qwen2_moe-f32", "shared_expert");
+    save_shared_family(cl, root, "deepseek_v3-f32", "shared_experts");
+    cr_assert_eq(cluster_stop(cl), 0);
+    rm_rf(root);
+}
+
 /* the Python client: model_create_from_hf, model_info, model_grads */
 Test(hf, python_client, .timeout = 120, .fini = cluster_fini_all)
 {

@@ -295,7 +295,9 @@ static moe_err ckpt_prepare(wkr_model *m, const char *dir, mp_reader *files_r, c
             if (!t) {
                 snprintf(err, errlen, "checkpoint has no tensor %s", tname);
                 e = MOE_EINVAL;
-            } else if (t->ndim != 2 || t->shape[0] != p->rows || t->shape[1] != p->cols) {
+            } else if (!(t->ndim == 2 && t->shape[0] == p->rows && t->shape[1] == p->cols) &&
+                       !(t->ndim == 1 && p->rows == 1 && t->shape[0] == p->cols)) {
+                /* (a (1, n) tensor may be saved as (n): the correction bias) */
                 snprintf(err, errlen, "tensor %s has shape (%lld, %lld), the model needs (%d, %d)",
                          tname, (long long)t->shape[0], (long long)(t->ndim > 1 ? t->shape[1] : 0),
                          p->rows, p->cols);

@@ -156,7 +156,9 @@ typedef struct save_ctx {
 
 static moe_err add_weight(save_ctx *s, const wkr_param *p, int bf16)
 {
-    int64_t shape[2] = {p->rows, p->cols};
+    /* the correction bias (frozen) is (E) in the family's files */
+    int nd = p->frozen && p->rows == 1 ? 1 : 2;
+    int64_t shape[2] = {nd == 1 ? p->cols : p->rows, p->cols};
     moe_err e;
     if (bf16) {
         uint16_t *b = malloc(p->n * sizeof(uint16_t));
@@ -165,10 +167,10 @@ static moe_err add_weight(save_ctx *s, const wkr_param *p, int bf16)
         s->bufs[s->nbufs++] = b;
         for (size_t k = 0; k < p->n; k++)
             b[k] = kern_f32_to_bf16(p->w[k]);
-        e = st_writer_add_typed(s->sw, p->name, "BF16", 2, 2, shape, b);
+        e = st_writer_add_typed(s->sw, p->name, "BF16", 2, nd, shape, b);
         s->bytes += p->n * 2;
     } else {
-        e = st_writer_add(s->sw, p->name, 2, shape, p->w);
+        e = st_writer_add(s->sw, p->name, nd, shape, p->w);
         s->bytes += p->n * 4;
     }
     mp_write_cstr(&s->names, p->name);
@@ -236,7 +238,7 @@ void wkr_hf_ckpt_save(wkr *w, rpc_call *c, wkr_model *m, const char *dir)
         const wkr_param *p = &m->params[i];
         if (p->replicated && w->rank != 0)
             continue;
-        e = add_weight(&s, p, bf);
+        e = add_weight(&s, p, bf && !p->frozen); /* the bias stays F32, as published */
         if (e == MOE_OK && trained && bf)
             e = add_opt(&s, p, "master", p->master);
         if (e == MOE_OK && trained)
