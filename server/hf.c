@@ -99,8 +99,12 @@ static moe_err hf_cfg_to_model(const hf_cfg *hc, const char *name, const char *d
     mp_reader_init(&r, w.buf, w.len);
     mp_read_map(&r, &n, NULL);
     memset(out, 0, sizeof(*out));
-    moe_err e = model_cfg_parse(&r, n, out, err, errlen);
+    char perr[512];
+    moe_err e = model_cfg_parse(&r, n, out, perr, sizeof(perr));
     mp_writer_fini(&w);
+    if (e != MOE_OK) /* the checkpoint's keys do not make a model moe accepts */
+        snprintf(err, errlen, "%s/config.json (family %s): %s", dir, hf_family_name(hc->family),
+                 perr);
     return e;
 }
 

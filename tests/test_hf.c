@@ -266,6 +266,26 @@ Test(hf, bad_directories_clear_errors_cluster_serves, .timeout = 120, .fini = cl
     edit(root, "q2/config.json",
          "s/\"model_type\": \"llama\"/\"model_type\": \"mixtral\"/; /num_experts_per_tok/d");
     create_fails(cl, d, MOE_EINVAL, "family mixtral", "num_experts_per_tok");
+    /* the shared-expert families' keys */
+    sh("cp -r '%s/deepseek_v3-f32' '%s/ds'", root, root);
+    snprintf(d, sizeof(d), "%s/ds", root);
+    edit(root, "ds/config.json",
+         "s/\"n_group\": 4,/\"n_group\": 4, \"scoring_func\": \"softmax\",/");
+    create_fails(cl, d, MOE_EINVAL, "family deepseek_v3", "scoring_func must be \"sigmoid\"");
+    edit(root, "ds/config.json",
+         "s/\"scoring_func\": \"softmax\",//; s/\"n_group\": 4/\"n_group\": 3/");
+    create_fails(cl, d, MOE_EINVAL, "n_group = 3 does not divide n_experts = 8",
+                 "(family deepseek_v3)");
+    sh("cp -r '%s/qwen2_moe-f32' '%s/q2s'", root, root);
+    snprintf(d, sizeof(d), "%s/q2s", root);
+    edit(root, "q2s/config.json", "/shared_expert_intermediate_size/d");
+    create_fails(cl, d, MOE_EINVAL, "family qwen2_moe", "shared_expert_intermediate_size");
+    sh("cp -r '%s/qwen2_moe-f32' '%s/q2w'", root, root);
+    snprintf(d, sizeof(d), "%s/q2w", root);
+    edit(root, "q2w/config.json",
+         "s/\"shared_expert_intermediate_size\": 32/\"shared_expert_intermediate_size\": 33/");
+    create_fails(cl, d, MOE_EINVAL, "shared_expert.gate_proj.weight has shape (32, 32)",
+                 "shared_expert_intermediate_size 33");
     /* shape and dtype disagreeing with config.json */
     sh("cp -r '%s/olmoe-f32' '%s/shape'", root, root);
     edit(root, "shape/config.json", "s/\"intermediate_size\": 64/\"intermediate_size\": 65/");
