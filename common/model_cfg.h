@@ -40,8 +40,9 @@ typedef struct model_cfg {
     int shared_gate;     /* 0/1: the shared expert is gated by sigmoid(x . w) */
     /* a model loaded from a Hugging Face directory (server/hf.c): the
      * directory, resolved under the checkpoint root, and its family
-     * ("mixtral", "qwen3_moe", "olmoe"); both "" otherwise. Set by the
-     * coordinator (model.create from_hf), never by a client. */
+     * ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"); both ""
+     * otherwise. Set by the coordinator (model.create from_hf), never by
+     * a client. */
     char hf_dir[MODEL_HF_DIR_MAX];
     char hf_family[16];
 } model_cfg;

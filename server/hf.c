@@ -314,8 +314,11 @@ void coord_hf_info(mp_writer *w, const coord_model *m)
      * ("{e}" stands for the expert's index) */
     mp_write_cstr(w, "layers");
     mp_write_array(w, (uint32_t)hc->n_moe);
+    int nextra = 0;
+    for (int mat = HF_BIAS; mat <= HF_SH_GATEW; mat++)
+        nextra += hf_cfg_has(hc, (hf_mat)mat);
     for (int l = 0; l < hc->n_moe; l++) {
-        mp_write_map(w, 3);
+        mp_write_map(w, nextra ? 4 : 3);
         mp_write_cstr(w, "layer");
         mp_write_i64(w, hc->moe[l]);
         mp_write_cstr(w, "router");
@@ -334,6 +337,15 @@ void coord_hf_info(mp_writer *w, const coord_model *m)
                 snprintf(pat, sizeof(pat), "%s", nm);
             }
             mp_write_cstr(w, pat);
+        }
+        if (nextra) { /* the bias, the shared expert, its gate (replicated) */
+            mp_write_cstr(w, "shared");
+            mp_write_array(w, (uint32_t)nextra);
+            for (int mat = HF_BIAS; mat <= HF_SH_GATEW; mat++)
+                if (hf_cfg_has(hc, (hf_mat)mat)) {
+                    hf_tensor_name(f, hc->moe[l], 0, (hf_mat)mat, nm, sizeof(nm));
+                    mp_write_cstr(w, nm);
+                }
         }
     }
     free(hc);
