@@ -1,7 +1,8 @@
-/* version.c - moe_version and the public bf16 conversions; see moe.h. */
-#include <string.h>
-
+/* version.c - moe_version and the public bf16 conversions; see moe.h. The
+ * conversions are the kernels' own (kernels/kern.h, header-only inline
+ * forms), so the library's bf16 is bit for bit the kernels'. */
 #include "client/moe.h"
+#include "kernels/kern.h"
 
 const char *moe_version(void)
 {
@@ -10,20 +11,12 @@ const char *moe_version(void)
 
 void moe_bf16_from_f32(const float *in, uint16_t *out, size_t n)
 {
-    for (size_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &in[i], 4);
-        if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) /* NaN: keep it quiet NaN */
-            out[i] = (uint16_t)((u >> 16) | 0x0040u);
-        else
-            out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (size_t i = 0; i < n; i++)
+        out[i] = kern_f32_to_bf16_inl(in[i]);
 }
 
 void moe_f32_from_bf16(const uint16_t *in, float *out, size_t n)
 {
-    for (size_t i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)in[i] << 16;
-        memcpy(&out[i], &u, 4);
-    }
+    for (size_t i = 0; i < n; i++)
+        out[i] = kern_bf16_to_f32_inl(in[i]);
 }

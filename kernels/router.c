@@ -36,46 +36,9 @@ void kern_router_logits_blas(const float *x, const float *wr, int T, int H, int 
 void kern_softmax_topk_cpu(const float *logits, int T, int E, int K, int renorm, float *probs,
                            int32_t *topk_idx, float *topk_w)
 {
-    for (int t = 0; t < T; t++) {
-        const float *lt = logits + (size_t)t * E; /* (E) */
-        float *pt = probs + (size_t)t * E;        /* (E) */
-        int32_t *it = topk_idx + (size_t)t * K;   /* (K) */
-        float *wt = topk_w + (size_t)t * K;       /* (K) */
-
-        float mx = lt[0];
-        for (int e = 1; e < E; e++)
-            mx = lt[e] > mx ? lt[e] : mx;
-        float sum = 0.0f;
-        for (int e = 0; e < E; e++) {
-            pt[e] = expf(lt[e] - mx);
-            sum += pt[e];
-        }
-        for (int e = 0; e < E; e++)
-            pt[e] /= sum;
-
-        /* K passes: the largest not yet chosen; strict > keeps the lower
-         * index on ties (and the first unchosen one if all are NaN). */
-        float wsum = 0.0f;
-        for (int j = 0; j < K; j++) {
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int i = 0; i < j; i++)
-                    taken |= it[i] == e;
-                if (taken)
-                    continue;
-                if (best < 0 || pt[e] > pt[best])
-                    best = e;
-            }
-            it[j] = best;
-            wt[j] = pt[best];
-            wsum += pt[best];
-        }
-        if (renorm) {
-            for (int j = 0; j < K; j++)
-                wt[j] /= wsum;
-        }
-    }
+    /* the plain family of kern_route_cpu: softmax scores, no bias, no groups */
+    kern_route_cfg rc = {.scoring = KERN_SCORE_SOFTMAX, .renorm = renorm};
+    kern_route_cpu(logits, T, E, K, &rc, probs, topk_idx, topk_w);
 }
 
 float kern_route_scale(const kern_route_cfg *rc)

@@ -12,6 +12,7 @@
 #include "server/coord.h"
 #include "common/log.h"
 #include "common/params.h"
+#include "common/routing_stats.h"
 #include "common/placement.h"
 
 moe_err coord_parse_direct(coord *c, mp_reader *r, coord_job *j, int64_t *T, char *err,
@@ -408,20 +409,14 @@ static void forward_finish(coord *c, coord_job *j)
             if (mp_read_i64(&mr, &idx, NULL) == MOE_OK && idx >= 0 && idx < nbatch_of(j))
                 lost[idx] = 1;
     }
-    int64_t mx = 0, tot = 0;
-    double aux = 0;
     for (int e = 0; e < E; e++) {
-        mx = cnt[e] > mx ? cnt[e] : mx;
-        tot += cnt[e];
         m->tokens[(size_t)j->layer * E + e] += cnt[e];
         m->dropped[(size_t)j->layer * E + e] += drop[e];
-        if (T > 0)
-            aux += (double)cnt[e] * (psum[e] / (double)T);
     }
-    aux = T > 0 ? aux * E / ((double)K * (double)T) : 0;
+    double aux, imbalance;
+    routing_stats(cnt, psum, E, K, T, &aux, &imbalance);
     if (W == 1 && parts[0].has_aux)
         aux = parts[0].aux_loss;
-    double imbalance = tot > 0 ? (double)mx / ((double)tot / E) : 0;
     /* one response per request of the batch: its rows of y, the batch's stats */
     int nbatch = 0;
     for (coord_job *b = j; b; b = b->batch_next)

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/routing_stats.h"
 #include "worker/worker.h"
 
 moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen)
@@ -201,16 +202,15 @@ void wkr_lane_stats_write(mp_writer *wr, const model_cfg *cfg, int64_t T, const 
                           const int32_t *dropped, const double *probs_sum, double z_sum,
                           const double *aux_device, const double phase[4])
 {
-    const int E = cfg->n_experts, K = cfg->top_k;
-    int64_t mx = 0, tot = 0;
-    double aux = 0;
-    for (int e = 0; e < E; e++) {
-        mx = counts[e] > mx ? counts[e] : mx;
-        tot += counts[e];
-        if (T > 0)
-            aux += (double)counts[e] * (probs_sum[e] / (double)T);
+    const int E = cfg->n_experts;
+    int64_t *c64 = malloc((size_t)(E ? E : 1) * sizeof(int64_t)); /* (E) */
+    double aux = 0, imbalance = 0;
+    if (c64) {
+        for (int e = 0; e < E; e++)
+            c64[e] = counts[e];
+        routing_stats(c64, probs_sum, E, cfg->top_k, T, &aux, &imbalance);
+        free(c64);
     }
-    aux = T > 0 ? aux * E / ((double)K * (double)T) : 0;
     if (aux_device)
         aux = *aux_device;
     mp_write_cstr(wr, "stats");
@@ -224,7 +224,7 @@ void wkr_lane_stats_write(mp_writer *wr, const model_cfg *cfg, int64_t T, const 
     for (int e = 0; e < E; e++)
         mp_write_i64(wr, dropped[e]);
     mp_write_cstr(wr, "imbalance");
-    mp_write_f64(wr, tot > 0 ? (double)mx / ((double)tot / E) : 0);
+    mp_write_f64(wr, imbalance);
     mp_write_cstr(wr, "aux_loss");
     mp_write_f64(wr, aux);
     mp_write_cstr(wr, "z_loss");
