@@ -9,9 +9,11 @@
  * dx and every gradient are compared with the single-GPU layer (kcu_layer,
  * all W*T tokens on GPU 0). Not a test.
  *
- *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|small [--tokens 16384]
+ *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
  *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
+ *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
+ *                             experts hold 18 bytes a parameter in training, 203 GB)
  *
  * Keep NCCL_NVLS_ENABLE=0 on the shared machines.
  */
@@ -52,6 +54,8 @@ static const shape SHAPES[] = {
     {"mixtral", 4096, 14336, 8, 2},
     {"qwen3", 2048, 768, 128, 8},
     {"small", 512, 256, 16, 2},
+    {"deepseek", 7168, 2048, 256, 8}, /* DeepSeek-V3's routed experts (its router's
+                                         groups and shared expert aside) */
 };
 
 static double now_s()
@@ -86,6 +90,7 @@ static void gen(std::vector<float> &v, size_t n, uint64_t seed, float a, float s
 
 struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
+    int infer = 0; /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
     int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};
@@ -155,7 +160,7 @@ static void *rank_main(void *arg)
     c.rank = r;
     c.world = W;
     c.T_max = T;
-    c.train = 1;
+    c.train = !w->o.infer;
     c.chunks = 1;
     kcu_ep *ep;
     CKM(kcu_ep_create(&c, comm, &ep));
@@ -208,7 +213,7 @@ static void *rank_main(void *arg)
                 CKM(kcu_ep_wait(ep, st));
             });
             used_inf = kcu_ep_last_chunks(ep);
-            const double fb = timed(w, r, [&] {
+            const double fb = w->o.infer ? 0 : timed(w, r, [&] {
                 CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 1, st));
                 CKM(kcu_ep_backward(ep, dyd, MOE_F32, dxd, MOE_BF16, 0.f, 0.f, st));
                 CKM(kcu_ep_wait(ep, st));
@@ -398,14 +403,16 @@ int main(int argc, char **argv)
             o.skew = 1;
         } else if (!strcmp(a, "--check")) {
             o.check = 1;
+        } else if (!strcmp(a, "--infer")) {
+            o.infer = 1;
         } else if (!strcmp(a, "--check-chunks")) {
             o.check_chunks = atoi(v);
             i++;
         } else {
             fprintf(stderr,
-                    "usage: %s --gpus W --shape mixtral|qwen3|small [--tokens T] "
+                    "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small [--tokens T] "
                     "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
-                    "[--check-chunks N]\n",
+                    "[--check-chunks N] [--infer]\n",
                     argv[0]);
             return 2;
         }
@@ -414,6 +421,10 @@ int main(int argc, char **argv)
     CK(cudaGetDeviceCount(&ndev));
     if (o.W < 1 || o.W > ndev || o.T < 1 || o.iters < 1 || o.chunks.empty()) {
         fprintf(stderr, "ep_bench: need 1 <= --gpus <= %d devices, --tokens >= 1\n", ndev);
+        return 2;
+    }
+    if (o.check && o.infer) {
+        fprintf(stderr, "ep_bench: --check compares training outputs; not with --infer\n");
         return 2;
     }
     const shape s = o.s;
