@@ -8,7 +8,7 @@
 # the runtime libraries are unpacked into /opt/moe-deps first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-W=$(nvidia-smi -L 2>/dev/null | wc -l || echo 1)
+W=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 [ "$W" -ge 1 ] || W=1
 XCHG=auto
 BACKEND=auto
@@ -38,9 +38,12 @@ cleanup() {
 }
 trap cleanup EXIT
 # the coordinator writes the cluster secret to $RUN/secret (mode 0600) before
-# its address; the workers read it from there
+# its address; the workers read it from there. Checkpoints may go under
+# MOE_CHECKPOINT_ROOT (default the temporary directory, where python/parity.py
+# and the benchmarks write theirs)
 ./bin/moe-coordinator --listen tcp://127.0.0.1:0 --addr-file "$RUN/addr" --workers "$W" \
     --cluster-secret-file "$RUN/secret" --xchg "$XCHG" --worker-timeout-ms 120000 \
+    --checkpoint-root "${MOE_CHECKPOINT_ROOT:-${TMPDIR:-/tmp}}" \
     >"$RUN/coord.log" 2>&1 &
 pids+=($!)
 for i in $(seq 50); do [ -s "$RUN/addr" ] && break; sleep 0.1; done
