@@ -124,10 +124,17 @@ void *wkr_compute_main(void *arg)
             w->qtail = NULL;
         pthread_mutex_unlock(&w->qmu);
         atomic_store(&w->busy_since_ns, rpc_now_ns());
+        wkr_busy_at(w, it->is_run ? "a lane forward" : it->method->m.name);
         if (it->is_run)
             wkr_lane_run(w, &it->run);
         else
             run_one(w, it->call, it->method);
+#ifdef MOE_HAVE_CUDA
+        /* a failed NCCL call was answered: now its communicator's abort
+         * (the thread stays busy: a stuck abort is a stuck device) */
+        wkr_busy_at(w, "ncclCommAbort of the failed communicator");
+        xchg_nccl_settle(w->xc);
+#endif
         atomic_store(&w->busy_since_ns, 0);
         free(it);
     }

@@ -277,9 +277,12 @@ moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x
                            double *z_sum, uint64_t *a2a_bytes, int train)
 {
     kcu_ep *ep = m->gpu[layer];
+    wkr_busy_at(w, "expert-parallel forward: kcu_ep_forward");
     moe_err e = kcu_ep_forward(ep, T, x, xdt, y, ydt, train, NULL);
+    wkr_busy_at(w, "expert-parallel forward: kcu_ep_wait");
     if (e == MOE_OK)
         e = kcu_ep_wait(ep, NULL);
+    wkr_busy_at(w, "expert-parallel forward: counts and stats");
     if (e == MOE_OK) {
         kcu_ep_last_counts(ep, counts, NULL, NULL, NULL);
         *a2a_bytes = (uint64_t)kcu_ep_last_a2a_bytes(ep);
@@ -301,14 +304,17 @@ moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, in
         float *y = malloc((size_t)(T ? T : 1) * c->d_model * sizeof(float));
         if (!y)
             return MOE_ENOMEM;
+        wkr_busy_at(w, "expert-parallel backward: the forward again");
         e = kcu_ep_forward(ep, T, x, MOE_F32, y, MOE_F32, 1, NULL);
         if (e == MOE_OK)
             e = kcu_ep_wait(ep, NULL);
         free(y);
     }
+    wkr_busy_at(w, "expert-parallel backward: kcu_ep_backward");
     if (e == MOE_OK)
         e = kcu_ep_backward(ep, dy, MOE_F32, dx, MOE_F32, (float)c->aux_loss_coef,
                             (float)c->z_loss_coef, NULL);
+    wkr_busy_at(w, "expert-parallel backward: kcu_ep_wait");
     if (e == MOE_OK)
         e = kcu_ep_wait(ep, NULL);
     m->gpu_handle[layer] = 0;

@@ -274,11 +274,12 @@ static void check_stuck(wkr *w)
     uint64_t from = since > ab ? since : ab;
     if (w->stuck_exit_ms <= 0 || !since || !ab || now - from <= bound)
         return;
+    const char *at = atomic_load(&w->busy_at);
     LOG_E("the compute thread has not come back %.1f s after generation %llu was given up (its "
-          "job began %.1f s ago): the device or exchange cannot be recovered; exiting with "
-          "status 3 for the supervisor to restart this worker",
+          "job began %.1f s ago; inside: %s): the device or exchange cannot be recovered; "
+          "exiting with status 3 for the supervisor to restart this worker",
           (double)(now - ab) * 1e-9, (unsigned long long)xchg_generation(),
-          (double)(now - since) * 1e-9);
+          (double)(now - since) * 1e-9, at ? at : "?");
     _exit(3);
 }
 

@@ -60,6 +60,7 @@ void wkr_op_step(wkr *w, rpc_call *c)
         return;
     }
     /* GPU backend: the device gradients join the host ones */
+    wkr_busy_at(w, "optimizer.step: gradients from the GPU");
     if (m->gpu && wkr_gpu_pull_grads(m) != MOE_OK) {
         rpc_reply_err(c, MOE_EINTERNAL, "cannot read the gradients from the GPU");
         return;
@@ -80,6 +81,7 @@ void wkr_op_step(wkr *w, rpc_call *c)
             memcpy(rbuf + off, m->params[i].grad, m->params[i].n * sizeof(float));
             off += m->params[i].n;
         }
+    wkr_busy_at(w, "optimizer.step: router gradients all-reduce");
     e = xchg_allreduce_f32(w->xc, rbuf, rn);
     /* global norm: experts are disjoint across ranks, the router counts once */
     double local = 0, router = 0;
@@ -96,6 +98,7 @@ void wkr_op_step(wkr *w, rpc_call *c)
                 local += kern_sumsq_cpu(p->grad, p->n);
             }
         }
+        wkr_busy_at(w, "optimizer.step: norm all-gather");
         e = xchg_allgather(w->xc, &local, sizeof(double), all);
     }
     free(rbuf);
@@ -128,6 +131,7 @@ void wkr_op_step(wkr *w, rpc_call *c)
         memset(p->grad, 0, p->n * sizeof(float));
     }
     m->has_grads = 0;
+    wkr_busy_at(w, "optimizer.step: weights to the GPU");
     if (m->gpu && wkr_gpu_push_weights(m) != MOE_OK) {
         rpc_reply_err(c, MOE_EINTERNAL, "cannot write the new weights to the GPU");
         return;

@@ -156,6 +156,8 @@ struct wkr {
     long long test_hang_forward_ms; /* tests only: a forward first sleeps this long (ignoring
                                      * aborts), as a kernel that never ends would */
     _Atomic uint64_t busy_since_ns; /* the compute thread's current job began (0 = idle) */
+    _Atomic(const char *) busy_at;  /* where in that job it is (a static string): named
+                                     * when a stuck device makes the worker exit */
     long long ep_chunks;            /* kcu_ep overlap degree, 0 = by shape */
     long long gpu_grad_bf16;        /* kcu_config.grad_bf16 of whole-layer GPU models */
     char ep_cfg[CFG_STR_MAX];       /* "auto" | "off" */
@@ -341,5 +343,12 @@ wkr_fwd_state *wkr_handle_take(wkr *w, uint64_t handle);
 void wkr_handle_expire(wkr *w);
 /* wkr_handle_drop_model frees every state of model m (NULL = all). */
 void wkr_handle_drop_model(wkr *w, wkr_model *m);
+
+/* wkr_busy_at names the step the compute thread is entering (a string
+ * literal); a worker that exits on a stuck device logs it. */
+static inline void wkr_busy_at(wkr *w, const char *what)
+{
+    atomic_store(&w->busy_at, what);
+}
 
 #endif

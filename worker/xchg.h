@@ -151,9 +151,10 @@ static inline void xchg_abort(xchg *x)
  * host *recvbuf in alltoallv. xchg_free frees either kind (device memory
  * with cudaFreeAsync on the backend's stream).
  *
- * Failures: NCCL errors, CUDA errors and timeouts abort the communicator
- * (ncclCommAbort), return MOE_EUNAVAIL (MOE_ENOMEM when a CUDA allocation
- * failed) and leave it failed; close and reopen with a new unique id.
+ * Failures: NCCL errors, CUDA errors and timeouts return MOE_EUNAVAIL
+ * (MOE_ENOMEM when a CUDA allocation failed) and leave the communicator
+ * failed (its ncclCommAbort owed to xchg_nccl_settle or the close); close
+ * and reopen with a new unique id.
  *
  * Link: -lnccl -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lpthread. */
 #define XCHG_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
@@ -172,11 +173,16 @@ moe_err xchg_nccl_open(int rank, int world, const void *unique_id, int device, i
                        xchg **out);
 /* xchg_nccl_stream returns the cudaStream_t the collectives run on. */
 void *xchg_nccl_stream(xchg *x);
-/* xchg_nccl_abort_comm aborts the communicator (ncclCommAbort: kernels
- * stuck on a dead peer stop) and leaves it failed, as a failed collective
- * does: for work enqueued on the communicator outside xchg (kcu_ep) that
- * failed or timed out. */
+/* xchg_nccl_abort_comm marks the communicator failed, as a failed
+ * collective does: for work enqueued on the communicator outside xchg
+ * (kcu_ep) that failed or timed out. The ncclCommAbort (kernels stuck on a
+ * dead peer stop; it takes hundreds of milliseconds) is owed until
+ * xchg_nccl_settle or the close, so that the failed call is answered
+ * first: between the two, nothing that waits on the device may run. */
 void xchg_nccl_abort_comm(xchg *x, const char *why);
+/* xchg_nccl_settle runs an owed ncclCommAbort; nothing when none is owed.
+ * The compute thread calls it after each request it ran. */
+void xchg_nccl_settle(xchg *x);
 /* xchg_nccl_comm returns the ncclComm_t (NULL once failed); for benchmarks
  * and tools. The communicator stays owned by x. */
 void *xchg_nccl_comm(xchg *x);

@@ -8,8 +8,9 @@
  * return ncclInProgress and are then polled with ncclCommGetAsyncError, and
  * every collective waits for its stream by polling cudaStreamQuery, both
  * under the communicator's timeout. On an error or a timeout the
- * communicator is aborted (ncclCommAbort: also stops kernels stuck on a
- * dead peer) and stays failed.
+ * communicator is marked failed, and aborted (ncclCommAbort: also stops
+ * kernels stuck on a dead peer) by xchg_nccl_settle once the failed call
+ * has been answered, or at close.
  *
  * alltoallv: the byte counts go first (an ncclAllGather of each rank's W
  * counts, W*W u64 in all, read back to the host to size the receive
@@ -63,16 +64,28 @@ static void nc_pause(int *spins)
     nanosleep(&ts, NULL);
 }
 
+/* nc_fail marks the communicator failed: nothing is enqueued on it again.
+ * The ncclCommAbort itself is owed (nc_settle): it takes hundreds of
+ * milliseconds, and the failed call's caller answers its client first. */
 static void nc_fail(nc *x, const char *what)
 {
-    if (x->comm) {
-        ncclCommAbort(x->comm);
-        x->comm = NULL;
-    }
     if (!x->pub.failed)
-        LOG_W("xchg: rank %d: NCCL communicator aborted after %s; it must be rebuilt", x->pub.rank,
+        LOG_W("xchg: rank %d: NCCL communicator failed after %s; it must be rebuilt", x->pub.rank,
               what);
     x->pub.failed = 1;
+}
+
+/* nc_settle runs the abort nc_fail left owed: kernels stuck on a dead peer
+ * stop, NCCL's resources go. */
+static void nc_settle(nc *x)
+{
+    if (!x->pub.failed || !x->comm)
+        return;
+    const int64_t t0 = nc_now_ms();
+    ncclCommAbort(x->comm);
+    x->comm = NULL;
+    LOG_I("xchg: rank %d: ncclCommAbort took %lld ms", x->pub.rank,
+          (long long)(nc_now_ms() - t0));
 }
 
 static moe_err nc_cuda(nc *x, cudaError_t e, const char *what)
@@ -398,6 +411,7 @@ static void nc_free_buf(xchg *xp, void *buf)
 
 static void nc_destroy(nc *x)
 {
+    nc_settle(x);
     if (x->comm) { /* not failed: finalize (flush), then destroy */
         int64_t deadline = nc_now_ms() + x->timeout_ms;
         if (nc_nccl(x, ncclCommFinalize(x->comm), "ncclCommFinalize", deadline) == MOE_OK)
@@ -524,9 +538,15 @@ void xchg_nccl_abort_comm(xchg *xp, const char *why)
         nc_fail((nc *)xp, why);
 }
 
+void xchg_nccl_settle(xchg *xp)
+{
+    if (xp && xp->ops == &nc_ops)
+        nc_settle((nc *)xp);
+}
+
 void *xchg_nccl_comm(xchg *xp)
 {
-    return xp && xp->ops == &nc_ops ? (void *)((nc *)xp)->comm : NULL;
+    return xp && xp->ops == &nc_ops && !xp->failed ? (void *)((nc *)xp)->comm : NULL;
 }
 
 #endif /* MOE_HAVE_CUDA */
