@@ -635,6 +635,7 @@ def main():
             a.victim, cl.winfo[a.victim][0], cl.winfo[a.victim][1]))
         bound = left(a.recover_bound_s)
         s = None
+        supervised = []  # survivors that exited 3 (stuck device) and were started again
         while time.monotonic() - t_restart < bound:
             s = cl.status()
             if (s and s.get("ready") and s["generation"] > gen0
@@ -642,6 +643,16 @@ def main():
                 break
             if cl.workers[a.victim].poll() is not None:
                 raise Abort("the restarted worker exited with %s" % cl.workers[a.victim].returncode)
+            for i, p in list(cl.workers.items()):
+                # a survivor whose compute thread could not come back exits 3
+                # for its supervisor (systemd Restart=on-failure, a k8s pod):
+                # the test plays that supervisor and says so
+                if i != a.victim and p.poll() == 3:
+                    cl.start_worker(i)
+                    supervised.append((i, time.monotonic() - t_kill))
+                    log("worker %d exited with status 3 (its device could not be recovered, "
+                        "%.2f s after the kill): started again as its supervisor would" % (
+                            i, supervised[-1][1]))
             time.sleep(0.1)
         else:
             raise Abort("cluster not re-formed %.0f s after the restart: %s" % (bound, s))
@@ -702,7 +713,9 @@ def main():
                                                    else "forwards ok") for n in names),
                 len(late), " (%s %s: %s)" % (late[0].thread, late[0].kind, late[0].msg)
                 if late else "", e_inf, a.tolerance,
-                "; too few successes in %.1f s: %s" % (bound, ", ".join(short)) if short else ""))
+                "; too few successes in %.1f s: %s" % (bound, ", ".join(short)) if short else "")
+            + "".join("; worker %d exited 3 (stuck device) %.1f s after the kill and was "
+                      "started again" % w for w in supervised))
 
         if a.train and not ckpt:
             put("durable", None, "no --checkpoint-dir: a re-formed cluster rebuilds the weights "
