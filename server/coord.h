@@ -211,9 +211,12 @@ struct coord {
     char ckpt_root[CFG_STR_MAX]; /* explicit checkpoint paths must lie under it
                                   * (empty: under ckpt_dir; neither: refused) */
     long long max_workers;       /* registry capacity (<= COORD_MAX_WORKERS) */
-    long long history_ms;        /* the dashboard history's interval */
-    char xchg_cfg[CFG_STR_MAX];  /* auto | nng | nccl */
-    long long ckpt_every;        /* save every N optimizer steps (0 = only at drain) */
+    long long min_workers;       /* > 0: after shrink_after_ms short of expected_workers,
+                                  * form with the workers up when at least this many */
+    long long shrink_after_ms;
+    long long history_ms;       /* the dashboard history's interval */
+    char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl */
+    long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
     /* the cluster secret: internal methods (worker.*) require it, and the
      * calls to workers carry it (secret.h; never empty after start) */
     char cluster_secret[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
@@ -254,7 +257,9 @@ struct coord {
     int use_nccl;         /* every member has a GPU: exchange over NCCL */
     uint8_t nccl_id[128]; /* relayed from rank 0 to every member in the JOIN */
     int nccl_id_ok;
-    int need_form; /* a (re)formation is wanted */
+    int need_form;           /* a (re)formation is wanted */
+    uint64_t short_since_ns; /* a member was lost at this time and the cluster has not been
+                              * whole since (0 = whole); --shrink-after-ms counts from it */
 
     /* training */
     long long max_handles, handle_ttl_ms;
@@ -320,6 +325,10 @@ void coord_check_workers(coord *c);
 /* coord_worker_lost marks worker slot i down now (a call to it got no answer). */
 void coord_worker_lost(coord *c, int i, const char *why);
 void coord_maybe_form(coord *c);
+/* coord_can_grow: the ready cluster runs short of --workers (formed with
+ * --min-workers) and enough workers are up again to form it whole, without
+ * losing a step that no checkpoint holds. */
+int coord_can_grow(coord *c);
 int coord_up_workers(const coord *c);
 void coord_cluster_status(coord *c, rpc_call *call);
 /* coord_pipe_closed: rpcsrv's connection-close hook (nng thread);

@@ -25,6 +25,12 @@ static const cfg_entry coord_cfg[] = {
     {"listen", CFG_STR, "tcp://127.0.0.1:7000", 0, 0, C.listen_url,
      "RPC address for clients and workers (port 0 = any)"},
     {"workers", CFG_INT, "2", 1, 256, &C.expected_workers, "workers that form the cluster"},
+    {"min-workers", CFG_INT, "0", 0, 256, &C.min_workers,
+     "when members are lost and not back within shrink-after-ms, form with the workers up "
+     "if at least this many (their experts spread over them, restored from the newest "
+     "checkpoint); the cluster grows back when workers come; 0 = wait for all"},
+    {"shrink-after-ms", CFG_INT, "10000", 0, 86400000, &C.shrink_after_ms,
+     "with min-workers: how long to wait for lost workers before forming without them"},
     {"metrics", CFG_STR, "", 0, 0, C.metrics_url,
      "HTTP address for /metrics /livez /readyz, e.g. http://127.0.0.1:9100 (empty = off)"},
     {"auth-token", CFG_STR, "", 0, 0, C.auth_token, "require this token in every request"},
@@ -228,6 +234,11 @@ int main(int argc, char **argv)
     }
     if (strcmp(C.xchg_cfg, "auto") && strcmp(C.xchg_cfg, "nng") && strcmp(C.xchg_cfg, "nccl")) {
         fprintf(stderr, "moe-coordinator: xchg must be auto, nng or nccl\n");
+        return 2;
+    }
+    if (C.min_workers > C.expected_workers) {
+        fprintf(stderr, "moe-coordinator: min-workers (%lld) must be at most workers (%lld)\n",
+                C.min_workers, C.expected_workers);
         return 2;
     }
     if (C.max_inflight_mb < C.max_msg_mb) {

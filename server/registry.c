@@ -71,6 +71,7 @@ static void worker_release(coord *c, coord_worker *w)
             abort_survivors(c, w);
         c->ready = 0;
         c->need_form = 1;
+        c->short_since_ns = rpc_now_ns(); /* --shrink-after-ms counts from the last loss */
     }
 }
 
@@ -216,7 +217,7 @@ void coord_worker_register(coord *c, rpc_call *call)
     slot->registered_ns = slot->last_hb_ns = rpc_now_ns();
     LOG_I("worker %d registered: rpc %s data %s backend %s pid %d (%d of %lld up)", slot->id,
           rpc_url, data_url, backend, slot->pid, coord_up_workers(c), c->expected_workers);
-    if (!c->ready)
+    if (!c->ready || coord_can_grow(c))
         c->need_form = 1;
     mp_writer w;
     mp_writer_init(&w);
@@ -332,12 +333,51 @@ void coord_check_workers(coord *c)
 
 /* coord_maybe_form starts a new generation when enough workers are up and
  * no job is running. */
+/* form_size: the members of the next generation: --workers when that
+ * many are up; with --min-workers, once the cluster has been short of
+ * members for --shrink-after-ms, the workers up (at least --min-workers);
+ * 0: not now */
+static int form_size(coord *c)
+{
+    const int up = coord_up_workers(c);
+    if (up >= c->expected_workers)
+        return (int)c->expected_workers;
+    if (c->min_workers <= 0 || up < c->min_workers || up < 1 || !c->short_since_ns)
+        return 0;
+    if (rpc_now_ns() - c->short_since_ns < (uint64_t)c->shrink_after_ms * 1000000ull)
+        return 0;
+    return up;
+}
+
+int coord_can_grow(coord *c)
+{
+    if (!c->ready || c->world >= c->expected_workers || coord_up_workers(c) < c->expected_workers)
+        return 0;
+    /* a voluntary re-formation restores every model from its newest
+     * checkpoint: not while one holds steps no checkpoint has */
+    for (int m = 0; m < c->nmodels; m++) {
+        const coord_model *md = c->models[m];
+        if (md->step > 0 && (!c->ckpt_dir[0] || md->saved_step != md->step))
+            return 0;
+    }
+    return 1;
+}
+
 void coord_maybe_form(coord *c)
 {
+    if (c->ready && !c->current && !c->draining && coord_can_grow(c))
+        c->need_form = 1;
     if (!c->need_form || c->current || c->draining)
         return;
-    if (coord_up_workers(c) < c->expected_workers)
+    const int want = form_size(c);
+    if (!want)
         return;
+    if (want < c->expected_workers)
+        LOG_W("forming with %d of %lld workers: the lost workers did not come back within %lld ms "
+              "(--min-workers %lld); their experts go to the others",
+              want, c->expected_workers, c->shrink_after_ms, c->min_workers);
+    else if (c->ready)
+        LOG_I("growing back to %lld workers", c->expected_workers);
     int n = 0;
     for (int i = 0; i < COORD_MAX_WORKERS; i++) {
         c->workers[i].rank = -1;
@@ -346,7 +386,7 @@ void coord_maybe_form(coord *c)
             worker_forget(&c->workers[i], "replaced in a new generation");
     }
     /* ranks in registration order */
-    for (int id = 0; id < c->next_worker_id && n < c->expected_workers; id++)
+    for (int id = 0; id < c->next_worker_id && n < want; id++)
         for (int i = 0; i < COORD_MAX_WORKERS; i++)
             if (c->workers[i].state == WS_UP && c->workers[i].id == id) {
                 c->workers[i].rank = n;
@@ -402,11 +442,13 @@ void coord_cluster_status(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 6);
+    mp_write_map(&w, 7);
     mp_write_cstr(&w, "ready");
     mp_write_bool(&w, c->ready != 0);
     mp_write_cstr(&w, "expected_workers");
     mp_write_i64(&w, c->expected_workers);
+    mp_write_cstr(&w, "world"); /* members of the current generation (< expected: shrunk) */
+    mp_write_i64(&w, c->generation ? c->world : 0);
     mp_write_cstr(&w, "up_workers");
     mp_write_i64(&w, coord_up_workers(c));
     mp_write_cstr(&w, "generation");
@@ -552,6 +594,8 @@ static void join_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
     if (first == MOE_OK && j->generation == c->generation) {
         c->ready = 1;
+        if (c->world >= c->expected_workers)
+            c->short_since_ns = 0;
         LOG_I("cluster generation %llu ready: %d workers", (unsigned long long)c->generation,
               c->world);
     } else {

@@ -732,6 +732,9 @@ moe_err cluster_get_state(cluster *cl, cluster_state *st)
         } else if (mp_str_eq(k, kl, "expected_workers")) {
             e = mp_read_i64(&r, &v, NULL);
             st->expected = (int)v;
+        } else if (mp_str_eq(k, kl, "world")) {
+            e = mp_read_i64(&r, &v, NULL);
+            st->world = (int)v;
         } else if (mp_str_eq(k, kl, "up_workers")) {
             e = mp_read_i64(&r, &v, NULL);
             st->up = (int)v;
