@@ -43,6 +43,8 @@ typedef struct coord_worker {
      * clients' regions mapped, rows and bytes received, rows expired */
     int64_t dp_tickets, dp_regions;
     uint64_t dp_rows_total, dp_bytes_total, dp_expired_total;
+    int64_t dp_bulk_conns;     /* bulk connections open at the worker */
+    uint64_t dp_bulk_in_total; /* rows transfers received over bulk connections */
     int pid;
     uint64_t registered_ns, last_hb_ns;
     moe_client *cli;    /* owned: calls into the worker */

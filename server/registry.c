@@ -252,19 +252,21 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
     int64_t mem_host = -1, mem_gpu = -1;
     if (e == MOE_OK && sp[4].seen)
         e = coord_parse_mem(&rmem, &mem_host, &mem_gpu, err, sizeof(err));
-    int64_t dv[5] = {0, 0, 0, 0, 0};
+    int64_t dv[7] = {0, 0, 0, 0, 0, 0, 0};
     if (e == MOE_OK && sp[2].seen) {
         uint32_t n;
         pspec dp[] = {{"tickets", P_INT, &dv[0], false, 0, 9e18, 0, false},
                       {"regions", P_INT, &dv[1], false, 0, 9e18, 0, false},
                       {"rows_in_total", P_INT, &dv[2], false, 0, 9e18, 0, false},
                       {"bytes_in_total", P_INT, &dv[3], false, 0, 9e18, 0, false},
-                      {"expired_total", P_INT, &dv[4], false, 0, 9e18, 0, false}};
+                      {"expired_total", P_INT, &dv[4], false, 0, 9e18, 0, false},
+                      {"bulk_conns", P_INT, &dv[5], false, 0, 9e18, 0, false},
+                      {"bulk_in_total", P_INT, &dv[6], false, 0, 9e18, 0, false}};
         if (mp_read_map(&rdata, &n, NULL) != MOE_OK) {
             e = MOE_EINVAL;
             snprintf(err, sizeof(err), "data must be a map");
         } else {
-            e = params_parse(&rdata, n, dp, 5, err, sizeof(err));
+            e = params_parse(&rdata, n, dp, 7, err, sizeof(err));
         }
     }
     if (e != MOE_OK) {
@@ -284,6 +286,8 @@ void coord_worker_heartbeat(coord *c, rpc_call *call)
                 w->dp_rows_total = (uint64_t)dv[2];
                 w->dp_bytes_total = (uint64_t)dv[3];
                 w->dp_expired_total = (uint64_t)dv[4];
+                w->dp_bulk_conns = dv[5];
+                w->dp_bulk_in_total = (uint64_t)dv[6];
             }
             if (sp[4].seen) {
                 w->mem_host = mem_host;

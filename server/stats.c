@@ -72,6 +72,14 @@ static double wk_expired(const coord_worker *w)
 {
     return (double)w->dp_expired_total;
 }
+static double wk_bulk_conns(const coord_worker *w)
+{
+    return (double)w->dp_bulk_conns;
+}
+static double wk_bulk_in(const coord_worker *w)
+{
+    return (double)w->dp_bulk_in_total;
+}
 
 /* per_expert writes counts (layers x E) of every model, labels model, layer, expert */
 static void per_expert(promtext *p, const coord *c, int dropped)
@@ -115,6 +123,10 @@ static void render(promtext *p, coord *c)
     pt_sample_u64(p, NULL, 0, (uint64_t)c->expected_workers);
     pt_family(p, "moe_workers_up", PT_GAUGE, "Workers registered and heartbeating.");
     pt_sample_u64(p, NULL, 0, (uint64_t)coord_up_workers(c));
+    pt_family(p, "moe_cluster_world", PT_GAUGE,
+              "Members of the current generation (below moe_workers_expected when formed "
+              "with --min-workers).");
+    pt_sample_u64(p, NULL, 0, (uint64_t)(c->generation ? c->world : 0));
     pt_family(p, "moe_queue_jobs", PT_GAUGE,
               "Jobs waiting in the queue, not counting the running one.");
     pt_sample_u64(p, NULL, 0, (uint64_t)c->qlen);
@@ -197,6 +209,10 @@ static void render(promtext *p, coord *c)
          "Bytes of rows clients sent the worker directly.", wk_bytes},
         {"moe_worker_data_expired_total", PT_COUNTER,
          "Clients' rows whose job never came before their deadline.", wk_expired},
+        {"moe_worker_bulk_connections", PT_GAUGE,
+         "Bulk (plain TCP) connections from clients open at the worker.", wk_bulk_conns},
+        {"moe_worker_bulk_transfers_total", PT_COUNTER,
+         "Rows transfers the worker received over bulk connections.", wk_bulk_in},
     };
     for (size_t k = 0; k < sizeof(wm) / sizeof(wm[0]); k++) {
         pt_family(p, wm[k].name, wm[k].type, wm[k].help);

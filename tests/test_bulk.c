@@ -258,11 +258,36 @@ static void expect_closed(int fd, const char *what)
     close(fd);
 }
 
+/* bulk_metric_max: the largest moe_worker_bulk_transfers_total sample of
+ * the coordinator's /metrics, waiting (bounded) for it to reach want: the
+ * workers report their counters with their heartbeats */
+static double bulk_metric_max(cluster *cl, double want)
+{
+    static char body[1 << 20];
+    const char *fam = "moe_worker_bulk_transfers_total{";
+    double mx = -1;
+    int64_t t0 = cluster_now_ms();
+    do {
+        cr_assert_eq(cluster_http_get(cl->metrics_port, "/metrics", NULL, 0, body, sizeof(body)),
+                     200);
+        mx = -1;
+        for (const char *p = strstr(body, fam); p; p = strstr(p + 1, fam)) {
+            const char *sp = strchr(p, ' ');
+            double v = sp ? atof(sp + 1) : -1;
+            mx = v > mx ? v : mx;
+        }
+        if (mx >= want)
+            break;
+        usleep(50 * 1000);
+    } while (cluster_now_ms() - t0 < 30000);
+    return mx;
+}
+
 /* ---- every path gives the same bytes ---- */
 
 static void bulk_identical(int W, moe_dtype dt)
 {
-    cluster_opts o = {.workers = W};
+    cluster_opts o = {.workers = W, .metrics = 1};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     const int H = 48, F = 64, E = 6, K = 2;
@@ -323,6 +348,8 @@ static void bulk_identical(int W, moe_dtype dt)
     worker_key(cl, W - 1, "url", url, sizeof(url));
     int64_t in = data_stat(url, "bulk_in_total");
     cr_assert_eq(in, 9, "the last worker took %lld transfers in bulk, want 9", (long long)in);
+    /* and the coordinator's /metrics says so */
+    cr_assert_eq(bulk_metric_max(cl, 9), 9, "moe_worker_bulk_transfers_total");
     wait_clean(url);
     moe_adamw opt = {1e-3, 0.9, 0.999, 1e-8, 0, 0, 0, 0};
     int64_t step = 0;

@@ -316,7 +316,11 @@ static void on_hb_timer(uv_timer_t *t)
     mp_write_cstr(&pw, "epoch");
     mp_write_i64(&pw, epoch);
     mp_write_cstr(&pw, "data"); /* the data plane's counters, for /metrics */
-    mp_write_map(&pw, 5);
+    mp_write_map(&pw, 7);
+    mp_write_cstr(&pw, "bulk_conns");
+    mp_write_i64(&pw, dc.bulk_conns);
+    mp_write_cstr(&pw, "bulk_in_total");
+    mp_write_u64(&pw, dc.bulk_in_total);
     mp_write_cstr(&pw, "tickets");
     mp_write_i64(&pw, dc.tickets);
     mp_write_cstr(&pw, "regions");
