@@ -474,6 +474,7 @@ moe_err xchg_nccl_open(int rank, int world, const void *unique_id, int device, i
               world, device, timeout_ms);
         return MOE_EINVAL;
     }
+    const int64_t t_open = nc_now_ms();
     nc *x = calloc(1, sizeof(*x));
     if (!x)
         return MOE_ENOMEM;
@@ -513,8 +514,8 @@ moe_err xchg_nccl_open(int rank, int world, const void *unique_id, int device, i
         err = MOE_EUNAVAIL;
         goto fail;
     }
-    LOG_I("xchg: rank %d of %d up (NCCL %d, device %d, timeout %d ms)", rank, world,
-          NCCL_VERSION_CODE, device, timeout_ms);
+    LOG_I("xchg: rank %d of %d up in %lld ms (NCCL %d, device %d, timeout %d ms)", rank, world,
+          (long long)(nc_now_ms() - t_open), NCCL_VERSION_CODE, device, timeout_ms);
     *out = &x->pub;
     return MOE_OK;
 fail:
