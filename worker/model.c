@@ -72,9 +72,21 @@ wkr_model *wkr_model_or_reply(wkr *w, rpc_call *c, const char *name)
 
 bool wkr_xc_or_reply(wkr *w, rpc_call *c)
 {
-    if (!w->xc)
+    if (!w->xc) {
         rpc_reply_err(c, MOE_EUNAVAIL, "worker has no cluster communicator");
-    return w->xc != NULL;
+        return false;
+    }
+    /* a failed communicator (an NCCL one is aborted after the failed call's
+     * answer, and the device-resident layers still point at it) is never
+     * used again: the cluster re-forms with a new one */
+    if (w->xc->failed) {
+        rpc_reply_err(c, MOE_EUNAVAIL,
+                      "the exchange of generation %llu failed on this worker; the cluster "
+                      "re-forms",
+                      (unsigned long long)xchg_generation());
+        return false;
+    }
+    return true;
 }
 
 static void drop_models(wkr *w)
