@@ -47,6 +47,14 @@ typedef struct model_cfg {
     char hf_family[16];
 } model_cfg;
 
+/* model_cfg_shared_tensors: the trainable shared-expert tensors of a
+ * layer: its gate, (up,) down projections, then its sigmoid gate, each
+ * when the config has it (0 without a shared expert). */
+static inline int model_cfg_shared_tensors(const model_cfg *c)
+{
+    return (c->shared_d_ff > 0 ? (c->act == 0 ? 3 : 2) : 0) + (c->shared_gate ? 1 : 0);
+}
+
 /* model_name_valid: 1-63 characters of [A-Za-z0-9_.-], not "." or ".."
  * (docs/PROTOCOL.md, model.create). */
 int model_name_valid(const char *s, size_t len);

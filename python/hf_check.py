@@ -2,9 +2,11 @@
 """hf_check.py - the Python client on a Hugging Face fixture (made by
 make_fixtures.py): Client.model_create_from_hf, model_info's "hf",
 forward against transformers' y, and model_grads against transformers'
-autograd gradients. NumPy only (the expected file is read here).
+autograd gradients (every one the fixture has: the router, the experts, and
+the shared expert and its gate where the family has them). NumPy only (the
+expected file is read here).
 
-    python3 python/hf_check.py --url URL --dir DIR/mixtral-f32
+    python3 python/hf_check.py --url URL --dir DIR/mixtral-f32 [--name py]
 
 Prints PASS and exits 0 when every relative error is <= 1e-5.
 """
@@ -43,24 +45,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--name", default="py")
     a = ap.parse_args()
     exp = read_safetensors(a.dir.rstrip("/") + ".expected.safetensors")
     c = moe.Client(a.url)
-    c.model_create_from_hf("py", a.dir)
-    info = c.model_info("py")["hf"]
+    c.model_create_from_hf(a.name, a.dir)
+    info = c.model_info(a.name)["hf"]
     worst = 0.0
-    y, _ = c.forward("py", 0, exp["x.0"].copy())
+    y, _ = c.forward(a.name, 0, exp["x.0"].copy())
     worst = max(worst, rel(y, exp["y.0"]))
-    y, h = c.forward_train("py", 0, exp["x.0"].copy())
+    y, h = c.forward_train(a.name, 0, exp["x.0"].copy())
     dx = c.backward(h, exp["dy.0"].copy())
     worst = max(worst, rel(dx, exp["dx.0"]))
-    grads = c.model_grads("py", 0)
+    grads = c.model_grads(a.name, 0)
     for name, g in grads.items():
         worst = max(worst, rel(g, exp["grad." + name]))
-    one = c.model_grads("py", 0, expert=3)
-    ok = worst <= 1e-5 and len(grads) == 1 + 3 * len(exp["counts.0"]) and len(one) == 4
+    one = c.model_grads(a.name, 0, expert=3)
+    # the first MoE layer's autograd gradients: those named like its router
+    layer = next(k for k in grads if k.endswith(".gate.weight")).rsplit(".", 2)[0]
+    want = [k for k in exp if k.startswith("grad." + layer + ".")]
+    shared = [k for k in want if "shared" in k]
+    ok = (worst <= 1e-5 and len(grads) == len(want)
+          and len(grads) == 1 + len(shared) + 3 * len(exp["counts.0"])
+          and len(one) == 1 + len(shared) + 3)
     print(f"{info['family']}: layers {[l['layer'] for l in info['layers']]}, "
-          f"{len(grads)} gradient tensors, worst rel err {worst:.2e}")
+          f"{len(grads)} gradient tensors ({len(shared)} shared), worst rel err {worst:.2e}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -2,10 +2,9 @@
 """make_fixtures.py - tiny random Hugging Face MoE models and what
 transformers computes with them, for tests/test_hf.c (no torch needed there).
 
-For each family (Mixtral, Qwen3-MoE, OLMoE) and dtype (f32, bf16), and for
-Qwen2-MoE and DeepSeek-V3 (f32 only: shared experts, sigmoid scoring with a
-correction bias, group-limited top-k), it builds
-a model with transformers, saves it with save_pretrained into
+For each family (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE and DeepSeek-V3:
+shared experts, sigmoid scoring with a correction bias, group-limited
+top-k) and dtype (f32, bf16), it builds a model with transformers, saves it with save_pretrained into
 tests/fixtures/<family>-<dtype>/ (Qwen3-MoE f32 sharded, with its index),
 and writes tests/fixtures/<family>-<dtype>.expected.safetensors with, per
 MoE layer i (in order):
@@ -25,11 +24,13 @@ lbl / K) and fails if it does not hold. DeepSeek-V3 has no aux loss in
 transformers: its fixture has no aux.i and dx is d/dx sum(y * dy). For
 Qwen2-MoE and DeepSeek-V3 the script also recomputes y with moe's routing
 rules (kernels/kern.h kern_route_cfg) in float64 and fails unless it agrees
-with transformers'; their grad.* include the shared expert(s) and the
-shared expert gate.
+with transformers' (f32: 1e-6; bf16: 1e-2, and the same experts chosen);
+their grad.* include the shared expert(s) and the shared expert gate. The
+bf16 DeepSeek-V3 keeps its correction bias in F32, as DeepSeek publishes it.
 
     pip install transformers safetensors
     python3 python/make_fixtures.py [--out tests/fixtures] [--families qwen2_moe,...]
+                                    [--dtypes f32,bf16]
 """
 import argparse
 import json
@@ -162,12 +163,12 @@ def one(family, dtype, out, gen):
     save_file(tensors, os.path.join(out, f"{family}-{dtype}.expected.safetensors"))
     print(f"{d}: {len(moe_blocks(model))} MoE layers, files {sorted(os.listdir(d))}")
 
-# ---- shared-expert families (f32 only) ----
+# ---- shared-expert families ----
 FS_E, FS_F, FS_FS = 8, 32, 32  # experts, moe_intermediate_size, the shared expert's d_ff
 DS_GROUPS, DS_TOPK_GROUP, DS_SCALE = 4, 2, 2.5
 
 
-def build_shared(family):
+def build_shared(family, dtype):
     import transformers as tf
 
     common = dict(vocab_size=32, hidden_size=H, num_attention_heads=2, num_key_value_heads=1,
@@ -195,7 +196,13 @@ def build_shared(family):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.1, 0.1)
-    return model.float().eval()
+    if dtype == "f32":
+        return model.float().eval()
+    model = model.to(torch.bfloat16)
+    for _, blk in moe_blocks(model):  # the bias stays F32, as DeepSeek-V3 publishes it
+        if hasattr(blk.gate, "e_score_correction_bias"):
+            blk.gate.e_score_correction_bias = blk.gate.e_score_correction_bias.float()
+    return model.eval()
 
 
 def route_ref(family, logits, bias):
@@ -250,25 +257,29 @@ def y_ref(family, blk, x):
     return y + ys
 
 
-def draw_x_shared(family, blk, gen):
-    """T rows whose routing (choice and group) margins exceed MARGIN / 2."""
-    w = blk.gate.weight.detach().float()
+def draw_x_shared(family, blk, dtype, gen):
+    """T rows whose routing (choice and group) margins exceed MARGIN / 2
+    (bf16: rows of bf16 values)."""
+    w = blk.gate.weight.detach().double()
     bias = getattr(blk.gate, "e_score_correction_bias", None)
     rows = []
     while len(rows) < T:
         x = torch.randn(H, generator=gen)
-        if route_ref(family, (x @ w.T)[None], bias)[2] > MARGIN / 2:
+        if dtype == "bf16":
+            x = x.to(torch.bfloat16).float()
+        if route_ref(family, (x.double() @ w.T)[None], bias)[2] > MARGIN / 2:
             rows.append(x)
     return torch.stack(rows)
 
 
-def one_shared(family, out, gen):
+def one_shared(family, dtype, out, gen):
     import importlib
 
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(2000 + ["qwen2_moe", "deepseek_v3"].index(family))
-    model = build_shared(family)
-    d = os.path.join(out, f"{family}-f32")
+    model = build_shared(family, dtype)
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    d = os.path.join(out, f"{family}-{dtype}")
     shutil.rmtree(d, ignore_errors=True)
     model.save_pretrained(d)
     if os.path.exists(os.path.join(d, "generation_config.json")):
@@ -283,25 +294,32 @@ def one_shared(family, out, gen):
             up = f.get_tensor(f"{prefix}.experts.0.up_proj.weight")
             names = set(f.keys())
         assert torch.equal(up, blk.experts.gate_up_proj[0, FS_F:].detach()), "layout changed"
+        assert up.dtype == tdt, up.dtype
         for need in (f"{prefix}.gate.weight", f"{prefix}.{sname}.gate_proj.weight") + (
                 (f"{prefix}.shared_expert_gate.weight",) if family == "qwen2_moe" else
                 (f"{prefix}.gate.e_score_correction_bias",)):
             assert need in names, need
-        x = draw_x_shared(family, blk, gen)
-        xt = x.clone().requires_grad_(True)
+        x = draw_x_shared(family, blk, dtype, gen)
+        xt = x.to(tdt).clone().requires_grad_(dtype == "f32")
         logits, _, top = blk.gate(xt)
         y = blk(xt[None])
         y = (y[0] if isinstance(y, tuple) else y)[0]
         ref = y_ref(family, blk, x)
         err = float((ref - y.detach().double()).norm() / ref.norm())
-        assert err < 1e-6, f"{family}: moe's rules vs transformers: rel err {err}"
+        # bf16: transformers rounds the expert activations and sums to bf16
+        assert err < (1e-6 if dtype == "f32" else 1e-2), \
+            f"{family}-{dtype}: moe's rules vs transformers: rel err {err}"
         idx_ref = route_ref(family, (x.double() @ blk.gate.weight.detach().double().T),
                             getattr(blk.gate, "e_score_correction_bias", None))[0]
         assert torch.equal(torch.sort(idx_ref, -1).values, torch.sort(top, -1).values)
         counts = torch.bincount(top.flatten(), minlength=FS_E).float()
         tensors[f"x.{i}"] = x.contiguous()
-        tensors[f"y.{i}"] = y.detach().contiguous()
+        tensors[f"y.{i}"] = y.detach().float().contiguous()
         tensors[f"counts.{i}"] = counts
+        if dtype != "f32":
+            print(f"{family}-{dtype} layer {li}: moe's rules (float64) vs transformers rel err "
+                  f"{err:.2e}, counts {counts.int().tolist()}")
+            continue
         dy = torch.randn(T, H, generator=gen)
         loss = (y * dy).sum()
         if family == "qwen2_moe":
@@ -329,7 +347,7 @@ def one_shared(family, out, gen):
             tensors[f"grad.{prefix}.shared_expert_gate.weight"] = g[7].contiguous()
         print(f"{family} layer {li}: moe's rules vs transformers rel err {err:.2e}, counts "
               f"{counts.int().tolist()}")
-    save_file(tensors, os.path.join(out, f"{family}-f32.expected.safetensors"))
+    save_file(tensors, os.path.join(out, f"{family}-{dtype}.expected.safetensors"))
     print(f"{d}: {len(blocks)} MoE layers, files {sorted(os.listdir(d))}")
 
 
@@ -338,17 +356,22 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests",
                                                   "fixtures"))
     ap.add_argument("--families", default="mixtral,qwen3_moe,olmoe,qwen2_moe,deepseek_v3")
+    ap.add_argument("--dtypes", default="f32,bf16")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    want = a.families.split(",")
+    want, dtypes = a.families.split(","), a.dtypes.split(",")
+    # the first three share one generator in this order: regenerating only
+    # some of them changes their inputs (the fixtures stay self-consistent)
     gen = torch.Generator().manual_seed(21)
     for family in ("mixtral", "qwen3_moe", "olmoe"):
         for dtype in ("f32", "bf16"):
-            if family in want:
+            if family in want and dtype in dtypes:
                 one(family, dtype, a.out, gen)
     for family in ("qwen2_moe", "deepseek_v3"):
-        if family in want:
-            one_shared(family, a.out, torch.Generator().manual_seed(22))
+        for dtype in ("f32", "bf16"):
+            if family in want and dtype in dtypes:
+                seed = 22 if dtype == "f32" else 23
+                one_shared(family, dtype, a.out, torch.Generator().manual_seed(seed))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
  * grads.c - model.grads {model, layer, expert?}: a layer's weight
  * gradients, as accumulated by the backwards since the last
  * optimizer.step, so that a user can check them against autograd. Every
- * worker sends its share (worker.grads): the router gradient is the sum of
- * the ranks' shares (summed here in rank order, as float), each expert's
- * matrices come from the rank that owns it. Reply: {layer, step, backwards,
+ * worker sends its share (worker.grads): the router's and the shared
+ * expert's gradients (replicated tensors) are the sums of the ranks' shares
+ * (summed here in rank order, as float), each expert's matrices come from
+ * the rank that owns it. Reply: {layer, step, backwards,
  * tensors: {name: f32 tensor}} with the checkpoint's tensor names.
  */
 #include <stdio.h>
@@ -41,6 +42,52 @@ static int64_t tensors_of(const moe_reply *rep, mp_reader *r)
     return n;
 }
 
+/* rep_sum: one replicated tensor summed over the ranks, as float in rank
+ * order, with its name and shape from rank 0's reply */
+typedef struct {
+    const char *name;
+    uint32_t len;
+    int64_t rows, cols;
+    float *sum; /* (rows, cols) */
+} rep_sum;
+
+/* sum_replicated reads the first nrep tensors of every rank's reply into
+ * s[0..nrep); on return rd[r] is past them. MOE_EPROTO when a reply is
+ * malformed or the ranks disagree on a name or shape. */
+static moe_err sum_replicated(coord_job *j, int nrep, rep_sum *s, mp_reader *rd, int64_t *nt)
+{
+    for (int r = 0; r < j->nsent; r++) {
+        nt[r] = tensors_of(j->replies[r], &rd[r]);
+        if (nt[r] < nrep)
+            return MOE_EPROTO;
+        for (int i = 0; i < nrep; i++) {
+            const char *k;
+            uint32_t kl;
+            moe_tensor t;
+            if (mp_read_str(&rd[r], &k, &kl, NULL) != MOE_OK ||
+                moe_tensor_read(&rd[r], &t, NULL) != MOE_OK || t.dtype != MOE_F32 || t.ndim != 2)
+                return MOE_EPROTO;
+            size_t n = (size_t)t.shape[0] * (size_t)t.shape[1];
+            if (r == 0) {
+                s[i] = (rep_sum){k, kl, t.shape[0], t.shape[1], calloc(n ? n : 1, sizeof(float))};
+                if (!s[i].sum)
+                    return MOE_ENOMEM;
+            } else if (kl != s[i].len || memcmp(k, s[i].name, kl) != 0 || t.shape[0] != s[i].rows ||
+                       t.shape[1] != s[i].cols) {
+                return MOE_EPROTO;
+            }
+            if (t.nbytes != n * sizeof(float))
+                return MOE_EPROTO;
+            for (size_t q = 0; q < n; q++) { /* unaligned view: copy out */
+                float v;
+                memcpy(&v, (const char *)t.data + q * sizeof(float), sizeof(float));
+                s[i].sum[q] += v;
+            }
+        }
+    }
+    return MOE_OK;
+}
+
 static void grads_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
     (void)c;
@@ -51,62 +98,52 @@ static void grads_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
                       j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
         return;
     }
-    int H = j->model->cfg.d_model, E = j->model->cfg.n_experts;
-    size_t rn = (size_t)E * H;
-    float *router = calloc(rn, sizeof(float));
-    uint32_t total = 1;
-    const char *rname = NULL;
-    uint32_t rlen = 0;
-    moe_err e = router ? MOE_OK : MOE_ENOMEM;
-    for (int r = 0; e == MOE_OK && r < j->nsent; r++) {
-        mp_reader rd;
-        int64_t n = tensors_of(j->replies[r], &rd);
-        moe_tensor t;
-        if (n < 1 || mp_read_str(&rd, &rname, &rlen, NULL) != MOE_OK ||
-            moe_tensor_read(&rd, &t, NULL) != MOE_OK || t.dtype != MOE_F32 ||
-            t.nbytes != rn * sizeof(float)) {
-            e = MOE_EPROTO;
-            break;
+    /* replicated: the router, then the shared expert's tensors */
+    int nrep = 1 + model_cfg_shared_tensors(&j->model->cfg);
+    rep_sum *s = calloc((size_t)nrep, sizeof(rep_sum));
+    mp_reader *rd = calloc((size_t)j->nsent + 1, sizeof(mp_reader));
+    int64_t *nt = calloc((size_t)j->nsent + 1, sizeof(int64_t));
+    moe_err e = s && rd && nt ? sum_replicated(j, nrep, s, rd, nt) : MOE_ENOMEM;
+    if (e == MOE_OK) {
+        uint32_t total = (uint32_t)nrep;
+        for (int r = 0; r < j->nsent; r++)
+            total += (uint32_t)(nt[r] - nrep);
+        mp_writer w;
+        mp_writer_init(&w);
+        moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+        mp_write_map(&w, 4);
+        mp_write_cstr(&w, "layer");
+        mp_write_i64(&w, j->layer);
+        mp_write_cstr(&w, "step");
+        mp_write_i64(&w, j->model->step);
+        mp_write_cstr(&w, "backwards"); /* backwards accumulated since the last step */
+        mp_write_i64(&w, j->model->pending_grads);
+        mp_write_cstr(&w, "tensors");
+        mp_write_map(&w, total);
+        for (int i = 0; i < nrep; i++) {
+            mp_write_str(&w, s[i].name, s[i].len);
+            moe_tensor t = {MOE_F32,
+                            2,
+                            {s[i].rows, s[i].cols},
+                            s[i].sum,
+                            (size_t)s[i].rows * (size_t)s[i].cols * sizeof(float)};
+            moe_tensor_write(&w, &t);
         }
-        for (size_t k = 0; k < rn; k++) { /* unaligned view: copy out */
-            float v;
-            memcpy(&v, (const char *)t.data + k * sizeof(float), sizeof(float));
-            router[k] += v;
+        for (int r = 0; r < j->nsent; r++) { /* the experts, as the ranks sent them */
+            const moe_reply *rep = j->replies[r];
+            size_t from = rep->len - mp_left(&rd[r]);
+            for (int64_t i = nrep; i < nt[r]; i++)
+                mp_skip(&rd[r], NULL), mp_skip(&rd[r], NULL);
+            mp_write_raw(&w, rep->buf + from, rep->len - mp_left(&rd[r]) - from);
         }
-        total += (uint32_t)(n - 1);
+        rpc_reply(j->call, &w);
     }
-    if (e != MOE_OK) {
-        free(router);
-        rpc_reply_err(j->call, e, "model.grads: a worker's reply is malformed");
-        return;
-    }
-    mp_writer w;
-    mp_writer_init(&w);
-    moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
-    mp_write_map(&w, 4);
-    mp_write_cstr(&w, "layer");
-    mp_write_i64(&w, j->layer);
-    mp_write_cstr(&w, "step");
-    mp_write_i64(&w, j->model->step);
-    mp_write_cstr(&w, "backwards"); /* backwards accumulated since the last step */
-    mp_write_i64(&w, j->model->pending_grads);
-    mp_write_cstr(&w, "tensors");
-    mp_write_map(&w, total);
-    mp_write_str(&w, rname, rlen);
-    moe_tensor rt = {MOE_F32, 2, {E, H}, router, rn * sizeof(float)};
-    moe_tensor_write(&w, &rt);
-    free(router);
-    for (int r = 0; r < j->nsent; r++) { /* the experts, as the ranks sent them */
-        mp_reader rd;
-        int64_t n = tensors_of(j->replies[r], &rd);
-        mp_skip(&rd, NULL), mp_skip(&rd, NULL); /* the router share */
-        const moe_reply *rep = j->replies[r];
-        size_t from = rep->len - mp_left(&rd);
-        for (int64_t i = 1; i < n; i++)
-            mp_skip(&rd, NULL), mp_skip(&rd, NULL);
-        mp_write_raw(&w, rep->buf + from, rep->len - mp_left(&rd) - from);
-    }
-    rpc_reply(j->call, &w);
+    for (int i = 0; s && i < nrep; i++)
+        free(s[i].sum);
+    free(s), free(rd), free(nt);
+    if (e != MOE_OK)
+        rpc_reply_err(j->call, e, "model.grads: %s",
+                      e == MOE_ENOMEM ? "out of memory" : "a worker's reply is malformed");
 }
 
 const coord_job_ops coord_job_grads = {JOB_GRADS,    "worker.grads", 0,

@@ -1,16 +1,31 @@
 /*
  * grads.c - worker.grads {model, layer, expert?}: the gradients this worker
  * holds for one layer, accumulated by the backwards since the last
- * optimizer step - its router replica's share (the coordinator sums the
- * ranks') and its own experts' matrices (or only expert `expert`'s).
- * Reply: {tensors: {name: f32 tensor (rows, cols)}}, names as the
- * checkpoint's. Nothing changes.
+ * optimizer step - its shares of the replicated tensors (the router, then
+ * the shared expert's matrices and gate, model_cfg_shared_tensors of them;
+ * the coordinator sums the ranks'), then its own experts' matrices (or
+ * only expert `expert`'s). Reply: {tensors: {name: f32 tensor (rows,
+ * cols)}}, names as the checkpoint's. Nothing changes.
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "worker/gpu.h"
 #include "worker/worker.h"
+
+/* write_grad: name, then p's gradient as an f32 (rows, cols) tensor */
+static void write_grad(mp_writer *wr, const wkr_param *p)
+{
+    mp_write_cstr(wr, p->name);
+    moe_tensor t = {0};
+    t.dtype = MOE_F32;
+    t.ndim = 2;
+    t.shape[0] = p->rows;
+    t.shape[1] = p->cols;
+    t.data = p->grad;
+    t.nbytes = p->n * sizeof(float);
+    moe_tensor_write(wr, &t);
+}
 
 void wkr_op_grads(wkr *w, rpc_call *c)
 {
@@ -41,8 +56,11 @@ void wkr_op_grads(wkr *w, rpc_call *c)
     }
     int nmat = m->cfg.act == 0 ? 3 : 2;
     wkr_param *p = wkr_layer_params(m, (int)layer);
+    /* the shared expert's tensors follow the (frozen) correction bias */
+    int nsh = model_cfg_shared_tensors(&m->cfg);
+    wkr_param *sh = wkr_layer_extra(m, (int)layer) + (m->cfg.score_bias ? 1 : 0);
     int n = 1 + m->ne * nmat;
-    uint32_t count = 0;
+    uint32_t count = (uint32_t)nsh;
     for (int i = 0; i < n; i++) {
         int x = i == 0 ? -1 : m->e0 + (i - 1) / nmat;
         if (i == 0 || expert < 0 || x == expert)
@@ -58,16 +76,9 @@ void wkr_op_grads(wkr *w, rpc_call *c)
         int x = i == 0 ? -1 : m->e0 + (i - 1) / nmat;
         if (i != 0 && expert >= 0 && x != expert)
             continue;
-        int64_t shape[2] = {p[i].rows, p[i].cols};
-        mp_write_cstr(&wr, p[i].name);
-        moe_tensor t = {0};
-        t.dtype = MOE_F32;
-        t.ndim = 2;
-        t.shape[0] = shape[0];
-        t.shape[1] = shape[1];
-        t.data = p[i].grad;
-        t.nbytes = p[i].n * sizeof(float);
-        moe_tensor_write(&wr, &t);
+        write_grad(&wr, &p[i]);
+        for (int k = 0; i == 0 && k < nsh; k++) /* after the router: the shared ones */
+            write_grad(&wr, &sh[k]);
     }
     rpc_reply(c, &wr);
 }

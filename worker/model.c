@@ -298,7 +298,10 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
         }
         if (bf && L->wsg)
             kern_bf16_round_n(L->wsg, (size_t)H);
-        if (bf) {
+        /* a directory's experts are not initialised here: wkr_hf_load
+         * writes (and rounds) them; rounding them here would read and touch
+         * every page of the uninitialised buffers once more */
+        if (bf && !hf) {
             kern_bf16_round_n(L->w1, (size_t)m->ne * fh);
             kern_bf16_round_n(L->w2, (size_t)m->ne * fh);
             if (L->w3)

@@ -376,8 +376,9 @@ class Client:
                     expert: Optional[int] = None) -> Dict[str, np.ndarray]:
         """model.grads: the weight gradients of one layer accumulated by the
         backwards since the last optimizer_step, {tensor name: float32 array}
-        (names as in the model's checkpoint; with expert, only its matrices
-        and the router's)."""
+        (names as in the model's checkpoint: the router, the experts, and the
+        shared expert and its gate where the model has them; with expert,
+        only its matrices, the router's and the shared expert's)."""
         params: Dict[str, Any] = {"model": model, "layer": layer}
         if expert is not None:
             params["expert"] = expert
