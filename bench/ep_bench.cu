@@ -90,7 +90,7 @@ static void gen(std::vector<float> &v, size_t n, uint64_t seed, float a, float s
 
 struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
-    int infer = 0; /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
+    int infer = 0;        /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
     int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};

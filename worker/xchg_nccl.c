@@ -84,8 +84,7 @@ static void nc_settle(nc *x)
     const int64_t t0 = nc_now_ms();
     ncclCommAbort(x->comm);
     x->comm = NULL;
-    LOG_I("xchg: rank %d: ncclCommAbort took %lld ms", x->pub.rank,
-          (long long)(nc_now_ms() - t0));
+    LOG_I("xchg: rank %d: ncclCommAbort took %lld ms", x->pub.rank, (long long)(nc_now_ms() - t0));
 }
 
 static moe_err nc_cuda(nc *x, cudaError_t e, const char *what)
