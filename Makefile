@@ -39,6 +39,7 @@ endif
 endif
 
 B := build
+BASE_SRC   := $(wildcard base/*.c)
 COMMON_SRC := $(wildcard common/*.c)
 PROTO_SRC  := $(wildcard proto/*.c)
 KERN_SRC   := $(wildcard kernels/*.c)
@@ -88,7 +89,7 @@ $(B)/%.o: %.cu $(wildcard kernels/*.h kernels/cuda/*.h kernels/cuda/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
-$(CORE_LIB): $(call obj,$(COMMON_SRC) $(PROTO_SRC))
+$(CORE_LIB): $(call obj,$(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
 $(KERN_LIB): $(call obj,$(KERN_SRC))
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
@@ -107,14 +108,16 @@ bin/moe-coordinator: $(B)/server/main.o $(SERVER_LIB) $(RPC_LIB) lib/libmoe.a $(
 bin/moe-worker: $(B)/worker/main.o $(WORKER_LIB) $(RPC_LIB) lib/libmoe.a $(KERN_LIB) $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
 	@mkdir -p bin
 	$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) $(LDLIBS)
-lib/libmoe.a: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
+lib/libmoe.a: $(call obj,$(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p lib; rm -f $@; ar rcs $@ $^
-lib/libmoe.so: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
+lib/libmoe.so: $(call obj,$(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p lib
 	$(CC) -shared $(LDFLAGS) -o $@ $^ -lnng -lpthread -lm
-bin/moectl: $(B)/client/moectl.o lib/libmoe.a $(KERN_LIB)
+# moectl is a client of libmoe and nothing else (bf16 and test inputs from
+# the floors below the kernels: base/, common/)
+bin/moectl: $(B)/client/moectl.o lib/libmoe.a
 	@mkdir -p bin
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ -lnng -lm -lpthread
 
 # One Criterion binary holds every test: one Synthesis line at the end.
 $(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
@@ -186,16 +189,17 @@ FMT_SRC = $(sort $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh ben
 format:
 	clang-format -i $(FMT_SRC)
 lint:
+	python3 tools/layers.py
 	clang-format --dry-run -Werror $(FMT_SRC)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	    --suppress=missingIncludeSystem --inline-suppr -D__GNUC__ -I. \
-	    common proto rpc kernels server worker client
+	    base common proto rpc kernels server worker client
 
 clean:
 	rm -rf $(B) bin lib
 
 # bench/service_bench: checks and times a running cluster (not a test).
-bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
+bin/service_bench: bench/service_bench.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(if $(HAVE_CUDA),-L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt) \
 	    -lnng -lopenblas -lm -lpthread
@@ -203,7 +207,7 @@ ALL_TARGETS += bin/service_bench
 
 ifeq ($(HAVE_CUDA),1)
 # bench/cuda_ipc_check: rows on a GPU through the service (GPU host, a second process)
-bin/cuda_ipc_check: bench/cuda_ipc_check.c lib/libmoe.a $(KERN_LIB)
+bin/cuda_ipc_check: bench/cuda_ipc_check.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
 	    -lnng -lopenblas -lm -lpthread
@@ -228,12 +232,12 @@ FUZZ_SECONDS ?= 60
 FUZZ_CC = clang -g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE \
           -I.
 FUZZ_RUN = UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-COORD_FUZZ_SRC = $(SERVER_SRC) $(RPC_SRC) $(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC)
+COORD_FUZZ_SRC = $(SERVER_SRC) $(RPC_SRC) $(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC)
 fuzz:
 	@mkdir -p $(B)/fuzz fuzz/corpus-out fuzz/corpus-params-out fuzz/corpus-coord-out
-	$(FUZZ_CC) fuzz/fuzz_decode.c $(PROTO_SRC) common/err.c -o $(B)/fuzz/decode
+	$(FUZZ_CC) fuzz/fuzz_decode.c $(PROTO_SRC) base/err.c -o $(B)/fuzz/decode
 	$(FUZZ_CC) fuzz/fuzz_params.c common/params.c common/model_cfg.c common/hfcfg.c common/json.c \
-	    $(PROTO_SRC) common/err.c \
+	    $(PROTO_SRC) base/err.c \
 	    -o $(B)/fuzz/params
 	$(FUZZ_CC) fuzz/fuzz_coord.c $(COORD_FUZZ_SRC) -o $(B)/fuzz/coord -lnng -luv -lpthread -lm
 	$(FUZZ_RUN) $(B)/fuzz/decode fuzz/corpus-out fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -max_len=4096

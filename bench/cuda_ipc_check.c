@@ -21,7 +21,8 @@
 #include <time.h>
 
 #include "kernels/kern.h"
-#include "client/moe.h"
+#include "base/moe.h"
+#include "common/rng.h"
 
 static int failures;
 
@@ -101,7 +102,7 @@ int main(int argc, char **argv)
     for (int ti = 0; ti < 3; ti++) {
         int T = Ts[ti];
         size_t n = (size_t)T * H;
-        kern_fill_uniform(5, (uint64_t)T, -1, 1, xf, n);
+        rng_fill_uniform(5, (uint64_t)T, -1, 1, xf, n);
         for (size_t i = 0; i < n; i++)
             x[i] = kern_f32_to_bf16(xf[i]);
         moe_err e = moe_forward(c, "ipc", 0, MOE_BF16, x, T, H, yh, NULL);
@@ -146,7 +147,7 @@ int main(int argc, char **argv)
         void *qx = dev_buffer(c, qn), *qy = dev_buffer(c, qn);
         uint16_t *hx = malloc(qn);
         float *fx = malloc(qn * 2);
-        kern_fill_uniform(9, 9, -1, 1, fx, qn / 2);
+        rng_fill_uniform(9, 9, -1, 1, fx, qn / 2);
         for (size_t i = 0; i < qn / 2; i++)
             hx[i] = kern_f32_to_bf16(fx[i]);
         cudaMemcpy(qx, hx, qn, cudaMemcpyHostToDevice);

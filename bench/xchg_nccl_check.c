@@ -16,7 +16,7 @@
  * Build (from the repo root):
  *   gcc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -DMOE_HAVE_CUDA=1 \
  *       -I/usr/local/cuda/include -I. \
- *       bench/xchg_nccl_check.c worker/xchg_nccl.c common/log.c common/err.c \
+ *       bench/xchg_nccl_check.c worker/xchg_nccl.c common/log.c base/err.c \
  *       -o build/xchg_nccl_check -L/usr/local/cuda/lib64 -lnccl -lcudart_static \
  *       -ldl -lrt -lpthread
  * Run: build/xchg_nccl_check [-n ranks] [-i iters] [-s max MiB per peer]

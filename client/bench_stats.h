@@ -15,7 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 /* pctl_rank: the 1-based rank of the p-th percentile (0 < p <= 100) of n
  * samples by the nearest-rank method, ceil(p/100 * n), clamped to [1, n];

@@ -1,6 +1,6 @@
 /*
  * test_abi.c - libmoe's public surface: lib/libmoe.so exports exactly the
- * functions of client/moe.h (nothing internal), moe_version agrees with
+ * functions of base/moe.h (nothing internal), moe_version agrees with
  * the header, the public bf16 conversions are the kernels' bit for bit,
  * and the clients' defaults: fields left unset (MOE_UNSET, NULL) are not
  * sent, so the service's defaults apply (MOE_MODEL_CONFIG_DEFAULT,
@@ -14,6 +14,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 static char *read_file(const char *path)
 {
@@ -35,7 +36,7 @@ Test(abi, libmoe_exports_only_its_public_functions)
     snprintf(cmd, sizeof(cmd), "nm -D --defined-only %s/../lib/libmoe.so 2>&1", cluster_bin_dir());
     FILE *p = popen(cmd, "r");
     cr_assert(p);
-    char *hdr = read_file("client/moe.h");
+    char *hdr = read_file("base/moe.h");
     int n = 0;
     char line[512];
     while (fgets(line, sizeof(line), p)) {
@@ -52,7 +53,7 @@ Test(abi, libmoe_exports_only_its_public_functions)
         snprintf(decl, sizeof(decl), " %s(", name);
         snprintf(pdecl, sizeof(pdecl), "*%s(", name);
         cr_expect(strstr(hdr, decl) || strstr(hdr, pdecl),
-                  "exported '%s' is not declared in client/moe.h", name);
+                  "exported '%s' is not declared in base/moe.h", name);
     }
     pclose(p);
     cr_assert_gt(n, 20, "nm listed %d symbols (is binutils installed?)", n);
@@ -68,7 +69,7 @@ Test(abi, version_and_bf16)
     enum { N = 4096 };
     static float x[N], back[N];
     static uint16_t h[N];
-    kern_fill_uniform(5, 5, -1e4, 1e4, x, N);
+    rng_fill_uniform(5, 5, -1e4, 1e4, x, N);
     x[0] = NAN, x[1] = INFINITY, x[2] = -INFINITY, x[3] = 1e-40f, x[4] = -0.0f, x[5] = 3.4e38f;
     moe_bf16_from_f32(x, h, N);
     moe_f32_from_bf16(h, back, N);
@@ -122,7 +123,7 @@ Test(abi, unset_fields_take_the_service_defaults, .timeout = 90, .fini = cluster
     cr_assert_float_eq(info_num(cl, "z", "aux_loss_coef"), 0, 1e-12, "a zero is sent as zero");
     /* a training step with every hyperparameter unset */
     float x[3 * 16], y[3 * 16], dx[3 * 16];
-    kern_fill_uniform(9, 9, -1, 1, x, 3 * 16);
+    rng_fill_uniform(9, 9, -1, 1, x, 3 * 16);
     moe_fwd_info info;
     cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, 3, 16, y, &info), MOE_OK, "%s",
                  moe_last_error());

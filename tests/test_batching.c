@@ -13,6 +13,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 #define NREQ 24
 
@@ -70,7 +71,7 @@ Test(batching, merged_requests_get_their_own_rows, .timeout = 60, .fini = cluste
     for (int i = 0; i < NREQ; i++) {
         T[i] = 1 + i % 5;
         xs[i] = malloc((size_t)T[i] * H * 4);
-        kern_fill_uniform(50 + (uint64_t)i, 1, -1, 1, xs[i], (size_t)T[i] * H);
+        rng_fill_uniform(50 + (uint64_t)i, 1, -1, 1, xs[i], (size_t)T[i] * H);
         mp_writer w;
         mp_writer_init(&w);
         mp_write_map(&w, 3);

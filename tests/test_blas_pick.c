@@ -17,6 +17,7 @@
 
 #include "worker/blas_pick.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 #define OUT_ENV "MOE_BLAS_PICK_OUT"
 
@@ -102,7 +103,7 @@ static float *rnd(uint64_t seed, uint64_t stream, size_t n, float scale)
 {
     float *p = malloc((n ? n : 1) * sizeof(float));
     cr_assert(p);
-    kern_fill_uniform(seed, stream, -scale, scale, p, n);
+    rng_fill_uniform(seed, stream, -scale, scale, p, n);
     return p;
 }
 

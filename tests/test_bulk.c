@@ -30,6 +30,7 @@
 #include "proto/bulk_wire.h"
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 static moe_client *open_path(cluster *cl, const char *path)
 {
@@ -275,8 +276,8 @@ static void bulk_identical(int W, moe_dtype dt)
         size_t n = (size_t)T * H;
         float *xf = malloc(n * 4), *dyf = malloc(n * 4);
         uint8_t *x = malloc(n * es), *dy = malloc(n * es), *y[2], *dx[2];
-        kern_fill_uniform(11, (uint64_t)T, -1, 1, xf, n);
-        kern_fill_uniform(12, (uint64_t)T, -1, 1, dyf, n);
+        rng_fill_uniform(11, (uint64_t)T, -1, 1, xf, n);
+        rng_fill_uniform(12, (uint64_t)T, -1, 1, dyf, n);
         for (size_t i = 0; i < n; i++) {
             if (dt == MOE_BF16) {
                 uint16_t a = kern_f32_to_bf16(xf[i]), b = kern_f32_to_bf16(dyf[i]);
@@ -357,7 +358,7 @@ Test(bulk, auto_takes_bulk_for_large_rows_to_other_hosts, .timeout = 120, .fini 
     create(cl, H, 16, 4, 1, MOE_F32);
     size_t n = (size_t)T * H;
     float *x = malloc(n * 4), *y0 = malloc(n * 4), *y1 = malloc(n * 4);
-    kern_fill_uniform(3, 3, -1, 1, x, n);
+    rng_fill_uniform(3, 3, -1, 1, x, n);
     moe_client *cc = open_path(cl, "coordinator");
     cr_assert_eq(moe_forward(cc, "m", 0, MOE_F32, x, T, H, y0, NULL), MOE_OK);
     moe_client_close(cc);
@@ -525,7 +526,7 @@ Test(bulk, bad_transfers_worker_keeps_serving, .timeout = 120, .fini = cluster_f
 
     /* and the worker serves on: forwards over bulk and over nng */
     float x[16 * 32], y0[16 * 32], y1[16 * 32];
-    kern_fill_uniform(9, 9, -1, 1, x, 16 * 32);
+    rng_fill_uniform(9, 9, -1, 1, x, 16 * 32);
     moe_client *cb = open_path(cl, "bulk"), *cs = open_path(cl, "socket");
     cr_assert_eq(moe_forward(cb, "m", 0, MOE_F32, x, 16, H, y0, NULL), MOE_OK, "%s",
                  moe_last_error());
@@ -570,7 +571,7 @@ Test(bulk, auth_required, .timeout = 90, .fini = cluster_fini_all)
     wait_clean(url);
     /* libmoe sends the client's token */
     float x[8 * 32], y[8 * 32];
-    kern_fill_uniform(2, 2, -1, 1, x, 8 * 32);
+    rng_fill_uniform(2, 2, -1, 1, x, 8 * 32);
     moe_client *cb = open_path(cl, "bulk");
     cr_assert_eq(moe_forward(cb, "m", 0, MOE_F32, x, 8, H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
@@ -670,7 +671,7 @@ Test(bulk, client_killed_mid_stream, .timeout = 120, .fini = cluster_fini_all)
         wait_clean(url);
     }
     float x[8 * 32], y[8 * 32];
-    kern_fill_uniform(2, 2, -1, 1, x, 8 * 32);
+    rng_fill_uniform(2, 2, -1, 1, x, 8 * 32);
     moe_client *cb = open_path(cl, "bulk");
     cr_assert_eq(moe_forward(cb, "m", 0, MOE_F32, x, 8, H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
@@ -721,7 +722,7 @@ Test(bulk, interleaved_small_and_bulk, .timeout = 120, .fini = cluster_fini_all)
     static const int Ts[4] = {1, 33, 9000, 4500}; /* 9000 x 64 x 4 = 2.2 MiB */
     create(cl, H, 32, 6, 2, MOE_F32);
     float *x = malloc((size_t)maxT * H * 4), *ref = malloc((size_t)4 * maxT * H * 4);
-    kern_fill_uniform(31, 1, -1, 1, x, (size_t)maxT * H);
+    rng_fill_uniform(31, 1, -1, 1, x, (size_t)maxT * H);
     moe_client *cc = open_path(cl, "coordinator");
     for (int k = 0; k < 4; k++)
         cr_assert_eq(
@@ -770,7 +771,7 @@ Test(bulk, off_fails_by_name_auto_falls_back, .timeout = 60, .fini = cluster_fin
     cr_assert_str_empty(burl, "a worker with --bulk-listen off offers %s", burl);
     size_t n = (size_t)T * H;
     float *x = malloc(n * 4), *y0 = malloc(n * 4), *y1 = malloc(n * 4);
-    kern_fill_uniform(5, 5, -1, 1, x, n);
+    rng_fill_uniform(5, 5, -1, 1, x, n);
     moe_client *cb = open_path(cl, "bulk"), *cc = open_path(cl, "coordinator");
     moe_err e = moe_forward(cb, "m", 0, MOE_F32, x, T, H, y1, NULL);
     cr_assert_eq(e, MOE_EUNAVAIL, "bulk with no endpoint: %s", moe_err_code(e));

@@ -21,6 +21,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 #define H 64
 
@@ -132,7 +133,7 @@ static void model_create(cluster *cl, const char *name, int layers)
 static void forward_ok(cluster *cl, const char *model, int T, float *y_out)
 {
     float *x = malloc((size_t)T * H * sizeof(float)), *y = malloc((size_t)T * H * sizeof(float));
-    kern_fill_uniform(9, 1, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(9, 1, -1, 1, x, (size_t)T * H);
     moe_err e = moe_forward(cl->cli, model, 0, MOE_F32, x, T, H, y, NULL);
     cr_assert_eq(e, MOE_OK, "valid forward after bad input: %s", moe_last_error());
     if (y_out)
@@ -618,7 +619,7 @@ Test(cluster_badinput, busy_when_queue_full, .timeout = 60, .fini = cluster_fini
     model_create(cl, "m", 1);
     const int T = 4096; /* long enough that all calls arrive while the first runs */
     float *x = malloc((size_t)T * H * sizeof(float));
-    kern_fill_uniform(3, 3, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(3, 3, -1, 1, x, (size_t)T * H);
     mp_writer w;
     mp_writer_init(&w);
     mp_write_map(&w, 3);
@@ -704,7 +705,7 @@ Test(cluster_badinput, worker_killed_then_restarted, .timeout = 60, .fini = clus
     cr_assert_leq(t_down - t_kill, hb_timeout_ms + 1000);
     cr_assert_eq(st.up, 1);
 
-    kern_fill_uniform(9, 1, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(9, 1, -1, 1, x, (size_t)T * H);
     cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_EUNAVAIL,
                  "forward with a worker down: %s", moe_last_error());
     cr_assert(moe_last_error()[0]);

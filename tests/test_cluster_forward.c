@@ -21,6 +21,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 /* one forward case: a model and the batch sizes run through it */
 typedef struct fcase {
@@ -137,7 +138,7 @@ static void run_case(cluster *cl, const fcase *c, int W)
             uint16_t *xb = malloc((n ? n : 1) * 2), *yb = malloc((n ? n : 1) * 2);
             int32_t *cnt = calloc((size_t)E, 4), *drop = calloc((size_t)E, 4);
             cr_assert(x && y && yref && xb && yb && cnt && drop);
-            kern_fill_uniform(seed + (uint64_t)ti, (uint64_t)layer, -1.0f, 1.0f, x, n);
+            rng_fill_uniform(seed + (uint64_t)ti, (uint64_t)layer, -1.0f, 1.0f, x, n);
             if (bf) /* the client sends bf16: the reference sees the same values */
                 for (size_t i = 0; i < n; i++) {
                     xb[i] = kern_f32_to_bf16(x[i]);
@@ -300,7 +301,7 @@ static void *conc_main(void *p)
         int T = 3 + 5 * a->id + it; /* every call a different shape and input */
         size_t n = (size_t)T * c->H;
         float *x = malloc(n * 4), *y = malloc(n * 4), *yref = malloc(n * 4);
-        kern_fill_uniform(77, (uint64_t)(a->id * 100 + it), -1, 1, x, n);
+        rng_fill_uniform(77, (uint64_t)(a->id * 100 + it), -1, 1, x, n);
         kern_moe_shape s = {.T = T,
                             .H = c->H,
                             .F = c->F,

@@ -19,6 +19,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 /* metric_value finds "name value" (name with labels, exact) in text. */
 static double metric_value(const char *text, const char *name)
@@ -55,7 +56,7 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     create_model(cl, "m", 32, 64);
     const int T = 10, H = 32;
     float x[10 * 32], y[10 * 32];
-    kern_fill_uniform(1, 2, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(1, 2, -1, 1, x, (size_t)T * H);
     moe_fwd_info info;
     cr_assert_eq(moe_forward(cl->cli, "m", 1, MOE_F32, x, T, H, y, &info), MOE_OK, "%s",
                  moe_last_error());
@@ -131,7 +132,7 @@ static void *fwd_thread(void *arg)
     fwd_job *j = arg;
     size_t n = (size_t)j->T * j->H;
     float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
-    kern_fill_uniform(4, 4, -1, 1, x, n);
+    rng_fill_uniform(4, 4, -1, 1, x, n);
     int64_t t0 = cluster_now_ms();
     j->err = moe_forward(j->cl->cli, "m", 0, MOE_F32, x, j->T, j->H, y, NULL);
     j->ms = cluster_now_ms() - t0;
@@ -288,7 +289,7 @@ Test(cluster_ops, lane_forwards_answered_after_drain, .timeout = 60, .fini = clu
     cr_assert(cl, "cluster: %s", cluster_error());
     create_model(cl, "m", 64, 128);
     float x[8 * 64], y0[8 * 64], y1[8 * 64];
-    kern_fill_uniform(3, 3, -1, 1, x, sizeof(x) / sizeof(x[0]));
+    rng_fill_uniform(3, 3, -1, 1, x, sizeof(x) / sizeof(x[0]));
     cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 8, 64, y0, NULL), MOE_OK, "%s",
                  moe_last_error());
     moe_reply rep;
@@ -336,7 +337,7 @@ Test(cluster_ops, worker_killed_during_forward, .timeout = 60, .fini = cluster_f
     cr_assert_eq(cluster_wait_ready(cl, 20000), 0, "%s", cluster_error());
     cr_log_info("ready again %lld ms after the kill", (long long)(cluster_now_ms() - t_kill));
     float x[4 * LONG_H], y[4 * LONG_H];
-    kern_fill_uniform(1, 1, -1, 1, x, 4 * LONG_H);
+    rng_fill_uniform(1, 1, -1, 1, x, 4 * LONG_H);
     cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 4, LONG_H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
@@ -380,7 +381,7 @@ Test(cluster_ops, stuck_worker_aborts_the_exchange, .timeout = 150, .fini = clus
     cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
     cr_assert_eq(cluster_wait_ready(cl, 30000), 0, "%s", cluster_error());
     float x[4 * LONG_H], y[4 * LONG_H];
-    kern_fill_uniform(1, 1, -1, 1, x, 4 * LONG_H);
+    rng_fill_uniform(1, 1, -1, 1, x, 4 * LONG_H);
     cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 4, LONG_H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
@@ -458,7 +459,7 @@ Test(cluster_ops, dead_worker_noticed_by_its_connection, .timeout = 90, .fini = 
     cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
     cr_assert_eq(cluster_wait_ready(cl, 30000), 0, "%s", cluster_error());
     float x[4 * LONG_H], y[4 * LONG_H];
-    kern_fill_uniform(2, 2, -1, 1, x, 4 * LONG_H);
+    rng_fill_uniform(2, 2, -1, 1, x, 4 * LONG_H);
     cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 4, LONG_H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());

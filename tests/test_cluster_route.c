@@ -9,9 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tests/cluster.h"
 #include "kernels/kern.h"
 #include "proto/proto.h"
-#include "tests/cluster.h"
+#include "common/rng.h"
 
 enum { H = 16, F = 8, FS = 12, E = 8, K = 2, T = 24 };
 static const uint64_t SEED = 7;
@@ -107,7 +108,7 @@ static void check_forward(cluster *cl, const rcase *c)
                         .route_scale = (float)c->scale,
                         .Fs = Fs,
                         .shared_gate = c->shared_gate > 0};
-    kern_fill_uniform(SEED, 99, -1.0f, 1.0f, x, (size_t)T * H);
+    rng_fill_uniform(SEED, 99, -1.0f, 1.0f, x, (size_t)T * H);
     int32_t cnt[E], drop[E];
     kern_fwd_stats rs = {cnt, drop, 0, 0};
     cr_assert_eq(kern_moe_forward_ref(&s, &lw, x, yref, &rs), MOE_OK);

@@ -21,6 +21,7 @@
 #include "tests/cluster.h"
 #include "common/json.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 /* header_value: the value of header name in head (case-insensitive name), or NULL */
 static const char *header_value(const char *head, const char *name, char *out, size_t cap)
@@ -101,7 +102,7 @@ Test(dashboard, page_served_and_metrics_it_parses, .timeout = 30, .fini = cluste
     cr_assert_eq(moe_model_create(cl->cli, &mc), MOE_OK, "model.create: %s", moe_last_error());
     const int T = 8, H = 16;
     float x[8 * 16], y[8 * 16];
-    kern_fill_uniform(3, 4, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(3, 4, -1, 1, x, (size_t)T * H);
     cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
     int64_t t0 = cluster_now_ms();
@@ -177,7 +178,7 @@ static cluster *history_cluster(void)
     int64_t t0 = cluster_now_ms();
     for (int i = 0;; i++) {
         /* a forward, then the history, until a point holds forwards of m */
-        kern_fill_uniform(5, (uint64_t)i, -1, 1, x, (size_t)T * H);
+        rng_fill_uniform(5, (uint64_t)i, -1, 1, x, (size_t)T * H);
         cr_assert_eq(moe_forward(cl->cli, "m", i % 2, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
                      moe_last_error());
         cr_assert_eq(

@@ -29,6 +29,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 static const char *paths[3] = {"coordinator", "socket", "shm"};
 
@@ -89,8 +90,8 @@ static void paths_identical(int W, moe_dtype dt)
         float *xf = malloc(n * 4), *dyf = malloc(n * 4);
         uint8_t *x = malloc(n * es), *dy = malloc(n * es);
         uint8_t *y[3], *dx[3];
-        kern_fill_uniform(11, (uint64_t)T, -1, 1, xf, n);
-        kern_fill_uniform(12, (uint64_t)T, -1, 1, dyf, n);
+        rng_fill_uniform(11, (uint64_t)T, -1, 1, xf, n);
+        rng_fill_uniform(12, (uint64_t)T, -1, 1, dyf, n);
         for (size_t i = 0; i < n; i++) {
             if (dt == MOE_BF16) {
                 uint16_t a = kern_f32_to_bf16(xf[i]), b = kern_f32_to_bf16(dyf[i]);
@@ -475,7 +476,7 @@ Test(dataplane, bad_input_worker_keeps_serving, .timeout = 120, .fini = cluster_
     /* a forward whose rows have the wrong shape for the job: the worker
      * answers the rows, the coordinator the request, nothing hangs */
     float x[3 * 32], y[3 * 32];
-    kern_fill_uniform(3, 3, -1, 1, x, 3 * 32);
+    rng_fill_uniform(3, 3, -1, 1, x, 3 * 32);
     moe_client *cs = open_path(cl, "socket");
     cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 3, H + 1, y, NULL), MOE_EINVAL);
     moe_client_close(cs);
@@ -509,7 +510,7 @@ Test(dataplane, no_leaked_segments_or_regions, .timeout = 120, .fini = cluster_f
     /* sizes that need new, larger buffers */
     moe_client *c = open_path(cl, "shm");
     static float x[4096 * 64], y[4096 * 64];
-    kern_fill_uniform(5, 5, -1, 1, x, 4096 * 64);
+    rng_fill_uniform(5, 5, -1, 1, x, 4096 * 64);
     for (int T = 1; T <= 4096; T *= 4)
         cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
                      moe_last_error());
@@ -566,8 +567,8 @@ Test(dataplane, zero_copy_buffers, .timeout = 120, .fini = cluster_fini_all)
     char url0[256];
     worker_url(cl, 0, url0, sizeof(url0));
     float *x = malloc(n * 4), *dy = malloc(n * 4), *yref = malloc(n * 4), *dxref = malloc(n * 4);
-    kern_fill_uniform(21, 1, -1, 1, x, n);
-    kern_fill_uniform(22, 1, -1, 1, dy, n);
+    rng_fill_uniform(21, 1, -1, 1, x, n);
+    rng_fill_uniform(22, 1, -1, 1, dy, n);
     moe_client *cc = open_path(cl, "coordinator");
     moe_fwd_info info;
     cr_assert_eq(moe_forward(cc, "m", 0, MOE_F32, x, T, H, yref, NULL), MOE_OK);
@@ -701,7 +702,7 @@ Test(dataplane, many_requests_in_flight, .timeout = 120, .fini = cluster_fini_al
     const int H = 48;
     create(cl, "m", H, 64, 6, 2, MOE_F32);
     float *x = malloc((size_t)64 * H * 4), *ref = malloc((size_t)6 * 64 * H * 4);
-    kern_fill_uniform(31, 1, -1, 1, x, (size_t)64 * H);
+    rng_fill_uniform(31, 1, -1, 1, x, (size_t)64 * H);
     moe_client *cc = open_path(cl, "coordinator");
     for (int k = 0; k < 6; k++)
         cr_assert_eq(
@@ -738,7 +739,7 @@ Test(dataplane, large_rows_every_path, .timeout = 120, .fini = cluster_fini_all)
     const size_t n = (size_t)T * H;
     create(cl, "m", H, 8, 2, 1, MOE_F32);
     float *x = malloc(n * 4), *y[3];
-    kern_fill_uniform(41, 1, -1, 1, x, n);
+    rng_fill_uniform(41, 1, -1, 1, x, n);
     for (int p = 0; p < 3; p++) {
         moe_client *c = open_path(cl, paths[p]);
         y[p] = malloc(n * 4);
@@ -766,7 +767,7 @@ Test(dataplane, metrics_show_the_data_plane, .timeout = 90, .fini = cluster_fini
     create(cl, "m", H, 32, 4, 2, MOE_F32);
     moe_client *c = open_path(cl, "shm");
     float x[50 * 32], y[50 * 32];
-    kern_fill_uniform(51, 1, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(51, 1, -1, 1, x, (size_t)T * H);
     for (int k = 0; k < 3; k++)
         cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
                      moe_last_error());
@@ -819,8 +820,8 @@ Test(dataplane, nan_rows_refused_alone, .timeout = 120, .fini = cluster_fini_all
     const int H = 32, TB = 20, TG = 30;
     create(cl, "m", H, 32, 4, 2, MOE_F32);
     float xb[20 * 32], xg[30 * 32], yb[20 * 32], yg[30 * 32], yref[30 * 32];
-    kern_fill_uniform(61, 1, -1, 1, xb, (size_t)TB * H);
-    kern_fill_uniform(62, 1, -1, 1, xg, (size_t)TG * H);
+    rng_fill_uniform(61, 1, -1, 1, xb, (size_t)TB * H);
+    rng_fill_uniform(62, 1, -1, 1, xg, (size_t)TG * H);
     xb[13 * H + 5] = NAN; /* row 13 (on rank 1 of 2: rows 10-19) */
     xb[17 * H + 1] = INFINITY;
     moe_client *cr = open_path(cl, "socket");
@@ -883,7 +884,7 @@ Test(dataplane, no_data_plane_fallback_and_named_paths, .timeout = 60, .fini = c
     const int H = 32, T = 11;
     create(cl, "m", H, 32, 4, 2, MOE_F32);
     float x[11 * 32], y0[11 * 32], y1[11 * 32];
-    kern_fill_uniform(71, 1, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(71, 1, -1, 1, x, (size_t)T * H);
     moe_client *cc = open_path(cl, "coordinator"), *ca = open_path(cl, "auto");
     cr_assert_eq(moe_forward(cc, "m", 0, MOE_F32, x, T, H, y0, NULL), MOE_OK);
     cr_assert_eq(moe_forward(ca, "m", 0, MOE_F32, x, T, H, y1, NULL), MOE_OK, "%s",
@@ -946,7 +947,7 @@ Test(dataplane, lane_serves_one_worker_clusters, .timeout = 120, .fini = cluster
     const int Ts[3] = {1, 9, 130};
     float *x = malloc(130 * 40 * 4), *y0 = malloc(130 * 40 * 4), *y1 = malloc(130 * 40 * 4);
     /* warm the map (dataplane.info) so that the count below is the forwards' */
-    kern_fill_uniform(80, 1, -1, 1, x, (size_t)130 * H);
+    rng_fill_uniform(80, 1, -1, 1, x, (size_t)130 * H);
     cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 1, H, y1, NULL), MOE_OK, "%s",
                  moe_last_error());
     cr_assert_eq(moe_forward(cm, "m", 0, MOE_F32, x, 1, H, y1, NULL), MOE_OK, "%s",
@@ -954,7 +955,7 @@ Test(dataplane, lane_serves_one_worker_clusters, .timeout = 120, .fini = cluster
     int64_t req0 = coord_stat(cl, "requests_total"), lane_tokens = 0;
     for (int ti = 0; ti < 3; ti++) {
         const int T = Ts[ti];
-        kern_fill_uniform(81, (uint64_t)T, -1, 1, x, (size_t)T * H);
+        rng_fill_uniform(81, (uint64_t)T, -1, 1, x, (size_t)T * H);
         moe_fwd_info i0, i1;
         memset(&i0, 0, sizeof(i0));
         memset(&i1, 0, sizeof(i1));

@@ -20,6 +20,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 #define H 64
 
@@ -135,7 +136,7 @@ static void fwd_req(mp_writer *w, uint32_t msgid, const char *model, int64_t T, 
     float *x = moe_tensor_write_reserve(w, MOE_F32, 2, shape);
     cr_assert(x);
     float *tmp = malloc((size_t)T * h * sizeof(float));
-    kern_fill_uniform(seed, 1, -1, 1, tmp, (size_t)T * h);
+    rng_fill_uniform(seed, 1, -1, 1, tmp, (size_t)T * h);
     memcpy(x, tmp, (size_t)T * h * sizeof(float)); /* x is unaligned */
     free(tmp);
 }
@@ -185,7 +186,7 @@ static void fwd_bwd(cluster *cl, const char *model, int T, uint64_t seed)
     size_t n = (size_t)T * H;
     float *x = malloc(n * 4), *y = malloc(n * 4), *dx = malloc(n * 4);
     moe_fwd_info info = {0};
-    kern_fill_uniform(seed, 2, -1, 1, x, n);
+    rng_fill_uniform(seed, 2, -1, 1, x, n);
     cr_assert_eq(moe_forward_train(cl->cli, model, 0, MOE_F32, x, T, H, y, &info), MOE_OK,
                  "forward train: %s", moe_last_error());
     cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, y, T, H, dx), MOE_OK, "backward: %s",
@@ -259,7 +260,7 @@ Test(dedupe, train_forward_and_backward_twice, .timeout = 60, .fini = cluster_fi
     mp_write_cstr(&wb, "dy");
     int64_t shape[2] = {T, H};
     float dy[24 * H];
-    kern_fill_uniform(4, 1, -1, 1, dy, (size_t)T * H);
+    rng_fill_uniform(4, 1, -1, 1, dy, (size_t)T * H);
     memcpy(moe_tensor_write_reserve(&wb, MOE_F32, 2, shape), dy, sizeof(dy));
     raw_call(s, &wb, &b1);
     expect_ok(&b1, "backward");

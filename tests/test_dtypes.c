@@ -10,6 +10,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 Test(dtypes, f16_input_and_output, .timeout = 60, .fini = cluster_fini_all)
 {
@@ -23,7 +24,7 @@ Test(dtypes, f16_input_and_output, .timeout = 60, .fini = cluster_fini_all)
     size_t n = (size_t)T * H, fh = (size_t)F * H;
     float *x = malloc(n * 4), *yr = malloc(n * 4);
     _Float16 *xh = malloc(n * 2), *yh = malloc(n * 2);
-    kern_fill_uniform(3, 3, -1, 1, x, n);
+    rng_fill_uniform(3, 3, -1, 1, x, n);
     for (size_t i = 0; i < n; i++) {
         xh[i] = (_Float16)x[i];
         x[i] = (float)xh[i]; /* the reference sees what the service sees */

@@ -23,6 +23,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 #define DT 20 /* rows of a train forward and of the probe */
 #define DH 16 /* d_model */
@@ -62,7 +63,7 @@ static void create_model(cluster *cl)
 static moe_err probe(moe_client *cli, float *y)
 {
     float x[DN];
-    kern_fill_uniform(77, 1, -1, 1, x, DN);
+    rng_fill_uniform(77, 1, -1, 1, x, DN);
     return moe_forward(cli, "d", 0, MOE_F32, x, DT, DH, y, NULL);
 }
 
@@ -71,8 +72,8 @@ static moe_err grads(moe_client *cli, uint64_t k)
 {
     float x[DN], y[DN], dy[DN], dx[DN];
     moe_fwd_info info;
-    kern_fill_uniform(k, 1, -1, 1, x, DN);
-    kern_fill_uniform(k, 2, -1, 1, dy, DN);
+    rng_fill_uniform(k, 1, -1, 1, x, DN);
+    rng_fill_uniform(k, 2, -1, 1, dy, DN);
     moe_err e = moe_forward_train(cli, "d", 0, MOE_F32, x, DT, DH, y, &info);
     if (e != MOE_OK)
         return e;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 Test(kern_adamw, one_step_by_hand)
 {
@@ -42,12 +43,12 @@ Test(kern_adamw, several_steps_vs_double)
     float *m = calloc(N, sizeof(float)), *v = calloc(N, sizeof(float));
     double *pd = malloc(N * sizeof(double)), *md = calloc(N, sizeof(double)),
            *vd = calloc(N, sizeof(double));
-    kern_fill_uniform(50, 0, -1.0f, 1.0f, p, N);
+    rng_fill_uniform(50, 0, -1.0f, 1.0f, p, N);
     for (int i = 0; i < N; i++)
         pd[i] = p[i];
     const double lr = 3e-3, b1 = 0.9, b2 = 0.95, eps = 1e-6, wd = 0.1, scale = 0.7;
     for (int step = 1; step <= STEPS; step++) {
-        kern_fill_uniform(50, (uint64_t)step, -2.0f, 2.0f, g, N);
+        rng_fill_uniform(50, (uint64_t)step, -2.0f, 2.0f, g, N);
         kern_adamw_cpu(p, g, m, v, N, (float)lr, (float)b1, (float)b2, (float)eps, (float)wd, step,
                        (float)scale);
         for (int i = 0; i < N; i++) {
@@ -80,7 +81,7 @@ Test(kern_adamw, sumsq)
     cr_expect_eq(kern_sumsq_cpu(g, 0), 0.0);
     enum { N = 100000 };
     float *r = malloc(N * sizeof(float));
-    kern_fill_uniform(51, 0, -1.0f, 1.0f, r, N);
+    rng_fill_uniform(51, 0, -1.0f, 1.0f, r, N);
     double want = 0.0;
     for (int i = 0; i < N; i++)
         want += (double)r[i] * r[i];

@@ -1,11 +1,12 @@
 /* test_kern_bf16.c - bf16 rounding (nearest even, NaN, inf, exact values)
- * and the determinism of kern_init_weight / kern_fill_uniform. */
+ * and the determinism of kern_init_weight / rng_fill_uniform. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 static float from_bits(uint32_t u)
 {
@@ -49,7 +50,7 @@ Test(kern_bf16, round_to_nearest_even)
     cr_expect_eq(kern_bf16_round(2.0f - 0x1p-9f), 2.0f);
     /* every f32 rounds to one of its two bf16 neighbours, the nearer one */
     float in[4096];
-    kern_fill_uniform(1, 0, -1000.0f, 1000.0f, in, 4096);
+    rng_fill_uniform(1, 0, -1000.0f, 1000.0f, in, 4096);
     for (int i = 0; i < 4096; i++) {
         uint32_t lo = to_bits(in[i]) & 0xffff0000u;
         float down = from_bits(lo), up = from_bits(lo + 0x10000u);
@@ -138,8 +139,8 @@ Test(kern_init, fill_uniform)
 {
     enum { N = 10000 };
     float *u = malloc(N * sizeof(float)), *v = malloc(N * sizeof(float));
-    kern_fill_uniform(7, 1, -2.0f, 3.0f, u, N);
-    kern_fill_uniform(7, 1, -2.0f, 3.0f, v, N);
+    rng_fill_uniform(7, 1, -2.0f, 3.0f, u, N);
+    rng_fill_uniform(7, 1, -2.0f, 3.0f, v, N);
     cr_expect(memcmp(u, v, N * sizeof(float)) == 0);
     double mean = 0.0;
     int zeros = 0;
@@ -151,7 +152,7 @@ Test(kern_init, fill_uniform)
     mean /= N;
     cr_expect(fabs(mean - 0.5) < 0.05, "mean %g", mean);
     cr_expect(zeros < 3);
-    kern_fill_uniform(7, 2, -2.0f, 3.0f, v, N);
+    rng_fill_uniform(7, 2, -2.0f, 3.0f, v, N);
     cr_expect(memcmp(u, v, N * sizeof(float)) != 0, "stream ignored");
     free(u);
     free(v);

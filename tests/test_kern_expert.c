@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 static void expect_rel(const char *name, const float *got, const float *want, size_t n, double tol)
 {
@@ -23,7 +24,7 @@ static float *rnd(uint64_t seed, uint64_t stream, size_t n, float scale)
 {
     float *p = malloc((n ? n : 1) * sizeof(float));
     cr_assert(p);
-    kern_fill_uniform(seed, stream, -scale, scale, p, n);
+    rng_fill_uniform(seed, stream, -scale, scale, p, n);
     return p;
 }
 

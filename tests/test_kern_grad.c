@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 enum { T = 5, H = 6, F = 7, E = 4, K = 2 };
 
@@ -120,12 +121,12 @@ static void grad_check(kern_act act, int renorm, float cf, uint64_t seed)
     /* float inputs; the router weights are larger so that routing margins
      * are wide compared with the FD step */
     static float x[T * H], wr[E * H], w1[E * F * H], w3[E * F * H], w2[E * H * F], dy[T * H];
-    kern_fill_uniform(seed, 0, -1.0f, 1.0f, x, T * H);
-    kern_fill_uniform(seed, 1, -1.0f, 1.0f, wr, E * H);
-    kern_fill_uniform(seed, 2, -0.5f, 0.5f, w1, E * F * H);
-    kern_fill_uniform(seed, 3, -0.5f, 0.5f, w3, E * F * H);
-    kern_fill_uniform(seed, 4, -0.5f, 0.5f, w2, E * H * F);
-    kern_fill_uniform(seed, 5, -1.0f, 1.0f, dy, T * H);
+    rng_fill_uniform(seed, 0, -1.0f, 1.0f, x, T * H);
+    rng_fill_uniform(seed, 1, -1.0f, 1.0f, wr, E * H);
+    rng_fill_uniform(seed, 2, -0.5f, 0.5f, w1, E * F * H);
+    rng_fill_uniform(seed, 3, -0.5f, 0.5f, w3, E * F * H);
+    rng_fill_uniform(seed, 4, -0.5f, 0.5f, w2, E * H * F);
+    rng_fill_uniform(seed, 5, -1.0f, 1.0f, dy, T * H);
     kern_layer_weights w = {.wr = wr, .w1 = w1, .w3 = act == KERN_ACT_GELU ? NULL : w3, .w2 = w2};
 
     static float dx[T * H], dwr[E * H], dw1[E * F * H], dw3[E * F * H], dw2[E * H * F];
@@ -232,9 +233,9 @@ Test(kern_grad, router_backward_shards_sum_to_global)
     enum { TT = 12, HH = 5, EE = 6, KK = 2, S = TT * KK };
     float x[TT * HH], wr[EE * HH], logits[TT * EE], probs[TT * EE], tw[S], dw[S];
     int32_t idx[S], counts[EE], offsets[EE + 1], perm[S];
-    kern_fill_uniform(40, 0, -1.0f, 1.0f, x, TT * HH);
-    kern_fill_uniform(40, 1, -1.0f, 1.0f, wr, EE * HH);
-    kern_fill_uniform(40, 2, -1.0f, 1.0f, dw, S);
+    rng_fill_uniform(40, 0, -1.0f, 1.0f, x, TT * HH);
+    rng_fill_uniform(40, 1, -1.0f, 1.0f, wr, EE * HH);
+    rng_fill_uniform(40, 2, -1.0f, 1.0f, dw, S);
     kern_router_logits_cpu(x, wr, TT, HH, EE, logits);
     kern_softmax_topk_cpu(logits, TT, EE, KK, 1, probs, idx, tw);
     kern_layout_cpu(idx, TT, KK, EE, counts, offsets, perm, NULL);

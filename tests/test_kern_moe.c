@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 enum { T = 16, H = 24, F = 20, E = 4, K = 2 };
 
@@ -15,7 +16,7 @@ static float x[T * H], wr[E * H], w1[E * F * H], w3[E * F * H], w2[E * H * F];
 
 static void make_inputs(uint64_t seed, int bf16)
 {
-    kern_fill_uniform(seed, 0, -1.0f, 1.0f, x, T * H);
+    rng_fill_uniform(seed, 0, -1.0f, 1.0f, x, T * H);
     kern_init_weight(seed, 0, 0, KERN_W_ROUTER, E, H, wr);
     for (int e = 0; e < E; e++) {
         kern_init_weight(seed, 0, e, KERN_W1, F, H, w1 + e * F * H);

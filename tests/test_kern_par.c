@@ -12,6 +12,7 @@
 #include "kernels/kern.h"
 #include "common/placement.h"
 #include "worker/pool.h"
+#include "common/rng.h"
 #include "worker/rows.h"
 
 static const int thread_counts[] = {1, 2, 3, 7};
@@ -21,11 +22,11 @@ static float *rnd(uint64_t seed, uint64_t stream, size_t n, float scale)
 {
     float *p = malloc((n ? n : 1) * sizeof(float));
     cr_assert(p);
-    kern_fill_uniform(seed, stream, -scale, scale, p, n);
+    rng_fill_uniform(seed, stream, -scale, scale, p, n);
     return p;
 }
 
-/* perm_rand: a random permutation of [0, n) (Fisher-Yates on kern_fill_uniform draws). */
+/* perm_rand: a random permutation of [0, n) (Fisher-Yates on rng_fill_uniform draws). */
 static int32_t *perm_rand(uint64_t seed, size_t n)
 {
     int32_t *p = malloc((n ? n : 1) * sizeof(int32_t));
@@ -322,7 +323,7 @@ Test(kern_par, worker_owner_gather_scatter_bit_identical)
         float *src = rnd(61 + bf16, 0, n * H, 2.0f);
         float *want = rnd(61, 1, n * H, 1.0f), *got = rnd(61, 2, n * H, 1.0f);
         cr_assert(buf);
-        kern_fill_uniform(61, 3, -1.0f, 1.0f, (float *)buf, (W * hdr + n * H * es) / 4);
+        rng_fill_uniform(61, 3, -1.0f, 1.0f, (float *)buf, (W * hdr + n * H * es) / 4);
         for (int q = 0; q < W; q++) {
             size_t k = 0;
             for (int i = 0; i < NE; i++)

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 static double sig(double v)
 {
@@ -74,7 +75,7 @@ Test(kern_route, softmax_is_softmax_topk)
     enum { T = 40, E = 16, K = 4 };
     static float logits[T * E], p1[T * E], p2[T * E], w1[T * K], w2[T * K];
     static int32_t i1[T * K], i2[T * K];
-    kern_fill_uniform(5, 0, -3.0f, 3.0f, logits, T * E);
+    rng_fill_uniform(5, 0, -3.0f, 3.0f, logits, T * E);
     for (int renorm = 0; renorm < 2; renorm++) {
         kern_route_cfg rc = {0};
         rc.renorm = renorm;
@@ -124,17 +125,17 @@ static void fd_check(kern_scoring scoring, int n_group, int shared_gate, uint64_
                         .shared_gate = shared_gate};
     static float x[GT * GH], wr[GE * GH], w1[GE * GF * GH], w3[GE * GF * GH], w2[GE * GH * GF];
     static float ws1[GFS * GH], ws3[GFS * GH], ws2[GH * GFS], wsg[GH], bias[GE], dy[GT * GH];
-    kern_fill_uniform(seed, 0, -1.0f, 1.0f, x, GT * GH);
-    kern_fill_uniform(seed, 1, -2.0f, 2.0f, wr, GE * GH);
-    kern_fill_uniform(seed, 2, -0.5f, 0.5f, w1, GE * GF * GH);
-    kern_fill_uniform(seed, 3, -0.5f, 0.5f, w3, GE * GF * GH);
-    kern_fill_uniform(seed, 4, -0.5f, 0.5f, w2, GE * GH * GF);
-    kern_fill_uniform(seed, 5, -0.5f, 0.5f, ws1, GFS * GH);
-    kern_fill_uniform(seed, 6, -0.5f, 0.5f, ws3, GFS * GH);
-    kern_fill_uniform(seed, 7, -0.5f, 0.5f, ws2, GH * GFS);
-    kern_fill_uniform(seed, 8, -1.0f, 1.0f, wsg, GH);
-    kern_fill_uniform(seed, 9, -0.1f, 0.1f, bias, GE);
-    kern_fill_uniform(seed, 10, -1.0f, 1.0f, dy, GT * GH);
+    rng_fill_uniform(seed, 0, -1.0f, 1.0f, x, GT * GH);
+    rng_fill_uniform(seed, 1, -2.0f, 2.0f, wr, GE * GH);
+    rng_fill_uniform(seed, 2, -0.5f, 0.5f, w1, GE * GF * GH);
+    rng_fill_uniform(seed, 3, -0.5f, 0.5f, w3, GE * GF * GH);
+    rng_fill_uniform(seed, 4, -0.5f, 0.5f, w2, GE * GH * GF);
+    rng_fill_uniform(seed, 5, -0.5f, 0.5f, ws1, GFS * GH);
+    rng_fill_uniform(seed, 6, -0.5f, 0.5f, ws3, GFS * GH);
+    rng_fill_uniform(seed, 7, -0.5f, 0.5f, ws2, GH * GFS);
+    rng_fill_uniform(seed, 8, -1.0f, 1.0f, wsg, GH);
+    rng_fill_uniform(seed, 9, -0.1f, 0.1f, bias, GE);
+    rng_fill_uniform(seed, 10, -1.0f, 1.0f, dy, GT * GH);
     kern_layer_weights w = {.wr = wr,
                             .w1 = w1,
                             .w3 = w3,

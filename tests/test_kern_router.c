@@ -7,13 +7,14 @@
 #include <string.h>
 
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 Test(kern_router, softmax_matches_double)
 {
     enum { T = 33, E = 7, K = 3 };
     float logits[T * E], probs[T * E], w[T * K];
     int32_t idx[T * K];
-    kern_fill_uniform(11, 0, -4.0f, 4.0f, logits, T * E);
+    rng_fill_uniform(11, 0, -4.0f, 4.0f, logits, T * E);
     logits[5] = 1000.0f; /* no overflow: the max is subtracted */
     kern_softmax_topk_cpu(logits, T, E, K, 0, probs, idx, w);
     for (int t = 0; t < T; t++) {
@@ -68,7 +69,7 @@ Test(kern_router, renorm_k1_and_k_equals_e)
     enum { T = 9, E = 5 };
     float logits[T * E], probs[T * E], w[T * E];
     int32_t idx[T * E];
-    kern_fill_uniform(12, 0, -3.0f, 3.0f, logits, T * E);
+    rng_fill_uniform(12, 0, -3.0f, 3.0f, logits, T * E);
     /* K = 1 with renorm: weight 1 */
     kern_softmax_topk_cpu(logits, T, E, 1, 1, probs, idx, w);
     for (int t = 0; t < T; t++)
@@ -110,7 +111,7 @@ Test(kern_layout, stable_counts_offsets_inverse)
     enum { T = 50, K = 3, E = 6, S = T * K };
     float logits[T * E], probs[T * E], w[S];
     int32_t idx[S], counts[E], offsets[E + 1], perm[S], inv[S];
-    kern_fill_uniform(13, 0, -2.0f, 2.0f, logits, T * E);
+    rng_fill_uniform(13, 0, -2.0f, 2.0f, logits, T * E);
     kern_softmax_topk_cpu(logits, T, E, K, 0, probs, idx, w);
     kern_layout_cpu(idx, T, K, E, counts, offsets, perm, inv);
     int32_t want[E] = {0};
@@ -186,7 +187,7 @@ Test(kern_loss, aux_and_z)
     /* random: against the formula in double */
     float w[T * K];
     int32_t idx[T * K], offsets[E + 1], perm[T * K];
-    kern_fill_uniform(14, 0, -2.0f, 2.0f, logits, T * E);
+    rng_fill_uniform(14, 0, -2.0f, 2.0f, logits, T * E);
     kern_softmax_topk_cpu(logits, T, E, K, 0, probs, idx, w);
     kern_layout_cpu(idx, T, K, E, counts, offsets, perm, NULL);
     double aux = 0.0, z = 0.0;

@@ -23,6 +23,7 @@
 #include "tests/cluster.h"
 #include "kernels/kern.h"
 #include "server/promtext.h"
+#include "common/rng.h"
 
 #define WORKER_IDS 256 /* worker ids of a test cluster stay below */
 
@@ -225,7 +226,7 @@ static cluster *populate(void)
     const int T = 24, H = 16;
     float x[24 * 16], y[24 * 16];
     for (int i = 0; i < 3; i++) {
-        kern_fill_uniform(7, (uint64_t)i, -1, 1, x, (size_t)T * H);
+        rng_fill_uniform(7, (uint64_t)i, -1, 1, x, (size_t)T * H);
         cr_assert_eq(moe_forward(cl->cli, "a", i % 2, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s",
                      moe_last_error());
     }

@@ -25,6 +25,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 #include "common/safetensors.h"
 
 /* ---- async answers ---- */
@@ -125,7 +126,7 @@ Test(regress, ckpt_load_answered_with_full_queue, .timeout = 90, .fini = cluster
     cr_assert_eq(moe_checkpoint_save(cl->cli, "r", dir), MOE_OK, "%s", moe_last_error());
 
     float *x = malloc((size_t)T * H * sizeof(float));
-    kern_fill_uniform(1, 1, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(1, 1, -1, 1, x, (size_t)T * H);
     mp_writer lw, fw;
     write_path_params(&lw, "r", dir);
     mp_writer_init(&fw);

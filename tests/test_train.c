@@ -17,6 +17,7 @@
 
 #include "tests/cluster.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 #include "common/safetensors.h"
 
 typedef struct tshape {
@@ -148,8 +149,8 @@ static void check_step(const tshape *s)
     float *x = malloc((size_t)T * H * 4), *dy = malloc((size_t)T * H * 4);
     float *y = malloc((size_t)T * H * 4), *dx = malloc((size_t)T * H * 4);
     float *yr = malloc((size_t)T * H * 4), *dxr = malloc((size_t)T * H * 4);
-    kern_fill_uniform(5, 1, -1, 1, x, (size_t)T * H);
-    kern_fill_uniform(5, 2, -1, 1, dy, (size_t)T * H);
+    rng_fill_uniform(5, 1, -1, 1, x, (size_t)T * H);
+    rng_fill_uniform(5, 2, -1, 1, dy, (size_t)T * H);
     moe_fwd_info info;
     cr_assert_eq(moe_forward_train(cl->cli, "t", 0, MOE_F32, x, T, H, y, &info), MOE_OK, "%s",
                  moe_last_error());
@@ -294,7 +295,7 @@ Test(train, student_learns_teacher, .timeout = 120, .fini = cluster_fini_all)
     double first = 0, last = 0, best = 1e30;
     char curve[4096] = "";
     for (int it = 0; it < 300; it++) {
-        kern_fill_uniform(100 + (uint64_t)it, 3, -1, 1, x, n);
+        rng_fill_uniform(100 + (uint64_t)it, 3, -1, 1, x, n);
         cr_assert_eq(kern_moe_forward_ref(&sh, &lw, x, yt, NULL), MOE_OK);
         moe_fwd_info info;
         cr_assert_eq(moe_forward_train(cl->cli, "student", 0, MOE_F32, x, s.T, s.H, y, &info),
@@ -344,8 +345,8 @@ static void train_steps(cluster *cl, const tshape *s, int layers, int k, uint64_
     moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0, 0, 0};
     for (int i = 0; i < k; i++)
         for (int l = 0; l < layers; l++) {
-            kern_fill_uniform(seed + (uint64_t)i, (uint64_t)l, -1, 1, x, n);
-            kern_fill_uniform(seed + (uint64_t)i, 100 + (uint64_t)l, -1, 1, dy, n);
+            rng_fill_uniform(seed + (uint64_t)i, (uint64_t)l, -1, 1, x, n);
+            rng_fill_uniform(seed + (uint64_t)i, 100 + (uint64_t)l, -1, 1, dy, n);
             moe_fwd_info info;
             cr_assert_eq(moe_forward_train(cl->cli, "d", l, MOE_F32, x, s->T, s->H, y, &info),
                          MOE_OK, "%s", moe_last_error());
@@ -363,7 +364,7 @@ static void forward_probe(cluster *cl, const tshape *s, int layer, float *y)
 {
     size_t n = (size_t)s->T * s->H;
     float *x = malloc(n * 4);
-    kern_fill_uniform(999, (uint64_t)layer, -1, 1, x, n);
+    rng_fill_uniform(999, (uint64_t)layer, -1, 1, x, n);
     cr_assert_eq(moe_forward(cl->cli, "d", layer, MOE_F32, x, s->T, s->H, y, NULL), MOE_OK, "%s",
                  moe_last_error());
     free(x);
@@ -521,7 +522,7 @@ Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = clust
     /* a step guarded by expect_step applies once: a resent one is refused */
     train_steps(cl, &s, 1, 1, 1); /* now at step 1 */
     moe_fwd_info gi;
-    kern_fill_uniform(2, 2, -1, 1, x, n);
+    rng_fill_uniform(2, 2, -1, 1, x, n);
     cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &gi), MOE_OK);
     cr_assert_eq(call_backward_raw(cl, gi.handle, s.T, s.H, msg, sizeof(msg)), MOE_OK, "%s", msg);
     moe_fwd_info_free(&gi);
@@ -543,7 +544,7 @@ Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = clust
 
     /* dy of the wrong shape, then the same handle still works once, then is used */
     moe_fwd_info info;
-    kern_fill_uniform(1, 1, -1, 1, x, n);
+    rng_fill_uniform(1, 1, -1, 1, x, n);
     cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info), MOE_OK);
     cr_assert_eq(call_backward_raw(cl, info.handle, s.T + 1, s.H, msg, sizeof(msg)), MOE_EINVAL,
                  "%s", msg);

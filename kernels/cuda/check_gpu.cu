@@ -26,6 +26,7 @@
 
 #include "kernels/cuda/kcu_internal.cuh"
 #include "kernels/cuda/kcu_tool.h"
+#include "common/rng.h"
 
 /* The reference's OpenBLAS paths are not used here, and the GPU machine has
  * no OpenBLAS: this definition satisfies the linker for router.o. */
@@ -243,8 +244,8 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
         kern_init_weight(seed, 0, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
     }
     kern_init_weight(seed, 0, 0, KERN_W_ROUTER, E, H, wr.data());
-    kern_fill_uniform(seed, 1, -1.f, 1.f, x.data(), x.size());
-    kern_fill_uniform(seed, 2, -1.f, 1.f, dy.data(), dy.size());
+    rng_fill_uniform(seed, 1, -1.f, 1.f, x.data(), x.size());
+    rng_fill_uniform(seed, 2, -1.f, 1.f, dy.data(), dy.size());
     if (c.skew) { /* x mean 0.5; experts 0 and 1 get a large positive logit offset */
         for (auto &v : x)
             v += 0.5f;
@@ -436,7 +437,7 @@ static int gemm_checks(uint64_t seed)
     uint64_t st = seed;
     auto rnd = [&](size_t n) {
         std::vector<float> v(n);
-        kern_fill_uniform(seed, lcg(st), -1.f, 1.f, v.data(), n);
+        rng_fill_uniform(seed, lcg(st), -1.f, 1.f, v.data(), n);
         kern_bf16_round_n(v.data(), n);
         return v;
     };
@@ -627,7 +628,7 @@ static int gemm_selftest(uint64_t seed)
     uint64_t st = seed ^ 0x9e3779b97f4a7c15ull;
     auto rnd = [&](size_t n, float lo, float hi) {
         std::vector<float> v(n);
-        kern_fill_uniform(seed, lcg(st), lo, hi, v.data(), n);
+        rng_fill_uniform(seed, lcg(st), lo, hi, v.data(), n);
         kern_bf16_round_n(v.data(), n);
         return v;
     };
@@ -1061,8 +1062,8 @@ static int experts_check(const ecase &c, uint64_t seed)
         kern_init_weight(seed, 3, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
         kern_init_weight(seed, 3, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
     }
-    kern_fill_uniform(seed, 5, -1.f, 1.f, x.data(), x.size());
-    kern_fill_uniform(seed, 6, -1.f, 1.f, dy.data(), dy.size());
+    rng_fill_uniform(seed, 5, -1.f, 1.f, x.data(), x.size());
+    rng_fill_uniform(seed, 6, -1.f, 1.f, dy.data(), dy.size());
     kern_bf16_round_n(x.data(), x.size());
     kern_bf16_round_n(dy.data(), dy.size());
     /* the uploaded weights stay fp32 (master); the compute copy is bf16 */
@@ -1262,7 +1263,7 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
         kern_init_weight(seed, 0, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
     }
     kern_init_weight(seed, 0, 0, KERN_W_ROUTER, E, H, wr.data());
-    kern_fill_uniform(seed, 1, -1.f, 1.f, x.data(), x.size());
+    rng_fill_uniform(seed, 1, -1.f, 1.f, x.data(), x.size());
     if (c.skew) {
         for (auto &v : x)
             v += 0.5f;
@@ -1402,7 +1403,7 @@ static int experts_decode_check(const ecase &c, uint64_t seed)
         kern_init_weight(seed, 4, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
         kern_init_weight(seed, 4, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
     }
-    kern_fill_uniform(seed, 7, -1.f, 1.f, x.data(), x.size());
+    rng_fill_uniform(seed, 7, -1.f, 1.f, x.data(), x.size());
     for (std::vector<float> *v : {&w1, &w3, &w2, &x})
         kern_bf16_round_n(v->data(), v->size());
     std::vector<float> yref((size_t)N * H);

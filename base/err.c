@@ -1,7 +1,7 @@
 /* err.c - moe_err descriptions, wire codes and dtype helpers. */
 #include <string.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 static const struct {
     const char *code;
