@@ -1,6 +1,6 @@
 /*
  * bench_stats.h - what `moectl bench` reports, header-only so that
- * tests/test_moectl_bench.c checks it without a cluster:
+ * tests/cluster/test_moectl_bench.c checks it without a cluster:
  *   - every request's outcome, counted per error code (ok, deadline_exceeded, ...);
  *   - throughput (tokens/s, req/s) of the successful requests only, over the
  *     wall time of all of them;

@@ -12,7 +12,7 @@ repository by default) and checks:
      itself), anywhere.
 
 Every folder holding C or CUDA sources must be on a floor: a new folder is
-placed here on purpose. Run by `make lint` and by tests/test_layers.c,
+placed here on purpose. Run by `make lint` and by tests/unit/test_layers.c,
 which also plants violations in a temporary tree to prove they are caught.
 
 Usage: tools/layers.py [ROOT]   exit 0 clean, 1 violations (one per line).

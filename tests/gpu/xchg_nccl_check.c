@@ -13,13 +13,9 @@
  *   3. failure: a fresh communicator with a 3 s timeout, the last rank
  *      exits, the others' allreduce must return MOE_EUNAVAIL in time.
  *
- * Build (from the repo root):
- *   gcc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -DMOE_HAVE_CUDA=1 \
- *       -I/usr/local/cuda/include -I. \
- *       bench/xchg_nccl_check.c worker/xchg_nccl.c common/log.c base/err.c \
- *       -o build/xchg_nccl_check -L/usr/local/cuda/lib64 -lnccl -lcudart_static \
- *       -ldl -lrt -lpthread
- * Run: build/xchg_nccl_check [-n ranks] [-i iters] [-s max MiB per peer]
+ * Build: make bin/xchg_nccl_check (a CUDA build: this file, worker/xchg_nccl.c,
+ * xchg_abort.c, the RPC and core libraries, linked with NCCL and cudart).
+ * Run: bin/xchg_nccl_check [-n ranks] [-i iters] [-s max MiB per peer]
  *      [-t timeout ms] [-F: skip the failure test]. Exit status 0 = all ok.
  */
 #include <errno.h>

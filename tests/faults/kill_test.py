@@ -6,7 +6,7 @@ Run through deploy/gpu-kill-test.sh (it picks GPU or CPU workers, sets up
 the runtime libraries and NCCL_NVLS_ENABLE=0, bounds the whole run and kills
 whatever is left); it can also be run directly:
 
-    python3 python/kill_test.py --workers 2 --backend cpu [--train --checkpoint-dir DIR]
+    python3 tests/faults/kill_test.py --workers 2 --backend cpu [--train --checkpoint-dir DIR]
 
 What it does: starts a coordinator and --workers workers on loopback (with
 --gpus: worker i on --device i), creates a bf16 inference model (and with
@@ -47,10 +47,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import moe  # noqa: E402
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 BIN = os.path.join(ROOT, "bin")
 
 T0 = time.monotonic()

@@ -14,7 +14,7 @@ once. Checks as it goes:
 Prints a summary; exits non-zero on a violated check. Every process it starts
 is stopped at the end (SIGTERM, then SIGKILL).
 
-    python3 python/soak.py --seconds 120 --workers 2 --kill-every 20
+    python3 tests/faults/soak.py --seconds 120 --workers 2 --kill-every 20
 """
 import argparse
 import os
@@ -27,10 +27,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import moe  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 def rss_kb(pid):

@@ -7,7 +7,8 @@
  * training through moe.torch.RemoteMoE against a local torch model
  * (python/train_check.py), and pip install into a fresh venv
  * (python/install_check.py). Skipped when python3 with NumPy is not
- * installed; the torch test when torch is not (.ci/run installs both).
+ * installed; the torch test when torch is not (.ci/run installs both). The
+ * soak under worker kills is tests/faults/test_soak.c.
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -63,26 +64,6 @@ Test(python, parity_with_mixtral_reference, .timeout = 120, .fini = cluster_fini
         cr_expect(strstr(out, "PASS") != NULL, "%s", out);
     }
     cr_assert_eq(cluster_stop(cl), 0);
-}
-
-/* A short chaos run (python/soak.py): inference and training with
- * expect_step under worker SIGKILLs every 4 s, with automatic checkpoints:
- * no unexpected error, no step lost or applied twice. */
-Test(python, soak_with_worker_kills, .timeout = 90)
-{
-    if (!have_numpy())
-        cr_skip_test("python3 with numpy is not installed");
-    if (access("lib/libmoe.so", R_OK) != 0)
-        cr_skip_test("lib/libmoe.so not built");
-    char out[8192];
-    FILE *p = popen("python3 python/soak.py --seconds 20 --workers 2 --kill-every 4 2>&1", "r");
-    cr_assert(p);
-    size_t n = fread(out, 1, sizeof(out) - 1, p);
-    out[n] = 0;
-    int st = pclose(p);
-    cr_log_info("%s", out);
-    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "soak failed:\n%s", out);
-    cr_assert(strstr(out, "1 passed, 0 failed") != NULL, "%s", out);
 }
 
 /* The Python client over the data plane (python/dataplane_check.py): NumPy,
