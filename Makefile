@@ -2,7 +2,7 @@
 #   make            build everything (CUDA sources too when nvcc is present)
 #   make run        install missing deps, build, start a local cluster, run a demo
 #   make test       install missing deps, build, run the Criterion suite (no GPU)
-#   make check-gpu  CUDA kernels against the CPU reference (GPU machine)
+#   make check-gpu  CUDA kernels against the CPU reference (GPU machine; tests/gpu/)
 #   make check-gpu-dataplane  CUDA IPC and the Python client against a GPU worker (GPU machine)
 #   make NO_CUDA=1  skip CUDA sources
 #   make lint / make format
@@ -39,6 +39,7 @@ endif
 endif
 
 B := build
+BASE_SRC   := $(wildcard base/*.c)
 COMMON_SRC := $(wildcard common/*.c)
 PROTO_SRC  := $(wildcard proto/*.c)
 KERN_SRC   := $(wildcard kernels/*.c)
@@ -46,8 +47,11 @@ RPC_SRC    := $(wildcard rpc/*.c)
 SERVER_SRC := $(filter-out server/main.c,$(wildcard server/*.c))
 WORKER_SRC := $(filter-out worker/main.c,$(wildcard worker/*.c))
 CLIENT_SRC := $(filter-out client/moectl.c,$(wildcard client/*.c))
-TEST_SRC   := $(wildcard tests/*.c)
-CUDA_SRC   := $(filter-out kernels/cuda/check_gpu.cu,$(wildcard kernels/cuda/*.cu))
+# the checks (tests/README.md): unit/ (pure functions, kernels, proto),
+# cluster/ (real daemons, started by tests/cluster.{h,c}), faults/ (under
+# worker kills), all in one Criterion binary; gpu/ holds the GPU programs
+TEST_SRC   := $(wildcard tests/*.c tests/unit/*.c tests/cluster/*.c tests/faults/*.c)
+CUDA_SRC   := $(wildcard kernels/cuda/*.cu)
 
 obj = $(patsubst %.c,$(B)/%.o,$(1))
 CORE_LIB   := $(B)/libmoecore.a
@@ -88,7 +92,7 @@ $(B)/%.o: %.cu $(wildcard kernels/*.h kernels/cuda/*.h kernels/cuda/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
-$(CORE_LIB): $(call obj,$(COMMON_SRC) $(PROTO_SRC))
+$(CORE_LIB): $(call obj,$(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
 $(KERN_LIB): $(call obj,$(KERN_SRC))
 	@mkdir -p $(dir $@); rm -f $@; ar rcs $@ $^
@@ -107,14 +111,16 @@ bin/moe-coordinator: $(B)/server/main.o $(SERVER_LIB) $(RPC_LIB) lib/libmoe.a $(
 bin/moe-worker: $(B)/worker/main.o $(WORKER_LIB) $(RPC_LIB) lib/libmoe.a $(KERN_LIB) $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
 	@mkdir -p bin
 	$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) $(LDLIBS)
-lib/libmoe.a: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
+lib/libmoe.a: $(call obj,$(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p lib; rm -f $@; ar rcs $@ $^
-lib/libmoe.so: $(call obj,$(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC))
+lib/libmoe.so: $(call obj,$(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p lib
 	$(CC) -shared $(LDFLAGS) -o $@ $^ -lnng -lpthread -lm
-bin/moectl: $(B)/client/moectl.o lib/libmoe.a $(KERN_LIB)
+# moectl is a client of libmoe and nothing else (bf16 and test inputs from
+# the floors below the kernels: base/, common/)
+bin/moectl: $(B)/client/moectl.o lib/libmoe.a
 	@mkdir -p bin
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ -lnng -lm -lpthread
 
 # One Criterion binary holds every test: one Synthesis line at the end.
 $(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
@@ -149,7 +155,7 @@ run: deps
 ifeq ($(HAVE_CUDA),1)
 # check-gpu and moe_bench link no OpenBLAS, nng or libuv (absent on the GPU
 # machine): the CPU reference objects plus static cudart (and cuBLAS for bench).
-bin/check-gpu: kernels/cuda/check_gpu.cu $(CUDA_LIB) $(KERN_LIB) $(CORE_LIB)
+bin/check-gpu: tests/gpu/check_gpu.cu $(CUDA_LIB) $(KERN_LIB) $(CORE_LIB)
 	@mkdir -p bin
 	$(NVCC) $(NVCCFLAGS) -I/usr/include/x86_64-linux-gnu/openblas-pthread -o $@ $< \
 	    $(CUDA_LIB) $(KERN_LIB) $(CORE_LIB) -lm
@@ -158,7 +164,7 @@ check-gpu: bin/check-gpu
 # check-gpu-portable: the same checks on the portable image alone (compute_80
 # PTX, compiled by the driver): on a Hopper GPU it runs the kernels an A100,
 # L40S or newer GPU without sm_90a code runs (mma.sync GEMMs, no PDL)
-bin/check-gpu-portable: kernels/cuda/check_gpu.cu $(CUDA_SRC) $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h) $(KERN_LIB) $(CORE_LIB)
+bin/check-gpu-portable: tests/gpu/check_gpu.cu $(CUDA_SRC) $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h) $(KERN_LIB) $(CORE_LIB)
 	@$(MAKE) --no-print-directory B=$(B)/portable NVCC_GENCODE='-gencode=arch=compute_80,code=compute_80' \
 	    $(B)/portable/libmoekern_cuda.a
 	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_80,code=compute_80 -Xcompiler -fPIC -I. \
@@ -179,31 +185,38 @@ bin/topk_bench: bench/topk_bench.cu kernels/cuda/kcu_topk.cuh
 	$(NVCC) $(NVCCFLAGS) -o $@ $<
 bench: bin/moe_bench bin/ep_bench
 	./bin/moe_bench
-ALL_TARGETS += bin/ep_bench bin/topk_bench
+# tests/gpu/xchg_nccl_check: the NCCL exchange backend on this host's GPUs
+# (forked ranks; deploy/gpu-smoke.sh runs it on 2+ GPUs)
+bin/xchg_nccl_check: tests/gpu/xchg_nccl_check.c $(B)/worker/xchg_nccl.o $(B)/worker/xchg_abort.o $(RPC_LIB) $(CORE_LIB)
+	@mkdir -p bin
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt \
+	    -lnng -luv -lmsgpackc -lpthread -lm
+ALL_TARGETS += bin/ep_bench bin/topk_bench bin/check-gpu bin/xchg_nccl_check
 endif
 
-FMT_SRC = $(sort $(wildcard */*.c */*.h kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))
+FMT_SRC = $(sort $(wildcard */*.c */*.h tests/*/*.c tests/gpu/*.cu kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))
 format:
 	clang-format -i $(FMT_SRC)
 lint:
+	python3 tools/layers.py
 	clang-format --dry-run -Werror $(FMT_SRC)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	    --suppress=missingIncludeSystem --inline-suppr -D__GNUC__ -I. \
-	    common proto rpc kernels server worker client
+	    base common proto rpc kernels server worker client
 
 clean:
 	rm -rf $(B) bin lib
 
 # bench/service_bench: checks and times a running cluster (not a test).
-bin/service_bench: bench/service_bench.c lib/libmoe.a $(KERN_LIB)
+bin/service_bench: bench/service_bench.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(if $(HAVE_CUDA),-L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt) \
 	    -lnng -lopenblas -lm -lpthread
 ALL_TARGETS += bin/service_bench
 
 ifeq ($(HAVE_CUDA),1)
-# bench/cuda_ipc_check: rows on a GPU through the service (GPU host, a second process)
-bin/cuda_ipc_check: bench/cuda_ipc_check.c lib/libmoe.a $(KERN_LIB)
+# tests/gpu/cuda_ipc_check: rows on a GPU through the service (GPU host, a second process)
+bin/cuda_ipc_check: tests/gpu/cuda_ipc_check.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
 	    -lnng -lopenblas -lm -lpthread
@@ -228,12 +241,12 @@ FUZZ_SECONDS ?= 60
 FUZZ_CC = clang -g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE \
           -I.
 FUZZ_RUN = UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-COORD_FUZZ_SRC = $(SERVER_SRC) $(RPC_SRC) $(CLIENT_SRC) $(COMMON_SRC) $(PROTO_SRC)
+COORD_FUZZ_SRC = $(SERVER_SRC) $(RPC_SRC) $(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC)
 fuzz:
 	@mkdir -p $(B)/fuzz fuzz/corpus-out fuzz/corpus-params-out fuzz/corpus-coord-out
-	$(FUZZ_CC) fuzz/fuzz_decode.c $(PROTO_SRC) common/err.c -o $(B)/fuzz/decode
+	$(FUZZ_CC) fuzz/fuzz_decode.c $(PROTO_SRC) base/err.c -o $(B)/fuzz/decode
 	$(FUZZ_CC) fuzz/fuzz_params.c common/params.c common/model_cfg.c common/hfcfg.c common/json.c \
-	    $(PROTO_SRC) common/err.c \
+	    $(PROTO_SRC) base/err.c \
 	    -o $(B)/fuzz/params
 	$(FUZZ_CC) fuzz/fuzz_coord.c $(COORD_FUZZ_SRC) -o $(B)/fuzz/coord -lnng -luv -lpthread -lm
 	$(FUZZ_RUN) $(B)/fuzz/decode fuzz/corpus-out fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -max_len=4096

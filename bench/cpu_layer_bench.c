@@ -39,6 +39,7 @@
 
 #include "worker/blas_pick.h"
 #include "kernels/kern.h"
+#include "common/rng.h"
 
 typedef struct {
     int H, F, E, K;
@@ -169,8 +170,8 @@ static double act_ms(const layer *L, int T, int reps)
     float *h = malloc(n * sizeof(float));
     double *t = malloc((size_t)reps * sizeof(double)), med = -1;
     if (a && b && h && t) {
-        kern_fill_uniform(9, 0, -4.0f, 4.0f, a, n);
-        kern_fill_uniform(9, 1, -4.0f, 4.0f, b, n);
+        rng_fill_uniform(9, 0, -4.0f, 4.0f, a, n);
+        rng_fill_uniform(9, 1, -4.0f, 4.0f, b, n);
         kern_act_forward_par(KERN_ACT_SWIGLU, a, b, n, 0, h);
         for (int r = 0; r < reps; r++) {
             double t0 = now_s();
@@ -221,7 +222,7 @@ static int crossover(const layer *L, int nmax, int reps)
     int rc = -1;
     if (!x || !y || !y2 || !a || !b || !h || !tg || !tv)
         goto out;
-    kern_fill_uniform(7, 0, -1.0f, 1.0f, x, nh);
+    rng_fill_uniform(7, 0, -1.0f, 1.0f, x, nh);
     for (int n = 1; n <= nmax; n++) {
         ffn_sgemm(L, n, x, a, b, h, y);
         ffn_gemv(L, n, x, a, b, h, y2);
@@ -256,7 +257,7 @@ static int time_T(const layer *L, int T, double warm_s, int reps)
     memset(&b, 0, sizeof(b));
     if (!x || !y || !t || (!L->fresh && bufs_alloc(L, T, &b) != 0))
         goto out;
-    kern_fill_uniform(7, (uint64_t)T, -1.0f, 1.0f, x, (size_t)T * L->H);
+    rng_fill_uniform(7, (uint64_t)T, -1.0f, 1.0f, x, (size_t)T * L->H);
     double w0 = now_s();
     do {
         if (forward(L, &b, x, T, y) != 0)
@@ -299,7 +300,7 @@ static int dump(const layer *L, int T, const char *path)
     memset(&b, 0, sizeof(b));
     if (!x || !y || !f || bufs_alloc(L, T, &b) != 0)
         goto out;
-    kern_fill_uniform(7, (uint64_t)T, -1.0f, 1.0f, x, th);
+    rng_fill_uniform(7, (uint64_t)T, -1.0f, 1.0f, x, th);
     if (forward(L, &b, x, T, y) != 0)
         goto out;
     int32_t hdr[5] = {T, L->H, L->F, L->E, L->K};

@@ -44,7 +44,8 @@
 #include <unistd.h>
 
 #include "kernels/kern.h"
-#include "client/moe.h"
+#include "base/moe.h"
+#include "common/rng.h"
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -354,8 +355,8 @@ int main(int argc, char **argv)
         float *dy = malloc(n * 4 + 4), *dx = malloc(n * 4 + 4), *dxr = malloc(n * 4 + 4);
         void *xw = malloc(n * es + 4), *yw = malloc(n * es + 4), *dyw = malloc(n * es + 4),
              *dxw = malloc(n * es + 4);
-        kern_fill_uniform(7, (uint64_t)T, -1, 1, x, n);
-        kern_fill_uniform(8, (uint64_t)T, -1, 1, dy, n);
+        rng_fill_uniform(7, (uint64_t)T, -1, 1, x, n);
+        rng_fill_uniform(8, (uint64_t)T, -1, 1, dy, n);
         if (dt == MOE_BF16) {
             kern_bf16_round_n(x, n);
             kern_bf16_round_n(dy, n);

@@ -1,6 +1,6 @@
 /*
  * bench_stats.h - what `moectl bench` reports, header-only so that
- * tests/test_moectl_bench.c checks it without a cluster:
+ * tests/cluster/test_moectl_bench.c checks it without a cluster:
  *   - every request's outcome, counted per error code (ok, deadline_exceeded, ...);
  *   - throughput (tokens/s, req/s) of the successful requests only, over the
  *     wall time of all of them;
@@ -15,7 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 /* pctl_rank: the 1-based rank of the p-th percentile (0 < p <= 100) of n
  * samples by the nearest-rank method, ceil(p/100 * n), clamped to [1, n];

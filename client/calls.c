@@ -5,7 +5,7 @@
 
 #include "client/client_dp.h"
 #include "common/model_cfg.h"
-#include "client/moe.h"
+#include "base/moe.h"
 #include "common/params.h"
 #include "proto/proto.h"
 

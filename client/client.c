@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "client/client_dp.h"
-#include "client/moe.h"
+#include "base/moe.h"
 #include "proto/proto.h"
 #include "common/tls.h"
 

@@ -17,7 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 #define MOE_BULK_POOL_MAX 4 /* idle connections kept per worker */
 

@@ -13,7 +13,7 @@
 
 #include <nng/nng.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 #include "proto/proto.h"
 
 enum { MOE_PATH_AUTO = 0, MOE_PATH_COORD, MOE_PATH_SOCKET, MOE_PATH_SHM, MOE_PATH_BULK };

@@ -14,9 +14,9 @@
 #include <time.h>
 
 #include "client/bench_stats.h"
-#include "kernels/kern.h"
-#include "client/moe.h"
+#include "base/moe.h"
 #include "proto/proto.h"
+#include "common/rng.h"
 
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
@@ -208,12 +208,12 @@ static void *make_input(long long T, int H, moe_dtype dt, long long seed)
     float *f = malloc((n ? n : 1) * sizeof(float));
     if (!f)
         return NULL;
-    kern_fill_uniform((uint64_t)seed, 7, -1.0f, 1.0f, f, n);
+    rng_fill_uniform((uint64_t)seed, 7, -1.0f, 1.0f, f, n);
     if (dt == MOE_F32)
         return f;
     uint16_t *h = malloc((n ? n : 1) * 2);
-    for (size_t i = 0; h && i < n; i++)
-        h[i] = kern_f32_to_bf16(f[i]);
+    if (h)
+        moe_bf16_from_f32(f, h, n);
     free(f);
     return h;
 }
@@ -309,7 +309,11 @@ static int cmd_forward(moe_client *c, const opts *o)
     }
     double sum = 0, sq = 0;
     for (long long i = 0; i < T * H; i++) {
-        float v = dt == MOE_F32 ? ((float *)y)[i] : kern_bf16_to_f32(((uint16_t *)y)[i]);
+        float v;
+        if (dt == MOE_F32)
+            v = ((float *)y)[i];
+        else
+            moe_f32_from_bf16((const uint16_t *)y + i, &v, 1);
         sum += v;
         sq += (double)v * v;
     }
@@ -397,8 +401,8 @@ static int cmd_bench_train(moe_client *c, const opts *o)
     bench_tally tally = {{0}};
     int n_ok = 0;
     for (int i = 0; i <= N; i++) { /* i = 0 is a warm-up */
-        kern_fill_uniform((uint64_t)o->seed + (uint64_t)i, 1, -1, 1, x, n);
-        kern_fill_uniform((uint64_t)o->seed + (uint64_t)i, 2, -1e-2f, 1e-2f, dy, n);
+        rng_fill_uniform((uint64_t)o->seed + (uint64_t)i, 1, -1, 1, x, n);
+        rng_fill_uniform((uint64_t)o->seed + (uint64_t)i, 2, -1e-2f, 1e-2f, dy, n);
         moe_fwd_info info = {0}; /* left as is by a failed forward */
         double a = now_s();
         moe_err e = moe_forward_train(c, o->model, o->layer, MOE_F32, x, o->tokens, H, y, &info);

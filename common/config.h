@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdio.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 /* CFG_BOOL: a long long 0/1; a bare --name sets it (--name=0 clears it) */
 typedef enum cfg_type { CFG_STR, CFG_INT, CFG_BOOL } cfg_type;

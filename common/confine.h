@@ -13,7 +13,7 @@
 
 #include <stddef.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 #define CONFINE_MAX_ROOTS 4
 

@@ -19,7 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 #define HF_MAX_LAYERS 1024
 

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 typedef enum json_type { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } json_type;
 

@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 #define ST_MAX_DIMS 4
 

@@ -15,7 +15,7 @@
 
 #include <stdint.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 typedef struct sdn {
     uint64_t watchdog_ns; /* $WATCHDOG_USEC in ns; 0 = no watchdog */

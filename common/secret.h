@@ -14,7 +14,7 @@
 
 #include <stddef.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 /* SECRET_MAX: room for a secret and its NUL (a generated one is 64 hex) */
 #define SECRET_MAX 256

@@ -16,7 +16,7 @@
 #include <nng/nng.h>
 #include <stddef.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 /* moe_tls_files: the PEM files of one process (paths, borrowed; NULL or
  * "" = not given). */

@@ -5,7 +5,7 @@
 #                    [--no-python-deps] [--debs-from DIR]
 # OUT/moe-bundle-VERSION-ARCH.tar.gz holds moe-bundle-VERSION-ARCH/:
 #   install-bundle.sh       installs it, no network (deploy/install-bundle.sh)
-#   bin/ lib/ client/moe.h README.md docs/ deploy/   the built tree (install.sh)
+#   bin/ lib/ base/moe.h README.md docs/ deploy/   the built tree (install.sh)
 #   debs/*.deb              the runtime libraries, at this host's versions
 #                           (from DIR, .deps/, apt's cache, else apt-get download)
 #   nccl/libnccl.so.2       NCCL, when the worker links it (--nccl auto), or PATH
@@ -37,7 +37,7 @@ DEBS=(libnng1 libmbedtls14 libmbedx509-1 libmbedcrypto7 libmsgpackc2 libuv1
 for f in bin/moe-coordinator bin/moe-worker bin/moectl lib/libmoe.so lib/libmoe.a; do
     [ -f "$ROOT/$f" ] || { echo "bundle.sh: $f is missing: run make first" >&2; exit 1; }
 done
-VERSION=$(sed -n 's/^#define MOE_VERSION_STRING "\(.*\)"/\1/p' "$ROOT/client/moe.h")
+VERSION=$(sed -n 's/^#define MOE_VERSION_STRING "\(.*\)"/\1/p' "$ROOT/base/moe.h")
 ARCH=$(dpkg --print-architecture 2>/dev/null || uname -m)
 NAME=moe-bundle-$VERSION-$ARCH
 mkdir -p "$OUT"
@@ -45,13 +45,13 @@ OUT=$(cd "$OUT" && pwd)
 STAGE=$(mktemp -d "$OUT/.bundle-XXXXXX")
 trap 'rm -rf "$STAGE"' EXIT
 B=$STAGE/$NAME
-mkdir -p "$B/debs" "$B/wheels" "$B/client" "$B/deploy/systemd"
+mkdir -p "$B/debs" "$B/wheels" "$B/base" "$B/deploy/systemd"
 notes=()
 
 # the built tree, laid out as deploy/install.sh expects it
 cp -a "$ROOT/bin" "$ROOT/lib" "$ROOT/docs" "$ROOT/README.md" "$B/"
 rm -f "$B"/bin/check-gpu* "$B"/bin/*bench* "$B"/bin/cuda_ipc_check
-cp "$ROOT/client/moe.h" "$B/client/"
+cp "$ROOT/base/moe.h" "$B/base/"
 cp "$ROOT/deploy/install.sh" "$B/deploy/"
 cp "$ROOT"/deploy/systemd/*.service "$ROOT"/deploy/systemd/*.conf "$ROOT"/deploy/systemd/moe.sysusers \
     "$B/deploy/systemd/"

@@ -13,7 +13,7 @@
 #
 # With GPUs (and a CUDA build in bin/): one worker per GPU (--device i),
 # --backend cuda, --xchg nccl. Without: 2 workers, --backend cpu, nng.
-# OPTIONS are python/kill_test.py's (--help lists them: model shape
+# OPTIONS are tests/faults/kill_test.py's (--help lists them: model shape
 # --d-model/--d-ff/--experts/--top-k/--layers, --tokens, --clients,
 # --victim, --kill-after, the bounds, --keep-logs).
 #
@@ -67,10 +67,10 @@ fi
 export NCCL_NVLS_ENABLE=0
 if [ "$HELP" -eq 1 ]; then
     sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
-    exec python3 python/kill_test.py --help
+    exec python3 tests/faults/kill_test.py --help
 fi
 
-python3 -c 'import numpy' 2>/dev/null || { say "python3 with numpy is needed (python/kill_test.py)"; exit 2; }
+python3 -c 'import numpy' 2>/dev/null || { say "python3 with numpy is needed (tests/faults/kill_test.py)"; exit 2; }
 
 # GPUs: one worker per GPU, CUDA backend, NCCL between the workers
 NGPU=0
@@ -127,7 +127,7 @@ trap cleanup EXIT
 trap 'say "interrupted"; exit 130' INT TERM HUP
 
 PYLIMIT=$((LIMIT > 40 ? LIMIT - 10 : LIMIT * 3 / 4)) # the test ends itself first, with its table
-TEST=(python3 -u python/kill_test.py --workers "$WORKERS" --backend "$BACKEND" --xchg "$XCHG"
+TEST=(python3 -u tests/faults/kill_test.py --workers "$WORKERS" --backend "$BACKEND" --xchg "$XCHG"
     --gpus "$GPUS" --time-limit "$PYLIMIT" "${ARGS[@]}")
 set -m # job control: the background job gets its own process group (pgid = $!)
 "${TEST[@]}" &

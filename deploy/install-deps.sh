@@ -14,7 +14,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # A build with CUDA (the Makefile passes MOE_CUDA=1 when it compiles the
-# CUDA sources) has its kernel images read by tests/test_cuda_images.c with
+# CUDA sources) has its kernel images read by tests/unit/test_cuda_images.c with
 # cuobjdump. A toolkit installed from NVIDIA's pip wheels has none: fetch
 # NVIDIA's cuobjdump wheel into .tools/ (ignored by git), the last place on
 # the test's search path (PATH, /usr/local/cuda/bin, .tools/cuobjdump/...).

@@ -50,7 +50,7 @@ install -m 0755 "$ROOT/bin/moe-coordinator" "$ROOT/bin/moe-worker" "$ROOT/bin/mo
     "$D$PREFIX/bin/"
 install -m 0755 "$ROOT/lib/libmoe.so" "$D$PREFIX/lib/"
 install -m 0644 "$ROOT/lib/libmoe.a" "$D$PREFIX/lib/"
-install -m 0644 "$ROOT/client/moe.h" "$D$PREFIX/include/"
+install -m 0644 "$ROOT/base/moe.h" "$D$PREFIX/include/"
 install -m 0644 "$ROOT/README.md" "$ROOT"/docs/*.md "$D$PREFIX/share/doc/moe/"
 install -m 0644 "$ROOT/deploy/systemd/coordinator.conf" "$ROOT/deploy/systemd/worker.conf" \
     "$D$PREFIX/share/doc/moe/examples/"

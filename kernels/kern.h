@@ -23,7 +23,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "client/moe.h"
+#include "base/bf16.h"
+#include "base/moe.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -32,22 +33,15 @@ extern "C" {
 typedef enum kern_act { KERN_ACT_SWIGLU = 0, KERN_ACT_GELU = 1 } kern_act;
 
 /* ---- bf16 ---- */
-/* Inline forms for hot loops (branch-free, so loops over them vectorize);
- * the functions below are the same conversions out of line. */
+/* Inline forms for hot loops: the ground's conversion (base/bf16.h); the
+ * functions below are the same conversions out of line. */
 static inline uint16_t kern_f32_to_bf16_inl(float f)
 {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, sizeof(u));
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* ties to even */
-    uint32_t quiet_nan = (u >> 16) | 0x0040u;                  /* NaN keeps its sign */
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+    return bf16_from_f32_inl(f);
 }
 static inline float kern_bf16_to_f32_inl(uint16_t h)
 {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &u, sizeof(f));
-    return f;
+    return bf16_to_f32_inl(h);
 }
 static inline float kern_bf16_round_inl(float f)
 {
@@ -66,9 +60,7 @@ typedef enum kern_wkind { KERN_W_ROUTER = 0, KERN_W1 = 1, KERN_W3 = 2, KERN_W2 =
  * index): the same numbers whichever process makes them. */
 void kern_init_weight(uint64_t seed, int layer, int expert, kern_wkind which, int rows, int cols,
                       float *out);
-/* kern_fill_uniform fills n values uniform in [lo, hi) from a counter hash of
- * (seed, stream, index) - for test inputs. */
-void kern_fill_uniform(uint64_t seed, uint64_t stream, float lo, float hi, float *out, size_t n);
+/* Test inputs come from the same hash: rng_fill_uniform (common/rng.h). */
 
 /* ---- router ---- */
 /* logits (T,E) = x (T,H) wr^T, wr (E,H). */

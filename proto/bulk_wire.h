@@ -39,7 +39,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 #define MOE_BULK_MAGIC    0x42454f4du /* "MOEB" read as a little-endian uint32 */
 #define MOE_BULK_VERSION  1

@@ -20,7 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 #define MP_MAX_DEPTH 32
 #define MOE_MAX_DIMS 4

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """make_fixtures.py - tiny random Hugging Face MoE models and what
-transformers computes with them, for tests/test_hf.c (no torch needed there).
+transformers computes with them, for tests/cluster/test_hf.c (no torch needed there).
 
 For each family (Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE and DeepSeek-V3:
 shared experts, sigmoid scoring with a correction bias, group-limited

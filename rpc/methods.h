@@ -11,7 +11,7 @@
  * The dispatch finds the row by name (rpc_method_find), and the flags say
  * what the daemon does around the handler: exactly-once by rid, refusal
  * while draining, the compute thread. docs/PROTOCOL.md's method tables are
- * checked against these tables by a test (tests/test_methods.c).
+ * checked against these tables by a test (tests/unit/test_methods.c).
  */
 #ifndef MOE_RPC_METHODS_H
 #define MOE_RPC_METHODS_H

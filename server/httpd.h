@@ -15,7 +15,7 @@
 
 #include <stddef.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 
 #define HTTPD_HEAD_MAX  8192
 #define HTTPD_URI_MAX   2048

@@ -2,7 +2,7 @@
  * methods.c - the coordinator's RPC methods as one table (name, flags,
  * handler) and the dispatch around it: auth, exactly-once, drain.
  * Adding a method is a row here and a handler; docs/PROTOCOL.md's method
- * tables are checked against this one (tests/test_methods.c).
+ * tables are checked against this one (tests/unit/test_methods.c).
  */
 #include <string.h>
 

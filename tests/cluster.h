@@ -29,7 +29,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "client/moe.h"
+#include "base/moe.h"
 #include "proto/proto.h"
 
 #define CLUSTER_MAX_WORKERS 8

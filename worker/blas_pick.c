@@ -1,7 +1,7 @@
 /*
  * blas_pick.c - OpenBLAS core type from the CPU's features, set before the
  * library's kernels are in use (blas_pick.h). The decisions are pure
- * functions of strings and feature bits (tested in tests/test_blas_pick.c);
+ * functions of strings and feature bits (tested in tests/unit/test_blas_pick.c);
  * blas_pick_reexec and blas_pick_describe feed them this process's state.
  */
 #include <cblas.h>

@@ -968,7 +968,7 @@ static void on_ping(dp_table *t, rpc_call *c)
 }
 
 /* the data-plane endpoint's methods (clients call them; docs/PROTOCOL.md
- * "Data plane" lists them, checked by tests/test_methods.c) */
+ * "Data plane" lists them, checked by tests/unit/test_methods.c) */
 const dp_method dp_methods[] = {
     {{"ping", RPC_NO_PARAMS}, on_ping},   {{"data.rows", 0}, on_rows},
     {{"data.cancel", 0}, on_cancel},      {{"data.shm_attach", 0}, on_attach},

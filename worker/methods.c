@@ -3,7 +3,7 @@
  * as one table: name, flags, handler. Rows flagged RPC_COMPUTE run on the
  * compute thread in arrival order (the cluster's job order); the others on
  * the loop thread at once. docs/PROTOCOL.md's table is checked against
- * this one (tests/test_methods.c).
+ * this one (tests/unit/test_methods.c).
  */
 #include "common/log.h"
 #include "common/params.h"

@@ -48,7 +48,7 @@ extern "C" {
 #endif
 
 #include "kernels/kern.h"
-#include "client/moe.h"
+#include "base/moe.h"
 
 typedef struct kcu_ep kcu_ep;
 

@@ -1,5 +1,5 @@
 /*
- * kcu_internal.cuh - shared between the CUDA kernel files and check_gpu.cu:
+ * kcu_internal.cuh - shared between the CUDA kernel files and tests/gpu/check_gpu.cu:
  * error checks, bf16 helpers, the layer struct and the launchers.
  */
 #ifndef MOE_KCU_INTERNAL_CUH

@@ -38,7 +38,7 @@ extern "C" { /* kern.h and moe.h carry no C++ guards of their own */
 #endif
 
 #include "kernels/kern.h"
-#include "client/moe.h"
+#include "base/moe.h"
 
 typedef struct kcu_layer kcu_layer;
 

@@ -46,7 +46,7 @@ def _lib_candidates() -> List[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     out = []
-    if os.path.exists(os.path.join(root, "client", "moe.h")):  # python/moe in the repository
+    if os.path.exists(os.path.join(root, "base", "moe.h")):  # python/moe in the repository
         out.append(os.path.join(root, "lib", "libmoe.so"))
     out.append(os.path.join(here, "libmoe.so"))  # installed with the package
     out.append("libmoe.so")  # the system's library path (ldconfig, LD_LIBRARY_PATH)

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Type
 
 class Error(Exception):
     """A failed call. .code is the stable wire code ("busy", "not_found", ...),
-    .number the C enum value (moe_err in client/moe.h) and .message the
+    .number the C enum value (moe_err in base/moe.h) and .message the
     server's (or the library's) human-readable reason."""
 
     code = "internal"
@@ -94,7 +94,7 @@ class ClosedError(Error):
     """closed: the client (or the connection) is closed."""
 
 
-# enum value -> (wire code, class); never renumbered (client/moe.h)
+# enum value -> (wire code, class); never renumbered (base/moe.h)
 _TABLE = {
     1: ("invalid_argument", InvalidArgumentError),
     2: ("unauthenticated", UnauthenticatedError),
