@@ -23,7 +23,7 @@
 #include <unistd.h>
 
 #include "tests/cluster.h"
-#include "kernels/kern.h"
+#include "common/rng.h"
 
 #define ST 12 /* rows of a train forward and of the probe */
 #define SH 16 /* d_model */
@@ -40,7 +40,7 @@ static void rm_rf(const char *dir)
 static moe_err probe(moe_client *cli, float *y)
 {
     float x[SN];
-    kern_fill_uniform(91, 1, -1, 1, x, SN);
+    rng_fill_uniform(91, 1, -1, 1, x, SN);
     return moe_forward(cli, "s", 0, MOE_F32, x, ST, SH, y, NULL);
 }
 
@@ -49,8 +49,8 @@ static void train_step(moe_client *cli, uint64_t k, int64_t expect)
 {
     float x[SN], y[SN], dy[SN], dx[SN];
     moe_fwd_info info;
-    kern_fill_uniform(k, 1, -1, 1, x, SN);
-    kern_fill_uniform(k, 2, -1, 1, dy, SN);
+    rng_fill_uniform(k, 1, -1, 1, x, SN);
+    rng_fill_uniform(k, 2, -1, 1, dy, SN);
     cr_assert_eq(moe_forward_train(cli, "s", 0, MOE_F32, x, ST, SH, y, &info), MOE_OK,
                  "forward_train: %s", moe_last_error());
     cr_assert_eq(moe_backward(cli, info.handle, MOE_F32, dy, ST, SH, dx), MOE_OK, "backward: %s",
