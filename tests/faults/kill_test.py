@@ -108,6 +108,9 @@ class Cluster:
                 "--cluster-secret-file", os.path.join(self.run, "secret"),
                 "--heartbeat-timeout-ms", str(a.heartbeat_timeout_ms),
                 "--worker-timeout-ms", str(a.worker_timeout_ms)]
+        if a.min_workers:
+            argv += ["--min-workers", str(a.min_workers),
+                     "--shrink-after-ms", str(a.shrink_after_ms)]
         if ckpt_dir:
             # explicit checkpoint.save paths (the durability check's) lie in the run directory
             argv += ["--checkpoint-dir", ckpt_dir, "--checkpoint-every", "1",
@@ -404,6 +407,11 @@ def parse_args():
                     help="kill -> status down (0 = heartbeat timeout + 5 s)")
     ap.add_argument("--start-bound-s", type=float, default=90)
     ap.add_argument("--recover-bound-s", type=float, default=60)
+    ap.add_argument("--min-workers", type=int, default=0,
+                    help="the coordinator's --min-workers: before the restart, the survivors "
+                         "must re-form without the victim and serve (0 = off)")
+    ap.add_argument("--shrink-after-ms", type=int, default=1000,
+                    help="with --min-workers: the coordinator's --shrink-after-ms")
     ap.add_argument("--after-requests", type=int, default=3,
                     help="successful forwards per thread needed after the re-formation")
     ap.add_argument("--tolerance", type=float, default=2e-2,
@@ -442,6 +450,7 @@ CHECKS = [
     ("errors", "2 in-flight/after-kill requests get an error"),
     ("bounded", "2 no request hangs"),
     ("down", "3 cluster.status reports the worker down"),
+    ("shrink", "3b re-forms with the survivors (--min-workers)"),
     ("reform", "4 re-forms (new generation), requests succeed"),
     ("durable", "5 no committed training step lost"),
     ("cleanup", "6 every process stopped"),
@@ -626,6 +635,46 @@ def main():
         if cl.coord.poll() is not None:
             raise Abort("the coordinator exited (%s) after the kill" % cl.coord.returncode)
 
+        # ---- the survivors alone (--min-workers) -------------------------
+        if a.min_workers:
+            bound = left(a.recover_bound_s)
+            s = None
+            while time.monotonic() - t_kill < bound:
+                s = cl.status()
+                if (s and s.get("ready") and s["generation"] > gen0
+                        and s.get("world") == a.workers - 1):
+                    break
+                time.sleep(0.05)
+            else:
+                s = None
+            if s is None:
+                put("shrink", False, "no generation of %d survivors within %.0f s of the kill" % (
+                    a.workers - 1, bound))
+            else:
+                t_shrunk = time.monotonic()
+                gen_s = s["generation"]
+                log("re-formed with %d survivors: generation %d, %.2f s after the kill" % (
+                    a.workers - 1, gen_s, t_shrunk - t_kill))
+                e_s, why = None, ""
+                t = time.monotonic()
+                while time.monotonic() - t < left(a.answer_bound_s):
+                    try:
+                        ys, _ = ctl.forward("kt_inf", 0, xref)
+                        e_s = rel_err(moe.from_bf16(ys), yref)
+                        break
+                    except moe.Error as e:  # a moment of `unavailable` while models restore
+                        why = str(e)
+                        time.sleep(0.05)
+                put("shrink", e_s is not None and e_s <= a.tolerance,
+                    "generation %d -> %d of %d workers %.2f s after the kill (--shrink-after-ms "
+                    "%d); kt_inf output vs before the kill: %s" % (
+                        gen0, gen_s, a.workers - 1, t_shrunk - t_kill, a.shrink_after_ms,
+                        "rel err %.2e (tolerance %.0e)" % (e_s, a.tolerance) if e_s is not None
+                        else "no answer (%s)" % why))
+                gen0 = gen_s  # the restart must form a newer one: the cluster grows back
+        else:
+            put("shrink", None, "no --min-workers")
+
         # ---- restart ----------------------------------------------------
         if a.train:
             sm.pause_req.set()
@@ -639,7 +688,7 @@ def main():
         while time.monotonic() - t_restart < bound:
             s = cl.status()
             if (s and s.get("ready") and s["generation"] > gen0
-                    and s["up_workers"] == a.workers):
+                    and s["up_workers"] == a.workers and s.get("world", a.workers) == a.workers):
                 break
             if cl.workers[a.victim].poll() is not None:
                 raise Abort("the restarted worker exited with %s" % cl.workers[a.victim].returncode)
