@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# gpu_owed.sh - the GPU checks a session owes after changing worker/, the
+# exchange or the kernels, in two device calls of under 10 minutes each on a
+# host with 2-4 GPUs (bin/, lib/ and .deps/ carried; logs under $OUT):
+#
+#   bash bench/gpu_owed.sh 1   check-gpu; parity on every GPU count; the
+#                              lane at T=1 (one worker); the survivors'
+#                              re-formation (kill test --min-workers) with
+#                              and without training
+#   bash bench/gpu_owed.sh 2   a kill series of mixed moments (inference,
+#                              kill inside an optimizer step, kill in any
+#                              call) on all GPUs: KILLS runs (default 16)
+#
+# Each step is bounded; a summary line per step goes to $OUT/owed.log.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-run/gpu-owed}
+mkdir -p "$OUT"
+NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+log() { tee -a "$OUT/owed.log"; }
+step() { # timeout name command...: the last lines of its output, then rc
+    local t=$1 name=$2
+    shift 2
+    echo "== $name: $*" | log
+    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    grep -E "PASS|FAIL|passed|failed|fwd |T=1 |re-formed|kill series|first error|ready again" \
+        "$OUT/$name.log" | grep -v "^[0-9]*:" | tail -n 12 | cut -c1-220 | log
+    echo "rc=$rc" | log
+}
+nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader | head -1 | log
+case "${1:-1}" in
+1)
+    step 150 check_gpu bin/check-gpu
+    for W in $NG 2; do
+        [ "$W" -ge 2 ] || continue
+        step 80 "parity_w$W" deploy/gpu-cluster.sh -w "$W" -b cuda -- \
+            python3 python/parity.py --dtype bf16 --d-model 128 --d-ff 256
+    done
+    step 90 lane_t1 deploy/gpu-cluster.sh -w 1 -b cuda -- bin/service_bench --d-model 2048 \
+        --d-ff 768 --experts 128 --top-k 8 --dtype bf16 --tokens 1,64 --iters 101 --no-ref \
+        --paths coordinator,socket,shm,shm-zc
+    if [ "$NG" -ge 3 ]; then
+        step 120 shrink_inf deploy/gpu-kill-test.sh --backend cuda --min-workers $((NG - 1))
+        step 150 shrink_train deploy/gpu-kill-test.sh --backend cuda --min-workers $((NG - 1)) \
+            --train --checkpoint-dir "$OUT/ckpt-shrink"
+    fi
+    ;;
+2)
+    step 580 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-16}" --mix \
+        --backend cuda
+    ;;
+esac
+exit 0
