@@ -262,6 +262,8 @@ struct coord {
     int need_form;           /* a (re)formation is wanted */
     uint64_t short_since_ns; /* a member was lost at this time and the cluster has not been
                               * whole since (0 = whole); --shrink-after-ms counts from it */
+    int shrink_blocked;      /* a generation of survivors could not hold a model: no more
+                              * shrinking until the cluster is whole again */
 
     /* training */
     long long max_handles, handle_ttl_ms;

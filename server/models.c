@@ -162,6 +162,19 @@ static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_r
 {
     if (first == MOE_OK)
         j->model->created_gen = (int)j->generation;
+    if (first != MOE_OK && !j->call && j->generation == c->generation &&
+        c->world < c->expected_workers) {
+        /* a generation of survivors (--min-workers) that cannot hold a
+         * model: give it up and wait for every worker */
+        LOG_W("model %s does not fit on the %d workers of generation %llu (rank %d: %s): "
+              "waiting for all %lld workers",
+              j->model->cfg.name, c->world, (unsigned long long)c->generation, bad_rank,
+              j->replies[bad_rank] ? j->replies[bad_rank]->message : moe_err_code(first),
+              c->expected_workers);
+        c->ready = 0;
+        c->shrink_blocked = 1;
+        c->need_form = 1;
+    }
     if (!j->call)
         return;
     if (first == MOE_OK) {

@@ -346,7 +346,8 @@ static int form_size(coord *c)
     const int up = coord_up_workers(c);
     if (up >= c->expected_workers)
         return (int)c->expected_workers;
-    if (c->min_workers <= 0 || up < c->min_workers || up < 1 || !c->short_since_ns)
+    if (c->min_workers <= 0 || up < c->min_workers || up < 1 || !c->short_since_ns ||
+        c->shrink_blocked)
         return 0;
     if (rpc_now_ns() - c->short_since_ns < (uint64_t)c->shrink_after_ms * 1000000ull)
         return 0;
@@ -598,8 +599,10 @@ static void join_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
     if (first == MOE_OK && j->generation == c->generation) {
         c->ready = 1;
-        if (c->world >= c->expected_workers)
+        if (c->world >= c->expected_workers) {
             c->short_since_ns = 0;
+            c->shrink_blocked = 0;
+        }
         LOG_I("cluster generation %llu ready: %d workers", (unsigned long long)c->generation,
               c->world);
     } else {

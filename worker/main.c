@@ -94,6 +94,9 @@ static const cfg_entry worker_cfg[] = {
     {"fail-create-for-tests", CFG_STR, "", 0, 0, W.fail_create_for_tests,
      "testing: the first worker.model_create of the model of this name fails "
      "(resource_exhausted)"},
+    {"fail-create-below-world", CFG_INT, "0", 0, 256, &W.fail_create_below_world,
+     "testing: every worker.model_create fails (resource_exhausted) while the generation has "
+     "fewer workers than this, as if the larger share did not fit"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))

@@ -396,6 +396,12 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_EUNAVAIL, "worker has not joined a cluster");
         return;
     }
+    if (w->world < w->fail_create_below_world) {
+        rpc_reply_err(c, MOE_ENOMEM,
+                      "cannot allocate model '%s' on %d workers (--fail-create-below-world %lld)",
+                      cfg.name, w->world, w->fail_create_below_world);
+        return;
+    }
     if (w->fail_create_for_tests[0] && strcmp(w->fail_create_for_tests, cfg.name) == 0 &&
         !w->fail_create_done++) {
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate model '%s' (--fail-create-for-tests)",

@@ -176,6 +176,72 @@ Test(shrink, survivors_reform_and_the_cluster_grows_back, .timeout = 600)
     rm_rf(dir);
 }
 
+/* survivors that cannot hold the model: the coordinator gives their
+ * generation up (no re-formation loop) and waits for every worker */
+Test(shrink, survivors_that_cannot_hold_the_model_wait_for_all, .timeout = 600)
+{
+    char dir[64] = "/tmp/moe-shrink-XXXXXX";
+    cr_assert(mkdtemp(dir) != NULL);
+    cluster_opts o = {.workers = 3,
+                      .expected_workers = 3,
+                      .ready_timeout_ms = 60000,
+                      .coord_args = {"--min-workers", "2", "--shrink-after-ms", "300",
+                                     "--checkpoint-dir", dir, "--checkpoint-every", "1", NULL},
+                      .worker_args = {"--fail-create-below-world", "3", NULL}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    moe_model_config cfg = MOE_MODEL_CONFIG_DEFAULT;
+    cfg.name = "s";
+    cfg.layers = 1;
+    cfg.d_model = SH;
+    cfg.d_ff = 24;
+    cfg.n_experts = 4;
+    cfg.top_k = 2;
+    cfg.activation = "swiglu";
+    cfg.renormalize = 1;
+    cfg.dtype = MOE_F32;
+    cfg.seed = 5;
+    cr_assert_eq(moe_model_create(cl->cli, &cfg), MOE_OK, "%s", moe_last_error());
+    train_step(cl->cli, 1, 0);
+    float y_before[SN], y_after[SN];
+    cr_assert_eq(probe(cl->cli, y_before), MOE_OK, "%s", moe_last_error());
+    cluster_state st = {0};
+    cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
+    const uint64_t gen1 = st.generation;
+
+    cr_assert_eq(cluster_worker_kill(cl, 2, SIGKILL), 0);
+    /* the survivors' generation forms, fails to hold the model, is given up */
+    int64_t t0 = cluster_now_ms();
+    for (;;) {
+        memset(&st, 0, sizeof(st));
+        cr_assert_eq(cluster_get_state(cl, &st), MOE_OK, "%s", moe_last_error());
+        if (st.generation > gen1 && st.world == 2 && !st.ready)
+            break;
+        cr_assert(!(st.ready && st.world == 2), "the survivors' generation became ready");
+        cr_assert_lt(cluster_now_ms() - t0, 120000, "no generation of survivors: gen %llu world %d",
+                     (unsigned long long)st.generation, st.world);
+        usleep(20 * 1000);
+    }
+    const uint64_t gen2 = st.generation;
+    /* and it stays given up: no loop of new generations, never ready */
+    usleep(1500 * 1000);
+    memset(&st, 0, sizeof(st));
+    cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
+    cr_assert(!st.ready, "ready with %d workers", st.world);
+    cr_assert_eq(st.generation, gen2, "generations kept forming: %llu -> %llu",
+                 (unsigned long long)gen2, (unsigned long long)st.generation);
+    cr_assert_neq(probe(cl->cli, y_after), MOE_OK, "a forward was served without its model");
+
+    /* the worker returns: whole again, at the acknowledged step */
+    cr_assert_eq(cluster_worker_start(cl, 2), 0, "%s", cluster_error());
+    wait_world(cl, 3, gen2);
+    probe_ok(cl->cli, y_after);
+    cr_assert_lt(rel_diff(y_after, y_before, SN), 1e-5);
+    cr_assert_eq(read_step(cl->cli), 1);
+    cluster_stop(cl);
+    rm_rf(dir);
+}
+
 Test(shrink, min_workers_above_workers_is_refused)
 {
     char cmd[1024];
