@@ -197,8 +197,11 @@ endif
 FMT_SRC = $(sort $(wildcard */*.c */*.h tests/*/*.c tests/gpu/*.cu kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))
 format:
 	clang-format -i $(FMT_SRC)
-lint:
+# tools/calls.py reads the server's objects (nm): they are built first
+lint: $(call obj,$(SERVER_SRC))
 	python3 tools/layers.py
+	python3 tools/calls.py
+	python3 tools/calls.py --self-test
 	clang-format --dry-run -Werror $(FMT_SRC)
 	cppcheck --quiet --error-exitcode=1 --enable=warning,performance,portability \
 	    --suppress=missingIncludeSystem --inline-suppr -D__GNUC__ -I. \

@@ -73,6 +73,7 @@ static void setup(void)
     C->max_workers = 16;
     C->history_ms = 5000;
     C->drain_timeout_ms = 120000;
+    C->hooks = (coord_hooks){.worker_lost = coord_worker_lost, .after_done = coord_maybe_form};
     strcpy(C->xchg_cfg, "auto");
     strcpy(C->cluster_secret, "fuzz-cluster-secret");
     C->started_ns = rpc_now_ns();

@@ -60,6 +60,37 @@ int coord_ckpt_roots(const coord *c, const char *roots[2])
     return n;
 }
 
+int coord_train_refused(coord *c, const coord_model *m, rpc_call *call)
+{
+    if (c->ready && m->created_gen == (int)c->generation && !m->restoring)
+        return 0;
+    coord_count_error(c, MOE_EUNAVAIL);
+    if (m->restoring == 2)
+        rpc_reply_err(call, MOE_EUNAVAIL,
+                      "model '%s' is restoring: its newest checkpoint could not be restored "
+                      "(see the coordinator's log); training resumes after a checkpoint.load "
+                      "succeeds",
+                      m->cfg.name);
+    else
+        rpc_reply_err(call, MOE_EUNAVAIL,
+                      "model '%s' is restoring: training calls wait until the cluster is "
+                      "ready and the model holds its newest checkpoint (generation %llu); retry",
+                      m->cfg.name, (unsigned long long)c->generation);
+    return 1;
+}
+
+void coord_step_rollback(coord *c, coord_model *m)
+{
+    if (!c->ckpt_dir[0])
+        return; /* no checkpoints: nothing durable to return to */
+    LOG_W("model %s: the outcome of step %lld is unknown: re-forming the cluster to restore its "
+          "newest checkpoint",
+          m->cfg.name, (long long)m->step);
+    m->restoring = 1;
+    c->ready = 0;
+    c->need_form = 1;
+}
+
 void coord_ckpt_init(coord *c)
 {
     if (c->ckpt_root[0] && st_mkdir_p(c->ckpt_root) != MOE_OK)

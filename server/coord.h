@@ -8,6 +8,18 @@
  * Cluster jobs (a broadcast to all W workers: join, model create, forward)
  * run one at a time, in queue order: every worker sees the same sequence of
  * collectives, which the exchange layer requires.
+ *
+ * Call order. The core files call each other only downward, lowest first:
+ *
+ *   call order: state < jobs < ckpt < models < forward < train < registry
+ *
+ * state.c holds lookups and counters over struct coord; jobs.c the job queue
+ * (it reaches the files above only through c->hooks and coord_job_ops);
+ * ckpt.c checkpoints, model persistence and the restore guard; models.c
+ * model.create/info; forward.c the forward and its handles; train.c backward
+ * and step; registry.c workers and the cluster's formation. The other server
+ * files may call any of these, and no cycle may run through them. tools/calls.py
+ * (make lint) reads this line and checks it on the built objects (nm).
  */
 #ifndef MOE_COORD_H
 #define MOE_COORD_H
@@ -202,6 +214,18 @@ typedef struct coord_done {
     moe_reply *reply;
 } coord_done;
 
+/* coord_hooks: the calls jobs.c makes to files above it, by pointer (it
+ * names none of them). Set once by main.c before the loop runs; a NULL hook
+ * is skipped. */
+typedef struct coord_hooks {
+    /* worker_lost: worker slot i gave no answer at all to a job's call
+     * (registry.c: coord_worker_lost) */
+    void (*worker_lost)(coord *c, int i, const char *why);
+    /* after_done: a batch of worker replies was handled, before the queue
+     * is pumped (registry.c: coord_maybe_form) */
+    void (*after_done)(coord *c);
+} coord_hooks;
+
 struct coord {
     /* config (read-only after start) */
     char listen_url[CFG_STR_MAX], metrics_url[CFG_STR_MAX], auth_token[CFG_STR_MAX];
@@ -229,6 +253,7 @@ struct coord {
      * certificates (PEM paths; empty = none) */
     char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
 
+    coord_hooks hooks; /* set once at start (main.c) */
     uv_loop_t *loop;
     rpcsrv *srv;
     char bound_url[CFG_STR_MAX];
@@ -309,6 +334,18 @@ struct coord {
 
 extern const double coord_lat_bounds[COORD_LAT_BUCKETS];
 
+/* state.c (the bottom of the call order) */
+int coord_up_workers(const coord *c);
+coord_model *coord_find_model(coord *c, const char *name);
+/* coord_model_add registers a model (config validated by the caller): c
+ * owns it from here. */
+coord_model *coord_model_add(coord *c, const model_cfg *cfg, char *err, size_t errlen);
+/* coord_model_free frees m and what it owns */
+void coord_model_free(coord_model *m);
+/* coord_count_error counts an error answer with code e (every place that
+ * answers an error the coordinator counts: docs/OPERATIONS.md) */
+void coord_count_error(coord *c, moe_err e);
+
 /* methods.c: the method table and the dispatch (auth, exactly-once by rid
  * through d, refusals while draining) */
 typedef struct coord_method {
@@ -333,7 +370,6 @@ void coord_maybe_form(coord *c);
  * --min-workers) and enough workers are up again to form it whole, without
  * losing a step that no checkpoint holds. */
 int coord_can_grow(coord *c);
-int coord_up_workers(const coord *c);
 void coord_cluster_status(coord *c, rpc_call *call);
 /* coord_pipe_closed: rpcsrv's connection-close hook (nng thread);
  * coord_on_pipes handles them on the loop: a member whose connection
@@ -363,31 +399,20 @@ void coord_job_fail_all(coord *c, moe_err e, const char *why);
 void coord_job_discard(coord_job *j);
 
 /* models.c */
-coord_model *coord_find_model(coord *c, const char *name);
-/* coord_model_add registers a model (config validated by the caller). */
-coord_model *coord_model_add(coord *c, const model_cfg *cfg, char *err, size_t errlen);
 void coord_model_create(coord *c, rpc_call *call);
 void coord_model_info(coord *c, rpc_call *call);
 void coord_forward(coord *c, rpc_call *call);
+/* forward.c: a train forward's handle (in c's ring), and rank's shard of x */
+coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T);
+void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank);
 /* coord_fold_lane counts the lane's forwards that worker wk reports with
  * its heartbeat (the "lane" array, docs/PROTOCOL.md); MOE_EINVAL with err
  * when a report is malformed (the ones before it are counted). */
 moe_err coord_fold_lane(coord *c, coord_worker *wk, mp_reader *r, char *err, size_t errlen);
 
 /* train.c */
-coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T);
 void coord_backward(coord *c, rpc_call *call);
 void coord_step(coord *c, rpc_call *call);
-void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank);
-/* coord_train_refused answers call `unavailable` ("restoring") and returns 1
- * when training calls on m must wait: the cluster is not ready, m is not
- * created in this generation, or its restore is pending or failed. */
-int coord_train_refused(coord *c, const coord_model *m, rpc_call *call);
-/* coord_step_rollback: the outcome of a step of m on the workers is unknown
- * (a worker failed during it, or its checkpoint did not become durable).
- * With automatic checkpoints m returns to its newest checkpoint: training
- * calls are refused until the cluster re-forms and restores it. */
-void coord_step_rollback(coord *c, coord_model *m);
 /* coord_parse_direct reads a request's "direct" map {ticket, generation,
  * dtype, T?} into j (direct, tk_*, dgen, x.dtype); *T = -1 when absent.
  * MOE_EUNAVAIL when the client's map is not of the current generation. */
@@ -416,6 +441,15 @@ void coord_grads(coord *c, rpc_call *call);
 extern const coord_job_ops coord_job_grads;
 
 /* ckpt.c */
+/* coord_train_refused answers call `unavailable` ("restoring") and returns 1
+ * when training calls on m must wait: the cluster is not ready, m is not
+ * created in this generation, or its restore is pending or failed. */
+int coord_train_refused(coord *c, const coord_model *m, rpc_call *call);
+/* coord_step_rollback: the outcome of a step of m on the workers is unknown
+ * (a worker failed during it, or its checkpoint did not become durable).
+ * With automatic checkpoints m returns to its newest checkpoint: training
+ * calls are refused until the cluster re-forms and restores it. */
+void coord_step_rollback(coord *c, coord_model *m);
 void coord_ckpt_save(coord *c, rpc_call *call);
 void coord_ckpt_load(coord *c, rpc_call *call);
 /* coord_ckpt_roots lists the directories checkpoints may be written in and
@@ -468,9 +502,6 @@ void coord_model_create_rollback(coord *c, coord_job *j);
 void coord_model_delete(coord *c, rpc_call *call);
 
 /* stats.c */
-/* coord_count_error counts an error answer with code e (every place that
- * answers an error the coordinator counts: docs/OPERATIONS.md) */
-void coord_count_error(coord *c, moe_err e);
 void coord_stats(coord *c, rpc_call *call);
 void coord_metrics_render(coord *c);
 moe_err coord_metrics_start(coord *c);
@@ -485,8 +516,6 @@ void coord_http_dashboard(void *arg, struct httpd_resp *out);
 void coord_history_tick(coord *c);
 void coord_history_render(coord *c);
 void coord_http_history(void *arg, struct httpd_resp *out);
-/* coord_model_free frees m and what it owns */
-void coord_model_free(coord_model *m);
 /* coord_hist_quantile: the q-quantile of a histogram over coord_lat_bounds
  * (counts per bucket, not cumulative; linear within a bucket, as
  * Prometheus' histogram_quantile); NaN when it is empty. */

@@ -195,6 +195,32 @@ void coord_forward(coord *c, rpc_call *call)
     coord_job_pump(c);
 }
 
+coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T)
+{
+    uint64_t id = ++c->next_handle;
+    coord_handle *h = &c->handles[id % COORD_HANDLE_RING];
+    h->id = id;
+    h->model = m;
+    h->layer = layer;
+    h->T = T;
+    h->generation = c->generation;
+    h->created_ns = rpc_now_ns();
+    h->state = H_LIVE;
+    return h;
+}
+
+void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank)
+{
+    int64_t T = x->shape[0], H = x->shape[1];
+    int64_t a = shard_first(T, W, rank), b = shard_first(T, W, rank + 1);
+    size_t es = moe_dtype_size(x->dtype);
+    moe_tensor shard = *x;
+    shard.shape[0] = b - a;
+    shard.data = (const uint8_t *)x->data + (size_t)a * (size_t)H * es;
+    shard.nbytes = (size_t)(b - a) * (size_t)H * es;
+    moe_tensor_write(w, &shard);
+}
+
 /* coord_write_pieces writes rank's pieces of a direct job: for each request of
  * the (merged) batch [client_id, seq, rows], rows = its shard for rank. */
 void coord_write_pieces(mp_writer *w, const coord_job *j, int W, int rank)

@@ -1,6 +1,10 @@
 /*
  * jobs.c - the cluster job queue: one broadcast job at a time; each sends one
  * call to every member worker and finishes when all W replies are in.
+ *
+ * The bottom of the coordinator's call order (coord.h) above state.c: it
+ * calls the job kinds through their coord_job_ops and the files above it
+ * only through c->hooks (a lost worker, the replies handled), never by name.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,7 +128,8 @@ static void finish_job(coord *c, coord_job *j)
      * generation wait for it; if it is alive it registers again */
     for (int r = 0; r < j->nsent; r++)
         if (j->replies[r] && j->replies[r]->transport)
-            coord_worker_lost(c, c->rank_to_worker[r], j->replies[r]->message);
+            if (c->hooks.worker_lost)
+                c->hooks.worker_lost(c, c->rank_to_worker[r], j->replies[r]->message);
     if (first == MOE_EUNAVAIL || first == MOE_ECLOSED || first == MOE_ETIMEDOUT) {
         /* a worker or the exchange between workers failed: rebuild */
         if (c->ready)
@@ -156,7 +161,8 @@ void coord_on_done(uv_async_t *h)
         free(d);
         d = next;
     }
-    coord_maybe_form(c);
+    if (c->hooks.after_done)
+        c->hooks.after_done(c);
     coord_job_pump(c);
 }
 

@@ -263,6 +263,8 @@ int main(int argc, char **argv)
     C.recent_t0 = (double)C.started_ns * 1e-9;
     pthread_mutex_init(&C.done_mu, NULL);
     pthread_mutex_init(&C.metrics_mu, NULL);
+    /* the calls jobs.c makes upward (coord.h: coord_hooks), set once */
+    C.hooks = (coord_hooks){.worker_lost = coord_worker_lost, .after_done = coord_maybe_form};
     uv_async_init(C.loop, &C.done_async, coord_on_done);
     C.done_async.data = &C;
 

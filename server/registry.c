@@ -26,14 +26,6 @@
 
 #define COORD_FORGET_DOWN_S 60 /* a down non-member is forgotten after this */
 
-int coord_up_workers(const coord *c)
-{
-    int n = 0;
-    for (int i = 0; i < COORD_MAX_WORKERS; i++)
-        n += c->workers[i].state == WS_UP;
-    return n;
-}
-
 static void on_abort_reply(moe_err err, moe_reply *r, void *arg)
 {
     (void)err, (void)arg;

@@ -15,14 +15,6 @@
 #include "common/log.h"
 #include "server/promtext.h"
 
-void coord_count_error(coord *c, moe_err e)
-{
-    if ((unsigned)e >= MOE_ERR_COUNT)
-        e = MOE_EINTERNAL;
-    c->errors_by_code[e]++;
-    c->errors_total++;
-}
-
 static const char *phase_name[4] = {"gate", "dispatch", "experts", "combine"};
 
 /* per_worker writes one sample per registry entry (up or down) of the

@@ -14,20 +14,6 @@
 #include "common/params.h"
 #include "common/placement.h"
 
-coord_handle *coord_handle_new(coord *c, coord_model *m, int layer, int64_t T)
-{
-    uint64_t id = ++c->next_handle;
-    coord_handle *h = &c->handles[id % COORD_HANDLE_RING];
-    h->id = id;
-    h->model = m;
-    h->layer = layer;
-    h->T = T;
-    h->generation = c->generation;
-    h->created_ns = rpc_now_ns();
-    h->state = H_LIVE;
-    return h;
-}
-
 /* lookup_handle: the live handle, or an error with a message. */
 static coord_handle *lookup_handle(coord *c, uint64_t id, moe_err *e, char *err, size_t len)
 {
@@ -63,49 +49,6 @@ static coord_handle *lookup_handle(coord *c, uint64_t id, moe_err *e, char *err,
         return NULL;
     }
     return h;
-}
-
-int coord_train_refused(coord *c, const coord_model *m, rpc_call *call)
-{
-    if (c->ready && m->created_gen == (int)c->generation && !m->restoring)
-        return 0;
-    coord_count_error(c, MOE_EUNAVAIL);
-    if (m->restoring == 2)
-        rpc_reply_err(call, MOE_EUNAVAIL,
-                      "model '%s' is restoring: its newest checkpoint could not be restored "
-                      "(see the coordinator's log); training resumes after a checkpoint.load "
-                      "succeeds",
-                      m->cfg.name);
-    else
-        rpc_reply_err(call, MOE_EUNAVAIL,
-                      "model '%s' is restoring: training calls wait until the cluster is "
-                      "ready and the model holds its newest checkpoint (generation %llu); retry",
-                      m->cfg.name, (unsigned long long)c->generation);
-    return 1;
-}
-
-void coord_step_rollback(coord *c, coord_model *m)
-{
-    if (!c->ckpt_dir[0])
-        return; /* no checkpoints: nothing durable to return to */
-    LOG_W("model %s: the outcome of step %lld is unknown: re-forming the cluster to restore its "
-          "newest checkpoint",
-          m->cfg.name, (long long)m->step);
-    m->restoring = 1;
-    c->ready = 0;
-    c->need_form = 1;
-}
-
-void coord_write_sharded(mp_writer *w, const moe_tensor *x, int W, int rank)
-{
-    int64_t T = x->shape[0], H = x->shape[1];
-    int64_t a = shard_first(T, W, rank), b = shard_first(T, W, rank + 1);
-    size_t es = moe_dtype_size(x->dtype);
-    moe_tensor shard = *x;
-    shard.shape[0] = b - a;
-    shard.data = (const uint8_t *)x->data + (size_t)a * (size_t)H * es;
-    shard.nbytes = (size_t)(b - a) * (size_t)H * es;
-    moe_tensor_write(w, &shard);
 }
 
 /* coord_gather_rows writes the tensor `key` of every worker's reply, in rank

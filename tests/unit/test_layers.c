@@ -3,7 +3,8 @@
  * (tools/layers.py, run from the repository root): the repository passes,
  * and a temporary tree with planted violations (an upward include, an
  * include between two folders of one floor, a circle of headers, a bare
- * include, a folder on no floor) fails with each one named.
+ * include, a folder on no floor) fails with each one named. Also the
+ * coordinator's call order (tools/calls.py over the built objects).
  */
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -55,6 +56,32 @@ Test(layers, repository_has_no_upward_include_and_no_circle)
     need_python();
     int rc = run_layers(NULL);
     cr_assert_eq(rc, 0, "tools/layers.py found violations:\n%s", out);
+}
+
+/* tools/calls.py: the coordinator's files call downward in the order of
+ * server/coord.h, without circles (read from the objects in build/server,
+ * built with this binary); --self-test plants a call upward and proves it
+ * is caught. */
+Test(layers, coordinator_calls_follow_the_declared_order)
+{
+    need_python();
+    FILE *p = popen("python3 tools/calls.py 2>&1", "r");
+    cr_assert(p, "popen tools/calls.py");
+    size_t len = fread(out, 1, sizeof(out) - 1, p);
+    out[len] = 0;
+    int st = pclose(p);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "tools/calls.py found violations:\n%s", out);
+}
+
+Test(layers, planted_upward_call_is_caught)
+{
+    need_python();
+    FILE *p = popen("python3 tools/calls.py --self-test 2>&1", "r");
+    cr_assert(p, "popen tools/calls.py --self-test");
+    size_t len = fread(out, 1, sizeof(out) - 1, p);
+    out[len] = 0;
+    int st = pclose(p);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "tools/calls.py --self-test:\n%s", out);
 }
 
 Test(layers, planted_violations_are_caught)
