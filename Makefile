@@ -248,8 +248,8 @@ COORD_FUZZ_SRC = $(SERVER_SRC) $(RPC_SRC) $(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC
 fuzz:
 	@mkdir -p $(B)/fuzz fuzz/corpus-out fuzz/corpus-params-out fuzz/corpus-coord-out
 	$(FUZZ_CC) fuzz/fuzz_decode.c $(PROTO_SRC) base/err.c -o $(B)/fuzz/decode
-	$(FUZZ_CC) fuzz/fuzz_params.c common/params.c common/model_cfg.c common/hfcfg.c common/json.c \
-	    $(PROTO_SRC) base/err.c \
+	$(FUZZ_CC) fuzz/fuzz_params.c common/params.c common/model_cfg.c common/act.c \
+	    common/hfcfg.c common/json.c $(PROTO_SRC) base/err.c \
 	    -o $(B)/fuzz/params
 	$(FUZZ_CC) fuzz/fuzz_coord.c $(COORD_FUZZ_SRC) -o $(B)/fuzz/coord -lnng -luv -lpthread -lm
 	$(FUZZ_RUN) $(B)/fuzz/decode fuzz/corpus-out fuzz/corpus -max_total_time=$(FUZZ_SECONDS) -max_len=4096

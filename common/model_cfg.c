@@ -29,7 +29,7 @@ typedef struct cfg_wire {
     char name[MODEL_NAME_MAX];
     int64_t layers, H, F, E, K, seed;
     double cf, aux, z;
-    char act[16], dtype[8];
+    char act[ACT_NAME_MAX], dtype[8];
     bool renorm;
     char scoring[16];
     bool score_bias, shared_gate;
@@ -75,7 +75,7 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
     cfg_wire v = {.cf = 0,
                   .aux = 0.01,
                   .z = 0,
-                  .act = "swiglu",
+                  .act = "swiglu", /* act_rows[ACT_SWIGLU] */
                   .dtype = "f32",
                   .scoring = "softmax",
                   .rscale = 1.0};
@@ -111,12 +111,11 @@ moe_err model_cfg_parse(mp_reader *r, uint32_t nparams, model_cfg *out, char *er
                  (long long)E);
         return MOE_EINVAL;
     }
-    if (strcmp(act, "swiglu") == 0)
-        out->act = 0;
-    else if (strcmp(act, "gelu") == 0)
-        out->act = 1;
-    else {
-        snprintf(err, errlen, "activation must be \"swiglu\" or \"gelu\", not \"%s\"", act);
+    out->act = act_parse(act);
+    if (out->act < 0) {
+        char names[128];
+        snprintf(err, errlen, "activation must be one of %s, not \"%s\"",
+                 act_names(names, sizeof(names)), act);
         return MOE_EINVAL;
     }
     if (moe_dtype_parse(dtype, strlen(dtype), &out->dtype) != MOE_OK || out->dtype == MOE_F16) {
@@ -210,7 +209,7 @@ void model_cfg_write(mp_writer *w, const model_cfg *c)
                   .rscale = c->routed_scale};
     snprintf(v.scoring, sizeof(v.scoring), "%s", c->scoring ? "sigmoid" : "softmax");
     snprintf(v.name, sizeof(v.name), "%s", c->name);
-    snprintf(v.act, sizeof(v.act), "%s", c->act ? "gelu" : "swiglu");
+    snprintf(v.act, sizeof(v.act), "%s", act_name(c->act));
     snprintf(v.dtype, sizeof(v.dtype), "%s", moe_dtype_name(c->dtype));
     snprintf(v.hf_dir, sizeof(v.hf_dir), "%s", c->hf_dir);
     snprintf(v.hf_family, sizeof(v.hf_family), "%s", c->hf_family);
@@ -279,7 +278,7 @@ const char *model_cfg_routing_extra(const model_cfg *c)
 
 int64_t model_cfg_params(const model_cfg *c)
 {
-    int nmat = c->act == 0 ? 3 : 2;
+    int nmat = act_gated(c->act) ? 3 : 2;
     int64_t per_expert = (int64_t)c->d_model * c->d_ff * nmat;
     int64_t shared =
         (int64_t)c->d_model * c->shared_d_ff * nmat + (c->shared_gate ? c->d_model : 0);

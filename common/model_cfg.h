@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/act.h"
 #include "proto/proto.h"
 
 #define MODEL_NAME_MAX   64
@@ -21,7 +22,7 @@ typedef struct model_cfg {
     int d_ff;               /* F */
     int n_experts;          /* E, 1..4096 */
     int top_k;              /* K, 1..E */
-    int act;                /* kern_act: 0 swiglu, 1 gelu */
+    int act;                /* act_id (common/act.h): 0 swiglu, 1 gelu */
     int renormalize;        /* 0/1 */
     double capacity_factor; /* 0 = dropless */
     moe_dtype dtype;        /* MOE_F32 or MOE_BF16 */
@@ -52,7 +53,7 @@ typedef struct model_cfg {
  * when the config has it (0 without a shared expert). */
 static inline int model_cfg_shared_tensors(const model_cfg *c)
 {
-    return (c->shared_d_ff > 0 ? (c->act == 0 ? 3 : 2) : 0) + (c->shared_gate ? 1 : 0);
+    return (c->shared_d_ff > 0 ? (act_gated(c->act) ? 3 : 2) : 0) + (c->shared_gate ? 1 : 0);
 }
 
 /* model_name_valid: 1-63 characters of [A-Za-z0-9_.-], not "." or ".."

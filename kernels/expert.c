@@ -7,7 +7,7 @@ void kern_expert_ffn_cpu(const float *x, int N, int H, int F, const float *w1, c
                          float *y)
 {
     /* x (N,H), w1 w3 (F,H), w2 (H,F), a_out b_out (N,F), y (N,H) */
-    int swiglu = act != KERN_ACT_GELU;
+    int gated = act_gated(act);
     for (int n = 0; n < N; n++) {
         const float *xn = x + (size_t)n * H;
         float *yn = y + (size_t)n * H;
@@ -18,7 +18,7 @@ void kern_expert_ffn_cpu(const float *x, int N, int H, int F, const float *w1, c
             float a = 0.0f, b = 0.0f, h;
             for (int i = 0; i < H; i++)
                 a += xn[i] * w1f[i];
-            if (swiglu) {
+            if (gated) {
                 const float *w3f = w3 + (size_t)f * H;
                 for (int i = 0; i < H; i++)
                     b += xn[i] * w3f[i];
@@ -26,7 +26,7 @@ void kern_expert_ffn_cpu(const float *x, int N, int H, int F, const float *w1, c
             kern_act_forward_n(act, &a, &b, 1, bf16, &h);
             if (a_out)
                 a_out[(size_t)n * F + f] = a;
-            if (b_out && swiglu)
+            if (b_out && gated)
                 b_out[(size_t)n * F + f] = b;
             for (int i = 0; i < H; i++) /* y[n,:] += h w2[:,f], summed over f in order */
                 yn[i] += h * w2[(size_t)i * F + f];
@@ -41,7 +41,7 @@ void kern_expert_ffn_backward_cpu(const float *x, const float *a, const float *b
 {
     /* x (N,H), a b (N,F), dy (N,H), w1 w3 (F,H), w2 (H,F);
      * dx (N,H) out, dw1 dw3 (F,H) +=, dw2 (H,F) += */
-    int swiglu = act != KERN_ACT_GELU;
+    int gated = act_gated(act);
     for (int n = 0; n < N; n++) {
         const float *xn = x + (size_t)n * H;
         const float *dyn = dy + (size_t)n * H;
@@ -50,7 +50,7 @@ void kern_expert_ffn_backward_cpu(const float *x, const float *a, const float *b
             dxn[i] = 0.0f;
         for (int f = 0; f < F; f++) {
             float an = a[(size_t)n * F + f];
-            float bn = swiglu ? b[(size_t)n * F + f] : 0.0f;
+            float bn = gated ? b[(size_t)n * F + f] : 0.0f;
             float h, dh = 0.0f, da, db = 0.0f;
             kern_act_forward_n(act, &an, &bn, 1, 0, &h);
             for (int i = 0; i < H; i++) {
@@ -64,7 +64,7 @@ void kern_expert_ffn_backward_cpu(const float *x, const float *a, const float *b
                 dxn[i] += da * w1f[i];
                 dw1f[i] += da * xn[i];
             }
-            if (swiglu) {
+            if (gated) {
                 const float *w3f = w3 + (size_t)f * H;
                 float *dw3f = dw3 + (size_t)f * H;
                 for (int i = 0; i < H; i++) {

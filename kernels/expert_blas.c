@@ -20,9 +20,9 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
         memset(y, 0, (size_t)N * H * sizeof(float));
         return;
     }
-    int swiglu = act != KERN_ACT_GELU;
+    int gated = act_gated(act);
     size_t nf = (size_t)N * F;
-    int need_a = a_out == NULL, need_b = swiglu && b_out == NULL;
+    int need_a = a_out == NULL, need_b = gated && b_out == NULL;
     float *scratch = malloc((1 + need_a + need_b) * nf * sizeof(float));
     if (!scratch) {
         kern_expert_ffn_cpu(x, N, H, F, w1, w3, w2, act, bf16, a_out, b_out, y);
@@ -38,10 +38,10 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
          * CPU backend) */
         for (int r = 0; r < N; r++) {
             const float *xr = x + (size_t)r * H;
-            float *ar = a + (size_t)r * F, *br = swiglu ? b + (size_t)r * F : NULL;
+            float *ar = a + (size_t)r * F, *br = gated ? b + (size_t)r * F : NULL;
             float *hr = h + (size_t)r * F;
             cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w1, H, xr, 1, 0.0f, ar, 1);
-            if (swiglu)
+            if (gated)
                 cblas_sgemv(CblasRowMajor, CblasNoTrans, F, H, 1.0f, w3, H, xr, 1, 0.0f, br, 1);
             kern_act_forward_n(act, ar, br, (size_t)F, bf16, hr);
             cblas_sgemv(CblasRowMajor, CblasNoTrans, H, F, 1.0f, w2, F, hr, 1, 0.0f,
@@ -52,10 +52,10 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
     }
     /* a = x w1^T, b = x w3^T: (N,H) x (H,F) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, F, H, 1.0f, x, H, w1, H, 0.0f, a, F);
-    if (swiglu)
+    if (gated)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, F, H, 1.0f, x, H, w3, H, 0.0f, b,
                     F);
-    kern_act_forward_par(act, a, swiglu ? b : NULL, nf, bf16, h);
+    kern_act_forward_par(act, a, gated ? b : NULL, nf, bf16, h);
     /* y = h w2^T: (N,F) x (F,H) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, H, F, 1.0f, h, F, w2, F, 0.0f, y, H);
     free(scratch);
@@ -74,30 +74,30 @@ void kern_expert_ffn_backward_blas(const float *x, const float *a, const float *
         memset(dx, 0, (size_t)N * H * sizeof(float));
         return;
     }
-    int swiglu = act != KERN_ACT_GELU;
+    int gated = act_gated(act);
     size_t nf = (size_t)N * F;
-    float *scratch = malloc((swiglu ? 3 : 2) * nf * sizeof(float));
+    float *scratch = malloc((gated ? 3 : 2) * nf * sizeof(float));
     if (!scratch) {
         kern_expert_ffn_backward_cpu(x, a, b, dy, N, H, F, w1, w3, w2, act, dx, dw1, dw3, dw2);
         return;
     }
-    float *h = scratch;                  /* (N,F) */
-    float *da = scratch + nf;            /* (N,F): dh, then da in place */
-    float *db = swiglu ? da + nf : NULL; /* (N,F) */
+    float *h = scratch;                 /* (N,F) */
+    float *da = scratch + nf;           /* (N,F): dh, then da in place */
+    float *db = gated ? da + nf : NULL; /* (N,F) */
 
-    kern_act_forward_par(act, a, swiglu ? b : NULL, nf, 0, h);
+    kern_act_forward_par(act, a, gated ? b : NULL, nf, 0, h);
     /* dh = dy w2: (N,H) x (H,F) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, F, H, 1.0f, dy, H, w2, F, 0.0f, da,
                 F);
     /* dw2 += dy^T h: (H,N) x (N,F) */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, H, F, N, 1.0f, dy, H, h, F, 1.0f, dw2, F);
-    kern_act_backward_par(act, a, swiglu ? b : NULL, da, nf, da, db);
+    kern_act_backward_par(act, a, gated ? b : NULL, da, nf, da, db);
     /* dx = da w1 + db w3: (N,F) x (F,H) */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, H, F, 1.0f, da, F, w1, H, 0.0f, dx,
                 H);
     /* dw1 += da^T x, dw3 += db^T x: (F,N) x (N,H) */
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, F, H, N, 1.0f, da, F, x, H, 1.0f, dw1, H);
-    if (swiglu) {
+    if (gated) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, H, F, 1.0f, db, F, w3, H, 1.0f,
                     dx, H);
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, F, H, N, 1.0f, db, F, x, H, 1.0f, dw3,

@@ -25,12 +25,19 @@
 
 #include "base/bf16.h"
 #include "base/moe.h"
+#include "common/act.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef enum kern_act { KERN_ACT_SWIGLU = 0, KERN_ACT_GELU = 1 } kern_act;
+/* An expert activation: an id of common/act.h (its name and gating there,
+ * act_gated(act) says whether the experts hold w3; its forward and backward
+ * in kernels/act.c). The KERN_ACT_ names are the ids under the kernels'
+ * prefix. */
+typedef act_id kern_act;
+#define KERN_ACT_SWIGLU ACT_SWIGLU
+#define KERN_ACT_GELU   ACT_GELU
 
 /* ---- bf16 ---- */
 /* Inline forms for hot loops: the ground's conversion (base/bf16.h); the
@@ -294,12 +301,28 @@ moe_err kern_moe_backward_ref_g(const kern_moe_shape *s, const kern_layer_weight
 kern_route_cfg kern_route_of_shape(const kern_moe_shape *s, const kern_layer_weights *w);
 
 /* ---- additions: shared pieces and test helpers ---- */
-/* kern_act_forward_n: h (n) out = silu(a)*b (SwiGLU) or gelu(a) (GELU, b
- * unused, may be NULL); with bf16, h is rounded. a, b, h: n values each. */
+/* kern_act_fwd: one activation's forward over n values: h = f(a) * b when
+ * gated, h = f(a) when not (b unused, may be NULL). */
+typedef void (*kern_act_fwd)(const float *a, const float *b, size_t n, float *h);
+/* kern_act_bwd: its backward from dh = dL/dh: da = dL/da; db = dL/db when
+ * gated (b, db unused and may be NULL when not). dh may alias da. */
+typedef void (*kern_act_bwd)(const float *a, const float *b, const float *dh, size_t n, float *da,
+                             float *db);
+/* kern_act_ops: the forward and backward of one activation (kernels/act.c
+ * holds one per act_id). */
+typedef struct kern_act_ops {
+    kern_act_fwd forward;
+    kern_act_bwd backward;
+} kern_act_ops;
+/* kern_act_ops_of: the functions of act, or NULL for an id with no row. */
+const kern_act_ops *kern_act_ops_of(kern_act act);
+/* kern_act_forward_n: h (n) out = the row's forward, e.g. silu(a)*b (SwiGLU)
+ * or gelu(a) (GELU; an ungated row leaves b unused, may be NULL); with bf16,
+ * h is rounded. a, b, h: n values each. act must be valid (act_valid). */
 void kern_act_forward_n(kern_act act, const float *a, const float *b, size_t n, int bf16, float *h);
 /* kern_act_backward_n: from dh (n) = dL/dh: da (n) out = dL/da; db (n) out =
- * dL/db (SwiGLU only; for GELU b and db are unused and may be NULL). dh may
- * alias da. */
+ * dL/db (gated only; an ungated row leaves b and db unused, may be NULL). dh
+ * may alias da. act must be valid. */
 void kern_act_backward_n(kern_act act, const float *a, const float *b, const float *dh, size_t n,
                          float *da, float *db);
 

@@ -41,11 +41,11 @@ static moe_err check_shape(const kern_moe_shape *s, const kern_layer_weights *w,
         return MOE_EINVAL;
     if (s->T < 0 || s->H < 1 || s->F < 1 || s->E < 1 || s->K < 1 || s->K > s->E)
         return MOE_EINVAL;
-    if (s->act != KERN_ACT_SWIGLU && s->act != KERN_ACT_GELU)
+    if (!act_valid(s->act))
         return MOE_EINVAL;
     if ((size_t)s->T * (size_t)s->K > (size_t)INT32_MAX)
         return MOE_EINVAL;
-    if (!w->wr || !w->w1 || !w->w2 || (s->act == KERN_ACT_SWIGLU && !w->w3))
+    if (!w->wr || !w->w1 || !w->w2 || (act_gated(s->act) && !w->w3))
         return MOE_EINVAL;
     if (s->T > 0 && !x)
         return MOE_EINVAL;
@@ -60,7 +60,7 @@ static moe_err check_shape(const kern_moe_shape *s, const kern_layer_weights *w,
         if (s->E % s->n_group != 0 || tg > s->n_group || s->K > tg * (s->E / s->n_group))
             return MOE_EINVAL;
     }
-    if (s->Fs < 0 || (s->Fs > 0 && (!w->ws1 || !w->ws2 || (s->act == KERN_ACT_SWIGLU && !w->ws3) ||
+    if (s->Fs < 0 || (s->Fs > 0 && (!w->ws1 || !w->ws2 || (act_gated(s->act) && !w->ws3) ||
                                     (s->shared_gate && !w->wsg))))
         return MOE_EINVAL;
     return MOE_OK;
@@ -209,10 +209,10 @@ moe_err kern_moe_backward_ref_g(const kern_moe_shape *s, const kern_layer_weight
     if (!g)
         return MOE_EINVAL;
     float *dwr = g->dwr, *dw1 = g->dw1, *dw3 = g->dw3, *dw2 = g->dw2;
-    if ((s->T > 0 && (!dy || !dx)) || !dwr || !dw1 || !dw2 || (s->act == KERN_ACT_SWIGLU && !dw3))
+    if ((s->T > 0 && (!dy || !dx)) || !dwr || !dw1 || !dw2 || (act_gated(s->act) && !dw3))
         return MOE_EINVAL;
-    if (s->Fs > 0 && (!g->dws1 || !g->dws2 || (s->act == KERN_ACT_SWIGLU && !g->dws3) ||
-                      (s->shared_gate && !g->dwsg)))
+    if (s->Fs > 0 &&
+        (!g->dws1 || !g->dws2 || (act_gated(s->act) && !g->dws3) || (s->shared_gate && !g->dwsg)))
         return MOE_EINVAL;
     int T = s->T, H = s->H, F = s->F, E = s->E, K = s->K;
     size_t S = (size_t)T * K;

@@ -269,7 +269,7 @@ static moe_err check_meta(const json_node *meta, const model_cfg *cfg, int64_t *
     }
     const json_node *a = json_get(meta, "moe.activation"), *d = json_get(meta, "moe.dtype"),
                     *s = json_get(meta, "moe.step");
-    if (!a || a->type != J_STR || strcmp(a->str, cfg->act ? "gelu" : "swiglu") != 0) {
+    if (!a || a->type != J_STR || strcmp(a->str, act_name(cfg->act)) != 0) {
         snprintf(err, errlen, "checkpoint is of another activation");
         return MOE_EINVAL;
     }
@@ -479,8 +479,8 @@ static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errle
             "    \"moe.layers\": \"%d\",\n    \"moe.d_model\": \"%d\",\n    \"moe.d_ff\": \"%d\",\n"
             "    \"moe.n_experts\": \"%d\",\n    \"moe.top_k\": \"%d\",\n"
             "    \"moe.activation\": \"%s\",\n    \"moe.dtype\": \"%s\"\n  },\n",
-            cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k,
-            cfg->act ? "gelu" : "swiglu", moe_dtype_name(cfg->dtype));
+            cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k, act_name(cfg->act),
+            moe_dtype_name(cfg->dtype));
     /* weight_map: the model's tensors; moe_optimizer_map (models from a
      * Hugging Face directory): the optimizer files' tensors, kept out of
      * weight_map so that transformers loads the directory as it is */
@@ -758,7 +758,7 @@ void coord_model_persist(coord *c, const coord_model *m)
             "\"activation\": \"%s\", \"renormalize\": %s, \"capacity_factor\": %.17g, "
             "\"dtype\": \"%s\", \"seed\": %llu, \"aux_loss_coef\": %.17g, \"z_loss_coef\": "
             "%.17g}\n",
-            g->layers, g->d_model, g->d_ff, g->n_experts, g->top_k, g->act ? "gelu" : "swiglu",
+            g->layers, g->d_model, g->d_ff, g->n_experts, g->top_k, act_name(g->act),
             g->renormalize ? "true" : "false", g->capacity_factor, moe_dtype_name(g->dtype),
             (unsigned long long)g->seed, g->aux_loss_coef, g->z_loss_coef);
     if (model_cfg_routing_extra(g)) { /* a routing family: its keys (docs/PROTOCOL.md) */

@@ -71,7 +71,7 @@ static moe_err hf_cfg_to_model(const hf_cfg *hc, const char *name, const char *d
     m.d_ff = hc->F;
     m.n_experts = hc->E;
     m.top_k = hc->K;
-    m.act = 0; /* SwiGLU */
+    m.act = ACT_SWIGLU;
     m.renormalize = hc->renormalize;
     /* the routing family: softmax top-k (model_cfg.h's defaults) unless
      * the checkpoint's family has more (hfcfg.h) */

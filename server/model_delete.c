@@ -31,7 +31,7 @@ moe_err coord_parse_mem(mp_reader *r, int64_t *host, int64_t *gpu, char *err, si
 double coord_model_bytes(const model_cfg *cfg, int world, int rank)
 {
     double E = cfg->n_experts, H = cfg->d_model, F = cfg->d_ff;
-    double nmat = cfg->act == 0 ? 3 : 2; /* swiglu: w1, w3, w2; gelu: w1, w2 */
+    double nmat = act_gated(cfg->act) ? 3 : 2; /* gated: w1, w3, w2; else w1, w2 */
     double ne = world > 0 ? placement_count(cfg->n_experts, world, rank) : E;
     /* weights are kept in f32 on every worker (bf16 models are rounded) */
     return (double)cfg->layers * (E * H + ne * nmat * F * H) * 4.0;

@@ -53,8 +53,8 @@ coord_model *coord_model_add(coord *c, const model_cfg *cfg, char *err, size_t e
     m->cfg = *cfg;
     c->models[c->nmodels++] = m;
     LOG_I("model %s: %d layers, d_model %d, d_ff %d, %d experts, top-%d, %s, %s", cfg->name,
-          cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k,
-          cfg->act ? "gelu" : "swiglu", moe_dtype_name(cfg->dtype));
+          cfg->layers, cfg->d_model, cfg->d_ff, cfg->n_experts, cfg->top_k, act_name(cfg->act),
+          moe_dtype_name(cfg->dtype));
     return m;
 }
 

@@ -187,7 +187,7 @@ void wkr_op_backward(wkr *w, rpc_call *c)
 
     /* expert backward on kept rows; dropped rows pass no gradient */
     wkr_param *lp = wkr_layer_params(m, st->layer);
-    int nmat = cfg->act == KERN_ACT_SWIGLU ? 3 : 2;
+    int nmat = act_gated(cfg->act) ? 3 : 2;
     const wkr_layer *L = &m->layers[st->layer];
     const size_t fh = (size_t)F * H;
     size_t n0 = 0;

@@ -109,7 +109,7 @@ void wkr_ckpt_meta(st_writer *sw, const wkr_model *m, int rank, int world)
     META_I("moe.d_ff", c->d_ff);
     META_I("moe.n_experts", c->n_experts);
     META_I("moe.top_k", c->top_k);
-    st_writer_meta(sw, "moe.activation", c->act ? "gelu" : "swiglu");
+    st_writer_meta(sw, "moe.activation", act_name(c->act));
     st_writer_meta(sw, "moe.dtype", moe_dtype_name(c->dtype));
 #undef META_I
 }

@@ -630,11 +630,11 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     st->xe = wpool_alloc(nin * H * sizeof(float));
     if (host_experts)
         st->ae = wpool_alloc(nin * F * sizeof(float));
-    if (host_experts && cfg->act == KERN_ACT_SWIGLU)
+    if (host_experts && act_gated(cfg->act))
         st->be = wpool_alloc(nin * F * sizeof(float));
     ye = wpool_alloc(nin * H * sizeof(float));
-    if (!st->xe || (host_experts && !st->ae) ||
-        (host_experts && cfg->act == KERN_ACT_SWIGLU && !st->be) || !ye) {
+    if (!st->xe || (host_experts && !st->ae) || (host_experts && act_gated(cfg->act) && !st->be) ||
+        !ye) {
         e = MOE_ENOMEM;
         goto fail;
     }

@@ -29,7 +29,7 @@ static inline void fwd_shared_grads(wkr_model *m, int l, float **dws1, float **d
     *dws1 = *dws3 = *dws2 = *dwsg = NULL;
     if (m->cfg.shared_d_ff > 0) {
         *dws1 = (p++)->grad;
-        if (m->cfg.act == 0)
+        if (act_gated(m->cfg.act))
             *dws3 = (p++)->grad;
         *dws2 = (p++)->grad;
     }

@@ -392,7 +392,7 @@ moe_err wkr_gpu_pull_grads(wkr_model *m)
     const model_cfg *c = &m->cfg;
     const int E = c->n_experts, H = c->d_model, F = c->d_ff, ne = m->ne;
     const size_t fh = (size_t)F * H;
-    int nmat = c->act == KERN_ACT_SWIGLU ? 3 : 2;
+    int nmat = act_gated(c->act) ? 3 : 2;
     int rows_e = m->gpu_mode == 1 ? E : ne;
     float *gr = malloc((size_t)E * H * 4), *g1 = malloc((rows_e ? rows_e : 1) * fh * 4),
           *g3 = malloc((rows_e ? rows_e : 1) * fh * 4),

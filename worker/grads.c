@@ -54,7 +54,7 @@ void wkr_op_grads(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_EINTERNAL, "cannot read the gradients from the GPU");
         return;
     }
-    int nmat = m->cfg.act == 0 ? 3 : 2;
+    int nmat = act_gated(m->cfg.act) ? 3 : 2;
     wkr_param *p = wkr_layer_params(m, (int)layer);
     /* the shared expert's tensors follow the (frozen) correction bias */
     int nsh = model_cfg_shared_tensors(&m->cfg);

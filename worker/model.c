@@ -256,9 +256,9 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
         L->wr = alloc_init(cfg->seed, l, 0, KERN_W_ROUTER, E, H, bf);
         L->w1 = malloc((size_t)(m->ne ? m->ne : 1) * fh * sizeof(float));
         L->w2 = malloc((size_t)(m->ne ? m->ne : 1) * fh * sizeof(float));
-        if (cfg->act == KERN_ACT_SWIGLU)
+        if (act_gated(cfg->act))
             L->w3 = malloc((size_t)(m->ne ? m->ne : 1) * fh * sizeof(float));
-        if (!L->wr || !L->w1 || !L->w2 || (cfg->act == KERN_ACT_SWIGLU && !L->w3))
+        if (!L->wr || !L->w1 || !L->w2 || (act_gated(cfg->act) && !L->w3))
             goto oom;
         for (int i = 0; i < m->ne && !hf; i++) {
             int e = m->e0 + i;
@@ -276,9 +276,9 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
         if (Fs > 0) {
             L->ws1 = malloc(sfh * sizeof(float));
             L->ws2 = malloc(sfh * sizeof(float));
-            if (cfg->act == KERN_ACT_SWIGLU)
+            if (act_gated(cfg->act))
                 L->ws3 = malloc(sfh * sizeof(float));
-            if (!L->ws1 || !L->ws2 || (cfg->act == KERN_ACT_SWIGLU && !L->ws3))
+            if (!L->ws1 || !L->ws2 || (act_gated(cfg->act) && !L->ws3))
                 goto oom;
             kern_init_weight(cfg->seed, l, E, KERN_W1, Fs, H, L->ws1);
             kern_init_weight(cfg->seed, l, E, KERN_W2, H, Fs, L->ws2);
@@ -309,7 +309,7 @@ static moe_err build_model(wkr *w, const model_cfg *cfg, wkr_model **out)
         }
     }
     /* the parameter list: per layer the router, then w1, (w3,) w2 of each local expert */
-    int nmat = cfg->act == KERN_ACT_SWIGLU ? 3 : 2;
+    int nmat = act_gated(cfg->act) ? 3 : 2;
     int nextra = wkr_layer_nextra(cfg);
     m->nparams = cfg->layers * (1 + m->ne * nmat + nextra);
     m->params = calloc((size_t)m->nparams, sizeof(wkr_param));

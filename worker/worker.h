@@ -235,7 +235,7 @@ struct wkr {
  * layers' extra replicated tensors (wkr_layer_extra). */
 static inline wkr_param *wkr_layer_params(wkr_model *m, int l)
 {
-    int nmat = m->cfg.act == 0 /* swiglu */ ? 3 : 2;
+    int nmat = act_gated(m->cfg.act) ? 3 : 2;
     return &m->params[(size_t)l * (1 + (size_t)m->ne * nmat)];
 }
 
@@ -243,13 +243,13 @@ static inline wkr_param *wkr_layer_params(wkr_model *m, int l)
  * then ws1, (ws3,) ws2, then wsg, each when the config has it. */
 static inline int wkr_layer_nextra(const model_cfg *c)
 {
-    int nmat = c->act == 0 ? 3 : 2;
+    int nmat = act_gated(c->act) ? 3 : 2;
     return (c->score_bias ? 1 : 0) + (c->shared_d_ff > 0 ? nmat : 0) + (c->shared_gate ? 1 : 0);
 }
 /* wkr_layer_extra: layer l's extra tensors (wkr_layer_nextra of them). */
 static inline wkr_param *wkr_layer_extra(wkr_model *m, int l)
 {
-    int nmat = m->cfg.act == 0 ? 3 : 2;
+    int nmat = act_gated(m->cfg.act) ? 3 : 2;
     return &m->params[(size_t)m->cfg.layers * (1 + (size_t)m->ne * nmat) +
                       (size_t)l * wkr_layer_nextra(&m->cfg)];
 }
