@@ -1095,6 +1095,14 @@ moe_err dp_open(dp_table *t, uv_loop_t *loop, size_t max_staged_bytes, size_t ma
     return MOE_OK;
 }
 
+void dp_stop(dp_table *t)
+{
+    pthread_mutex_lock(&t->mu);
+    t->stopping = 1;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
 void dp_close(dp_table *t)
 {
     pthread_mutex_lock(&t->mu);
@@ -1119,7 +1127,7 @@ dp_ticket *dp_take(dp_table *t, uint64_t cid, uint64_t seq, uint64_t deadline_ns
                 pthread_mutex_unlock(&t->mu);
                 return tk;
             }
-        if (rpc_now_ns() >= deadline_ns ||
+        if (t->stopping || rpc_now_ns() >= deadline_ns ||
             pthread_cond_timedwait(&t->cv, &t->mu, &ts) == ETIMEDOUT) {
             /* one last look: it may have come with the timeout */
             for (dp_ticket *tk = t->head; tk; tk = tk->next)

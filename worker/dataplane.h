@@ -89,7 +89,8 @@ typedef struct dp_run {
 
 typedef struct dp_table {
     pthread_mutex_t mu;
-    pthread_cond_t cv; /* a ticket arrived */
+    pthread_cond_t cv; /* a ticket arrived, or the worker is stopping */
+    int stopping;      /* dp_stop was called: dp_take waits no more */
     dp_ticket *head;   /* waiting and taken tickets */
     int ntickets, max_tickets;
     size_t staged_bytes, max_staged_bytes; /* inline rows waiting */
@@ -119,6 +120,9 @@ typedef struct dp_table {
 /* dp_open initialises t on loop (timer and async handles). */
 moe_err dp_open(dp_table *t, uv_loop_t *loop, size_t max_staged_bytes, size_t max_mapped_bytes,
                 const char *auth_token);
+/* dp_stop (any thread): the worker is stopping; a dp_take waiting for rows
+ * that may never come returns at once (NULL), as at its deadline. */
+void dp_stop(dp_table *t);
 /* dp_close answers every waiting ticket (unavailable), unmaps every region
  * and closes the handles (run the loop once more to release them). */
 void dp_close(dp_table *t);

@@ -588,6 +588,8 @@ int main(int argc, char **argv)
     W.qtail = NULL;
     pthread_cond_signal(&W.qcv);
     pthread_mutex_unlock(&W.qmu);
+    /* a job waiting for a client's rows that will not come now stops waiting */
+    dp_stop(&W.dp);
     pthread_join(W.compute_thread, NULL);
     rpcsrv_close(W.srv);
     dp_close(&W.dp); /* answers the rows still waiting, before their server goes */
