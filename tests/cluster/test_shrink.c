@@ -37,6 +37,23 @@ static void rm_rf(const char *dir)
     (void)rc;
 }
 
+/* the model "s": f32, 4 experts (2/1/1 on three workers, 2/2 on two) */
+static void create_s(cluster *cl)
+{
+    moe_model_config cfg = MOE_MODEL_CONFIG_DEFAULT;
+    cfg.name = "s";
+    cfg.layers = 1;
+    cfg.d_model = SH;
+    cfg.d_ff = 24;
+    cfg.n_experts = 4;
+    cfg.top_k = 2;
+    cfg.activation = "swiglu";
+    cfg.renormalize = 1;
+    cfg.dtype = MOE_F32;
+    cfg.seed = 5;
+    cr_assert_eq(moe_model_create(cl->cli, &cfg), MOE_OK, "%s", moe_last_error());
+}
+
 static moe_err probe(moe_client *cli, float *y)
 {
     float x[SN];
@@ -134,18 +151,7 @@ Test(shrink, survivors_reform_and_the_cluster_grows_back, .timeout = 600)
                                      "--checkpoint-dir", dir, "--checkpoint-every", "1", NULL}};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
-    moe_model_config cfg = MOE_MODEL_CONFIG_DEFAULT;
-    cfg.name = "s";
-    cfg.layers = 1;
-    cfg.d_model = SH;
-    cfg.d_ff = 24;
-    cfg.n_experts = 4; /* 2/1/1 on three workers, 2/2 on two */
-    cfg.top_k = 2;
-    cfg.activation = "swiglu";
-    cfg.renormalize = 1;
-    cfg.dtype = MOE_F32;
-    cfg.seed = 5;
-    cr_assert_eq(moe_model_create(cl->cli, &cfg), MOE_OK, "%s", moe_last_error());
+    create_s(cl);
     train_step(cl->cli, 1, 0);
     train_step(cl->cli, 2, 1);
     float y_before[SN], y_after[SN];
@@ -190,18 +196,7 @@ Test(shrink, survivors_that_cannot_hold_the_model_wait_for_all, .timeout = 600)
                       .worker_args = {"--fail-create-below-world", "3", NULL}};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
-    moe_model_config cfg = MOE_MODEL_CONFIG_DEFAULT;
-    cfg.name = "s";
-    cfg.layers = 1;
-    cfg.d_model = SH;
-    cfg.d_ff = 24;
-    cfg.n_experts = 4;
-    cfg.top_k = 2;
-    cfg.activation = "swiglu";
-    cfg.renormalize = 1;
-    cfg.dtype = MOE_F32;
-    cfg.seed = 5;
-    cr_assert_eq(moe_model_create(cl->cli, &cfg), MOE_OK, "%s", moe_last_error());
+    create_s(cl);
     train_step(cl->cli, 1, 0);
     float y_before[SN], y_after[SN];
     cr_assert_eq(probe(cl->cli, y_before), MOE_OK, "%s", moe_last_error());
