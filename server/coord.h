@@ -366,10 +366,6 @@ void coord_check_workers(coord *c);
 /* coord_worker_lost marks worker slot i down now (a call to it got no answer). */
 void coord_worker_lost(coord *c, int i, const char *why);
 void coord_maybe_form(coord *c);
-/* coord_can_grow: the ready cluster runs short of --workers (formed with
- * --min-workers) and enough workers are up again to form it whole, without
- * losing a step that no checkpoint holds. */
-int coord_can_grow(coord *c);
 void coord_cluster_status(coord *c, rpc_call *call);
 /* coord_pipe_closed: rpcsrv's connection-close hook (nng thread);
  * coord_on_pipes handles them on the loop: a member whose connection

@@ -209,7 +209,7 @@ void coord_worker_register(coord *c, rpc_call *call)
     slot->registered_ns = slot->last_hb_ns = rpc_now_ns();
     LOG_I("worker %d registered: rpc %s data %s backend %s pid %d (%d of %lld up)", slot->id,
           rpc_url, data_url, backend, slot->pid, coord_up_workers(c), c->expected_workers);
-    if (!c->ready || coord_can_grow(c))
+    if (!c->ready)
         c->need_form = 1;
     mp_writer w;
     mp_writer_init(&w);
@@ -327,8 +327,6 @@ void coord_check_workers(coord *c)
     coord_maybe_form(c);
 }
 
-/* coord_maybe_form starts a new generation when enough workers are up and
- * no job is running. */
 /* form_size: the members of the next generation: --workers when that
  * many are up; with --min-workers, once the cluster has been short of
  * members for --shrink-after-ms, the workers up (at least --min-workers);
@@ -346,7 +344,10 @@ static int form_size(coord *c)
     return up;
 }
 
-int coord_can_grow(coord *c)
+/* can_grow: the ready cluster runs short of --workers (formed with
+ * --min-workers) and enough workers are up again to form it whole, without
+ * losing a step that no checkpoint holds */
+static int can_grow(coord *c)
 {
     if (!c->ready || c->world >= c->expected_workers || coord_up_workers(c) < c->expected_workers)
         return 0;
@@ -360,9 +361,11 @@ int coord_can_grow(coord *c)
     return 1;
 }
 
+/* coord_maybe_form starts a new generation when enough workers are up (or
+ * the cluster can grow back) and no job is running. */
 void coord_maybe_form(coord *c)
 {
-    if (c->ready && !c->current && !c->draining && coord_can_grow(c))
+    if (can_grow(c))
         c->need_form = 1;
     if (!c->need_form || c->current || c->draining)
         return;
