@@ -1,6 +1,7 @@
 /* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
 #include "client/client_dp.h"
 #include "client/client_bulk.h"
+#include "client/client_ring.h"
 #include "common/hostid.h"
 #include "common/parcopy.h"
 #include "common/placement.h"
@@ -22,6 +23,7 @@
 #define DP_MAX_W    256
 #define DP_MAX_SHM  8
 #define DP_MAX_UBUF 64
+#define DP_MAX_RING 4 /* rings to the lane's worker: calls in flight through shared memory */
 #define DP_MIN_SHM  ((size_t)1 << 20)
 /* auto path: a rank's rows of at least this many bytes go to a worker on
  * another host over its bulk endpoint */
@@ -55,6 +57,9 @@ typedef struct dp_map {
     dp_shm bufs[DP_MAX_SHM];
     int nbufs;
     uint64_t *uregion; /* (DP_MAX_UBUF, W) region id of user buffer i at worker q; 0 = none */
+    moe_ring rings[DP_MAX_RING]; /* to worker 0 on the lane (client_ring.h) */
+    int nrings;
+    int no_ring; /* the worker offers none (an older worker) or they cannot be made */
 } dp_map;
 
 /* dp_ubuf: a buffer the application allocated with moe_buffer_alloc: rows
@@ -151,6 +156,8 @@ static void map_free(dp_map *m)
         moe_bulk_pool_fini(&m->bulk[r]);
     for (int i = 0; i < m->nbufs; i++)
         shm_free(&m->bufs[i]);
+    for (int i = 0; i < m->nrings; i++)
+        moe_ring_unmap(&m->rings[i]);
     free(m->bulk);
     free(m->remote);
     free(m->sock);
@@ -206,6 +213,11 @@ typedef struct dp_req {
     int timed_out; /* the answer did not come in the time given */
     uint32_t msgid;
     nng_msg *reply; /* owned once received */
+    /* or through a shared-memory ring (client_ring.h): no socket */
+    moe_ring *ring; /* held (busy) until req_close */
+    uint8_t *rbuf;  /* owned: the answer copied out of the ring */
+    const int *up;  /* the worker connection's live pipes */
+    int timeout_ms;
 } dp_req;
 
 /* req_start sends m (owned from here) on sock; the reply is awaited by
@@ -231,16 +243,66 @@ static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
     return MOE_OK;
 }
 
+/* parse_answer parses a worker's answer (len bytes at buf) into resp. */
+static moe_err parse_answer(const dp_req *q, const void *buf, size_t len, moe_rpc_response *resp,
+                            char *msg, size_t msglen)
+{
+    mp_errbuf eb = {{0}};
+    if (moe_rpc_parse_response(buf, len, resp, &eb) != MOE_OK) {
+        snprintf(msg, msglen, "malformed answer from a worker: %s", eb.msg);
+        return MOE_EPROTO;
+    }
+    if (resp->msgid != q->msgid) {
+        snprintf(msg, msglen, "answer msgid %u for request %u", resp->msgid, q->msgid);
+        return MOE_EPROTO;
+    }
+    if (resp->err != MOE_OK) {
+        snprintf(msg, msglen, "%.*s", (int)resp->errmsg_len, resp->errmsg);
+        return resp->err;
+    }
+    return MOE_OK;
+}
+
+/* ring_finish: req_finish for a request posted on a ring */
+static moe_err ring_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_response *resp,
+                           char *msg, size_t msglen)
+{
+    const uint8_t *a;
+    size_t n;
+    if (abort) {
+        q->ring->dead = 1; /* the worker may answer into it later */
+        snprintf(msg, msglen, "the worker's connection is down");
+        return MOE_EUNAVAIL;
+    }
+    moe_err e = moe_ring_wait(q->ring, recv_timeout_ms > 0 ? recv_timeout_ms : q->timeout_ms, q->up,
+                              &a, &n);
+    if (e != MOE_OK) {
+        q->timed_out = e == MOE_ETIMEDOUT;
+        snprintf(msg, msglen, "waiting for a worker's rows on a shared-memory ring: %s",
+                 e == MOE_ETIMEDOUT  ? "no answer in time"
+                 : e == MOE_EUNAVAIL ? "the worker's connection is down"
+                                     : "a malformed answer");
+        return e;
+    }
+    q->rbuf = malloc(n);
+    if (!q->rbuf) {
+        snprintf(msg, msglen, "out of memory");
+        return MOE_ENOMEM;
+    }
+    memcpy(q->rbuf, a, n); /* the ring is free for the next post once released */
+    return parse_answer(q, q->rbuf, n, resp, msg, msglen);
+}
+
 /* req_finish waits for the reply (q->reply) and parses its envelope into
  * resp. Returns the transport's or the server's error (message in msg). */
 static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_response *resp,
                           char *msg, size_t msglen)
 {
     int rv;
-    moe_err e;
-    mp_errbuf eb = {{0}};
     if (!q->open)
         return MOE_EINTERNAL;
+    if (q->ring)
+        return ring_finish(q, abort, recv_timeout_ms, resp, msg, msglen);
     if (abort)
         nng_aio_cancel(q->aio);
     nng_aio_wait(q->aio);
@@ -263,34 +325,24 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
         return moe__from_nng(rv);
     }
     q->reply = nng_aio_get_msg(q->aio);
-    e = moe_rpc_parse_response(nng_msg_body(q->reply), nng_msg_len(q->reply), resp, &eb);
-    if (e != MOE_OK) {
-        snprintf(msg, msglen, "malformed answer from a worker: %s", eb.msg);
-        return MOE_EPROTO;
-    }
-    if (resp->msgid != q->msgid) {
-        snprintf(msg, msglen, "answer msgid %u for request %u", resp->msgid, q->msgid);
-        return MOE_EPROTO;
-    }
-    if (resp->err != MOE_OK) {
-        snprintf(msg, msglen, "%.*s", (int)resp->errmsg_len, resp->errmsg);
-        return resp->err;
-    }
-    return MOE_OK;
+    return parse_answer(q, nng_msg_body(q->reply), nng_msg_len(q->reply), resp, msg, msglen);
 }
 
 /* resp_was_answer: the worker answered (an error of its own), as opposed to
  * a transport failure */
 static int resp_was_answer(const dp_req *q)
 {
-    return q->reply != NULL;
+    return q->reply != NULL || q->rbuf != NULL;
 }
 
 static void req_close(dp_req *q)
 {
     if (q->reply)
         nng_msg_free(q->reply);
-    if (q->open) {
+    free(q->rbuf);
+    if (q->ring) {
+        __atomic_store_n(&q->ring->busy, 0, __ATOMIC_RELEASE);
+    } else if (q->open) {
         nng_aio_free(q->aio);
         nng_ctx_close(q->ctx);
     }
@@ -538,13 +590,13 @@ static void map_mark_stale(struct moe_dp *dp, dp_map *m)
 
 /* attach_call sends method {params (2 pairs in p)} to worker q and reads
  * the region id of its answer. */
-static moe_err attach_call(moe_client *c, dp_map *m, int q, const char *method, const mp_writer *p,
-                           uint64_t *region)
+static moe_err attach_call_key(moe_client *c, dp_map *m, int q, const char *method,
+                               const mp_writer *p, uint32_t npairs, const char *key, uint64_t *id)
 {
     dp_req rq;
     moe_rpc_response resp;
     char msg[300];
-    moe_err e = sync_call(c, m->sock[q], method, p, 2, &rq, &resp, msg, sizeof(msg));
+    moe_err e = sync_call(c, m->sock[q], method, p, npairs, &rq, &resp, msg, sizeof(msg));
     if (e == MOE_OK) {
         uint32_t n;
         mp_reader rd = resp.result;
@@ -555,8 +607,8 @@ static moe_err attach_call(moe_client *c, dp_map *m, int q, const char *method, 
                 uint32_t kl;
                 if (mp_read_str(&rd, &k, &kl, NULL) != MOE_OK)
                     break;
-                if (mp_str_eq(k, kl, "region")) {
-                    if (mp_read_u64(&rd, region, NULL) == MOE_OK)
+                if (mp_str_eq(k, kl, key)) {
+                    if (mp_read_u64(&rd, id, NULL) == MOE_OK)
                         e = MOE_OK;
                 } else if (mp_skip(&rd, NULL) != MOE_OK)
                     break;
@@ -566,6 +618,13 @@ static moe_err attach_call(moe_client *c, dp_map *m, int q, const char *method, 
     }
     req_close(&rq);
     return e;
+}
+
+/* attach_call: method {2 pairs} on worker q, answered {region} */
+static moe_err attach_call(moe_client *c, dp_map *m, int q, const char *method, const mp_writer *p,
+                           uint64_t *region)
+{
+    return attach_call_key(c, m, q, method, p, 2, "region", region);
 }
 
 /* attach_one maps segment name (size bytes) on worker q: its region id. */
@@ -635,6 +694,73 @@ static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t si
     if (e != MOE_OK)
         shm_free(b); /* the workers drop what they mapped when the map goes */
     return e;
+}
+
+/* ring_make maps a fresh ring and attaches it to worker 0 of m (the
+ * lane's): its segment (data.shm_attach), then the ring in it. */
+static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, moe_ring *r)
+{
+    char name[96];
+    snprintf(name, sizeof(name), "/moe-%ld-%016llx-r%u", (long)getpid(),
+             (unsigned long long)moe_client_id(c), __atomic_add_fetch(&dp->next_shm, 1, 0));
+    moe_err e = moe_ring_map(r, name, MOE_RING_BYTES);
+    if (e != MOE_OK)
+        return e;
+    e = attach_one(c, m, 0, name, r->size, &r->region);
+    shm_unlink(name);
+    if (e == MOE_OK) {
+        mp_writer p;
+        mp_writer_init(&p);
+        mp_write_cstr(&p, "region");
+        mp_write_u64(&p, r->region);
+        mp_write_cstr(&p, "offset");
+        mp_write_u64(&p, 0);
+        mp_write_cstr(&p, "size");
+        mp_write_u64(&p, r->size);
+        e = attach_call_key(c, m, 0, "data.ring_attach", &p, 3, "ring", &r->id);
+        mp_writer_fini(&p);
+    }
+    if (e != MOE_OK)
+        moe_ring_unmap(r); /* the worker drops its mapping with the map's connection */
+    return e;
+}
+
+/* ring_get: a free ring to the lane's worker (busy on return), or NULL
+ * (rings off: $MOE_RING=0, none offered, or all busy) */
+static moe_ring *ring_get(moe_client *c, struct moe_dp *dp, dp_map *m)
+{
+    const char *env = getenv("MOE_RING");
+    if (env && !strcmp(env, "0"))
+        return NULL;
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 0; i < m->nrings; i++) {
+        moe_ring *r = &m->rings[i];
+        if (r->id && !r->dead && !__atomic_load_n(&r->busy, __ATOMIC_ACQUIRE)) {
+            r->busy = 1;
+            pthread_mutex_unlock(&dp->mu);
+            return r;
+        }
+    }
+    if (m->no_ring || m->nrings == DP_MAX_RING) {
+        pthread_mutex_unlock(&dp->mu);
+        return NULL;
+    }
+    moe_ring *r = &m->rings[m->nrings++];
+    r->busy = 1; /* reserved while it is made */
+    pthread_mutex_unlock(&dp->mu);
+    moe_ring made;
+    moe_err e = ring_make(c, dp, m, &made);
+    pthread_mutex_lock(&dp->mu);
+    if (e == MOE_OK) {
+        *r = made;
+        r->busy = 1;
+    } else {
+        m->no_ring = 1; /* an older worker, or no shared memory: the socket */
+        r->dead = 1;    /* an empty slot never handed out */
+        r = NULL;
+    }
+    pthread_mutex_unlock(&dp->mu);
+    return r;
 }
 
 /* shm_get: a free buffer of at least need bytes (busy on return), or NULL. */
@@ -1114,13 +1240,20 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             break;
         }
         mp_writer w;
-        nng_msg *msg;
+        nng_msg *msg = NULL;
         uint32_t msgid = moe__next_msgid(c);
+        /* on the lane, rows in shared memory: the request goes through a
+         * ring (its params only; the ring's connection is authenticated) */
+        moe_ring *ring = lane && (zero_copy || b) ? ring_get(c, dp, m) : NULL;
         mp_writer_init(&w);
-        moe_rpc_write_request_head(&w, msgid, "data.rows");
-        mp_write_map(&w, (zero_copy ? 8u : b ? 7u : 3u) + (auth ? 1u : 0u) + (lane ? 1u : 0u));
+        if (!ring)
+            moe_rpc_write_request_head(&w, msgid, "data.rows");
+        mp_write_map(&w, (zero_copy ? 8u
+                          : b       ? 7u
+                                    : 3u) +
+                             (auth && !ring ? 1u : 0u) + (lane ? 1u : 0u));
         /* (bulk: ticket, deadline_ms, bulk = 3 pairs, as inline) */
-        if (auth) {
+        if (auth && !ring) {
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
         }
@@ -1154,7 +1287,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_u64(&w, m->uregion[(size_t)uy * W + q]);
             mp_write_cstr(&w, "y_offset");
             mp_write_u64(&w, yo);
-            e = msg_from_writer(&w, NULL, 0, &msg);
+            e = ring ? MOE_OK : msg_from_writer(&w, NULL, 0, &msg);
         } else if (b) {
             mp_write_cstr(&w, "dtype");
             mp_write_cstr(&w, moe_dtype_name(dt));
@@ -1168,7 +1301,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_u64(&w, off);
             mp_write_cstr(&w, "y_offset");
             mp_write_u64(&w, nbytes + off);
-            e = msg_from_writer(&w, NULL, 0, &msg);
+            e = ring ? MOE_OK : msg_from_writer(&w, NULL, 0, &msg);
         } else if (bx[q].started) { /* the rows are at the worker already */
             mp_write_cstr(&w, "bulk");
             mp_write_bool(&w, true);
@@ -1178,6 +1311,21 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_cstr(&w, "x");
             moe_tensor_write_head(&w, dt, 2, shape);
             e = msg_from_writer(&w, (const uint8_t *)in + off, n, &msg);
+        }
+        if (ring) {
+            if (e == MOE_OK)
+                e = w.failed ? MOE_ENOMEM : moe_ring_post(ring, w.buf, w.len);
+            if (e == MOE_OK) {
+                rq[q].ring = ring;
+                rq[q].open = 1;
+                rq[q].msgid = ring->seq; /* the answer's msgid */
+                rq[q].up = &m->up[q];
+                rq[q].timeout_ms = moe__timeout_ms(c);
+            } else {
+                __atomic_store_n(&ring->busy, 0, __ATOMIC_RELEASE);
+            }
+            mp_writer_fini(&w);
+            continue;
         }
         mp_writer_fini(&w);
         if (e == MOE_OK)

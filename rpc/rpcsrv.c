@@ -297,10 +297,15 @@ rpc_call *rpc_call_local(const char *method, const void *params, size_t len, rpc
     return c;
 }
 
+void rpc_call_set_pipe(rpc_call *c, uint32_t pipe)
+{
+    c->local_pipe = pipe;
+}
+
 uint32_t rpc_call_pipe(const rpc_call *c)
 {
     if (!c->msg)
-        return 0;
+        return c->local_pipe;
     nng_pipe p = nng_msg_get_pipe((nng_msg *)c->msg);
     return nng_pipe_id(p) > 0 ? (uint32_t)nng_pipe_id(p) : 0;
 }

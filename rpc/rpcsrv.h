@@ -43,7 +43,8 @@ struct rpc_call {
     void *on_reply_arg;
     /* private */
     struct rpc_slot *slot;
-    void *msg; /* nng_msg *, owns the bytes req points into */
+    void *msg;           /* nng_msg *, owns the bytes req points into */
+    uint32_t local_pipe; /* a local call's connection (rpc_call_set_pipe) */
 };
 
 /* rpc_handler runs on the loop thread for every well-formed request. */
@@ -115,10 +116,14 @@ void rpc_reply_msg(rpc_call *c, void *nng_msg);
  * with params (an encoded msgpack map of len bytes, copied). A handler
  * answers it like any call (rpc_reply, rpc_reply_err, ...); the encoded
  * answer goes to hook (which must not answer it) and the call is freed.
- * rpc_call_pipe of a local call is 0. NULL when out of memory or params is
+ * rpc_call_pipe of a local call is 0 (or rpc_call_set_pipe's). NULL when out of memory or params is
  * not a map. For a daemon's internal work that reuses a method's handler. */
 rpc_call *rpc_call_local(const char *method, const void *params, size_t len, rpc_reply_hook hook,
                          void *arg);
+/* rpc_call_set_pipe: the connection a local call speaks for (what
+ * rpc_call_pipe reports), e.g. a request that came through shared memory
+ * set up on that connection. */
+void rpc_call_set_pipe(rpc_call *c, uint32_t pipe);
 /* rpcsrv_held_bytes: the size of the request messages handed to the
  * handler and not yet answered (the handler's call included while it runs).
  * Thread safe. */

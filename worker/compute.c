@@ -112,6 +112,16 @@ void *wkr_compute_main(void *arg)
     wkr *w = arg;
     for (;;) {
         pthread_mutex_lock(&w->qmu);
+        if (!w->qhead && !w->qstop && w->dp.ring_spin_us > 0 && dp_rings_active(&w->dp)) {
+            /* a client on a shared-memory ring posts its next request within
+             * microseconds (a decode loop): wait for it awake, not asleep */
+            unsigned seen = atomic_load(&w->qposted);
+            pthread_mutex_unlock(&w->qmu);
+            uint64_t until = rpc_now_ns() + (uint64_t)w->dp.ring_spin_us * 1000ull;
+            while (atomic_load(&w->qposted) == seen && rpc_now_ns() < until)
+                ;
+            pthread_mutex_lock(&w->qmu);
+        }
         while (!w->qhead && !w->qstop)
             pthread_cond_wait(&w->qcv, &w->qmu);
         wkr_queue_item *it = w->qhead;

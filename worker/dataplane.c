@@ -64,6 +64,7 @@ static void region_drop(dp_table *t, dp_region *g)
     if (!g->cuda)
         t->mapped_bytes -= g->size;
     g->dead = 1;
+    dp_rings_stop_region(t, g); /* each gives its reference back as it stops */
     if (!g->refs)
         region_unmap(g);
 }
@@ -74,6 +75,30 @@ static dp_region *region_find(dp_table *t, uint32_t pipe, uint64_t id)
         if (g->id == id && g->pipe == pipe)
             return g;
     return NULL;
+}
+
+dp_region *dp_region_find_locked(dp_table *t, uint32_t pipe, uint64_t id, uint8_t **base,
+                                 size_t *size, int *cuda)
+{
+    dp_region *g = region_find(t, pipe, id);
+    if (g) {
+        *base = g->base;
+        *size = g->size;
+        *cuda = g->cuda;
+    }
+    return g;
+}
+
+void dp_region_hold_locked(dp_region *g)
+{
+    g->refs++;
+}
+
+void dp_region_release_locked(dp_table *t, dp_region *g)
+{
+    (void)t;
+    if (--g->refs == 0 && g->dead)
+        region_unmap(g);
 }
 
 /* regions_on_pipe: how many regions connection pipe holds (mu held). */
@@ -531,7 +556,7 @@ static moe_err parse_run(const dp_table *t, mp_reader *r, dp_run *run, char *err
     return e;
 }
 
-static void on_rows(dp_table *t, rpc_call *c)
+void dp_rows_call(dp_table *t, rpc_call *c)
 {
     char err[256], dtname[8] = "";
     mp_reader rt, rshape, rrun;
@@ -932,6 +957,7 @@ void dp_get_counters(dp_table *t, dp_counters *o)
     o->bulk_conns = t->bulk_conns;
     o->bulk_parked = t->bulk_parked;
     o->bulk_in_total = t->bulk_in_total;
+    o->rings = t->nrings;
     pthread_mutex_unlock(&t->mu);
 }
 
@@ -943,9 +969,11 @@ static void on_ping(dp_table *t, rpc_call *c)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, c->req.msgid);
-    mp_write_map(&w, 10);
+    mp_write_map(&w, 11);
     mp_write_cstr(&w, "role");
     mp_write_cstr(&w, "worker-data");
+    mp_write_cstr(&w, "rings");
+    mp_write_i64(&w, k.rings);
     mp_write_cstr(&w, "tickets");
     mp_write_i64(&w, k.tickets);
     mp_write_cstr(&w, "regions");
@@ -970,10 +998,10 @@ static void on_ping(dp_table *t, rpc_call *c)
 /* the data-plane endpoint's methods (clients call them; docs/PROTOCOL.md
  * "Data plane" lists them, checked by tests/unit/test_methods.c) */
 const dp_method dp_methods[] = {
-    {{"ping", RPC_NO_PARAMS}, on_ping},   {{"data.rows", 0}, on_rows},
+    {{"ping", RPC_NO_PARAMS}, on_ping},   {{"data.rows", 0}, dp_rows_call},
     {{"data.cancel", 0}, on_cancel},      {{"data.shm_attach", 0}, on_attach},
     {{"data.shm_detach", 0}, on_detach},  {{"data.cuda_attach", 0}, on_cuda_attach},
-    {{"data.cuda_detach", 0}, on_detach},
+    {{"data.cuda_detach", 0}, on_detach}, {{"data.ring_attach", 0}, dp_on_ring_attach},
 };
 const int dp_nmethods = (int)(sizeof(dp_methods) / sizeof(dp_methods[0]));
 
@@ -1108,6 +1136,7 @@ void dp_close(dp_table *t)
     pthread_mutex_lock(&t->mu);
     drop_pipe(t, 0, 1);
     pthread_mutex_unlock(&t->mu);
+    dp_rings_wait(t, 5000); /* their threads answer and give their regions back */
     uv_timer_stop(&t->expire_timer);
     uv_close((uv_handle_t *)&t->expire_timer, NULL);
     uv_close((uv_handle_t *)&t->closed_async, NULL);

@@ -29,6 +29,9 @@
 #include "rpc/rpcsrv.h"
 
 typedef struct dp_region dp_region;
+typedef struct dp_ring dp_ring; /* worker/ring.c */
+
+#define DP_MAX_RINGS 16 /* rings watched by one worker (a thread each) */
 
 /* dp_bulk: rows that came on a bulk connection (worker/bulk.c, docs/
  * PROTOCOL.md "Bulk rows"), named by a ticket. Parked in the table until a
@@ -113,6 +116,11 @@ typedef struct dp_table {
      * with the error and dropped). NULL = no lane. */
     moe_err (*run)(void *arg, const dp_run *r, char *err, size_t errlen);
     void *run_arg;
+    /* rings (worker/ring.c): data.rows through shared memory (under mu) */
+    dp_ring *rings;
+    int nrings; /* read without mu by dp_rings_active */
+    uint64_t next_ring;
+    int ring_spin_us; /* a ring's thread spins this long after an answer (read-only) */
     /* counters (under mu) */
     uint64_t rows_in_total, bytes_in_total, tickets_expired_total, regions_attached_total;
 } dp_table;
@@ -133,8 +141,30 @@ typedef struct dp_counters {
     uint64_t staged_bytes, mapped_bytes, rows_in_total, bytes_in_total, tickets_expired_total;
     int64_t bulk_conns, bulk_parked; /* open bulk connections, rows waiting for data.rows */
     uint64_t bulk_in_total;          /* transfers received on bulk connections */
+    int64_t rings;                   /* rings watched (data.ring_attach) */
 } dp_counters;
 void dp_get_counters(dp_table *t, dp_counters *out);
+
+/* ---- rings (worker/ring.c) and the table's parts they use ---- */
+/* dp_on_ring_attach: the data.ring_attach handler (loop thread). */
+void dp_on_ring_attach(dp_table *t, rpc_call *c);
+/* dp_rows_call: the data.rows handler, for a socket's call or a ring's
+ * local call (any thread; takes mu). */
+void dp_rows_call(dp_table *t, rpc_call *c);
+/* dp_rings_stop_region (mu held): the rings in region g stop; each thread
+ * answers what it runs, then gives its reference on g back. */
+void dp_rings_stop_region(dp_table *t, dp_region *g);
+/* dp_rings_wait: waits (at most timeout_ms) until no ring thread runs. */
+void dp_rings_wait(dp_table *t, int timeout_ms);
+/* dp_rings_active: a ring is watched now (a hint: no lock). */
+int dp_rings_active(dp_table *t);
+/* region references for the rings (mu held): find a region of connection
+ * pipe (its mapping, size and kind out), hold and release a reference (the
+ * last release of a dropped region unmaps it). */
+dp_region *dp_region_find_locked(dp_table *t, uint32_t pipe, uint64_t id, uint8_t **base,
+                                 size_t *size, int *cuda);
+void dp_region_hold_locked(dp_region *g);
+void dp_region_release_locked(dp_table *t, dp_region *g);
 
 /* ---- the bulk path's side (worker/bulk.c; the table's mu inside) ---- */
 /* dp_bulk_reserve counts n bytes of rows on their way in staged_bytes:

@@ -38,6 +38,7 @@ moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen)
     w->qtail = it;
     pthread_cond_signal(&w->qcv);
     pthread_mutex_unlock(&w->qmu);
+    atomic_fetch_add(&w->qposted, 1); /* for a compute thread that spins (compute.c) */
     return MOE_OK;
 }
 

@@ -46,6 +46,9 @@ static const cfg_entry worker_cfg[] = {
      "data plane: how long a job waits for a client's rows to arrive"},
     {"data-staged-mb", CFG_INT, "4096", 1, 1 << 20, &W.data_staged_mb,
      "data plane: rows received inline and not yet asked for, MiB (beyond: busy)"},
+    {"ring-spin-us", CFG_INT, "0", 0, 100000, &W.ring_spin_us,
+     "data plane: after answering through a shared-memory ring, its thread and the compute "
+     "thread watch for the next request this long before they sleep (0 = sleep at once)"},
     {"shm-max-mb", CFG_INT, "65536", 0, 1 << 24, &W.shm_max_mb,
      "data plane: clients' shared-memory regions mapped here, MiB (0 = no shared memory)"},
     {"backend", CFG_STR, "auto", 0, 0, W.backend_cfg, "auto | cpu | cuda"},
@@ -509,6 +512,7 @@ int main(int argc, char **argv)
             W.auth_token);
     pthread_mutex_init(&W.lane_mu, NULL);
     W.dp.run = wkr_lane_enqueue; /* the lane (lane.c) */
+    W.dp.ring_spin_us = (int)W.ring_spin_us;
     W.dp.run_arg = &W;
     W.dp.gpu_register = W.use_gpu;
     W.dp.gpu_device = W.use_gpu ? (int)W.device_index : -1;

@@ -189,6 +189,7 @@ struct wkr {
     pthread_cond_t qcv;
     wkr_queue_item *qhead, *qtail;
     int qstop;
+    atomic_uint qposted; /* lane jobs queued so far (a spinning compute thread watches it) */
 
     /* compute state (compute thread only) */
     xchg_nng_listener *lis; /* the data listener, until a communicator takes it */
@@ -218,7 +219,7 @@ struct wkr {
     long long bulk_timeout_ms;
     struct wkr_bulk *bulk; /* the bulk listener (bulk.h), or NULL */
     char host_id[128];     /* this host's boot id */
-    long long data_wait_ms, data_staged_mb, shm_max_mb, pool_mb;
+    long long data_wait_ms, data_staged_mb, shm_max_mb, pool_mb, ring_spin_us;
     dp_table dp;
     void *pin; /* pinned host buffer of the GPU paths (compute thread; wkr_pinned) */
     size_t pin_bytes;

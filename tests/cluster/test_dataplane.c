@@ -19,6 +19,7 @@
 #include <nng/protocol/reqrep0/req.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +28,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "client/client_ring.h"
 #include "tests/cluster.h"
 #include "kernels/kern.h"
 #include "common/rng.h"
@@ -1089,4 +1091,269 @@ Test(dataplane, lane_closed_and_bad_run_refused, .timeout = 120, .fini = cluster
     cr_assert(cl, "cluster_start: %s", cluster_error());
     cr_assert(!lane_open(cl), "--lane 0: no lane");
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* ring_answer: waits for the ring's answer to its last post and parses it */
+static moe_rpc_response ring_answer(moe_ring *rg, uint8_t *copy, size_t cap)
+{
+    const uint8_t *a;
+    size_t n;
+    cr_assert_eq(moe_ring_wait(rg, 30000, NULL, &a, &n), MOE_OK, "no answer on the ring");
+    cr_assert(n <= cap);
+    memcpy(copy, a, n);
+    moe_rpc_response resp;
+    mp_errbuf eb = {{0}};
+    cr_assert_eq(moe_rpc_parse_response(copy, n, &resp, &eb), MOE_OK, "%s", eb.msg);
+    cr_assert_eq(resp.msgid, rg->seq, "the answer names request %u, not %u", resp.msgid, rg->seq);
+    return resp;
+}
+
+static void ring_expect(moe_ring *rg, moe_err want, const char *what)
+{
+    uint8_t buf[4096];
+    moe_rpc_response resp = ring_answer(rg, buf, sizeof(buf));
+    cr_assert_eq(resp.err, want, "%s: got %s (%.*s), want %s", what, moe_err_code(resp.err),
+                 (int)resp.errmsg_len, resp.errmsg ? resp.errmsg : "", moe_err_code(want));
+    cr_assert(resp.errmsg_len > 0, "%s: empty message", what);
+    cr_log_info("ring: %s -> %s: %.*s", what, moe_err_code(want), (int)resp.errmsg_len,
+                resp.errmsg);
+}
+
+/* A shared-memory ring (docs/PROTOCOL.md, "Data plane", 8): libmoe's lane
+ * forwards over shared memory go through one (the worker counts it) and
+ * give the socket's bytes; bad attaches and bad requests get clear errors
+ * in the ring or on the socket, the worker keeps serving, and closing the
+ * connection stops the ring and unmaps its region. */
+Test(dataplane, ring_requests_and_bad_input, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    char url[256];
+    worker_url(cl, 0, url, sizeof(url));
+
+    /* libmoe: the same bytes through the ring as through the socket */
+    moe_client *cs = open_path(cl, "socket"), *cm = open_path(cl, "shm");
+    float *x = malloc(64 * 32 * 4), *y0 = malloc(64 * 32 * 4), *y1 = malloc(64 * 32 * 4);
+    for (int T = 1; T <= 64; T *= 4) {
+        rng_fill_uniform(90, (uint64_t)T, -1, 1, x, (size_t)T * H);
+        cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, T, H, y0, NULL), MOE_OK, "%s",
+                     moe_last_error());
+        cr_assert_eq(moe_forward(cm, "m", 0, MOE_F32, x, T, H, y1, NULL), MOE_OK, "%s",
+                     moe_last_error());
+        cr_assert(memcmp(y0, y1, (size_t)T * H * 4) == 0, "ring y differs at T=%d", T);
+    }
+    cr_assert_eq(data_stat(url, "rings"), 1, "one client calling in turn: one ring");
+    moe_client_close(cm);
+    wait_stat(url, "rings", 0);
+    wait_stat(url, "regions", 0);
+
+    /* by hand: a ring segment and a data segment on one connection */
+    nng_socket s = raw_open(url);
+    raw_reply r;
+    mp_writer p;
+    char rname[64], dname[64];
+    snprintf(rname, sizeof(rname), "/moe-%ld-ringtest", (long)getpid());
+    snprintf(dname, sizeof(dname), "/moe-%ld-ringdata", (long)getpid());
+    moe_ring rg;
+    cr_assert_eq(moe_ring_map(&rg, rname, 8192), MOE_OK);
+    int fd = shm_open(dname, O_CREAT | O_RDWR, 0600);
+    cr_assert(fd >= 0);
+    cr_assert_eq(ftruncate(fd, 65536), 0);
+    float *data = mmap(NULL, 65536, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    cr_assert(data != MAP_FAILED);
+    uint64_t region[2] = {0, 0};
+    const char *names[2] = {rname, dname};
+    const size_t sizes[2] = {8192, 65536};
+    for (int i = 0; i < 2; i++) {
+        mp_writer_init(&p);
+        mp_write_cstr(&p, "name");
+        mp_write_cstr(&p, names[i]);
+        mp_write_cstr(&p, "size");
+        mp_write_u64(&p, sizes[i]);
+        raw_call(s, "data.shm_attach", &p, 2, &r);
+        mp_writer_fini(&p);
+        shm_unlink(names[i]);
+        cr_assert_eq(r.rv, 0);
+        cr_assert_eq(r.resp.err, MOE_OK, "attach: %.*s", (int)r.resp.errmsg_len, r.resp.errmsg);
+        mp_reader rd = r.resp.result;
+        cr_assert(mp_map_find(&rd, "region") == 0 && mp_read_u64(&rd, &region[i], NULL) == MOE_OK);
+        raw_free(&r);
+    }
+    /* bad attaches: misaligned, too small, outside the region, no region */
+    static const int64_t bad[4][3] = {{0, 32, 4096}, {0, 0, 1024}, {0, 4096, 8192}, {1, 0, 4096}};
+    static const moe_err bad_err[4] = {MOE_EINVAL, MOE_EINVAL, MOE_EINVAL, MOE_ENOTFOUND};
+    for (int i = 0; i < 4; i++) {
+        mp_writer_init(&p);
+        mp_write_cstr(&p, "region");
+        mp_write_u64(&p, bad[i][0] ? 999 : region[0]);
+        mp_write_cstr(&p, "offset");
+        mp_write_u64(&p, (uint64_t)bad[i][1]);
+        mp_write_cstr(&p, "size");
+        mp_write_u64(&p, (uint64_t)bad[i][2]);
+        raw_call(s, "data.ring_attach", &p, 3, &r);
+        mp_writer_fini(&p);
+        expect_err(&r, bad_err[i], "a bad data.ring_attach");
+    }
+    cr_assert_eq(data_stat(url, "rings"), 0);
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "region");
+    mp_write_u64(&p, region[0]);
+    mp_write_cstr(&p, "offset");
+    mp_write_u64(&p, 0);
+    mp_write_cstr(&p, "size");
+    mp_write_u64(&p, 8192);
+    raw_call(s, "data.ring_attach", &p, 3, &r);
+    mp_writer_fini(&p);
+    cr_assert_eq(r.rv, 0);
+    cr_assert_eq(r.resp.err, MOE_OK, "ring: %.*s", (int)r.resp.errmsg_len, r.resp.errmsg);
+    raw_free(&r);
+    cr_assert_eq(data_stat(url, "rings"), 1);
+
+    /* bad requests in the ring: not a map, offsets outside the region, rows
+     * whose job never comes (their deadline: answered from the worker's
+     * loop), a request larger than the request area */
+    static const uint8_t not_a_map[1] = {0x01};
+    cr_assert_eq(moe_ring_post(&rg, not_a_map, 1), MOE_OK);
+    ring_expect(&rg, MOE_EPROTO, "a ring request that is not a map");
+    for (int k = 0; k < 2; k++) {
+        mp_writer_init(&p);
+        mp_write_map(&p, 7);
+        write_ticket(&p, 5, (uint64_t)k);
+        mp_write_cstr(&p, "dtype");
+        mp_write_cstr(&p, "f32");
+        mp_write_cstr(&p, "shape");
+        mp_write_array(&p, 2);
+        mp_write_i64(&p, 4);
+        mp_write_i64(&p, H);
+        mp_write_cstr(&p, "region");
+        mp_write_u64(&p, region[1]);
+        mp_write_cstr(&p, "x_offset");
+        mp_write_u64(&p, k == 0 ? 65536 - 64 : 0);
+        mp_write_cstr(&p, "y_offset");
+        mp_write_u64(&p, 4096);
+        mp_write_cstr(&p, "deadline_ms");
+        mp_write_i64(&p, 1);
+        cr_assert_eq(moe_ring_post(&rg, p.buf, p.len), MOE_OK);
+        mp_writer_fini(&p);
+        ring_expect(&rg, k == 0 ? MOE_EINVAL : MOE_ETIMEDOUT,
+                    k == 0 ? "rows outside the region" : "rows whose job never comes");
+    }
+    uint8_t *big = calloc(1, 8192);
+    cr_assert_eq(moe_ring_post(&rg, big, 8192), MOE_ETOOBIG, "the client refuses it first");
+    free(big);
+
+    /* a lane forward through the ring: rows from the data segment, y into
+     * it, the bytes of the socket path */
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader rd = mp_reply_reader(&rep);
+    uint64_t gen = 0;
+    cr_assert(mp_map_find(&rd, "generation") == 0 && mp_read_u64(&rd, &gen, NULL) == MOE_OK);
+    moe_reply_free(&rep);
+    const int T = 5;
+    rng_fill_uniform(91, 1, -1, 1, data, (size_t)T * H);
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, data, T, H, y0, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    mp_writer_init(&p);
+    mp_write_map(&p, 7);
+    write_ticket(&p, 6, 1);
+    mp_write_cstr(&p, "dtype");
+    mp_write_cstr(&p, "f32");
+    mp_write_cstr(&p, "shape");
+    mp_write_array(&p, 2);
+    mp_write_i64(&p, T);
+    mp_write_i64(&p, H);
+    mp_write_cstr(&p, "region");
+    mp_write_u64(&p, region[1]);
+    mp_write_cstr(&p, "x_offset");
+    mp_write_u64(&p, 0);
+    mp_write_cstr(&p, "y_offset");
+    mp_write_u64(&p, 8192);
+    mp_write_cstr(&p, "run");
+    mp_write_map(&p, 3);
+    mp_write_cstr(&p, "model");
+    mp_write_cstr(&p, "m");
+    mp_write_cstr(&p, "layer");
+    mp_write_i64(&p, 0);
+    mp_write_cstr(&p, "generation");
+    mp_write_u64(&p, gen);
+    cr_assert_eq(moe_ring_post(&rg, p.buf, p.len), MOE_OK);
+    mp_writer_fini(&p);
+    uint8_t ans[4096];
+    moe_rpc_response resp = ring_answer(&rg, ans, sizeof(ans));
+    cr_assert_eq(resp.err, MOE_OK, "lane forward on the ring: %.*s", (int)resp.errmsg_len,
+                 resp.errmsg);
+    cr_assert(memcmp(data + 8192 / 4, y0, (size_t)T * H * 4) == 0, "ring y differs");
+
+    /* the worker kept serving the socket, and closing the connection stops
+     * the ring and unmaps both regions */
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 3, H, y1, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    nng_close(s);
+    wait_stat(url, "rings", 0);
+    wait_stat(url, "regions", 0);
+    moe_ring_unmap(&rg);
+    munmap(data, 65536);
+    moe_client_close(cs);
+    free(x);
+    free(y0);
+    free(y1);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+typedef struct ring_loop {
+    moe_client *c;
+    int H;
+    atomic_int done;
+    moe_err err;
+    char msg[300];
+} ring_loop;
+
+static void *ring_loop_main(void *arg)
+{
+    ring_loop *l = arg;
+    float x[4 * 32], y[4 * 32];
+    rng_fill_uniform(92, 1, -1, 1, x, sizeof(x) / 4);
+    for (;;) {
+        moe_err e = moe_forward(l->c, "m", 0, MOE_F32, x, 4, l->H, y, NULL);
+        if (e != MOE_OK) {
+            l->err = e;
+            snprintf(l->msg, sizeof(l->msg), "%s", moe_last_error());
+            return NULL;
+        }
+        atomic_fetch_add(&l->done, 1);
+    }
+}
+
+/* The worker is SIGKILLed while a client waits on a ring: the client sees
+ * the connection go and answers unavailable instead of waiting out its
+ * deadline (30 s here; the test allows 20). */
+Test(dataplane, ring_worker_killed_answers_unavailable, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    char url[256];
+    worker_url(cl, 0, url, sizeof(url));
+    ring_loop l = {.c = open_path(cl, "shm"), .H = H};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, ring_loop_main, &l), 0);
+    while (atomic_load(&l.done) < 50 && !l.err)
+        usleep(1000);
+    cr_assert_eq(l.err, MOE_OK, "before the kill: %s", l.msg);
+    cr_assert_eq(data_stat(url, "rings"), 1, "the forwards do not go through a ring");
+    int64_t t0 = cluster_now_ms();
+    cr_assert_eq(cluster_worker_kill(cl, 0, SIGKILL), 0);
+    pthread_join(th, NULL);
+    int64_t waited = cluster_now_ms() - t0;
+    cr_log_info("after the kill: %s (%lld ms): %s", moe_err_code(l.err), (long long)waited, l.msg);
+    cr_assert_eq(l.err, MOE_EUNAVAIL, "got %s: %s", moe_err_code(l.err), l.msg);
+    cr_assert(waited < 20000, "the client waited %lld ms", (long long)waited);
+    moe_client_close(l.c);
 }
