@@ -170,7 +170,8 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
                              (int)w->gpu_max_tokens,
                              train,
                              (float)c->capacity_factor,
-                             (int)w->gpu_grad_bf16};
+                             (int)w->gpu_grad_bf16,
+                             1 /* states: one train forward at a time */};
             kcu_layer *kl = NULL;
             e = kcu_layer_create(&kc, &kl);
             if (e == MOE_OK)

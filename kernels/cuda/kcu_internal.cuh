@@ -251,19 +251,31 @@ struct kcu_layer {
     int nsm;
     void *params;
     size_t params_bytes;
-    bf16 *wr;     /* (Ep,H), rows >= E zero */
-    bf16 *w13;    /* (E,N1,H) */
-    bf16 *w2;     /* (E,H,F) */
-    float *g_wr;  /* (Ep,H) */
-    float *g_w13; /* (E,N1,H) */
-    float *g_w2;  /* (E,H,F) */
-    bf16 *gb_w13; /* (E,N1,H) instead of g_w13 when c.grad_bf16 */
-    bf16 *gb_w2;  /* (E,H,F) instead of g_w2 when c.grad_bf16 */
-    void *ws;
-    size_t ws_bytes;
-    uint32_t *dsync;    /* (KCU_DSYNC_WORDS) the decode router's grid barrier and the
-                         * v7 schedule counter:
-                         * its own allocation, zeroed at create (never poisoned with ws) */
+    bf16 *wr;              /* (Ep,H), rows >= E zero */
+    bf16 *w13;             /* (E,N1,H) */
+    bf16 *w2;              /* (E,H,F) */
+    float *g_wr;           /* (Ep,H) */
+    float *g_w13;          /* (E,N1,H) */
+    float *g_w2;           /* (E,H,F) */
+    bf16 *gb_w13;          /* (E,N1,H) instead of g_w13 when c.grad_bf16 */
+    bf16 *gb_w2;           /* (E,H,F) instead of g_w2 when c.grad_bf16 */
+    void *ws;              /* nstates workspaces of ws_state_bytes each, one allocation */
+    size_t ws_bytes;       /* all states: nstates * ws_state_bytes */
+    size_t ws_state_bytes; /* one state's carve_ws (a multiple of 256) */
+    int nstates;           /* max(c.states, 1) */
+    int state;             /* the selected state: the ws pointers below point into it */
+    uint32_t *dsync;       /* (KCU_DSYNC_WORDS) the decode router's grid barrier and the
+                            * v7 schedule counter:
+                            * its own allocation, zeroed at create (never poisoned with ws) */
+    /* Carved by carve_ws into the selected state's workspace: xs, logits ..
+     * dropped below, except stage, ye_own (own allocations) and ye when
+     * borrowed from the gradient store. Each state has all of them (scratch
+     * too: the simple layout, identical to the one-state layer). Shared by
+     * the states and safe, since none carries data from a forward to its
+     * backward (each call writes them before it reads them, on one stream):
+     * stage (host transfers within one call), ye_own and the borrowed ye
+     * (expert outputs until the forward's combine; dy rows and dx rows
+     * within one backward), dsync (left zero by every launch). */
     bf16 *xs;           /* (T,H) staged input */
     float *stage;       /* (T,H) f32 staging for host inputs and outputs: its own
                          * allocation, made on the first host transfer (NULL before) */
@@ -301,9 +313,10 @@ struct kcu_layer {
     int32_t *dropped; /* (E) slots dropped per expert */
     int max_tiles;    /* bound on the tile list length */
     int sorted;       /* kcu_sorted_mode at create */
-    int T_fwd;        /* tokens of the last train forward, 0 if none */
-    int cap_fwd;      /* capacity of the last forward (INT32_MAX = dropless) */
-    int grads_clean;  /* gradients are logically zero: the next backward stores */
+    /* per state s (index l->state for the selected one): */
+    int T_fwd[KCU_MAX_STATES];   /* tokens of state s's last train forward, 0 if none */
+    int cap_fwd[KCU_MAX_STATES]; /* capacity of its last forward (INT32_MAX = dropless) */
+    int grads_clean;             /* gradients are logically zero: the next backward stores */
 };
 
 /* Sorted-rows mode of a layer (decided at kcu_layer_create):

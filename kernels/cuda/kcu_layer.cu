@@ -188,7 +188,11 @@ int dxr_borrows_h(const kcu_layer *l)
  * last GEMM (dW13) writes the expert-gradient store. While the gradients
  * are logically zero (kcu_layer_zero_grads: the next backward stores them)
  * that store is free, so a training layer carves no ye of its own when the
- * store is large enough (E*N1*H elements >= S*H) */
+ * store is large enough (E*N1*H elements >= S*H). With several states
+ * (kcu_layer_set_state) this stays safe: ye carries nothing from a forward
+ * to its backward (the backward refills it with dy rows), so forwards and
+ * backwards of different states may interleave; the first backward after
+ * zeroing stores the gradients over it, and later calls use ye_own */
 int ye_borrows_grads(const kcu_layer *l)
 {
     const kcu_config *c = &l->c;
@@ -315,9 +319,10 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     if (cfg->H <= 0 || cfg->F <= 0 || cfg->H % 128 || cfg->F % 128 || cfg->E < 1 || cfg->E > 256 ||
         cfg->K < 1 || cfg->K > 8 || cfg->K > cfg->E || cfg->T_max < 1 ||
         (cfg->act != KERN_ACT_SWIGLU && cfg->act != KERN_ACT_GELU) ||
-        !(cfg->capacity_factor >= 0.0f)) {
-        fprintf(stderr, "kcu_layer_create: unsupported shape H=%d F=%d E=%d K=%d T_max=%d\n",
-                cfg->H, cfg->F, cfg->E, cfg->K, cfg->T_max);
+        !(cfg->capacity_factor >= 0.0f) || cfg->states < 0 || cfg->states > KCU_MAX_STATES) {
+        fprintf(stderr,
+                "kcu_layer_create: unsupported shape H=%d F=%d E=%d K=%d T_max=%d states=%d\n",
+                cfg->H, cfg->F, cfg->E, cfg->K, cfg->T_max, cfg->states);
         return MOE_EINVAL;
     }
     kcu_layer *l = (kcu_layer *)calloc(1, sizeof(*l));
@@ -327,6 +332,7 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     l->Ep = KCU_CEIL_DIV(cfg->E, KCU_BN) * KCU_BN;
     l->N1 = cfg->act == KERN_ACT_SWIGLU ? 2 * cfg->F : cfg->F;
     l->sorted = kcu_sorted_mode(cfg);
+    l->nstates = cfg->states > 1 ? cfg->states : 1;
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&l->nsm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
@@ -339,7 +345,8 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     l->params_bytes = cv.off;
     cv = {nullptr, 0};
     carve_ws(l, &cv);
-    l->ws_bytes = cv.off;
+    l->ws_state_bytes = cv.off; /* a multiple of 256: every state's base stays aligned */
+    l->ws_bytes = l->ws_state_bytes * l->nstates;
     if (cudaMalloc(&l->params, l->params_bytes) != cudaSuccess ||
         cudaMalloc(&l->ws, l->ws_bytes) != cudaSuccess ||
         cudaMalloc(&l->dsync, KCU_DSYNC_WORDS * 4) != cudaSuccess ||
@@ -352,7 +359,7 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     }
     cv = {(char *)l->params, 0};
     carve_params(l, &cv);
-    cv = {(char *)l->ws, 0};
+    cv = {(char *)l->ws, 0}; /* state 0 selected */
     carve_ws(l, &cv);
     *out = l;
     return MOE_OK;
@@ -373,6 +380,18 @@ extern "C" void kcu_layer_destroy(kcu_layer *l)
     if (l->ye_own)
         cudaFree(l->ye_own);
     free(l);
+}
+
+extern "C" moe_err kcu_layer_set_state(kcu_layer *l, int state)
+{
+    if (state < 0 || state >= l->nstates)
+        return MOE_EINVAL;
+    /* re-point the workspace pointers into state `state`'s copy (same
+     * layout in each); the per-state host fields are indexed by l->state */
+    l->state = state;
+    carve cv = {(char *)l->ws + (size_t)state * l->ws_state_bytes, 0};
+    carve_ws(l, &cv);
+    return MOE_OK;
 }
 
 extern "C" void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes)
@@ -522,7 +541,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     if (T < 0 || T > c->T_max || (train && !c->train) ||
         (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
         return MOE_EINVAL;
-    l->T_fwd = 0;
+    l->T_fwd[l->state] = 0;
     if (T == 0)
         return MOE_OK;
     const int H = c->H, F = c->F, K = c->K;
@@ -537,7 +556,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
 
     if (kcu_decode_use(l, T, train)) { /* few rows per expert: kcu_decode.cu */
         const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
-        l->cap_fwd = cap;
+        l->cap_fwd[l->state] = cap;
         const int yhost = kcu_is_host_ptr(y);
         if (yhost)
             KCU_TRY(ensure_stage(l));
@@ -560,7 +579,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
         KCU_TRY(kcu_route_small(l, T, xb, cap, st));
     else
         KCU_TRY(route_gemm(l, T, xb, cap, st));
-    l->cap_fwd = cap;
+    l->cap_fwd[l->state] = cap;
     const int32_t *spos = cap < INT32_MAX ? l->spos : nullptr;
     kcu_gemm_args a;
 
@@ -622,7 +641,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     if (!small) /* kcu_route_small wrote them */
         KCU_TRY(kcu_stats(l, T, st));
     PHASE("f.end");
-    l->T_fwd = train ? T : 0;
+    l->T_fwd[l->state] = train ? T : 0;
     return MOE_OK;
 }
 
@@ -661,7 +680,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
 {
     const kcu_config *c = &l->c;
     cudaStream_t st = (cudaStream_t)stream;
-    const int T = l->T_fwd;
+    const int T = l->T_fwd[l->state];
     if (!c->train || T <= 0)
         return MOE_EPRECOND;
     if ((dy_dtype != MOE_F32 && dy_dtype != MOE_BF16) ||
@@ -717,7 +736,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.dwpart = l->dwpart;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, c->act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU,
                      &a, l->nsm, st));
-    const int32_t *spos = l->cap_fwd < INT32_MAX ? l->spos : nullptr;
+    const int32_t *spos = l->cap_fwd[l->state] < INT32_MAX ? l->spos : nullptr;
     if (spos) /* dropped slots get dL/dw = 0 */
         KCU_CHECK(cudaMemsetAsync(l->dw, 0, (size_t)S * 4, st));
     KCU_TRY(kcu_dw_reduce(l, S, st));
@@ -814,7 +833,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     }
     PHASE("end");
     l->grads_clean = 0;
-    l->T_fwd = 0; /* the saved state was consumed in place */
+    l->T_fwd[l->state] = 0; /* the saved state was consumed in place */
     return MOE_OK;
 }
 

@@ -11,11 +11,17 @@
  *
  * Ownership: a kcu_layer owns two device allocations - `params` (bf16
  * weights, fp32 gradients when cfg.train) and `ws` (activations and scratch
- * for up to cfg.T_max tokens). Nothing the caller passes in is retained
- * beyond the call, except that backward uses the state saved by the most
- * recent forward with train=1 on the same layer (the layer copies x); a
- * backward consumes that state (a second backward without a new train
- * forward returns MOE_EPRECOND).
+ * for up to cfg.T_max tokens, once per state: cfg.states copies). Nothing
+ * the caller passes in is retained beyond the call, except that backward
+ * uses the state saved by the most recent forward with train=1 in the
+ * selected state (the layer copies x); a backward consumes that state (a
+ * second backward without a new train forward in that state returns
+ * MOE_EPRECOND).
+ * States (kcu_config.states, kcu_layer_set_state): a layer with n states
+ * keeps up to n train forwards at once, one per state, for pipeline
+ * schedules (forward 1, forward 2, backward 2, backward 1); forward,
+ * backward and forward_stats use the selected state (0 after create).
+ * Results do not depend on the state a call uses.
  * A layer is not thread safe: one stream at a time.
  *
  * Limits: H and F multiples of 128, 1 <= K <= E <= 256, K <= 8.
@@ -63,7 +69,12 @@ typedef struct kcu_config {
                             * each backward adds its fp32 sums to the stored value and
                             * rounds once, as PyTorch's bf16 .grad; 0 = fp32 (default,
                             * exact accumulation over micro-batches) */
+    int states;            /* train-forward states kept (0 or 1: one, as before; at most
+                            * KCU_MAX_STATES): each state is a full copy of the workspace
+                            * (kcu_layer_bytes), selected by kcu_layer_set_state */
 } kcu_config;
+
+enum { KCU_MAX_STATES = 16 };
 
 /* kcu_layer_create allocates a layer on the current CUDA device. Weights are
  * uninitialised until kcu_layer_upload. *out owned by the caller, freed with
@@ -88,7 +99,8 @@ moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream);
 
 /* kcu_forward: y (T,H) from x (T,H). x and y may be device or host memory,
  * dtype MOE_F32 or MOE_BF16 each. With train=1, the layer keeps what
- * backward needs until the next forward. stream is a cudaStream_t (NULL =
+ * backward needs (in the selected state) until the next forward in that
+ * state. stream is a cudaStream_t (NULL =
  * default stream). Asynchronous for device pointers: device inputs are read
  * in place by the queued work (keep them until the stream has run it). Host
  * f32 transfers go through a staging buffer allocated on first use. */
@@ -96,7 +108,8 @@ moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void 
                     moe_dtype y_dtype, int train, void *stream);
 
 /* kcu_backward: dx (T,H) from dy (T,H) for the objective
- * <dy, y> + aux_coef*aux + z_coef*z, T being the last train forward's.
+ * <dy, y> + aux_coef*aux + z_coef*z, T being the selected state's train
+ * forward's (MOE_EPRECOND when that state holds none).
  * Expert and router gradients are ACCUMULATED (+=) into the layer.
  * counts_global (E, host, may be NULL = this call's counts) and T_global
  * (0 = T) describe the global batch for the aux and z losses (as
@@ -106,7 +119,7 @@ moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype, void *dx,
                      float aux_coef, float z_coef, const int32_t *counts_global, int T_global,
                      void *stream);
 
-/* kcu_forward_stats reads the last forward's routing statistics: counts (E)
+/* kcu_forward_stats reads the selected state's last forward's routing statistics: counts (E)
  * slots routed per expert before the capacity, dropped (E) slots dropped by
  * the capacity, aux and z losses; any may be NULL. Synchronises `stream`. */
 moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, int32_t *dropped, float *aux_loss,
@@ -116,7 +129,17 @@ moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, int32_t *dropped, float
  * calls (0 = dropless). MOE_EINVAL for a negative or NaN factor. */
 moe_err kcu_layer_set_capacity(kcu_layer *l, float capacity_factor);
 
-/* kcu_layer_bytes reports the device bytes of the two allocations. */
+/* kcu_layer_set_state selects the state (0 <= state < max(cfg.states, 1))
+ * that the next kcu_forward, kcu_backward and kcu_forward_stats calls use
+ * (host only, cheap: enqueues nothing). A state keeps its train forward
+ * until its backward or its next forward (train or not). Calls on different
+ * states still share one stream (the layer's scratch outside the states -
+ * host staging, the expert-output buffer - is reused from call to call).
+ * MOE_EINVAL for a state out of range. */
+moe_err kcu_layer_set_state(kcu_layer *l, int state);
+
+/* kcu_layer_bytes reports the device bytes of the two allocations (ws: all
+ * states, plus staging and expert-output buffers allocated on demand). */
 void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes);
 
 /* ---- experts only: the distributed path ----

@@ -417,6 +417,150 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
     return ok;
 }
 
+/* ---- train-forward states (kcu_config.states, kcu_layer_set_state) ----
+ * A pipeline schedule on a 2-state layer - forward A (state 0), forward B
+ * (state 1), backward B (state 1), backward A (state 0) - against a 1-state
+ * layer with the same weights running forward B, backward B, forward A,
+ * backward A (the same gradient accumulation order: B stores, A adds). y
+ * and dx of A and B and every gradient must be the same bits. cf_b > 0:
+ * B runs with that capacity factor, A dropless (the capacity of each
+ * forward is per state). sorted: kcu_sorted_mode forced for both layers
+ * (-1: the default). Also: a second backward on state 1 is MOE_EPRECOND,
+ * set_state out of range MOE_EINVAL, states > KCU_MAX_STATES refused. */
+struct scase {
+    int TA, TB, H, F, E, K;
+    kern_act act;
+    int sorted;
+    float cf_b;
+};
+
+static int states_check(const scase &c, uint64_t seed)
+{
+    const int H = c.H, F = c.F, E = c.E, K = c.K, TA = c.TA, TB = c.TB;
+    const int swiglu = c.act == KERN_ACT_SWIGLU;
+    const int T_max = TA > TB ? TA : TB;
+    std::vector<float> wr((size_t)E * H), w1((size_t)E * F * H), w3((size_t)E * F * H),
+        w2((size_t)E * H * F), xa((size_t)TA * H), dya((size_t)TA * H), xb((size_t)TB * H),
+        dyb((size_t)TB * H);
+    for (int e = 0; e < E; e++) {
+        kern_init_weight(seed, 0, e, KERN_W1, F, H, w1.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
+    }
+    kern_init_weight(seed, 0, 0, KERN_W_ROUTER, E, H, wr.data());
+    rng_fill_uniform(seed, 1, -1.f, 1.f, xa.data(), xa.size());
+    rng_fill_uniform(seed, 2, -1.f, 1.f, dya.data(), dya.size());
+    rng_fill_uniform(seed, 3, -1.f, 1.f, xb.data(), xb.size());
+    rng_fill_uniform(seed, 4, -1.f, 1.f, dyb.data(), dyb.size());
+    for (std::vector<float> *v : {&wr, &w1, &w3, &w2, &xa, &dya, &xb, &dyb})
+        kern_bf16_round_n(v->data(), v->size());
+    const float aux_c = 0.01f, z_c = 0.001f;
+
+    /* y, dx of A and B and the gradients of one layer (host f32) */
+    struct run_out {
+        std::vector<float> ya, yb, dxa, dxb, g_wr, g_w1, g_w3, g_w2;
+    };
+    auto alloc_out = [&](run_out &o) {
+        o.ya.assign((size_t)TA * H, NAN);
+        o.dxa.assign((size_t)TA * H, NAN);
+        o.yb.assign((size_t)TB * H, NAN);
+        o.dxb.assign((size_t)TB * H, NAN);
+        o.g_wr.resize((size_t)E * H);
+        o.g_w1.resize((size_t)E * F * H);
+        o.g_w3.resize(swiglu ? (size_t)E * F * H : 0);
+        o.g_w2.resize((size_t)E * H * F);
+    };
+    int ok = 1;
+    kcu_config cfg = {H, F, E, K, c.act, 1, T_max, 1, 0.f};
+
+    /* a layer with too many states is refused */
+    {
+        kcu_config bad = cfg;
+        bad.states = KCU_MAX_STATES + 1;
+        kcu_layer *lb = NULL;
+        ok = ok && kcu_layer_create(&bad, &lb) == MOE_EINVAL && lb == NULL;
+    }
+
+    /* 2 states: fwd A (0), fwd B (1), bwd B (1), bwd A (0) */
+    run_out p;
+    alloc_out(p);
+    cfg.states = 2;
+    kcu_sorted_override = c.sorted;
+    kcu_layer *l2;
+    CKM(kcu_layer_create(&cfg, &l2));
+    kcu_sorted_override = -1;
+    CKM(kcu_layer_upload(l2, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    CK(cudaMemset(l2->ws, 0xff, l2->ws_bytes)); /* every state poisoned */
+    CKM(kcu_layer_zero_grads(l2, NULL));
+    CKM(kcu_layer_set_state(l2, 0));
+    CKM(kcu_forward(l2, TA, xa.data(), MOE_F32, p.ya.data(), MOE_F32, 1, NULL));
+    CKM(kcu_layer_set_state(l2, 1));
+    CKM(kcu_layer_set_capacity(l2, c.cf_b));
+    CKM(kcu_forward(l2, TB, xb.data(), MOE_F32, p.yb.data(), MOE_F32, 1, NULL));
+    CKM(kcu_layer_set_capacity(l2, 0.f));
+    CKM(kcu_backward(l2, dyb.data(), MOE_F32, p.dxb.data(), MOE_F32, aux_c, z_c, NULL, 0, NULL));
+    /* state 1 was consumed; nothing is enqueued by the refused call */
+    const int again_ok = kcu_backward(l2, dyb.data(), MOE_F32, p.dxb.data(), MOE_F32, aux_c, z_c,
+                                      NULL, 0, NULL) == MOE_EPRECOND;
+    const int range_ok = kcu_layer_set_state(l2, 2) == MOE_EINVAL &&
+                         kcu_layer_set_state(l2, -1) == MOE_EINVAL && l2->state == 1;
+    CKM(kcu_layer_set_state(l2, 0));
+    CKM(kcu_backward(l2, dya.data(), MOE_F32, p.dxa.data(), MOE_F32, aux_c, z_c, NULL, 0, NULL));
+    CK(cudaDeviceSynchronize());
+    CKM(kcu_layer_download_grads(l2, p.g_wr.data(), p.g_w1.data(), swiglu ? p.g_w3.data() : NULL,
+                                 p.g_w2.data()));
+
+    /* 1 state: fwd B, bwd B, fwd A, bwd A */
+    run_out q;
+    alloc_out(q);
+    cfg.states = 1;
+    kcu_sorted_override = c.sorted;
+    kcu_layer *l1;
+    CKM(kcu_layer_create(&cfg, &l1));
+    kcu_sorted_override = -1;
+    CKM(kcu_layer_upload(l1, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    CK(cudaMemset(l1->ws, 0xff, l1->ws_bytes));
+    CKM(kcu_layer_zero_grads(l1, NULL));
+    CKM(kcu_layer_set_capacity(l1, c.cf_b));
+    CKM(kcu_forward(l1, TB, xb.data(), MOE_F32, q.yb.data(), MOE_F32, 1, NULL));
+    CKM(kcu_layer_set_capacity(l1, 0.f));
+    CKM(kcu_backward(l1, dyb.data(), MOE_F32, q.dxb.data(), MOE_F32, aux_c, z_c, NULL, 0, NULL));
+    CKM(kcu_forward(l1, TA, xa.data(), MOE_F32, q.ya.data(), MOE_F32, 1, NULL));
+    CKM(kcu_backward(l1, dya.data(), MOE_F32, q.dxa.data(), MOE_F32, aux_c, z_c, NULL, 0, NULL));
+    CK(cudaDeviceSynchronize());
+    CKM(kcu_layer_download_grads(l1, q.g_wr.data(), q.g_w1.data(), swiglu ? q.g_w3.data() : NULL,
+                                 q.g_w2.data()));
+    const int one_ok = kcu_layer_set_state(l1, 0) == MOE_OK &&
+                       kcu_layer_set_state(l1, 1) == MOE_EINVAL && l1->nstates == 1;
+    const int bytes_ok =
+        l2->nstates == 2 && l2->ws_bytes == 2 * l1->ws_bytes && l2->ws_state_bytes == l1->ws_bytes;
+    kcu_layer_destroy(l1);
+    kcu_layer_destroy(l2);
+
+    auto same = [](const std::vector<float> &a, const std::vector<float> &b) {
+        return a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    auto finite = [](const std::vector<float> &a) {
+        for (float v : a)
+            if (!isfinite(v))
+                return 0;
+        return 1;
+    };
+    const int y_ok = same(p.ya, q.ya) && same(p.yb, q.yb) && finite(p.ya) && finite(p.yb);
+    const int dx_ok = same(p.dxa, q.dxa) && same(p.dxb, q.dxb) && finite(p.dxa) && finite(p.dxb);
+    const int g_ok = same(p.g_wr, q.g_wr) && same(p.g_w1, q.g_w1) && same(p.g_w3, q.g_w3) &&
+                     same(p.g_w2, q.g_w2) && finite(p.g_w1) && finite(p.g_w2);
+    ok = ok && y_ok && dx_ok && g_ok && again_ok && range_ok && one_ok && bytes_ok;
+    printf("states 2 vs 1 TA=%d TB=%d H=%d F=%d E=%d K=%d %s sorted=%d cf_b=%.2g | y %s dx %s "
+           "grads %s | consumed %s range %s one %s bytes %s | %s\n",
+           TA, TB, H, F, E, K, swiglu ? "sw" : "ge", c.sorted, c.cf_b, y_ok ? "ok" : "BAD",
+           dx_ok ? "ok" : "BAD", g_ok ? "ok" : "BAD", again_ok ? "ok" : "BAD",
+           range_ok ? "ok" : "BAD", one_ok ? "ok" : "BAD", bytes_ok ? "ok" : "BAD",
+           ok ? "PASS" : "FAIL");
+    fflush(stdout);
+    return !ok;
+}
+
 /* ---- direct grouped-GEMM checks: each mode on both operand majors ---- */
 static uint64_t lcg(uint64_t &st)
 {
@@ -1553,6 +1697,17 @@ int main(int argc, char **argv)
                r.ndrop, ok ? "PASS" : "FAIL");
         fflush(stdout);
     }
+    /* train-forward states: a pipeline schedule on a 2-state layer against
+     * the same micro-batches one after the other on a 1-state layer */
+    std::vector<scase> scases;
+    if (small)
+        scases = {{64, 37, 128, 128, 8, 2, SW, -1, 0.f}};
+    else
+        scases = {{64, 37, 256, 256, 8, 2, SW, -1, 0.f},
+                  {64, 37, 256, 256, 8, 2, GE, 2, 0.f},
+                  {37, 64, 256, 384, 16, 4, SW, 1, 1.0f}};
+    for (size_t i = 0; i < scases.size(); i++)
+        fails += states_check(scases[i], seed + 613 * i);
     const int layer_fails = fails - gemm_fails - exp_fails;
 
     /* decode path: inference forwards, forced on */
@@ -1610,7 +1765,7 @@ int main(int argc, char **argv)
 
     printf("check-gpu: %d gemm + %zu experts + %zu layer + %zu decode checks, %d failed (gemm %d, "
            "experts %d, decode %d) (bf16 tolerance %.0e) -> %s\n",
-           3, ecases.size(), cases.size(), dcases.size() + decases.size(), fails, gemm_fails,
-           exp_fails, dec_fails, TOL, fails ? "FAIL" : "PASS");
+           3, ecases.size(), cases.size() + scases.size(), dcases.size() + decases.size(), fails,
+           gemm_fails, exp_fails, dec_fails, TOL, fails ? "FAIL" : "PASS");
     return fails ? 1 : 0;
 }
