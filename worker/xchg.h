@@ -85,6 +85,19 @@ moe_err xchg_nng_open(xchg_nng_listener *lis, int rank, int world, const char *c
                       uint64_t generation, int timeout_ms, xchg **out);
 void xchg_nng_listener_close(xchg_nng_listener *lis);
 
+/* xchg_shm_open joins a communicator of `world` ranks on one host through
+ * shared memory (worker/xchg_shm.c): rank r makes segment
+ * /moe-x<token>-g<generation>-r<r> and maps every peer's. token ([A-Za-z0-9],
+ * 1-40 characters) is the same on every rank (the coordinator's). Blocks
+ * until every peer mapped ours or timeout_ms passes (MOE_EUNAVAIL: e.g.
+ * ranks that share a boot id but not /dev/shm). timeout_ms also bounds
+ * every later collective. Segments are unlinked once mapped; close says
+ * goodbye (a peer in a collective fails it at once) and unmaps. */
+moe_err xchg_shm_open(int rank, int world, const char *token, uint64_t generation, int timeout_ms,
+                      xchg **out);
+/* xchg_shm_sweep unlinks /dev/shm/moe-x* segments whose maker is gone
+ * (killed before its peers mapped them). */
+void xchg_shm_sweep(void);
 /* Errors of the collectives: MOE_EUNAVAIL (timeout, peer gone, socket
  * error; the communicator is failed from then on), MOE_ENOMEM (nng: when
  * only alltoallv's result buffer could not be allocated, the communicator

@@ -8,6 +8,7 @@
  */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,10 +69,18 @@ struct tr_rank {
             snprintf((t)->fail, sizeof((t)->fail), __VA_ARGS__);                                   \
     } while (0)
 
+/* shm_token: set by the shared-memory backend's tests (xchg_shm): the rank
+ * threads open that backend instead of nng */
+static char shm_token[32];
+
 static void *tr_main(void *arg)
 {
     tr_rank *t = arg;
-    t->open_err = xchg_nng_open(t->lis, t->rank, t->world, t->urls, t->gen, t->timeout_ms, &t->x);
+    if (shm_token[0])
+        t->open_err = xchg_shm_open(t->rank, t->world, shm_token, t->gen, t->timeout_ms, &t->x);
+    else
+        t->open_err =
+            xchg_nng_open(t->lis, t->rank, t->world, t->urls, t->gen, t->timeout_ms, &t->x);
     t->fn(t);
     xchg_close(t->x);
     xchg_nng_listener_close(t->lis); /* the listener outlives the communicator */
@@ -642,4 +651,160 @@ Test(xchg_nng, bad_arguments, .timeout = 10)
     cr_assert_eq(xchg_nng_listen("tcp://0.0.0.0:0", &lis, url, sizeof(url)), MOE_OK);
     cr_expect(strncmp(url, "tcp://127.0.0.1:", 16) == 0, "wildcard bound as %s", url);
     xchg_nng_listener_close(lis);
+}
+
+/* ------------------------------------------------ the shared-memory backend */
+
+/* the same checks on xchg_shm (rank threads of one process; a forked rank
+ * for a death); shm_count: segments of this test's token in /dev/shm */
+static void shm_use(const char *what)
+{
+    snprintf(shm_token, sizeof(shm_token), "t%ld%s", (long)getpid(), what);
+}
+
+static int shm_count(void)
+{
+    char cmd[128], out[32] = "";
+    snprintf(cmd, sizeof(cmd), "ls /dev/shm | grep -c '^moe-x%s-' 2>/dev/null", shm_token);
+    FILE *f = popen(cmd, "r");
+    if (f && fgets(out, sizeof(out), f) == NULL)
+        out[0] = 0;
+    if (f)
+        pclose(f);
+    return atoi(out);
+}
+
+static void shm_run(int W, tr_fn fn, int timeout_ms, unsigned absent)
+{
+    tr_rank t[MAXW];
+    memset(t, 0, sizeof(t));
+    for (int r = 0; r < W; r++) {
+        t[r].rank = r;
+        t[r].world = W;
+        t[r].timeout_ms = timeout_ms;
+        t[r].gen = 7;
+        t[r].fn = fn;
+    }
+    for (int r = 0; r < W; r++)
+        if (!(absent & (1u << r)))
+            cr_assert_eq(pthread_create(&t[r].th, NULL, tr_main, &t[r]), 0);
+    for (int r = 0; r < W; r++)
+        if (!(absent & (1u << r)))
+            pthread_join(t[r].th, NULL);
+    for (int r = 0; r < W; r++)
+        cr_expect(t[r].fail[0] == '\0', "W=%d rank %d: %s", W, r, t[r].fail);
+    cr_expect_eq(shm_count(), 0, "segments left in /dev/shm");
+}
+
+Test(xchg_shm, alltoallv_w2_w3_w4, .timeout = 60)
+{
+    shm_use("a");
+    for (int W = 2; W <= 4; W++)
+        shm_run(W, fn_a2a, 20000, 0);
+}
+
+Test(xchg_shm, allreduce_allgather_same_bits_as_rank_order, .timeout = 60)
+{
+    shm_use("r");
+    shm_run(2, fn_reduce_gather, 20000, 0);
+    shm_run(4, fn_reduce_gather, 20000, 0);
+}
+
+Test(xchg_shm, mixed_sequence_w4_and_world_of_one, .timeout = 60)
+{
+    shm_use("m");
+    shm_run(4, fn_mixed, 20000, 0);
+    shm_run(1, fn_w1, 2000, 0);
+}
+
+Test(xchg_shm, peer_never_shows_up, .timeout = 20)
+{
+    shm_use("n");
+    shm_run(3, fn_open_fails, 500, 1u << 2);
+}
+
+Test(xchg_shm, peer_closes_mid_run, .timeout = 30)
+{
+    shm_use("c");
+    shm_run(3, fn_peer_closes, 5000, 0);
+}
+
+Test(xchg_shm, peer_hangs_timeout, .timeout = 30)
+{
+    shm_use("h");
+    shm_run(2, fn_peer_hangs, 500, 0);
+}
+
+/* a forked rank killed while the other waits in a collective: the survivor
+ * sees its pid go (also as an unreaped zombie) and fails at once, not at
+ * the 20 s timeout */
+typedef struct killer {
+    pid_t pid;
+    int reap;
+} killer;
+
+static void *killer_main(void *arg)
+{
+    killer *k = arg;
+    usleep(300 * 1000);
+    kill(k->pid, SIGKILL);
+    if (k->reap)
+        waitpid(k->pid, NULL, 0);
+    return NULL;
+}
+
+static void killed_peer(int reap)
+{
+    int go[2];
+    cr_assert_eq(pipe(go), 0);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        xchg *x = NULL;
+        if (xchg_shm_open(1, 2, shm_token, 7, 20000, &x) != MOE_OK)
+            _exit(3);
+        char c;
+        (void)read(go[0], &c, 1); /* killed while it waits here */
+        _exit(4);
+    }
+    xchg *x = NULL;
+    cr_assert_eq(xchg_shm_open(0, 2, shm_token, 7, 20000, &x), MOE_OK);
+    killer k = {pid, reap};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, killer_main, &k), 0);
+    size_t sb[2] = {0, (size_t)8 << 20}, rb[2];
+    uint8_t *buf = calloc(1, sb[1]);
+    void *rv = NULL;
+    int64_t t0 = now_ms();
+    moe_err err = xchg_alltoallv(x, buf, sb, &rv, rb);
+    int64_t dt = now_ms() - t0;
+    pthread_join(th, NULL);
+    cr_expect_eq(err, MOE_EUNAVAIL, "alltoallv with a dead peer: %s", moe_strerror(err));
+    cr_expect(dt < 15000, "failure took %lld ms (timeout 20000)", (long long)dt);
+    cr_expect_eq(xchg_alltoallv(x, buf, sb, &rv, rb), MOE_EUNAVAIL, "later calls fail fast");
+    if (!reap)
+        waitpid(pid, NULL, 0);
+    xchg_close(x);
+    free(buf);
+    close(go[0]);
+    close(go[1]);
+    cr_expect_eq(shm_count(), 0, "segments left in /dev/shm");
+}
+
+Test(xchg_shm, forked_peer_killed_mid_collective, .timeout = 60)
+{
+    shm_use("k");
+    killed_peer(1);
+    shm_use("z");
+    killed_peer(0);
+}
+
+Test(xchg_shm, bad_arguments, .timeout = 10)
+{
+    xchg *x = (xchg *)1;
+    cr_expect_eq(xchg_shm_open(2, 2, "tok", 1, 1000, &x), MOE_EINVAL);
+    cr_expect_null(x);
+    cr_expect_eq(xchg_shm_open(0, 2, "bad/token", 1, 1000, &x), MOE_EINVAL);
+    cr_expect_eq(xchg_shm_open(0, 2, "", 1, 1000, &x), MOE_EINVAL);
+    cr_expect_eq(xchg_shm_open(0, 0, "tok", 1, 1000, &x), MOE_EINVAL);
 }
