@@ -136,26 +136,14 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         goto fail;
     }
     rows_tensor_to_f32(&dyt, dy, (size_t)T * H);
-    if (m->gpu_mode == 1) {
-        /* the whole layer on the device */
-        e = wkr_gpu_layer_backward(m, st->layer, st->handle, T, st->x, dy, dx);
-        if (e != MOE_OK) {
-            snprintf(err, sizeof(err), "GPU layer backward failed: %s", moe_strerror(e));
-            goto fail_msg;
-        }
-        m->has_grads = 1;
-        goto reply;
-    }
-    if (m->gpu_mode == 3) {
-        /* device-resident over NCCL: every rank runs its part */
-        e = wkr_gpu_ep_backward(w, m, st->layer, st->handle, T, st->x, dy, dx);
-        if (e == MOE_EUNAVAIL)
+    const wkr_gpu_ops *gops = m->gpu_ops;
+    if (gops && gops->whole_layer) {
+        /* the whole layer on the device (over NCCL: every rank runs its part) */
+        e = gops->backward(w, m, st->layer, st->handle, T, st->x, dy, dx, err, sizeof(err));
+        if (e == MOE_EUNAVAIL && gops->collective)
             goto fail_xchg;
-        if (e != MOE_OK) {
-            snprintf(err, sizeof(err), "GPU expert-parallel backward failed on rank %d: %s",
-                     w->rank, moe_strerror(e));
+        if (e != MOE_OK)
             goto fail_msg;
-        }
         m->has_grads = 1;
         goto reply;
     }
@@ -191,30 +179,25 @@ void wkr_op_backward(wkr *w, rpc_call *c)
     const wkr_layer *L = &m->layers[st->layer];
     const size_t fh = (size_t)F * H;
     size_t n0 = 0;
-    if (m->gpu_mode == 2) {
+    const int dev_experts = gops && gops->experts_backward;
+    if (dev_experts) {
         int32_t *n = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
-        float *ye_tmp = wpool_alloc(nin * H * sizeof(float));
-        e = n && ye_tmp ? MOE_OK : MOE_ENOMEM;
+        e = n ? MOE_OK : MOE_ENOMEM;
         for (int i = 0; e == MOE_OK && i < ne; i++) {
             n[i] = 0;
             for (int q = 0; q < W; q++)
                 n[i] += st->src_cnt[(size_t)q * ne + i];
         }
-        /* the device keeps the last train forward's activations: recompute
-         * when another forward ran since this one */
-        if (e == MOE_OK && m->gpu_handle[st->layer] != st->handle)
-            e = wkr_gpu_experts_forward(m, st->layer, st->xe, n, st->kept, ye_tmp, 1);
+        /* recomputes the forward when another one ran since this one */
         if (e == MOE_OK)
-            e = wkr_gpu_experts_backward(m, st->layer, dye_e, n, st->kept, dx_e);
-        m->gpu_handle[st->layer] = 0;
+            e = gops->experts_backward(m, st->layer, st->handle, st->xe, dye_e, n, st->kept, dx_e);
         wpool_free(n);
-        wpool_free(ye_tmp);
         if (e != MOE_OK) {
             snprintf(err, sizeof(err), "GPU expert backward failed: %s", moe_strerror(e));
             goto fail_msg;
         }
     }
-    for (int i = 0; i < ne && m->gpu_mode != 2; i++) {
+    for (int i = 0; i < ne && !dev_experts; i++) {
         size_t n = 0;
         for (int q = 0; q < W; q++)
             n += (size_t)st->src_cnt[(size_t)q * ne + i];

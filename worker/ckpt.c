@@ -353,7 +353,7 @@ static moe_err ckpt_commit(wkr *w, wkr_model *m)
     m->has_grads = 0;
     drop_staged(m);
     wkr_handle_drop_model(w, m);
-    if (m->gpu)
+    if (m->gpu_ops)
         return wkr_gpu_push_weights(m);
     return MOE_OK;
 }

@@ -302,7 +302,8 @@ static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t
     const int ne = st->model->ne, H = cfg->d_model, F = cfg->d_ff, K = cfg->top_k;
     const size_t fh = (size_t)F * H;
     int32_t cap = kern_capacity((float)cfg->capacity_factor, st->T_total, K, cfg->n_experts);
-    if (st->model->gpu_mode == 2) {
+    const wkr_gpu_ops *g = st->model->gpu_ops;
+    if (g && g->experts_forward) {
         int32_t *n = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
         if (!n)
             return MOE_ENOMEM;
@@ -313,9 +314,8 @@ static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t
             st->kept[i] = n[i] < cap ? n[i] : cap;
             dropped[st->model->e0 + i] = n[i] - st->kept[i];
         }
-        moe_err e = wkr_gpu_experts_forward(st->model, st->layer, st->xe, n, st->kept, ye, train);
-        if (train && e == MOE_OK)
-            st->model->gpu_handle[st->layer] = st->handle;
+        moe_err e =
+            g->experts_forward(st->model, st->layer, st->handle, st->xe, n, st->kept, ye, train);
         wpool_free(n);
         return e;
     }
@@ -416,6 +416,10 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k;
     const int W = w->world, bf = cfg->dtype == MOE_BF16;
     const int direct = sp[7].seen;
+    /* a whole-layer GPU backend runs router..combine itself (read again
+     * after an attach for training, which may pick another backend) */
+    const wkr_gpu_ops *gops = m->gpu_ops;
+    int gpu_whole = gops && gops->whole_layer;
     if (direct) {
         /* the rows come from the clients (data plane); every rank goes on
          * with what arrived, so that no collective is left waiting */
@@ -430,7 +434,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             return;
         }
         /* rows on a client's GPU stay there when the device path takes them */
-        int device_ok = (m->gpu_mode == 1 || m->gpu_mode == 3) && bf && dt == MOE_BF16 && !train;
+        int device_ok = gpu_whole && bf && dt == MOE_BF16 && !train;
         e = dp_batch_gather(&w->dp, &rpieces, dt, H,
                             rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, device_ok,
                             &batch, err, sizeof(err));
@@ -450,10 +454,12 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate training state for '%s'", model_name);
         return;
     }
-    if (train && m->gpu_mode >= 2 && !m->gpu_train && wkr_gpu_attach(w, m, 1) != MOE_OK) {
+    if (train && gops && !m->gpu_train && wkr_gpu_attach(w, m, 1) != MOE_OK) {
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate GPU training state for '%s'", model_name);
         return;
     }
+    gops = m->gpu_ops;
+    gpu_whole = gops && gops->whole_layer;
     const wkr_layer *L = &m->layers[layer];
     wkr_fwd_state *st = wpool_calloc(1, sizeof(*st));
     uint8_t *sendbuf = NULL, *backbuf = NULL;
@@ -476,12 +482,14 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     const size_t S = (size_t)T * K, Tn = T ? (size_t)T : 1;
     double t0 = fwd_now_s(), t_gate, t_disp, t_exp, t_comb;
     uint64_t a2a = 0; /* bytes this rank sent to the others (dispatch + combine) */
+    double aux = 0;   /* aux_whole: the aux loss, computed by the device */
+    int aux_whole = 0;
 
     /* A bf16 inference forward on the device stays bf16: the rows go from
      * the message (or the shared region) to the GPU and back, with no
      * conversion on the host; y lands in pinned memory, or straight in the
      * client's shared region. */
-    const int raw = (m->gpu_mode == 1 || m->gpu_mode == 3) && bf && xt.dtype == MOE_BF16 && !train;
+    const int raw = gpu_whole && bf && xt.dtype == MOE_BF16 && !train;
     void *y_raw = NULL;
     if (raw) {
         int only = direct && batch.n == 1 && batch.tk[0] && batch.tk[0]->region;
@@ -507,85 +515,32 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         if (direct)
             dp_batch_refuse_nonfinite(&batch, st->x, H);
     }
-    if (m->gpu_mode == 1) {
-        /* a cluster of one GPU worker: the whole layer on the device */
-        if (train && !m->gpu_train && (e = wkr_gpu_attach(w, m, 1)) != MOE_OK)
-            goto fail;
-        float aux = 0, z = 0;
+    if (gpu_whole) {
+        /* the whole layer on the device: one GPU worker, or several over
+         * NCCL (rows go GPU to GPU) */
         st->counts = wpool_calloc((size_t)E, sizeof(int32_t));
         y = raw ? NULL : wpool_alloc(Tn * H * sizeof(float));
         if (!st->counts || (!raw && !y)) {
             e = MOE_ENOMEM;
             goto fail;
         }
-        e = raw ? wkr_gpu_layer_forward(m, st->layer, T, xt.data, MOE_BF16, y_raw, MOE_BF16,
-                                        st->counts, dropped, &aux, &z, train)
-                : wkr_gpu_layer_forward(m, st->layer, T, st->x, MOE_F32, y, MOE_F32, st->counts,
-                                        dropped, &aux, &z, train);
-        if (e != MOE_OK) {
-            snprintf(err, sizeof(err), "GPU layer forward failed: %s", moe_strerror(e));
-            goto fail_msg;
-        }
-        if (train)
-            m->gpu_handle[st->layer] = st->handle;
-        double t1 = fwd_now_s();
-        if (lane) {
-            double ph[4] = {0, 0, t1 - t0, 0}, auxd = aux;
-            lane_attach_stats(&batch, cfg, T, st->counts, dropped, probs_sum, (double)z * T, &auxd,
-                              ph);
-        }
-        mp_writer wr;
-        mp_writer_init(&wr);
-        moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-        mp_write_map(&wr, 10 + direct);
-        write_y(&wr, &batch, direct, xt.dtype, y, y_raw, T, H);
-        mp_write_cstr(&wr, "counts");
-        mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
-        mp_write_cstr(&wr, "dropped");
-        mp_write_bin(&wr, dropped, (uint32_t)(4 * E));
-        mp_write_cstr(&wr, "probs_sum"); /* not computed on this path: aux_loss comes whole */
-        mp_write_bin(&wr, probs_sum, (uint32_t)(8 * E));
-        mp_write_cstr(&wr, "aux_loss");
-        mp_write_f64(&wr, aux);
-        mp_write_cstr(&wr, "z_sum");
-        mp_write_f64(&wr, (double)z * T);
-        mp_write_cstr(&wr, "gate_s");
-        mp_write_f64(&wr, 0);
-        mp_write_cstr(&wr, "dispatch_s");
-        mp_write_f64(&wr, 0);
-        mp_write_cstr(&wr, "experts_s");
-        mp_write_f64(&wr, t1 - t0);
-        mp_write_cstr(&wr, "combine_s");
-        mp_write_f64(&wr, 0);
-        rpc_reply(c, &wr);
-        if (train) {
-            wkr_handle_put(w, st);
-            st = NULL;
-        }
-        goto out;
-    }
-    if (m->gpu_mode == 3) {
-        /* several GPU workers over NCCL: the layer runs device-resident on
-         * every rank, rows go GPU to GPU */
-        st->counts = wpool_calloc((size_t)E, sizeof(int32_t));
-        y = raw ? NULL : wpool_alloc(Tn * H * sizeof(float));
-        if (!st->counts || (!raw && !y)) {
-            e = MOE_ENOMEM;
-            goto fail;
-        }
-        e = raw ? wkr_gpu_ep_forward(w, m, st->layer, T, xt.data, MOE_BF16, y_raw, MOE_BF16,
-                                     st->counts, probs_sum, &z_sum, &a2a, train)
-                : wkr_gpu_ep_forward(w, m, st->layer, T, st->x, MOE_F32, y, MOE_F32, st->counts,
-                                     probs_sum, &z_sum, &a2a, train);
-        if (e == MOE_EUNAVAIL)
+        wkr_gpu_out go;
+        memset(&go, 0, sizeof(go));
+        go.counts = st->counts;
+        go.dropped = dropped;
+        go.probs_sum = probs_sum;
+        e = raw ? gops->forward(w, m, st->layer, st->handle, T, xt.data, MOE_BF16, y_raw, MOE_BF16,
+                                train, &go, err, sizeof(err))
+                : gops->forward(w, m, st->layer, st->handle, T, st->x, MOE_F32, y, MOE_F32, train,
+                                &go, err, sizeof(err));
+        if (e == MOE_EUNAVAIL && gops->collective)
             goto fail_xchg;
-        if (e != MOE_OK) {
-            snprintf(err, sizeof(err), "GPU expert-parallel forward failed on rank %d: %s", w->rank,
-                     moe_strerror(e));
+        if (e != MOE_OK)
             goto fail_msg;
-        }
-        if (train)
-            m->gpu_handle[st->layer] = st->handle;
+        z_sum = go.z_sum;
+        aux_whole = go.aux_whole;
+        aux = go.aux;
+        a2a = go.a2a_bytes;
         t_gate = t_disp = t0;
         t_exp = t_comb = fwd_now_s();
         goto reply;
@@ -626,7 +581,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     if (e != MOE_OK)
         goto fail_msg;
     size_t nin = st->n_in ? st->n_in : 1;
-    int host_experts = m->gpu_mode != 2; /* the device keeps its own activations */
+    int host_experts = !(gops && gops->experts_forward); /* a device keeps its own activations */
     st->xe = wpool_alloc(nin * H * sizeof(float));
     if (host_experts)
         st->ae = wpool_alloc(nin * F * sizeof(float));
@@ -684,24 +639,32 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         if (q != w->rank)
             a2a += send_bytes[q] + back_bytes[q];
 
-reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times} */
+reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times, and a2a_bytes or
+         * aux_loss} */
     if (lane) {
         double ph[4] = {t_gate - t0, t_disp - t_gate, t_exp - t_disp, t_comb - t_exp};
-        lane_attach_stats(&batch, cfg, T, st->counts, dropped, probs_sum, z_sum, NULL, ph);
+        lane_attach_stats(&batch, cfg, T, st->counts, dropped, probs_sum, z_sum,
+                          aux_whole ? &aux : NULL, ph);
     }
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);
     mp_write_map(&wr, 10 + direct);
-    mp_write_cstr(&wr, "a2a_bytes");
-    mp_write_u64(&wr, a2a);
+    if (!aux_whole) {
+        mp_write_cstr(&wr, "a2a_bytes");
+        mp_write_u64(&wr, a2a);
+    }
     write_y(&wr, &batch, direct, xt.dtype, y, y_raw, T, H);
     mp_write_cstr(&wr, "counts");
     mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
     mp_write_cstr(&wr, "dropped");
     mp_write_bin(&wr, dropped, (uint32_t)(4 * E));
-    mp_write_cstr(&wr, "probs_sum");
+    mp_write_cstr(&wr, "probs_sum"); /* aux_whole: not computed, the aux loss comes whole */
     mp_write_bin(&wr, probs_sum, (uint32_t)(8 * E));
+    if (aux_whole) {
+        mp_write_cstr(&wr, "aux_loss");
+        mp_write_f64(&wr, aux);
+    }
     mp_write_cstr(&wr, "z_sum");
     mp_write_f64(&wr, z_sum);
     mp_write_cstr(&wr, "gate_s");

@@ -120,135 +120,91 @@ void wkr_gpu_pinned_free(void *p)
         cudaFreeHost(p);
 }
 
-void wkr_gpu_detach(wkr_model *m)
-{
-    for (int l = 0; m->gpu && l < m->cfg.layers; l++) {
-        if (m->gpu_mode == 1)
-            kcu_layer_destroy(m->gpu[l]);
-        else if (m->gpu_mode == 3)
-            kcu_ep_destroy(m->gpu[l]);
-        else
-            kcu_experts_destroy(m->gpu[l]);
-    }
-    free(m->gpu);
-    m->gpu = NULL;
-    m->gpu_mode = 0;
-    free(m->gpu_handle);
-    m->gpu_handle = NULL;
-}
+/* ---- layer: the whole layer on one device (kcu_layer) ---- */
 
-moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
+static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
 {
     const model_cfg *c = &m->cfg;
-    if (model_cfg_routing_extra(c)) {
-        /* the device kernels know softmax top-k only: never a wrong result */
-        LOG_E("model %s: routing %s is not on the GPU yet", c->name, model_cfg_routing_extra(c));
-        return MOE_EINVAL;
-    }
-    wkr_gpu_detach(m);
-    if (cudaSetDevice((int)w->device_index) != cudaSuccess)
-        return MOE_EUNAVAIL;
-    m->gpu = calloc((size_t)c->layers, sizeof(void *));
-    m->gpu_handle = calloc((size_t)c->layers, sizeof(uint64_t));
-    if (!m->gpu || !m->gpu_handle)
-        return MOE_ENOMEM;
-    /* several GPU workers over NCCL: the device-resident layer (dropless) */
-    void *comm = w->world > 1 ? xchg_nccl_comm(w->xc) : NULL;
-    const int ep = comm && c->capacity_factor == 0 && strcmp(w->ep_cfg, "off") != 0;
-    m->gpu_mode = w->world == 1 ? 1 : ep ? 3 : 2;
-    m->gpu_train = train;
-    moe_err e = MOE_OK;
-    for (int l = 0; l < c->layers && e == MOE_OK; l++) {
-        wkr_layer *L = &m->layers[l];
-        if (m->gpu_mode == 1) {
-            kcu_config kc = {c->d_model,
-                             c->d_ff,
-                             c->n_experts,
-                             c->top_k,
-                             (kern_act)c->act,
-                             c->renormalize,
-                             (int)w->gpu_max_tokens,
-                             train,
-                             (float)c->capacity_factor,
-                             (int)w->gpu_grad_bf16,
-                             1 /* states: one train forward at a time */};
-            kcu_layer *kl = NULL;
-            e = kcu_layer_create(&kc, &kl);
-            if (e == MOE_OK)
-                e = kcu_layer_upload(kl, L->wr, L->w1, L->w3, L->w2);
-            m->gpu[l] = kl;
-        } else if (m->gpu_mode == 3) {
-            kcu_ep_config ec;
-            memset(&ec, 0, sizeof(ec));
-            ec.H = c->d_model;
-            ec.F = c->d_ff;
-            ec.E = c->n_experts;
-            ec.K = c->top_k;
-            ec.act = (kern_act)c->act;
-            ec.renorm = c->renormalize;
-            ec.rank = w->rank;
-            ec.world = w->world;
-            ec.T_max = (int)w->gpu_max_tokens;
-            ec.train = train;
-            ec.chunks = (int)w->ep_chunks;
-            ec.timeout_ms = (int)w->xchg_timeout_ms;
-            kcu_ep *kp = NULL;
-            kcu_ep_abort_hook = xchg_aborted; /* worker.abort stops its waits */
-            e = kcu_ep_create(&ec, comm, &kp);
-            if (e == MOE_OK)
-                e = kcu_ep_upload(kp, L->wr, L->w1, L->w3, L->w2);
-            m->gpu[l] = kp;
-        } else if (m->ne > 0) {
-            kcu_experts *ex = NULL;
-            e = kcu_experts_create(c->d_model, c->d_ff, m->ne, (kern_act)c->act,
-                                   (int)(w->gpu_max_tokens * c->top_k), train, &ex);
-            if (e == MOE_OK)
-                e = kcu_experts_upload(ex, L->w1, L->w3, L->w2);
-            m->gpu[l] = ex;
-        }
-    }
-    if (e != MOE_OK) {
-        LOG_E("model %s: cannot place layers on GPU %lld: %s", c->name, w->device_index,
-              moe_strerror(e));
-        wkr_gpu_detach(m);
-        return e;
-    }
-    LOG_I("model %s on GPU %lld: %s mode%s", c->name, w->device_index,
-          m->gpu_mode == 1   ? "whole-layer"
-          : m->gpu_mode == 3 ? "expert-parallel (rows stay on the GPUs, NCCL)"
-                             : "experts",
-          train ? ", training" : "");
-    return MOE_OK;
-}
-
-moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const void *x, moe_dtype xdt, void *y,
-                              moe_dtype ydt, int32_t *counts, int32_t *dropped, float *aux,
-                              float *z, int train)
-{
-    kcu_layer *kl = m->gpu[layer];
-    if (T == 0)
-        return MOE_OK;
-    moe_err e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
-    if (e == MOE_OK)
-        e = kcu_forward_stats(kl, counts, dropped, aux, z, NULL);
-    if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
-        e = MOE_EINTERNAL;
+    (void)layer;
+    kcu_config kc = {c->d_model,
+                     c->d_ff,
+                     c->n_experts,
+                     c->top_k,
+                     (kern_act)c->act,
+                     c->renormalize,
+                     (int)w->gpu_max_tokens,
+                     train,
+                     (float)c->capacity_factor,
+                     (int)w->gpu_grad_bf16,
+                     1 /* states: one train forward at a time */};
+    kcu_layer *kl = NULL;
+    moe_err e = kcu_layer_create(&kc, &kl);
+    *dev = kl;
     return e;
 }
 
-moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
-                               const float *dy, float *dx)
+static void layer_destroy(void *dev)
+{
+    kcu_layer_destroy(dev);
+}
+
+static moe_err layer_upload(void *dev, const wkr_layer *L)
+{
+    return kcu_layer_upload(dev, L->wr, L->w1, L->w3, L->w2);
+}
+
+static moe_err layer_pull_grads(void *dev, float *gr, float *g1, float *g3, float *g2)
+{
+    moe_err e = kcu_layer_download_grads(dev, gr, g1, g3, g2);
+    if (e == MOE_OK)
+        e = kcu_layer_zero_grads(dev, NULL);
+    return e;
+}
+
+static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const void *x,
+                             moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
+                             char *err, size_t errlen)
+{
+    kcu_layer *kl = m->gpu[layer];
+    float aux = 0, z = 0;
+    moe_err e = MOE_OK;
+    (void)w;
+    if (T > 0) {
+        e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
+        if (e == MOE_OK)
+            e = kcu_forward_stats(kl, out->counts, out->dropped, &aux, &z, NULL);
+        if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
+            e = MOE_EINTERNAL;
+    }
+    if (e != MOE_OK) {
+        snprintf(err, errlen, "GPU layer forward failed: %s", moe_strerror(e));
+        return e;
+    }
+    if (train)
+        m->gpu_handle[layer] = handle;
+    /* the loss comes whole: probs_sum is not computed on this path */
+    out->aux_whole = 1;
+    out->aux = aux;
+    out->z_sum = (double)z * T;
+    return MOE_OK;
+}
+
+static moe_err layer_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T,
+                              const float *x, const float *dy, float *dx, char *err, size_t errlen)
 {
     kcu_layer *kl = m->gpu[layer];
     const model_cfg *c = &m->cfg;
+    (void)w;
     if (T == 0)
         return MOE_OK;
     moe_err e = MOE_OK;
     if (m->gpu_handle[layer] != handle) {
         /* the device holds another forward's state: recompute this one */
         float *y = malloc((size_t)T * c->d_model * sizeof(float));
-        if (!y)
-            return MOE_ENOMEM;
+        if (!y) {
+            e = MOE_ENOMEM;
+            goto out;
+        }
         e = kcu_forward(kl, T, x, MOE_F32, y, MOE_F32, 1, NULL);
         free(y);
     }
@@ -258,24 +214,90 @@ moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, 
     if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
         e = MOE_EINTERNAL;
     m->gpu_handle[layer] = 0;
+out:
+    if (e != MOE_OK)
+        snprintf(err, errlen, "GPU layer backward failed: %s", moe_strerror(e));
+    return e;
+}
+
+static const wkr_gpu_ops layer_ops = {
+    .name = "whole-layer",
+    .whole_layer = 1,
+    .collective = 0,
+    .create = layer_create,
+    .destroy = layer_destroy,
+    .upload = layer_upload,
+    .pull_grads = layer_pull_grads,
+    .forward = layer_forward,
+    .backward = layer_backward,
+};
+
+/* ---- ep: the whole layer on every rank's device, rows over NCCL (kcu_ep) ---- */
+
+static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
+{
+    const model_cfg *c = &m->cfg;
+    (void)layer;
+    kcu_ep_config ec;
+    memset(&ec, 0, sizeof(ec));
+    ec.H = c->d_model;
+    ec.F = c->d_ff;
+    ec.E = c->n_experts;
+    ec.K = c->top_k;
+    ec.act = (kern_act)c->act;
+    ec.renorm = c->renormalize;
+    ec.rank = w->rank;
+    ec.world = w->world;
+    ec.T_max = (int)w->gpu_max_tokens;
+    ec.train = train;
+    ec.chunks = (int)w->ep_chunks;
+    ec.timeout_ms = (int)w->xchg_timeout_ms;
+    kcu_ep *kp = NULL;
+    kcu_ep_abort_hook = xchg_aborted; /* worker.abort stops its waits */
+    moe_err e = kcu_ep_create(&ec, xchg_nccl_comm(w->xc), &kp);
+    *dev = kp;
+    return e;
+}
+
+static void ep_destroy(void *dev)
+{
+    kcu_ep_destroy(dev);
+}
+
+static moe_err ep_upload(void *dev, const wkr_layer *L)
+{
+    return kcu_ep_upload(dev, L->wr, L->w1, L->w3, L->w2);
+}
+
+static moe_err ep_pull_grads(void *dev, float *gr, float *g1, float *g3, float *g2)
+{
+    /* the router gradient of this rank's tokens (all-reduced at the step
+     * with the host ones), the local experts' gradients */
+    moe_err e = kcu_ep_download_router_grad(dev, gr);
+    if (e == MOE_OK)
+        e = kcu_experts_download_grads(kcu_ep_experts(dev), g1, g3, g2);
+    if (e == MOE_OK)
+        e = kcu_ep_zero_grads(dev);
     return e;
 }
 
 /* ep_failed: an exchange that failed or timed out leaves NCCL work stuck on
  * a peer: abort the communicator so that the kernels stop and the cluster
- * re-forms */
-static moe_err ep_failed(wkr *w, moe_err e, const char *what)
+ * re-forms. Other errors get their message in err. */
+static moe_err ep_failed(wkr *w, moe_err e, const char *what, char *err, size_t errlen)
 {
     if (e == MOE_EUNAVAIL) {
         LOG_W("%s: exchange failed; aborting the NCCL communicator", what);
         xchg_nccl_abort_comm(w->xc, what);
+    } else if (e != MOE_OK) {
+        snprintf(err, errlen, "GPU %s failed on rank %d: %s", what, w->rank, moe_strerror(e));
     }
     return e;
 }
 
-moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
-                           void *y, moe_dtype ydt, int32_t *counts, double *probs_sum,
-                           double *z_sum, uint64_t *a2a_bytes, int train)
+static moe_err ep_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const void *x,
+                          moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
+                          char *err, size_t errlen)
 {
     kcu_ep *ep = m->gpu[layer];
     wkr_busy_at(w, "expert-parallel forward: kcu_ep_forward");
@@ -285,16 +307,18 @@ moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x
         e = kcu_ep_wait(ep, NULL);
     wkr_busy_at(w, "expert-parallel forward: counts and stats");
     if (e == MOE_OK) {
-        kcu_ep_last_counts(ep, counts, NULL, NULL, NULL);
-        *a2a_bytes = (uint64_t)kcu_ep_last_a2a_bytes(ep);
-        e = kcu_ep_stats(ep, probs_sum, z_sum, NULL);
+        kcu_ep_last_counts(ep, out->counts, NULL, NULL, NULL);
+        out->a2a_bytes = (uint64_t)kcu_ep_last_a2a_bytes(ep);
+        e = kcu_ep_stats(ep, out->probs_sum, &out->z_sum, NULL);
     }
     m->gpu_handle[layer] = 0;
-    return ep_failed(w, e, "expert-parallel forward");
+    if (e == MOE_OK && train)
+        m->gpu_handle[layer] = handle;
+    return ep_failed(w, e, "expert-parallel forward", err, errlen);
 }
 
-moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
-                            const float *dy, float *dx)
+static moe_err ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                           const float *dy, float *dx, char *err, size_t errlen)
 {
     kcu_ep *ep = m->gpu[layer];
     const model_cfg *c = &m->cfg;
@@ -304,7 +328,7 @@ moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, in
          * this one (they all see the same sequence of jobs) */
         float *y = malloc((size_t)(T ? T : 1) * c->d_model * sizeof(float));
         if (!y)
-            return MOE_ENOMEM;
+            return ep_failed(w, MOE_ENOMEM, "expert-parallel backward", err, errlen);
         wkr_busy_at(w, "expert-parallel backward: the forward again");
         e = kcu_ep_forward(ep, T, x, MOE_F32, y, MOE_F32, 1, NULL);
         if (e == MOE_OK)
@@ -319,7 +343,54 @@ moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, in
     if (e == MOE_OK)
         e = kcu_ep_wait(ep, NULL);
     m->gpu_handle[layer] = 0;
-    return ep_failed(w, e, "expert-parallel backward");
+    return ep_failed(w, e, "expert-parallel backward", err, errlen);
+}
+
+static const wkr_gpu_ops ep_ops = {
+    .name = "expert-parallel (rows stay on the GPUs, NCCL)",
+    .whole_layer = 1,
+    .collective = 1,
+    .create = ep_create,
+    .destroy = ep_destroy,
+    .upload = ep_upload,
+    .pull_grads = ep_pull_grads,
+    .forward = ep_forward,
+    .backward = ep_backward,
+};
+
+/* ---- experts: the local experts' rows on the device (kcu_experts) ---- */
+
+static moe_err experts_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
+{
+    const model_cfg *c = &m->cfg;
+    (void)layer;
+    *dev = NULL;
+    if (m->ne == 0) /* no local experts: nothing on the device */
+        return MOE_OK;
+    kcu_experts *ex = NULL;
+    moe_err e = kcu_experts_create(c->d_model, c->d_ff, m->ne, (kern_act)c->act,
+                                   (int)(w->gpu_max_tokens * c->top_k), train, &ex);
+    *dev = ex;
+    return e;
+}
+
+static void experts_destroy(void *dev)
+{
+    kcu_experts_destroy(dev);
+}
+
+static moe_err experts_upload(void *dev, const wkr_layer *L)
+{
+    return kcu_experts_upload(dev, L->w1, L->w3, L->w2);
+}
+
+static moe_err experts_pull_grads(void *dev, float *gr, float *g1, float *g3, float *g2)
+{
+    (void)gr;
+    moe_err e = kcu_experts_download_grads(dev, g1, g3, g2);
+    if (e == MOE_OK)
+        e = kcu_experts_zero_grads(dev, NULL);
+    return e;
 }
 
 /* compact copies the kept rows of each expert together; returns their count */
@@ -376,25 +447,111 @@ static moe_err experts_call(wkr_model *m, int layer, const float *in, const int3
     return e;
 }
 
-moe_err wkr_gpu_experts_forward(wkr_model *m, int layer, const float *xe, const int32_t *n,
-                                const int32_t *kept, float *ye, int keep)
+static moe_err experts_forward(wkr_model *m, int layer, uint64_t handle, const float *xe,
+                               const int32_t *n, const int32_t *kept, float *ye, int train)
 {
-    return experts_call(m, layer, xe, n, kept, ye, 0, keep);
+    moe_err e = experts_call(m, layer, xe, n, kept, ye, 0, train);
+    if (train && e == MOE_OK)
+        m->gpu_handle[layer] = handle;
+    return e;
 }
 
-moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, const int32_t *n,
-                                 const int32_t *kept, float *dxe)
+static moe_err experts_backward(wkr_model *m, int layer, uint64_t handle, const float *xe,
+                                const float *dye, const int32_t *n, const int32_t *kept, float *dxe)
 {
-    return experts_call(m, layer, dye, n, kept, dxe, 1, 0);
+    moe_err e = MOE_OK;
+    if (m->gpu_handle[layer] != handle) {
+        /* the device keeps the last train forward's activations: recompute
+         * when another forward ran since this one */
+        size_t total = 0;
+        for (int i = 0; i < m->ne; i++)
+            total += (size_t)n[i];
+        float *ye = malloc((total ? total : 1) * m->cfg.d_model * sizeof(float));
+        e = ye ? experts_call(m, layer, xe, n, kept, ye, 0, 1) : MOE_ENOMEM;
+        free(ye);
+    }
+    if (e == MOE_OK)
+        e = experts_call(m, layer, dye, n, kept, dxe, 1, 0);
+    m->gpu_handle[layer] = 0;
+    return e;
+}
+
+static const wkr_gpu_ops experts_ops = {
+    .name = "experts",
+    .whole_layer = 0,
+    .collective = 0,
+    .create = experts_create,
+    .destroy = experts_destroy,
+    .upload = experts_upload,
+    .pull_grads = experts_pull_grads,
+    .experts_forward = experts_forward,
+    .experts_backward = experts_backward,
+};
+
+/* ---- attach, detach, the optimizer's copies: through the ops ---- */
+
+void wkr_gpu_detach(wkr_model *m)
+{
+    for (int l = 0; m->gpu && m->gpu_ops && l < m->cfg.layers; l++)
+        m->gpu_ops->destroy(m->gpu[l]);
+    free(m->gpu);
+    m->gpu = NULL;
+    m->gpu_ops = NULL;
+    free(m->gpu_handle);
+    m->gpu_handle = NULL;
+}
+
+moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
+{
+    const model_cfg *c = &m->cfg;
+    if (model_cfg_routing_extra(c)) {
+        /* the device kernels know softmax top-k only: never a wrong result */
+        LOG_E("model %s: routing %s is not on the GPU yet", c->name, model_cfg_routing_extra(c));
+        return MOE_EINVAL;
+    }
+    wkr_gpu_detach(m);
+    if (cudaSetDevice((int)w->device_index) != cudaSuccess)
+        return MOE_EUNAVAIL;
+    m->gpu = calloc((size_t)c->layers, sizeof(void *));
+    m->gpu_handle = calloc((size_t)c->layers, sizeof(uint64_t));
+    if (!m->gpu || !m->gpu_handle) {
+        wkr_gpu_detach(m);
+        return MOE_ENOMEM;
+    }
+    /* several GPU workers over NCCL: the device-resident layer (dropless) */
+    void *comm = w->world > 1 ? xchg_nccl_comm(w->xc) : NULL;
+    const int ep = comm && c->capacity_factor == 0 && strcmp(w->ep_cfg, "off") != 0;
+    const wkr_gpu_ops *ops = w->world == 1 ? &layer_ops : ep ? &ep_ops : &experts_ops;
+    m->gpu_ops = ops;
+    m->gpu_train = train;
+    moe_err e = MOE_OK;
+    for (int l = 0; l < c->layers && e == MOE_OK; l++) {
+        void *dev = NULL;
+        e = ops->create(w, m, l, train, &dev);
+        if (e == MOE_OK && dev)
+            e = ops->upload(dev, &m->layers[l]);
+        m->gpu[l] = dev;
+    }
+    if (e != MOE_OK) {
+        LOG_E("model %s: cannot place layers on GPU %lld: %s", c->name, w->device_index,
+              moe_strerror(e));
+        wkr_gpu_detach(m);
+        return e;
+    }
+    LOG_I("model %s on GPU %lld: %s mode%s", c->name, w->device_index, ops->name,
+          train ? ", training" : "");
+    return MOE_OK;
 }
 
 moe_err wkr_gpu_pull_grads(wkr_model *m)
 {
+    const wkr_gpu_ops *ops = m->gpu_ops;
     const model_cfg *c = &m->cfg;
     const int E = c->n_experts, H = c->d_model, F = c->d_ff, ne = m->ne;
     const size_t fh = (size_t)F * H;
     int nmat = act_gated(c->act) ? 3 : 2;
-    int rows_e = m->gpu_mode == 1 ? E : ne;
+    /* layer: the device holds all E experts (world 1: ne == E) */
+    int rows_e = ops == &layer_ops ? E : ne;
     float *gr = malloc((size_t)E * H * 4), *g1 = malloc((rows_e ? rows_e : 1) * fh * 4),
           *g3 = malloc((rows_e ? rows_e : 1) * fh * 4),
           *g2 = malloc((rows_e ? rows_e : 1) * fh * 4);
@@ -403,30 +560,12 @@ moe_err wkr_gpu_pull_grads(wkr_model *m)
         if (!m->gpu[l])
             continue;
         wkr_param *p = wkr_layer_params(m, l);
-        if (m->gpu_mode == 1) {
-            e = kcu_layer_download_grads(m->gpu[l], gr, g1, nmat == 3 ? g3 : NULL, g2);
-            if (e == MOE_OK)
-                e = kcu_layer_zero_grads(m->gpu[l], NULL);
-            for (size_t k = 0; e == MOE_OK && k < p[0].n; k++)
-                p[0].grad[k] += gr[k];
-        } else if (m->gpu_mode == 3) {
-            /* the router gradient of this rank's tokens (all-reduced at the
-             * step with the host ones), the local experts' gradients */
-            e = kcu_ep_download_router_grad(m->gpu[l], gr);
-            for (size_t k = 0; e == MOE_OK && k < p[0].n; k++)
-                p[0].grad[k] += gr[k];
-            if (e == MOE_OK)
-                e = kcu_experts_download_grads(kcu_ep_experts(m->gpu[l]), g1, nmat == 3 ? g3 : NULL,
-                                               g2);
-            if (e == MOE_OK)
-                e = kcu_ep_zero_grads(m->gpu[l]);
-        } else {
-            e = kcu_experts_download_grads(m->gpu[l], g1, nmat == 3 ? g3 : NULL, g2);
-            if (e == MOE_OK)
-                e = kcu_experts_zero_grads(m->gpu[l], NULL);
-        }
+        e = ops->pull_grads(m->gpu[l], gr, g1, nmat == 3 ? g3 : NULL, g2);
+        /* whole-layer backends: the router gradient of this rank's tokens
+         * (all-reduced at the step with the host ones) */
+        for (size_t k = 0; e == MOE_OK && ops->whole_layer && k < p[0].n; k++)
+            p[0].grad[k] += gr[k];
         for (int i = 0; e == MOE_OK && i < ne; i++) {
-            /* layer mode: world 1, so the local experts are all E of them */
             float *srcs[3] = {g1 + i * fh, g3 + i * fh, g2 + i * fh};
             for (int k = 0; k < nmat; k++) {
                 wkr_param *q = &p[1 + i * nmat + k];
@@ -446,15 +585,9 @@ moe_err wkr_gpu_push_weights(wkr_model *m)
 {
     moe_err e = MOE_OK;
     for (int l = 0; e == MOE_OK && l < m->cfg.layers; l++) {
-        wkr_layer *L = &m->layers[l];
         if (!m->gpu[l])
             continue;
-        if (m->gpu_mode == 1)
-            e = kcu_layer_upload(m->gpu[l], L->wr, L->w1, L->w3, L->w2);
-        else if (m->gpu_mode == 3)
-            e = kcu_ep_upload(m->gpu[l], L->wr, L->w1, L->w3, L->w2);
-        else
-            e = kcu_experts_upload(m->gpu[l], L->w1, L->w3, L->w2);
+        e = m->gpu_ops->upload(m->gpu[l], &m->layers[l]);
         m->gpu_handle[l] = 0;
     }
     return e;
@@ -520,46 +653,6 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
 void wkr_gpu_detach(wkr_model *m)
 {
     (void)m;
-}
-moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const void *x, moe_dtype xdt, void *y,
-                              moe_dtype ydt, int32_t *counts, int32_t *dropped, float *aux,
-                              float *z, int train)
-{
-    (void)m, (void)layer, (void)T, (void)x, (void)xdt, (void)y, (void)ydt, (void)counts,
-        (void)dropped, (void)aux, (void)z, (void)train;
-    return MOE_EINVAL;
-}
-moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
-                               const float *dy, float *dx)
-{
-    (void)m, (void)layer, (void)handle, (void)T, (void)x, (void)dy, (void)dx;
-    return MOE_EINVAL;
-}
-moe_err wkr_gpu_experts_forward(wkr_model *m, int layer, const float *xe, const int32_t *n,
-                                const int32_t *kept, float *ye, int keep)
-{
-    (void)m, (void)layer, (void)xe, (void)n, (void)kept, (void)ye, (void)keep;
-    return MOE_EINVAL;
-}
-moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, const int32_t *n,
-                                 const int32_t *kept, float *dxe)
-{
-    (void)m, (void)layer, (void)dye, (void)n, (void)kept, (void)dxe;
-    return MOE_EINVAL;
-}
-moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
-                           void *y, moe_dtype ydt, int32_t *counts, double *probs_sum,
-                           double *z_sum, uint64_t *a2a_bytes, int train)
-{
-    (void)w, (void)m, (void)layer, (void)T, (void)x, (void)xdt, (void)y, (void)ydt, (void)counts,
-        (void)probs_sum, (void)z_sum, (void)a2a_bytes, (void)train;
-    return MOE_EINVAL;
-}
-moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
-                            const float *dy, float *dx)
-{
-    (void)w, (void)m, (void)layer, (void)handle, (void)T, (void)x, (void)dy, (void)dx;
-    return MOE_EINVAL;
 }
 moe_err wkr_gpu_pull_grads(wkr_model *m)
 {

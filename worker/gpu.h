@@ -1,21 +1,26 @@
 /*
  * gpu.h - the worker's GPU backend: the layer math on the device through
- * kernels/cuda (kern_cuda.h). Two modes, chosen per model when it is built:
+ * kernels/cuda (kern_cuda.h), behind one interface, an ops table
+ * (wkr_gpu_ops) that wkr_gpu_attach picks per model when it is built:
  *   - layer:   a cluster of one worker runs the whole layer (router, layout,
  *              experts, combine) on the device: kcu_layer.
- *   - ep:      a cluster of several GPU workers over NCCL (mode 3): every
- *              worker runs the whole layer for its tokens on its device,
- *              rows go GPU to GPU (kcu_ep: router, layout, NCCL
- *              all-to-all-v, grouped GEMMs, combine; chunked overlap).
- *              Dropless only; --ep off or a capacity factor falls back to:
+ *   - ep:      a cluster of several GPU workers over NCCL: every worker runs
+ *              the whole layer for its tokens on its device, rows go GPU to
+ *              GPU (kcu_ep: router, layout, NCCL all-to-all-v, grouped
+ *              GEMMs, combine; chunked overlap). Dropless only; --ep off or
+ *              a capacity factor falls back to:
  *   - experts: in a cluster of several workers the router runs on the host
  *              replica and rows travel through the exchange; the rows of the
  *              worker's own experts run on the device: kcu_experts.
+ * layer and ep are "whole-layer" backends (forward, backward: the worker's
+ * tokens in, its outputs out); experts runs the owner side only
+ * (experts_forward, experts_backward) inside the host's layer. A model with
+ * no ops (wkr_model.gpu_ops NULL) runs on the CPU.
  * The host copies of the weights (wkr_layer) stay authoritative: the
  * optimizer pulls the device gradients into the host gradients, runs AdamW
  * on the host and pushes the new weights back (kept simple; the device-side
- * AdamW of kcu_experts is the next step). Without CUDA every function
- * returns MOE_EINVAL and wkr_gpu_probe reports no device.
+ * AdamW of kcu_experts is the next step). Without CUDA wkr_gpu_attach
+ * returns MOE_EINVAL (gpu_ops stays NULL) and wkr_gpu_probe reports no device.
  */
 #ifndef MOE_WKR_GPU_H
 #define MOE_WKR_GPU_H
@@ -48,44 +53,67 @@ moe_err wkr_gpu_ipc_open(int device, const void *handle, size_t len, void **dptr
 void wkr_gpu_ipc_close(int device, void *dptr);
 /* wkr_gpu_copy: n bytes between any host and device memory (synchronous). */
 moe_err wkr_gpu_copy(void *dst, const void *src, size_t n);
-/* wkr_gpu_attach makes the device objects of every layer of m and uploads
- * the host weights (train: with gradients). max_tokens bounds T per call. */
+/* What a whole-layer forward reports besides y. The caller zeroes the
+ * arrays; a backend fills what it computes, the rest stays zero. */
+typedef struct wkr_gpu_out {
+    int32_t *counts;    /* (E) routed slots of this rank's tokens */
+    int32_t *dropped;   /* (E) dropped slots (layer; ep is dropless) */
+    double *probs_sum;  /* (E) router probability sums (ep; not with aux_whole) */
+    double z_sum;       /* z-loss sum over this rank's tokens */
+    int aux_whole;      /* the backend computed the aux loss itself: aux */
+    double aux;         /* (aux_whole) the aux loss */
+    uint64_t a2a_bytes; /* bytes sent to other ranks (not with aux_whole) */
+} wkr_gpu_out;
+
+/* wkr_gpu_ops: one GPU backend. dev is one layer's device object
+ * (m->gpu[layer]). forward/backward/experts_* keep m->gpu_handle[layer]: the
+ * train forward whose state the device holds; a backward for another one
+ * recomputes its forward first. err (errlen) gets the message of a failure
+ * other than MOE_EUNAVAIL from a collective backend (an exchange failure:
+ * the communicator is already aborted). */
+typedef struct wkr_gpu_ops {
+    const char *name; /* for the log: "whole-layer", ... */
+    int whole_layer;  /* forward/backward run router..combine (else experts_*) */
+    int collective;   /* every rank calls forward/backward for every job, in
+                       * the same order (T = 0 included) */
+    /* create one layer's device object (*dev; NULL: nothing on the device
+     * for it, e.g. no local experts), and upload the host weights to it */
+    moe_err (*create)(wkr *w, wkr_model *m, int layer, int train, void **dev);
+    void (*destroy)(void *dev);
+    moe_err (*upload)(void *dev, const wkr_layer *L);
+    /* the device gradients out (router: gr (E,H), whole-layer backends only;
+     * the local experts' w1, w3 (g3 NULL: not gated), w2 rows) and cleared */
+    moe_err (*pull_grads)(void *dev, float *gr, float *g1, float *g3, float *g2);
+    /* whole-layer: x (T,H) of dtype xdt in, y (T,H) of dtype ydt out (host
+     * pageable or pinned, or device); handle: the train forward's */
+    moe_err (*forward)(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const void *x,
+                       moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
+                       char *err, size_t errlen);
+    /* whole-layer: backward of the train forward `handle` whose x (T,H) is
+     * given; dx (T,H) out */
+    moe_err (*backward)(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
+                        const float *dy, float *dx, char *err, size_t errlen);
+    /* experts: rows (sum n, H) expert-major; kept (ne) rows of each expert
+     * run (the first kept[i] of its n[i]); the rest give zero rows. The
+     * backward recomputes the forward from xe when the device holds
+     * another handle's activations. */
+    moe_err (*experts_forward)(wkr_model *m, int layer, uint64_t handle, const float *xe,
+                               const int32_t *n, const int32_t *kept, float *ye, int train);
+    moe_err (*experts_backward)(wkr_model *m, int layer, uint64_t handle, const float *xe,
+                                const float *dye, const int32_t *n, const int32_t *kept,
+                                float *dxe);
+} wkr_gpu_ops;
+
+/* wkr_gpu_attach picks the backend of m (m->gpu_ops), makes the device
+ * objects of every layer and uploads the host weights (train: with
+ * gradients). w->gpu_max_tokens bounds T per call. On failure m stays on
+ * the CPU (gpu_ops NULL). */
 moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train);
 void wkr_gpu_detach(wkr_model *m);
 
-/* layer mode (world == 1): the whole forward. x (T,H) of dtype xdt in, y
- * (T,H) of dtype ydt out (host pageable or pinned, or device); counts,
- * dropped (E) out; aux and z losses out. */
-moe_err wkr_gpu_layer_forward(wkr_model *m, int layer, int T, const void *x, moe_dtype xdt, void *y,
-                              moe_dtype ydt, int32_t *counts, int32_t *dropped, float *aux,
-                              float *z, int train);
-/* layer mode backward for the train forward whose x (T,H) is given: the
- * forward is recomputed when the device holds another one's state. */
-moe_err wkr_gpu_layer_backward(wkr_model *m, int layer, uint64_t handle, int T, const float *x,
-                               const float *dy, float *dx);
-
-/* experts mode: rows (n_in,H) expert-major; kept (ne) rows of each expert
- * run (the first kept[i] of its n[i]); the rest give zero rows. */
-moe_err wkr_gpu_experts_forward(wkr_model *m, int layer, const float *xe, const int32_t *n,
-                                const int32_t *kept, float *ye, int keep);
-moe_err wkr_gpu_experts_backward(wkr_model *m, int layer, const float *dye, const int32_t *n,
-                                 const int32_t *kept, float *dxe);
-
-/* ep mode: every rank calls these for every job, in the same order (all
- * ranks take part in the exchanges, T = 0 included). y (T,H) out; counts
- * (E) this rank's routed slots, probs_sum (E) and z_sum its router sums,
- * a2a_bytes sent to other ranks. An exchange failure aborts the NCCL
- * communicator and returns MOE_EUNAVAIL. */
-moe_err wkr_gpu_ep_forward(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
-                           void *y, moe_dtype ydt, int32_t *counts, double *probs_sum,
-                           double *z_sum, uint64_t *a2a_bytes, int train);
-/* backward of the train forward `handle` whose x (T,H) is given (the
- * forward is recomputed, collectively, when the devices hold another). */
-moe_err wkr_gpu_ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
-                            const float *dy, float *dx);
-
-/* optimizer support: add the device gradients into the host grads (and
- * clear them on the device); push the host weights back to the device. */
+/* optimizer support (m->gpu_ops set): add the device gradients into the
+ * host grads (and clear them on the device); push the host weights back to
+ * the device. */
 moe_err wkr_gpu_pull_grads(wkr_model *m);
 moe_err wkr_gpu_push_weights(wkr_model *m);
 

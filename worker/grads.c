@@ -50,7 +50,7 @@ void wkr_op_grads(wkr *w, rpc_call *c)
         return;
     }
     /* GPU backend: the device gradients join the host ones (as at a step) */
-    if (m->gpu && wkr_gpu_pull_grads(m) != MOE_OK) {
+    if (m->gpu_ops && wkr_gpu_pull_grads(m) != MOE_OK) {
         rpc_reply_err(c, MOE_EINTERNAL, "cannot read the gradients from the GPU");
         return;
     }

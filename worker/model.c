@@ -17,7 +17,7 @@ void wkr_model_free(wkr_model *m)
 {
     if (!m)
         return;
-    if (m->gpu)
+    if (m->gpu_ops)
         wkr_gpu_detach(m);
     for (int i = 0; m->params && i < m->nparams; i++) {
         free(m->params[i].grad);

@@ -61,7 +61,7 @@ void wkr_op_step(wkr *w, rpc_call *c)
     }
     /* GPU backend: the device gradients join the host ones */
     wkr_busy_at(w, "optimizer.step: gradients from the GPU");
-    if (m->gpu && wkr_gpu_pull_grads(m) != MOE_OK) {
+    if (m->gpu_ops && wkr_gpu_pull_grads(m) != MOE_OK) {
         rpc_reply_err(c, MOE_EINTERNAL, "cannot read the gradients from the GPU");
         return;
     }
@@ -132,7 +132,7 @@ void wkr_op_step(wkr *w, rpc_call *c)
     }
     m->has_grads = 0;
     wkr_busy_at(w, "optimizer.step: weights to the GPU");
-    if (m->gpu && wkr_gpu_push_weights(m) != MOE_OK) {
+    if (m->gpu_ops && wkr_gpu_push_weights(m) != MOE_OK) {
         rpc_reply_err(c, MOE_EINTERNAL, "cannot write the new weights to the GPU");
         return;
     }

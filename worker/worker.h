@@ -69,10 +69,12 @@ typedef struct wkr_model {
      * per param 3 arrays (weights, m, v), (nparams * 3) */
     float **staged;
     int64_t staged_step;
-    /* GPU backend (gpu.h): per layer a kcu_layer (mode 1) or kcu_experts
-     * (mode 2); NULL/0 on the CPU backend */
+    /* GPU backend (gpu.h): its ops (layer, ep or experts; NULL: the CPU
+     * backend) and per layer its device object (a kcu_layer, kcu_ep or
+     * kcu_experts); gpu_train: the device objects keep training state */
+    const struct wkr_gpu_ops *gpu_ops;
     void **gpu;
-    int gpu_mode, gpu_train;
+    int gpu_train;
     uint64_t *gpu_handle; /* (layers) the train forward whose state the device holds */
 } wkr_model;
 
