@@ -198,7 +198,7 @@ static int pull(xs *x, int q, moe_err *err)
     if (p->got >= XS_MSG && p->got == XS_MSG + p->rlen)
         return 0;
     if (p->got >= XS_MSG && !p->dst && p->rlen)
-        return 0; /* its bytes wait until every size is known */
+        return 0;             /* its bytes wait until every size is known */
     uint64_t tail = rg->tail; /* ours alone */
     uint64_t head = __atomic_load_n(&rg->head, __ATOMIC_ACQUIRE);
     size_t avail = (size_t)(head - tail), moved = 0;
@@ -398,8 +398,8 @@ static moe_err a2a_place(xs *x, void *arg)
     return MOE_OK;
 }
 
-static moe_err xs_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_bytes,
-                            void **recvbuf, size_t *recv_bytes)
+static moe_err xs_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_bytes, void **recvbuf,
+                            size_t *recv_bytes)
 {
     xs *x = (xs *)xp;
     const int W = xp->world;
@@ -545,8 +545,7 @@ static moe_err map_peer(xs *x, const char *token, int q, int64_t deadline)
             if (seg != MAP_FAILED) {
                 xs_hdr *h = hdr_of(seg);
                 if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == XS_MAGIC &&
-                    h->generation == x->gen && (int)h->rank == q &&
-                    (int)h->world == x->pub.world) {
+                    h->generation == x->gen && (int)h->rank == q && (int)h->world == x->pub.world) {
                     x->peer[q].seg = seg;
                     int rv = kill((pid_t)h->pid, 0);
                     x->peer[q].pid_visible = rv == 0 || errno == EPERM;
