@@ -241,7 +241,7 @@ struct coord {
                                   * form with the workers up when at least this many */
     long long shrink_after_ms;
     long long history_ms;       /* the dashboard history's interval */
-    char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl */
+    char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl | shm */
     long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
     /* the cluster secret: internal methods (worker.*) require it, and the
      * calls to workers carry it (secret.h; never empty after start) */
@@ -282,6 +282,8 @@ struct coord {
     uint64_t generation;  /* 0 = never formed */
     int ready;            /* the current generation is joined and whole */
     int use_nccl;         /* every member has a GPU: exchange over NCCL */
+    int use_shm;          /* every member on one host: exchange through shared memory */
+    int shm_failed;       /* a join through shared memory failed: nng from then on */
     uint8_t nccl_id[128]; /* relayed from rank 0 to every member in the JOIN */
     int nccl_id_ok;
     int need_form;           /* a (re)formation is wanted */

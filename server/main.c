@@ -74,7 +74,8 @@ static const cfg_entry coord_cfg[] = {
      "merge queued inference forwards of one layer up to this many tokens (0 = off)"},
     {"contexts", CFG_INT, "64", 1, 4096, &C.nctx, "concurrent requests received"},
     {"xchg", CFG_STR, "auto", 0, 0, C.xchg_cfg,
-     "worker exchange: auto (NCCL when every worker has a GPU) | nng | nccl"},
+     "worker exchange: auto (NCCL when every worker has a GPU, else shared memory when all "
+     "workers are on one host, else nng) | nng | nccl | shm"},
     {"drain-timeout-ms", CFG_INT, "120000", 0, 86400000, &C.drain_timeout_ms,
      "bound on a drain (SIGTERM, drain RPC): then queued jobs fail and the coordinator exits "
      "(0 = wait for ever)"},
@@ -232,8 +233,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "moe-coordinator: %s\n", err);
         return 2;
     }
-    if (strcmp(C.xchg_cfg, "auto") && strcmp(C.xchg_cfg, "nng") && strcmp(C.xchg_cfg, "nccl")) {
-        fprintf(stderr, "moe-coordinator: xchg must be auto, nng or nccl\n");
+    if (strcmp(C.xchg_cfg, "auto") && strcmp(C.xchg_cfg, "nng") && strcmp(C.xchg_cfg, "nccl") &&
+        strcmp(C.xchg_cfg, "shm")) {
+        fprintf(stderr, "moe-coordinator: xchg must be auto, nng, nccl or shm\n");
         return 2;
     }
     if (C.min_workers > C.expected_workers) {

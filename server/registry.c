@@ -423,13 +423,24 @@ void coord_maybe_form(coord *c)
         all_gpu &= strcmp(c->workers[c->rank_to_worker[r]].backend, "cuda") == 0;
     c->use_nccl = strcmp(c->xchg_cfg, "nccl") == 0 || (strcmp(c->xchg_cfg, "auto") == 0 && all_gpu);
     c->nccl_id_ok = 0;
+    /* otherwise, every member on one host (same boot id): shared memory,
+     * unless a join through it failed before (e.g. one boot id, but
+     * containers that do not share /dev/shm) */
+    int one_host = n > 1 && c->workers[c->rank_to_worker[0]].host[0];
+    for (int r = 1; r < n && one_host; r++)
+        one_host =
+            !strcmp(c->workers[c->rank_to_worker[r]].host, c->workers[c->rank_to_worker[0]].host);
+    c->use_shm = !c->use_nccl && one_host && !c->shm_failed &&
+                 (!strcmp(c->xchg_cfg, "auto") || !strcmp(c->xchg_cfg, "shm"));
     coord_job *j = coord_job_new(&coord_job_join, NULL, NULL);
     if (j)
         coord_job_submit(c, j, 1);
     if (c->use_nccl && (j = coord_job_new(&coord_job_xchg_id, NULL, NULL)))
         coord_job_submit(c, j, 1);
     LOG_I("generation %llu exchanges over %s", (unsigned long long)c->generation,
-          c->use_nccl ? "NCCL" : "nng");
+          c->use_nccl  ? "NCCL"
+          : c->use_shm ? "shared memory"
+                       : "nng");
     coord_job_pump(c);
 }
 
@@ -569,7 +580,7 @@ static void join_encode(coord *c, coord_job *j, int rank, mp_writer *w)
      * thread, possibly after them */
     const char *roots[2];
     int nroots = coord_ckpt_roots(c, roots);
-    mp_write_map(w, c->use_nccl ? 6 : 5);
+    mp_write_map(w, c->use_nccl || c->use_shm ? 6 : 5);
     mp_write_cstr(w, "checkpoint_roots");
     mp_write_array(w, (uint32_t)nroots);
     for (int k = 0; k < nroots; k++)
@@ -577,6 +588,11 @@ static void join_encode(coord *c, coord_job *j, int rank, mp_writer *w)
     if (c->use_nccl) {
         mp_write_cstr(w, "nccl_id");
         mp_write_bin(w, c->nccl_id, sizeof(c->nccl_id));
+    } else if (c->use_shm) { /* the segments' token: this coordinator's */
+        char token[24];
+        snprintf(token, sizeof(token), "%016llx", (unsigned long long)c->epoch);
+        mp_write_cstr(w, "shm");
+        mp_write_cstr(w, token);
     }
     mp_write_cstr(w, "generation");
     mp_write_u64(w, c->generation);
@@ -604,6 +620,12 @@ static void join_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
         LOG_W("cluster generation %llu failed to form (rank %d: %s: %s)",
               (unsigned long long)j->generation, bad_rank, moe_err_code(first),
               bad_rank >= 0 && j->replies[bad_rank] ? j->replies[bad_rank]->message : "");
+        if (c->use_shm && j->generation == c->generation && bad_rank >= 0 && j->replies[bad_rank] &&
+            strstr(j->replies[bad_rank]->message, "shared memory")) {
+            LOG_W("shared memory between the workers failed: the next generations exchange "
+                  "over nng");
+            c->shm_failed = 1;
+        }
         c->need_form = 1;
     }
 }

@@ -455,7 +455,11 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         return;
     }
     if (train && gops && !m->gpu_train && wkr_gpu_attach(w, m, 1) != MOE_OK) {
-        rpc_reply_err(c, MOE_ENOMEM, "cannot allocate GPU training state for '%s'", model_name);
+        rpc_reply_err(c, MOE_ENOMEM,
+                      "cannot allocate GPU training state for '%s' (device memory: each layer "
+                      "keeps --gpu-train-states=%lld workspaces sized by --gpu-max-tokens=%lld; "
+                      "lower them)",
+                      model_name, w->gpu_train_states, w->gpu_max_tokens);
         return;
     }
     gops = m->gpu_ops;

@@ -122,10 +122,51 @@ void wkr_gpu_pinned_free(void *p)
 
 /* ---- layer: the whole layer on one device (kcu_layer) ---- */
 
+/* layer_dev: a kcu_layer and what its states hold. A training layer keeps
+ * up to --gpu-train-states train forwards on the device (kcu_layer_set_state):
+ * a pipeline schedule (forward 1, forward 2, backward 2, backward 1) does
+ * not recompute. A forward takes a free state, else the least recently used
+ * one (whose train forward is then recomputed by its backward). */
+#define LAYER_MAX_STATES 16
+typedef struct layer_dev {
+    kcu_layer *kl;
+    int nstates;
+    uint64_t handle[LAYER_MAX_STATES]; /* the train forward a state holds, 0 = none */
+    uint64_t used[LAYER_MAX_STATES];   /* when it was last used (clock) */
+    uint64_t clock;
+    uint64_t recomputes; /* backwards whose forward had been pushed out */
+} layer_dev;
+
+/* layer_take: a state for the next forward (free first, else least
+ * recently used), selected on the layer; -1 on a kernel error */
+static int layer_take(layer_dev *d)
+{
+    int s = 0;
+    for (int i = 0; i < d->nstates; i++) {
+        if (!d->handle[i]) {
+            s = i;
+            break;
+        }
+        if (d->used[i] < d->used[s])
+            s = i;
+    }
+    if (kcu_layer_set_state(d->kl, s) != MOE_OK)
+        return -1;
+    d->handle[s] = 0;
+    d->used[s] = ++d->clock;
+    return s;
+}
+
 static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
 {
     const model_cfg *c = &m->cfg;
     (void)layer;
+    layer_dev *d = calloc(1, sizeof(*d));
+    if (!d)
+        return MOE_ENOMEM;
+    d->nstates = train ? (int)w->gpu_train_states : 1;
+    if (d->nstates < 1 || d->nstates > LAYER_MAX_STATES)
+        d->nstates = 1;
     kcu_config kc = {c->d_model,
                      c->d_ff,
                      c->n_experts,
@@ -136,28 +177,43 @@ static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **d
                      train,
                      (float)c->capacity_factor,
                      (int)w->gpu_grad_bf16,
-                     1 /* states: one train forward at a time */};
-    kcu_layer *kl = NULL;
-    moe_err e = kcu_layer_create(&kc, &kl);
-    *dev = kl;
+                     d->nstates};
+    moe_err e = kcu_layer_create(&kc, &d->kl);
+    if (e != MOE_OK) {
+        free(d);
+        d = NULL;
+    }
+    *dev = d;
     return e;
 }
 
 static void layer_destroy(void *dev)
 {
-    kcu_layer_destroy(dev);
+    layer_dev *d = dev;
+    if (!d)
+        return;
+    if (d->recomputes)
+        LOG_I("GPU layer: %llu backwards recomputed their forward (more --gpu-train-states "
+              "would keep them)",
+              (unsigned long long)d->recomputes);
+    kcu_layer_destroy(d->kl);
+    free(d);
 }
 
+/* upload: new weights; the forwards the states hold are stale */
 static moe_err layer_upload(void *dev, const wkr_layer *L)
 {
-    return kcu_layer_upload(dev, L->wr, L->w1, L->w3, L->w2);
+    layer_dev *d = dev;
+    memset(d->handle, 0, sizeof(d->handle));
+    return kcu_layer_upload(d->kl, L->wr, L->w1, L->w3, L->w2);
 }
 
 static moe_err layer_pull_grads(void *dev, float *gr, float *g1, float *g3, float *g2)
 {
-    moe_err e = kcu_layer_download_grads(dev, gr, g1, g3, g2);
+    layer_dev *d = dev;
+    moe_err e = kcu_layer_download_grads(d->kl, gr, g1, g3, g2);
     if (e == MOE_OK)
-        e = kcu_layer_zero_grads(dev, NULL);
+        e = kcu_layer_zero_grads(d->kl, NULL);
     return e;
 }
 
@@ -165,11 +221,15 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
                              moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
                              char *err, size_t errlen)
 {
-    kcu_layer *kl = m->gpu[layer];
+    layer_dev *d = m->gpu[layer];
+    kcu_layer *kl = d->kl;
     float aux = 0, z = 0;
     moe_err e = MOE_OK;
+    int s = 0;
     (void)w;
-    if (T > 0) {
+    if (T > 0 && (s = layer_take(d)) < 0)
+        e = MOE_EINTERNAL;
+    if (e == MOE_OK && T > 0) {
         e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
         if (e == MOE_OK)
             e = kcu_forward_stats(kl, out->counts, out->dropped, &aux, &z, NULL);
@@ -180,8 +240,8 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
         snprintf(err, errlen, "GPU layer forward failed: %s", moe_strerror(e));
         return e;
     }
-    if (train)
-        m->gpu_handle[layer] = handle;
+    if (train && T > 0)
+        d->handle[s] = handle;
     /* the loss comes whole: probs_sum is not computed on this path */
     out->aux_whole = 1;
     out->aux = aux;
@@ -192,19 +252,30 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
 static moe_err layer_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T,
                               const float *x, const float *dy, float *dx, char *err, size_t errlen)
 {
-    kcu_layer *kl = m->gpu[layer];
+    layer_dev *d = m->gpu[layer];
+    kcu_layer *kl = d->kl;
     const model_cfg *c = &m->cfg;
     (void)w;
     if (T == 0)
         return MOE_OK;
     moe_err e = MOE_OK;
-    if (m->gpu_handle[layer] != handle) {
-        /* the device holds another forward's state: recompute this one */
+    int s = -1;
+    for (int i = 0; i < d->nstates && s < 0; i++)
+        if (d->handle[i] == handle)
+            s = i;
+    if (s >= 0 && kcu_layer_set_state(kl, s) != MOE_OK) {
+        e = MOE_EINTERNAL;
+        goto out;
+    }
+    if (s < 0) {
+        /* its state was taken by later forwards: recompute it */
         float *y = malloc((size_t)T * c->d_model * sizeof(float));
-        if (!y) {
-            e = MOE_ENOMEM;
+        if (!y || (s = layer_take(d)) < 0) {
+            free(y);
+            e = !y ? MOE_ENOMEM : MOE_EINTERNAL;
             goto out;
         }
+        d->recomputes++;
         e = kcu_forward(kl, T, x, MOE_F32, y, MOE_F32, 1, NULL);
         free(y);
     }
@@ -213,7 +284,7 @@ static moe_err layer_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, 
                          (float)c->z_loss_coef, NULL, 0, NULL);
     if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
         e = MOE_EINTERNAL;
-    m->gpu_handle[layer] = 0;
+    d->handle[s] = 0;
 out:
     if (e != MOE_OK)
         snprintf(err, errlen, "GPU layer backward failed: %s", moe_strerror(e));

@@ -55,6 +55,10 @@ static const cfg_entry worker_cfg[] = {
     {"device", CFG_INT, "0", 0, 1024, &W.device_index, "CUDA device this worker uses"},
     {"gpu-max-tokens", CFG_INT, "16384", 1, 1 << 24, &W.gpu_max_tokens,
      "GPU backend: most tokens of one layer call (sizes the device workspace)"},
+    {"gpu-train-states", CFG_INT, "2", 1, 16, &W.gpu_train_states,
+     "GPU backend, one-worker cluster: train forwards per layer kept on the device for their "
+     "backward (a pipeline's forwards of several micro-batches do not recompute); each costs "
+     "one workspace of device memory"},
     {"gpu-grad-bf16", CFG_INT, "0", 0, 1, &W.gpu_grad_bf16,
      "GPU backend, one-worker cluster: expert gradients stored in bf16 (half the memory)"},
     {"ep-chunks", CFG_INT, "0", 0, 8, &W.ep_chunks,
@@ -500,6 +504,7 @@ int main(int argc, char **argv)
     const moe_tls_files tls = {W.tls_cert, W.tls_key, W.tls_ca};
     if (check_tls(&W) != 0)
         return 2;
+    xchg_shm_sweep(); /* exchange segments of workers killed on this host before */
     if (xchg_nng_listen(W.data_url_cfg, &W.lis, W.data_url, sizeof(W.data_url)) != MOE_OK) {
         LOG_E("cannot listen on data address %s", W.data_url_cfg);
         return 1;

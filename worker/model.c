@@ -104,7 +104,7 @@ void wkr_op_join(wkr *w, rpc_call *c)
 {
     int64_t gen = 0, rank = 0, world = 0;
     mp_reader peers_r, id_r, roots_r;
-    char err[256];
+    char err[256], shm_token[48] = "";
     pspec sp[] = {
         {"generation", P_INT, &gen, true, 0, 9e18, 0, false},
         {"rank", P_INT, &rank, true, 0, MAX_WORLD - 1, 0, false},
@@ -112,9 +112,10 @@ void wkr_op_join(wkr *w, rpc_call *c)
         {"peers", P_RAW, &peers_r, true, 0, 0, 0, false},
         {"nccl_id", P_RAW, &id_r, false, 0, 0, 0, false},
         {"checkpoint_roots", P_RAW, &roots_r, false, 0, 0, 0, false},
+        {"shm", P_STR, shm_token, false, 0, 0, sizeof(shm_token), false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 6, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 7, err, sizeof(err));
     if (e == MOE_OK && sp[5].seen)
         e = wkr_ckpt_set_roots_from(&roots_r, err, sizeof(err));
     const void *nccl_id = NULL;
@@ -174,6 +175,18 @@ void wkr_op_join(wkr *w, rpc_call *c)
         return;
 #endif
     }
+    if (shm_token[0]) { /* every member on this host: shared memory */
+        e = xchg_shm_open((int)rank, (int)world, shm_token, (uint64_t)gen, (int)w->xchg_timeout_ms,
+                          &w->xc);
+        if (e != MOE_OK) {
+            w->xc = NULL;
+            rpc_reply_err(c, MOE_EUNAVAIL,
+                          "exchange through shared memory with %lld peers failed to form: %s",
+                          (long long)world, moe_strerror(e));
+            return;
+        }
+        goto joined;
+    }
     /* the data listener lives as long as the worker: every generation's
      * communicator borrows it */
     e = xchg_nng_open(w->lis, (int)rank, (int)world, url_ptrs, (uint64_t)gen,
@@ -184,14 +197,15 @@ void wkr_op_join(wkr *w, rpc_call *c)
                       (long long)world, moe_strerror(e));
         return;
     }
-#ifdef MOE_HAVE_CUDA
 joined:
-#endif
     w->rank = (int)rank;
     w->world = (int)world;
     w->generation = (uint64_t)gen;
     LOG_I("joined generation %llu as rank %d of %d (%s)", (unsigned long long)gen, w->rank,
-          w->world, nccl_id ? "NCCL" : "nng");
+          w->world,
+          nccl_id        ? "NCCL"
+          : shm_token[0] ? "shared memory"
+                         : "nng");
     mp_writer wr;
     mp_writer_init(&wr);
     moe_rpc_write_response_ok_head(&wr, c->req.msgid);

@@ -163,6 +163,7 @@ struct wkr {
                                      * when a stuck device makes the worker exit */
     long long ep_chunks;            /* kcu_ep overlap degree, 0 = by shape */
     long long gpu_grad_bf16;        /* kcu_config.grad_bf16 of whole-layer GPU models */
+    long long gpu_train_states;     /* train forwards per layer kept on the device (layer mode) */
     char ep_cfg[CFG_STR_MAX];       /* "auto" | "off" */
     int use_gpu;                    /* the CUDA backend was chosen at start */
 

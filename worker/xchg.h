@@ -89,8 +89,8 @@ void xchg_nng_listener_close(xchg_nng_listener *lis);
  * shared memory (worker/xchg_shm.c): rank r makes segment
  * /moe-x<token>-g<generation>-r<r> and maps every peer's. token ([A-Za-z0-9],
  * 1-40 characters) is the same on every rank (the coordinator's). Blocks
- * until every peer mapped ours or timeout_ms passes (MOE_EUNAVAIL: e.g.
- * ranks that share a boot id but not /dev/shm). timeout_ms also bounds
+ * until every peer mapped ours or min(timeout_ms, 10 s) passes
+ * (MOE_EUNAVAIL: e.g. ranks that share a boot id but not /dev/shm). timeout_ms also bounds
  * every later collective. Segments are unlinked once mapped; close says
  * goodbye (a peer in a collective fails it at once) and unmaps. */
 moe_err xchg_shm_open(int rank, int world, const char *token, uint64_t generation, int timeout_ms,

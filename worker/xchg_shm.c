@@ -57,7 +57,8 @@
 #define XS_RING    ((size_t)1 << 20)
 #define XS_POLL_MS 5
 #define XS_SPIN_US 20
-#define XS_MSG     16 /* a part's header: u64 sequence, u64 length */
+#define XS_MSG     16    /* a part's header: u64 sequence, u64 length */
+#define XS_OPEN_MS 10000 /* the most an open waits for its peers */
 
 /* the header of a rank's segment (shared; words at fixed offsets) */
 typedef struct xs_hdr {
@@ -612,7 +613,8 @@ moe_err xchg_shm_open(int rank, int world, const char *token, uint64_t generatio
     h->pid = (uint32_t)getpid();
     h->generation = generation;
     __atomic_store_n(&h->magic, XS_MAGIC, __ATOMIC_RELEASE);
-    const int64_t deadline = now_ms() + timeout_ms;
+    /* peers that share a boot id but not /dev/shm never appear: bounded */
+    const int64_t deadline = now_ms() + (timeout_ms < XS_OPEN_MS ? timeout_ms : XS_OPEN_MS);
     moe_err e = MOE_OK;
     for (int i = 1; i < world && e == MOE_OK; i++)
         e = map_peer(x, token, (rank + i) % world, deadline);
