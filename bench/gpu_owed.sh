@@ -4,10 +4,12 @@
 # host with 2-4 GPUs (bin/, lib/ and .deps/ carried; logs under $OUT):
 #
 #   bash bench/gpu_owed.sh 1   check-gpu; parity on every GPU count; the
-#                              lane at T=1 (one worker); the survivors'
-#                              re-formation (kill test --min-workers) with
-#                              and without training
-#   bash bench/gpu_owed.sh 2   a kill series of mixed moments (inference,
+#                              lane at T=1 (one worker) with and without
+#                              rings; pipelined train forwards
+#   bash bench/gpu_owed.sh 2   the survivors' re-formation (kill test
+#                              --min-workers) with and without training,
+#                              then a short mixed kill series (KILLS=8)
+#   bash bench/gpu_owed.sh 3   a kill series of mixed moments (inference,
 #                              kill inside an optimizer step, kill in any
 #                              call) on all GPUs: KILLS runs (default 16)
 #
@@ -38,16 +40,27 @@ case "${1:-1}" in
         step 80 "parity_w$W" deploy/gpu-cluster.sh -w "$W" -b cuda -- \
             python3 python/parity.py --dtype bf16 --d-model 128 --d-ff 256
     done
-    step 90 lane_t1 deploy/gpu-cluster.sh -w 1 -b cuda -- bin/service_bench --d-model 2048 \
-        --d-ff 768 --experts 128 --top-k 8 --dtype bf16 --tokens 1,64 --iters 101 --no-ref \
-        --paths coordinator,socket,shm,shm-zc
+    # the lane at T=1 and 64 with and without shared-memory rings
+    for RING in 1 0; do
+        step 90 "lane_t1_ring$RING" env MOE_RING=$RING deploy/gpu-cluster.sh -w 1 -b cuda -- \
+            bin/service_bench --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bf16 \
+            --tokens 1,64 --iters 201 --no-ref --paths coordinator,socket,shm,shm-zc
+    done
+    # several train forwards in flight per layer; the worker logs its recomputes
+    step 90 pipeline env MOE_RUN_DIR="$OUT/pipeline-run" deploy/gpu-cluster.sh -w 1 -b cuda -- \
+        python3 python/pipeline_check.py
+    grep -h "recomputed\|gpu-train-states" "$OUT"/pipeline-run/worker*.log | cut -c1-200 | log
+    ;;
+2)
     if [ "$NG" -ge 3 ]; then
         step 120 shrink_inf deploy/gpu-kill-test.sh --backend cuda --min-workers $((NG - 1))
         step 150 shrink_train deploy/gpu-kill-test.sh --backend cuda --min-workers $((NG - 1)) \
             --train --checkpoint-dir "$OUT/ckpt-shrink"
     fi
+    step 300 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-8}" --mix \
+        --backend cuda
     ;;
-2)
+3)
     step 580 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-16}" --mix \
         --backend cuda
     ;;
