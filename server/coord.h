@@ -164,6 +164,9 @@ typedef struct coord_job_ops {
 } coord_job_ops;
 #define JOB_F_FORMING 1u /* runs while the cluster forms (before ready) */
 #define JOB_F_RANK0   2u /* sent to rank 0 only */
+#define JOB_F_EARLY                                                                                \
+    4u /* a member gone (no response at all): finish with the error at once,                       \
+        * not when the survivors answer (they stay the current job) */
 
 extern const coord_job_ops coord_job_xchg_id, coord_job_join, coord_job_model_create,
     coord_job_forward, coord_job_backward, coord_job_step, coord_job_ckpt_save, coord_job_ckpt_load,
@@ -201,6 +204,7 @@ struct coord_job {
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
     int nsent, pending;
+    int answered; /* finish ran early (a member is gone, JOB_F_EARLY): not again */
     moe_reply *replies[COORD_MAX_WORKERS]; /* by rank; owned */
     moe_err errs[COORD_MAX_WORKERS];
 };

@@ -588,7 +588,7 @@ static void forward_job_finish(coord *c, coord_job *j, moe_err first, int bad_ra
     forward_finish(c, j);
 }
 
-const coord_job_ops coord_job_forward = {JOB_FORWARD,    "worker.forward",   0,
+const coord_job_ops coord_job_forward = {JOB_FORWARD,    "worker.forward",   JOB_F_EARLY,
                                          forward_encode, forward_job_finish, NULL};
 
 /* read_i64s reads an array of exactly n ints into out (n may be 0). */

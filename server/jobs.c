@@ -113,6 +113,43 @@ static void on_worker_reply(moe_err err, moe_reply *reply, void *arg)
     pthread_mutex_unlock(&c->done_mu);
 }
 
+/* answer_early: a member's call got no response at all (its connection
+ * dropped: the process is gone), so the job cannot succeed; its client is
+ * answered now rather than when the survivors come back from work that is
+ * lost anyway (an optimizer step on the host, an exchange they abort). The
+ * ranks still out read as unavailable for finish; their real replies are
+ * kept when they come, and the job stays current until then (no new
+ * generation forms under it). */
+static void answer_early(coord *c, coord_job *j, int gone)
+{
+    int synth[COORD_MAX_WORKERS] = {0};
+    for (int r = 0; r < j->nsent; r++) {
+        if (j->replies[r] || j->errs[r] != MOE_OK)
+            continue;
+        moe_reply *rep = calloc(1, sizeof(*rep));
+        if (!rep)
+            return; /* answered when all are in, as without this */
+        snprintf(rep->message, sizeof(rep->message),
+                 "the job cannot complete: worker rank %d is gone (%s)", gone,
+                 j->replies[gone]->message);
+        rep->err = MOE_EUNAVAIL;
+        j->replies[r] = rep;
+        j->errs[r] = MOE_EUNAVAIL;
+        synth[r] = 1;
+    }
+    LOG_W("%s: worker rank %d is gone: answering unavailable now, %d survivors still at work",
+          j->ops->method, gone, j->pending);
+    j->ops->finish(c, j, j->errs[gone], gone);
+    j->answered = 1;
+    for (int r = 0; r < j->nsent; r++)
+        if (synth[r]) {
+            moe_reply_free(j->replies[r]);
+            free(j->replies[r]);
+            j->replies[r] = NULL;
+            j->errs[r] = MOE_OK;
+        }
+}
+
 static void finish_job(coord *c, coord_job *j)
 {
     moe_err first = MOE_OK;
@@ -122,7 +159,8 @@ static void finish_job(coord *c, coord_job *j)
             first = j->errs[r];
             bad_rank = r;
         }
-    j->ops->finish(c, j, first, bad_rank);
+    if (!j->answered)
+        j->ops->finish(c, j, first, bad_rank);
     /* a worker that did not answer at all (connection lost, timed out) is
      * down now: waiting for its heartbeats to stop would only make the next
      * generation wait for it; if it is alive it registers again */
@@ -152,7 +190,10 @@ void coord_on_done(uv_async_t *h)
         coord_job *j = d->job;
         j->replies[d->rank] = d->reply;
         j->errs[d->rank] = d->err;
-        if (--j->pending == 0) {
+        if (--j->pending > 0 && !j->answered && (j->ops->flags & JOB_F_EARLY) && d->reply &&
+            d->reply->transport && d->err != MOE_OK)
+            answer_early(c, j, d->rank);
+        if (j->pending == 0) {
             finish_job(c, j);
             if (c->current == j)
                 c->current = NULL;

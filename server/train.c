@@ -421,7 +421,7 @@ static void backward_encode(coord *c, coord_job *j, int rank, mp_writer *w)
     coord_write_sharded(w, &j->x, c->world, rank);
 }
 
-const coord_job_ops coord_job_backward = {JOB_BACKWARD,    "worker.backward", 0,
+const coord_job_ops coord_job_backward = {JOB_BACKWARD,    "worker.backward", JOB_F_EARLY,
                                           backward_encode, backward_finish,   NULL};
 
 static void step_encode(coord *c, coord_job *j, int rank, mp_writer *w)
@@ -437,5 +437,5 @@ static void step_encode(coord *c, coord_job *j, int rank, mp_writer *w)
     }
 }
 
-const coord_job_ops coord_job_step = {JOB_STEP,    "worker.step", 0,
+const coord_job_ops coord_job_step = {JOB_STEP,    "worker.step", JOB_F_EARLY,
                                       step_encode, step_finish,   step_stale};

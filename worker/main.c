@@ -101,6 +101,9 @@ static const cfg_entry worker_cfg[] = {
     {"fail-create-for-tests", CFG_STR, "", 0, 0, W.fail_create_for_tests,
      "testing: the first worker.model_create of the model of this name fails "
      "(resource_exhausted)"},
+    {"slow-step-ms-for-tests", CFG_INT, "0", 0, 600000, &W.slow_step_ms,
+     "testing: worker.step sleeps this long before it runs (a step still at work when a peer "
+     "dies)"},
     {"fail-create-below-world", CFG_INT, "0", 0, 256, &W.fail_create_below_world,
      "testing: every worker.model_create fails (resource_exhausted) while the generation has "
      "fewer workers than this, as if the larger share did not fit"},

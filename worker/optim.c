@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels/kern.h"
 #include "common/log.h"
@@ -55,6 +56,8 @@ void wkr_op_step(wkr *w, rpc_call *c)
     if (!m || !wkr_xc_or_reply(w, c))
         return;
     moe_err e = MOE_OK;
+    if (w->slow_step_ms > 0)
+        usleep((useconds_t)(w->slow_step_ms * 1000));
     if (!m->train_ready && wkr_model_train_alloc(m) != MOE_OK) {
         rpc_reply_err(c, MOE_ENOMEM, "cannot allocate training state");
         return;

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "tests/cluster.h"
@@ -762,4 +763,53 @@ Test(train, checkpoint_loads_into_other_worker_count, .timeout = 120, .fini = cl
     cr_assert_eq(cluster_stop(b), 0);
     rm_rf(ck);
     free(ya), free(yb);
+}
+
+/* A worker dies while the others are still inside optimizer.step (here a
+ * step that sleeps 8 s on every worker): the client is answered
+ * unavailable when the dead worker's connection drops, not when the
+ * survivors finish their step, and the step is not acknowledged. */
+Test(train, step_answered_when_a_worker_dies_not_when_the_survivors_finish, .timeout = 120,
+     .fini = cluster_fini_all)
+{
+    tshape s = {20, 16, 24, 4, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.01, 0.0};
+    cluster_opts o = {0};
+    o.workers = 2;
+    o.worker_args[0] = "--slow-step-ms-for-tests";
+    o.worker_args[1] = "8000";
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    create_model(cl, "d", &s, 1, 8);
+    size_t n = (size_t)s.T * s.H;
+    float *x = malloc(n * 4), *dy = malloc(n * 4), *y = malloc(n * 4), *dx = malloc(n * 4);
+    rng_fill_uniform(3, 1, -1, 1, x, n);
+    rng_fill_uniform(3, 2, -1, 1, dy, n);
+    moe_fwd_info info;
+    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, s.T, s.H, dx), MOE_OK, "%s",
+                 moe_last_error());
+    moe_fwd_info_free(&info);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) { /* kill worker 1 once the step has surely reached it */
+        usleep(1500 * 1000);
+        _exit(cluster_worker_kill(cl, 1, SIGKILL) == 0 ? 0 : 1);
+    }
+    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0, 0, 0};
+    int64_t t0 = cluster_now_ms();
+    moe_err e = moe_optimizer_step(cl->cli, "d", &opt, NULL, NULL);
+    int64_t waited = cluster_now_ms() - t0;
+    int st;
+    waitpid(pid, &st, 0);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the kill failed");
+    cr_log_info("step answered %s after %lld ms: %s", moe_err_code(e), (long long)waited,
+                moe_last_error());
+    cr_assert_eq(e, MOE_EUNAVAIL, "step with a dead worker: %s (%s)", moe_err_code(e),
+                 moe_last_error());
+    /* the survivor's step ends 8 s after it began: an answer before that
+     * came from the dead worker's connection */
+    cr_assert(waited < 7000, "answered after %lld ms: it waited for the survivor",
+              (long long)waited);
+    free(x), free(dy), free(y), free(dx);
 }
