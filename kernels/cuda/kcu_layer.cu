@@ -651,6 +651,62 @@ extern "C" moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1
     return MOE_OK;
 }
 
+extern "C" moe_err kcu_layer_download_shared_grads(kcu_layer *l, float *dws1, float *dws3,
+                                                   float *dws2, float *dwsg)
+{
+    const kcu_config *c = &l->c;
+    const int m = l->r.shared_experts, gate = m > 0 && l->r.shared_gate;
+    if (!c->train)
+        return MOE_EPRECOND;
+    if (m < 1)
+        return MOE_EINVAL;
+    const size_t H = c->H, F = c->F, Fs = (size_t)m * F, per = (size_t)l->N1 * H;
+    const int swiglu = c->act == KERN_ACT_SWIGLU;
+    KCU_CHECK(cudaDeviceSynchronize());
+    if (l->grads_clean) {
+        if (dws1)
+            memset(dws1, 0, Fs * H * 4);
+        if (dws3 && swiglu)
+            memset(dws3, 0, Fs * H * 4);
+        if (dws2)
+            memset(dws2, 0, H * Fs * 4);
+        if (dwsg && gate)
+            memset(dwsg, 0, H * 4);
+        return MOE_OK;
+    }
+    /* the gate's gradient is router row E's */
+    if (dwsg && gate)
+        KCU_CHECK(cudaMemcpy(dwsg, l->g_wr + (size_t)c->E * H, H * 4, cudaMemcpyDeviceToHost));
+    float *buf = (float *)malloc((per > H * F ? per : H * F) * 4);
+    if (!buf)
+        return MOE_ENOMEM;
+    moe_err rc = MOE_OK;
+    /* expert E + k is chunk k of d_ff: rows kF .. of dws1 / dws3, columns
+     * kF .. of dws2 (H,Fs) */
+    for (int k = 0; k < m && rc == MOE_OK; k++) {
+        const size_t e = (size_t)c->E + k;
+        if (dws1 || dws3) {
+            rc = fetch_grad(buf, l->g_w13 ? l->g_w13 + e * per : nullptr,
+                            l->gb_w13 ? l->gb_w13 + e * per : nullptr, per);
+            for (int r = 0; r < l->N1 && rc == MOE_OK; r++) {
+                int from3;
+                const int sr = kcu_w13_src(r, swiglu, &from3);
+                float *dst = from3 ? dws3 : dws1;
+                if (dst)
+                    memcpy(dst + ((size_t)k * F + sr) * H, buf + (size_t)r * H, H * 4);
+            }
+        }
+        if (dws2 && rc == MOE_OK) {
+            rc = fetch_grad(buf, l->g_w2 ? l->g_w2 + e * H * F : nullptr,
+                            l->gb_w2 ? l->gb_w2 + e * H * F : nullptr, H * F);
+            for (size_t h = 0; h < H && rc == MOE_OK; h++)
+                memcpy(dws2 + h * Fs + (size_t)k * F, buf + h * F, F * 4);
+        }
+    }
+    free(buf);
+    return rc;
+}
+
 extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
                                moe_dtype y_dtype, int train, void *stream)
 {
@@ -784,7 +840,7 @@ moe_err dw2_grad(kcu_layer *l, const bf16 *dyrows, int gathered, cudaStream_t st
     a.ldb = c->F;
     a.M = c->H;
     a.N = c->F;
-    a.ngroups = c->E;
+    a.ngroups = kcu_nexp(l); /* routed and shared experts */
     a.offs = l->offs;
     a.Cf = l->g_w2;
     a.Cb = l->gb_w2;
@@ -803,14 +859,14 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const kcu_config *c = &l->c;
     cudaStream_t st = (cudaStream_t)stream;
     const int T = l->T_fwd[l->state];
-    if (kcu_route_family(l))
-        return MOE_EINVAL; /* routing families and shared experts: forward only (kern_cuda.h) */
     if (!c->train || T <= 0)
         return MOE_EPRECOND;
     if ((dy_dtype != MOE_F32 && dy_dtype != MOE_BF16) ||
         (dx_dtype != MOE_F32 && dx_dtype != MOE_BF16))
         return MOE_EINVAL;
-    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    /* E routed experts (counts for the aux loss); Et experts held and Kt
+     * slots per token, the shared experts and their slots after them */
+    const int H = c->H, F = c->F, E = c->E, Et = kcu_nexp(l), Kt = kcu_nslot(l), S = T * Kt;
     const size_t n = (size_t)T * H;
     /* dy rows for dh and dW2, in ye (free since the forward's combine; b.dx
      * overwrites it after dW2): sorted copies (sorted modes), or dy (T,H)
@@ -829,7 +885,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const bf16 *dyrows = (const bf16 *)dysrc;
     if (l->sorted) {
         PHASE("b.gather");
-        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + E, S, H, ye, 0, st));
+        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + Et, S, H, ye, 0, st));
         dyrows = ye;
     } else if (dy_dtype != MOE_BF16 || on_host) {
         KCU_TRY(kcu_to_bf16(dysrc, dy_dtype, ye, n, st));
@@ -901,8 +957,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const int xhost = kcu_is_host_ptr(dx);
     if (xhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(kcu_combine(ye, nullptr, dxr, spos, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype, 0,
-                        st));
+    KCU_TRY(kcu_combine(ye, nullptr, dxr, spos, T, Kt, H, xhost ? (void *)l->stage : dx, dx_dtype,
+                        0, st));
     if (xhost)
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
@@ -917,7 +973,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.b_gather = l->xg ? nullptr : l->tok;
     a.M = l->N1;
     a.N = H;
-    a.ngroups = E;
+    a.ngroups = Et;
     a.offs = l->offs;
     a.Cf = l->g_w13;
     a.Cb = l->gb_w13;

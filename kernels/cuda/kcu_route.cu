@@ -448,22 +448,32 @@ __global__ void k_dw_reduce(const float *__restrict__ part, const int32_t *__res
 }
 
 /* One warp per token: dlogits (T,Ep) bf16 out (zero beyond E), as
- * kern_router_backward_cpu before its GEMMs. */
+ * kern_route_backward_cpu before its GEMMs. idx, dw (T,Kt): the K routed
+ * slots first (Kt = K without shared experts). sigmoid: the scores are
+ * sigmoid(logits) (d s / d l = s (1 - s); the z-loss term then needs the
+ * softmax of the logits (T,Ep), from lse); scale: the routed weights'
+ * factor (1 = none). m shared slots after the routed ones with gate (their
+ * weight tw is sigmoid(logit E)): dlogits[t, E] = g (1 - g) sum_j dw[t,
+ * K+j] (the gate's logit is router row E). */
 __global__ void k_router_bwd(const float *__restrict__ probs, const float *__restrict__ lse,
                              const int32_t *__restrict__ idx, const float *__restrict__ dw, int T,
-                             int E, int Ep, int K, int renorm, const int32_t *__restrict__ cglob,
+                             int E, int Ep, int K, int Kt, int renorm, int sigmoid, float scale,
+                             int m, int gate, const float *__restrict__ logits,
+                             const float *__restrict__ tw, const int32_t *__restrict__ cglob,
                              float aux_scale, float z_scale, bf16 *__restrict__ dlog)
 {
     const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T)
         return;
     const float *pt = probs + (size_t)t * E;
-    const int32_t *it = idx + (size_t)t * K;
-    const float *gt = dw + (size_t)t * K;
+    const int32_t *it = idx + (size_t)t * Kt;
+    const float *gt = dw + (size_t)t * Kt;
     float S = 0.f, gw = 0.f;
     if (renorm) {
         for (int j = 0; j < K; j++)
             S += pt[it[j]];
+        if (sigmoid)
+            S += 1e-20f;
         for (int j = 0; j < K; j++)
             gw += gt[j] * (pt[it[j]] / S);
     }
@@ -477,23 +487,42 @@ __global__ void k_router_bwd(const float *__restrict__ probs, const float *__res
             p[i] = pt[e];
             float dd = aux_scale * (float)cglob[e];
             for (int j = 0; j < K; j++)
-                if (it[j] == e)
-                    dd += renorm ? (gt[j] - gw) / S : gt[j];
+                if (it[j] == e) {
+                    const float g = renorm ? (gt[j] - gw) / S : gt[j];
+                    dd += scale != 1.f ? scale * g : g;
+                }
             d[i] = dd;
             pdp += p[i] * dd;
         }
     }
     pdp = warp_sum(pdp);
     const float zl = z_scale * lse[t];
+    const float *lt = logits + (size_t)t * Ep;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int e = lane + 32 * i;
-        if (e < Ep)
-            dlog[(size_t)t * Ep + e] =
-                __float2bfloat16_rn(e < E ? p[i] * (d[i] - pdp) + zl * p[i] : 0.f);
+        if (e < Ep) {
+            float v = 0.f;
+            if (e < E) {
+                if (sigmoid) /* z-loss: softmax of the logits = exp(l - lse) */
+                    v = d[i] * p[i] * (1.f - p[i]) +
+                        (zl != 0.f ? zl * expf(__ldg(lt + e) - lse[t]) : 0.f);
+                else
+                    v = p[i] * (d[i] - pdp) + zl * p[i];
+            }
+            dlog[(size_t)t * Ep + e] = __float2bfloat16_rn(v);
+        }
     }
     for (int e = 256 + lane; e < Ep; e += 32)
         dlog[(size_t)t * Ep + e] = __float2bfloat16_rn(0.f);
+    __syncwarp();
+    if (gate && lane == 0) { /* the shared gate's logit (column E < Ep) */
+        const float g = tw[(size_t)t * Kt + K];
+        float dg = 0.f;
+        for (int j = 0; j < m; j++)
+            dg += gt[K + j];
+        dlog[(size_t)t * Ep + E] = __float2bfloat16_rn(g * (1.f - g) * dg);
+    }
 }
 
 /* AdamW as kern_adamw_cpu, rounded op by op (no contraction), and the bf16
@@ -731,7 +760,7 @@ moe_err kcu_sum_parts(const float *part, int P, size_t n, float *g, int clean, c
 
 moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st)
 {
-    k_dw_reduce<<<KCU_CEIL_DIV(S, 256), 256, 0, st>>>(l->dwpart, l->perm, S, l->offs + l->c.E,
+    k_dw_reduce<<<KCU_CEIL_DIV(S, 256), 256, 0, st>>>(l->dwpart, l->perm, S, l->offs + kcu_nexp(l),
                                                       l->c.F / KCU_BN, l->dw);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
@@ -740,13 +769,18 @@ moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st)
 moe_err kcu_router_bwd(kcu_layer *l, int T, int T_global, float aux_coef, float z_coef,
                        cudaStream_t st)
 {
-    const int E = l->c.E, K = l->c.K;
+    /* the aux loss over the E routed experts and their K slots */
+    const int E = l->c.E, K = l->c.K, Kt = kcu_nslot(l);
+    const kcu_route_config *r = &l->r;
     const float Tg = (float)T_global;
     const float aux_scale = aux_coef * (float)E / ((float)K * Tg * Tg);
     const float z_scale = 2.f * z_coef / Tg;
-    k_router_bwd<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(l->probs, l->lse, l->topk_idx, l->dw, T, E,
-                                                     l->Ep, K, l->c.renorm, l->cglob, aux_scale,
-                                                     z_scale, l->dlogits);
+    const int sigmoid = r->scoring == KERN_SCORE_SIGMOID;
+    const float scale = r->route_scale != 0.f ? r->route_scale : 1.f;
+    const int m = r->shared_experts, gate = m > 0 && r->shared_gate;
+    k_router_bwd<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(
+        l->probs, l->lse, l->topk_idx, l->dw, T, E, l->Ep, K, Kt, l->c.renorm, sigmoid, scale, m,
+        gate, l->logits, l->topk_w, l->cglob, aux_scale, z_scale, l->dlogits);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

@@ -121,9 +121,14 @@ typedef struct kcu_route_config {
  * Paths: the general (GEMM) path supports every family. The decode path
  * and the small router (kcu_decode.cu) take only the plain softmax top-k: a
  * layer with a family, shared experts or a bias always takes the general
- * path. kcu_backward supports the plain softmax top-k only: it returns
- * MOE_EINVAL for a layer with a family, shared experts or a bias (train
- * those on the CPU path).
+ * path. kcu_backward supports every family, as kern_moe_backward_ref_g:
+ * the router gradient through the scores (softmax, or sigmoid s (1 - s)),
+ * the renorm (+ 1e-20 for sigmoid) and the scale; the bias and the group
+ * and top-k choices get none; the z-loss is that of the logits' logsumexp
+ * for both scorings; the shared experts' weight gradients land in the m
+ * extra experts (kcu_layer_download_shared_grads reassembles dws1, dws3,
+ * dws2) and the gate's in router row E (dwsg): its logit's gradient is
+ * g (1 - g) <dy, shared output>, rounded to bf16 with the router's.
  *
  * Limits (kcu_layer_create_ex: MOE_EINVAL and a stderr line otherwise):
  * scoring 0 or 1; n_group 0, 1 or a divisor of E up to KCU_MAX_GROUPS;
@@ -174,6 +179,14 @@ moe_err kcu_shared_split(int Fs, int F, int *m);
  * shapes as upload; any may be NULL. Synchronous. MOE_EPRECOND when the
  * layer was created without train. */
 moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1, float *dw3, float *dw2);
+/* kcu_layer_download_shared_grads: the shared expert's gradients, the m
+ * extra experts' reassembled into kern_layer_grads' shapes: dws1, dws3
+ * (Fs,H), dws2 (H,Fs), dwsg (H) (router row E's gradient; only with
+ * shared_gate); any may be NULL. Synchronous. MOE_EPRECOND without train,
+ * MOE_EINVAL without shared experts. The routed experts' and the router's
+ * (E rows) come from kcu_layer_download_grads. */
+moe_err kcu_layer_download_shared_grads(kcu_layer *l, float *dws1, float *dws3, float *dws2,
+                                        float *dwsg);
 /* kcu_layer_zero_grads zeroes the gradients on `stream` (cudaStream_t). */
 moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream);
 

@@ -1634,8 +1634,10 @@ static int experts_decode_check(const ecase &c, uint64_t seed)
  * expert indices exactly and its weights and scores within tolerance, and
  * the shared slots hold experts E.. with weight 1 or sigmoid(logit E). With
  * decode set, the decode path is forced on and must not be taken (the
- * family falls back to the general path). With train set the layer is a
- * training one and kcu_backward must refuse the family (MOE_EINVAL). */
+ * family falls back to the general path). With train set, a backward
+ * (aux and z coefficients on) against kern_moe_backward_ref_g: dx, dwr,
+ * dw1, dw3, dw2, and the shared expert's dws1, dws3, dws2 (reassembled by
+ * kcu_layer_download_shared_grads) and dwsg, each within the tolerance. */
 struct fcase {
     const char *name;
     int T, H, F, E, K;
@@ -1770,23 +1772,65 @@ static int family_case(const fcase &c, uint64_t seed)
     const double etw = relerr(twg_r.data(), tw_r.data(), tw_r.size());
     const double egate = m ? relerr(gate_g.data(), gate_r.data(), gate_r.size()) : 0.0;
 
-    /* ---- kcu_backward refuses a family (training stays on the CPU) ---- */
-    int bwd_ok = 1;
+    /* ---- backward against kern_moe_backward_ref_g: dx, the routed
+     * experts' and the router's gradients, the shared expert's (reassembled
+     * from the extra experts) and its gate's ---- */
+    double edx = 0, edwr = 0, edw1 = 0, edw3 = 0, edw2 = 0, eds1 = 0, eds3 = 0, eds2 = 0, edsg = 0;
     if (c.train) {
-        std::vector<float> dx((size_t)T * H);
-        bwd_ok = kcu_backward(l, y.data(), MOE_F32, dx.data(), MOE_F32, 0.f, 0.f, NULL, 0, NULL) ==
-                 MOE_EINVAL;
+        const float aux_c = 0.01f, z_c = 0.001f;
+        std::vector<float> dy((size_t)T * H), dx((size_t)T * H, NAN), dx_r((size_t)T * H);
+        rng_fill_uniform(seed, 2, -1.f, 1.f, dy.data(), dy.size());
+        kern_bf16_round_n(dy.data(), dy.size());
+        CKM(kcu_backward(l, dy.data(), MOE_F32, dx.data(), MOE_F32, aux_c, z_c, NULL, 0, NULL));
+        CK(cudaDeviceSynchronize());
+        std::vector<float> g_wr((size_t)E * H), g_w1((size_t)E * F * H), g_w3((size_t)E * F * H),
+            g_w2((size_t)E * H * F), g_s1((size_t)Fs * H + 1), g_s3((size_t)Fs * H + 1),
+            g_s2((size_t)H * Fs + 1), g_sg(H);
+        std::vector<float> r_wr = g_wr, r_w1 = g_w1, r_w3 = g_w3, r_w2 = g_w2, r_s1 = g_s1,
+                           r_s3 = g_s3, r_s2 = g_s2, r_sg = g_sg;
+        CKM(kcu_layer_download_grads(l, g_wr.data(), g_w1.data(), swiglu ? g_w3.data() : NULL,
+                                     g_w2.data()));
+        if (m > 0)
+            CKM(kcu_layer_download_shared_grads(l, g_s1.data(), swiglu ? g_s3.data() : NULL,
+                                                g_s2.data(), c.gate ? g_sg.data() : NULL));
+        kern_layer_grads rg = {r_wr.data(),
+                               r_w1.data(),
+                               swiglu ? r_w3.data() : NULL,
+                               r_w2.data(),
+                               Fs ? r_s1.data() : NULL,
+                               Fs && swiglu ? r_s3.data() : NULL,
+                               Fs ? r_s2.data() : NULL,
+                               c.gate ? r_sg.data() : NULL};
+        CKM(kern_moe_backward_ref_g(&sh, &lw, x.data(), dy.data(), aux_c, z_c, dx_r.data(), &rg));
+        edx = relerr(dx.data(), dx_r.data(), dx.size());
+        edwr = relerr(g_wr.data(), r_wr.data(), r_wr.size());
+        edw1 = relerr(g_w1.data(), r_w1.data(), r_w1.size());
+        edw3 = swiglu ? relerr(g_w3.data(), r_w3.data(), r_w3.size()) : 0.0;
+        edw2 = relerr(g_w2.data(), r_w2.data(), r_w2.size());
+        if (m > 0) {
+            const size_t fh = (size_t)Fs * H;
+            eds1 = relerr(g_s1.data(), r_s1.data(), fh);
+            eds3 = swiglu ? relerr(g_s3.data(), r_s3.data(), fh) : 0.0;
+            eds2 = relerr(g_s2.data(), r_s2.data(), fh);
+            edsg = c.gate ? relerr(g_sg.data(), r_sg.data(), H) : 0.0;
+        }
     }
     kcu_layer_destroy(l);
 
-    const int ok = ey < TOL && eaux < TOL && ez < TOL && eprobs < TOL && etw < TOL && egate < TOL &&
-                   cnt_ok && idx_ok && det_ok && path_ok && bwd_ok;
-    printf("%-12s T=%-4d E=%-3d K=%d m=%d %s | y %.1e probs %.1e topk_w %.1e gate %.1e aux %.1e z "
-           "%.1e | logits %s idx %s counts %s det %s path %s bwd %s | %s\n",
-           c.name, T, E, K, m, swiglu ? "sw" : "ge", ey, eprobs, etw, egate, eaux, ez,
+    const double ev[] = {ey,   eaux, ez,   eprobs, etw,  egate, edx, edwr,
+                         edw1, edw3, edw2, eds1,   eds3, eds2,  edsg};
+    int ok = cnt_ok && idx_ok && det_ok && path_ok;
+    for (double d : ev)
+        ok = ok && d < TOL; /* NaN compares false */
+    printf("%-12s T=%-4d E=%-3d K=%d m=%d %s cf=%g | y %.1e probs %.1e topk_w %.1e gate %.1e aux "
+           "%.1e z %.1e | logits %s idx %s counts %s det %s path %s | %s\n",
+           c.name, T, E, K, m, swiglu ? "sw" : "ge", c.cf, ey, eprobs, etw, egate, eaux, ez,
            logits_exact ? "exact" : "inexact", idx_ok ? "ok" : "BAD", cnt_ok ? "ok" : "BAD",
-           det_ok ? "ok" : "BAD", path_ok ? "ok" : "BAD", bwd_ok ? "ok" : "BAD",
-           ok ? "PASS" : "FAIL");
+           det_ok ? "ok" : "BAD", path_ok ? "ok" : "BAD", ok ? "PASS" : "FAIL");
+    if (c.train)
+        printf("%-12s   backward | dx %.1e dwr %.1e dw1 %.1e dw3 %.1e dw2 %.1e | dws1 %.1e dws3 "
+               "%.1e dws2 %.1e dwsg %.1e\n",
+               "", edx, edwr, edw1, edw3, edw2, eds1, eds3, eds2, edsg);
     if (!cnt_ok)
         for (int e = 0; e < E; e++)
             if (counts[e] != counts_r[e] || dropped[e] != dropped_r[e])
@@ -1870,19 +1914,19 @@ int main(int argc, char **argv)
      * m gate bias cf decode train */
     const int SM = KERN_SCORE_SOFTMAX, SG = KERN_SCORE_SIGMOID;
     std::vector<fcase> fcases = {
-        {"mixtral-fam", 200, 256, 256, 64, 8, SW, 1, SM, 0, 0, 0, 0.f, 0, 0, 2, 0.f, 0, 0},
+        {"mixtral-fam", 200, 256, 256, 64, 8, SW, 1, SM, 0, 0, 0, 0.f, 0, 0, 2, 0.f, 0, 1},
         {"deepseek-v3", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
         {"deepseek-v3", 5, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0},
-        {"deepseek-v2", 200, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 0},
+        {"deepseek-v2", 200, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 1},
         {"deepseek-v2", 1, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 1, 0},
         {"qwen2-moe", 200, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 0, 1},
         {"qwen2-moe", 8, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0}};
     if (!small) {
         const std::vector<fcase> more = {
-            {"v3-cap", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 1.0f, 0, 0},
-            {"v2-gelu", 200, 256, 256, 64, 6, GE, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 0},
+            {"v3-cap", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 1.0f, 0, 1},
+            {"v2-gelu", 200, 256, 256, 64, 6, GE, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 1},
             {"qwen2-moe", 3, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0},
-            {"v3-e255", 300, 256, 256, 255, 8, SW, 1, SG, 5, 2, 2, 2.5f, 1, 1, 1, 0.f, 0, 0}};
+            {"v3-e255", 300, 256, 256, 255, 8, SW, 1, SG, 5, 2, 2, 2.5f, 1, 1, 1, 0.f, 0, 1}};
         fcases.insert(fcases.end(), more.begin(), more.end());
     }
     auto family_checks = [&]() {
