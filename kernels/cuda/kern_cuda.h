@@ -24,7 +24,8 @@
  * Results do not depend on the state a call uses.
  * A layer is not thread safe: one stream at a time.
  *
- * Limits: H and F multiples of 128, 1 <= K <= E <= 256, K <= 8.
+ * Limits: H and F multiples of 128, 1 <= K <= E <= 256, K <= 8 (routing
+ * families and shared experts: kcu_route_config, "Routing families" below).
  * Capacity factor: 0 = dropless; cf > 0 caps each expert at
  * kern_capacity(cf, T, K, E) slots per forward call, keeping the first ones
  * in stable (slot) order; dropped slots add zero to y and get no gradient,
