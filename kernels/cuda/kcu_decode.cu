@@ -1199,7 +1199,9 @@ int decode_rows()
 int kcu_decode_use(const kcu_layer *l, int T, int train)
 {
     const kcu_config *c = &l->c;
-    if (train || T < 1 || !decode_on())
+    /* plain softmax top-k only: routing families (sigmoid, bias, groups,
+     * scale, shared experts) fall back to the general path (kcu_route) */
+    if (train || T < 1 || !decode_on() || kcu_route_family(l))
         return 0;
     if (kcu_decode_override != 1 &&
         (T > decode_tmax() || (long long)T * c->K > (long long)decode_rows() * c->E))
@@ -1265,7 +1267,8 @@ int kcu_route_small_use(const kcu_layer *l, int T, int train)
 {
     const kcu_config *c = &l->c;
     static int on = -1;
-    return !train && env_setting(on, "KCU_ROUTE_SMALL", 1) && (long long)T * c->K <= DEC_SMAX &&
+    return !train && !kcu_route_family(l) /* plain softmax top-k only */ &&
+           env_setting(on, "KCU_ROUTE_SMALL", 1) && (long long)T * c->K <= DEC_SMAX &&
            c->E <= DEC_EMAX && c->H % 128 == 0;
 }
 

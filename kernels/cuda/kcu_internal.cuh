@@ -246,19 +246,25 @@ struct kcu_carve {
 
 struct kcu_layer {
     kcu_config c;
-    int Ep; /* E rounded up to KCU_BN: padded router rows */
-    int N1; /* 2F (SwiGLU, w1/w3 interleaved by 8 rows) or F (GELU) */
+    kcu_route_config r; /* routing family, shared experts (zero: plain; the EP
+                         * router view leaves it zero) */
+    int Ep;             /* E (E+1 with a shared gate: row E is wsg) rounded up to KCU_BN:
+                         * padded router rows */
+    int family;         /* r sets a routing family or shared experts (kcu_route_family) */
+    int has_bias;       /* kcu_layer_upload_bias gave a bias */
+    float *bias;        /* (E) fp32 choice bias, zero until uploaded (in params) */
+    int N1;             /* 2F (SwiGLU, w1/w3 interleaved by 8 rows) or F (GELU) */
     int nsm;
     void *params;
     size_t params_bytes;
     bf16 *wr;              /* (Ep,H), rows >= E zero */
-    bf16 *w13;             /* (E,N1,H) */
-    bf16 *w2;              /* (E,H,F) */
+    bf16 *w13;             /* (Et,N1,H), Et = kcu_nexp: routed then shared experts */
+    bf16 *w2;              /* (Et,H,F) */
     float *g_wr;           /* (Ep,H) */
-    float *g_w13;          /* (E,N1,H) */
-    float *g_w2;           /* (E,H,F) */
-    bf16 *gb_w13;          /* (E,N1,H) instead of g_w13 when c.grad_bf16 */
-    bf16 *gb_w2;           /* (E,H,F) instead of g_w2 when c.grad_bf16 */
+    float *g_w13;          /* (Et,N1,H) */
+    float *g_w2;           /* (Et,H,F) */
+    bf16 *gb_w13;          /* (Et,N1,H) instead of g_w13 when c.grad_bf16 */
+    bf16 *gb_w2;           /* (Et,H,F) instead of g_w2 when c.grad_bf16 */
     void *ws;              /* nstates workspaces of ws_state_bytes each, one allocation */
     size_t ws_bytes;       /* all states: nstates * ws_state_bytes */
     size_t ws_state_bytes; /* one state's carve_ws (a multiple of 256) */
@@ -275,7 +281,9 @@ struct kcu_layer {
      * backward (each call writes them before it reads them, on one stream):
      * stage (host transfers within one call), ye_own and the borrowed ye
      * (expert outputs until the forward's combine; dy rows and dx rows
-     * within one backward), dsync (left zero by every launch). */
+     * within one backward), dsync (left zero by every launch).
+     * Sizes below: S = T_max * kcu_nslot (routed and shared slots), E of
+     * the layout arrays = kcu_nexp (Et); probs, cglob, statpart: routed E. */
     bf16 *xs;           /* (T,H) staged input */
     float *stage;       /* (T,H) f32 staging for host inputs and outputs: its own
                          * allocation, made on the first host transfer (NULL before) */
@@ -286,9 +294,9 @@ struct kcu_layer {
     float *lse;         /* (T) */
     int32_t *topk_idx;  /* (S) */
     float *topk_w;      /* (S) */
-    int32_t *counts;    /* (E) */
-    int32_t *offs;      /* (E+1) */
-    int32_t *chunk;     /* (nchunks,E) */
+    int32_t *counts;    /* (Et): routed experts first */
+    int32_t *offs;      /* (Et+1) */
+    int32_t *chunk;     /* (nchunks,Et) */
     int32_t *perm;      /* (S) sorted row -> slot */
     int32_t *tok;       /* (S) sorted row -> token */
     int32_t *tile_e;    /* (max_tiles) */
@@ -310,7 +318,7 @@ struct kcu_layer {
     float *dxr;       /* (T,H) router part of dx; NULL: it borrows h (free after
                        * dW2) when S*F*2 >= T*H*4 bytes */
     int32_t *spos;    /* (S) slot -> sorted row, -1 when dropped by the capacity */
-    int32_t *dropped; /* (E) slots dropped per expert */
+    int32_t *dropped; /* (Et) slots dropped per expert (shared: 0) */
     int max_tiles;    /* bound on the tile list length */
     int sorted;       /* kcu_sorted_mode at create */
     /* per state s (index l->state for the selected one): */
@@ -318,6 +326,18 @@ struct kcu_layer {
     int cap_fwd[KCU_MAX_STATES]; /* capacity of its last forward (INT32_MAX = dropless) */
     int grads_clean;             /* gradients are logically zero: the next backward stores */
 };
+
+/* experts held and slots per token: the E routed experts plus the m =
+ * r.shared_experts shared ones (experts E .. E+m-1, slots K .. K+m-1 of
+ * each token); E and K without shared experts */
+static inline int kcu_nexp(const kcu_layer *l)
+{
+    return l->c.E + l->r.shared_experts;
+}
+static inline int kcu_nslot(const kcu_layer *l)
+{
+    return l->c.K + l->r.shared_experts;
+}
 
 /* Sorted-rows mode of a layer (decided at kcu_layer_create):
  *  0: the gathered operands (x[tok] of the up-projection and dW13, dy[tok] of
@@ -379,7 +399,15 @@ int kcu_w13_src(int c, int swiglu, int *from_w3);
 
 /* ---- small kernels (kcu_route.cu) ---- */
 moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st);
+/* kcu_route: routing (plain softmax top-k, or the family router when
+ * kcu_route_family) and the layout with capacity cap on the routed experts */
 moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st);
+/* whether layer l routes with the family router (a routing family, shared
+ * experts or a bias): the decode path and the small router do not take it */
+static inline int kcu_route_family(const kcu_layer *l)
+{
+    return l->family || l->has_bias;
+}
 /* kcu_tiles_from_counts: cnt (E) device counts in (overwritten) -> counts,
  * offs, tile list, as the layer's layout scan with one chunk */
 moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs, int32_t *tile_e,

@@ -131,8 +131,9 @@ int dwr_split(const kcu_layer *l, int T)
     const long long tiles = (long long)(l->Ep / KCU_BM) * (c->H / 256); /* >= 1 */
     int P = (int)((2LL * l->nsm + tiles - 1) / tiles);
     P = P > 32 ? 32 : P;
-    while (P > 1 && (T / P < 256 || (size_t)P * l->Ep * c->H * 4 > (size_t)T * c->K * c->F * 2 ||
-                     (size_t)(P + 1) > KCU_CEIL_DIV((size_t)T * c->K, (size_t)256) * c->E))
+    const size_t Kt = kcu_nslot(l), Et = kcu_nexp(l);
+    while (P > 1 && (T / P < 256 || (size_t)P * l->Ep * c->H * 4 > (size_t)T * Kt * c->F * 2 ||
+                     (size_t)(P + 1) > KCU_CEIL_DIV((size_t)T * Kt, (size_t)256) * Et))
         P--;
     return P;
 }
@@ -151,7 +152,7 @@ int sorted_infer(const kcu_layer *l, int T, int train)
         if (rows < 0)
             rows = 0;
     }
-    return !train && (long long)T * l->c.K <= rows;
+    return !train && (long long)T * kcu_nslot(l) <= rows;
 }
 
 using carve = kcu_carve;
@@ -159,18 +160,20 @@ using carve = kcu_carve;
 void carve_params(kcu_layer *l, carve *cv)
 {
     const kcu_config *c = &l->c;
+    const size_t Et = kcu_nexp(l); /* routed, then shared experts */
     cv->take(&l->wr, (size_t)l->Ep * c->H * 2);
-    cv->take(&l->w13, (size_t)c->E * l->N1 * c->H * 2);
-    cv->take(&l->w2, (size_t)c->E * c->H * c->F * 2);
+    cv->take(&l->w13, Et * l->N1 * c->H * 2);
+    cv->take(&l->w2, Et * c->H * c->F * 2);
+    cv->take(&l->bias, (size_t)c->E * 4);
     if (c->train) {
         cv->take(&l->g_wr, (size_t)l->Ep * c->H * 4);
         const size_t gb = c->grad_bf16 ? 2 : 4;
         if (c->grad_bf16) {
-            cv->take(&l->gb_w13, (size_t)c->E * l->N1 * c->H * gb);
-            cv->take(&l->gb_w2, (size_t)c->E * c->H * c->F * gb);
+            cv->take(&l->gb_w13, Et * l->N1 * c->H * gb);
+            cv->take(&l->gb_w2, Et * c->H * c->F * gb);
         } else {
-            cv->take(&l->g_w13, (size_t)c->E * l->N1 * c->H * gb);
-            cv->take(&l->g_w2, (size_t)c->E * c->H * c->F * gb);
+            cv->take(&l->g_w13, Et * l->N1 * c->H * gb);
+            cv->take(&l->g_w2, Et * c->H * c->F * gb);
         }
     }
 }
@@ -180,7 +183,7 @@ void carve_params(kcu_layer *l, carve *cv)
 int dxr_borrows_h(const kcu_layer *l)
 {
     const kcu_config *c = &l->c;
-    return (size_t)c->K * c->F * 2 >= (size_t)c->H * 4;
+    return (size_t)kcu_nslot(l) * c->F * 2 >= (size_t)c->H * 4;
 }
 
 /* ye (S,H bf16) is live from the down-projection to the combine, and in the
@@ -196,24 +199,27 @@ int dxr_borrows_h(const kcu_layer *l)
 int ye_borrows_grads(const kcu_layer *l)
 {
     const kcu_config *c = &l->c;
-    return c->train && (size_t)c->E * l->N1 >= (size_t)c->T_max * c->K;
+    return c->train && (size_t)kcu_nexp(l) * l->N1 >= (size_t)c->T_max * kcu_nslot(l);
 }
 
 void carve_ws(kcu_layer *l, carve *cv)
 {
     const kcu_config *c = &l->c;
-    const size_t T = c->T_max, S = T * c->K, H = c->H, F = c->F, E = c->E;
+    /* S slots (routed and shared), Et experts held in the layout; E routed
+     * in probs, cglob and statpart */
+    const size_t T = c->T_max, S = T * kcu_nslot(l), H = c->H, F = c->F, E = c->E;
+    const size_t Et = kcu_nexp(l);
     const size_t nch = KCU_CEIL_DIV(S, (size_t)256);
-    const size_t mt = (S < S / KCU_BM + E ? S : S / KCU_BM + E) + 1;
+    const size_t mt = (S < S / KCU_BM + Et ? S : S / KCU_BM + Et) + 1;
     cv->take(&l->xs, T * H * 2);
     cv->take(&l->logits, T * l->Ep * 4);
     cv->take(&l->probs, T * E * 4);
     cv->take(&l->lse, T * 4);
     cv->take(&l->topk_idx, S * 4);
     cv->take(&l->topk_w, S * 4);
-    cv->take(&l->counts, E * 4);
-    cv->take(&l->offs, (E + 1) * 4);
-    cv->take(&l->chunk, nch * E * 4);
+    cv->take(&l->counts, Et * 4);
+    cv->take(&l->offs, (Et + 1) * 4);
+    cv->take(&l->chunk, nch * Et * 4);
     cv->take(&l->perm, S * 4);
     cv->take(&l->tok, S * 4);
     cv->take(&l->tile_e, mt * 4);
@@ -225,7 +231,7 @@ void carve_ws(kcu_layer *l, carve *cv)
     const size_t nstat = KCU_CEIL_DIV(T, (size_t)256), nrt = KCU_RT_CTAS;
     cv->take(&l->statpart, (nstat > nrt ? nstat : nrt) * (E + 1) * 4);
     cv->take(&l->spos, S * 4);
-    cv->take(&l->dropped, E * 4);
+    cv->take(&l->dropped, Et * 4);
     cv->take(&l->h, S * F * 2);
     if (!ye_borrows_grads(l))
         cv->take(&l->ye, S * H * 2);
@@ -274,7 +280,7 @@ moe_err ye_for_call(kcu_layer *l, bf16 **ye)
         return MOE_OK;
     }
     if (!l->ye_own) {
-        const size_t b = (size_t)l->c.T_max * l->c.K * l->c.H * 2;
+        const size_t b = (size_t)l->c.T_max * kcu_nslot(l) * l->c.H * 2;
         if (cudaMalloc(&l->ye_own, b) != cudaSuccess) {
             (void)cudaGetLastError();
             l->ye_own = nullptr;
@@ -315,6 +321,15 @@ kcu_gemm_args rows_args(const kcu_layer *l)
 
 extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
 {
+    return kcu_layer_create_ex(cfg, nullptr, out);
+}
+
+extern "C" moe_err kcu_layer_create_ex(const kcu_config *cfg, const kcu_route_config *rc,
+                                       kcu_layer **out)
+{
+    kcu_route_config r0;
+    memset(&r0, 0, sizeof(r0));
+    const kcu_route_config *r = rc ? rc : &r0;
     *out = NULL;
     if (cfg->H <= 0 || cfg->F <= 0 || cfg->H % 128 || cfg->F % 128 || cfg->E < 1 || cfg->E > 256 ||
         cfg->K < 1 || cfg->K > 8 || cfg->K > cfg->E || cfg->T_max < 1 ||
@@ -325,11 +340,31 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
                 cfg->H, cfg->F, cfg->E, cfg->K, cfg->T_max, cfg->states);
         return MOE_EINVAL;
     }
+    /* routing family and shared experts (kern_cuda.h "Routing families") */
+    const int ng = r->n_group > 1 ? r->n_group : 1;
+    const int tg = r->topk_group > 0 ? r->topk_group : ng;
+    if ((r->scoring != KERN_SCORE_SOFTMAX && r->scoring != KERN_SCORE_SIGMOID) || r->n_group < 0 ||
+        r->n_group > KCU_MAX_GROUPS || cfg->E % ng != 0 || r->topk_group < 0 || tg > ng ||
+        cfg->K > tg * (cfg->E / ng) || r->group_topn < 0 || r->group_topn > 2 ||
+        !(r->route_scale >= 0.0f) || isinf(r->route_scale) || r->shared_experts < 0 ||
+        cfg->E + r->shared_experts > 256 || (r->shared_gate && r->shared_experts == 0)) {
+        fprintf(stderr,
+                "kcu_layer_create: unsupported routing scoring=%d n_group=%d topk_group=%d "
+                "group_topn=%d route_scale=%g shared_experts=%d shared_gate=%d (E=%d K=%d)\n",
+                r->scoring, r->n_group, r->topk_group, r->group_topn, (double)r->route_scale,
+                r->shared_experts, r->shared_gate, cfg->E, cfg->K);
+        return MOE_EINVAL;
+    }
     kcu_layer *l = (kcu_layer *)calloc(1, sizeof(*l));
     if (!l)
         return MOE_ENOMEM;
     l->c = *cfg;
-    l->Ep = KCU_CEIL_DIV(cfg->E, KCU_BN) * KCU_BN;
+    l->r = *r;
+    /* a shared gate's wsg is router row E: one more row, padded to KCU_BN */
+    const int gate_row = r->shared_experts > 0 && r->shared_gate;
+    l->Ep = KCU_CEIL_DIV(cfg->E + gate_row, KCU_BN) * KCU_BN;
+    l->family = r->scoring != KERN_SCORE_SOFTMAX || ng > 1 ||
+                (r->route_scale != 0.0f && r->route_scale != 1.0f) || r->shared_experts > 0;
     l->N1 = cfg->act == KERN_ACT_SWIGLU ? 2 * cfg->F : cfg->F;
     l->sorted = kcu_sorted_mode(cfg);
     l->nstates = cfg->states > 1 ? cfg->states : 1;
@@ -361,6 +396,15 @@ extern "C" moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out)
     carve_params(l, &cv);
     cv = {(char *)l->ws, 0}; /* state 0 selected */
     carve_ws(l, &cv);
+    /* no bias; router rows zero (the shared gate's row E until
+     * kcu_layer_upload_shared) */
+    if (cudaMemset(l->bias, 0, (size_t)cfg->E * 4) != cudaSuccess ||
+        cudaMemset(l->wr, 0, (size_t)l->Ep * cfg->H * 2) != cudaSuccess) {
+        (void)cudaGetLastError();
+        fprintf(stderr, "kcu_layer_create: cudaMemset failed\n");
+        kcu_layer_destroy(l);
+        return MOE_EINTERNAL;
+    }
     *out = l;
     return MOE_OK;
 }
@@ -411,6 +455,40 @@ extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
     return MOE_OK;
 }
 
+namespace
+{
+
+/* upload_expert: expert e's weights (host fp32, rounded to bf16) into w13
+ * (gate/up interleaved for SwiGLU) and w2: w1e, w3e (F,H) rows of H; w2e
+ * (H,F) with row h at w2e + h * ld2 (ld2 = F for a routed expert, Fs for a
+ * column slice of the shared ws2). buf: host scratch of max(N1*H, H*F)
+ * uint16. */
+moe_err upload_expert(kcu_layer *l, int e, const float *w1e, const float *w3e, const float *w2e,
+                      size_t ld2, uint16_t *buf)
+{
+    const kcu_config *c = &l->c;
+    const int swiglu = c->act == KERN_ACT_SWIGLU;
+    const size_t H = c->H, F = c->F, per = (size_t)l->N1 * H;
+    for (int r = 0; r < l->N1; r++) {
+        int from3;
+        const int sr = kcu_w13_src(r, swiglu, &from3);
+        const float *src = (from3 ? w3e : w1e) + (size_t)sr * H;
+        for (size_t i = 0; i < H; i++)
+            buf[(size_t)r * H + i] = kcu_host_bf16(src[i]);
+    }
+    if (cudaMemcpy(l->w13 + (size_t)e * per, buf, per * 2, cudaMemcpyHostToDevice) != cudaSuccess)
+        return MOE_EINTERNAL;
+    for (size_t h = 0; h < H; h++)
+        for (size_t f = 0; f < F; f++)
+            buf[h * F + f] = kcu_host_bf16(w2e[h * ld2 + f]);
+    if (cudaMemcpy(l->w2 + (size_t)e * H * F, buf, H * F * 2, cudaMemcpyHostToDevice) !=
+        cudaSuccess)
+        return MOE_EINTERNAL;
+    return MOE_OK;
+}
+
+} // namespace
+
 extern "C" moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *w1, const float *w3,
                                     const float *w2)
 {
@@ -419,33 +497,22 @@ extern "C" moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *
     if (!wr || !w1 || !w2 || (swiglu && !w3))
         return MOE_EINVAL;
     const size_t H = c->H, F = c->F, per = (size_t)l->N1 * H;
-    uint16_t *buf = (uint16_t *)malloc(per * 2 > (size_t)l->Ep * H * 2 ? per * 2 : l->Ep * H * 2);
+    size_t nb = per > H * F ? per : H * F;
+    nb = nb > (size_t)l->Ep * H ? nb : (size_t)l->Ep * H;
+    uint16_t *buf = (uint16_t *)malloc(nb * 2);
     if (!buf)
         return MOE_ENOMEM;
     moe_err rc = MOE_OK;
-    /* router, padded rows zero */
-    memset(buf, 0, (size_t)l->Ep * H * 2);
+    /* router rows 0 .. E-1; the padded rows stay zero (create) and a shared
+     * gate's row E is kcu_layer_upload_shared's */
     for (size_t i = 0; i < (size_t)c->E * H; i++)
         buf[i] = kcu_host_bf16(wr[i]);
-    if (cudaMemcpy(l->wr, buf, (size_t)l->Ep * H * 2, cudaMemcpyHostToDevice) != cudaSuccess)
+    if (cudaMemcpy(l->wr, buf, (size_t)c->E * H * 2, cudaMemcpyHostToDevice) != cudaSuccess)
         rc = MOE_EINTERNAL;
-    for (int e = 0; e < c->E && rc == MOE_OK; e++) {
-        for (int r = 0; r < l->N1; r++) {
-            int from3;
-            const int sr = kcu_w13_src(r, swiglu, &from3);
-            const float *src = (from3 ? w3 : w1) + ((size_t)e * F + sr) * H;
-            for (size_t i = 0; i < H; i++)
-                buf[(size_t)r * H + i] = kcu_host_bf16(src[i]);
-        }
-        if (cudaMemcpy(l->w13 + (size_t)e * per, buf, per * 2, cudaMemcpyHostToDevice) !=
-            cudaSuccess)
-            rc = MOE_EINTERNAL;
-        for (size_t i = 0; i < H * F; i++)
-            buf[i] = kcu_host_bf16(w2[(size_t)e * H * F + i]);
-        if (rc == MOE_OK && cudaMemcpy(l->w2 + (size_t)e * H * F, buf, H * F * 2,
-                                       cudaMemcpyHostToDevice) != cudaSuccess)
-            rc = MOE_EINTERNAL;
-    }
+    /* the routed experts; the shared ones (E ..) are kcu_layer_upload_shared's */
+    for (int e = 0; e < c->E && rc == MOE_OK; e++)
+        rc = upload_expert(l, e, w1 + (size_t)e * F * H, swiglu ? w3 + (size_t)e * F * H : w1,
+                           w2 + (size_t)e * H * F, F, buf);
     free(buf);
     if (rc != MOE_OK) {
         fprintf(stderr, "kcu_layer_upload: %s\n", cudaGetErrorString(cudaGetLastError()));
@@ -454,6 +521,57 @@ extern "C" moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *
     if (c->train)
         KCU_TRY(kcu_layer_zero_grads(l, NULL));
     return MOE_OK;
+}
+
+extern "C" moe_err kcu_layer_upload_bias(kcu_layer *l, const float *bias)
+{
+    const size_t E = l->c.E;
+    if (!bias) {
+        KCU_CHECK(cudaMemset(l->bias, 0, E * 4));
+        l->has_bias = 0;
+        return MOE_OK;
+    }
+    KCU_CHECK(cudaMemcpy(l->bias, bias, E * 4, cudaMemcpyHostToDevice));
+    l->has_bias = 1;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_shared_split(int Fs, int F, int *m)
+{
+    if (Fs < 0 || F < 1 || Fs % F != 0)
+        return MOE_EINVAL;
+    *m = Fs / F;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_layer_upload_shared(kcu_layer *l, const float *ws1, const float *ws3,
+                                           const float *ws2, const float *wsg)
+{
+    const kcu_config *c = &l->c;
+    const int swiglu = c->act == KERN_ACT_SWIGLU, m = l->r.shared_experts;
+    const int gate = m > 0 && l->r.shared_gate;
+    if (m < 1 || !ws1 || !ws2 || (swiglu && !ws3) || (gate && !wsg))
+        return MOE_EINVAL;
+    const size_t H = c->H, F = c->F, Fs = (size_t)m * F, per = (size_t)l->N1 * H;
+    uint16_t *buf = (uint16_t *)malloc((per > H * F ? per : H * F) * 2);
+    if (!buf)
+        return MOE_ENOMEM;
+    moe_err rc = MOE_OK;
+    /* chunk k of d_ff: ws1 / ws3 rows kF .. kF+F-1 (contiguous (F,H)), ws2
+     * columns kF .. kF+F-1 (rows of Fs) -> expert E + k */
+    for (int k = 0; k < m && rc == MOE_OK; k++)
+        rc = upload_expert(l, c->E + k, ws1 + (size_t)k * F * H,
+                           swiglu ? ws3 + (size_t)k * F * H : ws1, ws2 + (size_t)k * F, Fs, buf);
+    if (rc == MOE_OK && gate) { /* wsg (H) -> router row E */
+        for (size_t i = 0; i < H; i++)
+            buf[i] = kcu_host_bf16(wsg[i]);
+        if (cudaMemcpy(l->wr + (size_t)c->E * H, buf, H * 2, cudaMemcpyHostToDevice) != cudaSuccess)
+            rc = MOE_EINTERNAL;
+    }
+    free(buf);
+    if (rc != MOE_OK)
+        fprintf(stderr, "kcu_layer_upload_shared: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return rc;
 }
 
 namespace
@@ -533,6 +651,62 @@ extern "C" moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1
     return MOE_OK;
 }
 
+extern "C" moe_err kcu_layer_download_shared_grads(kcu_layer *l, float *dws1, float *dws3,
+                                                   float *dws2, float *dwsg)
+{
+    const kcu_config *c = &l->c;
+    const int m = l->r.shared_experts, gate = m > 0 && l->r.shared_gate;
+    if (!c->train)
+        return MOE_EPRECOND;
+    if (m < 1)
+        return MOE_EINVAL;
+    const size_t H = c->H, F = c->F, Fs = (size_t)m * F, per = (size_t)l->N1 * H;
+    const int swiglu = c->act == KERN_ACT_SWIGLU;
+    KCU_CHECK(cudaDeviceSynchronize());
+    if (l->grads_clean) {
+        if (dws1)
+            memset(dws1, 0, Fs * H * 4);
+        if (dws3 && swiglu)
+            memset(dws3, 0, Fs * H * 4);
+        if (dws2)
+            memset(dws2, 0, H * Fs * 4);
+        if (dwsg && gate)
+            memset(dwsg, 0, H * 4);
+        return MOE_OK;
+    }
+    /* the gate's gradient is router row E's */
+    if (dwsg && gate)
+        KCU_CHECK(cudaMemcpy(dwsg, l->g_wr + (size_t)c->E * H, H * 4, cudaMemcpyDeviceToHost));
+    float *buf = (float *)malloc((per > H * F ? per : H * F) * 4);
+    if (!buf)
+        return MOE_ENOMEM;
+    moe_err rc = MOE_OK;
+    /* expert E + k is chunk k of d_ff: rows kF .. of dws1 / dws3, columns
+     * kF .. of dws2 (H,Fs) */
+    for (int k = 0; k < m && rc == MOE_OK; k++) {
+        const size_t e = (size_t)c->E + k;
+        if (dws1 || dws3) {
+            rc = fetch_grad(buf, l->g_w13 ? l->g_w13 + e * per : nullptr,
+                            l->gb_w13 ? l->gb_w13 + e * per : nullptr, per);
+            for (int r = 0; r < l->N1 && rc == MOE_OK; r++) {
+                int from3;
+                const int sr = kcu_w13_src(r, swiglu, &from3);
+                float *dst = from3 ? dws3 : dws1;
+                if (dst)
+                    memcpy(dst + ((size_t)k * F + sr) * H, buf + (size_t)r * H, H * 4);
+            }
+        }
+        if (dws2 && rc == MOE_OK) {
+            rc = fetch_grad(buf, l->g_w2 ? l->g_w2 + e * H * F : nullptr,
+                            l->gb_w2 ? l->gb_w2 + e * H * F : nullptr, H * F);
+            for (size_t h = 0; h < H && rc == MOE_OK; h++)
+                memcpy(dws2 + h * Fs + (size_t)k * F, buf + h * F, F * 4);
+        }
+    }
+    free(buf);
+    return rc;
+}
+
 extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
                                moe_dtype y_dtype, int train, void *stream)
 {
@@ -544,7 +718,9 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     l->T_fwd[l->state] = 0;
     if (T == 0)
         return MOE_OK;
-    const int H = c->H, F = c->F, K = c->K;
+    /* K routed slots (capacity); Kt slots per token and Et experts held,
+     * the shared experts after the routed ones (kcu_nslot, kcu_nexp) */
+    const int H = c->H, F = c->F, K = c->K, Kt = kcu_nslot(l), Et = kcu_nexp(l);
     const size_t n = (size_t)T * H;
 
     /* x -> bf16 on the device (kept in xs for backward) */
@@ -554,7 +730,9 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     else
         KCU_TRY(stage_in(l, x, x_dtype, l->xs, n, st));
 
-    if (kcu_decode_use(l, T, train)) { /* few rows per expert: kcu_decode.cu */
+    /* few rows per expert: kcu_decode.cu (plain softmax top-k only: a
+     * routing family takes the general path, kcu_decode_use says no) */
+    if (kcu_decode_use(l, T, train)) {
         const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
         l->cap_fwd[l->state] = cap;
         const int yhost = kcu_is_host_ptr(y);
@@ -589,7 +767,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     if (l->sorted || sorted_infer(l, T, train)) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
-        KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + c->E, T * K, H, dst, small, st));
+        KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + Et, T * Kt, H, dst, small, st));
         xrows = dst;
     }
 
@@ -633,7 +811,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     const int yhost = kcu_is_host_ptr(y);
     if (yhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(kcu_combine(ye, l->topk_w, nullptr, spos, T, K, H, yhost ? (void *)l->stage : y,
+    KCU_TRY(kcu_combine(ye, l->topk_w, nullptr, spos, T, Kt, H, yhost ? (void *)l->stage : y,
                         y_dtype, small, st));
     if (yhost)
         KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
@@ -662,7 +840,7 @@ moe_err dw2_grad(kcu_layer *l, const bf16 *dyrows, int gathered, cudaStream_t st
     a.ldb = c->F;
     a.M = c->H;
     a.N = c->F;
-    a.ngroups = c->E;
+    a.ngroups = kcu_nexp(l); /* routed and shared experts */
     a.offs = l->offs;
     a.Cf = l->g_w2;
     a.Cb = l->gb_w2;
@@ -686,7 +864,9 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     if ((dy_dtype != MOE_F32 && dy_dtype != MOE_BF16) ||
         (dx_dtype != MOE_F32 && dx_dtype != MOE_BF16))
         return MOE_EINVAL;
-    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    /* E routed experts (counts for the aux loss); Et experts held and Kt
+     * slots per token, the shared experts and their slots after them */
+    const int H = c->H, F = c->F, E = c->E, Et = kcu_nexp(l), Kt = kcu_nslot(l), S = T * Kt;
     const size_t n = (size_t)T * H;
     /* dy rows for dh and dW2, in ye (free since the forward's combine; b.dx
      * overwrites it after dW2): sorted copies (sorted modes), or dy (T,H)
@@ -705,7 +885,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const bf16 *dyrows = (const bf16 *)dysrc;
     if (l->sorted) {
         PHASE("b.gather");
-        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + E, S, H, ye, 0, st));
+        KCU_TRY(kcu_gather_rows(dysrc, dy_dtype, l->tok, l->offs + Et, S, H, ye, 0, st));
         dyrows = ye;
     } else if (dy_dtype != MOE_BF16 || on_host) {
         KCU_TRY(kcu_to_bf16(dysrc, dy_dtype, ye, n, st));
@@ -777,8 +957,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const int xhost = kcu_is_host_ptr(dx);
     if (xhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(kcu_combine(ye, nullptr, dxr, spos, T, K, H, xhost ? (void *)l->stage : dx, dx_dtype, 0,
-                        st));
+    KCU_TRY(kcu_combine(ye, nullptr, dxr, spos, T, Kt, H, xhost ? (void *)l->stage : dx, dx_dtype,
+                        0, st));
     if (xhost)
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
@@ -793,7 +973,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     a.b_gather = l->xg ? nullptr : l->tok;
     a.M = l->N1;
     a.N = H;
-    a.ngroups = E;
+    a.ngroups = Et;
     a.offs = l->offs;
     a.Cf = l->g_w13;
     a.Cb = l->gb_w13;

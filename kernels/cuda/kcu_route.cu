@@ -56,6 +56,159 @@ __global__ void k_softmax_topk(const float *__restrict__ logits, int T, int E, i
     }
 }
 
+/* the family router's parameters (kcu_route_config, resolved) */
+struct route_fam {
+    int sigmoid;    /* scores: sigmoid per expert, else softmax over E */
+    int n_group;    /* > 1: groups of E / n_group experts */
+    int topk_group; /* groups kept (< n_group: else no group selection) */
+    int topn;       /* 1 or 2: a group's score sums its topn largest choices */
+    int renorm;
+    float scale; /* 1 = none */
+    int m;       /* shared experts: slots K .. K+m-1 of a token */
+    int gate;    /* shared slots weighted by sigmoid(logits[t, E]) (router row E = wsg) */
+};
+
+constexpr int FAM_WARPS = 8; /* tokens per block of k_route_family */
+
+/* k_route_family: kern_route_cpu on the device, one warp per token, 8
+ * warps per block. logits (T,Ep) in (column E: the shared gate's logit when
+ * f.gate); bias (E) or NULL; probs (T,E) out: the scores s; lse (T) out:
+ * logsumexp of the logits (for the z-loss, whatever the scoring); idx,
+ * tw (T,Kt) out, Kt = K + f.m: the K routed experts in choice order then
+ * the shared experts E .. E+m-1. E <= 256, K <= 8, n_group <= 64.
+ * The CPU's operations are repeated in its order where they decide or
+ * weigh (choice c = s + bias; group scores best1 + best2 in expert order;
+ * wsum in choice order; / den then * scale), so that equal scores give
+ * equal choices and weights; the selections follow its tie rules (lower
+ * group, lower expert) through a strict total order. */
+__global__ void __launch_bounds__(FAM_WARPS * 32)
+    k_route_family(const float *__restrict__ logits, int T, int E, int Ep, int K, route_fam f,
+                   const float *__restrict__ bias, float *__restrict__ probs,
+                   float *__restrict__ lse, int32_t *__restrict__ idx, float *__restrict__ tw)
+{
+    __shared__ float s_sc[FAM_WARPS][256];            /* scores s of the warp's token */
+    __shared__ float s_ch[FAM_WARPS][256];            /* choice values c */
+    __shared__ float s_gs[FAM_WARPS][KCU_MAX_GROUPS]; /* group scores */
+    __shared__ int s_keep[FAM_WARPS][KCU_MAX_GROUPS]; /* group kept */
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int t = blockIdx.x * FAM_WARPS + wid;
+    if (t >= T) /* whole warps leave: only __syncwarp below */
+        return;
+    const float *lt = logits + (size_t)t * Ep; /* (E) used, (Ep) row */
+    float *sc = s_sc[wid], *ch = s_ch[wid];
+
+    /* scores; the softmax is also what gives lse */
+    float v[8], lse_t;
+    kcu_topk::softmax_slots<8>(lt, E, v, lse_t);
+    float c[8]; /* choice values of experts lane + 32 i (-inf past E) */
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        c[i] = -INFINITY;
+        if (e < E) {
+            const float sv = f.sigmoid ? 1.0f / (1.0f + expf(-lt[e])) : v[i];
+            sc[e] = sv;
+            probs[(size_t)t * E + e] = sv;
+            c[i] = sv + (bias ? bias[e] : 0.0f);
+            ch[e] = c[i];
+        }
+    }
+    if (lane == 0)
+        lse[t] = lse_t;
+    __syncwarp();
+
+    /* groups: scores, then the topk_group first in (score desc, group asc)
+     * order: group g is kept when fewer than topk_group groups come before
+     * it (the CPU's repeated arg-max picks the same set) */
+    if (f.n_group > 1 && f.topk_group < f.n_group) {
+        const int ng = f.n_group, gs = E / ng;
+        for (int g = lane; g < ng; g += 32) {
+            const float *cg = ch + g * gs;
+            float b1 = cg[0], b2 = -INFINITY; /* the two largest, b1 >= b2 */
+            for (int i = 1; i < gs; i++) {
+                if (cg[i] > b1) {
+                    b2 = b1;
+                    b1 = cg[i];
+                } else if (cg[i] > b2) {
+                    b2 = cg[i];
+                }
+            }
+            s_gs[wid][g] = f.topn >= 2 && gs >= 2 ? b1 + b2 : b1;
+        }
+        __syncwarp();
+        for (int g = lane; g < ng; g += 32) {
+            const float mine = s_gs[wid][g];
+            int rank = 0;
+            for (int h = 0; h < ng; h++) {
+                const float o = s_gs[wid][h];
+                rank += o > mine || (o == mine && h < g);
+            }
+            s_keep[wid][g] = rank < f.topk_group;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = lane + 32 * i;
+            if (e < E && !s_keep[wid][e / gs])
+                c[i] = -INFINITY;
+        }
+    }
+
+    /* top-K by repeated warp arg-max: the largest c not taken, ties (and
+     * -inf) to the lower expert, as the CPU's strict > over ascending e */
+    unsigned taken = 0;
+    float wk[8], wsum = 0.0f;
+    int ik[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        wk[j] = 0.0f;
+        ik[j] = 0;
+        if (j < K) {
+            float bv = -INFINITY;
+            int bi = INT_MAX;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int e = lane + 32 * i;
+                if (e < E && !((taken >> i) & 1u) && (bi == INT_MAX || c[i] > bv)) {
+                    bv = c[i];
+                    bi = e;
+                }
+            }
+            for (int o = 16; o; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            if ((bi & 31) == lane)
+                taken |= 1u << (bi >> 5);
+            ik[j] = bi;
+            wk[j] = sc[bi]; /* the weight is the score, never the bias */
+            wsum += wk[j];
+        }
+    }
+    if (lane == 0) {
+        const int Kt = K + f.m;
+        const float den = f.sigmoid ? wsum + 1e-20f : wsum;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < K) {
+                float w = f.renorm ? wk[j] / den : wk[j];
+                if (f.scale != 1.0f)
+                    w *= f.scale;
+                idx[(size_t)t * Kt + j] = ik[j];
+                tw[(size_t)t * Kt + j] = w;
+            }
+        const float g = f.gate ? 1.0f / (1.0f + expf(-lt[E])) : 1.0f;
+        for (int j = 0; j < f.m; j++) {
+            idx[(size_t)t * Kt + K + j] = E + j;
+            tw[(size_t)t * Kt + K + j] = g;
+        }
+    }
+}
+
 /* chunk (nch,E) out: slots of expert e in chunk c. idx (S). */
 __global__ void k_layout_count(const int32_t *__restrict__ idx, int S, int E,
                                int32_t *__restrict__ chunk)
@@ -75,9 +228,10 @@ __global__ void k_layout_count(const int32_t *__restrict__ idx, int S, int E,
 /* One block. chunk (nch,E) in: counts; out: each chunk's rank base within
  * its expert (stable order). counts (E) out (before the capacity), dropped
  * (E) out (may be NULL), offs (E+1) out over the kept rows (min(count, cap)
- * per expert); tile list (tile_e, tile_r0, *ntiles) out: ceil(kept_e / BM)
- * tiles per expert. */
-__global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int cap,
+ * per expert e < ncap: the routed experts; the shared ones after them are
+ * never capped); tile list (tile_e, tile_r0, *ntiles) out: ceil(kept_e /
+ * BM) tiles per expert. */
+__global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int cap, int ncap,
                               int32_t *__restrict__ counts, int32_t *__restrict__ dropped,
                               int32_t *__restrict__ offs, int32_t *__restrict__ tile_e,
                               int32_t *__restrict__ tile_r0, int32_t *__restrict__ ntiles)
@@ -91,7 +245,8 @@ __global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int c
             run += v;
         }
         counts[e] = run;
-        const int k = run < cap ? run : cap;
+        const int ce = e < ncap ? cap : INT_MAX;
+        const int k = run < ce ? run : ce;
         kc[e] = k;
         if (dropped)
             dropped[e] = run - k;
@@ -119,10 +274,10 @@ __global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int c
 }
 
 /* Stable scatter of the kept slots: perm (S_kept) sorted row -> slot, tok
- * sorted row -> token, spos (S) slot -> sorted row or -1 (dropped: its rank
- * within the expert is >= cap). */
+ * sorted row -> token (K slots per token), spos (S) slot -> sorted row or -1
+ * (dropped: its rank within an expert e < ncap is >= cap). */
 __global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, int K, int cap,
-                                 const int32_t *__restrict__ chunk,
+                                 int ncap, const int32_t *__restrict__ chunk,
                                  const int32_t *__restrict__ offs, int32_t *__restrict__ perm,
                                  int32_t *__restrict__ tok, int32_t *__restrict__ spos)
 {
@@ -137,7 +292,7 @@ __global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, 
     for (int j = 0; j < (int)threadIdx.x; j++)
         rank += ids[j] == e;
     rank += chunk[(size_t)blockIdx.x * E + e];
-    if (rank < cap) {
+    if (rank < cap || e >= ncap) {
         const int pos = offs[e] + rank;
         perm[pos] = s;
         tok[pos] = s / K;
@@ -293,22 +448,32 @@ __global__ void k_dw_reduce(const float *__restrict__ part, const int32_t *__res
 }
 
 /* One warp per token: dlogits (T,Ep) bf16 out (zero beyond E), as
- * kern_router_backward_cpu before its GEMMs. */
+ * kern_route_backward_cpu before its GEMMs. idx, dw (T,Kt): the K routed
+ * slots first (Kt = K without shared experts). sigmoid: the scores are
+ * sigmoid(logits) (d s / d l = s (1 - s); the z-loss term then needs the
+ * softmax of the logits (T,Ep), from lse); scale: the routed weights'
+ * factor (1 = none). m shared slots after the routed ones with gate (their
+ * weight tw is sigmoid(logit E)): dlogits[t, E] = g (1 - g) sum_j dw[t,
+ * K+j] (the gate's logit is router row E). */
 __global__ void k_router_bwd(const float *__restrict__ probs, const float *__restrict__ lse,
                              const int32_t *__restrict__ idx, const float *__restrict__ dw, int T,
-                             int E, int Ep, int K, int renorm, const int32_t *__restrict__ cglob,
+                             int E, int Ep, int K, int Kt, int renorm, int sigmoid, float scale,
+                             int m, int gate, const float *__restrict__ logits,
+                             const float *__restrict__ tw, const int32_t *__restrict__ cglob,
                              float aux_scale, float z_scale, bf16 *__restrict__ dlog)
 {
     const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T)
         return;
     const float *pt = probs + (size_t)t * E;
-    const int32_t *it = idx + (size_t)t * K;
-    const float *gt = dw + (size_t)t * K;
+    const int32_t *it = idx + (size_t)t * Kt;
+    const float *gt = dw + (size_t)t * Kt;
     float S = 0.f, gw = 0.f;
     if (renorm) {
         for (int j = 0; j < K; j++)
             S += pt[it[j]];
+        if (sigmoid)
+            S += 1e-20f;
         for (int j = 0; j < K; j++)
             gw += gt[j] * (pt[it[j]] / S);
     }
@@ -322,23 +487,42 @@ __global__ void k_router_bwd(const float *__restrict__ probs, const float *__res
             p[i] = pt[e];
             float dd = aux_scale * (float)cglob[e];
             for (int j = 0; j < K; j++)
-                if (it[j] == e)
-                    dd += renorm ? (gt[j] - gw) / S : gt[j];
+                if (it[j] == e) {
+                    const float g = renorm ? (gt[j] - gw) / S : gt[j];
+                    dd += scale != 1.f ? scale * g : g;
+                }
             d[i] = dd;
             pdp += p[i] * dd;
         }
     }
     pdp = warp_sum(pdp);
     const float zl = z_scale * lse[t];
+    const float *lt = logits + (size_t)t * Ep;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int e = lane + 32 * i;
-        if (e < Ep)
-            dlog[(size_t)t * Ep + e] =
-                __float2bfloat16_rn(e < E ? p[i] * (d[i] - pdp) + zl * p[i] : 0.f);
+        if (e < Ep) {
+            float v = 0.f;
+            if (e < E) {
+                if (sigmoid) /* z-loss: softmax of the logits = exp(l - lse) */
+                    v = d[i] * p[i] * (1.f - p[i]) +
+                        (zl != 0.f ? zl * expf(__ldg(lt + e) - lse[t]) : 0.f);
+                else
+                    v = p[i] * (d[i] - pdp) + zl * p[i];
+            }
+            dlog[(size_t)t * Ep + e] = __float2bfloat16_rn(v);
+        }
     }
     for (int e = 256 + lane; e < Ep; e += 32)
         dlog[(size_t)t * Ep + e] = __float2bfloat16_rn(0.f);
+    __syncwarp();
+    if (gate && lane == 0) { /* the shared gate's logit (column E < Ep) */
+        const float g = tw[(size_t)t * Kt + K];
+        float dg = 0.f;
+        for (int j = 0; j < m; j++)
+            dg += gt[K + j];
+        dlog[(size_t)t * Ep + E] = __float2bfloat16_rn(g * (1.f - g) * dg);
+    }
 }
 
 /* AdamW as kern_adamw_cpu, rounded op by op (no contraction), and the bf16
@@ -424,17 +608,36 @@ moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStre
 
 moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
 {
-    const int E = l->c.E, K = l->c.K, S = T * K, nch = KCU_CEIL_DIV(S, CHUNK);
-    k_softmax_topk<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(l->logits, T, E, l->Ep, K, l->c.renorm,
-                                                       l->probs, l->lse, l->topk_idx, l->topk_w);
+    const kcu_config *c = &l->c;
+    const kcu_route_config *r = &l->r;
+    /* E routed experts of K slots, Et experts held of Kt slots per token */
+    const int E = c->E, K = c->K, Et = kcu_nexp(l), Kt = kcu_nslot(l);
+    const int S = T * Kt, nch = KCU_CEIL_DIV(S, CHUNK);
+    if (kcu_route_family(l)) {
+        route_fam f;
+        f.sigmoid = r->scoring == KERN_SCORE_SIGMOID;
+        f.n_group = r->n_group > 1 ? r->n_group : 1;
+        f.topk_group = r->topk_group > 0 && r->topk_group < f.n_group ? r->topk_group : f.n_group;
+        f.topn = r->group_topn > 0 ? r->group_topn : 2;
+        f.renorm = c->renorm;
+        f.scale = r->route_scale != 0.0f ? r->route_scale : 1.0f;
+        f.m = r->shared_experts;
+        f.gate = r->shared_experts > 0 && r->shared_gate;
+        k_route_family<<<KCU_CEIL_DIV(T, FAM_WARPS), FAM_WARPS * 32, 0, st>>>(
+            l->logits, T, E, l->Ep, K, f, l->has_bias ? l->bias : nullptr, l->probs, l->lse,
+            l->topk_idx, l->topk_w);
+    } else {
+        k_softmax_topk<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(
+            l->logits, T, E, l->Ep, K, c->renorm, l->probs, l->lse, l->topk_idx, l->topk_w);
+    }
     KCU_CHECK_LAUNCH();
-    k_layout_count<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, E, l->chunk);
+    k_layout_count<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, l->chunk);
     KCU_CHECK_LAUNCH();
-    k_layout_scan<<<1, 256, 0, st>>>(l->chunk, nch, E, cap, l->counts, l->dropped, l->offs,
+    k_layout_scan<<<1, 256, 0, st>>>(l->chunk, nch, Et, cap, E, l->counts, l->dropped, l->offs,
                                      l->tile_e, l->tile_r0, l->ntiles);
     KCU_CHECK_LAUNCH();
-    k_layout_scatter<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, E, K, cap, l->chunk, l->offs, l->perm,
-                                            l->tok, l->spos);
+    k_layout_scatter<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, Kt, cap, E, l->chunk, l->offs,
+                                            l->perm, l->tok, l->spos);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }
@@ -442,7 +645,7 @@ moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
 moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *offs, int32_t *tile_e,
                               int32_t *tile_r0, int32_t *ntiles, cudaStream_t st)
 {
-    k_layout_scan<<<1, 256, 0, st>>>(cnt, 1, E, INT_MAX, counts, nullptr, offs, tile_e, tile_r0,
+    k_layout_scan<<<1, 256, 0, st>>>(cnt, 1, E, INT_MAX, E, counts, nullptr, offs, tile_e, tile_r0,
                                      ntiles);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
@@ -557,7 +760,7 @@ moe_err kcu_sum_parts(const float *part, int P, size_t n, float *g, int clean, c
 
 moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st)
 {
-    k_dw_reduce<<<KCU_CEIL_DIV(S, 256), 256, 0, st>>>(l->dwpart, l->perm, S, l->offs + l->c.E,
+    k_dw_reduce<<<KCU_CEIL_DIV(S, 256), 256, 0, st>>>(l->dwpart, l->perm, S, l->offs + kcu_nexp(l),
                                                       l->c.F / KCU_BN, l->dw);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
@@ -566,13 +769,18 @@ moe_err kcu_dw_reduce(kcu_layer *l, int S, cudaStream_t st)
 moe_err kcu_router_bwd(kcu_layer *l, int T, int T_global, float aux_coef, float z_coef,
                        cudaStream_t st)
 {
-    const int E = l->c.E, K = l->c.K;
+    /* the aux loss over the E routed experts and their K slots */
+    const int E = l->c.E, K = l->c.K, Kt = kcu_nslot(l);
+    const kcu_route_config *r = &l->r;
     const float Tg = (float)T_global;
     const float aux_scale = aux_coef * (float)E / ((float)K * Tg * Tg);
     const float z_scale = 2.f * z_coef / Tg;
-    k_router_bwd<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(l->probs, l->lse, l->topk_idx, l->dw, T, E,
-                                                     l->Ep, K, l->c.renorm, l->cglob, aux_scale,
-                                                     z_scale, l->dlogits);
+    const int sigmoid = r->scoring == KERN_SCORE_SIGMOID;
+    const float scale = r->route_scale != 0.f ? r->route_scale : 1.f;
+    const int m = r->shared_experts, gate = m > 0 && r->shared_gate;
+    k_router_bwd<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(
+        l->probs, l->lse, l->topk_idx, l->dw, T, E, l->Ep, K, Kt, l->c.renorm, sigmoid, scale, m,
+        gate, l->logits, l->topk_w, l->cglob, aux_scale, z_scale, l->dlogits);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

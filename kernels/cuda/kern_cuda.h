@@ -24,7 +24,8 @@
  * Results do not depend on the state a call uses.
  * A layer is not thread safe: one stream at a time.
  *
- * Limits: H and F multiples of 128, 1 <= K <= E <= 256, K <= 8.
+ * Limits: H and F multiples of 128, 1 <= K <= E <= 256, K <= 8 (routing
+ * families and shared experts: kcu_route_config, "Routing families" below).
  * Capacity factor: 0 = dropless; cf > 0 caps each expert at
  * kern_capacity(cf, T, K, E) slots per forward call, keeping the first ones
  * in stable (slot) order; dropped slots add zero to y and get no gradient,
@@ -74,13 +75,77 @@ typedef struct kcu_config {
                             * (kcu_layer_bytes), selected by kcu_layer_set_state */
 } kcu_config;
 
-enum { KCU_MAX_STATES = 16 };
+enum { KCU_MAX_STATES = 16, KCU_MAX_GROUPS = 64 };
+
+/* kcu_route_config: the routing family and shared experts of a layer
+ * (kcu_layer_create_ex). A separate struct rather than more kcu_config
+ * fields, so that existing positional kcu_config initialisers (worker/gpu.c)
+ * stay complete under -Wmissing-field-initializers; all zero (or NULL) =
+ * the plain softmax top-k of kcu_layer_create. */
+typedef struct kcu_route_config {
+    int scoring;       /* kern_scoring: KERN_SCORE_SOFTMAX (0) or KERN_SCORE_SIGMOID */
+    int n_group;       /* 0 or 1: no groups; else divides E, at most KCU_MAX_GROUPS */
+    int topk_group;    /* groups kept, 1..n_group (0 = all) */
+    int group_topn;    /* 1 or 2 (0 = 2): a group's score is the sum of its best choices */
+    float route_scale; /* routed_scaling_factor on the K routed weights (0 = 1) */
+    /* shared expert of d_ff Fs = shared_experts * F, held as that many
+     * extra experts (kcu_shared_split, kcu_layer_upload_shared) */
+    int shared_experts; /* m = Fs / F (0 = none); E + m <= 256 */
+    int shared_gate;    /* the shared output is scaled by sigmoid(x . wsg) (else 1) */
+} kcu_route_config;
+
+/* Routing families on the device (kcu_route_config, kcu_layer_upload_bias).
+ * kcu_forward routes as kern_route_cpu: scores s (softmax over E, or
+ * sigmoid per expert); choice c = s + bias; groups (n_group contiguous
+ * groups of E/n_group, a group's score the sum of its group_topn largest c,
+ * the topk_group best groups kept, ties to the lower group); the K largest
+ * c (ties to the lower expert); weights w = s (never the bias), with renorm
+ * divided by their sum (+ 1e-20 for sigmoid), times route_scale. NaN
+ * scores are outside the contract (CPU and GPU may then pick differently).
+ *
+ * Shared expert: its FFN splits over d_ff, so a shared expert of d_ff m*F
+ * is m experts of d_ff F (experts E .. E+m-1 on the device) to which every
+ * token is routed after its K routed ones, with weight 1 or the gate
+ * sigmoid(x . wsg) (wsg is held as router row E, in bf16): S = T*(K+m)
+ * slots, combined in slot order into one bf16 rounding of y (the CPU
+ * oracle rounds the routed sum and the shared output separately: the two
+ * agree to bf16 tolerance, not bit for bit).
+ *
+ * Statistics (kcu_forward_stats) cover the E routed experts only: counts
+ * and dropped (E); aux = E/(K T) sum_e counts_e mean_t s[t,e] with the
+ * scores s as they are (for sigmoid not a distribution, so aux is not 1 at
+ * uniform load: it is kern_moe_forward_ref's value); z = mean_t
+ * logsumexp_e(logits[t,e])^2 for both scorings (as the oracle). The
+ * capacity factor caps the routed experts only (kern_capacity(cf, T, K,
+ * E)); the shared experts are never capped.
+ *
+ * Paths: the general (GEMM) path supports every family. The decode path
+ * and the small router (kcu_decode.cu) take only the plain softmax top-k: a
+ * layer with a family, shared experts or a bias always takes the general
+ * path. kcu_backward supports every family, as kern_moe_backward_ref_g:
+ * the router gradient through the scores (softmax, or sigmoid s (1 - s)),
+ * the renorm (+ 1e-20 for sigmoid) and the scale; the bias and the group
+ * and top-k choices get none; the z-loss is that of the logits' logsumexp
+ * for both scorings; the shared experts' weight gradients land in the m
+ * extra experts (kcu_layer_download_shared_grads reassembles dws1, dws3,
+ * dws2) and the gate's in router row E (dwsg): its logit's gradient is
+ * g (1 - g) <dy, shared output>, rounded to bf16 with the router's.
+ *
+ * Limits (kcu_layer_create_ex: MOE_EINVAL and a stderr line otherwise):
+ * scoring 0 or 1; n_group 0, 1 or a divisor of E up to KCU_MAX_GROUPS;
+ * 0 <= topk_group <= n_group; 0 <= group_topn <= 2; K <= topk_group *
+ * E / n_group; route_scale >= 0 and finite; shared_experts >= 0 with
+ * E + shared_experts <= 256; shared_gate only with shared experts. */
 
 /* kcu_layer_create allocates a layer on the current CUDA device. Weights are
  * uninitialised until kcu_layer_upload. *out owned by the caller, freed with
  * kcu_layer_destroy. Returns MOE_EINVAL for unsupported shapes, MOE_ENOMEM if
  * the device allocations fail. */
 moe_err kcu_layer_create(const kcu_config *cfg, kcu_layer **out);
+/* kcu_layer_create_ex: kcu_layer_create with a routing family and shared
+ * experts (rc NULL = all zero = kcu_layer_create); MOE_EINVAL (and a stderr
+ * line) outside the limits of "Routing families" above. */
+moe_err kcu_layer_create_ex(const kcu_config *cfg, const kcu_route_config *rc, kcu_layer **out);
 /* kcu_layer_destroy frees both device allocations; NULL is a no-op. */
 void kcu_layer_destroy(kcu_layer *l);
 
@@ -89,11 +154,40 @@ void kcu_layer_destroy(kcu_layer *l);
  * be NULL) for GELU. Synchronous. Gradients are zeroed. */
 moe_err kcu_layer_upload(kcu_layer *l, const float *wr, const float *w1, const float *w3,
                          const float *w2);
+/* kcu_layer_upload_bias: the routing choice bias (E) host fp32 (DeepSeek-V3's
+ * e_score_correction_bias; kept in fp32), NULL = zero (the default after
+ * create). Any non-NULL bias makes kcu_forward use the family router (even
+ * when all zero). Synchronous. */
+moe_err kcu_layer_upload_bias(kcu_layer *l, const float *bias);
+/* kcu_layer_upload_shared: the shared expert (kern_layer_weights' ws1, ws3
+ * (Fs,H), ws2 (H,Fs), wsg (H); Fs = rc.shared_experts * F) split into the
+ * m extra experts: expert E+c gets rows cF..cF+F-1 of ws1 / ws3 and those
+ * columns of ws2; wsg becomes router row E (ignored, may be NULL, without
+ * shared_gate; ws3 may be NULL for GELU). Rounded to bf16. Call it after
+ * kcu_layer_upload whenever the shared weights change (kcu_layer_upload
+ * leaves the shared experts and the gate row alone). Synchronous.
+ * MOE_EINVAL when the layer has no shared experts or a needed pointer is
+ * NULL. */
+moe_err kcu_layer_upload_shared(kcu_layer *l, const float *ws1, const float *ws3, const float *ws2,
+                                const float *wsg);
+/* kcu_shared_split: *m = Fs / F, the kcu_route_config.shared_experts of a shared
+ * expert of d_ff Fs (0 for Fs = 0). MOE_EINVAL when Fs < 0, F < 1 or Fs %
+ * F != 0: such a shared expert cannot be split into experts of d_ff F and
+ * the layer cannot hold it. */
+moe_err kcu_shared_split(int Fs, int F, int *m);
 /* kcu_layer_download_grads copies the gradients (accumulated since the last
  * zeroing; widened to f32 when stored in bf16) to host arrays of the same
  * shapes as upload; any may be NULL. Synchronous. MOE_EPRECOND when the
  * layer was created without train. */
 moe_err kcu_layer_download_grads(kcu_layer *l, float *dwr, float *dw1, float *dw3, float *dw2);
+/* kcu_layer_download_shared_grads: the shared expert's gradients, the m
+ * extra experts' reassembled into kern_layer_grads' shapes: dws1, dws3
+ * (Fs,H), dws2 (H,Fs), dwsg (H) (router row E's gradient; only with
+ * shared_gate); any may be NULL. Synchronous. MOE_EPRECOND without train,
+ * MOE_EINVAL without shared experts. The routed experts' and the router's
+ * (E rows) come from kcu_layer_download_grads. */
+moe_err kcu_layer_download_shared_grads(kcu_layer *l, float *dws1, float *dws3, float *dws2,
+                                        float *dwsg);
 /* kcu_layer_zero_grads zeroes the gradients on `stream` (cudaStream_t). */
 moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream);
 

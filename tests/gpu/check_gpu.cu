@@ -9,6 +9,8 @@
  *   bin/check-gpu --gemm-only  only the grouped-GEMM checks: every mode and
  *                            epilogue on each kernel version (v1, v2, v4 with
  *                            and without TMA), one PASS/FAIL line each
+ *   bin/check-gpu --families  only the routing-family checks (kcu_route_config,
+ *                            shared experts) against kern_moe_forward_ref
  *
  * Each stage is checked on the GPU's own upstream values (the CPU top-k runs
  * on the GPU logits, the CPU experts on the GPU routing), so that a near-tie
@@ -37,6 +39,20 @@ extern "C" void cblas_sgemm(const enum CBLAS_ORDER, const enum CBLAS_TRANSPOSE,
 {
     fprintf(stderr, "check-gpu: cblas_sgemm is not available\n");
     abort();
+}
+/* the same for the oracle's shared expert (kern_moe_forward_ref links
+ * shared.o, whose BLAS path is not taken) and the thread count of par.o
+ * (one thread: the CPU paths here run serially or under parallel_for) */
+extern "C" void cblas_sgemv(const enum CBLAS_ORDER, const enum CBLAS_TRANSPOSE, const blasint,
+                            const blasint, const float, const float *, const blasint, const float *,
+                            const blasint, const float, float *, const blasint)
+{
+    fprintf(stderr, "check-gpu: cblas_sgemv is not available\n");
+    abort();
+}
+extern "C" int openblas_get_num_threads(void)
+{
+    return 1;
 }
 
 struct tcase {
@@ -1606,19 +1622,276 @@ static int experts_decode_check(const ecase &c, uint64_t seed)
     return !ok;
 }
 
+/* ---- routing families (kcu_route_config, kern_cuda.h "Routing families") ----
+ * An inference forward of a layer with a routing family and shared experts
+ * against the whole-layer oracle kern_moe_forward_ref (bf16): y within the
+ * bf16 tolerance, counts and dropped (E routed experts) equal, aux and z
+ * close. x (multiples of 1/64 in [-1, 1]) and wr (multiples of 1/1024 in
+ * [-1/16, 1/16]) are chosen so that every partial sum of a logit is exact in
+ * fp32: the GPU's logits equal the oracle's whatever the summation order, so
+ * the two sides choose the same experts (no near-tie flips). Besides, the
+ * CPU routing (kern_route_cpu) run on the GPU's own logits gives the GPU's
+ * expert indices exactly and its weights and scores within tolerance, and
+ * the shared slots hold experts E.. with weight 1 or sigmoid(logit E). With
+ * decode set, the decode path is forced on and must not be taken (the
+ * family falls back to the general path). With train set, a backward
+ * (aux and z coefficients on) against kern_moe_backward_ref_g: dx, dwr,
+ * dw1, dw3, dw2, and the shared expert's dws1, dws3, dws2 (reassembled by
+ * kcu_layer_download_shared_grads) and dwsg, each within the tolerance. */
+struct fcase {
+    const char *name;
+    int T, H, F, E, K;
+    kern_act act;
+    int renorm, scoring, n_group, topk_group, group_topn;
+    float scale;
+    int m;    /* shared experts: Fs = m * F (0: none) */
+    int gate; /* shared gate sigmoid(x . wsg) */
+    int bias; /* 1: random choice bias; 2: an all-zero bias (the family router on a plain routing)
+               */
+    float cf;
+    int decode, train;
+};
+
+static int family_case(const fcase &c, uint64_t seed)
+{
+    const int T = c.T, H = c.H, F = c.F, E = c.E, K = c.K, m = c.m, Fs = c.m * c.F;
+    const int Kt = K + m;
+    const int swiglu = c.act == KERN_ACT_SWIGLU;
+    std::vector<float> wr((size_t)E * H), w1((size_t)E * F * H), w3((size_t)E * F * H),
+        w2((size_t)E * H * F), x((size_t)T * H), bias(E, 0.f);
+    std::vector<float> ws1((size_t)Fs * H + 1), ws3((size_t)Fs * H + 1), ws2((size_t)H * Fs + 1),
+        wsg(H);
+    for (int e = 0; e < E; e++) {
+        kern_init_weight(seed, 0, e, KERN_W1, F, H, w1.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
+    }
+    if (Fs > 0) { /* the shared expert: (Fs,H), (Fs,H), (H,Fs) */
+        kern_init_weight(seed, 1, 0, KERN_W1, Fs, H, ws1.data());
+        kern_init_weight(seed, 1, 0, KERN_W3, Fs, H, ws3.data());
+        kern_init_weight(seed, 1, 0, KERN_W2, H, Fs, ws2.data());
+    }
+    rng_fill_uniform(seed, 5, -0.1f, 0.1f, wsg.data(), wsg.size());
+    if (c.bias == 1)
+        rng_fill_uniform(seed, 6, -0.05f, 0.05f, bias.data(), bias.size());
+    /* exact logits: x = i/64, wr = j/1024 with |i|, |j| <= 64: products are
+     * multiples of 2^-16 below 2^-4 in size, H of them sum below 2^4 */
+    rng_fill_uniform(seed, 1, -1.f, 1.f, x.data(), x.size());
+    for (auto &v : x)
+        v = rintf(v * 64.f) / 64.f;
+    rng_fill_uniform(seed, 7, -1.f, 1.f, wr.data(), wr.size());
+    for (auto &v : wr)
+        v = rintf(v * 64.f) / 1024.f;
+    for (auto *w : {&w1, &w3, &w2, &ws1, &ws3, &ws2, &wsg})
+        kern_bf16_round_n(w->data(), w->size());
+
+    kcu_config cfg = {H, F, E, K, c.act, c.renorm, T, c.train, c.cf};
+    kcu_route_config rc = {c.scoring, c.n_group, c.topk_group, c.group_topn, c.scale, m, c.gate};
+    kcu_layer *l;
+    CKM(kcu_layer_create_ex(&cfg, &rc, &l));
+    CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    if (c.bias)
+        CKM(kcu_layer_upload_bias(l, bias.data()));
+    if (m > 0)
+        CKM(kcu_layer_upload_shared(l, ws1.data(), swiglu ? ws3.data() : NULL, ws2.data(),
+                                    c.gate ? wsg.data() : NULL));
+
+    /* ---- forward (poisoned workspace and output) ---- */
+    std::vector<float> y((size_t)T * H, NAN), y2((size_t)T * H, NAN);
+    if (c.decode)
+        kcu_decode_override = 1;
+    const long long calls0 = kcu_decode_calls;
+    CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+    CKM(kcu_forward(l, T, x.data(), MOE_F32, y2.data(), MOE_F32, c.train, NULL));
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+    CKM(kcu_forward(l, T, x.data(), MOE_F32, y.data(), MOE_F32, c.train, NULL));
+    CK(cudaDeviceSynchronize());
+    const int path_ok = kcu_decode_calls == calls0; /* never the decode path */
+    kcu_decode_override = 0;
+    const int det_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
+    std::vector<int32_t> counts(E), dropped(E);
+    float aux = 0.f, z = 0.f;
+    CKM(kcu_forward_stats(l, counts.data(), dropped.data(), &aux, &z, NULL));
+
+    /* ---- the oracle ---- */
+    kern_moe_shape sh;
+    memset(&sh, 0, sizeof(sh));
+    sh.T = T, sh.H = H, sh.F = F, sh.E = E, sh.K = K, sh.act = c.act, sh.renorm = c.renorm;
+    sh.capacity_factor = c.cf, sh.bf16 = 1;
+    sh.scoring = (kern_scoring)c.scoring, sh.n_group = c.n_group, sh.topk_group = c.topk_group;
+    sh.group_topn = c.group_topn, sh.route_scale = c.scale, sh.Fs = Fs, sh.shared_gate = c.gate;
+    kern_layer_weights lw = {wr.data(),
+                             w1.data(),
+                             swiglu ? w3.data() : NULL,
+                             w2.data(),
+                             c.bias ? bias.data() : NULL,
+                             Fs ? ws1.data() : NULL,
+                             Fs && swiglu ? ws3.data() : NULL,
+                             Fs ? ws2.data() : NULL,
+                             c.gate ? wsg.data() : NULL};
+    std::vector<float> yref((size_t)T * H);
+    std::vector<int32_t> counts_r(E), dropped_r(E);
+    kern_fwd_stats st = {counts_r.data(), dropped_r.data(), 0.f, 0.f};
+    CKM(kern_moe_forward_ref(&sh, &lw, x.data(), yref.data(), &st));
+    const double ey = relerr(y.data(), yref.data(), y.size());
+    const int cnt_ok = counts == counts_r && dropped == dropped_r;
+    const double eaux = fabs(aux - st.aux_loss) / fmax(fabs(st.aux_loss), 1e-6);
+    const double ez = fabs(z - st.z_loss) / fmax(fabs(st.z_loss), 1e-6);
+
+    /* ---- the routing on the GPU's own logits ---- */
+    const std::vector<float> lg_pad = dl(l->logits, (size_t)T * l->Ep);
+    std::vector<float> lg((size_t)T * E), lref((size_t)T * E);
+    for (int t = 0; t < T; t++)
+        memcpy(&lg[(size_t)t * E], &lg_pad[(size_t)t * l->Ep], E * 4);
+    kern_router_logits_cpu(x.data(), wr.data(), T, H, E, lref.data());
+    const int logits_exact = lg == lref;
+    const std::vector<float> probs_g = dl(l->probs, (size_t)T * E),
+                             tw_g = dl(l->topk_w, (size_t)T * Kt);
+    const std::vector<int32_t> idx_g = dl(l->topk_idx, (size_t)T * Kt);
+    kern_route_cfg rcc = kern_route_of_shape(&sh, &lw);
+    std::vector<float> probs_r((size_t)T * E), tw_r((size_t)T * K), twg_r((size_t)T * K);
+    std::vector<int32_t> idx_r((size_t)T * K);
+    kern_route_cpu(lg.data(), T, E, K, &rcc, probs_r.data(), idx_r.data(), tw_r.data());
+    int idx_ok = 1;
+    std::vector<float> gate_g, gate_r;
+    for (int t = 0; t < T; t++) {
+        for (int j = 0; j < K; j++) {
+            idx_ok &= idx_g[(size_t)t * Kt + j] == idx_r[(size_t)t * K + j];
+            twg_r[(size_t)t * K + j] = tw_g[(size_t)t * Kt + j];
+        }
+        const float gl = lg_pad[(size_t)t * l->Ep + E];
+        const float g = c.gate ? 1.f / (1.f + expf(-gl)) : 1.f;
+        for (int j = 0; j < m; j++) {
+            idx_ok &= idx_g[(size_t)t * Kt + K + j] == E + j;
+            gate_g.push_back(tw_g[(size_t)t * Kt + K + j]);
+            gate_r.push_back(g);
+        }
+    }
+    const double eprobs = relerr(probs_g.data(), probs_r.data(), probs_r.size());
+    const double etw = relerr(twg_r.data(), tw_r.data(), tw_r.size());
+    const double egate = m ? relerr(gate_g.data(), gate_r.data(), gate_r.size()) : 0.0;
+
+    /* ---- backward against kern_moe_backward_ref_g: dx, the routed
+     * experts' and the router's gradients, the shared expert's (reassembled
+     * from the extra experts) and its gate's ---- */
+    double edx = 0, edwr = 0, edw1 = 0, edw3 = 0, edw2 = 0, eds1 = 0, eds3 = 0, eds2 = 0, edsg = 0;
+    if (c.train) {
+        const float aux_c = 0.01f, z_c = 0.001f;
+        std::vector<float> dy((size_t)T * H), dx((size_t)T * H, NAN), dx_r((size_t)T * H);
+        rng_fill_uniform(seed, 2, -1.f, 1.f, dy.data(), dy.size());
+        kern_bf16_round_n(dy.data(), dy.size());
+        CKM(kcu_backward(l, dy.data(), MOE_F32, dx.data(), MOE_F32, aux_c, z_c, NULL, 0, NULL));
+        CK(cudaDeviceSynchronize());
+        std::vector<float> g_wr((size_t)E * H), g_w1((size_t)E * F * H), g_w3((size_t)E * F * H),
+            g_w2((size_t)E * H * F), g_s1((size_t)Fs * H + 1), g_s3((size_t)Fs * H + 1),
+            g_s2((size_t)H * Fs + 1), g_sg(H);
+        std::vector<float> r_wr = g_wr, r_w1 = g_w1, r_w3 = g_w3, r_w2 = g_w2, r_s1 = g_s1,
+                           r_s3 = g_s3, r_s2 = g_s2, r_sg = g_sg;
+        CKM(kcu_layer_download_grads(l, g_wr.data(), g_w1.data(), swiglu ? g_w3.data() : NULL,
+                                     g_w2.data()));
+        if (m > 0)
+            CKM(kcu_layer_download_shared_grads(l, g_s1.data(), swiglu ? g_s3.data() : NULL,
+                                                g_s2.data(), c.gate ? g_sg.data() : NULL));
+        kern_layer_grads rg = {r_wr.data(),
+                               r_w1.data(),
+                               swiglu ? r_w3.data() : NULL,
+                               r_w2.data(),
+                               Fs ? r_s1.data() : NULL,
+                               Fs && swiglu ? r_s3.data() : NULL,
+                               Fs ? r_s2.data() : NULL,
+                               c.gate ? r_sg.data() : NULL};
+        CKM(kern_moe_backward_ref_g(&sh, &lw, x.data(), dy.data(), aux_c, z_c, dx_r.data(), &rg));
+        edx = relerr(dx.data(), dx_r.data(), dx.size());
+        edwr = relerr(g_wr.data(), r_wr.data(), r_wr.size());
+        edw1 = relerr(g_w1.data(), r_w1.data(), r_w1.size());
+        edw3 = swiglu ? relerr(g_w3.data(), r_w3.data(), r_w3.size()) : 0.0;
+        edw2 = relerr(g_w2.data(), r_w2.data(), r_w2.size());
+        if (m > 0) {
+            const size_t fh = (size_t)Fs * H;
+            eds1 = relerr(g_s1.data(), r_s1.data(), fh);
+            eds3 = swiglu ? relerr(g_s3.data(), r_s3.data(), fh) : 0.0;
+            eds2 = relerr(g_s2.data(), r_s2.data(), fh);
+            edsg = c.gate ? relerr(g_sg.data(), r_sg.data(), H) : 0.0;
+        }
+    }
+    kcu_layer_destroy(l);
+
+    const double ev[] = {ey,   eaux, ez,   eprobs, etw,  egate, edx, edwr,
+                         edw1, edw3, edw2, eds1,   eds3, eds2,  edsg};
+    int ok = cnt_ok && idx_ok && det_ok && path_ok;
+    for (double d : ev)
+        ok = ok && d < TOL; /* NaN compares false */
+    printf("%-12s T=%-4d E=%-3d K=%d m=%d %s cf=%g | y %.1e probs %.1e topk_w %.1e gate %.1e aux "
+           "%.1e z %.1e | logits %s idx %s counts %s det %s path %s | %s\n",
+           c.name, T, E, K, m, swiglu ? "sw" : "ge", c.cf, ey, eprobs, etw, egate, eaux, ez,
+           logits_exact ? "exact" : "inexact", idx_ok ? "ok" : "BAD", cnt_ok ? "ok" : "BAD",
+           det_ok ? "ok" : "BAD", path_ok ? "ok" : "BAD", ok ? "PASS" : "FAIL");
+    if (c.train)
+        printf("%-12s   backward | dx %.1e dwr %.1e dw1 %.1e dw3 %.1e dw2 %.1e | dws1 %.1e dws3 "
+               "%.1e dws2 %.1e dwsg %.1e\n",
+               "", edx, edwr, edw1, edw3, edw2, eds1, eds3, eds2, edsg);
+    if (!cnt_ok)
+        for (int e = 0; e < E; e++)
+            if (counts[e] != counts_r[e] || dropped[e] != dropped_r[e])
+                fprintf(stderr, "  expert %d: counts %d vs %d, dropped %d vs %d\n", e, counts[e],
+                        counts_r[e], dropped[e], dropped_r[e]);
+    fflush(stdout);
+    return !ok;
+}
+
+/* shapes and settings kcu_layer_create_ex and kcu_shared_split refuse */
+static int family_refusals(void)
+{
+    struct bad {
+        int E, K;
+        kcu_route_config r;
+    } bads[] = {
+        {64, 8, {2, 0, 0, 0, 0.f, 0, 0}},    /* scoring */
+        {64, 8, {1, 6, 3, 2, 0.f, 0, 0}},    /* n_group does not divide E */
+        {256, 8, {1, 128, 4, 2, 0.f, 0, 0}}, /* n_group > KCU_MAX_GROUPS */
+        {64, 8, {1, 8, 9, 2, 0.f, 0, 0}},    /* topk_group > n_group */
+        {64, 8, {1, 32, 3, 2, 0.f, 0, 0}},   /* K > topk_group * E / n_group */
+        {64, 8, {1, 8, 4, 3, 0.f, 0, 0}},    /* group_topn */
+        {64, 8, {1, 8, 4, 2, -1.f, 0, 0}},   /* route_scale */
+        {64, 8, {0, 0, 0, 0, 0.f, 0, 1}},    /* a gate without shared experts */
+        {250, 8, {0, 0, 0, 0, 0.f, 7, 0}},   /* E + m > 256 */
+        {64, 8, {0, 0, 0, 0, 0.f, -1, 0}},   /* m < 0 */
+    };
+    int ok = 1;
+    for (const bad &b : bads) {
+        kcu_config cfg = {256, 256, b.E, b.K, KERN_ACT_SWIGLU, 1, 16, 0, 0.f};
+        kcu_layer *l = NULL;
+        const int refused = kcu_layer_create_ex(&cfg, &b.r, &l) == MOE_EINVAL && l == NULL;
+        if (!refused)
+            kcu_layer_destroy(l);
+        ok &= refused;
+    }
+    int m = -1;
+    ok &= kcu_shared_split(384, 256, &m) == MOE_EINVAL &&
+          kcu_shared_split(-256, 256, &m) == MOE_EINVAL;
+    ok &= kcu_shared_split(1024, 256, &m) == MOE_OK && m == 4;
+    ok &= kcu_shared_split(0, 256, &m) == MOE_OK && m == 0;
+    printf("family refusals (bad routing shapes, Fs %% F != 0) | %s\n", ok ? "PASS" : "FAIL");
+    fflush(stdout);
+    return !ok;
+}
+
 int main(int argc, char **argv)
 {
-    int small = 0, gemm_only = 0;
+    int small = 0, gemm_only = 0, families_only = 0;
     uint64_t seed = 0x5eed;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small"))
             small = 1;
         else if (!strcmp(argv[i], "--gemm-only"))
             gemm_only = 1;
+        else if (!strcmp(argv[i], "--families"))
+            families_only = 1;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
             seed = strtoull(argv[++i], NULL, 0);
         else {
-            fprintf(stderr, "usage: %s [--small | --gemm-only] [--seed N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--small | --gemm-only | --families] [--seed N]\n", argv[0]);
             return 2;
         }
     }
@@ -1636,6 +1909,42 @@ int main(int argc, char **argv)
     }
     const kern_act SW = KERN_ACT_SWIGLU, GE = KERN_ACT_GELU;
     kcu_decode_override = 0; /* the GEMM path; the decode checks below force it on */
+    /* routing families and shared experts against kern_moe_forward_ref:
+     * name T H F E K act renorm scoring n_group topk_group group_topn scale
+     * m gate bias cf decode train */
+    const int SM = KERN_SCORE_SOFTMAX, SG = KERN_SCORE_SIGMOID;
+    std::vector<fcase> fcases = {
+        {"mixtral-fam", 200, 256, 256, 64, 8, SW, 1, SM, 0, 0, 0, 0.f, 0, 0, 2, 0.f, 0, 1},
+        {"deepseek-v3", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
+        {"deepseek-v3", 5, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0},
+        {"deepseek-v2", 200, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 1},
+        {"deepseek-v2", 1, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 1, 0},
+        {"qwen2-moe", 200, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 0, 1},
+        {"qwen2-moe", 8, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0}};
+    if (!small) {
+        const std::vector<fcase> more = {
+            {"v3-cap", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 1.0f, 0, 1},
+            {"v2-gelu", 200, 256, 256, 64, 6, GE, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 1},
+            {"qwen2-moe", 3, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0},
+            {"v3-e255", 300, 256, 256, 255, 8, SW, 1, SG, 5, 2, 2, 2.5f, 1, 1, 1, 0.f, 0, 1},
+            /* many layout chunks, the router gradient split over tokens */
+            {"v3-t1024", 1024, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 1, 1, 0.f, 0, 1}};
+        fcases.insert(fcases.end(), more.begin(), more.end());
+    }
+    auto family_checks = [&]() {
+        int nf = 0;
+        printf("routing families (kcu_route_config) vs kern_moe_forward_ref\n");
+        for (size_t i = 0; i < fcases.size(); i++)
+            nf += family_case(fcases[i], seed + 419 * i);
+        nf += family_refusals();
+        return nf;
+    };
+    if (families_only) {
+        const int nf = family_checks();
+        printf("check-gpu --families: %zu checks, %d failed -> %s\n", fcases.size() + 1, nf,
+               nf ? "FAIL" : "PASS");
+        return nf ? 1 : 0;
+    }
     int fails = gemm_checks(seed);
     fails += gemm_selftest(seed); /* every GEMM mode on each version, v4 included */
     const int gemm_fails = fails;
@@ -1708,6 +2017,8 @@ int main(int argc, char **argv)
                   {37, 64, 256, 384, 16, 4, SW, 1, 1.0f}};
     for (size_t i = 0; i < scases.size(); i++)
         fails += states_check(scases[i], seed + 613 * i);
+
+    fails += family_checks(); /* routing families (above) */
     const int layer_fails = fails - gemm_fails - exp_fails;
 
     /* decode path: inference forwards, forced on */
@@ -1765,7 +2076,8 @@ int main(int argc, char **argv)
 
     printf("check-gpu: %d gemm + %zu experts + %zu layer + %zu decode checks, %d failed (gemm %d, "
            "experts %d, decode %d) (bf16 tolerance %.0e) -> %s\n",
-           3, ecases.size(), cases.size() + scases.size(), dcases.size() + decases.size(), fails,
-           gemm_fails, exp_fails, dec_fails, TOL, fails ? "FAIL" : "PASS");
+           3, ecases.size(), cases.size() + scases.size() + fcases.size() + 1,
+           dcases.size() + decases.size(), fails, gemm_fails, exp_fails, dec_fails, TOL,
+           fails ? "FAIL" : "PASS");
     return fails ? 1 : 0;
 }
