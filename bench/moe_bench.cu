@@ -408,6 +408,61 @@ int main(int argc, char **argv)
         kcu_layer_destroy(l);
     }
 
+    /* routing families: the DeepSeek-V3 layer (256 experts, d_model 7168,
+     * d_ff 2048, top-8) with its routing - sigmoid scores, a choice bias,
+     * 8 groups of which 4 kept (top-2 sums), renormalised, x2.5 - against
+     * plain softmax top-8 of the same shape, same weights, same run. (The
+     * shared expert would be a 257th expert: beyond the kernels' 256.) */
+    for (int T : {4096, 64}) {
+        char tag[64];
+        snprintf(tag, sizeof(tag), "dsv3-route:%d", T);
+        if (quick || (only && !matches(only, tag)))
+            continue;
+        const int H = 7168, F = 2048, E = 256, K = 8;
+        kcu_config cfg = {H, F, E, K, KERN_ACT_SWIGLU, 1, T, 0};
+        kcu_route_config rc;
+        memset(&rc, 0, sizeof(rc));
+        rc.scoring = KERN_SCORE_SIGMOID;
+        rc.n_group = 8;
+        rc.topk_group = 4;
+        rc.group_topn = 2;
+        rc.route_scale = 2.5f;
+        kcu_layer *lf, *ls;
+        CKM(kcu_layer_create_ex(&cfg, &rc, &lf));
+        CKM(kcu_layer_create(&cfg, &ls));
+        fill(lf->wr, (size_t)lf->Ep * H, 11, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(lf->w13, (size_t)E * lf->N1 * H, 12, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(lf->w2, (size_t)E * H * F, 13, -1.f / sqrtf(F), 1.f / sqrtf(F));
+        size_t pb, wb;
+        kcu_layer_bytes(ls, &pb, &wb);
+        CK(cudaMemcpy(ls->wr, lf->wr, (size_t)ls->Ep * H * 2, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy(ls->w13, lf->w13, (size_t)E * ls->N1 * H * 2, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy(ls->w2, lf->w2, (size_t)E * H * F * 2, cudaMemcpyDeviceToDevice));
+        std::vector<float> bias(E);
+        for (int e = 0; e < E; e++)
+            bias[e] = 0.01f * (float)((e * 37) % 17 - 8);
+        CKM(kcu_layer_upload_bias(lf, bias.data()));
+        bf16 *x, *y;
+        CK(cudaMalloc(&x, (size_t)T * H * 2));
+        CK(cudaMalloc(&y, (size_t)T * H * 2));
+        fill(x, (size_t)T * H, 21, -1.f, 1.f);
+        const int reps = T >= 4096 ? 20 : 50;
+        const float f_fam = median_ms(
+            -WARM_MS, reps, [&] { CKM(kcu_forward(lf, T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
+        const float f_soft = median_ms(
+            -WARM_MS, reps, [&] { CKM(kcu_forward(ls, T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
+        const double fl = 2.0 * T * K * H * (2.0 * F + F) + 2.0 * T * H * E;
+        printf("dsv3-route T=%d: DeepSeek-V3 routing %.3f ms (%.0f TFLOP/s), softmax top-8 %.3f ms "
+               "(%.0f TFLOP/s): routing family costs %+.1f%%\n",
+               T, f_fam, fl / (f_fam * 1e-3) / 1e12, f_soft, fl / (f_soft * 1e-3) / 1e12,
+               100.0 * (f_fam - f_soft) / f_soft);
+        fflush(stdout);
+        CK(cudaFree(x));
+        CK(cudaFree(y));
+        kcu_layer_destroy(lf);
+        kcu_layer_destroy(ls);
+    }
+
     /* experts only (the distributed path): one worker's share of 8 */
     struct xcase {
         const char *name;

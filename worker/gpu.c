@@ -130,6 +130,9 @@ void wkr_gpu_pinned_free(void *p)
 #define LAYER_MAX_STATES 16
 typedef struct layer_dev {
     kcu_layer *kl;
+    wkr_model *m; /* its model and layer: the bias and shared expert's tensors */
+    int layer;
+    int bias, shared; /* the layer has a choice bias, a shared expert (of m experts) */
     int nstates;
     uint64_t handle[LAYER_MAX_STATES]; /* the train forward a state holds, 0 = none */
     uint64_t used[LAYER_MAX_STATES];   /* when it was last used (clock) */
@@ -160,10 +163,30 @@ static int layer_take(layer_dev *d)
 static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
 {
     const model_cfg *c = &m->cfg;
-    (void)layer;
     layer_dev *d = calloc(1, sizeof(*d));
     if (!d)
         return MOE_ENOMEM;
+    d->m = m;
+    d->layer = layer;
+    /* the routing family; a shared expert of d_ff Fs = n F runs as n more
+     * experts that every token takes (kcu_route_config) */
+    kcu_route_config rc;
+    memset(&rc, 0, sizeof(rc));
+    rc.scoring = c->scoring;
+    rc.n_group = c->n_group;
+    rc.topk_group = c->topk_group;
+    rc.group_topn = c->group_topn;
+    rc.route_scale = (float)c->routed_scale;
+    rc.shared_gate = c->shared_gate;
+    if (kcu_shared_split(c->shared_d_ff, c->d_ff, &rc.shared_experts) != MOE_OK) {
+        LOG_E("model %s: a shared expert of d_ff %d is not a whole number of experts of d_ff %d: "
+              "not on the GPU",
+              c->name, c->shared_d_ff, c->d_ff);
+        free(d);
+        return MOE_EINVAL;
+    }
+    d->bias = c->score_bias;
+    d->shared = rc.shared_experts;
     d->nstates = train ? (int)w->gpu_train_states : 1;
     if (d->nstates < 1 || d->nstates > LAYER_MAX_STATES)
         d->nstates = 1;
@@ -178,7 +201,7 @@ static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **d
                      (float)c->capacity_factor,
                      (int)w->gpu_grad_bf16,
                      d->nstates};
-    moe_err e = kcu_layer_create(&kc, &d->kl);
+    moe_err e = kcu_layer_create_ex(&kc, &rc, &d->kl);
     if (e != MOE_OK) {
         free(d);
         d = NULL;
@@ -205,13 +228,45 @@ static moe_err layer_upload(void *dev, const wkr_layer *L)
 {
     layer_dev *d = dev;
     memset(d->handle, 0, sizeof(d->handle));
-    return kcu_layer_upload(d->kl, L->wr, L->w1, L->w3, L->w2);
+    moe_err e = kcu_layer_upload(d->kl, L->wr, L->w1, L->w3, L->w2);
+    if (e == MOE_OK && d->bias)
+        e = kcu_layer_upload_bias(d->kl, L->bias);
+    if (e == MOE_OK && d->shared)
+        e = kcu_layer_upload_shared(d->kl, L->ws1, L->ws3, L->ws2, L->wsg);
+    return e;
+}
+
+/* shared_grads_add adds the device's shared-expert gradients (and its
+ * gate's) into the host grads of the layer's extra tensors (before the
+ * device gradients are zeroed) */
+static moe_err shared_grads_add(layer_dev *d)
+{
+    const model_cfg *c = &d->m->cfg;
+    const size_t H = (size_t)c->d_model, sfh = (size_t)c->shared_d_ff * H;
+    const int gated = act_gated(c->act);
+    float *s1 = malloc(sfh * 4), *s3 = gated ? malloc(sfh * 4) : NULL, *s2 = malloc(sfh * 4),
+          *sg = c->shared_gate ? malloc(H * 4) : NULL;
+    moe_err e = s1 && s2 && (!gated || s3) && (!c->shared_gate || sg) ? MOE_OK : MOE_ENOMEM;
+    if (e == MOE_OK)
+        e = kcu_layer_download_shared_grads(d->kl, s1, s3, s2, sg);
+    /* the extra tensors in wkr_layer_extra's order: bias (frozen), ws1,
+     * (ws3,) ws2, wsg */
+    wkr_param *p = wkr_layer_extra(d->m, d->layer) + (c->score_bias ? 1 : 0);
+    const float *src[4] = {s1, gated ? s3 : s2, gated ? s2 : sg, sg};
+    const int n = (gated ? 3 : 2) + (c->shared_gate ? 1 : 0);
+    for (int k = 0; e == MOE_OK && k < n; k++)
+        for (size_t t = 0; t < p[k].n; t++)
+            p[k].grad[t] += src[k][t];
+    free(s1), free(s3), free(s2), free(sg);
+    return e;
 }
 
 static moe_err layer_pull_grads(void *dev, float *gr, float *g1, float *g3, float *g2)
 {
     layer_dev *d = dev;
     moe_err e = kcu_layer_download_grads(d->kl, gr, g1, g3, g2);
+    if (e == MOE_OK && d->shared && d->m->train_ready)
+        e = shared_grads_add(d);
     if (e == MOE_OK)
         e = kcu_layer_zero_grads(d->kl, NULL);
     return e;
@@ -575,9 +630,10 @@ void wkr_gpu_detach(wkr_model *m)
 moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
 {
     const model_cfg *c = &m->cfg;
-    if (model_cfg_routing_extra(c)) {
-        /* the device kernels know softmax top-k only: never a wrong result */
-        LOG_E("model %s: routing %s is not on the GPU yet", c->name, model_cfg_routing_extra(c));
+    if (model_cfg_routing_extra(c) && w->world > 1) {
+        /* the expert-parallel kernels know softmax top-k only: never a wrong result */
+        LOG_E("model %s: routing %s is on one GPU worker only, not across several yet", c->name,
+              model_cfg_routing_extra(c));
         return MOE_EINVAL;
     }
     wkr_gpu_detach(m);
