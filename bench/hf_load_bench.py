@@ -12,7 +12,9 @@ takes, against the bytes it reads and the disk's measured read bandwidth
 2. Reads the shards sequentially twice: through the page cache (what the
    workers' mmap sees: warm when the files are cached) and with O_DIRECT
    (the disk itself, no cache), and reports how much of each file was in
-   the page cache before (fincore, when installed). Nothing is dropped.
+   the page cache before (fincore, when installed). With --cold the
+   shards are then evicted (posix_fadvise DONTNEED) so that the create
+   reads the disk.
 3. Starts a coordinator and --workers CPU workers (bin/), times `moectl
    create --from-hf DIR` (the reply comes once every worker has loaded its
    experts), checks model.info, and stops everything.
@@ -185,6 +187,9 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--shard-gb", type=float, default=2.0)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the shards from the page cache (posix_fadvise DONTNEED) before "
+                         "the create: the load reads the disk")
     a = ap.parse_args()
     os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     generate(a.dir, a.layers, a.shard_gb)
@@ -205,6 +210,15 @@ def main():
           f"{bw_cache / 1e9:.2f} GB/s; cached after: "
           + ("unknown" if frac2 is None else f"{100 * frac2:.0f}%"))
 
+    if a.cold:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        frac3 = cached_fraction(files)
+        print("--cold: shards evicted from the page cache; cached now: "
+              + ("unknown" if frac3 is None else f"{100 * frac3:.0f}%"))
     run = tempfile.mkdtemp(prefix="moe-hf-bench-run.")
     root = os.path.dirname(os.path.abspath(a.dir))
     url, procs = start_cluster(root, a.workers, run)
@@ -220,7 +234,8 @@ def main():
         assert '"ready": true' in info, info[:400]
     finally:
         stop(procs)
-    print(f"moectl create --from-hf ({a.workers} CPU workers, {a.layers} layers): {dt:.2f} s "
+    print(f"moectl create --from-hf ({a.workers} CPU workers, {a.layers} layers"
+          f"{', cold cache' if a.cold else ''}): {dt:.2f} s "
           f"for {nbytes / 1e9:.2f} GB = {nbytes / dt / 1e9:.2f} GB/s; bytes / disk bandwidth "
           f"{nbytes / bw_disk:.2f} s, bytes / page-cache read bandwidth {nbytes / bw_cache:.2f} s")
     print("load average (1, 5, 15 min): %.2f %.2f %.2f" % os.getloadavg())

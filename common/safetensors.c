@@ -481,6 +481,16 @@ float st_f16_to_f32(uint16_t h)
     return f;
 }
 
+void st_prefetch(const st_tensor *t)
+{
+    if (!t || !t->nbytes)
+        return;
+    const long pg = sysconf(_SC_PAGESIZE);
+    uintptr_t a = (uintptr_t)t->data & ~(uintptr_t)(pg - 1);
+    uintptr_t b = (uintptr_t)t->data + t->nbytes;
+    (void)madvise((void *)a, b - a, MADV_WILLNEED); /* a hint: errors change nothing */
+}
+
 moe_err st_to_f32(const st_tensor *t, float *out, size_t n)
 {
     if (t->esize == 0 || t->nbytes / t->esize != n)

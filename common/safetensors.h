@@ -69,6 +69,10 @@ moe_err st_open(const char *path, st_file **out, char *err, size_t errlen);
 #define ST_OPEN_ANY_DTYPE   1u
 #define ST_OPEN_NO_CHECKSUM 2u
 moe_err st_open_flags(const char *path, unsigned flags, st_file **out, char *err, size_t errlen);
+/* st_prefetch asks the kernel to read t's bytes ahead (madvise WILLNEED on
+ * the mapping): a loader that prefetches every tensor it will read keeps
+ * the disk busy while it converts the first ones. A hint only. */
+void st_prefetch(const st_tensor *t);
 /* st_to_f32 converts a tensor of dtype F32, BF16 or F16 to n floats (the
  * tensor's element count must be n); MOE_EINVAL for any other dtype. */
 moe_err st_to_f32(const st_tensor *t, float *out, size_t n);

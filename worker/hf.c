@@ -74,6 +74,19 @@ moe_err wkr_hf_load(wkr_model *m, const hf_cfg *hc, char *err, size_t errlen)
         return e;
     int bf = c->dtype == MOE_BF16;
     size_t fh = (size_t)c->d_ff * c->d_model;
+    /* every tensor read below, asked for at once: the disk reads ahead (a
+     * cold cache otherwise faults the pages in one by one as they convert) */
+    for (int l = 0; l < c->layers; l++) {
+        const st_tensor *t;
+        char perr[8];
+        for (int i = -1; i < m->ne; i++)
+            for (int k = 0; k < (i < 0 ? 1 : 3); k++) {
+                hf_mat mat = i < 0 ? HF_ROUTER : k == 0 ? HF_GATE : k == 1 ? HF_UP : HF_DOWN;
+                if (hf_reader_get(rd, hc->moe[l], i < 0 ? 0 : m->e0 + i, mat, &t, perr,
+                                  sizeof(perr)) == MOE_OK)
+                    st_prefetch(t);
+            }
+    }
     for (int l = 0; e == MOE_OK && l < c->layers; l++) {
         wkr_layer *L = &m->layers[l];
         int hl = hc->moe[l];
