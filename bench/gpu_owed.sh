@@ -9,6 +9,9 @@
 #   bash bench/gpu_owed.sh 2   the survivors' re-formation (kill test
 #                              --min-workers) with and without training,
 #                              then a short mixed kill series (KILLS=8)
+#   bash bench/gpu_owed.sh 4   the lane at T=1 with spinning ring threads, the
+#                              bulk path against raw nng, a cold-cache load
+#                              of a 4-layer Qwen3-shaped checkpoint
 #   bash bench/gpu_owed.sh 3   a kill series of mixed moments (inference,
 #                              kill inside an optimizer step, kill in any
 #                              call) on all GPUs: KILLS runs (default 16)
@@ -59,6 +62,22 @@ case "${1:-1}" in
     fi
     step 300 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-8}" --mix \
         --backend cuda
+    ;;
+4)
+    # the lane at T=1 with the ring threads spinning (cores to spare here)
+    for SPIN in 0 100; do
+        step 90 "lane_t1_spin$SPIN" env MOE_RING_SPIN_US=$((SPIN * 2)) \
+            MOE_WORKER_RING_SPIN_US=$SPIN deploy/gpu-cluster.sh -w 1 -b cuda -- \
+            bin/service_bench --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bf16 \
+            --tokens 1,64 --iters 401 --no-ref --paths socket,shm,shm-zc
+    done
+    # the bulk path against raw nng on this host's loopback, 64 MiB each way
+    step 120 bulk deploy/gpu-cluster.sh -w 1 -b cpu -- bin/service_bench --d-model 4096 \
+        --d-ff 16 --experts 4 --top-k 1 --dtype f32 --tokens 4096 --iters 5 --no-ref \
+        --paths socket,bulk
+    # a Qwen3-30B-A3B-shaped checkpoint of 4 MoE layers loaded from a cold cache
+    step 240 hf_load python3 bench/hf_load_bench.py --layers 4 --cold --workers 2 \
+        --dir "${TMPDIR:-/tmp}/moe-hf-bench/q3"
     ;;
 3)
     step 580 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-16}" --mix \
