@@ -30,7 +30,7 @@ step() { # timeout name command...: the last lines of its output, then rc
     echo "== $name: $*" | log
     timeout "$t" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
-    grep -E "PASS|FAIL|passed|failed|fwd |T=1 |re-formed|kill series|first error|ready again" \
+    grep -E "PASS|FAIL|passed|failed|fwd |T=1 |re-formed|kill series|first error|ready again|GB/s" \
         "$OUT/$name.log" | grep -v "^[0-9]*:" | tail -n 12 | cut -c1-220 | log
     echo "rc=$rc" | log
 }
