@@ -227,7 +227,11 @@ int main(int argc, char **argv)
                                 {"qwen3-dec", 1, 2048, 768, 128, 8, 0, 0},
                                 {"qwen3-dec", 16, 2048, 768, 128, 8, 0, 0},
                                 {"qwen3-dec", 64, 2048, 768, 128, 8, 0, 0},
-                                {"qwen3-dec", 256, 2048, 768, 128, 8, 0, 0}};
+                                {"qwen3-dec", 256, 2048, 768, 128, 8, 0, 0},
+                                /* Qwen3-235B-A22B, inference at T = 2048: 128 rows per
+                                 * expert, every expert touched, ~4.8 GB of weights (a
+                                 * bytes-bound layer: the GB/s column applies) */
+                                {"qwen235", 2048, 4096, 1536, 128, 8, 0, 0}};
     if (quick)
         cases.resize(2);
     printf("%-12s %6s %5s %6s %4s %2s | %9s %8s %6s | %9s %8s %6s | %8s | %8s %8s | %s\n", "case",

@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cuda/kcu_act.cuh"
 #include "kernels/cuda/kcu_internal.cuh"
 #include "kernels/cuda/kcu_topk.cuh"
 
@@ -94,7 +95,8 @@ struct rt_params {
 struct up_params {
     const bf16 *x;   /* (tokens or rows, H) */
     const bf16 *w13; /* (E,N1,H) */
-    int N1, H, F, E, swiglu;
+    int N1, H, F, E;
+    int act; /* kern_act: launch_up instantiates k_dec_up with its functor */
     bf16 *h; /* (rows,F) by sorted row */
     /* routing (layer) when topk_idx != NULL (the router's choices), else
      * the offsets in go */
@@ -213,14 +215,6 @@ __device__ __forceinline__ void warp_rows(const bf16 *__restrict__ wrow, size_t 
     }
 }
 
-__device__ __forceinline__ float sigm(float a)
-{
-    return 1.f / (1.f + __expf(-a));
-}
-__device__ __forceinline__ float gelu_f(float a)
-{
-    return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
-}
 __device__ __forceinline__ float rbf(float x)
 {
     return __bfloat162float(__float2bfloat16_rn(x));
@@ -773,7 +767,9 @@ __device__ void dec_stats(const up_params &p, up_smem &sm)
     write_stats(sm.cnt, sm.col, E, p.K, T, p.stats);
 }
 
-template <int NB, int SWIGLU>
+/* A: the activation functor (kcu_act.cuh); the decode path uses its fwd_div
+ * form (SwiGLU's logistic by __expf and a division, unlike the GEMMs) */
+template <int NB, class A>
 __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_params p)
 {
     __shared__ up_smem sm;
@@ -881,11 +877,11 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
                         if (i < n) {
                             bf16 *hr = p.h + (size_t)(off + i) * F;
                             const float a = acc[nb][hh], b = acc[nb][2 + hh];
-                            if (SWIGLU) {
-                                hr[j * 8 + g] = __float2bfloat16_rn(a * sigm(a) * b);
+                            if (A::gated) { /* rows 16j + g: gate (a), up (b) */
+                                hr[j * 8 + g] = __float2bfloat16_rn(A::fwd_div(a, b));
                             } else {
-                                hr[j * 16 + g] = __float2bfloat16_rn(gelu_f(a));
-                                hr[j * 16 + g + 8] = __float2bfloat16_rn(gelu_f(b));
+                                hr[j * 16 + g] = __float2bfloat16_rn(A::fwd_div(a, 0.f));
+                                hr[j * 16 + g + 8] = __float2bfloat16_rn(A::fwd_div(b, 0.f));
                             }
                         }
                     }
@@ -1090,25 +1086,25 @@ moe_err launch_router(const rt_params &rp, int nsm, cudaStream_t st, int *ncta)
                      : launch_router_t<4>(rp, nsm, st, ncta);
 }
 
-template <int NB, int SW> moe_err launch_up_t(const up_params &up, int nsm, cudaStream_t st)
+template <int NB, class A> moe_err launch_up_t(const up_params &up, int nsm, cudaStream_t st)
 {
     static int occ = 0;
     if (!occ)
-        occ = blocks_per_sm(k_dec_up<NB, SW>, UP_NT, 0);
-    KCU_CHECK(kcu_launch(k_dec_up<NB, SW>, dim3(nsm * occ), dim3(UP_NT), 0, st, 1, 0, up));
+        occ = blocks_per_sm(k_dec_up<NB, A>, UP_NT, 0);
+    KCU_CHECK(kcu_launch(k_dec_up<NB, A>, dim3(nsm * occ), dim3(UP_NT), 0, st, 1, 0, up));
     return MOE_OK;
 }
 
 moe_err launch_up(const up_params &up, int rows, int nsm, cudaStream_t st)
 {
     const int nb = nb_for(rows);
-    if (up.swiglu)
-        return nb == 1   ? launch_up_t<1, 1>(up, nsm, st)
-               : nb == 2 ? launch_up_t<2, 1>(up, nsm, st)
-                         : launch_up_t<4, 1>(up, nsm, st);
-    return nb == 1   ? launch_up_t<1, 0>(up, nsm, st)
-           : nb == 2 ? launch_up_t<2, 0>(up, nsm, st)
-                     : launch_up_t<4, 0>(up, nsm, st);
+    /* one k_dec_up per (NB, functor) */
+    return with_act((kern_act)up.act, [&](auto a) {
+        using A = decltype(a);
+        return nb == 1   ? launch_up_t<1, A>(up, nsm, st)
+               : nb == 2 ? launch_up_t<2, A>(up, nsm, st)
+                         : launch_up_t<4, A>(up, nsm, st);
+    });
 }
 
 template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, cudaStream_t st)
@@ -1306,7 +1302,7 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
     up.N1 = l->N1;
     up.H = H;
     up.F = F;
-    up.swiglu = c->act == KERN_ACT_SWIGLU;
+    up.act = c->act;
     up.h = l->h;
     if (!rp.topk) {
         up.logits = l->logits;
@@ -1369,7 +1365,7 @@ moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const 
     up.H = x->H;
     up.F = x->F;
     up.E = x->ne;
-    up.swiglu = x->act == KERN_ACT_SWIGLU;
+    up.act = x->act;
     up.h = x->h;
     up.ks_force = kcu_decode_force_ks;
     KCU_TRY(launch_up(up, mx, x->nsm, st));

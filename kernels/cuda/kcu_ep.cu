@@ -633,8 +633,7 @@ moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
     a.F = F;
     a.ab = train ? ep->ab + (size_t)rb * ep->N1 : nullptr;
     a.ld_ab = ep->N1;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, ep->c.act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU,
-                     &a, nsm, st));
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, kcu_epi_fwd(ep->c.act), &a, nsm, st));
     a = ep_rows_args(ep, c);
     a.A = ep->h + (size_t)rb * F;
     a.lda = F;
@@ -678,8 +677,7 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
     a.ld_ab = ep->N1;
     a.h = ep->h + (size_t)rb * F;
     a.F = F;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N,
-                     ep->c.act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU, &a, nsm, st));
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, kcu_epi_bwd(ep->c.act), &a, nsm, st));
     if (ep_dense_wgrad(ep)) { /* dW2 now, while the sorted dy rows are in dxsend */
         KCU_TRY(ep_dw2(ep, ep->dxsend, nullptr, nsm, st));
         ep->dw2_done = 1;

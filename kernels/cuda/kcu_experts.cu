@@ -301,8 +301,7 @@ extern "C" moe_err kcu_experts_forward(kcu_experts *x, int N, const void *xin, m
     a.F = F;
     a.ab = keep_for_backward ? x->ab : nullptr;
     a.ld_ab = x->N1;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, x->act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU,
-                     &a, x->nsm, st));
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, kcu_epi_fwd(x->act), &a, x->nsm, st));
 
     a = rows_args(x, tiles);
     a.A = x->h;
@@ -342,8 +341,7 @@ extern "C" moe_err kcu_experts_backward(kcu_experts *x, const void *dy, moe_dtyp
     a.ld_ab = x->N1;
     a.h = x->h;
     a.F = F;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, x->act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU,
-                     &a, x->nsm, st));
+    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, kcu_epi_bwd(x->act), &a, x->nsm, st));
 
     /* dx = dab w13_e */
     a = rows_args(x, tiles);

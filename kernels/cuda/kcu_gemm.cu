@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cuda/kcu_act.cuh"
 #include "kernels/cuda/kcu_internal.cuh"
 
 /* the portable image (kcu_arch.cu) compiles the Hopper kernels empty: their
@@ -78,27 +79,11 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* the logistic function in four instructions (FMUL, MUFU.EX2, FADD,
- * MUFU.RCP; flush-to-zero: a < -88 gives 1 / inf = 0, a > 88 gives 1): the
- * IEEE division and the denormal-safe __expf cost ~20 and a slow-path call
- * site per use, and the SwiGLU epilogues, which run with the tensor cores
- * idle, are bound by their instruction count (bench/NOTES.md) */
-__device__ __forceinline__ float sigm(float a)
-{
-    float e, r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-1.44269504088896341f * a));
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
-    return r;
-}
-__device__ __forceinline__ float gelu_f(float a)
-{
-    return 0.5f * a * (1.f + erff(a * 0.70710678118654752f));
-}
-__device__ __forceinline__ float dgelu_f(float a)
-{
-    return 0.5f * (1.f + erff(a * 0.70710678118654752f)) +
-           a * 0.39894228040143268f * __expf(-0.5f * a * a);
-}
+/* the activation functor of an activation epilogue EPI (kcu_act.cuh; the
+ * arithmetic lives there): SWIGLU/DSWIGLU -> act_swiglu, GELU/DGELU ->
+ * act_gelu; the other epilogues get act_of<0>, which they never call */
+template <int EPI> using epi_act = act_of<(kcu_epi_act(EPI) < 0 ? 0 : kcu_epi_act(EPI))>;
+
 __device__ __forceinline__ void st_bf2(bf16 *p, float x, float y)
 {
     *reinterpret_cast<__nv_bfloat162 *>(p) = __floats2bfloat162_rn(x, y);
@@ -167,6 +152,8 @@ __device__ __forceinline__ float rbf(float x)
 template <int AM, int BMODE, int EPI>
 __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
 {
+    using A = epi_act<EPI>;                    /* the activation epilogues' functor (kcu_act.cuh) */
+    auto rnd = [](float x) { return rbf(x); }; /* the stored h's rounding */
     extern __shared__ __align__(128) uint8_t smem[];
     const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -387,8 +374,7 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                                 const float u1 = acc[mi][2 * np + 1][hr * 2 + 1];
                                 const int cg = n0 + wn * 32 + np * 16 + q4 * 2;
                                 const int f = (n0 + wn * 32 + np * 16) / 2 + q4 * 2;
-                                st_bf2(p.h + (size_t)r * p.F + f, g0 * sigm(g0) * u0,
-                                       g1 * sigm(g1) * u1);
+                                st_bf2(p.h + (size_t)r * p.F + f, A::fwd(g0, u0), A::fwd(g1, u1));
                                 if (p.ab) {
                                     st_bf2(p.ab + (size_t)r * p.ld_ab + cg, g0, g1);
                                     st_bf2(p.ab + (size_t)r * p.ld_ab + cg + 8, u0, u1);
@@ -399,7 +385,7 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                             for (int ni = 0; ni < 4; ni++) {
                                 const int n = n0 + wn * 32 + ni * 8 + q4 * 2;
                                 const float a0 = acc[mi][ni][hr * 2], a1 = acc[mi][ni][hr * 2 + 1];
-                                st_bf2(p.h + (size_t)r * p.F + n, gelu_f(a0), gelu_f(a1));
+                                st_bf2(p.h + (size_t)r * p.F + n, A::fwd(a0, 0.f), A::fwd(a1, 0.f));
                                 if (p.ab)
                                     st_bf2(p.ab + (size_t)r * p.ld_ab + n, a0, a1);
                             }
@@ -414,20 +400,19 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                                 if (EPI == KCU_EPI_DSWIGLU) {
                                     bf16 *pa = p.ab + (size_t)r * p.ld_ab + (f >> 3) * 16 + (f & 7);
                                     const float2 a = ld_bf2(pa), b = ld_bf2(pa + 8);
-                                    const float s0 = sigm(a.x), s1 = sigm(a.y);
-                                    const float sa0 = a.x * s0, sa1 = a.y * s1;
-                                    h0 = rbf(sa0 * b.x);
-                                    h1 = rbf(sa1 * b.y);
-                                    const float e0 = wg * d0, e1 = wg * d1;
-                                    st_bf2(pa, e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
-                                           e1 * b.y * s1 * (1.f + a.y * (1.f - s1)));
-                                    st_bf2(pa + 8, e0 * sa0, e1 * sa1);
+                                    A::bwd2(a, b, wg, d0, d1, rnd, &h0, &h1, [&](auto da, auto db) {
+                                        const float2 ga = da();
+                                        st_bf2(pa, ga.x, ga.y);
+                                        const float2 gb = db();
+                                        st_bf2(pa + 8, gb.x, gb.y);
+                                    });
                                 } else {
                                     bf16 *pa = p.ab + (size_t)r * p.ld_ab + f;
                                     const float2 a = ld_bf2(pa);
-                                    h0 = rbf(gelu_f(a.x));
-                                    h1 = rbf(gelu_f(a.y));
-                                    st_bf2(pa, wg * d0 * dgelu_f(a.x), wg * d1 * dgelu_f(a.y));
+                                    A::bwd2(a, a, wg, d0, d1, rnd, &h0, &h1, [&](auto da, auto) {
+                                        const float2 ga = da();
+                                        st_bf2(pa, ga.x, ga.y);
+                                    });
                                 }
                                 st_bf2(p.h + (size_t)r * p.F + f, wg * h0, wg * h1);
                                 rsum += d0 * h0 + d1 * h1;
@@ -626,6 +611,8 @@ template <int EPI, class LD, class ST>
 __device__ __forceinline__ void wg_dact(const kcu_gemm_args &p, const float (&d)[128], int m0,
                                         int n0, int rend, int rb, int lane, LD ld, ST st)
 {
+    using A = epi_act<EPI>;                    /* DSWIGLU: act_swiglu, DGELU: act_gelu */
+    auto rnd = [](float x) { return rbf(x); }; /* the stored h's rounding */
     const int g = lane >> 2, q4 = lane & 3;
     /* both rows' gate weights before any store (a store could alias them:
      * loaded inside the loop they made a dependent round trip per row) */
@@ -663,20 +650,16 @@ __device__ __forceinline__ void wg_dact(const kcu_gemm_args &p, const float (&d)
                     const float2 a = __bfloat1622float2(av[j]);
                     const float2 b = __bfloat1622float2(bv[j]);
                     float h0, h1;
+                    float da0, da1, db0, db1;
+                    A::bwd(a.x, b.x, wgt * d0, &h0, &da0, &db0);
+                    A::bwd(a.y, b.y, wgt * d1, &h1, &da1, &db1);
+                    h0 = rnd(h0);
+                    h1 = rnd(h1);
                     if (EPI == KCU_EPI_DSWIGLU) {
-                        const float s0 = sigm(a.x), s1 = sigm(a.y);
-                        const float sa0 = a.x * s0, sa1 = a.y * s1;
-                        h0 = rbf(sa0 * b.x);
-                        h1 = rbf(sa1 * b.y);
-                        const float e0 = wgt * d0, e1 = wgt * d1;
-                        st(hr, jc + j, arow, f,
-                           __floats2bfloat162_rn(e0 * b.x * s0 * (1.f + a.x * (1.f - s0)),
-                                                 e1 * b.y * s1 * (1.f + a.y * (1.f - s1))),
-                           __floats2bfloat162_rn(e0 * sa0, e1 * sa1), okm);
+                        st(hr, jc + j, arow, f, __floats2bfloat162_rn(da0, da1),
+                           __floats2bfloat162_rn(db0, db1), okm);
                     } else {
-                        h0 = rbf(gelu_f(a.x));
-                        h1 = rbf(gelu_f(a.y));
-                        st_bf2(arow + f, wgt * d0 * dgelu_f(a.x), wgt * d1 * dgelu_f(a.y));
+                        st_bf2(arow + f, da0, da1);
                     }
                     /* h of columns jj and jj + 1 (16 bytes apart per quad)
                      * in 8-byte pieces */
@@ -708,6 +691,7 @@ template <int EPI>
 __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float (&d)[128], int e,
                                             int m0, int n0, int rend, int ktiles, int rb, int lane)
 {
+    using A = epi_act<EPI>; /* SWIGLU: act_swiglu, GELU: act_gelu */
     const int g = lane >> 2, q4 = lane & 3;
     if (EPI == KCU_EPI_DSWIGLU || EPI == KCU_EPI_DGELU) {
         wg_dact<EPI>(
@@ -794,7 +778,7 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
                         const int jb = j + 2 * jj;
                         const float g0 = d[4 * jb + hr * 2], g1 = d[4 * jb + hr * 2 + 1];
                         const float u0 = d[4 * jb + 4 + hr * 2], u1 = d[4 * jb + 4 + hr * 2 + 1];
-                        hv[jj] = pack_bf2(g0 * sigm(g0) * u0, g1 * sigm(g1) * u1);
+                        hv[jj] = pack_bf2(A::fwd(g0, u0), A::fwd(g1, u1));
                         if (p.ab) {
                             bf16 *ab = p.ab + (size_t)r * p.ld_ab + n0 + 8 * jb;
                             quad_pair_store(ab, ab + 8, pack_bf2(g0, g1), pack_bf2(u0, u1), q4,
@@ -810,8 +794,8 @@ __device__ __forceinline__ void wg_epilogue(const kcu_gemm_args &p, const float 
                     const float a0 = d[4 * j + hr * 2], a1 = d[4 * j + hr * 2 + 1];
                     const float c0 = d[4 * j + 4 + hr * 2], c1 = d[4 * j + 4 + hr * 2 + 1];
                     bf16 *hp = p.h + (size_t)r * p.F + n0 + 8 * j;
-                    quad_pair_store(hp, hp + 8, pack_bf2(gelu_f(a0), gelu_f(a1)),
-                                    pack_bf2(gelu_f(c0), gelu_f(c1)), q4, okm);
+                    quad_pair_store(hp, hp + 8, pack_bf2(A::fwd(a0, 0.f), A::fwd(a1, 0.f)),
+                                    pack_bf2(A::fwd(c0, 0.f), A::fwd(c1, 0.f)), q4, okm);
                     if (p.ab) {
                         bf16 *ap = p.ab + (size_t)r * p.ld_ab + n0 + 8 * j;
                         quad_pair_store(ap, ap + 8, pack_bf2(a0, a1), pack_bf2(c0, c1), q4, okm);
@@ -1951,7 +1935,7 @@ __device__ __forceinline__ void stage_swiglu(const kcu_gemm_args &p, const float
             }
             const int hc = 4 * jb + 2 * q4; /* h column of the item */
             sts_u32(box_addr(sw_box(sta, 4 + (hc >> 6)), row, (hc & 63) * 2),
-                    pack_bf2(g0 * sigm(g0) * u0, g1 * sigm(g1) * u1));
+                    pack_bf2(act_swiglu::fwd(g0, u0), act_swiglu::fwd(g1, u1)));
         }
     }
 }

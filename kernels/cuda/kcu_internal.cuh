@@ -164,6 +164,25 @@ typedef enum kcu_epi {
                           * set instead: Cb_e = bf16(Cb_e + acc) (bf16 gradients) */
 } kcu_epi;
 
+/* kcu_epi_act: the activation (kern_act, the functor's id in kcu_act.cuh)
+ * of an activation epilogue (SWIGLU, GELU, DSWIGLU, DGELU), else -1.
+ * kcu_epi_fwd / kcu_epi_bwd: the forward / backward epilogue of an
+ * activation (callers pass a valid id: the layers check it at create). */
+constexpr int kcu_epi_act(int epi)
+{
+    return epi == KCU_EPI_SWIGLU || epi == KCU_EPI_DSWIGLU ? KERN_ACT_SWIGLU
+           : epi == KCU_EPI_GELU || epi == KCU_EPI_DGELU   ? KERN_ACT_GELU
+                                                           : -1;
+}
+constexpr kcu_epi kcu_epi_fwd(kern_act act)
+{
+    return act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU;
+}
+constexpr kcu_epi kcu_epi_bwd(kern_act act)
+{
+    return act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU;
+}
+
 typedef struct kcu_gemm_args {
     const bf16 *A;
     int lda;

@@ -769,17 +769,19 @@ static const st_ver ST_VERS[] = {{1, -1, 0, 0, 0, "v1"},    {2, -1, 0, 0, 0, "v2
                                  {4, 0, 0, 1, 0, "v4-cpa"}, {4, 1, 1, 1, 0, "v7-clu"},
                                  {4, 1, 1, 0, 0, "v7-reg"}, {4, 1, 1, 1, 1, "v7-dyn"}};
 
-static double st_sig(double a)
+/* the activation references: the CPU table (kernels/act.c) on one value,
+ * the one definition of each activation on the host (the GPU's are the
+ * functors of kernels/cuda/kcu_act.cuh); b unused when ungated */
+static float st_act_fwd(kern_act act, float a, float b)
 {
-    return 1.0 / (1.0 + exp(-a));
+    float h;
+    kern_act_ops_of(act)->forward(&a, &b, 1, &h);
+    return h;
 }
-static double st_gelu(double a)
+static void st_act_bwd(kern_act act, float a, float b, float dh, float *da, float *db)
 {
-    return 0.5 * a * (1.0 + erf(a * 0.70710678118654752));
-}
-static double st_dgelu(double a)
-{
-    return 0.5 * (1.0 + erf(a * 0.70710678118654752)) + a * 0.39894228040143268 * exp(-0.5 * a * a);
+    *db = 0.f;
+    kern_act_ops_of(act)->backward(&a, &b, &dh, 1, da, db);
 }
 
 static int gemm_selftest(uint64_t seed)
@@ -925,18 +927,19 @@ static int gemm_selftest(uint64_t seed)
                         memcpy(&t[(size_t)perm[r] * N], &rC[(size_t)r * N], N * 4);
                     rC = t;
                 }
+                /* the activation of SWIGLU, GELU, DSWIGLU, DGELU */
+                const kern_act act = (kern_act)(kcu_epi_act(epi) < 0 ? 0 : kcu_epi_act(epi));
                 if (epi == KCU_EPI_SWIGLU || epi == KCU_EPI_GELU) {
                     rH.assign((size_t)rows * F, 0.f);
                     rAB = rC;
                     for (int r = 0; r < rows; r++)
                         for (int n = 0; n < N; n++) {
-                            const double v = acc[(size_t)r * N + n];
+                            const float v = (float)acc[(size_t)r * N + n];
                             if (epi == KCU_EPI_GELU)
-                                rH[(size_t)r * F + n] = (float)st_gelu(v);
+                                rH[(size_t)r * F + n] = st_act_fwd(act, v, 0.f);
                             else if (n % 16 < 8) {
-                                const double u = acc[(size_t)r * N + n + 8];
-                                rH[(size_t)r * F + (n / 16) * 8 + n % 8] =
-                                    (float)(v * st_sig(v) * u);
+                                const float u = (float)acc[(size_t)r * N + n + 8];
+                                rH[(size_t)r * F + (n / 16) * 8 + n % 8] = st_act_fwd(act, v, u);
                             }
                         }
                 }
@@ -949,19 +952,16 @@ static int gemm_selftest(uint64_t seed)
                         double dws = 0;
                         for (int f = 0; f < N; f++) {
                             const double d = acc[(size_t)r * N + f];
-                            double h0;
-                            if (dsw) {
-                                const size_t ia = (size_t)r * ld_ab + (f >> 3) * 16 + (f & 7);
-                                const double a = ab_in[ia], b = ab_in[ia + 8], s = st_sig(a);
-                                h0 = kern_bf16_round((float)(a * s * b));
-                                rAB[ia] = (float)(w * d * b * s * (1.0 + a * (1.0 - s)));
-                                rAB[ia + 8] = (float)(w * d * a * s);
-                            } else {
-                                const size_t ia = (size_t)r * ld_ab + f;
-                                const double a = ab_in[ia];
-                                h0 = kern_bf16_round((float)st_gelu(a));
-                                rAB[ia] = (float)(w * d * st_dgelu(a));
-                            }
+                            /* gated: (a, b) interleaved by 8; else a alone */
+                            const size_t ia = dsw ? (size_t)r * ld_ab + (f >> 3) * 16 + (f & 7)
+                                                  : (size_t)r * ld_ab + f;
+                            const float a = ab_in[ia], b = dsw ? ab_in[ia + 8] : 0.f;
+                            float da, db;
+                            const double h0 = kern_bf16_round(st_act_fwd(act, a, b));
+                            st_act_bwd(act, a, b, (float)(w * d), &da, &db);
+                            rAB[ia] = da;
+                            if (dsw)
+                                rAB[ia + 8] = db;
                             rH[(size_t)r * N + f] = (float)(w * h0);
                             dws += d * h0;
                         }
