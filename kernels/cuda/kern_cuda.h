@@ -7,7 +7,7 @@
  * S = T*K routed slots. Storage is bf16, accumulation fp32, dropless.
  * One forward or backward call enqueues kernels on the given stream and never
  * synchronises with the host (except when x/y are host pointers, which are
- * copied through the stream).
+ * copied through the stream); kcu_forward_pipelined is synchronous.
  *
  * Ownership: a kcu_layer owns two device allocations - `params` (bf16
  * weights, fp32 gradients when cfg.train) and `ws` (activations and scratch
@@ -216,10 +216,13 @@ moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void 
  * default stream); the pipeline itself runs on the layer's own streams.
  * Each chunk takes the path (decode, small router, sorted rows) that one
  * kcu_forward of all T tokens would, so that in a dropless layer each
- * token's y is what kcu_forward gives (a token's output does not depend on
- * the other tokens; the exception is the router GEMM of a layer with E >
- * 128 experts, whose kernel is chosen by the row count: there the two
- * agree to bf16 rounding of the logits' last bits).
+ * token's y is the same bits as kcu_forward's (a token's output does not
+ * depend on the other tokens; the exception: a router of more than 128 rows
+ * - E > 128, or E = 128 with a shared gate - whose GEMM kernel, mma.sync or
+ * wgmma, is chosen by the row count (wgmma from about 132 * 128 rows): when
+ * T and the chunk fall on different sides, the logits may differ in their
+ * last bits, and so y to bf16 rounding and, at a near tie, an expert
+ * choice).
  * Statistics: kcu_forward_stats (selected state) then reports the whole
  * batch, as one kcu_forward of T tokens would: counts summed over the
  * chunks (exact), dropped 0, aux and z from the per-expert sums of the

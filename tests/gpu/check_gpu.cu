@@ -11,6 +11,7 @@
  *                            and without TMA), one PASS/FAIL line each
  *   bin/check-gpu --families  only the routing-family checks (kcu_route_config,
  *                            shared experts) against kern_moe_forward_ref
+ *   bin/check-gpu --pipelined  only kcu_forward_pipelined against kcu_forward
  *
  * Each stage is checked on the GPU's own upstream values (the CPU top-k runs
  * on the GPU logits, the CPU experts on the GPU routing), so that a near-tie
@@ -593,6 +594,8 @@ struct pcase {
     moe_dtype xdt, ydt;
     int reg;
     float cf;
+    int family; /* 1: DeepSeek-V3-like routing (sigmoid, 4 groups of which 2
+                 * kept, scale 2.5) and one gated shared expert of d_ff F */
 };
 
 /* host buffer of `bytes`, pinned (reg 0) or malloc'd and registered (reg 1) */
@@ -642,9 +645,22 @@ static int pipe_check(const pcase &c, uint64_t seed)
 
     /* T_max = T: the one-call reference needs it (the chunks need only chunk) */
     kcu_config cfg = {H, F, E, K, c.act, 1, T, 0, c.cf};
+    kcu_route_config rc;
+    memset(&rc, 0, sizeof(rc));
+    if (c.family) {
+        rc.scoring = KERN_SCORE_SIGMOID;
+        rc.n_group = 4;
+        rc.topk_group = 2;
+        rc.route_scale = 2.5f;
+        rc.shared_experts = 1;
+        rc.shared_gate = 1;
+    }
     kcu_layer *l;
-    CKM(kcu_layer_create(&cfg, &l));
+    CKM(kcu_layer_create_ex(&cfg, &rc, &l));
     CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    if (c.family) { /* the shared expert: expert 0's weights, wsg a router row */
+        CKM(kcu_layer_upload_shared(l, w1.data(), swiglu ? w3.data() : NULL, w2.data(), wr.data()));
+    }
     CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
 
     /* host x (T,H) in its dtype; y of the reference and of the pipeline */
@@ -707,12 +723,13 @@ static int pipe_check(const pcase &c, uint64_t seed)
     size_t pbytes = 0, wbytes = 0;
     kcu_layer_bytes(l, &pbytes, &wbytes);
     const int ok = y_same && y_again && finite && cnt_ok && drop_ok && stat_ok;
-    printf("pipelined T=%d H=%d F=%d E=%d K=%d %s chunk=%d x %s y %s %s cf=%.2g | y %s (rel %.1e) "
-           "again %s | counts %s dropped %s | aux %.3e z %.3e | ws %.1f MiB | %s\n",
-           T, H, F, E, K, swiglu ? "sw" : "ge", c.chunk, c.xdt == MOE_F32 ? "f32" : "bf16",
-           c.ydt == MOE_F32 ? "f32" : "bf16", c.reg ? "registered" : "pinned", c.cf,
-           y_same ? "bits" : "BAD", yerr, y_again ? "ok" : "BAD", cnt_ok ? "ok" : "BAD",
-           drop_ok ? "ok" : "BAD", aux_e, z_e, wbytes / 1048576.0, ok ? "PASS" : "FAIL");
+    printf("pipelined T=%d H=%d F=%d E=%d K=%d %s%s chunk=%d x %s y %s %s cf=%.2g | y %s (rel "
+           "%.1e) again %s | counts %s dropped %s | aux %.3e z %.3e | ws %.1f MiB | %s\n",
+           T, H, F, E, K, swiglu ? "sw" : "ge", c.family ? " v3+shared" : "", c.chunk,
+           c.xdt == MOE_F32 ? "f32" : "bf16", c.ydt == MOE_F32 ? "f32" : "bf16",
+           c.reg ? "registered" : "pinned", c.cf, y_same ? "bits" : "BAD", yerr,
+           y_again ? "ok" : "BAD", cnt_ok ? "ok" : "BAD", drop_ok ? "ok" : "BAD", aux_e, z_e,
+           wbytes / 1048576.0, ok ? "PASS" : "FAIL");
     fflush(stdout);
     pipe_host_free(xh, c.reg);
     pipe_host_free(ya, c.reg);
@@ -2023,7 +2040,7 @@ static int family_refusals(void)
 
 int main(int argc, char **argv)
 {
-    int small = 0, gemm_only = 0, families_only = 0;
+    int small = 0, gemm_only = 0, families_only = 0, pipelined_only = 0;
     uint64_t seed = 0x5eed;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small"))
@@ -2032,10 +2049,14 @@ int main(int argc, char **argv)
             gemm_only = 1;
         else if (!strcmp(argv[i], "--families"))
             families_only = 1;
+        else if (!strcmp(argv[i], "--pipelined"))
+            pipelined_only = 1;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
             seed = strtoull(argv[++i], NULL, 0);
         else {
-            fprintf(stderr, "usage: %s [--small | --gemm-only | --families] [--seed N]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--small | --gemm-only | --families | --pipelined] [--seed N]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -2083,6 +2104,40 @@ int main(int argc, char **argv)
         nf += family_refusals();
         return nf;
     };
+    /* kcu_forward_pipelined against one kcu_forward (host x, y) */
+    const moe_dtype B16 = MOE_BF16, F32 = MOE_F32;
+    std::vector<pcase> pcases;
+    if (small)
+        pcases = {{1000, 128, 128, 16, 2, SW, 256, B16, B16, 0, 0.f},
+                  {1000, 128, 128, 16, 2, GE, 300, F32, F32, 1, 0.f}};
+    else
+        pcases = {/* T K = 2000 slots: the small router for the batch and its chunks */
+                  {1000, 256, 256, 16, 2, SW, 256, B16, B16, 0, 0.f},
+                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 1, 0.f},
+                  {1000, 256, 256, 16, 2, GE, 256, F32, F32, 0, 0.f},
+                  {1000, 256, 256, 16, 2, GE, 300, F32, B16, 1, 0.f},
+                  {1000, 256, 256, 16, 2, SW, 300, B16, F32, 0, 0.f},
+                  /* the router GEMM and kcu_route (T K > 2048) */
+                  {3000, 256, 256, 16, 2, SW, 1024, B16, B16, 1, 0.f},
+                  {3000, 256, 256, 16, 2, GE, 700, F32, F32, 0, 0.f},
+                  {5000, 256, 256, 128, 8, SW, 2048, B16, B16, 0, 0.f},
+                  /* a capacity factor: one kcu_forward */
+                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 1.0f},
+                  {3000, 256, 256, 16, 2, GE, 700, F32, F32, 1, 1.25f},
+                  /* a routing family and a gated shared expert (counts over E routed) */
+                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 0.f, 1}};
+    auto pipe_checks = [&]() {
+        int np = 0;
+        for (size_t i = 0; i < pcases.size(); i++)
+            np += pipe_check(pcases[i], seed + 733 * i);
+        return np;
+    };
+    if (pipelined_only) {
+        const int np = pipe_checks();
+        printf("check-gpu --pipelined: %zu checks, %d failed -> %s\n", pcases.size(), np,
+               np ? "FAIL" : "PASS");
+        return np ? 1 : 0;
+    }
     if (families_only) {
         const int nf = family_checks();
         printf("check-gpu --families: %zu checks, %d failed -> %s\n", fcases.size() + 1, nf,
@@ -2164,28 +2219,7 @@ int main(int argc, char **argv)
 
     fails += family_checks(); /* routing families (above) */
 
-    /* kcu_forward_pipelined against one kcu_forward (host x, y) */
-    const moe_dtype B16 = MOE_BF16, F32 = MOE_F32;
-    std::vector<pcase> pcases;
-    if (small)
-        pcases = {{1000, 128, 128, 16, 2, SW, 256, B16, B16, 0, 0.f},
-                  {1000, 128, 128, 16, 2, GE, 300, F32, F32, 1, 0.f}};
-    else
-        pcases = {/* T K = 2000 slots: the small router for the batch and its chunks */
-                  {1000, 256, 256, 16, 2, SW, 256, B16, B16, 0, 0.f},
-                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 1, 0.f},
-                  {1000, 256, 256, 16, 2, GE, 256, F32, F32, 0, 0.f},
-                  {1000, 256, 256, 16, 2, GE, 300, F32, B16, 1, 0.f},
-                  {1000, 256, 256, 16, 2, SW, 300, B16, F32, 0, 0.f},
-                  /* the router GEMM and kcu_route (T K > 2048) */
-                  {3000, 256, 256, 16, 2, SW, 1024, B16, B16, 1, 0.f},
-                  {3000, 256, 256, 16, 2, GE, 700, F32, F32, 0, 0.f},
-                  {5000, 256, 256, 128, 8, SW, 2048, B16, B16, 0, 0.f},
-                  /* a capacity factor: one kcu_forward */
-                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 1.0f},
-                  {3000, 256, 256, 16, 2, GE, 700, F32, F32, 1, 1.25f}};
-    for (size_t i = 0; i < pcases.size(); i++)
-        fails += pipe_check(pcases[i], seed + 733 * i);
+    fails += pipe_checks(); /* kcu_forward_pipelined (above) */
     const int layer_fails = fails - gemm_fails - exp_fails;
 
     /* decode path: inference forwards, forced on */
