@@ -272,16 +272,18 @@ static moe_err layer_pull_grads(void *dev, float *gr, float *g1, float *g3, floa
     return e;
 }
 
-/* host_ptr: p is host memory (pinned, registered or pageable), not device
- * memory (as kcu_is_host_ptr) */
-static int host_ptr(const void *p)
+/* page_locked: p is page-locked host memory (cudaMallocHost, or a segment
+ * registered with cudaHostRegister): the copies of kcu_forward_pipelined
+ * run asynchronously only from and to such memory (a copy to pageable
+ * memory returns when it is done, which would serialise the chunks) */
+static int page_locked(const void *p)
 {
     struct cudaPointerAttributes a;
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
         (void)cudaGetLastError();
-        return 1;
+        return 0;
     }
-    return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
+    return a.type == cudaMemoryTypeHost;
 }
 
 static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const void *x,
@@ -293,12 +295,12 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
     float aux = 0, z = 0;
     moe_err e = MOE_OK;
     int s = 0;
-    /* an inference forward of host rows (a client's registered segment,
-     * pinned buffers), dropless, of at least two chunks: chunked, the
-     * copies overlapped with the compute (same y and statistics) */
+    /* an inference forward of page-locked host rows (a client's registered
+     * segment, pinned buffers), dropless, of at least two chunks: chunked,
+     * the copies overlapped with the compute (same y and statistics) */
     const long long chunk = w->gpu_chunk_tokens;
     const int pipelined = !train && chunk > 0 && m->cfg.capacity_factor == 0 &&
-                          (long long)T >= 2 * chunk && host_ptr(x) && host_ptr(y);
+                          (long long)T >= 2 * chunk && page_locked(x) && page_locked(y);
     if (T > 0 && (s = layer_take(d)) < 0)
         e = MOE_EINTERNAL;
     if (e == MOE_OK && T > 0) {

@@ -274,7 +274,8 @@ moe_err kcu_layer_set_capacity(kcu_layer *l, float capacity_factor);
 moe_err kcu_layer_set_state(kcu_layer *l, int state);
 
 /* kcu_layer_bytes reports the device bytes of the two allocations (ws: all
- * states, plus staging and expert-output buffers allocated on demand). */
+ * states, plus staging and expert-output buffers allocated on demand, and
+ * kcu_forward_pipelined's chunk slots once it ran). */
 void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes);
 
 /* ---- experts only: the distributed path ----
