@@ -9,6 +9,8 @@
  *
  *   bench/moe_bench [--quick | --only LIST]   (--quick: the Mixtral and Qwen3 rows;
  *                                  --only qwen3-dec:1,mixtral-dec: cases by prefix;
+ *                                  --only pipelined: host x, y chunked with the copies
+ *                                  overlapped (kcu_forward_pipelined);
  *                                  MOE_BENCH_NO_AB=1: without the sorted-mode A/B)
  */
 #include <algorithm>
@@ -465,6 +467,69 @@ int main(int argc, char **argv)
         CK(cudaFree(y));
         kcu_layer_destroy(lf);
         kcu_layer_destroy(ls);
+    }
+
+    /* pipelined: the Qwen3 layer's inference forward of T = 16384 tokens
+     * whose x and y (bf16) are in pinned host memory: kcu_forward with host
+     * pointers (the 64 MiB in and out serialised with the compute) against
+     * kcu_forward_pipelined in chunks (the copies overlapped), and the
+     * kernels alone (device x, y). Each timing is a synchronous call
+     * between two events on the default stream. */
+    for (int T : {16384}) {
+        char tag[64];
+        snprintf(tag, sizeof(tag), "pipelined:%d", T);
+        if (quick || (only && !matches(only, tag)))
+            continue;
+        const int H = 2048, F = 768, E = 128, K = 8;
+        kcu_config cfg = {H, F, E, K, KERN_ACT_SWIGLU, 1, T, 0};
+        kcu_layer *l;
+        CKM(kcu_layer_create(&cfg, &l));
+        fill(l->wr, (size_t)l->Ep * H, 11, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(l->w13, (size_t)E * l->N1 * H, 12, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(l->w2, (size_t)E * H * F, 13, -1.f / sqrtf(F), 1.f / sqrtf(F));
+        const size_t n = (size_t)T * H;
+        bf16 *xd, *yd;
+        void *xh, *yh, *yh2;
+        CK(cudaMalloc(&xd, n * 2));
+        CK(cudaMalloc(&yd, n * 2));
+        CK(cudaMallocHost(&xh, n * 2));
+        CK(cudaMallocHost(&yh, n * 2));
+        CK(cudaMallocHost(&yh2, n * 2));
+        fill(xd, n, 21, -1.f, 1.f);
+        CK(cudaMemcpy(xh, xd, n * 2, cudaMemcpyDeviceToHost));
+        const int reps = 20;
+        const float f_dev = median_ms(
+            -WARM_MS, reps, [&] { CKM(kcu_forward(l, T, xd, MOE_BF16, yd, MOE_BF16, 0, NULL)); });
+        const float f_host = median_ms(-WARM_MS, reps, [&] {
+            CKM(kcu_forward(l, T, xh, MOE_BF16, yh, MOE_BF16, 0, NULL));
+            CK(cudaStreamSynchronize(NULL)); /* y in host memory, as the pipelined call */
+        });
+        /* the one-call result, for the bits of the pipelined ones */
+        CK(cudaDeviceSynchronize());
+        printf("pipelined T=%d (Qwen3 layer H=%d F=%d E=%d K=%d, bf16 x, y in pinned host "
+               "memory): kernels alone (device x, y) %.3f ms; kcu_forward with host x, y %.3f ms "
+               "(%.2fx)\n",
+               T, H, F, E, K, f_dev, f_host, f_host / f_dev);
+        for (int chunk : {2048, 4096, 8192}) {
+            memset(yh2, 0xff, n * 2);
+            const float f_pipe = median_ms(-WARM_MS, reps, [&] {
+                CKM(kcu_forward_pipelined(l, T, xh, MOE_BF16, yh2, MOE_BF16, chunk, NULL));
+            });
+            const int same = memcmp(yh, yh2, n * 2) == 0;
+            size_t pb, wb;
+            kcu_layer_bytes(l, &pb, &wb);
+            printf("  kcu_forward_pipelined chunk %5d: %.3f ms (%.2fx the kernels alone, %.2fx "
+                   "the one call's time); y %s; ws %.0f MB\n",
+                   chunk, f_pipe, f_pipe / f_dev, f_pipe / f_host,
+                   same ? "same bits" : "DIFFERS from one call", wb / 1e6);
+        }
+        fflush(stdout);
+        CK(cudaFree(xd));
+        CK(cudaFree(yd));
+        CK(cudaFreeHost(xh));
+        CK(cudaFreeHost(yh));
+        CK(cudaFreeHost(yh2));
+        kcu_layer_destroy(l);
     }
 
     /* experts only (the distributed path): one worker's share of 8 */

@@ -272,6 +272,20 @@ static moe_err layer_pull_grads(void *dev, float *gr, float *g1, float *g3, floa
     return e;
 }
 
+/* page_locked: p is page-locked host memory (cudaMallocHost, or a segment
+ * registered with cudaHostRegister): the copies of kcu_forward_pipelined
+ * run asynchronously only from and to such memory (a copy to pageable
+ * memory returns when it is done, which would serialise the chunks) */
+static int page_locked(const void *p)
+{
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return a.type == cudaMemoryTypeHost;
+}
+
 static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const void *x,
                              moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
                              char *err, size_t errlen)
@@ -281,11 +295,19 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
     float aux = 0, z = 0;
     moe_err e = MOE_OK;
     int s = 0;
-    (void)w;
+    /* an inference forward of page-locked host rows (a client's registered
+     * segment, pinned buffers), dropless, of at least two chunks: chunked,
+     * the copies overlapped with the compute (same y and statistics) */
+    const long long chunk = w->gpu_chunk_tokens;
+    const int pipelined = !train && chunk > 0 && m->cfg.capacity_factor == 0 &&
+                          (long long)T >= 2 * chunk && page_locked(x) && page_locked(y);
     if (T > 0 && (s = layer_take(d)) < 0)
         e = MOE_EINTERNAL;
     if (e == MOE_OK && T > 0) {
-        e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
+        if (pipelined)
+            e = kcu_forward_pipelined(kl, T, x, xdt, y, ydt, (int)chunk, NULL);
+        else
+            e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
         if (e == MOE_OK)
             e = kcu_forward_stats(kl, out->counts, out->dropped, &aux, &z, NULL);
         if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)

@@ -55,6 +55,10 @@ static const cfg_entry worker_cfg[] = {
     {"device", CFG_INT, "0", 0, 1024, &W.device_index, "CUDA device this worker uses"},
     {"gpu-max-tokens", CFG_INT, "16384", 1, 1 << 24, &W.gpu_max_tokens,
      "GPU backend: most tokens of one layer call (sizes the device workspace)"},
+    {"gpu-chunk-tokens", CFG_INT, "4096", 0, 1 << 24, &W.gpu_chunk_tokens,
+     "GPU backend, one-worker cluster: an inference forward of page-locked host rows with at "
+     "least twice this many tokens runs in chunks of this many, the host-device copies "
+     "overlapped with the compute (0 = off)"},
     {"gpu-train-states", CFG_INT, "2", 1, 16, &W.gpu_train_states,
      "GPU backend, one-worker cluster: train forwards per layer kept on the device for their "
      "backward (a pipeline's forwards of several micro-batches do not recompute); each costs "

@@ -155,6 +155,10 @@ struct wkr {
     char cluster_secret_cfg[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
     long long insecure; /* non-loopback listeners without --auth-token allowed */
     long long heartbeat_ms, xchg_timeout_ms, threads, max_msg_mb, device_index, gpu_max_tokens;
+    long long gpu_chunk_tokens;     /* inference forwards of page-locked host rows of at
+                                     * least twice this many tokens run chunked, the copies
+                                     * overlapped with the compute (kcu_forward_pipelined);
+                                     * 0 = off */
     long long stuck_exit_ms;        /* exit 3 when the compute thread does not come back from a
                                      * job this long after its generation was given up */
     long long test_hang_forward_ms; /* tests only: a forward first sleeps this long (ignoring

@@ -344,6 +344,18 @@ struct kcu_layer {
     int T_fwd[KCU_MAX_STATES];   /* tokens of state s's last train forward, 0 if none */
     int cap_fwd[KCU_MAX_STATES]; /* capacity of its last forward (INT32_MAX = dropless) */
     int grads_clean;             /* gradients are logically zero: the next backward stores */
+    /* kcu_forward_pipelined (kcu_pipe.cu): created on its first call (all
+     * zero before), freed by kcu_layer_destroy (kcu_pipe_release). Shared
+     * by the states (nothing in it outlives one call). */
+    cudaStream_t pp_st[3]; /* copy-in, compute, copy-out: non-blocking streams */
+    cudaEvent_t pp_ev[7];  /* x in[2], computed[2], y out[2] per slot; start */
+    int pp_ready;          /* streams and events created */
+    void *pp_buf;          /* device: pp_acc, pp_cnt, then 2 slots of x chunk
+                            * (chunk,H) and y chunk (chunk,H) in the call's dtypes */
+    size_t pp_bytes;       /* bytes of pp_buf (0 until allocated) */
+    double *pp_acc;        /* (E+1) in pp_buf: per-expert sums of the router
+                            * probabilities over the chunks so far, then sum lse^2 */
+    int32_t *pp_cnt;       /* (Et) in pp_buf: slots routed per expert, summed */
 };
 
 /* experts held and slots per token: the E routed experts plus the m =
@@ -415,6 +427,16 @@ int32_t kcu_capacity(float cf, int T, int K, int E);
 /* w13 device row c (gate/up interleaved by 8 rows for SwiGLU) comes from
  * row kcu_w13_src(c) of w1, or of w3 when *from_w3 */
 int kcu_w13_src(int c, int swiglu, int *from_w3);
+
+/* kcu_forward_path: kcu_forward on stream st, its path choices (decode
+ * path, small router, sorted rows for inference) made as for a call of
+ * T_path >= T tokens: the chunks of kcu_forward_pipelined take the path the
+ * whole batch would (kcu_forward: T_path = T) */
+moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
+                         moe_dtype y_dtype, int train, cudaStream_t st, int T_path);
+/* kcu_pipe_release: frees kcu_forward_pipelined's streams, events and
+ * buffers (kcu_layer_destroy); synchronises nothing */
+void kcu_pipe_release(kcu_layer *l);
 
 /* ---- small kernels (kcu_route.cu) ---- */
 moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st);

@@ -423,6 +423,7 @@ extern "C" void kcu_layer_destroy(kcu_layer *l)
         cudaFree(l->stage);
     if (l->ye_own)
         cudaFree(l->ye_own);
+    kcu_pipe_release(l);
     free(l);
 }
 
@@ -443,7 +444,7 @@ extern "C" void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t
     if (params_bytes)
         *params_bytes = l->params_bytes;
     if (ws_bytes)
-        *ws_bytes = l->ws_bytes + l->stage_bytes + l->ye_own_bytes;
+        *ws_bytes = l->ws_bytes + l->stage_bytes + l->ye_own_bytes + l->pp_bytes;
 }
 
 extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
@@ -710,8 +711,13 @@ extern "C" moe_err kcu_layer_download_shared_grads(kcu_layer *l, float *dws1, fl
 extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
                                moe_dtype y_dtype, int train, void *stream)
 {
+    return kcu_forward_path(l, T, x, x_dtype, y, y_dtype, train, (cudaStream_t)stream, T);
+}
+
+moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
+                         moe_dtype y_dtype, int train, cudaStream_t st, int T_path)
+{
     const kcu_config *c = &l->c;
-    cudaStream_t st = (cudaStream_t)stream;
     if (T < 0 || T > c->T_max || (train && !c->train) ||
         (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
         return MOE_EINVAL;
@@ -732,7 +738,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
 
     /* few rows per expert: kcu_decode.cu (plain softmax top-k only: a
      * routing family takes the general path, kcu_decode_use says no) */
-    if (kcu_decode_use(l, T, train)) {
+    if (kcu_decode_use(l, T_path, train)) {
         const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
         l->cap_fwd[l->state] = cap;
         const int yhost = kcu_is_host_ptr(y);
@@ -752,7 +758,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
 
     PHASE("f.router");
     const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
-    const int small = kcu_route_small_use(l, T, train);
+    const int small = kcu_route_small_use(l, T_path, train);
     if (small) /* few slots: one kernel (kcu_decode.cu) */
         KCU_TRY(kcu_route_small(l, T, xb, cap, st));
     else
@@ -764,7 +770,7 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     /* sorted modes: x[tok] copied once into sorted rows (in ye, which the
      * down-projection overwrites later, or kept in xg for dW13) */
     const bf16 *xrows = xb;
-    if (l->sorted || sorted_infer(l, T, train)) {
+    if (l->sorted || sorted_infer(l, T_path, train)) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
         KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + Et, T * Kt, H, dst, small, st));

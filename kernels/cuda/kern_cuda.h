@@ -7,7 +7,7 @@
  * S = T*K routed slots. Storage is bf16, accumulation fp32, dropless.
  * One forward or backward call enqueues kernels on the given stream and never
  * synchronises with the host (except when x/y are host pointers, which are
- * copied through the stream).
+ * copied through the stream); kcu_forward_pipelined is synchronous.
  *
  * Ownership: a kcu_layer owns two device allocations - `params` (bf16
  * weights, fp32 gradients when cfg.train) and `ws` (activations and scratch
@@ -201,6 +201,47 @@ moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream);
 moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
                     moe_dtype y_dtype, int train, void *stream);
 
+/* kcu_forward_pipelined: an inference forward (train = 0) of T tokens whose
+ * x and y (T,H) are host memory - pinned (cudaMallocHost) or registered
+ * (cudaHostRegister) for the overlap; pageable memory works but its copies
+ * do not overlap - MOE_F32 or MOE_BF16 each, cut into chunks of `chunk`
+ * tokens (the last one shorter): chunk i's x is copied to the device on a
+ * copy-in stream while chunk i-1 computes on a compute stream and chunk
+ * i-2's y is copied back on a copy-out stream. The device side is double
+ * buffered (two slots of x chunk and y chunk, in the call's dtypes); events
+ * order the streams: a slot's x is overwritten only after the compute that
+ * read it finished, its y only after its copy-out finished.
+ * Synchronous: returns after everything finished (y is in host memory). It
+ * first waits for the work queued on `stream` (cudaStream_t, NULL = the
+ * default stream); the pipeline itself runs on the layer's own streams.
+ * Each chunk takes the path (decode, small router, sorted rows) that one
+ * kcu_forward of all T tokens would, so that in a dropless layer each
+ * token's y is the same bits as kcu_forward's (a token's output does not
+ * depend on the other tokens; the exception: a router of more than 128 rows
+ * - E > 128, or E = 128 with a shared gate - whose GEMM kernel, mma.sync or
+ * wgmma, is chosen by the row count (wgmma from about 132 * 128 rows): when
+ * T and the chunk fall on different sides, the logits may differ in their
+ * last bits, and so y to bf16 rounding and, at a near tie, an expert
+ * choice).
+ * Statistics: kcu_forward_stats (selected state) then reports the whole
+ * batch, as one kcu_forward of T tokens would: counts summed over the
+ * chunks (exact), dropped 0, aux and z from the per-expert sums of the
+ * router probabilities and the sum of lse^2 accumulated on the device
+ * (double) chunk by chunk, with k_stats_final's formula once at the end;
+ * summed in another order than kcu_forward's, so they may differ from its
+ * values in the last bits (relative ~1e-6).
+ * Dropless only: chunk <= 0, T <= chunk, or a layer with a capacity factor
+ * (chunks would change the capacity) fall back to one kcu_forward on
+ * `stream` (then T <= T_max as there), followed by a synchronisation of
+ * `stream`. Otherwise T may exceed T_max (chunk is clamped to T_max).
+ * Memory: on first use the layer creates three streams and seven events
+ * and allocates 2 * chunk * H * (x and y element sizes) device bytes plus
+ * (E+1)*8 + Et*4 for the statistics (kcu_layer_bytes counts them); a later
+ * call needing more reallocates. The last forward's train state in the
+ * selected state is dropped (as any inference forward). */
+moe_err kcu_forward_pipelined(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
+                              moe_dtype y_dtype, int chunk, void *stream);
+
 /* kcu_backward: dx (T,H) from dy (T,H) for the objective
  * <dy, y> + aux_coef*aux + z_coef*z, T being the selected state's train
  * forward's (MOE_EPRECOND when that state holds none).
@@ -233,7 +274,8 @@ moe_err kcu_layer_set_capacity(kcu_layer *l, float capacity_factor);
 moe_err kcu_layer_set_state(kcu_layer *l, int state);
 
 /* kcu_layer_bytes reports the device bytes of the two allocations (ws: all
- * states, plus staging and expert-output buffers allocated on demand). */
+ * states, plus staging and expert-output buffers allocated on demand, and
+ * kcu_forward_pipelined's chunk slots once it ran). */
 void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes);
 
 /* ---- experts only: the distributed path ----

@@ -11,6 +11,7 @@
  *                            and without TMA), one PASS/FAIL line each
  *   bin/check-gpu --families  only the routing-family checks (kcu_route_config,
  *                            shared experts) against kern_moe_forward_ref
+ *   bin/check-gpu --pipelined  only kcu_forward_pipelined against kcu_forward
  *
  * Each stage is checked on the GPU's own upstream values (the CPU top-k runs
  * on the GPU logits, the CPU experts on the GPU routing), so that a near-tie
@@ -574,6 +575,166 @@ static int states_check(const scase &c, uint64_t seed)
            range_ok ? "ok" : "BAD", one_ok ? "ok" : "BAD", bytes_ok ? "ok" : "BAD",
            ok ? "PASS" : "FAIL");
     fflush(stdout);
+    return !ok;
+}
+
+/* ---- kcu_forward_pipelined: chunked inference forward of host x, y ----
+ * The same layer runs one kcu_forward of all T tokens (host x, y: the
+ * staged path) and kcu_forward_pipelined in chunks of `chunk` tokens; host
+ * memory from cudaMallocHost (reg = 0) or malloc + cudaHostRegister (reg =
+ * 1), x and y bf16 or f32. In a dropless layer each token's y does not
+ * depend on the other tokens (the chunks take the whole batch's path), so
+ * y must be the same bits; counts the same, dropped 0, aux and z within
+ * 1e-5 relative (summed in another order). cf > 0: the pipelined call falls
+ * back to one kcu_forward (same y bits, same statistics). */
+struct pcase {
+    int T, H, F, E, K;
+    kern_act act;
+    int chunk;
+    moe_dtype xdt, ydt;
+    int reg;
+    float cf;
+    int family; /* 1: DeepSeek-V3-like routing (sigmoid, 4 groups of which 2
+                 * kept, scale 2.5) and one gated shared expert of d_ff F */
+};
+
+/* host buffer of `bytes`, pinned (reg 0) or malloc'd and registered (reg 1) */
+static void *pipe_host_alloc(size_t bytes, int reg)
+{
+    void *p = NULL;
+    if (!reg) {
+        CK(cudaMallocHost(&p, bytes));
+        return p;
+    }
+    p = malloc(bytes);
+    if (!p) {
+        fprintf(stderr, "check-gpu: malloc of %zu bytes failed\n", bytes);
+        exit(2);
+    }
+    CK(cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+    return p;
+}
+
+static void pipe_host_free(void *p, int reg)
+{
+    if (!reg) {
+        CK(cudaFreeHost(p));
+        return;
+    }
+    CK(cudaHostUnregister(p));
+    free(p);
+}
+
+static int pipe_check(const pcase &c, uint64_t seed)
+{
+    const int H = c.H, F = c.F, E = c.E, K = c.K, T = c.T;
+    const int swiglu = c.act == KERN_ACT_SWIGLU;
+    const size_t xs = c.xdt == MOE_F32 ? 4 : 2, ys = c.ydt == MOE_F32 ? 4 : 2;
+    const size_t n = (size_t)T * H;
+    std::vector<float> wr((size_t)E * H), w1((size_t)E * F * H), w3((size_t)E * F * H),
+        w2((size_t)E * H * F), x(n);
+    for (int e = 0; e < E; e++) {
+        kern_init_weight(seed, 0, e, KERN_W1, F, H, w1.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W3, F, H, w3.data() + (size_t)e * F * H);
+        kern_init_weight(seed, 0, e, KERN_W2, H, F, w2.data() + (size_t)e * H * F);
+    }
+    kern_init_weight(seed, 0, 0, KERN_W_ROUTER, E, H, wr.data());
+    rng_fill_uniform(seed, 1, -1.f, 1.f, x.data(), n);
+    for (std::vector<float> *v : {&wr, &w1, &w3, &w2, &x})
+        kern_bf16_round_n(v->data(), v->size());
+
+    /* T_max = T: the one-call reference needs it (the chunks need only chunk) */
+    kcu_config cfg = {H, F, E, K, c.act, 1, T, 0, c.cf};
+    kcu_route_config rc;
+    memset(&rc, 0, sizeof(rc));
+    if (c.family) {
+        rc.scoring = KERN_SCORE_SIGMOID;
+        rc.n_group = 4;
+        rc.topk_group = 2;
+        rc.route_scale = 2.5f;
+        rc.shared_experts = 1;
+        rc.shared_gate = 1;
+    }
+    kcu_layer *l;
+    CKM(kcu_layer_create_ex(&cfg, &rc, &l));
+    CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
+    if (c.family) { /* the shared expert: expert 0's weights, wsg a router row */
+        CKM(kcu_layer_upload_shared(l, w1.data(), swiglu ? w3.data() : NULL, w2.data(), wr.data()));
+    }
+    CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+
+    /* host x (T,H) in its dtype; y of the reference and of the pipeline */
+    void *xh = pipe_host_alloc(n * xs, c.reg);
+    void *ya = pipe_host_alloc(n * ys, c.reg);
+    void *yb = pipe_host_alloc(n * ys, c.reg);
+    if (c.xdt == MOE_F32)
+        memcpy(xh, x.data(), n * 4);
+    else
+        for (size_t i = 0; i < n; i++)
+            ((uint16_t *)xh)[i] = kcu_host_bf16(x[i]);
+    memset(ya, 0xff, n * ys); /* NaN in both dtypes */
+    memset(yb, 0xff, n * ys);
+
+    std::vector<int32_t> ca(E, -1), da(E, -1), cb(E, -1), db(E, -1);
+    float aux_a = NAN, z_a = NAN, aux_b = NAN, z_b = NAN;
+    CKM(kcu_forward(l, T, xh, c.xdt, ya, c.ydt, 0, NULL));
+    CKM(kcu_forward_stats(l, ca.data(), da.data(), &aux_a, &z_a, NULL));
+    CK(cudaDeviceSynchronize());
+    /* the statistics buffers poisoned between the two: the pipeline must
+     * write all of them */
+    CK(cudaMemset(l->counts, 0xff, (size_t)E * 4));
+    CK(cudaMemset(l->dropped, 0xff, (size_t)E * 4));
+    CK(cudaMemset(l->stats, 0xff, 2 * 4));
+    CKM(kcu_forward_pipelined(l, T, xh, c.xdt, yb, c.ydt, c.chunk, NULL));
+    /* returned: y already in host memory (no synchronisation before reading it) */
+    const int y_same = memcmp(ya, yb, n * ys) == 0;
+    CKM(kcu_forward_stats(l, cb.data(), db.data(), &aux_b, &z_b, NULL));
+    /* a second pipelined call on the same layer (buffers and streams reused) */
+    memset(yb, 0xff, n * ys);
+    CKM(kcu_forward_pipelined(l, T, xh, c.xdt, yb, c.ydt, c.chunk, NULL));
+    const int y_again = memcmp(ya, yb, n * ys) == 0;
+
+    /* y against the reference within bf16 tolerance too (what differs if
+     * the bits do not), and finite */
+    std::vector<float> fa(n), fb(n);
+    int finite = 1;
+    for (size_t i = 0; i < n; i++) {
+        if (c.ydt == MOE_F32) {
+            fa[i] = ((const float *)ya)[i];
+            fb[i] = ((const float *)yb)[i];
+        } else {
+            fa[i] = kern_bf16_to_f32_inl(((const uint16_t *)ya)[i]);
+            fb[i] = kern_bf16_to_f32_inl(((const uint16_t *)yb)[i]);
+        }
+        finite = finite && isfinite(fa[i]) && isfinite(fb[i]);
+    }
+    const double yerr = relerr(fb.data(), fa.data(), n);
+    int cnt_ok = 1, drop_ok = 1;
+    long long csum = 0;
+    for (int e = 0; e < E; e++) {
+        cnt_ok = cnt_ok && ca[e] == cb[e];
+        drop_ok = drop_ok && db[e] == da[e] && (c.cf > 0.f || db[e] == 0);
+        csum += cb[e];
+    }
+    cnt_ok = cnt_ok && csum == (c.cf > 0.f ? csum : (long long)T * K);
+    auto rel = [](float a, float b) { return (double)fabsf(a - b) / fmax(fabs((double)b), 1e-30); };
+    const double aux_e = rel(aux_b, aux_a), z_e = rel(z_b, z_a);
+    const int stat_ok = isfinite(aux_b) && isfinite(z_b) && aux_e <= 1e-5 && z_e <= 1e-5;
+    size_t pbytes = 0, wbytes = 0;
+    kcu_layer_bytes(l, &pbytes, &wbytes);
+    const int ok = y_same && y_again && finite && cnt_ok && drop_ok && stat_ok;
+    printf("pipelined T=%d H=%d F=%d E=%d K=%d %s%s chunk=%d x %s y %s %s cf=%.2g | y %s (rel "
+           "%.1e) again %s | counts %s dropped %s | aux %.3e z %.3e | ws %.1f MiB | %s\n",
+           T, H, F, E, K, swiglu ? "sw" : "ge", c.family ? " v3+shared" : "", c.chunk,
+           c.xdt == MOE_F32 ? "f32" : "bf16", c.ydt == MOE_F32 ? "f32" : "bf16",
+           c.reg ? "registered" : "pinned", c.cf, y_same ? "bits" : "BAD", yerr,
+           y_again ? "ok" : "BAD", cnt_ok ? "ok" : "BAD", drop_ok ? "ok" : "BAD", aux_e, z_e,
+           wbytes / 1048576.0, ok ? "PASS" : "FAIL");
+    fflush(stdout);
+    pipe_host_free(xh, c.reg);
+    pipe_host_free(ya, c.reg);
+    pipe_host_free(yb, c.reg);
+    kcu_layer_destroy(l);
     return !ok;
 }
 
@@ -1879,7 +2040,7 @@ static int family_refusals(void)
 
 int main(int argc, char **argv)
 {
-    int small = 0, gemm_only = 0, families_only = 0;
+    int small = 0, gemm_only = 0, families_only = 0, pipelined_only = 0;
     uint64_t seed = 0x5eed;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small"))
@@ -1888,10 +2049,14 @@ int main(int argc, char **argv)
             gemm_only = 1;
         else if (!strcmp(argv[i], "--families"))
             families_only = 1;
+        else if (!strcmp(argv[i], "--pipelined"))
+            pipelined_only = 1;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
             seed = strtoull(argv[++i], NULL, 0);
         else {
-            fprintf(stderr, "usage: %s [--small | --gemm-only | --families] [--seed N]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--small | --gemm-only | --families | --pipelined] [--seed N]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -1939,6 +2104,40 @@ int main(int argc, char **argv)
         nf += family_refusals();
         return nf;
     };
+    /* kcu_forward_pipelined against one kcu_forward (host x, y) */
+    const moe_dtype B16 = MOE_BF16, F32 = MOE_F32;
+    std::vector<pcase> pcases;
+    if (small)
+        pcases = {{1000, 128, 128, 16, 2, SW, 256, B16, B16, 0, 0.f},
+                  {1000, 128, 128, 16, 2, GE, 300, F32, F32, 1, 0.f}};
+    else
+        pcases = {/* T K = 2000 slots: the small router for the batch and its chunks */
+                  {1000, 256, 256, 16, 2, SW, 256, B16, B16, 0, 0.f},
+                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 1, 0.f},
+                  {1000, 256, 256, 16, 2, GE, 256, F32, F32, 0, 0.f},
+                  {1000, 256, 256, 16, 2, GE, 300, F32, B16, 1, 0.f},
+                  {1000, 256, 256, 16, 2, SW, 300, B16, F32, 0, 0.f},
+                  /* the router GEMM and kcu_route (T K > 2048) */
+                  {3000, 256, 256, 16, 2, SW, 1024, B16, B16, 1, 0.f},
+                  {3000, 256, 256, 16, 2, GE, 700, F32, F32, 0, 0.f},
+                  {5000, 256, 256, 128, 8, SW, 2048, B16, B16, 0, 0.f},
+                  /* a capacity factor: one kcu_forward */
+                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 1.0f},
+                  {3000, 256, 256, 16, 2, GE, 700, F32, F32, 1, 1.25f},
+                  /* a routing family and a gated shared expert (counts over E routed) */
+                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 0.f, 1}};
+    auto pipe_checks = [&]() {
+        int np = 0;
+        for (size_t i = 0; i < pcases.size(); i++)
+            np += pipe_check(pcases[i], seed + 733 * i);
+        return np;
+    };
+    if (pipelined_only) {
+        const int np = pipe_checks();
+        printf("check-gpu --pipelined: %zu checks, %d failed -> %s\n", pcases.size(), np,
+               np ? "FAIL" : "PASS");
+        return np ? 1 : 0;
+    }
     if (families_only) {
         const int nf = family_checks();
         printf("check-gpu --families: %zu checks, %d failed -> %s\n", fcases.size() + 1, nf,
@@ -2019,6 +2218,8 @@ int main(int argc, char **argv)
         fails += states_check(scases[i], seed + 613 * i);
 
     fails += family_checks(); /* routing families (above) */
+
+    fails += pipe_checks(); /* kcu_forward_pipelined (above) */
     const int layer_fails = fails - gemm_fails - exp_fails;
 
     /* decode path: inference forwards, forced on */
@@ -2076,7 +2277,7 @@ int main(int argc, char **argv)
 
     printf("check-gpu: %d gemm + %zu experts + %zu layer + %zu decode checks, %d failed (gemm %d, "
            "experts %d, decode %d) (bf16 tolerance %.0e) -> %s\n",
-           3, ecases.size(), cases.size() + scases.size() + fcases.size() + 1,
+           3, ecases.size(), cases.size() + scases.size() + fcases.size() + 1 + pcases.size(),
            dcases.size() + decases.size(), fails, gemm_fails, exp_fails, dec_fails, TOL,
            fails ? "FAIL" : "PASS");
     return fails ? 1 : 0;
