@@ -9,7 +9,7 @@
  * dx and every gradient are compared with the single-GPU layer (kcu_layer,
  * all W*T tokens on GPU 0). Not a test.
  *
- *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small [--tokens 16384]
+ *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small|moe64 [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
  *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
  *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
