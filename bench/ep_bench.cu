@@ -9,11 +9,21 @@
  * dx and every gradient are compared with the single-GPU layer (kcu_layer,
  * all W*T tokens on GPU 0). Not a test.
  *
- *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small [--tokens 16384]
+ *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small|moe64 [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
  *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
  *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
  *                             experts hold 18 bytes a parameter in training, 203 GB)
+ *                [--family dsv3|qwen2]   (a routing family and a shared expert, on
+ *                             both the expert-parallel layer and the --check's kcu_layer:
+ *                             dsv3: sigmoid scores, a random choice bias, 8 groups of
+ *                             which 4 are kept (a group's score the sum of its 2 best),
+ *                             renormalised, routed scale 2.5, one shared expert of
+ *                             d_ff F, ungated; qwen2: softmax, no renorm, a shared
+ *                             expert of d_ff 4F gated by sigmoid(x . wsg). The check
+ *                             then compares the shared expert's and the gate's
+ *                             gradients too; it needs E % 8 == 0 and K <= E/2 (dsv3)
+ *                             and E + 1 (dsv3) or E + 4 (qwen2) <= 256)
  *
  * Keep NCCL_NVLS_ENABLE=0 on the shared machines.
  */
@@ -51,12 +61,37 @@ struct shape {
     int H, F, E, K;
 };
 static const shape SHAPES[] = {
-    {"mixtral", 4096, 14336, 8, 2},
-    {"qwen3", 2048, 768, 128, 8},
-    {"small", 512, 256, 16, 2},
+    {"mixtral", 4096, 14336, 8, 2},   {"qwen3", 2048, 768, 128, 8}, {"small", 512, 256, 16, 2},
     {"deepseek", 7168, 2048, 256, 8}, /* DeepSeek-V3's routed experts (its router's
                                          groups and shared expert aside) */
+    {"moe64", 1024, 512, 64, 6},      /* small, 8 experts a group: --family dsv3 checks */
 };
+
+/* --family: the routing family and shared expert of both layers */
+enum { FAM_PLAIN = 0, FAM_DSV3 = 1, FAM_QWEN2 = 2 };
+static const char *const FAM_NAMES[] = {"plain softmax top-k", "dsv3", "qwen2"};
+
+static kcu_route_config family_route(int fam)
+{
+    kcu_route_config r;
+    memset(&r, 0, sizeof(r));
+    if (fam == FAM_DSV3) {
+        r.scoring = KERN_SCORE_SIGMOID;
+        r.n_group = 8;
+        r.topk_group = 4;
+        r.group_topn = 2;
+        r.route_scale = 2.5f;
+        r.shared_experts = 1;
+    } else if (fam == FAM_QWEN2) {
+        r.shared_experts = 4;
+        r.shared_gate = 1;
+    }
+    return r;
+}
+static int family_renorm(int fam)
+{
+    return fam == FAM_QWEN2 ? 0 : 1;
+}
 
 static double now_s()
 {
@@ -92,6 +127,7 @@ struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
     int infer = 0;        /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
     int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
+    int family = FAM_PLAIN;
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};
 };
@@ -100,10 +136,14 @@ struct world {
     opts o;
     ncclUniqueId id;
     pthread_barrier_t bar;
-    std::vector<float> wr, w1, w3, w2; /* the whole layer, host fp32 */
+    std::vector<float> wr, w1, w3, w2;     /* the whole layer, host fp32 */
+    std::vector<float> bias;               /* (E) choice bias (dsv3), empty: none */
+    std::vector<float> ws1, ws3, ws2, wsg; /* shared expert (Fs,H) (Fs,H) (H,Fs), gate (H);
+                                            * empty: none / ungated */
     std::vector<std::vector<float>> x, dy, y, dx;
     std::vector<std::vector<float>> yi;             /* per rank: y of an inference forward */
     std::vector<std::vector<float>> g1, g3, g2, gr; /* per rank: local expert grads, router grad */
+    std::vector<std::vector<float>> gs1, gs3, gs2, gsg; /* per rank: shared expert, gate grads */
     /* results per chunks value (rank 0 writes the max over ranks) */
     std::vector<double> t_fwd, t_fb, t_a2a, t_nccl;
     std::vector<int> used;       /* chunks each setting used (0: chosen per forward): */
@@ -156,7 +196,8 @@ static void *rank_main(void *arg)
     c.E = s.E;
     c.K = s.K;
     c.act = KERN_ACT_SWIGLU;
-    c.renorm = 1;
+    c.renorm = family_renorm(w->o.family);
+    c.route = family_route(w->o.family);
     c.rank = r;
     c.world = W;
     c.T_max = T;
@@ -168,6 +209,11 @@ static void *rank_main(void *arg)
     const int ne = kcu_ep_local_experts(ep, &first);
     CKM(kcu_ep_upload(ep, w->wr.data(), w->w1.data() + (size_t)first * F * H,
                       w->w3.data() + (size_t)first * F * H, w->w2.data() + (size_t)first * H * F));
+    if (!w->bias.empty())
+        CKM(kcu_ep_upload_bias(ep, w->bias.data()));
+    if (!w->ws1.empty()) /* replicated on every rank */
+        CKM(kcu_ep_upload_shared(ep, w->ws1.data(), w->ws3.data(), w->ws2.data(),
+                                 w->wsg.empty() ? nullptr : w->wsg.data()));
 
     /* device inputs for the timing runs */
     void *xd, *yd, *dyd, *dxd;
@@ -199,6 +245,14 @@ static void *rank_main(void *arg)
         CKM(kcu_experts_download_grads(kcu_ep_experts(ep), w->g1[r].data(), w->g3[r].data(),
                                        w->g2[r].data()));
         CKM(kcu_ep_download_router_grad(ep, w->gr[r].data()));
+        if (!w->ws1.empty()) { /* this rank's tokens' share of the shared gradients */
+            w->gs1[r].resize(w->ws1.size());
+            w->gs3[r].resize(w->ws3.size());
+            w->gs2[r].resize(w->ws2.size());
+            w->gsg[r].resize(H);
+            CKM(kcu_ep_download_shared_grads(ep, w->gs1[r].data(), w->gs3[r].data(),
+                                             w->gs2[r].data(), w->gsg[r].data()));
+        }
     }
 
     alltoall_fn a2a = (alltoall_fn)dlsym(RTLD_DEFAULT, "ncclAlltoAll");
@@ -306,12 +360,19 @@ static int check_single(world *w)
     c.E = s.E;
     c.K = s.K;
     c.act = KERN_ACT_SWIGLU;
-    c.renorm = 1;
+    c.renorm = family_renorm(o.family);
     c.T_max = (int)TT;
     c.train = 1;
+    const kcu_route_config rc = family_route(o.family);
+    const int shared = !w->ws1.empty(), gate = !w->wsg.empty();
     kcu_layer *l;
-    CKM(kcu_layer_create(&c, &l));
+    CKM(kcu_layer_create_ex(&c, &rc, &l));
     CKM(kcu_layer_upload(l, w->wr.data(), w->w1.data(), w->w3.data(), w->w2.data()));
+    if (!w->bias.empty())
+        CKM(kcu_layer_upload_bias(l, w->bias.data()));
+    if (shared)
+        CKM(kcu_layer_upload_shared(l, w->ws1.data(), w->ws3.data(), w->ws2.data(),
+                                    gate ? w->wsg.data() : nullptr));
     std::vector<float> x(TT * H), dy(TT * H), y(TT * H), dx(TT * H);
     for (int r = 0; r < W; r++) {
         memcpy(x.data() + (size_t)r * T * H, w->x[r].data(), (size_t)T * H * 4);
@@ -324,6 +385,9 @@ static int check_single(world *w)
     std::vector<float> g1((size_t)E * F * H), g3((size_t)E * F * H), g2((size_t)E * H * F),
         gr((size_t)E * H);
     CKM(kcu_layer_download_grads(l, gr.data(), g1.data(), g3.data(), g2.data()));
+    std::vector<float> gs1(w->ws1.size()), gs3(w->ws3.size()), gs2(w->ws2.size()), gsg(H);
+    if (shared)
+        CKM(kcu_layer_download_shared_grads(l, gs1.data(), gs3.data(), gs2.data(), gsg.data()));
     kcu_layer_destroy(l);
     int nan = 0, fail = 0;
     double ey = 0, edx = 0, eg = 0, egr = 0;
@@ -349,12 +413,33 @@ static int check_single(world *w)
         for (size_t i = 0; i < grs.size(); i++)
             grs[i] += w->gr[r][i];
     egr = rel(grs.data(), gr.data(), grs.size(), &nan);
+    /* the shared expert's and the gate's gradients: each rank's share of
+     * its own tokens, summed over the ranks (the worker's all-reduce) */
+    double esh = 0, egate = 0;
+    if (shared) {
+        auto sum_rel = [&](const std::vector<std::vector<float>> &part,
+                           const std::vector<float> &ref) {
+            std::vector<float> sum(ref.size(), 0.f);
+            for (int r = 0; r < W; r++)
+                for (size_t i = 0; i < sum.size(); i++)
+                    sum[i] += part[r][i];
+            return rel(sum.data(), ref.data(), sum.size(), &nan);
+        };
+        esh = std::max(sum_rel(w->gs1, gs1), std::max(sum_rel(w->gs3, gs3), sum_rel(w->gs2, gs2)));
+        if (gate)
+            egate = sum_rel(w->gsg, gsg);
+    }
     const double tol = 1e-2;
-    fail = nan || ey > tol || eyi > tol || edx > tol || eg > tol || egr > tol;
-    printf("check vs single GPU (%zu tokens on GPU 0): y %.2e (%s), y of an inference forward "
-           "%.2e, dx %.2e, expert grads %.2e, router grad %.2e%s -> %s\n",
-           TT, ey, ybits ? "differs in bits" : "bit-identical", eyi, edx, eg, egr,
-           nan ? ", NaN" : "", fail ? "FAIL" : "pass");
+    fail = nan || ey > tol || eyi > tol || edx > tol || eg > tol || egr > tol || esh > tol ||
+           egate > tol;
+    char extra[128] = "";
+    if (shared)
+        snprintf(extra, sizeof(extra), ", shared expert grads %.2e, gate grad %s%.2e", esh,
+                 gate ? "" : "(none) ", egate);
+    printf("check vs single GPU (%zu tokens on GPU 0, %s routing): y %.2e (%s), y of an "
+           "inference forward %.2e, dx %.2e, expert grads %.2e, router grad %.2e%s%s -> %s\n",
+           TT, FAM_NAMES[o.family], ey, ybits ? "differs in bits" : "bit-identical", eyi, edx, eg,
+           egr, extra, nan ? ", NaN" : "", fail ? "FAIL" : "pass");
     return fail;
 }
 
@@ -408,11 +493,21 @@ int main(int argc, char **argv)
         } else if (!strcmp(a, "--check-chunks")) {
             o.check_chunks = atoi(v);
             i++;
+        } else if (!strcmp(a, "--family")) {
+            if (!strcmp(v, "dsv3"))
+                o.family = FAM_DSV3;
+            else if (!strcmp(v, "qwen2"))
+                o.family = FAM_QWEN2;
+            else {
+                fprintf(stderr, "unknown family %s (dsv3|qwen2)\n", v);
+                return 2;
+            }
+            i++;
         } else {
             fprintf(stderr,
-                    "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small [--tokens T] "
+                    "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small|moe64 [--tokens T] "
                     "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
-                    "[--check-chunks N] [--infer]\n",
+                    "[--check-chunks N] [--infer] [--family dsv3|qwen2]\n",
                     argv[0]);
             return 2;
         }
@@ -429,11 +524,25 @@ int main(int argc, char **argv)
     }
     const shape s = o.s;
     const size_t H = s.H, F = s.F, E = s.E;
+    const kcu_route_config fam = family_route(o.family);
+    if (o.family != FAM_PLAIN) { /* the family's limits (kern_cuda.h), the check's kcu_layer's */
+        const int ng = fam.n_group > 1 ? fam.n_group : 1;
+        const int tg = fam.topk_group > 0 ? fam.topk_group : ng;
+        if (s.E % ng || s.K > tg * (s.E / ng) || (o.check && s.E + fam.shared_experts > 256)) {
+            fprintf(stderr,
+                    "ep_bench: --family %s needs E %% %d == 0, K <= %d * E / %d%s (shape %s: E=%d "
+                    "K=%d)\n",
+                    FAM_NAMES[o.family], ng, tg, ng,
+                    o.check ? " and E + shared experts <= 256 for --check" : "", s.name, s.E, s.K);
+            return 2;
+        }
+    }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("ep_bench: %s x%d, shape %s (H=%d F=%d E=%d K=%d), %d tokens per GPU, SwiGLU bf16, "
-           "%s routing\n",
-           prop.name, o.W, s.name, s.H, s.F, s.E, s.K, o.T, o.skew ? "skewed" : "random");
+           "%s routing, %s\n",
+           prop.name, o.W, s.name, s.H, s.F, s.E, s.K, o.T, o.skew ? "skewed" : "random",
+           FAM_NAMES[o.family]);
     const double t0 = now_s();
     gen(w->wr, E * H, 1, 1.0f / sqrtf((float)H), 0.f);
     if (o.skew) /* expert 0 wins for most tokens: its router row leans on the inputs' mean */
@@ -442,6 +551,16 @@ int main(int argc, char **argv)
     gen(w->w1, E * F * H, 2, 1.0f / sqrtf((float)H), 0.f);
     gen(w->w3, E * F * H, 3, 1.0f / sqrtf((float)H), 0.f);
     gen(w->w2, E * H * F, 4, 1.0f / sqrtf((float)F), 0.f);
+    if (o.family == FAM_DSV3) /* a choice bias of the scores' spread (sigmoid ~0.5 +- 0.1) */
+        gen(w->bias, E, 5, 0.05f, 0.f);
+    if (fam.shared_experts > 0) {
+        const size_t Fs = (size_t)fam.shared_experts * F;
+        gen(w->ws1, Fs * H, 6, 1.0f / sqrtf((float)H), 0.f);
+        gen(w->ws3, Fs * H, 7, 1.0f / sqrtf((float)H), 0.f);
+        gen(w->ws2, H * Fs, 8, 1.0f / sqrtf((float)Fs), 0.f);
+        if (fam.shared_gate)
+            gen(w->wsg, H, 9, 1.0f / sqrtf((float)H), 0.f);
+    }
     w->x.resize(o.W);
     w->dy.resize(o.W);
     w->y.resize(o.W);
@@ -451,6 +570,10 @@ int main(int argc, char **argv)
     w->g3.resize(o.W);
     w->g2.resize(o.W);
     w->gr.resize(o.W);
+    w->gs1.resize(o.W);
+    w->gs3.resize(o.W);
+    w->gs2.resize(o.W);
+    w->gsg.resize(o.W);
     for (int r = 0; r < o.W; r++) {
         gen(w->x[r], (size_t)o.T * H, 100 + r, 1.0f, o.skew ? 0.5f : 0.f);
         gen(w->dy[r], (size_t)o.T * H, 200 + r, 1.0f, 0.f);

@@ -21,6 +21,13 @@
  *   stream dense tiles; with one chunk the activation order is the global
  *   expert order and the weight gradients read dense rows too (dW2 then runs
  *   right after dh, while the sorted dy rows are in dxsend).
+ * Routing families (kcu_ep.h): the router view carries the family
+ * (kcu_route_config without its shared experts, the bias, the gate row E
+ * of wr) and kcu_route runs k_route_family on it, K routed slots a token.
+ * Shared expert: a kcu_experts (sh) of one expert of d_ff m*F on this
+ * rank's T tokens (rows = xb, no exchange), run on the compute stream while
+ * the dispatch flies; its output ys (T,H) joins the combine after the
+ * routed slots, times sigmoid(logits[t, E]) with a gate.
  * Training keeps xrecv, ab, h (owner) and xs, yrecv, routing (token side);
  * backward sends bf16(w*dy) along the forward's paths (xsend -> ysend),
  * runs dh and dx per chunk, returns dx rows (dxsend -> yrecv), and runs the
@@ -28,6 +35,7 @@
  * row -> recv row / activation row).
  */
 #include <limits.h>
+#include <math.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,6 +71,10 @@ struct kcu_ep {
     void *tws;   /* token-side allocation */
     size_t tws_bytes;
     kcu_experts *ex;  /* local experts: weights, gradients, AdamW state */
+    kcu_experts *sh;  /* shared expert (one expert of d_ff m*F, replicated), or NULL */
+    int gate;         /* the shared output is gated: sigmoid(logits[t, E]), wr row E = wsg */
+    bf16 *sy;         /* (T_max,H) shared expert output ys (kept for the gate's gradient),
+                       * then its dx rows in the backward; NULL without shared experts */
     bf16 *xsend;      /* (S_max,H) dispatch rows, then bf16(w dy) rows */
     bf16 *yrecv;      /* (S_max,H) expert outputs back, then dx rows back */
     bf16 *dyb;        /* (T_max,H) staged dy (train) */
@@ -204,11 +216,22 @@ __global__ void k_ep_index(const int32_t *__restrict__ cnt_all, const int32_t *_
     }
 }
 
+/* sigmoid of a gate logit, as k_route_family computes the shared weight */
+__device__ __forceinline__ float ep_gate(float logit)
+{
+    return 1.0f / (1.0f + expf(-logit));
+}
+
 /* out (T,H) = extra + sum_j [w ? bf16(w[s] * rows[pos[s]]) : rows[pos[s]]],
- * j in order (as k_combine). One thread per 8 columns. */
+ * j in order (as k_combine), then the shared row srows[t] (T,H) if given:
+ * + bf16(g srows[t]) with g = sigmoid(glog[t * ldg]) (the gate logit,
+ * column E of the router logits (T,Ep)), or + srows[t] without glog (kcu_layer's
+ * shared slots come after the routed ones in the same order). One thread
+ * per 8 columns. */
 __global__ void k_ep_combine(const bf16 *__restrict__ rows, const int32_t *__restrict__ pos,
-                             const float *__restrict__ w, const float *__restrict__ extra, int T,
-                             int K, int H, void *out, int out_f32)
+                             const float *__restrict__ w, const float *__restrict__ extra,
+                             const bf16 *__restrict__ srows, const float *__restrict__ glog,
+                             int ldg, int T, int K, int H, void *out, int out_f32)
 {
     const int hc = H / 8;
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -230,6 +253,22 @@ __global__ void k_ep_combine(const bf16 *__restrict__ rows, const int32_t *__res
             if (w) {
                 acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
                 acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
+            } else {
+                acc[2 * k] += f.x;
+                acc[2 * k + 1] += f.y;
+            }
+        }
+    }
+    if (srows) {
+        const uint4 raw = *reinterpret_cast<const uint4 *>(srows + (size_t)t * H + col);
+        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+        const float g = glog ? ep_gate(glog[(size_t)t * ldg]) : 1.f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float2 f = __bfloat1622float2(v[k]);
+            if (glog) {
+                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(g * f.x));
+                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(g * f.y));
             } else {
                 acc[2 * k] += f.x;
                 acc[2 * k + 1] += f.y;
@@ -278,6 +317,35 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
         dot += __shfl_xor_sync(0xffffffffu, dot, o);
     if (lane == 0)
         dw[s] = dot;
+}
+
+/* one warp per token t of a gated shared expert: g = sigmoid(glog[t*ld])
+ * (the forward's gate), dot = <dy[t], ys[t]> (fp32, fixed order); the gate
+ * logit's gradient dlog[t*ld] (column E of dlogits (T,Ep)) = bf16(g (1-g)
+ * dot) (k_router_bwd's formula with one shared slot); dy row t becomes
+ * bf16(g dy[t]) in place: the shared expert's dy rows */
+__global__ void k_ep_gate_bwd(bf16 *__restrict__ dy, const bf16 *__restrict__ ys,
+                              const float *__restrict__ glog, int ld, int T, int H,
+                              bf16 *__restrict__ dlog)
+{
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (t >= T)
+        return;
+    const float g = ep_gate(glog[(size_t)t * ld]);
+    bf16 *dyt = dy + (size_t)t * H;
+    const bf16 *yt = ys + (size_t)t * H;
+    float dot = 0.f;
+    for (int i = lane * 2; i < H; i += 64) {
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(dyt + i));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(yt + i));
+        dot += a.x * b.x + a.y * b.y;
+        *reinterpret_cast<__nv_bfloat162 *>(dyt + i) = __floats2bfloat162_rn(g * a.x, g * a.y);
+    }
+    for (int o = 16; o; o >>= 1)
+        dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (lane == 0)
+        dlog[(size_t)t * ld] = __float2bfloat16_rn(g * (1.f - g) * dot);
 }
 
 /* ---- host helpers ---- */
@@ -806,8 +874,11 @@ moe_err stage(kcu_ep *ep, const void *src, moe_dtype dt, bf16 *dst, size_t n, cu
     return kcu_to_bf16(src, dt, dst, n, st);
 }
 
-moe_err finish_out(kcu_ep *ep, const float *w, const float *extra, int T, void *out, moe_dtype dt,
-                   cudaStream_t st)
+/* out (T,H) of dtype dt = the combine of the returned rows (yrecv, through
+ * sendpos) weighted by w (or not), plus extra (T,H) f32, plus the shared
+ * rows srows (T,H) (gated by the logits column glog, ld Ep, or not) */
+moe_err finish_out(kcu_ep *ep, const float *w, const float *extra, const bf16 *srows,
+                   const float *glog, int T, void *out, moe_dtype dt, cudaStream_t st)
 {
     const int H = ep->c.H, host = kcu_is_host_ptr(out);
     KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_done, 0));
@@ -816,7 +887,7 @@ moe_err finish_out(kcu_ep *ep, const float *w, const float *extra, int T, void *
     void *dst = host ? (void *)ep->R.stage : out;
     const size_t n = (size_t)T * (H / 8);
     k_ep_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(
-        ep->yrecv, ep->sendpos, w, extra, T, ep->c.K, H, dst, dt == MOE_F32);
+        ep->yrecv, ep->sendpos, w, extra, srows, glog, ep->R.Ep, T, ep->c.K, H, dst, dt == MOE_F32);
     KCU_CHECK_LAUNCH();
     if (host) {
         /* a copy to pageable memory blocks the host until the stream gets
@@ -847,6 +918,25 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
                 c.F, c.E, c.K, c.T_max, c.world);
         return MOE_EINVAL;
     }
+    /* routing family and shared expert: kcu_layer_create_ex's limits, but
+     * the shared expert is one kcu_experts of d_ff m*F (no E + m <= 256) */
+    const kcu_route_config *rt = &c.route;
+    const int ng = rt->n_group > 1 ? rt->n_group : 1;
+    const int tg = rt->topk_group > 0 ? rt->topk_group : ng;
+    if ((rt->scoring != KERN_SCORE_SOFTMAX && rt->scoring != KERN_SCORE_SIGMOID) ||
+        rt->n_group < 0 || rt->n_group > KCU_MAX_GROUPS || c.E % ng != 0 || rt->topk_group < 0 ||
+        tg > ng || c.K > tg * (c.E / ng) || rt->group_topn < 0 || rt->group_topn > 2 ||
+        !(rt->route_scale >= 0.0f) || isinf(rt->route_scale) || rt->shared_experts < 0 ||
+        (long long)rt->shared_experts * c.F > 65536 ||
+        (rt->shared_gate && rt->shared_experts == 0)) {
+        fprintf(stderr,
+                "kcu_ep_create: unsupported routing scoring=%d n_group=%d topk_group=%d "
+                "group_topn=%d route_scale=%g shared_experts=%d shared_gate=%d (E=%d K=%d F=%d)\n",
+                rt->scoring, rt->n_group, rt->topk_group, rt->group_topn, (double)rt->route_scale,
+                rt->shared_experts, rt->shared_gate, c.E, c.K, c.F);
+        return MOE_EINVAL;
+    }
+    const int m_sh = rt->shared_experts;
     kcu_ep *ep = (kcu_ep *)calloc(1, sizeof(*ep));
     if (!ep)
         return MOE_ENOMEM;
@@ -883,6 +973,10 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
             rc = MOE_EINTERNAL;
     if (rc == MOE_OK)
         rc = kcu_experts_create(c.H, c.F, ep->ne, c.act, 128, c.train, &ep->ex);
+    /* the shared expert: one expert of d_ff m*F over this rank's T_max rows */
+    if (rc == MOE_OK && m_sh > 0)
+        rc = kcu_experts_create(c.H, m_sh * c.F, 1, c.act, c.T_max, c.train, &ep->sh);
+    ep->gate = m_sh > 0 && rt->shared_gate;
     if (rc != MOE_OK) {
         kcu_ep_destroy(ep);
         return rc;
@@ -897,7 +991,17 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     R->c.renorm = c.renorm;
     R->c.T_max = c.T_max;
     R->c.train = c.train;
-    R->Ep = KCU_CEIL_DIV(c.E, KCU_BN) * KCU_BN;
+    /* the family without its shared experts (the layout holds the K routed
+     * slots only; the shared expert is ep->sh), but the family router taken
+     * exactly where kcu_layer_create_ex takes it, shared experts included,
+     * so that both route with the same kernel; a shared gate's wsg is
+     * router row E, as in kcu_layer */
+    R->r = c.route;
+    R->r.shared_experts = 0;
+    R->r.shared_gate = 0;
+    R->family = rt->scoring != KERN_SCORE_SOFTMAX || ng > 1 ||
+                (rt->route_scale != 0.0f && rt->route_scale != 1.0f) || m_sh > 0;
+    R->Ep = KCU_CEIL_DIV(c.E + ep->gate, KCU_BN) * KCU_BN;
     R->nsm = ep->nsm;
     const size_t T = c.T_max, S = T * c.K, H = c.H, E = c.E, Ep = R->Ep;
     const size_t nch = KCU_CEIL_DIV(S, (size_t)256), mt = S / KCU_BM + E + 1;
@@ -931,6 +1035,9 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         take(&R->dsync, KCU_DSYNC_WORDS * 4);
         take(&R->spos, S * 4);
         take(&R->dropped, E * 4);
+        take(&R->bias, E * 4);
+        if (m_sh > 0)
+            take(&ep->sy, T * H * 2);
         take(&ep->xsend, S * H * 2);
         take(&ep->yrecv, S * H * 2);
         take(&ep->sendpos, S * 4);
@@ -956,6 +1063,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     }
     R->max_tiles = (int)(mt - 1);
     if (cudaMemset(R->wr, 0, Ep * H * 2) != cudaSuccess ||
+        cudaMemset(R->bias, 0, E * 4) != cudaSuccess ||
         cudaMemset(R->dsync, 0, KCU_DSYNC_WORDS * 4) != cudaSuccess) {
         kcu_ep_destroy(ep);
         return MOE_EINTERNAL;
@@ -971,6 +1079,8 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
     cudaDeviceSynchronize();
     if (ep->ex)
         kcu_experts_destroy(ep->ex);
+    if (ep->sh)
+        kcu_experts_destroy(ep->sh);
     if (ep->tws)
         cudaFree(ep->tws);
     if (ep->ows)
@@ -1086,8 +1196,17 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
         KCU_CHECK_LAUNCH();
     }
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    if (ep->sh && T > 0) {
+        /* the shared expert on this rank's T tokens: ys (T,H) = expert(xb),
+         * while the dispatch flies (so it leaves NCCL its SMs when there
+         * are peers); kept for the gate's gradient */
+        const int32_t rows = T;
+        ep->sh->nsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
+        KCU_TRY(kcu_experts_forward(ep->sh, T, xb, MOE_BF16, &rows, ep->sy, MOE_BF16, train, st));
+    }
     KCU_TRY(ep_pipeline(ep, 0, train, st));
-    KCU_TRY(finish_out(ep, ep->R.topk_w, nullptr, T, y, y_dtype, st));
+    KCU_TRY(finish_out(ep, ep->R.topk_w, nullptr, ep->sy,
+                       ep->gate ? ep->R.logits + ep->c.E : nullptr, T, y, y_dtype, st));
     ep->T_fwd = train ? (T > 0 ? T : -1) : 0; /* -1: a train forward of no tokens */
     return MOE_OK;
 }
@@ -1112,6 +1231,11 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         KCU_CHECK_LAUNCH();
         KCU_CHECK(cudaMemcpyAsync(R->cglob, ep->counts_global, E * 4, cudaMemcpyHostToDevice, st));
         KCU_TRY(kcu_router_bwd(R, T, ep->T_global, aux_coef, z_coef, st));
+        if (ep->gate) { /* dlogits[:, E] (k_router_bwd left it zero); dyb *= g */
+            k_ep_gate_bwd<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(ep->dyb, ep->sy, R->logits + E, R->Ep,
+                                                              T, H, R->dlogits + E);
+            KCU_CHECK_LAUNCH();
+        }
         kcu_gemm_args a;
         memset(&a, 0, sizeof(a)); /* dxr (T,H) = dlogits (T,Ep) wr (Ep,H) */
         a.A = R->dlogits;
@@ -1140,6 +1264,13 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         ep->rgrads_clean = 0;
     }
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    if (ep->sh && T > 0) {
+        /* the shared expert's backward while the w*dy rows are dispatched:
+         * dy rows dyb ((g dy) with a gate), its dx rows into sy (ys is no
+         * longer needed), its weight gradients accumulated */
+        ep->sh->nsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
+        KCU_TRY(kcu_experts_backward(ep->sh, ep->dyb, MOE_BF16, ep->sy, MOE_BF16, st));
+    }
     ep->dw2_done = 0;
     KCU_TRY(ep_pipeline(ep, 1, 1, st));
     if (ep->N > 0) {
@@ -1172,7 +1303,8 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
             KCU_TRY(ep_dw2(ep, ep->ysend, ep->wgx, wsm, st));
         x->grads_clean = 0;
     }
-    KCU_TRY(finish_out(ep, nullptr, T > 0 ? R->dxr : nullptr, T, dx, dx_dtype, st));
+    KCU_TRY(
+        finish_out(ep, nullptr, T > 0 ? R->dxr : nullptr, ep->sy, nullptr, T, dx, dx_dtype, st));
     ep->T_fwd = 0;
     return MOE_OK;
 }
@@ -1264,6 +1396,8 @@ extern "C" moe_err kcu_ep_zero_grads(kcu_ep *ep)
     if (!ep->c.train)
         return MOE_EPRECOND;
     ep->rgrads_clean = 1;
+    if (ep->sh)
+        KCU_TRY(kcu_experts_zero_grads(ep->sh, nullptr));
     return kcu_experts_zero_grads(ep->ex, nullptr);
 }
 
@@ -1272,11 +1406,75 @@ extern "C" struct kcu_experts *kcu_ep_experts(kcu_ep *ep)
     return ep->ex;
 }
 
+extern "C" struct kcu_experts *kcu_ep_shared_experts(kcu_ep *ep)
+{
+    return ep->sh;
+}
+
+extern "C" moe_err kcu_ep_upload_bias(kcu_ep *ep, const float *bias)
+{
+    const size_t E = ep->c.E;
+    if (!bias) {
+        KCU_CHECK(cudaMemset(ep->R.bias, 0, E * 4));
+        ep->R.has_bias = 0;
+        return MOE_OK;
+    }
+    KCU_CHECK(cudaMemcpy(ep->R.bias, bias, E * 4, cudaMemcpyHostToDevice));
+    ep->R.has_bias = 1;
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_upload_shared(kcu_ep *ep, const float *ws1, const float *ws3,
+                                        const float *ws2, const float *wsg)
+{
+    const int swiglu = ep->c.act == KERN_ACT_SWIGLU;
+    if (!ep->sh || !ws1 || !ws2 || (swiglu && !ws3) || (ep->gate && !wsg))
+        return MOE_EINVAL;
+    /* one expert of d_ff Fs: ws1, ws3 (1,Fs,H) and ws2 (1,H,Fs) are
+     * kcu_experts_upload's shapes as they are */
+    KCU_TRY(kcu_experts_upload(ep->sh, ws1, swiglu ? ws3 : nullptr, ws2));
+    if (ep->gate) { /* wsg (H) -> router row E, bf16 */
+        const size_t H = ep->c.H;
+        uint16_t *b = (uint16_t *)malloc(H * 2);
+        if (!b)
+            return MOE_ENOMEM;
+        for (size_t i = 0; i < H; i++)
+            b[i] = kcu_host_bf16(wsg[i]);
+        const cudaError_t e =
+            cudaMemcpy(ep->R.wr + (size_t)ep->c.E * H, b, H * 2, cudaMemcpyHostToDevice);
+        free(b);
+        KCU_CHECK(e);
+    }
+    ep->T_fwd = 0; /* the shared expert's kept forward is gone (as kcu_ep_upload) */
+    return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_download_shared_grads(kcu_ep *ep, float *dws1, float *dws3, float *dws2,
+                                                float *dwsg)
+{
+    if (!ep->c.train)
+        return MOE_EPRECOND;
+    if (!ep->sh)
+        return MOE_EINVAL;
+    KCU_TRY(kcu_experts_download_grads(ep->sh, dws1, dws3, dws2)); /* synchronises the device */
+    if (dwsg && ep->gate) {
+        const size_t H = ep->c.H;
+        if (ep->rgrads_clean)
+            memset(dwsg, 0, H * 4);
+        else
+            KCU_CHECK(
+                cudaMemcpy(dwsg, ep->R.g_wr + (size_t)ep->c.E * H, H * 4, cudaMemcpyDeviceToHost));
+    }
+    return MOE_OK;
+}
+
 extern "C" size_t kcu_ep_bytes(const kcu_ep *ep)
 {
-    size_t p = 0, w = 0;
+    size_t p = 0, w = 0, sp = 0, sw = 0;
     kcu_experts_bytes(ep->ex, &p, &w);
-    return p + w + ep->tws_bytes + ep->ows_bytes;
+    if (ep->sh)
+        kcu_experts_bytes(ep->sh, &sp, &sw);
+    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes;
 }
 
 extern "C" int kcu_ep_local_experts(const kcu_ep *ep, int *first)

@@ -48,6 +48,7 @@ extern "C" {
 #endif
 
 #include "kernels/kern.h"
+#include "kernels/cuda/kern_cuda.h"
 #include "base/moe.h"
 
 typedef struct kcu_ep kcu_ep;
@@ -62,7 +63,40 @@ typedef struct kcu_ep_config {
     int chunks;     /* overlap degree, 1..8; 0 = per forward by kcu_ep_auto_chunks */
     int comm_sms;   /* SMs the GEMMs leave free while chunks > 1 (0 = default 32) */
     int timeout_ms; /* bound on each wait for peers (0 = 60000) */
+    /* routing family and shared experts, as kcu_layer_create_ex's (all zero:
+     * the plain softmax top-k); see "Routing families and shared experts"
+     * below. Last, so that code that sets the fields above by name (after a
+     * memset) needs no change. */
+    kcu_route_config route;
 } kcu_ep_config;
+
+/* Routing families and shared experts (kern_cuda.h "Routing families").
+ *
+ * Token side: the router GEMM and the family router of kcu_layer
+ * (k_route_family: the same kernel, so the same choices and weights for the
+ * same logits), the layout of the K routed slots only, the statistics
+ * (counts over the E routed experts, probs_sum of the scores s as they are,
+ * z_sum of logsumexp(logits)^2 for both scorings) and the router backward
+ * through the family (sigmoid, renorm, route_scale; the bias and the
+ * selections get no gradient).
+ *
+ * Shared expert (route.shared_experts = m > 0, d_ff Fs = m*F): replicated
+ * on every rank (kcu_ep_upload_shared), applied by each rank to its own T
+ * tokens with no exchange: a kcu_experts of ONE expert of d_ff Fs
+ * (kcu_ep_shared_experts) receives all T rows; its output ys (T,H) is added
+ * to y in the combine after the K routed slots, times the gate
+ * g = sigmoid(x . wsg) (route.shared_gate; wsg is router row E, as in
+ * kcu_layer) or 1. kcu_layer holds the same expert as m experts of d_ff F
+ * and rounds each one's output to bf16 separately: the two agree to bf16
+ * rounding, not bit for bit. Backward: the shared expert gets dy rows
+ * (bf16(g dy) with a gate) and returns its part of dx; its weight
+ * gradients (kcu_ep_download_shared_grads) and the gate's (router row E's:
+ * its logit's gradient g (1 - g) <dy, ys>) are this rank's tokens' only:
+ * the caller all-reduces them over the ranks, as the router's.
+ *
+ * Limits: those of kcu_layer_create_ex (kern_cuda.h), except that E +
+ * shared_experts may exceed 256 here (the shared expert is not held as
+ * extra routed experts); Fs <= 65536. */
 
 /* kcu_ep_create on the current CUDA device; comm is an ncclComm_t of
  * `world` ranks in which this process is `rank`. MOE_EINVAL for unsupported
@@ -124,13 +158,42 @@ moe_err kcu_ep_stats(kcu_ep *ep, double *probs_sum, double *z_sum, void *stream)
  * return together */
 int64_t kcu_ep_last_a2a_bytes(const kcu_ep *ep);
 
-/* gradients / weights: router (E,H) and local experts as in upload. The
+/* kcu_ep_upload_bias: the routing choice bias (E) host fp32 (kept in fp32),
+ * NULL = none (the default), as kcu_layer_upload_bias: any non-NULL bias
+ * makes the token side use the family router. Every rank uploads the same
+ * bias. Synchronous. */
+moe_err kcu_ep_upload_bias(kcu_ep *ep, const float *bias);
+/* kcu_ep_upload_shared: the shared expert, host fp32 in kern_layer_weights'
+ * shapes: ws1, ws3 (Fs,H), ws2 (H,Fs), wsg (H) (the gate row; ignored, may
+ * be NULL, without route.shared_gate; ws3 may be NULL for GELU). Every rank
+ * uploads the same weights (replicated). Call it after kcu_ep_upload
+ * (which leaves the shared expert and the gate row alone). Synchronous;
+ * zeroes the shared expert's gradients and optimizer moments. MOE_EINVAL
+ * without shared experts or with a needed pointer NULL. */
+moe_err kcu_ep_upload_shared(kcu_ep *ep, const float *ws1, const float *ws3, const float *ws2,
+                             const float *wsg);
+/* kcu_ep_download_shared_grads: this rank's gradients of the shared expert
+ * (accumulated since the last zeroing): dws1, dws3 (Fs,H), dws2 (H,Fs),
+ * dwsg (H) (router row E's, only with shared_gate); any may be NULL.
+ * Synchronous. MOE_EPRECOND without train, MOE_EINVAL without shared
+ * experts. */
+moe_err kcu_ep_download_shared_grads(kcu_ep *ep, float *dws1, float *dws3, float *dws2,
+                                     float *dwsg);
+/* the shared expert's kcu_experts (one expert of d_ff Fs, replicated: its
+ * weights, gradients and AdamW state) for the optimizer; NULL without
+ * shared experts. The gate row wsg lives with the router (row E). */
+struct kcu_experts *kcu_ep_shared_experts(kcu_ep *ep);
+
+/* gradients / weights: router (E,H) (rows 0..E-1: the gate row's gradient
+ * comes from kcu_ep_download_shared_grads) and local experts as in
+ * upload; kcu_ep_zero_grads marks the router's, the local experts' and the
+ * shared expert's zero. The
  * experts object is exposed for the optimizer (kcu_experts_adamw etc.). */
 moe_err kcu_ep_download_router_grad(kcu_ep *ep, float *dwr);
 moe_err kcu_ep_upload_router(kcu_ep *ep, const float *wr);
 moe_err kcu_ep_zero_grads(kcu_ep *ep);
 struct kcu_experts *kcu_ep_experts(kcu_ep *ep);
-/* bytes of device memory held (all buffers) */
+/* bytes of device memory held (all buffers, the shared expert's included) */
 size_t kcu_ep_bytes(const kcu_ep *ep);
 /* kcu_ep_bench_exchange repeats the transfers of the last forward (every
  * chunk's dispatch, then every chunk's return; no GEMMs) and waits: the
