@@ -236,22 +236,35 @@ static moe_err layer_upload(void *dev, const wkr_layer *L)
     return e;
 }
 
-/* shared_grads_add adds the device's shared-expert gradients (and its
- * gate's) into the host grads of the layer's extra tensors (before the
- * device gradients are zeroed) */
-static moe_err shared_grads_add(layer_dev *d)
+/* shared_grads_add adds a device layer's shared-expert gradients (and its
+ * gate's: download(obj, dws1, dws3, dws2, dwsg), kcu_layer's or kcu_ep's)
+ * into the host grads of layer's extra tensors, before the device
+ * gradients are zeroed */
+typedef moe_err (*shared_download_fn)(void *obj, float *s1, float *s3, float *s2, float *sg);
+
+static moe_err layer_shared_download(void *obj, float *s1, float *s3, float *s2, float *sg)
 {
-    const model_cfg *c = &d->m->cfg;
+    return kcu_layer_download_shared_grads(obj, s1, s3, s2, sg);
+}
+
+static moe_err ep_shared_download(void *obj, float *s1, float *s3, float *s2, float *sg)
+{
+    return kcu_ep_download_shared_grads(obj, s1, s3, s2, sg);
+}
+
+static moe_err shared_grads_add(wkr_model *m, int layer, void *obj, shared_download_fn download)
+{
+    const model_cfg *c = &m->cfg;
     const size_t H = (size_t)c->d_model, sfh = (size_t)c->shared_d_ff * H;
     const int gated = act_gated(c->act);
     float *s1 = malloc(sfh * 4), *s3 = gated ? malloc(sfh * 4) : NULL, *s2 = malloc(sfh * 4),
           *sg = c->shared_gate ? malloc(H * 4) : NULL;
     moe_err e = s1 && s2 && (!gated || s3) && (!c->shared_gate || sg) ? MOE_OK : MOE_ENOMEM;
     if (e == MOE_OK)
-        e = kcu_layer_download_shared_grads(d->kl, s1, s3, s2, sg);
+        e = download(obj, s1, s3, s2, sg);
     /* the extra tensors in wkr_layer_extra's order: bias (frozen), ws1,
      * (ws3,) ws2, wsg */
-    wkr_param *p = wkr_layer_extra(d->m, d->layer) + (c->score_bias ? 1 : 0);
+    wkr_param *p = wkr_layer_extra(m, layer) + (c->score_bias ? 1 : 0);
     const float *src[4] = {s1, gated ? s3 : s2, gated ? s2 : sg, sg};
     const int n = (gated ? 3 : 2) + (c->shared_gate ? 1 : 0);
     for (int k = 0; e == MOE_OK && k < n; k++)
@@ -266,7 +279,7 @@ static moe_err layer_pull_grads(void *dev, float *gr, float *g1, float *g3, floa
     layer_dev *d = dev;
     moe_err e = kcu_layer_download_grads(d->kl, gr, g1, g3, g2);
     if (e == MOE_OK && d->shared && d->m->train_ready)
-        e = shared_grads_add(d);
+        e = shared_grads_add(d->m, d->layer, d->kl, layer_shared_download);
     if (e == MOE_OK)
         e = kcu_layer_zero_grads(d->kl, NULL);
     return e;
@@ -382,10 +395,26 @@ static const wkr_gpu_ops layer_ops = {
 
 /* ---- ep: the whole layer on every rank's device, rows over NCCL (kcu_ep) ---- */
 
+/* ep_dev: a kcu_ep and what its model's routing family needs (the bias,
+ * the shared expert replicated on every rank, whose gradients join the
+ * layer's extra tensors) */
+typedef struct ep_dev {
+    kcu_ep *ep;
+    wkr_model *m;
+    int layer;
+    int bias, shared; /* the layer has a choice bias, a shared expert */
+} ep_dev;
+
 static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
 {
     const model_cfg *c = &m->cfg;
-    (void)layer;
+    ep_dev *d = calloc(1, sizeof(*d));
+    if (!d)
+        return MOE_ENOMEM;
+    d->m = m;
+    d->layer = layer;
+    d->bias = c->score_bias;
+    d->shared = c->shared_d_ff > 0;
     kcu_ep_config ec;
     memset(&ec, 0, sizeof(ec));
     ec.H = c->d_model;
@@ -400,32 +429,64 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     ec.train = train;
     ec.chunks = (int)w->ep_chunks;
     ec.timeout_ms = (int)w->xchg_timeout_ms;
-    kcu_ep *kp = NULL;
+    /* the routing family: the same router as the one-GPU layer's; a shared
+     * expert is replicated and runs on each rank's own tokens */
+    ec.route.scoring = c->scoring;
+    ec.route.n_group = c->n_group;
+    ec.route.topk_group = c->topk_group;
+    ec.route.group_topn = c->group_topn;
+    ec.route.route_scale = (float)c->routed_scale;
+    ec.route.shared_gate = c->shared_gate;
+    if (kcu_shared_split(c->shared_d_ff, c->d_ff, &ec.route.shared_experts) != MOE_OK) {
+        LOG_E("model %s: a shared expert of d_ff %d is not a whole number of experts of d_ff %d: "
+              "not on the GPU",
+              c->name, c->shared_d_ff, c->d_ff);
+        free(d);
+        return MOE_EINVAL;
+    }
     kcu_ep_abort_hook = xchg_aborted; /* worker.abort stops its waits */
-    moe_err e = kcu_ep_create(&ec, xchg_nccl_comm(w->xc), &kp);
-    *dev = kp;
+    moe_err e = kcu_ep_create(&ec, xchg_nccl_comm(w->xc), &d->ep);
+    if (e != MOE_OK) {
+        free(d);
+        d = NULL;
+    }
+    *dev = d;
     return e;
 }
 
 static void ep_destroy(void *dev)
 {
-    kcu_ep_destroy(dev);
+    ep_dev *d = dev;
+    if (!d)
+        return;
+    kcu_ep_destroy(d->ep);
+    free(d);
 }
 
 static moe_err ep_upload(void *dev, const wkr_layer *L)
 {
-    return kcu_ep_upload(dev, L->wr, L->w1, L->w3, L->w2);
+    ep_dev *d = dev;
+    moe_err e = kcu_ep_upload(d->ep, L->wr, L->w1, L->w3, L->w2);
+    if (e == MOE_OK && d->bias)
+        e = kcu_ep_upload_bias(d->ep, L->bias);
+    if (e == MOE_OK && d->shared)
+        e = kcu_ep_upload_shared(d->ep, L->ws1, L->ws3, L->ws2, L->wsg);
+    return e;
 }
 
 static moe_err ep_pull_grads(void *dev, float *gr, float *g1, float *g3, float *g2)
 {
+    ep_dev *d = dev;
     /* the router gradient of this rank's tokens (all-reduced at the step
-     * with the host ones), the local experts' gradients */
-    moe_err e = kcu_ep_download_router_grad(dev, gr);
+     * with the host ones), the local experts' gradients, and this rank's
+     * part of the shared expert's (replicated: all-reduced too) */
+    moe_err e = kcu_ep_download_router_grad(d->ep, gr);
     if (e == MOE_OK)
-        e = kcu_experts_download_grads(kcu_ep_experts(dev), g1, g3, g2);
+        e = kcu_experts_download_grads(kcu_ep_experts(d->ep), g1, g3, g2);
+    if (e == MOE_OK && d->shared && d->m->train_ready)
+        e = shared_grads_add(d->m, d->layer, d->ep, ep_shared_download);
     if (e == MOE_OK)
-        e = kcu_ep_zero_grads(dev);
+        e = kcu_ep_zero_grads(d->ep);
     return e;
 }
 
@@ -447,7 +508,7 @@ static moe_err ep_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int 
                           moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
                           char *err, size_t errlen)
 {
-    kcu_ep *ep = m->gpu[layer];
+    kcu_ep *ep = ((ep_dev *)m->gpu[layer])->ep;
     wkr_busy_at(w, "expert-parallel forward: kcu_ep_forward");
     moe_err e = kcu_ep_forward(ep, T, x, xdt, y, ydt, train, NULL);
     wkr_busy_at(w, "expert-parallel forward: kcu_ep_wait");
@@ -468,7 +529,7 @@ static moe_err ep_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int 
 static moe_err ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
                            const float *dy, float *dx, char *err, size_t errlen)
 {
-    kcu_ep *ep = m->gpu[layer];
+    kcu_ep *ep = ((ep_dev *)m->gpu[layer])->ep;
     const model_cfg *c = &m->cfg;
     moe_err e = MOE_OK;
     if (m->gpu_handle[layer] != handle) {
@@ -652,12 +713,6 @@ void wkr_gpu_detach(wkr_model *m)
 moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
 {
     const model_cfg *c = &m->cfg;
-    if (model_cfg_routing_extra(c) && w->world > 1) {
-        /* the expert-parallel kernels know softmax top-k only: never a wrong result */
-        LOG_E("model %s: routing %s is on one GPU worker only, not across several yet", c->name,
-              model_cfg_routing_extra(c));
-        return MOE_EINVAL;
-    }
     wkr_gpu_detach(m);
     if (cudaSetDevice((int)w->device_index) != cudaSuccess)
         return MOE_EUNAVAIL;
@@ -671,6 +726,14 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
     void *comm = w->world > 1 ? xchg_nccl_comm(w->xc) : NULL;
     const int ep = comm && c->capacity_factor == 0 && strcmp(w->ep_cfg, "off") != 0;
     const wkr_gpu_ops *ops = w->world == 1 ? &layer_ops : ep ? &ep_ops : &experts_ops;
+    if (ops == &experts_ops && model_cfg_routing_extra(c)) {
+        /* the experts backend routes on the host: softmax top-k only there */
+        LOG_E("model %s: routing %s needs the device-resident layers (one GPU worker, or "
+              "several over NCCL, dropless, --ep auto)",
+              c->name, model_cfg_routing_extra(c));
+        wkr_gpu_detach(m);
+        return MOE_EINVAL;
+    }
     m->gpu_ops = ops;
     m->gpu_train = train;
     moe_err e = MOE_OK;

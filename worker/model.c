@@ -456,10 +456,6 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
         /* the GPU kernels store bf16: an f32 model stays on the exact CPU path */
         if (w->use_gpu && cfg.dtype != MOE_BF16)
             LOG_I("model %s is f32: computed on the CPU path (GPU kernels are bf16)", cfg.name);
-        else if (w->use_gpu && model_cfg_routing_extra(&cfg) && w->world > 1)
-            LOG_I("model %s: routing %s runs on one GPU worker, not across several yet: computed "
-                  "on the CPU path",
-                  cfg.name, model_cfg_routing_extra(&cfg));
         else if (w->use_gpu && wkr_gpu_attach(w, m, 0) != MOE_OK)
             LOG_W("model %s stays on the CPU path (GPU kernels need d_model and d_ff multiples "
                   "of 128, n_experts <= 256, top_k <= 8, and the memory)",
