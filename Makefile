@@ -191,7 +191,7 @@ bin/xchg_nccl_check: tests/gpu/xchg_nccl_check.c $(B)/worker/xchg_nccl.o $(B)/wo
 	@mkdir -p bin
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt \
 	    -lnng -luv -lmsgpackc -lpthread -lm
-ALL_TARGETS += bin/ep_bench bin/topk_bench bin/check-gpu bin/xchg_nccl_check
+ALL_TARGETS += bin/ep_bench bin/topk_bench bin/check-gpu bin/xchg_nccl_check bin/moe_bench
 endif
 
 FMT_SRC = $(sort $(wildcard */*.c */*.h tests/*/*.c tests/gpu/*.cu kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))
