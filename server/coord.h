@@ -390,6 +390,11 @@ moe_err coord_job_submit(coord *c, coord_job *j, int front);
  * internal job); on failure it answers the call (out of memory) and
  * returns NULL. */
 coord_job *coord_job_new(const coord_job_ops *ops, rpc_call *call, coord_model *m);
+/* coord_job_refuse_unready answers now, unavailable, the queued client jobs
+ * that the pump would refuse at their turn because the cluster is not
+ * ready (a member was lost while another job is still current); jobs with a
+ * stale rule and internal ones keep their place. */
+void coord_job_refuse_unready(coord *c);
 /* coord_job_enqueue queues j at the back; when the queue is full it answers
  * busy, frees j and returns MOE_EBUSY. The caller pumps. */
 moe_err coord_job_enqueue(coord *c, coord_job *j);

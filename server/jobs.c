@@ -367,6 +367,31 @@ void coord_job_pump(coord *c)
     }
 }
 
+void coord_job_refuse_unready(coord *c)
+{
+    if (c->ready)
+        return;
+    coord_job **pp = &c->qhead, *last = NULL;
+    while (*pp) {
+        coord_job *j = *pp;
+        /* what the pump would refuse when the job's turn comes: a client's
+         * job that needs a ready cluster and has no stale rule of its own */
+        if (j->call && !(j->ops->flags & JOB_F_FORMING) && !j->ops->stale) {
+            *pp = j->next;
+            c->qlen--;
+            rpc_reply_err(
+                j->call, MOE_EUNAVAIL, "cluster not ready: %d of %lld workers up (generation %llu)",
+                coord_up_workers(c), c->expected_workers, (unsigned long long)c->generation);
+            coord_count_error(c, MOE_EUNAVAIL);
+            job_free(j);
+            continue;
+        }
+        last = j;
+        pp = &j->next;
+    }
+    c->qtail = last;
+}
+
 void coord_job_fail_all(coord *c, moe_err e, const char *why)
 {
     while (c->qhead) {

@@ -64,6 +64,9 @@ static void worker_release(coord *c, coord_worker *w)
         c->ready = 0;
         c->need_form = 1;
         c->short_since_ns = rpc_now_ns(); /* --shrink-after-ms counts from the last loss */
+        /* what waits behind the current job cannot run in this generation:
+         * answered now, not when the current job comes back */
+        coord_job_refuse_unready(c);
     }
 }
 

@@ -9,6 +9,7 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <signal.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -765,10 +766,40 @@ Test(train, checkpoint_loads_into_other_worker_count, .timeout = 120, .fini = cl
     free(ya), free(yb);
 }
 
+typedef struct queued_fwd {
+    const char *url;
+    const tshape *s;
+    moe_err err;
+    int64_t ms; /* from the call to its answer */
+} queued_fwd;
+
+/* queued_fwd_main: one inference forward 0.5 s into the step (it waits in
+ * the coordinator's queue behind it), on a client of its own */
+static void *queued_fwd_main(void *arg)
+{
+    queued_fwd *q = arg;
+    usleep(500 * 1000);
+    moe_client *c;
+    moe_client_opts o = {.timeout_ms = 30000, .data_path = "coordinator"};
+    if (moe_client_open(q->url, &o, &c) != MOE_OK) {
+        q->err = MOE_EINTERNAL;
+        return NULL;
+    }
+    size_t n = (size_t)q->s->T * q->s->H;
+    float *x = calloc(n, 4), *y = malloc(n * 4);
+    int64_t t0 = cluster_now_ms();
+    q->err = moe_forward(c, "d", 0, MOE_F32, x, q->s->T, q->s->H, y, NULL);
+    q->ms = cluster_now_ms() - t0;
+    free(x), free(y);
+    moe_client_close(c);
+    return NULL;
+}
+
 /* A worker dies while the others are still inside optimizer.step (here a
  * step that sleeps 8 s on every worker): the client is answered
  * unavailable when the dead worker's connection drops, not when the
- * survivors finish their step, and the step is not acknowledged. */
+ * survivors finish their step, and the step is not acknowledged; a forward
+ * queued behind the step is answered then too. */
 Test(train, step_answered_when_a_worker_dies_not_when_the_survivors_finish, .timeout = 120,
      .fini = cluster_fini_all)
 {
@@ -796,10 +827,18 @@ Test(train, step_answered_when_a_worker_dies_not_when_the_survivors_finish, .tim
         usleep(1500 * 1000);
         _exit(cluster_worker_kill(cl, 1, SIGKILL) == 0 ? 0 : 1);
     }
+    /* a forward queued behind the step: answered at the kill too */
+    queued_fwd qf = {cl->url, &s, MOE_OK, 0};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, queued_fwd_main, &qf), 0);
     moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0, 0, 0};
     int64_t t0 = cluster_now_ms();
     moe_err e = moe_optimizer_step(cl->cli, "d", &opt, NULL, NULL);
     int64_t waited = cluster_now_ms() - t0;
+    pthread_join(th, NULL);
+    cr_log_info("queued forward: %s after %lld ms", moe_err_code(qf.err), (long long)qf.ms);
+    cr_assert_eq(qf.err, MOE_EUNAVAIL, "the queued forward: %s", moe_err_code(qf.err));
+    cr_assert(qf.ms < 7000, "the queued forward waited %lld ms for the survivor", (long long)qf.ms);
     int st;
     waitpid(pid, &st, 0);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the kill failed");
