@@ -495,17 +495,24 @@ moe_err st_to_f32(const st_tensor *t, float *out, size_t n)
 {
     if (t->esize == 0 || t->nbytes / t->esize != n)
         return MOE_EINVAL;
+    return st_to_f32_range(t, out, 0, n);
+}
+
+moe_err st_to_f32_range(const st_tensor *t, float *out, size_t i0, size_t i1)
+{
+    if (t->esize == 0 || i1 < i0 || i1 > t->nbytes / t->esize)
+        return MOE_EINVAL;
     const unsigned char *p = t->data; /* possibly unaligned: bytes, never cast */
     switch (t->dtype) {
-    case ST_F32: memcpy(out, p, n * sizeof(float)); return MOE_OK;
+    case ST_F32: memcpy(out + i0, p + 4 * i0, (i1 - i0) * sizeof(float)); return MOE_OK;
     case ST_BF16:
-        for (size_t i = 0; i < n; i++) {
+        for (size_t i = i0; i < i1; i++) {
             uint32_t u = ((uint32_t)p[2 * i] | (uint32_t)p[2 * i + 1] << 8) << 16;
             memcpy(&out[i], &u, sizeof(float));
         }
         return MOE_OK;
     case ST_F16:
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = i0; i < i1; i++)
             out[i] = st_f16_to_f32((uint16_t)(p[2 * i] | p[2 * i + 1] << 8));
         return MOE_OK;
     default: return MOE_EINVAL;

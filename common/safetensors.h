@@ -76,6 +76,10 @@ void st_prefetch(const st_tensor *t);
 /* st_to_f32 converts a tensor of dtype F32, BF16 or F16 to n floats (the
  * tensor's element count must be n); MOE_EINVAL for any other dtype. */
 moe_err st_to_f32(const st_tensor *t, float *out, size_t n);
+/* st_to_f32_range converts elements [i0, i1) of t into out[i0, i1) (the
+ * same bits as st_to_f32: a loader splits a tensor over threads).
+ * MOE_EINVAL for an unknown dtype or a range past the tensor. */
+moe_err st_to_f32_range(const st_tensor *t, float *out, size_t i0, size_t i1);
 /* st_f16_to_f32 converts one IEEE half (bits) to float, exactly. */
 float st_f16_to_f32(uint16_t h);
 void st_close(st_file *f);

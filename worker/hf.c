@@ -37,7 +37,28 @@ void wkr_hf_names(wkr_model *m, const hf_cfg *hc)
     }
 }
 
-/* load_one converts tensor (layer, expert, mat) into dst (n floats) */
+/* conv_part: elements [i0, i1) of one tensor to floats (kern_par_for) */
+typedef struct conv_job {
+    const st_tensor *t;
+    float *dst;
+    int bf16;
+    int failed; /* a part could not convert (written by parts, read after) */
+} conv_job;
+
+static void conv_part(void *arg, size_t i0, size_t i1)
+{
+    conv_job *j = arg;
+    if (st_to_f32_range(j->t, j->dst, i0, i1) != MOE_OK) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    if (j->bf16)
+        kern_bf16_round_n(j->dst + i0, i1 - i0);
+}
+
+/* load_one converts tensor (layer, expert, mat) into dst (n floats), split
+ * over the worker's threads (the load is bound by this conversion on a
+ * warm cache: bench/NOTES.md "Loading a Hugging Face checkpoint") */
 static moe_err load_one(hf_reader *rd, int layer, int expert, hf_mat mat, float *dst, size_t n,
                         int bf16, char *err, size_t errlen)
 {
@@ -45,12 +66,15 @@ static moe_err load_one(hf_reader *rd, int layer, int expert, hf_mat mat, float 
     moe_err e = hf_reader_get(rd, layer, expert, mat, &t, err, errlen);
     if (e != MOE_OK)
         return e;
-    if (st_to_f32(t, dst, n) != MOE_OK) {
+    conv_job j = {t, dst, bf16, 0};
+    if (t->esize == 0 || t->nbytes / t->esize != n)
+        j.failed = 1;
+    else
+        kern_par_for(n, KERN_PAR_GRAIN, conv_part, &j);
+    if (j.failed) {
         snprintf(err, errlen, "tensor %s: cannot convert %s", t->name, t->dtype_name);
         return MOE_EINVAL;
     }
-    if (bf16)
-        kern_bf16_round_n(dst, n);
     return MOE_OK;
 }
 
