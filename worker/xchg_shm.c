@@ -270,16 +270,23 @@ static int pid_gone(uint32_t pid)
     return p && p[1] == ' ' && p[2] == 'Z';
 }
 
-/* check_peers: a peer that left or died while its part is not through */
+/* check_peers: a peer that left or died while this round still needs it:
+ * bytes of ours it has not taken, or bytes of its that are not in our ring
+ * (a peer that finished its last round and closed has written all of its
+ * part before it left: what is in the ring is still read) */
 static moe_err check_peers(xs *x)
 {
+    uint8_t *own = x->peer[x->pub.rank].seg;
     for (int q = 0; q < x->pub.world; q++) {
         if (q == x->pub.rank)
             continue;
         xs_peer *p = &x->peer[q];
         xs_hdr *h = hdr_of(p->seg);
-        int done = p->sent == XS_MSG + p->sn && p->got >= XS_MSG && p->got == XS_MSG + p->rlen;
-        if (done)
+        xs_ring *in = ring_of(own, q);
+        int need_out = p->sent != XS_MSG + p->sn;
+        int need_in = !(p->got >= XS_MSG && p->got == XS_MSG + p->rlen);
+        int waiting = __atomic_load_n(&in->head, __ATOMIC_ACQUIRE) != in->tail;
+        if (!need_out && (!need_in || waiting))
             continue;
         if (__atomic_load_n(&h->left, __ATOMIC_ACQUIRE)) {
             LOG_W("xchg_shm: rank %d: rank %d left during round %llu", x->pub.rank, q,
