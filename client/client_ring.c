@@ -3,6 +3,7 @@
  * layout is docs/PROTOCOL.md's, "Data plane", 8).
  */
 #include "client/client_ring.h"
+#include "proto/ring_wire.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,15 +14,6 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
-
-/* header words (byte offsets), as the worker's (worker/ring.c) */
-#define RING_REQ_SEQ     0
-#define RING_REQ_LEN     4
-#define RING_WORKER_IDLE 8
-#define RING_REP_SEQ     64
-#define RING_REP_LEN     68
-#define RING_CLIENT_IDLE 72
-#define RING_HEAD        128
 
 static uint32_t *word(const moe_ring *r, int off)
 {
@@ -43,7 +35,7 @@ static uint64_t now_ns(void)
 moe_err moe_ring_map(moe_ring *r, const char *name, size_t size)
 {
     memset(r, 0, sizeof(*r));
-    if (size < 4096 || size > ((size_t)1 << 20) || size % 64)
+    if (size < RING_MIN || size > RING_MAX || size % 64)
         return MOE_EINVAL;
     int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0)
@@ -61,7 +53,7 @@ moe_err moe_ring_map(moe_ring *r, const char *name, size_t size)
     }
     r->base = p; /* a fresh segment reads zero: counters 0, nobody idle */
     r->size = size;
-    r->req_cap = (uint32_t)((r->size - RING_HEAD) / 2) & ~63u;
+    r->req_cap = ring_req_cap((uint32_t)r->size);
     r->rep_off = RING_HEAD + r->req_cap;
     r->rep_cap = (uint32_t)r->size - r->rep_off;
     return MOE_OK;

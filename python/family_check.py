@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe  # noqa: E402
+from checklib import Checks, rel  # noqa: E402
 
 H, F, E = 256, 256, 64
 FAMILIES = {
@@ -30,22 +31,7 @@ FAMILIES = {
     "qwen2": dict(top_k=6, renormalize=False, shared_d_ff=4 * F, shared_gate=True),
 }
 TOL = 3e-2
-passed = failed = 0
-
-
-def check(ok, what):
-    global passed, failed
-    print("%s %s" % ("PASS" if ok else "FAIL", what))
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-
-
-def rel(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+ck = Checks()
 
 
 def run(c, name, fam):
@@ -91,15 +77,14 @@ def main():
         print("saved %d arrays to %s" % (len(got), a.save))
         return 0
     ref = np.load(a.against)
-    check(set(ref.files) == set(got), "the same tensors (%d)" % len(got))
+    ck.check(set(ref.files) == set(got), "the same tensors (%d)" % len(got))
     for k in sorted(set(ref.files) & set(got)):
         if "/tpe" in k:
-            check(np.array_equal(ref[k], got[k]), "%s: tokens per expert equal" % k)
+            ck.check(np.array_equal(ref[k], got[k]), "%s: tokens per expert equal" % k)
         else:
             e = rel(got[k], ref[k])
-            check(e <= TOL and np.isfinite(got[k]).all(), "%s: rel err %.2e" % (k, e))
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+            ck.check(e <= TOL and np.isfinite(got[k]).all(), "%s: rel err %.2e" % (k, e))
+    return ck.done()
 
 
 if __name__ == "__main__":

@@ -26,18 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe  # noqa: E402
+from checklib import Checks, rel  # noqa: E402
 
 H, F, E, K = 256, 256, 8, 2
-passed = failed = 0
-
-
-def check(ok, what):
-    global passed, failed
-    print("%s %s" % ("PASS" if ok else "FAIL", what))
-    if ok:
-        passed += 1
-    else:
-        failed += 1
+ck = Checks()
 
 
 def run(c, order, xs, dys):
@@ -61,9 +53,9 @@ def compare(label, r1, r2):
     dx1, g1 = r1
     dx2, g2 = r2
     for n in sorted(dx1):
-        check(same(dx1[n], dx2[n]), "%s: dx of %s bit-identical" % (label, n))
+        ck.check(same(dx1[n], dx2[n]), "%s: dx of %s bit-identical" % (label, n))
     bad = [k for k in g1 if not same(g1[k], g2[k])]
-    check(not bad and set(g1) == set(g2),
+    ck.check(not bad and set(g1) == set(g2),
           "%s: %d gradient tensors bit-identical%s" % (label, len(g1),
                                                         (" (differ: %s)" % bad[:3]) if bad else ""))
 
@@ -89,10 +81,9 @@ def main():
     s2r = run(c, [("f", "B"), ("b", "B"), ("f", "C"), ("b", "C"), ("f", "A"), ("b", "A")], xs,
               dys)
     compare("3 in flight", s2, s2r)
-    check(all(np.isfinite(v).all() for v in s2[1].values()), "gradients finite")
+    ck.check(all(np.isfinite(v).all() for v in s2[1].values()), "gradients finite")
     c.model_delete("pc")  # the worker logs its recompute count now
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    return ck.done()
 
 
 if __name__ == "__main__":

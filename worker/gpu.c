@@ -120,6 +120,27 @@ void wkr_gpu_pinned_free(void *p)
         cudaFreeHost(p);
 }
 
+/* route_config_of: the device routing of model c (kcu_route_config: its
+ * family, and a shared expert of d_ff Fs = m F as m experts); MOE_EINVAL
+ * (logged) when Fs is not a whole number of experts of d_ff F */
+static moe_err route_config_of(const model_cfg *c, kcu_route_config *rc)
+{
+    memset(rc, 0, sizeof(*rc));
+    rc->scoring = c->scoring;
+    rc->n_group = c->n_group;
+    rc->topk_group = c->topk_group;
+    rc->group_topn = c->group_topn;
+    rc->route_scale = (float)c->routed_scale;
+    rc->shared_gate = c->shared_gate;
+    if (kcu_shared_split(c->shared_d_ff, c->d_ff, &rc->shared_experts) != MOE_OK) {
+        LOG_E("model %s: a shared expert of d_ff %d is not a whole number of experts of d_ff %d: "
+              "not on the GPU",
+              c->name, c->shared_d_ff, c->d_ff);
+        return MOE_EINVAL;
+    }
+    return MOE_OK;
+}
+
 /* ---- layer: the whole layer on one device (kcu_layer) ---- */
 
 /* layer_dev: a kcu_layer and what its states hold. A training layer keeps
@@ -171,17 +192,7 @@ static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **d
     /* the routing family; a shared expert of d_ff Fs = n F runs as n more
      * experts that every token takes (kcu_route_config) */
     kcu_route_config rc;
-    memset(&rc, 0, sizeof(rc));
-    rc.scoring = c->scoring;
-    rc.n_group = c->n_group;
-    rc.topk_group = c->topk_group;
-    rc.group_topn = c->group_topn;
-    rc.route_scale = (float)c->routed_scale;
-    rc.shared_gate = c->shared_gate;
-    if (kcu_shared_split(c->shared_d_ff, c->d_ff, &rc.shared_experts) != MOE_OK) {
-        LOG_E("model %s: a shared expert of d_ff %d is not a whole number of experts of d_ff %d: "
-              "not on the GPU",
-              c->name, c->shared_d_ff, c->d_ff);
+    if (route_config_of(c, &rc) != MOE_OK) {
         free(d);
         return MOE_EINVAL;
     }
@@ -431,16 +442,7 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     ec.timeout_ms = (int)w->xchg_timeout_ms;
     /* the routing family: the same router as the one-GPU layer's; a shared
      * expert is replicated and runs on each rank's own tokens */
-    ec.route.scoring = c->scoring;
-    ec.route.n_group = c->n_group;
-    ec.route.topk_group = c->topk_group;
-    ec.route.group_topn = c->group_topn;
-    ec.route.route_scale = (float)c->routed_scale;
-    ec.route.shared_gate = c->shared_gate;
-    if (kcu_shared_split(c->shared_d_ff, c->d_ff, &ec.route.shared_experts) != MOE_OK) {
-        LOG_E("model %s: a shared expert of d_ff %d is not a whole number of experts of d_ff %d: "
-              "not on the GPU",
-              c->name, c->shared_d_ff, c->d_ff);
+    if (route_config_of(c, &ec.route) != MOE_OK) {
         free(d);
         return MOE_EINVAL;
     }

@@ -36,18 +36,8 @@
 
 #include "common/log.h"
 #include "common/params.h"
+#include "proto/ring_wire.h"
 #include "worker/dataplane.h"
-
-/* the ring's header words (byte offsets; docs/PROTOCOL.md has the table) */
-#define RING_REQ_SEQ     0
-#define RING_REQ_LEN     4
-#define RING_WORKER_IDLE 8
-#define RING_REP_SEQ     64
-#define RING_REP_LEN     68
-#define RING_CLIENT_IDLE 72
-#define RING_HEAD        128
-#define RING_MIN         4096
-#define RING_MAX         (1u << 20)
 
 struct dp_ring {
     uint64_t id;
@@ -296,7 +286,7 @@ void dp_on_ring_attach(dp_table *t, rpc_call *c)
     r->region = g;
     r->base = base + off;
     r->size = (uint32_t)size;
-    r->req_cap = (r->size - RING_HEAD) / 2 & ~63u;
+    r->req_cap = ring_req_cap(r->size);
     r->rep_off = RING_HEAD + r->req_cap;
     r->rep_cap = r->size - r->rep_off;
     r->id = ++t->next_ring;
