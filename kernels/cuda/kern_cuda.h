@@ -182,7 +182,9 @@ moe_err kcu_layer_upload_bias(kcu_layer *l, const float *bias);
  * kcu_layer_upload whenever the shared weights change (kcu_layer_upload
  * leaves the shared experts and the gate row alone). Synchronous.
  * MOE_EINVAL when the layer has no shared experts or a needed pointer is
- * NULL. */
+ * NULL. With E + m > 256 (held apart) the same arrays go to the one expert
+ * of d_ff Fs as they are; its gradients are then marked zero and the kept
+ * train forward is dropped. */
 moe_err kcu_layer_upload_shared(kcu_layer *l, const float *ws1, const float *ws3, const float *ws2,
                                 const float *wsg);
 /* kcu_shared_split: *m = Fs / F, the kcu_route_config.shared_experts of a shared

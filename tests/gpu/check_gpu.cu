@@ -1798,7 +1798,10 @@ static int experts_decode_check(const ecase &c, uint64_t seed)
  * family falls back to the general path). With train set, a backward
  * (aux and z coefficients on) against kern_moe_backward_ref_g: dx, dwr,
  * dw1, dw3, dw2, and the shared expert's dws1, dws3, dws2 (reassembled by
- * kcu_layer_download_shared_grads) and dwsg, each within the tolerance. */
+ * kcu_layer_download_shared_grads) and dwsg, each within the tolerance.
+ * E + m > 256: the layer holds the shared expert apart (kcu_layer.sh, no
+ * shared slots in the layout; checked to be so exactly then); the same
+ * comparisons, the gate and shared slots aside. */
 struct fcase {
     const char *name;
     int T, H, F, E, K;
