@@ -414,11 +414,15 @@ int main(int argc, char **argv)
         kcu_layer_destroy(l);
     }
 
-    /* routing families: the DeepSeek-V3 layer (256 experts, d_model 7168,
-     * d_ff 2048, top-8) with its routing - sigmoid scores, a choice bias,
-     * 8 groups of which 4 kept (top-2 sums), renormalised, x2.5 - against
-     * plain softmax top-8 of the same shape, same weights, same run. (The
-     * shared expert would be a 257th expert: beyond the kernels' 256.) */
+    /* routing families: the DeepSeek-V3 layer (256 routed experts, d_model
+     * 7168, d_ff 2048, top-8, and one shared expert of d_ff 2048) with its
+     * routing - sigmoid scores, a choice bias, 8 groups of which 4 kept
+     * (top-2 sums), renormalised, x2.5 - against plain softmax top-8 of the
+     * same routed experts (no shared expert), same weights, same run. The
+     * shared expert is a 257th: kcu_layer holds it apart (one kcu_experts
+     * on all T rows, added in the combine). Then the family without the
+     * shared expert (the routed part alone; made after the softmax layer is
+     * freed: three 22.5 GB layers would not fit an H100). */
     for (int T : {4096, 64}) {
         char tag[64];
         snprintf(tag, sizeof(tag), "dsv3-route:%d", T);
@@ -433,12 +437,21 @@ int main(int argc, char **argv)
         rc.topk_group = 4;
         rc.group_topn = 2;
         rc.route_scale = 2.5f;
+        rc.shared_experts = 1; /* d_ff 2048 = F, no gate (DeepSeek-V3) */
         kcu_layer *lf, *ls;
         CKM(kcu_layer_create_ex(&cfg, &rc, &lf));
         CKM(kcu_layer_create(&cfg, &ls));
+        if (!lf->sh) {
+            fprintf(stderr, "dsv3-route: the shared expert is not held apart\n");
+            exit(1);
+        }
         fill(lf->wr, (size_t)lf->Ep * H, 11, -1.f / sqrtf(H), 1.f / sqrtf(H));
         fill(lf->w13, (size_t)E * lf->N1 * H, 12, -1.f / sqrtf(H), 1.f / sqrtf(H));
         fill(lf->w2, (size_t)E * H * F, 13, -1.f / sqrtf(F), 1.f / sqrtf(F));
+        /* the shared expert's bf16 weights: w13 (1,N1,H), w2 (1,H,Fs) */
+        const size_t Fs = (size_t)lf->sh->F;
+        fill(lf->sh->w13, (size_t)lf->sh->N1 * H, 14, -1.f / sqrtf(H), 1.f / sqrtf(H));
+        fill(lf->sh->w2, (size_t)H * Fs, 15, -1.f / sqrtf((float)Fs), 1.f / sqrtf((float)Fs));
         size_t pb, wb;
         kcu_layer_bytes(ls, &pb, &wb);
         CK(cudaMemcpy(ls->wr, lf->wr, (size_t)ls->Ep * H * 2, cudaMemcpyDeviceToDevice));
@@ -453,20 +466,36 @@ int main(int argc, char **argv)
         CK(cudaMalloc(&y, (size_t)T * H * 2));
         fill(x, (size_t)T * H, 21, -1.f, 1.f);
         const int reps = T >= 4096 ? 20 : 50;
-        const float f_fam = median_ms(
+        const float f_full = median_ms(
             -WARM_MS, reps, [&] { CKM(kcu_forward(lf, T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
         const float f_soft = median_ms(
             -WARM_MS, reps, [&] { CKM(kcu_forward(ls, T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
+        kcu_layer_destroy(ls);
+        /* the routed part alone: the family without the shared expert */
+        kcu_route_config rr = rc;
+        rr.shared_experts = 0;
+        kcu_layer *lr;
+        CKM(kcu_layer_create_ex(&cfg, &rr, &lr));
+        CK(cudaMemcpy(lr->wr, lf->wr, (size_t)lr->Ep * H * 2, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy(lr->w13, lf->w13, (size_t)E * lr->N1 * H * 2, cudaMemcpyDeviceToDevice));
+        CK(cudaMemcpy(lr->w2, lf->w2, (size_t)E * H * F * 2, cudaMemcpyDeviceToDevice));
+        CKM(kcu_layer_upload_bias(lr, bias.data()));
+        const float f_fam = median_ms(
+            -WARM_MS, reps, [&] { CKM(kcu_forward(lr, T, x, MOE_BF16, y, MOE_BF16, 0, NULL)); });
         const double fl = 2.0 * T * K * H * (2.0 * F + F) + 2.0 * T * H * E;
-        printf("dsv3-route T=%d: DeepSeek-V3 routing %.3f ms (%.0f TFLOP/s), softmax top-8 %.3f ms "
-               "(%.0f TFLOP/s): routing family costs %+.1f%%\n",
-               T, f_fam, fl / (f_fam * 1e-3) / 1e12, f_soft, fl / (f_soft * 1e-3) / 1e12,
-               100.0 * (f_fam - f_soft) / f_soft);
+        const double fl_sh = 2.0 * T * H * (2.0 * Fs + Fs);
+        printf("dsv3-route T=%d: DeepSeek-V3 layer (256 routed + 1 shared of d_ff %zu, top-8) "
+               "%.3f ms (%.0f TFLOP/s); softmax top-8 of the routed experts %.3f ms (%.0f "
+               "TFLOP/s); the family without the shared expert %.3f ms (%.0f TFLOP/s): routing "
+               "family %+.1f%%, shared expert %+.3f ms\n",
+               T, Fs, f_full, (fl + fl_sh) / (f_full * 1e-3) / 1e12, f_soft,
+               fl / (f_soft * 1e-3) / 1e12, f_fam, fl / (f_fam * 1e-3) / 1e12,
+               100.0 * (f_fam - f_soft) / f_soft, f_full - f_fam);
         fflush(stdout);
         CK(cudaFree(x));
         CK(cudaFree(y));
         kcu_layer_destroy(lf);
-        kcu_layer_destroy(ls);
+        kcu_layer_destroy(lr);
     }
 
     /* pipelined: the Qwen3 layer's inference forward of T = 16384 tokens

@@ -201,6 +201,11 @@ static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **d
     d->nstates = train ? (int)w->gpu_train_states : 1;
     if (d->nstates < 1 || d->nstates > LAYER_MAX_STATES)
         d->nstates = 1;
+    /* E + m > 256: the layer holds the shared expert apart, whose kept
+     * forward is one (kern_cuda.h): one state, a backward whose forward was
+     * pushed out recomputes it */
+    if (c->n_experts + rc.shared_experts > 256)
+        d->nstates = 1;
     kcu_config kc = {c->d_model,
                      c->d_ff,
                      c->n_experts,

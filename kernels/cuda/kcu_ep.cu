@@ -216,80 +216,6 @@ __global__ void k_ep_index(const int32_t *__restrict__ cnt_all, const int32_t *_
     }
 }
 
-/* sigmoid of a gate logit, as k_route_family computes the shared weight */
-__device__ __forceinline__ float ep_gate(float logit)
-{
-    return 1.0f / (1.0f + expf(-logit));
-}
-
-/* out (T,H) = extra + sum_j [w ? bf16(w[s] * rows[pos[s]]) : rows[pos[s]]],
- * j in order (as k_combine), then the shared row srows[t] (T,H) if given:
- * + bf16(g srows[t]) with g = sigmoid(glog[t * ldg]) (the gate logit,
- * column E of the router logits (T,Ep)), or + srows[t] without glog (kcu_layer's
- * shared slots come after the routed ones in the same order). One thread
- * per 8 columns. */
-__global__ void k_ep_combine(const bf16 *__restrict__ rows, const int32_t *__restrict__ pos,
-                             const float *__restrict__ w, const float *__restrict__ extra,
-                             const bf16 *__restrict__ srows, const float *__restrict__ glog,
-                             int ldg, int T, int K, int H, void *out, int out_f32)
-{
-    const int hc = H / 8;
-    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i >= (size_t)T * hc)
-        return;
-    const int t = (int)(i / hc), col = (int)(i % hc) * 8;
-    float acc[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        acc[k] = extra ? extra[(size_t)t * H + col + k] : 0.f;
-    for (int j = 0; j < K; j++) {
-        const size_t s = (size_t)t * K + j;
-        const uint4 raw = *reinterpret_cast<const uint4 *>(rows + (size_t)pos[s] * H + col);
-        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
-        const float wj = w ? w[s] : 1.f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float2 f = __bfloat1622float2(v[k]);
-            if (w) {
-                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
-                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
-            } else {
-                acc[2 * k] += f.x;
-                acc[2 * k + 1] += f.y;
-            }
-        }
-    }
-    if (srows) {
-        const uint4 raw = *reinterpret_cast<const uint4 *>(srows + (size_t)t * H + col);
-        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
-        const float g = glog ? ep_gate(glog[(size_t)t * ldg]) : 1.f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float2 f = __bfloat1622float2(v[k]);
-            if (glog) {
-                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(g * f.x));
-                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(g * f.y));
-            } else {
-                acc[2 * k] += f.x;
-                acc[2 * k + 1] += f.y;
-            }
-        }
-    }
-    if (out_f32) {
-        float *o = (float *)out + (size_t)t * H + col;
-#pragma unroll
-        for (int k = 0; k < 8; k++)
-            o[k] = acc[k];
-    } else {
-        uint4 raw;
-        __nv_bfloat162 *v = reinterpret_cast<__nv_bfloat162 *>(&raw);
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-            v[k] = __floats2bfloat162_rn(acc[2 * k], acc[2 * k + 1]);
-        *reinterpret_cast<uint4 *>((bf16 *)out + (size_t)t * H + col) = raw;
-    }
-}
-
 /* one warp per slot s: dw[s] = <dy[t], ye_s> (fp32, fixed order), then the
  * send row becomes bf16(w_s * dy[t]) */
 __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yrecv,
@@ -317,35 +243,6 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
         dot += __shfl_xor_sync(0xffffffffu, dot, o);
     if (lane == 0)
         dw[s] = dot;
-}
-
-/* one warp per token t of a gated shared expert: g = sigmoid(glog[t*ld])
- * (the forward's gate), dot = <dy[t], ys[t]> (fp32, fixed order); the gate
- * logit's gradient dlog[t*ld] (column E of dlogits (T,Ep)) = bf16(g (1-g)
- * dot) (k_router_bwd's formula with one shared slot); dy row t becomes
- * bf16(g dy[t]) in place: the shared expert's dy rows */
-__global__ void k_ep_gate_bwd(bf16 *__restrict__ dy, const bf16 *__restrict__ ys,
-                              const float *__restrict__ glog, int ld, int T, int H,
-                              bf16 *__restrict__ dlog)
-{
-    const int lane = threadIdx.x & 31;
-    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (t >= T)
-        return;
-    const float g = ep_gate(glog[(size_t)t * ld]);
-    bf16 *dyt = dy + (size_t)t * H;
-    const bf16 *yt = ys + (size_t)t * H;
-    float dot = 0.f;
-    for (int i = lane * 2; i < H; i += 64) {
-        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(dyt + i));
-        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(yt + i));
-        dot += a.x * b.x + a.y * b.y;
-        *reinterpret_cast<__nv_bfloat162 *>(dyt + i) = __floats2bfloat162_rn(g * a.x, g * a.y);
-    }
-    for (int o = 16; o; o >>= 1)
-        dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (lane == 0)
-        dlog[(size_t)t * ld] = __float2bfloat16_rn(g * (1.f - g) * dot);
 }
 
 /* ---- host helpers ---- */
@@ -885,10 +782,8 @@ moe_err finish_out(kcu_ep *ep, const float *w, const float *extra, const bf16 *s
     if (T == 0)
         return MOE_OK;
     void *dst = host ? (void *)ep->R.stage : out;
-    const size_t n = (size_t)T * (H / 8);
-    k_ep_combine<<<(unsigned)KCU_CEIL_DIV(n, (size_t)256), 256, 0, st>>>(
-        ep->yrecv, ep->sendpos, w, extra, srows, glog, ep->R.Ep, T, ep->c.K, H, dst, dt == MOE_F32);
-    KCU_CHECK_LAUNCH();
+    KCU_TRY(kcu_shared_combine(ep->yrecv, ep->sendpos, nullptr, w, extra, srows, glog, ep->R.Ep, T,
+                               ep->c.K, H, dst, dt, st));
     if (host) {
         /* a copy to pageable memory blocks the host until the stream gets
          * there: wait first, bounded, so a dead peer cannot hang us here */
@@ -1232,9 +1127,8 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         KCU_CHECK(cudaMemcpyAsync(R->cglob, ep->counts_global, E * 4, cudaMemcpyHostToDevice, st));
         KCU_TRY(kcu_router_bwd(R, T, ep->T_global, aux_coef, z_coef, st));
         if (ep->gate) { /* dlogits[:, E] (k_router_bwd left it zero); dyb *= g */
-            k_ep_gate_bwd<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(ep->dyb, ep->sy, R->logits + E, R->Ep,
-                                                              T, H, R->dlogits + E);
-            KCU_CHECK_LAUNCH();
+            KCU_TRY(kcu_shared_gate_bwd(ep->dyb, MOE_BF16, ep->sy, R->logits + E, R->Ep, T, H,
+                                        ep->dyb, R->dlogits + E, st));
         }
         kcu_gemm_args a;
         memset(&a, 0, sizeof(a)); /* dxr (T,H) = dlogits (T,Ep) wr (Ep,H) */

@@ -88,15 +88,16 @@ typedef struct kcu_ep_config {
  * g = sigmoid(x . wsg) (route.shared_gate; wsg is router row E, as in
  * kcu_layer) or 1. kcu_layer holds the same expert as m experts of d_ff F
  * and rounds each one's output to bf16 separately: the two agree to bf16
- * rounding, not bit for bit. Backward: the shared expert gets dy rows
+ * rounding, not bit for bit (where E + m > 256 kcu_layer holds it apart as
+ * here, with the same kernels: kcu_shared.cu). Backward: the shared expert gets dy rows
  * (bf16(g dy) with a gate) and returns its part of dx; its weight
  * gradients (kcu_ep_download_shared_grads) and the gate's (router row E's:
  * its logit's gradient g (1 - g) <dy, ys>) are this rank's tokens' only:
  * the caller all-reduces them over the ranks, as the router's.
  *
- * Limits: those of kcu_layer_create_ex (kern_cuda.h), except that E +
- * shared_experts may exceed 256 here (the shared expert is not held as
- * extra routed experts); Fs <= 65536. */
+ * Limits: those of kcu_layer_create_ex (kern_cuda.h): E + shared_experts
+ * may exceed 256 (the shared expert is not held as extra routed experts);
+ * Fs <= 65536. */
 
 /* kcu_ep_create on the current CUDA device; comm is an ncclComm_t of
  * `world` ranks in which this process is `rank`. MOE_EINVAL for unsupported

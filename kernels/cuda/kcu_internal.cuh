@@ -359,6 +359,17 @@ struct kcu_layer {
     double *pp_acc;        /* (E+1) in pp_buf: per-expert sums of the router
                             * probabilities over the chunks so far, then sum lse^2 */
     int32_t *pp_cnt;       /* (Et) in pp_buf: slots routed per expert, summed */
+    /* shared expert held apart (E + m > 256 only: kcu_layer_create_ex, as
+     * kcu_ep holds it): r.shared_experts and r.shared_gate are then 0 (the
+     * layout holds the K routed slots of E experts) and these hold it; all
+     * zero / NULL otherwise (the m extra experts above). */
+    int sh_m;        /* m: the shared expert's d_ff is m*F */
+    int sh_gate;     /* its output times sigmoid(logits[t, E]) (router row E = wsg) */
+    kcu_experts *sh; /* one expert of d_ff m*F over all T rows (owned) */
+    bf16 *sy;        /* (T_max,H) own allocation: its output ys (kept for the gate's
+                      * gradient), then in the backward its dy rows (g dy) and
+                      * its dx rows */
+    size_t sy_bytes;
 };
 
 /* experts held and slots per token: the E routed experts plus the m =
@@ -464,6 +475,25 @@ moe_err kcu_gather_rows(const void *src, moe_dtype dt, const int32_t *tok, const
  * (both): launched with PDL */
 moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,
                     int K, int H, void *out, moe_dtype dt, int pdl, cudaStream_t st);
+/* ---- a shared expert held apart (kcu_shared.cu): one kcu_experts of d_ff
+ * m*F that gets every token's row, as kcu_ep holds it and kcu_layer when
+ * E + m > 256. ---- */
+/* kcu_shared_combine: out (T,H) of dtype dt = extra (T,H f32, or NULL) +
+ * the K slots of each token in order, slot s's row rows[pos[s]] (pos
+ * given) or rows[s] (pos NULL: slot order), weighted bf16(w[s] row) or
+ * not (w NULL), skipped when spos && spos[s] < 0; then the shared row
+ * srows[t] (T,H bf16, or NULL): + bf16(g srows[t]) with g =
+ * sigmoid(glog[t * ldg]) (glog: the gate's logit column of the router
+ * logits), or + srows[t] without glog. Rounded once into out. */
+moe_err kcu_shared_combine(const bf16 *rows, const int32_t *pos, const int32_t *spos,
+                           const float *w, const float *extra, const bf16 *srows, const float *glog,
+                           int ldg, int T, int K, int H, void *out, moe_dtype dt, cudaStream_t st);
+/* kcu_shared_gate_bwd: the gate's backward for T tokens: dlog[t * ld] =
+ * bf16(g (1-g) <bf16(dy[t]), ys[t]>) with g = sigmoid(glog[t * ld]), and
+ * out (T,H bf16) = bf16(g dy) (the shared expert's dy rows); dy (T,H) device
+ * f32 or bf16; out may be dy (bf16) or ys (in place) */
+moe_err kcu_shared_gate_bwd(const void *dy, moe_dtype dy_dtype, const bf16 *ys, const float *glog,
+                            int ld, int T, int H, bf16 *out, bf16 *dlog, cudaStream_t st);
 moe_err kcu_adamw(float *p, const float *g, float *m, float *v, bf16 *w, size_t n, float lr,
                   float b1, float b2, float eps, float wd, float bc1, float bc2, float gscale,
                   cudaStream_t st);

@@ -14,6 +14,12 @@
  *   the router part of dx). Sorted modes (kcu_sorted_mode): x[tok] and
  *   dy[tok] are first copied into sorted rows so the grouped GEMMs stream
  *   dense tiles.
+ * Shared expert: E + m <= 256: m extra experts (E .. E+m-1) that every
+ *   token takes in slots K .. K+m-1; E + m > 256: held apart (l->sh, as
+ *   kcu_ep): one kcu_experts of d_ff m*F on all T rows into sy, added in
+ *   kcu_shared_combine (gated by logits column E), its backward after the
+ *   router's (kcu_shared_gate_bwd for dlogits[:, E]), its dx rows added in
+ *   the dx combine.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -340,19 +346,24 @@ extern "C" moe_err kcu_layer_create_ex(const kcu_config *cfg, const kcu_route_co
                 cfg->H, cfg->F, cfg->E, cfg->K, cfg->T_max, cfg->states);
         return MOE_EINVAL;
     }
-    /* routing family and shared experts (kern_cuda.h "Routing families") */
+    /* routing family and shared experts (kern_cuda.h "Routing families");
+     * E + m > 256: the shared expert held apart (kcu_layer.sh), d_ff m*F <=
+     * 65536 as kcu_ep's, one state (its kept forward is not per state) */
+    const int apart = cfg->E + r->shared_experts > 256;
     const int ng = r->n_group > 1 ? r->n_group : 1;
     const int tg = r->topk_group > 0 ? r->topk_group : ng;
     if ((r->scoring != KERN_SCORE_SOFTMAX && r->scoring != KERN_SCORE_SIGMOID) || r->n_group < 0 ||
         r->n_group > KCU_MAX_GROUPS || cfg->E % ng != 0 || r->topk_group < 0 || tg > ng ||
         cfg->K > tg * (cfg->E / ng) || r->group_topn < 0 || r->group_topn > 2 ||
         !(r->route_scale >= 0.0f) || isinf(r->route_scale) || r->shared_experts < 0 ||
-        cfg->E + r->shared_experts > 256 || (r->shared_gate && r->shared_experts == 0)) {
+        (apart && ((long long)r->shared_experts * cfg->F > 65536 || cfg->states > 1)) ||
+        (r->shared_gate && r->shared_experts == 0)) {
         fprintf(stderr,
                 "kcu_layer_create: unsupported routing scoring=%d n_group=%d topk_group=%d "
-                "group_topn=%d route_scale=%g shared_experts=%d shared_gate=%d (E=%d K=%d)\n",
+                "group_topn=%d route_scale=%g shared_experts=%d shared_gate=%d (E=%d K=%d F=%d "
+                "states=%d)\n",
                 r->scoring, r->n_group, r->topk_group, r->group_topn, (double)r->route_scale,
-                r->shared_experts, r->shared_gate, cfg->E, cfg->K);
+                r->shared_experts, r->shared_gate, cfg->E, cfg->K, cfg->F, cfg->states);
         return MOE_EINVAL;
     }
     kcu_layer *l = (kcu_layer *)calloc(1, sizeof(*l));
@@ -360,6 +371,12 @@ extern "C" moe_err kcu_layer_create_ex(const kcu_config *cfg, const kcu_route_co
         return MOE_ENOMEM;
     l->c = *cfg;
     l->r = *r;
+    if (apart) { /* the layout holds the K routed slots only (kcu_nexp E, kcu_nslot K) */
+        l->sh_m = r->shared_experts;
+        l->sh_gate = r->shared_gate;
+        l->r.shared_experts = 0;
+        l->r.shared_gate = 0;
+    }
     /* a shared gate's wsg is router row E: one more row, padded to KCU_BN */
     const int gate_row = r->shared_experts > 0 && r->shared_gate;
     l->Ep = KCU_CEIL_DIV(cfg->E + gate_row, KCU_BN) * KCU_BN;
@@ -396,6 +413,20 @@ extern "C" moe_err kcu_layer_create_ex(const kcu_config *cfg, const kcu_route_co
     carve_params(l, &cv);
     cv = {(char *)l->ws, 0}; /* state 0 selected */
     carve_ws(l, &cv);
+    if (apart) { /* one expert of d_ff m*F over all T_max rows, and its (T_max,H) rows */
+        const moe_err e = kcu_experts_create(cfg->H, l->sh_m * cfg->F, 1, cfg->act, cfg->T_max,
+                                             cfg->train, &l->sh);
+        l->sy_bytes = (size_t)cfg->T_max * cfg->H * 2;
+        if (e != MOE_OK || cudaMalloc(&l->sy, l->sy_bytes) != cudaSuccess) {
+            (void)cudaGetLastError();
+            l->sy = nullptr;
+            fprintf(stderr, "kcu_layer_create: the shared expert (d_ff %d) failed\n",
+                    l->sh_m * cfg->F);
+            kcu_layer_destroy(l);
+            return e != MOE_OK ? e : MOE_ENOMEM;
+        }
+        l->sh->nsm = l->nsm;
+    }
     /* no bias; router rows zero (the shared gate's row E until
      * kcu_layer_upload_shared) */
     if (cudaMemset(l->bias, 0, (size_t)cfg->E * 4) != cudaSuccess ||
@@ -425,6 +456,10 @@ extern "C" void kcu_layer_destroy(kcu_layer *l)
         cudaFree(l->ye_own);
     if (l->stats_h)
         cudaFreeHost(l->stats_h);
+    if (l->sh)
+        kcu_experts_destroy(l->sh);
+    if (l->sy)
+        cudaFree(l->sy);
     kcu_pipe_release(l);
     free(l);
 }
@@ -443,10 +478,13 @@ extern "C" moe_err kcu_layer_set_state(kcu_layer *l, int state)
 
 extern "C" void kcu_layer_bytes(const kcu_layer *l, size_t *params_bytes, size_t *ws_bytes)
 {
+    size_t sp = 0, sw = 0; /* the shared expert held apart */
+    if (l->sh)
+        kcu_experts_bytes(l->sh, &sp, &sw);
     if (params_bytes)
-        *params_bytes = l->params_bytes;
+        *params_bytes = l->params_bytes + sp;
     if (ws_bytes)
-        *ws_bytes = l->ws_bytes + l->stage_bytes + l->ye_own_bytes + l->pp_bytes;
+        *ws_bytes = l->ws_bytes + l->stage_bytes + l->ye_own_bytes + l->pp_bytes + sw + l->sy_bytes;
 }
 
 extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
@@ -455,6 +493,8 @@ extern "C" moe_err kcu_layer_zero_grads(kcu_layer *l, void *stream)
         return MOE_EPRECOND;
     (void)stream; /* lazy: the next backward stores its gradients instead of adding them */
     l->grads_clean = 1;
+    if (l->sh)
+        KCU_TRY(kcu_experts_zero_grads(l->sh, nullptr));
     return MOE_OK;
 }
 
@@ -547,14 +587,45 @@ extern "C" moe_err kcu_shared_split(int Fs, int F, int *m)
     return MOE_OK;
 }
 
+namespace
+{
+
+/* the shared expert held apart: ws1, ws3 (Fs,H) and ws2 (H,Fs) are
+ * kcu_experts_upload's shapes of one expert (its gradients marked zero, the
+ * kept forward gone: the layer's train forward is then gone too, as
+ * kcu_ep_upload_shared); wsg (H) or NULL -> router row E, bf16 */
+moe_err upload_shared_apart(kcu_layer *l, const float *ws1, const float *ws3, const float *ws2,
+                            const float *wsg)
+{
+    KCU_TRY(kcu_experts_upload(l->sh, ws1, ws3, ws2));
+    l->T_fwd[l->state] = 0;
+    if (!wsg)
+        return MOE_OK;
+    const size_t H = l->c.H;
+    uint16_t *b = (uint16_t *)malloc(H * 2);
+    if (!b)
+        return MOE_ENOMEM;
+    for (size_t i = 0; i < H; i++)
+        b[i] = kcu_host_bf16(wsg[i]);
+    const cudaError_t e = cudaMemcpy(l->wr + (size_t)l->c.E * H, b, H * 2, cudaMemcpyHostToDevice);
+    free(b);
+    KCU_CHECK(e);
+    return MOE_OK;
+}
+
+} // namespace
+
 extern "C" moe_err kcu_layer_upload_shared(kcu_layer *l, const float *ws1, const float *ws3,
                                            const float *ws2, const float *wsg)
 {
     const kcu_config *c = &l->c;
-    const int swiglu = c->act == KERN_ACT_SWIGLU, m = l->r.shared_experts;
-    const int gate = m > 0 && l->r.shared_gate;
+    const int swiglu = c->act == KERN_ACT_SWIGLU;
+    const int m = l->sh ? l->sh_m : l->r.shared_experts;
+    const int gate = m > 0 && (l->sh ? l->sh_gate : l->r.shared_gate);
     if (m < 1 || !ws1 || !ws2 || (swiglu && !ws3) || (gate && !wsg))
         return MOE_EINVAL;
+    if (l->sh)
+        return upload_shared_apart(l, ws1, swiglu ? ws3 : nullptr, ws2, gate ? wsg : nullptr);
     const size_t H = c->H, F = c->F, Fs = (size_t)m * F, per = (size_t)l->N1 * H;
     uint16_t *buf = (uint16_t *)malloc((per > H * F ? per : H * F) * 2);
     if (!buf)
@@ -661,6 +732,19 @@ extern "C" moe_err kcu_layer_download_shared_grads(kcu_layer *l, float *dws1, fl
     const int m = l->r.shared_experts, gate = m > 0 && l->r.shared_gate;
     if (!c->train)
         return MOE_EPRECOND;
+    if (l->sh) { /* held apart: its own gradients (synchronises), the gate's in row E */
+        const size_t H = c->H;
+        KCU_TRY(kcu_experts_download_grads(l->sh, dws1, c->act == KERN_ACT_SWIGLU ? dws3 : nullptr,
+                                           dws2));
+        if (dwsg && l->sh_gate) {
+            if (l->grads_clean)
+                memset(dwsg, 0, H * 4);
+            else
+                KCU_CHECK(
+                    cudaMemcpy(dwsg, l->g_wr + (size_t)c->E * H, H * 4, cudaMemcpyDeviceToHost));
+        }
+        return MOE_OK;
+    }
     if (m < 1)
         return MOE_EINVAL;
     const size_t H = c->H, F = c->F, Fs = (size_t)m * F, per = (size_t)l->N1 * H;
@@ -814,13 +898,28 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     a.pdl = small;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, l->nsm, st));
 
+    if (l->sh) {
+        /* the shared expert held apart on all T rows: ys (T,H) = expert(xb)
+         * into sy, kept for the gate's gradient (and its x, a, h in the
+         * kcu_experts for its backward when training) */
+        PHASE("f.shared");
+        const int32_t rows = T;
+        KCU_TRY(kcu_experts_forward(l->sh, T, xb, MOE_BF16, &rows, l->sy, MOE_BF16, train, st));
+    }
+
     PHASE("f.combine");
-    /* combine, in j order */
+    /* combine, in j order (then the shared rows held apart, gated by the
+     * logits' column E or not) */
     const int yhost = kcu_is_host_ptr(y);
     if (yhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(kcu_combine(ye, l->topk_w, nullptr, spos, T, Kt, H, yhost ? (void *)l->stage : y,
-                        y_dtype, small, st));
+    if (l->sh)
+        KCU_TRY(kcu_shared_combine(ye, nullptr, spos, l->topk_w, nullptr, l->sy,
+                                   l->sh_gate ? l->logits + c->E : nullptr, l->Ep, T, Kt, H,
+                                   yhost ? (void *)l->stage : y, y_dtype, st));
+    else
+        KCU_TRY(kcu_combine(ye, l->topk_w, nullptr, spos, T, Kt, H, yhost ? (void *)l->stage : y,
+                            y_dtype, small, st));
     if (yhost)
         KCU_CHECK(cudaMemcpyAsync(y, l->stage, n * (y_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));
@@ -929,6 +1028,23 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
         KCU_CHECK(cudaMemsetAsync(l->dw, 0, (size_t)S * 4, st));
     KCU_TRY(kcu_dw_reduce(l, S, st));
     KCU_TRY(kcu_router_bwd(l, T, T_global > 0 ? T_global : T, aux_coef, z_coef, st));
+    if (l->sh) {
+        /* the shared expert held apart: with a gate, dlogits[:, E] (which
+         * k_router_bwd left zero) and its dy rows g dy into sy (ys is read
+         * there first, element by element); its backward (dy from sy or
+         * the staged dy, dx rows into sy, weight gradients accumulated in
+         * the kcu_experts), before the router part of dx reads dlogits */
+        PHASE("b.shared");
+        const void *sdy = dysrc;
+        moe_dtype sdt = dy_dtype;
+        if (l->sh_gate) {
+            KCU_TRY(kcu_shared_gate_bwd(dysrc, dy_dtype, l->sy, l->logits + E, l->Ep, T, H, l->sy,
+                                        l->dlogits + E, st));
+            sdy = l->sy;
+            sdt = MOE_BF16;
+        }
+        KCU_TRY(kcu_experts_backward(l->sh, sdy, sdt, l->sy, MOE_BF16, st));
+    }
     PHASE("b.dw2"); /* before b.dx overwrites the dy rows in ye */
     KCU_TRY(dw2_grad(l, dyrows, !l->sorted, st));
 
@@ -965,8 +1081,12 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
     const int xhost = kcu_is_host_ptr(dx);
     if (xhost)
         KCU_TRY(ensure_stage(l));
-    KCU_TRY(kcu_combine(ye, nullptr, dxr, spos, T, Kt, H, xhost ? (void *)l->stage : dx, dx_dtype,
-                        0, st));
+    if (l->sh) /* plus the shared expert's dx rows */
+        KCU_TRY(kcu_shared_combine(ye, nullptr, spos, nullptr, dxr, l->sy, nullptr, 0, T, Kt, H,
+                                   xhost ? (void *)l->stage : dx, dx_dtype, st));
+    else
+        KCU_TRY(kcu_combine(ye, nullptr, dxr, spos, T, Kt, H, xhost ? (void *)l->stage : dx,
+                            dx_dtype, 0, st));
     if (xhost)
         KCU_CHECK(cudaMemcpyAsync(dx, l->stage, n * (dx_dtype == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDeviceToHost, st));

@@ -90,7 +90,7 @@ typedef struct kcu_route_config {
     float route_scale; /* routed_scaling_factor on the K routed weights (0 = 1) */
     /* shared expert of d_ff Fs = shared_experts * F, held as that many
      * extra experts (kcu_shared_split, kcu_layer_upload_shared) */
-    int shared_experts; /* m = Fs / F (0 = none); E + m <= 256 */
+    int shared_experts; /* m = Fs / F (0 = none); E + m > 256: held apart (below) */
     int shared_gate;    /* the shared output is scaled by sigmoid(x . wsg) (else 1) */
 } kcu_route_config;
 
@@ -131,11 +131,26 @@ typedef struct kcu_route_config {
  * dws2) and the gate's in router row E (dwsg): its logit's gradient is
  * g (1 - g) <dy, shared output>, rounded to bf16 with the router's.
  *
+ * Shared expert held apart (E + m > 256, e.g. DeepSeek-V3 / Kimi-K2: 256
+ * routed + 1 shared): the m extra experts would not fit the kernels' 256,
+ * so the layer holds the shared expert as kcu_ep does: one expert of d_ff
+ * m*F (a kcu_experts, its own fp32 gradients even with grad_bf16) that
+ * takes all T rows; its output ys (bf16) is added after the K routed
+ * slots in the combine, as bf16(g ys) with the gate or ys without, one
+ * rounding of y. Backward: the gate logit's gradient g (1 - g) <bf16(dy),
+ * ys>, the expert's backward on g dy (or dy), its dx rows added into dx.
+ * kcu_layer_upload_shared and kcu_layer_download_shared_grads take the same
+ * shapes; upload_shared also marks the shared gradients zero and drops the
+ * kept train forward. Needs m*F <= 65536 and cfg.states <= 1 (its kept
+ * forward is one); the pipelined forward runs it per chunk. E + m <= 256
+ * keeps the m extra experts above.
+ *
  * Limits (kcu_layer_create_ex: MOE_EINVAL and a stderr line otherwise):
  * scoring 0 or 1; n_group 0, 1 or a divisor of E up to KCU_MAX_GROUPS;
  * 0 <= topk_group <= n_group; 0 <= group_topn <= 2; K <= topk_group *
- * E / n_group; route_scale >= 0 and finite; shared_experts >= 0 with
- * E + shared_experts <= 256; shared_gate only with shared experts. */
+ * E / n_group; route_scale >= 0 and finite; shared_experts >= 0 (with
+ * E + shared_experts > 256: shared_experts * F <= 65536 and states <= 1);
+ * shared_gate only with shared experts. */
 
 /* kcu_layer_create allocates a layer on the current CUDA device. Weights are
  * uninitialised until kcu_layer_upload. *out owned by the caller, freed with
@@ -167,7 +182,9 @@ moe_err kcu_layer_upload_bias(kcu_layer *l, const float *bias);
  * kcu_layer_upload whenever the shared weights change (kcu_layer_upload
  * leaves the shared experts and the gate row alone). Synchronous.
  * MOE_EINVAL when the layer has no shared experts or a needed pointer is
- * NULL. */
+ * NULL. With E + m > 256 (held apart) the same arrays go to the one expert
+ * of d_ff Fs as they are; its gradients are then marked zero and the kept
+ * train forward is dropped. */
 moe_err kcu_layer_upload_shared(kcu_layer *l, const float *ws1, const float *ws3, const float *ws2,
                                 const float *wsg);
 /* kcu_shared_split: *m = Fs / F, the kcu_route_config.shared_experts of a shared

@@ -1798,7 +1798,10 @@ static int experts_decode_check(const ecase &c, uint64_t seed)
  * family falls back to the general path). With train set, a backward
  * (aux and z coefficients on) against kern_moe_backward_ref_g: dx, dwr,
  * dw1, dw3, dw2, and the shared expert's dws1, dws3, dws2 (reassembled by
- * kcu_layer_download_shared_grads) and dwsg, each within the tolerance. */
+ * kcu_layer_download_shared_grads) and dwsg, each within the tolerance.
+ * E + m > 256: the layer holds the shared expert apart (kcu_layer.sh, no
+ * shared slots in the layout; checked to be so exactly then); the same
+ * comparisons, the gate and shared slots aside. */
 struct fcase {
     const char *name;
     int T, H, F, E, K;
@@ -1816,7 +1819,6 @@ struct fcase {
 static int family_case(const fcase &c, uint64_t seed)
 {
     const int T = c.T, H = c.H, F = c.F, E = c.E, K = c.K, m = c.m, Fs = c.m * c.F;
-    const int Kt = K + m;
     const int swiglu = c.act == KERN_ACT_SWIGLU;
     std::vector<float> wr((size_t)E * H), w1((size_t)E * F * H), w3((size_t)E * F * H),
         w2((size_t)E * H * F), x((size_t)T * H), bias(E, 0.f);
@@ -1850,6 +1852,9 @@ static int family_case(const fcase &c, uint64_t seed)
     kcu_route_config rc = {c.scoring, c.n_group, c.topk_group, c.group_topn, c.scale, m, c.gate};
     kcu_layer *l;
     CKM(kcu_layer_create_ex(&cfg, &rc, &l));
+    /* Kt slots a token: K routed and ms = m shared ones, or ms = 0 with the
+     * shared expert held apart (E + m > 256: l->sh, no shared slots) */
+    const int Kt = kcu_nslot(l), ms = Kt - K, apart = l->sh != NULL;
     CKM(kcu_layer_upload(l, wr.data(), w1.data(), swiglu ? w3.data() : NULL, w2.data()));
     if (c.bias)
         CKM(kcu_layer_upload_bias(l, bias.data()));
@@ -1868,7 +1873,10 @@ static int family_case(const fcase &c, uint64_t seed)
     CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
     CKM(kcu_forward(l, T, x.data(), MOE_F32, y.data(), MOE_F32, c.train, NULL));
     CK(cudaDeviceSynchronize());
-    const int path_ok = kcu_decode_calls == calls0; /* never the decode path */
+    /* the layer never takes the decode path; with it forced, a shared
+     * expert held apart (a kcu_experts of T rows, inference) takes it in
+     * each of the two forwards */
+    const int path_ok = kcu_decode_calls - calls0 == (apart && c.decode && !c.train ? 2 : 0);
     kcu_decode_override = 0;
     const int det_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
     std::vector<int32_t> counts(E), dropped(E);
@@ -1923,7 +1931,7 @@ static int family_case(const fcase &c, uint64_t seed)
         }
         const float gl = lg_pad[(size_t)t * l->Ep + E];
         const float g = c.gate ? 1.f / (1.f + expf(-gl)) : 1.f;
-        for (int j = 0; j < m; j++) {
+        for (int j = 0; j < ms; j++) {
             idx_ok &= idx_g[(size_t)t * Kt + K + j] == E + j;
             gate_g.push_back(tw_g[(size_t)t * Kt + K + j]);
             gate_r.push_back(g);
@@ -1931,7 +1939,7 @@ static int family_case(const fcase &c, uint64_t seed)
     }
     const double eprobs = relerr(probs_g.data(), probs_r.data(), probs_r.size());
     const double etw = relerr(twg_r.data(), tw_r.data(), tw_r.size());
-    const double egate = m ? relerr(gate_g.data(), gate_r.data(), gate_r.size()) : 0.0;
+    const double egate = ms ? relerr(gate_g.data(), gate_r.data(), gate_r.size()) : 0.0;
 
     /* ---- backward against kern_moe_backward_ref_g: dx, the routed
      * experts' and the router's gradients, the shared expert's (reassembled
@@ -1976,16 +1984,18 @@ static int family_case(const fcase &c, uint64_t seed)
             edsg = c.gate ? relerr(g_sg.data(), r_sg.data(), H) : 0.0;
         }
     }
+    const int apart_ok = apart == (E + m > 256); /* held apart exactly when E + m > 256 */
     kcu_layer_destroy(l);
 
     const double ev[] = {ey,   eaux, ez,   eprobs, etw,  egate, edx, edwr,
                          edw1, edw3, edw2, eds1,   eds3, eds2,  edsg};
-    int ok = cnt_ok && idx_ok && det_ok && path_ok;
+    int ok = cnt_ok && idx_ok && det_ok && path_ok && apart_ok;
     for (double d : ev)
         ok = ok && d < TOL; /* NaN compares false */
-    printf("%-12s T=%-4d E=%-3d K=%d m=%d %s cf=%g | y %.1e probs %.1e topk_w %.1e gate %.1e aux "
+    printf("%-12s T=%-4d E=%-3d K=%d m=%d%s %s cf=%g | y %.1e probs %.1e topk_w %.1e gate %.1e aux "
            "%.1e z %.1e | logits %s idx %s counts %s det %s path %s | %s\n",
-           c.name, T, E, K, m, swiglu ? "sw" : "ge", c.cf, ey, eprobs, etw, egate, eaux, ez,
+           c.name, T, E, K, m, apart ? (apart_ok ? " apart" : " apart BAD") : "",
+           swiglu ? "sw" : "ge", c.cf, ey, eprobs, etw, egate, eaux, ez,
            logits_exact ? "exact" : "inexact", idx_ok ? "ok" : "BAD", cnt_ok ? "ok" : "BAD",
            det_ok ? "ok" : "BAD", path_ok ? "ok" : "BAD", ok ? "PASS" : "FAIL");
     if (c.train)
@@ -2016,7 +2026,7 @@ static int family_refusals(void)
         {64, 8, {1, 8, 4, 3, 0.f, 0, 0}},    /* group_topn */
         {64, 8, {1, 8, 4, 2, -1.f, 0, 0}},   /* route_scale */
         {64, 8, {0, 0, 0, 0, 0.f, 0, 1}},    /* a gate without shared experts */
-        {250, 8, {0, 0, 0, 0, 0.f, 7, 0}},   /* E + m > 256 */
+        {250, 8, {0, 0, 0, 0, 0.f, 257, 0}}, /* E + m > 256, held apart: m F > 65536 */
         {64, 8, {0, 0, 0, 0, 0.f, -1, 0}},   /* m < 0 */
     };
     int ok = 1;
@@ -2024,6 +2034,15 @@ static int family_refusals(void)
         kcu_config cfg = {256, 256, b.E, b.K, KERN_ACT_SWIGLU, 1, 16, 0, 0.f};
         kcu_layer *l = NULL;
         const int refused = kcu_layer_create_ex(&cfg, &b.r, &l) == MOE_EINVAL && l == NULL;
+        if (!refused)
+            kcu_layer_destroy(l);
+        ok &= refused;
+    }
+    { /* E + m > 256 with two states: the shared expert held apart keeps one forward */
+        kcu_config cfg = {256, 256, 256, 8, KERN_ACT_SWIGLU, 1, 16, 1, 0.f, 0, 2};
+        const kcu_route_config r = {1, 8, 4, 2, 2.5f, 1, 0};
+        kcu_layer *l = NULL;
+        const int refused = kcu_layer_create_ex(&cfg, &r, &l) == MOE_EINVAL && l == NULL;
         if (!refused)
             kcu_layer_destroy(l);
         ok &= refused;
@@ -2085,7 +2104,16 @@ int main(int argc, char **argv)
         {"deepseek-v2", 200, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 1},
         {"deepseek-v2", 1, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 1, 0},
         {"qwen2-moe", 200, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 0, 1},
-        {"qwen2-moe", 8, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0}};
+        {"qwen2-moe", 8, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0},
+        /* E + m > 256: the shared expert held apart (kcu_layer.sh): the
+         * DeepSeek-V3 layer (256 routed + 1 shared), forward and backward at
+         * T 300 and 4, an inference forward with the decode path forced on
+         * (declined by the layer; the shared expert's kcu_experts may take
+         * it), and a gated shared expert of d_ff 8 F beside 250 experts */
+        {"v3-256", 300, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
+        {"v3-256", 4, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
+        {"v3-256", 4, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0},
+        {"e250-m8-gate", 300, 256, 128, 250, 8, SW, 0, SM, 0, 0, 0, 0.f, 8, 1, 0, 0.f, 0, 1}};
     if (!small) {
         const std::vector<fcase> more = {
             {"v3-cap", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 1.0f, 0, 1},
@@ -2125,7 +2153,9 @@ int main(int argc, char **argv)
                   {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 1.0f},
                   {3000, 256, 256, 16, 2, GE, 700, F32, F32, 1, 1.25f},
                   /* a routing family and a gated shared expert (counts over E routed) */
-                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 0.f, 1}};
+                  {1000, 256, 256, 16, 2, SW, 300, B16, B16, 0, 0.f, 1},
+                  /* 256 routed + 1 shared: the shared expert held apart, run per chunk */
+                  {1000, 256, 128, 256, 8, SW, 300, B16, F32, 0, 0.f, 1}};
     auto pipe_checks = [&]() {
         int np = 0;
         for (size_t i = 0; i < pcases.size(); i++)
