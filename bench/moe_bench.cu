@@ -423,7 +423,7 @@ int main(int argc, char **argv)
      * on all T rows, added in the combine). Then the family without the
      * shared expert (the routed part alone; made after the softmax layer is
      * freed: three 22.5 GB layers would not fit an H100). */
-    for (int T : {4096, 64}) {
+    for (int T : {4096, 64, 1}) {
         char tag[64];
         snprintf(tag, sizeof(tag), "dsv3-route:%d", T);
         if (quick || (only && !matches(only, tag)))
