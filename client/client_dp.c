@@ -666,23 +666,15 @@ static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t si
     memset(b, 0, sizeof(*b));
     snprintf(name, sizeof(name), "/moe-%ld-%016llx-%u", (long)getpid(),
              (unsigned long long)moe_client_id(c), __atomic_add_fetch(&dp->next_shm, 1, 0));
-    int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0)
-        return MOE_EIO;
-    /* reserve the pages now: a full /dev/shm fails here, not as SIGBUS later */
-    if (ftruncate(fd, (off_t)size) != 0 || posix_fallocate(fd, 0, (off_t)size) != 0) {
-        close(fd);
-        shm_unlink(name);
-        return MOE_ENOMEM;
-    }
-    b->base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
+    void *base;
+    moe_err me = moe_shm_make(name, size, &base);
+    if (me != MOE_OK)
+        return me;
+    b->base = base;
     b->region = calloc((size_t)m->W, sizeof(uint64_t));
-    if (b->base == MAP_FAILED || !b->region) {
-        if (b->base != MAP_FAILED)
-            munmap(b->base, size);
+    if (!b->region) {
+        munmap(b->base, size);
         b->base = NULL;
-        free(b->region);
         shm_unlink(name);
         return MOE_ENOMEM;
     }

@@ -32,14 +32,13 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-moe_err moe_ring_map(moe_ring *r, const char *name, size_t size)
+moe_err moe_shm_make(const char *name, size_t size, void **base)
 {
-    memset(r, 0, sizeof(*r));
-    if (size < RING_MIN || size > RING_MAX || size % 64)
-        return MOE_EINVAL;
+    *base = NULL;
     int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0)
         return MOE_EIO;
+    /* reserve the pages now: a full /dev/shm fails here, not as SIGBUS later */
     if (ftruncate(fd, (off_t)size) != 0 || posix_fallocate(fd, 0, (off_t)size) != 0) {
         close(fd);
         shm_unlink(name);
@@ -51,6 +50,19 @@ moe_err moe_ring_map(moe_ring *r, const char *name, size_t size)
         shm_unlink(name);
         return MOE_ENOMEM;
     }
+    *base = p;
+    return MOE_OK;
+}
+
+moe_err moe_ring_map(moe_ring *r, const char *name, size_t size)
+{
+    memset(r, 0, sizeof(*r));
+    if (size < RING_MIN || size > RING_MAX || size % 64)
+        return MOE_EINVAL;
+    void *p;
+    moe_err e = moe_shm_make(name, size, &p);
+    if (e != MOE_OK)
+        return e;
     r->base = p; /* a fresh segment reads zero: counters 0, nobody idle */
     r->size = size;
     r->req_cap = ring_req_cap((uint32_t)r->size);

@@ -34,6 +34,12 @@ typedef struct moe_ring {
     int dead; /* never posted to again */
 } moe_ring;
 
+/* moe_shm_make creates the shared-memory segment `name` of size bytes
+ * (its pages reserved now: a full /dev/shm fails here, not as SIGBUS
+ * later) and maps it: *base, owned by the caller (munmap size bytes). The
+ * name stays until the caller unlinks it. MOE_EIO (it exists or cannot be
+ * made), MOE_ENOMEM. */
+moe_err moe_shm_make(const char *name, size_t size, void **base);
 /* moe_ring_map creates segment `name` (/moe-<pid>-...) of size bytes (a
  * multiple of 64, 4096 .. 1 MiB; libmoe uses MOE_RING_BYTES), maps it into
  * r and lays out an empty ring over all of it. The caller attaches it to
