@@ -318,6 +318,19 @@ static void merge_forwards(coord *c, coord_job *j)
     j->x.nbytes = off;
 }
 
+/* refuse_unready answers j's client (if any) that the cluster is not
+ * ready, and frees j */
+static void refuse_unready(coord *c, coord_job *j)
+{
+    if (j->call) {
+        rpc_reply_err(j->call, MOE_EUNAVAIL,
+                      "cluster not ready: %d of %lld workers up (generation %llu)",
+                      coord_up_workers(c), c->expected_workers, (unsigned long long)c->generation);
+        coord_count_error(c, MOE_EUNAVAIL);
+    }
+    job_free(j);
+}
+
 void coord_job_pump(coord *c)
 {
     while (!c->current && c->qhead) {
@@ -342,14 +355,7 @@ void coord_job_pump(coord *c)
             continue;
         }
         if (!(j->ops->flags & JOB_F_FORMING) && !c->ready) {
-            if (j->call) {
-                rpc_reply_err(j->call, MOE_EUNAVAIL,
-                              "cluster not ready: %d of %lld workers up (generation %llu)",
-                              coord_up_workers(c), c->expected_workers,
-                              (unsigned long long)c->generation);
-                coord_count_error(c, MOE_EUNAVAIL);
-            }
-            job_free(j);
+            refuse_unready(c, j);
             continue;
         }
         if (j->call && j->direct && j->dgen != c->generation) {
@@ -379,11 +385,7 @@ void coord_job_refuse_unready(coord *c)
         if (j->call && !(j->ops->flags & JOB_F_FORMING) && !j->ops->stale) {
             *pp = j->next;
             c->qlen--;
-            rpc_reply_err(
-                j->call, MOE_EUNAVAIL, "cluster not ready: %d of %lld workers up (generation %llu)",
-                coord_up_workers(c), c->expected_workers, (unsigned long long)c->generation);
-            coord_count_error(c, MOE_EUNAVAIL);
-            job_free(j);
+            refuse_unready(c, j);
             continue;
         }
         last = j;

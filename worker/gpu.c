@@ -141,6 +141,22 @@ static moe_err route_config_of(const model_cfg *c, kcu_route_config *rc)
     return MOE_OK;
 }
 
+/* dev_model: what a device layer needs of its model - where the layer's
+ * extra tensors are (the choice bias, the shared expert and its gate) */
+typedef struct dev_model {
+    wkr_model *m;
+    int layer;
+    int bias, shared; /* the layer has a choice bias, a shared expert */
+} dev_model;
+
+static void dev_model_init(dev_model *dm, wkr_model *m, int layer)
+{
+    dm->m = m;
+    dm->layer = layer;
+    dm->bias = m->cfg.score_bias;
+    dm->shared = m->cfg.shared_d_ff > 0;
+}
+
 /* ---- layer: the whole layer on one device (kcu_layer) ---- */
 
 /* layer_dev: a kcu_layer and what its states hold. A training layer keeps
@@ -151,9 +167,7 @@ static moe_err route_config_of(const model_cfg *c, kcu_route_config *rc)
 #define LAYER_MAX_STATES 16
 typedef struct layer_dev {
     kcu_layer *kl;
-    wkr_model *m; /* its model and layer: the bias and shared expert's tensors */
-    int layer;
-    int bias, shared; /* the layer has a choice bias, a shared expert (of m experts) */
+    dev_model dm;
     int nstates;
     uint64_t handle[LAYER_MAX_STATES]; /* the train forward a state holds, 0 = none */
     uint64_t used[LAYER_MAX_STATES];   /* when it was last used (clock) */
@@ -187,8 +201,7 @@ static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **d
     layer_dev *d = calloc(1, sizeof(*d));
     if (!d)
         return MOE_ENOMEM;
-    d->m = m;
-    d->layer = layer;
+    dev_model_init(&d->dm, m, layer);
     /* the routing family; a shared expert of d_ff Fs = n F runs as n more
      * experts that every token takes (kcu_route_config) */
     kcu_route_config rc;
@@ -196,15 +209,13 @@ static moe_err layer_create(wkr *w, wkr_model *m, int layer, int train, void **d
         free(d);
         return MOE_EINVAL;
     }
-    d->bias = c->score_bias;
-    d->shared = rc.shared_experts;
     d->nstates = train ? (int)w->gpu_train_states : 1;
     if (d->nstates < 1 || d->nstates > LAYER_MAX_STATES)
         d->nstates = 1;
     /* E + m > 256: the layer holds the shared expert apart, whose kept
      * forward is one (kern_cuda.h): one state, a backward whose forward was
      * pushed out recomputes it */
-    if (c->n_experts + rc.shared_experts > 256)
+    if (kcu_shared_apart(c->n_experts, rc.shared_experts))
         d->nstates = 1;
     kcu_config kc = {c->d_model,
                      c->d_ff,
@@ -245,9 +256,9 @@ static moe_err layer_upload(void *dev, const wkr_layer *L)
     layer_dev *d = dev;
     memset(d->handle, 0, sizeof(d->handle));
     moe_err e = kcu_layer_upload(d->kl, L->wr, L->w1, L->w3, L->w2);
-    if (e == MOE_OK && d->bias)
+    if (e == MOE_OK && d->dm.bias)
         e = kcu_layer_upload_bias(d->kl, L->bias);
-    if (e == MOE_OK && d->shared)
+    if (e == MOE_OK && d->dm.shared)
         e = kcu_layer_upload_shared(d->kl, L->ws1, L->ws3, L->ws2, L->wsg);
     return e;
 }
@@ -268,8 +279,9 @@ static moe_err ep_shared_download(void *obj, float *s1, float *s3, float *s2, fl
     return kcu_ep_download_shared_grads(obj, s1, s3, s2, sg);
 }
 
-static moe_err shared_grads_add(wkr_model *m, int layer, void *obj, shared_download_fn download)
+static moe_err shared_grads_add(const dev_model *dm, void *obj, shared_download_fn download)
 {
+    wkr_model *m = dm->m;
     const model_cfg *c = &m->cfg;
     const size_t H = (size_t)c->d_model, sfh = (size_t)c->shared_d_ff * H;
     const int gated = act_gated(c->act);
@@ -280,7 +292,7 @@ static moe_err shared_grads_add(wkr_model *m, int layer, void *obj, shared_downl
         e = download(obj, s1, s3, s2, sg);
     /* the extra tensors in wkr_layer_extra's order: bias (frozen), ws1,
      * (ws3,) ws2, wsg */
-    wkr_param *p = wkr_layer_extra(m, layer) + (c->score_bias ? 1 : 0);
+    wkr_param *p = wkr_layer_extra(m, dm->layer) + (c->score_bias ? 1 : 0);
     const float *src[4] = {s1, gated ? s3 : s2, gated ? s2 : sg, sg};
     const int n = (gated ? 3 : 2) + (c->shared_gate ? 1 : 0);
     for (int k = 0; e == MOE_OK && k < n; k++)
@@ -294,8 +306,8 @@ static moe_err layer_pull_grads(void *dev, float *gr, float *g1, float *g3, floa
 {
     layer_dev *d = dev;
     moe_err e = kcu_layer_download_grads(d->kl, gr, g1, g3, g2);
-    if (e == MOE_OK && d->shared && d->m->train_ready)
-        e = shared_grads_add(d->m, d->layer, d->kl, layer_shared_download);
+    if (e == MOE_OK && d->dm.shared && d->dm.m->train_ready)
+        e = shared_grads_add(&d->dm, d->kl, layer_shared_download);
     if (e == MOE_OK)
         e = kcu_layer_zero_grads(d->kl, NULL);
     return e;
@@ -416,9 +428,7 @@ static const wkr_gpu_ops layer_ops = {
  * layer's extra tensors) */
 typedef struct ep_dev {
     kcu_ep *ep;
-    wkr_model *m;
-    int layer;
-    int bias, shared; /* the layer has a choice bias, a shared expert */
+    dev_model dm;
 } ep_dev;
 
 static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
@@ -427,10 +437,7 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     ep_dev *d = calloc(1, sizeof(*d));
     if (!d)
         return MOE_ENOMEM;
-    d->m = m;
-    d->layer = layer;
-    d->bias = c->score_bias;
-    d->shared = c->shared_d_ff > 0;
+    dev_model_init(&d->dm, m, layer);
     kcu_ep_config ec;
     memset(&ec, 0, sizeof(ec));
     ec.H = c->d_model;
@@ -474,9 +481,9 @@ static moe_err ep_upload(void *dev, const wkr_layer *L)
 {
     ep_dev *d = dev;
     moe_err e = kcu_ep_upload(d->ep, L->wr, L->w1, L->w3, L->w2);
-    if (e == MOE_OK && d->bias)
+    if (e == MOE_OK && d->dm.bias)
         e = kcu_ep_upload_bias(d->ep, L->bias);
-    if (e == MOE_OK && d->shared)
+    if (e == MOE_OK && d->dm.shared)
         e = kcu_ep_upload_shared(d->ep, L->ws1, L->ws3, L->ws2, L->wsg);
     return e;
 }
@@ -490,8 +497,8 @@ static moe_err ep_pull_grads(void *dev, float *gr, float *g1, float *g3, float *
     moe_err e = kcu_ep_download_router_grad(d->ep, gr);
     if (e == MOE_OK)
         e = kcu_experts_download_grads(kcu_ep_experts(d->ep), g1, g3, g2);
-    if (e == MOE_OK && d->shared && d->m->train_ready)
-        e = shared_grads_add(d->m, d->layer, d->ep, ep_shared_download);
+    if (e == MOE_OK && d->dm.shared && d->dm.m->train_ready)
+        e = shared_grads_add(&d->dm, d->ep, ep_shared_download);
     if (e == MOE_OK)
         e = kcu_ep_zero_grads(d->ep);
     return e;

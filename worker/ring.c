@@ -64,12 +64,11 @@ static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *t
     return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
 }
 
-/* ring_answered: the reply hook of a ring request's local call: the
- * response goes into the ring's answer area, then the answer counter. */
-static void ring_answered(rpc_call *call, const void *buf, size_t len, void *arg)
+/* ring_write puts the answer to request seq (a msgpack-rpc response of
+ * len bytes) into the answer area, then the answer counter, wakes a
+ * sleeping client, and marks the request done for the ring's thread. */
+static void ring_write(dp_ring *r, uint32_t seq, const void *buf, size_t len)
 {
-    dp_ring *r = arg;
-    uint32_t seq = call->req.msgid;
     mp_writer w;
     mp_writer_init(&w);
     if (len > r->rep_cap) { /* an inline y larger than the ring: say so */
@@ -93,6 +92,12 @@ static void ring_answered(rpc_call *call, const void *buf, size_t len, void *arg
     r->seq_done = seq;
     pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);
+}
+
+/* ring_answered: the reply hook of a ring request's local call */
+static void ring_answered(rpc_call *call, const void *buf, size_t len, void *arg)
+{
+    ring_write(arg, call->req.msgid, buf, len);
 }
 
 /* wait_request: the next request's counter (!= seq_done), or 0 once the
@@ -123,19 +128,13 @@ static int wait_request(dp_ring *r, uint32_t *seq)
     }
 }
 
-/* answer_local: an error answer for a request that never became a call */
+/* answer_error: the answer to a request that never became a call */
 static void answer_error(dp_ring *r, uint32_t seq, moe_err e, const char *text)
 {
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_err(&w, seq, e, text);
-    rpc_call fake;
-    memset(&fake, 0, sizeof(fake));
-    fake.req.msgid = seq;
-    pthread_mutex_lock(&r->mu);
-    r->busy = 1;
-    pthread_mutex_unlock(&r->mu);
-    ring_answered(&fake, w.buf, w.len, r);
+    ring_write(r, seq, w.buf, w.len);
     mp_writer_fini(&w);
 }
 

@@ -349,7 +349,7 @@ extern "C" moe_err kcu_layer_create_ex(const kcu_config *cfg, const kcu_route_co
     /* routing family and shared experts (kern_cuda.h "Routing families");
      * E + m > 256: the shared expert held apart (kcu_layer.sh), d_ff m*F <=
      * 65536 as kcu_ep's, one state (its kept forward is not per state) */
-    const int apart = cfg->E + r->shared_experts > 256;
+    const int apart = kcu_shared_apart(cfg->E, r->shared_experts);
     const int ng = r->n_group > 1 ? r->n_group : 1;
     const int tg = r->topk_group > 0 ? r->topk_group : ng;
     if ((r->scoring != KERN_SCORE_SOFTMAX && r->scoring != KERN_SCORE_SIGMOID) || r->n_group < 0 ||

@@ -192,6 +192,14 @@ moe_err kcu_layer_upload_shared(kcu_layer *l, const float *ws1, const float *ws3
  * F != 0: such a shared expert cannot be split into experts of d_ff F and
  * the layer cannot hold it. */
 moe_err kcu_shared_split(int Fs, int F, int *m);
+/* KCU_MAX_EXPERTS: the experts a layer's kernels hold; kcu_shared_apart:
+ * a layer of E routed experts holds a shared expert of m pieces apart
+ * (E + m above that), with one state (kcu_config.states <= 1) */
+#define KCU_MAX_EXPERTS 256
+static inline int kcu_shared_apart(int E, int m)
+{
+    return E + m > KCU_MAX_EXPERTS;
+}
 /* kcu_layer_download_grads copies the gradients (accumulated since the last
  * zeroing; widened to f32 when stored in bf16) to host arrays of the same
  * shapes as upload; any may be NULL. Synchronous. MOE_EPRECOND when the
