@@ -456,9 +456,13 @@ void coord_cluster_status(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 7);
+    mp_write_map(&w, 8);
     mp_write_cstr(&w, "ready");
     mp_write_bool(&w, c->ready != 0);
+    /* the survivors could not hold a model: no smaller generation forms
+     * again until every worker is up */
+    mp_write_cstr(&w, "waiting_for_all");
+    mp_write_bool(&w, c->shrink_blocked != 0);
     mp_write_cstr(&w, "expected_workers");
     mp_write_i64(&w, c->expected_workers);
     mp_write_cstr(&w, "world"); /* members of the current generation (< expected: shrunk) */

@@ -729,6 +729,9 @@ moe_err cluster_get_state(cluster *cl, cluster_state *st)
         } else if (mp_str_eq(k, kl, "draining")) {
             e = mp_read_bool(&r, &b, NULL);
             st->draining = b;
+        } else if (mp_str_eq(k, kl, "waiting_for_all")) {
+            e = mp_read_bool(&r, &b, NULL);
+            st->waiting_for_all = b;
         } else if (mp_str_eq(k, kl, "expected_workers")) {
             e = mp_read_i64(&r, &v, NULL);
             st->expected = (int)v;

@@ -110,7 +110,8 @@ void cluster_dump_logs(const cluster *cl, const char *why);
 /* cluster.status, parsed. */
 typedef struct cluster_state {
     int ready, draining, expected, up, down, listed;
-    int world; /* members of the current generation */
+    int waiting_for_all; /* survivors could not hold a model */
+    int world;           /* members of the current generation */
     uint64_t generation;
 } cluster_state;
 moe_err cluster_get_state(cluster *cl, cluster_state *st);
