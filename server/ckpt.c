@@ -896,7 +896,10 @@ static int ckpt_save_stale(coord *c, coord_job *j)
     return 1;
 }
 
-const coord_job_ops coord_job_ckpt_save = {JOB_CKPT_SAVE, "worker.checkpoint_save", 0, ckpt_encode,
+/* a save that lost a member cannot become durable: answered at once
+ * (JOB_F_EARLY); the survivors' shards stay out of LATEST and the index */
+const coord_job_ops coord_job_ckpt_save = {JOB_CKPT_SAVE, "worker.checkpoint_save",
+                                           JOB_F_EARLY,   ckpt_encode,
                                            ckpt_finish,   ckpt_save_stale};
 const coord_job_ops coord_job_ckpt_load = {
     JOB_CKPT_LOAD, "worker.checkpoint_load", 0, ckpt_encode, ckpt_finish, NULL};

@@ -127,6 +127,8 @@ void wkr_op_ckpt_save(wkr *w, rpc_call *c)
     wkr_model *m = wkr_model_or_reply(w, c, name);
     if (!m)
         return;
+    if (w->slow_ckpt_ms > 0)
+        usleep((useconds_t)(w->slow_ckpt_ms * 1000));
     char real[2048];
     moe_err e = confine(dir, real, sizeof(real), err, sizeof(err));
     if (e != MOE_OK) {

@@ -108,6 +108,9 @@ static const cfg_entry worker_cfg[] = {
     {"slow-step-ms-for-tests", CFG_INT, "0", 0, 600000, &W.slow_step_ms,
      "testing: worker.step sleeps this long before it runs (a step still at work when a peer "
      "dies)"},
+    {"slow-ckpt-ms-for-tests", CFG_INT, "0", 0, 600000, &W.slow_ckpt_ms,
+     "testing: worker.checkpoint_save sleeps this long before it writes (a save still at work "
+     "when a peer dies)"},
     {"fail-create-below-world", CFG_INT, "0", 0, 256, &W.fail_create_below_world,
      "testing: every worker.model_create fails (resource_exhausted) while the generation has "
      "fewer workers than this, as if the larger share did not fit"},

@@ -146,9 +146,10 @@ struct wkr {
     /* TLS (tls.h): the listeners' certificate and key, the CA of the peers'
      * certificates (PEM paths; empty = none) */
     char tls_cert[CFG_STR_MAX], tls_key[CFG_STR_MAX], tls_ca[CFG_STR_MAX];
-    long long mem_report_mb;                 /* > 0: report this as host memory available */
-    long long fail_create_below_world;       /* tests: refuse model creates in smaller worlds */
-    long long slow_step_ms;                  /* tests: worker.step sleeps this long first */
+    long long mem_report_mb;           /* > 0: report this as host memory available */
+    long long fail_create_below_world; /* tests: refuse model creates in smaller worlds */
+    long long slow_step_ms;            /* tests: worker.step sleeps this long first */
+    long long slow_ckpt_ms;            /* tests: worker.checkpoint_save sleeps this long first */
     char fail_create_for_tests[CFG_STR_MAX]; /* the first worker.model_create of this name
                                               * fails (tests) */
     int fail_create_done;                    /* it did (compute thread) */

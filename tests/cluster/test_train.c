@@ -852,3 +852,79 @@ Test(train, step_answered_when_a_worker_dies_not_when_the_survivors_finish, .tim
               (long long)waited);
     free(x), free(dy), free(y), free(dx);
 }
+
+/* A worker dies while the others are still writing the checkpoint that
+ * makes an optimizer.step durable (--checkpoint-every 1; a save that
+ * sleeps 8 s on every worker): the step is answered unavailable when the
+ * dead worker's connection drops, not when the survivors finish writing,
+ * and it is not kept - after the worker returns, the next step is step 1
+ * again (the model went back to its newest checkpoint: here its seed). */
+Test(train, auto_checkpoint_answered_when_a_worker_dies, .timeout = 180, .fini = cluster_fini_all)
+{
+    tshape s = {20, 16, 24, 4, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.01, 0.0};
+    char dir[64] = "/tmp/moe-ckkill-XXXXXX";
+    cr_assert(mkdtemp(dir) != NULL);
+    cluster_opts o = {0};
+    o.workers = 2;
+    o.coord_args[0] = "--checkpoint-dir";
+    o.coord_args[1] = dir;
+    o.coord_args[2] = "--checkpoint-every";
+    o.coord_args[3] = "1";
+    o.worker_args[0] = "--slow-ckpt-ms-for-tests";
+    o.worker_args[1] = "8000";
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    create_model(cl, "d", &s, 1, 8);
+    size_t n = (size_t)s.T * s.H;
+    float *x = malloc(n * 4), *dy = malloc(n * 4), *y = malloc(n * 4), *dx = malloc(n * 4);
+    rng_fill_uniform(4, 1, -1, 1, x, n);
+    rng_fill_uniform(4, 2, -1, 1, dy, n);
+    moe_fwd_info info;
+    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, s.T, s.H, dx), MOE_OK, "%s",
+                 moe_last_error());
+    moe_fwd_info_free(&info);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) { /* kill worker 1 once the save has surely reached it */
+        usleep(1500 * 1000);
+        _exit(cluster_worker_kill(cl, 1, SIGKILL) == 0 ? 0 : 1);
+    }
+    moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0, 0, 0};
+    int64_t t0 = cluster_now_ms();
+    moe_err e = moe_optimizer_step(cl->cli, "d", &opt, NULL, NULL);
+    int64_t waited = cluster_now_ms() - t0;
+    int st;
+    waitpid(pid, &st, 0);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the kill failed");
+    cr_log_info("step answered %s after %lld ms: %s", moe_err_code(e), (long long)waited,
+                moe_last_error());
+    cr_assert_eq(e, MOE_EUNAVAIL, "step whose checkpoint lost a worker: %s (%s)", moe_err_code(e),
+                 moe_last_error());
+    cr_assert(waited < 7000, "answered after %lld ms: it waited for the survivor's save",
+              (long long)waited);
+
+    /* the worker returns: the unacknowledged step is not kept */
+    cr_assert_geq(cluster_worker_wait(cl, 1, 30000), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
+    int64_t step = -1;
+    t0 = cluster_now_ms();
+    for (;;) { /* ready once the survivor's save is over and the cluster re-formed */
+        e = moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info);
+        if (e == MOE_OK)
+            break;
+        cr_assert_eq(e, MOE_EUNAVAIL, "%s", moe_last_error());
+        cr_assert_lt(cluster_now_ms() - t0, 120000, "not served again: %s", moe_last_error());
+        usleep(100 * 1000);
+    }
+    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, s.T, s.H, dx), MOE_OK, "%s",
+                 moe_last_error());
+    moe_fwd_info_free(&info);
+    cr_assert_eq(moe_optimizer_step(cl->cli, "d", &opt, &step, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(step, 1, "the step after the lost one is %lld", (long long)step);
+    cr_assert_eq(cluster_stop(cl), 0);
+    rm_rf(dir);
+    free(x), free(dy), free(y), free(dx);
+}
