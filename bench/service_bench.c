@@ -3,7 +3,7 @@
  *
  *   service_bench --url URL [--d-model H --d-ff F --experts E --top-k K]
  *                 [--dtype bf16|f32] [--tokens T,T,...] [--iters N] [--train]
- *                 [--paths coordinator,socket,shm,bulk] [--no-ref]
+ *                 [--paths coordinator,socket,shm,shm-zc,bulk,bulk1] [--no-ref]
  *
  * Creates a model "sb" (seed 1), then for each T: forward (and with --train
  * backward) through the service, compared with the single-process CPU
@@ -20,7 +20,9 @@
  *     the coordinator's transport, to an echo server in this process;
  *   - tcp: the same bytes out and back over one plain loopback TCP
  *     connection with large writes, to an echo thread in this process (the
- *     most the bulk path can do here);
+ *     most the bulk path on one connection, "bulk1", can do here), and over
+ *     $MOE_BULK_STREAMS (default 4) connections at once, each with its share
+ *     (the floor of "bulk", which splits large rows that way);
  *   - pinned (CUDA builds): the same bytes host->device->host from pinned
  *     memory on GPU 0.
  * Each path's line also gives "path": the call's time less the workers'
@@ -164,12 +166,12 @@ static double raw_rtt(const char *url, size_t n, int iters)
     return med;
 }
 
-/* tcp_rtt: median seconds of n bytes out and n bytes back over one
- * loopback TCP connection (an echo thread reads them all, then writes them
- * back); -1 on failure */
+/* tcp_rtt: median seconds of n bytes out and n bytes back over `streams`
+ * loopback TCP connections at once, each carrying its share of the rows
+ * (an echo thread per connection reads its share, then writes it back);
+ * -1 on failure */
 typedef struct tcp_echo {
     int lfd;
-    size_t n;
     int iters;
 } tcp_echo;
 
@@ -189,9 +191,12 @@ static void *tcp_echo_main(void *arg)
 {
     tcp_echo *e = arg;
     int fd = accept(e->lfd, NULL, NULL);
-    uint8_t *b = malloc(e->n ? e->n : 1);
+    uint64_t n = 0; /* the connection's share, sent first */
+    if (fd >= 0 && tcp_io(fd, (uint8_t *)&n, sizeof(n), 0) != 0)
+        n = 0;
+    uint8_t *b = n ? malloc(n) : NULL;
     for (int i = 0; fd >= 0 && b && i < e->iters + 2; i++)
-        if (tcp_io(fd, b, e->n, 0) != 0 || tcp_io(fd, b, e->n, 1) != 0)
+        if (tcp_io(fd, b, n, 0) != 0 || tcp_io(fd, b, n, 1) != 0)
             break;
     free(b);
     if (fd >= 0)
@@ -199,42 +204,74 @@ static void *tcp_echo_main(void *arg)
     return NULL;
 }
 
-static double tcp_rtt(size_t n, int iters)
+typedef struct tcp_leg {
+    int fd;
+    uint8_t *b;
+    size_t n;
+    int rc;
+} tcp_leg;
+
+static void *tcp_leg_main(void *arg)
 {
+    tcp_leg *l = arg;
+    l->rc = tcp_io(l->fd, l->b, l->n, 1) != 0 || tcp_io(l->fd, l->b, l->n, 0) != 0 ? -1 : 0;
+    return NULL;
+}
+
+static double tcp_rtt(size_t n, int iters, int streams)
+{
+    enum { MAXS = 16 };
+    if (streams < 1 || streams > MAXS)
+        return -1;
     struct sockaddr_in sa = {0};
     socklen_t sl = sizeof(sa);
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    tcp_echo e = {socket(AF_INET, SOCK_STREAM, 0), n, iters};
-    if (e.lfd < 0 || bind(e.lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
-        listen(e.lfd, 1) != 0 || getsockname(e.lfd, (struct sockaddr *)&sa, &sl) != 0)
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+        listen(lfd, MAXS) != 0 || getsockname(lfd, (struct sockaddr *)&sa, &sl) != 0)
         return -1;
-    pthread_t th;
-    pthread_create(&th, NULL, tcp_echo_main, &e);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    double *t = malloc((size_t)iters * sizeof(double)), med = -1;
-    uint8_t *b = malloc(n ? n : 1);
-    if (fd >= 0 && t && b && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
-        memset(b, 1, n);
-        int it;
-        for (it = -2; it < iters; it++) {
-            double t0 = now_s();
-            if (tcp_io(fd, b, n, 1) != 0 || tcp_io(fd, b, n, 0) != 0)
-                break;
-            if (it >= 0)
-                t[it] = now_s() - t0;
-        }
-        if (it == iters) {
-            qsort(t, (size_t)iters, sizeof(double), cmp_d);
-            med = t[iters / 2];
-        }
+    tcp_echo e[MAXS];
+    tcp_leg l[MAXS];
+    pthread_t th[MAXS], lt[MAXS];
+    int ok = 1;
+    for (int s = 0; s < streams; s++) {
+        uint64_t share = n * (size_t)(s + 1) / streams - n * (size_t)s / streams;
+        e[s] = (tcp_echo){lfd, iters};
+        pthread_create(&th[s], NULL, tcp_echo_main, &e[s]);
+        l[s] = (tcp_leg){socket(AF_INET, SOCK_STREAM, 0), malloc(share ? share : 1), share, 0};
+        ok &= l[s].fd >= 0 && l[s].b && connect(l[s].fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+              tcp_io(l[s].fd, (uint8_t *)&share, sizeof(share), 1) == 0;
+        if (l[s].b)
+            memset(l[s].b, 1, share);
     }
-    if (fd >= 0)
-        close(fd);
-    pthread_join(th, NULL);
-    close(e.lfd);
+    double *t = malloc((size_t)iters * sizeof(double)), med = -1;
+    int it = -2;
+    for (; ok && t && it < iters; it++) {
+        double t0 = now_s();
+        for (int s = 0; s < streams; s++)
+            pthread_create(&lt[s], NULL, tcp_leg_main, &l[s]);
+        for (int s = 0; s < streams; s++) {
+            pthread_join(lt[s], NULL);
+            ok &= l[s].rc == 0;
+        }
+        if (it >= 0)
+            t[it] = now_s() - t0;
+    }
+    if (ok && it == iters) {
+        qsort(t, (size_t)iters, sizeof(double), cmp_d);
+        med = t[iters / 2];
+    }
+    for (int s = 0; s < streams; s++) {
+        if (l[s].fd >= 0)
+            close(l[s].fd);
+        free(l[s].b);
+    }
+    shutdown(lfd, SHUT_RDWR);
+    for (int s = 0; s < streams; s++)
+        pthread_join(th[s], NULL);
+    close(lfd);
     free(t);
-    free(b);
     return med;
 }
 
@@ -399,7 +436,11 @@ int main(int argc, char **argv)
         }
         /* timing: each data path, beside the floors of the same bytes */
         double floor_nng = raw_rtt(echo.url, n * es, iters);
-        double floor_tcp = tcp_rtt(n * es, iters);
+        double floor_tcp = tcp_rtt(n * es, iters, 1);
+        /* the split bulk path's floor: as many streams as it uses */
+        const char *se = getenv("MOE_BULK_STREAMS");
+        int streams = se && atoi(se) > 0 ? atoi(se) : 4;
+        double floor_tcpn = streams > 1 ? tcp_rtt(n * es, iters, streams) : -1;
         double floor_pin = pinned_rtt(n * es, iters);
         int ok = !ref || (ey < bound && (!train || edx < bound));
         failures += !ok;
@@ -409,18 +450,30 @@ int main(int argc, char **argv)
         printf("  | floors for %.2f MiB each way: raw nng %.3f ms, raw tcp %.3f ms (%.2fx nng)",
                (double)(n * es) / (1 << 20), floor_nng * 1e3, floor_tcp * 1e3,
                floor_tcp > 0 ? floor_nng / floor_tcp : 0.0);
+        if (floor_tcpn > 0)
+            printf(", raw tcp x%d %.3f ms (%.2fx nng)", streams, floor_tcpn * 1e3,
+                   floor_nng / floor_tcpn);
         if (floor_pin >= 0)
             printf(", pinned h2d+d2h %.3f ms", floor_pin * 1e3);
         printf("\n");
+        char *saved = se ? strdup(se) : NULL; /* $MOE_BULK_STREAMS as given */
         for (const char *q = paths; *q;) {
             char pname[32];
             size_t pl = strcspn(q, ",");
             snprintf(pname, sizeof(pname), "%.*s", (int)pl, q);
             q += pl + (q[pl] == ',');
-            /* "shm-zc": shared memory with x and y in moe_buffer_alloc buffers */
-            int zc = strcmp(pname, "shm-zc") == 0;
+            /* "shm-zc": shared memory with x and y in moe_buffer_alloc buffers;
+             * "bulk1": the bulk path on one connection per worker */
+            int zc = strcmp(pname, "shm-zc") == 0, one = strcmp(pname, "bulk1") == 0;
+            if (one)
+                setenv("MOE_BULK_STREAMS", "1", 1);
+            else if (saved)
+                setenv("MOE_BULK_STREAMS", saved, 1);
+            else
+                unsetenv("MOE_BULK_STREAMS");
             moe_client *pc;
-            moe_client_opts po = {.timeout_ms = 600000, .data_path = zc ? "shm" : pname};
+            moe_client_opts po = {.timeout_ms = 600000,
+                                  .data_path = zc ? "shm" : one ? "bulk" : pname};
             if (moe_client_open(url, &po, &pc) != MOE_OK) {
                 printf("         %-11s FAIL %s\n", pname, moe_last_error());
                 failures++;
@@ -484,6 +537,11 @@ int main(int argc, char **argv)
             free(cmp);
             moe_client_close(pc);
         }
+        if (saved)
+            setenv("MOE_BULK_STREAMS", saved, 1);
+        else
+            unsetenv("MOE_BULK_STREAMS");
+        free(saved);
         free(x), free(y), free(yr), free(dy), free(dx), free(dxr);
         free(xw), free(yw), free(dyw), free(dxw);
     }

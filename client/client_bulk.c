@@ -136,85 +136,97 @@ static int io_full(int fd, void *buf, size_t n, int wr)
     return 0;
 }
 
-/* read_rep reads a reply header and, for an error, its text into t->msg:
- * the header's kind, or -1 (t->e and t->msg set). */
-static int read_rep(moe_bulk_xfer *t, moe_bulk_rep *h, const char *when)
+/* read_rep reads a reply header and, for an error, its text into p->msg:
+ * the header's kind, or -1 (p->e and p->msg set). */
+static int read_rep(moe_bulk_part *p, moe_bulk_rep *h, const char *when)
 {
+    moe_bulk_xfer *t = p->t;
     uint8_t b[MOE_BULK_REP_LEN];
-    if (io_full(t->fd, b, sizeof(b), 0) != 0) {
-        t->e = errno == EAGAIN || errno == EWOULDBLOCK ? MOE_ETIMEDOUT : MOE_EUNAVAIL;
-        snprintf(t->msg, sizeof(t->msg), "bulk connection to %s %s: %s", t->pool->url, when,
+    if (io_full(p->fd, b, sizeof(b), 0) != 0) {
+        p->e = errno == EAGAIN || errno == EWOULDBLOCK ? MOE_ETIMEDOUT : MOE_EUNAVAIL;
+        snprintf(p->msg, sizeof(p->msg), "bulk connection to %s %s: %s", t->pool->url, when,
                  errno ? strerror(errno) : "closed by the worker");
         return -1;
     }
     if (moe_bulk_rep_decode(b, h) != MOE_OK || h->cid != t->cid || h->seq != t->seq) {
-        t->e = MOE_EPROTO;
-        snprintf(t->msg, sizeof(t->msg), "bulk connection to %s: malformed reply header",
+        p->e = MOE_EPROTO;
+        snprintf(p->msg, sizeof(p->msg), "bulk connection to %s: malformed reply header",
                  t->pool->url);
         return -1;
     }
     if (h->kind == MOE_BULK_ERR) {
         char text[MOE_BULK_MSG_MAX + 1];
-        if (io_full(t->fd, text, h->msg_len, 0) != 0)
+        if (io_full(p->fd, text, h->msg_len, 0) != 0)
             h->msg_len = 0;
         text[h->msg_len] = 0;
-        t->e = h->status > 0 && h->status < MOE_ERR_COUNT ? (moe_err)h->status : MOE_EINTERNAL;
-        snprintf(t->msg, sizeof(t->msg), "%s", text);
+        p->e = h->status > 0 && h->status < MOE_ERR_COUNT ? (moe_err)h->status : MOE_EINTERNAL;
+        snprintf(p->msg, sizeof(p->msg), "%s", text);
         return -1;
     }
     return h->kind;
 }
 
-static void set_state(moe_bulk_xfer *t, int st)
+static void set_state(moe_bulk_part *p, int st)
 {
+    moe_bulk_xfer *t = p->t;
     pthread_mutex_lock(&t->mu);
-    t->state = st;
+    p->state = st;
     pthread_cond_broadcast(&t->cv);
     pthread_mutex_unlock(&t->mu);
 }
 
-/* send_rows: header, auth, x on t->fd, then the ack. 1 = acked, 0 = the
- * connection failed before any answer (a fresh one may be tried), -1 =
- * failed (t->e set). */
-static int send_rows(moe_bulk_xfer *t)
+/* part_bytes: bytes of p's rows (x and y alike) */
+static size_t part_bytes(const moe_bulk_part *p)
 {
+    return (size_t)p->rows * (size_t)p->t->cols * moe_dtype_size(p->t->dt);
+}
+
+/* send_rows: header, auth, p's rows of x on p->fd, then the ack. 1 =
+ * acked, 0 = the connection failed before any answer (a fresh one may be
+ * tried), -1 = failed (p->e set). */
+static int send_rows(moe_bulk_part *p)
+{
+    moe_bulk_xfer *t = p->t;
     uint8_t hb[MOE_BULK_REQ_LEN];
     size_t al = t->auth ? strlen(t->auth) : 0;
-    size_t nb = (size_t)t->rows * (size_t)t->cols * moe_dtype_size(t->dt);
-    moe_bulk_req h = {MOE_BULK_MAGIC,  MOE_BULK_VERSION, (uint16_t)al, t->cid, t->seq,
-                      (uint32_t)t->dt, t->rows,          t->cols,      nb};
+    size_t es = moe_dtype_size(t->dt), nb = (size_t)t->rows * (size_t)t->cols * es;
+    moe_bulk_req h = {MOE_BULK_MAGIC,  MOE_BULK_VERSION, (uint16_t)al, t->cid,
+                      t->seq,          (uint32_t)t->dt,  t->rows,      t->cols,
+                      nb,              (uint16_t)p->idx, (uint16_t)t->nparts};
     moe_bulk_req_encode(&h, hb);
-    if (io_full(t->fd, hb, sizeof(hb), 1) != 0 || io_full(t->fd, (void *)t->auth, al, 1) != 0 ||
-        io_full(t->fd, (void *)t->x, nb, 1) != 0) {
+    const uint8_t *x = (const uint8_t *)t->x + (size_t)p->row0 * (size_t)t->cols * es;
+    if (io_full(p->fd, hb, sizeof(hb), 1) != 0 || io_full(p->fd, (void *)t->auth, al, 1) != 0 ||
+        io_full(p->fd, (void *)x, part_bytes(p), 1) != 0) {
         /* the worker may have answered why before closing */
         moe_bulk_rep r;
         int en = errno;
-        if (read_rep(t, &r, "while sending") < 0 && t->e != MOE_EUNAVAIL && t->e != MOE_ETIMEDOUT)
+        if (read_rep(p, &r, "while sending") < 0 && p->e != MOE_EUNAVAIL && p->e != MOE_ETIMEDOUT)
             return -1;
-        t->e = en == EAGAIN || en == EWOULDBLOCK ? MOE_ETIMEDOUT : MOE_EUNAVAIL;
-        snprintf(t->msg, sizeof(t->msg), "sending rows to %s: %s", t->pool->url,
+        p->e = en == EAGAIN || en == EWOULDBLOCK ? MOE_ETIMEDOUT : MOE_EUNAVAIL;
+        snprintf(p->msg, sizeof(p->msg), "sending rows to %s: %s", t->pool->url,
                  en ? strerror(en) : "closed");
         return 0;
     }
     moe_bulk_rep r;
-    int k = read_rep(t, &r, "waiting for the ack");
+    int k = read_rep(p, &r, "waiting for the ack");
     if (k < 0)
-        return t->e == MOE_EUNAVAIL ? 0 : -1;
+        return p->e == MOE_EUNAVAIL ? 0 : -1;
     if (k != MOE_BULK_ACK) {
-        t->e = MOE_EPROTO;
-        snprintf(t->msg, sizeof(t->msg), "bulk connection to %s: no ack", t->pool->url);
+        p->e = MOE_EPROTO;
+        snprintf(p->msg, sizeof(p->msg), "bulk connection to %s: no ack", t->pool->url);
         return -1;
     }
     return 1;
 }
 
-/* set_fd publishes the thread's connection (moe_bulk_finish may shut it
+/* set_fd publishes the part's connection (moe_bulk_finish may shut it
  * from another thread): 0, or -1 when the transfer was aborted (fd closed) */
-static int set_fd(moe_bulk_xfer *t, int fd)
+static int set_fd(moe_bulk_part *p, int fd)
 {
+    moe_bulk_xfer *t = p->t;
     pthread_mutex_lock(&t->mu);
-    int old = t->fd, ab = t->aborted;
-    t->fd = ab ? -1 : fd;
+    int old = p->fd, ab = t->aborted;
+    p->fd = ab ? -1 : fd;
     pthread_mutex_unlock(&t->mu);
     if (old >= 0 && old != fd)
         close(old);
@@ -223,91 +235,120 @@ static int set_fd(moe_bulk_xfer *t, int fd)
     return ab ? -1 : 0;
 }
 
-static void *xfer_main(void *arg)
+static void *part_main(void *arg)
 {
-    moe_bulk_xfer *t = arg;
+    moe_bulk_part *p = arg;
+    moe_bulk_xfer *t = p->t;
     int sent = -1;
     for (int attempt = 0; attempt < 2 && sent != 1; attempt++) {
         int reused = 1;
         int fd = attempt == 0 ? pool_take(t->pool) : -1;
         if (fd < 0) {
             reused = 0;
-            fd = dial(t->pool->url, t->timeout_ms, t->msg, sizeof(t->msg));
+            fd = dial(t->pool->url, t->timeout_ms, p->msg, sizeof(p->msg));
             if (fd < 0) {
-                t->e = MOE_EUNAVAIL;
+                p->e = MOE_EUNAVAIL;
                 break;
             }
         } else {
             set_timeouts(fd, t->timeout_ms);
         }
-        if (set_fd(t, fd) != 0) {
-            t->e = MOE_ECLOSED;
-            snprintf(t->msg, sizeof(t->msg), "bulk transfer aborted");
+        if (set_fd(p, fd) != 0) {
+            p->e = MOE_ECLOSED;
+            snprintf(p->msg, sizeof(p->msg), "bulk transfer aborted");
             break;
         }
-        t->e = MOE_OK;
-        sent = send_rows(t);
+        p->e = MOE_OK;
+        sent = send_rows(p);
         if (sent != 1)
-            set_fd(t, -1);
+            set_fd(p, -1);
         if (sent < 0 || !reused) /* only a stale pooled connection is retried */
             break;
     }
     if (sent != 1) {
-        if (t->e == MOE_OK)
-            t->e = MOE_EUNAVAIL;
-        set_state(t, 2);
+        if (p->e == MOE_OK)
+            p->e = MOE_EUNAVAIL;
+        set_state(p, 2);
         return NULL;
     }
-    set_state(t, 1);
+    set_state(p, 1);
     moe_bulk_rep r;
-    int k = read_rep(t, &r, "waiting for the output rows");
-    size_t nb = (size_t)t->rows * (size_t)t->cols * moe_dtype_size(t->dt);
-    if (k == MOE_BULK_Y && (r.rows != t->rows || r.nbytes != nb)) {
-        t->e = MOE_EPROTO;
-        snprintf(t->msg, sizeof(t->msg), "bulk connection to %s: %llu bytes of y, want %zu",
+    int k = read_rep(p, &r, "waiting for the output rows");
+    size_t nb = part_bytes(p);
+    uint8_t *y = (uint8_t *)t->y + (size_t)p->row0 * (size_t)t->cols * moe_dtype_size(t->dt);
+    if (k == MOE_BULK_Y && (r.rows != p->rows || r.nbytes != nb)) {
+        p->e = MOE_EPROTO;
+        snprintf(p->msg, sizeof(p->msg), "bulk connection to %s: %llu bytes of y, want %zu",
                  t->pool->url, (unsigned long long)r.nbytes, nb);
-    } else if (k == MOE_BULK_Y && io_full(t->fd, t->y, nb, 0) != 0) {
-        t->e = MOE_EUNAVAIL;
-        snprintf(t->msg, sizeof(t->msg), "bulk connection to %s: output rows cut off",
+    } else if (k == MOE_BULK_Y && io_full(p->fd, y, nb, 0) != 0) {
+        p->e = MOE_EUNAVAIL;
+        snprintf(p->msg, sizeof(p->msg), "bulk connection to %s: output rows cut off",
                  t->pool->url);
     } else if (k == MOE_BULK_Y) {
-        t->got_y = 1;
+        p->got_y = 1;
     } else if (k >= 0) {
-        t->e = MOE_EPROTO;
-        snprintf(t->msg, sizeof(t->msg), "bulk connection to %s: a second ack", t->pool->url);
+        p->e = MOE_EPROTO;
+        snprintf(p->msg, sizeof(p->msg), "bulk connection to %s: a second ack", t->pool->url);
     }
-    set_state(t, 2);
+    set_state(p, 2);
     return NULL;
 }
 
 moe_err moe_bulk_start(moe_bulk_xfer *t)
 {
-    t->fd = -1;
-    t->state = 0;
-    t->got_y = 0;
+    int n = t->parts < 1 ? 1 : t->parts > MOE_BULK_MAX_PARTS ? MOE_BULK_MAX_PARTS : t->parts;
+    if (n > t->rows)
+        n = t->rows > 0 ? (int)t->rows : 1;
+    t->nparts = n;
     t->aborted = 0;
     t->e = MOE_OK;
     t->msg[0] = 0;
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
-    if (pthread_create(&t->th, NULL, xfer_main, t) != 0) {
-        pthread_mutex_destroy(&t->mu);
-        pthread_cond_destroy(&t->cv);
-        snprintf(t->msg, sizeof(t->msg), "cannot start a bulk transfer thread");
-        return t->e = MOE_ENOMEM;
-    }
     t->started = 1;
+    for (int i = 0; i < n; i++) {
+        moe_bulk_part *p = &t->part[i];
+        memset(p, 0, sizeof(*p));
+        p->t = t;
+        p->idx = i;
+        p->fd = -1;
+        moe_bulk_part_rows(t->rows, n, i, &p->row0, &p->rows);
+        if (pthread_create(&p->th, NULL, part_main, p) != 0) {
+            p->e = MOE_ENOMEM;
+            snprintf(p->msg, sizeof(p->msg), "cannot start a bulk transfer thread");
+            p->state = 2;
+        } else {
+            p->started = 1;
+        }
+    }
     return MOE_OK;
 }
 
 moe_err moe_bulk_wait_ack(moe_bulk_xfer *t)
 {
+    moe_err e = MOE_OK;
     pthread_mutex_lock(&t->mu);
-    while (t->state == 0)
+    for (;;) {
+        int acked = 0;
+        e = MOE_OK;
+        for (int i = 0; i < t->nparts && e == MOE_OK; i++) {
+            const moe_bulk_part *p = &t->part[i];
+            if (p->state == 2 && !p->got_y) /* ended without y: failed */
+                e = p->e != MOE_OK ? p->e : MOE_EUNAVAIL;
+            acked += p->state >= 1;
+        }
+        if (e != MOE_OK || acked == t->nparts)
+            break;
         pthread_cond_wait(&t->cv, &t->mu);
-    int st = t->state;
+    }
+    for (int i = 0; i < t->nparts && e != MOE_OK; i++)
+        if (t->part[i].state == 2 && !t->part[i].got_y) {
+            t->e = e;
+            snprintf(t->msg, sizeof(t->msg), "%s", t->part[i].msg);
+            break;
+        }
     pthread_mutex_unlock(&t->mu);
-    return st == 1 || t->got_y ? MOE_OK : t->e;
+    return e;
 }
 
 moe_err moe_bulk_finish(moe_bulk_xfer *t, int abort)
@@ -317,22 +358,38 @@ moe_err moe_bulk_finish(moe_bulk_xfer *t, int abort)
     if (abort) {
         pthread_mutex_lock(&t->mu);
         t->aborted = 1;
-        if (t->fd >= 0)
-            shutdown(t->fd, SHUT_RDWR); /* the thread's reads and writes return */
+        for (int i = 0; i < t->nparts; i++)
+            if (t->part[i].fd >= 0)
+                shutdown(t->part[i].fd, SHUT_RDWR); /* the thread's reads and writes return */
         pthread_mutex_unlock(&t->mu);
     }
-    pthread_join(t->th, NULL);
+    int all_y = 1;
+    t->e = MOE_OK;
+    for (int i = 0; i < t->nparts; i++) {
+        moe_bulk_part *p = &t->part[i];
+        if (p->started)
+            pthread_join(p->th, NULL);
+        p->started = 0;
+        all_y &= p->got_y;
+        if (p->e != MOE_OK && t->e == MOE_OK) {
+            t->e = p->e;
+            snprintf(t->msg, sizeof(t->msg), "%s", p->msg);
+        }
+        if (p->fd >= 0) {
+            if (p->got_y && !abort)
+                pool_put(t->pool, p->fd);
+            else
+                close(p->fd);
+            p->fd = -1;
+        }
+    }
     t->started = 0;
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
-    if (t->fd >= 0) {
-        if (t->got_y && !abort)
-            pool_put(t->pool, t->fd);
-        else
-            close(t->fd);
-        t->fd = -1;
+    if (t->e == MOE_OK && !all_y) {
+        t->e = abort ? MOE_ECLOSED : MOE_EUNAVAIL;
+        snprintf(t->msg, sizeof(t->msg), "bulk transfer %s before its output rows came",
+                 abort ? "aborted" : "ended");
     }
-    if (abort && t->e == MOE_OK && !t->got_y)
-        t->e = MOE_ECLOSED;
     return t->e;
 }

@@ -7,7 +7,9 @@
  * docs/PROTOCOL.md ("Data plane", "7. Bulk rows") has the bytes.
  *
  * A transfer runs on its own thread: send x, read the ack (the caller
- * waits for it before sending data.rows), then read y or the error.
+ * waits for it before sending data.rows), then read y or the error. A
+ * large transfer may be split by rows over several connections (parts),
+ * one thread each, so that several cores move its bytes at once.
  * Connections are kept per worker (a small pool) and reused.
  */
 #ifndef MOE_CLIENT_BULK_H
@@ -18,8 +20,9 @@
 #include <stdint.h>
 
 #include "base/moe.h"
+#include "proto/bulk_wire.h"
 
-#define MOE_BULK_POOL_MAX 4 /* idle connections kept per worker */
+#define MOE_BULK_POOL_MAX MOE_BULK_MAX_PARTS /* idle connections kept per worker */
 
 /* moe_bulk_pool: idle connections to one worker's bulk endpoint. */
 typedef struct moe_bulk_pool {
@@ -34,6 +37,19 @@ void moe_bulk_pool_init(moe_bulk_pool *p, const char *url);
 /* moe_bulk_pool_fini closes the idle connections. */
 void moe_bulk_pool_fini(moe_bulk_pool *p);
 
+struct moe_bulk_xfer;
+/* moe_bulk_part: one connection's share of a transfer (private) */
+typedef struct moe_bulk_part {
+    struct moe_bulk_xfer *t;
+    int idx;                   /* part number */
+    int64_t row0, rows;        /* its rows of x and of y */
+    int fd, state, got_y;      /* state: 0 sending, 1 acked, 2 ended (under t->mu) */
+    int started;               /* its thread runs */
+    moe_err e;                 /* its error */
+    char msg[300];
+    pthread_t th;
+} moe_bulk_part;
+
 /* moe_bulk_xfer: one rank's rows out and back. The caller fills the
  * inputs, then moe_bulk_start, moe_bulk_wait_ack, moe_bulk_finish. */
 typedef struct moe_bulk_xfer {
@@ -44,18 +60,18 @@ typedef struct moe_bulk_xfer {
     moe_dtype dt;
     int64_t rows, cols;
     const void *x; /* (rows, cols) of dt */
-    void *y;       /* (rows, cols) of dt: written by the transfer's thread */
+    void *y;       /* (rows, cols) of dt: written by the transfer's threads */
     int timeout_ms;
-    /* out: the transfer's error, and its text */
+    int parts; /* connections to split it over: 0 or 1 = one; at most
+                * MOE_BULK_MAX_PARTS and rows */
+    /* out: the transfer's error (the first part's that failed), its text */
     moe_err e;
     char msg[300];
     /* private */
-    int fd, started, state; /* state: 0 sending, 1 acked, 2 ended */
-    int aborted;
-    int got_y;
-    pthread_t th;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
+    int started, aborted, nparts;
+    moe_bulk_part part[MOE_BULK_MAX_PARTS];
+    pthread_mutex_t mu; /* the parts' fd and state, aborted */
+    pthread_cond_t cv;  /* a part's state changed */
 } moe_bulk_xfer;
 
 /* moe_bulk_start starts the transfer's thread. */

@@ -28,6 +28,11 @@
 /* auto path: a rank's rows of at least this many bytes go to a worker on
  * another host over its bulk endpoint */
 #define DP_MIN_BULK ((size_t)1 << 20)
+/* a rank's bulk rows are split over several connections (each a thread on
+ * both sides: one loopback TCP stream moves 2-4 GB/s on one core), one per
+ * DP_BULK_PART_MIN bytes, at most DP_BULK_STREAMS ($MOE_BULK_STREAMS) */
+#define DP_BULK_PART_MIN ((size_t)8 << 20)
+#define DP_BULK_STREAMS  4
 /* after the coordinator refused or failed a job: how long a worker may take
  * to answer the rows' cancel before the client stops waiting for it */
 #define DP_GRACE_MS 2000
@@ -1144,6 +1149,21 @@ static int use_bulk(moe_client *c, const dp_map *m, int q, size_t n)
     return path == MOE_PATH_AUTO && m->remote[q] && m->bulk[q].url[0] && n >= DP_MIN_BULK;
 }
 
+/* bulk_parts: the connections n bytes of one rank's rows are split over:
+ * one per DP_BULK_PART_MIN bytes, at most $MOE_BULK_STREAMS (default
+ * DP_BULK_STREAMS; 1 = never split) */
+static int bulk_parts(size_t n)
+{
+    const char *env = getenv("MOE_BULK_STREAMS");
+    long most = env && *env ? strtol(env, NULL, 10) : DP_BULK_STREAMS;
+    if (most < 1)
+        most = 1;
+    if (most > MOE_BULK_MAX_PARTS)
+        most = MOE_BULK_MAX_PARTS;
+    size_t k = n / DP_BULK_PART_MIN;
+    return k < 1 ? 1 : k > (size_t)most ? (int)most : (int)k;
+}
+
 /* one attempt on map m; *stale set when the coordinator answered
  * unavailable (its map may be old) */
 static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
@@ -1217,6 +1237,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         t->x = (const uint8_t *)in + off;
         t->y = (uint8_t *)out + off;
         t->timeout_ms = moe__timeout_ms(c);
+        t->parts = bulk_parts(n);
         e = moe_bulk_start(t);
     }
     /* 1. the rows, to their workers (rank r gets rows [T*r/W, T*(r+1)/W)) */

@@ -55,6 +55,19 @@ void moe_bulk_req_encode(const moe_bulk_req *h, uint8_t *out)
     put64(out + 32, (uint64_t)h->rows);
     put64(out + 40, (uint64_t)h->cols);
     put64(out + 48, h->nbytes);
+    if (h->parts > 1) { /* one part: zeros, as a client without parts writes */
+        put16(out + 56, h->part);
+        put16(out + 58, h->parts);
+    }
+}
+
+void moe_bulk_part_rows(int64_t rows, int parts, int part, int64_t *row0, int64_t *nrows)
+{
+    if (parts < 1)
+        parts = 1;
+    int64_t a = rows * part / parts, b = rows * (part + 1) / parts;
+    *row0 = a;
+    *nrows = b - a;
 }
 
 moe_err moe_bulk_req_decode(const uint8_t *in, uint64_t max_bytes, moe_bulk_req *h, char *err,
@@ -83,7 +96,9 @@ moe_err moe_bulk_req_decode(const uint8_t *in, uint64_t max_bytes, moe_bulk_req 
         snprintf(err, errlen, "bulk header dtype %u unknown (0 f32, 1 bf16, 2 f16)", h->dtype);
         return MOE_EINVAL;
     }
-    if (get32(in + 28) != 0 || get64(in + 56) != 0) {
+    h->part = get16(in + 56);
+    h->parts = get16(in + 58);
+    if (get32(in + 28) != 0 || get32(in + 60) != 0) {
         snprintf(err, errlen, "bulk header reserved bytes must be zero");
         return MOE_EINVAL;
     }
@@ -103,6 +118,13 @@ moe_err moe_bulk_req_decode(const uint8_t *in, uint64_t max_bytes, moe_bulk_req 
         snprintf(err, errlen, "bulk nbytes %llu for (%llu, %llu) of %s (want %llu)",
                  (unsigned long long)h->nbytes, (unsigned long long)rows, (unsigned long long)cols,
                  moe_dtype_name((moe_dtype)h->dtype), (unsigned long long)(rows * cols * es));
+        return MOE_EINVAL;
+    }
+    if (h->parts == 0)
+        h->parts = 1;
+    if (h->parts > MOE_BULK_MAX_PARTS || h->part >= h->parts || h->parts > rows) {
+        snprintf(err, errlen, "bulk part %u of %u: want part < parts <= min(%d, rows %llu)",
+                 h->part, h->parts, MOE_BULK_MAX_PARTS, (unsigned long long)rows);
         return MOE_EINVAL;
     }
     if (h->nbytes > max_bytes) {

@@ -17,8 +17,13 @@
  *    28    4 zero
  *    32    8 rows     R, 1 .. 2^31
  *    40    8 cols     H, 1 .. 2^20
- *    48    8 nbytes   R x H x element size
- *    56    8 zero
+ *    48    8 nbytes   R x H x element size (of the whole transfer)
+ *    56    2 part     0 .. parts - 1
+ *    58    2 parts    0 or 1: one connection carries all R rows; 2 ..
+ *                     MOE_BULK_MAX_PARTS (and <= R): the rows are split over
+ *                     that many connections, part p carrying rows
+ *                     [R p / parts, R (p + 1) / parts) (moe_bulk_part_rows)
+ *    60    4 zero
  *
  * Worker -> client (48 bytes), then msg_len bytes of message (errors) or
  * nbytes of rows (kind y):
@@ -30,8 +35,8 @@
  *    12    4 msg_len  0 .. 1024 (error text, UTF-8)
  *    16    8 cid
  *    24    8 seq
- *    32    8 rows     (kind y) R
- *    40    8 nbytes   (kind y) bytes of rows that follow
+ *    32    8 rows     (kind ack, y) R - of this part for a split transfer
+ *    40    8 nbytes   (kind ack, y) its bytes (kind y: the rows that follow)
  */
 #ifndef MOE_PROTO_BULK_WIRE_H
 #define MOE_PROTO_BULK_WIRE_H
@@ -49,6 +54,7 @@
 #define MOE_BULK_MSG_MAX  1024
 #define MOE_BULK_MAX_ROWS (1ll << 31)
 #define MOE_BULK_MAX_COLS (1ll << 20)
+#define MOE_BULK_MAX_PARTS 16 /* connections one transfer may be split over */
 
 enum { MOE_BULK_ACK = 1, MOE_BULK_Y = 2, MOE_BULK_ERR = 3 };
 
@@ -60,6 +66,7 @@ typedef struct moe_bulk_req {
     uint32_t dtype;
     int64_t rows, cols;
     uint64_t nbytes;
+    uint16_t part, parts; /* parts 0 on the wire reads as 1 */
 } moe_bulk_req;
 
 /* moe_bulk_rep: the worker's header, decoded */
@@ -80,6 +87,9 @@ void moe_bulk_req_encode(const moe_bulk_req *h, uint8_t *out);
  * over max_bytes is MOE_ETOOBIG. The reason goes to err. */
 moe_err moe_bulk_req_decode(const uint8_t *in, uint64_t max_bytes, moe_bulk_req *h, char *err,
                             size_t errlen);
+/* moe_bulk_part_rows: the rows [*row0, *row0 + *nrows) that part `part`
+ * of a transfer of rows rows split in parts parts carries. */
+void moe_bulk_part_rows(int64_t rows, int parts, int part, int64_t *row0, int64_t *nrows);
 /* moe_bulk_rep_encode writes h into out (MOE_BULK_REP_LEN bytes). */
 void moe_bulk_rep_encode(const moe_bulk_rep *h, uint8_t *out);
 /* moe_bulk_rep_decode reads MOE_BULK_REP_LEN bytes: MOE_EPROTO for a bad

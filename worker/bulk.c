@@ -30,6 +30,32 @@ typedef struct bconn {
     struct bconn *next;
 } bconn;
 
+/* bset: a transfer split over several connections (header parts > 1),
+ * gathered into one buffer. Each part's thread reads its rows into buf;
+ * the one that completes the set parks it as one dp_bulk (its "owner":
+ * it waits for the answer and wakes the others), and every part's thread
+ * writes its rows of y. Under the server's mu; freed by the last part's
+ * thread to leave. */
+enum { BSET_GATHER, BSET_PARKED, BSET_ANSWERED, BSET_FAILED };
+typedef struct bset {
+    uint64_t cid, seq;
+    uint32_t dtype;
+    int64_t rows, cols;
+    uint64_t nbytes;
+    int parts;
+    uint8_t *buf; /* wpool, nbytes reserved in the data plane: until b owns it */
+    dp_bulk *b;   /* once parked (the set holds the park's reference) */
+    uint8_t here[MOE_BULK_MAX_PARTS]; /* part p's header came */
+    int efd[MOE_BULK_MAX_PARTS];      /* part p's connection's eventfd, -1 when gone */
+    int attached;                     /* part threads holding the set */
+    int received;                     /* parts read in full */
+    int state;                        /* BSET_* */
+    uint64_t deadline_ns;             /* every part in by then, or the set fails */
+    moe_err err;                      /* BSET_FAILED: why */
+    char msg[256];
+    struct bset *next;
+} bset;
+
 struct wkr_bulk {
     wkr_bulk_opts o;
     char auth[MOE_BULK_AUTH_MAX + 1];
@@ -39,6 +65,7 @@ struct wkr_bulk {
     pthread_cond_t cv;  /* a connection thread ended */
     bconn *conns;
     int nconns, stopping;
+    bset *sets; /* split transfers being gathered or answered */
 };
 
 /* ---- socket i/o (blocking, bounded by SO_RCVTIMEO / SO_SNDTIMEO) ---- */
@@ -171,6 +198,285 @@ static int wait_answer(bconn *k, dp_bulk *b)
     }
 }
 
+/* ---- a transfer split over several connections ---- */
+
+/* set_wake writes every other part's eventfd (s->mu held) */
+static void set_wake(bset *a, int self)
+{
+    uint64_t one = 1;
+    for (int p = 0; p < a->parts; p++)
+        if (p != self && a->efd[p] >= 0) {
+            ssize_t r = write(a->efd[p], &one, sizeof(one));
+            (void)r;
+        }
+}
+
+/* set_fail marks a failed (once) and wakes the other parts (s->mu held) */
+static void set_fail(bset *a, int self, moe_err e, const char *msg)
+{
+    if (a->state == BSET_FAILED || a->state == BSET_ANSWERED)
+        return;
+    a->state = BSET_FAILED;
+    a->err = e;
+    snprintf(a->msg, sizeof(a->msg), "%s", msg);
+    set_wake(a, self);
+}
+
+/* set_leave: part `part`'s thread lets go of a; the last one frees it
+ * (s->mu held) */
+static void set_leave(wkr_bulk *s, bset *a, int part)
+{
+    a->efd[part] = -1;
+    if (--a->attached > 0)
+        return;
+    for (bset **pp = &s->sets; *pp; pp = &(*pp)->next)
+        if (*pp == a) {
+            *pp = a->next;
+            break;
+        }
+    if (a->b) {
+        dp_bulk_unpark(s->o.dp, a->b, 1); /* a no-op unless nobody claimed it */
+        dp_bulk_put(s->o.dp, a->b);
+    } else if (a->buf) {
+        wpool_free(a->buf);
+        dp_bulk_unreserve(s->o.dp, a->nbytes);
+    }
+    free(a);
+}
+
+/* set_join finds or makes the set of h's ticket and attaches part h->part
+ * to it: the set, or NULL with the error in e/err (the part's rows are
+ * then to be dropped). */
+static bset *set_join(wkr_bulk *s, bconn *k, const moe_bulk_req *h, moe_err *e, char *err,
+                      size_t errlen)
+{
+    dp_table *t = s->o.dp;
+    pthread_mutex_lock(&s->mu);
+    bset *a = s->sets;
+    while (a && !(a->cid == h->cid && a->seq == h->seq))
+        a = a->next;
+    if (!a) {
+        a = calloc(1, sizeof(*a));
+        *e = a ? dp_bulk_reserve(t, h->nbytes, err, errlen) : MOE_ENOMEM;
+        if (*e == MOE_OK && !(a->buf = wpool_alloc(h->nbytes))) {
+            dp_bulk_unreserve(t, h->nbytes);
+            *e = MOE_ENOMEM;
+        }
+        if (*e != MOE_OK) {
+            if (*e == MOE_ENOMEM)
+                snprintf(err, errlen, "out of memory for %llu bytes of rows",
+                         (unsigned long long)h->nbytes);
+            free(a);
+            pthread_mutex_unlock(&s->mu);
+            return NULL;
+        }
+        a->cid = h->cid;
+        a->seq = h->seq;
+        a->dtype = h->dtype;
+        a->rows = h->rows;
+        a->cols = h->cols;
+        a->nbytes = h->nbytes;
+        a->parts = h->parts;
+        for (int p = 0; p < MOE_BULK_MAX_PARTS; p++)
+            a->efd[p] = -1;
+        a->state = BSET_GATHER;
+        a->deadline_ns = now_ns() + (uint64_t)s->o.timeout_ms * 1000000ull;
+        a->next = s->sets;
+        s->sets = a;
+    } else if (a->dtype != h->dtype || a->rows != h->rows || a->cols != h->cols ||
+               a->parts != h->parts) {
+        *e = MOE_EINVAL;
+        snprintf(err, errlen,
+                 "part %u of ticket [%llu, %llu] disagrees with its first part (%lld x %lld of "
+                 "%s in %d parts)",
+                 h->part, (unsigned long long)h->cid, (unsigned long long)h->seq,
+                 (long long)a->rows, (long long)a->cols, moe_dtype_name((moe_dtype)a->dtype),
+                 a->parts);
+        a = NULL;
+    } else if (a->here[h->part] || a->state != BSET_GATHER) {
+        *e = MOE_EPRECOND;
+        snprintf(err, errlen, "part %u of ticket [%llu, %llu] is %s", h->part,
+                 (unsigned long long)h->cid, (unsigned long long)h->seq,
+                 a->here[h->part] ? "already here" : "late: the transfer is over");
+        a = NULL;
+    }
+    if (a) {
+        a->here[h->part] = 1;
+        a->efd[h->part] = k->efd;
+        a->attached++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return a;
+}
+
+/* set_park (s->mu held): the last part is in; a becomes one parked
+ * dp_bulk, answered to the calling part's connection */
+static void set_park(wkr_bulk *s, bconn *k, bset *a, int part)
+{
+    char err[300];
+    dp_bulk *b = calloc(1, sizeof(*b));
+    if (!b) {
+        set_fail(a, part, MOE_ENOMEM, "worker out of memory");
+        return;
+    }
+    b->cid = a->cid;
+    b->seq = a->seq;
+    b->dtype = (moe_dtype)a->dtype;
+    b->rows = a->rows;
+    b->cols = a->cols;
+    b->buf = a->buf;
+    b->nbytes = a->nbytes;
+    b->reserved = a->nbytes;
+    b->wake_fd = k->efd;
+    b->park_deadline_ns = now_ns() + (uint64_t)s->o.park_ms * 1000000ull;
+    moe_err e = dp_bulk_park(s->o.dp, b, err, sizeof(err));
+    if (e != MOE_OK) {
+        free(b);
+        set_fail(a, part, e, err);
+        return;
+    }
+    a->buf = NULL; /* b's now */
+    a->b = b;
+    a->state = BSET_PARKED;
+}
+
+/* set_wait: a part that does not own the parked rows waits until the set
+ * is answered or failed (1), its client goes (-1), or the set's parts do
+ * not all come in time (the set fails: 1). */
+static int set_wait(wkr_bulk *s, bconn *k, bset *a, int part)
+{
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        int st = a->state;
+        uint64_t now = now_ns();
+        if (st == BSET_GATHER && now >= a->deadline_ns) {
+            char m[200];
+            snprintf(m, sizeof(m),
+                     "bulk ticket [%llu, %llu]: %d of its %d parts came within %d ms",
+                     (unsigned long long)a->cid, (unsigned long long)a->seq, a->received,
+                     a->parts, s->o.timeout_ms);
+            set_fail(a, part, MOE_ETIMEDOUT, m);
+            st = a->state;
+        }
+        int64_t left_ms = st == BSET_GATHER ? (int64_t)((a->deadline_ns - now) / 1000000ull) + 1
+                                            : 1000;
+        pthread_mutex_unlock(&s->mu);
+        if (st == BSET_ANSWERED || st == BSET_FAILED)
+            return 1;
+        if (left_ms > 1000)
+            left_ms = 1000;
+        struct pollfd pf[2] = {{k->fd, POLLIN | POLLRDHUP, 0}, {k->efd, POLLIN, 0}};
+        int n = poll(pf, 2, (int)left_ms);
+        if (n < 0 && errno != EINTR)
+            return -1;
+        if (n > 0 && pf[1].revents) {
+            uint64_t v;
+            ssize_t r = read(k->efd, &v, sizeof(v));
+            (void)r;
+        }
+        if (n > 0 && pf[0].revents)
+            return -1;
+    }
+}
+
+/* serve_part serves one part of a split transfer (h->parts > 1): 0 to go
+ * on with the next transfer, -1 to close. */
+static int serve_part(bconn *k, const moe_bulk_req *h)
+{
+    wkr_bulk *s = k->srv;
+    const int part = h->part;
+    int64_t row0, nrows;
+    moe_bulk_part_rows(h->rows, h->parts, part, &row0, &nrows);
+    const size_t rowb = (size_t)h->cols * moe_dtype_size((moe_dtype)h->dtype);
+    const size_t off = (size_t)row0 * rowb, len = (size_t)nrows * rowb;
+    char err[300];
+    moe_err e = MOE_OK;
+    bset *a = set_join(s, k, h, &e, err, sizeof(err));
+    if (!a) {
+        if (drain(k->fd, len) != 0)
+            return -1;
+        return send_rep(k->fd, MOE_BULK_ERR, e, err, h->cid, h->seq, 0, 0);
+    }
+    if (read_full(k->fd, a->buf + off, len) != 0) {
+        int en = errno;
+        snprintf(err, sizeof(err), "bulk rows of ticket [%llu, %llu] part %d cut off (%s)",
+                 (unsigned long long)h->cid, (unsigned long long)h->seq, part,
+                 en ? strerror(en) : "the client closed it");
+        LOG_W("bulk: %s: connection closed", err);
+        pthread_mutex_lock(&s->mu);
+        set_fail(a, part, MOE_EUNAVAIL, err);
+        set_leave(s, a, part);
+        pthread_mutex_unlock(&s->mu);
+        return -1;
+    }
+    pthread_mutex_lock(&s->mu);
+    int owner = 0;
+    if (++a->received == a->parts && a->state == BSET_GATHER) {
+        set_park(s, k, a, part);
+        owner = a->state == BSET_PARKED;
+    }
+    int st = a->state;
+    pthread_mutex_unlock(&s->mu);
+    int rc = 0;
+    /* a->err and a->msg are written once, when the state becomes FAILED,
+     * and read only after that under mu: stable from then on */
+    if (st == BSET_FAILED) { /* its rows were read: the connection goes on */
+        rc = send_rep(k->fd, MOE_BULK_ERR, a->err, a->msg, h->cid, h->seq, 0, 0);
+        goto out;
+    }
+    if (send_rep(k->fd, MOE_BULK_ACK, MOE_OK, NULL, h->cid, h->seq, nrows, len) != 0) {
+        rc = -1;
+        pthread_mutex_lock(&s->mu);
+        set_fail(a, part, MOE_EUNAVAIL, "a part's connection closed");
+        pthread_mutex_unlock(&s->mu);
+        goto out;
+    }
+    if (owner) {
+        int w = wait_answer(k, a->b);
+        if (w < 0) /* its eventfd closes with this connection: never written again */
+            dp_bulk_unpark(s->o.dp, a->b, 1);
+        pthread_mutex_lock(&s->mu);
+        if (w < 0)
+            set_fail(a, part, MOE_EUNAVAIL, "the connection of the part holding the rows closed");
+        else if (a->state == BSET_PARKED) {
+            a->state = BSET_ANSWERED;
+            set_wake(a, part);
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (w < 0) {
+            rc = -1;
+            goto out;
+        }
+    } else if (set_wait(s, k, a, part) < 0) {
+        rc = -1;
+        goto out;
+    }
+    /* ANSWERED: b is DONE (no longer written by others); or FAILED */
+    pthread_mutex_lock(&s->mu);
+    st = a->state;
+    pthread_mutex_unlock(&s->mu);
+    if (st == BSET_FAILED) {
+        rc = send_rep(k->fd, MOE_BULK_ERR, a->err, a->msg, h->cid, h->seq, 0, 0);
+    } else if (a->b->err != MOE_OK) {
+        rc = send_rep(k->fd, MOE_BULK_ERR, a->b->err, a->b->msg, h->cid, h->seq, 0, 0);
+    } else { /* this part's rows of y (y has its own row count and size) */
+        const dp_bulk *b = a->b;
+        int64_t y0, yn;
+        moe_bulk_part_rows(b->rows, a->parts, part, &y0, &yn);
+        const size_t yrow = b->rows ? b->nbytes / (size_t)b->rows : 0;
+        rc = send_rep(k->fd, MOE_BULK_Y, MOE_OK, NULL, h->cid, h->seq, yn, (uint64_t)yn * yrow) ==
+                         0 &&
+                     write_full(k->fd, b->buf + (size_t)y0 * yrow, (size_t)yn * yrow) == 0
+                 ? 0
+                 : -1;
+    }
+out:
+    pthread_mutex_lock(&s->mu);
+    set_leave(s, a, part);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 /* serve_one serves one transfer: 0 to go on with the next, -1 to close. */
 static int serve_one(bconn *k)
 {
@@ -200,6 +506,8 @@ static int serve_one(bconn *k)
                  0);
         return -1;
     }
+    if (h.parts > 1)
+        return serve_part(k, &h);
     if ((e = dp_bulk_reserve(t, h.nbytes, err, sizeof(err))) != MOE_OK) {
         /* busy: the rows are read and dropped, the connection stays */
         if (drain(k->fd, h.nbytes) != 0)

@@ -209,12 +209,24 @@ static void send_hdr(int fd, uint64_t cid, uint64_t seq, moe_dtype dt, int64_t r
 {
     uint8_t b[MOE_BULK_REQ_LEN];
     size_t al = auth ? strlen(auth) : 0;
-    moe_bulk_req h = {
-        MOE_BULK_MAGIC, MOE_BULK_VERSION, (uint16_t)al, cid, seq, (uint32_t)dt, rows, cols, nbytes};
+    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION, (uint16_t)al, cid,   seq, (uint32_t)dt,
+                      rows,           cols,             nbytes,       0,     0};
     moe_bulk_req_encode(&h, b);
     cr_assert_eq(io_all(fd, b, sizeof(b), 1), 0);
     if (al)
         cr_assert_eq(io_all(fd, (void *)auth, al, 1), 0);
+}
+
+/* send_part_hdr: the header of part `part` of `parts` of a transfer of
+ * rows x cols f32 (nbytes: the whole transfer's) */
+static void send_part_hdr(int fd, uint64_t cid, uint64_t seq, int64_t rows, int64_t cols,
+                          int part, int parts)
+{
+    uint8_t b[MOE_BULK_REQ_LEN];
+    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION,   0,   cid, seq, MOE_F32, rows, cols,
+                      (uint64_t)(rows * cols * 4),      (uint16_t)part, (uint16_t)parts};
+    moe_bulk_req_encode(&h, b);
+    cr_assert_eq(io_all(fd, b, sizeof(b), 1), 0);
 }
 
 /* read_rep: the worker's next reply header: its kind, or 0 when the
@@ -440,7 +452,7 @@ Test(bulk, bad_transfers_worker_keeps_serving, .timeout = 120, .fini = cluster_f
     expect_closed(fd, "bad magic");
     /* another version */
     fd = bulk_dial(burl);
-    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION, 0, 1, 1, MOE_F32, 4, H, small};
+    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION, 0, 1, 1, MOE_F32, 4, H, small, 0, 0};
     moe_bulk_req_encode(&h, junk);
     junk[4] = 9;
     cr_assert_eq(io_all(fd, junk, sizeof(junk), 1), 0);
@@ -649,8 +661,8 @@ static void child_send(const char *burl, size_t part, int wr)
         _exit(3);
     size_t nb = (size_t)8 << 20;
     uint8_t hb[MOE_BULK_REQ_LEN], *rows = calloc(1, nb);
-    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION,    0,  99, 1,
-                      MOE_F32,        (int64_t)(nb / 128), 32, nb};
+    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION, 0, 99, 1, MOE_F32, (int64_t)(nb / 128),
+                      32,             nb,               0, 0};
     moe_bulk_req_encode(&h, hb);
     if (!rows || io_all(fd, hb, sizeof(hb), 1) != 0 || io_all(fd, rows, part, 1) != 0)
         _exit(4);
@@ -814,5 +826,140 @@ Test(bulk, off_fails_by_name_auto_falls_back, .timeout = 60, .fini = cluster_fin
     moe_client_close(cb);
     moe_client_close(cc);
     free(x), free(y0), free(y1);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* ---- a transfer split over several connections ---- */
+
+/* large rows split over 1, 2, 3 and 4 connections per worker (uneven row
+ * counts) give the bytes of one connection, forward and backward,
+ * on 2 workers; each split transfer counts once */
+Test(bulk, split_over_connections_identical, .timeout = 300, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 1024, T = 16387; /* 32 MiB each rank: 4 parts of 8 MiB at most */
+    create(cl, H, 4, 4, 2, MOE_F32);
+    size_t n = (size_t)T * H;
+    float *x = malloc(n * 4), *dy = malloc(n * 4), *y[4], *dx[4];
+    rng_fill_uniform(21, 1, -1, 1, x, n);
+    rng_fill_uniform(21, 2, -1, 1, dy, n);
+    moe_client *cb = open_path(cl, "bulk");
+    const char *streams[4] = {"1", "2", "3", "16"};
+    for (int i = 0; i < 4; i++) {
+        setenv("MOE_BULK_STREAMS", streams[i], 1);
+        y[i] = malloc(n * 4);
+        dx[i] = malloc(n * 4);
+        memset(y[i], 0xff, n * 4);
+        memset(dx[i], 0xff, n * 4);
+        moe_fwd_info info;
+        memset(&info, 0, sizeof(info));
+        cr_assert_eq(moe_forward_train(cb, "m", 0, MOE_F32, x, T, H, y[i], &info), MOE_OK,
+                     "forward (%s streams): %s", streams[i], moe_last_error());
+        cr_assert_eq(moe_backward(cb, info.handle, MOE_F32, dy, T, H, dx[i]), MOE_OK,
+                     "backward (%s streams): %s", streams[i], moe_last_error());
+        moe_fwd_info_free(&info);
+        if (i) {
+            cr_assert(memcmp(y[i], y[0], n * 4) == 0, "y over %s streams differs", streams[i]);
+            cr_assert(memcmp(dx[i], dx[0], n * 4) == 0, "dx over %s streams differs",
+                      streams[i]);
+        }
+    }
+    unsetenv("MOE_BULK_STREAMS");
+    char url[256];
+    worker_key(cl, 1, "url", url, sizeof(url));
+    int64_t in = data_stat(url, "bulk_in_total");
+    cr_assert_eq(in, 8, "rank 1 took %lld transfers, want 8 (one per split transfer)",
+                 (long long)in);
+    /* the last calls went over 4 connections at once (kept by the client) */
+    cr_assert_eq(data_stat(url, "bulk_conns"), 4, "bulk connections open to rank 1");
+    moe_client_close(cb);
+    wait_clean(url);
+    for (int i = 0; i < 4; i++)
+        free(y[i]), free(dx[i]);
+    free(x), free(dy);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* bad parts: each answered with its error, what they held given back, and
+ * the worker keeps serving */
+Test(bulk, split_bad_parts, .timeout = 120, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1,
+                      .worker_args = {"--bulk-timeout-ms", "600", "--data-wait-ms", "300", NULL}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, R = 8;
+    create(cl, H, 32, 4, 2, MOE_F32);
+    char url[256], burl[256], msg[300];
+    worker_key(cl, 0, "url", url, sizeof(url));
+    worker_key(cl, 0, "bulk_url", burl, sizeof(burl));
+    float half[4 * 32] = {0}; /* the rows of one part of 2 (R = 8: 4 each) */
+    moe_err e;
+
+    /* parts over the cap, a part beyond its count, more parts than rows:
+     * malformed headers, the connection closed */
+    const int bad[3][2] = {{0, MOE_BULK_MAX_PARTS + 1}, {2, 2}, {0, R + 1}};
+    for (int i = 0; i < 3; i++) {
+        int fd = bulk_dial(burl);
+        send_part_hdr(fd, 30, (uint64_t)i, R, H, bad[i][0], bad[i][1]);
+        expect_err(fd, MOE_EINVAL, "bad part numbers");
+        expect_closed(fd, "bad part numbers");
+    }
+
+    /* a part that disagrees with the first, and a part twice: errors, their
+     * rows dropped, the connections serve on; the missing part never comes:
+     * the first part is answered deadline_exceeded at --bulk-timeout-ms */
+    int a = bulk_dial(burl), b = bulk_dial(burl), c = bulk_dial(burl);
+    send_part_hdr(a, 31, 1, R, H, 0, 2);
+    cr_assert_eq(io_all(a, half, sizeof(half), 1), 0);
+    cr_assert_eq(read_rep(a, &e, msg, sizeof(msg)), MOE_BULK_ACK, "%s", msg);
+    send_part_hdr(b, 31, 1, R, H, 0, 2); /* part 0 again */
+    cr_assert_eq(io_all(b, half, sizeof(half), 1), 0);
+    expect_err(b, MOE_EPRECOND, "a part twice");
+    send_part_hdr(c, 31, 1, R, H, 1, 3); /* another count of parts */
+    int64_t r0, rn;
+    moe_bulk_part_rows(R, 3, 1, &r0, &rn);
+    cr_assert_eq(io_all(c, half, (size_t)rn * H * 4, 1), 0);
+    expect_err(c, MOE_EINVAL, "a part that disagrees");
+    expect_err(a, MOE_ETIMEDOUT, "a part that never came");
+    wait_stat(url, "staged_bytes", 0);
+
+    /* a part's connection closed mid-rows: the other part is answered
+     * unavailable, everything given back */
+    send_part_hdr(a, 32, 1, R, H, 0, 2);
+    cr_assert_eq(io_all(a, half, sizeof(half), 1), 0);
+    cr_assert_eq(read_rep(a, &e, msg, sizeof(msg)), MOE_BULK_ACK, "%s", msg);
+    send_part_hdr(b, 32, 1, R, H, 1, 2);
+    cr_assert_eq(io_all(b, half, sizeof(half) / 2, 1), 0);
+    close(b);
+    expect_err(a, MOE_EUNAVAIL, "another part cut off");
+    wait_stat(url, "staged_bytes", 0);
+
+    /* both parts in, never named by a data.rows: both answered
+     * deadline_exceeded at --data-wait-ms, both connections serve on */
+    b = bulk_dial(burl);
+    send_part_hdr(a, 33, 1, R, H, 0, 2);
+    cr_assert_eq(io_all(a, half, sizeof(half), 1), 0);
+    send_part_hdr(b, 33, 1, R, H, 1, 2);
+    cr_assert_eq(io_all(b, half, sizeof(half), 1), 0);
+    cr_assert_eq(read_rep(a, &e, msg, sizeof(msg)), MOE_BULK_ACK, "%s", msg);
+    cr_assert_eq(read_rep(b, &e, msg, sizeof(msg)), MOE_BULK_ACK, "%s", msg);
+    expect_err(a, MOE_ETIMEDOUT, "split rows never named (part 0)");
+    expect_err(b, MOE_ETIMEDOUT, "split rows never named (part 1)");
+    wait_stat(url, "bulk_parked", 0);
+    wait_stat(url, "staged_bytes", 0);
+    close(a), close(b), close(c);
+    wait_clean(url);
+
+    /* and a split forward still works */
+    float x[R * H], y[R * H];
+    rng_fill_uniform(2, 3, -1, 1, x, R * H);
+    moe_client *cb = open_path(cl, "bulk");
+    cr_assert_eq(moe_forward(cb, "m", 0, MOE_F32, x, R, H, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    moe_client_close(cb);
+    wait_clean(url);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
