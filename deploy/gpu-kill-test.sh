@@ -15,7 +15,9 @@
 # --backend cuda, --xchg nccl. Without: 2 workers, --backend cpu, nng.
 # OPTIONS are tests/faults/kill_test.py's (--help lists them: model shape
 # --d-model/--d-ff/--experts/--top-k/--layers, --tokens, --clients,
-# --victim, --kill-after, the bounds, --keep-logs).
+# --victim, --kill-after, --kill-during any|step|ckpt, the bounds,
+# --keep-logs). --kill-during ckpt (with --train --checkpoint-dir) kills
+# while a step's automatic checkpoint is being written.
 #
 # Like deploy/gpu-cluster.sh, on a bare host it unpacks the runtime .debs of
 # .deps/ into /opt/moe-deps (only when bin/ cannot find its libraries).

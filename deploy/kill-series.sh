@@ -4,16 +4,18 @@
 # table of what each kill cost: when the worker was shown down, when the
 # first request in flight was answered with an error, when every request in
 # flight was answered (some wait through the re-formation and succeed), when
-# the cluster was ready again after the restart, and whether every check
-# passed (training: no acknowledged step lost).
+# the optimizer.step in flight was answered (training), when the cluster was
+# ready again after the restart, and whether every check passed (training:
+# no acknowledged step lost).
 #
 #   deploy/kill-series.sh N [--mix] [gpu-kill-test.sh options: --backend cuda
 #                           --train --checkpoint-dir DIR ...]
 #
 # --mix: the runs cycle through inference only, training with the kill in
-# an optimizer step, and training with the kill in any call (checkpoints
-# after every step; the issue's "50 kills at random moments"); the other
-# options apply to every run.
+# an optimizer step, training with the kill in any call (the issue's "50
+# kills at random moments"), and training with the kill while a step's
+# automatic checkpoint is being written (checkpoints after every step; a
+# fresh directory per run); the other options apply to every run.
 #
 # Logs of each run under $KILL_SERIES_DIR (default a fresh /tmp/moe-kills.*).
 # Exit status 0 when every run passed.
@@ -32,8 +34,8 @@ pass=0
 fail=0
 firsts=()
 readys=()
-printf "%-4s %-6s %-9s %-10s %-12s %-13s %-10s %s\n" run result mode "down (s)" "1st err (s)" \
-    "answered (s)" "ready (s)" "kill at"
+printf "%-4s %-6s %-9s %-10s %-12s %-13s %-10s %-10s %s\n" run result mode "down (s)" \
+    "1st err (s)" "answered (s)" "step (s)" "ready (s)" "kill at"
 for i in $(seq 1 "$N"); do
     h=$(((i * 2654435761 + 40503) % 4294967296)) # spread over 1.0-3.9 s by a hash of i
     at=$(awk -v h="$h" 'BEGIN { printf "%.1f", 1.0 + (int(h / 65536) % 30) / 10 }')
@@ -48,10 +50,11 @@ for i in $(seq 1 "$N"); do
     done
     mode=as-given
     if [ "$MIX" = 1 ]; then
-        case $((i % 3)) in
+        case $((i % 4)) in
         1) mode=infer ;;
         2) mode=step; args+=(--train --kill-during step); ckpt=1 ;;
-        0) mode=train; args+=(--train --kill-during any); ckpt=1 ;;
+        3) mode=train; args+=(--train --kill-during any); ckpt=1 ;;
+        0) mode=ckpt; args+=(--train --kill-during ckpt); ckpt=1 ;;
         esac
     fi
     [ "$ckpt" = 1 ] && args+=(--checkpoint-dir "$DIR/ckpt-$i")
@@ -60,12 +63,15 @@ for i in $(seq 1 "$N"); do
     down=$(grep -o 'state down [0-9.]* s after the kill' "$log" | head -1 | awk '{print $3}')
     first=$(grep -o 'first: [0-9.]* s after the kill' "$log" | head -1 | awk '{print $2}')
     ans=$(grep -o 'in-flight ones answered within [0-9.]* s' "$log" | head -1 | awk '{print $5}')
+    # the optimizer.step in flight at the kill (ckpt: the one whose checkpoint lost the victim)
+    step=$(grep -o 'in flight at the kill: train step, answered [0-9.]* s' "$log" | head -1 |
+        awk '{print $9}')
     ready=$(grep -o 'after the restart, [0-9.]* s after the kill' "$log" | head -1 | awk '{print $4}')
     if [ "$rc" -eq 0 ]; then res=PASS; pass=$((pass + 1)); else res=FAIL; fail=$((fail + 1)); fi
     [ -n "$first" ] && firsts+=("$first")
     [ -n "$ready" ] && readys+=("$ready")
-    printf "%-4s %-6s %-9s %-10s %-12s %-13s %-10s %s\n" "$i" "$res" "$mode" "${down:--}" \
-        "${first:--}" "${ans:--}" "${ready:--}" "$at"
+    printf "%-4s %-6s %-9s %-10s %-12s %-13s %-10s %-10s %s\n" "$i" "$res" "$mode" "${down:--}" \
+        "${first:--}" "${ans:--}" "${step:--}" "${ready:--}" "$at"
 done
 summ() { # label values...: min, median, max
     local label=$1; shift

@@ -14,7 +14,9 @@ What it does: starts a coordinator and --workers workers on loopback (with
 --train one thread of forward(train) + backward + optimizer.step with
 expect_step), SIGKILLs worker --victim in the middle of the stream (with
 --train while an optimizer.step is in flight, --step-delay-s after it was
-sent), restarts it with the same flags, and checks, with timestamps:
+sent; with --kill-during ckpt while the automatic checkpoint that makes a
+step durable is being written), restarts it with the same flags, and checks,
+with timestamps:
 
   1. the coordinator stays up (process alive, ping answered);
   2. the requests in flight at the kill and those sent until the cluster
@@ -29,7 +31,18 @@ sent), restarts it with the same flags, and checks, with timestamps:
      the last acknowledged step, the weights equal that step's checkpoint
      bit for bit (an explicit checkpoint.save compared with the automatic
      one) and a probe forward equals the one taken right after that step;
+     with --kill-during ckpt also that the step whose checkpoint lost the
+     victim was answered `unavailable` ("outcome unknown") before the
+     survivors finished writing their shards, and was not kept;
   6. every process started is stopped.
+
+--kill-during ckpt finds its moment without any worker test flag (so that
+it works on GPU workers too): it watches the checkpoint directory for the
+in-flight step's new ckpt-<step>-* directory (made by the first worker that
+starts writing, after every worker finished the step itself) and kills while
+the victim's shard is not in it yet (a shard is written as .tmp and renamed
+once fsynced). The default model's save is about 600 MB (fp32 masters and
+AdamW moments), long enough a window on CPU and GPU hosts.
 
 Prints a PASS/FAIL table and exits 1 when a check failed.
 """
@@ -201,6 +214,65 @@ class Cluster:
         return out
 
 
+# ------------------------------------------------------------- checkpoint --
+
+def shard_name(rank, world):
+    """The file a worker of this rank writes into a checkpoint (worker/ckpt.c)."""
+    return "model-%05d-of-%05d.safetensors" % (rank + 1, world)
+
+
+def save_in_flight(root, step, vshard):
+    """The directory of step's automatic checkpoint while it is being written
+    and the victim's shard is not in it yet, else None. The coordinator names
+    it ckpt-<step>-<time> once every worker finished the step; the first
+    worker to start writing makes it; a shard appears as .tmp and is renamed
+    once fsynced; the index comes last, after every shard."""
+    pre = "ckpt-%08d-" % step
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(pre)]
+    except OSError:  # the model's root is made by the first save
+        return None
+    for n in names:
+        d = os.path.join(root, n)
+        if not (os.path.exists(os.path.join(d, vshard))
+                or os.path.exists(os.path.join(d, "model.safetensors.index.json"))):
+            return d
+    return None
+
+
+def describe_save(d):
+    """The files of a checkpoint directory with their sizes, for the log."""
+    out = []
+    try:
+        for n in sorted(os.listdir(d)):
+            try:
+                out.append("%s %.0f MB" % (n, os.path.getsize(os.path.join(d, n)) / 1e6))
+            except OSError:  # renamed or removed meanwhile
+                out.append(n)
+    except OSError as e:
+        return "cannot list: %s" % e
+    return ", ".join(out) or "none yet"
+
+
+class ShardWatch(threading.Thread):
+    """When each named shard appears in a checkpoint directory (renamed into
+    place once written and fsynced): when the survivors finished writing."""
+
+    def __init__(self, d, names, until):
+        super().__init__(daemon=True)
+        self.d, self.names, self.until = d, names, until
+        self.done = {}  # name -> monotonic time seen
+        self.stop = threading.Event()
+
+    def run(self):
+        while (not self.stop.is_set() and time.monotonic() < self.until
+               and len(self.done) < len(self.names)):
+            for n in self.names:
+                if n not in self.done and os.path.exists(os.path.join(self.d, n)):
+                    self.done[n] = time.monotonic()
+            self.stop.wait(0.005)
+
+
 # ----------------------------------------------------------------- stream --
 
 class Rec:
@@ -230,6 +302,7 @@ class Stream:
         self.acked = []  # (t, step) per acknowledged step
         self.probes = {}  # step -> probe forward output (float32)
         self.step_unacked = False  # a step call failed: it may have been applied
+        self.recovered_step = None  # the step counter after the recovery (check_durable)
         self.reset_ok = False  # no checkpoints: the re-formed model restarts at step 0
         self.reset_note = ""
         self.pause_req = threading.Event()
@@ -364,6 +437,13 @@ ALLOWED = {  # error codes a call may get while a worker is dead or the cluster 
 }
 
 
+KILL_DURING = {
+    "any": "any call",
+    "step": "an optimizer.step",
+    "ckpt": "the automatic checkpoint of an optimizer.step",
+}
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=2)
@@ -387,9 +467,14 @@ def parse_args():
                     "made inside) --checkpoint-every 1, and check that no step is lost")
     ap.add_argument("--kill-after", type=float, default=3.0,
                     help="seconds of stream before the kill")
-    ap.add_argument("--kill-during", choices=["any", "step"], default="",
+    ap.add_argument("--kill-during", choices=["any", "step", "ckpt"], default="",
                     help="kill while any call is in flight, or (with --train) while an "
-                    "optimizer.step is (default: step with --train, else any)")
+                    "optimizer.step is, or (with --train and --checkpoint-dir) while the "
+                    "automatic checkpoint of a step is being written (default: step with "
+                    "--train, else any)")
+    ap.add_argument("--ckpt-wait-s", type=float, default=40,
+                    help="--kill-during ckpt: longest wait for a save in flight before "
+                    "killing anyway (the check then fails)")
     ap.add_argument("--min-steps", type=int, default=2,
                     help="with --train: acknowledged steps before the kill")
     ap.add_argument("--step-delay-s", type=float, default=0.0,
@@ -432,6 +517,8 @@ def parse_args():
         a.kill_during = "step" if a.train else "any"
     if a.kill_during == "step" and not a.train:
         ap.error("--kill-during step needs --train")
+    if a.kill_during == "ckpt" and not (a.train and a.checkpoint_dir):
+        ap.error("--kill-during ckpt needs --train and --checkpoint-dir")
     if a.threads <= 0:
         a.threads = max(1, (os.cpu_count() or 2) // a.workers)
     if a.xchg_timeout_ms <= 0:
@@ -453,6 +540,7 @@ CHECKS = [
     ("shrink", "3b re-forms with the survivors (--min-workers)"),
     ("reform", "4 re-forms (new generation), requests succeed"),
     ("durable", "5 no committed training step lost"),
+    ("ckpt", "5b a step whose checkpoint lost a worker: answered at once, not kept"),
     ("cleanup", "6 every process stopped"),
 ]
 
@@ -487,13 +575,14 @@ def main():
                         a.xchg, a.victim, a.layers, a.d_model, a.d_ff, a.experts, a.top_k,
                         a.clients, a.tokens,
                         "; training (%d tokens, checkpoints %s)" % (a.train_tokens, ckpt or "off")
-                        if a.train else "", "an optimizer.step" if a.kill_during == "step"
-                        else "any call", run))
+                        if a.train else "", KILL_DURING[a.kill_during], run))
     log("bounds: answer %.1f s, down %.1f s, recover %.0f s, whole run %.0f s; heartbeat "
         "timeout %d ms, xchg timeout %d ms; NCCL_NVLS_ENABLE=%s" % (
             a.answer_bound_s, a.down_bound_s, a.recover_bound_s, a.time_limit,
             a.heartbeat_timeout_ms, a.xchg_timeout_ms, os.environ.get("NCCL_NVLS_ENABLE", "unset")))
 
+    if a.kill_during != "ckpt":
+        put("ckpt", None, "not --kill-during ckpt")
     cl = Cluster(a, run)
     st = None
     ctl = None
@@ -524,6 +613,9 @@ def main():
             time.monotonic() - t, s["generation"], s["up_workers"],
             ", ".join("id %d rank %d %s" % (w["id"], w["rank"], w["device"])
                       for w in s["workers"])))
+        # the victim's rank names its checkpoint shard (--kill-during ckpt)
+        vrank = next((w["rank"] for w in s["workers"] if w["rpc_url"] == cl.winfo[a.victim][1]),
+                     a.victim)
         ctl = moe.Client(cl.url, timeout_ms=a.client_timeout_ms)
         ping = moe.Client(cl.url, timeout_ms=2000)
         ctl.model_create("kt_inf", layers=a.layers, d_model=a.d_model, d_ff=a.d_ff,
@@ -555,8 +647,9 @@ def main():
         log("stream started: %d forward thread(s)%s" % (a.clients,
                                                         " + 1 training thread" if a.train else ""))
         t = time.monotonic()
-        bound = left(a.kill_after + 60)
+        bound = left(a.kill_after + 60 + (a.ckpt_wait_s if a.kill_during == "ckpt" else 0))
         t_ready_kill = None
+        save = None  # --kill-during ckpt: (directory, step) of the save in flight
         while True:
             recs, infl = sm.snapshot()
             nok = sum(r.code is None for r in recs if r.kind == "forward")
@@ -567,39 +660,65 @@ def main():
                 raise Abort("client failure before the kill: %s" % sm.crashes[0])
             el = time.monotonic() - t
             # with --train: after the probe of the newest step (to compare with
-            # after the recovery); --kill-during step: while a step is running
-            # (for up to 20 s more, then whatever is in flight)
+            # after the recovery); --kill-during step: while a step is running;
+            # ckpt: while that step's automatic checkpoint is being written
+            # (for up to 20 s, ckpt --ckpt-wait-s, more; then whatever is in flight)
             if (el >= a.kill_after and nok >= a.clients
                     and (not a.train or (sm.step >= a.min_steps and sm.step in sm.probes))
                     and infl):
                 if t_ready_kill is None:
                     t_ready_kill = time.monotonic()
                 tr = infl.get("train")
-                if (a.kill_during == "any" or (tr and tr[0] == "step" and sm.step in sm.probes
-                                               and time.monotonic() - tr[1] > a.step_delay_s)):
+                stepping = tr and tr[0] == "step" and sm.step in sm.probes
+                if a.kill_during == "ckpt":
+                    d = save_in_flight(os.path.join(ckpt, "kt_train"), sm.step + 1,
+                                       shard_name(vrank, a.workers)) if stepping else None
+                    if d:
+                        save = (d, sm.step + 1, tr[1])
+                        break
+                elif (a.kill_during == "any" or (stepping and
+                                                 time.monotonic() - tr[1] > a.step_delay_s)):
                     break
-                if time.monotonic() - t_ready_kill > 20:
-                    log("no optimizer.step in flight seen in 20 s: killing now")
+                wait = a.ckpt_wait_s if a.kill_during == "ckpt" else 20
+                if time.monotonic() - t_ready_kill > wait:
+                    log("no %s in flight seen in %.0f s: killing now" % (
+                        KILL_DURING[a.kill_during], wait))
                     break
             if el > bound:
                 raise Abort("stream too slow: %d forwards, %d steps in %.0f s"
                             % (nok, sm.step, el))
-            time.sleep(0.01)
+            # a save is a few hundred ms: look often enough to land inside it
+            time.sleep(0.002 if a.kill_during == "ckpt" else 0.01)
 
         # ---- kill -------------------------------------------------------
         s = cl.status()
         gen0 = s["generation"] if s else 0
         vpid, vrpc = cl.winfo[a.victim]
         recs, infl = sm.snapshot()
-        committed = sm.step
+        committed = k_committed = sm.step
         sm.t_kill = t_kill = time.monotonic()
         os.kill(vpid, signal.SIGKILL)
+        # the save's files as the kill found them (the victim's shard must
+        # be missing), then a watcher for the survivors' shards: when they
+        # finish writing tells whether the step was answered before
+        shards = describe_save(save[0]) if save else ""
+        watch = None
+        if save:
+            watch = ShardWatch(save[0], [shard_name(r, a.workers) for r in range(a.workers)
+                                         if r != vrank], t_kill + 120)
+            watch.start()
         log("SIGKILL worker %d (pid %d, rpc %s); generation %d; %d forwards and %d training "
             "steps done; in flight: %s" % (
                 a.victim, vpid, vrpc, gen0, sum(r.code is None for r in recs if r.kind ==
                                                 "forward"), committed,
                 ", ".join("%s %s (started %.3f s before)" % (n, k, t_kill - t0)
                           for n, (k, t0) in sorted(infl.items())) or "nothing"))
+        if save:
+            log("  the kill is inside the automatic checkpoint of step %d: %s (the step was "
+                "sent %.3f s before); the victim is rank %d; files then: %s" % (
+                    save[1], os.path.basename(save[0]), t_kill - save[2], vrank, shards))
+        elif a.kill_during == "ckpt":
+            log("  the kill MISSED the checkpoint window (no save of a step in flight seen)")
         cl.workers[a.victim].wait()
         # the coordinator: alive, answers a ping
         time.sleep(0.2)
@@ -805,6 +924,11 @@ def main():
                 len(recs), longest.t1 - longest.t0, longest.thread, longest.kind,
                 longest.code or "ok", inf_max, a.answer_bound_s,
                 "; threads still in a call: %s" % ", ".join(sorted(infl)) if infl else ""))
+        if save:
+            put("ckpt", *check_ckpt_kill(sm, inflight, save, watch, t_kill, k_committed))
+        elif a.kill_during == "ckpt":
+            put("ckpt", False, "the kill missed the checkpoint: no automatic checkpoint of a "
+                "step seen being written in %.0f s" % a.ckpt_wait_s)
         if cl.coord.poll() is not None:
             coord_fail.append("exited with %s" % cl.coord.returncode)
         try:
@@ -866,6 +990,50 @@ def main():
     return 1 if failed else 0
 
 
+def check_ckpt_kill(sm, inflight, save, watch, t_kill, committed):
+    """--kill-during ckpt: the optimizer.step whose automatic checkpoint lost
+    the victim is answered `unavailable` ("outcome unknown") as soon as the
+    victim's connection drops - before the survivors finish writing their
+    shards - and is not kept: after the recovery the model is at the last
+    acknowledged step (check_durable compares the weights). Returns (ok, detail)."""
+    watch.stop.set()
+    watch.join()
+    d, step = os.path.basename(save[0]), save[1]
+    r = next((r for r in inflight if r.thread == "train" and r.kind == "step"), None)
+    if r is None:
+        return False, "no optimizer.step was in flight at the kill (%s)" % d
+    ans = r.t1 - t_kill
+    log("  in-flight step %d answered %.3f s after the kill (%s)" % (step, ans, r.code or "ok"))
+    done = sorted((t - t_kill, n) for n, t in watch.done.items())
+    if done:
+        surv = "survivors' shards written %s" % ", ".join(
+            "%.3f s after the kill (%s)" % (t, n) for t, n in done)
+    else:
+        surv = "no survivor's shard written by %.1f s after the kill" % (
+            time.monotonic() - t_kill)
+    if len(done) < len(watch.names) and done:
+        surv += "; missing: %s" % ", ".join(n for n in watch.names if n not in watch.done)
+    ok = r.code == "unavailable" and "outcome unknown" in (r.msg or "")
+    notes = ["kill in the save of step %d (%s)" % (step, d),
+             "the step answered %.3f s after the kill: %s" % (
+                 ans, "unavailable, outcome unknown" if ok else r.msg or "acknowledged"), surv]
+    if r.code is None:
+        # the victim had written its shard and answered just before it died
+        notes.append("the kill came after the victim's part of the save")
+        return False, "; ".join(notes)
+    # early: not held until the survivors finished (every shard there = the end of their part)
+    early = len(done) < len(watch.names) or ans < done[-1][0]
+    if not early:
+        notes.append("NOT answered before the survivors finished writing")
+    kept = sm.recovered_step
+    if kept != committed:
+        notes.append("the step counter after recovery is %s, not the last acknowledged %d: the "
+                     "unacknowledged step was kept" % (kept, committed))
+    else:
+        notes.append("not kept (step %d after recovery)" % kept)
+    return ok and early and kept == committed, "; ".join(notes)
+
+
 def check_durable(a, ctl, sm, ckpt, run, committed, probe_x):
     """Step counter, weights and a probe forward of kt_train after the recovery
     against the last acknowledged step. Returns (ok, detail)."""
@@ -885,6 +1053,7 @@ def check_durable(a, ctl, sm, ckpt, run, committed, probe_x):
             return False, "cannot read the step counter: %s" % e
         at = int(m.group(1))
     ok = at == committed or (at == committed + 1 and sm.step_unacked)
+    sm.recovered_step = at
     notes.append("step after recovery %d, last acknowledged %d%s" % (
         at, committed, " (+1: a step whose reply was an error was applied)"
         if at == committed + 1 else ""))
