@@ -74,7 +74,7 @@ case "${1:-1}" in
     # the bulk path against raw nng on this host's loopback, 64 MiB each way
     step 120 bulk deploy/gpu-cluster.sh -w 1 -b cpu -- bin/service_bench --d-model 4096 \
         --d-ff 16 --experts 4 --top-k 1 --dtype f32 --tokens 4096 --iters 5 --no-ref \
-        --paths socket,bulk
+        --paths socket,bulk1,bulk
     # a Qwen3-30B-A3B-shaped checkpoint of 4 MoE layers loaded from a cold cache
     step 240 hf_load python3 bench/hf_load_bench.py --layers 4 --cold --workers 2 \
         --dir "${TMPDIR:-/tmp}/moe-hf-bench/q3"
