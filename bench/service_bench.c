@@ -228,8 +228,8 @@ static double tcp_rtt(size_t n, int iters, int streams)
     sa.sin_family = AF_INET;
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
-        listen(lfd, MAXS) != 0 || getsockname(lfd, (struct sockaddr *)&sa, &sl) != 0)
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 || listen(lfd, MAXS) != 0 ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl) != 0)
         return -1;
     tcp_echo e[MAXS];
     tcp_leg l[MAXS];
@@ -473,7 +473,9 @@ int main(int argc, char **argv)
                 unsetenv("MOE_BULK_STREAMS");
             moe_client *pc;
             moe_client_opts po = {.timeout_ms = 600000,
-                                  .data_path = zc ? "shm" : one ? "bulk" : pname};
+                                  .data_path = zc    ? "shm"
+                                               : one ? "bulk"
+                                                     : pname};
             if (moe_client_open(url, &po, &pc) != MOE_OK) {
                 printf("         %-11s FAIL %s\n", pname, moe_last_error());
                 failures++;

@@ -190,9 +190,9 @@ static int send_rows(moe_bulk_part *p)
     uint8_t hb[MOE_BULK_REQ_LEN];
     size_t al = t->auth ? strlen(t->auth) : 0;
     size_t es = moe_dtype_size(t->dt), nb = (size_t)t->rows * (size_t)t->cols * es;
-    moe_bulk_req h = {MOE_BULK_MAGIC,  MOE_BULK_VERSION, (uint16_t)al, t->cid,
-                      t->seq,          (uint32_t)t->dt,  t->rows,      t->cols,
-                      nb,              (uint16_t)p->idx, (uint16_t)t->nparts};
+    moe_bulk_req h = {MOE_BULK_MAGIC,     MOE_BULK_VERSION, (uint16_t)al, t->cid, t->seq,
+                      (uint32_t)t->dt,    t->rows,          t->cols,      nb,     (uint16_t)p->idx,
+                      (uint16_t)t->nparts};
     moe_bulk_req_encode(&h, hb);
     const uint8_t *x = (const uint8_t *)t->x + (size_t)p->row0 * (size_t)t->cols * es;
     if (io_full(p->fd, hb, sizeof(hb), 1) != 0 || io_full(p->fd, (void *)t->auth, al, 1) != 0 ||

@@ -41,11 +41,11 @@ struct moe_bulk_xfer;
 /* moe_bulk_part: one connection's share of a transfer (private) */
 typedef struct moe_bulk_part {
     struct moe_bulk_xfer *t;
-    int idx;                   /* part number */
-    int64_t row0, rows;        /* its rows of x and of y */
-    int fd, state, got_y;      /* state: 0 sending, 1 acked, 2 ended (under t->mu) */
-    int started;               /* its thread runs */
-    moe_err e;                 /* its error */
+    int idx;              /* part number */
+    int64_t row0, rows;   /* its rows of x and of y */
+    int fd, state, got_y; /* state: 0 sending, 1 acked, 2 ended (under t->mu) */
+    int started;          /* its thread runs */
+    moe_err e;            /* its error */
     char msg[300];
     pthread_t th;
 } moe_bulk_part;

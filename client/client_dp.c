@@ -1,6 +1,7 @@
 /* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
 #include "client/client_dp.h"
 #include "client/client_bulk.h"
+#include "client/fanout.h"
 #include "client/client_ring.h"
 #include "common/hostid.h"
 #include "common/parcopy.h"
@@ -28,6 +29,9 @@
 /* auto path: a rank's rows of at least this many bytes go to a worker on
  * another host over its bulk endpoint */
 #define DP_MIN_BULK ((size_t)1 << 20)
+/* inference forwards of at most this many rows fan out to every worker of
+ * a cluster of CPU workers ($MOE_FANOUT_ROWS) */
+#define DP_FANOUT_ROWS 16
 /* a rank's bulk rows are split over several connections (each a thread on
  * both sides: one loopback TCP stream moves 2-4 GB/s on one core), one per
  * DP_BULK_PART_MIN bytes, at most DP_BULK_STREAMS ($MOE_BULK_STREAMS) */
@@ -55,6 +59,7 @@ typedef struct dp_map {
     int W;
     int shm;             /* shared memory usable with every worker */
     int lane;            /* one worker that runs inference forwards itself (the lane) */
+    int fanout;          /* several CPU workers that each run small inference forwards */
     nng_socket *sock;    /* (W) req0 sockets, one per worker */
     moe_bulk_pool *bulk; /* (W) bulk connections per worker (url "" = it offers none) */
     int *remote;         /* (W) the worker is on another host */
@@ -452,7 +457,7 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     mp_reader rd, rw;
     uint32_t n, W = 0;
     int64_t gen = -1;
-    bool ready = false, direct = false, lane = false;
+    bool ready = false, direct = false, lane = false, fanout = false;
     int have_workers = 0;
     mp_reader_init(&rd, r.buf + r.result_off, r.len - r.result_off);
     e = mp_read_map(&rd, &n, NULL);
@@ -469,6 +474,8 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
             e = mp_read_bool(&rd, &direct, NULL);
         else if (mp_str_eq(k, kl, "lane"))
             e = mp_read_bool(&rd, &lane, NULL);
+        else if (mp_str_eq(k, kl, "fanout"))
+            e = mp_read_bool(&rd, &fanout, NULL);
         else if (mp_str_eq(k, kl, "workers")) {
             rw = rd;
             have_workers = 1;
@@ -509,6 +516,7 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     m->refs = 1;
     m->gen = (uint64_t)gen;
     m->lane = lane && W == 1;
+    m->fanout = fanout && W > 1;
     m->shm = moe__data_path(c) != MOE_PATH_SOCKET && moe__data_path(c) != MOE_PATH_BULK;
     uint32_t nw;
     mp_read_array(&rw, &nw, NULL);
@@ -1164,6 +1172,119 @@ static int bulk_parts(size_t n)
     return k < 1 ? 1 : k > (size_t)most ? (int)most : (int)k;
 }
 
+/* fanout_rows: the most rows a forward fans out ($MOE_FANOUT_ROWS, default
+ * DP_FANOUT_ROWS; 0 = never): each worker answers T x top_k / W expert
+ * rows, so fan-out pays for small batches (decode) only */
+static int64_t fanout_rows(void)
+{
+    const char *env = getenv("MOE_FANOUT_ROWS");
+    long v = env && *env ? strtol(env, NULL, 10) : DP_FANOUT_ROWS;
+    return v < 0 ? 0 : v;
+}
+
+/* dp_fanout: an inference forward of T <= fanout_rows() rows on a cluster
+ * of several CPU workers: the same rows to every worker (data.rows with
+ * run.fanout), each answering the expert rows of its own experts' slots;
+ * y is their sum (client/fanout.c). No coordinator, no exchange. */
+static moe_err dp_fanout(moe_client *c, dp_map *m, const char *method, const void *ctl_pairs,
+                         size_t ctl_len, moe_dtype dt, const void *in, int64_t T, int64_t H,
+                         void *out, moe_reply *ctl, int *stale)
+{
+    const int W = m->W;
+    const size_t nbytes = (size_t)T * (size_t)H * moe_dtype_size(dt);
+    const uint64_t cid = moe_client_id(c), seq = moe__next_msgid(c);
+    const char *auth = moe__auth(c);
+    dp_req *rq = calloc((size_t)W, sizeof(dp_req));
+    moe_fanout_part *parts = calloc((size_t)W, sizeof(moe_fanout_part));
+    moe_err e = MOE_OK;
+    char msg[400] = "";
+    int bad = -1;
+    if (!rq || !parts) {
+        free(rq);
+        free(parts);
+        return MOE_ENOMEM;
+    }
+    /* 1. the same rows to every worker, all at once */
+    for (int q = 0; q < W && e == MOE_OK; q++) {
+        mp_writer w;
+        nng_msg *nm = NULL;
+        uint32_t msgid = moe__next_msgid(c);
+        mp_writer_init(&w);
+        moe_rpc_write_request_head(&w, msgid, "data.rows");
+        mp_write_map(&w, 4u + (auth ? 1u : 0u));
+        if (auth) {
+            mp_write_cstr(&w, "auth");
+            mp_write_cstr(&w, auth);
+        }
+        mp_write_cstr(&w, "ticket");
+        mp_write_array(&w, 2);
+        mp_write_u64(&w, cid);
+        mp_write_u64(&w, seq);
+        mp_write_cstr(&w, "deadline_ms");
+        mp_write_i64(&w, moe__timeout_ms(c));
+        mp_write_cstr(&w, "run"); /* {model, layer} as the caller gave them */
+        mp_write_map(&w, 4);
+        mp_write_raw(&w, ctl_pairs, ctl_len);
+        mp_write_cstr(&w, "generation");
+        mp_write_u64(&w, m->gen);
+        mp_write_cstr(&w, "fanout");
+        mp_write_bool(&w, true);
+        const int64_t shape[2] = {T, H};
+        mp_write_cstr(&w, "x");
+        moe_tensor_write_head(&w, dt, 2, shape);
+        e = msg_from_writer(&w, in, nbytes, &nm);
+        mp_writer_fini(&w);
+        if (e == MOE_OK)
+            e = req_start(&rq[q], m->sock[q], nm, moe__timeout_ms(c));
+        rq[q].msgid = msgid;
+        if (e != MOE_OK)
+            bad = q, snprintf(msg, sizeof(msg), "sending rows: %s", moe_strerror(e));
+    }
+    /* 2. every answer (each worker may still be at work until it answered) */
+    for (int q = 0; q < W; q++) {
+        if (!rq[q].open)
+            continue;
+        moe_rpc_response resp;
+        char qm[400];
+        moe_err qe =
+            req_finish(&rq[q], e != MOE_OK, e != MOE_OK ? DP_GRACE_MS : 0, &resp, qm, sizeof(qm));
+        if (qe == MOE_OK) {
+            mp_reader rd = resp.result;
+            qe = moe_fanout_read(&rd, &parts[q], qm, sizeof(qm));
+        }
+        if (qe != MOE_OK && e == MOE_OK) {
+            e = qe;
+            bad = q;
+            snprintf(msg, sizeof(msg), "%s", qm);
+            /* a worker that says the fan-out is closed (a new generation):
+             * the map is stale, as the coordinator's would be */
+            if (qe == MOE_EUNAVAIL && resp_was_answer(&rq[q]))
+                *stale = 1;
+        }
+    }
+    /* 3. y: the workers' rows summed in the layer's order */
+    if (e == MOE_OK &&
+        (e = moe_fanout_combine(parts, W, T, H, dt, out, msg, sizeof(msg))) != MOE_OK)
+        bad = 0;
+    if (e == MOE_OK) {
+        mp_writer sw;
+        mp_writer_init(&sw);
+        int st = moe_fanout_stats(parts, W, &sw);
+        e = lane_reply(ctl, st == 0 && !sw.failed ? sw.buf : NULL, sw.len, msg, sizeof(msg));
+        mp_writer_fini(&sw);
+    }
+    for (int q = 0; q < W; q++)
+        req_close(&rq[q]);
+    free(rq);
+    free(parts);
+    if (e != MOE_OK) {
+        ctl->err = e;
+        snprintf(ctl->message, sizeof(ctl->message), "worker rank %d: %s", bad, msg);
+        moe__set_error("%s: %s: worker rank %d: %s", method, moe_err_code(e), bad, msg);
+    }
+    return e;
+}
+
 /* one attempt on map m; *stale set when the coordinator answered
  * unavailable (its map may be old) */
 static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
@@ -1183,6 +1304,12 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     const int lane = m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
     if (!rq)
         return MOE_ENOMEM;
+    /* a small inference forward on several CPU workers: fanned out */
+    if (m->fanout && nctl == 2 && !strcmp(method, "forward") && T >= 1 && T <= fanout_rows() &&
+        (dt == MOE_F32 || dt == MOE_BF16) && moe__data_path(c) != MOE_PATH_BULK) {
+        free(rq);
+        return dp_fanout(c, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
+    }
     /* x and out in the application's shared buffers: no copy at all */
     int ux = nbytes && m->shm ? ubuf_find(dp, in, nbytes) : -1;
     int uy = ux >= 0 ? ubuf_find(dp, out, nbytes) : -1;

@@ -1,32 +1,14 @@
 /* combine.c - weighted sum of a token's K expert rows, in fixed order, and
  * its backward. */
 #include "kernels/kern.h"
+#include "common/combine.h"
 
 void kern_combine_cpu(const float *ye, const float *topk_w, const uint8_t *keep, int T, int K,
                       int H, int bf16, float *y)
 {
-    /* ye (S,H), topk_w (T,K), keep (S) or NULL, y (T,H) */
-    for (int t = 0; t < T; t++) {
-        float *yt = y + (size_t)t * H;
-        for (int i = 0; i < H; i++)
-            yt[i] = 0.0f;
-        for (int j = 0; j < K; j++) {
-            size_t s = (size_t)t * K + j;
-            if (keep && !keep[s])
-                continue;
-            float w = topk_w[s];
-            const float *ys = ye + s * H;
-            if (bf16) {
-                for (int i = 0; i < H; i++)
-                    yt[i] += kern_bf16_round_inl(w * ys[i]);
-            } else {
-                for (int i = 0; i < H; i++)
-                    yt[i] += w * ys[i];
-            }
-        }
-        if (bf16)
-            kern_bf16_round_n(yt, (size_t)H);
-    }
+    /* ye (S,H), topk_w (T,K), keep (S) or NULL, y (T,H): the one sum that
+     * libmoe's fan-out makes too (common/combine.c) */
+    moe_combine_rows(ye, topk_w, keep, T, K, H, bf16, y);
 }
 
 void kern_combine_backward_cpu(const float *dy, const float *ye_unweighted, const float *topk_w,

@@ -215,6 +215,12 @@ void kern_route_backward_cpu(const float *x, const float *wr, const float *logit
 moe_err kern_shared_forward_cpu(const float *x, int T, int H, int Fs, const float *ws1,
                                 const float *ws3, const float *ws2, const float *wsg, kern_act act,
                                 int bf16, int blas, float *y);
+/* kern_shared_rows_cpu: the gated rows alone, rows (T,H) out (rounded to
+ * bf16 with bf16): kern_shared_forward_cpu is these rows, then
+ * moe_rows_add (common/combine.h). */
+void kern_shared_rows_cpu(const float *x, int T, int H, int Fs, const float *ws1, const float *ws3,
+                          const float *ws2, const float *wsg, kern_act act, int bf16, int blas,
+                          float *rows);
 /* kern_shared_backward_cpu: the shared expert's part of the backward for
  * dy (T,H) (recomputes its forward): dx (T,H) +=; dws1, dws3 (Fs,H), dws2
  * (H,Fs), dwsg (H) += (dws3 NULL for GELU, dwsg NULL without a gate). */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "kernels/kern.h"
+#include "common/combine.h"
 
 /* gate_of: sigmoid(x_t . wsg) for one row x_t (H). */
 static float gate_of(const float *xt, const float *wsg, int H)
@@ -15,33 +16,38 @@ static float gate_of(const float *xt, const float *wsg, int H)
     return 1.0f / (1.0f + expf(-acc));
 }
 
+void kern_shared_rows_cpu(const float *x, int T, int H, int Fs, const float *ws1, const float *ws3,
+                          const float *ws2, const float *wsg, kern_act act, int bf16, int blas,
+                          float *rows)
+{
+    if (T <= 0 || Fs <= 0)
+        return;
+    if (blas)
+        kern_expert_ffn_blas(x, T, H, Fs, ws1, ws3, ws2, act, bf16, NULL, NULL, rows);
+    else
+        kern_expert_ffn_cpu(x, T, H, Fs, ws1, ws3, ws2, act, bf16, NULL, NULL, rows);
+    for (int t = 0; t < T; t++) {
+        float *rt = rows + (size_t)t * H;
+        float g = wsg ? gate_of(x + (size_t)t * H, wsg, H) : 1.0f;
+        for (int h = 0; h < H; h++) {
+            float row = g * rt[h];
+            rt[h] = bf16 ? kern_bf16_round_inl(row) : row;
+        }
+    }
+}
+
 moe_err kern_shared_forward_cpu(const float *x, int T, int H, int Fs, const float *ws1,
                                 const float *ws3, const float *ws2, const float *wsg, kern_act act,
                                 int bf16, int blas, float *y)
 {
     if (T <= 0 || Fs <= 0)
         return MOE_OK;
-    float *ys = malloc((size_t)T * H * sizeof(float)); /* (T,H) shared expert output */
-    if (!ys)
+    float *rows = malloc((size_t)T * H * sizeof(float)); /* (T,H) the gated shared rows */
+    if (!rows)
         return MOE_ENOMEM;
-    if (blas)
-        kern_expert_ffn_blas(x, T, H, Fs, ws1, ws3, ws2, act, bf16, NULL, NULL, ys);
-    else
-        kern_expert_ffn_cpu(x, T, H, Fs, ws1, ws3, ws2, act, bf16, NULL, NULL, ys);
-    for (int t = 0; t < T; t++) {
-        const float *xt = x + (size_t)t * H;
-        const float *st = ys + (size_t)t * H;
-        float *yt = y + (size_t)t * H;
-        float g = wsg ? gate_of(xt, wsg, H) : 1.0f;
-        for (int h = 0; h < H; h++) {
-            float row = g * st[h];
-            if (bf16)
-                row = kern_bf16_round_inl(row);
-            float sum = yt[h] + row;
-            yt[h] = bf16 ? kern_bf16_round_inl(sum) : sum;
-        }
-    }
-    free(ys);
+    kern_shared_rows_cpu(x, T, H, Fs, ws1, ws3, ws2, wsg, act, bf16, blas, rows);
+    moe_rows_add(y, rows, (size_t)T * H, bf16); /* as libmoe's fan-out adds them */
+    free(rows);
     return MOE_OK;
 }
 

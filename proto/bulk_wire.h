@@ -46,14 +46,14 @@
 
 #include "base/moe.h"
 
-#define MOE_BULK_MAGIC    0x42454f4du /* "MOEB" read as a little-endian uint32 */
-#define MOE_BULK_VERSION  1
-#define MOE_BULK_REQ_LEN  64
-#define MOE_BULK_REP_LEN  48
-#define MOE_BULK_AUTH_MAX 255
-#define MOE_BULK_MSG_MAX  1024
-#define MOE_BULK_MAX_ROWS (1ll << 31)
-#define MOE_BULK_MAX_COLS (1ll << 20)
+#define MOE_BULK_MAGIC     0x42454f4du /* "MOEB" read as a little-endian uint32 */
+#define MOE_BULK_VERSION   1
+#define MOE_BULK_REQ_LEN   64
+#define MOE_BULK_REP_LEN   48
+#define MOE_BULK_AUTH_MAX  255
+#define MOE_BULK_MSG_MAX   1024
+#define MOE_BULK_MAX_ROWS  (1ll << 31)
+#define MOE_BULK_MAX_COLS  (1ll << 20)
 #define MOE_BULK_MAX_PARTS 16 /* connections one transfer may be split over */
 
 enum { MOE_BULK_ACK = 1, MOE_BULK_Y = 2, MOE_BULK_ERR = 3 };

@@ -507,6 +507,16 @@ int coord_lane_open(const coord *c)
     return c->lane && c->ready && c->world == 1 && !c->draining;
 }
 
+int coord_fanout_open(const coord *c)
+{
+    if (!c->lane || !c->ready || c->world < 2 || c->draining)
+        return 0;
+    for (int r = 0; r < c->world; r++)
+        if (strcmp(c->workers[c->rank_to_worker[r]].backend, "cpu") != 0)
+            return 0; /* GPU workers: the ordered road (their kernels combine on the device) */
+    return 1;
+}
+
 void coord_dataplane_info(coord *c, rpc_call *call)
 {
     int direct = c->ready;
@@ -515,11 +525,13 @@ void coord_dataplane_info(coord *c, rpc_call *call)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, call->req.msgid);
-    mp_write_map(&w, 5);
+    mp_write_map(&w, 6);
     mp_write_cstr(&w, "generation");
     mp_write_u64(&w, c->generation);
     mp_write_cstr(&w, "lane");
     mp_write_bool(&w, direct && coord_lane_open(c));
+    mp_write_cstr(&w, "fanout");
+    mp_write_bool(&w, direct && coord_fanout_open(c));
     mp_write_cstr(&w, "ready");
     mp_write_bool(&w, c->ready != 0);
     mp_write_cstr(&w, "direct");

@@ -351,15 +351,14 @@ static int set_wait(wkr_bulk *s, bconn *k, bset *a, int part)
         uint64_t now = now_ns();
         if (st == BSET_GATHER && now >= a->deadline_ns) {
             char m[200];
-            snprintf(m, sizeof(m),
-                     "bulk ticket [%llu, %llu]: %d of its %d parts came within %d ms",
-                     (unsigned long long)a->cid, (unsigned long long)a->seq, a->received,
-                     a->parts, s->o.timeout_ms);
+            snprintf(m, sizeof(m), "bulk ticket [%llu, %llu]: %d of its %d parts came within %d ms",
+                     (unsigned long long)a->cid, (unsigned long long)a->seq, a->received, a->parts,
+                     s->o.timeout_ms);
             set_fail(a, part, MOE_ETIMEDOUT, m);
             st = a->state;
         }
-        int64_t left_ms = st == BSET_GATHER ? (int64_t)((a->deadline_ns - now) / 1000000ull) + 1
-                                            : 1000;
+        int64_t left_ms =
+            st == BSET_GATHER ? (int64_t)((a->deadline_ns - now) / 1000000ull) + 1 : 1000;
         pthread_mutex_unlock(&s->mu);
         if (st == BSET_ANSWERED || st == BSET_FAILED)
             return 1;

@@ -359,6 +359,24 @@ static void answer_inline(dp_ticket *tk, moe_dtype dt, int64_t rows, int64_t H, 
     tk->call = NULL;
 }
 
+void dp_answer_extra(dp_ticket *tk)
+{
+    if (!tk->call)
+        return;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
+    mp_write_map(&w, tk->extra_pairs);
+    if (tk->extra_pairs)
+        mp_write_raw(&w, tk->extra, tk->extra_len);
+    if (w.failed) {
+        mp_writer_fini(&w);
+        rpc_reply_err(tk->call, MOE_ENOMEM, "out of memory for an answer");
+    } else
+        rpc_reply(tk->call, &w);
+    tk->call = NULL;
+}
+
 /* answer_region: y already written at y_off; the answer names where. */
 static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
 {
@@ -538,6 +556,7 @@ static moe_err parse_run(const dp_table *t, mp_reader *r, dp_run *run, char *err
 {
     uint32_t n;
     int64_t gen = 0;
+    bool fanout = false;
     if (!t->run) {
         snprintf(err, errlen, "this worker has no lane: send the forward to the coordinator");
         return MOE_EPRECOND;
@@ -550,9 +569,11 @@ static moe_err parse_run(const dp_table *t, mp_reader *r, dp_run *run, char *err
         {"model", P_STR, run->model, true, 0, 0, sizeof(run->model), false},
         {"layer", P_INT, &run->layer, true, 0, 1e6, 0, false},
         {"generation", P_INT, &gen, true, 1, 9e18, 0, false},
+        {"fanout", P_BOOL, &fanout, false, 0, 0, 0, false},
     };
-    moe_err e = params_parse(r, n, sp, 3, err, errlen);
+    moe_err e = params_parse(r, n, sp, 4, err, errlen);
     run->generation = (uint64_t)gen;
+    run->fanout = fanout;
     return e;
 }
 
@@ -588,7 +609,7 @@ void dp_rows_call(dp_table *t, rpc_call *c)
         rpc_reply_err(c, MOE_EINVAL, "ticket must be [client_id, seq] (two unsigned integers)");
         return;
     }
-    dp_run run = {cid, seq, "", 0, 0, 0, MOE_F32, c->recv_ns};
+    dp_run run = {cid, seq, "", 0, 0, 0, MOE_F32, c->recv_ns, 0};
     if (sp[9].seen && (e = parse_run(t, &rrun, &run, err, sizeof(err))) != MOE_OK) {
         rpc_reply_err(c, e, "%s", err);
         return;

@@ -88,6 +88,7 @@ typedef struct dp_run {
     int64_t rows;        /* the ticket's rows (R) */
     moe_dtype dtype;     /* and dtype */
     uint64_t recv_ns;    /* when the data.rows arrived */
+    int fanout;          /* one of several workers: answer this rank's experts' rows */
 } dp_run;
 
 typedef struct dp_table {
@@ -210,6 +211,9 @@ dp_ticket *dp_take(dp_table *t, uint64_t cid, uint64_t seq, uint64_t deadline_ns
 void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H);
 /* dp_answer_raw answers with y (R,H) already in the ticket's dtype. */
 void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H);
+/* dp_answer_extra answers with the ticket's extra pairs alone (no y: a
+ * fan-out forward's rows, worker/fanout.c). */
+void dp_answer_extra(dp_ticket *tk);
 /* dp_answer_err answers the ticket with an error. */
 void dp_answer_err(dp_ticket *tk, moe_err e, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -214,9 +214,9 @@ size_t fwd_owner_scatter(const wkr_fwd_state *st, int W, int H, const float *row
     return total;
 }
 
-/* gate: router replica on the local tokens; fills logits, probs, top-k,
- * layout; probs_sum (E) and z_sum for the batch's aux and z losses. */
-static moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, double *probs_sum, double *z_sum)
+/* fwd_gate: router replica on the local tokens (fwd.h) */
+moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, int shards, double *probs_sum,
+                 double *z_sum)
 {
     const model_cfg *cfg = &st->model->cfg;
     const int T = st->T, H = cfg->d_model, E = cfg->n_experts, K = cfg->top_k;
@@ -231,7 +231,11 @@ static moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, double *probs_sum
     if (!st->logits || !st->probs || !st->topk_w || !st->topk_idx || !st->counts || !st->offsets ||
         !st->perm)
         return MOE_ENOMEM;
-    kern_router_logits_blas(st->x, L->wr, T, H, E, st->logits);
+    for (int q = 0; q < shards; q++) {
+        long long a = shard_first(T, shards, q), b = shard_first(T, shards, q + 1);
+        kern_router_logits_blas(st->x + (size_t)a * H, L->wr, (int)(b - a), H, E,
+                                st->logits + (size_t)a * E);
+    }
     kern_route_cfg rc = fwd_route_cfg(cfg, L);
     kern_route_cpu(st->logits, T, E, K, &rc, st->probs, st->topk_idx, st->topk_w);
     kern_layout_cpu(st->topk_idx, T, K, E, st->counts, st->offsets, st->perm, NULL);
@@ -385,7 +389,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
 {
     char model_name[MODEL_NAME_MAX], err[256] = "";
     int64_t layer = 0, T_total = 0, row0 = 0, handle = 0;
-    bool train = false, lane = false;
+    bool train = false, lane = false, fanout = false;
     moe_tensor xt;
     mp_reader rpieces;
     char dtname[8] = "";
@@ -403,10 +407,11 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         {"pieces", P_RAW, &rpieces, false, 0, 0, 0, false},
         {"dtype", P_STR, dtname, false, 0, 0, sizeof(dtname), false},
         {"lane", P_BOOL, &lane, false, 0, 0, 0, false},
+        {"fanout", P_BOOL, &fanout, false, 0, 0, 0, false},
     };
     if (w->test_hang_forward_ms > 0) /* tests: a kernel that never ends, deaf to aborts */
         usleep((useconds_t)(w->test_hang_forward_ms * 1000));
-    if (!wkr_parse_or_reply(c, sp, 10) || !wkr_xc_or_reply(w, c))
+    if (!wkr_parse_or_reply(c, sp, 11) || !wkr_xc_or_reply(w, c))
         return;
     wkr_model *m = wkr_model_or_reply(w, c, model_name);
     if (!m)
@@ -445,6 +450,19 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             return;
         }
         xt = batch.x;
+        if (fanout) { /* the lane of several CPU workers: no exchange (fanout.c) */
+            if (!lane || train || gpu_whole || gops || layer >= cfg->layers || xt.ndim != 2 ||
+                xt.shape[1] != H) {
+                snprintf(err, sizeof(err),
+                         "a fan-out forward is an inference lane forward of a CPU worker");
+                dp_batch_fail(&batch, MOE_EINVAL, err);
+                rpc_reply_err(c, MOE_EINVAL, "%s", err);
+            } else {
+                wkr_forward_fanout(w, c, m, (int)layer, &batch);
+            }
+            dp_batch_free(&w->dp, &batch);
+            return;
+        }
     }
     if (layer >= cfg->layers || xt.ndim != 2 || xt.shape[1] != H) {
         rpc_reply_err(c, MOE_EINVAL, "bad layer or x shape for model '%s'", model_name);
@@ -549,7 +567,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         t_exp = t_comb = fwd_now_s();
         goto reply;
     }
-    if ((e = fwd_gate(L, st, probs_sum, &z_sum)) != MOE_OK)
+    if ((e = fwd_gate(L, st, 1, probs_sum, &z_sum)) != MOE_OK)
         goto fail;
     if (train) {
         /* the aux loss gradient needs the batch's counts: gather them */

@@ -11,6 +11,18 @@
 #include "worker/worker.h"
 
 double fwd_now_s(void);
+/* fwd_gate: the router on st's T tokens (st->x): fills logits, probs,
+ * top-k, counts, offsets and perm; probs_sum (E) and z_sum for the aux and
+ * z losses. The logits are computed in `shards` GEMMs over the rows the
+ * ordered road would give each of that many ranks (placement.h), so that
+ * a fan-out rank that routes every token gets the ordered road's bits
+ * (BLAS may round a row differently in a GEMM of another height). */
+moe_err fwd_gate(const wkr_layer *L, wkr_fwd_state *st, int shards, double *probs_sum,
+                 double *z_sum);
+/* wkr_forward_fanout runs a fan-out lane forward (worker/fanout.c) on the
+ * one request of batch: answers its ticket with this rank's experts' rows
+ * and c with the counts lane.c records. */
+void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *batch);
 /* fwd_route_cfg: the layer's routing (model_cfg's family knobs, the layer's
  * bias). */
 static inline kern_route_cfg fwd_route_cfg(const model_cfg *c, const wkr_layer *L)

@@ -117,22 +117,26 @@ static void lane_done(rpc_call *call, const void *buf, size_t len, void *arg)
             }
         int E = (int)(clen / 4);
         double lat = (double)(rpc_now_ns() - cx->run.recv_ns) * 1e-9;
+        /* a fan-out forward ran on every member, each with all the tokens:
+         * rank 0 counts the forward, its tokens and routing; every rank
+         * the slots its own experts dropped */
+        const int primary = !cx->run.fanout || w->rank == 0;
         pthread_mutex_lock(&w->lane_mu);
         wkr_lane_report *rep =
             cnt && dlen == clen ? lane_slot(w, cx->run.model, (int)cx->run.layer, E) : NULL;
         if (rep) {
-            rep->forwards++;
-            rep->tokens += (uint64_t)cx->run.rows;
+            rep->forwards += (uint64_t)primary;
+            rep->tokens += primary ? (uint64_t)cx->run.rows : 0;
             for (int e = 0; e < E; e++) {
                 int32_t cv, dv;
                 memcpy(&cv, (const uint8_t *)cnt + 4 * (size_t)e, 4);
                 memcpy(&dv, (const uint8_t *)drop + 4 * (size_t)e, 4);
-                rep->counts[e] += cv;
+                rep->counts[e] += primary ? cv : 0;
                 rep->dropped[e] += dv;
             }
-            for (int p = 0; p < 4; p++)
+            for (int p = 0; p < 4 && primary; p++)
                 rep->phase_s[p] += phase[p];
-            if (rep->nlat < WKR_LANE_LAT)
+            if (primary && rep->nlat < WKR_LANE_LAT)
                 rep->lat_s[rep->nlat++] = (float)lat;
         }
         pthread_mutex_unlock(&w->lane_mu);
@@ -143,8 +147,9 @@ static void lane_done(rpc_call *call, const void *buf, size_t len, void *arg)
 void wkr_lane_run(wkr *w, const dp_run *r)
 {
     /* the lane is open only inside the generation the client's map names,
-     * and only while it has one worker */
-    if (w->world != 1 || !w->xc || w->generation != r->generation) {
+     * and only while it has one worker - or, fanned out, several CPU ones */
+    int open = r->fanout ? w->world > 1 && !w->use_gpu : w->world == 1;
+    if (!open || !w->xc || w->generation != r->generation) {
         dp_ticket *tk = dp_take(&w->dp, r->cid, r->seq, rpc_now_ns());
         if (tk) {
             dp_answer_err(tk, MOE_EUNAVAIL,
@@ -158,7 +163,11 @@ void wkr_lane_run(wkr *w, const dp_run *r)
     }
     mp_writer p;
     mp_writer_init(&p);
-    mp_write_map(&p, 9);
+    mp_write_map(&p, r->fanout ? 10 : 9);
+    if (r->fanout) {
+        mp_write_cstr(&p, "fanout");
+        mp_write_bool(&p, true);
+    }
     mp_write_cstr(&p, "handle");
     mp_write_u64(&p, 0);
     mp_write_cstr(&p, "model");

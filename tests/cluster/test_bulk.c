@@ -209,8 +209,17 @@ static void send_hdr(int fd, uint64_t cid, uint64_t seq, moe_dtype dt, int64_t r
 {
     uint8_t b[MOE_BULK_REQ_LEN];
     size_t al = auth ? strlen(auth) : 0;
-    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION, (uint16_t)al, cid,   seq, (uint32_t)dt,
-                      rows,           cols,             nbytes,       0,     0};
+    moe_bulk_req h = {MOE_BULK_MAGIC,
+                      MOE_BULK_VERSION,
+                      (uint16_t)al,
+                      cid,
+                      seq,
+                      (uint32_t)dt,
+                      rows,
+                      cols,
+                      nbytes,
+                      0,
+                      0};
     moe_bulk_req_encode(&h, b);
     cr_assert_eq(io_all(fd, b, sizeof(b), 1), 0);
     if (al)
@@ -219,12 +228,21 @@ static void send_hdr(int fd, uint64_t cid, uint64_t seq, moe_dtype dt, int64_t r
 
 /* send_part_hdr: the header of part `part` of `parts` of a transfer of
  * rows x cols f32 (nbytes: the whole transfer's) */
-static void send_part_hdr(int fd, uint64_t cid, uint64_t seq, int64_t rows, int64_t cols,
-                          int part, int parts)
+static void send_part_hdr(int fd, uint64_t cid, uint64_t seq, int64_t rows, int64_t cols, int part,
+                          int parts)
 {
     uint8_t b[MOE_BULK_REQ_LEN];
-    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION,   0,   cid, seq, MOE_F32, rows, cols,
-                      (uint64_t)(rows * cols * 4),      (uint16_t)part, (uint16_t)parts};
+    moe_bulk_req h = {MOE_BULK_MAGIC,
+                      MOE_BULK_VERSION,
+                      0,
+                      cid,
+                      seq,
+                      MOE_F32,
+                      rows,
+                      cols,
+                      (uint64_t)(rows * cols * 4),
+                      (uint16_t)part,
+                      (uint16_t)parts};
     moe_bulk_req_encode(&h, b);
     cr_assert_eq(io_all(fd, b, sizeof(b), 1), 0);
 }
@@ -661,8 +679,8 @@ static void child_send(const char *burl, size_t part, int wr)
         _exit(3);
     size_t nb = (size_t)8 << 20;
     uint8_t hb[MOE_BULK_REQ_LEN], *rows = calloc(1, nb);
-    moe_bulk_req h = {MOE_BULK_MAGIC, MOE_BULK_VERSION, 0, 99, 1, MOE_F32, (int64_t)(nb / 128),
-                      32,             nb,               0, 0};
+    moe_bulk_req h = {
+        MOE_BULK_MAGIC, MOE_BULK_VERSION, 0, 99, 1, MOE_F32, (int64_t)(nb / 128), 32, nb, 0, 0};
     moe_bulk_req_encode(&h, hb);
     if (!rows || io_all(fd, hb, sizeof(hb), 1) != 0 || io_all(fd, rows, part, 1) != 0)
         _exit(4);
@@ -862,8 +880,7 @@ Test(bulk, split_over_connections_identical, .timeout = 300, .fini = cluster_fin
         moe_fwd_info_free(&info);
         if (i) {
             cr_assert(memcmp(y[i], y[0], n * 4) == 0, "y over %s streams differs", streams[i]);
-            cr_assert(memcmp(dx[i], dx[0], n * 4) == 0, "dx over %s streams differs",
-                      streams[i]);
+            cr_assert(memcmp(dx[i], dx[0], n * 4) == 0, "dx over %s streams differs", streams[i]);
         }
     }
     unsetenv("MOE_BULK_STREAMS");

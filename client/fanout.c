@@ -1,0 +1,303 @@
+/* fanout.c - libmoe's half of a fan-out forward; see fanout.h. */
+#include "client/fanout.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/bf16.h"
+#include "common/combine.h"
+
+static int read_bin_key(mp_reader *r, const uint8_t **p, size_t *len)
+{
+    const void *d;
+    uint32_t n;
+    if (mp_read_bin(r, &d, &n, NULL) != MOE_OK)
+        return 0;
+    *p = d;
+    *len = n;
+    return 1;
+}
+
+static moe_err read_part(mp_reader *r, moe_fanout_part *p, char *msg, size_t msglen)
+{
+    uint32_t n;
+    int have = 0; /* bits: rank, top_k, dtype, slots, rows, topk_w */
+    if (mp_read_map(r, &n, NULL) != MOE_OK) {
+        snprintf(msg, msglen, "fan-out answer: 'fanout' is not a map");
+        return MOE_EPROTO;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        int64_t v;
+        int ok = mp_read_str(r, &k, &kl, NULL) == MOE_OK;
+        if (!ok) {
+        } else if (mp_str_eq(k, kl, "rank")) {
+            ok = mp_read_i64(r, &v, NULL) == MOE_OK && v >= 0 && v < 4096;
+            p->rank = (int)v;
+            have |= 1;
+        } else if (mp_str_eq(k, kl, "top_k")) {
+            ok = mp_read_i64(r, &v, NULL) == MOE_OK && v >= 1 && v <= 1024;
+            p->top_k = (int)v;
+            have |= 2;
+        } else if (mp_str_eq(k, kl, "dtype")) {
+            const char *s;
+            uint32_t sl;
+            ok = mp_read_str(r, &s, &sl, NULL) == MOE_OK &&
+                 moe_dtype_parse(s, sl, &p->dtype) == MOE_OK &&
+                 (p->dtype == MOE_F32 || p->dtype == MOE_BF16);
+            have |= 4;
+        } else if (mp_str_eq(k, kl, "slots")) {
+            size_t len = 0;
+            ok = read_bin_key(r, &p->slots, &len) && len % 4 == 0;
+            p->nslots = len / 4;
+            have |= 8;
+        } else if (mp_str_eq(k, kl, "rows")) {
+            ok = read_bin_key(r, &p->rows, &p->rows_len);
+            have |= 16;
+        } else if (mp_str_eq(k, kl, "topk_w")) {
+            size_t len = 0;
+            ok = read_bin_key(r, &p->topk_w, &len) && len % 4 == 0;
+            p->ntopk = len / 4;
+            have |= 32;
+        } else if (mp_str_eq(k, kl, "shared")) {
+            ok = read_bin_key(r, &p->shared, &p->shared_len);
+        } else {
+            ok = mp_skip(r, NULL) == MOE_OK;
+        }
+        if (!ok) {
+            snprintf(msg, msglen, "fan-out answer: a malformed field");
+            return MOE_EPROTO;
+        }
+    }
+    if (have != 63) {
+        snprintf(msg, msglen,
+                 "fan-out answer: a field is missing (rank, top_k, dtype, slots, "
+                 "rows, topk_w)");
+        return MOE_EPROTO;
+    }
+    return MOE_OK;
+}
+
+moe_err moe_fanout_read(mp_reader *r, moe_fanout_part *p, char *msg, size_t msglen)
+{
+    uint32_t n;
+    int got = 0;
+    memset(p, 0, sizeof(*p));
+    if (mp_read_map(r, &n, NULL) != MOE_OK || n < 1 || n > 2) {
+        snprintf(msg, msglen, "fan-out answer: want {fanout, stats}");
+        return MOE_EPROTO;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(r, &k, &kl, NULL) != MOE_OK) {
+            snprintf(msg, msglen, "fan-out answer: a key is not a string");
+            return MOE_EPROTO;
+        }
+        if (mp_str_eq(k, kl, "fanout") && !got) {
+            moe_err e = read_part(r, p, msg, msglen);
+            if (e != MOE_OK)
+                return e;
+            got = 1;
+        } else if (mp_str_eq(k, kl, "stats") && !p->stats) {
+            const uint8_t *a = r->p;
+            if (mp_skip(r, NULL) != MOE_OK) {
+                snprintf(msg, msglen, "fan-out answer: malformed stats");
+                return MOE_EPROTO;
+            }
+            p->stats = a;
+            p->stats_len = (size_t)(r->p - a);
+        } else {
+            snprintf(msg, msglen, "fan-out answer: unexpected key '%.*s'", (int)kl, k);
+            return MOE_EPROTO;
+        }
+    }
+    if (!got) {
+        snprintf(msg, msglen, "fan-out answer: no 'fanout'");
+        return MOE_EPROTO;
+    }
+    return MOE_OK;
+}
+
+/* to_f32: n values of dtype dt (f32 or bf16) at src, unaligned, into dst */
+static void to_f32(const uint8_t *src, moe_dtype dt, size_t n, float *dst)
+{
+    if (dt == MOE_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * i, 2);
+        dst[i] = bf16_to_f32_inl(h);
+    }
+}
+
+moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64_t H, moe_dtype dt,
+                           void *out, char *msg, size_t msglen)
+{
+    if (W < 1 || T < 0 || H < 1 || (dt != MOE_F32 && dt != MOE_BF16)) {
+        snprintf(msg, msglen, "fan-out: bad arguments");
+        return MOE_EINVAL;
+    }
+    const int K = parts[0].top_k;
+    const moe_dtype rdt = parts[0].dtype;
+    const size_t S = (size_t)T * (size_t)K, es = moe_dtype_size(rdt);
+    const moe_fanout_part *sh = NULL;
+    for (int q = 0; q < W; q++) {
+        const moe_fanout_part *p = &parts[q];
+        if (p->top_k != K || p->dtype != rdt || p->ntopk != S ||
+            memcmp(p->topk_w, parts[0].topk_w, S * sizeof(float)) != 0) {
+            snprintf(msg, msglen,
+                     "fan-out: worker rank %d routed the tokens differently from rank %d", p->rank,
+                     parts[0].rank);
+            return MOE_EPROTO;
+        }
+        if (p->rows_len != p->nslots * (size_t)H * es) {
+            snprintf(msg, msglen, "fan-out: worker rank %d sent %zu bytes of rows for %zu slots",
+                     p->rank, p->rows_len, p->nslots);
+            return MOE_EPROTO;
+        }
+        if (p->shared) {
+            if (sh || p->shared_len != (size_t)T * (size_t)H * es) {
+                snprintf(msg, msglen, "fan-out: unexpected shared rows from worker rank %d",
+                         p->rank);
+                return MOE_EPROTO;
+            }
+            sh = p;
+        }
+    }
+    const size_t n = (size_t)T * (size_t)H;
+    float *ye = malloc((S ? S : 1) * (size_t)H * sizeof(float)); /* (S,H) */
+    float *topk_w = malloc((S ? S : 1) * sizeof(float));         /* (T,K) */
+    float *y = malloc((n ? n : 1) * sizeof(float));              /* (T,H) */
+    uint8_t *seen = calloc(S ? S : 1, 1);
+    float *shared = sh ? malloc(n * sizeof(float)) : NULL;
+    moe_err e = MOE_OK;
+    if (!ye || !topk_w || !y || !seen || (sh && !shared)) {
+        snprintf(msg, msglen, "out of memory");
+        e = MOE_ENOMEM;
+        goto out;
+    }
+    size_t filled = 0;
+    for (int q = 0; q < W && e == MOE_OK; q++) {
+        const moe_fanout_part *p = &parts[q];
+        for (size_t j = 0; j < p->nslots; j++) {
+            int32_t s;
+            memcpy(&s, p->slots + 4 * j, 4);
+            if (s < 0 || (size_t)s >= S || seen[s]) {
+                snprintf(msg, msglen, "fan-out: worker rank %d names slot %d %s", p->rank, (int)s,
+                         s < 0 || (size_t)s >= S ? "out of range" : "twice");
+                e = MOE_EPROTO;
+                break;
+            }
+            seen[s] = 1;
+            to_f32(p->rows + j * (size_t)H * es, rdt, (size_t)H, ye + (size_t)s * H);
+            filled++;
+        }
+    }
+    if (e == MOE_OK && filled != S) {
+        snprintf(msg, msglen, "fan-out: the workers answered %zu of %zu slots", filled, S);
+        e = MOE_EPROTO;
+    }
+    if (e != MOE_OK)
+        goto out;
+    memcpy(topk_w, parts[0].topk_w, S * sizeof(float));
+    moe_combine_rows(ye, topk_w, NULL, (int)T, K, (int)H, rdt == MOE_BF16, y);
+    if (sh) {
+        to_f32(sh->shared, rdt, n, shared);
+        moe_rows_add(y, shared, n, rdt == MOE_BF16);
+    }
+    if (dt == MOE_F32) {
+        memcpy(out, y, n * sizeof(float));
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h = bf16_from_f32_inl(y[i]);
+            memcpy((uint8_t *)out + 2 * i, &h, 2);
+        }
+    }
+out:
+    free(ye);
+    free(topk_w);
+    free(y);
+    free(seen);
+    free(shared);
+    return e;
+}
+
+/* dropped_of adds the "dropped" array of an encoded stats map into sum
+ * (growing *E on first sight); 0, or -1 when malformed */
+static int dropped_of(const uint8_t *stats, size_t len, int64_t *sum, uint32_t cap, uint32_t *E)
+{
+    mp_reader r;
+    uint32_t n;
+    mp_reader_init(&r, stats, len);
+    if (mp_read_map(&r, &n, NULL) != MOE_OK)
+        return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl, m;
+        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK)
+            return -1;
+        if (!mp_str_eq(k, kl, "dropped")) {
+            if (mp_skip(&r, NULL) != MOE_OK)
+                return -1;
+            continue;
+        }
+        if (mp_read_array(&r, &m, NULL) != MOE_OK || m > cap || (*E && m != *E))
+            return -1;
+        *E = m;
+        for (uint32_t e = 0; e < m; e++) {
+            int64_t v;
+            if (mp_read_i64(&r, &v, NULL) != MOE_OK)
+                return -1;
+            sum[e] += v;
+        }
+    }
+    return 0;
+}
+
+int moe_fanout_stats(const moe_fanout_part *parts, int W, mp_writer *w)
+{
+    const moe_fanout_part *p0 = NULL;
+    for (int q = 0; q < W; q++)
+        if (parts[q].rank == 0)
+            p0 = &parts[q];
+    if (!p0 || !p0->stats)
+        return -1;
+    enum { CAP = 1 << 16 };
+    int64_t *sum = calloc(CAP, sizeof(int64_t));
+    uint32_t E = 0;
+    int ok = sum != NULL;
+    for (int q = 0; ok && q < W; q++)
+        ok = !parts[q].stats || dropped_of(parts[q].stats, parts[q].stats_len, sum, CAP, &E) == 0;
+    mp_reader r;
+    uint32_t n;
+    mp_reader_init(&r, p0->stats, p0->stats_len);
+    if (!ok || mp_read_map(&r, &n, NULL) != MOE_OK) {
+        free(sum);
+        return -1;
+    }
+    mp_write_map(w, n);
+    for (uint32_t i = 0; i < n; i++) { /* rank 0's pairs, "dropped" summed */
+        const uint8_t *a = r.p;
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK || mp_skip(&r, NULL) != MOE_OK) {
+            free(sum);
+            return -1;
+        }
+        if (mp_str_eq(k, kl, "dropped")) {
+            mp_write_cstr(w, "dropped");
+            mp_write_array(w, E);
+            for (uint32_t e = 0; e < E; e++)
+                mp_write_i64(w, sum[e]);
+        } else {
+            mp_write_raw(w, a, (size_t)(r.p - a));
+        }
+    }
+    free(sum);
+    return 0;
+}

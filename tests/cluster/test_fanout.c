@@ -1,0 +1,428 @@
+/*
+ * test_fanout.c - the fan-out lane (docs/PROTOCOL.md, "Data plane", 6): a
+ * small inference forward on a cluster of several CPU workers goes to every
+ * worker at once, each answering its own experts' rows, and libmoe sums
+ * them. On real clusters of 2 and 3 CPU workers:
+ *  - y and the stats equal the ordered road's (the coordinator path) bit
+ *    for bit, for the plain family with drops (capacity factor) in f32 and
+ *    bf16, and for a DeepSeek-style family (sigmoid scoring, bias, groups,
+ *    a gated shared expert, a routed scale);
+ *  - every worker got all the rows (the fan-out ran), up to
+ *    $MOE_FANOUT_ROWS; larger batches and MOE_FANOUT_ROWS=0 take the
+ *    ordered road;
+ *  - the coordinator counts each forward once (rank 0's heartbeat), tokens
+ *    once;
+ *  - a run.fanout on a stale generation or a one-worker cluster is refused
+ *    clearly; a NaN row is refused to its sender; the workers serve on.
+ * And, without a cluster, libmoe's assembly refuses parts that do not fit.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "client/fanout.h"
+#include "common/combine.h"
+#include "common/rng.h"
+#include "proto/proto.h"
+#include "tests/cluster.h"
+
+static moe_client *open_path(cluster *cl, const char *path)
+{
+    moe_client *c;
+    moe_client_opts o = {.timeout_ms = 30000, .data_path = path};
+    cr_assert_eq(moe_client_open(cl->url, &o, &c), MOE_OK, "open (%s): %s", path, moe_last_error());
+    return c;
+}
+
+/* fcase: one model.create */
+typedef struct fcase {
+    const char *name;
+    int H, F, E, K;
+    moe_dtype dt;
+    double capacity; /* 0: dropless */
+    int family;      /* 1: sigmoid + bias + groups + gated shared expert + routed scale */
+} fcase;
+
+static void create(cluster *cl, const fcase *f)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_map(&w, 10 + (f->family ? 7 : 0));
+    mp_write_cstr(&w, "name"), mp_write_cstr(&w, f->name);
+    mp_write_cstr(&w, "layers"), mp_write_i64(&w, 1);
+    mp_write_cstr(&w, "d_model"), mp_write_i64(&w, f->H);
+    mp_write_cstr(&w, "d_ff"), mp_write_i64(&w, f->F);
+    mp_write_cstr(&w, "n_experts"), mp_write_i64(&w, f->E);
+    mp_write_cstr(&w, "top_k"), mp_write_i64(&w, f->K);
+    mp_write_cstr(&w, "renormalize"), mp_write_bool(&w, true);
+    mp_write_cstr(&w, "seed"), mp_write_i64(&w, 11);
+    mp_write_cstr(&w, "dtype"), mp_write_cstr(&w, moe_dtype_name(f->dt));
+    mp_write_cstr(&w, "capacity_factor"), mp_write_f64(&w, f->capacity);
+    if (f->family) {
+        mp_write_cstr(&w, "scoring"), mp_write_cstr(&w, "sigmoid");
+        mp_write_cstr(&w, "score_bias"), mp_write_bool(&w, true);
+        mp_write_cstr(&w, "n_group"), mp_write_i64(&w, 4);
+        mp_write_cstr(&w, "topk_group"), mp_write_i64(&w, 2);
+        mp_write_cstr(&w, "shared_d_ff"), mp_write_i64(&w, 24);
+        mp_write_cstr(&w, "shared_gate"), mp_write_bool(&w, true);
+        mp_write_cstr(&w, "routed_scaling_factor"), mp_write_f64(&w, 2.5);
+    }
+    moe_reply rep;
+    moe_err e = moe_call(cl->cli, "model.create", w.buf, w.len, &rep);
+    mp_writer_fini(&w);
+    cr_assert_eq(e, MOE_OK, "model.create %s: %s", f->name, rep.message);
+    moe_reply_free(&rep);
+}
+
+/* dataplane.info's key (a bool) */
+static int info_flag(cluster *cl, const char *key)
+{
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader r = mp_reply_reader(&rep);
+    bool b = false;
+    cr_assert(mp_map_find(&r, key) == 0 && mp_read_bool(&r, &b, NULL) == MOE_OK,
+              "dataplane.info has no %s", key);
+    moe_reply_free(&rep);
+    return b;
+}
+
+/* a worker's data endpoint, by rank */
+static void worker_url(cluster *cl, int rank, char *out, size_t len)
+{
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader r = mp_reply_reader(&rep);
+    uint32_t n;
+    cr_assert(mp_map_find(&r, "workers") == 0 && mp_read_array(&r, &n, NULL) == MOE_OK &&
+              (int)n > rank);
+    for (int i = 0; i < rank; i++)
+        cr_assert(mp_skip(&r, NULL) == MOE_OK);
+    const char *s;
+    uint32_t sl;
+    cr_assert(mp_map_find(&r, "url") == 0 && mp_read_str(&r, &s, &sl, NULL) == MOE_OK);
+    snprintf(out, len, "%.*s", (int)sl, s);
+    moe_reply_free(&rep);
+}
+
+/* raw_call: method {pairs in p (n of them)} on a data endpoint: the error */
+static moe_err raw_call(const char *url, const char *method, const mp_writer *p, uint32_t n,
+                        char *msg, size_t msglen, int64_t *rows_in)
+{
+    nng_socket s;
+    cr_assert_eq(nng_req0_open(&s), 0);
+    nng_socket_set_ms(s, NNG_OPT_RECVTIMEO, 30000);
+    cr_assert_eq(nng_dial(s, url, NULL, 0), 0);
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_request_head(&w, 1, method);
+    mp_write_map(&w, n);
+    if (p)
+        mp_write_raw(&w, p->buf, p->len);
+    cr_assert_eq(nng_send(s, w.buf, w.len, 0), 0);
+    mp_writer_fini(&w);
+    uint8_t *buf;
+    size_t len;
+    cr_assert_eq(nng_recv(s, &buf, &len, NNG_FLAG_ALLOC), 0);
+    moe_rpc_response resp;
+    mp_errbuf eb;
+    cr_assert_eq(moe_rpc_parse_response(buf, len, &resp, &eb), MOE_OK);
+    snprintf(msg, msglen, "%.*s", (int)resp.errmsg_len, resp.errmsg ? resp.errmsg : "");
+    if (rows_in) {
+        mp_reader rd = resp.result;
+        cr_assert(mp_map_find(&rd, "rows_in_total") == 0 &&
+                  mp_read_i64(&rd, rows_in, NULL) == MOE_OK);
+    }
+    moe_err e = resp.err;
+    nng_free(buf, len);
+    nng_close(s);
+    return e;
+}
+
+static int64_t rows_in(const char *url)
+{
+    char msg[256];
+    int64_t v = -1;
+    cr_assert_eq(raw_call(url, "ping", NULL, 0, msg, sizeof(msg), &v), MOE_OK, "%s", msg);
+    return v;
+}
+
+static int64_t coord_stat(cluster *cl, const char *key)
+{
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "stats", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader r = mp_reply_reader(&rep);
+    int64_t v = -1;
+    cr_assert(mp_map_find(&r, key) == 0 && mp_read_i64(&r, &v, NULL) == MOE_OK, "stats: no %s",
+              key);
+    moe_reply_free(&rep);
+    return v;
+}
+
+/* fanned: one forward of T rows over path (dtype dt of x and y) against the
+ * coordinator path's: y and stats equal; returns whether every worker got
+ * all T rows (the forward fanned out) */
+static int fanned(cluster *cl, moe_client *cc, moe_client *cs, const fcase *f, int T, moe_dtype dt,
+                  uint64_t seed)
+{
+    const size_t n = (size_t)T * f->H, es = moe_dtype_size(dt);
+    float *xf = malloc(n * 4);
+    uint8_t *x = malloc(n * es), *y0 = malloc(n * es), *y1 = malloc(n * es);
+    rng_fill_uniform(seed, (uint64_t)T, -2, 2, xf, n);
+    if (dt == MOE_BF16)
+        moe_bf16_from_f32(xf, (uint16_t *)x, n);
+    else
+        memcpy(x, xf, n * 4);
+    char last[256];
+    worker_url(cl, cl->nworkers - 1, last, sizeof(last));
+    int64_t before = rows_in(last);
+    moe_fwd_info i0, i1;
+    memset(&i0, 0, sizeof(i0));
+    memset(&i1, 0, sizeof(i1));
+    memset(y1, 0xff, n * es);
+    cr_assert_eq(moe_forward(cc, f->name, 0, dt, x, T, f->H, y0, &i0), MOE_OK, "%s",
+                 moe_last_error());
+    int64_t mid = rows_in(last);
+    cr_assert_eq(moe_forward(cs, f->name, 0, dt, x, T, f->H, y1, &i1), MOE_OK, "%s T=%d: %s",
+                 f->name, T, moe_last_error());
+    int64_t after = rows_in(last);
+    cr_assert(mid - before < T || cl->nworkers == 1, "the coordinator path fanned out");
+    cr_assert(memcmp(y0, y1, n * es) == 0, "%s T=%d (%s): y differs from the ordered road", f->name,
+              T, moe_dtype_name(dt));
+    cr_assert_eq(i1.n_experts, f->E);
+    for (int e = 0; e < f->E; e++) {
+        cr_assert_eq(i1.tokens_per_expert[e], i0.tokens_per_expert[e], "%s: expert %d routed",
+                     f->name, e);
+        cr_assert_eq(i1.dropped[e], i0.dropped[e], "%s: expert %d dropped", f->name, e);
+    }
+    cr_assert_float_eq(i1.aux_loss, i0.aux_loss, 1e-9);
+    cr_assert_float_eq(i1.imbalance, i0.imbalance, 1e-12);
+    int64_t dropped = 0;
+    for (int e = 0; e < f->E; e++)
+        dropped += i1.dropped[e];
+    if (f->capacity > 0 && T >= 8)
+        cr_assert_gt(dropped, 0, "%s T=%d: the capacity factor dropped nothing", f->name, T);
+    moe_fwd_info_free(&i0);
+    moe_fwd_info_free(&i1);
+    free(xf), free(x), free(y0), free(y1);
+    return after - mid == T;
+}
+
+static void identical(int W)
+{
+    cluster_opts o = {.workers = W};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const fcase cases[3] = {
+        {"plain", 32, 24, 6, 2, MOE_F32, 1.0, 0},
+        {"half", 32, 24, 6, 3, MOE_BF16, 1.0, 0},
+        {"dsv3", 32, 16, 8, 3, MOE_F32, 0, 1},
+    };
+    for (int i = 0; i < 3; i++)
+        create(cl, &cases[i]);
+    cr_assert(info_flag(cl, "fanout"), "%d CPU workers: fan-out open", W);
+    cr_assert(!info_flag(cl, "lane"), "%d workers: no one-worker lane", W);
+    moe_client *cc = open_path(cl, "coordinator"), *cs = open_path(cl, "socket");
+    const int Ts[4] = {1, 5, 16, 17};
+    for (int i = 0; i < 3; i++)
+        for (int t = 0; t < 4; t++) {
+            int f = fanned(cl, cc, cs, &cases[i], Ts[t], MOE_F32, 100 + (uint64_t)i);
+            cr_assert_eq(f, Ts[t] <= 16, "%s T=%d: fanned out %d", cases[i].name, Ts[t], f);
+        }
+    /* bf16 rows in and out */
+    cr_assert(fanned(cl, cc, cs, &cases[1], 7, MOE_BF16, 200));
+    /* MOE_FANOUT_ROWS=0: the ordered road for every size */
+    setenv("MOE_FANOUT_ROWS", "0", 1);
+    moe_client *c0 = open_path(cl, "socket");
+    cr_assert(!fanned(cl, cc, c0, &cases[0], 3, MOE_F32, 300), "MOE_FANOUT_ROWS=0 fanned out");
+    unsetenv("MOE_FANOUT_ROWS");
+    moe_client_close(c0);
+    moe_client_close(cc);
+    moe_client_close(cs);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+Test(fanout, identical_to_the_ordered_road_w2, .timeout = 180, .fini = cluster_fini_all)
+{
+    identical(2);
+}
+
+Test(fanout, identical_to_the_ordered_road_w3, .timeout = 180, .fini = cluster_fini_all)
+{
+    identical(3);
+}
+
+/* fan-out forwards reach every worker and are counted once by the
+ * coordinator, from rank 0's heartbeat; stale or misplaced fan-outs are
+ * refused clearly */
+Test(fanout, counted_once_and_refused_clearly, .timeout = 180, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const fcase f = {"m", 16, 16, 4, 2, MOE_F32, 0, 0};
+    create(cl, &f);
+    moe_client *cs = open_path(cl, "socket");
+    float x[9 * 16], y[9 * 16];
+    rng_fill_uniform(5, 1, -1, 1, x, 9 * 16);
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 1, 16, y, NULL), MOE_OK, "%s",
+                 moe_last_error()); /* the map loaded: the counts below are the forwards' */
+    char url[256], msg[256];
+    worker_url(cl, 1, url, sizeof(url));
+    int64_t r0 = rows_in(url);
+    for (int i = 0; i < 5; i++)
+        cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 9, 16, y, NULL), MOE_OK, "%s",
+                     moe_last_error());
+    cr_assert_eq(rows_in(url) - r0, 45, "rank 1 got %lld rows: not fanned out",
+                 (long long)(rows_in(url) - r0));
+    /* a fresh cluster: the warm-up forward of one row and these 5 of 9 */
+    const int64_t want_f = 6, want_t = 1 + 45;
+    int64_t fw = 0, tk = 0;
+    for (int i = 0; i < 3000 && (fw < want_f || tk < want_t); i++) {
+        fw = coord_stat(cl, "forward_total");
+        tk = coord_stat(cl, "tokens_total");
+        if (fw < want_f || tk < want_t)
+            usleep(10000);
+    }
+    usleep(1200 * 1000); /* two more heartbeats (500 ms): nothing counted twice */
+    fw = coord_stat(cl, "forward_total");
+    tk = coord_stat(cl, "tokens_total");
+    cr_assert_eq(fw, want_f, "forward_total %lld, want %lld", (long long)fw, (long long)want_f);
+    cr_assert_eq(tk, want_t, "tokens_total %lld, want %lld", (long long)tk, (long long)want_t);
+
+    /* a NaN row: refused to its sender, the workers serve on */
+    x[20] = NAN;
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 9, 16, y, NULL), MOE_EINVAL);
+    x[20] = 0.25f;
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 9, 16, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+
+    /* a stale generation: unavailable, ask dataplane.info again */
+    const int64_t shape[2] = {2, 16};
+    for (int k = 0; k < 2; k++) {
+        mp_writer p;
+        mp_writer_init(&p);
+        mp_write_cstr(&p, "ticket");
+        mp_write_array(&p, 2);
+        mp_write_u64(&p, 91);
+        mp_write_u64(&p, (uint64_t)k + 1);
+        mp_write_cstr(&p, "x");
+        moe_tensor_write_head(&p, MOE_F32, 2, shape);
+        mp_write_raw(&p, x, sizeof(float) * 32);
+        mp_write_cstr(&p, "run");
+        mp_write_map(&p, 4);
+        mp_write_cstr(&p, "model");
+        mp_write_cstr(&p, "m");
+        mp_write_cstr(&p, "layer");
+        mp_write_i64(&p, 0);
+        mp_write_cstr(&p, "generation");
+        mp_write_u64(&p, k ? 1 : 999);
+        mp_write_cstr(&p, "fanout");
+        mp_write_bool(&p, k ? false : true); /* k = 1: the one-worker lane, closed with two */
+        moe_err e = raw_call(url, "data.rows", &p, 3, msg, sizeof(msg), NULL);
+        mp_writer_fini(&p);
+        cr_assert_eq(e, MOE_EUNAVAIL, "run %d: %s (%s)", k, moe_err_code(e), msg);
+        cr_assert(strstr(msg, "dataplane.info"), "run %d: %s", k, msg);
+    }
+    moe_client_close(cs);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+
+    /* one worker: no fan-out (its lane serves), and a run.fanout is refused */
+    cluster_opts o1 = {.workers = 1};
+    cl = cluster_start(&o1);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    create(cl, &f);
+    cr_assert(!info_flag(cl, "fanout"), "one worker: fan-out closed");
+    worker_url(cl, 0, url, sizeof(url));
+    mp_writer p;
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "ticket");
+    mp_write_array(&p, 2);
+    mp_write_u64(&p, 92);
+    mp_write_u64(&p, 1);
+    mp_write_cstr(&p, "x");
+    moe_tensor_write_head(&p, MOE_F32, 2, shape);
+    mp_write_raw(&p, x, sizeof(float) * 32);
+    mp_write_cstr(&p, "run");
+    mp_write_map(&p, 4);
+    mp_write_cstr(&p, "model");
+    mp_write_cstr(&p, "m");
+    mp_write_cstr(&p, "layer");
+    mp_write_i64(&p, 0);
+    mp_write_cstr(&p, "generation");
+    mp_write_u64(&p, 1);
+    mp_write_cstr(&p, "fanout");
+    mp_write_bool(&p, true);
+    moe_err e = raw_call(url, "data.rows", &p, 3, msg, sizeof(msg), NULL);
+    mp_writer_fini(&p);
+    cr_assert_eq(e, MOE_EUNAVAIL, "fan-out on one worker: %s (%s)", moe_err_code(e), msg);
+    cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 2, 16, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+/* ---- libmoe's assembly, without a cluster ---- */
+
+/* two parts of T=2 tokens, K=2, H=3: rank 0 slots {0, 3}, rank 1 {1, 2} */
+static float g_rows0[2 * 3] = {1, 2, 3, 4, 5, 6}, g_rows1[2 * 3] = {-1, 0.5f, 2, 8, -3, 1};
+static float g_w[4] = {0.75f, 0.25f, 0.5f, 0.5f};
+static int32_t g_s0[2] = {0, 3}, g_s1[2] = {1, 2};
+
+static void parts_init(moe_fanout_part *p)
+{
+    memset(p, 0, 2 * sizeof(*p));
+    for (int q = 0; q < 2; q++) {
+        p[q].rank = q;
+        p[q].top_k = 2;
+        p[q].dtype = MOE_F32;
+        p[q].slots = (const uint8_t *)(q ? g_s1 : g_s0);
+        p[q].nslots = 2;
+        p[q].rows = (const uint8_t *)(q ? g_rows1 : g_rows0);
+        p[q].rows_len = sizeof(g_rows0);
+        p[q].topk_w = (const uint8_t *)g_w;
+        p[q].ntopk = 4;
+    }
+}
+
+Test(fanout_unit, assembly_sums_in_order_and_refuses_misfits)
+{
+    moe_fanout_part p[2];
+    float y[6], want[6], ye[4 * 3];
+    char msg[256];
+    parts_init(p);
+    /* ye by slot: 0 <- rows0[0], 1 <- rows1[0], 2 <- rows1[1], 3 <- rows0[1] */
+    memcpy(ye + 0, g_rows0, 12), memcpy(ye + 3, g_rows1, 12);
+    memcpy(ye + 6, g_rows1 + 3, 12), memcpy(ye + 9, g_rows0 + 3, 12);
+    moe_combine_rows(ye, g_w, NULL, 2, 2, 3, 0, want);
+    cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_OK, "%s", msg);
+    cr_assert(memcmp(y, want, sizeof(y)) == 0, "y is not the ordered sum");
+
+    int32_t twice[2] = {0, 0}, out_of_range[2] = {1, 4};
+    const int32_t *bad_slots[2] = {twice, out_of_range};
+    for (int k = 0; k < 2; k++) {
+        parts_init(p);
+        p[1].slots = (const uint8_t *)bad_slots[k];
+        cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_EPROTO);
+        cr_log_info("bad slots: %s", msg);
+    }
+    parts_init(p);
+    p[1].nslots = 1, p[1].rows_len = 12; /* slot 2 missing */
+    cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_EPROTO);
+    cr_assert(strstr(msg, "3 of 4"), "%s", msg);
+    float other_w[4] = {0.75f, 0.25f, 0.5f, 0.4f};
+    parts_init(p);
+    p[1].topk_w = (const uint8_t *)other_w;
+    cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_EPROTO);
+    cr_assert(strstr(msg, "routed"), "%s", msg);
+    parts_init(p);
+    p[0].rows_len = 11;
+    cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_EPROTO);
+    parts_init(p);
+    p[1].top_k = 3;
+    cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_EPROTO);
+}

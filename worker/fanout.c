@@ -1,0 +1,208 @@
+/*
+ * fanout.c - the lane of a cluster of several CPU workers (fan-out;
+ * docs/PROTOCOL.md "Data plane", 6). A client sends the same T rows of an
+ * inference forward to every member; each one routes all T tokens (every
+ * rank holds the router, and all compute the same routing), runs its own
+ * experts on the slots routed to them, and answers the client with those
+ * slots' expert rows. The client sums them in the layer's fixed order
+ * (common/combine.c), as the last step of the ordered road does. No
+ * exchange between workers, so no cluster job order is needed: the
+ * coordinator is not asked, and a decode step costs one round trip to the
+ * workers, side by side.
+ *
+ * Bits: the same as the ordered road's for the same request. The router
+ * sees the client's rows as the lane does (one request: T_total = T); an
+ * expert runs on the same rows in the same order (expert by expert, slots
+ * ascending), with the same BLAS call; bf16 expert rows travel as bf16, as
+ * the exchange carries them; the shared expert's gated rows are computed
+ * by rank 0 and added by the client after the sum, as
+ * kern_shared_forward_cpu adds them.
+ *
+ * Thread: the compute thread (called from wkr_op_forward for a lane run
+ * with fanout).
+ */
+#include <string.h>
+
+#include "common/log.h"
+#include "common/placement.h"
+#include "worker/fwd.h"
+#include "worker/pool.h"
+#include "worker/rows.h"
+
+/* write_rows_bin writes n floats as a bin of dtype dt (f32 or bf16). */
+static void write_rows_bin(mp_writer *w, const float *x, size_t n, moe_dtype dt)
+{
+    size_t es = moe_dtype_size(dt), nb = n * es;
+    uint8_t *tmp = wpool_alloc(nb ? nb : 1);
+    if (!tmp) {
+        w->failed = 1;
+        return;
+    }
+    rows_f32_to_dtype(x, dt, tmp, n);
+    mp_write_bin(w, tmp, (uint32_t)nb);
+    wpool_free(tmp);
+}
+
+void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *batch)
+{
+    const model_cfg *cfg = &m->cfg;
+    const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k;
+    const int bf = cfg->dtype == MOE_BF16;
+    const moe_dtype rdt = bf ? MOE_BF16 : MOE_F32; /* how expert rows travel */
+    const wkr_layer *L = &m->layers[layer];
+    const int T = (int)batch->x.shape[0];
+    const size_t Tn = T ? (size_t)T : 1, fh = (size_t)F * H;
+    moe_err e = MOE_OK;
+    char err[256] = "";
+    wkr_fwd_state *st = wpool_calloc(1, sizeof(*st));
+    double *probs_sum = wpool_calloc((size_t)E, sizeof(double)), z_sum = 0;
+    int32_t *dropped = wpool_calloc((size_t)E, sizeof(int32_t));
+    int32_t *slots = NULL; /* (mine) the slots of this rank's experts, in order */
+    float *ye = NULL, *shared = NULL;
+    if (!st || !probs_sum || !dropped) {
+        e = MOE_ENOMEM;
+        goto fail;
+    }
+    if (batch->n != 1 || !batch->tk[0] || batch->x_device) {
+        e = MOE_EINVAL;
+        snprintf(err, sizeof(err), "a fan-out forward takes one request's rows on the host");
+        goto fail_msg;
+    }
+    st->model = m;
+    st->layer = layer;
+    st->T = T;
+    st->T_total = T;
+    double t0 = fwd_now_s();
+
+    /* ---- gate: every token, as every other rank does ---- */
+    st->x = wpool_alloc(Tn * H * sizeof(float));
+    if (!st->x) {
+        e = MOE_ENOMEM;
+        goto fail;
+    }
+    rows_tensor_to_f32(&batch->x, st->x, (size_t)T * H);
+    if (bf)
+        kern_bf16_round_n(st->x, (size_t)T * H);
+    dp_batch_refuse_nonfinite(batch, st->x, H);
+    if ((e = fwd_gate(L, st, w->world, probs_sum, &z_sum)) != MOE_OK)
+        goto fail;
+    double t_gate = fwd_now_s();
+
+    /* ---- this rank's experts on their slots ---- */
+    const int e0 = m->e0, ne = m->ne;
+    const size_t first = (size_t)st->offsets[e0];
+    const size_t mine = (size_t)st->offsets[e0 + ne] - first;
+    const size_t nm = mine ? mine : 1;
+    int32_t cap = kern_capacity((float)cfg->capacity_factor, T, K, E);
+    slots = wpool_alloc(nm * sizeof(int32_t));
+    st->xe = wpool_alloc(nm * H * sizeof(float));
+    st->ae = wpool_alloc(nm * F * sizeof(float));
+    st->be = act_gated(cfg->act) ? wpool_alloc(nm * F * sizeof(float)) : NULL;
+    ye = wpool_alloc(nm * H * sizeof(float));
+    if (!slots || !st->xe || !st->ae || (act_gated(cfg->act) && !st->be) || !ye) {
+        e = MOE_ENOMEM;
+        goto fail;
+    }
+    for (size_t j = 0; j < mine; j++) {
+        int32_t s = st->perm[first + j];
+        slots[j] = s;
+        memcpy(st->xe + j * H, st->x + (size_t)(s / K) * H, (size_t)H * sizeof(float));
+    }
+    size_t n0 = 0;
+    for (int i = 0; i < ne; i++) {
+        size_t n = (size_t)st->counts[e0 + i];
+        size_t kept = n < (size_t)cap ? n : (size_t)cap;
+        dropped[e0 + i] = (int32_t)(n - kept);
+        if (kept)
+            kern_expert_ffn_blas(st->xe + n0 * H, (int)kept, H, F, L->w1 + i * fh,
+                                 L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh, (kern_act)cfg->act,
+                                 bf, st->ae + n0 * F, st->be ? st->be + n0 * F : NULL, ye + n0 * H);
+        if (n > kept)
+            memset(ye + (n0 + kept) * H, 0, (n - kept) * H * sizeof(float));
+        n0 += n;
+    }
+    double t_exp = fwd_now_s();
+    /* the shared expert's gated rows, from rank 0 alone */
+    if (cfg->shared_d_ff > 0 && w->rank == 0) {
+        shared = wpool_alloc(Tn * H * sizeof(float));
+        if (!shared) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
+        for (int q = 0; q < w->world; q++) { /* by the ordered road's shards, as fwd_gate */
+            long long a = shard_first(T, w->world, q), b = shard_first(T, w->world, q + 1);
+            kern_shared_rows_cpu(st->x + (size_t)a * H, (int)(b - a), H, cfg->shared_d_ff, L->ws1,
+                                 L->ws3, L->ws2, L->wsg, (kern_act)cfg->act, bf, 1,
+                                 shared + (size_t)a * H);
+        }
+    }
+    double t_comb = fwd_now_s();
+
+    /* ---- the client's answer: {fanout: {...}, stats} ---- */
+    double ph[4] = {t_gate - t0, 0, t_exp - t_gate, t_comb - t_exp};
+    mp_writer pw;
+    mp_writer_init(&pw);
+    mp_write_cstr(&pw, "fanout");
+    mp_write_map(&pw, shared ? 7 : 6);
+    mp_write_cstr(&pw, "rank");
+    mp_write_i64(&pw, w->rank);
+    mp_write_cstr(&pw, "top_k");
+    mp_write_i64(&pw, K);
+    mp_write_cstr(&pw, "dtype");
+    mp_write_cstr(&pw, moe_dtype_name(rdt));
+    mp_write_cstr(&pw, "slots");
+    mp_write_bin(&pw, slots, (uint32_t)(mine * sizeof(int32_t)));
+    mp_write_cstr(&pw, "rows");
+    write_rows_bin(&pw, ye, mine * H, rdt);
+    mp_write_cstr(&pw, "topk_w");
+    mp_write_bin(&pw, st->topk_w, (uint32_t)((size_t)T * K * sizeof(float)));
+    if (shared) {
+        mp_write_cstr(&pw, "shared");
+        write_rows_bin(&pw, shared, (size_t)T * H, rdt);
+    }
+    wkr_lane_stats_write(&pw, cfg, T, st->counts, dropped, probs_sum, z_sum, NULL, ph);
+    dp_ticket *tk = batch->tk[0];
+    if (tk->call) { /* not refused (a NaN or Inf row answers with its error) */
+        if (pw.failed || dp_ticket_set_extra(tk, pw.buf, pw.len, 2) != MOE_OK)
+            dp_answer_err(tk, MOE_ENOMEM, "worker out of memory for a fan-out answer");
+        else
+            dp_answer_extra(tk);
+    }
+    mp_writer_fini(&pw);
+
+    /* the local call's reply: what lane.c counts (counts on rank 0 only) */
+    mp_writer wr;
+    mp_writer_init(&wr);
+    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+    mp_write_map(&wr, 6);
+    mp_write_cstr(&wr, "counts");
+    mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
+    mp_write_cstr(&wr, "dropped");
+    mp_write_bin(&wr, dropped, (uint32_t)(4 * E));
+    mp_write_cstr(&wr, "gate_s");
+    mp_write_f64(&wr, ph[0]);
+    mp_write_cstr(&wr, "dispatch_s");
+    mp_write_f64(&wr, ph[1]);
+    mp_write_cstr(&wr, "experts_s");
+    mp_write_f64(&wr, ph[2]);
+    mp_write_cstr(&wr, "combine_s");
+    mp_write_f64(&wr, ph[3]);
+    rpc_reply(c, &wr);
+    goto out;
+
+fail_msg:
+    LOG_W("fan-out forward: %s", err);
+    dp_batch_fail(batch, e, err);
+    rpc_reply_err(c, e, "%s", err);
+    goto out;
+fail:
+    dp_batch_fail(batch, e, moe_strerror(e));
+    rpc_reply_err(c, e, "worker rank %d: %s", w->rank, moe_strerror(e));
+out:
+    wkr_fwd_state_free(st);
+    wpool_free(probs_sum);
+    wpool_free(dropped);
+    wpool_free(slots);
+    wpool_free(ye);
+    wpool_free(shared);
+}
