@@ -24,7 +24,7 @@
 #define DP_MAX_W    256
 #define DP_MAX_SHM  8
 #define DP_MAX_UBUF 64
-#define DP_MAX_RING 4 /* rings to the lane's worker: calls in flight through shared memory */
+#define DP_MAX_RING 4 /* rings to each worker: calls in flight through shared memory */
 #define DP_MIN_SHM  ((size_t)1 << 20)
 /* auto path: a rank's rows of at least this many bytes go to a worker on
  * another host over its bulk endpoint */
@@ -67,9 +67,18 @@ typedef struct dp_map {
     dp_shm bufs[DP_MAX_SHM];
     int nbufs;
     uint64_t *uregion; /* (DP_MAX_UBUF, W) region id of user buffer i at worker q; 0 = none */
-    moe_ring rings[DP_MAX_RING]; /* to worker 0 on the lane (client_ring.h) */
-    int nrings;
-    int no_ring; /* the worker offers none (an older worker) or they cannot be made */
+    moe_ring *rings;   /* (W, DP_MAX_RING) to each worker (client_ring.h): the lane's, fan-out's */
+    int *nrings;       /* (W) made */
+    int *no_ring;      /* (W) the worker offers none (an older worker) or they cannot be made */
+    /* fan-out answers seen, by (model, layer): their top_k and row size, so
+     * that later calls know whether the largest answer fits a ring */
+    struct {
+        uint8_t key[160];
+        size_t klen;
+        int top_k;
+        size_t es;
+    } fo_seen[8];
+    int nfo_seen;
 } dp_map;
 
 /* dp_ubuf: a buffer the application allocated with moe_buffer_alloc: rows
@@ -166,8 +175,12 @@ static void map_free(dp_map *m)
         moe_bulk_pool_fini(&m->bulk[r]);
     for (int i = 0; i < m->nbufs; i++)
         shm_free(&m->bufs[i]);
-    for (int i = 0; i < m->nrings; i++)
-        moe_ring_unmap(&m->rings[i]);
+    for (int q = 0; m->rings && q < m->W; q++)
+        for (int i = 0; i < m->nrings[q]; i++)
+            moe_ring_unmap(&m->rings[(size_t)q * DP_MAX_RING + i]);
+    free(m->rings);
+    free(m->nrings);
+    free(m->no_ring);
     free(m->bulk);
     free(m->remote);
     free(m->sock);
@@ -502,12 +515,18 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     if (!m || !(m->sock = calloc(W, sizeof(nng_socket))) || !(m->up = calloc(W, sizeof(int))) ||
         !(m->uregion = calloc((size_t)DP_MAX_UBUF * W, sizeof(uint64_t))) ||
         !(m->bulk = calloc(W ? W : 1, sizeof(moe_bulk_pool))) ||
-        !(m->remote = calloc(W ? W : 1, sizeof(int)))) {
+        !(m->remote = calloc(W ? W : 1, sizeof(int))) ||
+        !(m->rings = calloc((size_t)W * DP_MAX_RING, sizeof(moe_ring))) ||
+        !(m->nrings = calloc(W, sizeof(int))) || !(m->no_ring = calloc(W, sizeof(int)))) {
         if (m) {
             free(m->sock);
             free(m->up);
             free(m->uregion);
             free(m->bulk);
+            free(m->remote);
+            free(m->rings);
+            free(m->nrings);
+            free(m->no_ring);
         }
         free(m);
         moe_reply_free(&r);
@@ -703,7 +722,7 @@ static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t si
 
 /* ring_make maps a fresh ring and attaches it to worker 0 of m (the
  * lane's): its segment (data.shm_attach), then the ring in it. */
-static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, moe_ring *r)
+static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, int q, moe_ring *r)
 {
     char name[96];
     snprintf(name, sizeof(name), "/moe-%ld-%016llx-r%u", (long)getpid(),
@@ -711,7 +730,7 @@ static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, moe_ring *
     moe_err e = moe_ring_map(r, name, MOE_RING_BYTES);
     if (e != MOE_OK)
         return e;
-    e = attach_one(c, m, 0, name, r->size, &r->region);
+    e = attach_one(c, m, q, name, r->size, &r->region);
     shm_unlink(name);
     if (e == MOE_OK) {
         mp_writer p;
@@ -722,7 +741,7 @@ static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, moe_ring *
         mp_write_u64(&p, 0);
         mp_write_cstr(&p, "size");
         mp_write_u64(&p, r->size);
-        e = attach_call_key(c, m, 0, "data.ring_attach", &p, 3, "ring", &r->id);
+        e = attach_call_key(c, m, q, "data.ring_attach", &p, 3, "ring", &r->id);
         mp_writer_fini(&p);
     }
     if (e != MOE_OK)
@@ -730,38 +749,39 @@ static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, moe_ring *
     return e;
 }
 
-/* ring_get: a free ring to the lane's worker (busy on return), or NULL
- * (rings off: $MOE_RING=0, none offered, or all busy) */
-static moe_ring *ring_get(moe_client *c, struct moe_dp *dp, dp_map *m)
+/* ring_get: a free ring to worker q (busy on return), or NULL (rings off:
+ * $MOE_RING=0, none offered, or all busy) */
+static moe_ring *ring_get(moe_client *c, struct moe_dp *dp, dp_map *m, int q)
 {
     const char *env = getenv("MOE_RING");
     if (env && !strcmp(env, "0"))
         return NULL;
+    moe_ring *rings = m->rings + (size_t)q * DP_MAX_RING;
     pthread_mutex_lock(&dp->mu);
-    for (int i = 0; i < m->nrings; i++) {
-        moe_ring *r = &m->rings[i];
+    for (int i = 0; i < m->nrings[q]; i++) {
+        moe_ring *r = &rings[i];
         if (r->id && !r->dead && !__atomic_load_n(&r->busy, __ATOMIC_ACQUIRE)) {
             r->busy = 1;
             pthread_mutex_unlock(&dp->mu);
             return r;
         }
     }
-    if (m->no_ring || m->nrings == DP_MAX_RING) {
+    if (m->no_ring[q] || m->nrings[q] == DP_MAX_RING) {
         pthread_mutex_unlock(&dp->mu);
         return NULL;
     }
-    moe_ring *r = &m->rings[m->nrings++];
+    moe_ring *r = &rings[m->nrings[q]++];
     r->busy = 1; /* reserved while it is made */
     pthread_mutex_unlock(&dp->mu);
     moe_ring made;
-    moe_err e = ring_make(c, dp, m, &made);
+    moe_err e = ring_make(c, dp, m, q, &made);
     pthread_mutex_lock(&dp->mu);
     if (e == MOE_OK) {
         *r = made;
         r->busy = 1;
     } else {
-        m->no_ring = 1; /* an older worker, or no shared memory: the socket */
-        r->dead = 1;    /* an empty slot never handed out */
+        m->no_ring[q] = 1; /* an older worker, or no shared memory: the socket */
+        r->dead = 1;       /* an empty slot never handed out */
         r = NULL;
     }
     pthread_mutex_unlock(&dp->mu);
@@ -1186,9 +1206,80 @@ static int64_t fanout_rows(void)
  * of several CPU workers: the same rows to every worker (data.rows with
  * run.fanout), each answering the expert rows of its own experts' slots;
  * y is their sum (client/fanout.c). No coordinator, no exchange. */
-static moe_err dp_fanout(moe_client *c, dp_map *m, const char *method, const void *ctl_pairs,
-                         size_t ctl_len, moe_dtype dt, const void *in, int64_t T, int64_t H,
-                         void *out, moe_reply *ctl, int *stale)
+/* fo_ring_fits: the largest fan-out answer of (model, layer) for T rows
+ * fits a ring's answer area (every slot on one worker, the shared rows,
+ * the weights and stats of up to 1024 experts); unknown before its first
+ * answer: 0 */
+static int fo_ring_fits(struct moe_dp *dp, dp_map *m, const void *key, size_t klen, int64_t T,
+                        int64_t H, size_t rep_cap)
+{
+    int fits = 0;
+    pthread_mutex_lock(&dp->mu);
+    for (int i = 0; i < m->nfo_seen; i++)
+        if (m->fo_seen[i].klen == klen && !memcmp(m->fo_seen[i].key, key, klen)) {
+            size_t K = (size_t)m->fo_seen[i].top_k, es = m->fo_seen[i].es;
+            size_t most = (size_t)T * K * (size_t)H * es + (size_t)T * (size_t)H * es +
+                          (size_t)T * K * 4 + ((size_t)24 << 10);
+            fits = most <= rep_cap;
+        }
+    pthread_mutex_unlock(&dp->mu);
+    return fits;
+}
+
+static void fo_remember(struct moe_dp *dp, dp_map *m, const void *key, size_t klen, int top_k,
+                        size_t es)
+{
+    if (klen > sizeof(m->fo_seen[0].key))
+        return;
+    pthread_mutex_lock(&dp->mu);
+    int i = 0;
+    while (i < m->nfo_seen &&
+           !(m->fo_seen[i].klen == klen && !memcmp(m->fo_seen[i].key, key, klen)))
+        i++;
+    if (i == m->nfo_seen && m->nfo_seen < 8)
+        m->nfo_seen++;
+    if (i < m->nfo_seen) {
+        memcpy(m->fo_seen[i].key, key, klen);
+        m->fo_seen[i].klen = klen;
+        m->fo_seen[i].top_k = top_k;
+        m->fo_seen[i].es = es;
+    }
+    pthread_mutex_unlock(&dp->mu);
+}
+
+/* fo_write_params writes a fan-out data.rows' params map up to x's tensor
+ * head (its T x H rows of dt follow): auth (NULL: none), ticket,
+ * deadline_ms, run {model, layer, generation, fanout: true}, x. */
+static void fo_write_params(mp_writer *w, const char *auth, uint64_t cid, uint64_t seq,
+                            int deadline_ms, const void *ctl_pairs, size_t ctl_len, uint64_t gen,
+                            moe_dtype dt, int64_t T, int64_t H)
+{
+    const int64_t shape[2] = {T, H};
+    mp_write_map(w, 4u + (auth ? 1u : 0u));
+    if (auth) {
+        mp_write_cstr(w, "auth");
+        mp_write_cstr(w, auth);
+    }
+    mp_write_cstr(w, "ticket");
+    mp_write_array(w, 2);
+    mp_write_u64(w, cid);
+    mp_write_u64(w, seq);
+    mp_write_cstr(w, "deadline_ms");
+    mp_write_i64(w, deadline_ms);
+    mp_write_cstr(w, "run"); /* {model, layer} as the caller gave them */
+    mp_write_map(w, 4);
+    mp_write_raw(w, ctl_pairs, ctl_len);
+    mp_write_cstr(w, "generation");
+    mp_write_u64(w, gen);
+    mp_write_cstr(w, "fanout");
+    mp_write_bool(w, true);
+    mp_write_cstr(w, "x");
+    moe_tensor_write_head(w, dt, 2, shape);
+}
+
+static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
+                         const void *ctl_pairs, size_t ctl_len, moe_dtype dt, const void *in,
+                         int64_t T, int64_t H, void *out, moe_reply *ctl, int *stale)
 {
     const int W = m->W;
     const size_t nbytes = (size_t)T * (size_t)H * moe_dtype_size(dt);
@@ -1204,34 +1295,37 @@ static moe_err dp_fanout(moe_client *c, dp_map *m, const char *method, const voi
         free(parts);
         return MOE_ENOMEM;
     }
-    /* 1. the same rows to every worker, all at once */
+    /* 1. the same rows to every worker, all at once: through a ring on this
+     * host when the largest answer fits one, else over the socket */
+    const int ring_ok =
+        m->shm && fo_ring_fits(dp, m, ctl_pairs, ctl_len, T, H, MOE_RING_BYTES / 2 - 128);
     for (int q = 0; q < W && e == MOE_OK; q++) {
         mp_writer w;
+        moe_ring *ring = ring_ok ? ring_get(c, dp, m, q) : NULL;
+        if (ring) { /* the params map alone, rows inline (the ring's connection is
+                     * authenticated) */
+            mp_writer_init(&w);
+            fo_write_params(&w, NULL, cid, seq, moe__timeout_ms(c), ctl_pairs, ctl_len, m->gen, dt,
+                            T, H);
+            mp_write_raw(&w, in, nbytes);
+            moe_err pe = w.failed ? MOE_ENOMEM : moe_ring_post(ring, w.buf, w.len);
+            mp_writer_fini(&w);
+            if (pe == MOE_OK) {
+                rq[q].ring = ring;
+                rq[q].open = 1;
+                rq[q].msgid = ring->seq; /* the answer's msgid */
+                rq[q].up = &m->up[q];
+                rq[q].timeout_ms = moe__timeout_ms(c);
+                continue;
+            }
+            __atomic_store_n(&ring->busy, 0, __ATOMIC_RELEASE); /* the socket, then */
+        }
         nng_msg *nm = NULL;
         uint32_t msgid = moe__next_msgid(c);
         mp_writer_init(&w);
         moe_rpc_write_request_head(&w, msgid, "data.rows");
-        mp_write_map(&w, 4u + (auth ? 1u : 0u));
-        if (auth) {
-            mp_write_cstr(&w, "auth");
-            mp_write_cstr(&w, auth);
-        }
-        mp_write_cstr(&w, "ticket");
-        mp_write_array(&w, 2);
-        mp_write_u64(&w, cid);
-        mp_write_u64(&w, seq);
-        mp_write_cstr(&w, "deadline_ms");
-        mp_write_i64(&w, moe__timeout_ms(c));
-        mp_write_cstr(&w, "run"); /* {model, layer} as the caller gave them */
-        mp_write_map(&w, 4);
-        mp_write_raw(&w, ctl_pairs, ctl_len);
-        mp_write_cstr(&w, "generation");
-        mp_write_u64(&w, m->gen);
-        mp_write_cstr(&w, "fanout");
-        mp_write_bool(&w, true);
-        const int64_t shape[2] = {T, H};
-        mp_write_cstr(&w, "x");
-        moe_tensor_write_head(&w, dt, 2, shape);
+        fo_write_params(&w, auth, cid, seq, moe__timeout_ms(c), ctl_pairs, ctl_len, m->gen, dt, T,
+                        H);
         e = msg_from_writer(&w, in, nbytes, &nm);
         mp_writer_fini(&w);
         if (e == MOE_OK)
@@ -1262,6 +1356,8 @@ static moe_err dp_fanout(moe_client *c, dp_map *m, const char *method, const voi
                 *stale = 1;
         }
     }
+    if (e == MOE_OK) /* rings may carry this model's next calls */
+        fo_remember(dp, m, ctl_pairs, ctl_len, parts[0].top_k, moe_dtype_size(parts[0].dtype));
     /* 3. y: the workers' rows summed in the layer's order */
     if (e == MOE_OK &&
         (e = moe_fanout_combine(parts, W, T, H, dt, out, msg, sizeof(msg))) != MOE_OK)
@@ -1308,7 +1404,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     if (m->fanout && nctl == 2 && !strcmp(method, "forward") && T >= 1 && T <= fanout_rows() &&
         (dt == MOE_F32 || dt == MOE_BF16) && moe__data_path(c) != MOE_PATH_BULK) {
         free(rq);
-        return dp_fanout(c, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
+        return dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
     }
     /* x and out in the application's shared buffers: no copy at all */
     int ux = nbytes && m->shm ? ubuf_find(dp, in, nbytes) : -1;
@@ -1384,7 +1480,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         uint32_t msgid = moe__next_msgid(c);
         /* on the lane, rows in shared memory: the request goes through a
          * ring (its params only; the ring's connection is authenticated) */
-        moe_ring *ring = lane && (zero_copy || b) ? ring_get(c, dp, m) : NULL;
+        moe_ring *ring = lane && (zero_copy || b) ? ring_get(c, dp, m, 0) : NULL;
         mp_writer_init(&w);
         if (!ring)
             moe_rpc_write_request_head(&w, msgid, "data.rows");

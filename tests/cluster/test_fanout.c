@@ -152,6 +152,33 @@ static int64_t rows_in(const char *url)
     return v;
 }
 
+/* rings: the rings a worker watches (its data endpoint's ping) */
+static int64_t rings(const char *url)
+{
+    nng_socket s;
+    cr_assert_eq(nng_req0_open(&s), 0);
+    nng_socket_set_ms(s, NNG_OPT_RECVTIMEO, 30000);
+    cr_assert_eq(nng_dial(s, url, NULL, 0), 0);
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_request_head(&w, 1, "ping");
+    mp_write_map(&w, 0);
+    cr_assert_eq(nng_send(s, w.buf, w.len, 0), 0);
+    mp_writer_fini(&w);
+    uint8_t *buf;
+    size_t len;
+    cr_assert_eq(nng_recv(s, &buf, &len, NNG_FLAG_ALLOC), 0);
+    moe_rpc_response resp;
+    mp_errbuf eb;
+    cr_assert_eq(moe_rpc_parse_response(buf, len, &resp, &eb), MOE_OK);
+    mp_reader rd = resp.result;
+    int64_t v = -1;
+    cr_assert(mp_map_find(&rd, "rings") == 0 && mp_read_i64(&rd, &v, NULL) == MOE_OK);
+    nng_free(buf, len);
+    nng_close(s);
+    return v;
+}
+
 static int64_t coord_stat(cluster *cl, const char *key)
 {
     moe_reply rep;
@@ -236,6 +263,18 @@ static void identical(int W)
         }
     /* bf16 rows in and out */
     cr_assert(fanned(cl, cc, cs, &cases[1], 7, MOE_BF16, 200));
+    /* on this host through shared-memory rings (after a model's first
+     * answer told libmoe how large its answers can be) */
+    moe_client *cm = open_path(cl, "shm");
+    for (int i = 0; i < 3; i++)
+        for (int t = 0; t < 3; t++)
+            cr_assert(fanned(cl, cc, cm, &cases[i], Ts[t], MOE_F32, 400 + (uint64_t)i));
+    for (int q = 0; q < W; q++) {
+        char url[256];
+        worker_url(cl, q, url, sizeof(url));
+        cr_assert_geq(rings(url), 1, "rank %d: no ring (the fan-out did not take them)", q);
+    }
+    moe_client_close(cm);
     /* MOE_FANOUT_ROWS=0: the ordered road for every size */
     setenv("MOE_FANOUT_ROWS", "0", 1);
     moe_client *c0 = open_path(cl, "socket");
