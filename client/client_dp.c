@@ -32,6 +32,8 @@
 /* inference forwards of at most this many rows fan out to every worker of
  * a cluster of CPU workers ($MOE_FANOUT_ROWS) */
 #define DP_FANOUT_ROWS 16
+/* a new map waits this long at most for its connections to the workers */
+#define DP_CONNECT_WAIT_US 200000
 /* a rank's bulk rows are split over several connections (each a thread on
  * both sides: one loopback TCP stream moves 2-4 GB/s on one core), one per
  * DP_BULK_PART_MIN bytes, at most DP_BULK_STREAMS ($MOE_BULK_STREAMS) */
@@ -572,6 +574,17 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     if (e != MOE_OK) {
         map_free(m);
         return e;
+    }
+    /* the dials run in the background: the call that loaded the map uses
+     * the connections at once, and a fan-out takes them only when all are
+     * up - give them a moment (loopback: well under a millisecond) */
+    for (int waited_us = 0; waited_us < DP_CONNECT_WAIT_US; waited_us += 100) {
+        int up = 0;
+        for (uint32_t q = 0; q < W; q++)
+            up += __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) > 0;
+        if (up == (int)W)
+            break;
+        usleep(100);
     }
     if (moe__data_path(c) == MOE_PATH_SHM && !m->shm) {
         moe__set_error("data path shm: a worker is on another host");
@@ -1400,9 +1413,16 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     const int lane = m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
     if (!rq)
         return MOE_ENOMEM;
-    /* a small inference forward on several CPU workers: fanned out */
-    if (m->fanout && nctl == 2 && !strcmp(method, "forward") && T >= 1 && T <= fanout_rows() &&
-        (dt == MOE_F32 || dt == MOE_BF16) && moe__data_path(c) != MOE_PATH_BULK) {
+    /* a small inference forward on several CPU workers: fanned out, while
+     * every worker's connection is up (a request to one that is down would
+     * wait for it until the call's timeout; the ordered road asks the
+     * coordinator, which knows) */
+    int all_up = 1;
+    for (int q = 0; q < W; q++)
+        all_up &= __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) > 0;
+    if (m->fanout && all_up && nctl == 2 && !strcmp(method, "forward") && T >= 1 &&
+        T <= fanout_rows() && (dt == MOE_F32 || dt == MOE_BF16) &&
+        moe__data_path(c) != MOE_PATH_BULK) {
         free(rq);
         return dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
     }

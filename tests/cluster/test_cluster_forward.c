@@ -215,8 +215,21 @@ static void run_case(cluster *cl, const fcase *c, int W)
             total_dropped += sum_drop[i];
         cr_assert_gt(total_dropped, 0, "%s: capacity factor %g dropped nothing", name, c->cf);
     }
-    /* the cumulative stats of this (fresh) model match the sums */
+    /* the cumulative stats of this (fresh) model match the sums (small
+     * forwards fanned out to the workers are counted with their next
+     * heartbeats: wait for them, boundedly) */
     int64_t *tok = calloc((size_t)E, sizeof(int64_t)), *drp = calloc((size_t)E, sizeof(int64_t));
+    for (int64_t t0 = cluster_now_ms(); cluster_now_ms() - t0 < 30000; usleep(20000)) {
+        int same = 1;
+        for (int layer = 0; layer < c->layers && same; layer++) {
+            stats_layer_counts(cl, name, layer, E, tok, drp);
+            for (int i = 0; i < E; i++)
+                same &= tok[i] == sum_tok[(size_t)layer * E + i] &&
+                        drp[i] == sum_drop[(size_t)layer * E + i];
+        }
+        if (same)
+            break;
+    }
     for (int layer = 0; layer < c->layers; layer++) {
         stats_layer_counts(cl, name, layer, E, tok, drp);
         for (int i = 0; i < E; i++) {
