@@ -353,6 +353,17 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
     return parse_answer(q, nng_msg_body(q->reply), nng_msg_len(q->reply), resp, msg, msglen);
 }
 
+/* req_on_ring: q awaits the answer of the request just posted on ring
+ * (to the worker whose live pipes are *up) */
+static void req_on_ring(dp_req *q, moe_ring *ring, const int *up, int timeout_ms)
+{
+    q->ring = ring;
+    q->open = 1;
+    q->msgid = ring->seq; /* the answer's msgid */
+    q->up = up;
+    q->timeout_ms = timeout_ms;
+}
+
 /* resp_was_answer: the worker answered (an error of its own), as opposed to
  * a transport failure */
 static int resp_was_answer(const dp_req *q)
@@ -1324,11 +1335,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
             moe_err pe = w.failed ? MOE_ENOMEM : moe_ring_post(ring, w.buf, w.len);
             mp_writer_fini(&w);
             if (pe == MOE_OK) {
-                rq[q].ring = ring;
-                rq[q].open = 1;
-                rq[q].msgid = ring->seq; /* the answer's msgid */
-                rq[q].up = &m->up[q];
-                rq[q].timeout_ms = moe__timeout_ms(c);
+                req_on_ring(&rq[q], ring, &m->up[q], moe__timeout_ms(c));
                 continue;
             }
             __atomic_store_n(&ring->busy, 0, __ATOMIC_RELEASE); /* the socket, then */
@@ -1572,11 +1579,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             if (e == MOE_OK)
                 e = w.failed ? MOE_ENOMEM : moe_ring_post(ring, w.buf, w.len);
             if (e == MOE_OK) {
-                rq[q].ring = ring;
-                rq[q].open = 1;
-                rq[q].msgid = ring->seq; /* the answer's msgid */
-                rq[q].up = &m->up[q];
-                rq[q].timeout_ms = moe__timeout_ms(c);
+                req_on_ring(&rq[q], ring, &m->up[q], moe__timeout_ms(c));
             } else {
                 __atomic_store_n(&ring->busy, 0, __ATOMIC_RELEASE);
             }

@@ -838,3 +838,28 @@ int cluster_http_get(int port, const char *path, char *head, size_t hcap, char *
     snprintf(body, bcap, "%s", b ? b + 4 : "");
     return code;
 }
+
+int cluster_worker_key(cluster *cl, int rank, const char *key, char *out, size_t len)
+{
+    moe_reply rep;
+    if (moe_call(cl->cli, "dataplane.info", NULL, 0, &rep) != MOE_OK) {
+        set_err(cl, "dataplane.info: %s", rep.message);
+        moe_reply_free(&rep);
+        return -1;
+    }
+    mp_reader r = mp_reply_reader(&rep);
+    uint32_t n;
+    const char *s;
+    uint32_t sl;
+    int ok = mp_map_find(&r, "workers") == 0 && mp_read_array(&r, &n, NULL) == MOE_OK &&
+             rank >= 0 && (uint32_t)rank < n;
+    for (int i = 0; ok && i < rank; i++)
+        ok = mp_skip(&r, NULL) == MOE_OK;
+    ok = ok && mp_map_find(&r, key) == 0 && mp_read_str(&r, &s, &sl, NULL) == MOE_OK;
+    if (ok)
+        snprintf(out, len, "%.*s", (int)sl, s);
+    else
+        set_err(cl, "dataplane.info has no %s for rank %d", key, rank);
+    moe_reply_free(&rep);
+    return ok ? 0 : -1;
+}

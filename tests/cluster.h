@@ -127,6 +127,10 @@ mp_reader mp_reply_reader(const moe_reply *rep);
  * headers in head (may be NULL) and the body in body, NUL terminated and
  * truncated to their caps; -1 on failure. */
 int cluster_http_get(int port, const char *path, char *head, size_t hcap, char *body, size_t bcap);
+/* cluster_worker_key copies a string field of rank's entry in
+ * dataplane.info ("url", "bulk_url", "host", "backend") into out: 0, or -1
+ * (cluster_error says why). */
+int cluster_worker_key(cluster *cl, int rank, const char *key, char *out, size_t len);
 /* cluster_now_ms: CLOCK_MONOTONIC in ms. */
 int64_t cluster_now_ms(void);
 

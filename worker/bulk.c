@@ -153,6 +153,23 @@ static uint64_t now_ns(void)
 
 /* ---- one connection ---- */
 
+/* conn_poll waits up to ms for the connection's eventfd (drained) or its
+ * socket: -1 when the client closed it or sent bytes before its answer
+ * (both end the connection), 0 otherwise. */
+static int conn_poll(bconn *k, int ms)
+{
+    struct pollfd pf[2] = {{k->fd, POLLIN | POLLRDHUP, 0}, {k->efd, POLLIN, 0}};
+    int n = poll(pf, 2, ms);
+    if (n < 0 && errno != EINTR)
+        return -1;
+    if (n > 0 && pf[1].revents) {
+        uint64_t v;
+        ssize_t r = read(k->efd, &v, sizeof(v));
+        (void)r;
+    }
+    return n > 0 && pf[0].revents ? -1 : 0;
+}
+
 /* wait_answer waits until b's answer is ready (1), the client went away
  * or broke the protocol (-1), or b was dropped unclaimed at its deadline
  * (0: b's state is DONE with deadline_exceeded). */
@@ -174,16 +191,7 @@ static int wait_answer(bconn *k, dp_bulk *b)
             if (left_ms > 1000)
                 left_ms = 1000;
         }
-        struct pollfd pf[2] = {{k->fd, POLLIN | POLLRDHUP, 0}, {k->efd, POLLIN, 0}};
-        int n = poll(pf, 2, (int)left_ms);
-        if (n < 0 && errno != EINTR)
-            return -1;
-        if (n > 0 && pf[1].revents) {
-            uint64_t v;
-            ssize_t r = read(k->efd, &v, sizeof(v));
-            (void)r;
-        }
-        if (n > 0 && pf[0].revents)
+        if (conn_poll(k, (int)left_ms) < 0)
             return -1; /* closed, or bytes before the answer: both end it */
         if (st == DP_BULK_PARKED && now_ns() >= b->park_deadline_ns && dp_bulk_unpark(t, b, 0)) {
             pthread_mutex_lock(b->mu);
@@ -364,16 +372,7 @@ static int set_wait(wkr_bulk *s, bconn *k, bset *a, int part)
             return 1;
         if (left_ms > 1000)
             left_ms = 1000;
-        struct pollfd pf[2] = {{k->fd, POLLIN | POLLRDHUP, 0}, {k->efd, POLLIN, 0}};
-        int n = poll(pf, 2, (int)left_ms);
-        if (n < 0 && errno != EINTR)
-            return -1;
-        if (n > 0 && pf[1].revents) {
-            uint64_t v;
-            ssize_t r = read(k->efd, &v, sizeof(v));
-            (void)r;
-        }
-        if (n > 0 && pf[0].revents)
+        if (conn_poll(k, (int)left_ms) < 0)
             return -1;
     }
 }

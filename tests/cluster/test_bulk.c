@@ -55,24 +55,6 @@ static void create(cluster *cl, int H, int F, int E, int K, moe_dtype dt)
     cr_assert_eq(moe_model_create(cl->cli, &mc), MOE_OK, "create: %s", moe_last_error());
 }
 
-/* worker_key: a string of rank's entry in dataplane.info ("url", "bulk_url") */
-static void worker_key(cluster *cl, int rank, const char *key, char *out, size_t len)
-{
-    moe_reply rep;
-    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
-    mp_reader r = mp_reply_reader(&rep);
-    uint32_t n;
-    cr_assert(mp_map_find(&r, "workers") == 0 && mp_read_array(&r, &n, NULL) == MOE_OK &&
-              (int)n > rank);
-    for (int i = 0; i < rank; i++)
-        cr_assert(mp_skip(&r, NULL) == MOE_OK);
-    const char *s;
-    uint32_t sl;
-    cr_assert(mp_map_find(&r, key) == 0 && mp_read_str(&r, &s, &sl, NULL) == MOE_OK, "no %s", key);
-    snprintf(out, len, "%.*s", (int)sl, s);
-    moe_reply_free(&rep);
-}
-
 /* ---- raw nng calls on a worker's client endpoint ---- */
 
 static nng_socket raw_open(const char *url)
@@ -376,7 +358,7 @@ static void bulk_identical(int W, moe_dtype dt)
     moe_client_close(cc);
     /* the rows went in bulk (the last rank has rows of every call) */
     char url[256];
-    worker_key(cl, W - 1, "url", url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, W - 1, "url", url, sizeof(url)), 0, "%s", cluster_error());
     int64_t in = data_stat(url, "bulk_in_total");
     cr_assert_eq(in, 9, "the last worker took %lld transfers in bulk, want 9", (long long)in);
     /* and the coordinator's /metrics says so */
@@ -420,8 +402,8 @@ Test(bulk, auto_takes_bulk_for_large_rows_to_other_hosts, .timeout = 120, .fini 
     cr_assert_eq(moe_forward(cc, "m", 0, MOE_F32, x, T, H, y0, NULL), MOE_OK);
     moe_client_close(cc);
     char url0[256], url1[256];
-    worker_key(cl, 0, "url", url0, sizeof(url0));
-    worker_key(cl, 1, "url", url1, sizeof(url1));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url0, sizeof(url0)), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_key(cl, 1, "url", url1, sizeof(url1)), 0, "%s", cluster_error());
     /* this client counts as on another host (libmoe reads the id at its
      * first data-plane call) */
     setenv("MOE_HOST_ID", "another-host", 1);
@@ -455,8 +437,9 @@ Test(bulk, bad_transfers_worker_keeps_serving, .timeout = 120, .fini = cluster_f
     const int H = 32;
     create(cl, H, 32, 4, 2, MOE_F32);
     char url[256], burl[256], msg[400];
-    worker_key(cl, 0, "url", url, sizeof(url));
-    worker_key(cl, 0, "bulk_url", burl, sizeof(burl));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_key(cl, 0, "bulk_url", burl, sizeof(burl)), 0, "%s",
+                 cluster_error());
     cr_assert(strncmp(burl, "tcp://127.0.0.1:", 16) == 0, "bulk_url %s", burl);
     size_t small = 4 * H * 4;
     uint8_t *rows = calloc(1, (size_t)3 << 20);
@@ -607,8 +590,9 @@ Test(bulk, auth_required, .timeout = 90, .fini = cluster_fini_all)
     const int H = 32;
     create(cl, H, 32, 4, 2, MOE_F32);
     char url[256], burl[256];
-    worker_key(cl, 0, "url", url, sizeof(url));
-    worker_key(cl, 0, "bulk_url", burl, sizeof(burl));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_key(cl, 0, "bulk_url", burl, sizeof(burl)), 0, "%s",
+                 cluster_error());
     uint8_t rows[4 * 32 * 4] = {0};
     int fd = bulk_dial(burl);
     send_hdr(fd, 1, 1, MOE_F32, 4, H, sizeof(rows), NULL);
@@ -644,8 +628,9 @@ Test(bulk, unclaimed_rows_dropped, .timeout = 90, .fini = cluster_fini_all)
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     char url[256], burl[256], msg[300];
-    worker_key(cl, 0, "url", url, sizeof(url));
-    worker_key(cl, 0, "bulk_url", burl, sizeof(burl));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_key(cl, 0, "bulk_url", burl, sizeof(burl)), 0, "%s",
+                 cluster_error());
     uint8_t rows[4 * 32 * 4] = {0};
     moe_err e;
     int fd = bulk_dial(burl);
@@ -703,8 +688,9 @@ Test(bulk, client_killed_mid_stream, .timeout = 120, .fini = cluster_fini_all)
     const int H = 32;
     create(cl, H, 32, 4, 2, MOE_F32);
     char url[256], burl[256];
-    worker_key(cl, 0, "url", url, sizeof(url));
-    worker_key(cl, 0, "bulk_url", burl, sizeof(burl));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_key(cl, 0, "bulk_url", burl, sizeof(burl)), 0, "%s",
+                 cluster_error());
     const size_t parts[2] = {(size_t)3 << 20, (size_t)8 << 20};
     for (int i = 0; i < 2; i++) {
         int pp[2];
@@ -806,7 +792,7 @@ Test(bulk, interleaved_small_and_bulk, .timeout = 120, .fini = cluster_fini_all)
     moe_client_close(ca);
     unsetenv("MOE_HOST_ID");
     char url[256]; /* the last rank has rows of every call */
-    worker_key(cl, 1, "url", url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 1, "url", url, sizeof(url)), 0, "%s", cluster_error());
     cr_assert(data_stat(url, "bulk_in_total") >= 24, "the bulk client's rows did not go in bulk");
     wait_clean(url);
     free(x);
@@ -824,7 +810,8 @@ Test(bulk, off_fails_by_name_auto_falls_back, .timeout = 60, .fini = cluster_fin
     const int H = 64, T = 9000;
     create(cl, H, 16, 4, 2, MOE_F32);
     char burl[256];
-    worker_key(cl, 1, "bulk_url", burl, sizeof(burl));
+    cr_assert_eq(cluster_worker_key(cl, 1, "bulk_url", burl, sizeof(burl)), 0, "%s",
+                 cluster_error());
     cr_assert_str_empty(burl, "a worker with --bulk-listen off offers %s", burl);
     size_t n = (size_t)T * H;
     float *x = malloc(n * 4), *y0 = malloc(n * 4), *y1 = malloc(n * 4);
@@ -885,7 +872,7 @@ Test(bulk, split_over_connections_identical, .timeout = 300, .fini = cluster_fin
     }
     unsetenv("MOE_BULK_STREAMS");
     char url[256];
-    worker_key(cl, 1, "url", url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 1, "url", url, sizeof(url)), 0, "%s", cluster_error());
     int64_t in = data_stat(url, "bulk_in_total");
     cr_assert_eq(in, 8, "rank 1 took %lld transfers, want 8 (one per split transfer)",
                  (long long)in);
@@ -910,8 +897,9 @@ Test(bulk, split_bad_parts, .timeout = 120, .fini = cluster_fini_all)
     const int H = 32, R = 8;
     create(cl, H, 32, 4, 2, MOE_F32);
     char url[256], burl[256], msg[300];
-    worker_key(cl, 0, "url", url, sizeof(url));
-    worker_key(cl, 0, "bulk_url", burl, sizeof(burl));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_key(cl, 0, "bulk_url", burl, sizeof(burl)), 0, "%s",
+                 cluster_error());
     float half[4 * 32] = {0}; /* the rows of one part of 2 (R = 8: 4 each) */
     moe_err e;
 

@@ -233,24 +233,6 @@ static void expect_err(raw_reply *r, moe_err want, const char *what)
     raw_free(r);
 }
 
-/* worker_url: rank 0's client endpoint, from dataplane.info */
-static void worker_url(cluster *cl, int rank, char *out, size_t len)
-{
-    moe_reply rep;
-    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
-    mp_reader r = mp_reply_reader(&rep);
-    uint32_t n;
-    cr_assert(mp_map_find(&r, "workers") == 0 && mp_read_array(&r, &n, NULL) == MOE_OK &&
-              (int)n > rank);
-    for (int i = 0; i < rank; i++)
-        cr_assert(mp_skip(&r, NULL) == MOE_OK);
-    const char *s;
-    uint32_t sl;
-    cr_assert(mp_map_find(&r, "url") == 0 && mp_read_str(&r, &s, &sl, NULL) == MOE_OK);
-    snprintf(out, len, "%.*s", (int)sl, s);
-    moe_reply_free(&rep);
-}
-
 /* data_stat reads one counter of the data endpoint's ping. */
 static int64_t data_stat(const char *url, const char *key)
 {
@@ -297,7 +279,7 @@ Test(dataplane, bad_input_worker_keeps_serving, .timeout = 120, .fini = cluster_
     const int H = 32;
     create(cl, "m", H, 32, 4, 2, MOE_F32);
     char url[256];
-    worker_url(cl, 0, url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
     nng_socket s = raw_open(url);
     raw_reply r;
     mp_writer p;
@@ -506,8 +488,8 @@ Test(dataplane, no_leaked_segments_or_regions, .timeout = 120, .fini = cluster_f
     const int H = 64;
     create(cl, "m", H, 64, 8, 2, MOE_F32);
     char url0[256], url1[256];
-    worker_url(cl, 0, url0, sizeof(url0));
-    worker_url(cl, 1, url1, sizeof(url1));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url0, sizeof(url0)), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_key(cl, 1, "url", url1, sizeof(url1)), 0, "%s", cluster_error());
     int before = count_segments(getpid());
     /* sizes that need new, larger buffers */
     moe_client *c = open_path(cl, "shm");
@@ -567,7 +549,7 @@ Test(dataplane, zero_copy_buffers, .timeout = 120, .fini = cluster_fini_all)
     const size_t n = (size_t)T * H;
     create(cl, "m", H, 56, 5, 2, MOE_F32);
     char url0[256];
-    worker_url(cl, 0, url0, sizeof(url0));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url0, sizeof(url0)), 0, "%s", cluster_error());
     float *x = malloc(n * 4), *dy = malloc(n * 4), *yref = malloc(n * 4), *dxref = malloc(n * 4);
     rng_fill_uniform(21, 1, -1, 1, x, n);
     rng_fill_uniform(22, 1, -1, 1, dy, n);
@@ -1023,7 +1005,7 @@ Test(dataplane, lane_closed_and_bad_run_refused, .timeout = 120, .fini = cluster
     create(cl, "m", 16, 16, 4, 1, MOE_F32);
     cr_assert(!lane_open(cl), "two workers: no lane");
     char url[256];
-    worker_url(cl, 0, url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
     nng_socket s = raw_open(url);
     float x[2 * 16] = {0};
     moe_tensor t = {MOE_F32, 2, {2, 16, 0, 0}, x, sizeof(x)};
@@ -1058,7 +1040,7 @@ Test(dataplane, lane_closed_and_bad_run_refused, .timeout = 120, .fini = cluster
     cl = cluster_start(&o1);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     create(cl, "m", 16, 16, 4, 1, MOE_F32);
-    worker_url(cl, 0, url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
     s = raw_open(url);
     for (int k = 0; k < 2; k++) {
         mp_writer p;
@@ -1132,7 +1114,7 @@ Test(dataplane, ring_requests_and_bad_input, .timeout = 120, .fini = cluster_fin
     const int H = 32;
     create(cl, "m", H, 32, 4, 2, MOE_F32);
     char url[256];
-    worker_url(cl, 0, url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
 
     /* libmoe: the same bytes through the ring as through the socket */
     moe_client *cs = open_path(cl, "socket"), *cm = open_path(cl, "shm");
@@ -1340,7 +1322,7 @@ Test(dataplane, ring_worker_killed_answers_unavailable, .timeout = 120, .fini = 
     const int H = 32;
     create(cl, "m", H, 32, 4, 2, MOE_F32);
     char url[256];
-    worker_url(cl, 0, url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
     ring_loop l = {.c = open_path(cl, "shm"), .H = H};
     pthread_t th;
     cr_assert_eq(pthread_create(&th, NULL, ring_loop_main, &l), 0);

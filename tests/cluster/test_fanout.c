@@ -92,24 +92,6 @@ static int info_flag(cluster *cl, const char *key)
     return b;
 }
 
-/* a worker's data endpoint, by rank */
-static void worker_url(cluster *cl, int rank, char *out, size_t len)
-{
-    moe_reply rep;
-    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
-    mp_reader r = mp_reply_reader(&rep);
-    uint32_t n;
-    cr_assert(mp_map_find(&r, "workers") == 0 && mp_read_array(&r, &n, NULL) == MOE_OK &&
-              (int)n > rank);
-    for (int i = 0; i < rank; i++)
-        cr_assert(mp_skip(&r, NULL) == MOE_OK);
-    const char *s;
-    uint32_t sl;
-    cr_assert(mp_map_find(&r, "url") == 0 && mp_read_str(&r, &s, &sl, NULL) == MOE_OK);
-    snprintf(out, len, "%.*s", (int)sl, s);
-    moe_reply_free(&rep);
-}
-
 /* raw_call: method {pairs in p (n of them)} on a data endpoint: the error */
 static moe_err raw_call(const char *url, const char *method, const mp_writer *p, uint32_t n,
                         char *msg, size_t msglen, int64_t *rows_in)
@@ -150,6 +132,36 @@ static int64_t rows_in(const char *url)
     int64_t v = -1;
     cr_assert_eq(raw_call(url, "ping", NULL, 0, msg, sizeof(msg), &v), MOE_OK, "%s", msg);
     return v;
+}
+
+/* run_rows sends a raw data.rows of 2 rows (H = 16) of x with run {model
+ * "m", layer 0, generation, fanout} to url: the answer's error (text in msg) */
+static moe_err run_rows(const char *url, uint64_t seq, const float *x, uint64_t generation,
+                        bool fanout, char *msg, size_t msglen)
+{
+    const int64_t shape[2] = {2, 16};
+    mp_writer p;
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "ticket");
+    mp_write_array(&p, 2);
+    mp_write_u64(&p, 91);
+    mp_write_u64(&p, seq);
+    mp_write_cstr(&p, "x");
+    moe_tensor_write_head(&p, MOE_F32, 2, shape);
+    mp_write_raw(&p, x, sizeof(float) * 32);
+    mp_write_cstr(&p, "run");
+    mp_write_map(&p, 4);
+    mp_write_cstr(&p, "model");
+    mp_write_cstr(&p, "m");
+    mp_write_cstr(&p, "layer");
+    mp_write_i64(&p, 0);
+    mp_write_cstr(&p, "generation");
+    mp_write_u64(&p, generation);
+    mp_write_cstr(&p, "fanout");
+    mp_write_bool(&p, fanout);
+    moe_err e = raw_call(url, "data.rows", &p, 3, msg, msglen, NULL);
+    mp_writer_fini(&p);
+    return e;
 }
 
 /* rings: the rings a worker watches (its data endpoint's ping) */
@@ -206,7 +218,8 @@ static int fanned(cluster *cl, moe_client *cc, moe_client *cs, const fcase *f, i
     else
         memcpy(x, xf, n * 4);
     char last[256];
-    worker_url(cl, cl->nworkers - 1, last, sizeof(last));
+    cr_assert_eq(cluster_worker_key(cl, cl->nworkers - 1, "url", last, sizeof(last)), 0, "%s",
+                 cluster_error());
     int64_t before = rows_in(last);
     moe_fwd_info i0, i1;
     memset(&i0, 0, sizeof(i0));
@@ -271,7 +284,7 @@ static void identical(int W)
             cr_assert(fanned(cl, cc, cm, &cases[i], Ts[t], MOE_F32, 400 + (uint64_t)i));
     for (int q = 0; q < W; q++) {
         char url[256];
-        worker_url(cl, q, url, sizeof(url));
+        cr_assert_eq(cluster_worker_key(cl, q, "url", url, sizeof(url)), 0, "%s", cluster_error());
         cr_assert_geq(rings(url), 1, "rank %d: no ring (the fan-out did not take them)", q);
     }
     moe_client_close(cm);
@@ -312,7 +325,7 @@ Test(fanout, counted_once_and_refused_clearly, .timeout = 180, .fini = cluster_f
     cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 1, 16, y, NULL), MOE_OK, "%s",
                  moe_last_error()); /* the map loaded: the counts below are the forwards' */
     char url[256], msg[256];
-    worker_url(cl, 1, url, sizeof(url));
+    cr_assert_eq(cluster_worker_key(cl, 1, "url", url, sizeof(url)), 0, "%s", cluster_error());
     int64_t r0 = rows_in(url);
     for (int i = 0; i < 5; i++)
         cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 9, 16, y, NULL), MOE_OK, "%s",
@@ -341,30 +354,10 @@ Test(fanout, counted_once_and_refused_clearly, .timeout = 180, .fini = cluster_f
     cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 9, 16, y, NULL), MOE_OK, "%s",
                  moe_last_error());
 
-    /* a stale generation: unavailable, ask dataplane.info again */
-    const int64_t shape[2] = {2, 16};
+    /* a stale generation: unavailable, ask dataplane.info again; and the
+     * one-worker lane (no fanout), closed with two */
     for (int k = 0; k < 2; k++) {
-        mp_writer p;
-        mp_writer_init(&p);
-        mp_write_cstr(&p, "ticket");
-        mp_write_array(&p, 2);
-        mp_write_u64(&p, 91);
-        mp_write_u64(&p, (uint64_t)k + 1);
-        mp_write_cstr(&p, "x");
-        moe_tensor_write_head(&p, MOE_F32, 2, shape);
-        mp_write_raw(&p, x, sizeof(float) * 32);
-        mp_write_cstr(&p, "run");
-        mp_write_map(&p, 4);
-        mp_write_cstr(&p, "model");
-        mp_write_cstr(&p, "m");
-        mp_write_cstr(&p, "layer");
-        mp_write_i64(&p, 0);
-        mp_write_cstr(&p, "generation");
-        mp_write_u64(&p, k ? 1 : 999);
-        mp_write_cstr(&p, "fanout");
-        mp_write_bool(&p, k ? false : true); /* k = 1: the one-worker lane, closed with two */
-        moe_err e = raw_call(url, "data.rows", &p, 3, msg, sizeof(msg), NULL);
-        mp_writer_fini(&p);
+        moe_err e = run_rows(url, (uint64_t)k + 1, x, k ? 1 : 999, !k, msg, sizeof(msg));
         cr_assert_eq(e, MOE_EUNAVAIL, "run %d: %s (%s)", k, moe_err_code(e), msg);
         cr_assert(strstr(msg, "dataplane.info"), "run %d: %s", k, msg);
     }
@@ -377,28 +370,8 @@ Test(fanout, counted_once_and_refused_clearly, .timeout = 180, .fini = cluster_f
     cr_assert(cl, "cluster_start: %s", cluster_error());
     create(cl, &f);
     cr_assert(!info_flag(cl, "fanout"), "one worker: fan-out closed");
-    worker_url(cl, 0, url, sizeof(url));
-    mp_writer p;
-    mp_writer_init(&p);
-    mp_write_cstr(&p, "ticket");
-    mp_write_array(&p, 2);
-    mp_write_u64(&p, 92);
-    mp_write_u64(&p, 1);
-    mp_write_cstr(&p, "x");
-    moe_tensor_write_head(&p, MOE_F32, 2, shape);
-    mp_write_raw(&p, x, sizeof(float) * 32);
-    mp_write_cstr(&p, "run");
-    mp_write_map(&p, 4);
-    mp_write_cstr(&p, "model");
-    mp_write_cstr(&p, "m");
-    mp_write_cstr(&p, "layer");
-    mp_write_i64(&p, 0);
-    mp_write_cstr(&p, "generation");
-    mp_write_u64(&p, 1);
-    mp_write_cstr(&p, "fanout");
-    mp_write_bool(&p, true);
-    moe_err e = raw_call(url, "data.rows", &p, 3, msg, sizeof(msg), NULL);
-    mp_writer_fini(&p);
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    moe_err e = run_rows(url, 3, x, 1, true, msg, sizeof(msg));
     cr_assert_eq(e, MOE_EUNAVAIL, "fan-out on one worker: %s (%s)", moe_err_code(e), msg);
     cr_assert_eq(moe_forward(cl->cli, "m", 0, MOE_F32, x, 2, 16, y, NULL), MOE_OK, "%s",
                  moe_last_error());
