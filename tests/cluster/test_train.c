@@ -795,6 +795,32 @@ static void *queued_fwd_main(void *arg)
     return NULL;
 }
 
+/* fwd_bwd: one train forward and backward of model "d" (gradients wait for
+ * a step) */
+static void fwd_bwd(cluster *cl, const tshape *s, const float *x, const float *dy, float *y,
+                    float *dx)
+{
+    moe_fwd_info info;
+    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s->T, s->H, y, &info), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, s->T, s->H, dx), MOE_OK, "%s",
+                 moe_last_error());
+    moe_fwd_info_free(&info);
+}
+
+/* kill_later forks a child that SIGKILLs worker 1 after 1.5 s (by then
+ * the call the test makes next has surely reached it); its pid */
+static pid_t kill_later(cluster *cl)
+{
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        usleep(1500 * 1000);
+        _exit(cluster_worker_kill(cl, 1, SIGKILL) == 0 ? 0 : 1);
+    }
+    return pid;
+}
+
 /* A worker dies while the others are still inside optimizer.step (here a
  * step that sleeps 8 s on every worker): the client is answered
  * unavailable when the dead worker's connection drops, not when the
@@ -815,18 +841,8 @@ Test(train, step_answered_when_a_worker_dies_not_when_the_survivors_finish, .tim
     float *x = malloc(n * 4), *dy = malloc(n * 4), *y = malloc(n * 4), *dx = malloc(n * 4);
     rng_fill_uniform(3, 1, -1, 1, x, n);
     rng_fill_uniform(3, 2, -1, 1, dy, n);
-    moe_fwd_info info;
-    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info), MOE_OK, "%s",
-                 moe_last_error());
-    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, s.T, s.H, dx), MOE_OK, "%s",
-                 moe_last_error());
-    moe_fwd_info_free(&info);
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) { /* kill worker 1 once the step has surely reached it */
-        usleep(1500 * 1000);
-        _exit(cluster_worker_kill(cl, 1, SIGKILL) == 0 ? 0 : 1);
-    }
+    fwd_bwd(cl, &s, x, dy, y, dx);
+    pid_t pid = kill_later(cl); /* once the step has surely reached it */
     /* a forward queued behind the step: answered at the kill too */
     queued_fwd qf = {cl->url, &s, MOE_OK, 0};
     pthread_t th;
@@ -879,18 +895,8 @@ Test(train, auto_checkpoint_answered_when_a_worker_dies, .timeout = 180, .fini =
     float *x = malloc(n * 4), *dy = malloc(n * 4), *y = malloc(n * 4), *dx = malloc(n * 4);
     rng_fill_uniform(4, 1, -1, 1, x, n);
     rng_fill_uniform(4, 2, -1, 1, dy, n);
-    moe_fwd_info info;
-    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info), MOE_OK, "%s",
-                 moe_last_error());
-    cr_assert_eq(moe_backward(cl->cli, info.handle, MOE_F32, dy, s.T, s.H, dx), MOE_OK, "%s",
-                 moe_last_error());
-    moe_fwd_info_free(&info);
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) { /* kill worker 1 once the save has surely reached it */
-        usleep(1500 * 1000);
-        _exit(cluster_worker_kill(cl, 1, SIGKILL) == 0 ? 0 : 1);
-    }
+    fwd_bwd(cl, &s, x, dy, y, dx);
+    pid_t pid = kill_later(cl); /* once the save has surely reached it */
     moe_adamw opt = {1e-2, 0.9, 0.99, 1e-8, 0.01, 1.0, 0, 0};
     int64_t t0 = cluster_now_ms();
     moe_err e = moe_optimizer_step(cl->cli, "d", &opt, NULL, NULL);
@@ -910,6 +916,7 @@ Test(train, auto_checkpoint_answered_when_a_worker_dies, .timeout = 180, .fini =
     cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
     int64_t step = -1;
     t0 = cluster_now_ms();
+    moe_fwd_info info;
     for (;;) { /* ready once the survivor's save is over and the cluster re-formed */
         e = moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &info);
         if (e == MOE_OK)
