@@ -18,6 +18,8 @@
  */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
 #include <stdio.h>
@@ -437,4 +439,101 @@ Test(fanout_unit, assembly_sums_in_order_and_refuses_misfits)
     parts_init(p);
     p[1].top_k = 3;
     cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_EPROTO);
+}
+
+/* a worker killed under a stream of fan-out forwards (through rings and
+ * over sockets): every call in flight or sent after is answered promptly
+ * (ok, or unavailable - never held until the call's timeout); after the
+ * restart the cluster re-forms and forwards fan out again */
+typedef struct fo_stream {
+    cluster *cl;
+    const char *path;
+    int stop, calls, ok, unavail, other;
+    int64_t slowest_ms;
+    char last_other[256];
+} fo_stream;
+
+static void *fo_stream_main(void *arg)
+{
+    fo_stream *s = arg;
+    moe_client *c;
+    moe_client_opts o = {.timeout_ms = 60000, .data_path = s->path};
+    if (moe_client_open(s->cl->url, &o, &c) != MOE_OK)
+        return NULL;
+    float x[4 * 16], y[4 * 16];
+    rng_fill_uniform(9, 9, -1, 1, x, 4 * 16);
+    while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
+        int64_t t0 = cluster_now_ms();
+        moe_err e = moe_forward(c, "m", 0, MOE_F32, x, 4, 16, y, NULL);
+        int64_t ms = cluster_now_ms() - t0;
+        if (ms > s->slowest_ms)
+            s->slowest_ms = ms;
+        s->calls++;
+        if (e == MOE_OK)
+            s->ok++;
+        else if (e == MOE_EUNAVAIL)
+            s->unavail++;
+        else {
+            s->other++;
+            snprintf(s->last_other, sizeof(s->last_other), "%s: %s", moe_err_code(e),
+                     moe_last_error());
+        }
+        if (e != MOE_OK)
+            usleep(2000);
+    }
+    moe_client_close(c);
+    return NULL;
+}
+
+Test(fanout, worker_killed_mid_stream_answers_promptly, .timeout = 180, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const fcase f = {"m", 16, 16, 4, 2, MOE_F32, 0, 0};
+    create(cl, &f);
+    fo_stream st[2] = {{cl, "shm", 0, 0, 0, 0, 0, 0, ""}, {cl, "socket", 0, 0, 0, 0, 0, 0, ""}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, fo_stream_main, &st[i]), 0);
+    /* calls are flowing, then the kill */
+    for (int64_t t0 = cluster_now_ms(); st[0].ok < 20 || st[1].ok < 20; usleep(5000))
+        cr_assert_lt(cluster_now_ms() - t0, 60000, "the streams did not start");
+    cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
+    int base0 = st[0].calls, base1 = st[1].calls;
+    for (int64_t t0 = cluster_now_ms(); st[0].calls < base0 + 5 || st[1].calls < base1 + 5;
+         usleep(5000))
+        cr_assert_lt(cluster_now_ms() - t0, 60000, "calls stopped after the kill");
+    cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_wait_ready(cl, 60000), 0, "%s", cluster_error());
+    int ok0 = st[0].ok, ok1 = st[1].ok;
+    for (int64_t t0 = cluster_now_ms(); st[0].ok < ok0 + 20 || st[1].ok < ok1 + 20; usleep(5000))
+        cr_assert_lt(cluster_now_ms() - t0, 60000, "no forward served after the restart");
+    for (int i = 0; i < 2; i++)
+        __atomic_store_n(&st[i].stop, 1, __ATOMIC_RELEASE);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        cr_log_info("%s: %d calls, %d ok, %d unavailable, slowest %lld ms", st[i].path, st[i].calls,
+                    st[i].ok, st[i].unavail, (long long)st[i].slowest_ms);
+        cr_assert_eq(st[i].other, 0, "%s: an answer other than ok or unavailable: %s", st[i].path,
+                     st[i].last_other);
+        /* a call held until its timeout (60 s) would show here */
+        cr_assert_lt(st[i].slowest_ms, 30000, "%s: a call waited %lld ms", st[i].path,
+                     (long long)st[i].slowest_ms);
+    }
+    /* fanned out again: rank 1 gets all the rows */
+    char url[256];
+    cr_assert_eq(cluster_worker_key(cl, 1, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    moe_client *cs = open_path(cl, "socket");
+    float x[4 * 16], y[4 * 16];
+    rng_fill_uniform(9, 10, -1, 1, x, 4 * 16);
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 4, 16, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    int64_t r0 = rows_in(url);
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 4, 16, y, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(rows_in(url) - r0, 4, "not fanned out after the restart");
+    moe_client_close(cs);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
