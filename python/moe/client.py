@@ -331,7 +331,8 @@ class Client:
         return self.call("stats")
 
     def dataplane_info(self) -> Dict[str, Any]:
-        """dataplane.info: {generation, ready, direct, workers: [{url, host, backend}]}."""
+        """dataplane.info: {generation, ready, direct, lane, fanout, workers: [{url, bulk_url, host,
+        backend}]}."""
         return self.call("dataplane.info")
 
     def drain(self) -> None:
