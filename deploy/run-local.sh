@@ -161,7 +161,15 @@ echo
 echo "== summary"
 sed -nE 's/^bench forward demo layer [0-9]+: (T=[0-9]+).*: ([0-9]+ tokens\/s).*(p50 [0-9.]+ ms), (p99 [0-9.]+ ms).*/  throughput \1: \2, \3, \4/p;
     s/^bench ping: .*(p50 [0-9.]+ ms), (p99 [0-9.]+ ms).*/  ping round trip: \1, \2/p' "$RUN/bench.txt"
-ctl stats >"$RUN/stats.json"
+# forwards served without the coordinator in their path (the lane, fan-out)
+# reach its counts with the workers' next heartbeats: wait for all 254 (the
+# two above, 51 and 201 with the benches' warm-ups), at most 5 s
+for i in $(seq 50); do
+    ctl stats >"$RUN/stats.json"
+    fw=$(awk '/"forward_total"/ { gsub(/[^0-9]/, "", $2); print $2; exit }' "$RUN/stats.json")
+    [ "${fw:-0}" -ge 254 ] && break
+    sleep 0.1
+done
 awk '
     BEGIN { nl = 0 }
     function num(s) { gsub(/[^0-9.eE+-]/, "", s); return s }
