@@ -451,10 +451,12 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         }
         xt = batch.x;
         if (fanout) { /* the lane of several CPU workers: no exchange (fanout.c) */
-            if (!lane || train || gpu_whole || gops || layer >= cfg->layers || xt.ndim != 2 ||
-                xt.shape[1] != H) {
-                snprintf(err, sizeof(err),
-                         "a fan-out forward is an inference lane forward of a CPU worker");
+            if (!lane || train || gpu_whole || gops || xt.ndim != 2 || xt.shape[1] != H) {
+                if (xt.ndim != 2 || xt.shape[1] != H)
+                    snprintf(err, sizeof(err), "x must be (T, %d) for model '%s'", H, model_name);
+                else
+                    snprintf(err, sizeof(err),
+                             "a fan-out forward is an inference lane forward of a CPU worker");
                 dp_batch_fail(&batch, MOE_EINVAL, err);
                 rpc_reply_err(c, MOE_EINVAL, "%s", err);
             } else {
