@@ -3,6 +3,8 @@
 
 #include <math.h>
 
+#include "common/parcopy.h"
+
 static float f16_to_f32(uint16_t h)
 {
     uint32_t ex = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -16,22 +18,54 @@ static float f16_to_f32(uint16_t h)
     return (h & 0x8000) ? -v : v;
 }
 
-void rows_tensor_to_f32(const moe_tensor *t, float *out, size_t n)
+/* conv_job: n values between float rows and a wire dtype, split over the
+ * worker's threads (kern_par_for): a 64 MiB batch converted on one thread
+ * is several milliseconds of a call */
+typedef struct conv_job {
+    const void *src;
+    void *dst;
+    moe_dtype dt; /* the wire side's */
+    int to_f32;   /* src is the wire side */
+} conv_job;
+
+static void conv_part(void *p, size_t a, size_t b)
 {
-    const unsigned char *s = t->data;
-    if (t->dtype == MOE_F32) {
-        memcpy(out, s, n * 4);
+    const conv_job *j = p;
+    const size_t es = moe_dtype_size(j->dt), n = b - a;
+    if (j->to_f32) {
+        const unsigned char *s = (const unsigned char *)j->src + a * es;
+        float *out = (float *)j->dst + a;
+        if (j->dt == MOE_BF16) {
+            rows_get(out, s, n, 1);
+            return;
+        }
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, s + 2 * i, 2);
+            out[i] = f16_to_f32(h);
+        }
         return;
     }
-    if (t->dtype == MOE_BF16) {
-        rows_get(out, s, n, 1);
+    const float *x = (const float *)j->src + a;
+    unsigned char *dst = (unsigned char *)j->dst + a * es;
+    if (j->dt == MOE_BF16) {
+        rows_put(dst, x, n, 1);
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, s + 2 * i, 2);
-        out[i] = f16_to_f32(h);
+        _Float16 h = (_Float16)x[i];
+        memcpy(dst + 2 * i, &h, 2);
     }
+}
+
+void rows_tensor_to_f32(const moe_tensor *t, float *out, size_t n)
+{
+    if (t->dtype == MOE_F32) {
+        par_memcpy(out, t->data, n * 4);
+        return;
+    }
+    conv_job j = {t->data, out, t->dtype, 1};
+    kern_par_for(n, KERN_PAR_GRAIN, conv_part, &j);
 }
 
 void rows_write_tensor(mp_writer *w, moe_dtype dt, const float *x, int T, int H)
@@ -52,15 +86,10 @@ void rows_write_tensor(mp_writer *w, moe_dtype dt, const float *x, int T, int H)
 
 void rows_f32_to_dtype(const float *x, moe_dtype dt, void *out, size_t n)
 {
-    unsigned char *dst = out;
     if (dt == MOE_F32) {
-        memcpy(dst, x, n * 4);
-    } else if (dt == MOE_BF16) {
-        rows_put(dst, x, n, 1);
-    } else {
-        for (size_t i = 0; i < n; i++) {
-            _Float16 h = (_Float16)x[i];
-            memcpy(dst + 2 * i, &h, 2);
-        }
+        par_memcpy(out, x, n * 4);
+        return;
     }
+    conv_job j = {x, out, dt, 0};
+    kern_par_for(n, KERN_PAR_GRAIN, conv_part, &j);
 }
