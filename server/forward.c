@@ -609,7 +609,7 @@ static moe_err fold_one_lane(coord *c, coord_worker *wk, mp_reader *r, char *err
 {
     char model[MODEL_NAME_MAX];
     int64_t layer = 0, fwds = 0, toks = 0;
-    mp_reader rc, rd, rp, rl;
+    mp_reader rc, rd, rp, rl, rv;
     uint32_t n;
     if (mp_read_map(r, &n, NULL) != MOE_OK) {
         snprintf(err, errlen, "a lane report must be a map");
@@ -624,8 +624,9 @@ static moe_err fold_one_lane(coord *c, coord_worker *wk, mp_reader *r, char *err
         {"dropped", P_RAW, &rd, true, 0, 0, 0, false},
         {"phase_s", P_RAW, &rp, true, 0, 0, 0, false},
         {"latency_s", P_RAW, &rl, true, 0, 0, 0, false},
+        {"phases_s", P_RAW, &rv, false, 0, 0, 0, false},
     };
-    moe_err e = params_parse(r, n, sp, 8, err, errlen);
+    moe_err e = params_parse(r, n, sp, 9, err, errlen);
     if (e != MOE_OK)
         return e;
     coord_model *m = coord_find_model(c, model);
@@ -680,6 +681,24 @@ static moe_err fold_one_lane(coord *c, coord_worker *wk, mp_reader *r, char *err
             c->lat_hist[bk]++;
             c->lat_sum += s;
             m->lat_sum += s;
+        }
+    /* each forward's phases, into the phase histograms (their sums came
+     * with phase_s above) */
+    if (sp[8].seen && mp_read_array(&rv, &nl, NULL) == MOE_OK)
+        for (uint32_t i = 0; i < nl; i++) {
+            uint32_t four;
+            double v[4];
+            int ok = mp_read_array(&rv, &four, NULL) == MOE_OK && four == 4;
+            for (int k = 0; ok && k < 4; k++)
+                ok = mp_read_f64(&rv, &v[k], NULL) == MOE_OK && v[k] >= 0;
+            if (!ok)
+                break;
+            for (int k = 0; k < 4; k++) {
+                int pb = 0;
+                while (pb < COORD_LAT_BUCKETS && v[k] > coord_lat_bounds[pb])
+                    pb++;
+                c->phase_hist[k][pb]++;
+            }
         }
     return MOE_OK;
 }

@@ -863,3 +863,12 @@ int cluster_worker_key(cluster *cl, int rank, const char *key, char *out, size_t
     moe_reply_free(&rep);
     return ok ? 0 : -1;
 }
+
+double cluster_metric_value(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; (p = strstr(p, name)) != NULL; p += n)
+        if ((p == text || p[-1] == '\n') && p[n] == ' ')
+            return atof(p + n + 1);
+    return -1;
+}

@@ -136,8 +136,11 @@ static void lane_done(rpc_call *call, const void *buf, size_t len, void *arg)
             }
             for (int p = 0; p < 4 && primary; p++)
                 rep->phase_s[p] += phase[p];
-            if (primary && rep->nlat < WKR_LANE_LAT)
+            if (primary && rep->nlat < WKR_LANE_LAT) {
+                for (int p = 0; p < 4; p++)
+                    rep->phase_v[rep->nlat][p] = (float)phase[p];
                 rep->lat_s[rep->nlat++] = (float)lat;
+            }
         }
         pthread_mutex_unlock(&w->lane_mu);
     }
@@ -258,7 +261,7 @@ int wkr_lane_write_report(wkr *w, mp_writer *pw)
     }
     for (int i = 0; i < n; i++) {
         wkr_lane_report *r = &w->lane[i];
-        mp_write_map(pw, 8);
+        mp_write_map(pw, 9);
         mp_write_cstr(pw, "model");
         mp_write_cstr(pw, r->model);
         mp_write_cstr(pw, "layer");
@@ -283,6 +286,13 @@ int wkr_lane_write_report(wkr *w, mp_writer *pw)
         mp_write_array(pw, (uint32_t)r->nlat);
         for (int k = 0; k < r->nlat; k++)
             mp_write_f64(pw, r->lat_s[k]);
+        mp_write_cstr(pw, "phases_s"); /* (nlat, 4): for the phase histograms */
+        mp_write_array(pw, (uint32_t)r->nlat);
+        for (int k = 0; k < r->nlat; k++) {
+            mp_write_array(pw, 4);
+            for (int p = 0; p < 4; p++)
+                mp_write_f64(pw, r->phase_v[k][p]);
+        }
         free(r->counts);
         free(r->dropped);
     }

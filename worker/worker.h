@@ -115,6 +115,7 @@ typedef struct wkr_lane_report {
     int64_t *counts, *dropped; /* (E) owned */
     double phase_s[4];
     float lat_s[WKR_LANE_LAT];
+    float phase_v[WKR_LANE_LAT][4]; /* each forward's phases, beside its latency */
     int nlat;
 } wkr_lane_report;
 

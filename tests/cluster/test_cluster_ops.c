@@ -21,16 +21,6 @@
 #include "kernels/kern.h"
 #include "common/rng.h"
 
-/* metric_value finds "name value" (name with labels, exact) in text. */
-static double metric_value(const char *text, const char *name)
-{
-    size_t n = strlen(name);
-    for (const char *p = text; (p = strstr(p, name)) != NULL; p += n)
-        if ((p == text || p[-1] == '\n') && p[n] == ' ')
-            return atof(p + n + 1);
-    return -1;
-}
-
 static void create_model(cluster *cl, const char *name, int H, int F)
 {
     moe_model_config mc = {0};
@@ -68,44 +58,44 @@ Test(cluster_ops, livez_readyz_metrics, .timeout = 30, .fini = cluster_fini_all)
     do {
         cr_assert_eq(cluster_http_get(cl->metrics_port, "/metrics", NULL, 0, body, sizeof(body)),
                      200);
-        if (metric_value(body, "moe_forward_total") == 1)
+        if (cluster_metric_value(body, "moe_forward_total") == 1)
             break;
         usleep(50000);
     } while (cluster_now_ms() - t0 < 5000);
-    cr_assert_eq(metric_value(body, "moe_forward_total"), 1, "%s", body);
-    cr_assert_eq(metric_value(body, "moe_tokens_total"), T);
-    cr_assert_eq(metric_value(body, "moe_cluster_ready"), 1);
-    cr_assert_eq(metric_value(body, "moe_workers_up"), 2);
-    cr_assert_eq(metric_value(body, "moe_workers_expected"), 2);
-    cr_assert_geq(metric_value(body, "moe_requests_total"), 2);
-    cr_assert_eq(metric_value(body, "moe_forward_latency_seconds_count"), 1);
+    cr_assert_eq(cluster_metric_value(body, "moe_forward_total"), 1, "%s", body);
+    cr_assert_eq(cluster_metric_value(body, "moe_tokens_total"), T);
+    cr_assert_eq(cluster_metric_value(body, "moe_cluster_ready"), 1);
+    cr_assert_eq(cluster_metric_value(body, "moe_workers_up"), 2);
+    cr_assert_eq(cluster_metric_value(body, "moe_workers_expected"), 2);
+    cr_assert_geq(cluster_metric_value(body, "moe_requests_total"), 2);
+    cr_assert_eq(cluster_metric_value(body, "moe_forward_latency_seconds_count"), 1);
     cr_assert(strstr(body, "# TYPE moe_forward_latency_seconds histogram"));
     cr_assert(strstr(body, "moe_forward_latency_seconds_bucket{le=\"+Inf\"} 1"));
     cr_assert(strstr(body, "# TYPE moe_experts_latency_seconds histogram"));
-    cr_assert_eq(metric_value(body, "moe_gate_latency_seconds_count"), 1);
+    cr_assert_eq(cluster_metric_value(body, "moe_gate_latency_seconds_count"), 1);
     double sum = 0;
     for (int e = 0; e < 4; e++) {
         char name[96];
         snprintf(name, sizeof(name),
                  "moe_expert_tokens_total{model=\"m\",layer=\"1\",expert=\"%d\"}", e);
-        double v = metric_value(body, name);
+        double v = cluster_metric_value(body, name);
         cr_assert_eq(v, (double)info.tokens_per_expert[e], "%s = %g, forward said %lld", name, v,
                      (long long)info.tokens_per_expert[e]);
         sum += v;
         snprintf(name, sizeof(name),
                  "moe_expert_tokens_total{model=\"m\",layer=\"0\",expert=\"%d\"}", e);
-        cr_assert_eq(metric_value(body, name), 0, "layer 0 saw no forward");
+        cr_assert_eq(cluster_metric_value(body, name), 0, "layer 0 saw no forward");
         snprintf(name, sizeof(name),
                  "moe_expert_dropped_total{model=\"m\",layer=\"1\",expert=\"%d\"}", e);
-        cr_assert_eq(metric_value(body, name), 0);
+        cr_assert_eq(cluster_metric_value(body, name), 0);
     }
     cr_assert_eq(sum, T * 2);
-    cr_assert_gt(metric_value(body, "moe_layer_imbalance{model=\"m\",layer=\"1\"}"), 0.99);
+    cr_assert_gt(cluster_metric_value(body, "moe_layer_imbalance{model=\"m\",layer=\"1\"}"), 0.99);
     cr_assert(strstr(body, "moe_worker_up{worker=\"0\"} 1"));
     cr_assert(strstr(body, "moe_worker_busy_seconds_total{worker=\"1\"}"));
     /* rows crossed between the two workers (dispatch and combine) */
-    cr_assert_gt(metric_value(body, "moe_alltoall_bytes_total{worker=\"0\"}") +
-                     metric_value(body, "moe_alltoall_bytes_total{worker=\"1\"}"),
+    cr_assert_gt(cluster_metric_value(body, "moe_alltoall_bytes_total{worker=\"0\"}") +
+                     cluster_metric_value(body, "moe_alltoall_bytes_total{worker=\"1\"}"),
                  0, "no all-to-all bytes counted");
     moe_fwd_info_free(&info);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());

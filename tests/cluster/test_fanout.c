@@ -316,7 +316,7 @@ Test(fanout, identical_to_the_ordered_road_w3, .timeout = 180, .fini = cluster_f
  * refused clearly */
 Test(fanout, counted_once_and_refused_clearly, .timeout = 180, .fini = cluster_fini_all)
 {
-    cluster_opts o = {.workers = 2};
+    cluster_opts o = {.workers = 2, .metrics = 1};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     const fcase f = {"m", 16, 16, 4, 2, MOE_F32, 0, 0};
@@ -348,6 +348,21 @@ Test(fanout, counted_once_and_refused_clearly, .timeout = 180, .fini = cluster_f
     tk = coord_stat(cl, "tokens_total");
     cr_assert_eq(fw, want_f, "forward_total %lld, want %lld", (long long)fw, (long long)want_f);
     cr_assert_eq(tk, want_t, "tokens_total %lld, want %lld", (long long)tk, (long long)want_t);
+    /* and /metrics: each forward in the latency and phase histograms once
+     * (the text is rendered every 100 ms) */
+    static char body[1 << 20];
+    static const char *hist[3] = {"moe_forward_latency_seconds_count",
+                                  "moe_gate_latency_seconds_count",
+                                  "moe_experts_latency_seconds_count"};
+    for (int64_t t0 = cluster_now_ms(); cluster_now_ms() - t0 < 5000; usleep(50000)) {
+        cr_assert_eq(cluster_http_get(cl->metrics_port, "/metrics", NULL, 0, body, sizeof(body)),
+                     200);
+        if (cluster_metric_value(body, "moe_forward_total") == (double)want_f)
+            break;
+    }
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(cluster_metric_value(body, hist[i]), (double)want_f, "%s = %g", hist[i],
+                     cluster_metric_value(body, hist[i]));
 
     /* a NaN row: refused to its sender, the workers serve on */
     x[20] = NAN;
