@@ -400,9 +400,49 @@ static moe_err msg_from_writer(const mp_writer *w, const void *extra, size_t ext
     return MOE_OK;
 }
 
+/* requests waiting on a worker's socket (fan-outs, attaches): a request
+ * that nng had no connection to send on when the worker died would wait
+ * for one until the call's timeout; when the worker's last connection goes
+ * (on_pipe), they are cancelled - unavailable at once, as the ordered
+ * road's coordinator says */
+#define DP_WATCH_MAX 256
+static struct {
+    pthread_mutex_t mu;
+    const int *up[DP_WATCH_MAX]; /* the worker's live-pipe count */
+    nng_aio *aio[DP_WATCH_MAX];
+} g_watch = {PTHREAD_MUTEX_INITIALIZER, {0}, {0}};
+
+/* watch_add: aio waits on the worker whose pipes *up counts; -1 when the
+ * table is full (then it is not cancelled early) */
+static int watch_add(const int *up, nng_aio *aio)
+{
+    int slot = -1;
+    pthread_mutex_lock(&g_watch.mu);
+    for (int i = 0; i < DP_WATCH_MAX && slot < 0; i++)
+        if (!g_watch.aio[i]) {
+            g_watch.up[i] = up;
+            g_watch.aio[i] = aio;
+            slot = i;
+        }
+    pthread_mutex_unlock(&g_watch.mu);
+    if (slot >= 0 && __atomic_load_n(up, __ATOMIC_RELAXED) <= 0)
+        nng_aio_cancel(aio); /* it went before we were watching */
+    return slot;
+}
+
+static void watch_del(int slot)
+{
+    if (slot < 0)
+        return;
+    pthread_mutex_lock(&g_watch.mu);
+    g_watch.aio[slot] = NULL;
+    g_watch.up[slot] = NULL;
+    pthread_mutex_unlock(&g_watch.mu);
+}
+
 /* sync_call: method {params pairs} on one worker, waiting for the answer;
  * the result reader is valid until req_close. */
-static moe_err sync_call_t(moe_client *c, nng_socket sock, const char *method,
+static moe_err sync_call_t(moe_client *c, nng_socket sock, const int *up, const char *method,
                            const mp_writer *pairs, uint32_t npairs, int timeout_ms, dp_req *q,
                            moe_rpc_response *resp, char *msg, size_t msglen)
 {
@@ -423,16 +463,25 @@ static moe_err sync_call_t(moe_client *c, nng_socket sock, const char *method,
         return e;
     e = req_start(q, sock, m, timeout_ms);
     q->msgid = msgid;
-    if (e == MOE_OK)
+    if (e == MOE_OK) {
+        int slot = up ? watch_add(up, q->aio) : -1;
         e = req_finish(q, 0, timeout_ms, resp, msg, msglen);
+        watch_del(slot);
+        if (e != MOE_OK && up && !resp_was_answer(q) &&
+            __atomic_load_n(up, __ATOMIC_RELAXED) <= 0) {
+            e = MOE_EUNAVAIL;
+            snprintf(msg, msglen, "the worker's connection is down");
+        }
+    }
     return e;
 }
 
-static moe_err sync_call(moe_client *c, nng_socket sock, const char *method, const mp_writer *pairs,
-                         uint32_t npairs, dp_req *q, moe_rpc_response *resp, char *msg,
-                         size_t msglen)
+static moe_err sync_call(moe_client *c, nng_socket sock, const int *up, const char *method,
+                         const mp_writer *pairs, uint32_t npairs, dp_req *q, moe_rpc_response *resp,
+                         char *msg, size_t msglen)
 {
-    return sync_call_t(c, sock, method, pairs, npairs, moe__timeout_ms(c), q, resp, msg, msglen);
+    return sync_call_t(c, sock, up, method, pairs, npairs, moe__timeout_ms(c), q, resp, msg,
+                       msglen);
 }
 
 /* ---- the worker map ---- */
@@ -464,7 +513,14 @@ static moe_err read_str_key(mp_reader *r, const char *key, char *out, size_t len
 static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg)
 {
     (void)p;
-    __atomic_add_fetch((int *)arg, ev == NNG_PIPE_EV_ADD_POST ? 1 : -1, __ATOMIC_RELAXED);
+    int now = __atomic_add_fetch((int *)arg, ev == NNG_PIPE_EV_ADD_POST ? 1 : -1, __ATOMIC_RELAXED);
+    if (ev == NNG_PIPE_EV_REM_POST && now <= 0) {
+        pthread_mutex_lock(&g_watch.mu);
+        for (int i = 0; i < DP_WATCH_MAX; i++)
+            if (g_watch.aio[i] && g_watch.up[i] == (const int *)arg)
+                nng_aio_cancel(g_watch.aio[i]);
+        pthread_mutex_unlock(&g_watch.mu);
+    }
 }
 
 /* map_load asks the coordinator for the worker map and dials the workers.
@@ -652,7 +708,8 @@ static moe_err attach_call_key(moe_client *c, dp_map *m, int q, const char *meth
     dp_req rq;
     moe_rpc_response resp;
     char msg[300];
-    moe_err e = sync_call(c, m->sock[q], method, p, npairs, &rq, &resp, msg, sizeof(msg));
+    moe_err e =
+        sync_call(c, m->sock[q], &m->up[q], method, p, npairs, &rq, &resp, msg, sizeof(msg));
     if (e == MOE_OK) {
         uint32_t n;
         mp_reader rd = resp.result;
@@ -1023,8 +1080,9 @@ void moe_dp_buffer_free(moe_client *c, void *p)
             mp_writer_init(&pw);
             mp_write_cstr(&pw, "region");
             mp_write_u64(&pw, *rg);
-            sync_call(c, m->sock[q], dp->ubuf[i].cuda ? "data.cuda_detach" : "data.shm_detach", &pw,
-                      1, &rq, &resp, msg, sizeof(msg));
+            sync_call(c, m->sock[q], &m->up[q],
+                      dp->ubuf[i].cuda ? "data.cuda_detach" : "data.shm_detach", &pw, 1, &rq, &resp,
+                      msg, sizeof(msg));
             mp_writer_fini(&pw);
             req_close(&rq);
             *rg = 0;
@@ -1183,8 +1241,8 @@ static int send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t s
     mp_write_array(&p, 2);
     mp_write_u64(&p, cid);
     mp_write_u64(&p, seq);
-    moe_err e =
-        sync_call_t(c, m->sock[q], "data.cancel", &p, 1, DP_GRACE_MS, &rq, &resp, msg, sizeof(msg));
+    moe_err e = sync_call_t(c, m->sock[q], &m->up[q], "data.cancel", &p, 1, DP_GRACE_MS, &rq, &resp,
+                            msg, sizeof(msg));
     mp_writer_fini(&p);
     req_close(&rq);
     return e == MOE_OK;
@@ -1311,14 +1369,18 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
     const char *auth = moe__auth(c);
     dp_req *rq = calloc((size_t)W, sizeof(dp_req));
     moe_fanout_part *parts = calloc((size_t)W, sizeof(moe_fanout_part));
+    int *watch = malloc((size_t)W * sizeof(int)); /* (W) watch_add slots, -1 = none */
     moe_err e = MOE_OK;
     char msg[400] = "";
     int bad = -1;
-    if (!rq || !parts) {
+    if (!rq || !parts || !watch) {
         free(rq);
         free(parts);
+        free(watch);
         return MOE_ENOMEM;
     }
+    for (int q = 0; q < W; q++)
+        watch[q] = -1;
     /* 1. the same rows to every worker, all at once: through a ring on this
      * host when the largest answer fits one, else over the socket */
     const int ring_ok =
@@ -1351,6 +1413,8 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         if (e == MOE_OK)
             e = req_start(&rq[q], m->sock[q], nm, moe__timeout_ms(c));
         rq[q].msgid = msgid;
+        if (e == MOE_OK)
+            watch[q] = watch_add(&m->up[q], rq[q].aio);
         if (e != MOE_OK)
             bad = q, snprintf(msg, sizeof(msg), "sending rows: %s", moe_strerror(e));
     }
@@ -1362,6 +1426,12 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         char qm[400];
         moe_err qe =
             req_finish(&rq[q], e != MOE_OK, e != MOE_OK ? DP_GRACE_MS : 0, &resp, qm, sizeof(qm));
+        watch_del(watch[q]);
+        if (qe != MOE_OK && !resp_was_answer(&rq[q]) &&
+            __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0) {
+            qe = MOE_EUNAVAIL; /* cancelled or cut off: the worker's connection went */
+            snprintf(qm, sizeof(qm), "the worker's connection is down");
+        }
         if (qe == MOE_OK) {
             mp_reader rd = resp.result;
             qe = moe_fanout_read(&rd, &parts[q], qm, sizeof(qm));
@@ -1393,6 +1463,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         req_close(&rq[q]);
     free(rq);
     free(parts);
+    free(watch);
     if (e != MOE_OK) {
         ctl->err = e;
         snprintf(ctl->message, sizeof(ctl->message), "worker rank %d: %s", bad, msg);

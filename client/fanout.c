@@ -63,6 +63,8 @@ static moe_err read_part(mp_reader *r, moe_fanout_part *p, char *msg, size_t msg
             have |= 32;
         } else if (mp_str_eq(k, kl, "shared")) {
             ok = read_bin_key(r, &p->shared, &p->shared_len);
+        } else if (mp_str_eq(k, kl, "shared_row0")) {
+            ok = mp_read_i64(r, &p->shared_row0, NULL) == MOE_OK && p->shared_row0 >= 0;
         } else {
             ok = mp_skip(r, NULL) == MOE_OK;
         }
@@ -145,7 +147,8 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
     const int K = parts[0].top_k;
     const moe_dtype rdt = parts[0].dtype;
     const size_t S = (size_t)T * (size_t)K, es = moe_dtype_size(rdt);
-    const moe_fanout_part *sh = NULL;
+    size_t shared_rows = 0; /* the shared expert's rows, from the parts that sent them */
+    int has_shared = 0;
     for (int q = 0; q < W; q++) {
         const moe_fanout_part *p = &parts[q];
         if (p->top_k != K || p->dtype != rdt || p->ntopk != S ||
@@ -161,12 +164,15 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
             return MOE_EPROTO;
         }
         if (p->shared) {
-            if (sh || p->shared_len != (size_t)T * (size_t)H * es) {
-                snprintf(msg, msglen, "fan-out: unexpected shared rows from worker rank %d",
+            size_t rows = p->shared_len / ((size_t)H * es);
+            if (p->shared_len % ((size_t)H * es) || rows == 0 || p->shared_row0 < 0 ||
+                (size_t)p->shared_row0 + rows > (size_t)T) {
+                snprintf(msg, msglen, "fan-out: shared rows of worker rank %d outside the batch",
                          p->rank);
                 return MOE_EPROTO;
             }
-            sh = p;
+            shared_rows += rows;
+            has_shared = 1;
         }
     }
     const size_t n = (size_t)T * (size_t)H;
@@ -174,9 +180,10 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
     float *topk_w = malloc((S ? S : 1) * sizeof(float));         /* (T,K) */
     float *y = malloc((n ? n : 1) * sizeof(float));              /* (T,H) */
     uint8_t *seen = calloc(S ? S : 1, 1);
-    float *shared = sh ? malloc(n * sizeof(float)) : NULL;
+    float *shared = has_shared ? malloc(n * sizeof(float)) : NULL; /* (T,H) */
+    uint8_t *shared_seen = has_shared ? calloc(T ? (size_t)T : 1, 1) : NULL;
     moe_err e = MOE_OK;
-    if (!ye || !topk_w || !y || !seen || (sh && !shared)) {
+    if (!ye || !topk_w || !y || !seen || (has_shared && (!shared || !shared_seen))) {
         snprintf(msg, msglen, "out of memory");
         e = MOE_ENOMEM;
         goto out;
@@ -202,14 +209,32 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
         snprintf(msg, msglen, "fan-out: the workers answered %zu of %zu slots", filled, S);
         e = MOE_EPROTO;
     }
+    /* the shared rows: every token's once, when any worker sent some */
+    for (int q = 0; q < W && e == MOE_OK && has_shared; q++) {
+        const moe_fanout_part *p = &parts[q];
+        size_t rows = p->shared ? p->shared_len / ((size_t)H * es) : 0;
+        for (size_t r = 0; r < rows && e == MOE_OK; r++) {
+            size_t t = (size_t)p->shared_row0 + r;
+            if (shared_seen[t]) {
+                snprintf(msg, msglen, "fan-out: shared rows of token %zu twice", t);
+                e = MOE_EPROTO;
+            }
+            shared_seen[t] = 1;
+        }
+        if (rows)
+            to_f32(p->shared, rdt, rows * (size_t)H, shared + (size_t)p->shared_row0 * H);
+    }
+    if (e == MOE_OK && has_shared && shared_rows != (size_t)T) {
+        snprintf(msg, msglen, "fan-out: shared rows of %zu of %lld tokens", shared_rows,
+                 (long long)T);
+        e = MOE_EPROTO;
+    }
     if (e != MOE_OK)
         goto out;
     memcpy(topk_w, parts[0].topk_w, S * sizeof(float));
     moe_combine_rows(ye, topk_w, NULL, (int)T, K, (int)H, rdt == MOE_BF16, y);
-    if (sh) {
-        to_f32(sh->shared, rdt, n, shared);
+    if (has_shared)
         moe_rows_add(y, shared, n, rdt == MOE_BF16);
-    }
     if (dt == MOE_F32) {
         memcpy(out, y, n * sizeof(float));
     } else {
@@ -224,6 +249,7 @@ out:
     free(y);
     free(seen);
     free(shared);
+    free(shared_seen);
     return e;
 }
 

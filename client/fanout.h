@@ -25,8 +25,10 @@ typedef struct moe_fanout_part {
     const uint8_t *rows;   /* (nslots, H) of dtype */
     const uint8_t *topk_w; /* (T, top_k) float32 */
     size_t ntopk;
-    const uint8_t *shared; /* (T, H) of dtype, or NULL (rank 0 of a model with a shared expert) */
+    const uint8_t *shared; /* (rows, H) of dtype from token shared_row0 on, or NULL (a
+                            * model with a shared expert: each worker's shard of the tokens) */
     size_t shared_len;
+    int64_t shared_row0;
     size_t rows_len;
     const uint8_t *stats; /* the encoded stats map, or NULL */
     size_t stats_len;

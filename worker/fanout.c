@@ -14,8 +14,9 @@
  * sees the client's rows as the lane does (one request: T_total = T); an
  * expert runs on the same rows in the same order (expert by expert, slots
  * ascending), with the same BLAS call; bf16 expert rows travel as bf16, as
- * the exchange carries them; the shared expert's gated rows are computed
- * by rank 0 and added by the client after the sum, as
+ * the exchange carries them; the shared expert's gated rows of each
+ * rank's ordered-road shard of the tokens are computed by that rank (the
+ * same GEMM heights) and added by the client after the sum, as
  * kern_shared_forward_cpu adds them.
  *
  * Thread: the compute thread (called from wkr_op_forward for a lane run
@@ -122,19 +123,18 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
         n0 += n;
     }
     double t_exp = fwd_now_s();
-    /* the shared expert's gated rows, from rank 0 alone */
-    if (cfg->shared_d_ff > 0 && w->rank == 0) {
-        shared = wpool_alloc(Tn * H * sizeof(float));
+    /* the shared expert's gated rows of this rank's shard of the tokens
+     * (the ordered road's: its own tokens there) */
+    const long long sh0 = shard_first(T, w->world, w->rank);
+    const long long shn = shard_first(T, w->world, w->rank + 1) - sh0;
+    if (cfg->shared_d_ff > 0 && shn > 0) {
+        shared = wpool_alloc((size_t)shn * H * sizeof(float));
         if (!shared) {
             e = MOE_ENOMEM;
             goto fail;
         }
-        for (int q = 0; q < w->world; q++) { /* by the ordered road's shards, as fwd_gate */
-            long long a = shard_first(T, w->world, q), b = shard_first(T, w->world, q + 1);
-            kern_shared_rows_cpu(st->x + (size_t)a * H, (int)(b - a), H, cfg->shared_d_ff, L->ws1,
-                                 L->ws3, L->ws2, L->wsg, (kern_act)cfg->act, bf, 1,
-                                 shared + (size_t)a * H);
-        }
+        kern_shared_rows_cpu(st->x + (size_t)sh0 * H, (int)shn, H, cfg->shared_d_ff, L->ws1, L->ws3,
+                             L->ws2, L->wsg, (kern_act)cfg->act, bf, 1, shared);
     }
     double t_comb = fwd_now_s();
 
@@ -143,7 +143,7 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     mp_writer pw;
     mp_writer_init(&pw);
     mp_write_cstr(&pw, "fanout");
-    mp_write_map(&pw, shared ? 7 : 6);
+    mp_write_map(&pw, shared ? 8 : 6);
     mp_write_cstr(&pw, "rank");
     mp_write_i64(&pw, w->rank);
     mp_write_cstr(&pw, "top_k");
@@ -157,8 +157,10 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     mp_write_cstr(&pw, "topk_w");
     mp_write_bin(&pw, st->topk_w, (uint32_t)((size_t)T * K * sizeof(float)));
     if (shared) {
+        mp_write_cstr(&pw, "shared_row0");
+        mp_write_i64(&pw, sh0);
         mp_write_cstr(&pw, "shared");
-        write_rows_bin(&pw, shared, (size_t)T * H, rdt);
+        write_rows_bin(&pw, shared, (size_t)shn * H, rdt);
     }
     wkr_lane_stats_write(&pw, cfg, T, st->counts, dropped, probs_sum, z_sum, NULL, ph);
     dp_ticket *tk = batch->tk[0];
