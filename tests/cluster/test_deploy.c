@@ -39,7 +39,7 @@ static void load_families(void)
         nfams = code == 200 ? promtext_check(body, fams, PT_MAX_FAMILIES, err, sizeof(err)) : -1;
         if (nfams > 20)
             break;
-        cr_log_warn("/metrics attempt %d: HTTP %d, %d families (%s), %zu bytes", attempt, code,
+        cr_log_info("/metrics attempt %d: HTTP %d, %d families (%s), %zu bytes", attempt, code,
                     nfams, err, strlen(body));
         usleep(200 * 1000);
     }
