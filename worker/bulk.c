@@ -38,13 +38,9 @@ typedef struct bconn {
  * thread to leave. */
 enum { BSET_GATHER, BSET_PARKED, BSET_ANSWERED, BSET_FAILED };
 typedef struct bset {
-    uint64_t cid, seq;
-    uint32_t dtype;
-    int64_t rows, cols;
-    uint64_t nbytes;
-    int parts;
-    uint8_t *buf; /* wpool, nbytes reserved in the data plane: until b owns it */
-    dp_bulk *b;   /* once parked (the set holds the park's reference) */
+    moe_bulk_req h; /* the first part's header: ticket, dtype, shape, parts */
+    uint8_t *buf;   /* wpool, nbytes reserved in the data plane: until b owns it */
+    dp_bulk *b;     /* once parked (the set holds the park's reference) */
     uint8_t here[MOE_BULK_MAX_PARTS]; /* part p's header came */
     int efd[MOE_BULK_MAX_PARTS];      /* part p's connection's eventfd, -1 when gone */
     int attached;                     /* part threads holding the set */
@@ -212,7 +208,7 @@ static int wait_answer(bconn *k, dp_bulk *b)
 static void set_wake(bset *a, int self)
 {
     uint64_t one = 1;
-    for (int p = 0; p < a->parts; p++)
+    for (int p = 0; p < a->h.parts; p++)
         if (p != self && a->efd[p] >= 0) {
             ssize_t r = write(a->efd[p], &one, sizeof(one));
             (void)r;
@@ -247,7 +243,7 @@ static void set_leave(wkr_bulk *s, bset *a, int part)
         dp_bulk_put(s->o.dp, a->b);
     } else if (a->buf) {
         wpool_free(a->buf);
-        dp_bulk_unreserve(s->o.dp, a->nbytes);
+        dp_bulk_unreserve(s->o.dp, a->h.nbytes);
     }
     free(a);
 }
@@ -261,7 +257,7 @@ static bset *set_join(wkr_bulk *s, bconn *k, const moe_bulk_req *h, moe_err *e, 
     dp_table *t = s->o.dp;
     pthread_mutex_lock(&s->mu);
     bset *a = s->sets;
-    while (a && !(a->cid == h->cid && a->seq == h->seq))
+    while (a && !(a->h.cid == h->cid && a->h.seq == h->seq))
         a = a->next;
     if (!a) {
         a = calloc(1, sizeof(*a));
@@ -278,28 +274,22 @@ static bset *set_join(wkr_bulk *s, bconn *k, const moe_bulk_req *h, moe_err *e, 
             pthread_mutex_unlock(&s->mu);
             return NULL;
         }
-        a->cid = h->cid;
-        a->seq = h->seq;
-        a->dtype = h->dtype;
-        a->rows = h->rows;
-        a->cols = h->cols;
-        a->nbytes = h->nbytes;
-        a->parts = h->parts;
+        a->h = *h;
         for (int p = 0; p < MOE_BULK_MAX_PARTS; p++)
             a->efd[p] = -1;
         a->state = BSET_GATHER;
         a->deadline_ns = now_ns() + (uint64_t)s->o.timeout_ms * 1000000ull;
         a->next = s->sets;
         s->sets = a;
-    } else if (a->dtype != h->dtype || a->rows != h->rows || a->cols != h->cols ||
-               a->parts != h->parts) {
+    } else if (a->h.dtype != h->dtype || a->h.rows != h->rows || a->h.cols != h->cols ||
+               a->h.parts != h->parts) {
         *e = MOE_EINVAL;
         snprintf(err, errlen,
                  "part %u of ticket [%llu, %llu] disagrees with its first part (%lld x %lld of "
                  "%s in %d parts)",
                  h->part, (unsigned long long)h->cid, (unsigned long long)h->seq,
-                 (long long)a->rows, (long long)a->cols, moe_dtype_name((moe_dtype)a->dtype),
-                 a->parts);
+                 (long long)a->h.rows, (long long)a->h.cols, moe_dtype_name((moe_dtype)a->h.dtype),
+                 a->h.parts);
         a = NULL;
     } else if (a->here[h->part] || a->state != BSET_GATHER) {
         *e = MOE_EPRECOND;
@@ -327,14 +317,14 @@ static void set_park(wkr_bulk *s, bconn *k, bset *a, int part)
         set_fail(a, part, MOE_ENOMEM, "worker out of memory");
         return;
     }
-    b->cid = a->cid;
-    b->seq = a->seq;
-    b->dtype = (moe_dtype)a->dtype;
-    b->rows = a->rows;
-    b->cols = a->cols;
+    b->cid = a->h.cid;
+    b->seq = a->h.seq;
+    b->dtype = (moe_dtype)a->h.dtype;
+    b->rows = a->h.rows;
+    b->cols = a->h.cols;
     b->buf = a->buf;
-    b->nbytes = a->nbytes;
-    b->reserved = a->nbytes;
+    b->nbytes = a->h.nbytes;
+    b->reserved = a->h.nbytes;
     b->wake_fd = k->efd;
     b->park_deadline_ns = now_ns() + (uint64_t)s->o.park_ms * 1000000ull;
     moe_err e = dp_bulk_park(s->o.dp, b, err, sizeof(err));
@@ -360,8 +350,8 @@ static int set_wait(wkr_bulk *s, bconn *k, bset *a, int part)
         if (st == BSET_GATHER && now >= a->deadline_ns) {
             char m[200];
             snprintf(m, sizeof(m), "bulk ticket [%llu, %llu]: %d of its %d parts came within %d ms",
-                     (unsigned long long)a->cid, (unsigned long long)a->seq, a->received, a->parts,
-                     s->o.timeout_ms);
+                     (unsigned long long)a->h.cid, (unsigned long long)a->h.seq, a->received,
+                     a->h.parts, s->o.timeout_ms);
             set_fail(a, part, MOE_ETIMEDOUT, m);
             st = a->state;
         }
@@ -409,7 +399,7 @@ static int serve_part(bconn *k, const moe_bulk_req *h)
     }
     pthread_mutex_lock(&s->mu);
     int owner = 0;
-    if (++a->received == a->parts && a->state == BSET_GATHER) {
+    if (++a->received == a->h.parts && a->state == BSET_GATHER) {
         set_park(s, k, a, part);
         owner = a->state == BSET_PARKED;
     }
@@ -460,7 +450,7 @@ static int serve_part(bconn *k, const moe_bulk_req *h)
     } else { /* this part's rows of y (y has its own row count and size) */
         const dp_bulk *b = a->b;
         int64_t y0, yn;
-        moe_bulk_part_rows(b->rows, a->parts, part, &y0, &yn);
+        moe_bulk_part_rows(b->rows, a->h.parts, part, &y0, &yn);
         const size_t yrow = b->rows ? b->nbytes / (size_t)b->rows : 0;
         rc = send_rep(k->fd, MOE_BULK_Y, MOE_OK, NULL, h->cid, h->seq, yn, (uint64_t)yn * yrow) ==
                          0 &&

@@ -94,9 +94,10 @@ static int info_flag(cluster *cl, const char *key)
     return b;
 }
 
-/* raw_call: method {pairs in p (n of them)} on a data endpoint: the error */
+/* raw_call: method {pairs in p (n of them)} on a data endpoint: the error;
+ * with key, *out gets that integer of the result */
 static moe_err raw_call(const char *url, const char *method, const mp_writer *p, uint32_t n,
-                        char *msg, size_t msglen, int64_t *rows_in)
+                        char *msg, size_t msglen, const char *key, int64_t *out)
 {
     nng_socket s;
     cr_assert_eq(nng_req0_open(&s), 0);
@@ -117,10 +118,10 @@ static moe_err raw_call(const char *url, const char *method, const mp_writer *p,
     mp_errbuf eb;
     cr_assert_eq(moe_rpc_parse_response(buf, len, &resp, &eb), MOE_OK);
     snprintf(msg, msglen, "%.*s", (int)resp.errmsg_len, resp.errmsg ? resp.errmsg : "");
-    if (rows_in) {
+    if (key) {
         mp_reader rd = resp.result;
-        cr_assert(mp_map_find(&rd, "rows_in_total") == 0 &&
-                  mp_read_i64(&rd, rows_in, NULL) == MOE_OK);
+        cr_assert(mp_map_find(&rd, key) == 0 && mp_read_i64(&rd, out, NULL) == MOE_OK, "no %s",
+                  key);
     }
     moe_err e = resp.err;
     nng_free(buf, len);
@@ -132,7 +133,8 @@ static int64_t rows_in(const char *url)
 {
     char msg[256];
     int64_t v = -1;
-    cr_assert_eq(raw_call(url, "ping", NULL, 0, msg, sizeof(msg), &v), MOE_OK, "%s", msg);
+    cr_assert_eq(raw_call(url, "ping", NULL, 0, msg, sizeof(msg), "rows_in_total", &v), MOE_OK,
+                 "%s", msg);
     return v;
 }
 
@@ -161,7 +163,7 @@ static moe_err run_rows(const char *url, uint64_t seq, const float *x, uint64_t 
     mp_write_u64(&p, generation);
     mp_write_cstr(&p, "fanout");
     mp_write_bool(&p, fanout);
-    moe_err e = raw_call(url, "data.rows", &p, 3, msg, msglen, NULL);
+    moe_err e = raw_call(url, "data.rows", &p, 3, msg, msglen, NULL, NULL);
     mp_writer_fini(&p);
     return e;
 }
@@ -169,27 +171,9 @@ static moe_err run_rows(const char *url, uint64_t seq, const float *x, uint64_t 
 /* rings: the rings a worker watches (its data endpoint's ping) */
 static int64_t rings(const char *url)
 {
-    nng_socket s;
-    cr_assert_eq(nng_req0_open(&s), 0);
-    nng_socket_set_ms(s, NNG_OPT_RECVTIMEO, 30000);
-    cr_assert_eq(nng_dial(s, url, NULL, 0), 0);
-    mp_writer w;
-    mp_writer_init(&w);
-    moe_rpc_write_request_head(&w, 1, "ping");
-    mp_write_map(&w, 0);
-    cr_assert_eq(nng_send(s, w.buf, w.len, 0), 0);
-    mp_writer_fini(&w);
-    uint8_t *buf;
-    size_t len;
-    cr_assert_eq(nng_recv(s, &buf, &len, NNG_FLAG_ALLOC), 0);
-    moe_rpc_response resp;
-    mp_errbuf eb;
-    cr_assert_eq(moe_rpc_parse_response(buf, len, &resp, &eb), MOE_OK);
-    mp_reader rd = resp.result;
+    char msg[256];
     int64_t v = -1;
-    cr_assert(mp_map_find(&rd, "rings") == 0 && mp_read_i64(&rd, &v, NULL) == MOE_OK);
-    nng_free(buf, len);
-    nng_close(s);
+    cr_assert_eq(raw_call(url, "ping", NULL, 0, msg, sizeof(msg), "rings", &v), MOE_OK, "%s", msg);
     return v;
 }
 
