@@ -1810,6 +1810,18 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
             return e;
         int stale = 0;
         e = dp_attempt(c, dp, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, &stale);
+        if (e == MOE_ENOTFOUND && nctl == 2 && !strcmp(method, "forward") &&
+            moe__data_path(c) == MOE_PATH_AUTO) {
+            /* an inference forward a worker could not place (the lane or
+             * the fan-out run outside the coordinator's job order: after a
+             * re-formation a worker may not hold the model again yet): the
+             * coordinator's road queues it behind the model's re-creation,
+             * or answers not_found for a model that does not exist */
+            map_put(dp, m);
+            moe_reply_free(ctl);
+            memset(ctl, 0, sizeof(*ctl));
+            return MOE_ENOMETHOD;
+        }
         if (stale || e == MOE_EUNAVAIL)
             map_mark_stale(dp, m); /* ask for the map again next time */
         uint64_t gen = m->gen;

@@ -15,9 +15,15 @@
 # an optimizer step, training with the kill in any call (the issue's "50
 # kills at random moments"), and training with the kill while a step's
 # automatic checkpoint is being written (checkpoints after every step; a
-# fresh directory per run); the other options apply to every run.
+# fresh directory per run), with bf16 models in runs 1-4, 9-12, ... and f32
+# models in runs 5-8, 13-16, ... (every mode in both dtypes); the other
+# options apply to every run.
 #
 # Logs of each run under $KILL_SERIES_DIR (default a fresh /tmp/moe-kills.*).
+# KILL_SERIES_FIRST=K numbers the runs K .. K+N-1 (seeds, kill moments and
+# --mix modes follow the number): a long series split over several calls.
+# KILL_SERIES_SECONDS=S starts no run once S seconds have passed (the table
+# and its summary still come out inside a bounded device call).
 # Exit status 0 when every run passed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -34,9 +40,16 @@ pass=0
 fail=0
 firsts=()
 readys=()
-printf "%-4s %-6s %-9s %-10s %-12s %-13s %-10s %-10s %s\n" run result mode "down (s)" \
-    "1st err (s)" "answered (s)" "step (s)" "ready (s)" "kill at"
-for i in $(seq 1 "$N"); do
+printf "%-4s %-6s %-10s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode "down (s)" \
+    "1st err (s)" "answered (s)" "step (s)" "ready (s)" "kill at" "run (s)"
+FIRST=${KILL_SERIES_FIRST:-1}
+BUDGET=${KILL_SERIES_SECONDS:-0}
+START=$SECONDS
+for i in $(seq "$FIRST" $((FIRST + N - 1))); do
+    if [ "$BUDGET" -gt 0 ] && [ $((SECONDS - START)) -ge "$BUDGET" ]; then
+        echo "stopped before run $i: ${BUDGET} s budget spent"
+        break
+    fi
     h=$(((i * 2654435761 + 40503) % 4294967296)) # spread over 1.0-3.9 s by a hash of i
     at=$(awk -v h="$h" 'BEGIN { printf "%.1f", 1.0 + (int(h / 65536) % 30) / 10 }')
     log="$DIR/run-$i.log"
@@ -56,10 +69,16 @@ for i in $(seq 1 "$N"); do
         3) mode=train; args+=(--train --kill-during any); ckpt=1 ;;
         0) mode=ckpt; args+=(--train --kill-during ckpt); ckpt=1 ;;
         esac
+        if [ $(((i - 1) / 4 % 2)) = 1 ]; then
+            args+=(--dtype f32)
+            mode=$mode/f32
+        fi
     fi
     [ "$ckpt" = 1 ] && args+=(--checkpoint-dir "$DIR/ckpt-$i")
+    t0=$SECONDS
     deploy/gpu-kill-test.sh "${args[@]}" --seed "$i" --kill-after "$at" >"$log" 2>&1
     rc=$?
+    wall=$((SECONDS - t0))
     down=$(grep -o 'state down [0-9.]* s after the kill' "$log" | head -1 | awk '{print $3}')
     first=$(grep -o 'first: [0-9.]* s after the kill' "$log" | head -1 | awk '{print $2}')
     ans=$(grep -o 'in-flight ones answered within [0-9.]* s' "$log" | head -1 | awk '{print $5}')
@@ -70,8 +89,8 @@ for i in $(seq 1 "$N"); do
     if [ "$rc" -eq 0 ]; then res=PASS; pass=$((pass + 1)); else res=FAIL; fail=$((fail + 1)); fi
     [ -n "$first" ] && firsts+=("$first")
     [ -n "$ready" ] && readys+=("$ready")
-    printf "%-4s %-6s %-9s %-10s %-12s %-13s %-10s %-10s %s\n" "$i" "$res" "$mode" "${down:--}" \
-        "${first:--}" "${ans:--}" "${step:--}" "${ready:--}" "$at"
+    printf "%-4s %-6s %-10s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$i" "$res" "$mode" \
+        "${down:--}" "${first:--}" "${ans:--}" "${step:--}" "${ready:--}" "$at" "$wall"
 done
 summ() { # label values...: min, median, max
     local label=$1; shift

@@ -351,7 +351,9 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
             e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
         if (e == MOE_OK)
             e = kcu_forward_stats(kl, out->counts, out->dropped, &aux, &z, NULL);
-        if (e == MOE_OK && cudaDeviceSynchronize() != cudaSuccess)
+        /* kcu_forward_stats waits on the legacy stream, which follows the
+         * plain forward's work; the pipelined one also ran copy streams */
+        if (e == MOE_OK && pipelined && cudaDeviceSynchronize() != cudaSuccess)
             e = MOE_EINTERNAL;
     }
     if (e != MOE_OK) {

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/hfcfg.h"
 #include "kernels/kern.h"
@@ -433,6 +434,8 @@ void wkr_op_model_create(wkr *w, rpc_call *c)
             return;
         }
         wkr_model *m;
+        if (w->slow_create_ms > 0)
+            usleep((useconds_t)(w->slow_create_ms * 1000));
         e = build_model(w, &cfg, &m);
         if (e != MOE_OK) {
             rpc_reply_err(c, e, "cannot allocate model '%s'", cfg.name);

@@ -312,6 +312,16 @@ moe_err ep_wait(kcu_ep *ep, cudaEvent_t ev, cudaStream_t st, const char *what)
     }
 }
 
+/* before a synchronous device call (cudaMemcpy, cudaDeviceSynchronize):
+ * wait for the legacy stream and the exchange stream under the timeout and
+ * the abort hook, so that a collective stuck on a dead peer makes the call
+ * fail at once instead of blocking the worker's compute thread */
+static moe_err ep_quiesce(kcu_ep *ep, const char *what)
+{
+    KCU_TRY(ep_wait(ep, nullptr, ep->cs, what));
+    return ep_wait(ep, nullptr, (cudaStream_t)0, what);
+}
+
 int64_t ep_owner_rows(const kcu_ep *ep, const int32_t *cnt, int q, int c)
 {
     /* rows of one rank's counts cnt (E) for owner q's experts in chunk c */
@@ -1041,6 +1051,7 @@ extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
 extern "C" moe_err kcu_ep_upload(kcu_ep *ep, const float *wr, const float *w1, const float *w3,
                                  const float *w2)
 {
+    KCU_TRY(ep_quiesce(ep, "weights upload"));
     KCU_TRY(kcu_ep_upload_router(ep, wr));
     KCU_TRY(kcu_experts_upload(ep->ex, w1, w3, w2));
     ep->rgrads_clean = 1;
@@ -1276,6 +1287,7 @@ extern "C" moe_err kcu_ep_download_router_grad(kcu_ep *ep, float *dwr)
     if (!ep->c.train)
         return MOE_EPRECOND;
     const size_t n = (size_t)ep->c.E * ep->c.H;
+    KCU_TRY(ep_quiesce(ep, "router gradient download"));
     KCU_CHECK(cudaDeviceSynchronize());
     if (ep->rgrads_clean) {
         memset(dwr, 0, n * 4);
@@ -1308,6 +1320,7 @@ extern "C" struct kcu_experts *kcu_ep_shared_experts(kcu_ep *ep)
 extern "C" moe_err kcu_ep_upload_bias(kcu_ep *ep, const float *bias)
 {
     const size_t E = ep->c.E;
+    KCU_TRY(ep_quiesce(ep, "bias upload"));
     if (!bias) {
         KCU_CHECK(cudaMemset(ep->R.bias, 0, E * 4));
         ep->R.has_bias = 0;
@@ -1350,6 +1363,7 @@ extern "C" moe_err kcu_ep_download_shared_grads(kcu_ep *ep, float *dws1, float *
         return MOE_EPRECOND;
     if (!ep->sh)
         return MOE_EINVAL;
+    KCU_TRY(ep_quiesce(ep, "shared expert gradients download"));
     KCU_TRY(kcu_experts_download_grads(ep->sh, dws1, dws3, dws2)); /* synchronises the device */
     if (dwsg && ep->gate) {
         const size_t H = ep->c.H;

@@ -344,8 +344,9 @@ struct kcu_layer {
     int T_fwd[KCU_MAX_STATES];   /* tokens of state s's last train forward, 0 if none */
     int cap_fwd[KCU_MAX_STATES]; /* capacity of its last forward (INT32_MAX = dropless) */
     int grads_clean;             /* gradients are logically zero: the next backward stores */
-    int32_t *stats_h;            /* (2 E + 2) pinned: counts, dropped, aux and z read back by
-                                  * kcu_forward_stats (one wait, no pageable copies); made on
+    int32_t *stats_h;            /* pinned, the span counts .. dropped of the workspace:
+                                  * counts, aux and z, dropped read back by
+                                  * kcu_forward_stats in one copy and one wait; made on
                                   * its first call, freed by kcu_layer_destroy */
     /* kcu_forward_pipelined (kcu_pipe.cu): created on its first call (all
      * zero before), freed by kcu_layer_destroy (kcu_pipe_release). Shared

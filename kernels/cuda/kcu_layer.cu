@@ -223,7 +223,11 @@ void carve_ws(kcu_layer *l, carve *cv)
     cv->take(&l->lse, T * 4);
     cv->take(&l->topk_idx, S * 4);
     cv->take(&l->topk_w, S * 4);
+    /* counts, stats and dropped side by side: kcu_forward_stats reads the
+     * three back in one copy (stats_span) */
     cv->take(&l->counts, Et * 4);
+    cv->take(&l->stats, 2 * 4);
+    cv->take(&l->dropped, Et * 4);
     cv->take(&l->offs, (Et + 1) * 4);
     cv->take(&l->chunk, nch * Et * 4);
     cv->take(&l->perm, S * 4);
@@ -232,12 +236,10 @@ void carve_ws(kcu_layer *l, carve *cv)
     cv->take(&l->tile_r0, mt * 4);
     cv->take(&l->ntiles, 4);
     cv->take(&l->cglob, E * 4);
-    cv->take(&l->stats, 2 * 4);
     /* k_stats_part's blocks of 256 tokens, or the decode router's CTAs */
     const size_t nstat = KCU_CEIL_DIV(T, (size_t)256), nrt = KCU_RT_CTAS;
     cv->take(&l->statpart, (nstat > nrt ? nstat : nrt) * (E + 1) * 4);
     cv->take(&l->spos, S * 4);
-    cv->take(&l->dropped, Et * 4);
     cv->take(&l->h, S * F * 2);
     if (!ye_borrows_grads(l))
         cv->take(&l->ye, S * H * 2);
@@ -1158,26 +1160,26 @@ extern "C" moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, int32_t *dro
 {
     cudaStream_t st = (cudaStream_t)stream;
     const int E = l->c.E;
-    /* into pinned memory: the copies are truly asynchronous, one wait for
-     * all (a decode call is tens of microseconds: three pageable copies
-     * were a good part of it) */
-    if (!l->stats_h && cudaMallocHost(&l->stats_h, (size_t)(2 * E + 2) * 4) != cudaSuccess) {
+    /* counts, stats and dropped lie side by side in the workspace
+     * (carve_ws): one copy into pinned memory and one wait for all three
+     * (a decode call is tens of microseconds: each copy's launch counts) */
+    const char *d0 = reinterpret_cast<const char *>(l->counts);
+    const size_t o_stats = reinterpret_cast<const char *>(l->stats) - d0;
+    const size_t o_drop = reinterpret_cast<const char *>(l->dropped) - d0;
+    const size_t span = o_drop + (size_t)E * 4;
+    if (!l->stats_h && cudaMallocHost(&l->stats_h, span) != cudaSuccess) {
         (void)cudaGetLastError();
         l->stats_h = nullptr;
         return MOE_ENOMEM;
     }
-    int32_t *hc = l->stats_h, *hd = l->stats_h + E;
-    float *hs = reinterpret_cast<float *>(l->stats_h + 2 * E);
-    if (counts)
-        KCU_CHECK(cudaMemcpyAsync(hc, l->counts, (size_t)E * 4, cudaMemcpyDeviceToHost, st));
-    if (dropped)
-        KCU_CHECK(cudaMemcpyAsync(hd, l->dropped, (size_t)E * 4, cudaMemcpyDeviceToHost, st));
-    KCU_CHECK(cudaMemcpyAsync(hs, l->stats, 2 * sizeof(float), cudaMemcpyDeviceToHost, st));
+    const char *h0 = reinterpret_cast<const char *>(l->stats_h);
+    KCU_CHECK(cudaMemcpyAsync(l->stats_h, d0, span, cudaMemcpyDeviceToHost, st));
     KCU_CHECK(cudaStreamSynchronize(st));
+    const float *hs = reinterpret_cast<const float *>(h0 + o_stats);
     if (counts)
-        memcpy(counts, hc, (size_t)E * 4);
+        memcpy(counts, h0, (size_t)E * 4);
     if (dropped)
-        memcpy(dropped, hd, (size_t)E * 4);
+        memcpy(dropped, h0 + o_drop, (size_t)E * 4);
     if (aux_loss)
         *aux_loss = hs[0];
     if (z_loss)

@@ -538,3 +538,46 @@ Test(fanout, worker_killed_mid_stream_answers_promptly, .timeout = 180, .fini = 
     moe_client_close(cs);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* Right after a re-formation the cluster is ready before every worker holds
+ * its models again (the coordinator re-creates them as jobs in order). A
+ * fan-out forward runs outside that order: a worker that does not hold the
+ * model yet answers not_found, and libmoe then takes the coordinator's road,
+ * which queues the forward behind the re-creation. Each worker here takes
+ * 1.5 s to create a model, so a forward of the second model sent as soon as
+ * the cluster is ready reaches the workers before that model's re-creation. */
+Test(fanout, forward_right_after_a_reformation_waits_for_the_model, .timeout = 240,
+     .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2,
+                      .worker_args = {"--slow-create-ms-for-tests", "1500", NULL}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const fcase fa = {"fo_first", 64, 32, 4, 2, MOE_F32, 0, 0};
+    const fcase fb = {"fo_second", 64, 32, 4, 2, MOE_F32, 0, 0};
+    create(cl, &fa);
+    create(cl, &fb);
+    moe_client *cs = open_path(cl, "auto");
+    enum { T = 4 };
+    float x[T * 64], y0[T * 64], y1[T * 64];
+    rng_fill_uniform(5, T, -2, 2, x, T * 64);
+    cr_assert_eq(moe_forward(cs, fb.name, 0, MOE_F32, x, T, 64, y0, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_wait_ready(cl, 60000), 0, "%s", cluster_error());
+    /* the map of the old generation is stale: the first call may be answered
+     * unavailable while it is asked again; never not_found */
+    moe_err e = MOE_EUNAVAIL;
+    for (int i = 0; i < 50 && e == MOE_EUNAVAIL; i++) {
+        memset(y1, 0xff, sizeof(y1));
+        e = moe_forward(cs, fb.name, 0, MOE_F32, x, T, 64, y1, NULL);
+        if (e == MOE_EUNAVAIL)
+            usleep(20000);
+    }
+    cr_assert_eq(e, MOE_OK, "a forward after the re-formation: %s: %s", moe_err_code(e),
+                 moe_last_error());
+    cr_assert(memcmp(y0, y1, sizeof(y0)) == 0, "y differs after the model's re-creation");
+    moe_client_close(cs);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}

@@ -81,6 +81,19 @@ class Abort(Exception):
     """A step that cannot go on (its check failed or the time is up)."""
 
 
+DTYPE = "bf16"  # --dtype: the models' dtype and so the rows' on the wire
+
+
+def to_rows(a):
+    """float32 rows as the models' dtype takes them (bf16: uint16 bits)"""
+    return moe.to_bf16(a) if DTYPE == "bf16" else np.ascontiguousarray(a, dtype=np.float32)
+
+
+def from_rows(y):
+    """a forward's rows as float32"""
+    return moe.from_bf16(y) if DTYPE == "bf16" else np.asarray(y, dtype=np.float32)
+
+
 def rel_err(a, b):
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
@@ -389,7 +402,7 @@ class Stream:
                     self.step_unacked = False
                     self.acked.append((time.monotonic(), s))
                     y, _ = self._call(name, "probe", c.forward, model, 0, probe_x)
-                    self.probes[s] = moe.from_bf16(y)
+                    self.probes[s] = from_rows(y)
                 except moe.Error as e:
                     m = re.search(r"is at step (\d+), not", str(e))
                     if e.code == "failed_precondition" and m and self.reset_ok and \
@@ -453,6 +466,8 @@ def parse_args():
     ap.add_argument("--xchg", default="auto", choices=["auto", "nng", "nccl"])
     ap.add_argument("--victim", type=int, default=1, help="the worker to SIGKILL (0-based)")
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"],
+                    help="the models' dtype (and the rows')")
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--d-ff", type=int, default=2048)
     ap.add_argument("--experts", type=int, default=8)
@@ -546,7 +561,9 @@ CHECKS = [
 
 
 def main():
+    global DTYPE
     a = parse_args()
+    DTYPE = a.dtype
     deadline = T0 + a.time_limit
     res = {k: None for k, _ in CHECKS}  # key -> (PASS|FAIL|SKIP, detail)
 
@@ -570,10 +587,10 @@ def main():
         os.makedirs(a.checkpoint_dir, exist_ok=True)
         ckpt = tempfile.mkdtemp(prefix="moe-kill-test.", dir=a.checkpoint_dir)
     log("kill test: %d workers (backend %s%s, xchg %s), victim worker %d; model %d layer(s), "
-        "d_model %d, d_ff %d, %d experts, top-%d, bf16; %d forward thread(s) of %d tokens%s; "
+        "d_model %d, d_ff %d, %d experts, top-%d, %s; %d forward thread(s) of %d tokens%s; "
         "kill during %s; logs in %s" % (a.workers, a.backend, ", devices 0-%d" % (a.gpus - 1) if a.gpus else "",
                         a.xchg, a.victim, a.layers, a.d_model, a.d_ff, a.experts, a.top_k,
-                        a.clients, a.tokens,
+                        a.dtype, a.clients, a.tokens,
                         "; training (%d tokens, checkpoints %s)" % (a.train_tokens, ckpt or "off")
                         if a.train else "", KILL_DURING[a.kill_during], run))
     log("bounds: answer %.1f s, down %.1f s, recover %.0f s, whole run %.0f s; heartbeat "
@@ -619,23 +636,23 @@ def main():
         ctl = moe.Client(cl.url, timeout_ms=a.client_timeout_ms)
         ping = moe.Client(cl.url, timeout_ms=2000)
         ctl.model_create("kt_inf", layers=a.layers, d_model=a.d_model, d_ff=a.d_ff,
-                         n_experts=a.experts, top_k=a.top_k, renormalize=True, dtype="bf16",
+                         n_experts=a.experts, top_k=a.top_k, renormalize=True, dtype=a.dtype,
                          seed=a.seed)
         if a.train:
             ctl.model_create("kt_train", layers=a.layers, d_model=a.d_model, d_ff=a.d_ff,
                              n_experts=a.experts, top_k=a.top_k, renormalize=True,
-                             dtype="bf16", seed=a.seed + 1)
+                             dtype=a.dtype, seed=a.seed + 1)
         log("model(s) created: kt_inf%s" % (", kt_train" if a.train else ""))
         rng = np.random.default_rng(a.seed)
-        x = moe.to_bf16(rng.uniform(-1, 1, (a.tokens, a.d_model)).astype(np.float32))
-        xref = moe.to_bf16(rng.uniform(-1, 1, (17, a.d_model)).astype(np.float32))
-        xt = moe.to_bf16(rng.uniform(-1, 1, (a.train_tokens, a.d_model)).astype(np.float32))
-        dy = moe.to_bf16(rng.uniform(-1e-2, 1e-2, (a.train_tokens, a.d_model))
+        x = to_rows(rng.uniform(-1, 1, (a.tokens, a.d_model)).astype(np.float32))
+        xref = to_rows(rng.uniform(-1, 1, (17, a.d_model)).astype(np.float32))
+        xt = to_rows(rng.uniform(-1, 1, (a.train_tokens, a.d_model)).astype(np.float32))
+        dy = to_rows(rng.uniform(-1e-2, 1e-2, (a.train_tokens, a.d_model))
                          .astype(np.float32))
-        probe_x = moe.to_bf16(rng.uniform(-1, 1, (9, a.d_model)).astype(np.float32))
+        probe_x = to_rows(rng.uniform(-1, 1, (9, a.d_model)).astype(np.float32))
         t = time.monotonic()
         yref, _ = ctl.forward("kt_inf", 0, xref)
-        yref = moe.from_bf16(yref)
+        yref = from_rows(yref)
         log("reference forward (17 tokens) %.3f s" % (time.monotonic() - t))
 
         # ---- stream -----------------------------------------------------
@@ -779,7 +796,7 @@ def main():
                 while time.monotonic() - t < left(a.answer_bound_s):
                     try:
                         ys, _ = ctl.forward("kt_inf", 0, xref)
-                        e_s = rel_err(moe.from_bf16(ys), yref)
+                        e_s = rel_err(from_rows(ys), yref)
                         break
                     except moe.Error as e:  # a moment of `unavailable` while models restore
                         why = str(e)
@@ -870,7 +887,7 @@ def main():
         stuck = sm.join(a.client_timeout_ms / 1000 + 2)
         # alone, as the reference before the stream (queued forwards are merged)
         yafter, _ = ctl.forward("kt_inf", 0, xref)
-        e_inf = rel_err(moe.from_bf16(yafter), yref)
+        e_inf = rel_err(from_rows(yafter), yref)
         recs, infl = sm.snapshot()
         short = [n for n in names if ok_after[n] < need[n]]
         late = [r for r in recs if r.t0 >= t_ready and r.code is not None]
@@ -1042,7 +1059,7 @@ def check_durable(a, ctl, sm, ckpt, run, committed, probe_x):
     t = time.monotonic()
     y, _ = ctl.forward("kt_train", 0, probe_x)
     log("  durability: probe forward (behind the restore) %.2f s" % (time.monotonic() - t))
-    y = moe.from_bf16(y)
+    y = from_rows(y)
     # the step counter without changing it: expect_step no model is at
     try:
         ctl.step("kt_train", expect_step=1 << 62)
