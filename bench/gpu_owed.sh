@@ -15,6 +15,13 @@
 #   bash bench/gpu_owed.sh 3   a kill series of mixed moments (inference,
 #                              kill inside an optimizer step, kill in any
 #                              call) on all GPUs: KILLS runs (default 16)
+#   bash bench/gpu_owed.sh 5   check-gpu, then issue 25's kill series on
+#                              all GPUs for KILL_BUDGET seconds (default
+#                              300; --mix: 4 moments x bf16/f32 models;
+#                              KILL_SERIES_FIRST numbers the runs so that
+#                              a 50-kill series spans calls), then the lane
+#                              at T=1 with and without spinning ring threads;
+#                              the failed runs' logs in $OUT/kill-fails.tgz
 #
 # Each step is bounded; a summary line per step goes to $OUT/owed.log.
 set -uo pipefail
@@ -78,6 +85,21 @@ case "${1:-1}" in
     # a Qwen3-30B-A3B-shaped checkpoint of 4 MoE layers loaded from a cold cache
     step 240 hf_load python3 bench/hf_load_bench.py --layers 4 --cold --workers 2 \
         --dir "${TMPDIR:-/tmp}/moe-hf-bench/q3"
+    ;;
+5)
+    step 150 check_gpu bin/check-gpu
+    step $((${KILL_BUDGET:-300} + 120)) kills env KILL_SERIES_DIR=/tmp/moe-kills \
+        KILL_SERIES_SECONDS="${KILL_BUDGET:-300}" deploy/kill-series.sh 50 --mix --backend cuda
+    grep -E "^[0-9]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
+        "$OUT/kills.log" | log >/dev/null
+    fails=$(grep -E "^[0-9]+ +FAIL" "$OUT/kills.log" | awk '{print "run-" $1 ".log"}')
+    [ -n "$fails" ] && (cd /tmp/moe-kills && tar czf "$OUT/kill-fails.tgz" $fails)
+    for SPIN in 0 100; do
+        step 60 "lane_t1_spin$SPIN" env MOE_RING_SPIN_US=$((SPIN * 2)) \
+            MOE_WORKER_RING_SPIN_US=$SPIN deploy/gpu-cluster.sh -w 1 -b cuda -- \
+            bin/service_bench --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bf16 \
+            --tokens 1,64 --iters 401 --no-ref --paths socket,shm,shm-zc
+    done
     ;;
 3)
     step 580 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-16}" --mix \
