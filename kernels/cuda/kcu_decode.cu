@@ -32,6 +32,14 @@
  *     (y[t] = sum_j bf16(w ye[t,j]), as kcu_combine) - or, for the experts
  *     object, writes the rows out.
  *
+ * Routing families (kcu_route_family: sigmoid or softmax scores, a choice
+ * bias, groups, a scale, shared experts): decode_forward_family runs the
+ * router for the logits alone, the GEMM path's family router
+ * (kcu_route_family_topk, one more kernel) and kernels 2 and 3 over the
+ * routed and shared experts of the layout; a shared expert held apart
+ * (E + m > 256) runs first and the combine adds its rows (k_dec_down<NB,
+ * true>). The softmax path above is not touched by it.
+ *
  * Taken for inference forwards only (train forwards keep the GEMM path
  * that saves the backward state), when T <= KCU_DECODE_TMAX (default 64), T*K <= 2048 and
  * the rows per expert average at most KCU_DECODE_ROWS (default 8: measured, Mixtral T=64 with
