@@ -2167,8 +2167,8 @@ int main(int argc, char **argv)
         /* E + m > 256: the shared expert held apart (kcu_layer.sh): the
          * DeepSeek-V3 layer (256 routed + 1 shared), forward and backward at
          * T 300 and 4, an inference forward with the decode path forced on
-         * (declined by the layer; the shared expert's kcu_experts may take
-         * it), and a gated shared expert of d_ff 8 F beside 250 experts */
+         * (taken by the layer and by the shared expert's kcu_experts), and
+         * a gated shared expert of d_ff 8 F beside 250 experts */
         {"v3-256", 300, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
         {"v3-256", 4, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
         {"v3-256", 4, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0},
