@@ -741,15 +741,13 @@ moe_err wkr_gpu_attach(wkr *w, wkr_model *m, int train)
     /* several GPU workers over NCCL: the device-resident layer (dropless) */
     void *comm = w->world > 1 ? xchg_nccl_comm(w->xc) : NULL;
     const int ep = comm && c->capacity_factor == 0 && strcmp(w->ep_cfg, "off") != 0;
+    /* the experts backend serves the routing families too: it runs only
+     * the owned experts' FFNs on rows grouped by expert; the router (the
+     * family's scoring, bias, groups and scale: fwd_gate, kern_route_cpu),
+     * the combine, the shared expert (kern_shared_forward_cpu, replicated
+     * on the worker's own tokens) and their backward stay on the host, the
+     * code and host weights of a CPU worker */
     const wkr_gpu_ops *ops = w->world == 1 ? &layer_ops : ep ? &ep_ops : &experts_ops;
-    if (ops == &experts_ops && model_cfg_routing_extra(c)) {
-        /* the experts backend routes on the host: softmax top-k only there */
-        LOG_E("model %s: routing %s needs the device-resident layers (one GPU worker, or "
-              "several over NCCL, dropless, --ep auto)",
-              c->name, model_cfg_routing_extra(c));
-        wkr_gpu_detach(m);
-        return MOE_EINVAL;
-    }
     m->gpu_ops = ops;
     m->gpu_train = train;
     moe_err e = MOE_OK;

@@ -32,6 +32,14 @@
  *     (y[t] = sum_j bf16(w ye[t,j]), as kcu_combine) - or, for the experts
  *     object, writes the rows out.
  *
+ * Routing families (kcu_route_family: sigmoid or softmax scores, a choice
+ * bias, groups, a scale, shared experts): decode_forward_family runs the
+ * router for the logits alone, the GEMM path's family router
+ * (kcu_route_family_topk, one more kernel) and kernels 2 and 3 over the
+ * routed and shared experts of the layout; a shared expert held apart
+ * (E + m > 256) runs first and the combine adds its rows (k_dec_down<NB,
+ * true>). The softmax path above is not touched by it.
+ *
  * Taken for inference forwards only (train forwards keep the GEMM path
  * that saves the backward state), when T <= KCU_DECODE_TMAX (default 64), T*K <= 2048 and
  * the rows per expert average at most KCU_DECODE_ROWS (default 8: measured, Mixtral T=64 with
@@ -84,7 +92,10 @@ struct rt_params {
     float *topk_w;  /* (T,K) */
     float *colpart; /* (gridDim, E+1): per-CTA column sums of probs, sum lse^2 */
     uint32_t *sync; /* (2) zeroed at layer create: barrier count, generation */
-    int topk;       /* 0: logits only (the up CTAs route: few slots) */
+    int topk;       /* 0: logits only (the up CTAs route: few slots; or a routing
+                     * family: kcu_route_family_topk routes between router and up) */
+    int rows;       /* router rows computed: 0 = E; E+1 with a shared gate (row E) */
+    int spread;     /* logits only, yet the token passes spread over CTAs (gridDim.y) */
     /* layout (the GEMM path, kcu_route_small): after a second barrier the
      * CTAs build the layout of the choices, each a slice of the slots */
     int layout;
@@ -105,8 +116,11 @@ struct up_params {
     int Ep, renorm;
     float *probs, *lse, *topk_w;
     int T, K, cap;
+    int Er, Kr; /* routed experts and slots (the statistics; probs (T,Er)): E and K
+                 * but with shared experts in the layout (E + m, K + m) */
     int32_t *offs, *perm, *tok, *spos;
-    const float *colpart; /* (nrt, E+1) the router CTAs' column sums (logits NULL) */
+    const float *colpart; /* (nrt, E+1) the router CTAs' column sums (logits NULL),
+                           * or NULL: the statistics from probs and lse (family) */
     int nrt;
     int32_t *counts, *dropped; /* (E) before / dropped by the capacity */
     float *stats;              /* (2) aux, z */
@@ -125,6 +139,13 @@ struct dn_params {
     const int32_t *spos;
     const float *topk_w;
     int T, K;
+    /* a shared expert held apart (k_dec_down<NB, true> only): its rows
+     * srows (T,H) added after the K slots of token t, + bf16(g srows[t])
+     * with g = sigmoid(glog[t * ldg]), or + srows[t] without glog, as
+     * kcu_shared_combine */
+    const bf16 *srows;
+    const float *glog;
+    int ldg;
     void *out;
     int out_f32;
     int smem_floats;
@@ -745,26 +766,30 @@ __device__ void dec_route(const up_params &p, up_smem &sm)
  * order: aux = E/(K T) sum_e counts_e mean_t p[t,e], z = mean_t lse_t^2) */
 __device__ void dec_stats(const up_params &p, up_smem &sm)
 {
-    const int E = p.E, T = p.T;
+    /* counts and drops over the E experts of the layout; the statistics
+     * over the Er routed ones (Er = E without shared experts in it) */
+    const int E = p.E, Er = p.Er, T = p.T;
     __syncthreads();
     for (int e = threadIdx.x; e <= E; e += UP_NT) {
-        float sum = 0.f;
-        if (!p.logits)
-            sum = colpart_sum(p.colpart, p.nrt, E, e);
-        else if (e < E) /* this CTA wrote probs and lse (dec_route) */
-            for (int t = 0; t < T; t++)
-                sum += p.probs[(size_t)t * E + e];
-        else
-            for (int t = 0; t < T; t++)
-                sum += p.lse[t] * p.lse[t];
-        sm.col[e] = sum;
+        if (e <= Er) {
+            float sum = 0.f;
+            if (!p.logits && p.colpart)
+                sum = colpart_sum(p.colpart, p.nrt, Er, e);
+            else if (e < Er) /* dec_route or the family router wrote probs and lse */
+                for (int t = 0; t < T; t++)
+                    sum += p.probs[(size_t)t * Er + e];
+            else
+                for (int t = 0; t < T; t++)
+                    sum += p.lse[t] * p.lse[t];
+            sm.col[e] = sum;
+        }
         if (e < E) {
             p.counts[e] = sm.cnt[e];
             p.dropped[e] = sm.cnt[e] - sm.kept[e];
         }
     }
     __syncthreads();
-    write_stats(sm.cnt, sm.col, E, p.K, T, p.stats);
+    write_stats(sm.cnt, sm.col, Er, p.Kr, T, p.stats);
 }
 
 /* A: the activation functor (kcu_act.cuh); the decode path uses its fwd_div
@@ -895,7 +920,10 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
 }
 
 /* ---- 3. down-projection + combine ---- */
-template <int NB>
+/* SH: the combine adds a shared expert's rows held apart (p.srows; layers
+ * with E + m > 256 only): its own instantiation, so the others' code is
+ * unchanged */
+template <int NB, bool SH>
 __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ dn_params p)
 {
     extern __shared__ float dsm[];
@@ -985,6 +1013,15 @@ __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ d
                     acc += rbf(p.topk_w[s] * ye);
                 }
                 const size_t oi = (size_t)t * H + n0 + cc;
+                if (SH) { /* the shared row, as k_shared_combine (sh_gate) */
+                    const float sv = __bfloat162float(p.srows[oi]);
+                    if (p.glog) {
+                        const float gl = p.glog[(size_t)t * p.ldg];
+                        acc += rbf(1.0f / (1.0f + expf(-gl)) * sv);
+                    } else {
+                        acc += sv;
+                    }
+                }
                 if (p.out_f32)
                     ((float *)p.out)[oi] = acc;
                 else
@@ -1070,8 +1107,8 @@ template <int NB> moe_err launch_router_t(const rt_params &rp, int nsm, cudaStre
     static int occ = 0;
     if (!occ)
         occ = blocks_per_sm(k_dec_router<NB>, RT_NT, 0);
-    const int gx = KCU_CEIL_DIV(rp.E, 16), cap = min(RT_CTAS, nsm * occ);
-    int gy = rp.topk ? KCU_CEIL_DIV(rp.T, 8 * NB) : 1;
+    const int gx = KCU_CEIL_DIV(rp.rows ? rp.rows : rp.E, 16), cap = min(RT_CTAS, nsm * occ);
+    int gy = rp.topk || rp.spread ? KCU_CEIL_DIV(rp.T, 8 * NB) : 1;
     gy = max(1, min(gy, cap / gx));
     *ncta = gx * gy;
     KCU_CHECK(kcu_launch(k_dec_router<NB>, dim3(gx, gy), dim3(RT_NT), 0, st, 1, rp.topk != 0, rp));
@@ -1107,7 +1144,8 @@ moe_err launch_up(const up_params &up, int rows, int nsm, cudaStream_t st)
     });
 }
 
-template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, cudaStream_t st)
+template <int NB, bool SH>
+moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, cudaStream_t st)
 {
     /* the shared memory limit is a per-device function attribute (one
      * process may drive several GPUs) */
@@ -1116,9 +1154,10 @@ template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, c
     KCU_CHECK(cudaGetDevice(&dev));
     const int di = dev >= 0 && dev < 64 ? dev : 0;
     if (!occ[di] || dev != di) {
-        KCU_CHECK(cudaFuncSetAttribute(k_dec_down<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        KCU_CHECK(cudaFuncSetAttribute(k_dec_down<NB, SH>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        smem_optin() < DN_SMEM_MAX ? smem_optin() : DN_SMEM_MAX));
-        occ[di] = blocks_per_sm(k_dec_down<NB>, DN_NT, DN_SMEM_PART);
+        occ[di] = blocks_per_sm(k_dec_down<NB, SH>, DN_NT, DN_SMEM_PART);
     }
     /* ys + up to 8 partials, within DN_SMEM_PART; past that ys alone (the
      * split of F then stays 1) */
@@ -1132,16 +1171,20 @@ template <int NB> moe_err launch_down_t(dn_params &dp, int nrows_max, int nsm, c
     int grid = dp.H / DN_COLS;
     if (grid > nsm * occ[di])
         grid = nsm * occ[di];
-    KCU_CHECK(kcu_launch(k_dec_down<NB>, dim3(grid), dim3(DN_NT), smem, st, 1, 0, dp));
+    KCU_CHECK(kcu_launch(k_dec_down<NB, SH>, dim3(grid), dim3(DN_NT), smem, st, 1, 0, dp));
     return MOE_OK;
 }
 
 moe_err launch_down(dn_params &dp, int rows, int nrows_max, int nsm, cudaStream_t st)
 {
     const int nb = nb_for(rows);
-    return nb == 1   ? launch_down_t<1>(dp, nrows_max, nsm, st)
-           : nb == 2 ? launch_down_t<2>(dp, nrows_max, nsm, st)
-                     : launch_down_t<4>(dp, nrows_max, nsm, st);
+    if (dp.srows) /* a shared expert held apart (family layers) */
+        return nb == 1   ? launch_down_t<1, true>(dp, nrows_max, nsm, st)
+               : nb == 2 ? launch_down_t<2, true>(dp, nrows_max, nsm, st)
+                         : launch_down_t<4, true>(dp, nrows_max, nsm, st);
+    return nb == 1   ? launch_down_t<1, false>(dp, nrows_max, nsm, st)
+           : nb == 2 ? launch_down_t<2, false>(dp, nrows_max, nsm, st)
+                     : launch_down_t<4, false>(dp, nrows_max, nsm, st);
 }
 
 int decode_on()
@@ -1195,15 +1238,24 @@ int decode_rows()
 int kcu_decode_use(const kcu_layer *l, int T, int train)
 {
     const kcu_config *c = &l->c;
-    /* plain softmax top-k only: routing families (sigmoid, bias, groups,
-     * scale, shared experts) fall back to the general path (kcu_route) */
-    if (train || T < 1 || !decode_on() || kcu_route_family(l))
+    /* E experts and K slots a token in the layout: the routed ones, and a
+     * routing family's shared experts held in it (kcu_nexp, kcu_nslot; plain
+     * layers: c->E, c->K). Families route with kcu_route_family_topk
+     * (decode_forward_family). */
+    const int E = kcu_nexp(l), K = kcu_nslot(l);
+    if (train || T < 1 || !decode_on())
+        return 0;
+    /* shared experts in the layout take T rows each: the decode layout caps
+     * every expert (the GEMM path the routed ones only), so a capacity that
+     * could drop a shared row (cf K < E: cap < T for some T) keeps the
+     * general path */
+    if (l->r.shared_experts > 0 && c->capacity_factor > 0.0f &&
+        (double)c->capacity_factor * c->K < (double)c->E)
         return 0;
     if (kcu_decode_override != 1 &&
-        (T > decode_tmax() || (long long)T * c->K > (long long)decode_rows() * c->E))
+        (T > decode_tmax() || (long long)T * K > (long long)decode_rows() * E))
         return 0;
-    return (long long)T * c->K <= dec_smax() && c->E <= DEC_EMAX && c->H % 128 == 0 &&
-           c->F % 128 == 0;
+    return (long long)T * K <= dec_smax() && E <= DEC_EMAX && c->H % 128 == 0 && c->F % 128 == 0;
 }
 
 namespace
@@ -1243,6 +1295,8 @@ up_params layout_params(const kcu_layer *l, int T, int cap, int nrt)
     up.topk_idx = l->topk_idx;
     up.T = T;
     up.K = l->c.K;
+    up.Er = l->c.E;
+    up.Kr = l->c.K;
     up.cap = cap;
     up.offs = l->offs;
     up.perm = l->perm;
@@ -1286,9 +1340,92 @@ moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream
     return launch_router(rp, l->nsm, st, &nrt);
 }
 
+namespace
+{
+
+/* the decode path of a layer with a routing family (kcu_route_family:
+ * sigmoid or softmax scores, a choice bias, groups, a scale, shared
+ * experts): the router kernel for the logits alone (row E too: a shared
+ * gate's logit), then the GEMM path's family router (kcu_route_family_topk:
+ * the same kernel, so the same choices and weights from the same logits;
+ * probs (T,E), lse, and Kt = K + m slots a token, the m shared experts E ..
+ * E+m-1 held in the layout after the K routed ones), then the up and down
+ * kernels over Et = E + m experts and Kt slots, the down kernel's combine
+ * summing all Kt slots in order as kcu_combine does. A shared expert held
+ * apart (l->sh, E + m > 256) runs first on all T rows (its kcu_experts,
+ * itself on the decode path where it qualifies) and the combine adds its
+ * rows after the routed slots, gated, as kcu_shared_combine. Counts and
+ * drops over the Et experts, the statistics over the E routed ones and K
+ * slots from probs and lse. One more kernel than the softmax decode path
+ * (the family router, launched without PDL); the softmax path is not
+ * touched. */
+moe_err decode_forward_family(kcu_layer *l, int T, const bf16 *xb, int cap, void *y,
+                              moe_dtype y_dtype, cudaStream_t st)
+{
+    const kcu_config *c = &l->c;
+    const int H = c->H, F = c->F, E = c->E, Et = kcu_nexp(l), Kt = kcu_nslot(l), S = T * Kt;
+    const int gate_row = (l->r.shared_experts > 0 && l->r.shared_gate) || (l->sh && l->sh_gate);
+    if (l->sh) { /* ys (T,H) = the shared expert on every row, into sy */
+        const int32_t rows = T;
+        KCU_TRY(kcu_experts_forward(l->sh, T, xb, MOE_BF16, &rows, l->sy, MOE_BF16, 0, st));
+    }
+    rt_params rp = router_params(l, T, xb, cap, 0);
+    rp.rows = E + gate_row;
+    rp.spread = 1; /* no grid barrier: the token passes over the CTAs as with topk */
+    int nrt = 0;
+    KCU_TRY(launch_router(rp, l->nsm, st, &nrt));
+    KCU_TRY(kcu_route_family_topk(l, T, st)); /* kcu_route.cu */
+
+    up_params up = layout_params(l, T, cap, nrt);
+    up.E = Et;
+    up.K = Kt;
+    up.Er = E;
+    up.Kr = c->K;
+    up.colpart = nullptr; /* the statistics from probs and lse */
+    up.x = xb;
+    up.w13 = l->w13;
+    up.N1 = l->N1;
+    up.H = H;
+    up.F = F;
+    up.act = c->act;
+    up.h = l->h;
+    /* rows per expert at most; shared experts in the layout take T (kcu_decode_use: cap >= T) */
+    const int rows = T < cap ? T : cap;
+    up.ks_force = kcu_decode_force_ks;
+    KCU_TRY(launch_up(up, rows, l->nsm, st));
+
+    dn_params dp;
+    memset(&dp, 0, sizeof(dp));
+    dp.h = l->h;
+    dp.w2 = l->w2;
+    dp.H = H;
+    dp.F = F;
+    dp.E = Et;
+    dp.offs = l->offs;
+    dp.spos = l->spos;
+    dp.topk_w = l->topk_w;
+    dp.T = T;
+    dp.K = Kt;
+    dp.out = y;
+    dp.out_f32 = y_dtype == MOE_F32;
+    dp.ks_force = kcu_decode_force_ks;
+    if (l->sh) {
+        dp.srows = l->sy;
+        dp.glog = l->sh_gate ? l->logits + E : nullptr;
+        dp.ldg = l->Ep;
+    }
+    KCU_TRY(launch_down(dp, rows, S, l->nsm, st));
+    kcu_decode_calls++;
+    return MOE_OK;
+}
+
+} // namespace
+
 moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
                            cudaStream_t st)
 {
+    if (kcu_route_family(l)) /* a host branch: the softmax path below is unchanged */
+        return decode_forward_family(l, T, xb, cap, y, y_dtype, st);
     const kcu_config *c = &l->c;
     const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
     /* at most 32 slots: the up CTAs route (no grid barrier on the path) */

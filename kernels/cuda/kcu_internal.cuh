@@ -458,8 +458,14 @@ moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStre
 /* kcu_route: routing (plain softmax top-k, or the family router when
  * kcu_route_family) and the layout with capacity cap on the routed experts */
 moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st);
+/* kcu_route_family_topk: the family router (k_route_family) alone on the
+ * layer's logits (T,Ep): probs (T,E), lse (T), topk_idx and topk_w (T,Kt),
+ * the K routed slots then the shared ones; kcu_route and the decode path
+ * (kcu_decode.cu) both call it, so both choose and weigh alike */
+moe_err kcu_route_family_topk(kcu_layer *l, int T, cudaStream_t st);
 /* whether layer l routes with the family router (a routing family, shared
- * experts or a bias): the decode path and the small router do not take it */
+ * experts or a bias): the decode path takes it (kcu_route_family_topk
+ * between its router and up kernels), the small router does not */
 static inline int kcu_route_family(const kcu_layer *l)
 {
     return l->family || l->has_bias;

@@ -824,8 +824,8 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     else
         KCU_TRY(stage_in(l, x, x_dtype, l->xs, n, st));
 
-    /* few rows per expert: kcu_decode.cu (plain softmax top-k only: a
-     * routing family takes the general path, kcu_decode_use says no) */
+    /* few rows per expert: kcu_decode.cu (a routing family too: its
+     * router between the decode kernels, shared experts included) */
     if (kcu_decode_use(l, T_path, train)) {
         const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
         l->cap_fwd[l->state] = cap;

@@ -606,26 +606,34 @@ moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStre
     return MOE_OK;
 }
 
-moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
+moe_err kcu_route_family_topk(kcu_layer *l, int T, cudaStream_t st)
 {
     const kcu_config *c = &l->c;
     const kcu_route_config *r = &l->r;
+    route_fam f;
+    f.sigmoid = r->scoring == KERN_SCORE_SIGMOID;
+    f.n_group = r->n_group > 1 ? r->n_group : 1;
+    f.topk_group = r->topk_group > 0 && r->topk_group < f.n_group ? r->topk_group : f.n_group;
+    f.topn = r->group_topn > 0 ? r->group_topn : 2;
+    f.renorm = c->renorm;
+    f.scale = r->route_scale != 0.0f ? r->route_scale : 1.0f;
+    f.m = r->shared_experts;
+    f.gate = r->shared_experts > 0 && r->shared_gate;
+    k_route_family<<<KCU_CEIL_DIV(T, FAM_WARPS), FAM_WARPS * 32, 0, st>>>(
+        l->logits, T, c->E, l->Ep, c->K, f, l->has_bias ? l->bias : nullptr, l->probs, l->lse,
+        l->topk_idx, l->topk_w);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
+moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
+{
+    const kcu_config *c = &l->c;
     /* E routed experts of K slots, Et experts held of Kt slots per token */
     const int E = c->E, K = c->K, Et = kcu_nexp(l), Kt = kcu_nslot(l);
     const int S = T * Kt, nch = KCU_CEIL_DIV(S, CHUNK);
     if (kcu_route_family(l)) {
-        route_fam f;
-        f.sigmoid = r->scoring == KERN_SCORE_SIGMOID;
-        f.n_group = r->n_group > 1 ? r->n_group : 1;
-        f.topk_group = r->topk_group > 0 && r->topk_group < f.n_group ? r->topk_group : f.n_group;
-        f.topn = r->group_topn > 0 ? r->group_topn : 2;
-        f.renorm = c->renorm;
-        f.scale = r->route_scale != 0.0f ? r->route_scale : 1.0f;
-        f.m = r->shared_experts;
-        f.gate = r->shared_experts > 0 && r->shared_gate;
-        k_route_family<<<KCU_CEIL_DIV(T, FAM_WARPS), FAM_WARPS * 32, 0, st>>>(
-            l->logits, T, E, l->Ep, K, f, l->has_bias ? l->bias : nullptr, l->probs, l->lse,
-            l->topk_idx, l->topk_w);
+        KCU_TRY(kcu_route_family_topk(l, T, st));
     } else {
         k_softmax_topk<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(
             l->logits, T, E, l->Ep, K, c->renorm, l->probs, l->lse, l->topk_idx, l->topk_w);

@@ -1794,8 +1794,15 @@ static int experts_decode_check(const ecase &c, uint64_t seed)
  * CPU routing (kern_route_cpu) run on the GPU's own logits gives the GPU's
  * expert indices exactly and its weights and scores within tolerance, and
  * the shared slots hold experts E.. with weight 1 or sigmoid(logit E). With
- * decode set, the decode path is forced on and must not be taken (the
- * family falls back to the general path). With train set, a backward
+ * decode set (inference), the decode path (kcu_decode.cu: the family router
+ * between its kernels, shared experts in its layout or, held apart, added
+ * in its combine) must be taken by each forward - forced on (decode 1), or
+ * by the default thresholds (decode 2: KCU_DECODE* unset) - and besides:
+ * bf16 device input and output give the f32 result rounded, bit for bit;
+ * the general path on the same layer and input gives the same routing bit
+ * for bit (probs, topk_idx, topk_w: the same family router on the same
+ * exact logits), the same counts, and y within the tolerance. With train
+ * set, a backward
  * (aux and z coefficients on) against kern_moe_backward_ref_g: dx, dwr,
  * dw1, dw3, dw2, and the shared expert's dws1, dws3, dws2 (reassembled by
  * kcu_layer_download_shared_grads) and dwsg, each within the tolerance.
@@ -1813,7 +1820,9 @@ struct fcase {
     int bias; /* 1: random choice bias; 2: an all-zero bias (the family router on a plain routing)
                */
     float cf;
-    int decode, train;
+    int decode; /* inference: 1 the decode path forced on, 2 by its default thresholds; both
+                 * must take it */
+    int train;
 };
 
 static int family_case(const fcase &c, uint64_t seed)
@@ -1864,8 +1873,17 @@ static int family_case(const fcase &c, uint64_t seed)
 
     /* ---- forward (poisoned workspace and output) ---- */
     std::vector<float> y((size_t)T * H, NAN), y2((size_t)T * H, NAN);
+    const int dec_mode = c.decode == 2 ? -1 : 1; /* kcu_decode_override for the decode checks */
     if (c.decode)
-        kcu_decode_override = 1;
+        kcu_decode_override = dec_mode;
+    /* inference with decode set: decode forwards per layer forward - the
+     * layer's, and a shared expert held apart's (a kcu_experts of T rows,
+     * inside the layer's decode forward) where its own thresholds take it */
+    int dec_calls = 0;
+    if (c.decode && !c.train) {
+        const int32_t rows_t = T;
+        dec_calls = 1 + (apart && kcu_decode_use_experts(l->sh, T, &rows_t, 0));
+    }
     const long long calls0 = kcu_decode_calls;
     CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
     CKM(kcu_forward(l, T, x.data(), MOE_F32, y2.data(), MOE_F32, c.train, NULL));
@@ -1873,10 +1891,7 @@ static int family_case(const fcase &c, uint64_t seed)
     CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
     CKM(kcu_forward(l, T, x.data(), MOE_F32, y.data(), MOE_F32, c.train, NULL));
     CK(cudaDeviceSynchronize());
-    /* the layer never takes the decode path; with it forced, a shared
-     * expert held apart (a kcu_experts of T rows, inference) takes it in
-     * each of the two forwards */
-    const int path_ok = kcu_decode_calls - calls0 == (apart && c.decode && !c.train ? 2 : 0);
+    int path_ok = kcu_decode_calls - calls0 == 2 * dec_calls;
     kcu_decode_override = 0;
     const int det_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
     std::vector<int32_t> counts(E), dropped(E);
@@ -1941,6 +1956,46 @@ static int family_case(const fcase &c, uint64_t seed)
     const double etw = relerr(twg_r.data(), tw_r.data(), tw_r.size());
     const double egate = ms ? relerr(gate_g.data(), gate_r.data(), gate_r.size()) : 0.0;
 
+    /* ---- decode set: bf16 device input and output against the f32 y
+     * rounded (bit for bit), then the general path on the same input: the
+     * same routing bit for bit, the same counts, y within the tolerance ---- */
+    int bf16_ok = 1, gemm_same = 1;
+    double ey_gemm = 0.0;
+    if (dec_calls) {
+        std::vector<uint16_t> xb16(x.size()), yb16(x.size());
+        for (size_t i = 0; i < x.size(); i++)
+            xb16[i] = kern_f32_to_bf16(x[i]); /* exact: x = i/64 */
+        bf16 *dx_, *dy_;
+        CK(cudaMalloc(&dx_, xb16.size() * 2));
+        CK(cudaMalloc(&dy_, xb16.size() * 2));
+        CK(cudaMemcpy(dx_, xb16.data(), xb16.size() * 2, cudaMemcpyHostToDevice));
+        kcu_decode_override = dec_mode;
+        const long long c1 = kcu_decode_calls;
+        CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+        CKM(kcu_forward(l, T, dx_, MOE_BF16, dy_, MOE_BF16, 0, NULL));
+        CK(cudaMemcpy(yb16.data(), dy_, yb16.size() * 2, cudaMemcpyDeviceToHost));
+        path_ok = path_ok && kcu_decode_calls - c1 == dec_calls;
+        for (size_t i = 0; i < yb16.size(); i++)
+            bf16_ok = bf16_ok && yb16[i] == kern_f32_to_bf16(y[i]);
+        CK(cudaFree(dx_));
+        CK(cudaFree(dy_));
+        /* the general path (kcu_route + GEMMs, the shared expert apart by
+         * kcu_shared_combine): decode off */
+        kcu_decode_override = 0;
+        const long long c2 = kcu_decode_calls;
+        std::vector<float> yg((size_t)T * H, NAN);
+        CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+        CKM(kcu_forward(l, T, x.data(), MOE_F32, yg.data(), MOE_F32, 0, NULL));
+        CK(cudaDeviceSynchronize());
+        path_ok = path_ok && kcu_decode_calls == c2;
+        std::vector<int32_t> cg(E), dg(E);
+        CKM(kcu_forward_stats(l, cg.data(), dg.data(), NULL, NULL, NULL));
+        gemm_same = dl(l->probs, (size_t)T * E) == probs_g &&
+                    dl(l->topk_idx, (size_t)T * Kt) == idx_g &&
+                    dl(l->topk_w, (size_t)T * Kt) == tw_g && cg == counts && dg == dropped;
+        ey_gemm = relerr(y.data(), yg.data(), y.size());
+    }
+
     /* ---- backward against kern_moe_backward_ref_g: dx, the routed
      * experts' and the router's gradients, the shared expert's (reassembled
      * from the extra experts) and its gate's ---- */
@@ -1987,9 +2042,9 @@ static int family_case(const fcase &c, uint64_t seed)
     const int apart_ok = apart == (E + m > 256); /* held apart exactly when E + m > 256 */
     kcu_layer_destroy(l);
 
-    const double ev[] = {ey,   eaux, ez,   eprobs, etw,  egate, edx, edwr,
-                         edw1, edw3, edw2, eds1,   eds3, eds2,  edsg};
-    int ok = cnt_ok && idx_ok && det_ok && path_ok && apart_ok;
+    const double ev[] = {ey,   eaux, ez,   eprobs, etw,  egate, edx,  edwr,
+                         edw1, edw3, edw2, eds1,   eds3, eds2,  edsg, ey_gemm};
+    int ok = cnt_ok && idx_ok && det_ok && path_ok && apart_ok && bf16_ok && gemm_same;
     for (double d : ev)
         ok = ok && d < TOL; /* NaN compares false */
     printf("%-12s T=%-4d E=%-3d K=%d m=%d%s %s cf=%g | y %.1e probs %.1e topk_w %.1e gate %.1e aux "
@@ -1998,6 +2053,10 @@ static int family_case(const fcase &c, uint64_t seed)
            swiglu ? "sw" : "ge", c.cf, ey, eprobs, etw, egate, eaux, ez,
            logits_exact ? "exact" : "inexact", idx_ok ? "ok" : "BAD", cnt_ok ? "ok" : "BAD",
            det_ok ? "ok" : "BAD", path_ok ? "ok" : "BAD", ok ? "PASS" : "FAIL");
+    if (dec_calls)
+        printf("%-12s   decode (%s) | bf16-io %s | general path: routing %s, y %.1e\n", "",
+               c.decode == 2 ? "default thresholds" : "forced", bf16_ok ? "ok" : "BAD",
+               gemm_same ? "same" : "BAD", ey_gemm);
     if (c.train)
         printf("%-12s   backward | dx %.1e dwr %.1e dw1 %.1e dw3 %.1e dw2 %.1e | dws1 %.1e dws3 "
                "%.1e dws2 %.1e dwsg %.1e\n",
@@ -2108,12 +2167,34 @@ int main(int argc, char **argv)
         /* E + m > 256: the shared expert held apart (kcu_layer.sh): the
          * DeepSeek-V3 layer (256 routed + 1 shared), forward and backward at
          * T 300 and 4, an inference forward with the decode path forced on
-         * (declined by the layer; the shared expert's kcu_experts may take
-         * it), and a gated shared expert of d_ff 8 F beside 250 experts */
+         * (taken by the layer and by the shared expert's kcu_experts), and
+         * a gated shared expert of d_ff 8 F beside 250 experts */
         {"v3-256", 300, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
         {"v3-256", 4, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 0, 1},
         {"v3-256", 4, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0},
         {"e250-m8-gate", 300, 256, 128, 250, 8, SW, 0, SM, 0, 0, 0, 0.f, 8, 1, 0, 0.f, 0, 1}};
+    /* the decode path with the families (inference, bf16 weights): a
+     * DeepSeek-V3-like layer (sigmoid + bias, 8 groups of which 4 kept,
+     * top-8, renormalised, x2.5, one shared expert: in the layout at E = 64,
+     * held apart at E = 256) and a Qwen2-MoE-like one (softmax, no
+     * renormalisation, a gated shared expert of d_ff 4 F: 4 experts in the
+     * layout), at T 1, 4, 16, 64 with the path forced on, then with the
+     * default thresholds where they take it (T K_t <= 8 E_t) */
+    for (int T : {1, 4, 16, 64}) {
+        fcases.push_back(
+            {"v3-dec", T, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0});
+        fcases.push_back(
+            {"v3-256-dec", T, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0});
+        fcases.push_back(
+            {"qwen2-dec", T, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0});
+    }
+    fcases.push_back({"v3-dec", 16, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 2, 0});
+    fcases.push_back(
+        {"v3-256-dec", 64, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 2, 0});
+    fcases.push_back(
+        {"v3-256-dec", 1, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 2, 0});
+    fcases.push_back(
+        {"qwen2-dec", 4, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 2, 0});
     if (!small) {
         const std::vector<fcase> more = {
             {"v3-cap", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 1.0f, 0, 1},
