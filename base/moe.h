@@ -252,6 +252,20 @@ void moe_buffer_free(moe_client *c, void *p);
 moe_err moe_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle);
 void moe_cuda_unregister(moe_client *c, void *dptr);
 
+/* The "nccl" data path (opts.data_path, CUDA builds of libmoe, workers of
+ * backend cuda): moe_forward / moe_forward_train / moe_backward whose x and
+ * output are both device memory (cudaMalloc) of one GPU of this process
+ * send each worker its rows GPU to GPU over a NCCL communicator of their
+ * own (opened on the first call, on that GPU), the control still over nng
+ * (docs/PROTOCOL.md, "Data plane", "9. NCCL"). The caller's work on x must
+ * be finished before the call; y is written when it returns. Elsewhere (a
+ * CPU worker, a build without CUDA, host memory) such a call fails with
+ * MOE_EUNAVAIL or MOE_EINVAL and says why.
+ * moe_nccl_floor measures the path's floor: n bytes at dev (device memory)
+ * to worker `rank` and back over that communicator, raw (no compute, no
+ * nng), iters times; *seconds: the median round trip. */
+moe_err moe_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iters, double *seconds);
+
 typedef struct moe_adamw {
     double lr, beta1, beta2, eps, weight_decay;
     double max_grad_norm; /* 0 = no clipping */

@@ -1148,6 +1148,7 @@ const dp_method dp_methods[] = {
     {{"data.shm_detach", 0}, on_detach},  {{"data.cuda_attach", 0}, on_cuda_attach},
     {{"data.cuda_detach", 0}, on_detach}, {{"data.ring_attach", 0}, dp_on_ring_attach},
     {{"data.nccl_open", 0}, wnc_on_open}, {{"data.nccl_close", 0}, wnc_on_close},
+    {{"data.nccl_echo", 0}, wnc_on_echo},
 };
 const int dp_nmethods = (int)(sizeof(dp_methods) / sizeof(dp_methods[0]));
 

@@ -27,7 +27,7 @@ static const char wnc_no_gpu[] =
 
 _Static_assert(sizeof(ncclUniqueId) == WNC_ID_BYTES, "ncclUniqueId size");
 
-enum { WNC_RECV_X = 1, WNC_SEND_Y };
+enum { WNC_RECV_X = 1, WNC_SEND_Y, WNC_ECHO };
 
 /* wnc_job: one transfer, in the order the client posts its side. */
 typedef struct wnc_job {
@@ -37,6 +37,8 @@ typedef struct wnc_job {
     int has_run;
     size_t n;          /* bytes of x, or of y */
     const void *ydev;  /* SEND_Y: y (n bytes) in the comm's buffer */
+    rpc_call *echo;    /* ECHO: data.nccl_echo, answered when its rounds are done */
+    int rounds;        /* ECHO: receive n bytes and send them back, this many times */
     uint64_t deadline_ns;
     struct wnc_job *next;
 } wnc_job;
@@ -178,6 +180,32 @@ static moe_err wnc_recv_x(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     return MOE_OK;
 }
 
+/* wnc_echo: the floor of the path (no compute, no nng): n bytes in and
+ * back, rounds times, then data.nccl_echo is answered. */
+static moe_err wnc_echo(struct wnc *x, wnc_job *j, char *err, size_t errlen)
+{
+    moe_err e = wnc_buffer(x, j->n ? j->n : 1, err, errlen);
+    uint8_t *base = e == MOE_OK ? dp_region_base(x->buf) : NULL;
+    for (int i = 0; i < j->rounds && e == MOE_OK; i++) {
+        e = wnc_poll(x, ncclRecv(base, j->n, ncclUint8, 0, x->comm, x->stream), 1,
+                     j->deadline_ns, "echo: receiving", err, errlen);
+        if (e == MOE_OK)
+            e = wnc_poll(x, ncclSend(base, j->n, ncclUint8, 0, x->comm, x->stream), 1,
+                         j->deadline_ns, "echo: sending", err, errlen);
+    }
+    if (e != MOE_OK) {
+        rpc_reply_err(j->echo, e, "%s", err);
+    } else {
+        mp_writer w;
+        mp_writer_init(&w);
+        moe_rpc_write_response_ok_head(&w, j->echo->req.msgid);
+        mp_write_map(&w, 0);
+        rpc_reply(j->echo, &w);
+    }
+    j->echo = NULL;
+    return e;
+}
+
 static moe_err wnc_send(struct wnc *x, wnc_job *j, char *err, size_t errlen)
 {
     ncclResult_t r = ncclSend(j->ydev, j->n, ncclUint8, 0, x->comm, x->stream);
@@ -244,8 +272,11 @@ static void *wnc_thread(void *arg)
         if (!j && stop)
             break;
         if (!stop)
-            e = j->kind == WNC_RECV_X ? wnc_recv_x(x, j, err, sizeof(err))
+            e = j->kind == WNC_RECV_X   ? wnc_recv_x(x, j, err, sizeof(err))
+                : j->kind == WNC_ECHO ? wnc_echo(x, j, err, sizeof(err))
                                       : wnc_send(x, j, err, sizeof(err));
+        if (j->echo) /* never ran */
+            rpc_reply_err(j->echo, MOE_EUNAVAIL, "%s", err[0] ? err : "the communicator failed");
         if (j->tk) /* not filed: refused, or its x never came */
             dp_ticket_discard(t, j->tk, e == MOE_ETIMEDOUT ? MOE_ETIMEDOUT : MOE_EUNAVAIL,
                               err[0] ? err : "the NCCL communicator failed");
@@ -446,6 +477,44 @@ void wnc_on_open(dp_table *t, rpc_call *c)
     rpc_reply(c, &w);
 }
 
+void wnc_on_echo(dp_table *t, rpc_call *c)
+{
+    char err[256];
+    int64_t id = 0, bytes = 0, rounds = 1, deadline_ms = 60000;
+    pspec sp[] = {
+        {"comm", P_INT, &id, true, 1, 9e18, 0, false},
+        {"bytes", P_INT, &bytes, true, 0, (double)WNC_MAX_BYTES, 0, false},
+        {"rounds", P_INT, &rounds, false, 1, 100000, 0, false},
+        {"deadline_ms", P_INT, &deadline_ms, false, 1, 3600000, 0, false},
+    };
+    mp_reader r = c->req.params;
+    moe_err e = params_parse(&r, c->req.nparams, sp, 4, err, sizeof(err));
+    if (e != MOE_OK) {
+        rpc_reply_err(c, e, "%s", err);
+        return;
+    }
+    wnc_job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        rpc_reply_err(c, MOE_ENOMEM, "out of memory");
+        return;
+    }
+    j->kind = WNC_ECHO;
+    j->echo = c;
+    j->n = (size_t)bytes;
+    j->rounds = (int)rounds;
+    j->deadline_ns = wnc_now_ns() + (uint64_t)deadline_ms * 1000000ull;
+    pthread_mutex_lock(&t->mu);
+    struct wnc *x = wnc_find_locked(t, rpc_call_pipe(c), (uint64_t)id);
+    if (x && !x->failed)
+        wnc_queue_locked(x, j);
+    pthread_mutex_unlock(&t->mu);
+    if (!x || x->failed) {
+        free(j);
+        rpc_reply_err(c, MOE_ENOTFOUND, "NCCL communicator %lld is not open on this connection",
+                      (long long)id);
+    }
+}
+
 void wnc_on_close(dp_table *t, rpc_call *c)
 {
     char err[256];
@@ -490,6 +559,12 @@ void wnc_pipe_closed_locked(dp_table *t, uint32_t pipe, int all)
 #else /* no CUDA: every worker refuses */
 
 void wnc_on_open(dp_table *t, rpc_call *c)
+{
+    (void)t;
+    rpc_reply_err(c, MOE_EPRECOND, "%s", wnc_no_gpu);
+}
+
+void wnc_on_echo(dp_table *t, rpc_call *c)
 {
     (void)t;
     rpc_reply_err(c, MOE_EPRECOND, "%s", wnc_no_gpu);

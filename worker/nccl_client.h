@@ -32,6 +32,10 @@ struct wnc;
 /* wnc_on_open: data.nccl_open {id: bin (128 bytes, ncclUniqueId), device?:
  * int, timeout_ms?: int} -> {comm: uint} (loop thread). */
 void wnc_on_open(dp_table *t, rpc_call *c);
+/* wnc_on_echo: data.nccl_echo {comm, bytes, rounds?, deadline_ms?} -> {}:
+ * receives bytes and sends them back, rounds times, on the communicator
+ * (the path's floor: no compute, no nng; service_bench). */
+void wnc_on_echo(dp_table *t, rpc_call *c);
 /* wnc_on_close: data.nccl_close {comm} -> {} (loop thread). */
 void wnc_on_close(dp_table *t, rpc_call *c);
 /* wnc_submit: a data.rows naming comm: tk (not filed yet; owns the call)
