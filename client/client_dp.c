@@ -1559,9 +1559,8 @@ static moe_err nccl_open(moe_client *c, dp_map *m, int q, int dev)
     uint64_t comm = 0;
     e = attach_call_key(c, m, q, "data.nccl_open", &p, 3, "comm", &comm);
     mp_writer_fini(&p);
-    if (e == MOE_OK &&
-        (e = moe_nccl_wait(l, 0, moe__timeout_ms(c), &m->up[q], NULL, NULL, msg, sizeof(msg))) !=
-            MOE_OK)
+    if (e == MOE_OK && (e = moe_nccl_wait(l, 0, moe__timeout_ms(c), &m->up[q], NULL, NULL, msg,
+                                          sizeof(msg))) != MOE_OK)
         moe__set_error("data path nccl: worker rank %d: joining the communicator: %s", q, msg);
     if (e != MOE_OK) {
         moe_nccl_abort(l);
@@ -1625,9 +1624,27 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
         return MOE_EUNAVAIL;
     }
+    /* host rows (moectl, Python's NumPy arrays): staged through a device
+     * buffer of GPU $MOE_NCCL_DEVICE, x then y */
+    uint8_t *stage = NULL;
+    void *host_out = NULL;
+    if (nbytes && dev < 0 && moe_nccl_device_of(out) < 0) {
+        dev = moe_nccl_stage_device();
+        stage = moe_nccl_dev_alloc(dev, 2 * nbytes);
+        if (!stage || moe_nccl_copy(stage, in, nbytes) != MOE_OK) {
+            moe_nccl_dev_free(stage);
+            moe__set_error("%s: data path nccl: no %zu bytes of GPU %d memory for host rows",
+                           method, 2 * nbytes, dev);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            return MOE_ENOMEM;
+        }
+        in = stage;
+        host_out = out;
+        out = stage + nbytes;
+    }
     if (!nbytes || dev < 0 || moe_nccl_device_of(out) != dev) {
-        moe__set_error("%s: data path nccl: x and the output must be device memory (cudaMalloc) "
-                       "of one GPU",
+        moe__set_error("%s: data path nccl: x and the output must both be device memory "
+                       "(cudaMalloc) of one GPU, or both host memory",
                        method);
         snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
         return MOE_EINVAL;
@@ -1638,12 +1655,14 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
                            "worker)",
                            method, q);
             snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            moe_nccl_dev_free(stage);
             return MOE_EUNAVAIL;
         }
     dp_req *rq = calloc((size_t)W, sizeof(dp_req));
     int *held = calloc((size_t)W, sizeof(int)), *early = calloc((size_t)W, sizeof(int));
     if (!rq || !held || !early) {
         free(rq), free(held), free(early);
+        moe_nccl_dev_free(stage);
         return MOE_ENOMEM;
     }
     /* 0. the links, in rank order (one call at a time on each) */
@@ -1715,8 +1734,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         nng_ctx_recv(rq[q].ctx, rq[q].aio);
         rq[q].recv_posted = 1;
         char nm[300];
-        if ((e = moe_nccl_post(&m->nccl[q], 1, (uint8_t *)in + off, n, nm, sizeof(nm))) !=
-            MOE_OK) {
+        if ((e = moe_nccl_post(&m->nccl[q], 1, (uint8_t *)in + off, n, nm, sizeof(nm))) != MOE_OK) {
             moe__set_error("%s: worker rank %d: %s", method, q, nm);
             nccl_drop(c, m, q);
             break;
@@ -1728,8 +1746,8 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         if (!rq[q].open)
             continue;
         char nm[300];
-        moe_err xe = moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], answered, &rq[q], nm,
-                                   sizeof(nm));
+        moe_err xe =
+            moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], answered, &rq[q], nm, sizeof(nm));
         if (xe == MOE_ECLOSED) /* answered: an error, or x arrived a moment before */
             xe = moe_nccl_wait(&m->nccl[q], 1, 200, &m->up[q], NULL, NULL, nm, sizeof(nm));
         if (xe != MOE_OK) {
@@ -1780,8 +1798,8 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         char msg[400];
         int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
         size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
-        moe_err qe = req_finish(&rq[q], down, e != MOE_OK || early[q] ? DP_GRACE_MS : 0, &resp,
-                                msg, sizeof(msg));
+        moe_err qe = req_finish(&rq[q], down, e != MOE_OK || early[q] ? DP_GRACE_MS : 0, &resp, msg,
+                                sizeof(msg));
         if (qe == MOE_OK && early[q]) {
             qe = derr;
             snprintf(msg, sizeof(msg), "%s", dmsg);
@@ -1825,6 +1843,14 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         e = derr;
         moe__set_error("%s: %s: %s", method, moe_err_code(e), dmsg);
         snprintf(ctl->message, sizeof(ctl->message), "%s", dmsg);
+    }
+    if (stage) {
+        if (e == MOE_OK && moe_nccl_copy(host_out, out, nbytes) != MOE_OK) {
+            e = MOE_EINTERNAL;
+            moe__set_error("%s: data path nccl: copying y back from GPU %d failed", method, dev);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+        }
+        moe_nccl_dev_free(stage);
     }
     return e;
 }
@@ -2197,8 +2223,7 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-moe_err moe_dp_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iters,
-                          double *seconds)
+moe_err moe_dp_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iters, double *seconds)
 {
     struct moe_dp *dp = moe__dp(c);
     dp_map *m = NULL;
@@ -2262,8 +2287,7 @@ moe_err moe_dp_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iter
         double t0 = dp_now_s();
         if ((e = moe_nccl_post(l, 1, dev, n, msg, sizeof(msg))) == MOE_OK &&
             (e = moe_nccl_post(l, 0, dev, n, msg, sizeof(msg))) == MOE_OK)
-            e = moe_nccl_wait(l, 1, moe__timeout_ms(c), &m->up[rank], NULL, NULL, msg,
-                              sizeof(msg));
+            e = moe_nccl_wait(l, 1, moe__timeout_ms(c), &m->up[rank], NULL, NULL, msg, sizeof(msg));
         t[i] = dp_now_s() - t0;
         if (e != MOE_OK) {
             moe__set_error("moe_nccl_floor: %s", msg);
@@ -2272,8 +2296,8 @@ moe_err moe_dp_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iter
     }
     if (rq.open) {
         moe_rpc_response resp;
-        moe_err qe = req_finish(&rq, e != MOE_OK, e != MOE_OK ? DP_GRACE_MS : 0, &resp, msg,
-                                sizeof(msg));
+        moe_err qe =
+            req_finish(&rq, e != MOE_OK, e != MOE_OK ? DP_GRACE_MS : 0, &resp, msg, sizeof(msg));
         if (e == MOE_OK && qe != MOE_OK) {
             e = qe;
             moe__set_error("moe_nccl_floor: data.nccl_echo: %s", msg);

@@ -3,6 +3,7 @@
 
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -87,8 +88,8 @@ moe_err moe_nccl_post(moe_nccl_link *l, int send, void *p, size_t n, char *msg, 
     ncclResult_t r = send ? ncclSend(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream)
                           : ncclRecv(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream);
     if (r != ncclSuccess && r != ncclInProgress) {
-        snprintf(msg, msglen, "%s: %s (%s)", send ? "ncclSend" : "ncclRecv",
-                 ncclGetErrorString(r), ncclGetLastError((ncclComm_t)l->comm));
+        snprintf(msg, msglen, "%s: %s (%s)", send ? "ncclSend" : "ncclRecv", ncclGetErrorString(r),
+                 ncclGetLastError((ncclComm_t)l->comm));
         return MOE_EUNAVAIL;
     }
     return MOE_OK; /* ncclInProgress: moe_nccl_wait sees it through */
@@ -104,8 +105,7 @@ moe_err moe_nccl_wait(moe_nccl_link *l, int stream, int timeout_ms, const int *u
         ncclResult_t q = ncclCommGetAsyncError(comm, &st);
         ncclResult_t bad = q != ncclSuccess ? q : st;
         if (bad != ncclSuccess && bad != ncclInProgress) {
-            snprintf(msg, msglen, "NCCL: %s (%s)", ncclGetErrorString(bad),
-                     ncclGetLastError(comm));
+            snprintf(msg, msglen, "NCCL: %s (%s)", ncclGetErrorString(bad), ncclGetLastError(comm));
             return MOE_EUNAVAIL;
         }
         if (bad == ncclSuccess) {
@@ -137,6 +137,35 @@ moe_err moe_nccl_wait(moe_nccl_link *l, int stream, int timeout_ms, const int *u
             nanosleep(&ts, NULL);
         }
     }
+}
+
+void *moe_nccl_dev_alloc(int device, size_t n)
+{
+    int prev = -1;
+    void *p = NULL;
+    (void)cudaGetDevice(&prev);
+    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, n ? n : 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        p = NULL;
+    }
+    if (prev >= 0)
+        cudaSetDevice(prev);
+    return p;
+}
+
+moe_err moe_nccl_copy(void *dst, const void *src, size_t n)
+{
+    if (n && cudaMemcpy(dst, src, n, cudaMemcpyDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MOE_EINTERNAL;
+    }
+    return MOE_OK;
+}
+
+void moe_nccl_dev_free(void *p)
+{
+    if (p)
+        cudaFree(p);
 }
 
 void moe_nccl_abort(moe_nccl_link *l)
@@ -186,6 +215,23 @@ moe_err moe_nccl_wait(moe_nccl_link *l, int stream, int timeout_ms, const int *u
     return MOE_EUNAVAIL;
 }
 
+void *moe_nccl_dev_alloc(int device, size_t n)
+{
+    (void)device, (void)n;
+    return NULL;
+}
+
+moe_err moe_nccl_copy(void *dst, const void *src, size_t n)
+{
+    (void)dst, (void)src, (void)n;
+    return MOE_EINTERNAL;
+}
+
+void moe_nccl_dev_free(void *p)
+{
+    (void)p;
+}
+
 void moe_nccl_abort(moe_nccl_link *l)
 {
     l->open = 0;
@@ -194,6 +240,12 @@ void moe_nccl_abort(moe_nccl_link *l)
 }
 
 #endif
+
+int moe_nccl_stage_device(void)
+{
+    const char *s = getenv("MOE_NCCL_DEVICE");
+    return s && *s ? atoi(s) : 0;
+}
 
 void moe_nccl_link_fini(moe_nccl_link *l)
 {

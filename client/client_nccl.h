@@ -57,6 +57,14 @@ moe_err moe_nccl_post(moe_nccl_link *l, int send, void *p, size_t n, char *msg, 
  * (give_up) with the reason in msg; then the caller aborts the link. */
 moe_err moe_nccl_wait(moe_nccl_link *l, int stream, int timeout_ms, const int *up,
                       int (*give_up)(void *), void *arg, char *msg, size_t msglen);
+/* host rows on the NCCL path are staged through device memory of GPU
+ * $MOE_NCCL_DEVICE (default 0): moe_nccl_stage_device, moe_nccl_dev_alloc
+ * (NULL on failure), moe_nccl_copy (either direction; MOE_EINTERNAL on
+ * failure) and moe_nccl_dev_free. */
+int moe_nccl_stage_device(void);
+void *moe_nccl_dev_alloc(int device, size_t n);
+moe_err moe_nccl_copy(void *dst, const void *src, size_t n);
+void moe_nccl_dev_free(void *p);
 /* moe_nccl_abort: the communicator is dropped (ncclCommAbort); open = 0. */
 void moe_nccl_abort(moe_nccl_link *l);
 

@@ -430,8 +430,8 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
         mp_write_i64(&w, H);
         rpc_reply(tk->call, &w);
         tk->call = NULL;
-        wnc_send_y(tk->nccl, dp_y_ptr(tk),
-                   (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype), tk->deadline_ns);
+        wnc_send_y(tk->nccl, dp_y_ptr(tk), (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype),
+                   tk->deadline_ns);
         return;
     }
     mp_write_map(&w, 4);
@@ -678,8 +678,8 @@ void dp_rows_call(dp_table *t, rpc_call *c)
         uint32_t nd;
         int64_t R = -1, H = -1;
         moe_dtype dt;
-        if (!sp[3].seen || moe_dtype_parse(dtname, strlen(dtname), &dt) != MOE_OK ||
-            !sp[4].seen || mp_read_array(&rshape, &nd, NULL) != MOE_OK || nd != 2 ||
+        if (!sp[3].seen || moe_dtype_parse(dtname, strlen(dtname), &dt) != MOE_OK || !sp[4].seen ||
+            mp_read_array(&rshape, &nd, NULL) != MOE_OK || nd != 2 ||
             mp_read_i64(&rshape, &R, NULL) != MOE_OK || mp_read_i64(&rshape, &H, NULL) != MOE_OK ||
             R < 0 || H <= 0 || R > (1ll << 31) || H > (1ll << 20)) {
             dp_ticket_discard(t, tk, MOE_EINVAL, "rows over NCCL need dtype and shape [R, H]");

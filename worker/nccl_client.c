@@ -12,9 +12,9 @@
 #include "common/params.h"
 
 #define WNC_MAX_PER_PIPE 4
-#define WNC_ID_BYTES     128           /* sizeof(ncclUniqueId) */
+#define WNC_ID_BYTES     128               /* sizeof(ncclUniqueId) */
 #define WNC_MAX_BYTES    ((size_t)1 << 34) /* one request's x: 16 GiB at most */
-#define WNC_SEND_MIN_MS  5000          /* y may take this long at least */
+#define WNC_SEND_MIN_MS  5000              /* y may take this long at least */
 
 /* refuse: the reply to data.nccl_open where this worker has no GPU */
 static const char wnc_no_gpu[] =
@@ -35,10 +35,10 @@ typedef struct wnc_job {
     dp_ticket *tk; /* RECV_X: owned until filed (or answered and freed) */
     dp_run run;    /* RECV_X: the lane's run, when has_run */
     int has_run;
-    size_t n;          /* bytes of x, or of y */
-    const void *ydev;  /* SEND_Y: y (n bytes) in the comm's buffer */
-    rpc_call *echo;    /* ECHO: data.nccl_echo, answered when its rounds are done */
-    int rounds;        /* ECHO: receive n bytes and send them back, this many times */
+    size_t n;         /* bytes of x, or of y */
+    const void *ydev; /* SEND_Y: y (n bytes) in the comm's buffer */
+    rpc_call *echo;   /* ECHO: data.nccl_echo, answered when its rounds are done */
+    int rounds;       /* ECHO: receive n bytes and send them back, this many times */
     uint64_t deadline_ns;
     struct wnc_job *next;
 } wnc_job;
@@ -47,11 +47,11 @@ struct wnc {
     uint64_t id;
     uint32_t pipe; /* the connection it was opened on */
     dp_table *t;
-    int device;   /* this worker's GPU */
-    int open_ms;  /* bound on the communicator's initialisation */
-    int refs;     /* its thread's, and each ticket's (under t->mu) */
-    int dead;     /* abort asked: connection closed, nccl_close, stopping (atomic) */
-    int failed;   /* no new request is taken (under t->mu) */
+    int device;           /* this worker's GPU */
+    int open_ms;          /* bound on the communicator's initialisation */
+    int refs;             /* its thread's, and each ticket's (under t->mu) */
+    int dead;             /* abort asked: connection closed, nccl_close, stopping (atomic) */
+    int failed;           /* no new request is taken (under t->mu) */
     wnc_job *head, *tail; /* queued transfers (under t->mu) */
     pthread_cond_t cv;    /* a job was queued, or dead */
     uint8_t uid[WNC_ID_BYTES];
@@ -90,8 +90,10 @@ static moe_err wnc_poll(struct wnc *x, ncclResult_t r, int stream, uint64_t dead
     int spins = 0;
     for (;;) {
         if (__atomic_load_n(&x->dead, __ATOMIC_ACQUIRE)) {
-            snprintf(err, errlen, "%s: aborted (the client's connection closed or the "
-                     "communicator was closed)", what);
+            snprintf(err, errlen,
+                     "%s: aborted (the client's connection closed or the "
+                     "communicator was closed)",
+                     what);
             return MOE_EUNAVAIL;
         }
         if (r != ncclSuccess && r != ncclInProgress) {
@@ -187,8 +189,8 @@ static moe_err wnc_echo(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     moe_err e = wnc_buffer(x, j->n ? j->n : 1, err, errlen);
     uint8_t *base = e == MOE_OK ? dp_region_base(x->buf) : NULL;
     for (int i = 0; i < j->rounds && e == MOE_OK; i++) {
-        e = wnc_poll(x, ncclRecv(base, j->n, ncclUint8, 0, x->comm, x->stream), 1,
-                     j->deadline_ns, "echo: receiving", err, errlen);
+        e = wnc_poll(x, ncclRecv(base, j->n, ncclUint8, 0, x->comm, x->stream), 1, j->deadline_ns,
+                     "echo: receiving", err, errlen);
         if (e == MOE_OK)
             e = wnc_poll(x, ncclSend(base, j->n, ncclUint8, 0, x->comm, x->stream), 1,
                          j->deadline_ns, "echo: sending", err, errlen);
@@ -272,7 +274,7 @@ static void *wnc_thread(void *arg)
         if (!j && stop)
             break;
         if (!stop)
-            e = j->kind == WNC_RECV_X   ? wnc_recv_x(x, j, err, sizeof(err))
+            e = j->kind == WNC_RECV_X ? wnc_recv_x(x, j, err, sizeof(err))
                 : j->kind == WNC_ECHO ? wnc_echo(x, j, err, sizeof(err))
                                       : wnc_send(x, j, err, sizeof(err));
         if (j->echo) /* never ran */
@@ -356,8 +358,9 @@ void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t
 {
     size_t n = (size_t)R * (size_t)H * moe_dtype_size(dt);
     if (R < 1 || n > WNC_MAX_BYTES) {
-        dp_ticket_discard(t, tk, MOE_EINVAL, "rows over NCCL: shape [R, H] with R >= 1 and at "
-                                             "most 16 GiB");
+        dp_ticket_discard(t, tk, MOE_EINVAL,
+                          "rows over NCCL: shape [R, H] with R >= 1 and at "
+                          "most 16 GiB");
         return;
     }
     wnc_job *j = calloc(1, sizeof(*j));
@@ -409,8 +412,7 @@ void wnc_on_open(dp_table *t, rpc_call *c)
         rpc_reply_err(c, MOE_EPRECOND, "%s", wnc_no_gpu);
         return;
     }
-    if (e == MOE_OK &&
-        (mp_read_bin(&rid, &id, &idl, NULL) != MOE_OK || idl != WNC_ID_BYTES)) {
+    if (e == MOE_OK && (mp_read_bin(&rid, &id, &idl, NULL) != MOE_OK || idl != WNC_ID_BYTES)) {
         e = MOE_EINVAL;
         snprintf(err, sizeof(err), "id must be a bin of %d bytes (ncclUniqueId)", WNC_ID_BYTES);
     }
