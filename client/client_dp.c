@@ -1624,6 +1624,14 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
         return MOE_EUNAVAIL;
     }
+    for (int q = 0; q < W; q++)
+        if (shard_first(T, W, q + 1) > shard_first(T, W, q) && !m->has_nccl[q]) {
+            moe__set_error("%s: data path nccl: worker rank %d offers no NCCL path (not a CUDA "
+                           "worker)",
+                           method, q);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            return MOE_EUNAVAIL;
+        }
     /* host rows (moectl, Python's NumPy arrays): staged through a device
      * buffer of GPU $MOE_NCCL_DEVICE, x then y */
     uint8_t *stage = NULL;
@@ -1649,15 +1657,6 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
         return MOE_EINVAL;
     }
-    for (int q = 0; q < W; q++)
-        if (shard_first(T, W, q + 1) > shard_first(T, W, q) && !m->has_nccl[q]) {
-            moe__set_error("%s: data path nccl: worker rank %d offers no NCCL path (not a CUDA "
-                           "worker)",
-                           method, q);
-            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
-            moe_nccl_dev_free(stage);
-            return MOE_EUNAVAIL;
-        }
     dp_req *rq = calloc((size_t)W, sizeof(dp_req));
     int *held = calloc((size_t)W, sizeof(int)), *early = calloc((size_t)W, sizeof(int));
     if (!rq || !held || !early) {
