@@ -72,6 +72,9 @@ NVCCFLAGS ?= -O3 -std=c++17 $(NVCC_GENCODE) -Xcompiler -fPIC \
 CUDA_OBJS  := $(patsubst %.cu,$(B)/%.o,$(CUDA_SRC))
 CUDA_LINK  := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -lstdc++
 CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+# libmoe's NCCL path (client/client_nccl.c): what a program linking libmoe needs
+# (--exclude-libs: libmoe.so exports none of the static cudart's symbols)
+CLIENT_CUDA_LINK := -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -Wl,--exclude-libs,ALL
 endif
 
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
@@ -107,7 +110,7 @@ $(CUDA_LIB): $(CUDA_OBJS)
 
 bin/moe-coordinator: $(B)/server/main.o $(SERVER_LIB) $(RPC_LIB) lib/libmoe.a $(CORE_LIB)
 	@mkdir -p bin
-	$(CC) $(LDFLAGS) -o $@ $^ $(LDLIBS)
+	$(CC) $(LDFLAGS) -o $@ $^ $(CLIENT_CUDA_LINK) $(LDLIBS)
 bin/moe-worker: $(B)/worker/main.o $(WORKER_LIB) $(RPC_LIB) lib/libmoe.a $(KERN_LIB) $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
 	@mkdir -p bin
 	$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(CUDA_LINK) $(LDLIBS)
@@ -115,12 +118,12 @@ lib/libmoe.a: $(call obj,$(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p lib; rm -f $@; ar rcs $@ $^
 lib/libmoe.so: $(call obj,$(CLIENT_SRC) $(BASE_SRC) $(COMMON_SRC) $(PROTO_SRC))
 	@mkdir -p lib
-	$(CC) -shared $(LDFLAGS) -o $@ $^ -lnng -lpthread -lm
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(CLIENT_CUDA_LINK) -lnng -lpthread -lm
 # moectl is a client of libmoe and nothing else (bf16 and test inputs from
 # the floors below the kernels: base/, common/)
 bin/moectl: $(B)/client/moectl.o lib/libmoe.a
 	@mkdir -p bin
-	$(CC) $(LDFLAGS) -o $@ $^ -lnng -lm -lpthread
+	$(CC) $(LDFLAGS) -o $@ $^ $(CLIENT_CUDA_LINK) -lnng -lm -lpthread
 
 # One Criterion binary holds every test: one Synthesis line at the end.
 $(B)/moe-tests: $(call obj,$(TEST_SRC)) $(SERVER_LIB) $(WORKER_LIB) $(RPC_LIB) $(KERN_LIB) lib/libmoe.a $(CORE_LIB) $(if $(HAVE_CUDA),$(CUDA_LIB))
@@ -216,16 +219,14 @@ clean:
 # bench/service_bench: checks and times a running cluster (not a test).
 bin/service_bench: bench/service_bench.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
-	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(if $(HAVE_CUDA),-L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt) \
-	    -lnng -lopenblas -lm -lpthread
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(CLIENT_CUDA_LINK) -lnng -lopenblas -lm -lpthread
 ALL_TARGETS += bin/service_bench
 
 ifeq ($(HAVE_CUDA),1)
 # tests/gpu/cuda_ipc_check: rows on a GPU through the service (GPU host, a second process)
 bin/cuda_ipc_check: tests/gpu/cuda_ipc_check.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
-	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
-	    -lnng -lopenblas -lm -lpthread
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(CLIENT_CUDA_LINK) -lnng -lopenblas -lm -lpthread
 ALL_TARGETS += bin/cuda_ipc_check
 # check-gpu-dataplane: the data plane on this host's GPU, two processes each
 # (a worker and a client): CUDA IPC from C, then the Python client (NumPy,

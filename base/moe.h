@@ -92,7 +92,8 @@ typedef struct moe_client_opts {
      * host over its bulk TCP endpoint), "socket" (straight to the workers
      * over nng), "shm" (shared memory; fails where a worker is on another
      * host), "bulk" (every worker's rows over its bulk endpoint; fails where
-     * a worker offers none), "coordinator" (inside the request to the
+     * a worker offers none), "nccl" (GPU to GPU over NCCL, below
+     * moe_nccl_floor; CUDA workers only), "coordinator" (inside the request to the
      * coordinator, as before the data plane). NULL = $MOE_DATA_PATH, else
      * "auto". Only "auto" falls back to the coordinator path where the
      * cluster has no data plane; "socket", "shm" and "bulk" then fail with
@@ -251,6 +252,21 @@ void moe_buffer_free(moe_client *c, void *p);
  * tells the workers to close it. */
 moe_err moe_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle);
 void moe_cuda_unregister(moe_client *c, void *dptr);
+
+/* The "nccl" data path (opts.data_path, CUDA builds of libmoe, workers of
+ * backend cuda): moe_forward / moe_forward_train / moe_backward whose x and
+ * output are both device memory (cudaMalloc) of one GPU of this process
+ * send each worker its rows GPU to GPU over a NCCL communicator of their
+ * own (opened on the first call, on that GPU), the control still over nng
+ * (docs/PROTOCOL.md, "Data plane", "9. NCCL"). The caller's work on x must
+ * be finished before the call; y is written when it returns. Host x and
+ * output (both) are staged through GPU $MOE_NCCL_DEVICE (default 0). On a
+ * CPU worker or a build without CUDA such a call fails with MOE_EUNAVAIL
+ * and says why.
+ * moe_nccl_floor measures the path's floor: n bytes at dev (device memory)
+ * to worker `rank` and back over that communicator, raw (no compute, no
+ * nng), iters times; *seconds: the median round trip. */
+moe_err moe_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iters, double *seconds);
 
 typedef struct moe_adamw {
     double lr, beta1, beta2, eps, weight_decay;

@@ -3,7 +3,8 @@
  *
  *   service_bench --url URL [--d-model H --d-ff F --experts E --top-k K]
  *                 [--dtype bf16|f32] [--tokens T,T,...] [--iters N] [--train]
- *                 [--paths coordinator,socket,shm,shm-zc,bulk,bulk1] [--no-ref]
+ *                 [--paths coordinator,socket,shm,shm-zc,bulk,bulk1,nccl] [--no-ref]
+ *                 [--client-device N]
  *
  * Creates a model "sb" (seed 1), then for each T: forward (and with --train
  * backward) through the service, compared with the single-process CPU
@@ -25,6 +26,12 @@
  *     (the floor of "bulk", which splits large rows that way);
  *   - pinned (CUDA builds): the same bytes host->device->host from pinned
  *     memory on GPU 0.
+ * "nccl" (CUDA builds, CUDA workers): x and y in cudaMalloc'ed memory of GPU
+ * --client-device (default 0), each worker's rows over a NCCL communicator
+ * with it; its line adds the floor measured in the same run, over the same
+ * communicator: raw ncclSend + ncclRecv of the same bytes to rank 0's worker
+ * and back (moe_nccl_floor; all T rows: with one worker, exactly what the
+ * call moves), and "floor/path" (>= 80% is the issue's bar).
  * Each path's line also gives "path": the call's time less the workers'
  * compute (what moving the rows costs on that path, copies included), and
  * raw nng's time over it ("nng/path": how many times faster than one raw
@@ -307,12 +314,53 @@ static double pinned_rtt(size_t n, int iters)
 #endif
 }
 
+/* gpu_bufs: x, y, dy and dx in device memory of GPU dev (n bytes each; x
+ * and dy copied from the host ones). 0 without CUDA or on a failure. */
+static int gpu_bufs(int dev, size_t n, const void *xh, const void *dyh, void **x, void **y,
+                    void **dy, void **dx)
+{
+#ifdef MOE_HAVE_CUDA
+    *x = *y = *dy = *dx = NULL;
+    if (cudaSetDevice(dev) != cudaSuccess || cudaMalloc(x, n + 4) != cudaSuccess ||
+        cudaMalloc(y, n + 4) != cudaSuccess || cudaMalloc(dy, n + 4) != cudaSuccess ||
+        cudaMalloc(dx, n + 4) != cudaSuccess ||
+        cudaMemcpy(*x, xh, n, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(*dy, dyh, n, cudaMemcpyHostToDevice) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return 1;
+#else
+    (void)dev, (void)n, (void)xh, (void)dyh, (void)x, (void)y, (void)dy, (void)dx;
+    return 0;
+#endif
+}
+
+static int gpu_get(void *h, const void *d, size_t n)
+{
+#ifdef MOE_HAVE_CUDA
+    return cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost) == cudaSuccess;
+#else
+    (void)h, (void)d, (void)n;
+    return 0;
+#endif
+}
+
+static void gpu_free4(void *a, void *b, void *c, void *d)
+{
+#ifdef MOE_HAVE_CUDA
+    cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(d);
+#else
+    (void)a, (void)b, (void)c, (void)d;
+#endif
+}
+
 int main(int argc, char **argv)
 {
     const char *url = getenv("MOE_URL") ? getenv("MOE_URL") : "tcp://127.0.0.1:7000";
     const char *dts = "bf16", *tok = "1,64,1024";
     const char *paths = "coordinator,socket,shm"; /* data paths to time */
-    int H = 1024, F = 2048, E = 8, K = 2, iters = 10, train = 0, ref = 1;
+    int H = 1024, F = 2048, E = 8, K = 2, iters = 10, train = 0, ref = 1, cdev = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--url"))
@@ -337,6 +385,8 @@ int main(int argc, char **argv)
             ref = 0;
         else if (!strcmp(a, "--paths"))
             paths = v, i++;
+        else if (!strcmp(a, "--client-device"))
+            cdev = atoi(v), i++;
         else {
             fprintf(stderr, "service_bench: unknown option %s\n", a);
             return 2;
@@ -484,6 +534,20 @@ int main(int argc, char **argv)
             double *lat = malloc((size_t)iters * sizeof(double));
             double *cmp = malloc((size_t)iters * sizeof(double));
             void *xin = xw, *yout = yw, *dyin = dyw, *dxout = dxw;
+            /* "nccl": the rows in GPU memory; the floor over the same communicator */
+            int nc = strcmp(pname, "nccl") == 0;
+            double floor_nccl = -1;
+            void *ybuf = NULL;
+            if (nc && !gpu_bufs(cdev, n * es, xw, dyw, &xin, &yout, &dyin, &dxout)) {
+                printf("         %-11s FAIL no GPU %d buffers (a build without CUDA, or no such "
+                       "GPU)\n",
+                       pname, cdev);
+                failures++;
+                moe_client_close(pc);
+                free(lat);
+                free(cmp);
+                continue;
+            }
             if (zc) {
                 xin = moe_buffer_alloc(pc, n * es + 4);
                 yout = moe_buffer_alloc(pc, n * es + 4);
@@ -518,6 +582,18 @@ int main(int argc, char **argv)
                     break;
                 }
             }
+            if (nc && e == MOE_OK) { /* y back to the host to compare; the floor */
+                ybuf = malloc(n * es + 4);
+                if (!ybuf || !gpu_get(ybuf, yout, n * es)) {
+                    printf("         %-11s FAIL reading y back from the GPU\n", pname);
+                    e = MOE_EINTERNAL;
+                    failures++;
+                } else if (moe_nccl_floor(pc, 0, dxout, n * es, iters, &floor_nccl) != MOE_OK) {
+                    printf("         %-11s FAIL floor: %s\n", pname, moe_last_error());
+                    e = MOE_EINTERNAL;
+                    failures++;
+                }
+            }
             if (e == MOE_OK) {
                 qsort(lat, (size_t)iters, sizeof(double), cmp_d);
                 qsort(cmp, (size_t)iters, sizeof(double), cmp_d);
@@ -528,15 +604,22 @@ int main(int argc, char **argv)
                        med / (kc + floor_nng));
                 if (floor_pin >= 0)
                     printf("  service/(compute+pinned) %.2f", med / (kc + floor_pin));
+                if (nc)
+                    printf("  nccl floor %.3f ms  floor/path %.0f%%", floor_nccl * 1e3,
+                           med > kc ? 100 * floor_nccl / (med - kc) : 0.0);
+                const void *ycmp = nc ? ybuf : yout;
+                int differs = ycmp != yw && memcmp(ycmp, yw, n * es) != 0;
                 printf("  nng/service %.0f%%  path %.3f ms  nng/path %.2fx  (p50 of %d)%s\n",
                        100 * floor_nng / med, (med - kc) * 1e3,
                        med > kc ? floor_nng / (med - kc) : 0.0, iters,
-                       yout != yw && memcmp(yout, yw, n * es) ? "  y DIFFERS from the first path"
-                                                              : "");
-                failures += yout != yw && memcmp(yout, yw, n * es) != 0;
+                       differs ? "  y DIFFERS from the first path" : "");
+                failures += differs;
             }
             free(lat);
             free(cmp);
+            free(ybuf);
+            if (nc)
+                gpu_free4(xin, yout, dyin, dxout);
             moe_client_close(pc);
         }
         if (saved)

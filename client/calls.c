@@ -447,3 +447,8 @@ void moe_cuda_unregister(moe_client *c, void *dptr)
 {
     moe_dp_buffer_free(c, dptr);
 }
+
+moe_err moe_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iters, double *seconds)
+{
+    return moe_dp_nccl_floor(c, rank, dev, n, iters, seconds);
+}

@@ -1,6 +1,7 @@
 /* client_dp.c - libmoe's side of the data plane; see client_dp.h. */
 #include "client/client_dp.h"
 #include "client/client_bulk.h"
+#include "client/client_nccl.h"
 #include "client/fanout.h"
 #include "client/client_ring.h"
 #include "common/hostid.h"
@@ -19,6 +20,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define DP_MAX_W    256
@@ -66,6 +68,8 @@ typedef struct dp_map {
     moe_bulk_pool *bulk; /* (W) bulk connections per worker (url "" = it offers none) */
     int *remote;         /* (W) the worker is on another host */
     int *up;             /* (W) live connections of each socket (atomic, nng threads) */
+    int *has_nccl;       /* (W) the worker offers data.nccl_open (dataplane.info nccl) */
+    moe_nccl_link *nccl; /* (W) communicators with the workers (client_nccl.h) */
     dp_shm bufs[DP_MAX_SHM];
     int nbufs;
     uint64_t *uregion; /* (DP_MAX_UBUF, W) region id of user buffer i at worker q; 0 = none */
@@ -117,6 +121,8 @@ moe_err moe_dp_parse_path(const char *s, int *out)
         *out = MOE_PATH_SHM;
     else if (strcmp(s, "bulk") == 0)
         *out = MOE_PATH_BULK;
+    else if (strcmp(s, "nccl") == 0)
+        *out = MOE_PATH_NCCL;
     else
         return MOE_EINVAL;
     return MOE_OK;
@@ -171,6 +177,10 @@ static void map_free(dp_map *m)
 {
     if (!m)
         return;
+    for (int r = 0; m->nccl && r < m->W; r++) /* before the sockets: its worker aborts too */
+        moe_nccl_link_fini(&m->nccl[r]);
+    free(m->nccl);
+    free(m->has_nccl);
     for (int r = 0; m->sock && r < m->W; r++)
         nng_close(m->sock[r]);
     for (int r = 0; m->bulk && r < m->W; r++)
@@ -235,7 +245,9 @@ typedef struct dp_req {
     nng_ctx ctx;
     nng_aio *aio;
     int open, sent;
-    int timed_out; /* the answer did not come in the time given */
+    int recv_posted; /* the receive of the answer was posted already (dp_nccl) */
+    int ndone;       /* operations of aio completed (its callback; atomic) */
+    int timed_out;   /* the answer did not come in the time given */
     uint32_t msgid;
     nng_msg *reply; /* owned once received */
     /* or through a shared-memory ring (client_ring.h): no socket */
@@ -244,6 +256,14 @@ typedef struct dp_req {
     const int *up;  /* the worker connection's live pipes */
     int timeout_ms;
 } dp_req;
+
+/* req_done: aio's callback counts its completed operations (send, then
+ * the answer's receive) */
+static void req_done(void *arg)
+{
+    dp_req *q = arg;
+    __atomic_add_fetch(&q->ndone, 1, __ATOMIC_RELEASE);
+}
 
 /* req_start sends m (owned from here) on sock; the reply is awaited by
  * req_finish. */
@@ -255,7 +275,7 @@ static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
         nng_msg_free(m);
         return moe__from_nng(rv);
     }
-    if ((rv = nng_aio_alloc(&q->aio, NULL, NULL)) != 0) {
+    if ((rv = nng_aio_alloc(&q->aio, req_done, q)) != 0) {
         nng_ctx_close(q->ctx);
         nng_msg_free(m);
         return moe__from_nng(rv);
@@ -331,6 +351,14 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
     if (abort)
         nng_aio_cancel(q->aio);
     nng_aio_wait(q->aio);
+    if (q->recv_posted && (rv = nng_aio_result(q->aio)) == 0 && !abort)
+        goto received; /* the answer is here already */
+    if (q->recv_posted) {
+        snprintf(msg, msglen, "waiting for a worker's rows: %s",
+                 abort ? "the worker's connection is down" : nng_strerror(rv));
+        q->timed_out = !abort && rv == NNG_ETIMEDOUT;
+        return abort ? MOE_EUNAVAIL : moe__from_nng(rv);
+    }
     if ((rv = nng_aio_result(q->aio)) != 0) {
         nng_msg_free(nng_aio_get_msg(q->aio));
         snprintf(msg, msglen, "sending rows to a worker: %s", nng_strerror(rv));
@@ -349,6 +377,7 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
         q->timed_out = rv == NNG_ETIMEDOUT;
         return moe__from_nng(rv);
     }
+received:
     q->reply = nng_aio_get_msg(q->aio);
     return parse_answer(q, nng_msg_body(q->reply), nng_msg_len(q->reply), resp, msg, msglen);
 }
@@ -509,6 +538,26 @@ static moe_err read_str_key(mp_reader *r, const char *key, char *out, size_t len
     return MOE_OK;
 }
 
+/* read_bool_key: the map's bool value of key (0 when absent or not a bool). */
+static int read_bool_key(mp_reader *r, const char *key)
+{
+    uint32_t n;
+    bool v = false;
+    if (mp_read_map(r, &n, NULL) != MOE_OK)
+        return 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(r, &k, &kl, NULL) != MOE_OK)
+            return 0;
+        if (mp_str_eq(k, kl, key) && mp_peek(r) == MP_BOOL)
+            return mp_read_bool(r, &v, NULL) == MOE_OK && v;
+        if (mp_skip(r, NULL) != MOE_OK)
+            return 0;
+    }
+    return 0;
+}
+
 /* on_pipe counts a socket's live connections (nng thread). */
 static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg)
 {
@@ -586,8 +635,12 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         !(m->bulk = calloc(W ? W : 1, sizeof(moe_bulk_pool))) ||
         !(m->remote = calloc(W ? W : 1, sizeof(int))) ||
         !(m->rings = calloc((size_t)W * DP_MAX_RING, sizeof(moe_ring))) ||
-        !(m->nrings = calloc(W, sizeof(int))) || !(m->no_ring = calloc(W, sizeof(int)))) {
+        !(m->nrings = calloc(W, sizeof(int))) || !(m->no_ring = calloc(W, sizeof(int))) ||
+        !(m->has_nccl = calloc(W ? W : 1, sizeof(int))) ||
+        !(m->nccl = calloc(W ? W : 1, sizeof(moe_nccl_link)))) {
         if (m) {
+            free(m->has_nccl);
+            free(m->nccl);
             free(m->sock);
             free(m->up);
             free(m->uregion);
@@ -605,12 +658,13 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     m->gen = (uint64_t)gen;
     m->lane = lane && W == 1;
     m->fanout = fanout && W > 1;
-    m->shm = moe__data_path(c) != MOE_PATH_SOCKET && moe__data_path(c) != MOE_PATH_BULK;
+    m->shm = moe__data_path(c) != MOE_PATH_SOCKET && moe__data_path(c) != MOE_PATH_BULK &&
+             moe__data_path(c) != MOE_PATH_NCCL;
     uint32_t nw;
     mp_read_array(&rw, &nw, NULL);
     for (uint32_t q = 0; q < W; q++) {
         char url[512], host[128], bulk[256];
-        mp_reader one = rw, one2 = rw, one3 = rw;
+        mp_reader one = rw, one2 = rw, one3 = rw, one4 = rw;
         if (read_str_key(&one, "url", url, sizeof(url)) != MOE_OK ||
             read_str_key(&one2, "host", host, sizeof(host)) != MOE_OK ||
             read_str_key(&one3, "bulk_url", bulk, sizeof(bulk)) != MOE_OK ||
@@ -619,6 +673,8 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
             break;
         }
         moe_bulk_pool_init(&m->bulk[q], bulk); /* "" when absent: no bulk path */
+        moe_nccl_link_init(&m->nccl[q]);
+        m->has_nccl[q] = read_bool_key(&one4, "nccl");
         m->remote[q] = !host[0] || strcmp(host, dp->host) != 0;
         if (m->remote[q])
             m->shm = 0;
@@ -1145,7 +1201,7 @@ static moe_err read_y(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void
 static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H, void *out,
                             uint64_t region, uint64_t y_off, int bulk)
 {
-    bool bulk_y = false;
+    bool bulk_y = false, nccl_y = false;
     uint32_t m;
     const char *k;
     uint32_t kl;
@@ -1186,6 +1242,9 @@ static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H
         } else if (mp_str_eq(k, kl, "bulk")) { /* y follows on the bulk connection */
             if (mp_read_bool(rd, &bulk_y, NULL) != MOE_OK)
                 return MOE_EPROTO;
+        } else if (mp_str_eq(k, kl, "nccl")) { /* y follows on the communicator */
+            if (mp_read_bool(rd, &nccl_y, NULL) != MOE_OK)
+                return MOE_EPROTO;
         } else if (mp_str_eq(k, kl, "offset")) {
             if (mp_read_u64(rd, &off, NULL) != MOE_OK)
                 return MOE_EPROTO;
@@ -1195,8 +1254,8 @@ static moe_err read_y_value(mp_reader *rd, moe_dtype dt, int64_t rows, int64_t H
     }
     if (!got_shape)
         return MOE_EPROTO;
-    if (bulk)
-        return bulk_y && !got_data && !got_region ? MOE_OK : MOE_EPROTO;
+    if (bulk) /* 1: bulk, 2: nccl */
+        return (bulk == 2 ? nccl_y : bulk_y) && !got_data && !got_region ? MOE_OK : MOE_EPROTO;
     if (region)
         return got_region && rg == region && off == y_off ? MOE_OK : MOE_EPROTO;
     return got_data ? MOE_OK : MOE_EPROTO;
@@ -1474,6 +1533,327 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
 
 /* one attempt on map m; *stale set when the coordinator answered
  * unavailable (its map may be old) */
+/* ---- the NCCL path: rows in GPU memory (client_nccl.h) ---- */
+
+/* nccl_open opens worker q's communicator on GPU dev (link locked):
+ * data.nccl_open with a fresh unique id, then both sides' initialisation
+ * is awaited (the worker answers at once; ours completes when both joined). */
+static moe_err nccl_open(moe_client *c, dp_map *m, int q, int dev)
+{
+    moe_nccl_link *l = &m->nccl[q];
+    uint8_t id[MOE_NCCL_ID_BYTES];
+    char msg[300];
+    moe_err e = moe_nccl_begin(l, dev, id, msg, sizeof(msg));
+    if (e != MOE_OK) {
+        moe__set_error("data path nccl: worker rank %d: %s", q, msg);
+        return e;
+    }
+    mp_writer p;
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "id");
+    mp_write_bin(&p, id, sizeof(id));
+    mp_write_cstr(&p, "device");
+    mp_write_i64(&p, dev);
+    mp_write_cstr(&p, "timeout_ms");
+    mp_write_i64(&p, moe__timeout_ms(c) < 600000 ? moe__timeout_ms(c) : 600000);
+    uint64_t comm = 0;
+    e = attach_call_key(c, m, q, "data.nccl_open", &p, 3, "comm", &comm);
+    mp_writer_fini(&p);
+    if (e == MOE_OK && (e = moe_nccl_wait(l, 0, moe__timeout_ms(c), &m->up[q], NULL, NULL, msg,
+                                          sizeof(msg))) != MOE_OK)
+        moe__set_error("data path nccl: worker rank %d: joining the communicator: %s", q, msg);
+    if (e != MOE_OK) {
+        moe_nccl_abort(l);
+        return e;
+    }
+    l->open = 1;
+    l->comm_id = comm;
+    return MOE_OK;
+}
+
+/* nccl_drop aborts worker q's communicator after a failed transfer and
+ * tells the worker (best effort: its connection closing does it too). */
+static void nccl_drop(moe_client *c, dp_map *m, int q)
+{
+    moe_nccl_link *l = &m->nccl[q];
+    uint64_t id = l->comm_id;
+    moe_nccl_abort(l);
+    if (!id || __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0)
+        return;
+    mp_writer p;
+    dp_req rq;
+    moe_rpc_response resp;
+    char msg[300];
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "comm");
+    mp_write_u64(&p, id);
+    (void)sync_call_t(c, m->sock[q], &m->up[q], "data.nccl_close", &p, 1, DP_GRACE_MS, &rq, &resp,
+                      msg, sizeof(msg));
+    mp_writer_fini(&p);
+    req_close(&rq);
+}
+
+/* answered: the worker's answer to the request has arrived (give_up of
+ * moe_nccl_wait while x is still on its way) */
+static int answered(void *arg)
+{
+    dp_req *q = arg;
+    return __atomic_load_n(&q->ndone, __ATOMIC_ACQUIRE) >= 2; /* sent, and answered */
+}
+
+/* dp_nccl: dp_attempt on the NCCL path. x (in) and y (out), (T,H) of dt,
+ * are device memory of one GPU; each rank's rows go over its worker's
+ * communicator: data.rows {ticket, dtype, shape, nccl: comm} on nng, then
+ * ncclSend of the rows; the answer {y: {nccl: true, ...}} says y follows,
+ * received with ncclRecv. One call at a time on each link (its mutex). */
+static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void *ctl_pairs,
+                       size_t ctl_len, uint32_t nctl, moe_dtype dt, const void *in, int64_t T,
+                       int64_t H, void *out, moe_reply *ctl, int *stale)
+{
+    const int W = m->W;
+    const size_t es = moe_dtype_size(dt), nbytes = (size_t)T * (size_t)H * es;
+    const uint64_t cid = moe_client_id(c), seq = moe__next_msgid(c);
+    const char *auth = moe__auth(c);
+    const int lane = m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
+    const int tmo = moe__timeout_ms(c);
+    int dev = nbytes ? moe_nccl_device_of(in) : -1;
+    moe_err e = MOE_OK, derr = MOE_OK;
+    char dmsg[400] = "";
+    if (!moe_nccl_built()) {
+        moe__set_error("%s: data path nccl: libmoe was built without CUDA", method);
+        snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+        return MOE_EUNAVAIL;
+    }
+    for (int q = 0; q < W; q++)
+        if (shard_first(T, W, q + 1) > shard_first(T, W, q) && !m->has_nccl[q]) {
+            moe__set_error("%s: data path nccl: worker rank %d offers no NCCL path (not a CUDA "
+                           "worker)",
+                           method, q);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            return MOE_EUNAVAIL;
+        }
+    /* host rows (moectl, Python's NumPy arrays): staged through a device
+     * buffer of GPU $MOE_NCCL_DEVICE, x then y */
+    uint8_t *stage = NULL;
+    void *host_out = NULL;
+    if (nbytes && dev < 0 && moe_nccl_device_of(out) < 0) {
+        dev = moe_nccl_stage_device();
+        stage = moe_nccl_dev_alloc(dev, 2 * nbytes);
+        if (!stage || moe_nccl_copy(stage, in, nbytes) != MOE_OK) {
+            moe_nccl_dev_free(stage);
+            moe__set_error("%s: data path nccl: no %zu bytes of GPU %d memory for host rows",
+                           method, 2 * nbytes, dev);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+            return MOE_ENOMEM;
+        }
+        in = stage;
+        host_out = out;
+        out = stage + nbytes;
+    }
+    if (!nbytes || dev < 0 || moe_nccl_device_of(out) != dev) {
+        moe__set_error("%s: data path nccl: x and the output must both be device memory "
+                       "(cudaMalloc) of one GPU, or both host memory",
+                       method);
+        snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+        return MOE_EINVAL;
+    }
+    dp_req *rq = calloc((size_t)W, sizeof(dp_req));
+    int *held = calloc((size_t)W, sizeof(int)), *early = calloc((size_t)W, sizeof(int));
+    if (!rq || !held || !early) {
+        free(rq), free(held), free(early);
+        moe_nccl_dev_free(stage);
+        return MOE_ENOMEM;
+    }
+    /* 0. the links, in rank order (one call at a time on each) */
+    for (int q = 0; q < W && e == MOE_OK; q++) {
+        if (shard_first(T, W, q + 1) == shard_first(T, W, q))
+            continue;
+        moe_nccl_link *l = &m->nccl[q];
+        pthread_mutex_lock(&l->mu);
+        held[q] = 1;
+        if (l->open && l->device != dev)
+            nccl_drop(c, m, q); /* rows on another GPU now */
+        if (!l->open && (e = nccl_open(c, m, q, dev)) != MOE_OK)
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+    }
+    /* 1. data.rows to each rank, then its rows on the communicator */
+    for (int q = 0; q < W && e == MOE_OK; q++) {
+        int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
+        if (rows == 0)
+            continue;
+        size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
+        mp_writer w;
+        nng_msg *msg = NULL;
+        uint32_t msgid = moe__next_msgid(c);
+        mp_writer_init(&w);
+        moe_rpc_write_request_head(&w, msgid, "data.rows");
+        mp_write_map(&w, 5u + (auth ? 1u : 0u) + (lane ? 1u : 0u));
+        if (auth) {
+            mp_write_cstr(&w, "auth");
+            mp_write_cstr(&w, auth);
+        }
+        mp_write_cstr(&w, "ticket");
+        mp_write_array(&w, 2);
+        mp_write_u64(&w, cid);
+        mp_write_u64(&w, seq);
+        mp_write_cstr(&w, "deadline_ms");
+        mp_write_i64(&w, tmo);
+        if (lane) {
+            mp_write_cstr(&w, "run");
+            mp_write_map(&w, 3);
+            mp_write_raw(&w, ctl_pairs, ctl_len);
+            mp_write_cstr(&w, "generation");
+            mp_write_u64(&w, m->gen);
+        }
+        mp_write_cstr(&w, "dtype");
+        mp_write_cstr(&w, moe_dtype_name(dt));
+        mp_write_cstr(&w, "shape");
+        mp_write_array(&w, 2);
+        mp_write_i64(&w, rows);
+        mp_write_i64(&w, H);
+        mp_write_cstr(&w, "nccl");
+        mp_write_u64(&w, m->nccl[q].comm_id);
+        e = msg_from_writer(&w, NULL, 0, &msg);
+        mp_writer_fini(&w);
+        if (e == MOE_OK)
+            e = req_start(&rq[q], m->sock[q], msg, tmo);
+        rq[q].msgid = msgid;
+        if (e != MOE_OK)
+            break;
+        /* the answer's receive is posted now: a refusal can end the wait for x */
+        nng_aio_wait(rq[q].aio);
+        int rv = nng_aio_result(rq[q].aio);
+        if (rv != 0) {
+            nng_msg_free(nng_aio_get_msg(rq[q].aio));
+            e = moe__from_nng(rv);
+            moe__set_error("%s: sending data.rows to worker rank %d: %s", method, q,
+                           nng_strerror(rv));
+            break;
+        }
+        nng_ctx_recv(rq[q].ctx, rq[q].aio);
+        rq[q].recv_posted = 1;
+        char nm[300];
+        if ((e = moe_nccl_post(&m->nccl[q], 1, (uint8_t *)in + off, n, nm, sizeof(nm))) != MOE_OK) {
+            moe__set_error("%s: worker rank %d: %s", method, q, nm);
+            nccl_drop(c, m, q);
+            break;
+        }
+    }
+    /* x has left once every send is done; a worker that answers first
+     * refused the rows (its communicator is dropped, the answer read in 3) */
+    for (int q = 0; q < W && e == MOE_OK; q++) {
+        if (!rq[q].open)
+            continue;
+        char nm[300];
+        moe_err xe =
+            moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], answered, &rq[q], nm, sizeof(nm));
+        if (xe == MOE_ECLOSED) /* answered: an error, or x arrived a moment before */
+            xe = moe_nccl_wait(&m->nccl[q], 1, 200, &m->up[q], NULL, NULL, nm, sizeof(nm));
+        if (xe != MOE_OK) {
+            early[q] = 1; /* its answer (if any) says why */
+            nccl_drop(c, m, q);
+            if (derr == MOE_OK) {
+                derr = xe;
+                snprintf(dmsg, sizeof(dmsg), "worker rank %d: sending x: %s", q, nm);
+            }
+        }
+    }
+    if (e == MOE_OK && derr != MOE_OK && !lane)
+        e = derr; /* no control call: the others' rows are cancelled below */
+    /* 2. the control call (not on the lane) */
+    if (e == MOE_OK && !lane) {
+        mp_writer p;
+        mp_writer_init(&p);
+        mp_write_map(&p, nctl + 1);
+        if (ctl_len)
+            mp_write_raw(&p, ctl_pairs, ctl_len);
+        mp_write_cstr(&p, "direct");
+        mp_write_map(&p, 5);
+        mp_write_cstr(&p, "H");
+        mp_write_i64(&p, H);
+        mp_write_cstr(&p, "ticket");
+        mp_write_array(&p, 2);
+        mp_write_u64(&p, cid);
+        mp_write_u64(&p, seq);
+        mp_write_cstr(&p, "generation");
+        mp_write_u64(&p, m->gen);
+        mp_write_cstr(&p, "dtype");
+        mp_write_cstr(&p, moe_dtype_name(dt));
+        mp_write_cstr(&p, "T");
+        mp_write_i64(&p, T);
+        e = p.failed ? MOE_ENOMEM : moe_call(c, method, p.buf, p.len, ctl);
+        mp_writer_fini(&p);
+        if (e == MOE_EUNAVAIL && !ctl->transport)
+            *stale = 1;
+    }
+    /* 3. the answers, then y on each communicator */
+    for (int q = 0; q < W; q++) {
+        if (!rq[q].open)
+            continue;
+        int down = e != MOE_OK && __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0;
+        if (e != MOE_OK && !down && !early[q] && !send_cancel(c, m, q, cid, seq))
+            down = 1;
+        moe_rpc_response resp;
+        char msg[400];
+        int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
+        size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
+        moe_err qe = req_finish(&rq[q], down, e != MOE_OK || early[q] ? DP_GRACE_MS : 0, &resp, msg,
+                                sizeof(msg));
+        if (qe == MOE_OK && early[q]) {
+            qe = derr;
+            snprintf(msg, sizeof(msg), "%s", dmsg);
+        }
+        if (qe == MOE_OK) {
+            mp_reader rd = resp.result;
+            const uint8_t *st = NULL;
+            size_t stlen = 0;
+            qe = read_y(&rd, dt, rows, H, NULL, 0, 0, 2, &st, &stlen);
+            if (qe != MOE_OK) {
+                snprintf(msg, sizeof(msg), "malformed answer from worker %d", q);
+                nccl_drop(c, m, q); /* y may be on its way */
+            } else if ((qe = moe_nccl_post(&m->nccl[q], 0, (uint8_t *)out + off, n, msg,
+                                           sizeof(msg))) != MOE_OK ||
+                       (qe = moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], NULL, NULL, msg,
+                                           sizeof(msg))) != MOE_OK) {
+                nccl_drop(c, m, q);
+            } else if (lane) {
+                qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
+            }
+        } else if (lane && e == MOE_OK) {
+            e = qe;
+            ctl->err = qe;
+            snprintf(ctl->message, sizeof(ctl->message), "%s", msg);
+            moe__set_error("%s: %s: %s", method, moe_err_code(qe), msg);
+            if (qe == MOE_EUNAVAIL && resp_was_answer(&rq[q]))
+                *stale = 1;
+            qe = MOE_OK;
+        }
+        if (qe != MOE_OK && derr == MOE_OK) {
+            derr = qe;
+            snprintf(dmsg, sizeof(dmsg), "worker rank %d: %s", q, msg);
+        }
+        req_close(&rq[q]);
+    }
+    for (int q = 0; q < W; q++)
+        if (held[q])
+            pthread_mutex_unlock(&m->nccl[q].mu);
+    free(rq), free(held), free(early);
+    if (e == MOE_OK && derr != MOE_OK) {
+        e = derr;
+        moe__set_error("%s: %s: %s", method, moe_err_code(e), dmsg);
+        snprintf(ctl->message, sizeof(ctl->message), "%s", dmsg);
+    }
+    if (stage) {
+        if (e == MOE_OK && moe_nccl_copy(host_out, out, nbytes) != MOE_OK) {
+            e = MOE_EINTERNAL;
+            moe__set_error("%s: data path nccl: copying y back from GPU %d failed", method, dev);
+            snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
+        }
+        moe_nccl_dev_free(stage);
+    }
+    return e;
+}
+
 static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
                           const void *ctl_pairs, size_t ctl_len, uint32_t nctl, moe_dtype dt,
                           const void *in, int64_t T, int64_t H, void *out, moe_reply *ctl,
@@ -1491,6 +1871,10 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     const int lane = m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
     if (!rq)
         return MOE_ENOMEM;
+    if (moe__data_path(c) == MOE_PATH_NCCL) { /* rows in GPU memory, over NCCL */
+        free(rq);
+        return dp_nccl(c, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, stale);
+    }
     /* a small inference forward on several CPU workers: fanned out, while
      * every worker's connection is up (a request to one that is down would
      * wait for it until the call's timeout; the ordered road asks the
@@ -1798,6 +2182,7 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
             moe__set_error("%s: data path %s: %s", method,
                            moe__data_path(c) == MOE_PATH_SHM    ? "shm"
                            : moe__data_path(c) == MOE_PATH_BULK ? "bulk"
+                           : moe__data_path(c) == MOE_PATH_NCCL ? "nccl"
                                                                 : "socket",
                            e == MOE_ENOMETHOD ? "this cluster offers no data plane (workers "
                                                 "with --client-listen off, or an older "
@@ -1834,4 +2219,108 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
         first_gen = gen;
         memset(ctl, 0, sizeof(*ctl));
     }
+}
+
+static double dp_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+moe_err moe_dp_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iters, double *seconds)
+{
+    struct moe_dp *dp = moe__dp(c);
+    dp_map *m = NULL;
+    char msg[400];
+    *seconds = 0;
+    if (!dp || moe__data_path(c) != MOE_PATH_NCCL || iters < 1 || !n) {
+        moe__set_error("moe_nccl_floor: a client on data path nccl, n > 0 and iters > 0");
+        return MOE_EINVAL;
+    }
+    moe_err e = map_get(c, dp, &m);
+    if (e != MOE_OK) {
+        moe__set_error("moe_nccl_floor: no data plane map: %s", moe_err_code(e));
+        return e;
+    }
+    int d = moe_nccl_device_of(dev);
+    if (rank < 0 || rank >= m->W || !m->has_nccl[rank] || d < 0) {
+        map_put(dp, m);
+        moe__set_error("moe_nccl_floor: rank %d is not a CUDA worker of %d, or the buffer is not "
+                       "device memory",
+                       rank, m->W);
+        return MOE_EINVAL;
+    }
+    moe_nccl_link *l = &m->nccl[rank];
+    double *t = calloc((size_t)iters, sizeof(double));
+    pthread_mutex_lock(&l->mu);
+    if (l->open && l->device != d)
+        nccl_drop(c, m, rank);
+    if (!t)
+        e = MOE_ENOMEM;
+    else if (!l->open)
+        e = nccl_open(c, m, rank, d);
+    dp_req rq;
+    memset(&rq, 0, sizeof(rq));
+    if (e == MOE_OK) {
+        mp_writer w;
+        nng_msg *mm = NULL;
+        const char *auth = moe__auth(c);
+        uint32_t msgid = moe__next_msgid(c);
+        mp_writer_init(&w);
+        moe_rpc_write_request_head(&w, msgid, "data.nccl_echo");
+        mp_write_map(&w, 4u + (auth ? 1u : 0u));
+        if (auth) {
+            mp_write_cstr(&w, "auth");
+            mp_write_cstr(&w, auth);
+        }
+        mp_write_cstr(&w, "comm");
+        mp_write_u64(&w, l->comm_id);
+        mp_write_cstr(&w, "bytes");
+        mp_write_u64(&w, n);
+        mp_write_cstr(&w, "rounds");
+        mp_write_i64(&w, iters);
+        mp_write_cstr(&w, "deadline_ms");
+        mp_write_i64(&w, moe__timeout_ms(c));
+        e = msg_from_writer(&w, NULL, 0, &mm);
+        mp_writer_fini(&w);
+        if (e == MOE_OK)
+            e = req_start(&rq, m->sock[rank], mm, moe__timeout_ms(c));
+        rq.msgid = msgid;
+    }
+    for (int i = 0; i < iters && e == MOE_OK; i++) {
+        double t0 = dp_now_s();
+        if ((e = moe_nccl_post(l, 1, dev, n, msg, sizeof(msg))) == MOE_OK &&
+            (e = moe_nccl_post(l, 0, dev, n, msg, sizeof(msg))) == MOE_OK)
+            e = moe_nccl_wait(l, 1, moe__timeout_ms(c), &m->up[rank], NULL, NULL, msg, sizeof(msg));
+        t[i] = dp_now_s() - t0;
+        if (e != MOE_OK) {
+            moe__set_error("moe_nccl_floor: %s", msg);
+            nccl_drop(c, m, rank);
+        }
+    }
+    if (rq.open) {
+        moe_rpc_response resp;
+        moe_err qe =
+            req_finish(&rq, e != MOE_OK, e != MOE_OK ? DP_GRACE_MS : 0, &resp, msg, sizeof(msg));
+        if (e == MOE_OK && qe != MOE_OK) {
+            e = qe;
+            moe__set_error("moe_nccl_floor: data.nccl_echo: %s", msg);
+        }
+        req_close(&rq);
+    }
+    pthread_mutex_unlock(&l->mu);
+    if (e == MOE_OK) {
+        qsort(t, (size_t)iters, sizeof(double), cmp_double);
+        *seconds = t[iters / 2];
+    }
+    free(t);
+    map_put(dp, m);
+    return e;
 }

@@ -16,7 +16,16 @@
 #include "base/moe.h"
 #include "proto/proto.h"
 
-enum { MOE_PATH_AUTO = 0, MOE_PATH_COORD, MOE_PATH_SOCKET, MOE_PATH_SHM, MOE_PATH_BULK };
+/* MOE_PATH_NCCL: rows in GPU memory over a NCCL communicator with each
+ * worker (client_nccl.h; CUDA builds, CUDA workers) */
+enum {
+    MOE_PATH_AUTO = 0,
+    MOE_PATH_COORD,
+    MOE_PATH_SOCKET,
+    MOE_PATH_SHM,
+    MOE_PATH_BULK,
+    MOE_PATH_NCCL
+};
 
 struct moe_dp;
 
@@ -40,6 +49,8 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
 void *moe_dp_buffer_alloc(moe_client *c, size_t n);
 void moe_dp_buffer_free(moe_client *c, void *p);
 moe_err moe_dp_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle);
+/* moe_dp_nccl_floor: moe_nccl_floor (moe.h) */
+moe_err moe_dp_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iters, double *seconds);
 /* moe_dp_on_device: p lies in a registered GPU buffer (n > 0) */
 int moe_dp_on_device(moe_client *c, const void *p, size_t n);
 

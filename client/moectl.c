@@ -21,7 +21,7 @@
 typedef struct opts {
     const char *url, *token, *name, *model, *activation, *input, *output, *dtype, *path;
     const char *from_hf;   /* create --from-hf DIR */
-    const char *data_path; /* --data-path: auto | socket | shm | bulk | coordinator */
+    const char *data_path; /* --data-path: auto | socket | shm | bulk | nccl | coordinator */
     const char *tls_ca, *tls_cert, *tls_key; /* --tls-ca/--tls-cert/--tls-key: PEM paths */
     int timeout_ms, layers, d_model, d_ff, experts, top_k, renorm, layer, requests, conc;
     long long tokens, seed;
@@ -40,7 +40,7 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: moectl [--url tcp://127.0.0.1:7000] [--token T] [--timeout-ms N]\n"
-            "              [--data-path auto|socket|shm|bulk|coordinator]\n"
+            "              [--data-path auto|socket|shm|bulk|nccl|coordinator]\n"
             "              [--tls-ca PEM [--tls-cert PEM --tls-key PEM]] COMMAND\n"
             "  (a tls+tcp:// url needs --tls-ca: the CA of the server's certificate)\n"
             "  ping                                  round trip to the coordinator\n"

@@ -2,7 +2,10 @@
 # gpu-cluster.sh - start a coordinator and one worker per GPU on this host,
 # run a command against it (its URL in $MOE_URL), stop everything.
 #
-#   deploy/gpu-cluster.sh [-w WORKERS] [-x auto|nng|nccl] [-b auto|cpu|cuda] -- COMMAND...
+#   deploy/gpu-cluster.sh [-w WORKERS] [-d FIRST_GPU] [-x auto|nng|nccl] [-b auto|cpu|cuda] -- COMMAND...
+#
+# Worker i runs on GPU FIRST_GPU + i (default 0): -w 1 -d 1 puts the one
+# worker on GPU 1 and leaves GPU 0 to a client (bench/nccl_client_check.sh).
 #
 # For air-gapped GPU hosts: if .deps/*.deb exists (see docs/OPERATIONS.md),
 # the runtime libraries are unpacked into /opt/moe-deps first.
@@ -12,13 +15,15 @@ W=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 [ "$W" -ge 1 ] || W=1
 XCHG=auto
 BACKEND=auto
+FIRST=0
 while [ $# -gt 0 ]; do
     case "$1" in
     -w) W=$2; shift 2 ;;
     -x) XCHG=$2; shift 2 ;;
     -b) BACKEND=$2; shift 2 ;;
+    -d) FIRST=$2; shift 2 ;;
     --) shift; break ;;
-    *) echo "usage: $0 [-w N] [-x auto|nng|nccl] [-b auto|cpu|cuda] -- COMMAND" >&2; exit 2 ;;
+    *) echo "usage: $0 [-w N] [-d FIRST_GPU] [-x auto|nng|nccl] [-b auto|cpu|cuda] -- COMMAND" >&2; exit 2 ;;
     esac
 done
 if ls .deps/*.deb >/dev/null 2>&1; then
@@ -49,7 +54,7 @@ pids+=($!)
 for i in $(seq 50); do [ -s "$RUN/addr" ] && break; sleep 0.1; done
 export MOE_URL=$(cat "$RUN/addr")
 for i in $(seq 0 $((W - 1))); do
-    ./bin/moe-worker --coordinator "$MOE_URL" --cluster-secret-file "$RUN/secret" --device "$i" \
+    ./bin/moe-worker --coordinator "$MOE_URL" --cluster-secret-file "$RUN/secret" --device "$((FIRST + i))" \
         --backend "$BACKEND" --xchg-timeout-ms 120000 >"$RUN/worker$i.log" 2>&1 &
     pids+=($!)
 done

@@ -540,7 +540,7 @@ void coord_dataplane_info(coord *c, rpc_call *call)
     mp_write_array(&w, c->ready ? (uint32_t)c->world : 0);
     for (int r = 0; c->ready && r < c->world; r++) {
         coord_worker *wk = &c->workers[c->rank_to_worker[r]];
-        mp_write_map(&w, 4);
+        mp_write_map(&w, 5);
         mp_write_cstr(&w, "url");
         mp_write_cstr(&w, wk->client_url);
         mp_write_cstr(&w, "bulk_url"); /* "" = no bulk path */
@@ -549,6 +549,8 @@ void coord_dataplane_info(coord *c, rpc_call *call)
         mp_write_cstr(&w, wk->host);
         mp_write_cstr(&w, "backend");
         mp_write_cstr(&w, wk->backend);
+        mp_write_cstr(&w, "nccl"); /* data.nccl_open works: a CUDA worker */
+        mp_write_bool(&w, strcmp(wk->backend, "cuda") == 0);
     }
     rpc_reply(call, &w);
 }

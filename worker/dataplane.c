@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "common/params.h"
 #include "common/parcopy.h"
+#include "worker/nccl_client.h"
 #include "worker/pool.h"
 #include "worker/rows.h"
 
@@ -36,11 +37,17 @@ struct dp_region {
     int registered; /* pinned with the CUDA driver */
     int cuda;       /* a client's GPU allocation opened by CUDA IPC (base: device) */
     int device;     /* with cuda: the GPU it is open on */
+    int ncclbuf;    /* with cuda: a client communicator's buffer (ours: cudaFree) */
     struct dp_region *next;
 };
 
 static void region_unmap(dp_region *g)
 {
+    if (g->ncclbuf) {
+        wnc_buf_free(g->device, g->base);
+        free(g);
+        return;
+    }
     if (g->cuda) {
         wkr_gpu_ipc_close(g->device, g->base);
         free(g);
@@ -99,6 +106,31 @@ void dp_region_release_locked(dp_table *t, dp_region *g)
     (void)t;
     if (--g->refs == 0 && g->dead)
         region_unmap(g);
+}
+
+dp_region *dp_ncclbuf_region(int device, void *dev, size_t n)
+{
+    dp_region *g = calloc(1, sizeof(*g));
+    if (!g)
+        return NULL;
+    g->base = dev;
+    g->size = n;
+    g->cuda = 1;
+    g->ncclbuf = 1;
+    g->device = device;
+    g->refs = 1;
+    return g;
+}
+
+void dp_region_abandon_locked(dp_table *t, dp_region *g)
+{
+    g->dead = 1;
+    dp_region_release_locked(t, g);
+}
+
+uint8_t *dp_region_base(const dp_region *g)
+{
+    return g->base;
 }
 
 /* regions_on_pipe: how many regions connection pipe holds (mu held). */
@@ -289,6 +321,7 @@ static void ticket_free(dp_table *t, dp_ticket *tk)
         region_unmap(g);
     if (gy && --gy->refs == 0 && gy->dead)
         region_unmap(gy);
+    wnc_put_locked(tk->nccl);
     free(tk->extra);
     free(tk);
 }
@@ -385,6 +418,22 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
     moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
     answer_head(&w, tk);
     mp_write_cstr(&w, "y");
+    if (tk->nccl) { /* y follows on the communicator once this is sent */
+        mp_write_map(&w, 3);
+        mp_write_cstr(&w, "nccl");
+        mp_write_bool(&w, true);
+        mp_write_cstr(&w, "dtype");
+        mp_write_cstr(&w, moe_dtype_name(tk->x.dtype));
+        mp_write_cstr(&w, "shape");
+        mp_write_array(&w, 2);
+        mp_write_i64(&w, rows);
+        mp_write_i64(&w, H);
+        rpc_reply(tk->call, &w);
+        tk->call = NULL;
+        wnc_send_y(tk->nccl, dp_y_ptr(tk), (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype),
+                   tk->deadline_ns);
+        return;
+    }
     mp_write_map(&w, 4);
     mp_write_cstr(&w, "dtype");
     mp_write_cstr(&w, moe_dtype_name(tk->x.dtype));
@@ -582,7 +631,7 @@ void dp_rows_call(dp_table *t, rpc_call *c)
     char err[256], dtname[8] = "";
     mp_reader rt, rshape, rrun;
     moe_tensor x;
-    int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0, yregion = 0;
+    int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0, yregion = 0, nccl = 0;
     bool bulk = false;
     memset(&x, 0, sizeof(x));
     pspec sp[] = {
@@ -597,9 +646,10 @@ void dp_rows_call(dp_table *t, rpc_call *c)
         {"y_region", P_INT, &yregion, false, 1, 9e18, 0, false},
         {"run", P_RAW, &rrun, false, 0, 0, 0, false},
         {"bulk", P_BOOL, &bulk, false, 0, 0, 0, false},
+        {"nccl", P_INT, &nccl, false, 1, 9e18, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 11, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 12, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(c, e, "%s", err);
         return;
@@ -624,13 +674,27 @@ void dp_rows_call(dp_table *t, rpc_call *c)
     tk->call = c;
     tk->pipe = rpc_call_pipe(c);
     tk->deadline_ns = rpc_now_ns() + (uint64_t)deadline_ms * 1000000ull;
+    if (sp[11].seen && !sp[1].seen && !sp[5].seen && !bulk) { /* x comes over NCCL */
+        uint32_t nd;
+        int64_t R = -1, H = -1;
+        moe_dtype dt;
+        if (!sp[3].seen || moe_dtype_parse(dtname, strlen(dtname), &dt) != MOE_OK || !sp[4].seen ||
+            mp_read_array(&rshape, &nd, NULL) != MOE_OK || nd != 2 ||
+            mp_read_i64(&rshape, &R, NULL) != MOE_OK || mp_read_i64(&rshape, &H, NULL) != MOE_OK ||
+            R < 0 || H <= 0 || R > (1ll << 31) || H > (1ll << 20)) {
+            dp_ticket_discard(t, tk, MOE_EINVAL, "rows over NCCL need dtype and shape [R, H]");
+            return;
+        }
+        wnc_submit(t, tk, (uint64_t)nccl, dt, R, H, sp[9].seen ? &run : NULL);
+        return;
+    }
     pthread_mutex_lock(&t->mu);
-    int ways = sp[1].seen + sp[5].seen + (bulk ? 1 : 0);
+    int ways = sp[1].seen + sp[5].seen + (bulk ? 1 : 0) + sp[11].seen;
     if (ways != 1) {
         e = MOE_EINVAL;
         snprintf(err, sizeof(err),
-                 "data.rows needs one of x (inline), region (shared memory) or bulk: true (rows "
-                 "sent on the bulk connection), not %s",
+                 "data.rows needs one of x (inline), region (shared memory), bulk: true (rows "
+                 "sent on the bulk connection) or nccl (rows over a communicator), not %s",
                  ways ? "several" : "none");
         goto fail;
     }
@@ -749,6 +813,66 @@ fail:
     pthread_mutex_unlock(&t->mu);
     free(tk);
     rpc_reply_err(c, e, "%s", err);
+}
+
+void dp_ticket_discard(dp_table *t, dp_ticket *tk, moe_err e, const char *fmt, ...)
+{
+    char text[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    dp_answer_err(tk, e, "%s", text);
+    pthread_mutex_lock(&t->mu);
+    ticket_free(t, tk);
+    pthread_mutex_unlock(&t->mu);
+}
+
+void dp_rows_file(dp_table *t, dp_ticket *tk, const dp_run *run_in)
+{
+    char err[256];
+    moe_err e = MOE_OK;
+    pthread_mutex_lock(&t->mu);
+    for (dp_ticket *o = t->head; o && e == MOE_OK; o = o->next)
+        if (o->cid == tk->cid && o->seq == tk->seq) {
+            e = MOE_EPRECOND;
+            snprintf(err, sizeof(err), "ticket [%llu, %llu] is already here",
+                     (unsigned long long)tk->cid, (unsigned long long)tk->seq);
+        }
+    if (e == MOE_OK && t->ntickets >= t->max_tickets) {
+        e = MOE_EBUSY;
+        snprintf(err, sizeof(err), "%d tickets already wait here", t->ntickets);
+    }
+    if (e != MOE_OK) {
+        pthread_mutex_unlock(&t->mu);
+        dp_ticket_discard(t, tk, e, "%s", err);
+        return;
+    }
+    t->ntickets++;
+    t->rows_in_total += (uint64_t)tk->x.shape[0];
+    t->bytes_in_total += tk->x.nbytes;
+    tk->next = t->head;
+    t->head = tk;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    if (!run_in)
+        return;
+    dp_run run = *run_in;
+    run.rows = tk->x.shape[0];
+    run.dtype = tk->x.dtype;
+    rpc_call *c = tk->call;
+    if ((e = t->run(t->run_arg, &run, err, sizeof(err))) != MOE_OK) {
+        pthread_mutex_lock(&t->mu);
+        if (!tk->taken) { /* not queued: nobody will take the ticket */
+            unlink_ticket(t, tk);
+            pthread_mutex_unlock(&t->mu);
+            rpc_reply_err(c, e, "%s", err);
+            tk->call = NULL;
+            pthread_mutex_lock(&t->mu);
+            ticket_free(t, tk);
+        }
+        pthread_mutex_unlock(&t->mu);
+    }
 }
 
 /* data.shm_attach {name, size}: map the client's segment /dev/shm/<name>. */
@@ -1023,6 +1147,8 @@ const dp_method dp_methods[] = {
     {{"data.cancel", 0}, on_cancel},      {{"data.shm_attach", 0}, on_attach},
     {{"data.shm_detach", 0}, on_detach},  {{"data.cuda_attach", 0}, on_cuda_attach},
     {{"data.cuda_detach", 0}, on_detach}, {{"data.ring_attach", 0}, dp_on_ring_attach},
+    {{"data.nccl_open", 0}, wnc_on_open}, {{"data.nccl_close", 0}, wnc_on_close},
+    {{"data.nccl_echo", 0}, wnc_on_echo},
 };
 const int dp_nmethods = (int)(sizeof(dp_methods) / sizeof(dp_methods[0]));
 
@@ -1082,6 +1208,7 @@ static void drop_pipe(dp_table *t, uint32_t pipe, int all)
             region_drop(t, g);
         g = next;
     }
+    wnc_pipe_closed_locked(t, pipe, all); /* their threads abort them */
 }
 
 static void on_closed_async(uv_async_t *h)
@@ -1158,6 +1285,7 @@ void dp_close(dp_table *t)
     drop_pipe(t, 0, 1);
     pthread_mutex_unlock(&t->mu);
     dp_rings_wait(t, 5000); /* their threads answer and give their regions back */
+    wnc_wait_all(t, 5000);  /* the NCCL communicators' threads abort and end */
     uv_timer_stop(&t->expire_timer);
     uv_close((uv_handle_t *)&t->expire_timer, NULL);
     uv_close((uv_handle_t *)&t->closed_async, NULL);

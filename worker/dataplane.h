@@ -30,6 +30,7 @@
 
 typedef struct dp_region dp_region;
 typedef struct dp_ring dp_ring; /* worker/ring.c */
+struct wnc;                     /* worker/nccl_client.c */
 
 #define DP_MAX_RINGS 16 /* rings watched by one worker (a thread each) */
 
@@ -69,7 +70,9 @@ typedef struct dp_ticket {
     uint64_t y_off;     /* byte offset of y (R,H) in yregion */
     uint32_t pipe;      /* connection the call came on */
     uint64_t deadline_ns;
-    int taken; /* the compute thread owns it */
+    struct wnc *nccl; /* non-NULL: x came over this NCCL communicator (in its
+                       * buffer region), y goes back on it (a reference) */
+    int taken;        /* the compute thread owns it */
     /* owned: key/value pairs added to the answer's map (a lane forward's
      * stats, dp_ticket_set_extra) */
     uint8_t *extra;
@@ -122,6 +125,10 @@ typedef struct dp_table {
     int nrings; /* read without mu by dp_rings_active */
     uint64_t next_ring;
     int ring_spin_us; /* a ring's thread spins this long after an answer (read-only) */
+    /* clients' NCCL communicators (worker/nccl_client.c, under mu) */
+    struct wnc *wncs;
+    uint64_t next_wnc;
+    int wnc_threads; /* their threads still running */
     /* counters (under mu) */
     uint64_t rows_in_total, bytes_in_total, tickets_expired_total, regions_attached_total;
 } dp_table;
@@ -166,6 +173,24 @@ dp_region *dp_region_find_locked(dp_table *t, uint32_t pipe, uint64_t id, uint8_
                                  size_t *size, int *cuda);
 void dp_region_hold_locked(dp_region *g);
 void dp_region_release_locked(dp_table *t, dp_region *g);
+
+/* ---- the NCCL path's side (worker/nccl_client.c) ---- */
+/* dp_ncclbuf_region: a region of n bytes of device memory dev on GPU device
+ * (a communicator's buffer; not in the table's list): refs 1, the
+ * caller's. Freed (cudaFree) with its last reference once abandoned. NULL
+ * when out of memory. */
+dp_region *dp_ncclbuf_region(int device, void *dev, size_t n);
+/* dp_region_abandon_locked: the owner drops g; freed with its last ref. */
+void dp_region_abandon_locked(dp_table *t, dp_region *g);
+uint8_t *dp_region_base(const dp_region *g);
+/* dp_rows_file files a ticket whose x is in place (tk->x, region set),
+ * as data.rows does, and starts the lane's run when run is not NULL; on a
+ * refusal tk is answered and freed (any thread; takes mu). */
+void dp_rows_file(dp_table *t, dp_ticket *tk, const dp_run *run);
+/* dp_ticket_discard answers a ticket never filed with an error and frees it
+ * (releasing what it holds; takes mu). */
+void dp_ticket_discard(dp_table *t, dp_ticket *tk, moe_err e, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 /* ---- the bulk path's side (worker/bulk.c; the table's mu inside) ---- */
 /* dp_bulk_reserve counts n bytes of rows on their way in staged_bytes:

@@ -241,7 +241,9 @@ class Client:
         --auth-token, if any. data_path: how forward/backward rows travel -
         "auto" (default: straight to the workers, through shared memory on
         the same host, large rows to workers on other hosts over their bulk
-        TCP endpoint), "socket", "shm", "bulk" or "coordinator"; None =
+        TCP endpoint), "socket", "shm", "bulk", "nccl" (CUDA workers, a CUDA
+        build of libmoe: host arrays staged through GPU $MOE_NCCL_DEVICE,
+        GPU to GPU over NCCL; untested from Python) or "coordinator"; None =
         $MOE_DATA_PATH or auto. max_msg: the largest response accepted in
         bytes (0 = 1 GiB). tls_ca: PEM file of the CA that signed the
         server's certificate (required for tls+tcp://; the host name of the

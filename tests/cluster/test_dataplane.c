@@ -1339,3 +1339,93 @@ Test(dataplane, ring_worker_killed_answers_unavailable, .timeout = 120, .fini = 
     cr_assert(waited < 20000, "the client waited %lld ms", (long long)waited);
     moe_client_close(l.c);
 }
+
+/* the NCCL path (docs/PROTOCOL.md, "9. NCCL") on a CPU worker: not
+ * advertised in dataplane.info, data.nccl_open refused with
+ * failed_precondition and a reason, rows naming a communicator refused,
+ * a client on data path nccl fails clearly (unavailable) - and the worker
+ * keeps serving the other paths */
+Test(dataplane, nccl_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, T = 4;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+
+    /* dataplane.info: workers[0].nccl is false */
+    moe_reply rep;
+    cr_assert_eq(moe_call(cl->cli, "dataplane.info", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader rd = mp_reply_reader(&rep);
+    uint32_t nw = 0;
+    bool nccl = true;
+    cr_assert(mp_map_find(&rd, "workers") == 0 && mp_read_array(&rd, &nw, NULL) == MOE_OK &&
+              nw == 1);
+    cr_assert(mp_map_find(&rd, "nccl") == 0 && mp_read_bool(&rd, &nccl, NULL) == MOE_OK,
+              "dataplane.info: a worker without the nccl key");
+    cr_assert(!nccl, "a CPU worker advertises nccl");
+    moe_reply_free(&rep);
+
+    char url[256];
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    nng_socket s = raw_open(url);
+    raw_reply r;
+    mp_writer p;
+    uint8_t id[128];
+    memset(id, 0x5a, sizeof(id));
+
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "id");
+    mp_write_bin(&p, id, sizeof(id));
+    mp_write_cstr(&p, "device");
+    mp_write_i64(&p, 0);
+    raw_call(s, "data.nccl_open", &p, 2, &r);
+    mp_writer_fini(&p);
+    cr_assert_eq(r.rv, 0);
+    cr_assert(r.resp.errmsg && memmem(r.resp.errmsg, r.resp.errmsg_len, "no GPU", 6),
+              "data.nccl_open: %.*s", (int)r.resp.errmsg_len, r.resp.errmsg ? r.resp.errmsg : "");
+    expect_err(&r, MOE_EPRECOND, "data.nccl_open on a CPU worker");
+
+    /* rows naming a communicator: none is open here */
+    mp_writer_init(&p);
+    write_ticket(&p, 9, 1);
+    mp_write_cstr(&p, "dtype");
+    mp_write_cstr(&p, "f32");
+    mp_write_cstr(&p, "shape");
+    mp_write_array(&p, 2);
+    mp_write_i64(&p, T);
+    mp_write_i64(&p, H);
+    mp_write_cstr(&p, "nccl");
+    mp_write_u64(&p, 1);
+    raw_call(s, "data.rows", &p, 4, &r);
+    mp_writer_fini(&p);
+    cr_assert_eq(r.rv, 0);
+    cr_assert(r.resp.err == MOE_EPRECOND || r.resp.err == MOE_ENOTFOUND, "data.rows nccl: %s",
+              moe_err_code(r.resp.err));
+    expect_err(&r, r.resp.err, "data.rows naming a communicator on a CPU worker");
+
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "comm");
+    mp_write_u64(&p, 1);
+    raw_call(s, "data.nccl_close", &p, 1, &r);
+    mp_writer_fini(&p);
+    expect_err(&r, MOE_ENOTFOUND, "data.nccl_close of no communicator");
+    nng_close(s);
+
+    /* a client on the nccl path: refused before anything is sent */
+    moe_client *c = open_path(cl, "nccl");
+    float x[4 * 32], y[4 * 32], y2[4 * 32];
+    rng_fill_uniform(3, 1, -1, 1, x, (size_t)T * H);
+    moe_err e = moe_forward(c, "m", 0, MOE_F32, x, T, H, y, NULL);
+    cr_assert_eq(e, MOE_EUNAVAIL, "nccl path on a CPU worker: got %s", moe_err_code(e));
+    cr_log_info("nccl path: %s", moe_last_error());
+    cr_assert(strstr(moe_last_error(), "nccl"), "%s", moe_last_error());
+    moe_client_close(c);
+
+    /* the worker still serves */
+    c = open_path(cl, "socket");
+    cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y2, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    moe_client_close(c);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# nccl_client_check.sh - the NCCL data path (docs/PROTOCOL.md, "Data plane",
+# "9. NCCL") on a host with 2 GPUs: a coordinator and one CUDA worker on
+# GPU 1, service_bench as the client on GPU 0.
+#
+#   bench/nccl_client_check.sh            (after: make bin/moe-coordinator
+#                                          bin/moe-worker bin/moectl bin/service_bench)
+#
+# Steps, each under `timeout`, about 150 s at most in all:
+#   1. NVLink/P2P (NCCL's default transports): service_bench, paths socket
+#      and nccl, T = 64 and 1024 (checked against the CPU reference; the
+#      nccl path's y must equal the first call's, byte for byte), then
+#      T = 32768 (64 MiB each way in bf16 at d_model 1024; timing only).
+#   2. a client killed mid-transfer (kill -9 during a run of nccl forwards):
+#      the worker aborts that communicator ("NCCL communicator ... closes" in
+#      its log) and keeps serving (a socket-path run right after passes).
+#   3. NCCL's socket transport, as between two hosts (NCCL_P2P_DISABLE=1
+#      NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo, for the
+#      worker and the client alike): the same runs.
+# PASS lines:
+#   - every service_bench run ends "1 passed, 0 failed" (correct rows, the
+#     same bytes on both paths);
+#   - socket transport, T=32768: the nccl path's "floor/path" >= 80% (the
+#     rows move at >= 80% of raw ncclSend/ncclRecv of the same bytes between
+#     the same two processes, measured in the same run: moe_nccl_floor);
+#   - NVLink, T=32768: the call <= compute + floor (floor: x out and y back,
+#     raw, i.e. 2 NVLink transfers of 64 MiB).
+# The last line says PASS or FAIL; the exit status is 0 only on PASS.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+export NCCL_NVLS_ENABLE=0
+for b in bin/moe-coordinator bin/moe-worker bin/moectl bin/service_bench; do
+    [ -x "$b" ] || { echo "nccl_client_check: $b missing (build it first)"; exit 2; }
+done
+NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+[ "$NG" -ge 2 ] || { echo "nccl_client_check: needs 2 GPUs, found $NG"; exit 2; }
+OUT=$(mktemp -d /tmp/nccl-check.XXXXXX)
+FAIL=0
+say() { echo "== $*"; }
+verdict() { # verdict NAME OK DETAIL
+    if [ "$2" = 1 ]; then echo "PASS  $1  $3"; else echo "FAIL  $1  $3"; FAIL=1; fi
+}
+SB="bin/service_bench --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --dtype bf16 --client-device 0"
+
+# the client's part, run inside a cluster (its url in $MOE_URL); $1: tag
+client_runs() {
+    local tag=$1
+    timeout 25 $SB --url "$MOE_URL" --tokens 64,1024 --iters 3 --paths socket,nccl \
+        >"$OUT/$tag.small" 2>&1
+    echo "rc=$?" >>"$OUT/$tag.small"
+    timeout 35 $SB --url "$MOE_URL" --tokens 32768 --iters 10 --no-ref --paths socket,nccl \
+        >"$OUT/$tag.big" 2>&1
+    echo "rc=$?" >>"$OUT/$tag.big"
+}
+export -f client_runs
+export OUT SB
+
+# nccl_line FILE: "call_ms compute_ms floor_ms floor_pct" of the nccl path's line
+nccl_line() {
+    grep -E '^ +nccl ' "$1" | head -1 | sed -E \
+        's/.*fwd ([0-9.]+) ms.*compute ([0-9.]+) ms.*nccl floor ([0-9.]+) ms +floor\/path ([0-9]+)%.*/\1 \2 \3 \4/'
+}
+
+say "1+2. NVLink / P2P: worker on GPU 1, client on GPU 0 (logs in $OUT/nvlink)"
+MOE_RUN_DIR="$OUT/nvlink" timeout 85 deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- bash -c '
+    client_runs nvlink
+    # 2. a client killed mid-transfer: once its communicator is up (the
+    # worker says so; the first one, of client_runs, closed with its client)
+    n0=$(grep -c "NCCL communicator .* is up" "$MOE_RUN_DIR"/worker0.log)
+    timeout 20 $SB --url "$MOE_URL" --tokens 32768 --iters 50 --no-ref --paths nccl \
+        >"$OUT/kill.run" 2>&1 &
+    p=$!
+    for i in $(seq 150); do
+        [ "$(grep -c "NCCL communicator .* is up" "$MOE_RUN_DIR"/worker0.log)" -gt "$n0" ] && break
+        sleep 0.1
+    done
+    sleep 0.5
+    kill -9 $p 2>/dev/null
+    wait $p 2>/dev/null
+    sleep 2
+    timeout 15 $SB --url "$MOE_URL" --tokens 64 --iters 3 --paths socket,nccl >"$OUT/kill.after" 2>&1
+    echo "rc=$?" >>"$OUT/kill.after"
+' >"$OUT/nvlink.cluster" 2>&1
+say "3. socket transport over loopback (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1)"
+NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
+    MOE_RUN_DIR="$OUT/socket" timeout 60 deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- \
+    bash -c 'client_runs socket' >"$OUT/socket.cluster" 2>&1
+
+for tag in nvlink socket; do
+    for f in "$OUT/$tag.small" "$OUT/$tag.big"; do
+        echo "---- $f"
+        cat "$f" 2>/dev/null || echo "(missing: see $OUT/$tag.cluster)"
+        grep -q '^1 passed, 0 failed' "$f" 2>/dev/null && ok=1 || ok=0
+        verdict "$tag $(basename "$f"): service_bench checks" $ok ""
+    done
+done
+read -r call cmp fl pct <<<"$(nccl_line "$OUT/socket.big" 2>/dev/null)"
+if [[ "${pct:-}" =~ ^[0-9]+$ ]]; then
+    verdict "socket transport, 64 MiB: rows at >= 80% of raw ncclSend/ncclRecv" \
+        "$([ "$pct" -ge 80 ] && echo 1 || echo 0)" "floor/path ${pct}% (call ${call} ms, compute ${cmp} ms, floor ${fl} ms)"
+else
+    verdict "socket transport, 64 MiB: rows at >= 80% of raw ncclSend/ncclRecv" 0 "no nccl line"
+fi
+read -r call cmp fl pct <<<"$(nccl_line "$OUT/nvlink.big" 2>/dev/null)"
+if [[ "${pct:-}" =~ ^[0-9]+$ ]]; then
+    ok=$(awk -v a="$call" -v c="$cmp" -v f="$fl" 'BEGIN { print (a <= c + f) ? 1 : 0 }')
+    verdict "NVLink, 64 MiB each way: call <= kernel + 2 transfers" "$ok" \
+        "call ${call} ms, compute ${cmp} ms, floor (x out + y back) ${fl} ms"
+else
+    verdict "NVLink, 64 MiB each way: call <= kernel + 2 transfers" 0 "no nccl line"
+fi
+echo "---- kill test"
+cat "$OUT/kill.after" 2>/dev/null
+grep -q '^1 passed, 0 failed' "$OUT/kill.after" 2>/dev/null && ok=1 || ok=0
+verdict "client killed mid-transfer: the worker serves on (socket and nccl)" $ok ""
+grep -h "NCCL communicator" "$OUT"/nvlink/worker*.log 2>/dev/null | tail -4
+grep -q "NCCL communicator .* closes" "$OUT"/nvlink/worker*.log 2>/dev/null && ok=1 || ok=0
+verdict "client killed mid-transfer: its communicator aborted on the worker" $ok ""
+echo "(all output in $OUT)"
+if [ $FAIL = 0 ]; then echo "nccl_client_check: PASS"; else echo "nccl_client_check: FAIL"; fi
+exit $FAIL
