@@ -51,7 +51,7 @@ CLIENT_SRC := $(filter-out client/moectl.c,$(wildcard client/*.c))
 # cluster/ (real daemons, started by tests/cluster.{h,c}), faults/ (under
 # worker kills), all in one Criterion binary; gpu/ holds the GPU programs
 TEST_SRC   := $(wildcard tests/*.c tests/unit/*.c tests/cluster/*.c tests/faults/*.c)
-CUDA_SRC   := $(wildcard kernels/cuda/*.cu)
+CUDA_SRC   := $(wildcard kernels/cuda/*.cu kernels/cuda/gemm/*.cu)
 
 obj = $(patsubst %.c,$(B)/%.o,$(1))
 CORE_LIB   := $(B)/libmoecore.a
@@ -91,7 +91,7 @@ $(B)/%.o: %.c Makefile
 	$(CC) $(CFLAGS) -c $< -o $@
 -include $(shell find $(B) -name '*.d' 2>/dev/null)
 
-$(B)/%.o: %.cu $(wildcard kernels/*.h kernels/cuda/*.h kernels/cuda/*.cuh)
+$(B)/%.o: %.cu $(wildcard kernels/*.h kernels/cuda/*.h kernels/cuda/*.cuh kernels/cuda/gemm/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
@@ -167,7 +167,7 @@ check-gpu: bin/check-gpu
 # check-gpu-portable: the same checks on the portable image alone (compute_80
 # PTX, compiled by the driver): on a Hopper GPU it runs the kernels an A100,
 # L40S or newer GPU without sm_90a code runs (mma.sync GEMMs, no PDL)
-bin/check-gpu-portable: tests/gpu/check_gpu.cu $(CUDA_SRC) $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h) $(KERN_LIB) $(CORE_LIB)
+bin/check-gpu-portable: tests/gpu/check_gpu.cu $(CUDA_SRC) $(wildcard kernels/cuda/*.cuh kernels/cuda/*.h kernels/cuda/gemm/*.cuh) $(KERN_LIB) $(CORE_LIB)
 	@$(MAKE) --no-print-directory B=$(B)/portable NVCC_GENCODE='-gencode=arch=compute_80,code=compute_80' \
 	    $(B)/portable/libmoekern_cuda.a
 	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_80,code=compute_80 -Xcompiler -fPIC -I. \
@@ -197,7 +197,7 @@ bin/xchg_nccl_check: tests/gpu/xchg_nccl_check.c $(B)/worker/xchg_nccl.o $(B)/wo
 ALL_TARGETS += bin/ep_bench bin/topk_bench bin/check-gpu bin/xchg_nccl_check bin/moe_bench
 endif
 
-FMT_SRC = $(sort $(wildcard */*.c */*.h tests/*/*.c tests/gpu/*.cu kernels/cuda/*.cu kernels/cuda/*.cuh bench/*.c bench/*.cu fuzz/*.c))
+FMT_SRC = $(sort $(wildcard */*.c */*.h tests/*/*.c tests/gpu/*.cu kernels/cuda/*.cu kernels/cuda/*.cuh kernels/cuda/gemm/*.cu kernels/cuda/gemm/*.cuh bench/*.c bench/*.cu fuzz/*.c))
 format:
 	clang-format -i $(FMT_SRC)
 # tools/calls.py reads the server's objects (nm): they are built first

@@ -1,7 +1,7 @@
 /*
  * kcu_act.cuh - the expert activations on the GPU: one functor per act_id
  * of common/act.h, holding the arithmetic every kernel uses (the GEMM
- * epilogues of kcu_gemm.cu, forward and backward, and the decode path's
+ * epilogues of kernels/cuda/gemm/, forward and backward, and the decode path's
  * up-projection in kcu_decode.cu). The CPU forms stay in kernels/act.c;
  * the GPU forms are not bit-identical to those (fast intrinsics, the
  * device erff), only close.

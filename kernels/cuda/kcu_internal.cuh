@@ -140,7 +140,7 @@ cudaError_t kcu_launch(void (*k)(Exp...), dim3 grid, dim3 block, size_t smem, cu
 /* GEMM tile: BM x BN output, BK deep. The layout's tile list uses KCU_BM. */
 enum { KCU_BM = 128, KCU_BN = 128, KCU_BK = 64 };
 
-/* ---- grouped GEMM (kcu_gemm.cu) ----
+/* ---- grouped GEMM (kernels/cuda/gemm/) ----
  * Two schedules:
  *  rows mode (A K-contiguous): C rows are the sorted routed rows; the m-tiles
  *    come from the device tile list (tile_e, tile_r0, *ntiles_m), tile rows
@@ -218,7 +218,7 @@ typedef struct kcu_gemm_args {
     int pdl;             /* v4/v7: launch with PDL (small inference batches: measured to
                           * help there, to cost ~1.5% on Mixtral's training rows) */
     int *sched;          /* v7: 2 words, zero before the launch and left zero by it: items
-                          * dealt to the clusters in order from a counter (kcu_gemm.cu);
+                          * dealt to the clusters in order from a counter (gemm/clustered.cu);
                           * NULL (or KCU_WS_SCHED=0): each cluster walks w += clusters.
                           * One launch at a time may use a given pair. */
 } kcu_gemm_args;
