@@ -1381,7 +1381,13 @@ moe_err decode_forward_family(kcu_layer *l, int T, const bf16 *xb, int cap, void
     up.K = Kt;
     up.Er = E;
     up.Kr = c->K;
-    up.colpart = nullptr; /* the statistics from probs and lse */
+    /* the statistics from probs (T,E) and lse (T), which the family router
+     * wrote: dec_stats reads them when colpart is NULL (layout_params
+     * leaves both NULL: the softmax path sets them only where the up CTAs
+     * route) */
+    up.colpart = nullptr;
+    up.probs = l->probs;
+    up.lse = l->lse;
     up.x = xb;
     up.w13 = l->w13;
     up.N1 = l->N1;
