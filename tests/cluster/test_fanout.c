@@ -549,8 +549,7 @@ Test(fanout, worker_killed_mid_stream_answers_promptly, .timeout = 180, .fini = 
 Test(fanout, forward_right_after_a_reformation_waits_for_the_model, .timeout = 240,
      .fini = cluster_fini_all)
 {
-    cluster_opts o = {.workers = 2,
-                      .worker_args = {"--slow-create-ms-for-tests", "1500", NULL}};
+    cluster_opts o = {.workers = 2, .worker_args = {"--slow-create-ms-for-tests", "1500", NULL}};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     const fcase fa = {"fo_first", 64, 32, 4, 2, MOE_F32, 0, 0};
