@@ -29,6 +29,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0
+# NCCL's own warnings (the reason behind an "invalid argument" or "remote
+# process exited") go to the worker's log and the client's stderr, which
+# land in this script's output when a step fails
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 for b in bin/moe-coordinator bin/moe-worker bin/moectl bin/service_bench; do
     [ -x "$b" ] || { echo "nccl_client_check: $b missing (build it first)"; exit 2; }
 done
@@ -39,6 +43,24 @@ FAIL=0
 say() { echo "== $*"; }
 verdict() { # verdict NAME OK DETAIL
     if [ "$2" = 1 ]; then echo "PASS  $1  $3"; else echo "FAIL  $1  $3"; FAIL=1; fi
+}
+# errlines FILE N: the last N lines of FILE that tell of trouble (only the
+# end of this script's output comes back from a GPU machine: kept short)
+errlines() {
+    [ -f "$1" ] || { echo "   ($1 missing)"; return; }
+    grep -aiE ' [WE] |error|fail|warn|invalid|abort|closes|refus|timed? ?out|kcu:|segfault|core' "$1" |
+        grep -avE '^ +(socket|shm|bulk)[a-z0-9-]* +fwd ' | tail -n "$2" | cut -c1-400 | sed 's/^/   | /'
+}
+# why TAG: the worker's log (errors, last 30) and the cluster's output
+why() {
+    local d="$OUT/$1"
+    for l in "$d"/worker*.log; do
+        echo "   -- $(basename "$l") (error lines, last 30; then its last 5 lines):"
+        errlines "$l" 30
+        tail -n 5 "$l" 2>/dev/null | cut -c1-400 | sed 's/^/   . /'
+    done
+    echo "   -- $1.cluster (error lines, last 10):"
+    errlines "$OUT/$1.cluster" 10
 }
 SB="bin/service_bench --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --dtype bf16 --client-device 0"
 
@@ -86,13 +108,28 @@ NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
     MOE_RUN_DIR="$OUT/socket" timeout 60 deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- \
     bash -c 'client_runs socket' >"$OUT/socket.cluster" 2>&1
 
+SHOWN=""
 for tag in nvlink socket; do
+    bad=0
     for f in "$OUT/$tag.small" "$OUT/$tag.big"; do
         echo "---- $f"
-        cat "$f" 2>/dev/null || echo "(missing: see $OUT/$tag.cluster)"
+        if [ -f "$f" ]; then # the result lines (NCCL's own warnings below, on failure)
+            grep -avE 'NCCL (WARN|INFO)' "$f" | tail -n 30 | cut -c1-400
+        else
+            echo "(missing: see $OUT/$tag.cluster)"
+        fi
         grep -q '^1 passed, 0 failed' "$f" 2>/dev/null && ok=1 || ok=0
         verdict "$tag $(basename "$f"): service_bench checks" $ok ""
+        if [ $ok = 0 ]; then
+            bad=1
+            echo "   -- client stderr (error lines, last 15):"
+            errlines "$f" 15
+        fi
     done
+    if [ $bad = 1 ]; then # the worker's side, once per step
+        why "$tag"
+        SHOWN="$SHOWN $tag"
+    fi
 done
 read -r call cmp fl pct <<<"$(nccl_line "$OUT/socket.big" 2>/dev/null)"
 if [[ "${pct:-}" =~ ^[0-9]+$ ]]; then
@@ -110,9 +147,16 @@ else
     verdict "NVLink, 64 MiB each way: call <= kernel + 2 transfers" 0 "no nccl line"
 fi
 echo "---- kill test"
-cat "$OUT/kill.after" 2>/dev/null
+grep -avE 'NCCL (WARN|INFO)' "$OUT/kill.after" 2>/dev/null | tail -n 15 | cut -c1-400
 grep -q '^1 passed, 0 failed' "$OUT/kill.after" 2>/dev/null && ok=1 || ok=0
 verdict "client killed mid-transfer: the worker serves on (socket and nccl)" $ok ""
+if [ $ok = 0 ]; then
+    echo "   -- the killed client (error lines, last 8):"
+    errlines "$OUT/kill.run" 8
+    echo "   -- the run after it (error lines, last 15):"
+    errlines "$OUT/kill.after" 15
+    [[ " $SHOWN " == *" nvlink "* ]] || why nvlink
+fi
 grep -h "NCCL communicator" "$OUT"/nvlink/worker*.log 2>/dev/null | tail -4
 grep -q "NCCL communicator .* closes" "$OUT"/nvlink/worker*.log 2>/dev/null && ok=1 || ok=0
 verdict "client killed mid-transfer: its communicator aborted on the worker" $ok ""

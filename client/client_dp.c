@@ -1601,6 +1601,25 @@ static int answered(void *arg)
     return __atomic_load_n(&q->ndone, __ATOMIC_ACQUIRE) >= 2; /* sent, and answered */
 }
 
+/* nccl_await: moe_nccl_wait on link l, given up when q (the request whose
+ * rows or echo the transfer carries) is answered first; an answer can
+ * come a moment before our side of the last transfer is seen done, so it
+ * gets 200 ms more. MOE_ECLOSED: answered and the transfer never ended
+ * (the worker refused it): the caller aborts the link. */
+static moe_err nccl_await(moe_nccl_link *l, int stream, int tmo, const int *up, dp_req *q,
+                          char *msg, size_t msglen)
+{
+    moe_err e = moe_nccl_wait(l, stream, tmo, up, answered, q, msg, msglen);
+    if (e != MOE_ECLOSED)
+        return e;
+    e = moe_nccl_wait(l, stream, 200, up, NULL, NULL, msg, msglen);
+    if (e == MOE_ETIMEDOUT) {
+        snprintf(msg, msglen, "the worker answered and the NCCL transfer did not end (refused)");
+        return MOE_ECLOSED;
+    }
+    return e;
+}
+
 /* dp_nccl: dp_attempt on the NCCL path. x (in) and y (out), (T,H) of dt,
  * are device memory of one GPU; each rank's rows go over its worker's
  * communicator: data.rows {ticket, dtype, shape, nccl: comm} on nng, then
@@ -1659,8 +1678,9 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     }
     dp_req *rq = calloc((size_t)W, sizeof(dp_req));
     int *held = calloc((size_t)W, sizeof(int)), *early = calloc((size_t)W, sizeof(int));
-    if (!rq || !held || !early) {
-        free(rq), free(held), free(early);
+    int *xdone = calloc((size_t)W, sizeof(int)); /* x's send seen done (not pending) */
+    if (!rq || !held || !early || !xdone) {
+        free(rq), free(held), free(early), free(xdone);
         moe_nccl_dev_free(stage);
         return MOE_ENOMEM;
     }
@@ -1723,8 +1743,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         /* the answer's receive is posted now: a refusal can end the wait for x */
         nng_aio_wait(rq[q].aio);
         int rv = nng_aio_result(rq[q].aio);
-        if (rv != 0) {
-            nng_msg_free(nng_aio_get_msg(rq[q].aio));
+        if (rv != 0) { /* the message is freed by req_finish (3) */
             e = moe__from_nng(rv);
             moe__set_error("%s: sending data.rows to worker rank %d: %s", method, q,
                            nng_strerror(rv));
@@ -1745,10 +1764,10 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         if (!rq[q].open)
             continue;
         char nm[300];
-        moe_err xe =
-            moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], answered, &rq[q], nm, sizeof(nm));
-        if (xe == MOE_ECLOSED) /* answered: an error, or x arrived a moment before */
-            xe = moe_nccl_wait(&m->nccl[q], 1, 200, &m->up[q], NULL, NULL, nm, sizeof(nm));
+        /* answered first: an error, or x arrived a moment before */
+        moe_err xe = nccl_await(&m->nccl[q], 1, tmo, &m->up[q], &rq[q], nm, sizeof(nm));
+        if (xe == MOE_OK)
+            xdone[q] = 1;
         if (xe != MOE_OK) {
             early[q] = 1; /* its answer (if any) says why */
             nccl_drop(c, m, q);
@@ -1819,14 +1838,21 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             } else if (lane) {
                 qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
             }
-        } else if (lane && e == MOE_OK) {
-            e = qe;
-            ctl->err = qe;
-            snprintf(ctl->message, sizeof(ctl->message), "%s", msg);
-            moe__set_error("%s: %s: %s", method, moe_err_code(qe), msg);
-            if (qe == MOE_EUNAVAIL && resp_was_answer(&rq[q]))
-                *stale = 1;
-            qe = MOE_OK;
+        } else {
+            /* x was posted and never seen sent (the worker refused it or
+             * the call failed before the wait): a send that may never end
+             * is pending on the communicator, which takes nothing more */
+            if (!early[q] && !xdone[q] && m->nccl[q].open)
+                nccl_drop(c, m, q);
+            if (lane && e == MOE_OK) {
+                e = qe;
+                ctl->err = qe;
+                snprintf(ctl->message, sizeof(ctl->message), "%s", msg);
+                moe__set_error("%s: %s: %s", method, moe_err_code(qe), msg);
+                if (qe == MOE_EUNAVAIL && resp_was_answer(&rq[q]))
+                    *stale = 1;
+                qe = MOE_OK;
+            }
         }
         if (qe != MOE_OK && derr == MOE_OK) {
             derr = qe;
@@ -1837,7 +1863,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     for (int q = 0; q < W; q++)
         if (held[q])
             pthread_mutex_unlock(&m->nccl[q].mu);
-    free(rq), free(held), free(early);
+    free(rq), free(held), free(early), free(xdone);
     if (e == MOE_OK && derr != MOE_OK) {
         e = derr;
         moe__set_error("%s: %s: %s", method, moe_err_code(e), dmsg);
@@ -2293,12 +2319,28 @@ moe_err moe_dp_nccl_floor(moe_client *c, int rank, void *dev, size_t n, int iter
         if (e == MOE_OK)
             e = req_start(&rq, m->sock[rank], mm, moe__timeout_ms(c));
         rq.msgid = msgid;
+        if (e == MOE_OK) { /* the answer's receive is posted now: a refusal ends the waits */
+            nng_aio_wait(rq.aio);
+            int rv = nng_aio_result(rq.aio);
+            if (rv != 0) { /* the message is freed by req_finish */
+                e = moe__from_nng(rv);
+                moe__set_error("moe_nccl_floor: sending data.nccl_echo: %s", nng_strerror(rv));
+            } else {
+                nng_ctx_recv(rq.ctx, rq.aio);
+                rq.recv_posted = 1;
+            }
+        }
     }
     for (int i = 0; i < iters && e == MOE_OK; i++) {
         double t0 = dp_now_s();
+        /* a non-blocking communicator takes its next call only once the
+         * last one left ncclInProgress: the send is seen through its
+         * enqueue (stream 0) before the receive is posted */
         if ((e = moe_nccl_post(l, 1, dev, n, msg, sizeof(msg))) == MOE_OK &&
+            (e = nccl_await(l, 0, moe__timeout_ms(c), &m->up[rank], &rq, msg, sizeof(msg))) ==
+                MOE_OK &&
             (e = moe_nccl_post(l, 0, dev, n, msg, sizeof(msg))) == MOE_OK)
-            e = moe_nccl_wait(l, 1, moe__timeout_ms(c), &m->up[rank], NULL, NULL, msg, sizeof(msg));
+            e = nccl_await(l, 1, moe__timeout_ms(c), &m->up[rank], &rq, msg, sizeof(msg));
         t[i] = dp_now_s() - t0;
         if (e != MOE_OK) {
             moe__set_error("moe_nccl_floor: %s", msg);

@@ -85,8 +85,16 @@ moe_err moe_nccl_begin(moe_nccl_link *l, int device, uint8_t *id, char *msg, siz
 
 moe_err moe_nccl_post(moe_nccl_link *l, int send, void *p, size_t n, char *msg, size_t msglen)
 {
+    /* the communicator's GPU is current while NCCL enqueues (the caller's
+     * own is given back) */
+    int prev = -1;
+    (void)cudaGetDevice(&prev);
+    if (prev != l->device)
+        (void)cudaSetDevice(l->device);
     ncclResult_t r = send ? ncclSend(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream)
                           : ncclRecv(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream);
+    if (prev >= 0 && prev != l->device)
+        (void)cudaSetDevice(prev);
     if (r != ncclSuccess && r != ncclInProgress) {
         snprintf(msg, msglen, "%s: %s (%s)", send ? "ncclSend" : "ncclRecv", ncclGetErrorString(r),
                  ncclGetLastError((ncclComm_t)l->comm));

@@ -48,7 +48,12 @@ int moe_nccl_device_of(const void *p);
  * to the worker (data.nccl_open) and then waits with moe_nccl_wait. */
 moe_err moe_nccl_begin(moe_nccl_link *l, int device, uint8_t *id, char *msg, size_t msglen);
 /* moe_nccl_post enqueues a send (send = 1) or a receive of n bytes at p on
- * the link's stream (peer: the worker, rank 1). */
+ * the link's stream (peer: the worker, rank 1). The communicator is
+ * non-blocking: the post may still be ncclInProgress when this returns,
+ * and NCCL refuses any further call on it ("Attempt to use communicator
+ * before the previous operation returned ncclSuccess") until
+ * moe_nccl_wait (stream 0 is enough) has seen it through: every post is
+ * followed by a wait before the next post. */
 moe_err moe_nccl_post(moe_nccl_link *l, int send, void *p, size_t n, char *msg, size_t msglen);
 /* moe_nccl_wait polls until what was started or posted is done (with
  * stream: the stream is idle too), timeout_ms passed, NCCL reports an error,

@@ -327,6 +327,20 @@ static int page_locked(const void *p)
     return a.type == cudaMemoryTypeHost;
 }
 
+/* mem_kind: what p is, for an error message */
+static const char *mem_kind(const void *p)
+{
+    struct cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return "unknown memory";
+    }
+    return a.type == cudaMemoryTypeDevice    ? "device memory"
+           : a.type == cudaMemoryTypeHost    ? "page-locked host memory"
+           : a.type == cudaMemoryTypeManaged ? "managed memory"
+                                             : "pageable host memory";
+}
+
 static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const void *x,
                              moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
                              char *err, size_t errlen)
@@ -340,13 +354,29 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
      * segment, pinned buffers), dropless, of at least two chunks: chunked,
      * the copies overlapped with the compute (same y and statistics) */
     const long long chunk = w->gpu_chunk_tokens;
-    const int pipelined = !train && chunk > 0 && m->cfg.capacity_factor == 0 &&
-                          (long long)T >= 2 * chunk && page_locked(x) && page_locked(y);
+    /* more rows than the workspace holds (--gpu-max-tokens): an inference
+     * forward, dropless, goes in chunks whatever its memory (device rows
+     * too, e.g. a client's over NCCL: the copies are device to device);
+     * else kcu_forward would refuse it (invalid argument) */
+    const int over = (long long)T > w->gpu_max_tokens;
+    if (over && (train || m->cfg.capacity_factor != 0)) {
+        snprintf(err, errlen,
+                 "GPU layer forward: %d rows exceed --gpu-max-tokens=%lld (only a dropless "
+                 "inference forward is chunked): send fewer rows per call, or raise it",
+                 T, w->gpu_max_tokens);
+        LOG_W("model %s layer %d: %s", m->cfg.name, layer, err);
+        return MOE_EINVAL;
+    }
+    const int pipelined = over || (!train && chunk > 0 && m->cfg.capacity_factor == 0 &&
+                                   (long long)T >= 2 * chunk && page_locked(x) && page_locked(y));
+    long long pchunk = chunk; /* kcu_forward_pipelined takes at most T_max per chunk */
+    if (pchunk <= 0 || pchunk > w->gpu_max_tokens)
+        pchunk = w->gpu_max_tokens;
     if (T > 0 && (s = layer_take(d)) < 0)
         e = MOE_EINTERNAL;
     if (e == MOE_OK && T > 0) {
         if (pipelined)
-            e = kcu_forward_pipelined(kl, T, x, xdt, y, ydt, (int)chunk, NULL);
+            e = kcu_forward_pipelined(kl, T, x, xdt, y, ydt, (int)pchunk, NULL);
         else
             e = kcu_forward(kl, T, x, xdt, y, ydt, train, NULL);
         if (e == MOE_OK)
@@ -357,7 +387,12 @@ static moe_err layer_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, i
             e = MOE_EINTERNAL;
     }
     if (e != MOE_OK) {
-        snprintf(err, errlen, "GPU layer forward failed: %s", moe_strerror(e));
+        snprintf(err, errlen,
+                 "GPU layer forward failed: %s (T %d, --gpu-max-tokens %lld, x %s in %s, y %s "
+                 "in %s, %s; a kcu line on stderr says more)",
+                 moe_strerror(e), T, w->gpu_max_tokens, moe_dtype_name(xdt), mem_kind(x),
+                 moe_dtype_name(ydt), mem_kind(y), pipelined ? "chunked" : "one call");
+        LOG_W("model %s layer %d: %s", m->cfg.name, layer, err);
         return e;
     }
     if (train && T > 0)
