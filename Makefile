@@ -72,9 +72,9 @@ NVCCFLAGS ?= -O3 -std=c++17 $(NVCC_GENCODE) -Xcompiler -fPIC \
 CUDA_OBJS  := $(patsubst %.cu,$(B)/%.o,$(CUDA_SRC))
 CUDA_LINK  := $(CUDA_LIB) -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -lstdc++
 CFLAGS     += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-# libmoe's NCCL path (client/client_nccl.c): what a program linking libmoe needs
-# (--exclude-libs: libmoe.so exports none of the static cudart's symbols)
-CLIENT_CUDA_LINK := -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -Wl,--exclude-libs,ALL
+# libmoe's NCCL path (client/client_nccl.c) finds the CUDA runtime and NCCL
+# at run time (client/cuda_dl.c): libmoe links no GPU library
+CLIENT_CUDA_LINK := -ldl
 endif
 
 BINS := bin/moe-coordinator bin/moe-worker bin/moectl
@@ -219,14 +219,16 @@ clean:
 # bench/service_bench: checks and times a running cluster (not a test).
 bin/service_bench: bench/service_bench.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
-	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(CLIENT_CUDA_LINK) -lnng -lopenblas -lm -lpthread
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(if $(HAVE_CUDA),-L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt) \
+	    -lnng -lopenblas -lm -lpthread
 ALL_TARGETS += bin/service_bench
 
 ifeq ($(HAVE_CUDA),1)
 # tests/gpu/cuda_ipc_check: rows on a GPU through the service (GPU host, a second process)
 bin/cuda_ipc_check: tests/gpu/cuda_ipc_check.c $(KERN_LIB) lib/libmoe.a
 	@mkdir -p bin
-	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ $(CLIENT_CUDA_LINK) -lnng -lopenblas -lm -lpthread
+	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt \
+	    -lnng -lopenblas -lm -lpthread
 ALL_TARGETS += bin/cuda_ipc_check
 # check-gpu-dataplane: the data plane on this host's GPU, two processes each
 # (a worker and a client): CUDA IPC from C, then the Python client (NumPy,

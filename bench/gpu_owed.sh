@@ -15,12 +15,11 @@
 #   bash bench/gpu_owed.sh 3   a kill series of mixed moments (inference,
 #                              kill inside an optimizer step, kill in any
 #                              call) on all GPUs: KILLS runs (default 16)
-#   bash bench/gpu_owed.sh 6   a merged tree on 2 GPUs: check-gpu (and
-#                              --families), bin/moe_bench before ($BEFORE)
-#                              and after, the families through GPU workers
-#                              (1 worker; 2 on the experts backend) against
-#                              a CPU worker, the lane at T=1 with spinning
-#                              rings, then bench/nccl_client_check.sh
+#   bash bench/gpu_owed.sh 6   on 2 GPUs, under 8 minutes: check-gpu, the
+#                              families through a GPU worker against a CPU
+#                              worker, bench/nccl_client_check.sh, the
+#                              DeepSeek-V3 routing in bin/moe_bench, the
+#                              bulk path against raw nng (7 logs)
 #   bash bench/gpu_owed.sh 5   check-gpu, then issue 25's kill series on
 #                              all GPUs for KILL_BUDGET seconds (default
 #                              300; --mix: 4 moments x bf16/f32 models;
@@ -93,28 +92,18 @@ case "${1:-1}" in
         --dir "${TMPDIR:-/tmp}/moe-hf-bench/q3"
     ;;
 6)
-    step 120 check_gpu bin/check-gpu
-    step 60 check_gpu_fam bin/check-gpu --families
-    CASES=${CASES:-mixtral:8192,qwen3:16384,qwen3-dec:1,qwen3-dec:64,mixtral-dec:1,dsv3-route}
-    BEFORE=${BEFORE:-run/carry/moe_bench_before}
-    step 120 bench_before env MOE_BENCH_NO_AB=1 "$BEFORE" --only "$CASES"
-    step 120 bench_after env MOE_BENCH_NO_AB=1 bin/moe_bench --only "$CASES"
-    grep -hE "^(mixtral|qwen3)|dsv3-route T|decode path|general path" "$OUT/bench_before.log" \
-        "$OUT/bench_after.log" | cut -c1-200 | log >/dev/null
-    step 60 fam_cpu deploy/gpu-cluster.sh -w 1 -b cpu -- python3 python/family_check.py \
+    step 100 check_gpu bin/check-gpu
+    step 50 fam_cpu deploy/gpu-cluster.sh -w 1 -b cpu -- python3 python/family_check.py \
         --save /tmp/famref.npz
-    step 60 fam_gpu_w1 deploy/gpu-cluster.sh -w 1 -b cuda -- python3 python/family_check.py \
+    step 50 fam_gpu_w1 deploy/gpu-cluster.sh -w 1 -b cuda -- python3 python/family_check.py \
         --against /tmp/famref.npz
-    step 60 fam_experts_w2 env MOE_WORKER_EP=off deploy/gpu-cluster.sh -w 2 -b cuda -- \
-        python3 python/family_check.py --against /tmp/famref.npz
-    step 45 lane_t1_spin100 env MOE_RING_SPIN_US=200 MOE_WORKER_RING_SPIN_US=100 \
-        deploy/gpu-cluster.sh -w 1 -b cuda -- bin/service_bench --d-model 2048 --d-ff 768 \
-        --experts 128 --top-k 8 --dtype bf16 --tokens 1 --iters 401 --no-ref --paths shm,shm-zc
-    step 160 nccl bash bench/nccl_client_check.sh
-    (cd /tmp && tar czf "$OUT/nccl-check.tgz" nccl-check.* 2>/dev/null)
-    # a device call returns 8 files at most: every log in one archive
-    (cd "$OUT" && tar czf logs.tgz --exclude owed.log --exclude logs.tgz . &&
-        find . -type f ! -name owed.log ! -name logs.tgz -delete)
+    step 150 nccl bash bench/nccl_client_check.sh
+    step 75 bench_after env MOE_BENCH_NO_AB=1 bin/moe_bench --only "${CASES:-dsv3-route,qwen3-dec:1}"
+    grep -hE "^(mixtral|qwen3)|dsv3-route T" "$OUT/bench_after.log" | cut -c1-240 | log >/dev/null
+    # the bulk path against raw nng on this host's loopback, 64 MiB each way
+    step 45 bulk deploy/gpu-cluster.sh -w 1 -b cpu -- bin/service_bench --d-model 4096 \
+        --d-ff 16 --experts 4 --top-k 1 --dtype f32 --tokens 4096 --iters 5 --no-ref \
+        --paths socket,bulk1,bulk
     ;;
 5)
     step 150 check_gpu bin/check-gpu

@@ -15,8 +15,7 @@ void moe_nccl_link_init(moe_nccl_link *l)
 }
 
 #ifdef MOE_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#include <nccl.h>
+#include "client/cuda_dl.h"
 
 _Static_assert(sizeof(ncclUniqueId) == MOE_NCCL_ID_BYTES, "ncclUniqueId size");
 
@@ -34,9 +33,14 @@ int moe_nccl_built(void)
 
 int moe_nccl_device_of(const void *p)
 {
+    /* called on the NCCL path only: the runtime is loaded if not yet here
+     * (an application with a static CUDA runtime has none to find) */
+    const moe_cudl *F = moe_cudl_get(1, NULL, 0);
+    if (!F)
+        return -1;
     struct cudaPointerAttributes a;
-    if (!p || cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-        (void)cudaGetLastError();
+    if (!p || F->cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)F->cudaGetLastError();
         return -1;
     }
     return a.type == cudaMemoryTypeDevice ? a.device : -1;
@@ -44,37 +48,40 @@ int moe_nccl_device_of(const void *p)
 
 moe_err moe_nccl_begin(moe_nccl_link *l, int device, uint8_t *id, char *msg, size_t msglen)
 {
+    const moe_cudl *F = moe_cudl_get(1, msg, msglen);
+    if (!F)
+        return MOE_EUNAVAIL;
     ncclUniqueId uid;
-    ncclResult_t r = ncclGetUniqueId(&uid);
+    ncclResult_t r = F->ncclGetUniqueId(&uid);
     if (r != ncclSuccess) {
-        snprintf(msg, msglen, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+        snprintf(msg, msglen, "ncclGetUniqueId: %s", F->ncclGetErrorString(r));
         return MOE_EUNAVAIL;
     }
     memcpy(id, &uid, sizeof(uid));
     int prev = -1;
-    (void)cudaGetDevice(&prev);
+    (void)F->cudaGetDevice(&prev);
     cudaStream_t s = NULL;
-    cudaError_t ce = cudaSetDevice(device);
+    cudaError_t ce = F->cudaSetDevice(device);
     if (ce == cudaSuccess)
-        ce = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        ce = F->cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (ce != cudaSuccess) {
-        (void)cudaGetLastError();
-        snprintf(msg, msglen, "GPU %d: %s", device, cudaGetErrorString(ce));
+        (void)F->cudaGetLastError();
+        snprintf(msg, msglen, "GPU %d: %s", device, F->cudaGetErrorString(ce));
         if (prev >= 0)
-            cudaSetDevice(prev);
+            F->cudaSetDevice(prev);
         return MOE_EINVAL;
     }
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0; /* returns at once; moe_nccl_wait polls */
     ncclComm_t comm = NULL;
-    r = ncclCommInitRankConfig(&comm, 2, uid, 0, &cfg);
+    r = F->ncclCommInitRankConfig(&comm, 2, uid, 0, &cfg);
     if (prev >= 0)
-        cudaSetDevice(prev); /* the caller's current device is its own */
+        F->cudaSetDevice(prev); /* the caller's current device is its own */
     if ((r != ncclSuccess && r != ncclInProgress) || !comm) {
         if (comm)
-            ncclCommAbort(comm);
-        cudaStreamDestroy(s);
-        snprintf(msg, msglen, "ncclCommInitRankConfig: %s", ncclGetErrorString(r));
+            F->ncclCommAbort(comm);
+        F->cudaStreamDestroy(s);
+        snprintf(msg, msglen, "ncclCommInitRankConfig: %s", F->ncclGetErrorString(r));
         return MOE_EUNAVAIL;
     }
     l->comm = comm;
@@ -85,19 +92,22 @@ moe_err moe_nccl_begin(moe_nccl_link *l, int device, uint8_t *id, char *msg, siz
 
 moe_err moe_nccl_post(moe_nccl_link *l, int send, void *p, size_t n, char *msg, size_t msglen)
 {
+    const moe_cudl *F = moe_cudl_get(1, msg, msglen);
+    if (!F)
+        return MOE_EUNAVAIL;
     /* the communicator's GPU is current while NCCL enqueues (the caller's
      * own is given back) */
     int prev = -1;
-    (void)cudaGetDevice(&prev);
+    (void)F->cudaGetDevice(&prev);
     if (prev != l->device)
-        (void)cudaSetDevice(l->device);
-    ncclResult_t r = send ? ncclSend(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream)
-                          : ncclRecv(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream);
+        (void)F->cudaSetDevice(l->device);
+    ncclResult_t r = send ? F->ncclSend(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream)
+                          : F->ncclRecv(p, n, ncclUint8, 1, (ncclComm_t)l->comm, l->stream);
     if (prev >= 0 && prev != l->device)
-        (void)cudaSetDevice(prev);
+        (void)F->cudaSetDevice(prev);
     if (r != ncclSuccess && r != ncclInProgress) {
-        snprintf(msg, msglen, "%s: %s (%s)", send ? "ncclSend" : "ncclRecv", ncclGetErrorString(r),
-                 ncclGetLastError((ncclComm_t)l->comm));
+        snprintf(msg, msglen, "%s: %s (%s)", send ? "ncclSend" : "ncclRecv",
+                 F->ncclGetErrorString(r), F->ncclGetLastError((ncclComm_t)l->comm));
         return MOE_EUNAVAIL;
     }
     return MOE_OK; /* ncclInProgress: moe_nccl_wait sees it through */
@@ -106,23 +116,27 @@ moe_err moe_nccl_post(moe_nccl_link *l, int send, void *p, size_t n, char *msg, 
 moe_err moe_nccl_wait(moe_nccl_link *l, int stream, int timeout_ms, const int *up,
                       int (*give_up)(void *), void *arg, char *msg, size_t msglen)
 {
+    const moe_cudl *F = moe_cudl_get(1, msg, msglen);
+    if (!F)
+        return MOE_EUNAVAIL;
     const int64_t deadline = cn_now_ms() + timeout_ms;
     ncclComm_t comm = l->comm;
     for (int spins = 0;; spins++) {
         ncclResult_t st = ncclSuccess;
-        ncclResult_t q = ncclCommGetAsyncError(comm, &st);
+        ncclResult_t q = F->ncclCommGetAsyncError(comm, &st);
         ncclResult_t bad = q != ncclSuccess ? q : st;
         if (bad != ncclSuccess && bad != ncclInProgress) {
-            snprintf(msg, msglen, "NCCL: %s (%s)", ncclGetErrorString(bad), ncclGetLastError(comm));
+            snprintf(msg, msglen, "NCCL: %s (%s)", F->ncclGetErrorString(bad),
+                     F->ncclGetLastError(comm));
             return MOE_EUNAVAIL;
         }
         if (bad == ncclSuccess) {
-            cudaError_t ce = stream ? cudaStreamQuery(l->stream) : cudaSuccess;
+            cudaError_t ce = stream ? F->cudaStreamQuery(l->stream) : cudaSuccess;
             if (ce == cudaSuccess)
                 return MOE_OK;
             if (ce != cudaErrorNotReady) {
-                snprintf(msg, msglen, "CUDA: %s", cudaGetErrorString(ce));
-                (void)cudaGetLastError();
+                snprintf(msg, msglen, "CUDA: %s", F->cudaGetErrorString(ce));
+                (void)F->cudaGetLastError();
                 return MOE_EUNAVAIL;
             }
         }
@@ -149,22 +163,28 @@ moe_err moe_nccl_wait(moe_nccl_link *l, int stream, int timeout_ms, const int *u
 
 void *moe_nccl_dev_alloc(int device, size_t n)
 {
+    const moe_cudl *F = moe_cudl_get(1, NULL, 0);
+    if (!F)
+        return NULL;
     int prev = -1;
     void *p = NULL;
-    (void)cudaGetDevice(&prev);
-    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, n ? n : 1) != cudaSuccess) {
-        (void)cudaGetLastError();
+    (void)F->cudaGetDevice(&prev);
+    if (F->cudaSetDevice(device) != cudaSuccess || F->cudaMalloc(&p, n ? n : 1) != cudaSuccess) {
+        (void)F->cudaGetLastError();
         p = NULL;
     }
     if (prev >= 0)
-        cudaSetDevice(prev);
+        F->cudaSetDevice(prev);
     return p;
 }
 
 moe_err moe_nccl_copy(void *dst, const void *src, size_t n)
 {
-    if (n && cudaMemcpy(dst, src, n, cudaMemcpyDefault) != cudaSuccess) {
-        (void)cudaGetLastError();
+    const moe_cudl *F = moe_cudl_get(1, NULL, 0);
+    if (!F)
+        return MOE_EINTERNAL;
+    if (n && F->cudaMemcpy(dst, src, n, cudaMemcpyDefault) != cudaSuccess) {
+        (void)F->cudaGetLastError();
         return MOE_EINTERNAL;
     }
     return MOE_OK;
@@ -172,16 +192,20 @@ moe_err moe_nccl_copy(void *dst, const void *src, size_t n)
 
 void moe_nccl_dev_free(void *p)
 {
+    const moe_cudl *F = moe_cudl_get(1, NULL, 0);
+    if (!F)
+        return;
     if (p)
-        cudaFree(p);
+        F->cudaFree(p);
 }
 
 void moe_nccl_abort(moe_nccl_link *l)
 {
-    if (l->comm)
-        ncclCommAbort((ncclComm_t)l->comm);
-    if (l->stream)
-        cudaStreamDestroy((cudaStream_t)l->stream);
+    const moe_cudl *F = l->comm || l->stream ? moe_cudl_get(1, NULL, 0) : NULL;
+    if (F && l->comm)
+        F->ncclCommAbort((ncclComm_t)l->comm);
+    if (F && l->stream)
+        F->cudaStreamDestroy((cudaStream_t)l->stream);
     l->comm = NULL;
     l->stream = NULL;
     l->open = 0;

@@ -41,7 +41,8 @@ void moe_nccl_link_fini(moe_nccl_link *l);
 /* moe_nccl_built: 1 when libmoe was built with CUDA and NCCL. */
 int moe_nccl_built(void);
 /* moe_nccl_device_of: the GPU whose device memory p is, or -1 (host
- * memory, managed memory, no CUDA). */
+ * memory, managed memory, no CUDA). Loads the CUDA runtime and NCCL on
+ * first use (client/cuda_dl.h): call it on the NCCL path only. */
 int moe_nccl_device_of(const void *p);
 /* moe_nccl_begin makes a unique id (out: MOE_NCCL_ID_BYTES bytes) and starts
  * rank 0's non-blocking initialisation on device. The caller sends the id

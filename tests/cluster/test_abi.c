@@ -60,6 +60,27 @@ Test(abi, libmoe_exports_only_its_public_functions)
     free(hdr);
 }
 
+/* libmoe loads in any process: no GPU library among what it needs (a linked
+ * libnccl.so.2 bound PyTorch's libraries, imported after moe, to the wrong
+ * NCCL); its NCCL path finds the CUDA runtime and NCCL at run time */
+Test(abi, libmoe_needs_no_gpu_library)
+{
+    char cmd[512], line[512];
+    snprintf(cmd, sizeof(cmd), "readelf -d %s/../lib/libmoe.so 2>&1", cluster_bin_dir());
+    FILE *p = popen(cmd, "r");
+    cr_assert(p);
+    int needed = 0;
+    while (fgets(line, sizeof(line), p)) {
+        if (!strstr(line, "(NEEDED)"))
+            continue;
+        needed++;
+        cr_expect(!strstr(line, "nccl") && !strstr(line, "cuda") && !strstr(line, "cublas"),
+                  "libmoe.so needs a GPU library: %s", line);
+    }
+    pclose(p);
+    cr_assert_gt(needed, 0, "readelf listed no NEEDED entry (is binutils installed?)");
+}
+
 Test(abi, version_and_bf16)
 {
     cr_assert_str_eq(moe_version(), MOE_VERSION_STRING);
