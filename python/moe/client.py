@@ -242,14 +242,19 @@ class Client:
         "auto" (default: straight to the workers, through shared memory on
         the same host, large rows to workers on other hosts over their bulk
         TCP endpoint), "socket", "shm", "bulk", "nccl" (CUDA workers, a CUDA
-        build of libmoe: host arrays staged through GPU $MOE_NCCL_DEVICE,
-        GPU to GPU over NCCL; untested from Python) or "coordinator"; None =
+        build of libmoe: torch CUDA tensors GPU to GPU over NCCL, host arrays
+        staged through GPU $MOE_NCCL_DEVICE; not yet run from Python on a
+        GPU host) or "coordinator"; None =
         $MOE_DATA_PATH or auto. max_msg: the largest response accepted in
         bytes (0 = 1 GiB). tls_ca: PEM file of the CA that signed the
         server's certificate (required for tls+tcp://; the host name of the
         url is checked against the certificate); tls_cert, tls_key: a client
         certificate and its key (optional)."""
         lib = _need_lib()
+        # the nccl path takes CUDA tensors' device pointers as they are
+        # (libmoe sends and receives them over NCCL); other paths share them
+        # with the workers by CUDA IPC (_cuda_rows)
+        self._nccl = (data_path or os.environ.get("MOE_DATA_PATH", "")) == "nccl"
         self._c = _P()
         self._bufs: Dict[int, Tuple[int, np.ndarray]] = {}  # address -> Client.buffer array
         self._cuda: Dict[int, int] = {}  # allocation base -> size of registered CUDA memory
@@ -414,10 +419,14 @@ class Client:
 
     def _cuda_rows(self, t: Any) -> int:
         """A CUDA tensor's address, its allocation registered with the workers
-        (CUDA IPC: cudaIpcGetMemHandle through torch's storage sharing)."""
+        (CUDA IPC: cudaIpcGetMemHandle through torch's storage sharing); on
+        the nccl path the address alone (the rows go GPU to GPU over NCCL)."""
         import torch
         if not t.is_contiguous():
             raise ValueError("CUDA tensors must be contiguous")
+        if self._nccl:
+            torch.cuda.current_stream(t.device).synchronize()  # x written before NCCL reads it
+            return t.data_ptr()
         st = t.untyped_storage()
         share = st._share_cuda_()
         handle, size, offset = bytes(share[1]), share[2], share[3]
