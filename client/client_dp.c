@@ -1620,6 +1620,72 @@ static moe_err nccl_await(moe_nccl_link *l, int stream, int tmo, const int *up, 
     return e;
 }
 
+/* lane_fail: the lane's error is the call's (returned, in ctl and the last
+ * error); a closed lane (the cluster re-formed) makes the map stale, as
+ * the coordinator's would */
+static moe_err lane_fail(moe_reply *ctl, const char *method, moe_err qe, const char *msg, dp_req *r,
+                         int *stale)
+{
+    ctl->err = qe;
+    snprintf(ctl->message, sizeof(ctl->message), "%s", msg);
+    moe__set_error("%s: %s: %s", method, moe_err_code(qe), msg);
+    if (qe == MOE_EUNAVAIL && resp_was_answer(r))
+        *stale = 1;
+    return qe;
+}
+
+/* write_rows_head: a data.rows request's ticket, deadline_ms and, on the
+ * lane (run_pairs not NULL: the caller's {model, layer} pairs), run with
+ * the map's generation (3 or 4 pairs of the request's map) */
+static void write_rows_head(mp_writer *w, uint64_t cid, uint64_t seq, int64_t deadline_ms,
+                            const void *run_pairs, size_t run_len, uint64_t gen)
+{
+    mp_write_cstr(w, "ticket");
+    mp_write_array(w, 2);
+    mp_write_u64(w, cid);
+    mp_write_u64(w, seq);
+    mp_write_cstr(w, "deadline_ms");
+    mp_write_i64(w, deadline_ms);
+    if (run_pairs) {
+        mp_write_cstr(w, "run");
+        mp_write_map(w, 3);
+        mp_write_raw(w, run_pairs, run_len);
+        mp_write_cstr(w, "generation");
+        mp_write_u64(w, gen);
+    }
+}
+
+/* direct_call: the coordinator's control call of a data-plane request:
+ * method {ctl pairs, direct: {H, ticket, generation, dtype, T}}; its
+ * answer in *ctl */
+static moe_err direct_call(moe_client *c, const char *method, const void *ctl_pairs, size_t ctl_len,
+                           uint32_t nctl, int64_t H, uint64_t cid, uint64_t seq, uint64_t gen,
+                           moe_dtype dt, int64_t T, moe_reply *ctl)
+{
+    mp_writer p;
+    mp_writer_init(&p);
+    mp_write_map(&p, nctl + 1);
+    if (ctl_len)
+        mp_write_raw(&p, ctl_pairs, ctl_len);
+    mp_write_cstr(&p, "direct");
+    mp_write_map(&p, 5);
+    mp_write_cstr(&p, "H");
+    mp_write_i64(&p, H);
+    mp_write_cstr(&p, "ticket");
+    mp_write_array(&p, 2);
+    mp_write_u64(&p, cid);
+    mp_write_u64(&p, seq);
+    mp_write_cstr(&p, "generation");
+    mp_write_u64(&p, gen);
+    mp_write_cstr(&p, "dtype");
+    mp_write_cstr(&p, moe_dtype_name(dt));
+    mp_write_cstr(&p, "T");
+    mp_write_i64(&p, T);
+    moe_err e = p.failed ? MOE_ENOMEM : moe_call(c, method, p.buf, p.len, ctl);
+    mp_writer_fini(&p);
+    return e;
+}
+
 /* dp_nccl: dp_attempt on the NCCL path. x (in) and y (out), (T,H) of dt,
  * are device memory of one GPU; each rank's rows go over its worker's
  * communicator: data.rows {ticket, dtype, shape, nccl: comm} on nng, then
@@ -1712,19 +1778,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
         }
-        mp_write_cstr(&w, "ticket");
-        mp_write_array(&w, 2);
-        mp_write_u64(&w, cid);
-        mp_write_u64(&w, seq);
-        mp_write_cstr(&w, "deadline_ms");
-        mp_write_i64(&w, tmo);
-        if (lane) {
-            mp_write_cstr(&w, "run");
-            mp_write_map(&w, 3);
-            mp_write_raw(&w, ctl_pairs, ctl_len);
-            mp_write_cstr(&w, "generation");
-            mp_write_u64(&w, m->gen);
-        }
+        write_rows_head(&w, cid, seq, tmo, lane ? ctl_pairs : NULL, ctl_len, m->gen);
         mp_write_cstr(&w, "dtype");
         mp_write_cstr(&w, moe_dtype_name(dt));
         mp_write_cstr(&w, "shape");
@@ -1781,27 +1835,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         e = derr; /* no control call: the others' rows are cancelled below */
     /* 2. the control call (not on the lane) */
     if (e == MOE_OK && !lane) {
-        mp_writer p;
-        mp_writer_init(&p);
-        mp_write_map(&p, nctl + 1);
-        if (ctl_len)
-            mp_write_raw(&p, ctl_pairs, ctl_len);
-        mp_write_cstr(&p, "direct");
-        mp_write_map(&p, 5);
-        mp_write_cstr(&p, "H");
-        mp_write_i64(&p, H);
-        mp_write_cstr(&p, "ticket");
-        mp_write_array(&p, 2);
-        mp_write_u64(&p, cid);
-        mp_write_u64(&p, seq);
-        mp_write_cstr(&p, "generation");
-        mp_write_u64(&p, m->gen);
-        mp_write_cstr(&p, "dtype");
-        mp_write_cstr(&p, moe_dtype_name(dt));
-        mp_write_cstr(&p, "T");
-        mp_write_i64(&p, T);
-        e = p.failed ? MOE_ENOMEM : moe_call(c, method, p.buf, p.len, ctl);
-        mp_writer_fini(&p);
+        e = direct_call(c, method, ctl_pairs, ctl_len, nctl, H, cid, seq, m->gen, dt, T, ctl);
         if (e == MOE_EUNAVAIL && !ctl->transport)
             *stale = 1;
     }
@@ -1845,12 +1879,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             if (!early[q] && !xdone[q] && m->nccl[q].open)
                 nccl_drop(c, m, q);
             if (lane && e == MOE_OK) {
-                e = qe;
-                ctl->err = qe;
-                snprintf(ctl->message, sizeof(ctl->message), "%s", msg);
-                moe__set_error("%s: %s: %s", method, moe_err_code(qe), msg);
-                if (qe == MOE_EUNAVAIL && resp_was_answer(&rq[q]))
-                    *stale = 1;
+                e = lane_fail(ctl, method, qe, msg, &rq[q], stale);
                 qe = MOE_OK;
             }
         }
@@ -2001,19 +2030,8 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
         }
-        mp_write_cstr(&w, "ticket");
-        mp_write_array(&w, 2);
-        mp_write_u64(&w, cid);
-        mp_write_u64(&w, seq);
-        mp_write_cstr(&w, "deadline_ms");
-        mp_write_i64(&w, moe__timeout_ms(c));
-        if (lane) { /* {model, layer} as the caller gave them, and the map's generation */
-            mp_write_cstr(&w, "run");
-            mp_write_map(&w, 3);
-            mp_write_raw(&w, ctl_pairs, ctl_len);
-            mp_write_cstr(&w, "generation");
-            mp_write_u64(&w, m->gen);
-        }
+        /* on the lane: run {model, layer} as the caller gave them, and the map's generation */
+        write_rows_head(&w, cid, seq, moe__timeout_ms(c), lane ? ctl_pairs : NULL, ctl_len, m->gen);
         if (zero_copy) {
             size_t xo = (size_t)((const uint8_t *)in - dp->ubuf[ux].base) + off;
             size_t yo = (size_t)((uint8_t *)out - dp->ubuf[uy].base) + off;
@@ -2075,27 +2093,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     /* 2. the control call: the coordinator orders the job and names the
      * ticket to every worker (not on the lane: the worker runs it) */
     if (e == MOE_OK && !lane) {
-        mp_writer p;
-        mp_writer_init(&p);
-        mp_write_map(&p, nctl + 1);
-        if (ctl_len)
-            mp_write_raw(&p, ctl_pairs, ctl_len);
-        mp_write_cstr(&p, "direct");
-        mp_write_map(&p, 5);
-        mp_write_cstr(&p, "H");
-        mp_write_i64(&p, H);
-        mp_write_cstr(&p, "ticket");
-        mp_write_array(&p, 2);
-        mp_write_u64(&p, cid);
-        mp_write_u64(&p, seq);
-        mp_write_cstr(&p, "generation");
-        mp_write_u64(&p, m->gen);
-        mp_write_cstr(&p, "dtype");
-        mp_write_cstr(&p, moe_dtype_name(dt));
-        mp_write_cstr(&p, "T");
-        mp_write_i64(&p, T);
-        e = p.failed ? MOE_ENOMEM : moe_call(c, method, p.buf, p.len, ctl);
-        mp_writer_fini(&p);
+        e = direct_call(c, method, ctl_pairs, ctl_len, nctl, H, cid, seq, m->gen, dt, T, ctl);
         /* the coordinator itself said unavailable (a stale map, a lost
          * worker): the job did not complete; a new map may serve a retry */
         if (e == MOE_EUNAVAIL && !ctl->transport)
@@ -2138,14 +2136,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             else if (lane)
                 qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
         } else if (lane && e == MOE_OK) {
-            /* the lane's error is the call's: a closed lane (the cluster
-             * re-formed) makes the map stale, as the coordinator's would */
-            e = qe;
-            ctl->err = qe;
-            snprintf(ctl->message, sizeof(ctl->message), "%s", msg);
-            moe__set_error("%s: %s: %s", method, moe_err_code(qe), msg);
-            if (qe == MOE_EUNAVAIL && resp_was_answer(&rq[q]))
-                *stale = 1;
+            e = lane_fail(ctl, method, qe, msg, &rq[q], stale);
             qe = MOE_OK;
         }
         if (qe != MOE_OK && derr == MOE_OK) {

@@ -410,6 +410,21 @@ void dp_answer_extra(dp_ticket *tk)
     tk->call = NULL;
 }
 
+/* write_y_apart: the answer's y when its rows travel apart from it (the
+ * bulk connection, the NCCL communicator): {key: true, dtype, shape} */
+static void write_y_apart(mp_writer *w, const char *key, moe_dtype dt, int64_t rows, int64_t H)
+{
+    mp_write_map(w, 3);
+    mp_write_cstr(w, key);
+    mp_write_bool(w, true);
+    mp_write_cstr(w, "dtype");
+    mp_write_cstr(w, moe_dtype_name(dt));
+    mp_write_cstr(w, "shape");
+    mp_write_array(w, 2);
+    mp_write_i64(w, rows);
+    mp_write_i64(w, H);
+}
+
 /* answer_region: y already written at y_off; the answer names where. */
 static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
 {
@@ -419,15 +434,7 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
     answer_head(&w, tk);
     mp_write_cstr(&w, "y");
     if (tk->nccl) { /* y follows on the communicator once this is sent */
-        mp_write_map(&w, 3);
-        mp_write_cstr(&w, "nccl");
-        mp_write_bool(&w, true);
-        mp_write_cstr(&w, "dtype");
-        mp_write_cstr(&w, moe_dtype_name(tk->x.dtype));
-        mp_write_cstr(&w, "shape");
-        mp_write_array(&w, 2);
-        mp_write_i64(&w, rows);
-        mp_write_i64(&w, H);
+        write_y_apart(&w, "nccl", tk->x.dtype, rows, H);
         rpc_reply(tk->call, &w);
         tk->call = NULL;
         wnc_send_y(tk->nccl, dp_y_ptr(tk), (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype),
@@ -478,15 +485,7 @@ static void answer_bulk(dp_ticket *tk, int64_t rows, int64_t H)
     moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
     answer_head(&w, tk);
     mp_write_cstr(&w, "y");
-    mp_write_map(&w, 3);
-    mp_write_cstr(&w, "bulk");
-    mp_write_bool(&w, true);
-    mp_write_cstr(&w, "dtype");
-    mp_write_cstr(&w, moe_dtype_name(tk->x.dtype));
-    mp_write_cstr(&w, "shape");
-    mp_write_array(&w, 2);
-    mp_write_i64(&w, rows);
-    mp_write_i64(&w, H);
+    write_y_apart(&w, "bulk", tk->x.dtype, rows, H);
     rpc_reply(tk->call, &w);
     tk->call = NULL;
 }
