@@ -40,8 +40,8 @@ pass=0
 fail=0
 firsts=()
 readys=()
-printf "%-4s %-6s %-10s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode "down (s)" \
-    "1st err (s)" "answered (s)" "step (s)" "ready (s)" "kill at" "run (s)"
+printf "%-4s %-6s %-10s %-9s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode \
+    "dying (s)" "down (s)" "1st err (s)" "answered (s)" "step (s)" "ready (s)" "kill at" "run (s)"
 FIRST=${KILL_SERIES_FIRST:-1}
 BUDGET=${KILL_SERIES_SECONDS:-0}
 START=$SECONDS
@@ -80,6 +80,8 @@ for i in $(seq "$FIRST" $((FIRST + N - 1))); do
     rc=$?
     wall=$((SECONDS - t0))
     down=$(grep -o 'state down [0-9.]* s after the kill' "$log" | head -1 | awk '{print $3}')
+    # the victim's process teardown (memory, then files: its sockets close last)
+    dying=$(grep -o 'finished dying [0-9.]* s' "$log" | head -1 | awk '{print $3}')
     first=$(grep -o 'first: [0-9.]* s after the kill' "$log" | head -1 | awk '{print $2}')
     ans=$(grep -o 'in-flight ones answered within [0-9.]* s' "$log" | head -1 | awk '{print $5}')
     # the optimizer.step in flight at the kill (ckpt: the one whose checkpoint lost the victim)
@@ -89,8 +91,8 @@ for i in $(seq "$FIRST" $((FIRST + N - 1))); do
     if [ "$rc" -eq 0 ]; then res=PASS; pass=$((pass + 1)); else res=FAIL; fail=$((fail + 1)); fi
     [ -n "$first" ] && firsts+=("$first")
     [ -n "$ready" ] && readys+=("$ready")
-    printf "%-4s %-6s %-10s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$i" "$res" "$mode" \
-        "${down:--}" "${first:--}" "${ans:--}" "${step:--}" "${ready:--}" "$at" "$wall"
+    printf "%-4s %-6s %-10s %-9s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$i" "$res" "$mode" \
+        "${dying:--}" "${down:--}" "${first:--}" "${ans:--}" "${step:--}" "${ready:--}" "$at" "$wall"
 done
 summ() { # label values...: min, median, max
     local label=$1; shift

@@ -560,6 +560,57 @@ CHECKS = [
 ]
 
 
+def describe_fds(pid):
+    """The victim's open files by kind, fd numbers in order ("sockets 3-9,
+    12; nvidia 10-11, 14"): a dying process closes them in that order after
+    its memory is torn down, and the coordinator sees it gone when a socket
+    closes."""
+    kinds = {}
+    try:
+        for fd in sorted(int(f) for f in os.listdir("/proc/%d/fd" % pid)):
+            try:
+                t = os.readlink("/proc/%d/fd/%d" % (pid, fd))
+            except OSError:
+                continue
+            k = ("socket" if t.startswith("socket:") else "nvidia" if "/dev/nvidia" in t
+                 else "shm" if t.startswith("/dev/shm") else "other")
+            kinds.setdefault(k, []).append(fd)
+    except OSError as e:
+        return "unreadable (%s)" % e
+    def runs(v):
+        out, a = [], v[0]
+        for i in range(1, len(v) + 1):
+            if i == len(v) or v[i] != v[i - 1] + 1:
+                out.append(str(a) if a == v[i - 1] else "%d-%d" % (a, v[i - 1]))
+                if i < len(v):
+                    a = v[i]
+        return ", ".join(out)
+    return "; ".join("%s %s" % (k, runs(v)) for k, v in sorted(kinds.items())) or "none"
+
+
+class TeardownWatch(threading.Thread):
+    """Logs how long the SIGKILLed process took to finish dying (a zombie or
+    gone: its memory torn down and its files closed), polled every ms."""
+
+    def __init__(self, pid, t_kill):
+        super().__init__(daemon=True)
+        self.pid, self.t_kill = pid, t_kill
+
+    def run(self):
+        while time.monotonic() - self.t_kill < 10:
+            try:
+                with open("/proc/%d/stat" % self.pid) as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                state = "gone"
+            if state in ("Z", "X", "gone"):
+                log("  the victim finished dying %.3f s after the SIGKILL" %
+                    (time.monotonic() - self.t_kill))
+                return
+            time.sleep(0.001)
+        log("  the victim was still dying 10 s after the SIGKILL")
+
+
 def main():
     global DTYPE
     a = parse_args()
@@ -713,8 +764,11 @@ def main():
         vpid, vrpc = cl.winfo[a.victim]
         recs, infl = sm.snapshot()
         committed = k_committed = sm.step
+        fds = describe_fds(vpid)
         sm.t_kill = t_kill = time.monotonic()
         os.kill(vpid, signal.SIGKILL)
+        gone = TeardownWatch(vpid, t_kill)
+        gone.start()
         # the save's files as the kill found them (the victim's shard must
         # be missing), then a watcher for the survivors' shards: when they
         # finish writing tells whether the step was answered before
@@ -730,6 +784,7 @@ def main():
                                                 "forward"), committed,
                 ", ".join("%s %s (started %.3f s before)" % (n, k, t_kill - t0)
                           for n, (k, t0) in sorted(infl.items())) or "nothing"))
+        log("  the victim's open files at the kill: %s" % fds)
         if save:
             log("  the kill is inside the automatic checkpoint of step %d: %s (the step was "
                 "sent %.3f s before); the victim is rank %d; files then: %s" % (
