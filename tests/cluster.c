@@ -864,6 +864,22 @@ int cluster_worker_key(cluster *cl, int rank, const char *key, char *out, size_t
     return ok ? 0 : -1;
 }
 
+int cluster_coord_stat(cluster *cl, const char *key, int64_t *out)
+{
+    moe_reply rep;
+    if (moe_call(cl->cli, "stats", NULL, 0, &rep) != MOE_OK) {
+        set_err(cl, "stats: %s", rep.message);
+        moe_reply_free(&rep);
+        return -1;
+    }
+    mp_reader r = mp_reply_reader(&rep);
+    int ok = mp_map_find(&r, key) == 0 && mp_read_i64(&r, out, NULL) == MOE_OK;
+    if (!ok)
+        set_err(cl, "stats has no integer %s", key);
+    moe_reply_free(&rep);
+    return ok ? 0 : -1;
+}
+
 double cluster_metric_value(const char *text, const char *name)
 {
     size_t n = strlen(name);

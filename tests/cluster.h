@@ -131,6 +131,9 @@ int cluster_http_get(int port, const char *path, char *head, size_t hcap, char *
  * dataplane.info ("url", "bulk_url", "host", "backend") into out: 0, or -1
  * (cluster_error says why). */
 int cluster_worker_key(cluster *cl, int rank, const char *key, char *out, size_t len);
+/* cluster_coord_stat: *out = the integer `key` of the coordinator's
+ * `stats`; 0, or -1 (cluster_error says why). */
+int cluster_coord_stat(cluster *cl, const char *key, int64_t *out);
 /* cluster_metric_value: the value of the sample `name` (a whole series
  * name, labels included) in a /metrics text, or -1 when absent. */
 double cluster_metric_value(const char *text, const char *name);

@@ -597,6 +597,29 @@ static int read_pair(mp_reader *r, uint64_t *a, uint64_t *b)
 /* data.rows {ticket: [cid, seq], x: tensor, deadline_ms?} or, by reference,
  * {ticket, dtype, shape: [R, H], region, x_offset, y_offset, y_region?,
  * deadline_ms?} */
+/* start_run: the lane's run of a filed ticket (run: its params, rows and
+ * dtype set); when the run cannot be queued, nobody will take the ticket:
+ * it is answered with the error and freed here (unless the compute thread
+ * took it meanwhile) */
+static void start_run(dp_table *t, dp_ticket *tk, dp_run *run)
+{
+    char err[256];
+    rpc_call *c = tk->call;
+    moe_err e = t->run(t->run_arg, run, err, sizeof(err));
+    if (e == MOE_OK)
+        return;
+    pthread_mutex_lock(&t->mu);
+    if (!tk->taken) {
+        unlink_ticket(t, tk);
+        pthread_mutex_unlock(&t->mu);
+        rpc_reply_err(c, e, "%s", err);
+        tk->call = NULL;
+        pthread_mutex_lock(&t->mu);
+        ticket_free(t, tk);
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
 /* parse_run reads data.rows' "run": {model: str, layer: int, generation:
  * uint} (the lane: the worker runs the inference forward of these rows at
  * once, without the coordinator). */
@@ -784,19 +807,8 @@ void dp_rows_call(dp_table *t, rpc_call *c)
     pthread_mutex_unlock(&t->mu);
     run.rows = x.shape[0];
     run.dtype = x.dtype;
-    if (sp[9].seen && (e = t->run(t->run_arg, &run, err, sizeof(err))) != MOE_OK) {
-        /* not queued: nobody will take the ticket */
-        pthread_mutex_lock(&t->mu);
-        if (!tk->taken) {
-            unlink_ticket(t, tk);
-            pthread_mutex_unlock(&t->mu);
-            rpc_reply_err(c, e, "%s", err);
-            tk->call = NULL;
-            pthread_mutex_lock(&t->mu);
-            ticket_free(t, tk);
-        }
-        pthread_mutex_unlock(&t->mu);
-    }
+    if (sp[9].seen)
+        start_run(t, tk, &run);
     return;
 fail_unref: /* the regions are live (mu held since they were found) */
     if (tk->region) {
@@ -859,19 +871,7 @@ void dp_rows_file(dp_table *t, dp_ticket *tk, const dp_run *run_in)
     dp_run run = *run_in;
     run.rows = tk->x.shape[0];
     run.dtype = tk->x.dtype;
-    rpc_call *c = tk->call;
-    if ((e = t->run(t->run_arg, &run, err, sizeof(err))) != MOE_OK) {
-        pthread_mutex_lock(&t->mu);
-        if (!tk->taken) { /* not queued: nobody will take the ticket */
-            unlink_ticket(t, tk);
-            pthread_mutex_unlock(&t->mu);
-            rpc_reply_err(c, e, "%s", err);
-            tk->call = NULL;
-            pthread_mutex_lock(&t->mu);
-            ticket_free(t, tk);
-        }
-        pthread_mutex_unlock(&t->mu);
-    }
+    start_run(t, tk, &run);
 }
 
 /* data.shm_attach {name, size}: map the client's segment /dev/shm/<name>. */

@@ -179,13 +179,8 @@ static int64_t rings(const char *url)
 
 static int64_t coord_stat(cluster *cl, const char *key)
 {
-    moe_reply rep;
-    cr_assert_eq(moe_call(cl->cli, "stats", NULL, 0, &rep), MOE_OK, "%s", rep.message);
-    mp_reader r = mp_reply_reader(&rep);
     int64_t v = -1;
-    cr_assert(mp_map_find(&r, key) == 0 && mp_read_i64(&r, &v, NULL) == MOE_OK, "stats: no %s",
-              key);
-    moe_reply_free(&rep);
+    cr_assert_eq(cluster_coord_stat(cl, key, &v), 0, "%s", cluster_error());
     return v;
 }
 
