@@ -27,6 +27,12 @@
 #                              a 50-kill series spans calls), then the lane
 #                              at T=1 with and without spinning ring threads;
 #                              the failed runs' logs in $OUT/kill-fails.tgz
+#   bash bench/gpu_owed.sh 7   the Python client's nccl path (torch CUDA
+#                              tensors on GPU 0, a CUDA worker on GPU 1:
+#                              python/dataplane_check.py --nccl), then the
+#                              kill series on all GPUs for KILL_BUDGET
+#                              seconds (default 380); failed runs' logs in
+#                              $OUT/kill-fails.tgz
 #
 # Each step is bounded; a summary line per step goes to $OUT/owed.log.
 set -uo pipefail
@@ -119,6 +125,17 @@ case "${1:-1}" in
             bin/service_bench --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bf16 \
             --tokens 1,64 --iters 401 --no-ref --paths socket,shm,shm-zc
     done
+    ;;
+7)
+    step 90 py_nccl env MOE_RUN_DIR="$OUT/py-nccl-run" deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- \
+        bash -c 'python3 python/dataplane_check.py --url "$MOE_URL" --nccl'
+    step $((${KILL_BUDGET:-380} + 100)) kills env KILL_SERIES_DIR=/tmp/moe-kills \
+        KILL_SERIES_FIRST="${KILL_SERIES_FIRST:-1}" KILL_SERIES_SECONDS="${KILL_BUDGET:-380}" \
+        deploy/kill-series.sh 50 --mix --backend cuda
+    grep -E "^[0-9]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
+        "$OUT/kills.log" | log >/dev/null
+    fails=$(grep -E "^[0-9]+ +FAIL" "$OUT/kills.log" | awk '{print "run-" $1 ".log"}')
+    [ -n "$fails" ] && (cd /tmp/moe-kills && tar czf "$OUT/kill-fails.tgz" $fails)
     ;;
 3)
     step 580 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-16}" --mix \

@@ -30,9 +30,51 @@ def check(ok, what):
         failed += 1
 
 
+def bits(t):
+    """a bf16 torch tensor (any device) as uint16 NumPy bits"""
+    import torch
+    return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def nccl_checks(url, torch, x, xb, ybref, ref):
+    """data_path="nccl": rows GPU to GPU over NCCL (the worker's GPU and
+    this process's), every result byte-identical to the coordinator path"""
+    if not torch.cuda.is_available():
+        print("SKIP no CUDA device: the nccl path")
+        return
+    n = moe.Client(url, data_path="nccl")
+    tb = torch.from_numpy(xb.view(np.int16).copy()).view(torch.bfloat16).cuda()
+    yg, st = n.forward("pyb", 0, tb)
+    check(yg.is_cuda and np.array_equal(bits(yg), ybref),
+          "nccl: torch CUDA bf16 in, CUDA out, equal to the coordinator path")
+    check(sum(st["tokens_per_expert"]) == tb.shape[0] * 2, "nccl: stats come back")
+    out = torch.empty_like(tb)
+    for _ in range(3):
+        n.forward("pyb", 0, tb, out=out)
+    check(np.array_equal(bits(out), ybref), "nccl: forward(out=) repeated")
+    yh, _ = n.forward("pyb", 0, xb)  # host rows, staged through a GPU
+    check(np.array_equal(np.asarray(yh).view(np.uint16), ybref),
+          "nccl: NumPy bf16 rows (staged on the GPU) equal")
+    # training: forward(train) and backward with CUDA tensors against the
+    # coordinator path's dx for the same dy
+    dy = np.random.default_rng(2).uniform(-1, 1, xb.shape).astype(np.float32)
+    dyb = moe.to_bf16(dy)
+    _, h0 = ref.forward_train("pyb", 0, xb)
+    dxref = ref.backward(h0, dyb)
+    _, h1 = n.forward_train("pyb", 0, tb)
+    dyg = torch.from_numpy(dyb.view(np.int16).copy()).view(torch.bfloat16).cuda()
+    dxg = n.backward(h1, dyg)
+    check(dxg.is_cuda and np.array_equal(bits(dxg), np.asarray(dxref).view(np.uint16)),
+          "nccl: backward with CUDA dy, dx equal to the coordinator path")
+    n.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="tcp://127.0.0.1:7000")
+    ap.add_argument("--nccl", action="store_true",
+                    help="also the nccl path (CUDA workers, a client GPU): torch CUDA "
+                         "tensors and NumPy rows over NCCL")
     a = ap.parse_args()
     H, T = 64, 37
     ref = moe.Client(a.url, data_path="coordinator")
@@ -86,6 +128,8 @@ def main():
                   "torch CUDA forward(out=) repeated")
         else:
             print("SKIP no CUDA device: the CUDA IPC checks")
+        if a.nccl:
+            nccl_checks(a.url, torch, x, xb, ybref, ref)
     c.close()
     try:
         c.forward("pyf", 0, x)
