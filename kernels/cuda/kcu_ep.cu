@@ -46,7 +46,7 @@
 #include <nccl.h>
 
 #include "kernels/cuda/kcu_ep.h"
-#include "kernels/cuda/kcu_internal.cuh"
+#include "kernels/cuda/kcu_ffn.cuh"
 #include "common/placement.h"
 
 /* the worker's "give up on this generation" check (kcu_ep.h) */
@@ -519,18 +519,6 @@ moe_err ep_exchange(kcu_ep *ep, int c, const bf16 *tok_buf, bf16 *own_buf, int b
     return err != MOE_OK ? err : e2;
 }
 
-kcu_gemm_args ep_rows_args(const kcu_ep *ep, int c)
-{
-    kcu_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.offs = ep->tbl_d + ep->t_offs + c * (ep->ne + 1);
-    a.tile_e = ep->tbl_d + ep->t_te + ep->tbase[c];
-    a.tile_r0 = ep->tbl_d + ep->t_tr + ep->tbase[c];
-    a.ntiles_m = ep->tbl_d + ep->t_ntiles + c;
-    a.max_tiles_m = ep->tiles[c];
-    return a;
-}
-
 /* SMs for a persistent GEMM that runs while NCCL transfers are in flight:
  * a grid of every SM would leave NCCL's blocks (or the GEMM's last CTAs)
  * waiting for a free SM */
@@ -554,28 +542,57 @@ int ep_dense_wgrad(const kcu_ep *ep)
     return ep->C == 1 && ep->xg != nullptr;
 }
 
+/* the owner's expert FFNs (ex's weights and gradients) over every chunk's
+ * rows, for the weight gradients: groups the global expert-major ranges
+ * (t_goffs), h and ab rows read through wgh (in activation order when
+ * ep_dense_wgrad) */
+kcu_ffn ep_ffn(const kcu_ep *ep, int nsm)
+{
+    const kcu_experts *x = ep->ex;
+    kcu_ffn f;
+    memset(&f, 0, sizeof(f));
+    f.H = ep->c.H;
+    f.F = ep->c.F;
+    f.N1 = ep->N1;
+    f.act = ep->c.act;
+    f.nsm = nsm;
+    f.w13 = x->w13;
+    f.w2 = x->w2;
+    f.h = ep->h;
+    f.ab = ep->ab;
+    f.E = ep->ne;
+    f.goffs = ep->tbl_d + ep->t_goffs;
+    f.ws_gather = ep_dense_wgrad(ep) ? nullptr : ep->wgh;
+    if (x->g) { /* w13's gradients, then w2's */
+        f.g_w13 = x->g;
+        f.g_w2 = x->g + (size_t)ep->ne * ep->N1 * ep->c.H;
+    }
+    f.beta0 = x->grads_clean;
+    return f;
+}
+
+/* chunk c's view of ep_ffn for the rows-mode GEMMs: its tile list, and h
+ * and ab from its first row */
+kcu_ffn ep_chunk_ffn(const kcu_ep *ep, int c, int nsm)
+{
+    kcu_ffn f = ep_ffn(ep, nsm);
+    const int64_t rb = ep->rbase[c];
+    f.t.offs = ep->tbl_d + ep->t_offs + c * (ep->ne + 1);
+    f.t.tile_e = ep->tbl_d + ep->t_te + ep->tbase[c];
+    f.t.tile_r0 = ep->tbl_d + ep->t_tr + ep->tbase[c];
+    f.t.ntiles = ep->tbl_d + ep->t_ntiles + c;
+    f.t.max_tiles = ep->tiles[c];
+    f.h = ep->h + (size_t)rb * ep->c.F;
+    f.ab = ep->ab ? ep->ab + (size_t)rb * ep->N1 : nullptr; /* train */
+    return f;
+}
+
 /* dW2_e (+)= dy_e^T (w h)_e over the owner's rows: dy (N,H) through a_gather
  * (recv layout, wgx) or dense in activation order (a_gather NULL) */
 moe_err ep_dw2(kcu_ep *ep, const bf16 *dy, const int32_t *a_gather, int nsm, cudaStream_t st)
 {
-    const int H = ep->c.H, F = ep->c.F;
-    kcu_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.A = dy;
-    a.lda = H;
-    a.a_gather = a_gather;
-    a.B = ep->h;
-    a.ldb = F;
-    a.b_gather = ep_dense_wgrad(ep) ? nullptr : ep->wgh;
-    a.M = H;
-    a.N = F;
-    a.ngroups = ep->ne;
-    a.offs = ep->tbl_d + ep->t_goffs;
-    a.Cf = ep->ex->g + (size_t)ep->ne * ep->N1 * H;
-    a.ldc = F;
-    a.c_gstride = (long long)H * F;
-    a.beta0 = ep->ex->grads_clean;
-    return kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, nsm, st);
+    const kcu_ffn f = ep_ffn(ep, nsm);
+    return kcu_ffn_dw2(&f, dy, a_gather, st);
 }
 
 /* the owner's forward GEMMs of chunk c: xrecv -> ysend (recv layout) */
@@ -583,44 +600,21 @@ moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
 {
     if (ep->tiles[c] == 0)
         return MOE_OK;
-    const int H = ep->c.H, F = ep->c.F, nsm = ep_gemm_sms(ep);
+    const int H = ep->c.H;
     const int64_t rb = ep->rbase[c];
-    kcu_experts *x = ep->ex;
-    kcu_gemm_args a = ep_rows_args(ep, c);
-    a.A = ep->xrecv;
-    a.lda = H;
-    a.a_gather = ep->gidx + rb;
+    const kcu_ffn f = ep_chunk_ffn(ep, c, ep_gemm_sms(ep));
+    const bf16 *xrows = ep->xrecv;
+    const int32_t *xgather = ep->gidx + rb;
     if (ep->sorted) { /* chunk c's rows in expert (activation) order: kept in xg
                        * for dW13 when training, else in the chunk's ysend region
                        * (the down-projection overwrites it afterwards) */
         bf16 *dst = (train && ep->xg ? ep->xg : ep->ysend) + (size_t)rb * H;
-        KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, a.offs + ep->ne,
+        KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, f.t.offs + ep->ne,
                                 (int)(ep->rbase[c + 1] - rb), H, dst, 0, st));
-        a.A = dst;
-        a.a_gather = nullptr;
+        xrows = dst;
+        xgather = nullptr;
     }
-    a.B = x->w13;
-    a.ldb = H;
-    a.b_gstride = (long long)ep->N1 * H;
-    a.N = ep->N1;
-    a.K = H;
-    a.h = ep->h + (size_t)rb * F;
-    a.F = F;
-    a.ab = train ? ep->ab + (size_t)rb * ep->N1 : nullptr;
-    a.ld_ab = ep->N1;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, kcu_epi_fwd(ep->c.act), &a, nsm, st));
-    a = ep_rows_args(ep, c);
-    a.A = ep->h + (size_t)rb * F;
-    a.lda = F;
-    a.B = x->w2;
-    a.ldb = F;
-    a.b_gstride = (long long)H * F;
-    a.N = H;
-    a.K = F;
-    a.Cb = ep->ysend;
-    a.ldc = H;
-    a.scatter = ep->gidx + rb;
-    return kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, nsm, st);
+    return kcu_ffn_forward(&f, xrows, xgather, train, ep->ysend, MOE_BF16, ep->gidx + rb, st);
 }
 
 /* the owner's dh and dx GEMMs of chunk c: dy rows (in ysend) -> dxsend */
@@ -628,47 +622,26 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
 {
     if (ep->tiles[c] == 0)
         return MOE_OK;
-    const int H = ep->c.H, F = ep->c.F, nsm = ep_gemm_sms(ep);
+    const int H = ep->c.H, nsm = ep_gemm_sms(ep);
     const int64_t rb = ep->rbase[c];
-    kcu_experts *x = ep->ex;
-    kcu_gemm_args a = ep_rows_args(ep, c);
-    a.A = ep->ysend;
-    a.lda = H;
-    a.a_gather = ep->gidx + rb;
+    const kcu_ffn f = ep_chunk_ffn(ep, c, nsm);
+    const bf16 *dy = ep->ysend;
+    const int32_t *dygather = ep->gidx + rb;
     if (ep->sorted) { /* the dy rows in expert order, in chunk c's dxsend region
                        * (the dx GEMM overwrites it after dh) */
-        KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, ep->gidx + rb, a.offs + ep->ne,
+        KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, ep->gidx + rb, f.t.offs + ep->ne,
                                 (int)(ep->rbase[c + 1] - rb), H, ep->dxsend + (size_t)rb * H, 0,
                                 st));
-        a.A = ep->dxsend + (size_t)rb * H;
-        a.a_gather = nullptr;
+        dy = ep->dxsend + (size_t)rb * H;
+        dygather = nullptr;
     }
-    a.B = x->w2;
-    a.ldb = F;
-    a.b_gstride = (long long)H * F;
-    a.N = F;
-    a.K = H;
-    a.ab = ep->ab + (size_t)rb * ep->N1;
-    a.ld_ab = ep->N1;
-    a.h = ep->h + (size_t)rb * F;
-    a.F = F;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, kcu_epi_bwd(ep->c.act), &a, nsm, st));
+    /* no gate weights: k_ep_dy applied them to the dy rows */
+    KCU_TRY(kcu_ffn_dh(&f, dy, dygather, nullptr, nullptr, nullptr, st));
     if (ep_dense_wgrad(ep)) { /* dW2 now, while the sorted dy rows are in dxsend */
         KCU_TRY(ep_dw2(ep, ep->dxsend, nullptr, nsm, st));
         ep->dw2_done = 1;
     }
-    a = ep_rows_args(ep, c);
-    a.A = ep->ab + (size_t)rb * ep->N1;
-    a.lda = ep->N1;
-    a.B = x->w13;
-    a.ldb = H;
-    a.b_gstride = (long long)ep->N1 * H;
-    a.N = H;
-    a.K = ep->N1;
-    a.Cb = ep->dxsend;
-    a.ldc = H;
-    a.scatter = ep->gidx + rb;
-    return kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_SCATTER, &a, nsm, st);
+    return kcu_ffn_dx(&f, ep->dxsend, MOE_BF16, ep->gidx + rb, st);
 }
 
 /* the pipeline of one direction: chunk c computes while later chunks are
@@ -1182,28 +1155,11 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
         /* weight gradients over every chunk's rows, while the last returns
          * fly (so they leave NCCL its SMs whenever there are peers) */
         const int wsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
-        kcu_gemm_args a;
-        memset(&a, 0, sizeof(a)); /* dW13 += dab^T x */
-        a.A = ep->ab;
-        a.lda = ep->N1;
-        a.a_gather = ep->wgh;
-        a.B = ep->xrecv;
-        a.ldb = H;
-        a.b_gather = ep->wgx;
-        if (ep_dense_wgrad(ep)) { /* ab and the kept x rows in expert order */
-            a.a_gather = nullptr;
-            a.B = ep->xg;
-            a.b_gather = nullptr;
-        }
-        a.M = ep->N1;
-        a.N = H;
-        a.ngroups = ep->ne;
-        a.offs = ep->tbl_d + ep->t_goffs;
-        a.Cf = x->g;
-        a.ldc = H;
-        a.c_gstride = (long long)ep->N1 * H;
-        a.beta0 = x->grads_clean;
-        KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, wsm, st));
+        const kcu_ffn f = ep_ffn(ep, wsm);
+        if (ep_dense_wgrad(ep)) /* dW13 += dab^T x: ab and the kept x rows in expert order */
+            KCU_TRY(kcu_ffn_dw13(&f, ep->xg, nullptr, st));
+        else /* ab through wgh, the received x rows through wgx */
+            KCU_TRY(kcu_ffn_dw13(&f, ep->xrecv, ep->wgx, st));
         if (!ep->dw2_done) /* dW2 += dye^T h */
             KCU_TRY(ep_dw2(ep, ep->ysend, ep->wgx, wsm, st));
         x->grads_clean = 0;

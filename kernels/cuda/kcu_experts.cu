@@ -2,7 +2,7 @@
  * kcu_experts.cu - the experts-only object (kern_cuda.h): ne local experts'
  * SwiGLU/GELU FFNs over rows already grouped by expert (the distributed
  * path, after the dispatch all-to-all), their backward, and the AdamW step
- * on fp32 master weights. Same grouped GEMMs as the layer (kcu_gemm.cu),
+ * on fp32 master weights. Same grouped GEMMs as the layer (kcu_ffn.cu),
  * without gathers or gate weights; the tile list is built on the device
  * from the host counts.
  */
@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cuda/kcu_internal.cuh"
+#include "kernels/cuda/kcu_ffn.cuh"
 
 namespace
 {
@@ -61,35 +61,48 @@ moe_err stage_in(kcu_experts *x, const void *src, moe_dtype dt, bf16 *dst, size_
     return kcu_to_bf16(src, dt, dst, n, st);
 }
 
-kcu_gemm_args rows_args(const kcu_experts *x, int tiles)
+/* the experts' FFN over the tile list of the last layout (tiles m-tiles at
+ * most) */
+kcu_ffn experts_ffn(const kcu_experts *x, int tiles)
 {
-    kcu_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.offs = x->offs;
-    a.tile_e = x->tile_e;
-    a.tile_r0 = x->tile_r0;
-    a.ntiles_m = x->ntiles;
-    a.max_tiles_m = tiles;
-    return a;
+    kcu_ffn f;
+    memset(&f, 0, sizeof(f));
+    f.H = x->H;
+    f.F = x->F;
+    f.N1 = x->N1;
+    f.act = x->act;
+    f.nsm = x->nsm;
+    f.w13 = x->w13;
+    f.w2 = x->w2;
+    f.h = x->h;
+    f.ab = x->ab;
+    f.t.offs = x->offs;
+    f.t.tile_e = x->tile_e;
+    f.t.tile_r0 = x->tile_r0;
+    f.t.ntiles = x->ntiles;
+    f.t.max_tiles = tiles;
+    f.E = x->ne;
+    f.goffs = x->offs;
+    if (x->g) { /* w13's gradients, then w2's */
+        f.g_w13 = x->g;
+        f.g_w2 = x->g + (size_t)x->ne * x->N1 * x->H;
+    }
+    f.beta0 = x->grads_clean;
+    return f;
 }
 
-/* rows (N,H) out of a rows-mode GEMM a (A, B, K set): into out (device) or
- * the staging buffer then out (host, or a device pointer the epilogues'
- * 8-byte bf16 / 16-byte f32 stores cannot address), f32 or bf16 */
-moe_err gemm_out(kcu_experts *x, kcu_gemm_args *a, kcu_bmode bm, int N, void *out, moe_dtype dt,
-                 cudaStream_t st)
+/* rows (N,H) out of the down (dx 0) or dx (dx 1) GEMM of f: into out
+ * (device) or the staging buffer then out (host, or a device pointer the
+ * epilogues' 8-byte bf16 / 16-byte f32 stores cannot address), f32 or bf16 */
+moe_err ffn_out(kcu_experts *x, const kcu_ffn *f, int dx, int N, void *out, moe_dtype dt,
+                cudaStream_t st)
 {
     const int host = kcu_is_host_ptr(out) || ((uintptr_t)out & (dt == MOE_F32 ? 15 : 7)) != 0;
     void *dst = host ? (void *)x->stage : out;
-    a->N = x->H;
-    a->ldc = x->H;
-    if (dt == MOE_F32) {
-        a->Cf = (float *)dst;
-        KCU_TRY(kcu_gemm(KCU_A_K, bm, KCU_EPI_F32, a, x->nsm, st));
-    } else {
-        a->Cb = (bf16 *)dst;
-        KCU_TRY(kcu_gemm(KCU_A_K, bm, KCU_EPI_SCATTER, a, x->nsm, st));
-    }
+    if (dx)
+        KCU_TRY(kcu_ffn_dx(f, dst, dt, nullptr, st));
+    else
+        KCU_TRY(kcu_ffn_down(f, dst, dt, nullptr, st));
     if (host)
         KCU_CHECK(cudaMemcpyAsync(out, x->stage, (size_t)N * x->H * (dt == MOE_F32 ? 4 : 2),
                                   cudaMemcpyDefault, st));
@@ -263,7 +276,7 @@ extern "C" moe_err kcu_experts_forward(kcu_experts *x, int N, const void *xin, m
     x->N_fwd = 0;
     if (N == 0)
         return MOE_OK;
-    const int H = x->H, F = x->F;
+    const int H = x->H;
     if (kcu_decode_use_experts(x, N, counts, keep_for_backward)) { /* kcu_decode.cu */
         const bf16 *xb = x->xs;
         if (x_dtype == MOE_BF16 && !kcu_is_host_ptr(xin))
@@ -289,28 +302,9 @@ extern "C" moe_err kcu_experts_forward(kcu_experts *x, int N, const void *xin, m
     else
         KCU_TRY(stage_in(x, xin, x_dtype, x->xs, (size_t)N * H, st));
 
-    kcu_gemm_args a = rows_args(x, tiles);
-    a.A = xb;
-    a.lda = H;
-    a.B = x->w13;
-    a.ldb = H;
-    a.b_gstride = (long long)x->N1 * H;
-    a.N = x->N1;
-    a.K = H;
-    a.h = x->h;
-    a.F = F;
-    a.ab = keep_for_backward ? x->ab : nullptr;
-    a.ld_ab = x->N1;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, kcu_epi_fwd(x->act), &a, x->nsm, st));
-
-    a = rows_args(x, tiles);
-    a.A = x->h;
-    a.lda = F;
-    a.B = x->w2;
-    a.ldb = F;
-    a.b_gstride = (long long)H * F;
-    a.K = F;
-    KCU_TRY(gemm_out(x, &a, KCU_B_K, N, y, y_dtype, st));
+    const kcu_ffn f = experts_ffn(x, tiles);
+    KCU_TRY(kcu_ffn_up(&f, xb, nullptr, keep_for_backward, st));
+    KCU_TRY(ffn_out(x, &f, 0, N, y, y_dtype, st));
     x->N_fwd = keep_for_backward ? N : 0;
     return MOE_OK;
 }
@@ -325,63 +319,19 @@ extern "C" moe_err kcu_experts_backward(kcu_experts *x, const void *dy, moe_dtyp
     if ((dy_dtype != MOE_F32 && dy_dtype != MOE_BF16) ||
         (dx_dtype != MOE_F32 && dx_dtype != MOE_BF16))
         return MOE_EINVAL;
-    const int H = x->H, F = x->F, tiles = x->tiles_fwd;
+    const int H = x->H, tiles = x->tiles_fwd;
     KCU_TRY(stage_in(x, dy, dy_dtype, x->io, (size_t)N * H, st));
 
     /* dh = dy w2_e -> (da, db) in place of (a, b), h in place of h */
-    kcu_gemm_args a = rows_args(x, tiles);
-    a.A = x->io;
-    a.lda = H;
-    a.B = x->w2; /* (H,F) per expert: k = h, n = f */
-    a.ldb = F;
-    a.b_gstride = (long long)H * F;
-    a.N = F;
-    a.K = H;
-    a.ab = x->ab;
-    a.ld_ab = x->N1;
-    a.h = x->h;
-    a.F = F;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, kcu_epi_bwd(x->act), &a, x->nsm, st));
+    const kcu_ffn f = experts_ffn(x, tiles);
+    KCU_TRY(kcu_ffn_dh(&f, x->io, nullptr, nullptr, nullptr, nullptr, st));
 
     /* dx = dab w13_e */
-    a = rows_args(x, tiles);
-    a.A = x->ab;
-    a.lda = x->N1;
-    a.B = x->w13; /* (N1,H) per expert: k = n1, n = h */
-    a.ldb = H;
-    a.b_gstride = (long long)x->N1 * H;
-    a.K = x->N1;
-    KCU_TRY(gemm_out(x, &a, KCU_B_N, N, dx, dx_dtype, st));
+    KCU_TRY(ffn_out(x, &f, 1, N, dx, dx_dtype, st));
 
     /* dW13 += dab^T x, dW2 += dy^T h, grouped over each expert's rows */
-    memset(&a, 0, sizeof(a));
-    a.A = x->ab;
-    a.lda = x->N1;
-    a.B = x->xs;
-    a.ldb = H;
-    a.M = x->N1;
-    a.N = H;
-    a.ngroups = x->ne;
-    a.offs = x->offs;
-    a.Cf = x->g;
-    a.ldc = H;
-    a.c_gstride = (long long)x->N1 * H;
-    a.beta0 = x->grads_clean;
-    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, x->nsm, st));
-    memset(&a, 0, sizeof(a));
-    a.A = x->io;
-    a.lda = H;
-    a.B = x->h;
-    a.ldb = F;
-    a.M = H;
-    a.N = F;
-    a.ngroups = x->ne;
-    a.offs = x->offs;
-    a.Cf = x->g + (size_t)x->ne * x->N1 * H;
-    a.ldc = F;
-    a.c_gstride = (long long)H * F;
-    a.beta0 = x->grads_clean;
-    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, x->nsm, st));
+    KCU_TRY(kcu_ffn_dw13(&f, x->xs, nullptr, st));
+    KCU_TRY(kcu_ffn_dw2(&f, x->io, nullptr, st));
     x->grads_clean = 0;
     x->N_fwd = 0; /* the kept state was consumed in place */
     return MOE_OK;

@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cuda/kcu_internal.cuh"
+#include "kernels/cuda/kcu_ffn.cuh"
 
 void (*kcu_phase_hook)(const char *phase, cudaStream_t st) = nullptr;
 #define PHASE(name)                                                                                \
@@ -312,17 +312,35 @@ moe_err stage_in(kcu_layer *l, const void *src, moe_dtype dt, bf16 *dst, size_t 
     return kcu_to_bf16(src, dt, dst, n, st);
 }
 
-kcu_gemm_args rows_args(const kcu_layer *l)
+/* the layer's expert FFNs (routed and shared experts) over its layout, in
+ * the selected state's workspace */
+kcu_ffn layer_ffn(const kcu_layer *l)
 {
-    kcu_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.offs = l->offs;
-    a.tile_e = l->tile_e;
-    a.tile_r0 = l->tile_r0;
-    a.ntiles_m = l->ntiles;
-    a.max_tiles_m = l->max_tiles;
-    a.sched = reinterpret_cast<int *>(l->dsync + KCU_SCHED_WORD);
-    return a;
+    kcu_ffn f;
+    memset(&f, 0, sizeof(f));
+    f.H = l->c.H;
+    f.F = l->c.F;
+    f.N1 = l->N1;
+    f.act = l->c.act;
+    f.nsm = l->nsm;
+    f.w13 = l->w13;
+    f.w2 = l->w2;
+    f.h = l->h;
+    f.ab = l->ab;
+    f.t.offs = l->offs;
+    f.t.tile_e = l->tile_e;
+    f.t.tile_r0 = l->tile_r0;
+    f.t.ntiles = l->ntiles;
+    f.t.max_tiles = l->max_tiles;
+    f.t.sched = reinterpret_cast<int *>(l->dsync + KCU_SCHED_WORD);
+    f.E = kcu_nexp(l); /* routed and shared experts */
+    f.goffs = l->offs;
+    f.g_w13 = l->g_w13;
+    f.g_w2 = l->g_w2;
+    f.gb_w13 = l->gb_w13;
+    f.gb_w2 = l->gb_w2;
+    f.beta0 = l->grads_clean;
+    return f;
 }
 
 } // namespace
@@ -814,7 +832,7 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
         return MOE_OK;
     /* K routed slots (capacity); Kt slots per token and Et experts held,
      * the shared experts after the routed ones (kcu_nslot, kcu_nexp) */
-    const int H = c->H, F = c->F, K = c->K, Kt = kcu_nslot(l), Et = kcu_nexp(l);
+    const int H = c->H, K = c->K, Kt = kcu_nslot(l), Et = kcu_nexp(l);
     const size_t n = (size_t)T * H;
 
     /* x -> bf16 on the device (kept in xs for backward) */
@@ -853,7 +871,6 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
         KCU_TRY(route_gemm(l, T, xb, cap, st));
     l->cap_fwd[l->state] = cap;
     const int32_t *spos = cap < INT32_MAX ? l->spos : nullptr;
-    kcu_gemm_args a;
 
     /* sorted modes: x[tok] copied once into sorted rows (in ye, which the
      * down-projection overwrites later, or kept in xg for dW13) */
@@ -867,38 +884,13 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
 
     PHASE("f.up");
     /* up: h (S,F) [, ab (S,N1)] = act(x[tok] w13_e^T) over the tile list */
-    a = rows_args(l);
-    a.A = xrows;
-    a.lda = H;
-    a.a_gather = xrows != xb ? nullptr : l->tok;
-    a.B = l->w13;
-    a.ldb = H;
-    a.b_gstride = (long long)l->N1 * H;
-    a.N = l->N1;
-    a.K = H;
-    a.h = l->h;
-    a.F = F;
-    a.ab = train ? l->ab : nullptr;
-    a.ld_ab = l->N1;
-    a.pdl = small; /* small inference batches: the kernel chain with PDL */
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, c->act == KERN_ACT_SWIGLU ? KCU_EPI_SWIGLU : KCU_EPI_GELU,
-                     &a, l->nsm, st));
+    kcu_ffn f = layer_ffn(l);
+    f.pdl = small; /* small inference batches: the kernel chain with PDL */
+    KCU_TRY(kcu_ffn_up(&f, xrows, xrows != xb ? nullptr : l->tok, train, st));
 
     PHASE("f.down");
     /* down: ye[perm[r]] (S,H) = h w2_e^T */
-    a = rows_args(l);
-    a.A = l->h;
-    a.lda = F;
-    a.B = l->w2;
-    a.ldb = F;
-    a.b_gstride = (long long)H * F;
-    a.N = H;
-    a.K = F;
-    a.Cb = ye;
-    a.ldc = H;
-    a.scatter = l->perm;
-    a.pdl = small;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_SCATTER, &a, l->nsm, st));
+    KCU_TRY(kcu_ffn_down(&f, ye, MOE_BF16, l->perm, st));
 
     if (l->sh) {
         /* the shared expert held apart on all T rows: ys (T,H) = expert(xb)
@@ -932,35 +924,6 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     return MOE_OK;
 }
 
-namespace
-{
-
-/* dW2_e += dy_e^T (w h)_e over each expert's rows: dyrows (S,H) sorted rows,
- * or (T,H) token rows read through tok when gathered */
-moe_err dw2_grad(kcu_layer *l, const bf16 *dyrows, int gathered, cudaStream_t st)
-{
-    const kcu_config *c = &l->c;
-    kcu_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.A = dyrows; /* k = sorted row, m = h */
-    a.lda = c->H;
-    a.a_gather = gathered ? l->tok : nullptr;
-    a.B = l->h; /* w*h (S,F) */
-    a.ldb = c->F;
-    a.M = c->H;
-    a.N = c->F;
-    a.ngroups = kcu_nexp(l); /* routed and shared experts */
-    a.offs = l->offs;
-    a.Cf = l->g_w2;
-    a.Cb = l->gb_w2;
-    a.beta0 = l->grads_clean;
-    a.ldc = c->F;
-    a.c_gstride = (long long)c->H * c->F;
-    return kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st);
-}
-
-} // namespace
-
 extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype, void *dx,
                                 moe_dtype dx_dtype, float aux_coef, float z_coef,
                                 const int32_t *counts_global, int T_global, void *stream)
@@ -975,7 +938,7 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
         return MOE_EINVAL;
     /* E routed experts (counts for the aux loss); Et experts held and Kt
      * slots per token, the shared experts and their slots after them */
-    const int H = c->H, F = c->F, E = c->E, Et = kcu_nexp(l), Kt = kcu_nslot(l), S = T * Kt;
+    const int H = c->H, E = c->E, Et = kcu_nexp(l), Kt = kcu_nslot(l), S = T * Kt;
     const size_t n = (size_t)T * H;
     /* dy rows for dh and dW2, in ye (free since the forward's combine; b.dx
      * overwrites it after dW2): sorted copies (sorted modes), or dy (T,H)
@@ -1007,24 +970,9 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
 
     PHASE("b.dh");
     /* dh: (da, db) in place of (a, b), w*h in place of h, dwpart */
-    kcu_gemm_args a = rows_args(l);
-    a.A = dyrows;
-    a.lda = H;
-    a.a_gather = l->sorted ? nullptr : l->tok;
-    a.B = l->w2; /* (H,F) per expert: k = h, n = f */
-    a.ldb = F;
-    a.b_gstride = (long long)H * F;
-    a.N = F;
-    a.K = H;
-    a.ab = l->ab;
-    a.ld_ab = l->N1;
-    a.h = l->h;
-    a.F = F;
-    a.gate_w = l->topk_w;
-    a.scatter = l->perm;
-    a.dwpart = l->dwpart;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, c->act == KERN_ACT_SWIGLU ? KCU_EPI_DSWIGLU : KCU_EPI_DGELU,
-                     &a, l->nsm, st));
+    const kcu_ffn f = layer_ffn(l);
+    KCU_TRY(
+        kcu_ffn_dh(&f, dyrows, l->sorted ? nullptr : l->tok, l->topk_w, l->perm, l->dwpart, st));
     const int32_t *spos = l->cap_fwd[l->state] < INT32_MAX ? l->spos : nullptr;
     if (spos) /* dropped slots get dL/dw = 0 */
         KCU_CHECK(cudaMemsetAsync(l->dw, 0, (size_t)S * 4, st));
@@ -1048,26 +996,17 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
         KCU_TRY(kcu_experts_backward(l->sh, sdy, sdt, l->sy, MOE_BF16, st));
     }
     PHASE("b.dw2"); /* before b.dx overwrites the dy rows in ye */
-    KCU_TRY(dw2_grad(l, dyrows, !l->sorted, st));
+    /* dW2_e += dy_e^T (w h)_e: dy sorted rows, or token rows through tok */
+    KCU_TRY(kcu_ffn_dw2(&f, dyrows, l->sorted ? nullptr : l->tok, st));
 
     PHASE("b.dx");
     /* dx per slot (into ye) = dab w13_e */
-    a = rows_args(l);
-    a.A = l->ab;
-    a.lda = l->N1;
-    a.B = l->w13; /* (N1,H) per expert: k = n1, n = h */
-    a.ldb = H;
-    a.b_gstride = (long long)l->N1 * H;
-    a.N = H;
-    a.K = l->N1;
-    a.Cb = ye;
-    a.ldc = H;
-    a.scatter = l->perm;
-    KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_N, KCU_EPI_SCATTER, &a, l->nsm, st));
+    KCU_TRY(kcu_ffn_dx(&f, ye, MOE_BF16, l->perm, st));
 
     PHASE("b.router_dx");
     /* router part: dxr (T,H) = dlogits (T,Ep) wr (Ep,H); in h when dW2 is done */
     float *dxr = l->dxr ? l->dxr : reinterpret_cast<float *>(l->h);
+    kcu_gemm_args a;
     memset(&a, 0, sizeof(a));
     a.A = l->dlogits;
     a.lda = l->Ep;
@@ -1095,22 +1034,8 @@ extern "C" moe_err kcu_backward(kcu_layer *l, const void *dy, moe_dtype dy_dtype
 
     PHASE("b.dw13");
     /* weight gradients, grouped over each expert's rows */
-    memset(&a, 0, sizeof(a));
-    a.A = l->ab; /* (S,N1): k = sorted row, m = n1 */
-    a.lda = l->N1;
-    a.B = l->xg ? l->xg : l->xs; /* sorted x (S,H), or x (T,H) through tok */
-    a.ldb = H;
-    a.b_gather = l->xg ? nullptr : l->tok;
-    a.M = l->N1;
-    a.N = H;
-    a.ngroups = Et;
-    a.offs = l->offs;
-    a.Cf = l->g_w13;
-    a.Cb = l->gb_w13;
-    a.beta0 = l->grads_clean;
-    a.ldc = H;
-    a.c_gstride = (long long)l->N1 * H;
-    KCU_TRY(kcu_gemm(KCU_A_M, KCU_B_N, KCU_EPI_ACC, &a, l->nsm, st));
+    /* sorted x (S,H), or x (T,H) through tok */
+    KCU_TRY(kcu_ffn_dw13(&f, l->xg ? l->xg : l->xs, l->xg ? nullptr : l->tok, st));
 
     memset(&a, 0, sizeof(a));
     a.A = l->dlogits; /* (T,Ep): k = token, m = expert */

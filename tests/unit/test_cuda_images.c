@@ -51,17 +51,18 @@ Test(cuda_images, sm90a_and_portable_in_every_object)
     cr_assert(have_cuobjdump(),
               "cuobjdump not found (PATH, /usr/local/cuda/bin, .tools/cuobjdump): "
               "`make deps` installs it beside a toolkit that lacks it");
-    /* the GEMM's kernel objects (kernels/cuda/gemm/), one member each */
-    const char *elf_needles[] = {".sm_90a.cubin", ".sm_80.cubin",       "mma_sync.o", "member",
-                                 "wgmma.o",       "warp_specialised.o", "clustered.o"};
-    int elf[7];
-    cr_assert_gt(objdump_count("--list-elf", elf_needles, elf, 7), 0,
+    /* the GEMM's kernel objects (kernels/cuda/gemm/), one member each, and
+     * kcu_ffn.o, the expert FFN's GEMMs (host side, kcu_ffn.cuh) */
+    const char *elf_needles[] = {".sm_90a.cubin", ".sm_80.cubin",       "mma_sync.o",  "member",
+                                 "wgmma.o",       "warp_specialised.o", "clustered.o", "kcu_ffn.o"};
+    int elf[8];
+    cr_assert_gt(objdump_count("--list-elf", elf_needles, elf, 8), 0,
                  "cuobjdump --list-elf failed");
     const char *ptx_needles[] = {".sm_80.ptx", ".sm_90a.ptx"};
     int ptx[2];
     cr_assert_gt(objdump_count("--list-ptx", ptx_needles, ptx, 2), 0,
                  "cuobjdump --list-ptx failed");
-    for (int i = 2; i < 7; i++)
+    for (int i = 2; i < 8; i++)
         if (i != 3)
             cr_assert_eq(elf[i], 1, "%s is not in %s", elf_needles[i], LIB);
     cr_assert_gt(elf[0], 0, "no sm_90a code");
