@@ -1253,12 +1253,6 @@ int kcu_decode_use(const kcu_layer *l, int T, int train)
         (double)c->capacity_factor * c->K < (double)c->E)
         return 0;
     if (kcu_route_family(l)) {
-        /* a gated shared expert in the layout (Qwen2-MoE-like): its routing
-         * on this path differed from the general path's in the last bits at
-         * 2 of 6 sizes on an H100 (check-gpu qwen2-dec, session 20; cause
-         * not found): the general path, always */
-        if (l->r.shared_gate && l->r.shared_experts > 0)
-            return 0;
         /* the family router is one kernel more than softmax's: measured on
          * an H100 with DeepSeek-V3 (256 routed, 1 shared held apart, top-8),
          * T=1 0.323 ms against the general path's 0.479, T=64 (2 rows per

@@ -1843,7 +1843,12 @@ static int family_case(const fcase &c, uint64_t seed)
         kern_init_weight(seed, 1, 0, KERN_W3, Fs, H, ws3.data());
         kern_init_weight(seed, 1, 0, KERN_W2, H, Fs, ws2.data());
     }
-    rng_fill_uniform(seed, 5, -0.1f, 0.1f, wsg.data(), wsg.size());
+    /* the shared gate's row exact too (as wr below): the decode router and
+     * the general path's router GEMM sum x . wsg in different orders, and
+     * their routing is compared bit for bit */
+    rng_fill_uniform(seed, 5, -1.f, 1.f, wsg.data(), wsg.size());
+    for (auto &v : wsg)
+        v = rintf(v * 64.f) / 1024.f;
     if (c.bias == 1)
         rng_fill_uniform(seed, 6, -0.05f, 0.05f, bias.data(), bias.size());
     /* exact logits: x = i/64, wr = j/1024 with |i|, |j| <= 64: products are
@@ -2163,7 +2168,7 @@ int main(int argc, char **argv)
         {"deepseek-v2", 200, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 1},
         {"deepseek-v2", 1, 256, 256, 64, 6, SW, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 1, 0},
         {"qwen2-moe", 200, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 0, 1},
-        {"qwen2-moe", 8, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 0, 0},
+        {"qwen2-moe", 8, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0},
         /* E + m > 256: the shared expert held apart (kcu_layer.sh): the
          * DeepSeek-V3 layer (256 routed + 1 shared), forward and backward at
          * T 300 and 4, an inference forward with the decode path forced on
@@ -2178,7 +2183,7 @@ int main(int argc, char **argv)
      * top-8, renormalised, x2.5, one shared expert: in the layout at E = 64,
      * held apart at E = 256) and a Qwen2-MoE-like one (softmax, no
      * renormalisation, a gated shared expert of d_ff 4 F: 4 experts in the
-     * layout: always the general path, kcu_decode_use), at T 1, 4, 16, 64
+     * layout), at T 1, 4, 16, 64
      * with the path forced on, then with the default thresholds where they
      * take it (families: T K_t <= E_t) */
     for (int T : {1, 4, 16, 64}) {
@@ -2186,20 +2191,21 @@ int main(int argc, char **argv)
             {"v3-dec", T, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0});
         fcases.push_back(
             {"v3-256-dec", T, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 1, 0});
-        fcases.push_back(/* a gated shared expert in the layout: the general path */
-                         {"qwen2-small", T, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f,
-                          0, 0});
+        fcases.push_back(
+            {"qwen2-dec", T, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0});
     }
     fcases.push_back({"v3-dec", 4, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 2, 0});
     fcases.push_back(
         {"v3-256-dec", 32, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 2, 0});
     fcases.push_back(
         {"v3-256-dec", 1, 256, 128, 256, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 0.f, 2, 0});
+    fcases.push_back(
+        {"qwen2-dec", 4, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 2, 0});
     if (!small) {
         const std::vector<fcase> more = {
             {"v3-cap", 200, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 0, 1, 1.0f, 0, 1},
             {"v2-gelu", 200, 256, 256, 64, 6, GE, 0, SM, 8, 3, 1, 16.f, 2, 0, 0, 0.f, 0, 1},
-            {"qwen2-moe", 3, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 0, 0},
+            {"qwen2-moe", 3, 256, 256, 64, 8, SW, 0, SM, 0, 0, 0, 0.f, 4, 1, 0, 0.f, 1, 0},
             {"v3-e255", 300, 256, 256, 255, 8, SW, 1, SG, 5, 2, 2, 2.5f, 1, 1, 1, 0.f, 0, 1},
             /* many layout chunks, the router gradient split over tokens */
             {"v3-t1024", 1024, 256, 256, 64, 8, SW, 1, SG, 8, 4, 2, 2.5f, 1, 1, 1, 0.f, 0, 1}};
