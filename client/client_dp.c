@@ -1689,8 +1689,11 @@ static moe_err direct_call(moe_client *c, const char *method, const void *ctl_pa
 /* dp_nccl: dp_attempt on the NCCL path. x (in) and y (out), (T,H) of dt,
  * are device memory of one GPU; each rank's rows go over its worker's
  * communicator: data.rows {ticket, dtype, shape, nccl: comm} on nng, then
- * ncclSend of the rows; the answer {y: {nccl: true, ...}} says y follows,
- * received with ncclRecv. One call at a time on each link (its mutex). */
+ * ncclSend of the rows and, once that is done, ncclRecv of y, posted before
+ * the answer comes: the worker sends y before it answers, so y waits for
+ * no control round trip. The answer {y: {nccl: true, ...}} says y came or
+ * is coming; an error answer means it never will: the link is aborted
+ * (reopened by the next call). One call at a time on each link (its mutex). */
 static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void *ctl_pairs,
                        size_t ctl_len, uint32_t nctl, moe_dtype dt, const void *in, int64_t T,
                        int64_t H, void *out, moe_reply *ctl, int *stale)
@@ -1745,8 +1748,9 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     dp_req *rq = calloc((size_t)W, sizeof(dp_req));
     int *held = calloc((size_t)W, sizeof(int)), *early = calloc((size_t)W, sizeof(int));
     int *xdone = calloc((size_t)W, sizeof(int)); /* x's send seen done (not pending) */
-    if (!rq || !held || !early || !xdone) {
-        free(rq), free(held), free(early), free(xdone);
+    int *ypost = calloc((size_t)W, sizeof(int)); /* y's receive posted (pending until y) */
+    if (!rq || !held || !early || !xdone || !ypost) {
+        free(rq), free(held), free(early), free(xdone), free(ypost);
         moe_nccl_dev_free(stage);
         return MOE_ENOMEM;
     }
@@ -1813,21 +1817,32 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         }
     }
     /* x has left once every send is done; a worker that answers first
-     * refused the rows (its communicator is dropped, the answer read in 3) */
+     * refused the rows (its communicator is dropped, the answer read in 3).
+     * Each y's receive is posted as soon as its x is sent (the send no
+     * longer ncclInProgress: the communicator takes the next call): the
+     * worker sends y before answering, so y's transfer does not wait for
+     * the answer. Pending until y comes: an error answer aborts the link. */
     for (int q = 0; q < W && e == MOE_OK; q++) {
         if (!rq[q].open)
             continue;
+        int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
+        size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
         char nm[300];
+        const char *what = "sending x";
         /* answered first: an error, or x arrived a moment before */
         moe_err xe = nccl_await(&m->nccl[q], 1, tmo, &m->up[q], &rq[q], nm, sizeof(nm));
-        if (xe == MOE_OK)
+        if (xe == MOE_OK) {
             xdone[q] = 1;
+            what = "receiving y";
+            xe = moe_nccl_post(&m->nccl[q], 0, (uint8_t *)out + off, n, nm, sizeof(nm));
+            ypost[q] = xe == MOE_OK;
+        }
         if (xe != MOE_OK) {
             early[q] = 1; /* its answer (if any) says why */
             nccl_drop(c, m, q);
             if (derr == MOE_OK) {
                 derr = xe;
-                snprintf(dmsg, sizeof(dmsg), "worker rank %d: sending x: %s", q, nm);
+                snprintf(dmsg, sizeof(dmsg), "worker rank %d: %s: %s", q, what, nm);
             }
         }
     }
@@ -1839,7 +1854,9 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         if (e == MOE_EUNAVAIL && !ctl->transport)
             *stale = 1;
     }
-    /* 3. the answers, then y on each communicator */
+    /* 3. the answers, then y on each communicator (its receive posted in 1,
+     * else here once x's send has left: the call failed before 1 posted it;
+     * the answer usually comes while y is on its way) */
     for (int q = 0; q < W; q++) {
         if (!rq[q].open)
             continue;
@@ -1864,8 +1881,10 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             if (qe != MOE_OK) {
                 snprintf(msg, sizeof(msg), "malformed answer from worker %d", q);
                 nccl_drop(c, m, q); /* y may be on its way */
-            } else if ((qe = moe_nccl_post(&m->nccl[q], 0, (uint8_t *)out + off, n, msg,
-                                           sizeof(msg))) != MOE_OK ||
+            } else if ((!ypost[q] && ((qe = moe_nccl_wait(&m->nccl[q], 0, tmo, &m->up[q], NULL,
+                                                          NULL, msg, sizeof(msg))) != MOE_OK ||
+                                      (qe = moe_nccl_post(&m->nccl[q], 0, (uint8_t *)out + off, n,
+                                                          msg, sizeof(msg))) != MOE_OK)) ||
                        (qe = moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], NULL, NULL, msg,
                                            sizeof(msg))) != MOE_OK) {
                 nccl_drop(c, m, q);
@@ -1873,10 +1892,12 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
                 qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
             }
         } else {
-            /* x was posted and never seen sent (the worker refused it or
-             * the call failed before the wait): a send that may never end
-             * is pending on the communicator, which takes nothing more */
-            if (!early[q] && !xdone[q] && m->nccl[q].open)
+            /* an error answer, or none: the worker sends no y. y's receive
+             * was posted (1), or x was posted and never seen sent (the
+             * worker refused it or the call failed before the wait): an
+             * operation that can never end is pending on the communicator,
+             * which takes nothing more: aborted, the next call opens another */
+            if (!early[q] && (ypost[q] || !xdone[q]) && m->nccl[q].open)
                 nccl_drop(c, m, q);
             if (lane && e == MOE_OK) {
                 e = lane_fail(ctl, method, qe, msg, &rq[q], stale);
@@ -1892,7 +1913,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     for (int q = 0; q < W; q++)
         if (held[q])
             pthread_mutex_unlock(&m->nccl[q].mu);
-    free(rq), free(held), free(early), free(xdone);
+    free(rq), free(held), free(early), free(xdone), free(ypost);
     if (e == MOE_OK && derr != MOE_OK) {
         e = derr;
         moe__set_error("%s: %s: %s", method, moe_err_code(e), dmsg);

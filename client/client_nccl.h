@@ -7,7 +7,8 @@
  *
  * A link is one communicator with one worker, owned by the worker map
  * (client_dp.c): opened on first use, aborted when a transfer fails, the
- * worker's answer says the rows were refused, or the map goes. Every wait
+ * worker's answer is an error (x refused, or a receive of y posted ahead of
+ * the answer can never end), or the map goes. Every wait
  * is polled with a bound, NCCL's async error and the worker's nng
  * connection (gone: the worker died), never blocking in NCCL.
  *

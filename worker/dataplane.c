@@ -433,12 +433,23 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
     moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
     answer_head(&w, tk);
     mp_write_cstr(&w, "y");
-    if (tk->nccl) { /* y follows on the communicator once this is sent */
+    if (tk->nccl) { /* y goes on the communicator, queued before this answer */
+        /* y is queued first: the client's receive of y is already posted,
+         * so y does not wait for the answer's round trip; where it cannot
+         * be queued (the communicator failed) the answer is an error and
+         * the client aborts its receive */
+        if (wnc_send_y(tk->nccl, dp_y_ptr(tk),
+                       (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype),
+                       tk->deadline_ns) != MOE_OK) {
+            mp_writer_fini(&w);
+            rpc_reply_err(tk->call, MOE_EUNAVAIL,
+                          "the NCCL communicator failed before y could be sent");
+            tk->call = NULL;
+            return;
+        }
         write_y_apart(&w, "nccl", tk->x.dtype, rows, H);
         rpc_reply(tk->call, &w);
         tk->call = NULL;
-        wnc_send_y(tk->nccl, dp_y_ptr(tk), (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype),
-                   tk->deadline_ns);
         return;
     }
     mp_write_map(&w, 4);

@@ -324,18 +324,18 @@ static void wnc_queue_locked(struct wnc *x, wnc_job *j)
     pthread_cond_signal(&x->cv);
 }
 
-void wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns)
+moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns)
 {
     wnc_job *j = calloc(1, sizeof(*j));
     uint64_t floor_ns = wnc_now_ns() + WNC_SEND_MIN_MS * 1000000ull;
     pthread_mutex_lock(&x->t->mu);
-    if (!j || x->failed) { /* the client's receive fails with the communicator */
+    if (!j || x->failed) { /* the client's receive is aborted on the error answer */
         if (j && !x->failed)
             __atomic_store_n(&x->dead, 1, __ATOMIC_RELEASE);
         pthread_cond_signal(&x->cv);
         pthread_mutex_unlock(&x->t->mu);
         free(j);
-        return;
+        return MOE_EUNAVAIL;
     }
     j->kind = WNC_SEND_Y;
     j->ydev = dev;
@@ -343,6 +343,7 @@ void wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns)
     j->deadline_ns = deadline_ns > floor_ns ? deadline_ns : floor_ns;
     wnc_queue_locked(x, j);
     pthread_mutex_unlock(&x->t->mu);
+    return MOE_OK;
 }
 
 static struct wnc *wnc_find_locked(dp_table *t, uint32_t pipe, uint64_t id)
@@ -585,9 +586,10 @@ void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t
     dp_ticket_discard(t, tk, MOE_EPRECOND, "%s", wnc_no_gpu);
 }
 
-void wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns)
+moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns)
 {
     (void)x, (void)dev, (void)n, (void)deadline_ns;
+    return MOE_EUNAVAIL;
 }
 
 void wnc_put_locked(struct wnc *x)

@@ -9,7 +9,8 @@
  * polled with a bound), then runs its transfers in order: receive a
  * request's x into a device buffer (then files the ticket, as data.rows
  * does for a CUDA IPC region: the layer reads x and writes y on the
- * device), and after the ticket was answered, send y back. Every wait is
+ * device), and once y is written, send y back (queued before the ticket's
+ * answer goes: the answer follows y rather than gating it). Every wait is
  * polled against a deadline, NCCL's async error and the "dead" flag (the
  * client's connection closed, data.nccl_close, worker stopping); on any of
  * them the communicator is aborted (ncclCommAbort) and later requests
@@ -43,9 +44,12 @@ void wnc_on_close(dp_table *t, rpc_call *c);
  * lane forward). On a refusal tk is answered and freed here. */
 void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t R, int64_t H,
                 const dp_run *run);
-/* wnc_send_y: tk's answer has gone; its y (n bytes at dev, in the comm's
- * buffer) goes to the client next (any thread). */
-void wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns);
+/* wnc_send_y: tk's y (n bytes at dev, in the comm's buffer) goes to the
+ * client next (any thread); called before its answer is sent, so that y
+ * does not wait for the answer (the client posted its receive already).
+ * MOE_EUNAVAIL: the communicator failed, nothing queued: the caller
+ * answers with an error instead. */
+moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns);
 /* wnc_put drops a ticket's reference on x (mu held). */
 void wnc_put_locked(struct wnc *x);
 /* wnc_pipe_closed_locked: the communicators of connection pipe (all: every
