@@ -31,7 +31,9 @@
 #                              tensors on GPU 0, a CUDA worker on GPU 1:
 #                              python/dataplane_check.py --nccl), then the
 #                              kill series on all GPUs for KILL_BUDGET
-#                              seconds (default 380); failed runs' logs in
+#                              seconds (default 380), after a series of kills
+#                              inside optimizer.step for STEP_BUDGET seconds
+#                              (default 0: none); failed runs' logs in
 #                              $OUT/kill-fails.tgz
 #
 # Each step is bounded; a summary line per step goes to $OUT/owed.log.
@@ -127,15 +129,40 @@ case "${1:-1}" in
     done
     ;;
 7)
-    step 90 py_nccl env MOE_RUN_DIR="$OUT/py-nccl-run" deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- \
+    # torch's NCCL (the client's) may not be the system's (the worker's):
+    # first as installed (a version mismatch must be refused clearly), then
+    # the worker started with torch's library
+    NCCL_LIB=$(python3 -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "lib"))' 2>/dev/null)
+    echo "torch's NCCL: ${NCCL_LIB:-none found} ($(python3 -c 'import torch; print(torch.cuda.nccl.version())' 2>&1 | tail -1))" | log
+    step 60 py_nccl_asis env MOE_RUN_DIR=/tmp/py-nccl-asis deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- \
         bash -c 'python3 python/dataplane_check.py --url "$MOE_URL" --nccl'
+    grep -ho "NCCL versions differ[^;]*" "$OUT/py_nccl_asis.log" | head -1 | log
+    step 90 py_nccl env LD_LIBRARY_PATH="$NCCL_LIB:${LD_LIBRARY_PATH:-}" MOE_RUN_DIR=/tmp/py-nccl-run \
+        deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- \
+        bash -c 'python3 python/dataplane_check.py --url "$MOE_URL" --nccl'
+    grep -h "NCCL" /tmp/py-nccl-run/worker*.log | tail -n 4 | cut -c1-200 | log
+    # kills inside optimizer.step only (STEP_BUDGET seconds, 0: none), then
+    # the mixed series (KILL_BUDGET seconds)
+    if [ "${STEP_BUDGET:-0}" -gt 0 ]; then
+        step $((STEP_BUDGET + 100)) kills_step env KILL_SERIES_DIR=/tmp/moe-kills-step \
+            KILL_SERIES_FIRST=101 KILL_SERIES_SECONDS="$STEP_BUDGET" deploy/kill-series.sh 50 \
+            --backend cuda --train --kill-during step --checkpoint-dir /tmp/moe-kills-step/ck
+        grep -E "^[0-9]+ +(PASS|FAIL)|stopped" "$OUT/kills_step.log" | log >/dev/null
+    fi
     step $((${KILL_BUDGET:-380} + 100)) kills env KILL_SERIES_DIR=/tmp/moe-kills \
         KILL_SERIES_FIRST="${KILL_SERIES_FIRST:-1}" KILL_SERIES_SECONDS="${KILL_BUDGET:-380}" \
         deploy/kill-series.sh 50 --mix --backend cuda
     grep -E "^[0-9]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
         "$OUT/kills.log" | log >/dev/null
-    fails=$(grep -E "^[0-9]+ +FAIL" "$OUT/kills.log" | awk '{print "run-" $1 ".log"}')
-    [ -n "$fails" ] && (cd /tmp/moe-kills && tar czf "$OUT/kill-fails.tgz" $fails)
+    fails=$(cd /tmp && grep -hE "^[0-9]+ +FAIL" "$OUT/kills.log" "$OUT/kills_step.log" 2>/dev/null |
+        awk '{print $1}')
+    tgz=()
+    for n in $fails; do
+        for d in moe-kills moe-kills-step; do
+            [ -f "/tmp/$d/run-$n.log" ] && tgz+=("$d/run-$n.log")
+        done
+    done
+    [ ${#tgz[@]} -gt 0 ] && (cd /tmp && tar czf "$OUT/kill-fails.tgz" "${tgz[@]}")
     ;;
 3)
     step 580 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-16}" --mix \

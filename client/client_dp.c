@@ -1556,8 +1556,10 @@ static moe_err nccl_open(moe_client *c, dp_map *m, int q, int dev)
     mp_write_i64(&p, dev);
     mp_write_cstr(&p, "timeout_ms");
     mp_write_i64(&p, moe__timeout_ms(c) < 600000 ? moe__timeout_ms(c) : 600000);
+    mp_write_cstr(&p, "nccl_version"); /* the worker refuses another version clearly */
+    mp_write_i64(&p, moe_nccl_version());
     uint64_t comm = 0;
-    e = attach_call_key(c, m, q, "data.nccl_open", &p, 3, "comm", &comm);
+    e = attach_call_key(c, m, q, "data.nccl_open", &p, 4, "comm", &comm);
     mp_writer_fini(&p);
     if (e == MOE_OK && (e = moe_nccl_wait(l, 0, moe__timeout_ms(c), &m->up[q], NULL, NULL, msg,
                                           sizeof(msg))) != MOE_OK)

@@ -31,6 +31,15 @@ int moe_nccl_built(void)
     return 1;
 }
 
+int moe_nccl_version(void)
+{
+    const moe_cudl *F = moe_cudl_get(1, NULL, 0);
+    int v = 0;
+    if (!F || F->ncclGetVersion(&v) != ncclSuccess)
+        return 0;
+    return v;
+}
+
 int moe_nccl_device_of(const void *p)
 {
     /* called on the NCCL path only: the runtime is loaded if not yet here
@@ -215,6 +224,11 @@ void moe_nccl_abort(moe_nccl_link *l)
 #else /* built without CUDA */
 
 int moe_nccl_built(void)
+{
+    return 0;
+}
+
+int moe_nccl_version(void)
 {
     return 0;
 }

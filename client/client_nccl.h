@@ -41,6 +41,11 @@ void moe_nccl_link_init(moe_nccl_link *l);
 void moe_nccl_link_fini(moe_nccl_link *l);
 /* moe_nccl_built: 1 when libmoe was built with CUDA and NCCL. */
 int moe_nccl_built(void);
+
+/* moe_nccl_version: the version code of the NCCL this process runs
+ * (ncclGetVersion: 22803 for 2.28.3), loading it if not yet loaded; 0 when
+ * there is none. Both ends of a communicator need the same one. */
+int moe_nccl_version(void);
 /* moe_nccl_device_of: the GPU whose device memory p is, or -1 (host
  * memory, managed memory, no CUDA). Loads the CUDA runtime and NCCL on
  * first use (client/cuda_dl.h): call it on the NCCL path only. */

@@ -61,6 +61,7 @@ static int take_rt(void *h)
 
 static int take_nccl(void *h)
 {
+    TAKE(h, ncclGetVersion);
     TAKE(h, ncclGetUniqueId);
     TAKE(h, ncclCommInitRankConfig);
     TAKE(h, ncclCommGetAsyncError);

@@ -35,6 +35,7 @@ typedef struct moe_cudl {
     __typeof__(&cudaFree) cudaFree;
     __typeof__(&cudaMemcpy) cudaMemcpy;
     __typeof__(&cudaMemcpyAsync) cudaMemcpyAsync;
+    __typeof__(&ncclGetVersion) ncclGetVersion;
     __typeof__(&ncclGetUniqueId) ncclGetUniqueId;
     __typeof__(&ncclCommInitRankConfig) ncclCommInitRankConfig;
     __typeof__(&ncclCommGetAsyncError) ncclCommGetAsyncError;

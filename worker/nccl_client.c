@@ -395,10 +395,29 @@ void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t
     }
 }
 
+/* wnc_version_refused: 1 (and the call answered failed_precondition) when
+ * the client's NCCL (ncclGetVersion's code, e.g. 22803) is not the one this
+ * worker runs: NCCL refuses to join ranks of different versions, and the
+ * client would learn it only from a failed initialisation */
+static int wnc_version_refused(rpc_call *c, int client_ver)
+{
+    int mine = 0;
+    if (ncclGetVersion(&mine) != ncclSuccess || mine == client_ver)
+        return 0;
+    rpc_reply_err(c, MOE_EPRECOND,
+                  "NCCL versions differ: the client runs NCCL %d.%d.%d, this worker %d.%d.%d; "
+                  "both ends of a communicator need the same one (a PyTorch client brings its "
+                  "own: start the worker with that library first on LD_LIBRARY_PATH, see "
+                  "docs/OPERATIONS.md)",
+                  client_ver / 10000, client_ver / 100 % 100, client_ver % 100, mine / 10000,
+                  mine / 100 % 100, mine % 100);
+    return 1;
+}
+
 void wnc_on_open(dp_table *t, rpc_call *c)
 {
     char err[256];
-    int64_t dev = -1, timeout_ms = 30000;
+    int64_t dev = -1, timeout_ms = 30000, client_ver = 0;
     mp_reader rid;
     const void *id;
     uint32_t idl;
@@ -406,9 +425,12 @@ void wnc_on_open(dp_table *t, rpc_call *c)
         {"id", P_RAW, &rid, true, 0, 0, 0, false},
         {"device", P_INT, &dev, false, -1, 1024, 0, false},
         {"timeout_ms", P_INT, &timeout_ms, false, 100, 600000, 0, false},
+        {"nccl_version", P_INT, &client_ver, false, 0, INT32_MAX, 0, false},
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 3, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 4, err, sizeof(err));
+    if (e == MOE_OK && client_ver > 0 && wnc_version_refused(c, (int)client_ver))
+        return;
     if (e == MOE_OK && t->gpu_device < 0) {
         rpc_reply_err(c, MOE_EPRECOND, "%s", wnc_no_gpu);
         return;

@@ -156,6 +156,20 @@ static moe_err nc_sync(nc *x, const char *what, int64_t deadline)
     }
 }
 
+/* nc_to_host copies n bytes of device memory src to dst, which may be
+ * pageable host memory. Called only once nc_sync saw the stream idle: a copy
+ * to pageable memory blocks the calling thread until the stream reaches it,
+ * so enqueued behind a collective that a dead peer never completes it would
+ * block the compute thread for good, out of reach of the abort (a survivor
+ * of a kill inside optimizer.step did exactly that). Then the copy can wait
+ * only on itself; it is still waited for through nc_sync. */
+static moe_err nc_to_host(nc *x, void *dst, const void *src, size_t n, const char *what,
+                          int64_t deadline)
+{
+    moe_err err = nc_cuda(x, cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, x->stream), what);
+    return err == MOE_OK ? nc_sync(x, what, deadline) : err;
+}
+
 /* nc_is_host: 1 if p is host memory (pageable or pinned): it needs staging. */
 static int nc_is_host(const void *p)
 {
@@ -307,10 +321,7 @@ static moe_err nc_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_by
         uint8_t *h = malloc(recv_total);
         err = h ? MOE_OK : MOE_ENOMEM;
         if (err == MOE_OK)
-            err = nc_cuda(x, cudaMemcpyAsync(h, dst, recv_total, cudaMemcpyDeviceToHost, x->stream),
-                          "alltoallv: copy to host");
-        if (err == MOE_OK)
-            err = nc_sync(x, "alltoallv (copy to host)", deadline);
+            err = nc_to_host(x, h, dst, recv_total, "alltoallv: copy to host", deadline);
         cudaFreeAsync(dst, x->stream);
         dst = h;
         dst_host = 1;
@@ -353,11 +364,10 @@ static moe_err nc_allreduce_f32(xchg *xp, float *buf, size_t n)
     if (err == MOE_OK)
         err = nc_nccl(x, ncclAllReduce(p, p, n, ncclFloat32, ncclSum, x->comm, x->stream),
                       "ncclAllReduce", deadline);
-    if (err == MOE_OK && host)
-        err = nc_cuda(x, cudaMemcpyAsync(buf, p, bytes, cudaMemcpyDeviceToHost, x->stream),
-                      "allreduce: copy to host");
     if (err == MOE_OK)
         err = nc_sync(x, "allreduce", deadline);
+    if (err == MOE_OK && host)
+        err = nc_to_host(x, buf, p, bytes, "allreduce: copy to host", deadline);
     return nc_end(x, err, "allreduce");
 }
 
@@ -385,11 +395,10 @@ static moe_err nc_allgather(xchg *xp, const void *sendbuf, size_t nbytes, void *
     if (err == MOE_OK)
         err = nc_nccl(x, ncclAllGather(s, d, nbytes, ncclUint8, x->comm, x->stream),
                       "ncclAllGather", deadline);
-    if (err == MOE_OK && host)
-        err = nc_cuda(x, cudaMemcpyAsync(recvbuf, d, total, cudaMemcpyDefault, x->stream),
-                      "allgather: copy out");
     if (err == MOE_OK)
         err = nc_sync(x, "allgather", deadline);
+    if (err == MOE_OK && host)
+        err = nc_to_host(x, recvbuf, d, total, "allgather: copy out", deadline);
     return nc_end(x, err, "allgather");
 }
 
@@ -514,8 +523,10 @@ moe_err xchg_nccl_open(int rank, int world, const void *unique_id, int device, i
         err = MOE_EUNAVAIL;
         goto fail;
     }
+    int ver = 0; /* the library this process runs, not the headers it was built with */
+    (void)ncclGetVersion(&ver);
     LOG_I("xchg: rank %d of %d up in %lld ms (NCCL %d, device %d, timeout %d ms)", rank, world,
-          (long long)(nc_now_ms() - t_open), NCCL_VERSION_CODE, device, timeout_ms);
+          (long long)(nc_now_ms() - t_open), ver, device, timeout_ms);
     *out = &x->pub;
     return MOE_OK;
 fail:

@@ -1381,6 +1381,25 @@ Test(dataplane, nccl_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini
               "data.nccl_open: %.*s", (int)r.resp.errmsg_len, r.resp.errmsg ? r.resp.errmsg : "");
     expect_err(&r, MOE_EPRECOND, "data.nccl_open on a CPU worker");
 
+    /* a client whose NCCL is not the worker's (a PyTorch process brings its
+     * own): refused before anything starts, saying both versions; checked
+     * ahead of the GPU, so this CPU worker of a CUDA build shows it */
+    mp_writer_init(&p);
+    mp_write_cstr(&p, "id");
+    mp_write_bin(&p, id, sizeof(id));
+    mp_write_cstr(&p, "nccl_version");
+    mp_write_i64(&p, 20101); /* 2.1.1 */
+    raw_call(s, "data.nccl_open", &p, 2, &r);
+    mp_writer_fini(&p);
+    cr_assert_eq(r.rv, 0);
+#ifdef MOE_HAVE_CUDA
+    cr_assert(r.resp.errmsg && memmem(r.resp.errmsg, r.resp.errmsg_len,
+                                      "NCCL versions differ: the client runs NCCL 2.1.1", 48),
+              "data.nccl_open from another NCCL: %.*s", (int)r.resp.errmsg_len,
+              r.resp.errmsg ? r.resp.errmsg : "");
+#endif
+    expect_err(&r, MOE_EPRECOND, "data.nccl_open from another NCCL version");
+
     /* rows naming a communicator: none is open here */
     mp_writer_init(&p);
     write_ticket(&p, 9, 1);
