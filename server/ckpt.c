@@ -28,6 +28,26 @@
 
 #define CKPT_KEEP 3
 
+/* the durable part of a checkpoint.save's finish, run off the loop */
+typedef struct ckpt_io {
+    uv_work_t req;
+    coord *c;
+    coord_job *j; /* current until save_io_after */
+    char *index;  /* (ilen) the index's text, owned */
+    size_t ilen;
+    char ipath[CFG_STR_MAX + 64]; /* PATH/model.safetensors.index.json */
+    char lpath[CFG_STR_MAX + 16]; /* ROOT/LATEST */
+    char line[300];               /* LATEST's text: the checkpoint's leaf name */
+    size_t nline;
+    char root[CFG_STR_MAX]; /* pruned after LATEST moved */
+    char leaf[300];
+    uint64_t total; /* the shards' bytes, for the answer */
+    long long slow_ms;
+    moe_err e; /* out */
+    char err[512];
+    double ms;
+} ckpt_io;
+
 static char *read_file(const char *path, size_t max, size_t *len)
 {
     FILE *f = fopen(path, "rb");
@@ -461,8 +481,11 @@ static void ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w)
     }
 }
 
-/* write_index writes the Hugging Face index of a saved checkpoint. */
-static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errlen)
+/* index_text makes the Hugging Face index of a saved checkpoint: *out
+ * (owned by the caller, *outlen bytes) to be written as
+ * PATH/model.safetensors.index.json. */
+static moe_err index_text(coord_job *j, uint64_t total, char **out, size_t *outlen, char *err,
+                          size_t errlen)
 {
     char *text = NULL;
     size_t len = 0;
@@ -541,11 +564,10 @@ static moe_err write_index(coord_job *j, uint64_t total, char *err, size_t errle
     free(otext);
     fprintf(f, "\n  }\n}\n");
     fclose(f);
-    char p[CFG_STR_MAX + 64];
-    snprintf(p, sizeof(p), "%s/model.safetensors.index.json", j->path);
-    moe_err e = st_write_durable(p, text, len, err, errlen);
-    free(text);
-    return e;
+    (void)err, (void)errlen;
+    *out = text;
+    *outlen = len;
+    return MOE_OK;
 }
 
 static int cmp_str(const void *a, const void *b)
@@ -592,6 +614,92 @@ static void prune(const char *root, const char *keep_name)
     }
 }
 
+/* save_settle answers a checkpoint.save (or the optimizer.step waiting on
+ * it) once its index and LATEST are durable (e == MOE_OK) or failed. */
+static void save_settle(coord *c, coord_job *j, moe_err e, const char *err, uint64_t total)
+{
+    if (e != MOE_OK) {
+        LOG_W("checkpoint.save of %s failed: %s", j->model->cfg.name, err);
+        if (j->deferred)
+            j->model->step_unsettled = 0;
+        if (j->call && j->deferred) {
+            rpc_reply_err(j->call, MOE_EUNAVAIL,
+                          "optimizer.step outcome unknown: step %lld of model '%s' ran on "
+                          "the workers but its checkpoint did not become durable (%s); the "
+                          "model returns to its newest checkpoint: retry with expect_step",
+                          (long long)j->model->step, j->model->cfg.name, err);
+            coord_step_rollback(c, j->model);
+        } else if (j->call)
+            rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
+        coord_count_error(c, j->call && j->deferred ? MOE_EUNAVAIL : e);
+        return;
+    }
+    j->model->saved_step = j->model->step;
+    LOG_I("checkpoint of %s at step %lld: %s (%llu bytes)", j->model->cfg.name,
+          (long long)j->model->step, j->path, (unsigned long long)total);
+    if (!j->call)
+        return;
+    if (j->deferred) { /* the optimizer.step this checkpoint made durable */
+        j->model->step_unsettled = 0;
+        rpc_reply_bytes(j->call, j->deferred, j->deferred_len);
+        return;
+    }
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
+    mp_write_map(&w, 3);
+    mp_write_cstr(&w, "path");
+    mp_write_cstr(&w, j->path);
+    mp_write_cstr(&w, "step");
+    mp_write_i64(&w, j->model->step);
+    mp_write_cstr(&w, "bytes");
+    mp_write_u64(&w, total);
+    rpc_reply(j->call, &w);
+}
+
+/* save_io_run: on a libuv pool thread (or here, when none takes it) - the
+ * index, then LATEST, each written and fsynced with its directory, then the
+ * old checkpoints pruned. Touches only io: the loop goes on meanwhile (an
+ * fsync behind the workers' shard writes took long enough to hide a
+ * worker's death from the loop), and the job stays current. */
+static void save_io_run(ckpt_io *io)
+{
+    uint64_t t0 = rpc_now_ns();
+    if (io->slow_ms > 0)
+        usleep((useconds_t)(io->slow_ms * 1000));
+    io->e = st_write_durable(io->ipath, io->index, io->ilen, io->err, sizeof(io->err));
+    if (io->e == MOE_OK)
+        io->e = st_write_durable(io->lpath, io->line, io->nline, io->err, sizeof(io->err));
+    if (io->e == MOE_OK)
+        prune(io->root, io->leaf);
+    io->ms = (double)(rpc_now_ns() - t0) * 1e-6;
+}
+
+static void save_io_work(uv_work_t *req)
+{
+    save_io_run(req->data);
+}
+
+/* save_io_after: back on the loop - answer, then the next job */
+static void save_io_after(uv_work_t *req, int status)
+{
+    ckpt_io *io = req->data;
+    coord *c = io->c;
+    coord_job *j = io->j;
+    if (status != 0 && io->e == MOE_OK) {
+        io->e = MOE_EINTERNAL;
+        snprintf(io->err, sizeof(io->err), "the checkpoint's writes did not run (%s)",
+                 uv_strerror(status));
+    }
+    if (io->ms >= 100)
+        LOG_I("checkpoint of %s: index and LATEST durable after %.0f ms (off the loop)",
+              j->model->cfg.name, io->ms);
+    save_settle(c, j, io->e, io->err, io->total);
+    free(io->index);
+    free(io);
+    coord_job_io_done(c, j);
+}
+
 static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
     (void)first, (void)bad_rank;
@@ -625,54 +733,37 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
                         break;
                 }
         }
-        if (e == MOE_OK)
-            e = write_index(j, total, err, sizeof(err));
-        const char *leaf = strrchr(j->path, '/');
-        leaf = leaf ? leaf + 1 : j->path;
-        if (e == MOE_OK) {
-            char lp[CFG_STR_MAX + 16], line[300];
-            snprintf(lp, sizeof(lp), "%s/LATEST", j->root);
-            int n = snprintf(line, sizeof(line), "%s\n", leaf);
-            e = st_write_durable(lp, line, (size_t)n, err, sizeof(err));
+        ckpt_io *io = e == MOE_OK ? calloc(1, sizeof(*io)) : NULL;
+        if (e == MOE_OK && !io) {
+            e = MOE_ENOMEM;
+            snprintf(err, sizeof(err), "out of memory");
         }
-        if (e != MOE_OK) {
-            LOG_W("checkpoint.save of %s failed: %s", j->model->cfg.name, err);
-            if (j->deferred)
-                j->model->step_unsettled = 0;
-            if (j->call && j->deferred) {
-                rpc_reply_err(j->call, MOE_EUNAVAIL,
-                              "optimizer.step outcome unknown: step %lld of model '%s' ran on "
-                              "the workers but its checkpoint did not become durable (%s); the "
-                              "model returns to its newest checkpoint: retry with expect_step",
-                              (long long)j->model->step, j->model->cfg.name, err);
-                coord_step_rollback(c, j->model);
-            } else if (j->call)
-                rpc_reply_err(j->call, e, "checkpoint.save: %s", err);
-            coord_count_error(c, j->call && j->deferred ? MOE_EUNAVAIL : e);
-            return;
+        if (e == MOE_OK &&
+            (e = index_text(j, total, &io->index, &io->ilen, err, sizeof(err))) == MOE_OK) {
+            const char *leaf = strrchr(j->path, '/');
+            leaf = leaf ? leaf + 1 : j->path;
+            io->c = c;
+            io->j = j;
+            io->total = total;
+            io->slow_ms = c->slow_durable_ms;
+            snprintf(io->ipath, sizeof(io->ipath), "%s/model.safetensors.index.json", j->path);
+            snprintf(io->lpath, sizeof(io->lpath), "%s/LATEST", j->root);
+            io->nline = (size_t)snprintf(io->line, sizeof(io->line), "%s\n", leaf);
+            snprintf(io->root, sizeof(io->root), "%s", j->root);
+            snprintf(io->leaf, sizeof(io->leaf), "%s", leaf);
+            io->req.data = io;
+            if (uv_queue_work(c->loop, &io->req, save_io_work, save_io_after) == 0) {
+                j->io_pending = 1; /* save_io_after settles it */
+                return;
+            }
+            save_io_run(io); /* no thread to take it: here, as before */
+            e = io->e;
+            snprintf(err, sizeof(err), "%s", io->err);
         }
-        j->model->saved_step = j->model->step;
-        prune(j->root, leaf);
-        LOG_I("checkpoint of %s at step %lld: %s (%llu bytes)", j->model->cfg.name,
-              (long long)j->model->step, j->path, (unsigned long long)total);
-        if (!j->call)
-            return;
-        if (j->deferred) { /* the optimizer.step this checkpoint made durable */
-            j->model->step_unsettled = 0;
-            rpc_reply_bytes(j->call, j->deferred, j->deferred_len);
-            return;
-        }
-        mp_writer w;
-        mp_writer_init(&w);
-        moe_rpc_write_response_ok_head(&w, j->call->req.msgid);
-        mp_write_map(&w, 3);
-        mp_write_cstr(&w, "path");
-        mp_write_cstr(&w, j->path);
-        mp_write_cstr(&w, "step");
-        mp_write_i64(&w, j->model->step);
-        mp_write_cstr(&w, "bytes");
-        mp_write_u64(&w, total);
-        rpc_reply(j->call, &w);
+        if (io)
+            free(io->index);
+        free(io);
+        save_settle(c, j, e, err, total);
         return;
     }
     case JOB_CKPT_LOAD: {

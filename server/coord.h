@@ -207,6 +207,10 @@ struct coord_job {
     int answered; /* finish ran early (a member is gone, JOB_F_EARLY): not again */
     moe_reply *replies[COORD_MAX_WORKERS]; /* by rank; owned */
     moe_err errs[COORD_MAX_WORKERS];
+    /* JOB_CKPT_SAVE: its durable writes run off the loop (ckpt.c); the
+     * job stays current until they are done (coord_job_io_done), so no
+     * job or generation starts under it while the loop keeps serving */
+    int io_pending;
 };
 
 /* a completed worker call, from an nng thread */
@@ -247,6 +251,7 @@ struct coord {
     long long history_ms;       /* the dashboard history's interval */
     char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl | shm */
     long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
+    long long slow_durable_ms;  /* tests: a checkpoint's durable writes take this much longer */
     /* the cluster secret: internal methods (worker.*) require it, and the
      * calls to workers carry it (secret.h; never empty after start) */
     char cluster_secret[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
@@ -402,6 +407,10 @@ void coord_job_refuse_unready(coord *c);
  * busy, frees j and returns MOE_EBUSY. The caller pumps. */
 moe_err coord_job_enqueue(coord *c, coord_job *j);
 void coord_job_pump(coord *c);
+/* coord_job_io_done: the off-loop part of current job j's finish is done
+ * (j->io_pending was set by its finish): j stops being current and is freed,
+ * and the queue moves on */
+void coord_job_io_done(coord *c, coord_job *j);
 void coord_on_done(uv_async_t *h);
 void coord_job_fail_all(coord *c, moe_err e, const char *why);
 /* coord_job_discard frees a job that is in no queue (its call, if any, must

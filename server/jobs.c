@@ -195,13 +195,26 @@ void coord_on_done(uv_async_t *h)
             answer_early(c, j, d->rank);
         if (j->pending == 0) {
             finish_job(c, j);
-            if (c->current == j)
-                c->current = NULL;
-            job_free(j);
+            if (!j->io_pending) { /* else coord_job_io_done, when its writes are done */
+                if (c->current == j)
+                    c->current = NULL;
+                job_free(j);
+            }
         }
         free(d);
         d = next;
     }
+    if (c->hooks.after_done)
+        c->hooks.after_done(c);
+    coord_job_pump(c);
+}
+
+void coord_job_io_done(coord *c, coord_job *j)
+{
+    j->io_pending = 0;
+    if (c->current == j)
+        c->current = NULL;
+    job_free(j);
     if (c->hooks.after_done)
         c->hooks.after_done(c);
     coord_job_pump(c);

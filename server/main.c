@@ -89,6 +89,8 @@ static const cfg_entry coord_cfg[] = {
      "the dashboard's history: one point per this many ms (180 points are kept)"},
     {"checkpoint-every", CFG_INT, "0", 0, 1000000000, &C.ckpt_every,
      "with checkpoint-dir: save every N optimizer steps (0 = only at drain)"},
+    {"slow-durable-ms-for-tests", CFG_INT, "0", 0, 600000, &C.slow_durable_ms,
+     "tests only: a checkpoint's index and LATEST take this much longer to become durable"},
     {"addr-file", CFG_STR, "", 0, 0, C.addr_file,
      "write the bound RPC address to this file once listening"},
     {"log-level", CFG_STR, "info", 0, 0, C.log_level, "debug | info | warn | error"},
