@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # kill-series.sh - N SIGKILLs in a row: deploy/gpu-kill-test.sh run N times,
 # each with its own seed and kill moment (1.0-3.9 s into the stream), and a
-# table of what each kill cost: when the worker was shown down, when the
+# table of what each kill cost: when the coordinator logged the loss (and
+# the load average at the kill), when the worker was shown down (polled
+# every 0.1 s after a 0.2 s pause), when the
 # first request in flight was answered with an error, when every request in
 # flight was answered (some wait through the re-formation and succeed), when
 # the optimizer.step in flight was answered (training), when the cluster was
@@ -40,8 +42,9 @@ pass=0
 fail=0
 firsts=()
 readys=()
-printf "%-4s %-6s %-10s %-9s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode \
-    "dying (s)" "down (s)" "1st err (s)" "answered (s)" "step (s)" "ready (s)" "kill at" "run (s)"
+printf "%-4s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode \
+    "dying (s)" "seen (s)" "load" "down (s)" "1st err (s)" "answered (s)" "step (s)" "ready (s)" \
+    "kill at" "run (s)"
 FIRST=${KILL_SERIES_FIRST:-1}
 BUDGET=${KILL_SERIES_SECONDS:-0}
 START=$SECONDS
@@ -82,6 +85,10 @@ for i in $(seq "$FIRST" $((FIRST + N - 1))); do
     down=$(grep -o 'state down [0-9.]* s after the kill' "$log" | head -1 | awk '{print $3}')
     # the victim's process teardown (memory, then files: its sockets close last)
     dying=$(grep -o 'finished dying [0-9.]* s' "$log" | head -1 | awk '{print $3}')
+    # when the coordinator itself logged the loss (its loop late: busy, or
+    # starved of CPU by the workers' threads), and the load at the kill
+    seen=$(grep -o 'saw the loss [0-9.]* s' "$log" | head -1 | awk '{print $4}')
+    load=$(grep -o 'load average at the kill [0-9.]*' "$log" | head -1 | awk '{print $6}')
     first=$(grep -o 'first: [0-9.]* s after the kill' "$log" | head -1 | awk '{print $2}')
     ans=$(grep -o 'in-flight ones answered within [0-9.]* s' "$log" | head -1 | awk '{print $5}')
     # the optimizer.step in flight at the kill (ckpt: the one whose checkpoint lost the victim)
@@ -91,8 +98,9 @@ for i in $(seq "$FIRST" $((FIRST + N - 1))); do
     if [ "$rc" -eq 0 ]; then res=PASS; pass=$((pass + 1)); else res=FAIL; fail=$((fail + 1)); fi
     [ -n "$first" ] && firsts+=("$first")
     [ -n "$ready" ] && readys+=("$ready")
-    printf "%-4s %-6s %-10s %-9s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$i" "$res" "$mode" \
-        "${dying:--}" "${down:--}" "${first:--}" "${ans:--}" "${step:--}" "${ready:--}" "$at" "$wall"
+    printf "%-4s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$i" "$res" \
+        "$mode" "${dying:--}" "${seen:--}" "${load:--}" "${down:--}" "${first:--}" "${ans:--}" \
+        "${step:--}" "${ready:--}" "$at" "$wall"
 done
 summ() { # label values...: min, median, max
     local label=$1; shift

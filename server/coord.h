@@ -252,6 +252,7 @@ struct coord {
     char xchg_cfg[CFG_STR_MAX]; /* auto | nng | nccl | shm */
     long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
     long long slow_durable_ms;  /* tests: a checkpoint's durable writes take this much longer */
+    long long nice;             /* --nice: the priority of every coordinator thread */
     /* the cluster secret: internal methods (worker.*) require it, and the
      * calls to workers carry it (secret.h; never empty after start) */
     char cluster_secret[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];

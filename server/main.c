@@ -12,6 +12,7 @@
 #include "server/coord.h"
 #include "rpc/dedupe.h"
 #include "common/log.h"
+#include "common/prio.h"
 #include "common/params.h"
 #include "common/sdnotify.h"
 #include "common/secret.h"
@@ -93,6 +94,9 @@ static const cfg_entry coord_cfg[] = {
      "tests only: a checkpoint's index and LATEST take this much longer to become durable"},
     {"addr-file", CFG_STR, "", 0, 0, C.addr_file,
      "write the bound RPC address to this file once listening"},
+    {"nice", CFG_INT, "-5", -20, 19, &C.nice,
+     "the coordinator's scheduling priority (its threads'); below 0 needs CAP_SYS_NICE or "
+     "RLIMIT_NICE (root, systemd Nice=), else it stays at 0 and logs so"},
     {"log-level", CFG_STR, "info", 0, 0, C.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(coord_cfg) / sizeof(coord_cfg[0])))
@@ -257,6 +261,11 @@ int main(int argc, char **argv)
     int lvl = log_level_parse(C.log_level);
     log_init("coord", lvl < 0 ? LOG_INFO : (log_level)lvl);
     signal(SIGPIPE, SIG_IGN);
+    /* before any thread exists: nng's, libuv's and ours start with it */
+    if (C.nice != 0 && prio_set_self((int)C.nice, err, sizeof(err)) != 0)
+        LOG_I("scheduling priority unchanged (%s): threads of co-located workers may delay this "
+              "loop",
+              err);
     C.loop = uv_default_loop();
     C.started_ns = rpc_now_ns();
     {

@@ -4,6 +4,7 @@
 
 #include "worker/gpu.h"
 #include "common/log.h"
+#include "common/prio.h"
 #include "worker/worker.h"
 
 void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m)
@@ -110,6 +111,11 @@ void *wkr_pinned(wkr *w, size_t n)
 void *wkr_compute_main(void *arg)
 {
     wkr *w = arg;
+    char msg[128];
+    /* compute yields to the loop threads (and a co-located coordinator's):
+     * back to the default priority, inherited by the kernels' threads */
+    if (w->nice < 0 && prio_set_self(0, msg, sizeof(msg)) != 0)
+        LOG_W("compute thread: %s", msg);
     for (;;) {
         pthread_mutex_lock(&w->qmu);
         if (!w->qhead && !w->qstop && w->dp.ring_spin_us > 0 && dp_rings_active(&w->dp)) {

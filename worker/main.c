@@ -14,6 +14,7 @@
 #include "worker/gpu.h"
 #include "common/hostid.h"
 #include "common/log.h"
+#include "common/prio.h"
 #include "common/params.h"
 #include "worker/pool.h"
 #include "common/sdnotify.h"
@@ -117,6 +118,10 @@ static const cfg_entry worker_cfg[] = {
     {"fail-create-below-world", CFG_INT, "0", 0, 256, &W.fail_create_below_world,
      "testing: every worker.model_create fails (resource_exhausted) while the generation has "
      "fewer workers than this, as if the larger share did not fit"},
+    {"nice", CFG_INT, "-5", -20, 19, &W.nice,
+     "the priority of the worker's loop (RPC, heartbeats, worker.abort) and I/O threads; the "
+     "compute thread and its kernels' threads run at 0. Below 0 needs CAP_SYS_NICE or "
+     "RLIMIT_NICE (root, systemd Nice=), else everything stays at 0 and it logs so"},
     {"log-level", CFG_STR, "info", 0, 0, W.log_level, "debug | info | warn | error"},
 };
 #define NCFG ((int)(sizeof(worker_cfg) / sizeof(worker_cfg[0])))
@@ -477,6 +482,14 @@ int main(int argc, char **argv)
     int lvl = log_level_parse(W.log_level);
     log_init("worker", lvl < 0 ? LOG_INFO : (log_level)lvl);
     signal(SIGPIPE, SIG_IGN);
+    /* before nng's and our threads exist (OpenBLAS's, from its load, stay
+     * at 0 with the compute thread) */
+    if (W.nice != 0 && prio_set_self((int)W.nice, err, sizeof(err)) != 0) {
+        LOG_I("scheduling priority unchanged (%s): busy compute threads on this host may delay "
+              "the loop",
+              err);
+        W.nice = 0;
+    }
     if (strcmp(W.backend_cfg, "auto") && strcmp(W.backend_cfg, "cpu") &&
         strcmp(W.backend_cfg, "cuda")) {
         fprintf(stderr, "moe-worker: backend must be auto, cpu or cuda\n");

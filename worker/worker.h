@@ -143,6 +143,7 @@ struct wkr {
     char client_url_cfg[CFG_STR_MAX]; /* data plane: where clients send rows */
     char backend_cfg[CFG_STR_MAX];
     char log_level[CFG_STR_MAX];
+    long long nice; /* --nice: the loop's and I/O threads' priority; compute runs at 0 */
     char auth_token[CFG_STR_MAX];
     /* TLS (tls.h): the listeners' certificate and key, the CA of the peers'
      * certificates (PEM paths; empty = none) */

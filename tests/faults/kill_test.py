@@ -588,6 +588,32 @@ def describe_fds(pid):
     return "; ".join("%s %s" % (k, runs(v)) for k, v in sorted(kinds.items())) or "none"
 
 
+def coord_saw_loss(path, rpc_url, t_kill_wall):
+    """Seconds from the SIGKILL (wall clock) to the coordinator's own log line
+    marking the victim down ("worker N (...) lost: marked down"), or None.
+    Beside the client-side figures it tells a late-seen death (the
+    coordinator's loop late: busy, or starved of CPU) from a late answer."""
+    lt = time.localtime(t_kill_wall)
+    kill_sod = lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + t_kill_wall % 1
+    pat = re.compile(r"coord (\d\d):(\d\d):(\d\d)\.(\d{3}) W .*worker \d+ \(%s, rank .*"
+                     r"(lost: marked down|missed heartbeats)" % re.escape(rpc_url))
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = pat.search(line)
+                if not m:
+                    continue
+                h, mi, se, ms = (int(g) for g in m.groups()[:4])
+                d = h * 3600 + mi * 60 + se + ms / 1000.0 - kill_sod
+                if d < -43200:
+                    d += 86400  # past midnight
+                if d >= -0.002:
+                    return max(d, 0.0)
+    except OSError:
+        return None
+    return None
+
+
 class TeardownWatch(threading.Thread):
     """Logs how long the SIGKILLed process took to finish dying (a zombie or
     gone: its memory torn down and its files closed), polled every ms."""
@@ -765,7 +791,9 @@ def main():
         recs, infl = sm.snapshot()
         committed = k_committed = sm.step
         fds = describe_fds(vpid)
+        load1 = os.getloadavg()[0]
         sm.t_kill = t_kill = time.monotonic()
+        t_kill_wall = time.time()
         os.kill(vpid, signal.SIGKILL)
         gone = TeardownWatch(vpid, t_kill)
         gone.start()
@@ -794,6 +822,10 @@ def main():
         cl.workers[a.victim].wait()
         # the coordinator: alive, answers a ping
         time.sleep(0.2)
+        seen = coord_saw_loss(os.path.join(cl.run, "coordinator.log"), vrpc, t_kill_wall)
+        log("  the coordinator saw the loss %s (its log); load average at the kill %.1f on %d "
+            "cores" % ("%.3f s after the kill" % seen if seen is not None else "- not logged yet",
+                       load1, os.cpu_count() or 0))
         pt = time.monotonic()
         try:
             ping.ping()
