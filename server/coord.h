@@ -58,6 +58,8 @@ typedef struct coord_worker {
     int64_t dp_bulk_conns;     /* bulk connections open at the worker */
     uint64_t dp_bulk_in_total; /* rows transfers received over bulk connections */
     int pid;
+    unsigned long long start_ticks; /* its process's start (procstat): with pid, that process */
+    int watched; /* on this host, its process visible: its death seen in /proc (registry.c) */
     uint64_t registered_ns, last_hb_ns;
     moe_client *cli;    /* owned: calls into the worker */
     double busy_s;      /* compute time reported by forwards */
@@ -253,6 +255,8 @@ struct coord {
     long long ckpt_every;       /* save every N optimizer steps (0 = only at drain) */
     long long slow_durable_ms;  /* tests: a checkpoint's durable writes take this much longer */
     long long nice;             /* --nice: the priority of every coordinator thread */
+    char host_id[128];          /* this host (common/hostid.h): workers with it are watched */
+    uv_timer_t watch_timer;     /* every 5 ms: the watched workers' processes (registry.c) */
     /* the cluster secret: internal methods (worker.*) require it, and the
      * calls to workers carry it (secret.h; never empty after start) */
     char cluster_secret[CFG_STR_MAX], cluster_secret_file[CFG_STR_MAX];
@@ -375,6 +379,9 @@ void coord_start_drain(coord *c, const char *why);
 void coord_worker_register(coord *c, rpc_call *call);
 void coord_worker_heartbeat(coord *c, rpc_call *call);
 void coord_check_workers(coord *c);
+/* coord_watch_tick: the timer callback that loses a watched worker (one on
+ * this host) as soon as /proc shows its process exiting (registry.c) */
+void coord_watch_tick(uv_timer_t *t);
 /* coord_worker_lost marks worker slot i down now (a call to it got no answer). */
 void coord_worker_lost(coord *c, int i, const char *why);
 void coord_maybe_form(coord *c);

@@ -11,6 +11,7 @@
 
 #include "server/coord.h"
 #include "rpc/dedupe.h"
+#include "common/hostid.h"
 #include "common/log.h"
 #include "common/prio.h"
 #include "common/params.h"
@@ -318,6 +319,11 @@ int main(int argc, char **argv)
     uv_timer_init(C.loop, &C.tick);
     C.tick.data = &C;
     uv_timer_start(&C.tick, on_tick, 100, 100);
+    /* workers on this host: their deaths seen in /proc, before their sockets close */
+    moe_host_id(C.host_id, sizeof(C.host_id));
+    uv_timer_init(C.loop, &C.watch_timer);
+    C.watch_timer.data = &C;
+    uv_timer_start(&C.watch_timer, coord_watch_tick, 5, 5);
     uv_signal_init(C.loop, &C.sigterm);
     uv_signal_init(C.loop, &C.sigint);
     C.sigterm.data = C.sigint.data = &C;
@@ -346,6 +352,7 @@ int main(int argc, char **argv)
             C.workers[i].cli = NULL;
         }
     uv_close((uv_handle_t *)&C.tick, NULL);
+    uv_close((uv_handle_t *)&C.watch_timer, NULL);
     /* calls to workers closed above may still complete on nng threads */
     pthread_mutex_lock(&C.done_mu);
     C.done_closed = 1;

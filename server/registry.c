@@ -22,6 +22,7 @@
 #include "client/client_dp.h" /* moe__set_cluster */
 #include "server/coord.h"
 #include "common/log.h"
+#include "common/procstat.h"
 #include "common/params.h"
 
 #define COORD_FORGET_DOWN_S 60 /* a down non-member is forgotten after this */
@@ -129,11 +130,51 @@ void coord_on_pipes(uv_async_t *h)
         coord_maybe_form(c);
 }
 
+/* watchable: w runs on this host and /proc shows this very process (the
+ * pid and its start time as the worker reported them: in another PID
+ * namespace the pid names another process, or none) */
+static int watchable(const coord *c, const coord_worker *w)
+{
+    procstat ps;
+    return w->pid > 0 && w->start_ticks > 0 && w->host[0] && strcmp(w->host, c->host_id) == 0 &&
+           procstat_read(w->pid, &ps) == 0 && ps.start_ticks == w->start_ticks &&
+           !procstat_dying(&ps);
+}
+
+/* coord_watch_tick (every 5 ms): a watched worker whose process is exiting
+ * (SIGKILL: its threads are marked exiting at once), gone, or replaced is
+ * lost now - its connections close only once the kernel has torn its
+ * memory down, tens to hundreds of ms later */
+void coord_watch_tick(uv_timer_t *t)
+{
+    coord *c = t->data;
+    int n = 0;
+    for (int i = 0; i < COORD_MAX_WORKERS; i++) {
+        coord_worker *w = &c->workers[i];
+        if (w->state != WS_UP || !w->watched)
+            continue;
+        procstat ps;
+        const char *why = NULL;
+        if (procstat_read(w->pid, &ps) != 0)
+            why = "its process is gone (/proc)";
+        else if (ps.start_ticks != w->start_ticks)
+            why = "its process is gone (its pid names another process)";
+        else if (procstat_dying(&ps))
+            why = "its process is exiting (/proc)";
+        if (why) {
+            coord_worker_lost(c, i, why);
+            n++;
+        }
+    }
+    if (n)
+        coord_maybe_form(c);
+}
+
 void coord_worker_register(coord *c, rpc_call *call)
 {
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX], backend[32] = "cpu", device[128] = "";
     char client_url[CFG_STR_MAX] = "", host[128] = "", bulk_url[CFG_STR_MAX] = "";
-    int64_t pid = 0;
+    int64_t pid = 0, start_ticks = 0;
     mp_reader rmem;
     char err[256];
     pspec sp[] = {
@@ -146,9 +187,10 @@ void coord_worker_register(coord *c, rpc_call *call)
         {"host", P_STR, host, false, 0, 0, sizeof(host), false},
         {"bulk_url", P_STR, bulk_url, false, 0, 0, sizeof(bulk_url), false},
         {"mem", P_RAW, &rmem, false, 0, 0, 0, false},
+        {"start_ticks", P_INT, &start_ticks, false, 0, 9.2e18, 0, false},
     };
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 9, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 10, err, sizeof(err));
     int64_t mem_host = -1, mem_gpu = -1;
     if (e == MOE_OK && sp[8].seen)
         e = coord_parse_mem(&rmem, &mem_host, &mem_gpu, err, sizeof(err));
@@ -207,11 +249,15 @@ void coord_worker_register(coord *c, rpc_call *call)
     snprintf(slot->backend, sizeof(slot->backend), "%s", backend);
     snprintf(slot->device, sizeof(slot->device), "%s", device);
     slot->pid = (int)pid;
+    slot->start_ticks = (unsigned long long)start_ticks;
+    slot->watched = watchable(c, slot);
     slot->mem_host = mem_host;
     slot->mem_gpu = mem_gpu;
     slot->registered_ns = slot->last_hb_ns = rpc_now_ns();
-    LOG_I("worker %d registered: rpc %s data %s backend %s pid %d (%d of %lld up)", slot->id,
-          rpc_url, data_url, backend, slot->pid, coord_up_workers(c), c->expected_workers);
+    LOG_I("worker %d registered: rpc %s data %s backend %s pid %d%s (%d of %lld up)", slot->id,
+          rpc_url, data_url, backend, slot->pid,
+          slot->watched ? ", this host: its process watched" : "", coord_up_workers(c),
+          c->expected_workers);
     if (!c->ready)
         c->need_form = 1;
     mp_writer w;

@@ -13,6 +13,7 @@
 #include "common/confine.h"
 #include "worker/gpu.h"
 #include "common/hostid.h"
+#include "common/procstat.h"
 #include "common/log.h"
 #include "common/prio.h"
 #include "common/params.h"
@@ -262,7 +263,7 @@ static void send_register(wkr *w)
     if (load_secret(w) != 0)
         return;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 8 + (w->bulk_url[0] ? 1 : 0));
+    mp_write_map(&pw, 9 + (w->bulk_url[0] ? 1 : 0));
     if (w->bulk_url[0]) {
         mp_write_cstr(&pw, "bulk_url");
         mp_write_cstr(&pw, w->bulk_url);
@@ -282,6 +283,10 @@ static void send_register(wkr *w)
     mp_write_cstr(&pw, w->device);
     mp_write_cstr(&pw, "pid");
     mp_write_i64(&pw, getpid());
+    procstat me; /* with the pid, names this process: a coordinator on this
+                  * host watches it die (common/procstat.h) */
+    mp_write_cstr(&pw, "start_ticks");
+    mp_write_i64(&pw, procstat_read(0, &me) == 0 ? (int64_t)me.start_ticks : 0);
     w->registering = 1;
     if (moe_call_async(w->coord, "worker.register", pw.buf, pw.len, on_register_reply, w) != MOE_OK)
         w->registering = 0;

@@ -19,16 +19,36 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "tests/cluster.h"
+#include "common/hostid.h"
+#include "common/procstat.h"
 
 /* fake_register sends worker.register for rpc_url on a fresh connection,
  * with the cluster secret (NULL: none); the connection stays open (*sock)
  * so the entry stays up until closed. Returns the reply's error code; msg
  * gets its message. */
+/* the process a fake worker claims to be (fake_register_as): pid, its start
+ * time, and the host id; NULL: none given */
+typedef struct fake_proc {
+    int pid;
+    unsigned long long start_ticks;
+    const char *host;
+} fake_proc;
+
+static moe_err fake_register_as(const char *coord_url, const char *secret, const char *rpc_url,
+                                const fake_proc *proc, nng_socket *sock, char *msg, size_t cap);
+
 static moe_err fake_register(const char *coord_url, const char *secret, const char *rpc_url,
                              nng_socket *sock, char *msg, size_t cap)
+{
+    return fake_register_as(coord_url, secret, rpc_url, NULL, sock, msg, cap);
+}
+
+static moe_err fake_register_as(const char *coord_url, const char *secret, const char *rpc_url,
+                                const fake_proc *proc, nng_socket *sock, char *msg, size_t cap)
 {
     nng_socket s;
     cr_assert_eq(nng_req0_open(&s), 0);
@@ -43,10 +63,18 @@ static moe_err fake_register(const char *coord_url, const char *secret, const ch
     mp_write_i64(&w, 1);
     mp_write_cstr(&w, "worker.register");
     mp_write_array(&w, 1);
-    mp_write_map(&w, secret ? 3 : 2);
+    mp_write_map(&w, (secret ? 3 : 2) + (proc ? 3 : 0));
     if (secret) {
         mp_write_cstr(&w, "cluster");
         mp_write_cstr(&w, secret);
+    }
+    if (proc) {
+        mp_write_cstr(&w, "pid");
+        mp_write_i64(&w, proc->pid);
+        mp_write_cstr(&w, "start_ticks");
+        mp_write_i64(&w, (int64_t)proc->start_ticks);
+        mp_write_cstr(&w, "host");
+        mp_write_cstr(&w, proc->host);
     }
     mp_write_cstr(&w, "rpc_url");
     mp_write_cstr(&w, rpc_url);
@@ -234,5 +262,87 @@ Test(registry, register_without_cluster_secret_refused, .timeout = 60, .fini = c
     e = fake_register(cl->url, cl->secret, "tcp://127.0.0.1:21013", &s, msg, sizeof(msg));
     cr_expect_eq(e, MOE_OK, "with the secret: %s: %s", moe_err_code(e), msg);
     nng_close(s);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
+
+/* worker_state: the state cluster.status lists for rpc_url ("" if none) */
+static void worker_state(cluster *cl, const char *rpc_url, char *out, size_t cap)
+{
+    moe_reply rep;
+    out[0] = 0;
+    cr_assert_eq(moe_call(cl->cli, "cluster.status", NULL, 0, &rep), MOE_OK, "%s", rep.message);
+    mp_reader rd = mp_reply_reader(&rep);
+    uint32_t n = 0;
+    cr_assert(mp_map_find(&rd, "workers") == 0 && mp_read_array(&rd, &n, NULL) == MOE_OK);
+    for (uint32_t i = 0; i < n; i++) {
+        mp_reader e = rd;
+        char url[128] = "", st[32] = "";
+        const char *v;
+        uint32_t vl;
+        if (mp_map_find(&e, "rpc_url") == 0 && mp_read_str(&e, &v, &vl, NULL) == MOE_OK)
+            snprintf(url, sizeof(url), "%.*s", (int)vl, v);
+        e = rd;
+        if (mp_map_find(&e, "state") == 0 && mp_read_str(&e, &v, &vl, NULL) == MOE_OK)
+            snprintf(st, sizeof(st), "%.*s", (int)vl, v);
+        if (strcmp(url, rpc_url) == 0)
+            snprintf(out, cap, "%s", st);
+        cr_assert_eq(mp_skip(&rd, NULL), MOE_OK);
+    }
+    moe_reply_free(&rep);
+}
+
+/* A worker on the coordinator's host is lost as soon as /proc shows its
+ * process gone or exiting, though its connection to the coordinator is
+ * still open and its heartbeats would be missed only after 10 minutes: a
+ * SIGKILLed process closes its sockets only after the kernel has torn its
+ * memory down (85-305 ms for a CPU worker with a training model on this
+ * machine, the coordinator seeing it 3 ms after the kill). Two fakes name
+ * one child process: A with its start time (watched), B with another (a
+ * pid that names another process: not watched). The child is killed: A
+ * goes down, B stays up - both are checked in the same timer pass, so B
+ * still being up when A is seen down is no matter of timing. */
+Test(registry, a_local_workers_death_is_seen_in_proc, .timeout = 90, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 0,
+                      .expected_workers = 2,
+                      .no_wait = 1,
+                      .checkpoint_root = "",
+                      .coord_args = {"--heartbeat-timeout-ms", "600000"}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    pid_t child = fork();
+    cr_assert(child >= 0);
+    if (child == 0) {
+        for (;;)
+            pause();
+    }
+    procstat ps;
+    cr_assert_eq(procstat_read(child, &ps), 0, "the child in /proc");
+    char host[128], msg[512], st[32];
+    moe_host_id(host, sizeof(host));
+    fake_proc a = {child, ps.start_ticks, host}, b = {child, ps.start_ticks + 1, host};
+    nng_socket sa, sb;
+    moe_err e =
+        fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:1", &a, &sa, msg, sizeof(msg));
+    cr_assert_eq(e, MOE_OK, "%s: %s", moe_err_code(e), msg);
+    e = fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:2", &b, &sb, msg, sizeof(msg));
+    cr_assert_eq(e, MOE_OK, "%s: %s", moe_err_code(e), msg);
+    wait_state(cl, 2, -1, 0);
+
+    kill(child, SIGKILL);
+    int status;
+    waitpid(child, &status, 0);
+    int64_t t0 = cluster_now_ms();
+    for (;;) {
+        worker_state(cl, "tcp://127.0.0.1:1", st, sizeof(st));
+        if (strcmp(st, "down") == 0)
+            break;
+        cr_assert(cluster_now_ms() - t0 < 30000, "a watched worker whose process is gone: %s", st);
+        usleep(2000); /* polling interval, not a synchronisation */
+    }
+    worker_state(cl, "tcp://127.0.0.1:2", st, sizeof(st));
+    cr_assert_str_eq(st, "up", "a fake whose start time names no process was lost: %s", st);
+    nng_close(sa);
+    nng_close(sb);
     cr_assert_eq(cluster_stop(cl), 0);
 }

@@ -615,23 +615,32 @@ def coord_saw_loss(path, rpc_url, t_kill_wall):
 
 
 class TeardownWatch(threading.Thread):
-    """Logs how long the SIGKILLed process took to finish dying (a zombie or
-    gone: its memory torn down and its files closed), polled every ms."""
+    """Logs how long the SIGKILLed process took to finish dying, polled every
+    ms: when its thread-group leader showed as a zombie in /proc (that thread
+    alone can be done while the others still tear the process down), and
+    when the whole process was gone (waitpid: every thread exited, its
+    memory unmapped and its files - the sockets the coordinator watches -
+    closed)."""
 
-    def __init__(self, pid, t_kill):
+    def __init__(self, proc, t_kill):
         super().__init__(daemon=True)
-        self.pid, self.t_kill = pid, t_kill
+        self.proc, self.t_kill = proc, t_kill
 
     def run(self):
+        leader = None
         while time.monotonic() - self.t_kill < 10:
-            try:
-                with open("/proc/%d/stat" % self.pid) as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                state = "gone"
-            if state in ("Z", "X", "gone"):
-                log("  the victim finished dying %.3f s after the SIGKILL" %
-                    (time.monotonic() - self.t_kill))
+            if leader is None:
+                try:
+                    with open("/proc/%d/stat" % self.proc.pid) as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    state = "gone"
+                if state in ("Z", "X", "gone"):
+                    leader = time.monotonic() - self.t_kill
+            if self.proc.poll() is not None:
+                log("  the victim finished dying %.3f s after the SIGKILL (its leader thread a "
+                    "zombie after %s)" % (time.monotonic() - self.t_kill,
+                                         "%.3f s" % leader if leader is not None else "-"))
                 return
             time.sleep(0.001)
         log("  the victim was still dying 10 s after the SIGKILL")
@@ -795,7 +804,7 @@ def main():
         sm.t_kill = t_kill = time.monotonic()
         t_kill_wall = time.time()
         os.kill(vpid, signal.SIGKILL)
-        gone = TeardownWatch(vpid, t_kill)
+        gone = TeardownWatch(cl.workers[a.victim], t_kill)
         gone.start()
         # the save's files as the kill found them (the victim's shard must
         # be missing), then a watcher for the survivors' shards: when they
