@@ -1289,6 +1289,30 @@ static moe_err lane_reply(moe_reply *ctl, const uint8_t *stats, size_t len, char
 
 /* send_cancel asks worker q to drop the ticket's rows (best effort); 0 when
  * the worker did not answer within the grace (stopped or hung). */
+/* gone_ranks: the ranks the coordinator's error answer to the control call
+ * names "gone" (docs/PROTOCOL.md, "Error object"): workers it knows dead.
+ * Their rows are never answered, and their connections drop only once the
+ * kernel has torn the process down (tens to hundreds of ms): the caller
+ * stops waiting for them at once. */
+static moe_rpc_response gone_ranks(const moe_reply *ctl, moe_err e)
+{
+    moe_rpc_response r;
+    mp_errbuf eb;
+    memset(&r, 0, sizeof(r));
+    if (e == MOE_OK || ctl->transport || !ctl->buf ||
+        moe_rpc_parse_response(ctl->buf, ctl->len, &r, &eb) != MOE_OK)
+        r.ngone = 0;
+    return r;
+}
+
+static int is_gone(const moe_rpc_response *g, int q)
+{
+    for (int i = 0; i < g->ngone; i++)
+        if (g->gone[i] == q)
+            return 1;
+    return 0;
+}
+
 static int send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t seq)
 {
     mp_writer p;
@@ -1698,13 +1722,13 @@ static moe_err direct_call(moe_client *c, const char *method, const void *ctl_pa
  * (reopened by the next call). One call at a time on each link (its mutex). */
 static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void *ctl_pairs,
                        size_t ctl_len, uint32_t nctl, moe_dtype dt, const void *in, int64_t T,
-                       int64_t H, void *out, moe_reply *ctl, int *stale)
+                       int64_t H, void *out, moe_reply *ctl, int *stale, int ordered)
 {
     const int W = m->W;
     const size_t es = moe_dtype_size(dt), nbytes = (size_t)T * (size_t)H * es;
     const uint64_t cid = moe_client_id(c), seq = moe__next_msgid(c);
     const char *auth = moe__auth(c);
-    const int lane = m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
+    const int lane = !ordered && m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
     const int tmo = moe__timeout_ms(c);
     int dev = nbytes ? moe_nccl_device_of(in) : -1;
     moe_err e = MOE_OK, derr = MOE_OK;
@@ -1851,10 +1875,12 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     if (e == MOE_OK && derr != MOE_OK && !lane)
         e = derr; /* no control call: the others' rows are cancelled below */
     /* 2. the control call (not on the lane) */
+    moe_rpc_response gone = {0}; /* the ranks the coordinator's error names gone */
     if (e == MOE_OK && !lane) {
         e = direct_call(c, method, ctl_pairs, ctl_len, nctl, H, cid, seq, m->gen, dt, T, ctl);
         if (e == MOE_EUNAVAIL && !ctl->transport)
             *stale = 1;
+        gone = gone_ranks(ctl, e);
     }
     /* 3. the answers, then y on each communicator (its receive posted in 1,
      * else here once x's send has left: the call failed before 1 posted it;
@@ -1862,7 +1888,8 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     for (int q = 0; q < W; q++) {
         if (!rq[q].open)
             continue;
-        int down = e != MOE_OK && __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0;
+        int down =
+            e != MOE_OK && (__atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0 || is_gone(&gone, q));
         if (e != MOE_OK && !down && !early[q] && !send_cancel(c, m, q, cid, seq))
             down = 1;
         moe_rpc_response resp;
@@ -1932,10 +1959,13 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     return e;
 }
 
+/* dp_attempt: one try of a data-plane call on map m. ordered: never the
+ * lane or the fan-out - the coordinator orders the job (the retry of a
+ * forward they could not place) */
 static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
                           const void *ctl_pairs, size_t ctl_len, uint32_t nctl, moe_dtype dt,
                           const void *in, int64_t T, int64_t H, void *out, moe_reply *ctl,
-                          int *stale)
+                          int *stale, int ordered)
 {
     const int W = m->W;
     const size_t es = moe_dtype_size(dt), nbytes = (size_t)T * (size_t)H * es;
@@ -1946,12 +1976,13 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     char dmsg[400] = "";
     /* the lane: an inference forward (params model and layer only) on a
      * cluster of one worker goes to the worker alone, which runs it */
-    const int lane = m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
+    const int lane = !ordered && m->lane && W == 1 && nctl == 2 && !strcmp(method, "forward");
     if (!rq)
         return MOE_ENOMEM;
     if (moe__data_path(c) == MOE_PATH_NCCL) { /* rows in GPU memory, over NCCL */
         free(rq);
-        return dp_nccl(c, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, stale);
+        return dp_nccl(c, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, stale,
+                       ordered);
     }
     /* a small inference forward on several CPU workers: fanned out, while
      * every worker's connection is up (a request to one that is down would
@@ -1960,7 +1991,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     int all_up = 1;
     for (int q = 0; q < W; q++)
         all_up &= __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) > 0;
-    if (m->fanout && all_up && nctl == 2 && !strcmp(method, "forward") && T >= 1 &&
+    if (!ordered && m->fanout && all_up && nctl == 2 && !strcmp(method, "forward") && T >= 1 &&
         T <= fanout_rows() && (dt == MOE_F32 || dt == MOE_BF16) &&
         moe__data_path(c) != MOE_PATH_BULK) {
         free(rq);
@@ -2115,12 +2146,14 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     }
     /* 2. the control call: the coordinator orders the job and names the
      * ticket to every worker (not on the lane: the worker runs it) */
+    moe_rpc_response gone = {0}; /* the ranks the coordinator's error names gone */
     if (e == MOE_OK && !lane) {
         e = direct_call(c, method, ctl_pairs, ctl_len, nctl, H, cid, seq, m->gen, dt, T, ctl);
         /* the coordinator itself said unavailable (a stale map, a lost
          * worker): the job did not complete; a new map may serve a retry */
         if (e == MOE_EUNAVAIL && !ctl->transport)
             *stale = 1;
+        gone = gone_ranks(ctl, e);
     }
     /* 3. the answers: the rows back from each worker (always awaited: a
      * worker may still write into our buffer until it has answered) */
@@ -2129,9 +2162,11 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         if (!rq[q].open)
             continue;
         /* the job failed: a live worker drops the rows (data.cancel); for
-         * one whose connection is down nothing will come - stop waiting,
-         * and never reuse a shared buffer it may still write */
-        int down = e != MOE_OK && __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0;
+         * one whose connection is down, or that the coordinator says is
+         * gone, nothing will come - stop waiting, and never reuse a shared
+         * buffer it may still write */
+        int down =
+            e != MOE_OK && (__atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0 || is_gone(&gone, q));
         if (e != MOE_OK && !down && !send_cancel(c, m, q, cid, seq))
             down = 1; /* connected but not answering: do not wait for it either */
         poisoned |= down;
@@ -2234,18 +2269,24 @@ moe_err moe_dp_call(moe_client *c, const char *method, const void *ctl_pairs, si
         if (e != MOE_OK)
             return e;
         int stale = 0;
-        e = dp_attempt(c, dp, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, &stale);
+        e = dp_attempt(c, dp, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, &stale,
+                       0);
         if (e == MOE_ENOTFOUND && nctl == 2 && !strcmp(method, "forward") &&
-            moe__data_path(c) == MOE_PATH_AUTO) {
-            /* an inference forward a worker could not place (the lane or
-             * the fan-out run outside the coordinator's job order: after a
-             * re-formation a worker may not hold the model again yet): the
-             * coordinator's road queues it behind the model's re-creation,
-             * or answers not_found for a model that does not exist */
-            map_put(dp, m);
+            (m->lane || m->fanout)) {
+            /* an inference forward the lane or the fan-out could not place:
+             * they run outside the coordinator's job order, and a worker
+             * refuses a model it does not hold, or holds but has not seen
+             * settled (its first ordered forward, or a checkpoint's commit,
+             * since it was built: after a re-formation its checkpoint may
+             * still be on its way). Once more through the ordered road of
+             * the same transport: the coordinator queues it behind the
+             * model's re-creation and restore, or answers not_found for a
+             * model that does not exist. */
             moe_reply_free(ctl);
             memset(ctl, 0, sizeof(*ctl));
-            return MOE_ENOMETHOD;
+            stale = 0;
+            e = dp_attempt(c, dp, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl,
+                           &stale, 1);
         }
         if (stale || e == MOE_EUNAVAIL)
             map_mark_stale(dp, m); /* ask for the map again next time */

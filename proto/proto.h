@@ -178,12 +178,15 @@ typedef struct moe_rpc_request {
 moe_err moe_rpc_parse_request(const void *buf, size_t len, size_t max_len, moe_rpc_request *req,
                               uint32_t *msgid_out, mp_errbuf *eb);
 
+#define MOE_RPC_MAX_GONE 8
 typedef struct moe_rpc_response {
     uint32_t msgid;
     moe_err err;        /* MOE_OK when the error field is nil */
     const char *errmsg; /* points into the buffer when err != MOE_OK */
     uint32_t errmsg_len;
-    mp_reader result; /* positioned at the result value */
+    int ngone;                  /* the error's "gone": workers known dead (ranks), */
+    int gone[MOE_RPC_MAX_GONE]; /* the first MOE_RPC_MAX_GONE of them */
+    mp_reader result;           /* positioned at the result value */
 } moe_rpc_response;
 
 /* moe_rpc_parse_response parses a response message (client side). */
@@ -197,5 +200,11 @@ void moe_rpc_write_request_head(mp_writer *w, uint32_t msgid, const char *method
 void moe_rpc_write_response_ok_head(mp_writer *w, uint32_t msgid);
 /* moe_rpc_write_response_err writes a complete error response. */
 void moe_rpc_write_response_err(mp_writer *w, uint32_t msgid, moe_err err, const char *message);
+/* moe_rpc_write_response_err_gone: the same with "gone": [rank, ...] in the
+ * error object (docs/PROTOCOL.md, "Error object"): the workers of the
+ * generation that the coordinator knows dead, so that a client stops
+ * waiting for their rows at once */
+void moe_rpc_write_response_err_gone(mp_writer *w, uint32_t msgid, moe_err err, const char *message,
+                                     const int *gone, int ngone);
 
 #endif /* MOE_PROTO_H */

@@ -123,6 +123,21 @@ moe_err moe_rpc_parse_request(const void *buf, size_t len, size_t max_len, moe_r
 
 /* read_error reads the error object {"code": str, "message": str}; unknown
  * keys are skipped (room for later fields), "message" may be missing. */
+/* read_gone: the error's "gone" array of ranks (the first MOE_RPC_MAX_GONE
+ * kept, the others read past) */
+static moe_err read_gone(mp_reader *r, moe_rpc_response *resp, mp_errbuf *eb)
+{
+    uint32_t n;
+    moe_err e = mp_read_array(r, &n, eb);
+    for (uint32_t i = 0; i < n && e == MOE_OK; i++) {
+        int64_t v;
+        e = mp_read_i64(r, &v, eb);
+        if (e == MOE_OK && v >= 0 && v <= INT32_MAX && resp->ngone < MOE_RPC_MAX_GONE)
+            resp->gone[resp->ngone++] = (int)v;
+    }
+    return e;
+}
+
 static moe_err read_error(mp_reader *r, moe_rpc_response *resp, mp_errbuf *eb)
 {
     uint32_t n;
@@ -144,6 +159,8 @@ static moe_err read_error(mp_reader *r, moe_rpc_response *resp, mp_errbuf *eb)
             e = mp_read_str(r, &code, &code_len, eb);
         else if (mp_str_eq(k, klen, "message"))
             e = mp_read_str(r, &resp->errmsg, &resp->errmsg_len, eb);
+        else if (mp_str_eq(k, klen, "gone"))
+            e = read_gone(r, resp, eb);
         else
             e = mp_skip_depth(r, 2, eb); /* inside the message and the error map */
         if (e) {
@@ -201,17 +218,31 @@ void moe_rpc_write_response_ok_head(mp_writer *w, uint32_t msgid)
     mp_write_nil(w);
 }
 
-void moe_rpc_write_response_err(mp_writer *w, uint32_t msgid, moe_err err, const char *message)
+void moe_rpc_write_response_err_gone(mp_writer *w, uint32_t msgid, moe_err err, const char *message,
+                                     const int *gone, int ngone)
 {
     if (err == MOE_OK || (unsigned)err >= MOE_ERR_COUNT)
         err = MOE_EINTERNAL; /* "ok" is not an error code on the wire */
+    if (ngone < 0 || !gone)
+        ngone = 0;
     mp_write_array(w, 4);
     mp_write_u64(w, 1);
     mp_write_u64(w, msgid);
-    mp_write_map(w, 2);
+    mp_write_map(w, ngone ? 3 : 2);
     mp_write_cstr(w, "code");
     mp_write_cstr(w, moe_err_code(err));
     mp_write_cstr(w, "message");
     mp_write_cstr(w, message ? message : moe_strerror(err));
+    if (ngone) {
+        mp_write_cstr(w, "gone");
+        mp_write_array(w, (uint32_t)ngone);
+        for (int i = 0; i < ngone; i++)
+            mp_write_i64(w, gone[i]);
+    }
     mp_write_nil(w);
+}
+
+void moe_rpc_write_response_err(mp_writer *w, uint32_t msgid, moe_err err, const char *message)
+{
+    moe_rpc_write_response_err_gone(w, msgid, err, message, NULL, 0);
 }

@@ -379,22 +379,36 @@ void rpc_reply_bytes(rpc_call *c, const void *buf, size_t len)
         send_bytes(c->slot, buf, len);
 }
 
-void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
+static void reply_err_v(rpc_call *c, moe_err err, const int *gone, int ngone, const char *fmt,
+                        va_list ap)
 {
     char text[512];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
-    va_end(ap);
     mp_writer w;
     mp_writer_init(&w);
-    moe_rpc_write_response_err(&w, c->req.msgid, err, text);
+    moe_rpc_write_response_err_gone(&w, c->req.msgid, err, text, gone, ngone);
     MOE_LOG(LOG_DEBUG, c->req.msgid, "reply error %s: %s", moe_err_code(err), text);
     if (!c->slot)
         local_answer(c, w.buf, w.len);
     else
         send_bytes(c->slot, w.buf, w.len);
     mp_writer_fini(&w);
+}
+
+void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    reply_err_v(c, err, NULL, 0, fmt, ap);
+    va_end(ap);
+}
+
+void rpc_reply_err_gone(rpc_call *c, moe_err err, const int *gone, int ngone, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    reply_err_v(c, err, gone, ngone, fmt, ap);
+    va_end(ap);
 }
 
 /* on_wake drains the whole ready queue on the loop thread. */

@@ -98,6 +98,10 @@ void rpc_reply(rpc_call *c, mp_writer *w);
 /* rpc_reply_err answers with an error object {code, message}. Thread safe. */
 void rpc_reply_err(rpc_call *c, moe_err err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* rpc_reply_err_gone: the same, the error object carrying "gone" (ngone
+ * ranks of workers known dead; proto.h). Thread safe. */
+void rpc_reply_err_gone(rpc_call *c, moe_err err, const int *gone, int ngone, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 
 /* rpc_reply_bytes answers with a complete, already encoded response (len
  * bytes, copied) and releases the call. Thread safe. */

@@ -206,7 +206,9 @@ struct coord_job {
     uint64_t enqueued_ns, deadline_ns, started_ns;
     uint64_t generation; /* cluster generation the job was sent in */
     int nsent, pending;
-    int answered; /* finish ran early (a member is gone, JOB_F_EARLY): not again */
+    int answered;   /* finish ran early (a member is gone, JOB_F_EARLY): not again */
+    int gone_plus1; /* 1 + the rank whose loss answered it early (0: none): its error
+                     * answer names it ("gone"), so a client stops waiting for that rank */
     moe_reply *replies[COORD_MAX_WORKERS]; /* by rank; owned */
     moe_err errs[COORD_MAX_WORKERS];
     /* JOB_CKPT_SAVE: its durable writes run off the loop (ckpt.c); the
@@ -419,6 +421,10 @@ void coord_job_pump(coord *c);
  * (j->io_pending was set by its finish): j stops being current and is freed,
  * and the queue moves on */
 void coord_job_io_done(coord *c, coord_job *j);
+/* coord_job_gone: the rank of j's members known dead, -1 if none: the one
+ * whose loss answered j early, else rank r when its call got no response
+ * (its connection dropped) */
+int coord_job_gone(const coord_job *j, int r);
 void coord_on_done(uv_async_t *h);
 void coord_job_fail_all(coord *c, moe_err e, const char *why);
 /* coord_job_discard frees a job that is in no queue (its call, if any, must

@@ -324,9 +324,10 @@ static void forward_finish(coord *c, coord_job *j)
     for (int r = 0; r < W; r++) {
         if (j->errs[r] != MOE_OK) {
             moe_reply *rep = j->replies[r];
+            const int gone = coord_job_gone(j, r);
             for (coord_job *b = j; b; b = b->batch_next) {
-                rpc_reply_err(b->call, j->errs[r], "worker rank %d: %s", r,
-                              rep ? rep->message : moe_strerror(j->errs[r]));
+                rpc_reply_err_gone(b->call, j->errs[r], &gone, gone >= 0, "worker rank %d: %s", r,
+                                   rep ? rep->message : moe_strerror(j->errs[r]));
                 coord_count_error(c, j->errs[r]);
             }
             return;

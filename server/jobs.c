@@ -139,6 +139,7 @@ static void answer_early(coord *c, coord_job *j, int gone)
     }
     LOG_W("%s: worker rank %d is gone: answering unavailable now, %d survivors still at work",
           j->ops->method, gone, j->pending);
+    j->gone_plus1 = gone + 1;
     j->ops->finish(c, j, j->errs[gone], gone);
     j->answered = 1;
     for (int r = 0; r < j->nsent; r++)
@@ -207,6 +208,14 @@ void coord_on_done(uv_async_t *h)
     if (c->hooks.after_done)
         c->hooks.after_done(c);
     coord_job_pump(c);
+}
+
+int coord_job_gone(const coord_job *j, int r)
+{
+    if (j->gone_plus1 > 0)
+        return j->gone_plus1 - 1;
+    const moe_reply *rep = r >= 0 && r < j->nsent ? j->replies[r] : NULL;
+    return rep && rep->transport ? r : -1;
 }
 
 void coord_job_io_done(coord *c, coord_job *j)
@@ -336,9 +345,16 @@ static void merge_forwards(coord *c, coord_job *j)
 static void refuse_unready(coord *c, coord_job *j)
 {
     if (j->call) {
-        rpc_reply_err(j->call, MOE_EUNAVAIL,
-                      "cluster not ready: %d of %lld workers up (generation %llu)",
-                      coord_up_workers(c), c->expected_workers, (unsigned long long)c->generation);
+        /* the generation's members that are down: a direct request's client
+         * stops waiting for the rows it sent them */
+        int gone[MOE_RPC_MAX_GONE], ngone = 0;
+        for (int r = 0; r < c->world && ngone < MOE_RPC_MAX_GONE; r++)
+            if (c->workers[c->rank_to_worker[r]].state != WS_UP)
+                gone[ngone++] = r;
+        rpc_reply_err_gone(j->call, MOE_EUNAVAIL, gone, ngone,
+                           "cluster not ready: %d of %lld workers up (generation %llu)",
+                           coord_up_workers(c), c->expected_workers,
+                           (unsigned long long)c->generation);
         coord_count_error(c, MOE_EUNAVAIL);
     }
     job_free(j);

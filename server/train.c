@@ -209,8 +209,10 @@ static void backward_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
     char err[256];
     for (int r = 0; r < j->nsent; r++)
         if (j->errs[r] != MOE_OK) {
-            rpc_reply_err(j->call, j->errs[r], "backward: worker rank %d: %s", r,
-                          j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]));
+            const int gone = coord_job_gone(j, r);
+            rpc_reply_err_gone(j->call, j->errs[r], &gone, gone >= 0,
+                               "backward: worker rank %d: %s", r,
+                               j->replies[r] ? j->replies[r]->message : moe_strerror(j->errs[r]));
             coord_count_error(c, j->errs[r]);
             return;
         }

@@ -378,6 +378,8 @@ void wkr_op_ckpt_load(wkr *w, rpc_call *c)
         return;
     moe_err e = MOE_OK;
     if (strcmp(phase, "prepare") == 0) {
+        if (w->slow_load_ms > 0)
+            usleep((useconds_t)(w->slow_load_ms * 1000));
         if (!sp[2].seen || !sp[3].seen) {
             rpc_reply_err(c, MOE_EINVAL, "prepare needs dir and files");
             return;
@@ -389,8 +391,11 @@ void wkr_op_ckpt_load(wkr *w, rpc_call *c)
             snprintf(err, sizeof(err), "nothing prepared to commit");
         else if (e == MOE_OK)
             LOG_I("model %s loaded at step %lld", name, (long long)m->step);
+        if (e == MOE_OK)
+            m->settled = 1; /* its restore is done: the lane may serve it */
     } else if (strcmp(phase, "abort") == 0) {
         drop_staged(m);
+        m->settled = 1; /* no restore comes: it serves what it holds, as the ordered road does */
     } else {
         snprintf(err, sizeof(err), "phase must be prepare, commit or abort");
         e = MOE_EINVAL;

@@ -416,6 +416,17 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     wkr_model *m = wkr_model_or_reply(w, c, model_name);
     if (!m)
         return;
+    if (lane && !m->settled) { /* the client retries through the coordinator (client_dp.c) */
+        rpc_reply_err(c, MOE_ENOTFOUND,
+                      "model '%s' is not settled on this worker yet (rebuilt in generation %llu; "
+                      "its checkpoint may be on its way): its forwards go through the "
+                      "coordinator until one has",
+                      model_name, (unsigned long long)w->generation);
+        return;
+    }
+    if (!lane)
+        m->settled = 1; /* the coordinator ordered it behind the model's (re)creation and
+                         * restore */
     moe_err e = MOE_OK;
     const model_cfg *cfg = &m->cfg;
     const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k;

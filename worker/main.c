@@ -113,6 +113,9 @@ static const cfg_entry worker_cfg[] = {
     {"slow-create-ms-for-tests", CFG_INT, "0", 0, 600000, &W.slow_create_ms,
      "testing: worker.model_create of a model this worker does not hold sleeps this long "
      "first (a re-formation whose models come back slowly)"},
+    {"slow-load-ms-for-tests", CFG_INT, "0", 0, 600000, &W.slow_load_ms,
+     "testing: worker.checkpoint_load's prepare sleeps this long first (a restore still on "
+     "its way after a re-formation)"},
     {"slow-ckpt-ms-for-tests", CFG_INT, "0", 0, 600000, &W.slow_ckpt_ms,
      "testing: worker.checkpoint_save sleeps this long before it writes (a save still at work "
      "when a peer dies)"},

@@ -64,6 +64,12 @@ typedef struct wkr_model {
     int nparams;
     int64_t step;    /* optimizer steps applied */
     int has_grads;   /* a backward ran since the last step */
+    int settled;     /* its state is the cluster's: it has run a forward the coordinator
+                      * ordered, or committed (or aborted) a checkpoint load, since it was
+                      * built. Until then the lane and the fan-out, which run outside the
+                      * coordinator's job order, refuse it (after a re-formation the
+                      * model is rebuilt from its seed, and its checkpoint may still be on
+                      * its way: they would answer with weights that are not its own) */
     int train_ready; /* grad/m/v allocated */
     /* a checkpoint read and validated, waiting for commit (phase 2 of load):
      * per param 3 arrays (weights, m, v), (nparams * 3) */
@@ -152,6 +158,7 @@ struct wkr {
     long long fail_create_below_world; /* tests: refuse model creates in smaller worlds */
     long long slow_step_ms;            /* tests: worker.step sleeps this long first */
     long long slow_create_ms; /* tests: worker.model_create of a new model sleeps this long */
+    long long slow_load_ms;   /* tests: worker.checkpoint_load's prepare sleeps this long */
     long long slow_ckpt_ms;   /* tests: worker.checkpoint_save sleeps this long first */
     char fail_create_for_tests[CFG_STR_MAX]; /* the first worker.model_create of this name
                                               * fails (tests) */

@@ -465,3 +465,74 @@ Test(durable, the_loop_serves_while_a_checkpoint_becomes_durable, .timeout = 180
     cr_assert(s.e == MOE_OK || s.e == MOE_EUNAVAIL, "step: %s", moe_err_code(s.e));
     rm_rf(ck);
 }
+
+/* model_ready: model.info's ready (created in the current generation) */
+static int model_ready(cluster *cl)
+{
+    mp_writer p;
+    mp_writer_init(&p);
+    mp_write_map(&p, 1);
+    mp_write_cstr(&p, "model");
+    mp_write_cstr(&p, "d");
+    moe_reply rep;
+    int ready = 0;
+    if (moe_call(cl->cli, "model.info", p.buf, p.len, &rep) == MOE_OK) {
+        mp_reader rd = mp_reply_reader(&rep);
+        bool b = false;
+        ready = mp_map_find(&rd, "ready") == 0 && mp_read_bool(&rd, &b, NULL) == MOE_OK && b;
+    }
+    moe_reply_free(&rep);
+    mp_writer_fini(&p);
+    return ready;
+}
+
+/* The lane runs outside the coordinator's job order: right after a
+ * re-formation the worker rebuilds the model from its seed and only then
+ * gets its checkpoint. An inference forward in between must not answer
+ * with the seed's weights. The restore's prepare is made slow (3 s), so a
+ * forward sent once the model exists again waits in the worker's queue
+ * behind the prepare and runs before the commit: the worker refuses it on
+ * the lane (not settled), the client sends it through the coordinator,
+ * which orders it behind the commit - and y equals the acknowledged
+ * step's, bit for bit. (Without the refusal the lane answered with the
+ * seed's weights; seen as a fan-out "routed the tokens differently" on 3
+ * CPU workers under load.) */
+Test(durable, the_lane_waits_for_the_restore_after_a_reformation, .timeout = 180,
+     .fini = cluster_fini_all)
+{
+    char ck[128];
+    make_tmpdir(ck, sizeof(ck));
+    cluster_opts o = {.workers = 1,
+                      .client_timeout_ms = 60000,
+                      .coord_args = {"--checkpoint-dir", ck, "--checkpoint-every", "1"},
+                      .worker_args = {"--slow-load-ms-for-tests", "3000"}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    create_model(cl);
+    cr_assert_eq(grads(cl->cli, 1), MOE_OK, "%s", moe_last_error());
+    int64_t at = 0;
+    cr_assert_eq(step_guarded(cl->cli, 0, &at), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(at, 1);
+    static float ref[DN], y[DN];
+    cr_assert_eq(probe(cl->cli, ref), MOE_OK, "%s", moe_last_error());
+
+    cr_assert_eq(cluster_worker_kill(cl, 0, SIGKILL), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_worker_start(cl, 0), 0, "%s", cluster_error());
+    /* the model exists again (from its seed): its restore is on its way */
+    int64_t t0 = cluster_now_ms();
+    while (!model_ready(cl)) {
+        cr_assert_lt(cluster_now_ms() - t0, 60000, "the model was not re-created");
+        usleep(5 * 1000); /* polling interval, not a synchronisation */
+    }
+    moe_err e;
+    while ((e = probe(cl->cli, y)) != MOE_OK) {
+        cr_assert(e == MOE_EUNAVAIL, "probe: %s: %s", moe_err_code(e), moe_last_error());
+        cr_assert_lt(cluster_now_ms() - t0, 60000, "probe refused for 60 s: %s", moe_last_error());
+        usleep(20 * 1000);
+    }
+    cr_assert_eq(memcmp(y, ref, sizeof(y)), 0,
+                 "a forward right after the re-formation did not answer with the acknowledged "
+                 "step's weights");
+    cr_assert_eq(cluster_stop(cl), 0);
+    rm_rf(ck);
+}

@@ -229,6 +229,41 @@ Test(proto_rpc, response_error_round_trip_every_code)
     mp_writer_fini(&w);
 }
 
+/* "gone": the ranks an unavailable answer names dead, kept up to
+ * MOE_RPC_MAX_GONE (the rest read past); none written without them; a
+ * malformed gone refuses the response */
+Test(proto_rpc, response_error_gone_ranks)
+{
+    int many[MOE_RPC_MAX_GONE + 3];
+    for (int i = 0; i < MOE_RPC_MAX_GONE + 3; i++)
+        many[i] = 3 * i + 1;
+    mp_writer w;
+    mp_writer_init(&w);
+    moe_rpc_write_response_err_gone(&w, 7, MOE_EUNAVAIL, "lost", many, MOE_RPC_MAX_GONE + 3);
+    moe_rpc_response resp;
+    mp_errbuf eb;
+    cr_assert_eq(moe_rpc_parse_response(w.buf, w.len, &resp, &eb), MOE_OK, "%s", eb.msg);
+    cr_assert_eq(resp.err, MOE_EUNAVAIL);
+    cr_assert(mp_str_eq(resp.errmsg, resp.errmsg_len, "lost"));
+    cr_assert_eq(resp.ngone, MOE_RPC_MAX_GONE);
+    for (int i = 0; i < MOE_RPC_MAX_GONE; i++)
+        cr_assert_eq(resp.gone[i], 3 * i + 1);
+    cr_assert_eq(mp_read_nil(&resp.result, NULL), MOE_OK, "the result after every rank");
+    mp_writer_fini(&w);
+
+    mp_writer_init(&w);
+    int one = 1;
+    moe_rpc_write_response_err_gone(&w, 8, MOE_EUNAVAIL, "x", &one, 0);
+    cr_assert_eq(moe_rpc_parse_response(w.buf, w.len, &resp, NULL), MOE_OK);
+    cr_assert_eq(resp.ngone, 0);
+    mp_writer_fini(&w);
+
+    /* gone must be an array of ints */
+    static const uint8_t bad[] = {0x94, 0x01, 0x02, 0x82, 0xa4, 'c', 'o', 'd', 'e',  0xa4, 'b',
+                                  'u',  's',  'y',  0xa4, 'g',  'o', 'n', 'e', 0xa1, 'x',  0xc0};
+    cr_assert_neq(moe_rpc_parse_response(bad, sizeof(bad), &resp, &eb), MOE_OK);
+}
+
 Test(proto_rpc, response_lenient_error_object)
 {
     /* unknown code -> internal; missing message -> ""; extra keys skipped */
