@@ -8,7 +8,8 @@
 #
 # Settings: NCCL's defaults; NCCL_P2P_USE_CUDA_MEMCPY=1 (peer copies on the
 # copy engines, no SMs taken from the GEMMs); NCCL_P2P_NVL_CHUNKSIZE=2 MiB;
-# NCCL_MIN_NCHANNELS=32. Prints each run's table lines.
+# NCCL_MIN_NCHANNELS=32. Prints each run's table lines. About 1-1.5 minutes a
+# setting on 2x H200 (most of it the setup): give a device call 6 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0
@@ -20,8 +21,8 @@ run() { # label env...
     local label=$1
     shift
     echo "== $label"
-    env "$@" timeout 120 bin/ep_bench --gpus "$G" --shape "$SHAPE" --tokens "$T" --chunks "$C" \
-        --infer --iters 10 2>&1 | grep -vE "^#|NCCL (INFO|WARN)" | tail -n 6
+    env "$@" timeout 150 bin/ep_bench --gpus "$G" --shape "$SHAPE" --tokens "$T" --chunks "$C" \
+        --infer --iters 5 2>&1 | grep -vE "^#|NCCL (INFO|WARN)" | tail -n 6
 }
 run default
 run ce-copies NCCL_P2P_USE_CUDA_MEMCPY=1
