@@ -148,6 +148,11 @@ if [[ "${pct:-}" =~ ^[0-9]+$ ]]; then
 else
     verdict "NVLink, 64 MiB each way: call <= kernel + 2 transfers" 0 "no nccl line"
 fi
+echo "---- where a request's time went on the worker (per communicator, the 64 MiB runs' last)"
+for tag in nvlink socket; do
+    grep -ah "requests, mean us" "$OUT/$tag"/worker*.log 2>/dev/null | tail -n 1 | cut -c1-300 |
+        sed "s/^/   $tag: /"
+done
 echo "---- kill test"
 grep -avE 'NCCL (WARN|INFO)' "$OUT/kill.after" 2>/dev/null | tail -n 15 | cut -c1-400
 grep -q '^1 passed, 0 failed' "$OUT/kill.after" 2>/dev/null && ok=1 || ok=0

@@ -40,6 +40,7 @@ typedef struct wnc_job {
     rpc_call *echo;   /* ECHO: data.nccl_echo, answered when its rounds are done */
     int rounds;       /* ECHO: receive n bytes and send them back, this many times */
     uint64_t deadline_ns;
+    uint64_t queued_ns; /* SEND_Y: when the forward handed y over */
     struct wnc_job *next;
 } wnc_job;
 
@@ -60,6 +61,12 @@ struct wnc {
     cudaStream_t stream;
     dp_region *buf; /* (cap bytes, device) x at 0, y at n; the thread's reference */
     size_t cap;
+    /* where a request's time goes (the thread's; logged when it closes):
+     * x's receive from its post (the client's send and the control
+     * message's way included), x in -> y handed over (the ticket's hand-in,
+     * the forward, its statistics), y handed over -> ncclSend posted (this
+     * thread's wake), y's send; sums in ns over nreq requests */
+    uint64_t xdone_ns, nx, nreq, sum_x, sum_mid, sum_hand, sum_y;
     struct wnc *next; /* in t->wncs */
 };
 
@@ -163,10 +170,14 @@ static moe_err wnc_recv_x(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     if (e != MOE_OK)
         return e;
     uint8_t *base = dp_region_base(x->buf);
+    const uint64_t t0 = wnc_now_ns();
     ncclResult_t r = ncclRecv(base, j->n, ncclUint8, 0, x->comm, x->stream);
     e = wnc_poll(x, r, 1, j->deadline_ns, "receiving x", err, errlen);
     if (e != MOE_OK)
         return e;
+    x->xdone_ns = wnc_now_ns();
+    x->sum_x += x->xdone_ns - t0;
+    x->nx++;
     tk->x.data = base;
     tk->x.nbytes = j->n;
     pthread_mutex_lock(&x->t->mu);
@@ -210,8 +221,16 @@ static moe_err wnc_echo(struct wnc *x, wnc_job *j, char *err, size_t errlen)
 
 static moe_err wnc_send(struct wnc *x, wnc_job *j, char *err, size_t errlen)
 {
+    const uint64_t t0 = wnc_now_ns();
     ncclResult_t r = ncclSend(j->ydev, j->n, ncclUint8, 0, x->comm, x->stream);
-    return wnc_poll(x, r, 1, j->deadline_ns, "sending y", err, errlen);
+    moe_err e = wnc_poll(x, r, 1, j->deadline_ns, "sending y", err, errlen);
+    if (e == MOE_OK && x->xdone_ns && j->queued_ns >= x->xdone_ns) {
+        x->nreq++;
+        x->sum_mid += j->queued_ns - x->xdone_ns;
+        x->sum_hand += t0 - j->queued_ns;
+        x->sum_y += wnc_now_ns() - t0;
+    }
+    return e;
 }
 
 /* wnc_free: the last reference went (mu held). */
@@ -284,6 +303,15 @@ static void *wnc_thread(void *arg)
                               err[0] ? err : "the NCCL communicator failed");
         free(j);
     }
+    if (x->nreq) /* where the time went (bench/nccl_client_check.sh shows it) */
+        LOG_I("data plane: NCCL communicator %llu: %llu requests, mean us: x received %.0f "
+              "(from its post), x in -> y handed over %.0f (forward included), y handed over "
+              "-> sent %.0f, y sent %.0f",
+              (unsigned long long)x->id, (unsigned long long)x->nreq,
+              (double)x->sum_x / (double)x->nx * 1e-3,
+              (double)x->sum_mid / (double)x->nreq * 1e-3,
+              (double)x->sum_hand / (double)x->nreq * 1e-3,
+              (double)x->sum_y / (double)x->nreq * 1e-3);
     if (e != MOE_OK || x->comm) /* the reason, once */
         LOG_W("data plane: NCCL communicator %llu closes: %s", (unsigned long long)x->id,
               err[0] ? err : "closed");
@@ -340,6 +368,7 @@ moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_n
     j->kind = WNC_SEND_Y;
     j->ydev = dev;
     j->n = n;
+    j->queued_ns = wnc_now_ns();
     j->deadline_ns = deadline_ns > floor_ns ? deadline_ns : floor_ns;
     wnc_queue_locked(x, j);
     pthread_mutex_unlock(&x->t->mu);
