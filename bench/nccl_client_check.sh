@@ -148,9 +148,9 @@ if [[ "${pct:-}" =~ ^[0-9]+$ ]]; then
 else
     verdict "NVLink, 64 MiB each way: call <= kernel + 2 transfers" 0 "no nccl line"
 fi
-echo "---- where a request's time went on the worker (per communicator, the 64 MiB runs' last)"
+echo "---- where a request's time went on the worker (each communicator: a client run)"
 for tag in nvlink socket; do
-    grep -ah "requests, mean us" "$OUT/$tag"/worker*.log 2>/dev/null | tail -n 1 | cut -c1-300 |
+    grep -ah "requests, mean us" "$OUT/$tag"/worker*.log 2>/dev/null | tail -n 5 | cut -c1-300 |
         sed "s/^/   $tag: /"
 done
 echo "---- kill test"
