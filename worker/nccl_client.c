@@ -308,8 +308,7 @@ static void *wnc_thread(void *arg)
               "(from its post), x in -> y handed over %.0f (forward included), y handed over "
               "-> sent %.0f, y sent %.0f",
               (unsigned long long)x->id, (unsigned long long)x->nreq,
-              (double)x->sum_x / (double)x->nx * 1e-3,
-              (double)x->sum_mid / (double)x->nreq * 1e-3,
+              (double)x->sum_x / (double)x->nx * 1e-3, (double)x->sum_mid / (double)x->nreq * 1e-3,
               (double)x->sum_hand / (double)x->nreq * 1e-3,
               (double)x->sum_y / (double)x->nreq * 1e-3);
     if (e != MOE_OK || x->comm) /* the reason, once */
