@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """hf_load_bench.py - how long model.create from a Hugging Face directory
 takes, against the bytes it reads and the disk's measured read bandwidth
-(issue 21, "Performance"; results in bench/NOTES.md).
+(issue 21, "Performance"; results in bench/history/service.md).
 
 1. Writes a random Qwen3-30B-A3B-shaped checkpoint (d_model 2048, 128
    experts of d_ff 768, top-8, BF16) with --layers MoE layers, sharded into

@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 /* One thread moves a few GB/s; a 64 MiB batch in and out of a shared
- * buffer is then most of a layer call on a GPU worker (bench/NOTES.md). */
+ * buffer is then most of a layer call on a GPU worker (bench/history/service.md). */
 #define PAR_MIN    ((size_t)8 << 20)
 #define PAR_MAX_TH 8
 

@@ -34,8 +34,8 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
 
     if (N <= KERN_BLAS_GEMV_ROWS) {
         /* few rows (decode): matrix-vector products, row by row; sgemm would
-         * pack the whole weight matrix for a handful of rows (bench/NOTES.md,
-         * CPU backend) */
+         * pack the whole weight matrix for a handful of rows
+         * (bench/history/service.md, CPU backend) */
         for (int r = 0; r < N; r++) {
             const float *xr = x + (size_t)r * H;
             float *ar = a + (size_t)r * F, *br = gated ? b + (size_t)r * F : NULL;

@@ -63,7 +63,7 @@ const char *blas_pick_decide(const char *env_core, const char *marker, const cha
         return NULL;
     int have = blas_pick_core_rank(lib_core);
     /* AVX2-class kernels are kept: on an AVX-512 EPYC they run this
-     * project's GEMMs as fast as SkylakeX's (bench/NOTES.md). */
+     * project's GEMMs as fast as SkylakeX's (bench/history/service.md). */
     if (have < 0 || have >= 2)
         return NULL;
     const char *want = blas_pick_core_for(avx512, avx2_fma, avx);

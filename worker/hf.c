@@ -58,7 +58,7 @@ static void conv_part(void *arg, size_t i0, size_t i1)
 
 /* load_one converts tensor (layer, expert, mat) into dst (n floats), split
  * over the worker's threads (the load is bound by this conversion on a
- * warm cache: bench/NOTES.md "Loading a Hugging Face checkpoint") */
+ * warm cache: bench/history/service.md "Loading a Hugging Face checkpoint") */
 static moe_err load_one(hf_reader *rd, int layer, int expert, hf_mat mat, float *dst, size_t n,
                         int bf16, char *err, size_t errlen)
 {
