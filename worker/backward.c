@@ -198,6 +198,10 @@ void wkr_op_backward(wkr *w, rpc_call *c)
         }
     }
     for (int i = 0; i < ne && !dev_experts; i++) {
+        if (xchg_aborted()) { /* given up (a member is gone): the return cannot complete */
+            e = MOE_EUNAVAIL;
+            goto fail_xchg;
+        }
         size_t n = 0;
         for (int q = 0; q < W; q++)
             n += (size_t)st->src_cnt[(size_t)q * ne + i];

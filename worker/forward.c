@@ -325,6 +325,11 @@ static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t
     }
     size_t n0 = 0;
     for (int i = 0; i < ne; i++) {
+        /* the generation given up (a member is gone): the combine cannot
+         * complete, so the rest of this work is lost - answer now, not
+         * after tens of ms of GEMMs (the exchange would only fail then) */
+        if (xchg_aborted())
+            return MOE_EUNAVAIL;
         size_t n = 0;
         for (int q = 0; q < W; q++)
             n += (size_t)st->src_cnt[(size_t)q * ne + i];
@@ -632,6 +637,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     xchg_free(w->xc, recvbuf);
     recvbuf = NULL;
     if ((e = fwd_experts(st, L, W, dropped, ye, train)) != MOE_OK) {
+        if (e == MOE_EUNAVAIL && xchg_aborted())
+            goto fail_xchg; /* given up between two experts */
         snprintf(err, sizeof(err), "expert kernels failed on rank %d: %s", w->rank,
                  moe_strerror(e));
         goto fail_msg;
