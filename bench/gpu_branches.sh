@@ -13,6 +13,8 @@
 #   nccl-early-recv  bench/nccl_client_check.sh with that branch's daemons
 #                    and service_bench (the NVLink line: call <= compute +
 #                    raw transfers)
+#   decode-dedup     bin/check-gpu (the decode forwards' shared operands
+#                    filled by one helper: host code only)
 #
 # A branch whose archive is missing is skipped. Logs under $OUT (six files:
 # a device call returns eight at most), a summary in $OUT/branches.log.
@@ -58,6 +60,9 @@ fi
 if unpack qwen2-decode; then
     step 120 check_q2 /tmp/br/qwen2-decode/bin/check-gpu
     grep -E "^qwen2" "$OUT/check_q2.log" | cut -c1-200 | tail -n 12 | log >/dev/null
+fi
+if unpack decode-dedup; then
+    step 150 check_dd /tmp/br/decode-dedup/bin/check-gpu
 fi
 if unpack nccl-early-recv; then
     step 170 nccl bash /tmp/br/nccl-early-recv/bench/nccl_client_check.sh
