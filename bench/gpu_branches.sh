@@ -15,6 +15,10 @@
 #                    raw transfers)
 #   decode-dedup     bin/check-gpu (the decode forwards' shared operands
 #                    filled by one helper: host code only)
+#   nccl-spin        bench/nccl_client_check.sh with that branch's daemons
+#                    (the comm thread awaits y awake; compare the NVLink
+#                    line and the worker's "y handed over -> sent" with
+#                    main's, run first)
 #
 # A branch whose archive is missing is skipped. Logs under $OUT (six files:
 # a device call returns eight at most), a summary in $OUT/branches.log.
@@ -66,5 +70,11 @@ if unpack decode-dedup; then
 fi
 if unpack nccl-early-recv; then
     step 170 nccl bash /tmp/br/nccl-early-recv/bench/nccl_client_check.sh
+fi
+if unpack nccl-spin; then
+    step 170 nccl_main bash bench/nccl_client_check.sh
+    grep -A3 "where a request" "$OUT/nccl_main.log" | cut -c1-220 | log >/dev/null
+    step 170 nccl_spin bash /tmp/br/nccl-spin/bench/nccl_client_check.sh
+    grep -A3 "where a request" "$OUT/nccl_spin.log" | cut -c1-220 | log >/dev/null
 fi
 exit 0
