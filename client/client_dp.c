@@ -1926,8 +1926,12 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
              * worker refused it or the call failed before the wait): an
              * operation that can never end is pending on the communicator,
              * which takes nothing more: aborted, the next call opens another */
-            if (!early[q] && (ypost[q] || !xdone[q]) && m->nccl[q].open)
-                nccl_drop(c, m, q);
+            if (!early[q] && (ypost[q] || !xdone[q]) && m->nccl[q].open) {
+                if (down) /* dead or unreachable: nothing to tell it, no grace to wait */
+                    moe_nccl_abort(&m->nccl[q]);
+                else
+                    nccl_drop(c, m, q);
+            }
             if (lane && e == MOE_OK) {
                 e = lane_fail(ctl, method, qe, msg, &rq[q], stale);
                 qe = MOE_OK;
