@@ -54,6 +54,19 @@ step() { # timeout name command...: the last lines of its output, then rc
         "$OUT/$name.log" | grep -v "^[0-9]*:" | tail -n 12 | cut -c1-220 | log
     echo "rc=$rc" | log
 }
+# save_fails TABLE DIR ...: the logs of the runs each kill-series TABLE (in
+# $OUT) marks FAIL, from /tmp/DIR, into $OUT/kill-fails.tgz
+save_fails() {
+    local tgz=()
+    while [ $# -ge 2 ]; do
+        for n in $(grep -E "^[0-9]+ +FAIL" "$OUT/$1" 2>/dev/null | awk '{print $1}'); do
+            [ -f "/tmp/$2/run-$n.log" ] && tgz+=("$2/run-$n.log")
+        done
+        shift 2
+    done
+    [ ${#tgz[@]} -gt 0 ] && (cd /tmp && tar czf "$OUT/kill-fails.tgz" "${tgz[@]}")
+    return 0
+}
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader | head -1 | log
 case "${1:-1}" in
 1)
@@ -119,8 +132,7 @@ case "${1:-1}" in
         KILL_SERIES_SECONDS="${KILL_BUDGET:-300}" deploy/kill-series.sh 50 --mix --backend cuda
     grep -E "^[0-9]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
         "$OUT/kills.log" | log >/dev/null
-    fails=$(grep -E "^[0-9]+ +FAIL" "$OUT/kills.log" | awk '{print "run-" $1 ".log"}')
-    [ -n "$fails" ] && (cd /tmp/moe-kills && tar czf "$OUT/kill-fails.tgz" $fails)
+    save_fails kills.log moe-kills
     for SPIN in 0 100; do
         step 60 "lane_t1_spin$SPIN" env MOE_RING_SPIN_US=$((SPIN * 2)) \
             MOE_WORKER_RING_SPIN_US=$SPIN deploy/gpu-cluster.sh -w 1 -b cuda -- \
@@ -154,15 +166,7 @@ case "${1:-1}" in
         deploy/kill-series.sh 50 --mix --backend cuda
     grep -E "^[0-9]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
         "$OUT/kills.log" | log >/dev/null
-    fails=$(cd /tmp && grep -hE "^[0-9]+ +FAIL" "$OUT/kills.log" "$OUT/kills_step.log" 2>/dev/null |
-        awk '{print $1}')
-    tgz=()
-    for n in $fails; do
-        for d in moe-kills moe-kills-step; do
-            [ -f "/tmp/$d/run-$n.log" ] && tgz+=("$d/run-$n.log")
-        done
-    done
-    [ ${#tgz[@]} -gt 0 ] && (cd /tmp && tar czf "$OUT/kill-fails.tgz" "${tgz[@]}")
+    save_fails kills.log moe-kills kills_step.log moe-kills-step
     ;;
 3)
     step 580 kills env KILL_SERIES_DIR="$OUT/kills" deploy/kill-series.sh "${KILLS:-16}" --mix \

@@ -1287,8 +1287,6 @@ static moe_err lane_reply(moe_reply *ctl, const uint8_t *stats, size_t len, char
     return MOE_OK;
 }
 
-/* send_cancel asks worker q to drop the ticket's rows (best effort); 0 when
- * the worker did not answer within the grace (stopped or hung). */
 /* gone_ranks: the ranks the coordinator's error answer to the control call
  * names "gone" (docs/PROTOCOL.md, "Error object"): workers it knows dead.
  * Their rows are never answered, and their connections drop only once the
@@ -1296,12 +1294,11 @@ static moe_err lane_reply(moe_reply *ctl, const uint8_t *stats, size_t len, char
  * stops waiting for them at once. */
 static moe_rpc_response gone_ranks(const moe_reply *ctl, moe_err e)
 {
-    moe_rpc_response r;
+    moe_rpc_response r = {0};
     mp_errbuf eb;
-    memset(&r, 0, sizeof(r));
-    if (e == MOE_OK || ctl->transport || !ctl->buf ||
+    if (e != MOE_OK && !ctl->transport && ctl->buf &&
         moe_rpc_parse_response(ctl->buf, ctl->len, &r, &eb) != MOE_OK)
-        r.ngone = 0;
+        r.ngone = 0; /* a malformed answer names no one */
     return r;
 }
 
@@ -1313,6 +1310,8 @@ static int is_gone(const moe_rpc_response *g, int q)
     return 0;
 }
 
+/* send_cancel asks worker q to drop the ticket's rows (best effort); 0 when
+ * the worker did not answer within the grace (stopped or hung). */
 static int send_cancel(moe_client *c, dp_map *m, int q, uint64_t cid, uint64_t seq)
 {
     mp_writer p;
@@ -1412,6 +1411,31 @@ static void fo_remember(struct moe_dp *dp, dp_map *m, const void *key, size_t kl
     pthread_mutex_unlock(&dp->mu);
 }
 
+/* write_rows_head: a data.rows request's ticket, deadline_ms and, on the
+ * lane or the fan-out (run_pairs not NULL: the caller's {model, layer}
+ * pairs), run with the map's generation (and fanout: true) */
+static void write_rows_head(mp_writer *w, uint64_t cid, uint64_t seq, int64_t deadline_ms,
+                            const void *run_pairs, size_t run_len, uint64_t gen, int fanout)
+{
+    mp_write_cstr(w, "ticket");
+    mp_write_array(w, 2);
+    mp_write_u64(w, cid);
+    mp_write_u64(w, seq);
+    mp_write_cstr(w, "deadline_ms");
+    mp_write_i64(w, deadline_ms);
+    if (run_pairs) {
+        mp_write_cstr(w, "run");
+        mp_write_map(w, fanout ? 4 : 3);
+        mp_write_raw(w, run_pairs, run_len);
+        mp_write_cstr(w, "generation");
+        mp_write_u64(w, gen);
+        if (fanout) {
+            mp_write_cstr(w, "fanout");
+            mp_write_bool(w, true);
+        }
+    }
+}
+
 /* fo_write_params writes a fan-out data.rows' params map up to x's tensor
  * head (its T x H rows of dt follow): auth (NULL: none), ticket,
  * deadline_ms, run {model, layer, generation, fanout: true}, x. */
@@ -1425,19 +1449,7 @@ static void fo_write_params(mp_writer *w, const char *auth, uint64_t cid, uint64
         mp_write_cstr(w, "auth");
         mp_write_cstr(w, auth);
     }
-    mp_write_cstr(w, "ticket");
-    mp_write_array(w, 2);
-    mp_write_u64(w, cid);
-    mp_write_u64(w, seq);
-    mp_write_cstr(w, "deadline_ms");
-    mp_write_i64(w, deadline_ms);
-    mp_write_cstr(w, "run"); /* {model, layer} as the caller gave them */
-    mp_write_map(w, 4);
-    mp_write_raw(w, ctl_pairs, ctl_len);
-    mp_write_cstr(w, "generation");
-    mp_write_u64(w, gen);
-    mp_write_cstr(w, "fanout");
-    mp_write_bool(w, true);
+    write_rows_head(w, cid, seq, deadline_ms, ctl_pairs, ctl_len, gen, 1);
     mp_write_cstr(w, "x");
     moe_tensor_write_head(w, dt, 2, shape);
 }
@@ -1660,27 +1672,6 @@ static moe_err lane_fail(moe_reply *ctl, const char *method, moe_err qe, const c
     return qe;
 }
 
-/* write_rows_head: a data.rows request's ticket, deadline_ms and, on the
- * lane (run_pairs not NULL: the caller's {model, layer} pairs), run with
- * the map's generation (3 or 4 pairs of the request's map) */
-static void write_rows_head(mp_writer *w, uint64_t cid, uint64_t seq, int64_t deadline_ms,
-                            const void *run_pairs, size_t run_len, uint64_t gen)
-{
-    mp_write_cstr(w, "ticket");
-    mp_write_array(w, 2);
-    mp_write_u64(w, cid);
-    mp_write_u64(w, seq);
-    mp_write_cstr(w, "deadline_ms");
-    mp_write_i64(w, deadline_ms);
-    if (run_pairs) {
-        mp_write_cstr(w, "run");
-        mp_write_map(w, 3);
-        mp_write_raw(w, run_pairs, run_len);
-        mp_write_cstr(w, "generation");
-        mp_write_u64(w, gen);
-    }
-}
-
 /* direct_call: the coordinator's control call of a data-plane request:
  * method {ctl pairs, direct: {H, ticket, generation, dtype, T}}; its
  * answer in *ctl */
@@ -1808,7 +1799,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
         }
-        write_rows_head(&w, cid, seq, tmo, lane ? ctl_pairs : NULL, ctl_len, m->gen);
+        write_rows_head(&w, cid, seq, tmo, lane ? ctl_pairs : NULL, ctl_len, m->gen, 0);
         mp_write_cstr(&w, "dtype");
         mp_write_cstr(&w, moe_dtype_name(dt));
         mp_write_cstr(&w, "shape");
@@ -2089,7 +2080,8 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_cstr(&w, auth);
         }
         /* on the lane: run {model, layer} as the caller gave them, and the map's generation */
-        write_rows_head(&w, cid, seq, moe__timeout_ms(c), lane ? ctl_pairs : NULL, ctl_len, m->gen);
+        write_rows_head(&w, cid, seq, moe__timeout_ms(c), lane ? ctl_pairs : NULL, ctl_len, m->gen,
+                        0);
         if (zero_copy) {
             size_t xo = (size_t)((const uint8_t *)in - dp->ubuf[ux].base) + off;
             size_t yo = (size_t)((uint8_t *)out - dp->ubuf[uy].base) + off;

@@ -32,15 +32,9 @@
 typedef struct ckpt_io {
     uv_work_t req;
     coord *c;
-    coord_job *j; /* current until save_io_after */
+    coord_job *j; /* current until save_io_after: its path and root stay as they are */
     char *index;  /* (ilen) the index's text, owned */
     size_t ilen;
-    char ipath[CFG_STR_MAX + 64]; /* PATH/model.safetensors.index.json */
-    char lpath[CFG_STR_MAX + 16]; /* ROOT/LATEST */
-    char line[300];               /* LATEST's text: the checkpoint's leaf name */
-    size_t nline;
-    char root[CFG_STR_MAX]; /* pruned after LATEST moved */
-    char leaf[300];
     uint64_t total; /* the shards' bytes, for the answer */
     long long slow_ms;
     moe_err e; /* out */
@@ -484,8 +478,7 @@ static void ckpt_encode(coord *c, coord_job *j, int rank, mp_writer *w)
 /* index_text makes the Hugging Face index of a saved checkpoint: *out
  * (owned by the caller, *outlen bytes) to be written as
  * PATH/model.safetensors.index.json. */
-static moe_err index_text(coord_job *j, uint64_t total, char **out, size_t *outlen, char *err,
-                          size_t errlen)
+static moe_err index_text(coord_job *j, uint64_t total, char **out, size_t *outlen)
 {
     char *text = NULL;
     size_t len = 0;
@@ -564,7 +557,6 @@ static moe_err index_text(coord_job *j, uint64_t total, char **out, size_t *outl
     free(otext);
     fprintf(f, "\n  }\n}\n");
     fclose(f);
-    (void)err, (void)errlen;
     *out = text;
     *outlen = len;
     return MOE_OK;
@@ -664,14 +656,22 @@ static void save_settle(coord *c, coord_job *j, moe_err e, const char *err, uint
  * worker's death from the loop), and the job stays current. */
 static void save_io_run(ckpt_io *io)
 {
+    const coord_job *j = io->j;
+    const char *leaf = strrchr(j->path, '/');
+    leaf = leaf ? leaf + 1 : j->path;
+    char path[CFG_STR_MAX + 64], line[300];
     uint64_t t0 = rpc_now_ns();
     if (io->slow_ms > 0)
         usleep((useconds_t)(io->slow_ms * 1000));
-    io->e = st_write_durable(io->ipath, io->index, io->ilen, io->err, sizeof(io->err));
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", j->path);
+    io->e = st_write_durable(path, io->index, io->ilen, io->err, sizeof(io->err));
+    if (io->e == MOE_OK) {
+        snprintf(path, sizeof(path), "%s/LATEST", j->root);
+        const int n = snprintf(line, sizeof(line), "%s\n", leaf);
+        io->e = st_write_durable(path, line, (size_t)n, io->err, sizeof(io->err));
+    }
     if (io->e == MOE_OK)
-        io->e = st_write_durable(io->lpath, io->line, io->nline, io->err, sizeof(io->err));
-    if (io->e == MOE_OK)
-        prune(io->root, io->leaf);
+        prune(j->root, leaf);
     io->ms = (double)(rpc_now_ns() - t0) * 1e-6;
 }
 
@@ -738,19 +738,13 @@ static void ckpt_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
             e = MOE_ENOMEM;
             snprintf(err, sizeof(err), "out of memory");
         }
-        if (e == MOE_OK &&
-            (e = index_text(j, total, &io->index, &io->ilen, err, sizeof(err))) == MOE_OK) {
-            const char *leaf = strrchr(j->path, '/');
-            leaf = leaf ? leaf + 1 : j->path;
+        if (e == MOE_OK && (e = index_text(j, total, &io->index, &io->ilen)) != MOE_OK)
+            snprintf(err, sizeof(err), "out of memory for the index");
+        if (e == MOE_OK) {
             io->c = c;
             io->j = j;
             io->total = total;
             io->slow_ms = c->slow_durable_ms;
-            snprintf(io->ipath, sizeof(io->ipath), "%s/model.safetensors.index.json", j->path);
-            snprintf(io->lpath, sizeof(io->lpath), "%s/LATEST", j->root);
-            io->nline = (size_t)snprintf(io->line, sizeof(io->line), "%s\n", leaf);
-            snprintf(io->root, sizeof(io->root), "%s", j->root);
-            snprintf(io->leaf, sizeof(io->leaf), "%s", leaf);
             io->req.data = io;
             if (uv_queue_work(c->loop, &io->req, save_io_work, save_io_after) == 0) {
                 j->io_pending = 1; /* save_io_after settles it */

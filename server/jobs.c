@@ -348,11 +348,10 @@ static void refuse_unready(coord *c, coord_job *j)
         /* the generation's members that are down: a direct request's client
          * stops waiting for the rows it sent them */
         int gone[MOE_RPC_MAX_GONE], ngone = 0;
-        /* ranks of the generation the client's map is of, only */
-        for (int r = 0;
-             j->direct && j->dgen == c->generation && r < c->world && ngone < MOE_RPC_MAX_GONE; r++)
-            if (c->workers[c->rank_to_worker[r]].state != WS_UP)
-                gone[ngone++] = r;
+        if (j->direct && j->dgen == c->generation) /* ranks of the client's map only */
+            for (int r = 0; r < c->world && ngone < MOE_RPC_MAX_GONE; r++)
+                if (c->workers[c->rank_to_worker[r]].state != WS_UP)
+                    gone[ngone++] = r;
         rpc_reply_err_gone(j->call, MOE_EUNAVAIL, gone, ngone,
                            "cluster not ready: %d of %lld workers up (generation %llu)",
                            coord_up_workers(c), c->expected_workers,

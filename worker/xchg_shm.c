@@ -50,6 +50,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/procstat.h"
 #include "worker/xchg.h"
 
 #define XS_MAGIC   0x4d53584du /* "MXSM" */
@@ -258,16 +259,8 @@ static int pid_gone(uint32_t pid)
 {
     if (kill((pid_t)pid, 0) != 0)
         return errno == ESRCH;
-    char path[64], buf[256];
-    snprintf(path, sizeof(path), "/proc/%u/stat", pid);
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return 0;
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    const char *p = strrchr(buf, ')'); /* "pid (comm) S ..." */
-    return p && p[1] == ' ' && p[2] == 'Z';
+    procstat ps;
+    return procstat_read((int)pid, &ps) == 0 && ps.state == 'Z';
 }
 
 /* check_peers: a peer that left or died while this round still needs it:
