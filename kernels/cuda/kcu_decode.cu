@@ -1368,6 +1368,37 @@ namespace
  * slots from probs and lse. One more kernel than the softmax decode path
  * (the family router, launched without PDL); the softmax path is not
  * touched. */
+/* up_ffn: the up kernel's operands every decode forward shares - rows x
+ * (bf16), the experts' w13 (E, N1, H), h out (rows, F) by sorted row */
+void up_ffn(up_params &up, const bf16 *x, const bf16 *w13, int N1, int H, int F, int act, bf16 *h)
+{
+    up.x = x;
+    up.w13 = w13;
+    up.N1 = N1;
+    up.H = H;
+    up.F = F;
+    up.act = act;
+    up.h = h;
+    up.ks_force = kcu_decode_force_ks;
+}
+
+/* dn_ffn: the down kernel's - h (rows, F), w2 (E, H, F), y out in y_dtype;
+ * the caller adds the slot map (offs, spos, topk_w, T, K) or the groups */
+dn_params dn_ffn(const bf16 *h, const bf16 *w2, int H, int F, int E, void *y, moe_dtype y_dtype)
+{
+    dn_params dp;
+    memset(&dp, 0, sizeof(dp));
+    dp.h = h;
+    dp.w2 = w2;
+    dp.H = H;
+    dp.F = F;
+    dp.E = E;
+    dp.out = y;
+    dp.out_f32 = y_dtype == MOE_F32;
+    dp.ks_force = kcu_decode_force_ks;
+    return dp;
+}
+
 moe_err decode_forward_family(kcu_layer *l, int T, const bf16 *xb, int cap, void *y,
                               moe_dtype y_dtype, cudaStream_t st)
 {
@@ -1397,33 +1428,17 @@ moe_err decode_forward_family(kcu_layer *l, int T, const bf16 *xb, int cap, void
     up.colpart = nullptr;
     up.probs = l->probs;
     up.lse = l->lse;
-    up.x = xb;
-    up.w13 = l->w13;
-    up.N1 = l->N1;
-    up.H = H;
-    up.F = F;
-    up.act = c->act;
-    up.h = l->h;
+    up_ffn(up, xb, l->w13, l->N1, H, F, c->act, l->h);
     /* rows per expert at most; shared experts in the layout take T (kcu_decode_use: cap >= T) */
     const int rows = T < cap ? T : cap;
-    up.ks_force = kcu_decode_force_ks;
     KCU_TRY(launch_up(up, rows, l->nsm, st));
 
-    dn_params dp;
-    memset(&dp, 0, sizeof(dp));
-    dp.h = l->h;
-    dp.w2 = l->w2;
-    dp.H = H;
-    dp.F = F;
-    dp.E = Et;
+    dn_params dp = dn_ffn(l->h, l->w2, H, F, Et, y, y_dtype);
     dp.offs = l->offs;
     dp.spos = l->spos;
     dp.topk_w = l->topk_w;
     dp.T = T;
     dp.K = Kt;
-    dp.out = y;
-    dp.out_f32 = y_dtype == MOE_F32;
-    dp.ks_force = kcu_decode_force_ks;
     if (l->sh) {
         dp.srows = l->sy;
         dp.glog = l->sh_gate ? l->logits + E : nullptr;
@@ -1449,13 +1464,7 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
     KCU_TRY(launch_router(rp, l->nsm, st, &nrt));
 
     up_params up = layout_params(l, T, cap, nrt);
-    up.x = xb;
-    up.w13 = l->w13;
-    up.N1 = l->N1;
-    up.H = H;
-    up.F = F;
-    up.act = c->act;
-    up.h = l->h;
+    up_ffn(up, xb, l->w13, l->N1, H, F, c->act, l->h);
     if (!rp.topk) {
         up.logits = l->logits;
         up.Ep = l->Ep;
@@ -1465,24 +1474,14 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
         up.topk_w = l->topk_w;
     }
     const int rows = T < cap ? T : cap; /* rows per expert at most */
-    up.ks_force = kcu_decode_force_ks;
     KCU_TRY(launch_up(up, rows, l->nsm, st));
 
-    dn_params dp;
-    memset(&dp, 0, sizeof(dp));
-    dp.h = l->h;
-    dp.w2 = l->w2;
-    dp.H = H;
-    dp.F = F;
-    dp.E = E;
+    dn_params dp = dn_ffn(l->h, l->w2, H, F, E, y, y_dtype);
     dp.offs = l->offs;
     dp.spos = l->spos;
     dp.topk_w = l->topk_w;
     dp.T = T;
     dp.K = K;
-    dp.out = y;
-    dp.out_f32 = y_dtype == MOE_F32;
-    dp.ks_force = kcu_decode_force_ks;
     KCU_TRY(launch_down(dp, rows, S, l->nsm, st));
     kcu_decode_calls++;
     return MOE_OK;
@@ -1511,28 +1510,12 @@ moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const 
         up.go.v[e + 1] = up.go.v[e] + counts[e];
         mx = counts[e] > mx ? counts[e] : mx;
     }
-    up.x = xb;
-    up.w13 = x->w13;
-    up.N1 = x->N1;
-    up.H = x->H;
-    up.F = x->F;
+    up_ffn(up, xb, x->w13, x->N1, x->H, x->F, x->act, x->h);
     up.E = x->ne;
-    up.act = x->act;
-    up.h = x->h;
-    up.ks_force = kcu_decode_force_ks;
     KCU_TRY(launch_up(up, mx, x->nsm, st));
 
-    dn_params dp;
-    memset(&dp, 0, sizeof(dp));
-    dp.h = x->h;
-    dp.w2 = x->w2;
-    dp.H = x->H;
-    dp.F = x->F;
-    dp.E = x->ne;
+    dn_params dp = dn_ffn(x->h, x->w2, x->H, x->F, x->ne, y, y_dtype);
     dp.go = up.go;
-    dp.out = y;
-    dp.out_f32 = y_dtype == MOE_F32;
-    dp.ks_force = kcu_decode_force_ks;
     KCU_TRY(launch_down(dp, mx, N, x->nsm, st));
     kcu_decode_calls++;
     return MOE_OK;
