@@ -15,6 +15,7 @@
 #define WNC_ID_BYTES     128               /* sizeof(ncclUniqueId) */
 #define WNC_MAX_BYTES    ((size_t)1 << 34) /* one request's x: 16 GiB at most */
 #define WNC_SEND_MIN_MS  5000              /* y may take this long at least */
+#define WNC_SPIN_NS      (20ull * 1000000) /* after x: y's send is awaited awake this long */
 
 /* refuse: the reply to data.nccl_open where this worker has no GPU */
 static const char wnc_no_gpu[] =
@@ -276,7 +277,18 @@ static void *wnc_thread(void *arg)
             LOG_I("data plane: NCCL communicator %llu with a client is up (GPU %d)",
                   (unsigned long long)x->id, x->device);
     }
+    int want_y = 0; /* x was filed: y's send comes when the forward is done */
     for (;;) {
+        if (want_y) {
+            /* the forward takes a few ms: wait for y awake rather than be
+             * woken from the condition variable (tens of us on the path of
+             * every request); bounded, then asleep as usual */
+            const uint64_t until = wnc_now_ns() + WNC_SPIN_NS;
+            while (!__atomic_load_n(&x->head, __ATOMIC_ACQUIRE) &&
+                   !__atomic_load_n(&x->dead, __ATOMIC_ACQUIRE) && wnc_now_ns() < until)
+                sched_yield();
+            want_y = 0;
+        }
         pthread_mutex_lock(&t->mu);
         while (e == MOE_OK && !x->head && !__atomic_load_n(&x->dead, __ATOMIC_ACQUIRE))
             pthread_cond_wait(&x->cv, &t->mu);
@@ -296,6 +308,7 @@ static void *wnc_thread(void *arg)
             e = j->kind == WNC_RECV_X ? wnc_recv_x(x, j, err, sizeof(err))
                 : j->kind == WNC_ECHO ? wnc_echo(x, j, err, sizeof(err))
                                       : wnc_send(x, j, err, sizeof(err));
+        want_y = !stop && e == MOE_OK && j->kind == WNC_RECV_X;
         if (j->echo) /* never ran */
             rpc_reply_err(j->echo, MOE_EUNAVAIL, "%s", err[0] ? err : "the communicator failed");
         if (j->tk) /* not filed: refused, or its x never came */
