@@ -59,7 +59,7 @@ step() { # timeout name command...: the last lines of its output, then rc
 save_fails() {
     local tgz=()
     while [ $# -ge 2 ]; do
-        for n in $(grep -E "^[0-9]+ +FAIL" "$OUT/$1" 2>/dev/null | awk '{print $1}'); do
+        for n in $(grep -E "^[0-9.]+ +FAIL" "$OUT/$1" 2>/dev/null | awk '{split($1, r, "."); print r[1]}' | sort -u); do
             [ -f "/tmp/$2/run-$n.log" ] && tgz+=("$2/run-$n.log")
         done
         shift 2
@@ -130,7 +130,7 @@ case "${1:-1}" in
     step 150 check_gpu bin/check-gpu
     step $((${KILL_BUDGET:-300} + 120)) kills env KILL_SERIES_DIR=/tmp/moe-kills \
         KILL_SERIES_SECONDS="${KILL_BUDGET:-300}" deploy/kill-series.sh 50 --mix --backend cuda
-    grep -E "^[0-9]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
+    grep -E "^[0-9.]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
         "$OUT/kills.log" | log >/dev/null
     save_fails kills.log moe-kills
     for SPIN in 0 100; do
@@ -159,12 +159,12 @@ case "${1:-1}" in
         step $((STEP_BUDGET + 100)) kills_step env KILL_SERIES_DIR=/tmp/moe-kills-step \
             KILL_SERIES_FIRST=101 KILL_SERIES_SECONDS="$STEP_BUDGET" deploy/kill-series.sh 50 \
             --backend cuda --train --kill-during step --checkpoint-dir /tmp/moe-kills-step/ck
-        grep -E "^[0-9]+ +(PASS|FAIL)|stopped" "$OUT/kills_step.log" | log >/dev/null
+        grep -E "^[0-9.]+ +(PASS|FAIL)|stopped" "$OUT/kills_step.log" | log >/dev/null
     fi
     step $((${KILL_BUDGET:-380} + 100)) kills env KILL_SERIES_DIR=/tmp/moe-kills \
         KILL_SERIES_FIRST="${KILL_SERIES_FIRST:-1}" KILL_SERIES_SECONDS="${KILL_BUDGET:-380}" \
         deploy/kill-series.sh 50 --mix --backend cuda
-    grep -E "^[0-9]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
+    grep -E "^[0-9.]+ +(PASS|FAIL)|stopped|first error|ready again|kill series" \
         "$OUT/kills.log" | log >/dev/null
     save_fails kills.log moe-kills kills_step.log moe-kills-step
     ;;

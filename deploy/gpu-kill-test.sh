@@ -21,7 +21,10 @@
 #
 # Like deploy/gpu-cluster.sh, on a bare host it unpacks the runtime .debs of
 # .deps/ into /opt/moe-deps (only when bin/ cannot find its libraries).
-# NCCL_NVLS_ENABLE=0. The whole run is bounded (--time-limit, default 170 s);
+# --kills K kills K times in a row in the same cluster (the victims in
+# turn, each kill after the re-formation and checks of the one before).
+# NCCL_NVLS_ENABLE=0. The whole run is bounded (--time-limit, default 170 s
+# and 60 s more for each kill after the first);
 # every process it started is stopped on exit, Ctrl-C or timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -29,7 +32,8 @@ cd "$(dirname "$0")/.." || exit 2
 ts() { date +%H:%M:%S.%3N; }
 say() { echo "$(ts) gpu-kill-test: $*"; }
 
-LIMIT=170
+LIMIT=
+KILLS=1
 HELP=0
 BACKEND=
 XCHG=
@@ -42,11 +46,14 @@ while [ $# -gt 0 ]; do
     --backend | -b) BACKEND=$2; shift 2 ;;
     --xchg | -x) XCHG=$2; shift 2 ;;
     --time-limit) LIMIT=$2; shift 2 ;;
+    --kills) KILLS=$2; ARGS+=("$1" "$2"); shift 2 ;;
     --checkpoint-dir) CKPT=$2; shift 2 ;;
     -h | --help) HELP=1; shift ;;
     *) ARGS+=("$1"); shift ;;
     esac
 done
+case "$KILLS" in '' | *[!0-9]*) say "--kills must be a number, not '$KILLS'"; exit 2 ;; esac
+[ -n "$LIMIT" ] || LIMIT=$((170 + 60 * (KILLS > 1 ? KILLS - 1 : 0)))
 
 for b in moe-coordinator moe-worker moectl; do
     [ -x "bin/$b" ] || { say "bin/$b is missing: build with 'make' (or carry bin/ and lib/)"; exit 2; }

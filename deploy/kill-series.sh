@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# kill-series.sh - N SIGKILLs in a row: deploy/gpu-kill-test.sh run N times,
-# each with its own seed and kill moment (1.0-3.9 s into the stream), and a
-# table of what each kill cost: when the coordinator logged the loss (and
+# kill-series.sh - SIGKILLs in a row: deploy/gpu-kill-test.sh run N times
+# (each run kills --kills M times, 1 by default), each run with its own seed
+# and first kill moment (1.0-3.9 s into the stream), and a table of what
+# each kill cost: when the coordinator logged the loss (and
 # the load average at the kill), when the worker was shown down (polled
 # every 0.1 s after a 0.2 s pause), when the
 # first request in flight was answered with an error, when every request in
@@ -21,6 +22,9 @@
 # models in runs 5-8, 13-16, ... (every mode in both dtypes); the other
 # options apply to every run.
 #
+# --kills M (passed on to the test): each run kills M times in a row in the
+# same cluster, the victims in turn; the table has a row per kill (run.kill).
+#
 # Logs of each run under $KILL_SERIES_DIR (default a fresh /tmp/moe-kills.*).
 # KILL_SERIES_FIRST=K numbers the runs K .. K+N-1 (seeds, kill moments and
 # --mix modes follow the number): a long series split over several calls.
@@ -32,9 +36,13 @@ cd "$(dirname "$0")/.." || exit 2
 N=${1:-10}
 shift || true
 MIX=0
+KILLS=1
 ARGS=()
+prev=
 for a in "$@"; do
     if [ "$a" = "--mix" ]; then MIX=1; else ARGS+=("$a"); fi
+    [ "$prev" = "--kills" ] && KILLS=$a
+    prev=$a
 done
 DIR=${KILL_SERIES_DIR:-$(mktemp -d /tmp/moe-kills.XXXXXX)}
 mkdir -p "$DIR"
@@ -42,7 +50,7 @@ pass=0
 fail=0
 firsts=()
 readys=()
-printf "%-4s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode \
+printf "%-5s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode \
     "dying (s)" "seen (s)" "load" "down (s)" "1st err (s)" "answered (s)" "step (s)" "ready (s)" \
     "kill at" "run (s)"
 FIRST=${KILL_SERIES_FIRST:-1}
@@ -82,33 +90,33 @@ for i in $(seq "$FIRST" $((FIRST + N - 1))); do
     deploy/gpu-kill-test.sh "${args[@]}" --seed "$i" --kill-after "$at" >"$log" 2>&1
     rc=$?
     wall=$((SECONDS - t0))
-    down=$(grep -o 'state down [0-9.]* s after the kill' "$log" | head -1 | awk '{print $3}')
-    # the victim's process teardown (memory, then files: its sockets close last)
-    dying=$(grep -o 'finished dying [0-9.]* s' "$log" | head -1 | awk '{print $3}')
-    # when the coordinator itself logged the loss (its loop late: busy, or
-    # starved of CPU by the workers' threads), and the load at the kill
-    seen=$(grep -o 'saw the loss [0-9.]* s' "$log" | head -1 | awk '{print $4}')
-    load=$(grep -o 'load average at the kill [0-9.]*' "$log" | head -1 | awk '{print $6}')
-    first=$(grep -o 'first: [0-9.]* s after the kill' "$log" | head -1 | awk '{print $2}')
-    ans=$(grep -o 'in-flight ones answered within [0-9.]* s' "$log" | head -1 | awk '{print $5}')
-    # the optimizer.step in flight at the kill (ckpt: the one whose checkpoint lost the victim)
-    step=$(grep -o 'in flight at the kill: train step, answered [0-9.]* s' "$log" | head -1 |
-        awk '{print $9}')
-    ready=$(grep -o 'after the restart, [0-9.]* s after the kill' "$log" | head -1 | awk '{print $4}')
-    if [ "$rc" -eq 0 ]; then res=PASS; pass=$((pass + 1)); else res=FAIL; fail=$((fail + 1)); fi
-    [ -n "$first" ] && firsts+=("$first")
-    [ -n "$ready" ] && readys+=("$ready")
-    printf "%-4s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$i" "$res" \
-        "$mode" "${dying:--}" "${seen:--}" "${load:--}" "${down:--}" "${first:--}" "${ans:--}" \
-        "${step:--}" "${ready:--}" "$at" "$wall"
+    # the test's summary line per kill: "kill-summary K PASS|FAIL victim V at S
+    # dying S seen S load L down S first S answered S step S ready S"
+    rows=0
+    while read -r _ k r _ _ _ at _ dying _ seen _ load _ down _ first _ ans _ step _ ready; do
+        rows=$((rows + 1))
+        id=$i
+        [ "$KILLS" -gt 1 ] && id=$i.$k
+        if [ "$r" = PASS ]; then pass=$((pass + 1)); else fail=$((fail + 1)); fi
+        [ "$first" != - ] && firsts+=("$first")
+        [ "$ready" != - ] && readys+=("$ready")
+        printf "%-5s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$id" "$r" \
+            "$mode" "$dying" "$seen" "$load" "$down" "$first" "$ans" "$step" "$ready" "$at" "$wall"
+    done < <(grep "^kill-summary " "$log")
+    # a run that failed outside its kills (start, cleanup) or made fewer than asked
+    if [ "$rc" -ne 0 ] && ! grep -q "^kill-summary [0-9]* FAIL" "$log"; then
+        fail=$((fail + 1))
+        printf "%-5s %-6s %-10s run exit %s after %s kill(s) (%s s): see %s\n" "$i" FAIL "$mode" \
+            "$rc" "$rows" "$wall" "$log"
+    fi
 done
 summ() { # label values...: min, median, max
     local label=$1; shift
     [ $# -eq 0 ] && { echo "$label: none"; return; }
     printf '%s\n' "$@" | sort -g | awk -v l="$label" '{v[NR]=$1} END {
-        printf "%s: min %.3f, median %.3f, max %.3f s (%d runs)\n", l, v[1], v[int((NR+1)/2)], v[NR], NR }'
+        printf "%s: min %.3f, median %.3f, max %.3f s (%d kills)\n", l, v[1], v[int((NR+1)/2)], v[NR], NR }'
 }
 summ "first error after the kill" "${firsts[@]}"
 summ "ready again after the kill" "${readys[@]}"
-echo "kill series: $pass passed, $fail failed (logs in $DIR)"
+echo "kill series: $pass passed, $fail failed (kills; logs in $DIR)"
 [ "$fail" -eq 0 ]

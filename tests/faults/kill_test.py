@@ -299,7 +299,9 @@ class Rec:
 class Stream:
     """Client threads that call the service until stopped; every call recorded."""
 
-    def __init__(self, a, url):
+    def __init__(self, a, url, prev=None):
+        """prev: the stream of the kill before (its training thread's step and
+        probes go on here), or None."""
         self.a = a
         self.url = url
         self.recs = []
@@ -314,6 +316,8 @@ class Stream:
         self.step = 0  # last acknowledged step
         self.acked = []  # (t, step) per acknowledged step
         self.probes = {}  # step -> probe forward output (float32)
+        if prev is not None:
+            self.step, self.probes = prev.step, prev.probes
         self.step_unacked = False  # a step call failed: it may have been applied
         self.recovered_step = None  # the step counter after the recovery (check_durable)
         self.reset_ok = False  # no checkpoints: the re-formed model restarts at step 0
@@ -465,6 +469,10 @@ def parse_args():
                     help="GPUs on this host: worker i gets --device i %% GPUS (0 = none)")
     ap.add_argument("--xchg", default="auto", choices=["auto", "nng", "nccl"])
     ap.add_argument("--victim", type=int, default=1, help="the worker to SIGKILL (0-based)")
+    ap.add_argument("--kills", type=int, default=1,
+                    help="kills in a row in the same cluster, the victims in turn (--victim, "
+                    "then the next worker, ...), each after the re-formation and checks of the "
+                    "one before; the kill moments after the first drawn from --seed")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "f32"],
                     help="the models' dtype (and the rows')")
@@ -528,6 +536,8 @@ def parse_args():
         ap.error("--workers must be >= 2 (one is killed)")
     if not 0 <= a.victim < a.workers:
         ap.error("--victim must be in 0..workers-1")
+    if a.kills < 1:
+        ap.error("--kills must be >= 1")
     if not a.kill_during:
         a.kill_during = "step" if a.train else "any"
     if a.kill_during == "step" and not a.train:
@@ -625,6 +635,7 @@ class TeardownWatch(threading.Thread):
     def __init__(self, proc, t_kill):
         super().__init__(daemon=True)
         self.proc, self.t_kill = proc, t_kill
+        self.dying = None  # seconds from the SIGKILL to the process gone
 
     def run(self):
         leader = None
@@ -638,8 +649,9 @@ class TeardownWatch(threading.Thread):
                 if state in ("Z", "X", "gone"):
                     leader = time.monotonic() - self.t_kill
             if self.proc.poll() is not None:
+                self.dying = time.monotonic() - self.t_kill
                 log("  the victim finished dying %.3f s after the SIGKILL (its leader thread a "
-                    "zombie after %s)" % (time.monotonic() - self.t_kill,
+                    "zombie after %s)" % (self.dying,
                                          "%.3f s" % leader if leader is not None else "-"))
                 return
             time.sleep(0.001)
@@ -651,7 +663,8 @@ def main():
     a = parse_args()
     DTYPE = a.dtype
     deadline = T0 + a.time_limit
-    res = {k: None for k, _ in CHECKS}  # key -> (PASS|FAIL|SKIP, detail)
+    res = {k: None for k, _ in CHECKS}  # key -> (PASS|FAIL|SKIP, detail): this kill's
+    tables = [(0, res, {})]  # per kill: (index, its checks, its figures for the summary line)
 
     def put(key, ok, detail):
         if ok is None:
@@ -716,9 +729,6 @@ def main():
             time.monotonic() - t, s["generation"], s["up_workers"],
             ", ".join("id %d rank %d %s" % (w["id"], w["rank"], w["device"])
                       for w in s["workers"])))
-        # the victim's rank names its checkpoint shard (--kill-during ckpt)
-        vrank = next((w["rank"] for w in s["workers"] if w["rpc_url"] == cl.winfo[a.victim][1]),
-                     a.victim)
         ctl = moe.Client(cl.url, timeout_ms=a.client_timeout_ms)
         ping = moe.Client(cl.url, timeout_ms=2000)
         ctl.model_create("kt_inf", layers=a.layers, d_model=a.d_model, d_ff=a.d_ff,
@@ -741,317 +751,349 @@ def main():
         yref = from_rows(yref)
         log("reference forward (17 tokens) %.3f s" % (time.monotonic() - t))
 
-        # ---- stream -----------------------------------------------------
-        sm = Stream(a, cl.url)
-        for k in range(a.clients):
-            sm.start(sm.forward_loop, k, "kt_inf", x)
-        if a.train:
-            sm.start(sm.train_loop, "kt_train", xt, dy, probe_x)
-        log("stream started: %d forward thread(s)%s" % (a.clients,
-                                                        " + 1 training thread" if a.train else ""))
-        t = time.monotonic()
-        bound = left(a.kill_after + 60 + (a.ckpt_wait_s if a.kill_during == "ckpt" else 0))
-        t_ready_kill = None
-        save = None  # --kill-during ckpt: (directory, step) of the save in flight
-        while True:
-            recs, infl = sm.snapshot()
-            nok = sum(r.code is None for r in recs if r.kind == "forward")
-            bad = [r for r in recs if r.code is not None]
-            if bad:
-                raise Abort("errors before the kill: %s" % bad[0].msg)
-            if sm.crashes:
-                raise Abort("client failure before the kill: %s" % sm.crashes[0])
-            el = time.monotonic() - t
-            # with --train: after the probe of the newest step (to compare with
-            # after the recovery); --kill-during step: while a step is running;
-            # ckpt: while that step's automatic checkpoint is being written
-            # (for up to 20 s, ckpt --ckpt-wait-s, more; then whatever is in flight)
-            if (el >= a.kill_after and nok >= a.clients
-                    and (not a.train or (sm.step >= a.min_steps and sm.step in sm.probes))
-                    and infl):
-                if t_ready_kill is None:
-                    t_ready_kill = time.monotonic()
-                tr = infl.get("train")
-                stepping = tr and tr[0] == "step" and sm.step in sm.probes
-                if a.kill_during == "ckpt":
-                    d = save_in_flight(os.path.join(ckpt, "kt_train"), sm.step + 1,
-                                       shard_name(vrank, a.workers)) if stepping else None
-                    if d:
-                        save = (d, sm.step + 1, tr[1])
+        # ---- the kills: each one in the same cluster, the victims in turn --
+        krng = np.random.default_rng(a.seed + 7919)
+        sm = None
+        for kn in range(a.kills):
+            victim = (a.victim + kn) % a.workers
+            kill_after = a.kill_after if kn == 0 else 1.0 + int(krng.integers(0, 30)) / 10
+            m = {"victim": victim, "at": kill_after}  # this kill's figures (seconds)
+            if kn:  # the next kill's checks (a failed kill ended the loop)
+                res = {k: None for k, _ in CHECKS}
+                if a.kill_during != "ckpt":
+                    put("ckpt", None, "not --kill-during ckpt")
+            else:
+                tables.clear()
+            tables.append((kn, res, m))
+            coord_fail = []
+            s = cl.status() or s
+            # the victim's rank names its checkpoint shard (--kill-during ckpt)
+            vrank = next((w["rank"] for w in s["workers"]
+                          if w["rpc_url"] == cl.winfo[victim][1]), victim)
+            if a.kills > 1:
+                log("==== kill %d of %d: worker %d (rank %d), %.1f s into the stream" % (
+                    kn + 1, a.kills, victim, vrank, kill_after))
+            # ---- stream -----------------------------------------------------
+            sm = Stream(a, cl.url, sm)  # the training thread goes on from the last step
+            for k in range(a.clients):
+                sm.start(sm.forward_loop, k, "kt_inf", x)
+            if a.train:
+                sm.start(sm.train_loop, "kt_train", xt, dy, probe_x)
+            log("stream started: %d forward thread(s)%s" % (a.clients,
+                                                            " + 1 training thread" if a.train else ""))
+            t = time.monotonic()
+            bound = left(kill_after + 60 + (a.ckpt_wait_s if a.kill_during == "ckpt" else 0))
+            t_ready_kill = None
+            save = None  # --kill-during ckpt: (directory, step) of the save in flight
+            while True:
+                recs, infl = sm.snapshot()
+                nok = sum(r.code is None for r in recs if r.kind == "forward")
+                bad = [r for r in recs if r.code is not None]
+                if bad:
+                    raise Abort("errors before the kill: %s" % bad[0].msg)
+                if sm.crashes:
+                    raise Abort("client failure before the kill: %s" % sm.crashes[0])
+                el = time.monotonic() - t
+                # with --train: after the probe of the newest step (to compare with
+                # after the recovery); --kill-during step: while a step is running;
+                # ckpt: while that step's automatic checkpoint is being written
+                # (for up to 20 s, ckpt --ckpt-wait-s, more; then whatever is in flight)
+                if (el >= kill_after and nok >= a.clients
+                        and (not a.train or (sm.step >= a.min_steps and sm.step in sm.probes))
+                        and infl):
+                    if t_ready_kill is None:
+                        t_ready_kill = time.monotonic()
+                    tr = infl.get("train")
+                    stepping = tr and tr[0] == "step" and sm.step in sm.probes
+                    if a.kill_during == "ckpt":
+                        d = save_in_flight(os.path.join(ckpt, "kt_train"), sm.step + 1,
+                                           shard_name(vrank, a.workers)) if stepping else None
+                        if d:
+                            save = (d, sm.step + 1, tr[1])
+                            break
+                    elif (a.kill_during == "any" or (stepping and
+                                                     time.monotonic() - tr[1] > a.step_delay_s)):
                         break
-                elif (a.kill_during == "any" or (stepping and
-                                                 time.monotonic() - tr[1] > a.step_delay_s)):
-                    break
-                wait = a.ckpt_wait_s if a.kill_during == "ckpt" else 20
-                if time.monotonic() - t_ready_kill > wait:
-                    log("no %s in flight seen in %.0f s: killing now" % (
-                        KILL_DURING[a.kill_during], wait))
-                    break
-            if el > bound:
-                raise Abort("stream too slow: %d forwards, %d steps in %.0f s"
-                            % (nok, sm.step, el))
-            # a save is a few hundred ms: look often enough to land inside it
-            time.sleep(0.002 if a.kill_during == "ckpt" else 0.01)
+                    wait = a.ckpt_wait_s if a.kill_during == "ckpt" else 20
+                    if time.monotonic() - t_ready_kill > wait:
+                        log("no %s in flight seen in %.0f s: killing now" % (
+                            KILL_DURING[a.kill_during], wait))
+                        break
+                if el > bound:
+                    raise Abort("stream too slow: %d forwards, %d steps in %.0f s"
+                                % (nok, sm.step, el))
+                # a save is a few hundred ms: look often enough to land inside it
+                time.sleep(0.002 if a.kill_during == "ckpt" else 0.01)
 
-        # ---- kill -------------------------------------------------------
-        s = cl.status()
-        gen0 = s["generation"] if s else 0
-        vpid, vrpc = cl.winfo[a.victim]
-        recs, infl = sm.snapshot()
-        committed = k_committed = sm.step
-        fds = describe_fds(vpid)
-        load1 = os.getloadavg()[0]
-        sm.t_kill = t_kill = time.monotonic()
-        t_kill_wall = time.time()
-        os.kill(vpid, signal.SIGKILL)
-        gone = TeardownWatch(cl.workers[a.victim], t_kill)
-        gone.start()
-        # the save's files as the kill found them (the victim's shard must
-        # be missing), then a watcher for the survivors' shards: when they
-        # finish writing tells whether the step was answered before
-        shards = describe_save(save[0]) if save else ""
-        watch = None
-        if save:
-            watch = ShardWatch(save[0], [shard_name(r, a.workers) for r in range(a.workers)
-                                         if r != vrank], t_kill + 120)
-            watch.start()
-        log("SIGKILL worker %d (pid %d, rpc %s); generation %d; %d forwards and %d training "
-            "steps done; in flight: %s" % (
-                a.victim, vpid, vrpc, gen0, sum(r.code is None for r in recs if r.kind ==
-                                                "forward"), committed,
-                ", ".join("%s %s (started %.3f s before)" % (n, k, t_kill - t0)
-                          for n, (k, t0) in sorted(infl.items())) or "nothing"))
-        log("  the victim's open files at the kill: %s" % fds)
-        if save:
-            log("  the kill is inside the automatic checkpoint of step %d: %s (the step was "
-                "sent %.3f s before); the victim is rank %d; files then: %s" % (
-                    save[1], os.path.basename(save[0]), t_kill - save[2], vrank, shards))
-        elif a.kill_during == "ckpt":
-            log("  the kill MISSED the checkpoint window (no save of a step in flight seen)")
-        cl.workers[a.victim].wait()
-        # the coordinator: alive, answers a ping
-        time.sleep(0.2)
-        seen = coord_saw_loss(os.path.join(cl.run, "coordinator.log"), vrpc, t_kill_wall)
-        log("  the coordinator saw the loss %s (its log); load average at the kill %.1f on %d "
-            "cores" % ("%.3f s after the kill" % seen if seen is not None else "- not logged yet",
-                       load1, os.cpu_count() or 0))
-        pt = time.monotonic()
-        try:
-            ping.ping()
-            log("coordinator (pid %d) alive, ping answered in %.1f ms" % (
-                cl.coord.pid, (time.monotonic() - pt) * 1000))
-        except moe.Error as e:
-            coord_fail.append("ping after the kill: %s" % e)
-            log("coordinator ping after the kill FAILED: %s" % e)
-
-        # ---- status: the victim down -----------------------------------
-        bound = left(a.down_bound_s)
-        entry = None
-        while time.monotonic() - t_kill < bound:
+            # ---- kill -------------------------------------------------------
             s = cl.status()
-            if s:
-                entry = next((w for w in s["workers"] if w["rpc_url"] == vrpc), None)
-                if entry and entry["state"] == "down":
-                    break
-            time.sleep(0.1)
-        t_down = time.monotonic()
-        if entry and entry["state"] == "down":
-            put("down", True, "worker id %d (rpc %s) state down %.2f s after the kill; "
-                "ready %s, %d of %d up, generation %d" % (
-                    entry["id"], vrpc, t_down - t_kill, str(s["ready"]).lower(),
-                    s["up_workers"], s["expected_workers"], s["generation"]))
-        else:
-            put("down", False, "after %.1f s%s cluster.status still shows %s" % (
-                bound, " (bound cut by the time limit)" if bound < a.down_bound_s else "",
-                json.dumps(entry) if entry else "no entry for %s" % vrpc))
-        if cl.coord.poll() is not None:
-            raise Abort("the coordinator exited (%s) after the kill" % cl.coord.returncode)
+            gen0 = s["generation"] if s else 0
+            vpid, vrpc = cl.winfo[victim]
+            recs, infl = sm.snapshot()
+            committed = k_committed = sm.step
+            fds = describe_fds(vpid)
+            load1 = m["load"] = os.getloadavg()[0]
+            sm.t_kill = t_kill = time.monotonic()
+            t_kill_wall = time.time()
+            os.kill(vpid, signal.SIGKILL)
+            gone = TeardownWatch(cl.workers[victim], t_kill)
+            gone.start()
+            # the save's files as the kill found them (the victim's shard must
+            # be missing), then a watcher for the survivors' shards: when they
+            # finish writing tells whether the step was answered before
+            shards = describe_save(save[0]) if save else ""
+            watch = None
+            if save:
+                watch = ShardWatch(save[0], [shard_name(r, a.workers) for r in range(a.workers)
+                                             if r != vrank], t_kill + 120)
+                watch.start()
+            log("SIGKILL worker %d (pid %d, rpc %s); generation %d; %d forwards and %d training "
+                "steps done; in flight: %s" % (
+                    victim, vpid, vrpc, gen0, sum(r.code is None for r in recs if r.kind ==
+                                                    "forward"), committed,
+                    ", ".join("%s %s (started %.3f s before)" % (n, k, t_kill - t0)
+                              for n, (k, t0) in sorted(infl.items())) or "nothing"))
+            log("  the victim's open files at the kill: %s" % fds)
+            if save:
+                log("  the kill is inside the automatic checkpoint of step %d: %s (the step was "
+                    "sent %.3f s before); the victim is rank %d; files then: %s" % (
+                        save[1], os.path.basename(save[0]), t_kill - save[2], vrank, shards))
+            elif a.kill_during == "ckpt":
+                log("  the kill MISSED the checkpoint window (no save of a step in flight seen)")
+            cl.workers[victim].wait()
+            # the coordinator: alive, answers a ping
+            time.sleep(0.2)
+            seen = m["seen"] = coord_saw_loss(os.path.join(cl.run, "coordinator.log"), vrpc, t_kill_wall)
+            log("  the coordinator saw the loss %s (its log); load average at the kill %.1f on %d "
+                "cores" % ("%.3f s after the kill" % seen if seen is not None else "- not logged yet",
+                           load1, os.cpu_count() or 0))
+            pt = time.monotonic()
+            try:
+                ping.ping()
+                log("coordinator (pid %d) alive, ping answered in %.1f ms" % (
+                    cl.coord.pid, (time.monotonic() - pt) * 1000))
+            except moe.Error as e:
+                coord_fail.append("ping after the kill: %s" % e)
+                log("coordinator ping after the kill FAILED: %s" % e)
 
-        # ---- the survivors alone (--min-workers) -------------------------
-        if a.min_workers:
-            bound = left(a.recover_bound_s)
-            s = None
+            # ---- status: the victim down -----------------------------------
+            bound = left(a.down_bound_s)
+            entry = None
             while time.monotonic() - t_kill < bound:
                 s = cl.status()
+                if s:
+                    entry = next((w for w in s["workers"] if w["rpc_url"] == vrpc), None)
+                    if entry and entry["state"] == "down":
+                        break
+                time.sleep(0.1)
+            t_down = time.monotonic()
+            if entry and entry["state"] == "down":
+                m["down"] = t_down - t_kill
+                put("down", True, "worker id %d (rpc %s) state down %.2f s after the kill; "
+                    "ready %s, %d of %d up, generation %d" % (
+                        entry["id"], vrpc, t_down - t_kill, str(s["ready"]).lower(),
+                        s["up_workers"], s["expected_workers"], s["generation"]))
+            else:
+                put("down", False, "after %.1f s%s cluster.status still shows %s" % (
+                    bound, " (bound cut by the time limit)" if bound < a.down_bound_s else "",
+                    json.dumps(entry) if entry else "no entry for %s" % vrpc))
+            if cl.coord.poll() is not None:
+                raise Abort("the coordinator exited (%s) after the kill" % cl.coord.returncode)
+
+            # ---- the survivors alone (--min-workers) -------------------------
+            if a.min_workers:
+                bound = left(a.recover_bound_s)
+                s = None
+                while time.monotonic() - t_kill < bound:
+                    s = cl.status()
+                    if (s and s.get("ready") and s["generation"] > gen0
+                            and s.get("world") == a.workers - 1):
+                        break
+                    time.sleep(0.05)
+                else:
+                    s = None
+                if s is None:
+                    put("shrink", False, "no generation of %d survivors within %.0f s of the kill" % (
+                        a.workers - 1, bound))
+                else:
+                    t_shrunk = time.monotonic()
+                    gen_s = s["generation"]
+                    log("re-formed with %d survivors: generation %d, %.2f s after the kill" % (
+                        a.workers - 1, gen_s, t_shrunk - t_kill))
+                    e_s, why = None, ""
+                    t = time.monotonic()
+                    while time.monotonic() - t < left(a.answer_bound_s):
+                        try:
+                            ys, _ = ctl.forward("kt_inf", 0, xref)
+                            e_s = rel_err(from_rows(ys), yref)
+                            break
+                        except moe.Error as e:  # a moment of `unavailable` while models restore
+                            why = str(e)
+                            time.sleep(0.05)
+                    put("shrink", e_s is not None and e_s <= a.tolerance,
+                        "generation %d -> %d of %d workers %.2f s after the kill (--shrink-after-ms "
+                        "%d); kt_inf output vs before the kill: %s" % (
+                            gen0, gen_s, a.workers - 1, t_shrunk - t_kill, a.shrink_after_ms,
+                            "rel err %.2e (tolerance %.0e)" % (e_s, a.tolerance) if e_s is not None
+                            else "no answer (%s)" % why))
+                    gen0 = gen_s  # the restart must form a newer one: the cluster grows back
+            else:
+                put("shrink", None, "no --min-workers")
+
+            # ---- restart ----------------------------------------------------
+            if a.train:
+                sm.pause_req.set()
+            cl.start_worker(victim)
+            t_restart = time.monotonic()
+            log("worker %d restarted with the same flags: pid %d rpc %s" % (
+                victim, cl.winfo[victim][0], cl.winfo[victim][1]))
+            bound = left(a.recover_bound_s)
+            s = None
+            supervised = []  # survivors that exited 3 (stuck device) and were started again
+            while time.monotonic() - t_restart < bound:
+                s = cl.status()
                 if (s and s.get("ready") and s["generation"] > gen0
-                        and s.get("world") == a.workers - 1):
+                        and s["up_workers"] == a.workers and s.get("world", a.workers) == a.workers):
+                    break
+                if cl.workers[victim].poll() is not None:
+                    raise Abort("the restarted worker exited with %s" % cl.workers[victim].returncode)
+                for i, p in list(cl.workers.items()):
+                    # a survivor whose compute thread could not come back exits 3
+                    # for its supervisor (systemd Restart=on-failure, a k8s pod):
+                    # the test plays that supervisor and says so
+                    if i != victim and p.poll() == 3:
+                        cl.start_worker(i)
+                        supervised.append((i, time.monotonic() - t_kill))
+                        log("worker %d exited with status 3 (its device could not be recovered, "
+                            "%.2f s after the kill): started again as its supervisor would" % (
+                                i, supervised[-1][1]))
+                time.sleep(0.1)
+            else:
+                raise Abort("cluster not re-formed %.0f s after the restart: %s" % (bound, s))
+            t_ready = time.monotonic()
+            m["ready"] = t_ready - t_kill
+            gen1 = s["generation"]
+            log("cluster re-formed: generation %d -> %d, %d of %d up, %.2f s after the restart, "
+                "%.2f s after the kill" % (gen0, gen1, s["up_workers"], s["expected_workers"],
+                                           t_ready - t_restart, t_ready - t_kill))
+
+            # ---- training: nothing committed lost ---------------------------
+            if a.train:
+                t = time.monotonic()
+                while not sm.paused.is_set() and time.monotonic() - t < left(a.answer_bound_s):
+                    time.sleep(0.05)
+                if not sm.paused.is_set():
+                    raise Abort("the training thread did not pause")
+                committed = sm.step
+                if ckpt:
+                    put("durable", *check_durable(a, ctl, sm, ckpt, run, committed, probe_x))
+                else:
+                    sm.reset_ok = True
+                sm.pause_req.clear()
+                sm.resume.set()
+            else:
+                put("durable", None, "no --train")
+
+            # ---- requests succeed again ------------------------------------
+            t = time.monotonic()
+            bound = left(a.recover_bound_s)
+            names = ["fwd%d" % k for k in range(a.clients)] + (["train"] if a.train else [])
+            while True:
+                recs, _ = sm.snapshot()
+                ok_after = {n: 0 for n in names}
+                steps_after = sum(1 for ts, _ in sm.acked if ts > t_ready)
+                for r in recs:
+                    if r.t0 >= t_ready and r.code is None and r.kind == "forward":
+                        ok_after[r.thread] += 1
+                if a.train:
+                    ok_after["train"] = steps_after
+                need = {n: (2 if n == "train" else a.after_requests) for n in names}
+                if all(ok_after[n] >= need[n] for n in names):
+                    break
+                if time.monotonic() - t > bound:
                     break
                 time.sleep(0.05)
-            else:
-                s = None
-            if s is None:
-                put("shrink", False, "no generation of %d survivors within %.0f s of the kill" % (
-                    a.workers - 1, bound))
-            else:
-                t_shrunk = time.monotonic()
-                gen_s = s["generation"]
-                log("re-formed with %d survivors: generation %d, %.2f s after the kill" % (
-                    a.workers - 1, gen_s, t_shrunk - t_kill))
-                e_s, why = None, ""
-                t = time.monotonic()
-                while time.monotonic() - t < left(a.answer_bound_s):
-                    try:
-                        ys, _ = ctl.forward("kt_inf", 0, xref)
-                        e_s = rel_err(from_rows(ys), yref)
-                        break
-                    except moe.Error as e:  # a moment of `unavailable` while models restore
-                        why = str(e)
-                        time.sleep(0.05)
-                put("shrink", e_s is not None and e_s <= a.tolerance,
-                    "generation %d -> %d of %d workers %.2f s after the kill (--shrink-after-ms "
-                    "%d); kt_inf output vs before the kill: %s" % (
-                        gen0, gen_s, a.workers - 1, t_shrunk - t_kill, a.shrink_after_ms,
-                        "rel err %.2e (tolerance %.0e)" % (e_s, a.tolerance) if e_s is not None
-                        else "no answer (%s)" % why))
-                gen0 = gen_s  # the restart must form a newer one: the cluster grows back
-        else:
-            put("shrink", None, "no --min-workers")
+            t_end = time.monotonic()
+            stuck = sm.join(a.client_timeout_ms / 1000 + 2)
+            # alone, as the reference before the stream (queued forwards are merged)
+            yafter, _ = ctl.forward("kt_inf", 0, xref)
+            e_inf = rel_err(from_rows(yafter), yref)
+            recs, infl = sm.snapshot()
+            short = [n for n in names if ok_after[n] < need[n]]
+            late = [r for r in recs if r.t0 >= t_ready and r.code is not None]
+            put("reform", not short and not late and e_inf <= a.tolerance,
+                "generation %d -> %d; after ready: %s, %d errors%s; kt_inf output vs before the kill: "
+                "rel err %.2e (tolerance %.0e)%s" % (
+                    gen0, gen1, ", ".join("%s %d %s" % (n, ok_after[n], "steps" if n == "train"
+                                                       else "forwards ok") for n in names),
+                    len(late), " (%s %s: %s)" % (late[0].thread, late[0].kind, late[0].msg)
+                    if late else "", e_inf, a.tolerance,
+                    "; too few successes in %.1f s: %s" % (bound, ", ".join(short)) if short else "")
+                + "".join("; worker %d exited 3 (stuck device) %.1f s after the kill and was "
+                          "started again" % w for w in supervised))
 
-        # ---- restart ----------------------------------------------------
-        if a.train:
-            sm.pause_req.set()
-        cl.start_worker(a.victim)
-        t_restart = time.monotonic()
-        log("worker %d restarted with the same flags: pid %d rpc %s" % (
-            a.victim, cl.winfo[a.victim][0], cl.winfo[a.victim][1]))
-        bound = left(a.recover_bound_s)
-        s = None
-        supervised = []  # survivors that exited 3 (stuck device) and were started again
-        while time.monotonic() - t_restart < bound:
-            s = cl.status()
-            if (s and s.get("ready") and s["generation"] > gen0
-                    and s["up_workers"] == a.workers and s.get("world", a.workers) == a.workers):
-                break
-            if cl.workers[a.victim].poll() is not None:
-                raise Abort("the restarted worker exited with %s" % cl.workers[a.victim].returncode)
-            for i, p in list(cl.workers.items()):
-                # a survivor whose compute thread could not come back exits 3
-                # for its supervisor (systemd Restart=on-failure, a k8s pod):
-                # the test plays that supervisor and says so
-                if i != a.victim and p.poll() == 3:
-                    cl.start_worker(i)
-                    supervised.append((i, time.monotonic() - t_kill))
-                    log("worker %d exited with status 3 (its device could not be recovered, "
-                        "%.2f s after the kill): started again as its supervisor would" % (
-                            i, supervised[-1][1]))
-            time.sleep(0.1)
-        else:
-            raise Abort("cluster not re-formed %.0f s after the restart: %s" % (bound, s))
-        t_ready = time.monotonic()
-        gen1 = s["generation"]
-        log("cluster re-formed: generation %d -> %d, %d of %d up, %.2f s after the restart, "
-            "%.2f s after the kill" % (gen0, gen1, s["up_workers"], s["expected_workers"],
-                                       t_ready - t_restart, t_ready - t_kill))
+            if a.train and not ckpt:
+                put("durable", None, "no --checkpoint-dir: a re-formed cluster rebuilds the weights "
+                    "from the seed (last acknowledged step before the kill %d)%s" % (
+                        committed, "; " + sm.reset_note if sm.reset_note else ""))
 
-        # ---- training: nothing committed lost ---------------------------
-        if a.train:
-            t = time.monotonic()
-            while not sm.paused.is_set() and time.monotonic() - t < left(a.answer_bound_s):
-                time.sleep(0.05)
-            if not sm.paused.is_set():
-                raise Abort("the training thread did not pause")
-            committed = sm.step
-            if ckpt:
-                put("durable", *check_durable(a, ctl, sm, ckpt, run, committed, probe_x))
-            else:
-                sm.reset_ok = True
-            sm.pause_req.clear()
-            sm.resume.set()
-        else:
-            put("durable", None, "no --train")
-
-        # ---- requests succeed again ------------------------------------
-        t = time.monotonic()
-        bound = left(a.recover_bound_s)
-        names = ["fwd%d" % k for k in range(a.clients)] + (["train"] if a.train else [])
-        while True:
-            recs, _ = sm.snapshot()
-            ok_after = {n: 0 for n in names}
-            steps_after = sum(1 for ts, _ in sm.acked if ts > t_ready)
-            for r in recs:
-                if r.t0 >= t_ready and r.code is None and r.kind == "forward":
-                    ok_after[r.thread] += 1
-            if a.train:
-                ok_after["train"] = steps_after
-            need = {n: (2 if n == "train" else a.after_requests) for n in names}
-            if all(ok_after[n] >= need[n] for n in names):
-                break
-            if time.monotonic() - t > bound:
-                break
-            time.sleep(0.05)
-        t_end = time.monotonic()
-        stuck = sm.join(a.client_timeout_ms / 1000 + 2)
-        # alone, as the reference before the stream (queued forwards are merged)
-        yafter, _ = ctl.forward("kt_inf", 0, xref)
-        e_inf = rel_err(from_rows(yafter), yref)
-        recs, infl = sm.snapshot()
-        short = [n for n in names if ok_after[n] < need[n]]
-        late = [r for r in recs if r.t0 >= t_ready and r.code is not None]
-        put("reform", not short and not late and e_inf <= a.tolerance,
-            "generation %d -> %d; after ready: %s, %d errors%s; kt_inf output vs before the kill: "
-            "rel err %.2e (tolerance %.0e)%s" % (
-                gen0, gen1, ", ".join("%s %d %s" % (n, ok_after[n], "steps" if n == "train"
-                                                   else "forwards ok") for n in names),
-                len(late), " (%s %s: %s)" % (late[0].thread, late[0].kind, late[0].msg)
-                if late else "", e_inf, a.tolerance,
-                "; too few successes in %.1f s: %s" % (bound, ", ".join(short)) if short else "")
-            + "".join("; worker %d exited 3 (stuck device) %.1f s after the kill and was "
-                      "started again" % w for w in supervised))
-
-        if a.train and not ckpt:
-            put("durable", None, "no --checkpoint-dir: a re-formed cluster rebuilds the weights "
-                "from the seed (last acknowledged step before the kill %d)%s" % (
-                    committed, "; " + sm.reset_note if sm.reset_note else ""))
-
-        # ---- the errors -------------------------------------------------
-        inflight = [r for r in recs if r.t0 < t_kill <= r.t1]
-        outage = [r for r in recs if t_kill <= r.t0 < t_ready]
-        errs = [r for r in recs if r.code is not None]
-        unexpected = [r for r in errs if r.code not in ALLOWED[r.kind]
-                      or r.t1 < t_kill]
-        for r in inflight:
-            log("  in flight at the kill: %s %s, answered %.3f s after the kill: %s" % (
-                r.thread, r.kind, r.t1 - t_kill, r.msg or "ok"))
-        codes = {}
-        for r in errs:
-            codes["%s %s" % (r.kind, r.code)] = codes.get("%s %s" % (r.kind, r.code), 0) + 1
-        first = min((r for r in errs if r.t1 >= t_kill), key=lambda r: r.t1, default=None)
-        n_unavail = sum(r.code == "unavailable" for r in errs if r.t1 >= t_kill)
-        ok = n_unavail > 0 and not unexpected and not sm.crashes
-        put("errors", ok,
-            "%d in flight at the kill (%d got an error), %d sent during the outage (%d errors), "
-            "%d errors after the re-formation; codes: %s; first: %s%s%s" % (
-                len(inflight), sum(r.code is not None for r in inflight), len(outage),
-                sum(r.code is not None for r in outage), len(late),
-                ", ".join("%s x%d" % kv for kv in sorted(codes.items())) or "none",
-                "%.3f s after the kill, %s %s: %s" % (first.t1 - t_kill, first.thread,
-                                                      first.kind, first.msg) if first else "-",
-                "; UNEXPECTED: " + "; ".join("%s %s: %s" % (r.thread, r.kind, r.msg)
-                                             for r in unexpected[:3]) if unexpected else "",
-                "; client failures: " + "; ".join(sm.crashes[:3]) if sm.crashes else ""))
-        longest = max(recs, key=lambda r: r.t1 - r.t0)
-        inf_max = max((r.t1 - t_kill for r in inflight), default=0.0)
-        put("bounded", longest.t1 - longest.t0 <= a.answer_bound_s and not stuck and not infl,
-            "%d calls; longest %.3f s (%s %s, %s); in-flight ones answered within %.3f s of "
-            "the kill; bound %.1f s%s" % (
-                len(recs), longest.t1 - longest.t0, longest.thread, longest.kind,
-                longest.code or "ok", inf_max, a.answer_bound_s,
-                "; threads still in a call: %s" % ", ".join(sorted(infl)) if infl else ""))
-        if save:
-            put("ckpt", *check_ckpt_kill(sm, inflight, save, watch, t_kill, k_committed))
-        elif a.kill_during == "ckpt":
-            put("ckpt", False, "the kill missed the checkpoint: no automatic checkpoint of a "
-                "step seen being written in %.0f s" % a.ckpt_wait_s)
-        if cl.coord.poll() is not None:
-            coord_fail.append("exited with %s" % cl.coord.returncode)
-        try:
-            ping.ping()
-        except moe.Error as e:
-            coord_fail.append("ping at the end: %s" % e)
-        put("coord", not coord_fail, "pid %d up from start to %.1f s after the kill, "
-            "answered ping after the kill and at the end%s" % (
-                cl.coord.pid, t_end - t_kill,
-                "; " + "; ".join(coord_fail) if coord_fail else ""))
+            # ---- the errors -------------------------------------------------
+            inflight = [r for r in recs if r.t0 < t_kill <= r.t1]
+            outage = [r for r in recs if t_kill <= r.t0 < t_ready]
+            errs = [r for r in recs if r.code is not None]
+            unexpected = [r for r in errs if r.code not in ALLOWED[r.kind]
+                          or r.t1 < t_kill]
+            for r in inflight:
+                log("  in flight at the kill: %s %s, answered %.3f s after the kill: %s" % (
+                    r.thread, r.kind, r.t1 - t_kill, r.msg or "ok"))
+                if r.thread == "train" and r.kind == "step":
+                    m["step"] = r.t1 - t_kill
+            codes = {}
+            for r in errs:
+                codes["%s %s" % (r.kind, r.code)] = codes.get("%s %s" % (r.kind, r.code), 0) + 1
+            first = min((r for r in errs if r.t1 >= t_kill), key=lambda r: r.t1, default=None)
+            if first:
+                m["first"] = first.t1 - t_kill
+            n_unavail = sum(r.code == "unavailable" for r in errs if r.t1 >= t_kill)
+            ok = n_unavail > 0 and not unexpected and not sm.crashes
+            put("errors", ok,
+                "%d in flight at the kill (%d got an error), %d sent during the outage (%d errors), "
+                "%d errors after the re-formation; codes: %s; first: %s%s%s" % (
+                    len(inflight), sum(r.code is not None for r in inflight), len(outage),
+                    sum(r.code is not None for r in outage), len(late),
+                    ", ".join("%s x%d" % kv for kv in sorted(codes.items())) or "none",
+                    "%.3f s after the kill, %s %s: %s" % (first.t1 - t_kill, first.thread,
+                                                          first.kind, first.msg) if first else "-",
+                    "; UNEXPECTED: " + "; ".join("%s %s: %s" % (r.thread, r.kind, r.msg)
+                                                 for r in unexpected[:3]) if unexpected else "",
+                    "; client failures: " + "; ".join(sm.crashes[:3]) if sm.crashes else ""))
+            longest = max(recs, key=lambda r: r.t1 - r.t0)
+            inf_max = m["answered"] = max((r.t1 - t_kill for r in inflight), default=0.0)
+            put("bounded", longest.t1 - longest.t0 <= a.answer_bound_s and not stuck and not infl,
+                "%d calls; longest %.3f s (%s %s, %s); in-flight ones answered within %.3f s of "
+                "the kill; bound %.1f s%s" % (
+                    len(recs), longest.t1 - longest.t0, longest.thread, longest.kind,
+                    longest.code or "ok", inf_max, a.answer_bound_s,
+                    "; threads still in a call: %s" % ", ".join(sorted(infl)) if infl else ""))
+            if save:
+                put("ckpt", *check_ckpt_kill(sm, inflight, save, watch, t_kill, k_committed))
+            elif a.kill_during == "ckpt":
+                put("ckpt", False, "the kill missed the checkpoint: no automatic checkpoint of a "
+                    "step seen being written in %.0f s" % a.ckpt_wait_s)
+            if cl.coord.poll() is not None:
+                coord_fail.append("exited with %s" % cl.coord.returncode)
+            try:
+                ping.ping()
+            except moe.Error as e:
+                coord_fail.append("ping at the end: %s" % e)
+            put("coord", not coord_fail, "pid %d up from start to %.1f s after the kill, "
+                "answered ping after the kill and at the end%s" % (
+                    cl.coord.pid, t_end - t_kill,
+                    "; " + "; ".join(coord_fail) if coord_fail else ""))
+            gone.join(1)
+            m["dying"] = gone.dying
+            if any(v and v[0] == "FAIL" for v in res.values()):
+                break  # the cluster's state is unknown: no further kill
         ping.close()
     except Exception as e:  # noqa: BLE001 - any failure ends in the table
         log("ABORT: %s: %s" % (type(e).__name__, e))
@@ -1076,16 +1118,31 @@ def main():
                                                   for n, _, rc, k in st),
                 "; STILL ALIVE: " + ", ".join(alive) if alive else ""))
 
-    # ---- table ----------------------------------------------------------
-    failed = [k for k, _ in CHECKS if res[k][0] == "FAIL"]
+    # ---- tables: one per kill, then a summary line per kill ---------------
     w = max(len(n) for _, n in CHECKS)
-    print("\n%-*s  %-6s %s" % (w, "check", "result", "detail"))
-    print("%s  %s %s" % ("-" * w, "-" * 6, "-" * 40))
-    for k, n in CHECKS:
-        print("%-*s  %-6s %s" % (w, n, res[k][0], res[k][1]))
-    print("\nkill test: %s (%d workers, backend %s, xchg %s%s) in %.1f s" % (
-        "FAIL" if failed else "PASS", a.workers, a.backend, a.xchg, ", train" if a.train else "",
-        time.monotonic() - T0), flush=True)
+    failed = []
+    for kn, r, _ in tables:
+        if r["cleanup"] is None:  # stopped once, after the last kill
+            r["cleanup"] = ("SKIP", "checked after the last kill")
+        if len(tables) > 1 or a.kills > 1:
+            print("\nkill %d of %d" % (kn + 1, a.kills))
+        print("\n%-*s  %-6s %s" % (w, "check", "result", "detail"))
+        print("%s  %s %s" % ("-" * w, "-" * 6, "-" * 40))
+        for k, n in CHECKS:
+            print("%-*s  %-6s %s" % (w, n, r[k][0], r[k][1]))
+        failed += [k for k, _ in CHECKS if r[k][0] == "FAIL"]
+    print()
+    for kn, r, m in tables:  # deploy/kill-series.sh reads these lines
+        print("kill-summary %d %s victim %s at %s %s" % (
+            kn + 1, "FAIL" if any(r[k][0] == "FAIL" for k, _ in CHECKS) else "PASS",
+            m.get("victim", "-"), m.get("at", "-"), " ".join(
+                "%s %s" % (k, "%.3f" % m[k] if m.get(k) is not None else "-")
+                for k in ("dying", "seen", "load", "down", "first", "answered", "step", "ready"))))
+    short = len(tables) < a.kills
+    print("\nkill test: %s (%d workers, backend %s, xchg %s%s; %d of %d kills made) in %.1f s" % (
+        "FAIL" if failed or short else "PASS", a.workers, a.backend, a.xchg,
+        ", train" if a.train else "", len(tables), a.kills, time.monotonic() - T0), flush=True)
+    failed += ["kills"] if short else []
     if failed or a.keep_logs:
         print("logs in %s" % run)
         for name in sorted(os.listdir(run)):
