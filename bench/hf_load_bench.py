@@ -154,7 +154,15 @@ def start_cluster(root, workers, run):
     for _ in range(200):
         if os.path.exists(f"{run}/addr") and os.path.getsize(f"{run}/addr"):
             break
+        if coord.poll() is not None:
+            break
         time.sleep(0.05)
+    else:
+        raise SystemExit(f"the coordinator wrote no address in 10 s (log {run}/coord.log)")
+    if coord.poll() is not None:
+        with open(f"{run}/coord.log", errors="replace") as f:
+            tail = f.read()[-600:]
+        raise SystemExit(f"the coordinator exited with {coord.returncode} at start: {tail}")
     url = open(f"{run}/addr").read().strip()
     threads = max(1, (os.cpu_count() or 2) // workers)
     for i in range(workers):
