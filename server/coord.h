@@ -83,7 +83,12 @@ typedef struct coord_model {
     int64_t *tokens;  /* (layers, E) routed slots, cumulative */
     int64_t *dropped; /* (layers, E) dropped slots, cumulative */
     uint64_t forwards;
-    int created_gen;       /* generation the workers hold it in; 0 = not yet */
+    int created_gen; /* generation the workers hold it in; 0 = not yet */
+    /* a re-creation after a re-formation that failed (models.c): the
+     * re-formations it caused in a row, and why the last one failed (its
+     * forwards are refused `unavailable` with this, coord_job_pump) */
+    int recreate_failures;
+    char recreate_err[200];
     int64_t step;          /* optimizer steps completed */
     int64_t saved_step;    /* step of the last checkpoint written or loaded */
     int64_t pending_grads; /* backwards since the last step */

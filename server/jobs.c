@@ -397,6 +397,20 @@ void coord_job_pump(coord *c)
             job_free(j);
             continue;
         }
+        if (j->kind == JOB_FORWARD && j->model && j->model->created_gen != (int)c->generation) {
+            /* the model's re-creation for this generation failed (it runs
+             * ahead of every client job): its workers do not hold it */
+            if (j->call) {
+                rpc_reply_err(j->call, MOE_EUNAVAIL,
+                              "model '%s' is not on the workers of generation %llu: its "
+                              "re-creation failed (%s); the cluster forms again",
+                              j->model->cfg.name, (unsigned long long)c->generation,
+                              j->model->recreate_err[0] ? j->model->recreate_err : "unknown");
+                coord_count_error(c, MOE_EUNAVAIL);
+            }
+            job_free(j);
+            continue;
+        }
         if (j->kind == JOB_FORWARD && !j->train)
             merge_forwards(c, j);
         send_job(c, j);

@@ -111,10 +111,39 @@ static void model_create_encode(coord *c, coord_job *j, int rank, mp_writer *w)
     model_cfg_write(w, &j->model->cfg);
 }
 
+/* at most this many re-formations in a row for a model whose re-creation
+ * fails on every worker; then its calls are refused until the next one */
+#define RECREATE_REFORMS 3
+
 static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_rank)
 {
-    if (first == MOE_OK)
-        j->model->created_gen = (int)j->generation;
+    coord_model *m = j->model;
+    if (first == MOE_OK) {
+        m->created_gen = (int)j->generation;
+        m->recreate_failures = 0;
+        m->recreate_err[0] = 0;
+    }
+    if (first != MOE_OK && !j->call && j->generation == c->generation &&
+        c->world >= c->expected_workers) {
+        /* the workers of this generation do not hold the model: its
+         * forwards would reach workers that answer not_found. Refused
+         * (unavailable, coord_job_pump) and the cluster formed again - a
+         * bounded number of times, for a failure that is not transient */
+        snprintf(m->recreate_err, sizeof(m->recreate_err), "rank %d: %s", bad_rank,
+                 j->replies[bad_rank] ? j->replies[bad_rank]->message : moe_err_code(first));
+        if (++m->recreate_failures <= RECREATE_REFORMS) {
+            LOG_W("model %s: its re-creation on generation %llu failed (%s): re-forming the "
+                  "cluster (%d of %d)",
+                  m->cfg.name, (unsigned long long)c->generation, m->recreate_err,
+                  m->recreate_failures, RECREATE_REFORMS);
+            c->ready = 0;
+            c->need_form = 1;
+        } else {
+            LOG_E("model %s: its re-creation failed %d times in a row (%s): its calls are "
+                  "refused until the cluster re-forms",
+                  m->cfg.name, m->recreate_failures, m->recreate_err);
+        }
+    }
     if (first != MOE_OK && !j->call && j->generation == c->generation &&
         c->world < c->expected_workers) {
         /* a generation of survivors (--min-workers) that cannot hold a

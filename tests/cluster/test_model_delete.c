@@ -2,12 +2,16 @@
  * test_model_delete.c - a model.create that cannot fit is refused before
  * any worker allocates (and the queue keeps serving), a create that fails
  * on the workers is rolled back everywhere (the name can be created
- * again), and model.delete.
+ * again), a re-creation after a re-formation that fails is retried by
+ * forming again (its forwards refused unavailable meanwhile), and
+ * model.delete.
  */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tests/cluster.h"
 
@@ -129,6 +133,49 @@ Test(model_mem, failed_create_rolled_back_and_name_reusable, .timeout = 120,
     f2.seed = 9;
     cr_assert_eq(moe_model_create(cl->cli, &f2), MOE_OK, "re-create: %s", moe_last_error());
     cr_assert_eq(forward(cl->cli, "flaky"), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(cluster_stop(cl), 0);
+}
+
+Test(model_mem, a_failed_re_creation_forms_again_instead_of_not_found, .timeout = 150,
+     .fini = cluster_fini_all)
+{
+    /* the model is on both workers; both are killed and started again, the
+     * first to register (rank 0 of the next generation) with a flag that
+     * fails its first worker.model_create of "m": the coordinator's
+     * re-creation after the re-formation fails on rank 0. Its forwards
+     * must not reach workers that do not hold the model (rank 0's not_found
+     * came first and the cluster stayed as it was: every forward not_found
+     * until some later re-formation): they are refused unavailable and the
+     * cluster forms again, where the re-creation succeeds */
+    cluster_opts o = {.workers = 2};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    moe_model_config m = small_model("m", 1);
+    cr_assert_eq(moe_model_create(cl->cli, &m), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(forward(cl->cli, "m"), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(cluster_worker_kill(cl, 0, SIGKILL), 0, "%s", cl->err);
+    cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cl->err);
+    cl->opts.worker_args[0] = "--fail-create-for-tests"; /* the restarts' flags */
+    cl->opts.worker_args[1] = "m";
+    cl->opts.worker_args[2] = NULL;
+    cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cl->err);
+    cluster_state st = {0};
+    for (int64_t t0 = cluster_now_ms(); cluster_now_ms() - t0 < 30000; usleep(20 * 1000))
+        if (cluster_get_state(cl, &st) == MOE_OK && st.up == 1)
+            break;
+    cr_assert_eq(st.up, 1, "the flagged worker did not register in 30 s");
+    cl->opts.worker_args[0] = NULL;
+    cr_assert_eq(cluster_worker_start(cl, 0), 0, "%s", cl->err);
+    moe_err e = MOE_EUNAVAIL;
+    for (int64_t t0 = cluster_now_ms(); cluster_now_ms() - t0 < 90000; usleep(50 * 1000)) {
+        e = forward(cl->cli, "m");
+        cr_assert_neq(e, MOE_ENOTFOUND, "a forward reached a worker without the model: %s",
+                      moe_last_error());
+        if (e == MOE_OK)
+            break;
+        cr_assert_eq(e, MOE_EUNAVAIL, "%s", moe_last_error());
+    }
+    cr_assert_eq(e, MOE_OK, "no forward succeeded within 90 s: %s", moe_last_error());
     cr_assert_eq(cluster_stop(cl), 0);
 }
 
