@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# gpu_branches.sh - one device call on a 2-GPU host (about 8 minutes) that
-# decides the merge of branches whose binaries were built on the development
-# machine and carried (`carry: ["run/carry", ".deps"]`):
+# gpu_branches.sh - device calls on a 2-GPU host (about 6 minutes a branch;
+# ONLY="NAME ..." runs those alone) that decide the merge of branches whose
+# binaries were built on the development machine and carried (`carry:
+# ["run/carry", ".deps"]`):
 #
 #   run/carry/main.tar.xz              main's bin/ and lib/ (the baseline)
 #   run/carry/branches/NAME.tar.xz     branch NAME's bin/ and lib/ files
 #
-#   kcu-ffn          bin/check-gpu; bin/moe_bench against main's in the
-#                    same call (no kernel may get slower)
-#   qwen2-decode     bin/check-gpu (the qwen2-dec cases: decode path, bit
-#                    for bit against the general path)
-#   nccl-early-recv  bench/nccl_client_check.sh with that branch's daemons
-#                    and service_bench (the NVLink line: call <= compute +
-#                    raw transfers)
-#   decode-dedup     bin/check-gpu (the decode forwards' shared operands
-#                    filled by one helper: host code only)
-#   nccl-spin        bench/nccl_client_check.sh with that branch's daemons
-#                    (the comm thread awaits y awake; compare the NVLink
-#                    line and the worker's "y handed over -> sent" with
-#                    main's, run first)
+#   nccl-phases      bench/nccl_client_check.sh with main's binaries,
+#                    then with the branch's (its own copy of the script:
+#                    MOE_NCCL_TRACE=1): the client's and the worker's phase
+#                    medians say where the NVLink line's time above compute
+#                    + transfers goes; the branch's comm thread also waits
+#                    awake for the next x after a y (compare the NVLink
+#                    line with main's)
+#   ep-dedup         bin/ep_bench on all GPUs: the deduplicated dispatch's
+#                    inference forward against the single-GPU layer
+#                    (EP_DEDUP_CHECK), then Qwen3 16384 tokens a GPU with
+#                    main's ep_bench and the branch's with and without
+#                    --dedup (EP_DEDUP_BENCH)
 #
+# (Earlier branches and their outcomes: bench/history/service.md.)
 # A branch whose archive is missing is skipped. Logs under $OUT (six files:
 # a device call returns eight at most), a summary in $OUT/branches.log.
 #
-#   OUT=$OUT bash bench/gpu_branches.sh
+#   OUT=$OUT ONLY=nccl-phases bash bench/gpu_branches.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0
@@ -56,25 +57,24 @@ unpack() {
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader | head -1 | log
 [ -f run/carry/main.tar.xz ] && tar xJf run/carry/main.tar.xz
 CASES=${CASES:-mixtral:8192,qwen3:16384,qwen3-dec:1,mixtral-dec:1}
-if unpack kcu-ffn; then
-    step 150 check_ffn /tmp/br/kcu-ffn/bin/check-gpu
-    step 120 bench_main env MOE_BENCH_NO_AB=1 bin/moe_bench --only "$CASES"
-    step 120 bench_ffn env MOE_BENCH_NO_AB=1 /tmp/br/kcu-ffn/bin/moe_bench --only "$CASES"
-fi
-if unpack qwen2-decode; then
-    step 120 check_q2 /tmp/br/qwen2-decode/bin/check-gpu
-    grep -E "^qwen2" "$OUT/check_q2.log" | cut -c1-200 | tail -n 12 | log >/dev/null
-fi
-if unpack decode-dedup; then
-    step 150 check_dd /tmp/br/decode-dedup/bin/check-gpu
-fi
-if unpack nccl-early-recv; then
-    step 170 nccl bash /tmp/br/nccl-early-recv/bench/nccl_client_check.sh
-fi
-if unpack nccl-spin; then
+NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+if want nccl-phases && unpack nccl-phases; then
     step 170 nccl_main bash bench/nccl_client_check.sh
     grep -A3 "where a request" "$OUT/nccl_main.log" | cut -c1-220 | log >/dev/null
-    step 170 nccl_spin bash /tmp/br/nccl-spin/bench/nccl_client_check.sh
-    grep -A3 "where a request" "$OUT/nccl_spin.log" | cut -c1-220 | log >/dev/null
+    step 200 nccl_phases bash /tmp/br/nccl-phases/bench/nccl_client_check.sh
+    grep -A14 "where a request" "$OUT/nccl_phases.log" | cut -c1-300 | log >/dev/null
+fi
+if want ep-dedup && [ "$NG" -ge 2 ] && unpack ep-dedup; then
+    D=/tmp/br/ep-dedup/bin/ep_bench
+    step 200 dedup_check ${EP_DEDUP_CHECK:-$D --gpus "$NG" --shape qwen3 --tokens 4096 --check-infer --dedup}
+    grep -E "check|bit|differ|FAIL|PASS" "$OUT/dedup_check.log" | tail -n 6 | cut -c1-220 | log >/dev/null
+    EPB="--gpus $NG --shape qwen3 --tokens 16384 --infer --chunks 1,4 --iters 5"
+    step 150 ep_main bin/ep_bench $EPB
+    step 150 ep_branch $D $EPB
+    step 150 ep_dedup ${EP_DEDUP_BENCH:-$D $EPB --dedup}
+    for f in ep_main ep_branch ep_dedup; do
+        grep -E "^(1|4) +[0-9]|bytes" "$OUT/$f.log" | cut -c1-200 | sed "s/^/$f: /" | log >/dev/null
+    done
 fi
 exit 0
