@@ -14,11 +14,12 @@
 #                    + transfers goes; the branch's comm thread also waits
 #                    awake for the next x after a y (compare the NVLink
 #                    line with main's)
-#   ep-dedup         bin/ep_bench on all GPUs: the deduplicated dispatch's
-#                    inference forward against the single-GPU layer
-#                    (EP_DEDUP_CHECK), then Qwen3 16384 tokens a GPU with
-#                    main's ep_bench and the branch's with and without
-#                    --dedup (EP_DEDUP_BENCH)
+#   ep-dedup         bin/ep_bench on all GPUs (about 9 minutes): the
+#                    deduplicated dispatch's inference forward against the
+#                    single-GPU layer with and without --dedup
+#                    (EP_DEDUP_CHECK), training with --dedup-train against
+#                    it, then Qwen3 16384 tokens a GPU with main's ep_bench
+#                    and the branch's --dedup (EP_DEDUP_BENCH)
 #
 # (Earlier branches and their outcomes: bench/history/service.md.)
 # A branch whose archive is missing is skipped. Logs under $OUT (six files:
@@ -66,15 +67,25 @@ if want nccl-phases && unpack nccl-phases; then
     grep -A14 "where a request" "$OUT/nccl_phases.log" | cut -c1-300 | log >/dev/null
 fi
 if want ep-dedup && [ "$NG" -ge 2 ] && unpack ep-dedup; then
+    # correctness: the inference forward against kcu_layer on all tokens,
+    # with and without --dedup (tiny batches may differ on main too: a
+    # different GEMM kernel for few rows); then training (dedup 2)
     D=/tmp/br/ep-dedup/bin/ep_bench
-    step 200 dedup_check ${EP_DEDUP_CHECK:-$D --gpus "$NG" --shape qwen3 --tokens 4096 --check-infer --dedup}
-    grep -E "check|bit|differ|FAIL|PASS" "$OUT/dedup_check.log" | tail -n 6 | cut -c1-220 | log >/dev/null
+    CHK="--gpus $NG --shape qwen3 --tokens 16384 --infer --chunks 1,4,0 --check-infer --iters 3"
+    step 200 dedup_check ${EP_DEDUP_CHECK:-$D $CHK --dedup}
+    step 150 dedup_base $D $CHK
+    step 200 dedup_train $D --gpus "$NG" --shape qwen3 --tokens 16384 --chunks 1 --check \
+        --check-chunks 4 --dedup-train
+    for f in dedup_check dedup_base dedup_train; do
+        grep -E "check|bit-identical|differs|FAIL" "$OUT/$f.log" | tail -n 6 | cut -c1-220 |
+            sed "s/^/$f: /" | log >/dev/null
+    done
+    # the time: main's ep_bench, then the branch's with --dedup
     EPB="--gpus $NG --shape qwen3 --tokens 16384 --infer --chunks 1,4 --iters 5"
     step 150 ep_main bin/ep_bench $EPB
-    step 150 ep_branch $D $EPB
     step 150 ep_dedup ${EP_DEDUP_BENCH:-$D $EPB --dedup}
-    for f in ep_main ep_branch ep_dedup; do
-        grep -E "^(1|4) +[0-9]|bytes" "$OUT/$f.log" | cut -c1-200 | sed "s/^/$f: /" | log >/dev/null
+    for f in ep_main ep_dedup; do
+        grep -E "^(1|4) +[0-9]|MB" "$OUT/$f.log" | cut -c1-220 | sed "s/^/$f: /" | log >/dev/null
     done
 fi
 exit 0
