@@ -20,6 +20,11 @@
 #                    (EP_DEDUP_CHECK), training with --dedup-train against
 #                    it, then Qwen3 16384 tokens a GPU with main's ep_bench
 #                    and the branch's --dedup (EP_DEDUP_BENCH)
+#   topk-dedup       bin/check-gpu (the decode kernels inline the router's
+#                    top-k, whose arg-max pick is now one helper shared with
+#                    the family router: their SASS changed, the router
+#                    kernels' did not), then bin/moe_bench's decode cases
+#                    with main's binary and the branch's (about 5 minutes)
 #
 # (Earlier branches and their outcomes: bench/history/service.md.)
 # A branch whose archive is missing is skipped. Logs under $OUT (six files:
@@ -86,6 +91,15 @@ if want ep-dedup && [ "$NG" -ge 2 ] && unpack ep-dedup; then
     step 150 ep_dedup ${EP_DEDUP_BENCH:-$D $EPB --dedup}
     for f in ep_main ep_dedup; do
         grep -E "^(1|4) +[0-9]|MB" "$OUT/$f.log" | cut -c1-220 | sed "s/^/$f: /" | log >/dev/null
+    done
+fi
+if want topk-dedup && unpack topk-dedup; then
+    step 150 check_topk /tmp/br/topk-dedup/bin/check-gpu
+    DEC=${DEC_CASES:-qwen3-dec:1,qwen3-dec:64,mixtral-dec:1}
+    step 90 dec_main env MOE_BENCH_NO_AB=1 bin/moe_bench --only "$DEC"
+    step 90 dec_topk env MOE_BENCH_NO_AB=1 /tmp/br/topk-dedup/bin/moe_bench --only "$DEC"
+    for f in dec_main dec_topk; do
+        grep -E "^[a-z0-9]+-dec " "$OUT/$f.log" | cut -c1-200 | sed "s/^/$f: /" | log >/dev/null
     done
 fi
 exit 0
