@@ -20,10 +20,10 @@
 #                    (EP_DEDUP_CHECK), training with --dedup-train against
 #                    it, then Qwen3 16384 tokens a GPU with main's ep_bench
 #                    and the branch's --dedup (EP_DEDUP_BENCH)
-#   topk-dedup       bin/check-gpu (the decode kernels inline the router's
-#                    top-k, whose arg-max pick is now one helper shared with
-#                    the family router: their SASS changed, the router
-#                    kernels' did not), then bin/moe_bench's decode cases
+#   topk-dedup       bin/check-gpu (the router's arg-max pick is one helper
+#                    shared by the plain and the family router: the SASS of
+#                    the router kernels and of the decode kernels, which
+#                    inline it, changed), then bin/moe_bench's decode cases
 #                    with main's binary and the branch's (about 5 minutes)
 #
 # (Earlier branches and their outcomes: bench/history/service.md.)
