@@ -1302,8 +1302,12 @@ static moe_rpc_response gone_ranks(const moe_reply *ctl, moe_err e)
     return r;
 }
 
-static int is_gone(const moe_rpc_response *g, int q)
+/* rank_down: worker q will not answer - its connection is down, or the
+ * coordinator's error names it gone */
+static int rank_down(const dp_map *m, const moe_rpc_response *g, int q)
 {
+    if (__atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0)
+        return 1;
     for (int i = 0; i < g->ngone; i++)
         if (g->gone[i] == q)
             return 1;
@@ -1879,8 +1883,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     for (int q = 0; q < W; q++) {
         if (!rq[q].open)
             continue;
-        int down =
-            e != MOE_OK && (__atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0 || is_gone(&gone, q));
+        int down = e != MOE_OK && rank_down(m, &gone, q);
         if (e != MOE_OK && !down && !early[q] && !send_cancel(c, m, q, cid, seq))
             down = 1;
         moe_rpc_response resp;
@@ -2161,8 +2164,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
          * one whose connection is down, or that the coordinator says is
          * gone, nothing will come - stop waiting, and never reuse a shared
          * buffer it may still write */
-        int down =
-            e != MOE_OK && (__atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0 || is_gone(&gone, q));
+        int down = e != MOE_OK && rank_down(m, &gone, q);
         if (e != MOE_OK && !down && !send_cancel(c, m, q, cid, seq))
             down = 1; /* connected but not answering: do not wait for it either */
         poisoned |= down;

@@ -121,8 +121,6 @@ moe_err moe_rpc_parse_request(const void *buf, size_t len, size_t max_len, moe_r
     return check_rest(&r, 2 * (uint64_t)req->nparams, depth + 1, "params", eb);
 }
 
-/* read_error reads the error object {"code": str, "message": str}; unknown
- * keys are skipped (room for later fields), "message" may be missing. */
 /* read_gone: the error's "gone" array of ranks (the first MOE_RPC_MAX_GONE
  * kept, the others read past) */
 static moe_err read_gone(mp_reader *r, moe_rpc_response *resp, mp_errbuf *eb)
@@ -138,6 +136,9 @@ static moe_err read_gone(mp_reader *r, moe_rpc_response *resp, mp_errbuf *eb)
     return e;
 }
 
+/* read_error reads the error object {"code": str, "message": str, "gone":
+ * [rank, ...]}; unknown keys are skipped (room for later fields), "message"
+ * and "gone" may be missing. */
 static moe_err read_error(mp_reader *r, moe_rpc_response *resp, mp_errbuf *eb)
 {
     uint32_t n;

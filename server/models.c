@@ -123,15 +123,26 @@ static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_r
         m->recreate_failures = 0;
         m->recreate_err[0] = 0;
     }
-    if (first != MOE_OK && !j->call && j->generation == c->generation &&
-        c->world >= c->expected_workers) {
-        /* the workers of this generation do not hold the model: its
-         * forwards would reach workers that answer not_found. Refused
-         * (unavailable, coord_job_pump) and the cluster formed again - a
-         * bounded number of times, for a failure that is not transient */
+    if (first != MOE_OK && !j->call && j->generation == c->generation) {
+        /* a re-creation after a re-formation failed: the workers of this
+         * generation do not hold the model, and its forwards would reach
+         * workers that answer not_found. They are refused unavailable with
+         * this (coord_job_pump), and the cluster forms again */
         snprintf(m->recreate_err, sizeof(m->recreate_err), "rank %d: %s", bad_rank,
                  j->replies[bad_rank] ? j->replies[bad_rank]->message : moe_err_code(first));
-        if (++m->recreate_failures <= RECREATE_REFORMS) {
+        if (c->world < c->expected_workers) {
+            /* a generation of survivors (--min-workers) that cannot hold
+             * the model: give it up and wait for every worker */
+            LOG_W("model %s does not fit on the %d workers of generation %llu (%s): waiting "
+                  "for all %lld workers",
+                  m->cfg.name, c->world, (unsigned long long)c->generation, m->recreate_err,
+                  c->expected_workers);
+            c->ready = 0;
+            c->shrink_blocked = 1;
+            c->need_form = 1;
+        } else if (++m->recreate_failures <= RECREATE_REFORMS) {
+            /* the whole cluster: again, a bounded number of times (for a
+             * failure that is not transient) */
             LOG_W("model %s: its re-creation on generation %llu failed (%s): re-forming the "
                   "cluster (%d of %d)",
                   m->cfg.name, (unsigned long long)c->generation, m->recreate_err,
@@ -143,19 +154,6 @@ static void model_create_finish(coord *c, coord_job *j, moe_err first, int bad_r
                   "refused until the cluster re-forms",
                   m->cfg.name, m->recreate_failures, m->recreate_err);
         }
-    }
-    if (first != MOE_OK && !j->call && j->generation == c->generation &&
-        c->world < c->expected_workers) {
-        /* a generation of survivors (--min-workers) that cannot hold a
-         * model: give it up and wait for every worker */
-        LOG_W("model %s does not fit on the %d workers of generation %llu (rank %d: %s): "
-              "waiting for all %lld workers",
-              j->model->cfg.name, c->world, (unsigned long long)c->generation, bad_rank,
-              j->replies[bad_rank] ? j->replies[bad_rank]->message : moe_err_code(first),
-              c->expected_workers);
-        c->ready = 0;
-        c->shrink_blocked = 1;
-        c->need_form = 1;
     }
     if (!j->call)
         return;

@@ -664,7 +664,7 @@ def main():
     DTYPE = a.dtype
     deadline = T0 + a.time_limit
     res = {k: None for k, _ in CHECKS}  # key -> (PASS|FAIL|SKIP, detail): this kill's
-    tables = [(0, res, {})]  # per kill: (index, its checks, its figures for the summary line)
+    tables = []  # per kill made or begun: (index, its checks, its figures for the summary line)
 
     def put(key, ok, detail):
         if ok is None:
@@ -762,8 +762,6 @@ def main():
                 res = {k: None for k, _ in CHECKS}
                 if a.kill_during != "ckpt":
                     put("ckpt", None, "not --kill-during ckpt")
-            else:
-                tables.clear()
             tables.append((kn, res, m))
             coord_fail = []
             s = cl.status() or s
@@ -1121,6 +1119,10 @@ def main():
     # ---- tables: one per kill, then a summary line per kill ---------------
     w = max(len(n) for _, n in CHECKS)
     failed = []
+    made = len(tables)
+    short = made < a.kills
+    if not tables:  # the start failed: its checks, no kill
+        tables = [(0, res, {})]
     for kn, r, _ in tables:
         if r["cleanup"] is None:  # stopped once, after the last kill
             r["cleanup"] = ("SKIP", "checked after the last kill")
@@ -1138,10 +1140,9 @@ def main():
             m.get("victim", "-"), m.get("at", "-"), " ".join(
                 "%s %s" % (k, "%.3f" % m[k] if m.get(k) is not None else "-")
                 for k in ("dying", "seen", "load", "down", "first", "answered", "step", "ready"))))
-    short = len(tables) < a.kills
     print("\nkill test: %s (%d workers, backend %s, xchg %s%s; %d of %d kills made) in %.1f s" % (
         "FAIL" if failed or short else "PASS", a.workers, a.backend, a.xchg,
-        ", train" if a.train else "", len(tables), a.kills, time.monotonic() - T0), flush=True)
+        ", train" if a.train else "", made, a.kills, time.monotonic() - T0), flush=True)
     failed += ["kills"] if short else []
     if failed or a.keep_logs:
         print("logs in %s" % run)
