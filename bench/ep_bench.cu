@@ -150,10 +150,10 @@ struct world {
     std::vector<float> ws1, ws3, ws2, wsg; /* shared expert (Fs,H) (Fs,H) (H,Fs), gate (H);
                                             * empty: none / ungated */
     std::vector<std::vector<float>> x, dy, y, dx;
-    std::vector<std::vector<float>> yi;             /* per rank: y of an inference forward */
+    std::vector<std::vector<float>> yi;              /* per rank: y of an inference forward */
     std::vector<std::vector<std::vector<float>>> yc; /* --check-infer: per chunks value, per
                                                       * rank: y of an inference forward */
-    std::vector<std::vector<float>> g1, g3, g2, gr; /* per rank: local expert grads, router grad */
+    std::vector<std::vector<float>> g1, g3, g2, gr;  /* per rank: local expert grads, router grad */
     std::vector<std::vector<float>> gs1, gs3, gs2, gsg; /* per rank: shared expert, gate grads */
     /* results per chunks value (rank 0 writes the max over ranks) */
     std::vector<double> t_fwd, t_fb, t_a2a, t_nccl;
@@ -730,11 +730,10 @@ int main(int argc, char **argv)
             snprintf(lab, sizeof(lab), "%d", o.chunks[i]);
         else /* auto: the inference forward's / the training forward's */
             snprintf(lab, sizeof(lab), "auto:%d/%d", w->used[i], w->used_train[i]);
-        printf("%-9s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%% %9.1f %9.1f\n",
-               lab, w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3),
-               w->t_a2a[i], a2a_gbs, w->t_nccl[i], n_gbs,
-               w->t_nccl[i] > 0 ? w->t_a2a[i] / w->t_nccl[i] : 0, hidden * 100, w->disp_b[i] / 1e6,
-               w->a2a_b[i] / 1e6);
+        printf("%-9s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%% %9.1f %9.1f\n", lab,
+               w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3), w->t_a2a[i],
+               a2a_gbs, w->t_nccl[i], n_gbs, w->t_nccl[i] > 0 ? w->t_a2a[i] / w->t_nccl[i] : 0,
+               hidden * 100, w->disp_b[i] / 1e6, w->a2a_b[i] / 1e6);
     }
     printf("disp MB / a2a MB: the inference forward's off-GPU bytes of the busiest rank, "
            "dispatch / dispatch and return (kcu_ep_last_send_bytes, kcu_ep_last_a2a_bytes)%s; "

@@ -28,6 +28,11 @@
  * rank's T tokens (rows = xb, no exchange), run on the compute stream while
  * the dispatch flies; its output ys (T,H) joins the combine after the
  * routed slots, times sigmoid(logits[t, E]) with a gate.
+ * Deduplicated dispatch (inference forwards with c.dedup or KCU_EP_DEDUP=1,
+ *   kcu_ep.h): each (token, destination) row sent once with its K int32 of
+ *   metadata, chunks cut by token; the owner's gidx / sidx come from the
+ *   metadata (kcu_ep_dedup.cu); the return and the combine as above (see
+ *   "deduplicated dispatch" below for the layouts).
  * Training keeps xrecv, ab, h (owner) and xs, yrecv, routing (token side);
  * backward sends bf16(w*dy) along the forward's paths (xsend -> ysend),
  * runs dh and dx per chunk, returns dx rows (dxsend -> yrecv), and runs the

@@ -139,8 +139,7 @@ __global__ void k_epd_pack(const bf16 *__restrict__ x, const int32_t *__restrict
     const uint4 *src = reinterpret_cast<const uint4 *>(x + (size_t)t * H);
     for (uint64_t b = mask[t]; b; b &= b - 1) {
         const int q = __ffsll((long long)b) - 1;
-        const int64_t u =
-            (int64_t)utab[c * W + q] + urank[(size_t)t * W + q] - upre[c * W + q];
+        const int64_t u = (int64_t)utab[c * W + q] + urank[(size_t)t * W + q] - upre[c * W + q];
         uint4 *dst = reinterpret_cast<uint4 *>(xsend + (size_t)u * H);
         for (int i = lane; i < H / 8; i += 32)
             dst[i] = src[i];
