@@ -16,7 +16,8 @@
  *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small|moe64 [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
  *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
- *                [--dedup]   (deduplicated dispatch in inference forwards: c.dedup)
+ *                [--dedup]   (deduplicated dispatch in inference forwards: c.dedup 1)
+ *                [--dedup-train]   (in training forwards too: c.dedup 2)
  *                [--check-infer]   (y of the inference forward at each --chunks value
  *                             against kcu_layer's inference forward of all W*T tokens)
  *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
@@ -134,7 +135,7 @@ struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
     int infer = 0;        /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
     int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
-    int dedup = 0;        /* --dedup: c.dedup (inference forwards) */
+    int dedup = 0;        /* --dedup: c.dedup 1 (inference forwards); --dedup-train: 2 */
     int check_infer = 0;  /* --check-infer: inference y against kcu_layer's */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
@@ -297,7 +298,7 @@ static void *rank_main(void *arg)
             a2a_b = kcu_ep_last_a2a_bytes(ep);
             /* the all-to-all alone repeats the last forward's transfers:
              * with --dedup the inference forward's (dedup) ones, so before
-             * the training forward (which has no dedup) */
+             * the training forward (which has no dedup with --dedup) */
             const double a0 =
                 w->o.dedup ? timed(w, r, [&] { CKM(kcu_ep_bench_exchange(ep, st)); }) : 0;
             const double fb = w->o.infer ? 0 : timed(w, r, [&] {
@@ -473,10 +474,10 @@ static int check_single(world *w)
     if (shared)
         snprintf(extra, sizeof(extra), ", shared expert grads %.2e, gate grad %s%.2e", esh,
                  gate ? "" : "(none) ", egate);
-    printf("check vs single GPU (%zu tokens on GPU 0, %s routing): y %.2e (%s), y of an "
+    printf("check vs single GPU (%zu tokens on GPU 0, %s routing, dedup %d): y %.2e (%s), y of an "
            "inference forward %.2e, dx %.2e, expert grads %.2e, router grad %.2e%s%s -> %s\n",
-           TT, FAM_NAMES[o.family], ey, ybits ? "differs in bits" : "bit-identical", eyi, edx, eg,
-           egr, extra, nan ? ", NaN" : "", fail ? "FAIL" : "pass");
+           TT, FAM_NAMES[o.family], o.dedup, ey, ybits ? "differs in bits" : "bit-identical", eyi,
+           edx, eg, egr, extra, nan ? ", NaN" : "", fail ? "FAIL" : "pass");
     return fail;
 }
 
@@ -586,6 +587,8 @@ int main(int argc, char **argv)
             o.infer = 1;
         } else if (!strcmp(a, "--dedup")) {
             o.dedup = 1;
+        } else if (!strcmp(a, "--dedup-train")) {
+            o.dedup = 2;
         } else if (!strcmp(a, "--check-infer")) {
             o.check_infer = 1;
         } else if (!strcmp(a, "--check-chunks")) {
@@ -606,7 +609,7 @@ int main(int argc, char **argv)
                     "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small|moe64 [--tokens T] "
                     "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
                     "[--check-chunks N] [--infer] [--family dsv3|qwen2] [--dedup] "
-                    "[--check-infer]\n",
+                    "[--dedup-train] [--check-infer]\n",
                     argv[0]);
             return 2;
         }

@@ -28,11 +28,13 @@
  * rank's T tokens (rows = xb, no exchange), run on the compute stream while
  * the dispatch flies; its output ys (T,H) joins the combine after the
  * routed slots, times sigmoid(logits[t, E]) with a gate.
- * Deduplicated dispatch (inference forwards with c.dedup or KCU_EP_DEDUP=1,
- *   kcu_ep.h): each (token, destination) row sent once with its K int32 of
- *   metadata, chunks cut by token; the owner's gidx / sidx come from the
- *   metadata (kcu_ep_dedup.cu); the return and the combine as above (see
- *   "deduplicated dispatch" below for the layouts).
+ * Deduplicated dispatch (c.dedup or KCU_EP_DEDUP: 1 inference forwards, 2
+ *   training ones too; kcu_ep.h): each (token, destination) row sent once
+ *   with its K int32 of metadata, chunks cut by token; the owner's gidx /
+ *   sidx (and wgx, wgh, wgy when training) come from the metadata
+ *   (kcu_ep_dedup.cu); the return, the combine and the backward's transfers
+ *   follow the return layout (see "deduplicated dispatch" below for the
+ *   layouts).
  * Training keeps xrecv, ab, h (owner) and xs, yrecv, routing (token side);
  * backward sends bf16(w*dy) along the forward's paths (xsend -> ysend),
  * runs dh and dx per chunk, returns dx rows (dxsend -> yrecv), and runs the
@@ -111,8 +113,8 @@ struct kcu_ep {
     int t_offs, t_goffs, t_ntiles, t_rbase, t_te, t_tr, t_len;
     /* deduplicated dispatch (kcu_ep.h "Deduplicated dispatch"; the layouts
      * in kcu_ep_dedup.cuh). Buffers made at create when c.dedup or
-     * KCU_EP_DEDUP=1 (and world > 1); NULL otherwise. */
-    int dedup;             /* inference forwards dedup their dispatch */
+     * KCU_EP_DEDUP is 1 or 2 (and world > 1); NULL otherwise. */
+    int dedup;             /* 1: inference forwards dedup their dispatch, 2: train ones too */
     int dd;                /* the last forward did */
     int P;                 /* slices of the last dedup forward's counts blocks */
     int32_t *dcnt;         /* (EP_MAX_CHUNKS*(E+W)) this rank's counts block */
@@ -121,6 +123,7 @@ struct kcu_ep {
     int32_t *ubcnt;        /* (ceil(T_max/256),W) per-block tokens on q, then prefix */
     int32_t *msend;        /* (T_max*min(W,K),K) metadata of the unique send rows */
     int32_t *mrecv, *sidx; /* owner: (N,K) received metadata, (N) GEMM row -> return row */
+    int32_t *wgy;          /* owner, train: (N) global expert-major row -> return row */
     /* unique rows per (chunk, peer) sent and received, their bases; the
      * largest count received from one source per chunk */
     int64_t usend[EP_MAX_CHUNKS][EP_MAX_WORLD], urecv[EP_MAX_CHUNKS][EP_MAX_WORLD];
@@ -129,6 +132,7 @@ struct kcu_ep {
     /* the dedup tables after t_tr's (kcu_ep_dedup.cuh): token side ctab,
      * cpre (C,E), utab, upre (C,W); owner ur0, urn (C,W), goff, roff (C,W,ne) */
     int t_ctab, t_cpre, t_utab, t_upre, t_ur0, t_urn, t_goff, t_roff;
+    int t_wbase; /* (C,W,ne) global expert-major row of (chunk, source, expert) (train) */
 };
 
 namespace
@@ -372,8 +376,8 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
     if (tr)
         b += al(rows * N1 * 2) + al(rows * H * 2) + 2 * al(rows * 4) +
              (ep->sorted ? al(rows * H * 2) : 0);
-    if (ep->dedup) /* mrecv, sidx: the unique rows received are at most the rows */
-        b += al(rows * ep->c.K * 4) + al(rows * 4);
+    if (ep->dedup) /* mrecv, sidx (wgy): the unique rows received are at most the rows */
+        b += al(rows * ep->c.K * 4) + al(rows * 4) + (tr ? al(rows * 4) : 0);
     KCU_CHECK(cudaDeviceSynchronize()); /* nothing in flight uses the old buffers */
     if (ep->ows)
         cudaFree(ep->ows);
@@ -413,10 +417,12 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
         ep->wgx = (int32_t *)take(rows * 4);
         ep->wgh = (int32_t *)take(rows * 4);
     }
-    ep->mrecv = ep->sidx = nullptr;
+    ep->mrecv = ep->sidx = ep->wgy = nullptr;
     if (ep->dedup) {
         ep->mrecv = (int32_t *)take(rows * ep->c.K * 4);
         ep->sidx = (int32_t *)take(rows * 4);
+        if (tr)
+            ep->wgy = (int32_t *)take(rows * 4);
     }
     ep->ows_bytes = b;
     ep->cap_rows = rows;
@@ -650,7 +656,9 @@ moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
     return kcu_ffn_forward(&f, xrows, xgather, train, ep->ysend, MOE_BF16, ep->gidx + rb, st);
 }
 
-/* the owner's dh and dx GEMMs of chunk c: dy rows (in ysend) -> dxsend */
+/* the owner's dh and dx GEMMs of chunk c: dy rows (in ysend) -> dxsend.
+ * After a dedup forward the dy and dx rows are in the return layout: read
+ * and written through sidx (GEMM row -> return row) instead of gidx */
 moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
 {
     if (ep->tiles[c] == 0)
@@ -658,11 +666,12 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
     const int H = ep->c.H, nsm = ep_gemm_sms(ep);
     const int64_t rb = ep->rbase[c];
     const kcu_ffn f = ep_chunk_ffn(ep, c, nsm);
+    const int32_t *rows = (ep->dd ? ep->sidx : ep->gidx) + rb;
     const bf16 *dy = ep->ysend;
-    const int32_t *dygather = ep->gidx + rb;
+    const int32_t *dygather = rows;
     if (ep->sorted) { /* the dy rows in expert order, in chunk c's dxsend region
                        * (the dx GEMM overwrites it after dh) */
-        KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, ep->gidx + rb, f.t.offs + ep->ne,
+        KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, rows, f.t.offs + ep->ne,
                                 (int)(ep->rbase[c + 1] - rb), H, ep->dxsend + (size_t)rb * H, 0,
                                 st));
         dy = ep->dxsend + (size_t)rb * H;
@@ -674,7 +683,7 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
         KCU_TRY(ep_dw2(ep, ep->dxsend, nullptr, nsm, st));
         ep->dw2_done = 1;
     }
-    return kcu_ffn_dx(&f, ep->dxsend, MOE_BF16, ep->gidx + rb, st);
+    return kcu_ffn_dx(&f, ep->dxsend, MOE_BF16, rows, st);
 }
 
 /* the pipeline of one direction: chunk c computes while later chunks are
@@ -943,7 +952,8 @@ moe_err epd_plan(kcu_ep *ep)
     ep->t_urn = ep->t_ur0 + C * W;
     ep->t_goff = ep->t_urn + C * W;
     ep->t_roff = ep->t_goff + C * W * ne;
-    ep->t_len = ep->t_roff + C * W * ne;
+    ep->t_wbase = ep->t_roff + C * W * ne;
+    ep->t_len = ep->t_wbase + C * W * ne;
     KCU_TRY(ep_grow(ep, ep->N, ep->t_len));
     int32_t *t = ep->tbl_h;
     for (int i = 0; i <= ne; i++)
@@ -1008,13 +1018,26 @@ moe_err epd_plan(kcu_ep *ep)
     t[ep->t_rbase + C] = (int32_t)ep->rbase[C];
     for (int i = 0; i < ne; i++)
         t[ep->t_goffs + i + 1] += t[ep->t_goffs + i];
+    /* global expert-major rows (the weight gradients' groups): expert i's
+     * rows of every chunk, chunk-major, each chunk's in GEMM row order */
+    for (int i = 0; i < ne; i++) {
+        int64_t g0 = t[ep->t_goffs + i];
+        for (int c = 0; c < C; c++) {
+            const int32_t *offs = t + ep->t_offs + c * (ne + 1);
+            for (int q = 0; q < W; q++) {
+                const int k = (c * W + q) * ne + i;
+                t[ep->t_wbase + k] = (int32_t)(g0 + t[ep->t_goff + k] - offs[i]);
+            }
+            g0 += offs[i + 1] - offs[i];
+        }
+    }
     return MOE_OK;
 }
 
 /* the token side of a dedup forward up to the pipeline: the counts blocks
  * (one all-gather: the call's host synchronisation), this call's chunks,
  * the plan, and the send rows */
-moe_err epd_prepare(kcu_ep *ep, int T, const bf16 *xb, cudaStream_t st)
+moe_err epd_prepare(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
 {
     kcu_layer *R = &ep->R;
     const int E = ep->c.E, W = ep->c.world, K = ep->c.K;
@@ -1037,7 +1060,7 @@ moe_err epd_prepare(kcu_ep *ep, int T, const bf16 *xb, cudaStream_t st)
         for (int q = 0; q < W; q++)
             for (int i = 0; i < ep->P * E; i++)
                 rows += epd_block(ep, q)[i];
-        ep->C = kcu_ep_auto_chunks(W, ep->c.F, rows / W, 0);
+        ep->C = kcu_ep_auto_chunks(W, ep->c.F, rows / W, train);
     }
     if (ep->P % ep->C)
         return MOE_EINTERNAL;
@@ -1090,9 +1113,10 @@ moe_err epd_dispatch(kcu_ep *ep, int c)
     return err != MOE_OK ? err : e2;
 }
 
-/* the owner's forward GEMMs of chunk c (inference): its index from the
- * received metadata, then xrecv (through gidx) -> ysend (through sidx) */
-moe_err epd_experts_fwd(kcu_ep *ep, int c, cudaStream_t st)
+/* the owner's forward GEMMs of chunk c: its index from the received
+ * metadata, then xrecv (through gidx) -> ysend (through sidx); training
+ * keeps ab (and the sorted rows in xg) and the weight gradients' indices */
+moe_err epd_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
 {
     if (ep->tiles[c] == 0)
         return MOE_OK;
@@ -1101,25 +1125,29 @@ moe_err epd_experts_fwd(kcu_ep *ep, int c, cudaStream_t st)
     const int32_t *tb = ep->tbl_d;
     KCU_TRY(kcu_epd_index(ep->mrecv, ep->c.K, W, ne, (int)rb, tb + ep->t_ur0 + c * W,
                           tb + ep->t_urn + c * W, ep->max_urn[c], tb + ep->t_goff + c * W * ne,
-                          tb + ep->t_roff + c * W * ne, ep->gidx, ep->sidx, st));
+                          tb + ep->t_roff + c * W * ne, tb + ep->t_wbase + c * W * ne, ep->gidx,
+                          ep->sidx, train ? ep->wgx : nullptr, train ? ep->wgh : nullptr,
+                          train ? ep->wgy : nullptr, st));
     const kcu_ffn f = ep_chunk_ffn(ep, c, ep_gemm_sms(ep));
     const bf16 *xrows = ep->xrecv;
     const int32_t *xgather = ep->gidx + rb;
-    if (ep->sorted) { /* the chunk's rows in expert order in its ysend region (the
-                       * down-projection overwrites it afterwards) */
-        bf16 *dst = ep->ysend + (size_t)rb * H;
+    if (ep->sorted) { /* the chunk's rows in expert order: kept in xg for dW13 when
+                       * training, else in its ysend region (the down-projection
+                       * overwrites it afterwards) */
+        bf16 *dst = (train && ep->xg ? ep->xg : ep->ysend) + (size_t)rb * H;
         KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, f.t.offs + ne,
                                 (int)(ep->rbase[c + 1] - rb), H, dst, 0, st));
         xrows = dst;
         xgather = nullptr;
     }
-    return kcu_ffn_forward(&f, xrows, xgather, 0, ep->ysend, MOE_BF16, ep->sidx + rb, st);
+    return kcu_ffn_forward(&f, xrows, xgather, train, ep->ysend, MOE_BF16, ep->sidx + rb, st);
 }
 
 /* ep_pipeline's forward for a dedup forward: every chunk's unique rows out
  * first, each chunk's GEMMs as soon as its rows arrived, each return as
- * soon as its GEMMs finished */
-moe_err epd_pipeline(kcu_ep *ep, cudaStream_t st)
+ * soon as its GEMMs finished (the backward is ep_pipeline's: its dy rows
+ * go out and its dx rows come back along the return's paths) */
+moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
 {
     const int C = ep->C;
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
@@ -1129,7 +1157,7 @@ moe_err epd_pipeline(kcu_ep *ep, cudaStream_t st)
     }
     for (int c = 0; c < C; c++) {
         KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_disp[c], 0));
-        KCU_TRY(epd_experts_fwd(ep, c, st));
+        KCU_TRY(epd_experts_fwd(ep, c, train, st));
         KCU_CHECK(cudaEventRecord(ep->ev_comp[c], st));
     }
     for (int c = 0; c < C; c++) {
@@ -1197,12 +1225,13 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     }
     ep->rgrads_clean = 1;
     {
-        /* deduplicated dispatch: c.dedup or KCU_EP_DEDUP=1, with peers
-         * (alone there is nothing to save) and T_max < 2^24 (the metadata's
-         * slot ranks, kcu_ep_dedup.cuh) */
+        /* deduplicated dispatch: c.dedup or KCU_EP_DEDUP (1 or 2), with
+         * peers (alone there is nothing to save) and T_max < 2^24 (the
+         * metadata's slot ranks, kcu_ep_dedup.cuh) */
         const char *s = getenv("KCU_EP_DEDUP");
-        const int want = c.dedup || (s && *s && atoi(s) != 0);
-        ep->dedup = want && c.world > 1 && c.T_max < (1 << 24);
+        int want = c.dedup > 0 ? c.dedup : s && *s ? atoi(s) : 0;
+        want = want < 0 ? 0 : want > 2 ? 2 : want;
+        ep->dedup = c.world > 1 && c.T_max < (1 << 24) ? want : 0;
         if (want && !ep->dedup && c.world > 1)
             fprintf(stderr, "kcu_ep_create: dedup off: T_max %d >= 2^24\n", c.T_max);
     }
@@ -1448,11 +1477,11 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
             KCU_TRY(stage(ep, x, x_dtype, ep->R.xs, (size_t)T * ep->c.H, st));
     }
     KCU_TRY(ep_route(ep, T, xb, train, st));
-    /* dedup: inference forwards only (a training forward keeps the layout
-     * its backward sends dy rows along) */
-    ep->dd = ep->dedup && !train;
+    /* dedup 1: inference forwards; 2: train forwards too (their backward
+     * follows them: ep_experts_bwd, wgy) */
+    ep->dd = ep->dedup == 2 || (ep->dedup == 1 && !train);
     if (ep->dd) {
-        KCU_TRY(epd_prepare(ep, T, xb, st)); /* sets this call's chunks */
+        KCU_TRY(epd_prepare(ep, T, xb, train, st)); /* sets this call's chunks */
     } else {
         KCU_TRY(ep_exchange_counts(ep, train, st)); /* sets this call's chunks */
         KCU_TRY(ep_pack(ep, T, xb, st));
@@ -1473,7 +1502,7 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
         ep->sh->nsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
         KCU_TRY(kcu_experts_forward(ep->sh, T, xb, MOE_BF16, &rows, ep->sy, MOE_BF16, train, st));
     }
-    KCU_TRY(ep->dd ? epd_pipeline(ep, st) : ep_pipeline(ep, 0, train, st));
+    KCU_TRY(ep->dd ? epd_pipeline(ep, train, st) : ep_pipeline(ep, 0, train, st));
     KCU_TRY(finish_out(ep, ep->R.topk_w, nullptr, ep->sy,
                        ep->gate ? ep->R.logits + ep->c.E : nullptr, T, y, y_dtype, st));
     ep->T_fwd = train ? (T > 0 ? T : -1) : 0; /* -1: a train forward of no tokens */
@@ -1550,8 +1579,8 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
             KCU_TRY(kcu_ffn_dw13(&f, ep->xg, nullptr, st));
         else /* ab through wgh, the received x rows through wgx */
             KCU_TRY(kcu_ffn_dw13(&f, ep->xrecv, ep->wgx, st));
-        if (!ep->dw2_done) /* dW2 += dye^T h */
-            KCU_TRY(ep_dw2(ep, ep->ysend, ep->wgx, wsm, st));
+        if (!ep->dw2_done) /* dW2 += dye^T h (dedup: the dy rows through wgy) */
+            KCU_TRY(ep_dw2(ep, ep->ysend, ep->dd ? ep->wgy : ep->wgx, wsm, st));
         x->grads_clean = 0;
     }
     KCU_TRY(

@@ -68,21 +68,21 @@ typedef struct kcu_ep_config {
      * below. Last, so that code that sets the fields above by name (after a
      * memset) needs no change. */
     kcu_route_config route;
-    /* deduplicated dispatch for inference forwards (see "Deduplicated
-     * dispatch" below); also on with KCU_EP_DEDUP=1 at create. 0: off. */
+    /* deduplicated dispatch (see "Deduplicated dispatch" below): 0 off, 1
+     * inference forwards, 2 training forwards (and their backward) too; 0
+     * takes KCU_EP_DEDUP (0, 1 or 2) at create. */
     int dedup;
 } kcu_ep_config;
 
-/* Deduplicated dispatch (c.dedup or KCU_EP_DEDUP=1; world > 1, T_max <
- * 2^24; otherwise, and for train forwards, the path above as it is).
+/* Deduplicated dispatch (c.dedup or KCU_EP_DEDUP: 1 for inference
+ * forwards, 2 for training ones too; world > 1, T_max < 2^24; otherwise,
+ * and for train forwards with 1, the path above as it is).
  *
- * An inference forward (train 0) sends a token routed to several experts of
- * one rank there ONCE (a unique row, with K int32 of metadata: which of the
- * owner's experts the token's slots take and each slot's place), instead of
- * one row per slot: with Qwen3's shape on 4 GPUs ~3.6 of the 8 slots fall
- * on distinct ranks, ~2.2x fewer dispatch bytes. The owner expands the
- * unique rows into its expert-sorted GEMM rows on the device (the
- * up-projection gathers through an index; with sorted rows a copy), and
+ * A forward sends a token routed to several experts of one rank there ONCE (a unique row, with K
+ * int32 of metadata: which of the owner's experts the token's slots take and each slot's place),
+ * instead of one row per slot: with Qwen3's shape on 4 GPUs ~3.6 of the 8 slots fall on distinct
+ * ranks, ~2.2x fewer dispatch bytes. The owner expands the unique rows into its expert-sorted GEMM
+ * rows on the device (the up-projection gathers through an index; with sorted rows a copy), and
  * returns one row per (token, slot) as without dedup, so the combine (fixed
  * order, fp32) is the same and y is bit-identical to the forward without
  * dedup, whatever the chunks.
@@ -94,8 +94,15 @@ typedef struct kcu_ep_config {
  * P slices (P = chunks, or 8 with chunks 0) of E slot counts and W unique
  * row counts (kcu_ep_dedup.cuh). kcu_ep_last_send_bytes counts the unique
  * rows and their metadata; kcu_ep_bench_exchange repeats the dedup
- * transfers after a dedup forward. Training (train 1 forwards and their
- * backward) takes the path without dedup. */
+ * transfers after a dedup forward.
+ *
+ * Training (dedup 2; measured and checked on GPUs after the inference path):
+ * a train forward dedups its dispatch the same way; its backward
+ * sends the bf16(w dy) rows and returns the dx rows along the return's
+ * paths (one row per slot, as without dedup), so dx is the same bits as
+ * without dedup; the weight gradients sum each expert's rows chunk by chunk
+ * (token chunks here), so with chunks > 1 their bits differ from the path
+ * without dedup (with one chunk the order is the same). */
 
 /* Routing families and shared experts (kern_cuda.h "Routing families").
  *

@@ -157,11 +157,15 @@ __global__ void k_epd_pack(const bf16 *__restrict__ x, const int32_t *__restrict
 
 /* grid (rows, W): one thread per metadata entry of the unique rows received
  * from source q in this chunk: the GEMM row of each slot on this rank gets
- * its input row (gidx) and its return row (sidx) */
+ * its input row (gidx) and its return row (sidx); training (wgx non-NULL):
+ * its global expert-major row G (wbase) gets the same input row (wgx), its
+ * activation row (wgh) and its return row (wgy) */
 __global__ void k_epd_index(const int32_t *__restrict__ mrecv, int K, int ne, int rb,
                             const int32_t *__restrict__ ur0, const int32_t *__restrict__ urn,
                             const int32_t *__restrict__ goff, const int32_t *__restrict__ roff,
-                            int32_t *__restrict__ gidx, int32_t *__restrict__ sidx)
+                            const int32_t *__restrict__ wbase, int32_t *__restrict__ gidx,
+                            int32_t *__restrict__ sidx, int32_t *__restrict__ wgx,
+                            int32_t *__restrict__ wgh, int32_t *__restrict__ wgy)
 {
     const int q = blockIdx.y;
     const int64_t n = (int64_t)urn[q] * K, k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -172,8 +176,15 @@ __global__ void k_epd_index(const int32_t *__restrict__ mrecv, int K, int ne, in
         return;
     const int i = v >> 24, j = v & 0xffffff;
     const int g = goff[q * ne + i] + j;
-    gidx[rb + g] = (int32_t)(ur0[q] + k / K);
-    sidx[rb + g] = rb + roff[q * ne + i] + j;
+    const int32_t x = (int32_t)(ur0[q] + k / K), y = rb + roff[q * ne + i] + j;
+    gidx[rb + g] = x;
+    sidx[rb + g] = y;
+    if (wgx) {
+        const int G = wbase[q * ne + i] + j;
+        wgx[G] = x;
+        wgh[G] = rb + g;
+        wgy[G] = y;
+    }
 }
 
 } // namespace
@@ -225,12 +236,14 @@ moe_err kcu_epd_pack(const bf16 *x, const int32_t *perm, const int32_t *offs,
 
 moe_err kcu_epd_index(const int32_t *mrecv, int K, int W, int ne, int rb, const int32_t *ur0,
                       const int32_t *urn, int max_urn, const int32_t *goff, const int32_t *roff,
-                      int32_t *gidx, int32_t *sidx, cudaStream_t st)
+                      const int32_t *wbase, int32_t *gidx, int32_t *sidx, int32_t *wgx,
+                      int32_t *wgh, int32_t *wgy, cudaStream_t st)
 {
     if (max_urn == 0)
         return MOE_OK;
     const dim3 grid((unsigned)KCU_CEIL_DIV((int64_t)max_urn * K, (int64_t)EPD_NT), (unsigned)W);
-    k_epd_index<<<grid, EPD_NT, 0, st>>>(mrecv, K, ne, rb, ur0, urn, goff, roff, gidx, sidx);
+    k_epd_index<<<grid, EPD_NT, 0, st>>>(mrecv, K, ne, rb, ur0, urn, goff, roff, wbase, gidx, sidx,
+                                         wgx, wgh, wgy);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

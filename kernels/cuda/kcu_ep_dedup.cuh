@@ -52,7 +52,11 @@ moe_err kcu_epd_pack(const bf16 *x, const int32_t *perm, const int32_t *offs,
  * Tables of chunk c: ur0 (W) first received unique row from source q
  * (absolute), urn (W) their number (host max_urn), goff (W,ne) GEMM row
  * (within the chunk) of (source q, local expert i)'s first row, roff (W,ne)
- * return row (within the chunk) of the same. */
+ * return row (within the chunk) of the same. Training (wgx non-NULL): wbase
+ * (W,ne) the same rows' first global expert-major row G (every chunk's rows
+ * of expert i, chunk-major, as the weight gradients group them): wgx[G] the
+ * received row, wgh[G] the activation row rb + g, wgy[G] the return row. */
 moe_err kcu_epd_index(const int32_t *mrecv, int K, int W, int ne, int rb, const int32_t *ur0,
                       const int32_t *urn, int max_urn, const int32_t *goff, const int32_t *roff,
-                      int32_t *gidx, int32_t *sidx, cudaStream_t st);
+                      const int32_t *wbase, int32_t *gidx, int32_t *sidx, int32_t *wgx,
+                      int32_t *wgh, int32_t *wgy, cudaStream_t st);
