@@ -20,6 +20,27 @@ def owner(E,W,e):
     return r
 def part(t,T,n): return ((t+1)*n-1)//T
 
+NT=256  # EPD_NT
+
+def kernel_urank(mask,T,W):
+    """k_epd_count's bcnt (per 256-token block), k_epd_scan, k_epd_rank"""
+    nblk=(T+NT-1)//NT
+    bcnt=[[sum(1 for t in range(b*NT,min(T,(b+1)*NT)) if mask[t]>>q&1) for q in range(W)]
+          for b in range(nblk)]
+    for q in range(W):  # k_epd_scan: exclusive prefix over the blocks
+        run_=0
+        for b in range(nblk): v=bcnt[b][q]; bcnt[b][q]=run_; run_+=v
+    ur={}
+    for b in range(nblk):
+        for q in range(W):
+            f=[(b*NT+i<T and mask[b*NT+i]>>q&1) for i in range(NT)]
+            wsum=[sum(f[w*32:(w+1)*32]) for w in range(NT//32)]
+            for i in range(NT):
+                if f[i]:
+                    w,lane=i//32,i%32
+                    ur[(b*NT+i,q)]=bcnt[b][q]+sum(f[w*32:w*32+lane])+sum(wsum[:w])
+    return ur
+
 def run(W,E,K,Ts,C,P,seed):
     rnd=random.Random(seed)
     BM=128
@@ -52,6 +73,9 @@ def run(W,E,K,Ts,C,P,seed):
         for t in range(T):
             for q in range(W):
                 if mask[t]>>q&1: urank[(t,q)]=run_[q]; run_[q]+=1
+        # the kernels' way (k_epd_count's per-block counts, k_epd_scan,
+        # k_epd_rank's warp ballots) gives the same ranks
+        assert urank==kernel_urank(mask,T,W)
         ranks.append(dict(T=T,idx=idx,perm=perm,offs=offs,cnt=cnt,mask=mask,urank=urank))
     cnt_h=[r['cnt'] for r in ranks]
     m=P//C
@@ -89,6 +113,23 @@ def run(W,E,K,Ts,C,P,seed):
                     g=offs[i]+sum(rows(qq,c,fst+i) for qq in range(q))
                     goff[(c,q,i)]=g; roff[(c,q,i)]=r_in; r_in+=rows(q,c,fst+i)
                 ret+=recv_rows[c][q]
+        # epd_plan's statistics equal the routing's
+        cg=[sum(rows(q,c,e) for q in range(W) for c in range(C)) for e in range(E)]
+        assert cg==[sum(ranks[q]['idx'].count(e) for q in range(W)) for e in range(E)]
+        assert [sum(rows(me,c,e) for c in range(C)) for e in range(E)]==\
+            [ranks[me]['idx'].count(e) for e in range(E)]
+        assert sum(sum(rows(q,c,e) for c in range(C) for e in range(E))//K for q in range(W))==sum(Ts)
+        assert urbase[C]<=rbase[C]  # xrecv / mrecv (ep_grow's rows) hold the unique rows
+        # the chunks of the slices are the token chunks (epd_part with C)
+        for c in range(C):
+            assert (c*m*Ts[me])//P==(c*Ts[me])//C
+        # tile lists (te, tr) of each chunk: KCU_BM-row tiles covering offs
+        for c in range(C):
+            offs=offsc[c]; te=[]; tr=[]
+            for i in range(ne):
+                for r0 in range(0,offs[i+1]-offs[i],BM): te.append(i); tr.append(offs[i]+r0)
+            covered=[r for k in range(len(te)) for r in range(tr[k],min(tr[k]+BM,offs[te[k]+1]))]
+            assert covered==list(range(offs[ne])) and offs[ne]==rbase[c+1]-rbase[c]
         plans.append(dict(fst=fst,ne=ne,send_rows=send_rows,recv_rows=recv_rows,usend=usend,urecv=urecv,
             sbase=sbase,rbase=rbase,usbase=usbase,urbase=urbase,offsc=offsc,ctab=ctab,cpre=cpre,utab=utab,
             upre=upre,ur0=ur0,urn=urn,goff=goff,roff=roff))
@@ -115,7 +156,9 @@ def run(W,E,K,Ts,C,P,seed):
                     s=t*K+k; e=idx[s]; v=-1
                     if owner(E,W,e)==q:
                         j=sendpos[s]-p['ctab'][(c,e)]
+                        assert 0<=e-first(E,W,q)<128 and 0<=j<(1<<24)
                         v=((e-first(E,W,q))<<24)|j
+                        assert v>=0 and v>>24==e-first(E,W,q) and v&0xffffff==j
                     msend[u*K+k]=v
         assert all(x is not None for x in xsend)
         R['sendpos']=sendpos; R['xsend']=xsend; R['msend']=msend
@@ -158,7 +201,10 @@ def run(W,E,K,Ts,C,P,seed):
                 offs=p['offsc'][c]
                 for q in range(W): wbase[(c,q,i)]=g0+p['goff'][(c,q,i)]-offs[i]
                 g0+=offs[i+1]-offs[i]
-        wgh=[None]*N
+        wgh=[None]*N; wgx=[None]*N; wgy=[None]*N
+        for c in range(C):  # k_epd_index's grid (ceil(max_urn*K/NT), W) covers every entry
+            mx=max([p['urn'][(c,q)] for q in range(W)]+[0])
+            assert ((mx*K+NT-1)//NT)*NT>=mx*K
         for c in range(C):
             rb=p['rbase'][c]; offs=p['offsc'][c]
             for q in range(W):
@@ -168,9 +214,13 @@ def run(W,E,K,Ts,C,P,seed):
                     i=v>>24; j=v&0xffffff
                     G=wbase[(c,q,i)]+j; g=p['goff'][(c,q,i)]+j
                     assert goffs[i]<=G<goffs[i+1] and wgh[G] is None
-                    wgh[G]=rb+g
+                    wgh[G]=rb+g; wgx[G]=p['ur0'][(c,q)]+kk//K; wgy[G]=rb+p['roff'][(c,q,i)]+j
+                    assert wgx[G]==gidx[rb+g] and wgy[G]==sidx[rb+g]
+                    assert p['rbase'][c]<=wgy[G]<p['rbase'][c+1]
                     assert offs[i]<=g<offs[i+1]
-        assert sorted(wgh)==list(range(N))
+        assert sorted(wgh)==list(range(N)) and sorted(wgy)==list(range(N))
+        assert all(x is not None for x in wgx)
+        ranks[me].update(gidx=gidx,sidx=sidx,wgx=wgx,wgh=wgh,wgy=wgy,xrecv=xrecv,goffs=goffs)
         if C==1: assert wgh==list(range(N))
         ysend=[None]*N
         for c in range(C):
@@ -194,6 +244,75 @@ def run(W,E,K,Ts,C,P,seed):
                 so+=ns
         for s in range(R['T']*K):
             assert yrecv[R['sendpos'][s]]==(R['idx'][s],(me,s//K)), (me,s)
+    # backward (ep_pipeline bwd after a dedup forward): k_ep_dy writes the
+    # w dy row of slot s at xsend[sendpos[s]]; ep_exchange sends it along the
+    # return layout (send_rows / recv_rows) into ysend; the owner reads GEMM
+    # row g's dy through sidx (dh), scatters dx through sidx (dxsend), and
+    # the dx rows come back into yrecv[sendpos[s]]
+    def exchange(src,dst_of,fwd):
+        for me in range(W):
+            p=plans[me]
+            for c in range(C):
+                so=p['sbase'][c]
+                for q in range(W):
+                    pq=plans[q]; ns=p['send_rows'][c][q]
+                    ro=pq['rbase'][c]+sum(pq['recv_rows'][c][:me])
+                    for u in range(ns):
+                        if fwd: dst_of[q][ro+u]=src[me][so+u]
+                        else: dst_of[me][so+u]=src[q][ro+u]
+                    so+=ns
+    xsb=[[None]*plans[me]['sbase'][C] for me in range(W)]
+    for me in range(W):
+        R=ranks[me]
+        for s in range(R['T']*K): xsb[me][R['sendpos'][s]]=('wdy',me,s)
+    ysb=[[None]*plans[me]['rbase'][C] for me in range(W)]
+    exchange(xsb,ysb,1)
+    dxs=[[None]*plans[me]['rbase'][C] for me in range(W)]
+    for me in range(W):
+        p=plans[me]; R=ranks[me]
+        for c in range(C):
+            rb=p['rbase'][c]
+            for g in range(p['offsc'][c][p['ne']]):
+                i=next(i for i in range(p['ne']) if p['offsc'][c][i]<=g<p['offsc'][c][i+1])
+                _,src,s=ysb[me][R['sidx'][rb+g]]
+                # the dy row is that of the forward row's (token, expert)
+                assert R['xrecv'][R['gidx'][rb+g]]==(src,s//K) and ranks[src]['idx'][s]==p['fst']+i
+                dxs[me][R['sidx'][rb+g]]=('dx',p['fst']+i,src,s//K)
+        # dW2: the dy rows through wgy are the activation rows' (wgh) slots
+        for G in range(p['rbase'][C]):
+            assert ysb[me][R['wgy'][G]][1:]==ysb[me][R['sidx'][R['wgh'][G]]][1:]
+            i=next(i for i in range(p['ne']) if R['goffs'][i]<=G<R['goffs'][i+1])
+            _,src,s=ysb[me][R['wgy'][G]]
+            assert ranks[src]['idx'][s]==p['fst']+i and R['xrecv'][R['wgx'][G]]==(src,s//K)
+    yb=[[None]*plans[me]['sbase'][C] for me in range(W)]
+    exchange(dxs,yb,0)
+    for me in range(W):
+        R=ranks[me]
+        for s in range(R['T']*K):
+            assert yb[me][R['sendpos'][s]]==('dx',R['idx'][s],me,s//K)
+    # NCCL pairing in each chunk's group: rank a's sends to b, in order, are
+    # b's receives from a (count, type), for epd_dispatch and ep_exchange
+    def ops(me,c,kind):
+        p=plans[me]; o=[]
+        for q in range(W):
+            if kind=='disp':
+                ns,nr=p['usend'][c][q],p['urecv'][c][q]
+                if ns: o+=[('send',q,ns*1024,'bf16'),('send',q,ns*K,'i32')]
+                if nr: o+=[('recv',q,nr*1024,'bf16'),('recv',q,nr*K,'i32')]
+            else:  # ep_exchange: fwd (bwd dispatch) or back (returns)
+                ns,nr=p['send_rows'][c][q],p['recv_rows'][c][q]
+                a,b=(ns,nr) if kind=='fwd' else (nr,ns)
+                if a: o.append(('send',q,a*1024,'bf16'))
+                if b: o.append(('recv',q,b*1024,'bf16'))
+        return o
+    for c in range(C):
+        for kind in ('disp','fwd','back'):
+            o=[ops(me,c,kind) for me in range(W)]
+            for a in range(W):
+                for b in range(W):
+                    snd=[x[2:] for x in o[a] if x[0]=='send' and x[1]==b]
+                    rcv=[x[2:] for x in o[b] if x[0]=='recv' and x[1]==a]
+                    assert snd==rcv,(c,kind,a,b)
     return sum(p['usbase'][C] for p in plans), sum(len(r['idx']) for r in ranks)
 
 def main():
@@ -201,10 +320,17 @@ def main():
         rnd=random.Random(1000+seed)
         W=rnd.choice([2,3,4,5,8]); E=rnd.choice([W*2,16,24,64]); E=max(E,W); K=rnd.randint(1,min(8,E))
         Ts=[rnd.choice([0,1,3,7,50,130]) for _ in range(W)]
-        C=rnd.choice([1,2,3,4]); P=C*rnd.choice([1,2])
+        C=rnd.choice([1,2,3,4]); P=8 if C in (1,2,4) and rnd.random()<0.3 else C*rnd.choice([1,2])
         run(W,E,K,Ts,C,P,seed)
+    named=[(2,4,2,[0,5],1,1),(3,6,2,[0,0,0],2,2),(4,10,3,[3,0,1,2],4,8),(4,10,3,[3,0,1,2],1,8),
+           (5,24,4,[7,1,0,300,2],4,8),(5,24,4,[7,1,0,300,2],1,8),(7,7,3,[2,9,0,1,4,3,8],3,3),
+           (3,9,1,[600,0,257],4,8),(2,16,8,[513,40],8,8),(4,129,8,[700,3,0,1],4,8),
+           (64,64,8,[3]*64,2,8),(6,13,5,[1,2,3,4,5,6],5,5)]
+    for n,(W,E,K,Ts,C,P) in enumerate(named):
+        run(W,E,K,Ts,C,P,500+n)
     u,s=run(4,128,8,[2000]*4,4,8,1)
-    print("ep_dedup_layout: 41 random cases pass; Qwen3-like 4 ranks x 2000 tokens: %d unique rows for %d slots" % (u,s))
+    print("ep_dedup_layout: 40 random and %d named cases pass; Qwen3-like 4 ranks x 2000 "
+          "tokens: %d unique rows for %d slots" % (len(named),u,s))
 
 if __name__ == "__main__":
     main()
