@@ -7,11 +7,19 @@
  * NCCL's own ncclAlltoAll moving the same bytes in the same run, and how
  * much of the all-to-all time the overlap hides. With --check the outputs,
  * dx and every gradient are compared with the single-GPU layer (kcu_layer,
- * all W*T tokens on GPU 0). Not a test.
+ * all W*T tokens on GPU 0). With --check-infer the inference forward's y
+ * at every --chunks value is compared with the single-GPU layer's inference
+ * forward (bit-identical expected). --dedup: the deduplicated dispatch of
+ * inference forwards (kcu_ep.h); the table's "disp MB" column shows the
+ * inference forward's off-GPU dispatch bytes. Not a test.
  *
  *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small|moe64 [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
  *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
+ *                [--dedup]   (deduplicated dispatch in inference forwards: c.dedup 1)
+ *                [--dedup-train]   (in training forwards too: c.dedup 2)
+ *                [--check-infer]   (y of the inference forward at each --chunks value
+ *                             against kcu_layer's inference forward of all W*T tokens)
  *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
  *                             experts hold 18 bytes a parameter in training, 203 GB)
  *                [--family dsv3|qwen2]   (a routing family and a shared expert, on
@@ -127,6 +135,8 @@ struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
     int infer = 0;        /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
     int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
+    int dedup = 0;        /* --dedup: c.dedup 1 (inference forwards); --dedup-train: 2 */
+    int check_infer = 0;  /* --check-infer: inference y against kcu_layer's */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};
@@ -141,14 +151,19 @@ struct world {
     std::vector<float> ws1, ws3, ws2, wsg; /* shared expert (Fs,H) (Fs,H) (H,Fs), gate (H);
                                             * empty: none / ungated */
     std::vector<std::vector<float>> x, dy, y, dx;
-    std::vector<std::vector<float>> yi;             /* per rank: y of an inference forward */
-    std::vector<std::vector<float>> g1, g3, g2, gr; /* per rank: local expert grads, router grad */
+    std::vector<std::vector<float>> yi;              /* per rank: y of an inference forward */
+    std::vector<std::vector<std::vector<float>>> yc; /* --check-infer: per chunks value, per
+                                                      * rank: y of an inference forward */
+    std::vector<std::vector<float>> g1, g3, g2, gr;  /* per rank: local expert grads, router grad */
     std::vector<std::vector<float>> gs1, gs3, gs2, gsg; /* per rank: shared expert, gate grads */
     /* results per chunks value (rank 0 writes the max over ranks) */
     std::vector<double> t_fwd, t_fb, t_a2a, t_nccl;
     std::vector<int> used;       /* chunks each setting used (0: chosen per forward): */
     std::vector<int> used_train; /* by the inference forward and by the training one */
     std::vector<double> rank_ms; /* scratch: one slot per rank */
+    /* per chunks value: the inference forward's off-GPU bytes, max over ranks:
+     * dispatch (kcu_ep_last_send_bytes), dispatch and return */
+    std::vector<int64_t> disp_b, a2a_b;
     int64_t send_bytes = 0, rows_max = 0, rows_min = 0;
     size_t mem_max = 0;
 };
@@ -203,6 +218,7 @@ static void *rank_main(void *arg)
     c.T_max = T;
     c.train = !w->o.infer;
     c.chunks = 1;
+    c.dedup = w->o.dedup;
     kcu_ep *ep;
     CKM(kcu_ep_create(&c, comm, &ep));
     int first = 0;
@@ -255,24 +271,43 @@ static void *rank_main(void *arg)
         }
     }
 
+    if (w->o.check_infer) /* the inference forward at every chunks value */
+        for (size_t ci = 0; ci < w->o.chunks.size(); ci++) {
+            CKM(kcu_ep_set_chunks(ep, w->o.chunks[ci], w->o.comm_sms));
+            w->yc[ci][r].assign((size_t)T * H, 0.f);
+            CKM(kcu_ep_forward(ep, T, w->x[r].data(), MOE_F32, w->yc[ci][r].data(), MOE_F32, 0,
+                               st));
+            CKM(kcu_ep_wait(ep, st));
+        }
+
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
     alltoall_fn a2a = (alltoall_fn)dlsym(RTLD_DEFAULT, "ncclAlltoAll");
     void *nb_s = nullptr, *nb_r = nullptr;
     for (size_t ci = 0; ci < w->o.chunks.size(); ci++) {
         CKM(kcu_ep_set_chunks(ep, w->o.chunks[ci], w->o.comm_sms));
         std::vector<double> tf, tb, ta, tn;
         int used_inf = 0;
+        int64_t disp_b = 0, a2a_b = 0;
         for (int it = 0; it < w->o.iters + 2; it++) {
             const double f = timed(w, r, [&] {
                 CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 0, st));
                 CKM(kcu_ep_wait(ep, st));
             });
             used_inf = kcu_ep_last_chunks(ep);
+            disp_b = kcu_ep_last_send_bytes(ep);
+            a2a_b = kcu_ep_last_a2a_bytes(ep);
+            /* the all-to-all alone repeats the last forward's transfers:
+             * with --dedup the inference forward's (dedup) ones, so before
+             * the training forward (which has no dedup with --dedup) */
+            const double a0 =
+                w->o.dedup ? timed(w, r, [&] { CKM(kcu_ep_bench_exchange(ep, st)); }) : 0;
             const double fb = w->o.infer ? 0 : timed(w, r, [&] {
                 CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 1, st));
                 CKM(kcu_ep_backward(ep, dyd, MOE_F32, dxd, MOE_BF16, 0.f, 0.f, st));
                 CKM(kcu_ep_wait(ep, st));
             });
-            const double a = timed(w, r, [&] { CKM(kcu_ep_bench_exchange(ep, st)); });
+            const double a =
+                w->o.dedup ? a0 : timed(w, r, [&] { CKM(kcu_ep_bench_exchange(ep, st)); });
             if (it >= 2) {
                 tf.push_back(f);
                 tb.push_back(fb);
@@ -305,13 +340,16 @@ static void *rank_main(void *arg)
             w->used[ci] = used_inf; /* chunks 0: chosen per forward */
             w->used_train[ci] = kcu_ep_last_chunks(ep);
         }
+        pthread_mutex_lock(&mu);
+        w->disp_b[ci] = std::max(w->disp_b[ci], disp_b);
+        w->a2a_b[ci] = std::max(w->a2a_b[ci], a2a_b);
+        pthread_mutex_unlock(&mu);
         pthread_barrier_wait(&w->bar);
     }
     int64_t rows = 0;
     kcu_ep_last_counts(ep, nullptr, nullptr, nullptr, &rows);
     const int64_t sb = kcu_ep_last_send_bytes(ep);
     const size_t mem = kcu_ep_bytes(ep);
-    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
     pthread_mutex_lock(&mu);
     w->send_bytes = std::max(w->send_bytes, sb);
     w->rows_max = std::max(w->rows_max, rows);
@@ -436,10 +474,67 @@ static int check_single(world *w)
     if (shared)
         snprintf(extra, sizeof(extra), ", shared expert grads %.2e, gate grad %s%.2e", esh,
                  gate ? "" : "(none) ", egate);
-    printf("check vs single GPU (%zu tokens on GPU 0, %s routing): y %.2e (%s), y of an "
+    printf("check vs single GPU (%zu tokens on GPU 0, %s routing, dedup %d): y %.2e (%s), y of an "
            "inference forward %.2e, dx %.2e, expert grads %.2e, router grad %.2e%s%s -> %s\n",
-           TT, FAM_NAMES[o.family], ey, ybits ? "differs in bits" : "bit-identical", eyi, edx, eg,
-           egr, extra, nan ? ", NaN" : "", fail ? "FAIL" : "pass");
+           TT, FAM_NAMES[o.family], o.dedup, ey, ybits ? "differs in bits" : "bit-identical", eyi,
+           edx, eg, egr, extra, nan ? ", NaN" : "", fail ? "FAIL" : "pass");
+    return fail;
+}
+
+/* --check-infer: the single-GPU layer's inference forward on GPU 0 over all
+ * W*T tokens against the expert-parallel inference forward at each chunks
+ * value; returns 0 if all are within the tolerance (bit-identical expected:
+ * "differs" in bits is reported, not failed) */
+static int check_infer(world *w)
+{
+    const opts &o = w->o;
+    const shape s = o.s;
+    const int W = o.W, T = o.T;
+    const size_t H = s.H, TT = (size_t)W * T;
+    CK(cudaSetDevice(0));
+    kcu_config c;
+    memset(&c, 0, sizeof(c));
+    c.H = s.H;
+    c.F = s.F;
+    c.E = s.E;
+    c.K = s.K;
+    c.act = KERN_ACT_SWIGLU;
+    c.renorm = family_renorm(o.family);
+    c.T_max = (int)TT;
+    c.train = 0;
+    const kcu_route_config rc = family_route(o.family);
+    kcu_layer *l;
+    CKM(kcu_layer_create_ex(&c, &rc, &l));
+    CKM(kcu_layer_upload(l, w->wr.data(), w->w1.data(), w->w3.data(), w->w2.data()));
+    if (!w->bias.empty())
+        CKM(kcu_layer_upload_bias(l, w->bias.data()));
+    if (!w->ws1.empty())
+        CKM(kcu_layer_upload_shared(l, w->ws1.data(), w->ws3.data(), w->ws2.data(),
+                                    w->wsg.empty() ? nullptr : w->wsg.data()));
+    std::vector<float> x(TT * H), y(TT * H);
+    for (int r = 0; r < W; r++)
+        memcpy(x.data() + (size_t)r * T * H, w->x[r].data(), (size_t)T * H * 4);
+    CKM(kcu_forward(l, (int)TT, x.data(), MOE_F32, y.data(), MOE_F32, 0, nullptr));
+    CK(cudaDeviceSynchronize());
+    kcu_layer_destroy(l);
+    int fail = 0;
+    for (size_t ci = 0; ci < o.chunks.size(); ci++) {
+        int nan = 0, bits = 0;
+        double e = 0, maxabs = 0;
+        for (int r = 0; r < W; r++) {
+            const float *a = w->yc[ci][r].data(), *b = y.data() + (size_t)r * T * H;
+            e = std::max(e, rel(a, b, (size_t)T * H, &nan));
+            bits |= memcmp(a, b, (size_t)T * H * 4) != 0;
+            for (size_t i = 0; i < (size_t)T * H; i++)
+                maxabs = std::max(maxabs, (double)fabsf(a[i] - b[i]));
+        }
+        const int bad = nan || e > 1e-2;
+        fail |= bad;
+        printf("check-infer vs single GPU (%zu tokens on GPU 0, %s routing), chunks %d, dedup "
+               "%s: y max abs diff %.3e, rel %.2e, %s%s -> %s\n",
+               TT, FAM_NAMES[o.family], o.chunks[ci], o.dedup ? "on" : "off", maxabs, e,
+               bits ? "differs" : "bit-identical", nan ? ", NaN" : "", bad ? "FAIL" : "pass");
+    }
     return fail;
 }
 
@@ -490,6 +585,12 @@ int main(int argc, char **argv)
             o.check = 1;
         } else if (!strcmp(a, "--infer")) {
             o.infer = 1;
+        } else if (!strcmp(a, "--dedup")) {
+            o.dedup = 1;
+        } else if (!strcmp(a, "--dedup-train")) {
+            o.dedup = 2;
+        } else if (!strcmp(a, "--check-infer")) {
+            o.check_infer = 1;
         } else if (!strcmp(a, "--check-chunks")) {
             o.check_chunks = atoi(v);
             i++;
@@ -507,7 +608,8 @@ int main(int argc, char **argv)
             fprintf(stderr,
                     "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small|moe64 [--tokens T] "
                     "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
-                    "[--check-chunks N] [--infer] [--family dsv3|qwen2]\n",
+                    "[--check-chunks N] [--infer] [--family dsv3|qwen2] [--dedup] "
+                    "[--dedup-train] [--check-infer]\n",
                     argv[0]);
             return 2;
         }
@@ -588,6 +690,9 @@ int main(int argc, char **argv)
     w->used.assign(nc, 0);
     w->used_train.assign(nc, 0);
     w->rank_ms.assign(o.W, 0);
+    w->disp_b.assign(nc, 0);
+    w->a2a_b.assign(nc, 0);
+    w->yc.assign(o.check_infer ? nc : 0, std::vector<std::vector<float>>(o.W));
     CKN(ncclGetUniqueId(&w->id));
     pthread_barrier_init(&w->bar, nullptr, o.W);
     std::vector<pthread_t> th(o.W);
@@ -601,14 +706,17 @@ int main(int argc, char **argv)
     int fail = 0;
     if (o.check)
         fail = check_single(w);
+    if (o.check_infer)
+        fail |= check_infer(w);
 
     const double flops_fwd = 2.0 * o.T * s.K * 3.0 * H * F; /* per GPU */
     printf("rows received per GPU: %lld..%lld (of %lld routed per GPU); off-GPU dispatch bytes "
            "per GPU (max) %.1f MB; device memory per GPU (kcu_ep) %.2f GB\n",
            (long long)w->rows_min, (long long)w->rows_max, (long long)o.T * s.K,
            w->send_bytes / 1e6, w->mem_max / 1e9);
-    printf("%-9s %9s %10s %12s %9s %10s %9s %9s %9s %8s\n", "chunks", "fwd ms", "fwd+bwd",
-           "tokens/s", "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl", "hidden");
+    printf("%-9s %9s %10s %12s %9s %10s %9s %9s %9s %8s %9s %9s\n", "chunks", "fwd ms", "fwd+bwd",
+           "tokens/s", "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl", "hidden",
+           "disp MB", "a2a MB");
     const double base = w->t_fwd[0];
     for (size_t i = 0; i < nc; i++) {
         /* a2a: dispatch + return of the forward; GB/s counts both directions'
@@ -625,11 +733,15 @@ int main(int argc, char **argv)
             snprintf(lab, sizeof(lab), "%d", o.chunks[i]);
         else /* auto: the inference forward's / the training forward's */
             snprintf(lab, sizeof(lab), "auto:%d/%d", w->used[i], w->used_train[i]);
-        printf("%-9s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%%\n", lab,
+        printf("%-9s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%% %9.1f %9.1f\n", lab,
                w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3), w->t_a2a[i],
                a2a_gbs, w->t_nccl[i], n_gbs, w->t_nccl[i] > 0 ? w->t_a2a[i] / w->t_nccl[i] : 0,
-               hidden * 100);
+               hidden * 100, w->disp_b[i] / 1e6, w->a2a_b[i] / 1e6);
     }
+    printf("disp MB / a2a MB: the inference forward's off-GPU bytes of the busiest rank, "
+           "dispatch / dispatch and return (kcu_ep_last_send_bytes, kcu_ep_last_a2a_bytes)%s; "
+           "a2a GB/s counts the bytes without dedup (2*T*K*H*2) as before\n",
+           o.dedup ? ", dedup: unique rows and their metadata out" : "");
     printf("fwd TFLOP/s per GPU at chunks=%d: %.0f (expert GEMMs, 2*T*K*3*H*F per GPU)\n",
            o.chunks[0], flops_fwd / (w->t_fwd[0] * 1e-3) / 1e12);
     printf("hidden = (fwd at chunks 1 - fwd at chunks c) / a2a time at chunks c\n");

@@ -28,6 +28,13 @@
  * rank's T tokens (rows = xb, no exchange), run on the compute stream while
  * the dispatch flies; its output ys (T,H) joins the combine after the
  * routed slots, times sigmoid(logits[t, E]) with a gate.
+ * Deduplicated dispatch (c.dedup or KCU_EP_DEDUP: 1 inference forwards, 2
+ *   training ones too; kcu_ep.h): each (token, destination) row sent once
+ *   with its K int32 of metadata, chunks cut by token; the owner's gidx /
+ *   sidx (and wgx, wgh, wgy when training) come from the metadata
+ *   (kcu_ep_dedup.cu); the return, the combine and the backward's transfers
+ *   follow the return layout (see "deduplicated dispatch" below for the
+ *   layouts).
  * Training keeps xrecv, ab, h (owner) and xs, yrecv, routing (token side);
  * backward sends bf16(w*dy) along the forward's paths (xsend -> ysend),
  * runs dh and dx per chunk, returns dx rows (dxsend -> yrecv), and runs the
@@ -46,6 +53,7 @@
 #include <nccl.h>
 
 #include "kernels/cuda/kcu_ep.h"
+#include "kernels/cuda/kcu_ep_dedup.cuh"
 #include "kernels/cuda/kcu_ffn.cuh"
 #include "common/placement.h"
 
@@ -103,6 +111,28 @@ struct kcu_ep {
     int tiles[EP_MAX_CHUNKS], tbase[EP_MAX_CHUNKS];
     /* offsets (int32 elements) of the parts of the table */
     int t_offs, t_goffs, t_ntiles, t_rbase, t_te, t_tr, t_len;
+    /* deduplicated dispatch (kcu_ep.h "Deduplicated dispatch"; the layouts
+     * in kcu_ep_dedup.cuh). Buffers made at create when c.dedup or
+     * KCU_EP_DEDUP is 1 or 2 (and world > 1); NULL otherwise. */
+    int dedup;             /* 1: inference forwards dedup their dispatch, 2: train ones too */
+    int dd;                /* the last forward did */
+    int P;                 /* slices of the last dedup forward's counts blocks */
+    int32_t *dcnt;         /* (EP_MAX_CHUNKS*(E+W)) this rank's counts block */
+    uint64_t *umask;       /* (T_max) destination ranks of each token */
+    int32_t *urank;        /* (T_max,W) rank of the token among those on q */
+    int32_t *ubcnt;        /* (ceil(T_max/256),W) per-block tokens on q, then prefix */
+    int32_t *msend;        /* (T_max*min(W,K),K) metadata of the unique send rows */
+    int32_t *mrecv, *sidx; /* owner: (N,K) received metadata, (N) GEMM row -> return row */
+    int32_t *wgy;          /* owner, train: (N) global expert-major row -> return row */
+    /* unique rows per (chunk, peer) sent and received, their bases; the
+     * largest count received from one source per chunk */
+    int64_t usend[EP_MAX_CHUNKS][EP_MAX_WORLD], urecv[EP_MAX_CHUNKS][EP_MAX_WORLD];
+    int64_t usbase[EP_MAX_CHUNKS + 1], urbase[EP_MAX_CHUNKS + 1];
+    int max_urn[EP_MAX_CHUNKS];
+    /* the dedup tables after t_tr's (kcu_ep_dedup.cuh): token side ctab,
+     * cpre (C,E), utab, upre (C,W); owner ur0, urn (C,W), goff, roff (C,W,ne) */
+    int t_ctab, t_cpre, t_utab, t_upre, t_ur0, t_urn, t_goff, t_roff;
+    int t_wbase; /* (C,W,ne) global expert-major row of (chunk, source, expert) (train) */
 };
 
 namespace
@@ -346,6 +376,8 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
     if (tr)
         b += al(rows * N1 * 2) + al(rows * H * 2) + 2 * al(rows * 4) +
              (ep->sorted ? al(rows * H * 2) : 0);
+    if (ep->dedup) /* mrecv, sidx (wgy): the unique rows received are at most the rows */
+        b += al(rows * ep->c.K * 4) + al(rows * 4) + (tr ? al(rows * 4) : 0);
     KCU_CHECK(cudaDeviceSynchronize()); /* nothing in flight uses the old buffers */
     if (ep->ows)
         cudaFree(ep->ows);
@@ -384,6 +416,13 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
             ep->xg = (bf16 *)take(rows * H * 2);
         ep->wgx = (int32_t *)take(rows * 4);
         ep->wgh = (int32_t *)take(rows * 4);
+    }
+    ep->mrecv = ep->sidx = ep->wgy = nullptr;
+    if (ep->dedup) {
+        ep->mrecv = (int32_t *)take(rows * ep->c.K * 4);
+        ep->sidx = (int32_t *)take(rows * 4);
+        if (tr)
+            ep->wgy = (int32_t *)take(rows * 4);
     }
     ep->ows_bytes = b;
     ep->cap_rows = rows;
@@ -617,7 +656,9 @@ moe_err ep_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
     return kcu_ffn_forward(&f, xrows, xgather, train, ep->ysend, MOE_BF16, ep->gidx + rb, st);
 }
 
-/* the owner's dh and dx GEMMs of chunk c: dy rows (in ysend) -> dxsend */
+/* the owner's dh and dx GEMMs of chunk c: dy rows (in ysend) -> dxsend.
+ * After a dedup forward the dy and dx rows are in the return layout: read
+ * and written through sidx (GEMM row -> return row) instead of gidx */
 moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
 {
     if (ep->tiles[c] == 0)
@@ -625,11 +666,12 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
     const int H = ep->c.H, nsm = ep_gemm_sms(ep);
     const int64_t rb = ep->rbase[c];
     const kcu_ffn f = ep_chunk_ffn(ep, c, nsm);
+    const int32_t *rows = (ep->dd ? ep->sidx : ep->gidx) + rb;
     const bf16 *dy = ep->ysend;
-    const int32_t *dygather = ep->gidx + rb;
+    const int32_t *dygather = rows;
     if (ep->sorted) { /* the dy rows in expert order, in chunk c's dxsend region
                        * (the dx GEMM overwrites it after dh) */
-        KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, ep->gidx + rb, f.t.offs + ep->ne,
+        KCU_TRY(kcu_gather_rows(ep->ysend, MOE_BF16, rows, f.t.offs + ep->ne,
                                 (int)(ep->rbase[c + 1] - rb), H, ep->dxsend + (size_t)rb * H, 0,
                                 st));
         dy = ep->dxsend + (size_t)rb * H;
@@ -641,7 +683,7 @@ moe_err ep_experts_bwd(kcu_ep *ep, int c, cudaStream_t st)
         KCU_TRY(ep_dw2(ep, ep->dxsend, nullptr, nsm, st));
         ep->dw2_done = 1;
     }
-    return kcu_ffn_dx(&f, ep->dxsend, MOE_BF16, ep->gidx + rb, st);
+    return kcu_ffn_dx(&f, ep->dxsend, MOE_BF16, rows, st);
 }
 
 /* the pipeline of one direction: chunk c computes while later chunks are
@@ -777,6 +819,355 @@ moe_err finish_out(kcu_ep *ep, const float *w, const float *extra, const bf16 *s
     return MOE_OK;
 }
 
+/* ---- deduplicated dispatch (kcu_ep.h "Deduplicated dispatch") ----
+ * Token side: a token with slots on rank q is sent to q once; the unique
+ * send rows xsend are chunk-major (chunk c = tokens [floor(cT/C),
+ * floor((c+1)T/C))), then destination, then token order, each with K int32
+ * of metadata (msend, kcu_ep_dedup.cuh). The return keeps one row per
+ * (token, slot): yrecv is chunk-major, then expert (= owner-major), then
+ * token order (sendpos: slot -> return row), and the combine is
+ * finish_out's as without dedup. Owner: chunk c's unique rows arrive
+ * source-major in [urbase[c], urbase[c+1]) of xrecv with their metadata
+ * (mrecv); kcu_epd_index turns them into gidx (GEMM row -> received row;
+ * the up-projection gathers through it) and sidx (GEMM row -> return row;
+ * the down-projection scatters through it) over the chunk's GEMM rows, which
+ * are expert-major, then source, then token order (the tile lists of
+ * ep_plan's kind). The return rows of chunk c, [rbase[c], rbase[c+1]) of
+ * ysend, are source-major, then expert, then token order: ep_exchange sends
+ * them back as it does without dedup. */
+
+/* the counts block of rank q (kcu_ep_dedup.cuh) in the gathered counts */
+const int32_t *epd_block(const kcu_ep *ep, int q)
+{
+    return ep->cnt_h + (size_t)q * ep->P * (ep->c.E + ep->c.world);
+}
+
+/* slots of rank q's chunk c routed to expert e: the sum of the chunk's slices */
+int64_t epd_rows(const kcu_ep *ep, int q, int c, int e)
+{
+    const int32_t *b = epd_block(ep, q);
+    const int m = ep->P / ep->C;
+    int64_t n = 0;
+    for (int s = c * m; s < (c + 1) * m; s++)
+        n += b[(size_t)s * ep->c.E + e];
+    return n;
+}
+
+/* unique rows of rank q's chunk c for destination d */
+int64_t epd_uniq(const kcu_ep *ep, int q, int c, int d)
+{
+    const int32_t *b = epd_block(ep, q) + (size_t)ep->P * ep->c.E;
+    const int m = ep->P / ep->C;
+    int64_t n = 0;
+    for (int s = c * m; s < (c + 1) * m; s++)
+        n += b[(size_t)s * ep->c.world + d];
+    return n;
+}
+
+/* rows of rank q's chunk c for owner o's experts */
+int64_t epd_owner_rows(const kcu_ep *ep, int q, int c, int o)
+{
+    const int E = ep->c.E, W = ep->c.world;
+    const int a = placement_first(E, W, o), b = a + placement_count(E, W, o);
+    int64_t n = 0;
+    for (int e = a; e < b; e++)
+        n += epd_rows(ep, q, c, e);
+    return n;
+}
+
+/* ep_plan for a dedup forward: statistics, transfer sizes (unique rows out,
+ * slot rows back), tile lists, and the dedup tables */
+moe_err epd_plan(kcu_ep *ep)
+{
+    const int E = ep->c.E, W = ep->c.world, C = ep->C, me = ep->c.rank, ne = ep->ne, K = ep->c.K;
+    const int first = ep->first;
+    ep->T_global = 0;
+    for (int e = 0; e < E; e++)
+        ep->counts_global[e] = 0;
+    for (int q = 0; q < W; q++) {
+        const int32_t *b = epd_block(ep, q);
+        for (int i = 0; i < ep->P * (E + W); i++)
+            if (b[i] < 0)
+                return MOE_EINTERNAL;
+        int64_t tq = 0;
+        for (int e = 0; e < E; e++) {
+            int64_t n = 0;
+            for (int c = 0; c < C; c++)
+                n += epd_rows(ep, q, c, e);
+            ep->counts_global[e] += (int32_t)n;
+            if (q == me)
+                ep->counts_local[e] = (int32_t)n;
+            tq += n;
+        }
+        ep->T_global += (int)(tq / K);
+    }
+    ep->sbase[0] = ep->rbase[0] = ep->usbase[0] = ep->urbase[0] = 0;
+    for (int c = 0; c < C; c++) {
+        int64_t s = 0, r = 0, us = 0, ur = 0;
+        ep->max_urn[c] = 0;
+        for (int q = 0; q < W; q++) {
+            ep->send_rows[c][q] = epd_owner_rows(ep, me, c, q); /* back from q */
+            ep->recv_rows[c][q] = epd_owner_rows(ep, q, c, me); /* back to q */
+            ep->usend[c][q] = epd_uniq(ep, me, c, q);
+            ep->urecv[c][q] = epd_uniq(ep, q, c, me);
+            s += ep->send_rows[c][q];
+            r += ep->recv_rows[c][q];
+            us += ep->usend[c][q];
+            ur += ep->urecv[c][q];
+            ep->max_urn[c] = std::max(ep->max_urn[c], (int)ep->urecv[c][q]);
+        }
+        ep->sbase[c + 1] = ep->sbase[c] + s;
+        ep->rbase[c + 1] = ep->rbase[c] + r;
+        ep->usbase[c + 1] = ep->usbase[c] + us;
+        ep->urbase[c + 1] = ep->urbase[c] + ur;
+    }
+    ep->N = ep->rbase[C];
+    if (ep->N > INT32_MAX / 2 || ep->urbase[C] > ep->N)
+        return MOE_EINVAL;
+    /* table layout: ep_plan's parts, then the dedup tables */
+    int tt = 0;
+    for (int c = 0; c < C; c++) {
+        int n = 0;
+        for (int i = 0; i < ne; i++) {
+            int64_t k = 0;
+            for (int q = 0; q < W; q++)
+                k += epd_rows(ep, q, c, first + i);
+            n += (int)KCU_CEIL_DIV(k, (int64_t)KCU_BM);
+        }
+        ep->tiles[c] = n;
+        ep->tbase[c] = tt;
+        tt += n;
+    }
+    ep->t_offs = 0;
+    ep->t_goffs = C * (ne + 1);
+    ep->t_ntiles = ep->t_goffs + ne + 1;
+    ep->t_rbase = ep->t_ntiles + C;
+    ep->t_te = ep->t_rbase + C + 1;
+    ep->t_tr = ep->t_te + tt + 1;
+    ep->t_ctab = ep->t_tr + tt + 1;
+    ep->t_cpre = ep->t_ctab + C * E;
+    ep->t_utab = ep->t_cpre + C * E;
+    ep->t_upre = ep->t_utab + C * W;
+    ep->t_ur0 = ep->t_upre + C * W;
+    ep->t_urn = ep->t_ur0 + C * W;
+    ep->t_goff = ep->t_urn + C * W;
+    ep->t_roff = ep->t_goff + C * W * ne;
+    ep->t_wbase = ep->t_roff + C * W * ne;
+    ep->t_len = ep->t_wbase + C * W * ne;
+    KCU_TRY(ep_grow(ep, ep->N, ep->t_len));
+    int32_t *t = ep->tbl_h;
+    for (int i = 0; i <= ne; i++)
+        t[ep->t_goffs + i] = 0;
+    for (int c = 0; c < C; c++) {
+        /* the owner's GEMM rows of chunk c: expert-major offsets and tiles */
+        int32_t *offs = t + ep->t_offs + c * (ne + 1);
+        int32_t *te = t + ep->t_te + ep->tbase[c], *tr = t + ep->t_tr + ep->tbase[c];
+        int o = 0, k = 0;
+        for (int i = 0; i < ne; i++) {
+            int64_t n = 0;
+            for (int q = 0; q < W; q++)
+                n += epd_rows(ep, q, c, first + i);
+            offs[i] = o;
+            for (int64_t r0 = 0; r0 < n; r0 += KCU_BM) {
+                te[k] = i;
+                tr[k] = o + (int)r0;
+                k++;
+            }
+            o += (int)n;
+            t[ep->t_goffs + i + 1] += (int32_t)n;
+        }
+        offs[ne] = o;
+        t[ep->t_ntiles + c] = k;
+        t[ep->t_rbase + c] = (int32_t)ep->rbase[c];
+        /* token side: return rows of (c, e), expert e's slots in chunks
+         * before c; unique send rows of (c, q), tokens on q before c */
+        int64_t pos = ep->sbase[c];
+        for (int e = 0; e < E; e++) {
+            int64_t before = 0;
+            for (int cc = 0; cc < c; cc++)
+                before += epd_rows(ep, me, cc, e);
+            t[ep->t_ctab + c * E + e] = (int32_t)pos;
+            t[ep->t_cpre + c * E + e] = (int32_t)before;
+            pos += epd_rows(ep, me, c, e);
+        }
+        int64_t upos = ep->usbase[c], rpos = ep->urbase[c], ret = 0;
+        for (int q = 0; q < W; q++) {
+            int64_t before = 0;
+            for (int cc = 0; cc < c; cc++)
+                before += ep->usend[cc][q];
+            t[ep->t_utab + c * W + q] = (int32_t)upos;
+            t[ep->t_upre + c * W + q] = (int32_t)before;
+            upos += ep->usend[c][q];
+            /* owner side: source q's unique rows, its slots' GEMM rows and
+             * return rows per local expert */
+            t[ep->t_ur0 + c * W + q] = (int32_t)rpos;
+            t[ep->t_urn + c * W + q] = (int32_t)ep->urecv[c][q];
+            rpos += ep->urecv[c][q];
+            int64_t r_in = ret;
+            for (int i = 0; i < ne; i++) {
+                int64_t g = offs[i];
+                for (int qq = 0; qq < q; qq++)
+                    g += epd_rows(ep, qq, c, first + i);
+                t[ep->t_goff + (c * W + q) * ne + i] = (int32_t)g;
+                t[ep->t_roff + (c * W + q) * ne + i] = (int32_t)r_in;
+                r_in += epd_rows(ep, q, c, first + i);
+            }
+            ret += ep->recv_rows[c][q];
+        }
+    }
+    t[ep->t_rbase + C] = (int32_t)ep->rbase[C];
+    for (int i = 0; i < ne; i++)
+        t[ep->t_goffs + i + 1] += t[ep->t_goffs + i];
+    /* global expert-major rows (the weight gradients' groups): expert i's
+     * rows of every chunk, chunk-major, each chunk's in GEMM row order */
+    for (int i = 0; i < ne; i++) {
+        int64_t g0 = t[ep->t_goffs + i];
+        for (int c = 0; c < C; c++) {
+            const int32_t *offs = t + ep->t_offs + c * (ne + 1);
+            for (int q = 0; q < W; q++) {
+                const int k = (c * W + q) * ne + i;
+                t[ep->t_wbase + k] = (int32_t)(g0 + t[ep->t_goff + k] - offs[i]);
+            }
+            g0 += offs[i + 1] - offs[i];
+        }
+    }
+    return MOE_OK;
+}
+
+/* the token side of a dedup forward up to the pipeline: the counts blocks
+ * (one all-gather: the call's host synchronisation), this call's chunks,
+ * the plan, and the send rows */
+moe_err epd_prepare(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
+{
+    kcu_layer *R = &ep->R;
+    const int E = ep->c.E, W = ep->c.world, K = ep->c.K;
+    /* chunks 0: slices for every degree kcu_ep_auto_chunks picks (1 or 4,
+     * both dividing EP_MAX_CHUNKS), chosen after the exchange */
+    ep->P = ep->chunks_auto ? EP_MAX_CHUNKS : ep->C;
+    const int BW = ep->P * (E + W);
+    KCU_TRY(kcu_epd_count(R->topk_idx, T, K, E, W, ep->P, ep->dcnt, ep->umask, ep->ubcnt, st));
+    KCU_TRY(kcu_epd_rank(ep->umask, T, W, ep->ubcnt, ep->urank, st));
+    KCU_CHECK(cudaEventRecord(ep->ev_a, st));
+    KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
+    KCU_TRY(ep_nccl(ep, ncclAllGather(ep->dcnt, ep->cnt_all, BW, ncclInt32, ep->comm, ep->cs),
+                    "ncclAllGather(dedup counts)"));
+    KCU_CHECK(cudaMemcpyAsync(ep->cnt_h, ep->cnt_all, (size_t)W * BW * 4, cudaMemcpyDeviceToHost,
+                              ep->cs));
+    KCU_CHECK(cudaEventRecord(ep->ev_cnt, ep->cs));
+    KCU_TRY(ep_wait(ep, ep->ev_cnt, nullptr, "counts exchange"));
+    if (ep->chunks_auto) {
+        long long rows = 0;
+        for (int q = 0; q < W; q++)
+            for (int i = 0; i < ep->P * E; i++)
+                rows += epd_block(ep, q)[i];
+        ep->C = kcu_ep_auto_chunks(W, ep->c.F, rows / W, train);
+    }
+    if (ep->P % ep->C)
+        return MOE_EINTERNAL;
+    KCU_TRY(epd_plan(ep));
+    KCU_CHECK(
+        cudaMemcpyAsync(ep->tbl_d, ep->tbl_h, (size_t)ep->t_len * 4, cudaMemcpyHostToDevice, st));
+    const int32_t *tb = ep->tbl_d;
+    return kcu_epd_pack(xb, R->perm, R->offs, R->topk_idx, ep->umask, ep->urank, T, K, E, W,
+                        ep->c.H, ep->C, tb + ep->t_ctab, tb + ep->t_cpre, tb + ep->t_utab,
+                        tb + ep->t_upre, ep->sendpos, ep->xsend, ep->msend, st);
+}
+
+/* chunk c's dispatch of unique rows: every peer's rows (bf16) and their
+ * metadata (int32) in one group */
+moe_err epd_dispatch(kcu_ep *ep, int c)
+{
+    const int W = ep->c.world, K = ep->c.K;
+    const size_t H = ep->c.H;
+    int64_t so = ep->usbase[c], ro = ep->urbase[c];
+    KCU_TRY(ep_nccl(ep, ncclGroupStart(), "ncclGroupStart"));
+    moe_err err = MOE_OK;
+    for (int q = 0; q < W && err == MOE_OK; q++) {
+        const int64_t ns = ep->usend[c][q], nr = ep->urecv[c][q];
+        if (ns) {
+            err = ep_nccl(ep,
+                          ncclSend(ep->xsend + (size_t)so * H, (size_t)ns * H, ncclBfloat16, q,
+                                   ep->comm, ep->cs),
+                          "ncclSend");
+            if (err == MOE_OK)
+                err = ep_nccl(ep,
+                              ncclSend(ep->msend + (size_t)so * K, (size_t)ns * K, ncclInt32, q,
+                                       ep->comm, ep->cs),
+                              "ncclSend(meta)");
+        }
+        if (err == MOE_OK && nr) {
+            err = ep_nccl(ep,
+                          ncclRecv(ep->xrecv + (size_t)ro * H, (size_t)nr * H, ncclBfloat16, q,
+                                   ep->comm, ep->cs),
+                          "ncclRecv");
+            if (err == MOE_OK)
+                err = ep_nccl(ep,
+                              ncclRecv(ep->mrecv + (size_t)ro * K, (size_t)nr * K, ncclInt32, q,
+                                       ep->comm, ep->cs),
+                              "ncclRecv(meta)");
+        }
+        so += ns;
+        ro += nr;
+    }
+    moe_err e2 = ep_nccl(ep, ncclGroupEnd(), "ncclGroupEnd");
+    return err != MOE_OK ? err : e2;
+}
+
+/* the owner's forward GEMMs of chunk c: its index from the received
+ * metadata, then xrecv (through gidx) -> ysend (through sidx); training
+ * keeps ab (and the sorted rows in xg) and the weight gradients' indices */
+moe_err epd_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
+{
+    if (ep->tiles[c] == 0)
+        return MOE_OK;
+    const int H = ep->c.H, W = ep->c.world, ne = ep->ne;
+    const int64_t rb = ep->rbase[c];
+    const int32_t *tb = ep->tbl_d;
+    KCU_TRY(kcu_epd_index(ep->mrecv, ep->c.K, W, ne, (int)rb, tb + ep->t_ur0 + c * W,
+                          tb + ep->t_urn + c * W, ep->max_urn[c], tb + ep->t_goff + c * W * ne,
+                          tb + ep->t_roff + c * W * ne, tb + ep->t_wbase + c * W * ne, ep->gidx,
+                          ep->sidx, train ? ep->wgx : nullptr, train ? ep->wgh : nullptr,
+                          train ? ep->wgy : nullptr, st));
+    const kcu_ffn f = ep_chunk_ffn(ep, c, ep_gemm_sms(ep));
+    const bf16 *xrows = ep->xrecv;
+    const int32_t *xgather = ep->gidx + rb;
+    if (ep->sorted) { /* the chunk's rows in expert order: kept in xg for dW13 when
+                       * training, else in its ysend region (the down-projection
+                       * overwrites it afterwards) */
+        bf16 *dst = (train && ep->xg ? ep->xg : ep->ysend) + (size_t)rb * H;
+        KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, f.t.offs + ne,
+                                (int)(ep->rbase[c + 1] - rb), H, dst, 0, st));
+        xrows = dst;
+        xgather = nullptr;
+    }
+    return kcu_ffn_forward(&f, xrows, xgather, train, ep->ysend, MOE_BF16, ep->sidx + rb, st);
+}
+
+/* ep_pipeline's forward for a dedup forward: every chunk's unique rows out
+ * first, each chunk's GEMMs as soon as its rows arrived, each return as
+ * soon as its GEMMs finished (the backward is ep_pipeline's: its dy rows
+ * go out and its dx rows come back along the return's paths) */
+moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
+{
+    const int C = ep->C;
+    KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
+    for (int c = 0; c < C; c++) {
+        KCU_TRY(epd_dispatch(ep, c));
+        KCU_CHECK(cudaEventRecord(ep->ev_disp[c], ep->cs));
+    }
+    for (int c = 0; c < C; c++) {
+        KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_disp[c], 0));
+        KCU_TRY(epd_experts_fwd(ep, c, train, st));
+        KCU_CHECK(cudaEventRecord(ep->ev_comp[c], st));
+    }
+    for (int c = 0; c < C; c++) {
+        KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_comp[c], 0));
+        KCU_TRY(ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
+    }
+    KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
+    return MOE_OK;
+}
+
 } // namespace
 
 extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **out)
@@ -833,6 +1224,17 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         ep->sorted = kcu_sorted_mode(&kc) > 0;
     }
     ep->rgrads_clean = 1;
+    {
+        /* deduplicated dispatch: c.dedup or KCU_EP_DEDUP (1 or 2), with
+         * peers (alone there is nothing to save) and T_max < 2^24 (the
+         * metadata's slot ranks, kcu_ep_dedup.cuh) */
+        const char *s = getenv("KCU_EP_DEDUP");
+        int want = c.dedup > 0 ? c.dedup : s && *s ? atoi(s) : 0;
+        want = want < 0 ? 0 : want > 2 ? 2 : want;
+        ep->dedup = c.world > 1 && c.T_max < (1 << 24) ? want : 0;
+        if (want && !ep->dedup && c.world > 1)
+            fprintf(stderr, "kcu_ep_create: dedup off: T_max %d >= 2^24\n", c.T_max);
+    }
     int dev = 0;
     moe_err rc = MOE_OK;
     if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -883,6 +1285,9 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     R->nsm = ep->nsm;
     const size_t T = c.T_max, S = T * c.K, H = c.H, E = c.E, Ep = R->Ep;
     const size_t nch = KCU_CEIL_DIV(S, (size_t)256), mt = S / KCU_BM + E + 1;
+    /* int32 per rank in the counts exchange: E counts, or a dedup counts
+     * block of up to EP_MAX_CHUNKS slices (kcu_ep_dedup.cuh) */
+    const size_t ncnt = ep->dedup ? (size_t)EP_MAX_CHUNKS * (E + c.world) : E;
     for (int pass = 0; pass < 2; pass++) {
         char *p = (char *)ep->tws;
         size_t off = 0;
@@ -920,7 +1325,14 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         take(&ep->yrecv, S * H * 2);
         take(&ep->sendpos, S * 4);
         take(&ep->tab, (size_t)EP_MAX_CHUNKS * E * 4);
-        take(&ep->cnt_all, (size_t)c.world * E * 4);
+        take(&ep->cnt_all, (size_t)c.world * ncnt * 4);
+        if (ep->dedup) {
+            take(&ep->dcnt, ncnt * 4);
+            take(&ep->umask, T * 8);
+            take(&ep->urank, T * c.world * 4);
+            take(&ep->ubcnt, KCU_CEIL_DIV(T, (size_t)256) * c.world * 4);
+            take(&ep->msend, T * std::min(c.world, c.K) * c.K * 4);
+        }
         if (c.train) {
             take(&R->g_wr, Ep * H * 4);
             take(&R->dw, S * 4);
@@ -931,7 +1343,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         if (pass == 0) {
             ep->tws_bytes = off;
             if (cudaMalloc(&ep->tws, off) != cudaSuccess ||
-                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * E * 4) != cudaSuccess) {
+                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) != cudaSuccess) {
                 (void)cudaGetLastError();
                 fprintf(stderr, "kcu_ep_create: allocation of %zu bytes failed\n", off);
                 kcu_ep_destroy(ep);
@@ -1065,9 +1477,16 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
             KCU_TRY(stage(ep, x, x_dtype, ep->R.xs, (size_t)T * ep->c.H, st));
     }
     KCU_TRY(ep_route(ep, T, xb, train, st));
-    KCU_TRY(ep_exchange_counts(ep, train, st)); /* sets this call's chunks */
-    KCU_TRY(ep_pack(ep, T, xb, st));
-    if (ep->N > 0) {
+    /* dedup 1: inference forwards; 2: train forwards too (their backward
+     * follows them: ep_experts_bwd, wgy) */
+    ep->dd = ep->dedup == 2 || (ep->dedup == 1 && !train);
+    if (ep->dd) {
+        KCU_TRY(epd_prepare(ep, T, xb, train, st)); /* sets this call's chunks */
+    } else {
+        KCU_TRY(ep_exchange_counts(ep, train, st)); /* sets this call's chunks */
+        KCU_TRY(ep_pack(ep, T, xb, st));
+    }
+    if (ep->N > 0 && !ep->dd) {
         const int W = ep->c.world, ne = ep->ne;
         k_ep_index<<<dim3(ne, W, ep->C), 128, 0, st>>>(
             ep->cnt_all, ep->tbl_d, ep->t_offs, ep->t_goffs, ep->t_rbase, ep->c.E, W, ep->first, ne,
@@ -1083,7 +1502,7 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
         ep->sh->nsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
         KCU_TRY(kcu_experts_forward(ep->sh, T, xb, MOE_BF16, &rows, ep->sy, MOE_BF16, train, st));
     }
-    KCU_TRY(ep_pipeline(ep, 0, train, st));
+    KCU_TRY(ep->dd ? epd_pipeline(ep, train, st) : ep_pipeline(ep, 0, train, st));
     KCU_TRY(finish_out(ep, ep->R.topk_w, nullptr, ep->sy,
                        ep->gate ? ep->R.logits + ep->c.E : nullptr, T, y, y_dtype, st));
     ep->T_fwd = train ? (T > 0 ? T : -1) : 0; /* -1: a train forward of no tokens */
@@ -1160,8 +1579,8 @@ extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtyp
             KCU_TRY(kcu_ffn_dw13(&f, ep->xg, nullptr, st));
         else /* ab through wgh, the received x rows through wgx */
             KCU_TRY(kcu_ffn_dw13(&f, ep->xrecv, ep->wgx, st));
-        if (!ep->dw2_done) /* dW2 += dye^T h */
-            KCU_TRY(ep_dw2(ep, ep->ysend, ep->wgx, wsm, st));
+        if (!ep->dw2_done) /* dW2 += dye^T h (dedup: the dy rows through wgy) */
+            KCU_TRY(ep_dw2(ep, ep->ysend, ep->dd ? ep->wgy : ep->wgx, wsm, st));
         x->grads_clean = 0;
     }
     KCU_TRY(
@@ -1230,6 +1649,14 @@ extern "C" int kcu_ep_last_chunks(const kcu_ep *ep)
 
 extern "C" int64_t kcu_ep_last_a2a_bytes(const kcu_ep *ep)
 {
+    if (ep->dd) { /* unique rows with their metadata out, slot rows back */
+        int64_t back = 0;
+        for (int c = 0; c < ep->C; c++)
+            for (int q = 0; q < ep->c.world; q++)
+                if (q != ep->c.rank)
+                    back += ep->recv_rows[c][q];
+        return kcu_ep_last_send_bytes(ep) + back * ep->c.H * 2;
+    }
     int64_t rows = 0;
     for (int c = 0; c < ep->C; c++)
         for (int q = 0; q < ep->c.world; q++)
@@ -1353,8 +1780,8 @@ extern "C" moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream)
     cudaStream_t st = (cudaStream_t)stream;
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
-    for (int c = 0; c < ep->C; c++)
-        KCU_TRY(ep_exchange(ep, c, ep->xsend, ep->xrecv, 0));
+    for (int c = 0; c < ep->C; c++) /* dedup: the unique rows and their metadata */
+        KCU_TRY(ep->dd ? epd_dispatch(ep, c) : ep_exchange(ep, c, ep->xsend, ep->xrecv, 0));
     for (int c = 0; c < ep->C; c++)
         KCU_TRY(ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
     KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
@@ -1364,6 +1791,14 @@ extern "C" moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream)
 
 extern "C" int64_t kcu_ep_last_send_bytes(const kcu_ep *ep)
 {
+    if (ep->dd) { /* unique rows, each with K int32 of metadata */
+        int64_t urows = 0;
+        for (int c = 0; c < ep->C; c++)
+            for (int q = 0; q < ep->c.world; q++)
+                if (q != ep->c.rank)
+                    urows += ep->usend[c][q];
+        return urows * ((int64_t)ep->c.H * 2 + (int64_t)ep->c.K * 4);
+    }
     int64_t rows = 0;
     for (int c = 0; c < ep->C; c++)
         for (int q = 0; q < ep->c.world; q++)
