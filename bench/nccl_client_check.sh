@@ -62,6 +62,7 @@ why() {
     echo "   -- $1.cluster (error lines, last 10):"
     errlines "$OUT/$1.cluster" 10
 }
+export MOE_NCCL_TRACE=1 # the client's phase medians (stderr, when a link closes)
 SB="bin/service_bench --d-model 1024 --d-ff 2048 --experts 8 --top-k 2 --dtype bf16 --client-device 0"
 
 # the client's part, run inside a cluster (its url in $MOE_URL); $1: tag
@@ -150,7 +151,12 @@ else
 fi
 echo "---- where a request's time went on the worker (each communicator: a client run)"
 for tag in nvlink socket; do
-    grep -ah "requests, mean us" "$OUT/$tag"/worker*.log 2>/dev/null | tail -n 5 | cut -c1-300 |
+    grep -ah "requests, mean us\|median us of" "$OUT/$tag"/worker*.log 2>/dev/null | tail -n 8 |
+        cut -c1-300 | sed "s/^/   $tag: /"
+done
+echo "---- where a call's time went on the client (MOE_NCCL_TRACE=1; medians per link)"
+for tag in nvlink socket; do
+    grep -ah "moe nccl trace" "$OUT/$tag.small" "$OUT/$tag.big" 2>/dev/null | cut -c1-300 |
         sed "s/^/   $tag: /"
 done
 echo "---- kill test"

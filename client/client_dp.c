@@ -1796,6 +1796,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         mp_writer w;
         nng_msg *msg = NULL;
         uint32_t msgid = moe__next_msgid(c);
+        nccl_trace_mark(&m->nccl[q].trace, NT_START);
         mp_writer_init(&w);
         moe_rpc_write_request_head(&w, msgid, "data.rows");
         mp_write_map(&w, 5u + (auth ? 1u : 0u) + (lane ? 1u : 0u));
@@ -1830,12 +1831,14 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         }
         nng_ctx_recv(rq[q].ctx, rq[q].aio);
         rq[q].recv_posted = 1;
+        nccl_trace_mark(&m->nccl[q].trace, NT_ROWS_SENT);
         char nm[300];
         if ((e = moe_nccl_post(&m->nccl[q], 1, (uint8_t *)in + off, n, nm, sizeof(nm))) != MOE_OK) {
             moe__set_error("%s: worker rank %d: %s", method, q, nm);
             nccl_drop(c, m, q);
             break;
         }
+        nccl_trace_mark(&m->nccl[q].trace, NT_X_POSTED);
     }
     /* x has left once every send is done; a worker that answers first
      * refused the rows (its communicator is dropped, the answer read in 3).
@@ -1854,9 +1857,12 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         moe_err xe = nccl_await(&m->nccl[q], 1, tmo, &m->up[q], &rq[q], nm, sizeof(nm));
         if (xe == MOE_OK) {
             xdone[q] = 1;
+            nccl_trace_mark(&m->nccl[q].trace, NT_X_DONE);
             what = "receiving y";
             xe = moe_nccl_post(&m->nccl[q], 0, (uint8_t *)out + off, n, nm, sizeof(nm));
             ypost[q] = xe == MOE_OK;
+            if (ypost[q])
+                nccl_trace_mark(&m->nccl[q].trace, NT_Y_POSTED);
         }
         if (xe != MOE_OK) {
             early[q] = 1; /* its answer (if any) says why */
@@ -1900,6 +1906,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             mp_reader rd = resp.result;
             const uint8_t *st = NULL;
             size_t stlen = 0;
+            nccl_trace_mark(&m->nccl[q].trace, NT_ANSWERED);
             qe = read_y(&rd, dt, rows, H, NULL, 0, 0, 2, &st, &stlen);
             if (qe != MOE_OK) {
                 snprintf(msg, sizeof(msg), "malformed answer from worker %d", q);
@@ -1911,8 +1918,11 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
                        (qe = moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], NULL, NULL, msg,
                                            sizeof(msg))) != MOE_OK) {
                 nccl_drop(c, m, q);
-            } else if (lane) {
-                qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
+            } else {
+                nccl_trace_mark(&m->nccl[q].trace, NT_Y_DONE);
+                nccl_trace_end(&m->nccl[q].trace);
+                if (lane)
+                    qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
             }
         } else {
             /* an error answer, or none: the worker sends no y. y's receive

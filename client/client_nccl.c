@@ -12,6 +12,7 @@ void moe_nccl_link_init(moe_nccl_link *l)
     memset(l, 0, sizeof(*l));
     pthread_mutex_init(&l->mu, NULL);
     l->device = -1;
+    nccl_trace_init(&l->trace);
 }
 
 #ifdef MOE_HAVE_CUDA
@@ -210,6 +211,7 @@ void moe_nccl_dev_free(void *p)
 
 void moe_nccl_abort(moe_nccl_link *l)
 {
+    nccl_trace_print(&l->trace, l->device);
     const moe_cudl *F = l->comm || l->stream ? moe_cudl_get(1, NULL, 0) : NULL;
     if (F && l->comm)
         F->ncclCommAbort((ncclComm_t)l->comm);
@@ -280,6 +282,7 @@ void moe_nccl_dev_free(void *p)
 
 void moe_nccl_abort(moe_nccl_link *l)
 {
+    nccl_trace_print(&l->trace, l->device);
     l->open = 0;
     l->comm = NULL;
     l->stream = NULL;

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "base/moe.h"
+#include "client/nccl_trace.h"
 
 #define MOE_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
 
@@ -30,9 +31,10 @@ typedef struct moe_nccl_link {
     pthread_mutex_t mu; /* held by the call that uses it, start to end */
     int open;           /* the communicator is up (comm_id names it at the worker) */
     uint64_t comm_id;
-    int device;   /* the client's GPU it lives on */
-    void *comm;   /* ncclComm_t, NULL when closed */
-    void *stream; /* cudaStream_t of its transfers */
+    int device;       /* the client's GPU it lives on */
+    void *comm;       /* ncclComm_t, NULL when closed */
+    void *stream;     /* cudaStream_t of its transfers */
+    nccl_trace trace; /* phase times (MOE_NCCL_TRACE=1), printed when it closes */
 } moe_nccl_link;
 
 void moe_nccl_link_init(moe_nccl_link *l);

@@ -16,6 +16,8 @@
 #define WNC_MAX_BYTES    ((size_t)1 << 34) /* one request's x: 16 GiB at most */
 #define WNC_SEND_MIN_MS  5000              /* y may take this long at least */
 #define WNC_SPIN_NS      (20ull * 1000000) /* after x: y's send is awaited awake this long */
+#define WNC_SPIN_NEXT_NS (2ull * 1000000)  /* after y: the next x is awaited awake this long */
+#define WNC_KEEP         256               /* requests whose phase times are kept */
 
 /* refuse: the reply to data.nccl_open where this worker has no GPU */
 static const char wnc_no_gpu[] =
@@ -41,7 +43,9 @@ typedef struct wnc_job {
     rpc_call *echo;   /* ECHO: data.nccl_echo, answered when its rounds are done */
     int rounds;       /* ECHO: receive n bytes and send them back, this many times */
     uint64_t deadline_ns;
-    uint64_t queued_ns; /* SEND_Y: when the forward handed y over */
+    uint64_t
+        queued_ns; /* RECV_X: when data.rows queued it; SEND_Y: when the forward handed y over */
+    uint64_t picked_ns; /* when this thread took it */
     struct wnc_job *next;
 } wnc_job;
 
@@ -68,6 +72,11 @@ struct wnc {
      * the forward, its statistics), y handed over -> ncclSend posted (this
      * thread's wake), y's send; sums in ns over nreq requests */
     uint64_t xdone_ns, nx, nreq, sum_x, sum_mid, sum_hand, sum_y;
+    /* the same per request, for medians: [0] x queued -> taken by this
+     * thread, [1] x received from its post, [2] mid, [3] hand, [4] y sent
+     * (us); cur holds this request's first two until its y is sent */
+    int32_t keep[WNC_KEEP][5], cur[2];
+    uint32_t nkeep;
     struct wnc *next; /* in t->wncs */
 };
 
@@ -179,6 +188,8 @@ static moe_err wnc_recv_x(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     x->xdone_ns = wnc_now_ns();
     x->sum_x += x->xdone_ns - t0;
     x->nx++;
+    x->cur[0] = (int32_t)((j->picked_ns - j->queued_ns) / 1000);
+    x->cur[1] = (int32_t)((x->xdone_ns - t0) / 1000);
     tk->x.data = base;
     tk->x.nbytes = j->n;
     pthread_mutex_lock(&x->t->mu);
@@ -226,12 +237,46 @@ static moe_err wnc_send(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     ncclResult_t r = ncclSend(j->ydev, j->n, ncclUint8, 0, x->comm, x->stream);
     moe_err e = wnc_poll(x, r, 1, j->deadline_ns, "sending y", err, errlen);
     if (e == MOE_OK && x->xdone_ns && j->queued_ns >= x->xdone_ns) {
+        const uint64_t now = wnc_now_ns();
+        int32_t *k = x->keep[x->nkeep++ % WNC_KEEP];
         x->nreq++;
         x->sum_mid += j->queued_ns - x->xdone_ns;
         x->sum_hand += t0 - j->queued_ns;
-        x->sum_y += wnc_now_ns() - t0;
+        x->sum_y += now - t0;
+        k[0] = x->cur[0];
+        k[1] = x->cur[1];
+        k[2] = (int32_t)((j->queued_ns - x->xdone_ns) / 1000);
+        k[3] = (int32_t)((t0 - j->queued_ns) / 1000);
+        k[4] = (int32_t)((now - t0) / 1000);
     }
     return e;
+}
+
+static int wnc_cmp(const void *a, const void *b)
+{
+    int32_t p = *(const int32_t *)a, q = *(const int32_t *)b;
+    return (p > q) - (p < q);
+}
+
+/* wnc_log_medians: the kept requests' phase medians (the first request,
+ * which opens NCCL's connections, left out when it is kept with others) */
+static void wnc_log_medians(const struct wnc *x)
+{
+    const uint32_t n = x->nkeep < WNC_KEEP ? x->nkeep : WNC_KEEP;
+    const uint32_t skip = x->nkeep <= WNC_KEEP && n > 1 ? 1 : 0;
+    int32_t med[5], col[WNC_KEEP];
+    if (n <= skip)
+        return;
+    for (int p = 0; p < 5; p++) {
+        for (uint32_t i = skip; i < n; i++)
+            col[i - skip] = x->keep[i][p];
+        qsort(col, n - skip, sizeof(col[0]), wnc_cmp);
+        med[p] = col[(n - skip) / 2];
+    }
+    LOG_I("data plane: NCCL communicator %llu: median us of %u requests: x queued -> taken %d, "
+          "x received %d (from its post), x in -> y handed over %d (forward included), y handed "
+          "over -> sent %d, y sent %d",
+          (unsigned long long)x->id, n - skip, med[0], med[1], med[2], med[3], med[4]);
 }
 
 /* wnc_free: the last reference went (mu held). */
@@ -277,17 +322,19 @@ static void *wnc_thread(void *arg)
             LOG_I("data plane: NCCL communicator %llu with a client is up (GPU %d)",
                   (unsigned long long)x->id, x->device);
     }
-    int want_y = 0; /* x was filed: y's send comes when the forward is done */
+    uint64_t spin_ns =
+        0; /* x was filed (y comes when the forward is done) or y sent (the next x) */
     for (;;) {
-        if (want_y) {
-            /* the forward takes a few ms: wait for y awake rather than be
+        if (spin_ns) {
+            /* the forward takes a few ms, a client's next request comes
+             * right after its y: wait for the next job awake rather than be
              * woken from the condition variable (tens of us on the path of
              * every request); bounded, then asleep as usual */
-            const uint64_t until = wnc_now_ns() + WNC_SPIN_NS;
+            const uint64_t until = wnc_now_ns() + spin_ns;
             while (!__atomic_load_n(&x->head, __ATOMIC_ACQUIRE) &&
                    !__atomic_load_n(&x->dead, __ATOMIC_ACQUIRE) && wnc_now_ns() < until)
                 sched_yield();
-            want_y = 0;
+            spin_ns = 0;
         }
         pthread_mutex_lock(&t->mu);
         while (e == MOE_OK && !x->head && !__atomic_load_n(&x->dead, __ATOMIC_ACQUIRE))
@@ -302,13 +349,18 @@ static void *wnc_thread(void *arg)
             x->failed = 1;
         int stop = x->failed;
         pthread_mutex_unlock(&t->mu);
+        if (j)
+            j->picked_ns = wnc_now_ns();
         if (!j && stop)
             break;
         if (!stop)
             e = j->kind == WNC_RECV_X ? wnc_recv_x(x, j, err, sizeof(err))
                 : j->kind == WNC_ECHO ? wnc_echo(x, j, err, sizeof(err))
                                       : wnc_send(x, j, err, sizeof(err));
-        want_y = !stop && e == MOE_OK && j->kind == WNC_RECV_X;
+        spin_ns = stop || e != MOE_OK     ? 0
+                  : j->kind == WNC_RECV_X ? WNC_SPIN_NS
+                  : j->kind == WNC_SEND_Y ? WNC_SPIN_NEXT_NS
+                                          : 0;
         if (j->echo) /* never ran */
             rpc_reply_err(j->echo, MOE_EUNAVAIL, "%s", err[0] ? err : "the communicator failed");
         if (j->tk) /* not filed: refused, or its x never came */
@@ -324,6 +376,8 @@ static void *wnc_thread(void *arg)
               (double)x->sum_x / (double)x->nx * 1e-3, (double)x->sum_mid / (double)x->nreq * 1e-3,
               (double)x->sum_hand / (double)x->nreq * 1e-3,
               (double)x->sum_y / (double)x->nreq * 1e-3);
+    if (x->nreq)
+        wnc_log_medians(x);
     if (e != MOE_OK || x->comm) /* the reason, once */
         LOG_W("data plane: NCCL communicator %llu closes: %s", (unsigned long long)x->id,
               err[0] ? err : "closed");
@@ -417,6 +471,7 @@ void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t
     j->kind = WNC_RECV_X;
     j->tk = tk;
     j->n = n;
+    j->queued_ns = wnc_now_ns();
     j->deadline_ns = tk->deadline_ns;
     if (run) {
         j->run = *run;
