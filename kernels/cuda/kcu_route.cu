@@ -154,8 +154,9 @@ __global__ void __launch_bounds__(FAM_WARPS * 32)
         }
     }
 
-    /* top-K by repeated warp arg-max: the largest c not taken, ties (and
-     * -inf) to the lower expert, as the CPU's strict > over ascending e */
+    /* top-K by repeated warp arg-max over the choice values: the largest c
+     * not taken, ties (and -inf) to the lower expert, as the CPU's strict >
+     * over ascending e (kcu_topk::argmax_take, the plain router's too) */
     unsigned taken = 0;
     float wk[8], wsum = 0.0f;
     int ik[8];
@@ -164,26 +165,9 @@ __global__ void __launch_bounds__(FAM_WARPS * 32)
         wk[j] = 0.0f;
         ik[j] = 0;
         if (j < K) {
-            float bv = -INFINITY;
-            int bi = INT_MAX;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int e = lane + 32 * i;
-                if (e < E && !((taken >> i) & 1u) && (bi == INT_MAX || c[i] > bv)) {
-                    bv = c[i];
-                    bi = e;
-                }
-            }
-            for (int o = 16; o; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-            if ((bi & 31) == lane)
-                taken |= 1u << (bi >> 5);
+            float bv;
+            int bi;
+            kcu_topk::argmax_take<8>(c, E, lane, -INFINITY, taken, bv, bi);
             ik[j] = bi;
             wk[j] = sc[bi]; /* the weight is the score, never the bias */
             wsum += wk[j];

@@ -55,6 +55,41 @@ __device__ __forceinline__ void softmax_slots(const float *lt, int E, float (&v)
     lse = mx + logf(sum);
 }
 
+/* argmax_take: one pick of a top-k by repeated warp arg-max. Each lane
+ * holds the values x[i] of experts lane + 32 i (i < NV, e < E; lane: its
+ * index in the warp); the pick
+ * is the largest value not yet taken, equal values (-inf included) to the
+ * lower expert - the CPU's strict > over ascending experts. Every lane gets
+ * it in (bv, bi) (bv = none, bi = INT_MAX when nothing is left), and the
+ * owning lane marks it in its taken bits. Used by the plain router
+ * (softmax_topk_nv) and the family router (kcu_route.cu), which must agree
+ * with each other and with the CPU. */
+template <int NV>
+__device__ __forceinline__ void argmax_take(const float (&x)[8], int E, int lane, float none,
+                                            unsigned &taken, float &bv, int &bi)
+{
+    bv = none;
+    bi = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int e = lane + 32 * i;
+        if (e < E && !((taken >> i) & 1u) && (bi == INT_MAX || x[i] > bv)) {
+            bv = x[i];
+            bi = e;
+        }
+    }
+    for (int o = 16; o; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if ((bi & 31) == lane)
+        taken |= 1u << (bi >> 5);
+}
+
 /* softmax_topk_nv: softmax_topk for E <= 32 NV: each lane holds NV
  * logits (experts lane + 32 i, i < NV), so the selection loops run over
  * NV slots instead of 8 (the same choices, fewer instructions). */
@@ -72,26 +107,9 @@ __device__ __forceinline__ void softmax_topk_nv(const float *lt, int E, int K, f
         wk[j] = 0.f;
         ik[j] = 0;
         if (j < K) {
-            float bv = -1.f;
-            int bi = INT_MAX;
-#pragma unroll
-            for (int i = 0; i < NV; i++) {
-                const int e = lane + 32 * i;
-                if (e < E && !((taken >> i) & 1u) && (bi == INT_MAX || v[i] > bv)) {
-                    bv = v[i];
-                    bi = e;
-                }
-            }
-            for (int o = 16; o; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (oi != INT_MAX && (bi == INT_MAX || ov > bv || (ov == bv && oi < bi))) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-            if ((bi & 31) == lane)
-                taken |= 1u << (bi >> 5);
+            float bv;
+            int bi;
+            argmax_take<NV>(v, E, lane, -1.f, taken, bv, bi);
             wk[j] = bv;
             ik[j] = bi;
             wsum += bv;
