@@ -9,15 +9,18 @@
  * dx and every gradient are compared with the single-GPU layer (kcu_layer,
  * all W*T tokens on GPU 0). With --check-infer the inference forward's y
  * at every --chunks value is compared with the single-GPU layer's inference
- * forward (bit-identical expected). --dedup: the deduplicated dispatch of
- * inference forwards (kcu_ep.h); the table's "disp MB" column shows the
- * inference forward's off-GPU dispatch bytes. Not a test.
+ * forward (bit-identical expected). The deduplicated dispatch of inference
+ * forwards (kcu_ep.h) is on, as in the library (--no-dedup: off, the
+ * baseline); the table's "disp MB" column shows the inference forward's
+ * off-GPU dispatch bytes. KCU_EP_DEDUP is not read here. Not a test.
  *
  *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small|moe64 [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
  *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
- *                [--dedup]   (deduplicated dispatch in inference forwards: c.dedup 1)
+ *                [--dedup]   (deduplicated dispatch in inference forwards: c.dedup 1,
+ *                             the default)
  *                [--dedup-train]   (in training forwards too: c.dedup 2)
+ *                [--no-dedup]   (off: c.dedup -1)
  *                [--check-infer]   (y of the inference forward at each --chunks value
  *                             against kcu_layer's inference forward of all W*T tokens)
  *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
@@ -135,7 +138,8 @@ struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
     int infer = 0;        /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
     int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
-    int dedup = 0;        /* --dedup: c.dedup 1 (inference forwards); --dedup-train: 2 */
+    int dedup = 1; /* c.dedup: 1 inference forwards (the default, --dedup), 2 training too
+                    * (--dedup-train), 0 off (--no-dedup: c.dedup -1) */
     int check_infer = 0;  /* --check-infer: inference y against kcu_layer's */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
@@ -218,7 +222,7 @@ static void *rank_main(void *arg)
     c.T_max = T;
     c.train = !w->o.infer;
     c.chunks = 1;
-    c.dedup = w->o.dedup;
+    c.dedup = w->o.dedup ? w->o.dedup : -1;
     kcu_ep *ep;
     CKM(kcu_ep_create(&c, comm, &ep));
     int first = 0;
@@ -589,6 +593,8 @@ int main(int argc, char **argv)
             o.dedup = 1;
         } else if (!strcmp(a, "--dedup-train")) {
             o.dedup = 2;
+        } else if (!strcmp(a, "--no-dedup")) {
+            o.dedup = 0;
         } else if (!strcmp(a, "--check-infer")) {
             o.check_infer = 1;
         } else if (!strcmp(a, "--check-chunks")) {
@@ -609,7 +615,7 @@ int main(int argc, char **argv)
                     "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small|moe64 [--tokens T] "
                     "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
                     "[--check-chunks N] [--infer] [--family dsv3|qwen2] [--dedup] "
-                    "[--dedup-train] [--check-infer]\n",
+                    "[--dedup-train] [--no-dedup] [--check-infer]\n",
                     argv[0]);
             return 2;
         }

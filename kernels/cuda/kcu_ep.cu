@@ -1225,11 +1225,12 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     }
     ep->rgrads_clean = 1;
     {
-        /* deduplicated dispatch: c.dedup or KCU_EP_DEDUP (1 or 2), with
-         * peers (alone there is nothing to save) and T_max < 2^24 (the
-         * metadata's slot ranks, kcu_ep_dedup.cuh) */
+        /* deduplicated dispatch: c.dedup (-1 off, 1 or 2), else
+         * KCU_EP_DEDUP (0, 1 or 2), else 1 (inference forwards); with peers
+         * (alone there is nothing to save) and T_max < 2^24 (the metadata's
+         * slot ranks, kcu_ep_dedup.cuh) */
         const char *s = getenv("KCU_EP_DEDUP");
-        int want = c.dedup > 0 ? c.dedup : s && *s ? atoi(s) : 0;
+        int want = c.dedup != 0 ? c.dedup : s && *s ? atoi(s) : 1;
         want = want < 0 ? 0 : want > 2 ? 2 : want;
         ep->dedup = c.world > 1 && c.T_max < (1 << 24) ? want : 0;
         if (want && !ep->dedup && c.world > 1)

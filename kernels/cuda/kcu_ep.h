@@ -68,15 +68,17 @@ typedef struct kcu_ep_config {
      * below. Last, so that code that sets the fields above by name (after a
      * memset) needs no change. */
     kcu_route_config route;
-    /* deduplicated dispatch (see "Deduplicated dispatch" below): 0 off, 1
+    /* deduplicated dispatch (see "Deduplicated dispatch" below): -1 off, 1
      * inference forwards, 2 training forwards (and their backward) too; 0
-     * takes KCU_EP_DEDUP (0, 1 or 2) at create. */
+     * the default: KCU_EP_DEDUP (0, 1 or 2) where set, else 1. */
     int dedup;
 } kcu_ep_config;
 
 /* Deduplicated dispatch (c.dedup or KCU_EP_DEDUP: 1 for inference
- * forwards, 2 for training ones too; world > 1, T_max < 2^24; otherwise,
- * and for train forwards with 1, the path above as it is).
+ * forwards, the default, 2 for training ones too, 0 off; world > 1,
+ * T_max < 2^24; otherwise, and for train forwards with 1, the path above
+ * as it is). On by default since it measured faster or equal on every
+ * shape of 2x and 4x H100 (bench/RESULTS.md section 2).
  *
  * A forward sends a token routed to several experts of one rank there ONCE (a unique row, with K
  * int32 of metadata: which of the owner's experts the token's slots take and each slot's place),
