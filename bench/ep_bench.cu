@@ -21,6 +21,9 @@
  *                             the default)
  *                [--dedup-train]   (in training forwards too: c.dedup 2)
  *                [--no-dedup]   (off: c.dedup -1)
+ *                [--ce]   (after the table: NCCL's copy-engine all-to-all against the
+ *                             default one, alone and concurrent with the expert GEMMs;
+ *                             see "--ce" below)
  *                [--check-infer]   (y of the inference forward at each --chunks value
  *                             against kcu_layer's inference forward of all W*T tokens)
  *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
@@ -35,6 +38,26 @@
  *                             then compares the shared expert's and the gate's
  *                             gradients too; it needs E % 8 == 0 and K <= E/2 (dsv3)
  *                             and E + 1 (dsv3) or E + 4 (qwen2) <= 256)
+ *
+ * --ce (issue 24: can the exchange leave the GEMMs all their SMs?): on a
+ * second communicator split from the first with ctaPolicy
+ * NCCL_CTA_POLICY_ZERO, over two ncclMemAlloc buffers of T*K*H bf16 each
+ * registered as symmetric windows (ncclCommWindowRegister,
+ * NCCL_WIN_COLL_SYMMETRIC), NCCL >= 2.28 moves ncclAlltoAll on the copy
+ * engines, with no CTA, when every rank is reachable over NVLink (NCCL's
+ * enqueue: symmetric support, one node, both buffers in symmetric windows,
+ * CTAPolicy ZERO, a collective with a CE implementation: AllGather,
+ * AlltoAll, Gather, Scatter, CUDA driver >= 12.5). Times, max over ranks,
+ * median over --iters: (a) a round trip (two ncclAlltoAll, as "nccl ms")
+ * on the CE communicator and on the default one (kernels); (b) this rank's
+ * expert GEMMs alone: kcu_experts_forward of the local experts (same
+ * weights) on the rows each received in the last forward (all SMs, random
+ * bf16 rows); (c) the GEMMs while round trips run back to back on another
+ * stream, CE and default, with the slowdown of the GEMMs and each round
+ * trip's time under them. Then checks which path NCCL took: one CE
+ * ncclAlltoAll captured into a CUDA graph must have no kernel node. Needs
+ * ncclGetVersion >= 2.28.0 and the symbols (dlsym): otherwise one line
+ * says what is missing and the rest of the run is as without --ce.
  *
  * Keep NCCL_NVLS_ENABLE=0 on the shared machines.
  */
@@ -141,6 +164,7 @@ struct opts {
     int dedup = 1;        /* c.dedup: 1 inference forwards (the default, --dedup), 2 training too
                            * (--dedup-train), 0 off (--no-dedup: c.dedup -1) */
     int check_infer = 0;  /* --check-infer: inference y against kcu_layer's */
+    int ce = 0;           /* --ce: the copy-engine all-to-all measurement */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};
@@ -165,6 +189,7 @@ struct world {
     std::vector<int> used;       /* chunks each setting used (0: chosen per forward): */
     std::vector<int> used_train; /* by the inference forward and by the training one */
     std::vector<double> rank_ms; /* scratch: one slot per rank */
+    std::vector<int> rank_ok;    /* scratch: one flag per rank (--ce) */
     /* per chunks value: the inference forward's off-GPU bytes, max over ranks:
      * dispatch (kcu_ep_last_send_bytes), dispatch and return */
     std::vector<int64_t> disp_b, a2a_b;
@@ -194,6 +219,313 @@ static double median(std::vector<double> v)
 {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
+}
+
+/* ---- --ce: the copy-engine all-to-all (see the top of the file) ---- */
+
+typedef ncclResult_t (*split_fn)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
+typedef ncclResult_t (*memalloc_fn)(void **, size_t);
+typedef ncclResult_t (*memfree_fn)(void *);
+typedef ncclResult_t (*winreg_fn)(ncclComm_t, void *, size_t, ncclWindow_t *, int);
+typedef ncclResult_t (*windereg_fn)(ncclComm_t, ncclWindow_t);
+
+/* max over ranks of v (every rank calls) */
+static double max_ranks(world *w, int r, double v)
+{
+    w->rank_ms[r] = v;
+    pthread_barrier_wait(&w->bar);
+    double m = 0;
+    for (double x : w->rank_ms)
+        m = std::max(m, x);
+    pthread_barrier_wait(&w->bar);
+    return m;
+}
+
+/* 1 when every rank passes ok != 0 (every rank calls): a collective NCCL
+ * call follows only when all ranks reach it */
+static int all_ok(world *w, int r, int ok)
+{
+    w->rank_ok[r] = ok;
+    pthread_barrier_wait(&w->bar);
+    int all = 1;
+    for (int x : w->rank_ok)
+        all &= x != 0;
+    pthread_barrier_wait(&w->bar);
+    return all;
+}
+
+/* n bf16 values in [-1, 1) from (seed, i) */
+__global__ void k_fill_bf16(uint16_t *p, size_t n, uint64_t seed)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z ^= z >> 27;
+        const float v = 2.0f * (float)(z >> 40) * (1.0f / 16777216.0f) - 1.0f;
+        p[i] = (uint16_t)(__float_as_uint(v) >> 16);
+    }
+}
+
+static const char *nccl_err(ncclResult_t e)
+{
+    return ncclGetErrorString(e);
+}
+
+/* the --ce measurement on rank r after the table's runs: the GEMMs' rows
+ * are those this rank's experts received in the last forward of `ep` */
+static void ce_measure(world *w, int r, ncclComm_t comm, kcu_ep *ep, cudaStream_t st,
+                       alltoall_fn a2a, void *nb_s, void *nb_r)
+{
+    const opts &o = w->o;
+    const int W = o.W, T = o.T;
+    const shape s = o.s;
+    const size_t H = s.H, F = s.F;
+    const size_t per_peer = (size_t)T * s.K * H / W, bytes = per_peer * W * 2;
+    char why[256] = "";
+    int ver = 0;
+    ncclGetVersion(&ver);
+    split_fn split = (split_fn)dlsym(RTLD_DEFAULT, "ncclCommSplit");
+    memalloc_fn mem_alloc = (memalloc_fn)dlsym(RTLD_DEFAULT, "ncclMemAlloc");
+    memfree_fn mem_free = (memfree_fn)dlsym(RTLD_DEFAULT, "ncclMemFree");
+    winreg_fn win_reg = (winreg_fn)dlsym(RTLD_DEFAULT, "ncclCommWindowRegister");
+    windereg_fn win_dereg = (windereg_fn)dlsym(RTLD_DEFAULT, "ncclCommWindowDeregister");
+    if (W < 2)
+        snprintf(why, sizeof(why), "needs --gpus >= 2");
+    else if (ver < 22800) /* NCCL_VERSION(2,28,0): CTAPolicy ZERO's CE collectives */
+        snprintf(why, sizeof(why),
+                 "NCCL at runtime is %d.%d.%d: copy-engine collectives need 2.28 or later",
+                 ver / 10000, ver / 100 % 100, ver % 100);
+    else if (!split || !mem_alloc || !mem_free || !win_reg || !win_dereg || !a2a || !nb_s)
+        snprintf(why, sizeof(why),
+                 "NCCL at runtime lacks%s%s%s%s%s%s (or the default buffers are missing)",
+                 split ? "" : " ncclCommSplit", mem_alloc ? "" : " ncclMemAlloc",
+                 mem_free ? "" : " ncclMemFree", win_reg ? "" : " ncclCommWindowRegister",
+                 win_dereg ? "" : " ncclCommWindowDeregister", a2a ? "" : " ncclAlltoAll");
+    if (why[0]) { /* the same on every rank: one line, no collective call */
+        if (r == 0)
+            printf("ce: unavailable: %s; --ce skipped\n", why);
+        return;
+    }
+    /* the CE communicator: a split of comm (every rank, the same color) */
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    ncclComm_t ce = nullptr;
+    ncclResult_t e = split(comm, 0, r, &ce, &cfg);
+    if (!all_ok(w, r, e == ncclSuccess && ce)) {
+        if (e != ncclSuccess)
+            printf("ce: rank %d: ncclCommSplit with CTAPolicy ZERO: %s (%s)\n", r, nccl_err(e),
+                   ncclGetLastError(comm));
+        if (r == 0)
+            printf("ce: unavailable: no CE communicator; --ce skipped\n");
+        if (ce)
+            ncclCommDestroy(ce);
+        return;
+    }
+    void *cs = nullptr, *cr = nullptr;
+    ncclWindow_t ws = nullptr, wr = nullptr;
+    e = mem_alloc(&cs, bytes);
+    if (e == ncclSuccess)
+        e = mem_alloc(&cr, bytes);
+    int ok = all_ok(w, r, e == ncclSuccess);
+    if (!ok && r == 0)
+        printf("ce: unavailable: ncclMemAlloc of 2 x %.1f MiB failed on some rank (%s)\n",
+               bytes / 1048576.0, nccl_err(e));
+    if (ok) { /* collective: every rank registers the same sizes, in the same order */
+        e = win_reg(ce, cs, bytes, &ws, NCCL_WIN_COLL_SYMMETRIC);
+        if (e == ncclSuccess)
+            e = win_reg(ce, cr, bytes, &wr, NCCL_WIN_COLL_SYMMETRIC);
+        ok = all_ok(w, r, e == ncclSuccess);
+        if (!ok)
+            printf("ce: rank %d: ncclCommWindowRegister: %s (%s)\n", r, nccl_err(e),
+                   ncclGetLastError(ce));
+    }
+    /* the GEMMs: a kcu_experts of this rank's experts with the same weights,
+     * on the rows its experts received in the last forward */
+    int first = 0;
+    const int ne = kcu_ep_local_experts(ep, &first);
+    std::vector<int32_t> cg(s.E), cnt(ne);
+    int64_t N = 0;
+    kcu_ep_last_counts(ep, nullptr, cg.data(), nullptr, nullptr);
+    for (int i = 0; i < ne; i++)
+        N += cnt[i] = cg[first + i];
+    kcu_experts *ex = nullptr;
+    void *gx = nullptr, *gy = nullptr;
+    cudaStream_t st2;
+    cudaEvent_t ev[4];
+    CK(cudaStreamCreateWithFlags(&st2, cudaStreamNonBlocking));
+    for (cudaEvent_t &x : ev)
+        CK(cudaEventCreate(&x));
+    if (ok) {
+        moe_err me =
+            kcu_experts_create(s.H, s.F, ne, KERN_ACT_SWIGLU, (int)std::max<int64_t>(N, 1), 0, &ex);
+        if (me == MOE_OK)
+            me = kcu_experts_upload(ex, w->w1.data() + (size_t)first * F * H,
+                                    w->w3.data() + (size_t)first * F * H,
+                                    w->w2.data() + (size_t)first * H * F);
+        if (me == MOE_OK &&
+            (cudaMalloc(&gx, (size_t)std::max<int64_t>(N, 1) * H * 2) != cudaSuccess ||
+             cudaMalloc(&gy, (size_t)std::max<int64_t>(N, 1) * H * 2) != cudaSuccess))
+            me = MOE_ENOMEM;
+        ok = all_ok(w, r, me == MOE_OK);
+        if (!ok && r == 0)
+            printf("ce: the GEMMs' kcu_experts (%lld rows) could not be made; --ce skipped\n",
+                   (long long)N);
+    }
+    if (ok) {
+        k_fill_bf16<<<1024, 256, 0, st>>>((uint16_t *)gx, (size_t)N * H, 300 + r);
+        k_fill_bf16<<<1024, 256, 0, st>>>((uint16_t *)cs, bytes / 2, 400 + r);
+        CK(cudaGetLastError());
+        CK(cudaStreamSynchronize(st));
+    }
+    auto gemm = [&](cudaStream_t sg) {
+        CKM(kcu_experts_forward(ex, (int)N, gx, MOE_BF16, cnt.data(), gy, MOE_BF16, 0, sg));
+    };
+    /* one round trip: there and back, as the table's "nccl ms" */
+    auto trip = [&](int use_ce, cudaStream_t sa) {
+        ncclComm_t c = use_ce ? ce : comm;
+        void *s0 = use_ce ? cs : nb_s, *r0 = use_ce ? cr : nb_r;
+        CKN(a2a(s0, r0, per_peer, ncclBfloat16, c, sa));
+        CKN(a2a(r0, s0, per_peer, ncclBfloat16, c, sa));
+    };
+    auto ms = [&](cudaEvent_t a, cudaEvent_t b) {
+        float f = 0;
+        CK(cudaEventElapsedTime(&f, a, b));
+        return (double)f;
+    };
+    std::vector<double> g0, tce, tdef, gce, gdef, uce, udef;
+    int nce = 1, ndef = 1; /* round trips issued under the GEMMs: enough to cover them */
+    for (int it = 0; ok && it < o.iters + 2; it++) {
+        /* (b) the GEMMs alone */
+        pthread_barrier_wait(&w->bar);
+        CK(cudaEventRecord(ev[0], st));
+        gemm(st);
+        CK(cudaEventRecord(ev[1], st));
+        CK(cudaStreamSynchronize(st));
+        const double g = max_ranks(w, r, ms(ev[0], ev[1]));
+        /* (a) a round trip alone, CE then default */
+        double t[2];
+        for (int k = 0; k < 2; k++) {
+            pthread_barrier_wait(&w->bar);
+            CK(cudaEventRecord(ev[0], st2));
+            trip(k == 0, st2);
+            CK(cudaEventRecord(ev[1], st2));
+            CK(cudaStreamSynchronize(st2));
+            t[k] = max_ranks(w, r, ms(ev[0], ev[1]));
+        }
+        /* (c) the GEMMs while round trips run on st2 */
+        double gu[2], tu[2];
+        for (int k = 0; k < 2; k++) {
+            const int n = k == 0 ? nce : ndef;
+            pthread_barrier_wait(&w->bar);
+            CK(cudaEventRecord(ev[2], st2));
+            for (int i = 0; i < n; i++)
+                trip(k == 0, st2);
+            CK(cudaEventRecord(ev[3], st2));
+            CK(cudaEventRecord(ev[0], st));
+            gemm(st);
+            CK(cudaEventRecord(ev[1], st));
+            CK(cudaStreamSynchronize(st));
+            CK(cudaStreamSynchronize(st2));
+            gu[k] = max_ranks(w, r, ms(ev[0], ev[1]));
+            tu[k] = max_ranks(w, r, ms(ev[2], ev[3]) / n);
+        }
+        if (it == 1) { /* from the warm-up's times (the same on every rank) */
+            nce = std::min(64, (int)ceil(g / std::max(t[0], 1e-3)) + 1);
+            ndef = std::min(64, (int)ceil(g / std::max(t[1], 1e-3)) + 1);
+        }
+        if (it >= 2) {
+            g0.push_back(g);
+            tce.push_back(t[0]);
+            tdef.push_back(t[1]);
+            gce.push_back(gu[0]);
+            gdef.push_back(gu[1]);
+            uce.push_back(tu[0]);
+            udef.push_back(tu[1]);
+        }
+    }
+    if (ok && r == 0) {
+        const double G = median(g0), A = median(tce), D = median(tdef);
+        const double GC = median(gce), GD = median(gdef), UC = median(uce), UD = median(udef);
+        const double rt = 2.0 * bytes; /* both directions, as the table's GB/s */
+        int maj = ver / 10000, mnr = ver / 100 % 100, pat = ver % 100;
+        printf("ce: NCCL %d.%d.%d; CE communicator: ncclCommSplit, CTAPolicy "
+               "NCCL_CTA_POLICY_ZERO; 2 windows of %.1f MiB (ncclMemAlloc, "
+               "NCCL_WIN_COLL_SYMMETRIC); a round trip = 2 ncclAlltoAll of %zu bf16 per peer\n",
+               maj, mnr, pat, bytes / 1048576.0, per_peer);
+        printf("ce: (a) round trip alone: CE %.3f ms (%.1f GB/s), default %.3f ms (%.1f GB/s), "
+               "CE/default time %.2f\n",
+               A, rt / (A * 1e6), D, rt / (D * 1e6), A / D);
+        printf("ce: (b) expert GEMMs alone (kcu_experts_forward, %d local experts, %lld rows on "
+               "rank 0, all SMs): %.3f ms\n",
+               ne, (long long)N, G);
+        printf("ce: (c) GEMMs under CE round trips (%d back to back): %.3f ms (slowdown x%.3f), "
+               "a round trip under them %.3f ms\n",
+               nce, GC, GC / G, UC);
+        printf("ce: (c) GEMMs under default round trips (%d back to back): %.3f ms (slowdown "
+               "x%.3f), a round trip under them %.3f ms\n",
+               ndef, GD, GD / G, UD);
+        printf("ce: the model of issue 24 holds if (c) CE stays near x1.0 while the default's "
+               "is well above it; comm_sms 32 of 132 costs x1.32 by the SM count\n");
+        fflush(stdout);
+    }
+    /* which path NCCL took: a CE ncclAlltoAll captured into a graph has no
+     * kernel node (the kernel path launches NCCL's device kernel) */
+    if (ok) {
+        cudaStream_t sc;
+        CK(cudaStreamCreateWithFlags(&sc, cudaStreamNonBlocking));
+        pthread_barrier_wait(&w->bar);
+        cudaGraph_t gr = nullptr;
+        int kern = -1, copies = 0;
+        size_t nn = 0;
+        if (cudaStreamBeginCapture(sc, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+            e = a2a(cs, cr, per_peer, ncclBfloat16, ce, sc);
+            if (cudaStreamEndCapture(sc, &gr) == cudaSuccess && e == ncclSuccess &&
+                cudaGraphGetNodes(gr, nullptr, &nn) == cudaSuccess) {
+                std::vector<cudaGraphNode_t> nodes(nn);
+                cudaGraphGetNodes(gr, nodes.data(), &nn);
+                kern = 0;
+                for (cudaGraphNode_t nd : nodes) {
+                    cudaGraphNodeType ty;
+                    cudaGraphNodeGetType(nd, &ty);
+                    kern += ty == cudaGraphNodeTypeKernel;
+                    copies += ty == cudaGraphNodeTypeMemcpy;
+                }
+            }
+        }
+        (void)cudaGetLastError();
+        if (gr)
+            cudaGraphDestroy(gr);
+        cudaStreamDestroy(sc);
+        const double kmax = max_ranks(w, r, kern < 0 ? 1e9 : kern);
+        if (r == 0)
+            printf("ce: path: a CE ncclAlltoAll captured into a graph: %s (rank 0: %zu nodes, %d "
+                   "kernel, %d memcpy)\n",
+                   kmax >= 1e9 ? "capture failed, path unknown"
+                   : kmax > 0  ? "kernel nodes on some rank: NOT the copy-engine path"
+                               : "no kernel node on any rank: copy engines",
+                   nn, kern, copies);
+        fflush(stdout);
+    }
+    CK(cudaDeviceSynchronize());
+    if (ex)
+        kcu_experts_destroy(ex);
+    if (gx)
+        cudaFree(gx);
+    if (gy)
+        cudaFree(gy);
+    for (cudaEvent_t &x : ev)
+        cudaEventDestroy(x);
+    cudaStreamDestroy(st2);
+    if (wr)
+        win_dereg(ce, wr);
+    if (ws)
+        win_dereg(ce, ws);
+    if (cr)
+        mem_free(cr);
+    if (cs)
+        mem_free(cs);
+    ncclCommDestroy(ce);
 }
 
 static void *rank_main(void *arg)
@@ -350,6 +682,8 @@ static void *rank_main(void *arg)
         pthread_mutex_unlock(&mu);
         pthread_barrier_wait(&w->bar);
     }
+    if (w->o.ce)
+        ce_measure(w, r, comm, ep, st, a2a, nb_s, nb_r);
     int64_t rows = 0;
     kcu_ep_last_counts(ep, nullptr, nullptr, nullptr, &rows);
     const int64_t sb = kcu_ep_last_send_bytes(ep);
@@ -595,6 +929,8 @@ int main(int argc, char **argv)
             o.dedup = 2;
         } else if (!strcmp(a, "--no-dedup")) {
             o.dedup = 0;
+        } else if (!strcmp(a, "--ce")) {
+            o.ce = 1;
         } else if (!strcmp(a, "--check-infer")) {
             o.check_infer = 1;
         } else if (!strcmp(a, "--check-chunks")) {
@@ -615,7 +951,7 @@ int main(int argc, char **argv)
                     "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small|moe64 [--tokens T] "
                     "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
                     "[--check-chunks N] [--infer] [--family dsv3|qwen2] [--dedup] "
-                    "[--dedup-train] [--no-dedup] [--check-infer]\n",
+                    "[--dedup-train] [--no-dedup] [--check-infer] [--ce]\n",
                     argv[0]);
             return 2;
         }
@@ -696,6 +1032,7 @@ int main(int argc, char **argv)
     w->used.assign(nc, 0);
     w->used_train.assign(nc, 0);
     w->rank_ms.assign(o.W, 0);
+    w->rank_ok.assign(o.W, 0);
     w->disp_b.assign(nc, 0);
     w->a2a_b.assign(nc, 0);
     w->yc.assign(o.check_infer ? nc : 0, std::vector<std::vector<float>>(o.W));
