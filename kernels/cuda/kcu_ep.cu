@@ -48,7 +48,10 @@
 #include <string.h>
 #include <time.h>
 
+#include <atomic>
 #include <type_traits>
+
+#include <dlfcn.h>
 
 #include <nccl.h>
 
@@ -69,6 +72,30 @@ extern "C" int (*kcu_ep_abort_hook)(void) = nullptr;
  * +9 / +5 / +1 / -1 / -11%: the forward gains from 49152 on, training from
  * 98304 on. */
 enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 49152, EP_CHUNK_ROWS_TRAIN = 98304 };
+
+/* NCCL entry points of the copy-engine exchange, looked up at run time
+ * (dlsym) so that the library runs where NCCL lacks them: ncclAlltoAll
+ * (2.28), ncclCommWindowRegister / Deregister (2.27), ncclMemAlloc /
+ * ncclMemFree (2.19), ncclCommSplit (2.18) */
+struct ep_ce_fns {
+    ncclResult_t (*split)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
+    ncclResult_t (*mem_alloc)(void **, size_t);
+    ncclResult_t (*mem_free)(void *);
+    ncclResult_t (*win_reg)(ncclComm_t, void *, size_t, ncclWindow_t *, int);
+    ncclResult_t (*win_dereg)(ncclComm_t, ncclWindow_t);
+    ncclResult_t (*a2a)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
+};
+
+/* the padded slots of a CE forward (ep_ce_plan; the same on every rank):
+ * chunk c's dispatch slot S[c] rows per (source, destination) pair, its
+ * return slot R[c] rows per (owner, source) pair; the dispatch region of
+ * chunk c starts at row D[c] = W sum_{c'<c} S[c'] of xsend / xrecv (peer
+ * q's slot at D[c] + q S[c]), the return region at B[c] = W sum R[c'] of
+ * ysend / yrecv (peer q's slot at B[c] + q R[c]) */
+struct ep_ce_slots {
+    int64_t S[EP_MAX_CHUNKS], R[EP_MAX_CHUNKS], D[EP_MAX_CHUNKS + 1], B[EP_MAX_CHUNKS + 1];
+    int64_t real, padded; /* rows over all ranks: sent for real, moved with padding */
+};
 
 struct kcu_ep {
     kcu_ep_config c;
@@ -133,6 +160,24 @@ struct kcu_ep {
      * cpre (C,E), utab, upre (C,W); owner ur0, urn (C,W), goff, roff (C,W,ne) */
     int t_ctab, t_cpre, t_utab, t_upre, t_ur0, t_urn, t_goff, t_roff;
     int t_wbase; /* (C,W,ne) global expert-major row of (chunk, source, expert) (train) */
+    /* the exchange buffers a forward binds (ep_bind): the send/recv path's
+     * (xsend, yrecv, msend in tws; xrecv, ysend, mrecv in ows, set by
+     * ep_grow) or the copy-engine windows' */
+    bf16 *xsend_t, *yrecv_t, *xrecv_o, *ysend_o;
+    int32_t *msend_t, *mrecv_o;
+    /* copy-engine exchange (KCU_EP_CE=1; kcu_ep.h "Copy-engine exchange") */
+    int ce_want;                /* KCU_EP_CE=1 at create, world > 1, dedup on */
+    int ce_state;               /* 0 not set up yet, 1 ready, -1 unavailable (send/recv) */
+    int ce_fwd;                 /* the last forward took the CE path */
+    int64_t ce_n[2];            /* inference dedup forwards on the CE path, fallen back */
+    ep_ce_fns fn;               /* NCCL symbols newer than 2.27, by dlsym */
+    ncclComm_t ce;              /* split of comm with CTAPolicy ZERO (owned), or NULL */
+    void *ce_buf[2];            /* ncclMemAlloc: [0] token side, [1] owner side */
+    ncclWindow_t ce_win[2];     /* their symmetric windows on ce */
+    size_t ce_bytes;            /* bytes of each */
+    int64_t ce_capx, ce_capy;   /* padded dispatch / return rows they hold */
+    int32_t *agree_d, *agree_h; /* one int32 for ep_agree (device, pinned) */
+    ep_ce_slots cs_;            /* the last CE forward's padded slots */
 };
 
 namespace
@@ -277,7 +322,11 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
 
 /* ---- host helpers ---- */
 
-moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
+void ce_abort(kcu_ep *ep, const char *why);
+
+/* r of an NCCL call on communicator comm: while the (non-blocking)
+ * communicator reports ncclInProgress, polled under the timeout */
+moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what)
 {
     const int64_t deadline = now_ms() + ep->c.timeout_ms;
     int spins = 0;
@@ -292,15 +341,30 @@ moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
             nanosleep(&ts, NULL);
         }
         ncclResult_t st = ncclSuccess;
-        ncclResult_t q = ncclCommGetAsyncError(ep->comm, &st);
+        ncclResult_t q = ncclCommGetAsyncError(comm, &st);
         r = q != ncclSuccess ? q : st;
     }
     if (r != ncclSuccess) {
         fprintf(stderr, "kcu_ep: rank %d: %s: %s (%s)\n", ep->c.rank, what, ncclGetErrorString(r),
-                ncclGetLastError(ep->comm));
+                ncclGetLastError(comm));
+        ce_abort(ep, what);
         return MOE_EUNAVAIL;
     }
     return MOE_OK;
+}
+
+moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
+{
+    return ep_nccl_on(ep, ep->comm, r, what);
+}
+
+/* the asynchronous error state of comm: nonzero on an error (in progress
+ * is not one) */
+int ep_comm_failed(ncclComm_t comm)
+{
+    ncclResult_t as = ncclSuccess;
+    return ncclCommGetAsyncError(comm, &as) != ncclSuccess ||
+           (as != ncclSuccess && as != ncclInProgress);
 }
 
 /* wait for an event (or a stream when ev is NULL) under the timeout while
@@ -317,20 +381,22 @@ moe_err ep_wait(kcu_ep *ep, cudaEvent_t ev, cudaStream_t st, const char *what)
             fprintf(stderr, "kcu_ep: rank %d: %s: %s\n", ep->c.rank, what, cudaGetErrorString(e));
             return MOE_EINTERNAL;
         }
-        ncclResult_t as = ncclSuccess;
-        if (ncclCommGetAsyncError(ep->comm, &as) != ncclSuccess ||
-            (as != ncclSuccess && as != ncclInProgress)) {
-            fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error %s\n", ep->c.rank, what,
-                    ncclGetErrorString(as));
+        /* the CE communicator's too: its all-to-alls wait on peers as well */
+        if (ep_comm_failed(ep->comm) || (ep->ce && ep_comm_failed(ep->ce))) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error (%s)\n", ep->c.rank, what,
+                    ep_comm_failed(ep->comm) ? "communicator" : "CE communicator");
+            ce_abort(ep, what);
             return MOE_EUNAVAIL;
         }
         if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
             fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+            ce_abort(ep, what);
             return MOE_EUNAVAIL;
         }
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
+            ce_abort(ep, what);
             return MOE_EUNAVAIL;
         }
         if (spins++ < 2000) {
@@ -424,10 +490,285 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
         if (tr)
             ep->wgy = (int32_t *)take(rows * 4);
     }
+    ep->xrecv_o = ep->xrecv;
+    ep->ysend_o = ep->ysend;
+    ep->mrecv_o = ep->mrecv;
     ep->ows_bytes = b;
     ep->cap_rows = rows;
     ep->cap_tbl = tbl;
     return MOE_OK;
+}
+
+/* ---- copy-engine exchange (kcu_ep.h "Copy-engine exchange") ---- */
+
+/* the exchange buffers of this forward: the copy-engine windows (ce) or
+ * the send/recv path's */
+void ep_bind(kcu_ep *ep, int ce)
+{
+    if (ce) {
+        const size_t H = ep->c.H, K = ep->c.K, X = ep->ce_capx;
+        /* each window: [X rows of H bf16 | X rows of K int32 | Y rows of H
+         * bf16]: xsend | msend | yrecv on the token side, xrecv | mrecv |
+         * ysend on the owner side (the same offsets on every rank) */
+        char *t = (char *)ep->ce_buf[0], *o = (char *)ep->ce_buf[1];
+        const size_t m0 = al(X * H * 2), y0 = m0 + al(X * K * 4);
+        ep->xsend = (bf16 *)t;
+        ep->msend = (int32_t *)(t + m0);
+        ep->yrecv = (bf16 *)(t + y0);
+        ep->xrecv = (bf16 *)o;
+        ep->mrecv = (int32_t *)(o + m0);
+        ep->ysend = (bf16 *)(o + y0);
+    } else {
+        ep->xsend = ep->xsend_t;
+        ep->msend = ep->msend_t;
+        ep->yrecv = ep->yrecv_t;
+        ep->xrecv = ep->xrecv_o;
+        ep->mrecv = ep->mrecv_o;
+        ep->ysend = ep->ysend_o;
+    }
+}
+
+/* one stderr line per process for the CE path's notes */
+void ce_note(const kcu_ep *ep, const char *msg)
+{
+    static std::atomic<int> said{0};
+    if (!said.exchange(1))
+        fprintf(stderr, "kcu_ep: rank %d: KCU_EP_CE=1: %s; forwards take the send/recv path\n",
+                ep->c.rank, msg);
+}
+
+/* a wait or an NCCL call failed (a peer is gone, the timeout passed): the
+ * CE communicator is ours, so it is aborted here (its copies stuck on a
+ * dead peer stop; the caller aborts the borrowed one). Its windows go with
+ * it; the buffers are freed by kcu_ep_destroy. Later forwards fall back. */
+void ce_abort(kcu_ep *ep, const char *why)
+{
+    if (!ep->ce)
+        return;
+    const int64_t t0 = now_ms();
+    ncclCommAbort(ep->ce);
+    ep->ce = nullptr;
+    ep->ce_win[0] = ep->ce_win[1] = nullptr;
+    ep->ce_state = -1;
+    ep->ce_fwd = 0;
+    fprintf(stderr, "kcu_ep: rank %d: %s: CE communicator aborted (%lld ms)\n", ep->c.rank, why,
+            (long long)(now_ms() - t0));
+}
+
+/* 1 when every rank passes ok != 0: a min all-reduce of one int32 on the
+ * borrowed communicator (every rank calls, in the same order), waited for
+ * under the timeout. *all is set only on success. */
+moe_err ep_agree(kcu_ep *ep, int ok, int *all, const char *what)
+{
+    ep->agree_h[0] = ok ? 1 : 0;
+    KCU_CHECK(cudaMemcpyAsync(ep->agree_d, ep->agree_h, 4, cudaMemcpyHostToDevice, ep->cs));
+    KCU_TRY(ep_nccl(
+        ep, ncclAllReduce(ep->agree_d, ep->agree_d, 1, ncclInt32, ncclMin, ep->comm, ep->cs),
+        what));
+    KCU_CHECK(cudaMemcpyAsync(ep->agree_h, ep->agree_d, 4, cudaMemcpyDeviceToHost, ep->cs));
+    KCU_CHECK(cudaEventRecord(ep->ev_cnt, ep->cs));
+    KCU_TRY(ep_wait(ep, ep->ev_cnt, nullptr, what));
+    *all = ep->agree_h[0] == 1;
+    return MOE_OK;
+}
+
+/* frees the windows' buffers (after their deregistration or the CE
+ * communicator's abort) */
+void ce_free_bufs(kcu_ep *ep)
+{
+    for (int i = 0; i < 2; i++) {
+        if (ep->ce_buf[i] && ep->fn.mem_free)
+            ep->fn.mem_free(ep->ce_buf[i]);
+        ep->ce_buf[i] = nullptr;
+    }
+    ep->ce_bytes = 0;
+    ep->ce_capx = ep->ce_capy = 0;
+}
+
+/* deregisters both windows (collective on ce: every rank, in lockstep) */
+moe_err ce_dereg(kcu_ep *ep)
+{
+    moe_err e = MOE_OK;
+    for (int i = 0; i < 2; i++) {
+        if (ep->ce && ep->ce_win[i] && e == MOE_OK)
+            e = ep_nccl_on(ep, ep->ce, ep->fn.win_dereg(ep->ce, ep->ce_win[i]),
+                           "ncclCommWindowDeregister");
+        ep->ce_win[i] = nullptr;
+    }
+    return e;
+}
+
+/* the CE communicator, at the first forward that would take the CE path
+ * (every rank reaches it in lockstep: the decision comes from the gathered
+ * counts). The library's version and symbols, then the split, each agreed
+ * on by all ranks (ep_agree); a failure anywhere leaves every rank on the
+ * send/recv path (ce_state -1, one note). Errors only where the borrowed
+ * communicator fails. */
+moe_err ce_setup(kcu_ep *ep)
+{
+    char why[160] = "";
+    int ver = 0;
+    ncclGetVersion(&ver);
+    ep_ce_fns &f = ep->fn;
+    f.split = (decltype(f.split))dlsym(RTLD_DEFAULT, "ncclCommSplit");
+    f.mem_alloc = (decltype(f.mem_alloc))dlsym(RTLD_DEFAULT, "ncclMemAlloc");
+    f.mem_free = (decltype(f.mem_free))dlsym(RTLD_DEFAULT, "ncclMemFree");
+    f.win_reg = (decltype(f.win_reg))dlsym(RTLD_DEFAULT, "ncclCommWindowRegister");
+    f.win_dereg = (decltype(f.win_dereg))dlsym(RTLD_DEFAULT, "ncclCommWindowDeregister");
+    f.a2a = (decltype(f.a2a))dlsym(RTLD_DEFAULT, "ncclAlltoAll");
+    if (ver < 22800) /* NCCL_VERSION(2,28,0): CTAPolicy ZERO's copy-engine collectives */
+        snprintf(why, sizeof(why), "NCCL %d.%d.%d at run time (copy-engine collectives need 2.28)",
+                 ver / 10000, ver / 100 % 100, ver % 100);
+    else if (!f.split || !f.mem_alloc || !f.mem_free || !f.win_reg || !f.win_dereg || !f.a2a)
+        snprintf(why, sizeof(why),
+                 "NCCL at run time lacks a symbol of ncclCommSplit, "
+                 "ncclMemAlloc, ncclMemFree, ncclCommWindow(De)Register, "
+                 "ncclAlltoAll");
+    int all = 0;
+    KCU_TRY(ep_agree(ep, !why[0], &all, "CE setup (versions)"));
+    if (!all) {
+        ep->ce_state = -1;
+        ce_note(ep, why[0] ? why : "another rank's NCCL lacks the copy-engine collectives");
+        return MOE_OK;
+    }
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    cfg.blocking = 0; /* a peer that never joins: the split is polled under the timeout */
+    ncclComm_t ce = nullptr;
+    ncclResult_t r = f.split(ep->comm, 0, ep->c.rank, &ce, &cfg);
+    if (ce && r == ncclInProgress) {
+        const int64_t deadline = now_ms() + ep->c.timeout_ms;
+        while (r == ncclInProgress && now_ms() <= deadline) {
+            ncclResult_t st = ncclSuccess;
+            const ncclResult_t q = ncclCommGetAsyncError(ce, &st);
+            r = q != ncclSuccess ? q : st;
+            if (r == ncclInProgress)
+                sched_yield();
+        }
+    }
+    const int ok = r == ncclSuccess && ce;
+    if (!ok)
+        snprintf(why, sizeof(why), "ncclCommSplit with CTAPolicy ZERO on rank %d: %s", ep->c.rank,
+                 ncclGetErrorString(r));
+    moe_err e = ep_agree(ep, ok, &all, "CE setup (split)");
+    if (e != MOE_OK || !all) {
+        if (ce)
+            ncclCommAbort(ce);
+        ep->ce_state = -1;
+        if (e == MOE_OK)
+            ce_note(ep, why[0] ? why : "the CE communicator's split failed on another rank");
+        return e;
+    }
+    ep->ce = ce;
+    ep->ce_state = 1;
+    return MOE_OK;
+}
+
+/* the windows for x padded dispatch rows and y return rows (every rank
+ * the same sizes, from the gathered counts: grown in lockstep). The
+ * previous forward's work is waited for first (its combine reads yrecv,
+ * its transfers use both). A failure on any rank (agreed) aborts the CE
+ * communicator: every rank then stays on the send/recv path. */
+moe_err ce_grow(kcu_ep *ep, int64_t x, int64_t y, cudaStream_t st)
+{
+    const size_t H = ep->c.H, K = ep->c.K;
+    /* 1.25x what this forward needs, so that a slightly larger batch does
+     * not register again (collective, slow); bytes rounded to 2 MiB */
+    const int64_t nx = std::max(ep->ce_capx, x + x / 4 + 256);
+    const int64_t ny = std::max(ep->ce_capy, y + y / 4 + 256);
+    const size_t mib2 = (size_t)2 << 20;
+    const size_t bytes =
+        ((al(nx * H * 2) + al(nx * K * 4) + al(ny * H * 2)) + mib2 - 1) / mib2 * mib2;
+    KCU_TRY(ep_wait(ep, nullptr, st, "CE windows (previous forward)"));
+    KCU_TRY(ep_quiesce(ep, "CE windows (previous forward)"));
+    KCU_TRY(ce_dereg(ep));
+    ce_free_bufs(ep);
+    ncclResult_t r = ep->fn.mem_alloc(&ep->ce_buf[0], bytes);
+    if (r == ncclSuccess)
+        r = ep->fn.mem_alloc(&ep->ce_buf[1], bytes);
+    int all = 0;
+    char why[160];
+    snprintf(why, sizeof(why), "ncclMemAlloc of 2 x %.1f MiB failed on some rank (rank %d: %s)",
+             bytes / 1048576.0, ep->c.rank, ncclGetErrorString(r));
+    moe_err e = ep_agree(ep, r == ncclSuccess, &all, "CE windows (allocation)");
+    if (e == MOE_OK && all) {
+        /* collective on ce: every rank registers the same sizes in the same order */
+        r = ep->fn.win_reg(ep->ce, ep->ce_buf[0], bytes, &ep->ce_win[0], NCCL_WIN_COLL_SYMMETRIC);
+        if (r == ncclSuccess || r == ncclInProgress)
+            r = ep_nccl_on(ep, ep->ce, r, "ncclCommWindowRegister") == MOE_OK ? ncclSuccess
+                                                                              : ncclSystemError;
+        if (r == ncclSuccess && ep->ce) {
+            r = ep->fn.win_reg(ep->ce, ep->ce_buf[1], bytes, &ep->ce_win[1],
+                               NCCL_WIN_COLL_SYMMETRIC);
+            if (r == ncclSuccess || r == ncclInProgress)
+                r = ep_nccl_on(ep, ep->ce, r, "ncclCommWindowRegister") == MOE_OK ? ncclSuccess
+                                                                                  : ncclSystemError;
+        }
+        snprintf(why, sizeof(why), "ncclCommWindowRegister failed on some rank (rank %d: %s)",
+                 ep->c.rank, ncclGetErrorString(r));
+        e = ep_agree(ep, r == ncclSuccess && ep->ce, &all, "CE windows (registration)");
+    }
+    if (e != MOE_OK || !all) {
+        if (e == MOE_OK)
+            ce_note(ep, why);
+        ce_abort(ep, "CE windows");
+        ce_free_bufs(ep);
+        ep->ce_state = -1;
+        return e;
+    }
+    ep->ce_bytes = bytes;
+    ep->ce_capx = nx;
+    ep->ce_capy = ny;
+    return MOE_OK;
+}
+
+/* the CE path's all-to-alls of chunk c on stream cs: the unique rows and
+ * their metadata out (two ncclAlltoAll of S[c] rows per peer), or the slot
+ * rows back (R[c] rows per peer). The slots are padded: rows past a
+ * pair's real count carry stale bytes nothing reads. */
+moe_err ce_dispatch(kcu_ep *ep, int c)
+{
+    const ep_ce_slots &p = ep->cs_;
+    const size_t H = ep->c.H, K = ep->c.K;
+    if (p.S[c] == 0)
+        return MOE_OK;
+    KCU_TRY(ep_nccl_on(ep, ep->ce,
+                       ep->fn.a2a(ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
+                                  (size_t)p.S[c] * H, ncclBfloat16, ep->ce, ep->cs),
+                       "ncclAlltoAll (CE dispatch)"));
+    return ep_nccl_on(ep, ep->ce,
+                      ep->fn.a2a(ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
+                                 (size_t)p.S[c] * K, ncclInt32, ep->ce, ep->cs),
+                      "ncclAlltoAll (CE metadata)");
+}
+
+moe_err ce_return(kcu_ep *ep, int c)
+{
+    const ep_ce_slots &p = ep->cs_;
+    const size_t H = ep->c.H;
+    if (p.R[c] == 0)
+        return MOE_OK;
+    return ep_nccl_on(ep, ep->ce,
+                      ep->fn.a2a(ep->ysend + (size_t)p.B[c] * H, ep->yrecv + (size_t)p.B[c] * H,
+                                 (size_t)p.R[c] * H, ncclBfloat16, ep->ce, ep->cs),
+                      "ncclAlltoAll (CE return)");
+}
+
+/* kcu_ep_destroy's part: windows deregistered (collective: kcu_ep_destroy
+ * runs on every rank) and freed, the communicator destroyed; after a
+ * failure (or when the streams do not drain) aborted instead */
+void ce_release(kcu_ep *ep)
+{
+    if (ep->ce) {
+        const moe_err q = ep_quiesce(ep, "kcu_ep_destroy (CE)");
+        if (q != MOE_OK || ce_dereg(ep) != MOE_OK)
+            ce_abort(ep, "kcu_ep_destroy");
+        else {
+            ncclCommDestroy(ep->ce);
+            ep->ce = nullptr;
+        }
+    }
+    ce_free_bufs(ep);
 }
 
 /* the host tables of one call from the gathered counts: transfer sizes,
@@ -569,7 +910,8 @@ int ep_overlap_sms(const kcu_ep *ep)
 
 int ep_gemm_sms(const kcu_ep *ep)
 {
-    if (ep->C <= 1 || ep->c.world == 1)
+    /* the CE path moves the rows on the copy engines: no SM to leave */
+    if (ep->C <= 1 || ep->c.world == 1 || ep->ce_fwd)
         return ep->nsm;
     return ep_overlap_sms(ep);
 }
@@ -875,9 +1217,64 @@ int64_t epd_owner_rows(const kcu_ep *ep, int q, int c, int o)
     return n;
 }
 
+/* ep_ce_slots of this forward from the gathered counts (the same on every
+ * rank): S[c] the most unique rows of chunk c from one source to one
+ * destination (itself included: NCCL copies a rank's own slot too), R[c]
+ * the most slot rows of chunk c from one source for one owner; the regions'
+ * bases; the rows sent for real and with padding over all ranks */
+void ce_slots(const kcu_ep *ep, ep_ce_slots *p)
+{
+    const int W = ep->c.world, C = ep->C;
+    p->D[0] = p->B[0] = 0;
+    p->real = 0;
+    for (int c = 0; c < C; c++) {
+        int64_t s = 0, r = 0;
+        for (int q = 0; q < W; q++)
+            for (int d = 0; d < W; d++) {
+                const int64_t u = epd_uniq(ep, q, c, d), n = epd_owner_rows(ep, q, c, d);
+                s = std::max(s, u);
+                r = std::max(r, n);
+                p->real += u + n;
+            }
+        p->S[c] = s;
+        p->R[c] = r;
+        p->D[c + 1] = p->D[c] + W * s;
+        p->B[c + 1] = p->B[c] + W * r;
+    }
+    p->padded = (int64_t)W * (p->D[C] + p->B[C]);
+}
+
+/* whether this forward takes the CE path (ep->ce_fwd), decided from the
+ * gathered counts only, so every rank decides the same and makes the same
+ * collective calls (setup, growth) in the same order: an inference forward
+ * with KCU_EP_CE=1, the CE communicator up (set up here the first time),
+ * padding at most 1.25x the real rows (rows over all ranks, both
+ * directions; the copy engines move every slot whole), some rows to move,
+ * and the windows big enough (grown here). Otherwise the send/recv path. */
+moe_err ce_plan(kcu_ep *ep, int train, cudaStream_t st)
+{
+    ep->ce_fwd = 0;
+    if (!ep->ce_want || train)
+        return MOE_OK;
+    ep_ce_slots &p = ep->cs_;
+    ce_slots(ep, &p);
+    const int C = ep->C;
+    int take = ep->ce_state >= 0 && p.real > 0 && p.padded * 4 <= p.real * 5 &&
+               p.D[C] < INT32_MAX / 2 && p.B[C] < INT32_MAX / 2;
+    if (take && ep->ce_state == 0)
+        KCU_TRY(ce_setup(ep));
+    take = take && ep->ce_state > 0;
+    if (take && (p.D[C] > ep->ce_capx || p.B[C] > ep->ce_capy))
+        KCU_TRY(ce_grow(ep, p.D[C], p.B[C], st));
+    take = take && ep->ce_state > 0;
+    ep->ce_fwd = take;
+    ep->ce_n[take ? 0 : 1]++;
+    return MOE_OK;
+}
+
 /* ep_plan for a dedup forward: statistics, transfer sizes (unique rows out,
  * slot rows back), tile lists, and the dedup tables */
-moe_err epd_plan(kcu_ep *ep)
+moe_err epd_plan(kcu_ep *ep, int train, cudaStream_t st)
 {
     const int E = ep->c.E, W = ep->c.world, C = ep->C, me = ep->c.rank, ne = ep->ne, K = ep->c.K;
     const int first = ep->first;
@@ -955,6 +1352,11 @@ moe_err epd_plan(kcu_ep *ep)
     ep->t_wbase = ep->t_roff + C * W * ne;
     ep->t_len = ep->t_wbase + C * W * ne;
     KCU_TRY(ep_grow(ep, ep->N, ep->t_len));
+    /* the CE path (its windows) or the send/recv path (ep_grow's buffers) */
+    KCU_TRY(ce_plan(ep, train, st));
+    ep_bind(ep, ep->ce_fwd);
+    const ep_ce_slots &cp = ep->cs_;
+    const int ce = ep->ce_fwd;
     int32_t *t = ep->tbl_h;
     for (int i = 0; i <= ne; i++)
         t[ep->t_goffs + i] = 0;
@@ -980,12 +1382,20 @@ moe_err epd_plan(kcu_ep *ep)
         t[ep->t_ntiles + c] = k;
         t[ep->t_rbase + c] = (int32_t)ep->rbase[c];
         /* token side: return rows of (c, e), expert e's slots in chunks
-         * before c; unique send rows of (c, q), tokens on q before c */
+         * before c; unique send rows of (c, q), tokens on q before c. CE
+         * path: owner o's rows of chunk c come back into the slot B[c] + o
+         * R[c] of yrecv, and the unique rows for q go out from D[c] + q S[c]
+         * of xsend */
         int64_t pos = ep->sbase[c];
         for (int e = 0; e < E; e++) {
             int64_t before = 0;
             for (int cc = 0; cc < c; cc++)
                 before += epd_rows(ep, me, cc, e);
+            if (ce) {
+                const int o = placement_owner(E, W, e);
+                if (e == placement_first(E, W, o))
+                    pos = cp.B[c] + o * cp.R[c];
+            }
             t[ep->t_ctab + c * E + e] = (int32_t)pos;
             t[ep->t_cpre + c * E + e] = (int32_t)before;
             pos += epd_rows(ep, me, c, e);
@@ -995,15 +1405,18 @@ moe_err epd_plan(kcu_ep *ep)
             int64_t before = 0;
             for (int cc = 0; cc < c; cc++)
                 before += ep->usend[cc][q];
+            if (ce) /* the same row on both sides: the slot of the pair */
+                upos = rpos = cp.D[c] + q * cp.S[c];
             t[ep->t_utab + c * W + q] = (int32_t)upos;
             t[ep->t_upre + c * W + q] = (int32_t)before;
             upos += ep->usend[c][q];
             /* owner side: source q's unique rows, its slots' GEMM rows and
-             * return rows per local expert */
+             * return rows per local expert (relative to rbase[c]; CE path:
+             * in source q's slot B[c] + q R[c] of ysend) */
             t[ep->t_ur0 + c * W + q] = (int32_t)rpos;
             t[ep->t_urn + c * W + q] = (int32_t)ep->urecv[c][q];
             rpos += ep->urecv[c][q];
-            int64_t r_in = ret;
+            int64_t r_in = ce ? cp.B[c] - ep->rbase[c] + q * cp.R[c] : ret;
             for (int i = 0; i < ne; i++) {
                 int64_t g = offs[i];
                 for (int qq = 0; qq < q; qq++)
@@ -1064,7 +1477,7 @@ moe_err epd_prepare(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t s
     }
     if (ep->P % ep->C)
         return MOE_EINTERNAL;
-    KCU_TRY(epd_plan(ep));
+    KCU_TRY(epd_plan(ep, train, st));
     KCU_CHECK(
         cudaMemcpyAsync(ep->tbl_d, ep->tbl_h, (size_t)ep->t_len * 4, cudaMemcpyHostToDevice, st));
     const int32_t *tb = ep->tbl_d;
@@ -1133,8 +1546,10 @@ moe_err epd_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
     const int32_t *xgather = ep->gidx + rb;
     if (ep->sorted) { /* the chunk's rows in expert order: kept in xg for dW13 when
                        * training, else in its ysend region (the down-projection
-                       * overwrites it afterwards) */
-        bf16 *dst = (train && ep->xg ? ep->xg : ep->ysend) + (size_t)rb * H;
+                       * overwrites it afterwards; CE path: the chunk's padded
+                       * return region, which holds at least its rows) */
+        const int64_t yb = ep->ce_fwd ? ep->cs_.B[c] : rb;
+        bf16 *dst = train && ep->xg ? ep->xg + (size_t)rb * H : ep->ysend + (size_t)yb * H;
         KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, f.t.offs + ne,
                                 (int)(ep->rbase[c + 1] - rb), H, dst, 0, st));
         xrows = dst;
@@ -1152,7 +1567,7 @@ moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
     const int C = ep->C;
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
     for (int c = 0; c < C; c++) {
-        KCU_TRY(epd_dispatch(ep, c));
+        KCU_TRY(ep->ce_fwd ? ce_dispatch(ep, c) : epd_dispatch(ep, c));
         KCU_CHECK(cudaEventRecord(ep->ev_disp[c], ep->cs));
     }
     for (int c = 0; c < C; c++) {
@@ -1162,7 +1577,7 @@ moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
     }
     for (int c = 0; c < C; c++) {
         KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_comp[c], 0));
-        KCU_TRY(ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
+        KCU_TRY(ep->ce_fwd ? ce_return(ep, c) : ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
     }
     KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
     return MOE_OK;
@@ -1235,6 +1650,11 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         ep->dedup = c.world > 1 && c.T_max < (1 << 24) ? want : 0;
         if (want && !ep->dedup && c.world > 1)
             fprintf(stderr, "kcu_ep_create: dedup off: T_max %d >= 2^24\n", c.T_max);
+        /* the copy-engine exchange (kcu_ep.h): KCU_EP_CE=1, inference
+         * forwards of the dedup path; set up at the first forward that
+         * takes it */
+        const char *ce = getenv("KCU_EP_CE");
+        ep->ce_want = ep->dedup && ce && atoi(ce) == 1;
     }
     int dev = 0;
     moe_err rc = MOE_OK;
@@ -1327,6 +1747,8 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         take(&ep->sendpos, S * 4);
         take(&ep->tab, (size_t)EP_MAX_CHUNKS * E * 4);
         take(&ep->cnt_all, (size_t)c.world * ncnt * 4);
+        if (ep->ce_want)
+            take(&ep->agree_d, 4);
         if (ep->dedup) {
             take(&ep->dcnt, ncnt * 4);
             take(&ep->umask, T * 8);
@@ -1344,7 +1766,8 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         if (pass == 0) {
             ep->tws_bytes = off;
             if (cudaMalloc(&ep->tws, off) != cudaSuccess ||
-                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) != cudaSuccess) {
+                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) != cudaSuccess ||
+                (ep->ce_want && cudaMallocHost((void **)&ep->agree_h, 4) != cudaSuccess)) {
                 (void)cudaGetLastError();
                 fprintf(stderr, "kcu_ep_create: allocation of %zu bytes failed\n", off);
                 kcu_ep_destroy(ep);
@@ -1353,6 +1776,9 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         }
     }
     R->max_tiles = (int)(mt - 1);
+    ep->xsend_t = ep->xsend;
+    ep->yrecv_t = ep->yrecv;
+    ep->msend_t = ep->msend;
     if (cudaMemset(R->wr, 0, Ep * H * 2) != cudaSuccess ||
         cudaMemset(R->bias, 0, E * 4) != cudaSuccess ||
         cudaMemset(R->dsync, 0, KCU_DSYNC_WORDS * 4) != cudaSuccess) {
@@ -1367,6 +1793,7 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
 {
     if (!ep)
         return;
+    ce_release(ep); /* before the device sync: an aborted CE communicator stops its copies */
     cudaDeviceSynchronize();
     if (ep->ex)
         kcu_experts_destroy(ep->ex);
@@ -1380,6 +1807,8 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
         cudaFreeHost(ep->tbl_h);
     if (ep->cnt_h)
         cudaFreeHost(ep->cnt_h);
+    if (ep->agree_h)
+        cudaFreeHost(ep->agree_h);
     cudaEvent_t evs[] = {ep->ev_a, ep->ev_cnt, ep->ev_done};
     for (auto e : evs)
         if (e)
@@ -1470,6 +1899,9 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
         return MOE_EINVAL;
     ep->T_fwd = 0;
     ep->T = T;
+    ep->ce_fwd = 0; /* epd_plan may take the CE path; until then send/recv's buffers */
+    if (ep->ows)
+        ep_bind(ep, 0);
     const bf16 *xb = ep->R.xs;
     if (T > 0) {
         if (x_dtype == MOE_BF16 && !train && !kcu_is_host_ptr(x))
@@ -1500,7 +1932,7 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
          * while the dispatch flies (so it leaves NCCL its SMs when there
          * are peers); kept for the gate's gradient */
         const int32_t rows = T;
-        ep->sh->nsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
+        ep->sh->nsm = ep->c.world > 1 && !ep->ce_fwd ? ep_overlap_sms(ep) : ep->nsm;
         KCU_TRY(kcu_experts_forward(ep->sh, T, xb, MOE_BF16, &rows, ep->sy, MOE_BF16, train, st));
     }
     KCU_TRY(ep->dd ? epd_pipeline(ep, train, st) : ep_pipeline(ep, 0, train, st));
@@ -1782,12 +2214,31 @@ extern "C" moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream)
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
     for (int c = 0; c < ep->C; c++) /* dedup: the unique rows and their metadata */
-        KCU_TRY(ep->dd ? epd_dispatch(ep, c) : ep_exchange(ep, c, ep->xsend, ep->xrecv, 0));
+        KCU_TRY(ep->ce_fwd ? ce_dispatch(ep, c)
+                : ep->dd   ? epd_dispatch(ep, c)
+                           : ep_exchange(ep, c, ep->xsend, ep->xrecv, 0));
     for (int c = 0; c < ep->C; c++)
-        KCU_TRY(ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
+        KCU_TRY(ep->ce_fwd ? ce_return(ep, c) : ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
     KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
     KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_done, 0));
     return ep_wait(ep, nullptr, st, "exchange");
+}
+
+extern "C" int kcu_ep_last_ce(const kcu_ep *ep, int64_t *wire_bytes, int64_t *n_ce,
+                              int64_t *n_fallback)
+{
+    if (n_ce)
+        *n_ce = ep->ce_n[0];
+    if (n_fallback)
+        *n_fallback = ep->ce_n[1];
+    if (wire_bytes) { /* every slot of every other rank, padding included */
+        int64_t b = 0;
+        const int64_t H = ep->c.H, K = ep->c.K;
+        for (int c = 0; ep->ce_fwd && c < ep->C; c++)
+            b += ep->cs_.S[c] * (2 * H + 4 * K) + ep->cs_.R[c] * 2 * H;
+        *wire_bytes = b * (ep->c.world - 1);
+    }
+    return ep->ce_fwd;
 }
 
 extern "C" int64_t kcu_ep_last_send_bytes(const kcu_ep *ep)

@@ -106,6 +106,31 @@ typedef struct kcu_ep_config {
  * (token chunks here), so with chunks > 1 their bits differ from the path
  * without dedup (with one chunk the order is the same). */
 
+/* Copy-engine exchange (KCU_EP_CE=1, read at create; default off; the same
+ * value on every rank: the worker reports it at registration and the
+ * coordinator refuses one that differs). Inference forwards of the
+ * deduplicated dispatch move their rows with ncclAlltoAll on a second
+ * communicator, split from the borrowed one with CTAPolicy
+ * NCCL_CTA_POLICY_ZERO, over two ncclMemAlloc buffers registered as
+ * symmetric windows (NCCL >= 2.28 on one node: the copy engines, no CTA),
+ * so that while chunks overlap the expert GEMMs keep every SM (comm_sms is
+ * not reserved). ncclAlltoAll moves a fixed count per peer: every
+ * (chunk, pair) gets a slot of the chunk's largest count, the same on every
+ * rank from the gathered counts; the layout tables point into the padded
+ * slots, so the kernels, the combine and y (bit-identical to the forward
+ * without it) do not change. Set up at the first forward that takes it
+ * (the split, collective), windows grown in lockstep (1.25x the need).
+ * A forward takes the send/recv path instead (same results, no error) when
+ * padding would exceed 1.25x the real rows (skewed routing), for training
+ * forwards, or when NCCL lacks the symbols / is older than 2.28 or the
+ * split, allocation or registration failed on any rank (one stderr line,
+ * then every later forward). Every rank takes the same decision (from data
+ * all ranks share). The CE communicator and windows are owned: destroyed
+ * in kcu_ep_destroy, aborted when a wait fails (a dead peer, the timeout,
+ * the abort hook). NOT measured on GPUs yet (bench/NOTES.md "Copy-engine
+ * exchange"). kcu_ep_last_send_bytes / kcu_ep_last_a2a_bytes count real
+ * rows; kcu_ep_last_ce gives what the padded slots put on the wire. */
+
 /* Routing families and shared experts (kern_cuda.h "Routing families").
  *
  * Token side: the router GEMM and the family router of kcu_layer
@@ -239,8 +264,16 @@ size_t kcu_ep_bytes(const kcu_ep *ep);
  * forward's outputs are overwritten with garbage (a benchmark hook). */
 moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream);
 /* bytes this rank sent to other ranks (dispatch, one direction) in the
- * last forward */
+ * last forward: real rows (on the CE path the padded slots add what
+ * kcu_ep_last_ce's wire_bytes counts beyond these) */
 int64_t kcu_ep_last_send_bytes(const kcu_ep *ep);
+/* kcu_ep_last_ce: 1 when the last forward took the copy-engine path (see
+ * "Copy-engine exchange"); *wire_bytes (may be NULL) the bytes its
+ * all-to-alls moved to other ranks, padding included (0 on the send/recv
+ * path); *n_ce, *n_fallback (may be NULL) this layer's inference dedup
+ * forwards on the CE path and fallen back since create (both 0 without
+ * KCU_EP_CE=1) */
+int kcu_ep_last_ce(const kcu_ep *ep, int64_t *wire_bytes, int64_t *n_ce, int64_t *n_fallback);
 /* number of local experts; *first (may be NULL) the first one's index */
 int kcu_ep_local_experts(const kcu_ep *ep, int *first);
 
