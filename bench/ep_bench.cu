@@ -12,7 +12,11 @@
  * forward (bit-identical expected). The deduplicated dispatch of inference
  * forwards (kcu_ep.h) is on, as in the library (--no-dedup: off, the
  * baseline); the table's "disp MB" column shows the inference forward's
- * off-GPU dispatch bytes. KCU_EP_DEDUP is not read here. Not a test.
+ * off-GPU dispatch bytes. KCU_EP_DEDUP is not read here. With KCU_EP_CE=1
+ * (the copy-engine exchange, kcu_ep.h) the "ce" column shows how many of
+ * the timed inference forwards took the CE path, and a line after the
+ * table the bytes its padded slots put on the wire; --check-infer names
+ * the path of each forward it checks. Not a test.
  *
  *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small|moe64 [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
@@ -193,6 +197,12 @@ struct world {
     /* per chunks value: the inference forward's off-GPU bytes, max over ranks:
      * dispatch (kcu_ep_last_send_bytes), dispatch and return */
     std::vector<int64_t> disp_b, a2a_b;
+    /* per chunks value (rank 0's; every rank takes the same path): timed
+     * inference forwards on the CE path, of how many; the last one's wire
+     * bytes with padding (max over ranks); --check-infer: its forward's path */
+    std::vector<int> ce_n, ce_of, yc_ce;
+    std::vector<int64_t> ce_wire;
+    int64_t ce_total[2] = {0, 0}; /* rank 0's forwards on the CE path, fallen back */
     int64_t send_bytes = 0, rows_max = 0, rows_min = 0;
     size_t mem_max = 0;
 };
@@ -614,6 +624,8 @@ static void *rank_main(void *arg)
             CKM(kcu_ep_forward(ep, T, w->x[r].data(), MOE_F32, w->yc[ci][r].data(), MOE_F32, 0,
                                st));
             CKM(kcu_ep_wait(ep, st));
+            if (r == 0)
+                w->yc_ce[ci] = kcu_ep_last_ce(ep, nullptr, nullptr, nullptr);
         }
 
     static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -622,8 +634,8 @@ static void *rank_main(void *arg)
     for (size_t ci = 0; ci < w->o.chunks.size(); ci++) {
         CKM(kcu_ep_set_chunks(ep, w->o.chunks[ci], w->o.comm_sms));
         std::vector<double> tf, tb, ta, tn;
-        int used_inf = 0;
-        int64_t disp_b = 0, a2a_b = 0;
+        int used_inf = 0, ce_n = 0, ce_of = 0;
+        int64_t disp_b = 0, a2a_b = 0, ce_wire = 0;
         for (int it = 0; it < w->o.iters + 2; it++) {
             const double f = timed(w, r, [&] {
                 CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 0, st));
@@ -632,6 +644,10 @@ static void *rank_main(void *arg)
             used_inf = kcu_ep_last_chunks(ep);
             disp_b = kcu_ep_last_send_bytes(ep);
             a2a_b = kcu_ep_last_a2a_bytes(ep);
+            if (it >= 2) { /* the path of each timed inference forward */
+                ce_n += kcu_ep_last_ce(ep, &ce_wire, nullptr, nullptr);
+                ce_of++;
+            }
             /* the all-to-all alone repeats the last forward's transfers:
              * with --dedup the inference forward's (dedup) ones, so before
              * the training forward (which has no dedup with --dedup) */
@@ -675,13 +691,18 @@ static void *rank_main(void *arg)
             w->t_nccl[ci] = tn.empty() ? 0 : median(tn);
             w->used[ci] = used_inf; /* chunks 0: chosen per forward */
             w->used_train[ci] = kcu_ep_last_chunks(ep);
+            w->ce_n[ci] = ce_n;
+            w->ce_of[ci] = ce_of;
         }
         pthread_mutex_lock(&mu);
+        w->ce_wire[ci] = std::max(w->ce_wire[ci], ce_wire);
         w->disp_b[ci] = std::max(w->disp_b[ci], disp_b);
         w->a2a_b[ci] = std::max(w->a2a_b[ci], a2a_b);
         pthread_mutex_unlock(&mu);
         pthread_barrier_wait(&w->bar);
     }
+    if (r == 0)
+        kcu_ep_last_ce(ep, nullptr, &w->ce_total[0], &w->ce_total[1]);
     if (w->o.ce)
         ce_measure(w, r, comm, ep, st, a2a, nb_s, nb_r);
     int64_t rows = 0;
@@ -869,8 +890,9 @@ static int check_infer(world *w)
         const int bad = nan || e > 1e-2;
         fail |= bad;
         printf("check-infer vs single GPU (%zu tokens on GPU 0, %s routing), chunks %d, dedup "
-               "%s: y max abs diff %.3e, rel %.2e, %s%s -> %s\n",
-               TT, FAM_NAMES[o.family], o.chunks[ci], o.dedup ? "on" : "off", maxabs, e,
+               "%s, exchange %s: y max abs diff %.3e, rel %.2e, %s%s -> %s\n",
+               TT, FAM_NAMES[o.family], o.chunks[ci], o.dedup ? "on" : "off",
+               w->yc_ce[ci] ? "CE (copy engines)" : "send/recv", maxabs, e,
                bits ? "differs" : "bit-identical", nan ? ", NaN" : "", bad ? "FAIL" : "pass");
     }
     return fail;
@@ -1036,6 +1058,10 @@ int main(int argc, char **argv)
     w->disp_b.assign(nc, 0);
     w->a2a_b.assign(nc, 0);
     w->yc.assign(o.check_infer ? nc : 0, std::vector<std::vector<float>>(o.W));
+    w->yc_ce.assign(nc, 0);
+    w->ce_n.assign(nc, 0);
+    w->ce_of.assign(nc, 0);
+    w->ce_wire.assign(nc, 0);
     CKN(ncclGetUniqueId(&w->id));
     pthread_barrier_init(&w->bar, nullptr, o.W);
     std::vector<pthread_t> th(o.W);
@@ -1057,9 +1083,9 @@ int main(int argc, char **argv)
            "per GPU (max) %.1f MB; device memory per GPU (kcu_ep) %.2f GB\n",
            (long long)w->rows_min, (long long)w->rows_max, (long long)o.T * s.K,
            w->send_bytes / 1e6, w->mem_max / 1e9);
-    printf("%-9s %9s %10s %12s %9s %10s %9s %9s %9s %8s %9s %9s\n", "chunks", "fwd ms", "fwd+bwd",
-           "tokens/s", "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl", "hidden",
-           "disp MB", "a2a MB");
+    printf("%-9s %9s %10s %12s %9s %10s %9s %9s %9s %8s %9s %9s %6s\n", "chunks", "fwd ms",
+           "fwd+bwd", "tokens/s", "a2a ms", "a2a GB/s", "nccl ms", "nccl GB/s", "a2a/nccl",
+           "hidden", "disp MB", "a2a MB", "ce");
     const double base = w->t_fwd[0];
     for (size_t i = 0; i < nc; i++) {
         /* a2a: dispatch + return of the forward; GB/s counts both directions'
@@ -1076,10 +1102,22 @@ int main(int argc, char **argv)
             snprintf(lab, sizeof(lab), "%d", o.chunks[i]);
         else /* auto: the inference forward's / the training forward's */
             snprintf(lab, sizeof(lab), "auto:%d/%d", w->used[i], w->used_train[i]);
-        printf("%-9s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%% %9.1f %9.1f\n", lab,
-               w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3), w->t_a2a[i],
+        char cel[24];
+        snprintf(cel, sizeof(cel), "%d/%d", w->ce_n[i], w->ce_of[i]);
+        printf("%-9s %9.3f %10.3f %12.0f %9.3f %10.1f %9.3f %9.1f %9.2f %7.0f%% %9.1f %9.1f %6s\n",
+               lab, w->t_fwd[i], w->t_fb[i], o.T * (double)o.W / (w->t_fwd[i] * 1e-3), w->t_a2a[i],
                a2a_gbs, w->t_nccl[i], n_gbs, w->t_nccl[i] > 0 ? w->t_a2a[i] / w->t_nccl[i] : 0,
-               hidden * 100, w->disp_b[i] / 1e6, w->a2a_b[i] / 1e6);
+               hidden * 100, w->disp_b[i] / 1e6, w->a2a_b[i] / 1e6, cel);
+    }
+    {
+        const char *cev = getenv("KCU_EP_CE");
+        printf("CE path (KCU_EP_CE=%s): ce = timed inference forwards on the copy-engine "
+               "exchange / timed; rank 0's layer: %lld forwards on it, %lld fallen back to "
+               "send/recv; wire MB with padding (busiest rank, last forward):",
+               cev && *cev ? cev : "unset", (long long)w->ce_total[0], (long long)w->ce_total[1]);
+        for (size_t i = 0; i < nc; i++)
+            printf(" %.1f", w->ce_wire[i] / 1e6);
+        printf("\n");
     }
     printf("disp MB / a2a MB: the inference forward's off-GPU bytes of the busiest rank, "
            "dispatch / dispatch and return (kcu_ep_last_send_bytes, kcu_ep_last_a2a_bytes)%s; "
