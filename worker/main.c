@@ -145,6 +145,16 @@ static int ep_dedup_mode(void)
     return v < 0 ? 0 : v > 2 ? 2 : v;
 }
 
+/* ep_ce_mode: the copy-engine exchange of this worker's expert-parallel
+ * layers (kernels/cuda/kcu_ep.h "Copy-engine exchange"): 1 where
+ * KCU_EP_CE=1, else 0. Reported at registration: the coordinator refuses
+ * a worker that disagrees (the layers' setup is collective). */
+static int ep_ce_mode(void)
+{
+    const char *s = getenv("KCU_EP_CE");
+    return s && atoi(s) == 1 ? 1 : 0;
+}
+
 /* replies from the coordinator arrive on an nng thread; bounce to the loop */
 typedef struct reg_event {
     uv_async_t async;
@@ -277,7 +287,7 @@ static void send_register(wkr *w)
     if (load_secret(w) != 0)
         return;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 10 + (w->bulk_url[0] ? 1 : 0));
+    mp_write_map(&pw, 11 + (w->bulk_url[0] ? 1 : 0));
     if (w->bulk_url[0]) {
         mp_write_cstr(&pw, "bulk_url");
         mp_write_cstr(&pw, w->bulk_url);
@@ -299,6 +309,8 @@ static void send_register(wkr *w)
     mp_write_i64(&pw, getpid());
     mp_write_cstr(&pw, "ep_dedup");
     mp_write_i64(&pw, ep_dedup_mode());
+    mp_write_cstr(&pw, "ep_ce");
+    mp_write_i64(&pw, ep_ce_mode());
     procstat me; /* with the pid, names this process: a coordinator on this
                   * host watches it die (common/procstat.h) */
     mp_write_cstr(&pw, "start_ticks");
