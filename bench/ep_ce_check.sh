@@ -7,11 +7,14 @@
 #      alone and under the local expert GEMMs, the GEMMs' slowdown under each,
 #      and which path NCCL took (a captured CE all-to-all must have no kernel
 #      node). The "ce:" lines and the table.
-#   2. only where the transport exists (KCU_EP_CE in bin/ep_bench; not built
-#      yet, see bench/NOTES.md "Copy-engine exchange"): KCU_EP_CE=1 with
-#      --check-infer (y bit-identical to the one-GPU layer at chunks 1, 4 and
-#      auto), then the forward's time with and without it.
-# About 2 minutes on 4 GPUs (most of it input generation and setup); every
+#   2. where the transport exists (KCU_EP_CE in bin/ep_bench; built on
+#      branch ep-ce, see bench/NOTES.md "Copy-engine exchange"): KCU_EP_CE=1
+#      with --check-infer (y bit-identical to the one-GPU layer at chunks 1,
+#      4 and auto; each check line names the exchange it took), skewed
+#      routing (falls back to send/recv), 2 GPUs, then the forward's time
+#      with and without it (the table's "ce" column: forwards on the CE
+#      path / timed).
+# About 4 minutes on 4 GPUs (most of it input generation and setup); every
 # run bounded by timeout. Logs under ${OUT:-.}.
 #
 #   OUT=$OUT bash bench/ep_ce_check.sh
@@ -39,6 +42,20 @@ if grep -q KCU_EP_CE "$B"; then
     KCU_EP_CE=1 timeout 240 $B $A --chunks 1,4,0 --check-infer --iters 2 >"$OUT/ce_check.log" 2>&1
     echo "rc $?" | log
     grep -E "^(check|kcu_ep)|CE" "$OUT/ce_check.log" | cut -c1-220 | log
+    # skewed routing: padding past 1.25x must fall back to send/recv (the
+    # check names each forward's exchange), y still bit-identical
+    echo "== 2. KCU_EP_CE=1: check-infer, skewed routing (expect send/recv)" | log
+    KCU_EP_CE=1 timeout 240 $B $A --chunks 1,4 --skew --check-infer --iters 2 \
+        >"$OUT/ce_check_skew.log" 2>&1
+    echo "rc $?" | log
+    grep -E "^(check|kcu_ep)|CE" "$OUT/ce_check_skew.log" | cut -c1-220 | log
+    if [ "$NG" -ge 3 ]; then
+        echo "== 2. KCU_EP_CE=1: check-infer on 2 GPUs" | log
+        KCU_EP_CE=1 timeout 240 $B --gpus 2 --shape qwen3 --tokens 16384 --infer --chunks 1,4 \
+            --check-infer --iters 2 >"$OUT/ce_check_2.log" 2>&1
+        echo "rc $?" | log
+        grep -E "^(check|kcu_ep)|CE" "$OUT/ce_check_2.log" | cut -c1-220 | log
+    fi
     for v in 0 1; do
         echo "== 2. timing, KCU_EP_CE=$v" | log
         KCU_EP_CE=$v timeout 240 $B $A --chunks 1,2,4 --iters 10 >"$OUT/ce_time_$v.log" 2>&1
