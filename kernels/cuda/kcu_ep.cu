@@ -86,7 +86,7 @@ struct ep_ce_fns {
     ncclResult_t (*a2a)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
 };
 
-/* the padded slots of a CE forward (ep_ce_plan; the same on every rank):
+/* the padded slots of a CE forward (ce_slots; the same on every rank):
  * chunk c's dispatch slot S[c] rows per (source, destination) pair, its
  * return slot R[c] rows per (owner, source) pair; the dispatch region of
  * chunk c starts at row D[c] = W sum_{c'<c} S[c'] of xsend / xrecv (peer
@@ -2198,7 +2198,7 @@ extern "C" size_t kcu_ep_bytes(const kcu_ep *ep)
     kcu_experts_bytes(ep->ex, &p, &w);
     if (ep->sh)
         kcu_experts_bytes(ep->sh, &sp, &sw);
-    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes;
+    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes + 2 * ep->ce_bytes;
 }
 
 extern "C" int kcu_ep_local_experts(const kcu_ep *ep, int *first)
