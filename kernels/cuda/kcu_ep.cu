@@ -334,6 +334,14 @@ moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s still in progress after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
+            ce_abort(ep, what);
+            return MOE_EUNAVAIL;
+        }
+        /* a member is gone (the worker aborted the exchange): a collective
+         * call in progress (a split, a window's registration) never ends */
+        if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+            ce_abort(ep, what);
             return MOE_EUNAVAIL;
         }
         if (spins++ > 1000) {
@@ -759,14 +767,16 @@ moe_err ce_return(kcu_ep *ep, int c)
  * failure (or when the streams do not drain) aborted instead */
 void ce_release(kcu_ep *ep)
 {
+    /* aborted, never deregistered and destroyed: both are collective, and a
+     * layer is destroyed when its model is deleted or re-created after a
+     * re-formation - where a peer may be dead or its borrowed communicator
+     * already aborted (a window deregistration waiting on it would hold the
+     * worker up to the timeout, or for good). The abort is local; the
+     * windows go with the communicator, then their buffers are freed. */
     if (ep->ce) {
-        const moe_err q = ep_quiesce(ep, "kcu_ep_destroy (CE)");
-        if (q != MOE_OK || ce_dereg(ep) != MOE_OK)
-            ce_abort(ep, "kcu_ep_destroy");
-        else {
-            ncclCommDestroy(ep->ce);
-            ep->ce = nullptr;
-        }
+        ncclCommAbort(ep->ce);
+        ep->ce = nullptr;
+        ep->ce_win[0] = ep->ce_win[1] = nullptr;
     }
     ce_free_bufs(ep);
 }
