@@ -173,12 +173,15 @@ void coord_watch_tick(uv_timer_t *t)
 /* ep_env_refused: 1 (and the call answered failed_precondition) when
  * the registering worker's value of the expert-parallel setting `name`
  * (mode, -1 not reported; KCU_EP_DEDUP when ce is 0, KCU_EP_CE when 1)
- * differs from one reported by a worker in the registry (another address:
- * a restarted worker replaces its own entry). Expert-parallel layers size
- * their counts exchange by KCU_EP_DEDUP and make KCU_EP_CE's collective
- * setup calls (a communicator split, window registrations) only where it
- * is 1, so ranks that disagree would fail every forward (or wait on each
- * other until the exchange's timeout). */
+ * differs from one reported by a worker that is up (another address: a
+ * restarted worker replaces its own entry; a down one runs nothing, so a
+ * change of the value over every worker in turn is refused only while an
+ * old one still runs - the refused worker registers again at its next
+ * heartbeat tick). Expert-parallel layers size their counts exchange by
+ * KCU_EP_DEDUP and make KCU_EP_CE's collective setup calls (a communicator
+ * split, window registrations) only where it is 1, so ranks that disagree
+ * would fail every forward (or wait on each other until the exchange's
+ * timeout). */
 static int ep_env_refused(coord *c, rpc_call *call, const char *rpc_url, const char *name, int mode,
                           int ce)
 {
@@ -187,7 +190,7 @@ static int ep_env_refused(coord *c, rpc_call *call, const char *rpc_url, const c
     for (int i = 0; i < COORD_MAX_WORKERS; i++) {
         const coord_worker *w = &c->workers[i];
         const int theirs = ce ? w->ep_ce : w->ep_dedup;
-        if (w->state == WS_FREE || theirs < 0 || theirs == mode || strcmp(w->rpc_url, rpc_url) == 0)
+        if (w->state != WS_UP || theirs < 0 || theirs == mode || strcmp(w->rpc_url, rpc_url) == 0)
             continue;
         LOG_W("worker at %s refused: %s=%d there, %d on worker %d (%s)", rpc_url, name, mode,
               theirs, w->id, w->rpc_url);
