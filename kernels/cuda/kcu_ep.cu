@@ -642,7 +642,11 @@ moe_err ce_setup(kcu_ep *ep)
     }
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
-    cfg.blocking = 0; /* a peer that never joins: the split is polled under the timeout */
+    /* a peer that never joins: the split is polled under the timeout.
+     * KCU_EP_CE_BLOCKING=1 (diagnosis): a blocking CE communicator, as
+     * bin/ep_bench --ce's, whose window registration NCCL 2.28 accepts */
+    const char *blk = getenv("KCU_EP_CE_BLOCKING");
+    cfg.blocking = blk && blk[0] == '1' ? 1 : 0;
     ncclComm_t ce = nullptr;
     ncclResult_t r = f.split(ep->comm, 0, ep->c.rank, &ce, &cfg);
     if (ce && r == ncclInProgress) {
