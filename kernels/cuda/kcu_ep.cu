@@ -42,6 +42,7 @@
  * row -> recv row / activation row).
  */
 #include <limits.h>
+#include <pthread.h>
 #include <math.h>
 #include <sched.h>
 #include <stdlib.h>
@@ -96,6 +97,40 @@ struct ep_ce_fns {
 struct ep_ce_slots {
     int64_t S[EP_MAX_CHUNKS], R[EP_MAX_CHUNKS], D[EP_MAX_CHUNKS + 1], B[EP_MAX_CHUNKS + 1];
     int64_t real, padded; /* rows over all ranks: sent for real, moved with padding */
+};
+
+/* the copy-engine state of one borrowed communicator (kcu_ep.h
+ * "Copy-engine exchange"), shared by every kcu_ep on it (the layers of one
+ * worker): one CE communicator, one pair of windows, grown to what the
+ * largest layer needs. Found by parent in ce_list under ce_mu and
+ * refcounted by the kcu_ep holding it (kcu_ep_create / kcu_ep_destroy);
+ * the rest is used by one thread at a time (a worker's layers run one at a
+ * time on its compute thread), but the GPU work of consecutive layers
+ * overlaps: ev_free orders the windows' reuse (ce_plan, ce_windows_done). */
+struct ep_ce_shared {
+    ep_ce_shared *next;   /* ce_list, while linked */
+    ncclComm_t parent;    /* the borrowed communicator (the key; not owned) */
+    int refs;             /* kcu_ep holding it (under ce_mu) */
+    int linked;           /* in ce_list (under ce_mu): unlinked once failed */
+    int state;            /* 0 not set up yet, 1 ready, -1 unavailable: every layer
+                           * takes the send/recv path */
+    int split_pending;    /* a split given up while NCCL may still publish into
+                           * split_out: the struct is never freed */
+    ep_ce_fns fn;         /* NCCL symbols newer than 2.27, by dlsym */
+    ncclComm_t split_out; /* where ncclCommSplit publishes the child (NCCL may write
+                           * it from its own thread when the parent is non-blocking) */
+    ncclComm_t comm;      /* the split of parent with CTAPolicy ZERO, blocking (owned),
+                           * or NULL (not set up, or aborted) */
+    void *buf[2];         /* ncclMemAlloc: [0] token side, [1] owner side */
+    ncclWindow_t win[2];  /* their symmetric windows on comm */
+    size_t bytes;         /* bytes of each */
+    int64_t capx, capy;   /* padded dispatch / return rows they hold */
+    unsigned gen;         /* bumped by each growth (the buffers move) */
+    cudaEvent_t ev_free;  /* recorded after the last CE forward's last use of the
+                           * windows (any layer's); ev_used once recorded */
+    int ev_used;
+    const kcu_ep *acct; /* the layer whose kcu_ep_bytes counts the windows (once):
+                         * the one that set up, else the next to take the CE path */
 };
 
 struct kcu_ep {
@@ -168,15 +203,11 @@ struct kcu_ep {
     int32_t *msend_t, *mrecv_o;
     /* copy-engine exchange (KCU_EP_CE=1; kcu_ep.h "Copy-engine exchange") */
     int ce_want;                /* KCU_EP_CE=1 at create, world > 1, dedup on */
-    int ce_state;               /* 0 not set up yet, 1 ready, -1 unavailable (send/recv) */
     int ce_fwd;                 /* the last forward took the CE path */
     int64_t ce_n[2];            /* inference dedup forwards on the CE path, fallen back */
-    ep_ce_fns fn;               /* NCCL symbols newer than 2.27, by dlsym */
-    ncclComm_t ce;              /* split of comm with CTAPolicy ZERO (owned), or NULL */
-    void *ce_buf[2];            /* ncclMemAlloc: [0] token side, [1] owner side */
-    ncclWindow_t ce_win[2];     /* their symmetric windows on ce */
-    size_t ce_bytes;            /* bytes of each */
-    int64_t ce_capx, ce_capy;   /* padded dispatch / return rows they hold */
+    ep_ce_shared *ce;           /* the CE state of comm, shared by its layers (a reference),
+                                 * or NULL without ce_want */
+    unsigned ce_gen;            /* ce->gen when the last CE forward bound the windows */
     int32_t *agree_d, *agree_h; /* one int32 for ep_agree (device, pinned) */
     ep_ce_slots cs_;            /* the last CE forward's padded slots */
 };
@@ -323,7 +354,7 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
 
 /* ---- host helpers ---- */
 
-void ce_abort(kcu_ep *ep, const char *why);
+void ce_fail(kcu_ep *ep, const char *why);
 
 /* r of an NCCL call on communicator comm: while the (non-blocking)
  * communicator reports ncclInProgress, polled under the timeout */
@@ -335,14 +366,14 @@ moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s still in progress after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
-            ce_abort(ep, what);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         /* a member is gone (the worker aborted the exchange): a collective
          * call in progress (a split, a window's registration) never ends */
         if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
             fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
-            ce_abort(ep, what);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (spins++ > 1000) {
@@ -356,7 +387,7 @@ moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what
     if (r != ncclSuccess) {
         fprintf(stderr, "kcu_ep: rank %d: %s: %s (%s)\n", ep->c.rank, what, ncclGetErrorString(r),
                 ncclGetLastError(comm));
-        ce_abort(ep, what);
+        ce_fail(ep, what);
         return MOE_EUNAVAIL;
     }
     return MOE_OK;
@@ -391,21 +422,21 @@ moe_err ep_wait(kcu_ep *ep, cudaEvent_t ev, cudaStream_t st, const char *what)
             return MOE_EINTERNAL;
         }
         /* the CE communicator's too: its all-to-alls wait on peers as well */
-        if (ep_comm_failed(ep->comm) || (ep->ce && ep_comm_failed(ep->ce))) {
+        if (ep_comm_failed(ep->comm) || (ep->ce && ep->ce->comm && ep_comm_failed(ep->ce->comm))) {
             fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error (%s)\n", ep->c.rank, what,
                     ep_comm_failed(ep->comm) ? "communicator" : "CE communicator");
-            ce_abort(ep, what);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
             fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
-            ce_abort(ep, what);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
-            ce_abort(ep, what);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (spins++ < 2000) {
@@ -515,11 +546,11 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
 void ep_bind(kcu_ep *ep, int ce)
 {
     if (ce) {
-        const size_t H = ep->c.H, K = ep->c.K, X = ep->ce_capx;
+        const size_t H = ep->c.H, K = ep->c.K, X = ep->ce->capx;
         /* each window: [X rows of H bf16 | X rows of K int32 | Y rows of H
          * bf16]: xsend | msend | yrecv on the token side, xrecv | mrecv |
          * ysend on the owner side (the same offsets on every rank) */
-        char *t = (char *)ep->ce_buf[0], *o = (char *)ep->ce_buf[1];
+        char *t = (char *)ep->ce->buf[0], *o = (char *)ep->ce->buf[1];
         const size_t m0 = al(X * H * 2), y0 = m0 + al(X * K * 4);
         ep->xsend = (bf16 *)t;
         ep->msend = (int32_t *)(t + m0);
@@ -546,22 +577,257 @@ void ce_note(const kcu_ep *ep, const char *msg)
                 ep->c.rank, msg);
 }
 
-/* a wait or an NCCL call failed (a peer is gone, the timeout passed): the
- * CE communicator is ours, so it is aborted here (its copies stuck on a
- * dead peer stop; the caller aborts the borrowed one). Its windows go with
- * it; the buffers are freed by kcu_ep_destroy. Later forwards fall back. */
-void ce_abort(kcu_ep *ep, const char *why)
+/* ---- the shared CE state: one per borrowed communicator ---- */
+
+pthread_mutex_t ce_mu = PTHREAD_MUTEX_INITIALIZER;
+ep_ce_shared *ce_list = nullptr; /* the linked states (under ce_mu) */
+
+/* a reference to parent's shared CE state, made the first time (state 0:
+ * nothing set up, no collective call); NULL when out of memory */
+ep_ce_shared *ce_get(ncclComm_t parent)
 {
-    if (!ep->ce)
+    pthread_mutex_lock(&ce_mu);
+    ep_ce_shared *s = ce_list;
+    while (s && s->parent != parent)
+        s = s->next;
+    if (!s) {
+        s = (ep_ce_shared *)calloc(1, sizeof(*s));
+        if (s && cudaEventCreateWithFlags(&s->ev_free, cudaEventDisableTiming) != cudaSuccess) {
+            (void)cudaGetLastError();
+            free(s);
+            s = nullptr;
+        }
+        if (s) {
+            s->parent = parent;
+            s->linked = 1;
+            s->next = ce_list;
+            ce_list = s;
+        }
+    }
+    if (s)
+        s->refs++;
+    pthread_mutex_unlock(&ce_mu);
+    return s;
+}
+
+/* takes s out of ce_list (ce_mu held): a kcu_ep created later on the same
+ * parent (or on a new communicator at the same address) starts afresh */
+void ce_unlink_locked(ep_ce_shared *s)
+{
+    if (!s->linked)
+        return;
+    for (ep_ce_shared **p = &ce_list; *p; p = &(*p)->next)
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    s->linked = 0;
+    s->next = nullptr;
+}
+
+/* the CE path failed (a wait or an NCCL call failed: a peer is gone, the
+ * timeout passed, the abort hook; or a window's registration failed): the
+ * CE communicator is ours, so it is aborted here, once (its copies stuck
+ * on a dead peer stop; the caller aborts the borrowed one), and never used
+ * again; its windows go with it, their buffers are freed with the last
+ * reference (ce_free). Every layer on it falls back to send/recv; the
+ * state leaves ce_list. */
+void ce_fail(kcu_ep *ep, const char *why)
+{
+    ep_ce_shared *s = ep->ce;
+    ep->ce_fwd = 0;
+    if (!s)
+        return;
+    pthread_mutex_lock(&ce_mu);
+    ce_unlink_locked(s);
+    pthread_mutex_unlock(&ce_mu);
+    s->state = -1;
+    if (!s->comm)
         return;
     const int64_t t0 = now_ms();
-    ncclCommAbort(ep->ce);
-    ep->ce = nullptr;
-    ep->ce_win[0] = ep->ce_win[1] = nullptr;
-    ep->ce_state = -1;
-    ep->ce_fwd = 0;
+    ncclCommAbort(s->comm);
+    s->comm = nullptr;
+    s->win[0] = s->win[1] = nullptr;
     fprintf(stderr, "kcu_ep: rank %d: %s: CE communicator aborted (%lld ms)\n", ep->c.rank, why,
             (long long)(now_ms() - t0));
+}
+
+/* frees the windows' buffers (after their deregistration or the CE
+ * communicator's abort, nothing in flight on them) */
+void ce_free_bufs(ep_ce_shared *s)
+{
+    for (int i = 0; i < 2; i++) {
+        if (s->buf[i] && s->fn.mem_free)
+            s->fn.mem_free(s->buf[i]);
+        s->buf[i] = nullptr;
+    }
+    s->bytes = 0;
+    s->capx = s->capy = 0;
+}
+
+/* kcu_ep_destroy's first part: drops ep's reference. The last one takes
+ * the state out of ce_list and aborts the CE communicator, never
+ * deregisters and destroys it: both are collective, and a layer is
+ * destroyed when its model is deleted or re-created after a re-formation,
+ * where a peer may be dead or the borrowed communicator already aborted (a
+ * deregistration waiting on it would hold the worker up to the timeout, or
+ * for good). The abort is local and stops copies stuck on a dead peer
+ * before the device is synchronised. Returns the state for ce_free (after
+ * that synchronisation) when this was the last reference, else NULL. */
+ep_ce_shared *ce_put(kcu_ep *ep)
+{
+    ep_ce_shared *s = ep->ce;
+    ep->ce = nullptr;
+    if (!s)
+        return nullptr;
+    pthread_mutex_lock(&ce_mu);
+    const int last = --s->refs == 0;
+    if (last)
+        ce_unlink_locked(s);
+    else if (s->acct == ep)
+        s->acct = nullptr; /* the next layer taking the CE path counts the windows */
+    pthread_mutex_unlock(&ce_mu);
+    if (!last)
+        return nullptr;
+    if (s->comm)
+        ncclCommAbort(s->comm);
+    s->comm = nullptr;
+    s->win[0] = s->win[1] = nullptr;
+    return s;
+}
+
+/* kcu_ep_destroy's second part, after the device synchronisation: the
+ * buffers, the event, the state (kept, leaked, where a split given up may
+ * still publish into split_out) */
+void ce_free(ep_ce_shared *s)
+{
+    ce_free_bufs(s);
+    cudaEventDestroy(s->ev_free);
+    if (!s->split_pending)
+        free(s);
+}
+
+/* ---- the watchdog of a blocking call on the CE communicator ----
+ * The CE communicator is blocking (ce_split says why): a collective call on
+ * it (a window's registration or deregistration) does not return while a
+ * peer is missing. ce_guard_start starts a thread that, until
+ * ce_guard_stop, polls kcu_ep_abort_hook and the layer's timeout; when
+ * either trips it aborts the communicator (ncclCommAbort from another
+ * thread: the blocked call then returns an error). ce_guard_stop joins it
+ * and returns nonzero when it did so: the caller never touches that
+ * communicator again. One thread per guarded call: they are rare (the
+ * setup, each growth). */
+struct ce_guard {
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ncclComm_t comm;  /* guarded (the shared state's; aborted here only when fired) */
+    int64_t deadline; /* now_ms() past which it fires */
+    int done;         /* the guarded call returned (ce_guard_stop) */
+    int fired;        /* it aborted comm: 1 on the abort hook, 2 on the timeout */
+};
+
+void *ce_guard_main(void *arg)
+{
+    ce_guard *g = (ce_guard *)arg;
+    pthread_mutex_lock(&g->mu);
+    while (!g->done && !g->fired) {
+        if (kcu_ep_abort_hook && kcu_ep_abort_hook())
+            g->fired = 1;
+        else if (now_ms() > g->deadline)
+            g->fired = 2;
+        if (g->fired)
+            break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 2000000; /* 2 ms */
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&g->cv, &g->mu, &ts);
+    }
+    const int fired = g->fired;
+    pthread_mutex_unlock(&g->mu);
+    if (fired)
+        ncclCommAbort(g->comm);
+    return nullptr;
+}
+
+/* 0, or -1 when the thread cannot start (then no blocking call is made) */
+int ce_guard_start(ce_guard *g, const kcu_ep *ep, ncclComm_t comm)
+{
+    memset(g, 0, sizeof(*g));
+    g->comm = comm;
+    g->deadline = now_ms() + ep->c.timeout_ms;
+    pthread_mutex_init(&g->mu, nullptr);
+    pthread_cond_init(&g->cv, nullptr);
+    if (pthread_create(&g->th, nullptr, ce_guard_main, g) != 0) {
+        pthread_cond_destroy(&g->cv);
+        pthread_mutex_destroy(&g->mu);
+        return -1;
+    }
+    return 0;
+}
+
+/* the guarded call returned: 0, or 1 / 2 when the watchdog aborted the
+ * communicator (the abort hook / the timeout), the abort then finished */
+int ce_guard_stop(ce_guard *g)
+{
+    pthread_mutex_lock(&g->mu);
+    g->done = 1;
+    pthread_cond_signal(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    pthread_join(g->th, nullptr);
+    pthread_cond_destroy(&g->cv);
+    pthread_mutex_destroy(&g->mu);
+    return g->fired;
+}
+
+enum { CE_REG, CE_DEREG };
+
+/* one blocking collective call on the CE communicator, under the watchdog:
+ * CE_REG registers window i over buf[i] (bytes, NCCL_WIN_COLL_SYMMETRIC),
+ * CE_DEREG deregisters window i. ncclSuccess, or the failure, after which
+ * the CE path is failed (ce_fail; where the watchdog fired the
+ * communicator is already aborted and forgotten). A non-blocking answer
+ * (ncclInProgress: NCCL_COMM_BLOCKING=0 in the environment overrides the
+ * config) counts as a failure: this path polls nothing. */
+ncclResult_t ce_guarded(kcu_ep *ep, int op, int i, size_t bytes, const char *what)
+{
+    ep_ce_shared *s = ep->ce;
+    if (!s->comm)
+        return ncclInvalidUsage;
+    ce_guard g;
+    if (ce_guard_start(&g, ep, s->comm) != 0) {
+        fprintf(stderr, "kcu_ep: rank %d: %s: no watchdog thread\n", ep->c.rank, what);
+        ce_fail(ep, what);
+        return ncclSystemError;
+    }
+    ncclResult_t r =
+        op == CE_REG ? s->fn.win_reg(s->comm, s->buf[i], bytes, &s->win[i], NCCL_WIN_COLL_SYMMETRIC)
+                     : s->fn.win_dereg(s->comm, s->win[i]);
+    const int fired = ce_guard_stop(&g);
+    if (op == CE_DEREG)
+        s->win[i] = nullptr;
+    if (fired) {
+        s->comm = nullptr; /* aborted by the watchdog: never touched again */
+        s->win[0] = s->win[1] = nullptr;
+        if (fired == 1)
+            fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+        else
+            fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
+                    ep->c.timeout_ms);
+        if (r == ncclSuccess || r == ncclInProgress)
+            r = ncclRemoteError;
+    }
+    if (r != ncclSuccess) {
+        if (!fired)
+            fprintf(stderr, "kcu_ep: rank %d: %s: %s (%s)\n", ep->c.rank, what,
+                    ncclGetErrorString(r), ncclGetLastError(s->comm));
+        ce_fail(ep, what);
+    }
+    return r;
 }
 
 /* 1 when every rank passes ok != 0: a min all-reduce of one int32 on the
@@ -581,44 +847,109 @@ moe_err ep_agree(kcu_ep *ep, int ok, int *all, const char *what)
     return MOE_OK;
 }
 
-/* frees the windows' buffers (after their deregistration or the CE
- * communicator's abort) */
-void ce_free_bufs(kcu_ep *ep)
-{
-    for (int i = 0; i < 2; i++) {
-        if (ep->ce_buf[i] && ep->fn.mem_free)
-            ep->fn.mem_free(ep->ce_buf[i]);
-        ep->ce_buf[i] = nullptr;
-    }
-    ep->ce_bytes = 0;
-    ep->ce_capx = ep->ce_capy = 0;
-}
-
-/* deregisters both windows (collective on ce: every rank, in lockstep) */
+/* deregisters both windows (collective on the CE communicator: every rank,
+ * in lockstep), each under the watchdog; MOE_EUNAVAIL (the CE path failed)
+ * when one fails */
 moe_err ce_dereg(kcu_ep *ep)
 {
-    moe_err e = MOE_OK;
-    for (int i = 0; i < 2; i++) {
-        if (ep->ce && ep->ce_win[i] && e == MOE_OK)
-            e = ep_nccl_on(ep, ep->ce, ep->fn.win_dereg(ep->ce, ep->ce_win[i]),
-                           "ncclCommWindowDeregister");
-        ep->ce_win[i] = nullptr;
-    }
-    return e;
+    ep_ce_shared *s = ep->ce;
+    for (int i = 0; i < 2; i++)
+        if (s->comm && s->win[i] &&
+            ce_guarded(ep, CE_DEREG, i, 0, "ncclCommWindowDeregister") != ncclSuccess)
+            return MOE_EUNAVAIL;
+    return MOE_OK;
 }
 
-/* the CE communicator, at the first forward that would take the CE path
- * (every rank reaches it in lockstep: the decision comes from the gathered
- * counts). The library's version and symbols, then the split, each agreed
- * on by all ranks (ep_agree); a failure anywhere leaves every rank on the
- * send/recv path (ce_state -1, one note). Errors only where the borrowed
- * communicator fails. */
+/* r of NCCL call or state, or the one it reports asynchronously */
+ncclResult_t ce_async(ncclComm_t comm)
+{
+    ncclResult_t st = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &st);
+    return q != ncclSuccess ? q : st;
+}
+
+/* the split of the CE communicator (color 0, key rank, CTAPolicy ZERO,
+ * BLOCKING) into s->comm; *ok whether it succeeded here.
+ * Why blocking: NCCL 2.28 refuses the window registration on a non-blocking
+ * CE communicator: ncclCommWindowRegister fails at once on every rank with
+ * ncclInvalidArgument, NCCL_DEBUG=WARN showing per rank "group.cc:86 NCCL
+ * WARN ncclAsyncJobComplete: job ... failed, job error 3" and "init.cc:362
+ * NCCL WARN Attempt to use communicator before the previous operation
+ * returned ncclSuccess" (4x H100, 2026-11-27); a blocking one registers and
+ * runs (bench/NOTES.md "Copy-engine exchange"). Its blocking collective
+ * calls run under the watchdog (ce_guarded).
+ * The split itself runs in the PARENT's mode (NCCL takes a group's mode from
+ * the communicator its job runs on, the parent; src/init.cc, group.cc): a
+ * blocking parent (bin/ep_bench) returns when it is done; the worker's
+ * non-blocking one returns ncclInProgress and NCCL publishes the child into
+ * split_out from its own thread once done: polled here, under the timeout
+ * and the abort hook, until the parent's state leaves ncclInProgress with
+ * the child published (or an error). Not under the watchdog: until the
+ * child is published there is nothing of ours to abort. Given up (the
+ * timeout, the hook): split_pending (NCCL may still write split_out: the
+ * state is never freed), the CE path failed, MOE_EUNAVAIL: the worker then
+ * aborts the parent, which aborts the child's initialisation too. */
+moe_err ce_split(kcu_ep *ep, int *ok, char *why, size_t nwhy)
+{
+    ep_ce_shared *s = ep->ce;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    cfg.blocking = 1;
+    s->split_out = nullptr;
+    ncclResult_t r = s->fn.split(ep->comm, 0, ep->c.rank, &s->split_out, &cfg);
+    const int64_t deadline = now_ms() + ep->c.timeout_ms;
+    while (r == ncclInProgress) {
+        const ncclResult_t pr = ce_async(ep->comm);
+        if (pr != ncclInProgress &&
+            (pr != ncclSuccess || __atomic_load_n(&s->split_out, __ATOMIC_ACQUIRE))) {
+            r = pr;
+            break;
+        }
+        const int hook = kcu_ep_abort_hook && kcu_ep_abort_hook();
+        if (hook || now_ms() > deadline) {
+            if (hook)
+                fprintf(stderr, "kcu_ep: rank %d: ncclCommSplit: given up (a member is gone)\n",
+                        ep->c.rank);
+            else
+                fprintf(stderr, "kcu_ep: rank %d: ncclCommSplit: not done after %d ms\n",
+                        ep->c.rank, ep->c.timeout_ms);
+            s->split_pending = 1;
+            ce_fail(ep, "ncclCommSplit");
+            return MOE_EUNAVAIL;
+        }
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+    }
+    ncclComm_t ce = __atomic_load_n(&s->split_out, __ATOMIC_ACQUIRE);
+    if (r == ncclSuccess && ce)
+        r = ce_async(ce);
+    *ok = r == ncclSuccess && ce;
+    if (*ok) {
+        s->comm = ce;
+        return MOE_OK;
+    }
+    snprintf(why, nwhy, "ncclCommSplit with CTAPolicy ZERO on rank %d: %s", ep->c.rank,
+             ce ? ncclGetErrorString(r) : "no communicator");
+    if (ce)
+        ncclCommAbort(ce);
+    return MOE_OK;
+}
+
+/* the CE communicator, at the first forward of any layer on this borrowed
+ * communicator that would take the CE path (every rank reaches it in
+ * lockstep: the decision comes from the gathered counts, and the layers
+ * run in the same order on every rank). The library's version and symbols,
+ * then the split (ce_split), each agreed on by all ranks (ep_agree); a
+ * failure anywhere leaves every rank on the send/recv path (state -1, one
+ * note). Errors only where the borrowed communicator fails or the split is
+ * given up. */
 moe_err ce_setup(kcu_ep *ep)
 {
+    ep_ce_shared *s = ep->ce;
     char why[160] = "";
     int ver = 0;
     ncclGetVersion(&ver);
-    ep_ce_fns &f = ep->fn;
+    ep_ce_fns &f = s->fn;
     f.split = (decltype(f.split))dlsym(RTLD_DEFAULT, "ncclCommSplit");
     f.mem_alloc = (decltype(f.mem_alloc))dlsym(RTLD_DEFAULT, "ncclMemAlloc");
     f.mem_free = (decltype(f.mem_free))dlsym(RTLD_DEFAULT, "ncclMemFree");
@@ -636,154 +967,139 @@ moe_err ce_setup(kcu_ep *ep)
     int all = 0;
     KCU_TRY(ep_agree(ep, !why[0], &all, "CE setup (versions)"));
     if (!all) {
-        ep->ce_state = -1;
+        s->state = -1;
         ce_note(ep, why[0] ? why : "another rank's NCCL lacks the copy-engine collectives");
         return MOE_OK;
     }
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
-    /* a peer that never joins: the split is polled under the timeout.
-     * KCU_EP_CE_BLOCKING=1 (diagnosis): a blocking CE communicator, as
-     * bin/ep_bench --ce's, whose window registration NCCL 2.28 accepts */
-    const char *blk = getenv("KCU_EP_CE_BLOCKING");
-    cfg.blocking = blk && blk[0] == '1' ? 1 : 0;
-    ncclComm_t ce = nullptr;
-    ncclResult_t r = f.split(ep->comm, 0, ep->c.rank, &ce, &cfg);
-    if (ce && r == ncclInProgress) {
-        const int64_t deadline = now_ms() + ep->c.timeout_ms;
-        while (r == ncclInProgress && now_ms() <= deadline) {
-            ncclResult_t st = ncclSuccess;
-            const ncclResult_t q = ncclCommGetAsyncError(ce, &st);
-            r = q != ncclSuccess ? q : st;
-            if (r == ncclInProgress)
-                sched_yield();
-        }
-    }
-    const int ok = r == ncclSuccess && ce;
-    if (!ok)
-        snprintf(why, sizeof(why), "ncclCommSplit with CTAPolicy ZERO on rank %d: %s", ep->c.rank,
-                 ncclGetErrorString(r));
+    int ok = 0;
+    KCU_TRY(ce_split(ep, &ok, why, sizeof(why)));
     moe_err e = ep_agree(ep, ok, &all, "CE setup (split)");
     if (e != MOE_OK || !all) {
-        if (ce)
-            ncclCommAbort(ce);
-        ep->ce_state = -1;
         if (e == MOE_OK)
             ce_note(ep, why[0] ? why : "the CE communicator's split failed on another rank");
+        ce_fail(ep, "CE setup (split)");
         return e;
     }
-    ep->ce = ce;
-    ep->ce_state = 1;
+    s->state = 1;
+    s->acct = ep;
     return MOE_OK;
 }
 
 /* the windows for x padded dispatch rows and y return rows (every rank
- * the same sizes, from the gathered counts: grown in lockstep). The
- * previous forward's work is waited for first (its combine reads yrecv,
- * its transfers use both). A failure on any rank (agreed) aborts the CE
- * communicator: every rank then stays on the send/recv path. */
+ * the same sizes, from the gathered counts: grown in lockstep; shared by
+ * the layers, so grown to the largest need of any). Everything in flight
+ * on them is waited for first, bounded: this layer's streams and ev_free
+ * (the last CE forward of any layer: its combine reads yrecv, its
+ * transfers use both). A failure on any rank (agreed) fails the CE path:
+ * every rank then stays on the send/recv path. */
 moe_err ce_grow(kcu_ep *ep, int64_t x, int64_t y, cudaStream_t st)
 {
+    ep_ce_shared *s = ep->ce;
     const size_t H = ep->c.H, K = ep->c.K;
     /* 1.25x what this forward needs, so that a slightly larger batch does
      * not register again (collective, slow); bytes rounded to 2 MiB */
-    const int64_t nx = std::max(ep->ce_capx, x + x / 4 + 256);
-    const int64_t ny = std::max(ep->ce_capy, y + y / 4 + 256);
+    const int64_t nx = std::max(s->capx, x + x / 4 + 256);
+    const int64_t ny = std::max(s->capy, y + y / 4 + 256);
     const size_t mib2 = (size_t)2 << 20;
     const size_t bytes =
         ((al(nx * H * 2) + al(nx * K * 4) + al(ny * H * 2)) + mib2 - 1) / mib2 * mib2;
     KCU_TRY(ep_wait(ep, nullptr, st, "CE windows (previous forward)"));
     KCU_TRY(ep_quiesce(ep, "CE windows (previous forward)"));
+    if (s->ev_used)
+        KCU_TRY(ep_wait(ep, s->ev_free, nullptr, "CE windows (previous forward of a layer)"));
     KCU_TRY(ce_dereg(ep));
-    ce_free_bufs(ep);
-    ncclResult_t r = ep->fn.mem_alloc(&ep->ce_buf[0], bytes);
+    ce_free_bufs(s);
+    ncclResult_t r = s->fn.mem_alloc(&s->buf[0], bytes);
     if (r == ncclSuccess)
-        r = ep->fn.mem_alloc(&ep->ce_buf[1], bytes);
+        r = s->fn.mem_alloc(&s->buf[1], bytes);
     int all = 0;
     char why[160];
     snprintf(why, sizeof(why), "ncclMemAlloc of 2 x %.1f MiB failed on some rank (rank %d: %s)",
              bytes / 1048576.0, ep->c.rank, ncclGetErrorString(r));
     moe_err e = ep_agree(ep, r == ncclSuccess, &all, "CE windows (allocation)");
     if (e == MOE_OK && all) {
-        /* collective on ce: every rank registers the same sizes in the same order */
-        r = ep->fn.win_reg(ep->ce, ep->ce_buf[0], bytes, &ep->ce_win[0], NCCL_WIN_COLL_SYMMETRIC);
-        if (r == ncclSuccess || r == ncclInProgress)
-            r = ep_nccl_on(ep, ep->ce, r, "ncclCommWindowRegister") == MOE_OK ? ncclSuccess
-                                                                              : ncclSystemError;
-        if (r == ncclSuccess && ep->ce) {
-            r = ep->fn.win_reg(ep->ce, ep->ce_buf[1], bytes, &ep->ce_win[1],
-                               NCCL_WIN_COLL_SYMMETRIC);
-            if (r == ncclSuccess || r == ncclInProgress)
-                r = ep_nccl_on(ep, ep->ce, r, "ncclCommWindowRegister") == MOE_OK ? ncclSuccess
-                                                                                  : ncclSystemError;
-        }
+        /* collective on the CE communicator: every rank registers the same
+         * sizes in the same order; a failure fails the CE path here */
+        r = ce_guarded(ep, CE_REG, 0, bytes, "ncclCommWindowRegister");
+        if (r == ncclSuccess)
+            r = ce_guarded(ep, CE_REG, 1, bytes, "ncclCommWindowRegister");
         snprintf(why, sizeof(why), "ncclCommWindowRegister failed on some rank (rank %d: %s)",
                  ep->c.rank, ncclGetErrorString(r));
-        e = ep_agree(ep, r == ncclSuccess && ep->ce, &all, "CE windows (registration)");
+        e = ep_agree(ep, r == ncclSuccess && s->comm, &all, "CE windows (registration)");
     }
     if (e != MOE_OK || !all) {
         if (e == MOE_OK)
             ce_note(ep, why);
-        ce_abort(ep, "CE windows");
-        ce_free_bufs(ep);
-        ep->ce_state = -1;
+        ce_fail(ep, "CE windows");
+        ce_free_bufs(s); /* nothing in flight on them: waited for above */
         return e;
     }
-    ep->ce_bytes = bytes;
-    ep->ce_capx = nx;
-    ep->ce_capy = ny;
+    s->bytes = bytes;
+    s->capx = nx;
+    s->capy = ny;
+    s->gen++;
+    return MOE_OK;
+}
+
+/* after a CE forward (or the bench's exchange) on stream st, finished or
+ * failed half-way: the exchange stream joined into st, then ev_free
+ * recorded on st. The next CE forward of any layer waits for it on its
+ * stream before writing into the windows (ce_plan), a growth on the host
+ * (ce_grow). A CUDA error here fails the CE path. */
+moe_err ce_windows_done(kcu_ep *ep, cudaStream_t st)
+{
+    ep_ce_shared *s = ep->ce;
+    if (!s || s->state <= 0)
+        return MOE_OK;
+    cudaError_t e = cudaEventRecord(ep->ev_done, ep->cs);
+    if (e == cudaSuccess)
+        e = cudaStreamWaitEvent(st, ep->ev_done, 0);
+    if (e == cudaSuccess)
+        e = cudaEventRecord(s->ev_free, st);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "kcu_ep: rank %d: CE windows' release: %s\n", ep->c.rank,
+                cudaGetErrorString(e));
+        ce_fail(ep, "CE windows' release");
+        return MOE_EINTERNAL;
+    }
+    s->ev_used = 1;
     return MOE_OK;
 }
 
 /* the CE path's all-to-alls of chunk c on stream cs: the unique rows and
  * their metadata out (two ncclAlltoAll of S[c] rows per peer), or the slot
  * rows back (R[c] rows per peer). The slots are padded: rows past a
- * pair's real count carry stale bytes nothing reads. */
+ * pair's real count carry stale bytes nothing reads. On the blocking CE
+ * communicator ncclAlltoAll returns once enqueued; ep_wait watches its
+ * progress under the timeout. */
 moe_err ce_dispatch(kcu_ep *ep, int c)
 {
     const ep_ce_slots &p = ep->cs_;
+    const ep_ce_shared *s = ep->ce;
     const size_t H = ep->c.H, K = ep->c.K;
     if (p.S[c] == 0)
         return MOE_OK;
-    KCU_TRY(ep_nccl_on(ep, ep->ce,
-                       ep->fn.a2a(ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
-                                  (size_t)p.S[c] * H, ncclBfloat16, ep->ce, ep->cs),
+    KCU_TRY(ep_nccl_on(ep, s->comm,
+                       s->fn.a2a(ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
+                                 (size_t)p.S[c] * H, ncclBfloat16, s->comm, ep->cs),
                        "ncclAlltoAll (CE dispatch)"));
-    return ep_nccl_on(ep, ep->ce,
-                      ep->fn.a2a(ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
-                                 (size_t)p.S[c] * K, ncclInt32, ep->ce, ep->cs),
+    return ep_nccl_on(ep, s->comm,
+                      s->fn.a2a(ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
+                                (size_t)p.S[c] * K, ncclInt32, s->comm, ep->cs),
                       "ncclAlltoAll (CE metadata)");
 }
 
 moe_err ce_return(kcu_ep *ep, int c)
 {
     const ep_ce_slots &p = ep->cs_;
+    const ep_ce_shared *s = ep->ce;
     const size_t H = ep->c.H;
     if (p.R[c] == 0)
         return MOE_OK;
-    return ep_nccl_on(ep, ep->ce,
-                      ep->fn.a2a(ep->ysend + (size_t)p.B[c] * H, ep->yrecv + (size_t)p.B[c] * H,
-                                 (size_t)p.R[c] * H, ncclBfloat16, ep->ce, ep->cs),
+    return ep_nccl_on(ep, s->comm,
+                      s->fn.a2a(ep->ysend + (size_t)p.B[c] * H, ep->yrecv + (size_t)p.B[c] * H,
+                                (size_t)p.R[c] * H, ncclBfloat16, s->comm, ep->cs),
                       "ncclAlltoAll (CE return)");
-}
-
-/* kcu_ep_destroy's part: windows deregistered (collective: kcu_ep_destroy
- * runs on every rank) and freed, the communicator destroyed; after a
- * failure (or when the streams do not drain) aborted instead */
-void ce_release(kcu_ep *ep)
-{
-    /* aborted, never deregistered and destroyed: both are collective, and a
-     * layer is destroyed when its model is deleted or re-created after a
-     * re-formation - where a peer may be dead or its borrowed communicator
-     * already aborted (a window deregistration waiting on it would hold the
-     * worker up to the timeout, or for good). The abort is local; the
-     * windows go with the communicator, then their buffers are freed. */
-    if (ep->ce) {
-        ncclCommAbort(ep->ce);
-        ep->ce = nullptr;
-        ep->ce_win[0] = ep->ce_win[1] = nullptr;
-    }
-    ce_free_bufs(ep);
 }
 
 /* the host tables of one call from the gathered counts: transfer sizes,
@@ -1274,14 +1590,26 @@ moe_err ce_plan(kcu_ep *ep, int train, cudaStream_t st)
     ep_ce_slots &p = ep->cs_;
     ce_slots(ep, &p);
     const int C = ep->C;
-    int take = ep->ce_state >= 0 && p.real > 0 && p.padded * 4 <= p.real * 5 &&
+    ep_ce_shared *s = ep->ce;
+    int take = s->state >= 0 && p.real > 0 && p.padded * 4 <= p.real * 5 &&
                p.D[C] < INT32_MAX / 2 && p.B[C] < INT32_MAX / 2;
-    if (take && ep->ce_state == 0)
+    if (take && s->state == 0)
         KCU_TRY(ce_setup(ep));
-    take = take && ep->ce_state > 0;
-    if (take && (p.D[C] > ep->ce_capx || p.B[C] > ep->ce_capy))
+    take = take && s->state > 0;
+    if (take && (p.D[C] > s->capx || p.B[C] > s->capy))
         KCU_TRY(ce_grow(ep, p.D[C], p.B[C], st));
-    take = take && ep->ce_state > 0;
+    take = take && s->state > 0;
+    if (take) {
+        /* the windows are shared: the last CE forward (this layer's or
+         * another's, maybe still running on the GPU) is done with them
+         * before this one writes into them (the pack on st, next; the
+         * transfers and GEMMs follow st) */
+        if (s->ev_used)
+            KCU_CHECK(cudaStreamWaitEvent(st, s->ev_free, 0));
+        if (!s->acct)
+            s->acct = ep;
+        ep->ce_gen = s->gen;
+    }
     ep->ce_fwd = take;
     ep->ce_n[take ? 0 : 1]++;
     return MOE_OK;
@@ -1677,6 +2005,12 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         kcu_ep_destroy(ep);
         return MOE_EUNAVAIL;
     }
+    /* the CE state of comm, shared with the other layers on it (no
+     * collective call: set up at the first forward that takes the path) */
+    if (ep->ce_want && !(ep->ce = ce_get(ep->comm))) {
+        kcu_ep_destroy(ep);
+        return MOE_ENOMEM;
+    }
     cudaEvent_t *evs[] = {&ep->ev_a, &ep->ev_cnt, &ep->ev_done};
     for (auto e : evs)
         if (cudaEventCreateWithFlags(e, cudaEventDisableTiming) != cudaSuccess)
@@ -1806,8 +2140,12 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
 {
     if (!ep)
         return;
-    ce_release(ep); /* before the device sync: an aborted CE communicator stops its copies */
+    /* before the device sync: the last layer's abort of the shared CE
+     * communicator stops its copies */
+    ep_ce_shared *ce_last = ce_put(ep);
     cudaDeviceSynchronize();
+    if (ce_last)
+        ce_free(ce_last);
     if (ep->ex)
         kcu_experts_destroy(ep->ex);
     if (ep->sh)
@@ -1903,10 +2241,11 @@ extern "C" moe_err kcu_ep_upload_router(kcu_ep *ep, const float *wr)
     return MOE_OK;
 }
 
-extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
-                                  moe_dtype y_dtype, int train, void *stream)
+/* kcu_ep_forward's work (kcu_ep_forward orders the CE windows' next use
+ * after it, whatever its outcome) */
+static moe_err ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
+                          moe_dtype y_dtype, int train, cudaStream_t st)
 {
-    cudaStream_t st = (cudaStream_t)stream;
     if (T < 0 || T > ep->c.T_max || (train && !ep->c.train) || (T > 0 && (!x || !y)) ||
         (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
         return MOE_EINVAL;
@@ -1953,6 +2292,19 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
                        ep->gate ? ep->R.logits + ep->c.E : nullptr, T, y, y_dtype, st));
     ep->T_fwd = train ? (T > 0 ? T : -1) : 0; /* -1: a train forward of no tokens */
     return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
+                                  moe_dtype y_dtype, int train, void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    ep->ce_fwd = 0;
+    moe_err e = ep_forward(ep, T, x, x_dtype, y, y_dtype, train, st);
+    if (ep->ce_fwd) { /* the shared windows' next user waits for this forward */
+        const moe_err e2 = ce_windows_done(ep, st);
+        e = e != MOE_OK ? e : e2;
+    }
+    return e;
 }
 
 extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtype, void *dx,
@@ -2211,7 +2563,10 @@ extern "C" size_t kcu_ep_bytes(const kcu_ep *ep)
     kcu_experts_bytes(ep->ex, &p, &w);
     if (ep->sh)
         kcu_experts_bytes(ep->sh, &sp, &sw);
-    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes + 2 * ep->ce_bytes;
+    /* the shared CE windows once per worker: in the layer that accounts
+     * for them (ep_ce_shared.acct), 0 in the others */
+    const size_t ce = ep->ce && ep->ce->acct == ep ? 2 * ep->ce->bytes : 0;
+    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes + ce;
 }
 
 extern "C" int kcu_ep_local_experts(const kcu_ep *ep, int *first)
@@ -2224,6 +2579,15 @@ extern "C" int kcu_ep_local_experts(const kcu_ep *ep, int *first)
 extern "C" moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream)
 {
     cudaStream_t st = (cudaStream_t)stream;
+    if (ep->ce_fwd) {
+        /* the shared windows: failed, or moved by another layer's growth,
+         * since this layer's last forward bound them */
+        const ep_ce_shared *s = ep->ce;
+        if (s->state <= 0 || s->gen != ep->ce_gen)
+            return MOE_EPRECOND;
+        if (s->ev_used)
+            KCU_CHECK(cudaStreamWaitEvent(st, s->ev_free, 0));
+    }
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
     for (int c = 0; c < ep->C; c++) /* dedup: the unique rows and their metadata */
@@ -2234,6 +2598,8 @@ extern "C" moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream)
         KCU_TRY(ep->ce_fwd ? ce_return(ep, c) : ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
     KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
     KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_done, 0));
+    if (ep->ce_fwd)
+        KCU_TRY(ce_windows_done(ep, st));
     return ep_wait(ep, nullptr, st, "exchange");
 }
 
