@@ -125,10 +125,20 @@ typedef struct kcu_ep_config {
  * forwards, or when NCCL lacks the symbols / is older than 2.28 or the
  * split, allocation or registration failed on any rank (one stderr line,
  * then every later forward). Every rank takes the same decision (from data
- * all ranks share). The CE communicator and windows are owned: destroyed
- * in kcu_ep_destroy, aborted when a wait fails (a dead peer, the timeout,
- * the abort hook). NOT measured on GPUs yet (bench/NOTES.md "Copy-engine
- * exchange"). kcu_ep_last_send_bytes / kcu_ep_last_a2a_bytes count real
+ * all ranks share). One CE communicator and one pair of windows per
+ * borrowed communicator, shared by every kcu_ep on it (a worker's layers:
+ * refcounted, set up at the first CE forward of any layer, grown to the
+ * largest need; the next CE forward of any layer waits on the GPU for the
+ * previous one to be done with the windows). The CE communicator is
+ * blocking (NCCL 2.28 refuses the window registration on a non-blocking
+ * one); its blocking collective calls run under a watchdog thread that
+ * aborts it on the timeout or the abort hook. It is owned: aborted by the
+ * last kcu_ep_destroy on it (local, no collective), or when a wait fails (a
+ * dead peer, the timeout, the abort hook: every layer then falls back).
+ * Measured with a blocking CE communicator (per layer then) on 4x H100
+ * (bench/NOTES.md "Copy-engine exchange"); the shared design as built here
+ * NOT yet. kcu_ep_bytes counts the shared windows in one layer only.
+ * kcu_ep_last_send_bytes / kcu_ep_last_a2a_bytes count real
  * rows; kcu_ep_last_ce gives what the padded slots put on the wire. */
 
 /* Routing families and shared experts (kern_cuda.h "Routing families").
@@ -256,12 +266,17 @@ moe_err kcu_ep_download_router_grad(kcu_ep *ep, float *dwr);
 moe_err kcu_ep_upload_router(kcu_ep *ep, const float *wr);
 moe_err kcu_ep_zero_grads(kcu_ep *ep);
 struct kcu_experts *kcu_ep_experts(kcu_ep *ep);
-/* bytes of device memory held (all buffers, the shared expert's included) */
+/* bytes of device memory held (all buffers, the shared expert's included;
+ * the CE windows, shared by the layers on one communicator, in one layer
+ * only: the one that set them up, or after its destroy the next whose
+ * forward takes the CE path) */
 size_t kcu_ep_bytes(const kcu_ep *ep);
 /* kcu_ep_bench_exchange repeats the transfers of the last forward (every
  * chunk's dispatch, then every chunk's return; no GEMMs) and waits: the
  * time a caller measures around it is the layer's all-to-all time. The
- * forward's outputs are overwritten with garbage (a benchmark hook). */
+ * forward's outputs are overwritten with garbage (a benchmark hook).
+ * MOE_EPRECOND after a CE forward whose shared windows have since moved
+ * (another layer grew them) or failed. */
 moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream);
 /* bytes this rank sent to other ranks (dispatch, one direction) in the
  * last forward: real rows (on the CE path the padded slots add what
