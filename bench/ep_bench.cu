@@ -30,6 +30,10 @@
  *                             see "--ce" below)
  *                [--check-infer]   (y of the inference forward at each --chunks value
  *                             against kcu_layer's inference forward of all W*T tokens)
+ *                [--layers L]   (with --check-infer: L layers on the one communicator,
+ *                             their forwards back to back on their own streams, every
+ *                             y bit-identical to the first's: the copy-engine windows
+ *                             they share)
  *                [--infer]   (no optimizer state, forward only: DeepSeek-V3's 256
  *                             experts hold 18 bytes a parameter in training, 203 GB)
  *                [--family dsv3|qwen2]   (a routing family and a shared expert, on
@@ -169,6 +173,9 @@ struct opts {
                            * (--dedup-train), 0 off (--no-dedup: c.dedup -1) */
     int check_infer = 0;  /* --check-infer: inference y against kcu_layer's */
     int ce = 0;           /* --ce: the copy-engine all-to-all measurement */
+    int layers = 1;       /* --layers L (with --check-infer): L layers on one communicator,
+                           * forwards back to back on their own streams (the worker's
+                           * layers share the copy-engine windows) */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};
@@ -201,6 +208,9 @@ struct world {
      * inference forwards on the CE path, of how many; the last one's wire
      * bytes with padding (max over ranks); --check-infer: its forward's path */
     std::vector<int> ce_n, ce_of, yc_ce;
+    /* --layers: per chunks value, per rank: a layer's y differed from layer
+     * 0's (bit for bit) in the back-to-back run, or that run failed */
+    std::vector<std::vector<int>> layers_bad;
     std::vector<int64_t> ce_wire;
     int64_t ce_total[2] = {0, 0}; /* rank 0's forwards on the CE path, fallen back */
     int64_t send_bytes = 0, rows_max = 0, rows_min = 0;
@@ -538,6 +548,44 @@ static void ce_measure(world *w, int r, ncclComm_t comm, kcu_ep *ep, cudaStream_
     ncclCommDestroy(ce);
 }
 
+/* --layers: every layer's inference forward of this rank's x (device f32
+ * xd), back to back, each on its own stream into its own device y, no host
+ * wait between them (a layer's combine may still read the shared CE
+ * windows when the next layer's dispatch fills them); 1 when any layer's y
+ * differs bit for bit from w->yc[ci][r] (layer 0's, checked against the
+ * one-GPU layer) or a call failed */
+static int layers_back_to_back(world *w, int r, kcu_ep *ep, const std::vector<kcu_ep *> &more,
+                               const std::vector<cudaStream_t> &lst, const void *xd, size_t ci)
+{
+    const int T = w->o.T;
+    const size_t n = (size_t)T * w->o.s.H;
+    const size_t L = more.size() + 1;
+    std::vector<float *> yl(L, nullptr);
+    int bad = 0;
+    for (size_t l = 0; l < L && !bad; l++)
+        bad = cudaMalloc(&yl[l], n * 4) != cudaSuccess;
+    for (size_t l = 0; l < L && !bad; l++) {
+        kcu_ep *e = l ? more[l - 1] : ep;
+        bad = kcu_ep_set_chunks(e, w->o.chunks[ci], w->o.comm_sms) != MOE_OK ||
+              kcu_ep_forward(e, T, xd, MOE_F32, yl[l], MOE_F32, 0, lst[l]) != MOE_OK;
+    }
+    for (size_t l = 0; l < L && !bad; l++)
+        bad = kcu_ep_wait(l ? more[l - 1] : ep, lst[l]) != MOE_OK;
+    std::vector<float> h(n);
+    for (size_t l = 0; l < L && !bad; l++) {
+        bad = cudaMemcpy(h.data(), yl[l], n * 4, cudaMemcpyDeviceToHost) != cudaSuccess ||
+              memcmp(h.data(), w->yc[ci][r].data(), n * 4) != 0;
+        if (bad)
+            printf("check-infer --layers: rank %d, chunks %d: layer %zu's y differs from layer "
+                   "0's alone (or a call failed)\n",
+                   r, w->o.chunks[ci], l);
+    }
+    for (float *p : yl)
+        if (p)
+            cudaFree(p);
+    return bad;
+}
+
 static void *rank_main(void *arg)
 {
     auto *pr = (std::pair<world *, int> *)arg;
@@ -576,6 +624,23 @@ static void *rank_main(void *arg)
     if (!w->ws1.empty()) /* replicated on every rank */
         CKM(kcu_ep_upload_shared(ep, w->ws1.data(), w->ws3.data(), w->ws2.data(),
                                  w->wsg.empty() ? nullptr : w->wsg.data()));
+
+    /* --layers: layers 1..L-1, the same weights on the same communicator */
+    std::vector<kcu_ep *> more(w->o.check_infer ? w->o.layers - 1 : 0, nullptr);
+    std::vector<cudaStream_t> lst(more.size() + 1);
+    for (size_t l = 0; l < more.size(); l++) {
+        CKM(kcu_ep_create(&c, comm, &more[l]));
+        CKM(kcu_ep_upload(more[l], w->wr.data(), w->w1.data() + (size_t)first * F * H,
+                          w->w3.data() + (size_t)first * F * H,
+                          w->w2.data() + (size_t)first * H * F));
+        if (!w->bias.empty())
+            CKM(kcu_ep_upload_bias(more[l], w->bias.data()));
+        if (!w->ws1.empty())
+            CKM(kcu_ep_upload_shared(more[l], w->ws1.data(), w->ws3.data(), w->ws2.data(),
+                                     w->wsg.empty() ? nullptr : w->wsg.data()));
+    }
+    for (cudaStream_t &x : lst)
+        CK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
 
     /* device inputs for the timing runs */
     void *xd, *yd, *dyd, *dxd;
@@ -626,6 +691,8 @@ static void *rank_main(void *arg)
             CKM(kcu_ep_wait(ep, st));
             if (r == 0)
                 w->yc_ce[ci] = kcu_ep_last_ce(ep, nullptr, nullptr, nullptr);
+            if (!more.empty())
+                w->layers_bad[ci][r] = layers_back_to_back(w, r, ep, more, lst, xd, ci);
         }
 
     static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -723,6 +790,10 @@ static void *rank_main(void *arg)
     cudaFree(yd);
     cudaFree(dyd);
     cudaFree(dxd);
+    for (kcu_ep *m : more)
+        kcu_ep_destroy(m);
+    for (cudaStream_t &x : lst)
+        cudaStreamDestroy(x);
     kcu_ep_destroy(ep);
     ncclCommDestroy(comm);
     cudaStreamDestroy(st);
@@ -894,6 +965,15 @@ static int check_infer(world *w)
                TT, FAM_NAMES[o.family], o.chunks[ci], o.dedup ? "on" : "off",
                w->yc_ce[ci] ? "CE (copy engines)" : "send/recv", maxabs, e,
                bits ? "differs" : "bit-identical", nan ? ", NaN" : "", bad ? "FAIL" : "pass");
+        if (o.layers > 1) {
+            int lb = 0;
+            for (int r = 0; r < W; r++)
+                lb |= w->layers_bad[ci][r];
+            fail |= lb;
+            printf("check-infer --layers %d, chunks %d: the layers' forwards back to back, each on "
+                   "its own stream: every layer's y bit-identical to the one above -> %s\n",
+                   o.layers, o.chunks[ci], lb ? "FAIL" : "pass");
+        }
     }
     return fail;
 }
@@ -955,6 +1035,9 @@ int main(int argc, char **argv)
             o.ce = 1;
         } else if (!strcmp(a, "--check-infer")) {
             o.check_infer = 1;
+        } else if (!strcmp(a, "--layers")) {
+            o.layers = atoi(v);
+            i++;
         } else if (!strcmp(a, "--check-chunks")) {
             o.check_chunks = atoi(v);
             i++;
@@ -973,13 +1056,17 @@ int main(int argc, char **argv)
                     "usage: %s --gpus W --shape mixtral|qwen3|deepseek|small|moe64 [--tokens T] "
                     "[--chunks 1,2,4] [--comm-sms N] [--iters N] [--skew] [--check] "
                     "[--check-chunks N] [--infer] [--family dsv3|qwen2] [--dedup] "
-                    "[--dedup-train] [--no-dedup] [--check-infer] [--ce]\n",
+                    "[--dedup-train] [--no-dedup] [--check-infer] [--layers L] [--ce]\n",
                     argv[0]);
             return 2;
         }
     }
     int ndev = 0;
     CK(cudaGetDeviceCount(&ndev));
+    if (o.layers < 1 || (o.layers > 1 && !o.check_infer)) {
+        fprintf(stderr, "ep_bench: --layers L >= 1, and above 1 only with --check-infer\n");
+        return 2;
+    }
     if (o.W < 1 || o.W > ndev || o.T < 1 || o.iters < 1 || o.chunks.empty()) {
         fprintf(stderr, "ep_bench: need 1 <= --gpus <= %d devices, --tokens >= 1\n", ndev);
         return 2;
@@ -1058,6 +1145,7 @@ int main(int argc, char **argv)
     w->disp_b.assign(nc, 0);
     w->a2a_b.assign(nc, 0);
     w->yc.assign(o.check_infer ? nc : 0, std::vector<std::vector<float>>(o.W));
+    w->layers_bad.assign(nc, std::vector<int>(o.W, 0));
     w->yc_ce.assign(nc, 0);
     w->ce_n.assign(nc, 0);
     w->ce_of.assign(nc, 0);

@@ -78,9 +78,8 @@ enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 49152, EP_CHUNK_ROW
 /* NCCL entry points of the copy-engine exchange, looked up at run time
  * (dlsym) so that the library runs where NCCL lacks them: ncclAlltoAll
  * (2.28), ncclCommWindowRegister / Deregister (2.27), ncclMemAlloc /
- * ncclMemFree (2.19), ncclCommSplit (2.18) */
+ * ncclMemFree (2.19) */
 struct ep_ce_fns {
-    ncclResult_t (*split)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
     ncclResult_t (*mem_alloc)(void **, size_t);
     ncclResult_t (*mem_free)(void *);
     ncclResult_t (*win_reg)(ncclComm_t, void *, size_t, ncclWindow_t *, int);
@@ -108,26 +107,23 @@ struct ep_ce_slots {
  * time on its compute thread), but the GPU work of consecutive layers
  * overlaps: ev_free orders the windows' reuse (ce_plan, ce_windows_done). */
 struct ep_ce_shared {
-    ep_ce_shared *next;   /* ce_list, while linked */
-    ncclComm_t parent;    /* the borrowed communicator (the key; not owned) */
-    int refs;             /* kcu_ep holding it (under ce_mu) */
-    int linked;           /* in ce_list (under ce_mu): unlinked once failed */
-    int state;            /* 0 not set up yet, 1 ready, -1 unavailable: every layer
-                           * takes the send/recv path */
-    int split_pending;    /* a split given up while NCCL may still publish into
-                           * split_out: the struct is never freed */
-    ep_ce_fns fn;         /* NCCL symbols newer than 2.27, by dlsym */
-    ncclComm_t split_out; /* where ncclCommSplit publishes the child (NCCL may write
-                           * it from its own thread when the parent is non-blocking) */
-    ncclComm_t comm;      /* the split of parent with CTAPolicy ZERO, blocking (owned),
-                           * or NULL (not set up, or aborted) */
-    void *buf[2];         /* ncclMemAlloc: [0] token side, [1] owner side */
-    ncclWindow_t win[2];  /* their symmetric windows on comm */
-    size_t bytes;         /* bytes of each */
-    int64_t capx, capy;   /* padded dispatch / return rows they hold */
-    unsigned gen;         /* bumped by each growth (the buffers move) */
-    cudaEvent_t ev_free;  /* recorded after the last CE forward's last use of the
-                           * windows (any layer's); ev_used once recorded */
+    ep_ce_shared *next;  /* ce_list, while linked */
+    ncclComm_t parent;   /* the borrowed communicator (the key; not owned) */
+    int refs;            /* kcu_ep holding it (under ce_mu) */
+    int linked;          /* in ce_list (under ce_mu): unlinked once failed */
+    int state;           /* 0 not set up yet, 1 ready, -1 unavailable: every layer
+                          * takes the send/recv path */
+    ep_ce_fns fn;        /* NCCL symbols newer than 2.27, by dlsym */
+    ncclComm_t comm;     /* the CE communicator over parent's ranks, CTAPolicy ZERO,
+                          * blocking (owned; ce_create), or NULL (not set up, or
+                          * aborted) */
+    void *buf[2];        /* ncclMemAlloc: [0] token side, [1] owner side */
+    ncclWindow_t win[2]; /* their symmetric windows on comm */
+    size_t bytes;        /* bytes of each */
+    int64_t capx, capy;  /* padded dispatch / return rows they hold */
+    unsigned gen;        /* bumped by each growth (the buffers move) */
+    cudaEvent_t ev_free; /* recorded after the last CE forward's last use of the
+                          * windows (any layer's); ev_used once recorded */
     int ev_used;
     const kcu_ep *acct; /* the layer whose kcu_ep_bytes counts the windows (once):
                          * the one that set up, else the next to take the CE path */
@@ -625,13 +621,83 @@ void ce_unlink_locked(ep_ce_shared *s)
     s->next = nullptr;
 }
 
+void ce_free_bufs(ep_ce_shared *s);
+
+/* ---- the CE communicator's abort, off the caller's thread ----
+ * ncclCommAbort of the CE communicator with a peer dead can take long or
+ * not return (its symmetric windows map the peer's memory; a worker's
+ * compute thread stuck in it for 30 s after a SIGKILLed peer, 4x H100,
+ * 2026-11-27), and the caller (the compute thread failing a forward, or
+ * destroying the layers for a re-formation) must go on to the borrowed
+ * communicator's abort. So a detached thread takes the communicator and
+ * the windows' buffers, aborts, then frees them; the caller only forgets
+ * them. Where the thread cannot start, the abort runs here. */
+struct ce_reap {
+    ncclComm_t comm; /* aborted (owned) */
+    void *buf[2];    /* ncclMemFree'd after the abort (owned) */
+    ep_ce_fns fn;    /* mem_free */
+    int rank;
+    char why[96];
+};
+
+void *ce_reap_main(void *arg)
+{
+    ce_reap *r = (ce_reap *)arg;
+    const int64_t t0 = now_ms();
+    if (r->comm)
+        ncclCommAbort(r->comm);
+    for (int i = 0; i < 2; i++)
+        if (r->buf[i] && r->fn.mem_free)
+            r->fn.mem_free(r->buf[i]);
+    fprintf(stderr, "kcu_ep: rank %d: %s: CE communicator aborted (%lld ms)\n", r->rank, r->why,
+            (long long)(now_ms() - t0));
+    free(r);
+    return nullptr;
+}
+
+/* hands s's communicator and buffers to a reaper thread (see above) and
+ * forgets them: s has no windows afterwards */
+void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
+{
+    if (!s->comm && !s->buf[0] && !s->buf[1])
+        return;
+    ce_reap *r = (ce_reap *)calloc(1, sizeof(*r));
+    if (!r) { /* no memory for the hand-over: the abort and the frees here */
+        if (s->comm)
+            ncclCommAbort(s->comm);
+        s->comm = nullptr;
+        s->win[0] = s->win[1] = nullptr;
+        ce_free_bufs(s);
+        return;
+    }
+    r->comm = s->comm;
+    r->buf[0] = s->buf[0];
+    r->buf[1] = s->buf[1];
+    r->fn = s->fn;
+    r->rank = rank;
+    snprintf(r->why, sizeof(r->why), "%s", why);
+    s->comm = nullptr;
+    s->win[0] = s->win[1] = nullptr;
+    s->buf[0] = s->buf[1] = nullptr;
+    s->bytes = 0;
+    s->capx = s->capy = 0;
+    pthread_attr_t at;
+    pthread_t th;
+    int started = pthread_attr_init(&at) == 0 &&
+                  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
+                  pthread_create(&th, &at, ce_reap_main, r) == 0;
+    pthread_attr_destroy(&at);
+    if (!started)
+        ce_reap_main(r);
+}
+
 /* the CE path failed (a wait or an NCCL call failed: a peer is gone, the
  * timeout passed, the abort hook; or a window's registration failed): the
- * CE communicator is ours, so it is aborted here, once (its copies stuck
- * on a dead peer stop; the caller aborts the borrowed one), and never used
- * again; its windows go with it, their buffers are freed with the last
- * reference (ce_free). Every layer on it falls back to send/recv; the
- * state leaves ce_list. */
+ * CE communicator is ours, so it is aborted (its copies stuck on a dead
+ * peer stop; the caller aborts the borrowed one) by a reaper thread
+ * (ce_reap_start), and never used again; its windows and their buffers go
+ * with it. Every layer on it falls back to send/recv; the state leaves
+ * ce_list. */
 void ce_fail(kcu_ep *ep, const char *why)
 {
     ep_ce_shared *s = ep->ce;
@@ -642,14 +708,7 @@ void ce_fail(kcu_ep *ep, const char *why)
     ce_unlink_locked(s);
     pthread_mutex_unlock(&ce_mu);
     s->state = -1;
-    if (!s->comm)
-        return;
-    const int64_t t0 = now_ms();
-    ncclCommAbort(s->comm);
-    s->comm = nullptr;
-    s->win[0] = s->win[1] = nullptr;
-    fprintf(stderr, "kcu_ep: rank %d: %s: CE communicator aborted (%lld ms)\n", ep->c.rank, why,
-            (long long)(now_ms() - t0));
+    ce_reap_start(s, ep->c.rank, why);
 }
 
 /* frees the windows' buffers (after their deregistration or the CE
@@ -671,8 +730,9 @@ void ce_free_bufs(ep_ce_shared *s)
  * destroyed when its model is deleted or re-created after a re-formation,
  * where a peer may be dead or the borrowed communicator already aborted (a
  * deregistration waiting on it would hold the worker up to the timeout, or
- * for good). The abort is local and stops copies stuck on a dead peer
- * before the device is synchronised. Returns the state for ce_free (after
+ * for good). The abort is local (a reaper thread: ce_reap_start) and
+ * stops copies stuck on a dead peer while the device is synchronised.
+ * Returns the state for ce_free (after
  * that synchronisation) when this was the last reference, else NULL. */
 ep_ce_shared *ce_put(kcu_ep *ep)
 {
@@ -689,26 +749,21 @@ ep_ce_shared *ce_put(kcu_ep *ep)
     pthread_mutex_unlock(&ce_mu);
     if (!last)
         return nullptr;
-    if (s->comm)
-        ncclCommAbort(s->comm);
-    s->comm = nullptr;
-    s->win[0] = s->win[1] = nullptr;
+    ce_reap_start(s, ep->c.rank, "the last layer's destroy");
     return s;
 }
 
 /* kcu_ep_destroy's second part, after the device synchronisation: the
- * buffers, the event, the state (kept, leaked, where a split given up may
- * still publish into split_out) */
+ * buffers, the event, the state */
 void ce_free(ep_ce_shared *s)
 {
     ce_free_bufs(s);
     cudaEventDestroy(s->ev_free);
-    if (!s->split_pending)
-        free(s);
+    free(s);
 }
 
 /* ---- the watchdog of a blocking call on the CE communicator ----
- * The CE communicator is blocking (ce_split says why): a collective call on
+ * The CE communicator is blocking (ce_create says why): a collective call on
  * it (a window's registration or deregistration) does not return while a
  * peer is missing. ce_guard_start starts a thread that, until
  * ce_guard_stop, polls kcu_ep_abort_hook and the layer's timeout; when
@@ -868,59 +923,71 @@ ncclResult_t ce_async(ncclComm_t comm)
     return q != ncclSuccess ? q : st;
 }
 
-/* the split of the CE communicator (color 0, key rank, CTAPolicy ZERO,
- * BLOCKING) into s->comm; *ok whether it succeeded here.
+/* the CE communicator (CTAPolicy ZERO, BLOCKING) into s->comm; *ok whether
+ * it was made here. Errors only where the borrowed communicator fails.
  * Why blocking: NCCL 2.28 refuses the window registration on a non-blocking
  * CE communicator: ncclCommWindowRegister fails at once on every rank with
- * ncclInvalidArgument, NCCL_DEBUG=WARN showing per rank "group.cc:86 NCCL
- * WARN ncclAsyncJobComplete: job ... failed, job error 3" and "init.cc:362
- * NCCL WARN Attempt to use communicator before the previous operation
- * returned ncclSuccess" (4x H100, 2026-11-27); a blocking one registers and
+ * ncclInvalidArgument, NCCL_DEBUG=WARN showing per rank "init.cc:362 NCCL
+ * WARN Attempt to use communicator before the previous operation returned
+ * ncclSuccess" and "group.cc:86 NCCL WARN ncclAsyncJobComplete: job ...
+ * failed, job error 3" (4x H100, 2026-11-27); a blocking one registers and
  * runs (bench/NOTES.md "Copy-engine exchange"). Its blocking collective
  * calls run under the watchdog (ce_guarded).
- * The split itself runs in the PARENT's mode (NCCL takes a group's mode from
- * the communicator its job runs on, the parent; src/init.cc, group.cc): a
- * blocking parent (bin/ep_bench) returns when it is done; the worker's
- * non-blocking one returns ncclInProgress and NCCL publishes the child into
- * split_out from its own thread once done: polled here, under the timeout
- * and the abort hook, until the parent's state leaves ncclInProgress with
- * the child published (or an error). Not under the watchdog: until the
- * child is published there is nothing of ours to abort. Given up (the
- * timeout, the hook): split_pending (NCCL may still write split_out: the
- * state is never freed), the CE path failed, MOE_EUNAVAIL: the worker then
- * aborts the parent, which aborts the child's initialisation too. */
-moe_err ce_split(kcu_ep *ep, int *ok, char *why, size_t nwhy)
+ * Why not ncclCommSplit of the borrowed communicator: the split runs in the
+ * parent's mode, and on the worker's non-blocking communicator its job
+ * fails the same way (the same two WARN lines, each worker of 4 on 4x H100,
+ * 2026-11-27), which also leaves the parent unusable. So rank 0 makes a
+ * fresh unique id, the borrowed communicator broadcasts it (a collective
+ * like the agreements, under the timeout and the abort hook), and every
+ * rank joins with ncclCommInitRankConfig. That join blocks until every rank
+ * is in; the agreement just before it has seen them all alive, and a peer
+ * dying inside it leaves the join to NCCL's bootstrap timeout (not under
+ * the watchdog: until it returns there is no communicator to abort). */
+moe_err ce_create(kcu_ep *ep, int *ok, char *why, size_t nwhy)
 {
     ep_ce_shared *s = ep->ce;
+    *ok = 0;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof(id));
+    ncclResult_t r = ep->c.rank == 0 ? ncclGetUniqueId(&id) : ncclSuccess;
+    unsigned char *h = nullptr; /* pinned: the id's way back from the device */
+    void *d = nullptr;
+    int ready = r == ncclSuccess && cudaMallocHost((void **)&h, sizeof(id)) == cudaSuccess &&
+                cudaMalloc(&d, sizeof(id)) == cudaSuccess;
+    if (!ready)
+        (void)cudaGetLastError();
+    int all = 0;
+    moe_err e = ep_agree(ep, ready, &all, "CE setup (unique id)");
+    if (e == MOE_OK && all) {
+        memcpy(h, &id, sizeof(id));
+        if (cudaMemcpyAsync(d, h, sizeof(id), cudaMemcpyHostToDevice, ep->cs) != cudaSuccess)
+            e = MOE_EINTERNAL;
+        if (e == MOE_OK)
+            e = ep_nccl(ep, ncclBroadcast(d, d, sizeof(id), ncclUint8, 0, ep->comm, ep->cs),
+                        "CE setup (unique id)");
+        if (e == MOE_OK &&
+            (cudaMemcpyAsync(h, d, sizeof(id), cudaMemcpyDeviceToHost, ep->cs) != cudaSuccess ||
+             cudaEventRecord(ep->ev_cnt, ep->cs) != cudaSuccess))
+            e = MOE_EINTERNAL;
+        if (e == MOE_OK)
+            e = ep_wait(ep, ep->ev_cnt, nullptr, "CE setup (unique id)");
+        if (e == MOE_OK)
+            memcpy(&id, h, sizeof(id));
+    } else if (e == MOE_OK) {
+        snprintf(why, nwhy, "the CE communicator's unique id (rank %d: %s)", ep->c.rank,
+                 r != ncclSuccess ? ncclGetErrorString(r) : "no memory for it");
+    }
+    if (d)
+        cudaFree(d);
+    if (h)
+        cudaFreeHost(h);
+    if (e != MOE_OK || !all)
+        return e;
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
     cfg.blocking = 1;
-    s->split_out = nullptr;
-    ncclResult_t r = s->fn.split(ep->comm, 0, ep->c.rank, &s->split_out, &cfg);
-    const int64_t deadline = now_ms() + ep->c.timeout_ms;
-    while (r == ncclInProgress) {
-        const ncclResult_t pr = ce_async(ep->comm);
-        if (pr != ncclInProgress &&
-            (pr != ncclSuccess || __atomic_load_n(&s->split_out, __ATOMIC_ACQUIRE))) {
-            r = pr;
-            break;
-        }
-        const int hook = kcu_ep_abort_hook && kcu_ep_abort_hook();
-        if (hook || now_ms() > deadline) {
-            if (hook)
-                fprintf(stderr, "kcu_ep: rank %d: ncclCommSplit: given up (a member is gone)\n",
-                        ep->c.rank);
-            else
-                fprintf(stderr, "kcu_ep: rank %d: ncclCommSplit: not done after %d ms\n",
-                        ep->c.rank, ep->c.timeout_ms);
-            s->split_pending = 1;
-            ce_fail(ep, "ncclCommSplit");
-            return MOE_EUNAVAIL;
-        }
-        struct timespec ts = {0, 50000};
-        nanosleep(&ts, NULL);
-    }
-    ncclComm_t ce = __atomic_load_n(&s->split_out, __ATOMIC_ACQUIRE);
+    ncclComm_t ce = nullptr;
+    r = ncclCommInitRankConfig(&ce, ep->c.world, id, ep->c.rank, &cfg);
     if (r == ncclSuccess && ce)
         r = ce_async(ce);
     *ok = r == ncclSuccess && ce;
@@ -928,8 +995,8 @@ moe_err ce_split(kcu_ep *ep, int *ok, char *why, size_t nwhy)
         s->comm = ce;
         return MOE_OK;
     }
-    snprintf(why, nwhy, "ncclCommSplit with CTAPolicy ZERO on rank %d: %s", ep->c.rank,
-             ce ? ncclGetErrorString(r) : "no communicator");
+    snprintf(why, nwhy, "ncclCommInitRankConfig with CTAPolicy ZERO on rank %d: %s", ep->c.rank,
+             ncclGetErrorString(r));
     if (ce)
         ncclCommAbort(ce);
     return MOE_OK;
@@ -939,10 +1006,9 @@ moe_err ce_split(kcu_ep *ep, int *ok, char *why, size_t nwhy)
  * communicator that would take the CE path (every rank reaches it in
  * lockstep: the decision comes from the gathered counts, and the layers
  * run in the same order on every rank). The library's version and symbols,
- * then the split (ce_split), each agreed on by all ranks (ep_agree); a
- * failure anywhere leaves every rank on the send/recv path (state -1, one
- * note). Errors only where the borrowed communicator fails or the split is
- * given up. */
+ * then the CE communicator (ce_create), each agreed on by all ranks
+ * (ep_agree); a failure anywhere leaves every rank on the send/recv path
+ * (state -1, one note). Errors only where the borrowed communicator fails. */
 moe_err ce_setup(kcu_ep *ep)
 {
     ep_ce_shared *s = ep->ce;
@@ -950,7 +1016,6 @@ moe_err ce_setup(kcu_ep *ep)
     int ver = 0;
     ncclGetVersion(&ver);
     ep_ce_fns &f = s->fn;
-    f.split = (decltype(f.split))dlsym(RTLD_DEFAULT, "ncclCommSplit");
     f.mem_alloc = (decltype(f.mem_alloc))dlsym(RTLD_DEFAULT, "ncclMemAlloc");
     f.mem_free = (decltype(f.mem_free))dlsym(RTLD_DEFAULT, "ncclMemFree");
     f.win_reg = (decltype(f.win_reg))dlsym(RTLD_DEFAULT, "ncclCommWindowRegister");
@@ -959,9 +1024,9 @@ moe_err ce_setup(kcu_ep *ep)
     if (ver < 22800) /* NCCL_VERSION(2,28,0): CTAPolicy ZERO's copy-engine collectives */
         snprintf(why, sizeof(why), "NCCL %d.%d.%d at run time (copy-engine collectives need 2.28)",
                  ver / 10000, ver / 100 % 100, ver % 100);
-    else if (!f.split || !f.mem_alloc || !f.mem_free || !f.win_reg || !f.win_dereg || !f.a2a)
+    else if (!f.mem_alloc || !f.mem_free || !f.win_reg || !f.win_dereg || !f.a2a)
         snprintf(why, sizeof(why),
-                 "NCCL at run time lacks a symbol of ncclCommSplit, "
+                 "NCCL at run time lacks a symbol of "
                  "ncclMemAlloc, ncclMemFree, ncclCommWindow(De)Register, "
                  "ncclAlltoAll");
     int all = 0;
@@ -972,12 +1037,12 @@ moe_err ce_setup(kcu_ep *ep)
         return MOE_OK;
     }
     int ok = 0;
-    KCU_TRY(ce_split(ep, &ok, why, sizeof(why)));
-    moe_err e = ep_agree(ep, ok, &all, "CE setup (split)");
+    KCU_TRY(ce_create(ep, &ok, why, sizeof(why)));
+    moe_err e = ep_agree(ep, ok, &all, "CE setup (communicator)");
     if (e != MOE_OK || !all) {
         if (e == MOE_OK)
-            ce_note(ep, why[0] ? why : "the CE communicator's split failed on another rank");
-        ce_fail(ep, "CE setup (split)");
+            ce_note(ep, why[0] ? why : "the CE communicator could not be made on another rank");
+        ce_fail(ep, "CE setup (communicator)");
         return e;
     }
     s->state = 1;
@@ -1038,6 +1103,13 @@ moe_err ce_grow(kcu_ep *ep, int64_t x, int64_t y, cudaStream_t st)
     s->capx = nx;
     s->capy = ny;
     s->gen++;
+    /* one line per setup and growth (rare): the operator's sign that the
+     * copy-engine path is in use, and what it holds */
+    if (ep->c.rank == 0)
+        fprintf(stderr,
+                "kcu_ep: rank 0: copy-engine exchange: windows 2 x %.1f MiB (%lld dispatch, %lld "
+                "return rows), growth %u\n",
+                bytes / 1048576.0, (long long)nx, (long long)ny, s->gen);
     return MOE_OK;
 }
 

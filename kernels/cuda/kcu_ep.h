@@ -110,7 +110,8 @@ typedef struct kcu_ep_config {
  * value on every rank: the worker reports it at registration and the
  * coordinator refuses one that differs). Inference forwards of the
  * deduplicated dispatch move their rows with ncclAlltoAll on a second
- * communicator, split from the borrowed one with CTAPolicy
+ * communicator over the borrowed one's ranks (ncclCommInitRankConfig
+ * over a unique id the borrowed one broadcasts; blocking) with CTAPolicy
  * NCCL_CTA_POLICY_ZERO, over two ncclMemAlloc buffers registered as
  * symmetric windows (NCCL >= 2.28 on one node: the copy engines, no CTA),
  * so that while chunks overlap the expert GEMMs keep every SM (comm_sms is
@@ -119,11 +120,11 @@ typedef struct kcu_ep_config {
  * rank from the gathered counts; the layout tables point into the padded
  * slots, so the kernels, the combine and y (bit-identical to the forward
  * without it) do not change. Set up at the first forward that takes it
- * (the split, collective), windows grown in lockstep (1.25x the need).
+ * (the communicator, collective), windows grown in lockstep (1.25x the need).
  * A forward takes the send/recv path instead (same results, no error) when
  * padding would exceed 1.25x the real rows (skewed routing), for training
  * forwards, or when NCCL lacks the symbols / is older than 2.28 or the
- * split, allocation or registration failed on any rank (one stderr line,
+ * communicator, allocation or registration failed on any rank (one stderr line,
  * then every later forward). Every rank takes the same decision (from data
  * all ranks share). One CE communicator and one pair of windows per
  * borrowed communicator, shared by every kcu_ep on it (a worker's layers:
