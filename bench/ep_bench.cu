@@ -138,8 +138,8 @@ struct opts {
     int W = 2, T = 16384, iters = 10, skew = 0, check = 0, comm_sms = 0;
     int infer = 0;        /* --infer: inference only (no optimizer state on the GPU, no fwd+bwd) */
     int check_chunks = 2; /* 0: chosen per forward (kcu_ep_auto_chunks) */
-    int dedup = 1; /* c.dedup: 1 inference forwards (the default, --dedup), 2 training too
-                    * (--dedup-train), 0 off (--no-dedup: c.dedup -1) */
+    int dedup = 1;        /* c.dedup: 1 inference forwards (the default, --dedup), 2 training too
+                           * (--dedup-train), 0 off (--no-dedup: c.dedup -1) */
     int check_infer = 0;  /* --check-infer: inference y against kcu_layer's */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
