@@ -64,7 +64,7 @@ void nccl_trace_print(nccl_trace *t, int device)
     const uint32_t n = t->calls < NCCL_TRACE_KEEP ? t->calls : NCCL_TRACE_KEEP;
     /* the first call opens NCCL's connections: left out when there are others */
     const uint32_t skip = t->calls <= NCCL_TRACE_KEEP && n > 1 ? 1 : 0;
-    int32_t col[NCCL_TRACE_KEEP];
+    int32_t col[NCCL_TRACE_KEEP] = {0};
     char line[512];
     for (uint32_t i = skip; i < n; i++)
         col[i - skip] = t->pieces[i];
