@@ -10,7 +10,12 @@
  * request's x into a device buffer (then files the ticket, as data.rows
  * does for a CUDA IPC region: the layer reads x and writes y on the
  * device), and once y is written, send y back (queued before the ticket's
- * answer goes: the answer follows y rather than gating it). Every wait is
+ * answer goes: the answer follows y rather than gating it). A lane
+ * forward's rows may come in pieces (common/nccl_pieces.h, docs/PROTOCOL.md
+ * "Pieces"): every piece's receive is posted at once, the ticket filed when
+ * piece 0 is in, and the compute thread waits for each further piece
+ * (wnc_x_piece_wait) and queues each piece's y as it is written
+ * (wnc_send_y, via dp_nccl_y_piece). Every wait is
  * polled against a deadline, NCCL's async error and the "dead" flag (the
  * client's connection closed, data.nccl_close, worker stopping); on any of
  * them the communicator is aborted (ncclCommAbort) and later requests
