@@ -7,30 +7,23 @@
 #   run/carry/main.tar.xz              main's bin/ and lib/ (the baseline)
 #   run/carry/branches/NAME.tar.xz     branch NAME's bin/ and lib/ files
 #
-#   nccl-phases      bench/nccl_client_check.sh with main's binaries,
-#                    then with the branch's (its own copy of the script:
-#                    MOE_NCCL_TRACE=1): the client's and the worker's phase
-#                    medians say where the NVLink line's time above compute
-#                    + transfers goes; the branch's comm thread also waits
-#                    awake for the next x after a y (compare the NVLink
-#                    line with main's)
-#   ep-dedup         bin/ep_bench on all GPUs (about 9 minutes): the
-#                    deduplicated dispatch's inference forward against the
-#                    single-GPU layer with and without --dedup
-#                    (EP_DEDUP_CHECK), training with --dedup-train against
-#                    it, then Qwen3 16384 tokens a GPU with main's ep_bench
-#                    and the branch's --dedup (EP_DEDUP_BENCH)
-#   topk-dedup       bin/check-gpu (the router's arg-max pick is one helper
-#                    shared by the plain and the family router: the SASS of
-#                    the router kernels and of the decode kernels, which
-#                    inline it, changed), then bin/moe_bench's decode cases
-#                    with main's binary and the branch's (about 5 minutes)
+#   nccl-pieces      bench/nccl_client_check.sh with main's binaries, then
+#                    with the branch's (its own copy of the script: the
+#                    NVLink 64 MiB line with MOE_NCCL_PIECES=1 and with the
+#                    default, x and y in 2 pieces of rows overlapped with
+#                    the forward): the branch merges if its default line is
+#                    under compute + floor and every other check passes
+#   ep-ce            the branch's copy-engine all-to-all measurement
+#                    (bin/ep_bench --ce: the GEMMs' slowdown under a CE
+#                    ncclAlltoAll against under NCCL's kernels) and, where
+#                    built, KCU_EP_CE=1 checked and timed (bench/ep_ce_check.sh
+#                    of the branch)
 #
 # (Earlier branches and their outcomes: bench/history/service.md.)
 # A branch whose archive is missing is skipped. Logs under $OUT (six files:
 # a device call returns eight at most), a summary in $OUT/branches.log.
 #
-#   OUT=$OUT ONLY=nccl-phases bash bench/gpu_branches.sh
+#   OUT=$OUT ONLY=nccl-pieces bash bench/gpu_branches.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0
@@ -65,41 +58,18 @@ nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader | hea
 CASES=${CASES:-mixtral:8192,qwen3:16384,qwen3-dec:1,mixtral-dec:1}
 NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
-if want nccl-phases && unpack nccl-phases; then
+if want nccl-pieces && [ "$NG" -ge 2 ] && unpack nccl-pieces; then
     step 170 nccl_main bash bench/nccl_client_check.sh
-    grep -A3 "where a request" "$OUT/nccl_main.log" | cut -c1-220 | log >/dev/null
-    step 200 nccl_phases bash /tmp/br/nccl-phases/bench/nccl_client_check.sh
-    grep -A14 "where a request" "$OUT/nccl_phases.log" | cut -c1-300 | log >/dev/null
+    step 260 nccl_pieces bash /tmp/br/nccl-pieces/bench/nccl_client_check.sh
+    grep -A14 "where a request" "$OUT/nccl_pieces.log" | cut -c1-300 | log >/dev/null
 fi
-if want ep-dedup && [ "$NG" -ge 2 ] && unpack ep-dedup; then
-    # correctness: the inference forward against kcu_layer on all tokens,
-    # with and without --dedup (tiny batches may differ on main too: a
-    # different GEMM kernel for few rows); then training (dedup 2)
-    D=/tmp/br/ep-dedup/bin/ep_bench
-    CHK="--gpus $NG --shape qwen3 --tokens 16384 --infer --chunks 1,4,0 --check-infer --iters 3"
-    step 200 dedup_check ${EP_DEDUP_CHECK:-$D $CHK --dedup}
-    step 150 dedup_base $D $CHK
-    step 200 dedup_train $D --gpus "$NG" --shape qwen3 --tokens 16384 --chunks 1 --check \
-        --check-chunks 4 --dedup-train
-    for f in dedup_check dedup_base dedup_train; do
-        grep -E "check|bit-identical|differs|FAIL" "$OUT/$f.log" | tail -n 6 | cut -c1-220 |
-            sed "s/^/$f: /" | log >/dev/null
-    done
-    # the time: main's ep_bench, then the branch's with --dedup
-    EPB="--gpus $NG --shape qwen3 --tokens 16384 --infer --chunks 1,4 --iters 5"
-    step 150 ep_main bin/ep_bench $EPB
-    step 150 ep_dedup ${EP_DEDUP_BENCH:-$D $EPB --dedup}
-    for f in ep_main ep_dedup; do
-        grep -E "^(1|4) +[0-9]|MB" "$OUT/$f.log" | cut -c1-220 | sed "s/^/$f: /" | log >/dev/null
-    done
-fi
-if want topk-dedup && unpack topk-dedup; then
-    step 150 check_topk /tmp/br/topk-dedup/bin/check-gpu
-    DEC=${DEC_CASES:-qwen3-dec:1,qwen3-dec:64,mixtral-dec:1}
-    step 90 dec_main env MOE_BENCH_NO_AB=1 bin/moe_bench --only "$DEC"
-    step 90 dec_topk env MOE_BENCH_NO_AB=1 /tmp/br/topk-dedup/bin/moe_bench --only "$DEC"
-    for f in dec_main dec_topk; do
-        grep -E "^[a-z0-9]+-dec " "$OUT/$f.log" | cut -c1-200 | sed "s/^/$f: /" | log >/dev/null
-    done
+if want ep-ce && [ "$NG" -ge 2 ] && unpack ep-ce; then
+    if [ -f /tmp/br/ep-ce/bench/ep_ce_check.sh ]; then
+        (cd /tmp/br/ep-ce && OUT="$OUT" timeout 420 bash bench/ep_ce_check.sh) >"$OUT/ep_ce.log" 2>&1
+        tail -n 30 "$OUT/ep_ce.log" | cut -c1-220 | log >/dev/null
+    else
+        step 200 ep_ce /tmp/br/ep-ce/bin/ep_bench --gpus "$NG" --shape qwen3 --tokens 16384 \
+            --infer --chunks 1,4 --iters 5 --ce
+    fi
 fi
 exit 0

@@ -50,6 +50,7 @@ typedef struct coord_worker {
     char bulk_url[CFG_STR_MAX];   /* data plane: bulk rows over plain TCP ("" = none) */
     char host[128];               /* host identity (boot id): same host = shared memory */
     char backend[32], device[128];
+    int ep_dedup;  /* its KCU_EP_DEDUP (0..2; -1 not reported): all must agree */
     uint32_t pipe; /* the connection its registration and heartbeats come on */
     /* its data plane, from its last heartbeat: rows waiting for their job,
      * clients' regions mapped, rows and bytes received, rows expired */

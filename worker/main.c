@@ -134,6 +134,17 @@ static void send_register(wkr *w);
 
 static void on_register_reply(moe_err err, moe_reply *r, void *arg);
 
+/* ep_dedup_mode: the deduplicated dispatch this worker's expert-parallel
+ * layers use, by kcu_ep_create's rule (kernels/cuda/kcu_ep.cu):
+ * KCU_EP_DEDUP 0, 1 or 2 where set (clamped), else 1. Reported at
+ * registration: the coordinator refuses a worker that disagrees. */
+static int ep_dedup_mode(void)
+{
+    const char *s = getenv("KCU_EP_DEDUP");
+    int v = s && *s ? atoi(s) : 1;
+    return v < 0 ? 0 : v > 2 ? 2 : v;
+}
+
 /* replies from the coordinator arrive on an nng thread; bounce to the loop */
 typedef struct reg_event {
     uv_async_t async;
@@ -266,7 +277,7 @@ static void send_register(wkr *w)
     if (load_secret(w) != 0)
         return;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 9 + (w->bulk_url[0] ? 1 : 0));
+    mp_write_map(&pw, 10 + (w->bulk_url[0] ? 1 : 0));
     if (w->bulk_url[0]) {
         mp_write_cstr(&pw, "bulk_url");
         mp_write_cstr(&pw, w->bulk_url);
@@ -286,6 +297,8 @@ static void send_register(wkr *w)
     mp_write_cstr(&pw, w->device);
     mp_write_cstr(&pw, "pid");
     mp_write_i64(&pw, getpid());
+    mp_write_cstr(&pw, "ep_dedup");
+    mp_write_i64(&pw, ep_dedup_mode());
     procstat me; /* with the pid, names this process: a coordinator on this
                   * host watches it die (common/procstat.h) */
     mp_write_cstr(&pw, "start_ticks");

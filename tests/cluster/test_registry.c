@@ -39,16 +39,18 @@ typedef struct fake_proc {
 } fake_proc;
 
 static moe_err fake_register_as(const char *coord_url, const char *secret, const char *rpc_url,
-                                const fake_proc *proc, nng_socket *sock, char *msg, size_t cap);
+                                const fake_proc *proc, int ep_dedup, nng_socket *sock, char *msg,
+                                size_t cap);
 
 static moe_err fake_register(const char *coord_url, const char *secret, const char *rpc_url,
                              nng_socket *sock, char *msg, size_t cap)
 {
-    return fake_register_as(coord_url, secret, rpc_url, NULL, sock, msg, cap);
+    return fake_register_as(coord_url, secret, rpc_url, NULL, -1, sock, msg, cap);
 }
 
 static moe_err fake_register_as(const char *coord_url, const char *secret, const char *rpc_url,
-                                const fake_proc *proc, nng_socket *sock, char *msg, size_t cap)
+                                const fake_proc *proc, int ep_dedup, nng_socket *sock, char *msg,
+                                size_t cap)
 {
     nng_socket s;
     cr_assert_eq(nng_req0_open(&s), 0);
@@ -63,7 +65,11 @@ static moe_err fake_register_as(const char *coord_url, const char *secret, const
     mp_write_i64(&w, 1);
     mp_write_cstr(&w, "worker.register");
     mp_write_array(&w, 1);
-    mp_write_map(&w, (secret ? 3 : 2) + (proc ? 3 : 0));
+    mp_write_map(&w, (secret ? 3 : 2) + (proc ? 3 : 0) + (ep_dedup >= 0 ? 1 : 0));
+    if (ep_dedup >= 0) {
+        mp_write_cstr(&w, "ep_dedup");
+        mp_write_i64(&w, ep_dedup);
+    }
     if (secret) {
         mp_write_cstr(&w, "cluster");
         mp_write_cstr(&w, secret);
@@ -323,9 +329,9 @@ Test(registry, a_local_workers_death_is_seen_in_proc, .timeout = 90, .fini = clu
     fake_proc a = {child, ps.start_ticks, host}, b = {child, ps.start_ticks + 1, host};
     nng_socket sa, sb;
     moe_err e =
-        fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:1", &a, &sa, msg, sizeof(msg));
+        fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:1", &a, -1, &sa, msg, sizeof(msg));
     cr_assert_eq(e, MOE_OK, "%s: %s", moe_err_code(e), msg);
-    e = fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:2", &b, &sb, msg, sizeof(msg));
+    e = fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:2", &b, -1, &sb, msg, sizeof(msg));
     cr_assert_eq(e, MOE_OK, "%s: %s", moe_err_code(e), msg);
     wait_state(cl, 2, -1, 0);
 
@@ -344,5 +350,44 @@ Test(registry, a_local_workers_death_is_seen_in_proc, .timeout = 90, .fini = clu
     cr_assert_str_eq(st, "up", "a fake whose start time names no process was lost: %s", st);
     nng_close(sa);
     nng_close(sb);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
+
+/* Workers must agree on KCU_EP_DEDUP (their expert-parallel layers size
+ * the counts exchange by it): a worker reporting another value than one in
+ * the registry is refused failed_precondition, naming both values, and
+ * the coordinator warns; a worker that reports none is not compared; one
+ * with the same value registers. */
+Test(registry, workers_disagreeing_on_ep_dedup_refused, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 0, .expected_workers = 3, .no_wait = 1, .checkpoint_root = ""};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    nng_socket s[4];
+    char msg[512];
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21011", NULL, 1, &s[0], msg,
+                                  sizeof(msg)),
+                 MOE_OK, "%s", msg);
+    moe_err e = fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21012", NULL, 0, &s[1], msg,
+                                 sizeof(msg));
+    cr_assert_eq(e, MOE_EPRECOND, "%s: %s", moe_err_code(e), msg);
+    cr_assert(strstr(msg, "KCU_EP_DEDUP=0 on this worker, 1 on worker"), "%s", msg);
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21013", NULL, -1, &s[2],
+                                  msg, sizeof(msg)),
+                 MOE_OK, "%s", msg);
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21014", NULL, 1, &s[3], msg,
+                                  sizeof(msg)),
+                 MOE_OK, "%s", msg);
+    wait_state(cl, 3, 3, 0);
+    for (int i = 0; i < 4; i++)
+        nng_close(s[i]);
+    FILE *f = fopen(cl->paths_coord_log, "r");
+    cr_assert(f);
+    char line[1200];
+    int warned = 0;
+    while (fgets(line, sizeof(line), f))
+        warned |= strstr(line, " W ") && strstr(line, "KCU_EP_DEDUP=0 there, 1 on worker");
+    fclose(f);
+    cr_assert(warned, "no warning about KCU_EP_DEDUP in %s", cl->paths_coord_log);
     cr_assert_eq(cluster_stop(cl), 0);
 }
