@@ -65,8 +65,12 @@ if want nccl-pieces && [ "$NG" -ge 2 ] && unpack nccl-pieces; then
 fi
 if want ep-ce && [ "$NG" -ge 2 ] && unpack ep-ce; then
     if [ -f /tmp/br/ep-ce/bench/ep_ce_check.sh ]; then
-        (cd /tmp/br/ep-ce && OUT="$OUT" timeout 420 bash bench/ep_ce_check.sh) >"$OUT/ep_ce.log" 2>&1
-        tail -n 30 "$OUT/ep_ce.log" | cut -c1-220 | log >/dev/null
+        # its seven logs packed in one file (a device call returns eight)
+        mkdir -p /tmp/ep-ce-out
+        (cd /tmp/br/ep-ce && OUT=/tmp/ep-ce-out timeout 420 bash bench/ep_ce_check.sh) \
+            >"$OUT/ep_ce.log" 2>&1
+        tar czf "$OUT/ep_ce_logs.tgz" -C /tmp ep-ce-out
+        tail -n 40 "$OUT/ep_ce.log" | cut -c1-220 | log >/dev/null
     else
         step 200 ep_ce /tmp/br/ep-ce/bin/ep_bench --gpus "$NG" --shape qwen3 --tokens 16384 \
             --infer --chunks 1,4 --iters 5 --ce

@@ -172,17 +172,20 @@ void coord_watch_tick(uv_timer_t *t)
 
 /* ep_dedup_refused: 1 (and the call answered failed_precondition) when
  * the registering worker's KCU_EP_DEDUP (mode, -1 not reported) differs
- * from one reported by a worker in the registry (another address: a
- * restarted worker replaces its own entry). Expert-parallel layers size
- * their counts exchange by the mode, so ranks that disagree would fail
- * every forward (or wait on each other until the exchange's timeout). */
+ * from one reported by a worker that is up (another address: a restarted
+ * worker replaces its own entry; a down one runs nothing, so a change of
+ * the value over every worker in turn is refused only while an old one
+ * still runs - the refused worker registers again at its next heartbeat
+ * tick). Expert-parallel layers size their counts exchange by the mode, so
+ * ranks that disagree would fail every forward (or wait on each other
+ * until the exchange's timeout). */
 static int ep_dedup_refused(coord *c, rpc_call *call, const char *rpc_url, int mode)
 {
     if (mode < 0)
         return 0;
     for (int i = 0; i < COORD_MAX_WORKERS; i++) {
         const coord_worker *w = &c->workers[i];
-        if (w->state == WS_FREE || w->ep_dedup < 0 || w->ep_dedup == mode ||
+        if (w->state != WS_UP || w->ep_dedup < 0 || w->ep_dedup == mode ||
             strcmp(w->rpc_url, rpc_url) == 0)
             continue;
         LOG_W("worker at %s refused: KCU_EP_DEDUP=%d there, %d on worker %d (%s)", rpc_url, mode,

@@ -357,7 +357,8 @@ Test(registry, a_local_workers_death_is_seen_in_proc, .timeout = 90, .fini = clu
  * the counts exchange by it): a worker reporting another value than one in
  * the registry is refused failed_precondition, naming both values, and
  * the coordinator warns; a worker that reports none is not compared; one
- * with the same value registers. */
+ * with the same value registers; once the workers of the old value are
+ * down, one with the new value registers. */
 Test(registry, workers_disagreeing_on_ep_dedup_refused, .timeout = 60, .fini = cluster_fini_all)
 {
     cluster_opts o = {.workers = 0, .expected_workers = 3, .no_wait = 1, .checkpoint_root = ""};
@@ -379,8 +380,17 @@ Test(registry, workers_disagreeing_on_ep_dedup_refused, .timeout = 60, .fini = c
                                   sizeof(msg)),
                  MOE_OK, "%s", msg);
     wait_state(cl, 3, 3, 0);
-    for (int i = 0; i < 4; i++)
-        nng_close(s[i]);
+    /* once the workers with 1 are gone (a change over every worker in
+     * turn), a worker with 0 registers: down entries are not compared */
+    nng_close(s[0]);
+    nng_close(s[3]);
+    nng_close(s[1]); /* the refused one's connection */
+    wait_state(cl, 1, -1, 0);
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21012", NULL, 0, &s[1], msg,
+                                  sizeof(msg)),
+                 MOE_OK, "%s", msg);
+    nng_close(s[1]);
+    nng_close(s[2]);
     FILE *f = fopen(cl->paths_coord_log, "r");
     cr_assert(f);
     char line[1200];
