@@ -102,6 +102,19 @@ static moe_err fake_register_as(const char *coord_url, const char *secret, const
     return e;
 }
 
+/* coord_warned: 1 when a warning line of the coordinator's log holds what */
+static int coord_warned(cluster *cl, const char *what)
+{
+    FILE *f = fopen(cl->paths_coord_log, "r");
+    cr_assert(f, "%s", cl->paths_coord_log);
+    char line[1200];
+    int warned = 0;
+    while (fgets(line, sizeof(line), f))
+        warned |= strstr(line, " W ") && strstr(line, what);
+    fclose(f);
+    return warned;
+}
+
 /* wait_state polls cluster.status until up == want_up (and, with
  * want_listed >= 0, listed == want_listed). */
 static cluster_state wait_state(cluster *cl, int want_up, int want_listed, int ready)
@@ -234,14 +247,8 @@ Test(registry, full_of_live_workers_refuses_clearly, .timeout = 60, .fini = clus
     nng_close(s[1]);
     nng_close(s[2]);
     /* the refusal is in the coordinator's log at warn */
-    FILE *f = fopen(cl->paths_coord_log, "r");
-    cr_assert(f);
-    char line[1200];
-    int warned = 0;
-    while (fgets(line, sizeof(line), f))
-        warned |= strstr(line, " W ") && strstr(line, "registry full");
-    fclose(f);
-    cr_assert(warned, "no warning about the full registry in %s", cl->paths_coord_log);
+    cr_assert(coord_warned(cl, "registry full"), "no warning about the full registry in %s",
+              cl->paths_coord_log);
     cr_assert_eq(cluster_stop(cl), 0);
 }
 
@@ -391,13 +398,7 @@ Test(registry, workers_disagreeing_on_ep_dedup_refused, .timeout = 60, .fini = c
                  MOE_OK, "%s", msg);
     nng_close(s[1]);
     nng_close(s[2]);
-    FILE *f = fopen(cl->paths_coord_log, "r");
-    cr_assert(f);
-    char line[1200];
-    int warned = 0;
-    while (fgets(line, sizeof(line), f))
-        warned |= strstr(line, " W ") && strstr(line, "KCU_EP_DEDUP=0 there, 1 on worker");
-    fclose(f);
-    cr_assert(warned, "no warning about KCU_EP_DEDUP in %s", cl->paths_coord_log);
+    cr_assert(coord_warned(cl, "KCU_EP_DEDUP=0 there, 1 on worker"),
+              "no warning about KCU_EP_DEDUP in %s", cl->paths_coord_log);
     cr_assert_eq(cluster_stop(cl), 0);
 }

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# gpu_next.sh - the measurements owed with main's binaries (carried in
+# run/carry/main.tar.xz, unpacked here), each a step the next session picks
+# with ONLY="NAME ..."; logs packed in $OUT/next.tgz and a summary in
+# $OUT/next.log (a device call returns eight files at most). The branches'
+# checks are bench/gpu_branches.sh's.
+#
+#   kills     GPU workers killed with the deduplicated dispatch on (the
+#             default since session 23; the last kill series ran before):
+#             deploy/kill-series.sh 4 --mix --kills 4 --backend cuda on all
+#             GPUs (about 4-6 minutes)
+#   qwen235   the bytes-bound Qwen3-235B-shaped layer (issue 23: 70% of copy,
+#             85% asked) under each GEMM mechanism and schedule switch, one
+#             bin/moe_bench run each (about 20 s each): which streams the
+#             weights best
+#   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
+#             without (MOE_RING=0), beside the decode kernel alone
+#             (bin/moe_bench qwen3-dec:1) in the same call
+#
+#   OUT=$OUT ONLY="qwen235 ipc" bash bench/gpu_next.sh
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-run/gpu-next}
+LOGS=/tmp/gpu-next
+mkdir -p "$OUT" "$LOGS"
+if ls .deps/*.deb >/dev/null 2>&1; then # the runtime libraries
+    mkdir -p /opt/moe-deps
+    for f in .deps/*.deb; do dpkg -x "$f" /opt/moe-deps; done
+    L=/opt/moe-deps/usr/lib/x86_64-linux-gnu
+    export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
+fi
+[ -f run/carry/main.tar.xz ] && tar xJf run/carry/main.tar.xz
+log() { tee -a "$OUT/next.log"; }
+want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -1 | log
+
+if want qwen235; then
+    # one line per setting: the case's row (time, GB/s, fraction of copy)
+    for s in "" KCU_GEMM=wgmma KCU_GEMM=ws KCU_WS_CLUSTER=0 KCU_WS_SCHED=1 KCU_GROUP_M=1 \
+        KCU_GROUP_M=4 KCU_GROUP_M=16; do
+        name=qwen235_${s:-default}
+        env MOE_BENCH_NO_AB=1 $s timeout 90 bin/moe_bench --only qwen235: >"$LOGS/$name.log" 2>&1
+        echo "== ${s:-default} (rc $?)" | log
+        grep -E "^qwen235|copy" "$LOGS/$name.log" | cut -c1-220 | head -n 4 | log
+    done
+fi
+if want ipc; then
+    MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1
+    echo "== the decode kernel alone" | log
+    grep -E "^qwen3-dec" "$LOGS/dec.log" | cut -c1-160 | log
+    for r in 1 0; do
+        env MOE_RING=$r timeout 240 deploy/gpu-cluster.sh -w 1 -b cuda -- \
+            bin/cuda_ipc_check --iters 201 >"$LOGS/ipc_ring$r.log" 2>&1
+        echo "== CUDA IPC, MOE_RING=$r (rc $?)" | log
+        grep -E "^(PASS|FAIL|qwen3 T=)" "$LOGS/ipc_ring$r.log" | cut -c1-160 | log
+    done
+fi
+if want kills; then
+    NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+    KILL_SERIES_SECONDS=${KILL_SECONDS:-330} KILL_SERIES_DIR=/tmp/gpu-next-kills \
+        timeout 420 deploy/kill-series.sh 4 --mix --kills 4 --backend cuda \
+        >"$LOGS/kills.log" 2>&1
+    echo "== kills on $NG GPUs, the dedup on (rc $?)" | log
+    grep -E "^[0-9]+\.[0-9]+ +(PASS|FAIL)|first error|ready again|kill series" "$LOGS/kills.log" |
+        cut -c1-200 | log
+fi
+tar czf "$OUT/next.tgz" -C /tmp gpu-next 2>/dev/null
+exit 0
