@@ -29,12 +29,7 @@ cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-run/gpu-branches}
 mkdir -p "$OUT"
-if ls .deps/*.deb >/dev/null 2>&1; then # the runtime libraries (deploy/gpu-cluster.sh does the same)
-    mkdir -p /opt/moe-deps
-    for f in .deps/*.deb; do dpkg -x "$f" /opt/moe-deps; done
-    L=/opt/moe-deps/usr/lib/x86_64-linux-gnu
-    export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
-fi
+. deploy/deps-env.sh && { deps_env || true; } # the runtime libraries
 log() { tee -a "$OUT/branches.log"; }
 step() { # timeout name command...: its summary lines, then rc
     local t=$1 name=$2

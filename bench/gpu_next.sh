@@ -24,12 +24,7 @@ export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-run/gpu-next}
 LOGS=/tmp/gpu-next
 mkdir -p "$OUT" "$LOGS"
-if ls .deps/*.deb >/dev/null 2>&1; then # the runtime libraries
-    mkdir -p /opt/moe-deps
-    for f in .deps/*.deb; do dpkg -x "$f" /opt/moe-deps; done
-    L=/opt/moe-deps/usr/lib/x86_64-linux-gnu
-    export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
-fi
+. deploy/deps-env.sh && { deps_env || true; } # the runtime libraries
 [ -f run/carry/main.tar.xz ] && tar xJf run/carry/main.tar.xz
 log() { tee -a "$OUT/next.log"; }
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }

@@ -43,12 +43,7 @@ export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-run/gpu-owed}
 mkdir -p "$OUT"
 NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
-if ls .deps/*.deb >/dev/null 2>&1; then # the runtime libraries, for the binaries run directly
-    mkdir -p /opt/moe-deps
-    for f in .deps/*.deb; do dpkg -x "$f" /opt/moe-deps; done
-    L=/opt/moe-deps/usr/lib/x86_64-linux-gnu
-    export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
-fi
+. deploy/deps-env.sh && { deps_env || true; } # the runtime libraries, for the binaries run directly
 log() { tee -a "$OUT/owed.log"; }
 step() { # timeout name command...: the last lines of its output, then rc
     local t=$1 name=$2

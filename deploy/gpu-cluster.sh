@@ -26,12 +26,7 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [-w N] [-d FIRST_GPU] [-x auto|nng|nccl] [-b auto|cpu|cuda] -- COMMAND" >&2; exit 2 ;;
     esac
 done
-if ls .deps/*.deb >/dev/null 2>&1; then
-    mkdir -p /opt/moe-deps
-    for f in .deps/*.deb; do dpkg -x "$f" /opt/moe-deps; done
-    L=/opt/moe-deps/usr/lib/x86_64-linux-gnu
-    export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
-fi
+. deploy/deps-env.sh && { deps_env || true; } # the runtime libraries from .deps/, where carried
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 RUN=${MOE_RUN_DIR:-$(mktemp -d /tmp/moe-gpu.XXXXXX)}
 mkdir -p "$RUN"

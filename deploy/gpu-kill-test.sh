@@ -64,14 +64,9 @@ done
 # (the whole ldd output is read: under pipefail, grep -q stopping early would
 # kill ldd with SIGPIPE and make the test false)
 MISSING=$({ ldd bin/moe-worker; ldd lib/libmoe.so; } 2>/dev/null | grep -c "not found" || true)
-if ls .deps/*.deb >/dev/null 2>&1 && [ "${MISSING:-0}" -gt 0 ]; then
-    D=/opt/moe-deps
-    mkdir -p "$D" 2>/dev/null && [ -w "$D" ] || D=${TMPDIR:-/tmp}/moe-deps
-    mkdir -p "$D"
-    for f in .deps/*.deb; do dpkg -x "$f" "$D"; done
-    L=$D/usr/lib/x86_64-linux-gnu
-    export LD_LIBRARY_PATH="$L:$L/openblas-pthread:${LD_LIBRARY_PATH:-}"
-    say "runtime libraries unpacked from .deps/ into $D"
+. deploy/deps-env.sh
+if [ "${MISSING:-0}" -gt 0 ] && deps_env; then
+    say "runtime libraries unpacked from .deps/ into $MOE_DEPS_DIR"
 fi
 export NCCL_NVLS_ENABLE=0
 if [ "$HELP" -eq 1 ]; then

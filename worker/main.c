@@ -11,6 +11,7 @@
 #include "worker/blas_pick.h"
 #include "worker/bulk.h"
 #include "common/confine.h"
+#include "common/ep_env.h"
 #include "worker/gpu.h"
 #include "common/hostid.h"
 #include "common/procstat.h"
@@ -133,17 +134,6 @@ static const cfg_entry worker_cfg[] = {
 static void send_register(wkr *w);
 
 static void on_register_reply(moe_err err, moe_reply *r, void *arg);
-
-/* ep_dedup_mode: the deduplicated dispatch this worker's expert-parallel
- * layers use, by kcu_ep_create's rule (kernels/cuda/kcu_ep.cu):
- * KCU_EP_DEDUP 0, 1 or 2 where set (clamped), else 1. Reported at
- * registration: the coordinator refuses a worker that disagrees. */
-static int ep_dedup_mode(void)
-{
-    const char *s = getenv("KCU_EP_DEDUP");
-    int v = s && *s ? atoi(s) : 1;
-    return v < 0 ? 0 : v > 2 ? 2 : v;
-}
 
 /* replies from the coordinator arrive on an nng thread; bounce to the loop */
 typedef struct reg_event {
@@ -298,9 +288,9 @@ static void send_register(wkr *w)
     mp_write_cstr(&pw, "pid");
     mp_write_i64(&pw, getpid());
     mp_write_cstr(&pw, "ep_dedup");
-    mp_write_i64(&pw, ep_dedup_mode());
-    procstat me; /* with the pid, names this process: a coordinator on this
-                  * host watches it die (common/procstat.h) */
+    mp_write_i64(&pw, ep_dedup_env()); /* its layers' rule (common/ep_env.h) */
+    procstat me;                       /* with the pid, names this process: a coordinator on this
+                                        * host watches it die (common/procstat.h) */
     mp_write_cstr(&pw, "start_ticks");
     mp_write_i64(&pw, procstat_read(0, &me) == 0 ? (int64_t)me.start_ticks : 0);
     w->registering = 1;

@@ -55,6 +55,7 @@
 #include "kernels/cuda/kcu_ep.h"
 #include "kernels/cuda/kcu_ep_dedup.cuh"
 #include "kernels/cuda/kcu_ffn.cuh"
+#include "common/ep_env.h"
 #include "common/placement.h"
 
 /* the worker's "give up on this generation" check (kcu_ep.h) */
@@ -1229,8 +1230,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
          * KCU_EP_DEDUP (0, 1 or 2), else 1 (inference forwards); with peers
          * (alone there is nothing to save) and T_max < 2^24 (the metadata's
          * slot ranks, kcu_ep_dedup.cuh) */
-        const char *s = getenv("KCU_EP_DEDUP");
-        int want = c.dedup != 0 ? c.dedup : s && *s ? atoi(s) : 1;
+        int want = c.dedup != 0 ? c.dedup : ep_dedup_env();
         want = want < 0 ? 0 : want > 2 ? 2 : want;
         ep->dedup = c.world > 1 && c.T_max < (1 << 24) ? want : 0;
         if (want && !ep->dedup && c.world > 1)
