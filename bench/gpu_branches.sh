@@ -7,12 +7,6 @@
 #   run/carry/main.tar.xz              main's bin/ and lib/ (the baseline)
 #   run/carry/branches/NAME.tar.xz     branch NAME's bin/ and lib/ files
 #
-#   nccl-pieces      bench/nccl_client_check.sh with main's binaries, then
-#                    with the branch's (its own copy of the script: the
-#                    NVLink 64 MiB line with MOE_NCCL_PIECES=1 and with the
-#                    default, x and y in 2 pieces of rows overlapped with
-#                    the forward): the branch merges if its default line is
-#                    under compute + floor and every other check passes
 #   ep-ce            the branch's copy-engine all-to-all measurement
 #                    (bin/ep_bench --ce: the GEMMs' slowdown under a CE
 #                    ncclAlltoAll against under NCCL's kernels) and, where
@@ -23,7 +17,7 @@
 # A branch whose archive is missing is skipped. Logs under $OUT (six files:
 # a device call returns eight at most), a summary in $OUT/branches.log.
 #
-#   OUT=$OUT ONLY=nccl-pieces bash bench/gpu_branches.sh
+#   OUT=$OUT ONLY=ep-ce bash bench/gpu_branches.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export NCCL_NVLS_ENABLE=0
@@ -53,11 +47,6 @@ nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader | hea
 CASES=${CASES:-mixtral:8192,qwen3:16384,qwen3-dec:1,mixtral-dec:1}
 NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
-if want nccl-pieces && [ "$NG" -ge 2 ] && unpack nccl-pieces; then
-    step 170 nccl_main bash bench/nccl_client_check.sh
-    step 260 nccl_pieces bash /tmp/br/nccl-pieces/bench/nccl_client_check.sh
-    grep -A14 "where a request" "$OUT/nccl_pieces.log" | cut -c1-300 | log >/dev/null
-fi
 if want ep-ce && [ "$NG" -ge 2 ] && unpack ep-ce; then
     if [ -f /tmp/br/ep-ce/bench/ep_ce_check.sh ]; then
         # its seven logs packed in one file (a device call returns eight)

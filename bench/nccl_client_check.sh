@@ -6,11 +6,16 @@
 #   bench/nccl_client_check.sh            (after: make bin/moe-coordinator
 #                                          bin/moe-worker bin/moectl bin/service_bench)
 #
-# Steps, each under `timeout`, about 150 s at most in all:
+# Steps, each under `timeout`, about 190 s at most in all:
 #   1. NVLink/P2P (NCCL's default transports): service_bench, paths socket
 #      and nccl, T = 64 and 256 (checked against the CPU reference; the
 #      nccl path's y must equal the first call's, byte for byte), then
-#      T = 32768 (64 MiB each way in bf16 at d_model 1024; timing only).
+#      T = 32768 (64 MiB each way in bf16 at d_model 1024; timing only, y
+#      compared with the socket path's), in the default pieces (2 from
+#      16 MiB: x and y travel in 2 transfers of rows each, overlapped with
+#      the forward; docs/PROTOCOL.md "Pieces"), then again on the nccl path
+#      with MOE_NCCL_PIECES=1 (one transfer each way: the path before
+#      pieces), both lines printed for comparison.
 #   2. a client killed mid-transfer (kill -9 during a run of nccl forwards):
 #      the worker aborts that communicator ("NCCL communicator ... closes" in
 #      its log) and keeps serving (a socket-path run right after passes).
@@ -23,8 +28,9 @@
 #   - socket transport, T=32768: the nccl path's "floor/path" >= 80% (the
 #     rows move at >= 80% of raw ncclSend/ncclRecv of the same bytes between
 #     the same two processes, measured in the same run: moe_nccl_floor);
-#   - NVLink, T=32768: the call <= compute + floor (floor: x out and y back,
-#     raw, i.e. 2 NVLink transfers of 64 MiB).
+#   - NVLink, T=32768, default pieces: the call <= compute + floor (floor:
+#     x out and y back, raw, i.e. 2 NVLink transfers of 64 MiB); the
+#     MOE_NCCL_PIECES=1 line is shown beside it, not judged.
 # The last line says PASS or FAIL; the exit status is 0 only on PASS.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -76,6 +82,11 @@ client_runs() {
     timeout 35 $SB --url "$MOE_URL" --tokens 32768 --iters 10 --no-ref --paths socket,nccl \
         >"$OUT/$tag.big" 2>&1
     echo "rc=$?" >>"$OUT/$tag.big"
+    [ "$tag" = nvlink ] || return 0
+    # the same rows in one piece each way (the path before pieces)
+    MOE_NCCL_PIECES=1 timeout 25 $SB --url "$MOE_URL" --tokens 32768 --iters 10 --no-ref \
+        --paths nccl >"$OUT/$tag.big1" 2>&1
+    echo "rc=$?" >>"$OUT/$tag.big1"
 }
 export -f client_runs
 export OUT SB
@@ -87,7 +98,7 @@ nccl_line() {
 }
 
 say "1+2. NVLink / P2P: worker on GPU 1, client on GPU 0 (logs in $OUT/nvlink)"
-MOE_RUN_DIR="$OUT/nvlink" timeout 85 deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- bash -c '
+MOE_RUN_DIR="$OUT/nvlink" timeout 115 deploy/gpu-cluster.sh -w 1 -d 1 -b cuda -- bash -c '
     client_runs nvlink
     # 2. a client killed mid-transfer: once its communicator is up (the
     # worker says so; the first one, of client_runs, closed with its client)
@@ -114,7 +125,9 @@ NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
 SHOWN=""
 for tag in nvlink socket; do
     bad=0
-    for f in "$OUT/$tag.small" "$OUT/$tag.big"; do
+    files="$OUT/$tag.small $OUT/$tag.big"
+    [ "$tag" = nvlink ] && files="$files $OUT/$tag.big1"
+    for f in $files; do
         echo "---- $f"
         if [ -f "$f" ]; then # the result lines (NCCL's own warnings below, on failure)
             grep -avE 'NCCL (WARN|INFO)' "$f" | tail -n 30 | cut -c1-400
@@ -141,13 +154,21 @@ if [[ "${pct:-}" =~ ^[0-9]+$ ]]; then
 else
     verdict "socket transport, 64 MiB: rows at >= 80% of raw ncclSend/ncclRecv" 0 "no nccl line"
 fi
+read -r call1 cmp1 fl1 pct1 <<<"$(nccl_line "$OUT/nvlink.big1" 2>/dev/null)"
+if [[ "${pct1:-}" =~ ^[0-9]+$ ]]; then
+    echo "NVLink, 64 MiB each way, MOE_NCCL_PIECES=1 (one piece): call ${call1} ms, compute" \
+        "${cmp1} ms, floor (x out + y back) ${fl1} ms, over the floor" \
+        "$(awk -v a="$call1" -v c="$cmp1" -v f="$fl1" 'BEGIN { printf "%.3f", a - c - f }') ms"
+else
+    echo "NVLink, 64 MiB each way, MOE_NCCL_PIECES=1 (one piece): no nccl line"
+fi
 read -r call cmp fl pct <<<"$(nccl_line "$OUT/nvlink.big" 2>/dev/null)"
 if [[ "${pct:-}" =~ ^[0-9]+$ ]]; then
     ok=$(awk -v a="$call" -v c="$cmp" -v f="$fl" 'BEGIN { print (a <= c + f) ? 1 : 0 }')
-    verdict "NVLink, 64 MiB each way: call <= kernel + 2 transfers" "$ok" \
-        "call ${call} ms, compute ${cmp} ms, floor (x out + y back) ${fl} ms"
+    verdict "NVLink, 64 MiB each way (default pieces): call <= kernel + 2 transfers" "$ok" \
+        "call ${call} ms, compute ${cmp} ms, floor (x out + y back) ${fl} ms, over the floor $(awk -v a="$call" -v c="$cmp" -v f="$fl" 'BEGIN { printf "%.3f", a - c - f }') ms"
 else
-    verdict "NVLink, 64 MiB each way: call <= kernel + 2 transfers" 0 "no nccl line"
+    verdict "NVLink, 64 MiB each way (default pieces): call <= kernel + 2 transfers" 0 "no nccl line"
 fi
 echo "---- where a request's time went on the worker (each communicator: a client run)"
 for tag in nvlink socket; do
@@ -156,7 +177,8 @@ for tag in nvlink socket; do
 done
 echo "---- where a call's time went on the client (MOE_NCCL_TRACE=1; medians per link)"
 for tag in nvlink socket; do
-    grep -ah "moe nccl trace" "$OUT/$tag.small" "$OUT/$tag.big" 2>/dev/null | cut -c1-300 |
+    grep -ah "moe nccl trace" "$OUT/$tag.small" "$OUT/$tag.big" "$OUT/$tag.big1" 2>/dev/null |
+        cut -c1-300 |
         sed "s/^/   $tag: /"
 done
 echo "---- kill test"

@@ -5,6 +5,7 @@
 #include "client/fanout.h"
 #include "client/client_ring.h"
 #include "common/hostid.h"
+#include "common/nccl_pieces.h"
 #include "common/parcopy.h"
 #include "common/placement.h"
 
@@ -758,8 +759,11 @@ static void map_mark_stale(struct moe_dp *dp, dp_map *m)
 
 /* attach_call sends method {params (2 pairs in p)} to worker q and reads
  * the region id of its answer. */
-static moe_err attach_call_key(moe_client *c, dp_map *m, int q, const char *method,
-                               const mp_writer *p, uint32_t npairs, const char *key, uint64_t *id)
+/* attach_call_key2: attach_call_key, and the optional unsigned key2 (when
+ * not NULL and answered) into *v2, left as it is otherwise */
+static moe_err attach_call_key2(moe_client *c, dp_map *m, int q, const char *method,
+                                const mp_writer *p, uint32_t npairs, const char *key, uint64_t *id,
+                                const char *key2, uint64_t *v2)
 {
     dp_req rq;
     moe_rpc_response resp;
@@ -779,6 +783,9 @@ static moe_err attach_call_key(moe_client *c, dp_map *m, int q, const char *meth
                 if (mp_str_eq(k, kl, key)) {
                     if (mp_read_u64(&rd, id, NULL) == MOE_OK)
                         e = MOE_OK;
+                } else if (key2 && mp_str_eq(k, kl, key2)) {
+                    if (mp_read_u64(&rd, v2, NULL) != MOE_OK)
+                        break;
                 } else if (mp_skip(&rd, NULL) != MOE_OK)
                     break;
             }
@@ -787,6 +794,14 @@ static moe_err attach_call_key(moe_client *c, dp_map *m, int q, const char *meth
     }
     req_close(&rq);
     return e;
+}
+
+/* attach_call_key: method {npairs pairs in p} on worker q, answered {key:
+ * uint, ...}: *id */
+static moe_err attach_call_key(moe_client *c, dp_map *m, int q, const char *method,
+                               const mp_writer *p, uint32_t npairs, const char *key, uint64_t *id)
+{
+    return attach_call_key2(c, m, q, method, p, npairs, key, id, NULL, NULL);
 }
 
 /* attach_call: method {2 pairs} on worker q, answered {region} */
@@ -1598,8 +1613,9 @@ static moe_err nccl_open(moe_client *c, dp_map *m, int q, int dev)
     mp_write_i64(&p, moe__timeout_ms(c) < 600000 ? moe__timeout_ms(c) : 600000);
     mp_write_cstr(&p, "nccl_version"); /* the worker refuses another version clearly */
     mp_write_i64(&p, moe_nccl_version());
-    uint64_t comm = 0;
-    e = attach_call_key(c, m, q, "data.nccl_open", &p, 4, "comm", &comm);
+    uint64_t comm = 0, pieces_max = 1; /* an older worker says nothing: one piece */
+    e = attach_call_key2(c, m, q, "data.nccl_open", &p, 4, "comm", &comm, "pieces_max",
+                         &pieces_max);
     mp_writer_fini(&p);
     if (e == MOE_OK && (e = moe_nccl_wait(l, 0, moe__timeout_ms(c), &m->up[q], NULL, NULL, msg,
                                           sizeof(msg))) != MOE_OK)
@@ -1610,6 +1626,7 @@ static moe_err nccl_open(moe_client *c, dp_map *m, int q, int dev)
     }
     l->open = 1;
     l->comm_id = comm;
+    l->pieces_max = pieces_max < NCCL_PIECES_MAX ? (int)pieces_max : NCCL_PIECES_MAX;
     return MOE_OK;
 }
 
@@ -1662,6 +1679,27 @@ static moe_err nccl_await(moe_nccl_link *l, int stream, int tmo, const int *up, 
     return e;
 }
 
+/* nccl_post_pieces posts the sends (send) or receives of rows rows at p
+ * (row bytes each) in P pieces, cut as both sides cut them (common/
+ * nccl_pieces.h), in order on the link's stream. Between two posts the
+ * previous one is seen through (stream 0: a non-blocking communicator
+ * takes no call while one is in progress); the last is left to the
+ * caller's wait. MOE_OK, or the error with the reason in msg. */
+static moe_err nccl_post_pieces(moe_nccl_link *l, int send, uint8_t *p, int64_t rows, size_t row,
+                                int P, int tmo, const int *up, char *msg, size_t msglen)
+{
+    moe_err e = MOE_OK;
+    for (int i = 0; i < P && e == MOE_OK; i++) {
+        const int64_t a = nccl_piece_first(rows, P, i);
+        const size_t n = (size_t)(nccl_piece_first(rows, P, i + 1) - a) * row;
+        if (i > 0)
+            e = moe_nccl_wait(l, 0, tmo, up, NULL, NULL, msg, msglen);
+        if (e == MOE_OK)
+            e = moe_nccl_post(l, send, p + (size_t)a * row, n, msg, msglen);
+    }
+    return e;
+}
+
 /* lane_fail: the lane's error is the call's (returned, in ctl and the last
  * error); a closed lane (the cluster re-formed) makes the map stale, as
  * the coordinator's would */
@@ -1709,12 +1747,22 @@ static moe_err direct_call(moe_client *c, const char *method, const void *ctl_pa
 
 /* dp_nccl: dp_attempt on the NCCL path. x (in) and y (out), (T,H) of dt,
  * are device memory of one GPU; each rank's rows go over its worker's
- * communicator: data.rows {ticket, dtype, shape, nccl: comm} on nng, then
- * ncclSend of the rows and, once that is done, ncclRecv of y, posted before
- * the answer comes: the worker sends y before it answers, so y waits for
- * no control round trip. The answer {y: {nccl: true, ...}} says y came or
- * is coming; an error answer means it never will: the link is aborted
- * (reopened by the next call). One call at a time on each link (its mutex). */
+ * communicator: data.rows {ticket, dtype, shape, nccl: comm, pieces?} on
+ * nng, then ncclSend of the rows and, once that is done, ncclRecv of y,
+ * posted before the answer comes: the worker sends y before it answers, so
+ * y waits for no control round trip. The answer {y: {nccl: true, ...}} says
+ * y came or is coming; an error answer means it never will: the link is
+ * aborted (reopened by the next call). One call at a time on each link (its
+ * mutex).
+ * Pieces (a lane forward to a worker that takes them: nccl_pieces_choose):
+ * x goes as P sends and y comes as P receives of rows, so that the worker
+ * computes piece i while piece i+1's x arrives and piece i-1's y leaves.
+ * No deadlock: on our stream the P sends come first, then the P receives;
+ * the worker posts its P receives at once, then its sends in order, each
+ * when its piece is computed - which needs only x's pieces. NCCL matches
+ * each direction's operations in order, and both sides cut the rows alike,
+ * so every send meets its receive and no side waits on an operation queued
+ * behind one of its own that waits on the other side. */
 static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void *ctl_pairs,
                        size_t ctl_len, uint32_t nctl, moe_dtype dt, const void *in, int64_t T,
                        int64_t H, void *out, moe_reply *ctl, int *stale, int ordered)
@@ -1768,10 +1816,11 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     }
     dp_req *rq = calloc((size_t)W, sizeof(dp_req));
     int *held = calloc((size_t)W, sizeof(int)), *early = calloc((size_t)W, sizeof(int));
-    int *xdone = calloc((size_t)W, sizeof(int)); /* x's send seen done (not pending) */
-    int *ypost = calloc((size_t)W, sizeof(int)); /* y's receive posted (pending until y) */
-    if (!rq || !held || !early || !xdone || !ypost) {
-        free(rq), free(held), free(early), free(xdone), free(ypost);
+    int *xdone = calloc((size_t)W, sizeof(int));  /* x's send seen done (not pending) */
+    int *ypost = calloc((size_t)W, sizeof(int));  /* y's receive posted (pending until y) */
+    int *pieces = calloc((size_t)W, sizeof(int)); /* x and y of rank q travel in pieces[q] */
+    if (!rq || !held || !early || !xdone || !ypost || !pieces) {
+        free(rq), free(held), free(early), free(xdone), free(ypost), free(pieces);
         moe_nccl_dev_free(stage);
         return MOE_ENOMEM;
     }
@@ -1796,10 +1845,15 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         mp_writer w;
         nng_msg *msg = NULL;
         uint32_t msgid = moe__next_msgid(c);
+        /* pieces: a lane forward's (the worker computes the rows alone) */
+        pieces[q] =
+            lane ? nccl_pieces_choose(n, rows, m->nccl[q].pieces_max, getenv("MOE_NCCL_PIECES"))
+                 : 1;
         nccl_trace_mark(&m->nccl[q].trace, NT_START);
+        nccl_trace_pieces(&m->nccl[q].trace, pieces[q]);
         mp_writer_init(&w);
         moe_rpc_write_request_head(&w, msgid, "data.rows");
-        mp_write_map(&w, 5u + (auth ? 1u : 0u) + (lane ? 1u : 0u));
+        mp_write_map(&w, 5u + (auth ? 1u : 0u) + (lane ? 1u : 0u) + (pieces[q] > 1 ? 1u : 0u));
         if (auth) {
             mp_write_cstr(&w, "auth");
             mp_write_cstr(&w, auth);
@@ -1813,6 +1867,10 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         mp_write_i64(&w, H);
         mp_write_cstr(&w, "nccl");
         mp_write_u64(&w, m->nccl[q].comm_id);
+        if (pieces[q] > 1) { /* absent: one (an older worker knows no pieces) */
+            mp_write_cstr(&w, "pieces");
+            mp_write_i64(&w, pieces[q]);
+        }
         e = msg_from_writer(&w, NULL, 0, &msg);
         mp_writer_fini(&w);
         if (e == MOE_OK)
@@ -1833,7 +1891,8 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         rq[q].recv_posted = 1;
         nccl_trace_mark(&m->nccl[q].trace, NT_ROWS_SENT);
         char nm[300];
-        if ((e = moe_nccl_post(&m->nccl[q], 1, (uint8_t *)in + off, n, nm, sizeof(nm))) != MOE_OK) {
+        if ((e = nccl_post_pieces(&m->nccl[q], 1, (uint8_t *)in + off, rows, (size_t)H * es,
+                                  pieces[q], tmo, &m->up[q], nm, sizeof(nm))) != MOE_OK) {
             moe__set_error("%s: worker rank %d: %s", method, q, nm);
             nccl_drop(c, m, q);
             break;
@@ -1850,7 +1909,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         if (!rq[q].open)
             continue;
         int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
-        size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
+        size_t off = (size_t)a * (size_t)H * es;
         char nm[300];
         const char *what = "sending x";
         /* answered first: an error, or x arrived a moment before */
@@ -1859,7 +1918,8 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             xdone[q] = 1;
             nccl_trace_mark(&m->nccl[q].trace, NT_X_DONE);
             what = "receiving y";
-            xe = moe_nccl_post(&m->nccl[q], 0, (uint8_t *)out + off, n, nm, sizeof(nm));
+            xe = nccl_post_pieces(&m->nccl[q], 0, (uint8_t *)out + off, rows, (size_t)H * es,
+                                  pieces[q], tmo, &m->up[q], nm, sizeof(nm));
             ypost[q] = xe == MOE_OK;
             if (ypost[q])
                 nccl_trace_mark(&m->nccl[q].trace, NT_Y_POSTED);
@@ -1895,7 +1955,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
         moe_rpc_response resp;
         char msg[400];
         int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
-        size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
+        size_t off = (size_t)a * (size_t)H * es;
         moe_err qe = req_finish(&rq[q], down, e != MOE_OK || early[q] ? DP_GRACE_MS : 0, &resp, msg,
                                 sizeof(msg));
         if (qe == MOE_OK && early[q]) {
@@ -1911,10 +1971,12 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
             if (qe != MOE_OK) {
                 snprintf(msg, sizeof(msg), "malformed answer from worker %d", q);
                 nccl_drop(c, m, q); /* y may be on its way */
-            } else if ((!ypost[q] && ((qe = moe_nccl_wait(&m->nccl[q], 0, tmo, &m->up[q], NULL,
-                                                          NULL, msg, sizeof(msg))) != MOE_OK ||
-                                      (qe = moe_nccl_post(&m->nccl[q], 0, (uint8_t *)out + off, n,
-                                                          msg, sizeof(msg))) != MOE_OK)) ||
+            } else if ((!ypost[q] &&
+                        ((qe = moe_nccl_wait(&m->nccl[q], 0, tmo, &m->up[q], NULL, NULL, msg,
+                                             sizeof(msg))) != MOE_OK ||
+                         (qe = nccl_post_pieces(&m->nccl[q], 0, (uint8_t *)out + off, rows,
+                                                (size_t)H * es, pieces[q], tmo, &m->up[q], msg,
+                                                sizeof(msg))) != MOE_OK)) ||
                        (qe = moe_nccl_wait(&m->nccl[q], 1, tmo, &m->up[q], NULL, NULL, msg,
                                            sizeof(msg))) != MOE_OK) {
                 nccl_drop(c, m, q);
@@ -1950,7 +2012,7 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     for (int q = 0; q < W; q++)
         if (held[q])
             pthread_mutex_unlock(&m->nccl[q].mu);
-    free(rq), free(held), free(early), free(xdone), free(ypost);
+    free(rq), free(held), free(early), free(xdone), free(ypost), free(pieces);
     if (e == MOE_OK && derr != MOE_OK) {
         e = derr;
         moe__set_error("%s: %s: %s", method, moe_err_code(e), dmsg);

@@ -31,6 +31,7 @@ typedef struct moe_nccl_link {
     pthread_mutex_t mu; /* held by the call that uses it, start to end */
     int open;           /* the communicator is up (comm_id names it at the worker) */
     uint64_t comm_id;
+    int pieces_max;   /* data.nccl_open's answer: rows may go in up to this many pieces */
     int device;       /* the client's GPU it lives on */
     void *comm;       /* ncclComm_t, NULL when closed */
     void *stream;     /* cudaStream_t of its transfers */

@@ -29,6 +29,11 @@ void nccl_trace_mark(nccl_trace *t, int p)
     t->mark_ns[p] = nt_now_ns();
 }
 
+void nccl_trace_pieces(nccl_trace *t, int pieces)
+{
+    t->cur_pieces = pieces;
+}
+
 void nccl_trace_end(nccl_trace *t)
 {
     if (!t->on)
@@ -36,6 +41,7 @@ void nccl_trace_end(nccl_trace *t)
     for (int p = 0; p < NT_N; p++)
         if (!t->mark_ns[p])
             return;
+    t->pieces[t->calls % NCCL_TRACE_KEEP] = t->cur_pieces > 0 ? t->cur_pieces : 1;
     int32_t *row = t->us[t->calls % NCCL_TRACE_KEEP];
     row[0] = (int32_t)((t->mark_ns[NT_N - 1] - t->mark_ns[0]) / 1000);
     for (int p = 1; p < NT_N; p++) /* a mark may come before the one listed ahead of it */
@@ -58,11 +64,15 @@ void nccl_trace_print(nccl_trace *t, int device)
     const uint32_t n = t->calls < NCCL_TRACE_KEEP ? t->calls : NCCL_TRACE_KEEP;
     /* the first call opens NCCL's connections: left out when there are others */
     const uint32_t skip = t->calls <= NCCL_TRACE_KEEP && n > 1 ? 1 : 0;
-    int32_t col[NCCL_TRACE_KEEP];
+    int32_t col[NCCL_TRACE_KEEP] = {0};
     char line[512];
-    int len = snprintf(line, sizeof(line),
-                       "moe nccl trace (GPU %d): %u calls, median us of the last %u:", device,
-                       t->calls, n - skip);
+    for (uint32_t i = skip; i < n; i++)
+        col[i - skip] = t->pieces[i];
+    qsort(col, n - skip, sizeof(col[0]), nt_cmp);
+    int len =
+        snprintf(line, sizeof(line),
+                 "moe nccl trace (GPU %d): %u calls, pieces %d, median us of the last %u:", device,
+                 t->calls, col[(n - skip) / 2], n - skip);
     for (int p = 0; p < NT_N && len < (int)sizeof(line); p++) {
         for (uint32_t i = skip; i < n; i++)
             col[i - skip] = t->us[i][p];

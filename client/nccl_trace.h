@@ -27,15 +27,21 @@ typedef struct nccl_trace {
     int on;                            /* MOE_NCCL_TRACE=1 when the link was made */
     uint64_t mark_ns[NT_N];            /* this call's marks (0: not reached) */
     int32_t us[NCCL_TRACE_KEEP][NT_N]; /* per kept call: [0] total, [i] mark i - mark i-1 */
+    int32_t pieces[NCCL_TRACE_KEEP];   /* per kept call: the pieces x and y travelled in */
+    int cur_pieces;                    /* this call's (nccl_trace_pieces) */
     uint32_t calls;                    /* calls recorded (the last KEEP kept) */
 } nccl_trace;
 
 /* nccl_trace_init reads MOE_NCCL_TRACE; nccl_trace_mark notes phase p now
- * (NT_START clears the others); nccl_trace_end keeps the call if every mark
- * was reached; nccl_trace_print writes the medians (device names the GPU)
- * and forgets them. */
+ * (NT_START clears the others); nccl_trace_pieces notes the pieces this
+ * call's rows travel in (docs/PROTOCOL.md "Pieces": x posted is then the
+ * last piece's send posted, x done every piece sent, y posted every
+ * receive posted, y done every piece received); nccl_trace_end keeps the
+ * call if every mark was reached; nccl_trace_print writes the medians
+ * (device names the GPU) and forgets them. */
 void nccl_trace_init(nccl_trace *t);
 void nccl_trace_mark(nccl_trace *t, int p);
+void nccl_trace_pieces(nccl_trace *t, int pieces);
 void nccl_trace_end(nccl_trace *t);
 void nccl_trace_print(nccl_trace *t, int device);
 

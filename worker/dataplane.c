@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "common/params.h"
 #include "common/parcopy.h"
+#include "common/nccl_pieces.h"
 #include "worker/nccl_client.h"
 #include "worker/pool.h"
 #include "worker/rows.h"
@@ -425,6 +426,21 @@ static void write_y_apart(mp_writer *w, const char *key, moe_dtype dt, int64_t r
     mp_write_i64(w, H);
 }
 
+moe_err dp_nccl_y_piece(dp_ticket *tk, int piece)
+{
+    const int P = tk->nccl_pieces > 1 ? tk->nccl_pieces : 1;
+    if (!tk->nccl || piece != tk->nccl_ysent || piece >= P)
+        return MOE_EINVAL;
+    const int64_t R = tk->x.shape[0], a = nccl_piece_first(R, P, piece);
+    const size_t row = (size_t)tk->x.shape[1] * moe_dtype_size(tk->x.dtype);
+    const size_t n = (size_t)(nccl_piece_first(R, P, piece + 1) - a) * row;
+    moe_err e = wnc_send_y(tk->nccl, (const uint8_t *)dp_y_ptr(tk) + (size_t)a * row, n,
+                           tk->deadline_ns, piece, P);
+    if (e == MOE_OK)
+        tk->nccl_ysent++;
+    return e;
+}
+
 /* answer_region: y already written at y_off; the answer names where. */
 static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
 {
@@ -434,13 +450,15 @@ static void answer_region(dp_ticket *tk, int64_t rows, int64_t H)
     answer_head(&w, tk);
     mp_write_cstr(&w, "y");
     if (tk->nccl) { /* y goes on the communicator, queued before this answer */
-        /* y is queued first: the client's receive of y is already posted,
-         * so y does not wait for the answer's round trip; where it cannot
-         * be queued (the communicator failed) the answer is an error and
-         * the client aborts its receive */
-        if (wnc_send_y(tk->nccl, dp_y_ptr(tk),
-                       (size_t)rows * (size_t)H * moe_dtype_size(tk->x.dtype),
-                       tk->deadline_ns) != MOE_OK) {
+        /* y is queued first (its pieces the lane's piece loop did not queue
+         * yet): the client's receives of y are already posted, so y does
+         * not wait for the answer's round trip; where it cannot be queued
+         * (the communicator failed) the answer is an error and the client
+         * aborts its receive */
+        moe_err e = MOE_OK;
+        while (e == MOE_OK && tk->nccl_ysent < tk->nccl_pieces)
+            e = dp_nccl_y_piece(tk, tk->nccl_ysent);
+        if (e != MOE_OK) {
             mp_writer_fini(&w);
             rpc_reply_err(tk->call, MOE_EUNAVAIL,
                           "the NCCL communicator failed before y could be sent");
@@ -665,6 +683,7 @@ void dp_rows_call(dp_table *t, rpc_call *c)
     mp_reader rt, rshape, rrun;
     moe_tensor x;
     int64_t deadline_ms = 60000, region = 0, xoff = 0, yoff = 0, yregion = 0, nccl = 0;
+    int64_t pieces = 1;
     bool bulk = false;
     memset(&x, 0, sizeof(x));
     pspec sp[] = {
@@ -680,9 +699,10 @@ void dp_rows_call(dp_table *t, rpc_call *c)
         {"run", P_RAW, &rrun, false, 0, 0, 0, false},
         {"bulk", P_BOOL, &bulk, false, 0, 0, 0, false},
         {"nccl", P_INT, &nccl, false, 1, 9e18, 0, false},
+        {"pieces", P_INT, &pieces, false, 0, 0, 0, false}, /* nccl_pieces_check */
     };
     mp_reader r = c->req.params;
-    moe_err e = params_parse(&r, c->req.nparams, sp, 12, err, sizeof(err));
+    moe_err e = params_parse(&r, c->req.nparams, sp, 13, err, sizeof(err));
     if (e != MOE_OK) {
         rpc_reply_err(c, e, "%s", err);
         return;
@@ -718,7 +738,19 @@ void dp_rows_call(dp_table *t, rpc_call *c)
             dp_ticket_discard(t, tk, MOE_EINVAL, "rows over NCCL need dtype and shape [R, H]");
             return;
         }
-        wnc_submit(t, tk, (uint64_t)nccl, dt, R, H, sp[9].seen ? &run : NULL);
+        /* before any receive is posted: both sides must post the same */
+        if ((e = nccl_pieces_check(pieces, R, sp[9].seen, run.fanout, err, sizeof(err))) !=
+            MOE_OK) {
+            dp_ticket_discard(t, tk, e, "%s", err);
+            return;
+        }
+        wnc_submit(t, tk, (uint64_t)nccl, dt, R, H, sp[9].seen ? &run : NULL, (int)pieces);
+        return;
+    }
+    if (sp[12].seen && pieces != 1) {
+        dp_ticket_discard(t, tk, MOE_EINVAL,
+                          "pieces = %lld: only rows over NCCL (nccl: comm) travel in pieces",
+                          (long long)pieces);
         return;
     }
     pthread_mutex_lock(&t->mu);
@@ -1330,9 +1362,25 @@ dp_ticket *dp_take(dp_table *t, uint64_t cid, uint64_t seq, uint64_t deadline_ns
     }
 }
 
-moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
-                        int device_ok, dp_batch *b, char *err, size_t errlen)
+/* gather_pieces_in: x of tk, taken, arriving over NCCL in pieces, is whole
+ * (waited for here) unless the caller computes it piece by piece; 0 when
+ * it never came (tk answered with the reason) */
+static int gather_pieces_in(dp_ticket *tk, int piecewise)
 {
+    char why[300];
+    if (tk->nccl_pieces <= 1 || piecewise)
+        return 1;
+    moe_err e = wnc_x_piece_wait(tk, tk->nccl_pieces - 1, why, sizeof(why));
+    if (e == MOE_OK)
+        return 1;
+    dp_answer_err(tk, e, "%s", why);
+    return 0;
+}
+
+moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
+                        int flags, dp_batch *b, char *err, size_t errlen)
+{
+    const int device_ok = (flags & DP_GATHER_DEVICE) != 0;
     uint32_t n;
     memset(b, 0, sizeof(*b));
     if (mp_read_array(r, &n, NULL) != MOE_OK || n == 0 || n > 65536) {
@@ -1376,12 +1424,21 @@ moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint
             dp_release(t, tk);
             tk = NULL;
         }
+        /* piece by piece: the batch's only ticket, left on the device */
+        const int piecewise =
+            tk && n == 1 && device_ok && (flags & DP_GATHER_PIECES) && dp_x_on_device(tk);
+        if (tk && !gather_pieces_in(tk, piecewise)) {
+            dp_release(t, tk);
+            tk = NULL;
+        }
         if (!tk) {
             LOG_W("data plane: rows of ticket [%llu, %llu] did not arrive",
                   (unsigned long long)cid[i], (unsigned long long)seq[i]);
             b->missing++;
             continue;
         }
+        if (piecewise && tk->nccl_pieces > 1)
+            b->x_pieces = tk->nccl_pieces;
         b->tk[i] = tk;
         T += b->rows[i];
     }

@@ -72,7 +72,15 @@ typedef struct dp_ticket {
     uint64_t deadline_ns;
     struct wnc *nccl; /* non-NULL: x came over this NCCL communicator (in its
                        * buffer region), y goes back on it (a reference) */
-    int taken;        /* the compute thread owns it */
+    /* the NCCL path in pieces (common/nccl_pieces.h): x and y travel as
+     * nccl_pieces transfers of rows each (1: whole). x's piece i is in once
+     * the communicator has received nccl_mark + i + 1 pieces
+     * (wnc_x_piece_wait); nccl_ysent: y's pieces queued for sending so far
+     * (dp_nccl_y_piece, in order; the answer queues the rest) */
+    int nccl_pieces;
+    int nccl_ysent;
+    uint64_t nccl_mark;
+    int taken; /* the compute thread owns it */
     /* owned: key/value pairs added to the answer's map (a lane forward's
      * stats, dp_ticket_set_extra) */
     uint8_t *extra;
@@ -187,6 +195,13 @@ uint8_t *dp_region_base(const dp_region *g);
  * as data.rows does, and starts the lane's run when run is not NULL; on a
  * refusal tk is answered and freed (any thread; takes mu). */
 void dp_rows_file(dp_table *t, dp_ticket *tk, const dp_run *run);
+/* dp_nccl_y_piece queues piece `piece` of tk's y (rows of its NCCL
+ * buffer, common/nccl_pieces.h) for sending to the client; pieces go in
+ * order (piece == tk->nccl_ysent, which it advances). Called by the lane's
+ * piece loop as each piece's forward is done, and by the answer for the
+ * pieces not queued yet. MOE_EUNAVAIL: the communicator failed (nothing
+ * queued); MOE_EINVAL: a piece out of order. */
+moe_err dp_nccl_y_piece(dp_ticket *tk, int piece);
 /* dp_ticket_discard answers a ticket never filed with an error and frees it
  * (releasing what it holds; takes mu). */
 void dp_ticket_discard(dp_table *t, dp_ticket *tk, moe_err e, const char *fmt, ...)
@@ -264,19 +279,30 @@ typedef struct dp_batch {
     moe_tensor x;         /* (T,H) the pieces' rows that arrived, concatenated */
     uint8_t *xbuf;        /* owned: the concatenation when n > 1, or host rows of a GPU buffer */
     int x_device;         /* x is device memory (one piece in a CUDA IPC region) */
+    int x_pieces;         /* > 1: x (one ticket's, over NCCL) is still arriving in this many
+                           * pieces: piece i is read only after wnc_x_piece_wait(tk[0], i)
+                           * (DP_GATHER_PIECES); else every row is in */
     int64_t *refused_row; /* (n) first non-finite row of a piece refused, else -1 */
     int missing;          /* pieces whose rows did not arrive */
 } dp_batch;
 
+/* dp_batch_gather flags: DP_GATHER_DEVICE: x may stay in a client's GPU
+ * buffer; DP_GATHER_PIECES (with DEVICE): the caller computes a single
+ * ticket's rows piece by piece as they arrive over NCCL (b->x_pieces). */
+#define DP_GATHER_DEVICE 1
+#define DP_GATHER_PIECES 2
 /* dp_batch_gather reads the job's pieces ([[cid, seq, rows], ...] at r),
  * takes their tickets (waiting until deadline_ns) and builds b->x of dtype
- * dt and width H. With device_ok and a single piece in a client's GPU
- * buffer, b->x is that device memory (b->x_device set); otherwise rows on a
- * GPU are copied to the host. A ticket whose rows are not (rows, H) of dtype dt is
- * answered invalid_argument and counts as missing. Errors: MOE_EINVAL
- * (malformed pieces), MOE_ENOMEM. */
+ * dt and width H. With DP_GATHER_DEVICE and a single piece in a client's
+ * GPU buffer, b->x is that device memory (b->x_device set); otherwise rows
+ * on a GPU are copied to the host. Rows arriving over NCCL in pieces are
+ * waited for whole here, unless DP_GATHER_PIECES leaves that to the caller
+ * (b->x_pieces); a ticket whose pieces never come is answered with the
+ * error and counts as missing. A ticket whose rows are not (rows, H) of
+ * dtype dt is answered invalid_argument and counts as missing. Errors:
+ * MOE_EINVAL (malformed pieces), MOE_ENOMEM. */
 moe_err dp_batch_gather(dp_table *t, mp_reader *r, moe_dtype dt, int64_t H, uint64_t deadline_ns,
-                        int device_ok, dp_batch *b, char *err, size_t errlen);
+                        int flags, dp_batch *b, char *err, size_t errlen);
 /* dp_batch_refuse_nonfinite looks at the rows of x (T,H) floats (the
  * batch's rows, in order) piece by piece: a piece with a NaN or Inf is
  * answered invalid_argument (naming its first such row), its rows are set

@@ -19,8 +19,10 @@
 #include "worker/fwd.h"
 #include "worker/gpu.h"
 #include "common/log.h"
+#include "common/nccl_pieces.h"
 #include "common/params.h"
 #include "common/placement.h"
+#include "worker/nccl_client.h"
 #include "worker/rows.h"
 
 double fwd_now_s(void)
@@ -390,6 +392,74 @@ static void lane_attach_stats(dp_batch *b, const model_cfg *cfg, int64_t T, cons
     mp_writer_fini(&sw);
 }
 
+/* pieces_add adds one piece's forward statistics gi (E experts) into go's
+ * sums; its aux loss, weighted by its rows n, into *aux_rows */
+static void pieces_add(wkr_gpu_out *go, const wkr_gpu_out *gi, int E, int64_t n, double *aux_rows)
+{
+    for (int k = 0; k < E; k++) {
+        go->counts[k] += gi->counts[k];
+        go->dropped[k] += gi->dropped[k];
+        if (go->probs_sum)
+            go->probs_sum[k] += gi->probs_sum[k];
+    }
+    go->z_sum += gi->z_sum;
+    go->a2a_bytes += gi->a2a_bytes;
+    go->aux_whole = gi->aux_whole;
+    *aux_rows += gi->aux * (double)n;
+}
+
+/* fwd_nccl_pieces: the lane's inference forward of one ticket whose x
+ * arrives over NCCL in pieces (common/nccl_pieces.h; batch x_pieces): piece
+ * i's rows run once they are in (wnc_x_piece_wait; the communicator's
+ * thread receives the next pieces meanwhile), and piece i's y is queued for
+ * the client as soon as its forward returns (the backend synchronises: y is
+ * written), so that it travels while piece i+1 computes. Rows are
+ * independent per token: each row's y is what one forward of all T rows
+ * gives (within bf16 rounding). Statistics are the pieces' sums (counts,
+ * dropped, probs_sum, z_sum); the aux loss, computed per forward, is the
+ * row-weighted mean of the pieces'. x, y: (T,H) bf16 device rows of tk's
+ * communicator buffer; go: the caller's zeroed arrays. On an error (in err)
+ * the pieces of y already queued are on their way; the caller answers the
+ * ticket with the error (the client aborts its communicator). */
+static moe_err fwd_nccl_pieces(wkr *w, wkr_model *m, const wkr_gpu_ops *gops, int layer,
+                               uint64_t handle, dp_ticket *tk, int T, int H, const void *x, void *y,
+                               wkr_gpu_out *go, char *err, size_t errlen)
+{
+    const int E = m->cfg.n_experts, P = tk->nccl_pieces;
+    const size_t row = (size_t)H * 2;                            /* bf16 */
+    int32_t *cnt = wpool_calloc((size_t)2 * E, sizeof(int32_t)); /* counts, dropped */
+    double *probs = wpool_calloc((size_t)E, sizeof(double)), aux_rows = 0;
+    moe_err e = cnt && probs ? MOE_OK : MOE_ENOMEM;
+    if (e != MOE_OK)
+        snprintf(err, errlen, "worker out of memory");
+    for (int i = 0; i < P && e == MOE_OK; i++) {
+        const int64_t a = nccl_piece_first(T, P, i), n = nccl_piece_first(T, P, i + 1) - a;
+        wkr_gpu_out gi;
+        memset(&gi, 0, sizeof(gi));
+        memset(cnt, 0, (size_t)2 * E * sizeof(int32_t));
+        memset(probs, 0, (size_t)E * sizeof(double));
+        gi.counts = cnt;
+        gi.dropped = cnt + E;
+        gi.probs_sum = probs;
+        e = wnc_x_piece_wait(tk, i, err, errlen);
+        if (e == MOE_OK)
+            e = gops->forward(w, m, layer, handle, (int)n, (const uint8_t *)x + (size_t)a * row,
+                              MOE_BF16, (uint8_t *)y + (size_t)a * row, MOE_BF16, 0, &gi, err,
+                              errlen);
+        if (e == MOE_OK && (e = dp_nccl_y_piece(tk, i)) != MOE_OK)
+            snprintf(err, errlen,
+                     "the NCCL communicator failed before y's piece %d of %d could "
+                     "be sent",
+                     i + 1, P);
+        if (e == MOE_OK)
+            pieces_add(go, &gi, E, n, &aux_rows);
+    }
+    go->aux = T > 0 ? aux_rows / (double)T : 0;
+    wpool_free(cnt);
+    wpool_free(probs);
+    return e;
+}
+
 void wkr_op_forward(wkr *w, rpc_call *c)
 {
     char model_name[MODEL_NAME_MAX], err[256] = "";
@@ -454,10 +524,14 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             rpc_reply_err(c, MOE_EINVAL, "bad dtype '%s'", dtname);
             return;
         }
-        /* rows on a client's GPU stay there when the device path takes them */
+        /* rows on a client's GPU stay there when the device path takes them;
+         * a lane forward on one device computes rows arriving over NCCL in
+         * pieces as they come (fwd_nccl_pieces) */
         int device_ok = gpu_whole && bf && dt == MOE_BF16 && !train;
+        int piecewise = device_ok && lane && !fanout && !gops->collective;
         e = dp_batch_gather(&w->dp, &rpieces, dt, H,
-                            rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull, device_ok,
+                            rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull,
+                            (device_ok ? DP_GATHER_DEVICE : 0) | (piecewise ? DP_GATHER_PIECES : 0),
                             &batch, err, sizeof(err));
         if (e != MOE_OK) {
             dp_batch_fail(&batch, e, err);
@@ -569,10 +643,18 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         go.counts = st->counts;
         go.dropped = dropped;
         go.probs_sum = probs_sum;
-        e = raw ? gops->forward(w, m, st->layer, st->handle, T, xt.data, MOE_BF16, y_raw, MOE_BF16,
-                                train, &go, err, sizeof(err))
-                : gops->forward(w, m, st->layer, st->handle, T, st->x, MOE_F32, y, MOE_F32, train,
-                                &go, err, sizeof(err));
+        if (raw && batch.x_pieces > 1 && batch.tk[0] && y_raw == dp_y_ptr(batch.tk[0]))
+            e = fwd_nccl_pieces(w, m, gops, st->layer, st->handle, batch.tk[0], T, H, xt.data,
+                                y_raw, &go, err, sizeof(err));
+        else {
+            if (batch.x_pieces > 1) /* not computed piece by piece: x whole first */
+                e = wnc_x_piece_wait(batch.tk[0], batch.x_pieces - 1, err, sizeof(err));
+            if (e == MOE_OK)
+                e = raw ? gops->forward(w, m, st->layer, st->handle, T, xt.data, MOE_BF16, y_raw,
+                                        MOE_BF16, train, &go, err, sizeof(err))
+                        : gops->forward(w, m, st->layer, st->handle, T, st->x, MOE_F32, y, MOE_F32,
+                                        train, &go, err, sizeof(err));
+        }
         if (e == MOE_EUNAVAIL && gops->collective)
             goto fail_xchg;
         if (e != MOE_OK)

@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "common/log.h"
+#include "common/nccl_pieces.h"
 #include "common/params.h"
 
 #define WNC_MAX_PER_PIPE 4
@@ -38,10 +39,11 @@ typedef struct wnc_job {
     dp_ticket *tk; /* RECV_X: owned until filed (or answered and freed) */
     dp_run run;    /* RECV_X: the lane's run, when has_run */
     int has_run;
-    size_t n;         /* bytes of x, or of y */
-    const void *ydev; /* SEND_Y: y (n bytes) in the comm's buffer */
-    rpc_call *echo;   /* ECHO: data.nccl_echo, answered when its rounds are done */
-    int rounds;       /* ECHO: receive n bytes and send them back, this many times */
+    int piece, pieces; /* RECV_X: pieces (x's receives); SEND_Y: this one's of y's */
+    size_t n;          /* bytes of x, or of y (this piece) */
+    const void *ydev;  /* SEND_Y: y (n bytes) in the comm's buffer */
+    rpc_call *echo;    /* ECHO: data.nccl_echo, answered when its rounds are done */
+    int rounds;        /* ECHO: receive n bytes and send them back, this many times */
     uint64_t deadline_ns;
     uint64_t
         queued_ns; /* RECV_X: when data.rows queued it; SEND_Y: when the forward handed y over */
@@ -66,16 +68,27 @@ struct wnc {
     cudaStream_t stream;
     dp_region *buf; /* (cap bytes, device) x at 0, y at n; the thread's reference */
     size_t cap;
+    cudaEvent_t ev[NCCL_PIECES_MAX]; /* recorded behind x's receive of each piece */
+    int nev;                         /* of them created */
+    /* x's pieces received on this communicator so far, all requests
+     * (atomic: the compute thread reads it, wnc_x_piece_wait), and x's
+     * receive failed after its ticket was filed (atomic, sticky: the
+     * thread ends, the communicator is aborted) */
+    uint64_t xpieces;
+    int xfail;
     /* where a request's time goes (the thread's; logged when it closes):
-     * x's receive from its post (the client's send and the control
-     * message's way included), x in -> y handed over (the ticket's hand-in,
-     * the forward, its statistics), y handed over -> ncclSend posted (this
-     * thread's wake), y's send; sums in ns over nreq requests */
+     * x's receive from its post to its last piece in (the client's send
+     * and the control message's way included), x in (the first piece: the
+     * ticket is filed) -> y handed over (the last piece's: the ticket's
+     * hand-in, the forwards, their statistics), y handed over -> ncclSend
+     * posted (this thread's wake), y's send (the last piece's); sums in ns
+     * over nreq requests */
     uint64_t xdone_ns, nx, nreq, sum_x, sum_mid, sum_hand, sum_y;
     /* the same per request, for medians: [0] x queued -> taken by this
      * thread, [1] x received from its post, [2] mid, [3] hand, [4] y sent
-     * (us); cur holds this request's first two until its y is sent */
-    int32_t keep[WNC_KEEP][5], cur[2];
+     * (us), [5] pieces; cur holds this request's [0], [1] and pieces until
+     * its y is sent */
+    int32_t keep[WNC_KEEP][6], cur[3];
     uint32_t nkeep;
     struct wnc *next; /* in t->wncs */
 };
@@ -98,11 +111,12 @@ static void wnc_pause(int *spins)
 }
 
 /* wnc_poll waits for NCCL result r (ncclInProgress: the non-blocking
- * communicator is still at it) and, with stream, for the stream: until
- * deadline_ns, NCCL's async error, or dead. MOE_OK or MOE_EUNAVAIL /
- * MOE_ETIMEDOUT with the reason in err. */
-static moe_err wnc_poll(struct wnc *x, ncclResult_t r, int stream, uint64_t deadline_ns,
-                        const char *what, char *err, size_t errlen)
+ * communicator is still at it) and, with stream, for the stream (ev: for
+ * the work queued ahead of that event only): until deadline_ns, NCCL's
+ * async error, or dead. MOE_OK or MOE_EUNAVAIL / MOE_ETIMEDOUT with the
+ * reason in err. */
+static moe_err wnc_poll(struct wnc *x, ncclResult_t r, int stream, cudaEvent_t ev,
+                        uint64_t deadline_ns, const char *what, char *err, size_t errlen)
 {
     int spins = 0;
     for (;;) {
@@ -121,7 +135,7 @@ static moe_err wnc_poll(struct wnc *x, ncclResult_t r, int stream, uint64_t dead
         if (r == ncclSuccess && !stream)
             return MOE_OK;
         if (r == ncclSuccess) {
-            cudaError_t ce = cudaStreamQuery(x->stream);
+            cudaError_t ce = ev ? cudaEventQuery(ev) : cudaStreamQuery(x->stream);
             if (ce == cudaSuccess)
                 return MOE_OK;
             if (ce != cudaErrorNotReady) {
@@ -172,26 +186,38 @@ static moe_err wnc_buffer(struct wnc *x, size_t need, char *err, size_t errlen)
     return MOE_OK;
 }
 
-/* wnc_recv_x: the job's ticket gets its x over NCCL, then is filed. */
-static moe_err wnc_recv_x(struct wnc *x, wnc_job *j, char *err, size_t errlen)
+/* wnc_recv_post posts x's receives, one per piece of rows (common/
+ * nccl_pieces.h) into base, each followed by its event when there are
+ * several (thread). */
+static moe_err wnc_recv_post(struct wnc *x, wnc_job *j, uint8_t *base, int64_t R, char *err,
+                             size_t errlen)
+{
+    const size_t row = j->n / (size_t)R; /* bytes of one row */
+    moe_err e = MOE_OK;
+    for (int i = 0; i < j->pieces && e == MOE_OK; i++) {
+        const int64_t a = nccl_piece_first(R, j->pieces, i);
+        const size_t n = (size_t)(nccl_piece_first(R, j->pieces, i + 1) - a) * row;
+        /* the enqueue is seen through before the next NCCL call (a
+         * non-blocking communicator takes none while one is in progress) */
+        e = wnc_poll(x, ncclRecv(base + (size_t)a * row, n, ncclUint8, 0, x->comm, x->stream), 0,
+                     NULL, j->deadline_ns, "posting x's receive", err, errlen);
+        if (e == MOE_OK && j->pieces > 1 && cudaEventRecord(x->ev[i], x->stream) != cudaSuccess) {
+            snprintf(err, errlen, "recording x's piece %d: %s", i,
+                     cudaGetErrorString(cudaGetLastError()));
+            e = MOE_EUNAVAIL;
+        }
+    }
+    return e;
+}
+
+/* wnc_recv_file files the job's ticket, x's first piece in (thread). */
+static void wnc_recv_file(struct wnc *x, wnc_job *j, uint8_t *base, uint64_t mark)
 {
     dp_ticket *tk = j->tk;
-    moe_err e = wnc_buffer(x, 2 * j->n, err, errlen);
-    if (e != MOE_OK)
-        return e;
-    uint8_t *base = dp_region_base(x->buf);
-    const uint64_t t0 = wnc_now_ns();
-    ncclResult_t r = ncclRecv(base, j->n, ncclUint8, 0, x->comm, x->stream);
-    e = wnc_poll(x, r, 1, j->deadline_ns, "receiving x", err, errlen);
-    if (e != MOE_OK)
-        return e;
-    x->xdone_ns = wnc_now_ns();
-    x->sum_x += x->xdone_ns - t0;
-    x->nx++;
-    x->cur[0] = (int32_t)((j->picked_ns - j->queued_ns) / 1000);
-    x->cur[1] = (int32_t)((x->xdone_ns - t0) / 1000);
     tk->x.data = base;
     tk->x.nbytes = j->n;
+    tk->nccl_pieces = j->pieces;
+    tk->nccl_mark = mark;
     pthread_mutex_lock(&x->t->mu);
     dp_region_hold_locked(x->buf);
     dp_region_hold_locked(x->buf);
@@ -202,6 +228,45 @@ static moe_err wnc_recv_x(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     pthread_mutex_unlock(&x->t->mu);
     j->tk = NULL;
     dp_rows_file(x->t, tk, j->has_run ? &j->run : NULL);
+}
+
+/* wnc_recv_x: the job's ticket gets its x over NCCL. Its receives (one per
+ * piece) are all posted at once, then awaited in order; the ticket is filed
+ * once piece 0 is in, and xpieces counts the pieces in, so that the
+ * compute thread (wnc_x_piece_wait) computes piece i while the next ones
+ * arrive. A piece that never comes: before the filing the ticket is
+ * discarded with the error (by the thread's loop), after it xfail tells
+ * the compute thread; either way the error ends this thread. */
+static moe_err wnc_recv_x(struct wnc *x, wnc_job *j, char *err, size_t errlen)
+{
+    const int64_t R = j->tk->x.shape[0];
+    moe_err e = wnc_buffer(x, 2 * j->n, err, errlen);
+    if (e != MOE_OK)
+        return e;
+    uint8_t *base = dp_region_base(x->buf);
+    const uint64_t t0 = wnc_now_ns(), mark = x->xpieces;
+    e = wnc_recv_post(x, j, base, R, err, errlen);
+    for (int i = 0; i < j->pieces && e == MOE_OK; i++) {
+        e = wnc_poll(x, ncclSuccess, 1, j->pieces > 1 ? x->ev[i] : NULL, j->deadline_ns,
+                     "receiving x", err, errlen);
+        if (e != MOE_OK)
+            break;
+        __atomic_store_n(&x->xpieces, mark + (uint64_t)i + 1, __ATOMIC_RELEASE);
+        if (i > 0)
+            continue;
+        x->xdone_ns = wnc_now_ns();
+        x->cur[0] = (int32_t)((j->picked_ns - j->queued_ns) / 1000);
+        x->cur[2] = j->pieces;
+        wnc_recv_file(x, j, base, mark);
+    }
+    if (e != MOE_OK && !j->tk) /* filed: its forward waits for the pieces */
+        __atomic_store_n(&x->xfail, 1, __ATOMIC_RELEASE);
+    if (e != MOE_OK)
+        return e;
+    const uint64_t now = wnc_now_ns();
+    x->sum_x += now - t0;
+    x->nx++;
+    x->cur[1] = (int32_t)((now - t0) / 1000);
     return MOE_OK;
 }
 
@@ -212,10 +277,10 @@ static moe_err wnc_echo(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     moe_err e = wnc_buffer(x, j->n ? j->n : 1, err, errlen);
     uint8_t *base = e == MOE_OK ? dp_region_base(x->buf) : NULL;
     for (int i = 0; i < j->rounds && e == MOE_OK; i++) {
-        e = wnc_poll(x, ncclRecv(base, j->n, ncclUint8, 0, x->comm, x->stream), 1, j->deadline_ns,
-                     "echo: receiving", err, errlen);
+        e = wnc_poll(x, ncclRecv(base, j->n, ncclUint8, 0, x->comm, x->stream), 1, NULL,
+                     j->deadline_ns, "echo: receiving", err, errlen);
         if (e == MOE_OK)
-            e = wnc_poll(x, ncclSend(base, j->n, ncclUint8, 0, x->comm, x->stream), 1,
+            e = wnc_poll(x, ncclSend(base, j->n, ncclUint8, 0, x->comm, x->stream), 1, NULL,
                          j->deadline_ns, "echo: sending", err, errlen);
     }
     if (e != MOE_OK) {
@@ -231,12 +296,14 @@ static moe_err wnc_echo(struct wnc *x, wnc_job *j, char *err, size_t errlen)
     return e;
 }
 
+/* wnc_send: one piece of y to the client; the request's phases are kept
+ * with its last piece */
 static moe_err wnc_send(struct wnc *x, wnc_job *j, char *err, size_t errlen)
 {
     const uint64_t t0 = wnc_now_ns();
     ncclResult_t r = ncclSend(j->ydev, j->n, ncclUint8, 0, x->comm, x->stream);
-    moe_err e = wnc_poll(x, r, 1, j->deadline_ns, "sending y", err, errlen);
-    if (e == MOE_OK && x->xdone_ns && j->queued_ns >= x->xdone_ns) {
+    moe_err e = wnc_poll(x, r, 1, NULL, j->deadline_ns, "sending y", err, errlen);
+    if (e == MOE_OK && j->piece + 1 == j->pieces && x->xdone_ns && j->queued_ns >= x->xdone_ns) {
         const uint64_t now = wnc_now_ns();
         int32_t *k = x->keep[x->nkeep++ % WNC_KEEP];
         x->nreq++;
@@ -248,6 +315,7 @@ static moe_err wnc_send(struct wnc *x, wnc_job *j, char *err, size_t errlen)
         k[2] = (int32_t)((j->queued_ns - x->xdone_ns) / 1000);
         k[3] = (int32_t)((t0 - j->queued_ns) / 1000);
         k[4] = (int32_t)((now - t0) / 1000);
+        k[5] = x->cur[2];
     }
     return e;
 }
@@ -264,19 +332,20 @@ static void wnc_log_medians(const struct wnc *x)
 {
     const uint32_t n = x->nkeep < WNC_KEEP ? x->nkeep : WNC_KEEP;
     const uint32_t skip = x->nkeep <= WNC_KEEP && n > 1 ? 1 : 0;
-    int32_t med[5], col[WNC_KEEP];
+    int32_t med[6], col[WNC_KEEP];
     if (n <= skip)
         return;
-    for (int p = 0; p < 5; p++) {
+    for (int p = 0; p < 6; p++) {
         for (uint32_t i = skip; i < n; i++)
             col[i - skip] = x->keep[i][p];
         qsort(col, n - skip, sizeof(col[0]), wnc_cmp);
         med[p] = col[(n - skip) / 2];
     }
-    LOG_I("data plane: NCCL communicator %llu: median us of %u requests: x queued -> taken %d, "
-          "x received %d (from its post), x in -> y handed over %d (forward included), y handed "
-          "over -> sent %d, y sent %d",
-          (unsigned long long)x->id, n - skip, med[0], med[1], med[2], med[3], med[4]);
+    LOG_I("data plane: NCCL communicator %llu: median us of %u requests (pieces %d): x queued -> "
+          "taken %d, x received %d (from its post, every piece), x in -> y handed over %d "
+          "(first piece in -> last piece's y; forwards included), y handed over -> sent %d, y "
+          "sent %d (the last piece)",
+          (unsigned long long)x->id, n - skip, med[5], med[0], med[1], med[2], med[3], med[4]);
 }
 
 /* wnc_free: the last reference went (mu held). */
@@ -309,11 +378,18 @@ static void *wnc_thread(void *arg)
         snprintf(err, sizeof(err), "cannot make a CUDA stream on GPU %d", x->device);
         e = MOE_EINTERNAL;
     }
+    for (; e == MOE_OK && x->nev < NCCL_PIECES_MAX; x->nev++)
+        if (cudaEventCreateWithFlags(&x->ev[x->nev], cudaEventDisableTiming) != cudaSuccess) {
+            (void)cudaGetLastError();
+            snprintf(err, sizeof(err), "cannot make CUDA events on GPU %d", x->device);
+            e = MOE_EINTERNAL;
+            break;
+        }
     if (e == MOE_OK) {
         ncclResult_t r = ncclCommInitRankConfig(&x->comm, 2, uid, 1, &cfg);
         if (r != ncclSuccess && r != ncclInProgress)
             x->comm = NULL;
-        e = x->comm ? wnc_poll(x, r, 0, wnc_now_ns() + (uint64_t)x->open_ms * 1000000ull,
+        e = x->comm ? wnc_poll(x, r, 0, NULL, wnc_now_ns() + (uint64_t)x->open_ms * 1000000ull,
                                "joining the client's communicator", err, sizeof(err))
                     : MOE_EUNAVAIL;
         if (!x->comm)
@@ -385,6 +461,8 @@ static void *wnc_thread(void *arg)
         ncclCommAbort(x->comm);
         x->comm = NULL;
     }
+    for (int i = 0; i < x->nev; i++)
+        cudaEventDestroy(x->ev[i]);
     if (x->stream)
         cudaStreamDestroy(x->stream);
     pthread_mutex_lock(&t->mu);
@@ -418,7 +496,8 @@ static void wnc_queue_locked(struct wnc *x, wnc_job *j)
     pthread_cond_signal(&x->cv);
 }
 
-moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns)
+moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns, int piece,
+                   int pieces)
 {
     wnc_job *j = calloc(1, sizeof(*j));
     uint64_t floor_ns = wnc_now_ns() + WNC_SEND_MIN_MS * 1000000ull;
@@ -434,6 +513,8 @@ moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_n
     j->kind = WNC_SEND_Y;
     j->ydev = dev;
     j->n = n;
+    j->piece = piece;
+    j->pieces = pieces;
     j->queued_ns = wnc_now_ns();
     j->deadline_ns = deadline_ns > floor_ns ? deadline_ns : floor_ns;
     wnc_queue_locked(x, j);
@@ -449,8 +530,35 @@ static struct wnc *wnc_find_locked(dp_table *t, uint32_t pipe, uint64_t id)
     return NULL;
 }
 
+moe_err wnc_x_piece_wait(const dp_ticket *tk, int piece, char *err, size_t errlen)
+{
+    struct wnc *x = tk->nccl;
+    if (!x || piece < 1) /* filed with piece 0 in */
+        return MOE_OK;
+    const uint64_t want = tk->nccl_mark + (uint64_t)piece + 1;
+    int spins = 0;
+    for (;;) {
+        if (__atomic_load_n(&x->xpieces, __ATOMIC_ACQUIRE) >= want)
+            return MOE_OK;
+        if (__atomic_load_n(&x->xfail, __ATOMIC_ACQUIRE) ||
+            __atomic_load_n(&x->dead, __ATOMIC_ACQUIRE)) {
+            snprintf(err, errlen,
+                     "piece %d of %d of x never came: the NCCL communicator failed (the worker's "
+                     "log says why)",
+                     piece + 1, tk->nccl_pieces);
+            return MOE_EUNAVAIL;
+        }
+        if (wnc_now_ns() > tk->deadline_ns) {
+            snprintf(err, errlen, "piece %d of %d of x did not come before the deadline", piece + 1,
+                     tk->nccl_pieces);
+            return MOE_ETIMEDOUT;
+        }
+        wnc_pause(&spins);
+    }
+}
+
 void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t R, int64_t H,
-                const dp_run *run)
+                const dp_run *run, int pieces)
 {
     size_t n = (size_t)R * (size_t)H * moe_dtype_size(dt);
     if (R < 1 || n > WNC_MAX_BYTES) {
@@ -471,6 +579,7 @@ void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t
     j->kind = WNC_RECV_X;
     j->tk = tk;
     j->n = n;
+    j->pieces = pieces >= 1 && pieces <= R ? pieces : 1; /* checked by data.rows */
     j->queued_ns = wnc_now_ns();
     j->deadline_ns = tk->deadline_ns;
     if (run) {
@@ -592,9 +701,11 @@ void wnc_on_open(dp_table *t, rpc_call *c)
     mp_writer w;
     mp_writer_init(&w);
     moe_rpc_write_response_ok_head(&w, c->req.msgid);
-    mp_write_map(&w, 1);
+    mp_write_map(&w, 2);
     mp_write_cstr(&w, "comm");
     mp_write_u64(&w, cid);
+    mp_write_cstr(&w, "pieces_max"); /* data.rows may ask for pieces (a newer client) */
+    mp_write_i64(&w, NCCL_PIECES_MAX);
     rpc_reply(c, &w);
 }
 
@@ -698,15 +809,22 @@ void wnc_on_close(dp_table *t, rpc_call *c)
 }
 
 void wnc_submit(dp_table *t, dp_ticket *tk, uint64_t comm, moe_dtype dt, int64_t R, int64_t H,
-                const dp_run *run)
+                const dp_run *run, int pieces)
 {
-    (void)comm, (void)dt, (void)R, (void)H, (void)run;
+    (void)comm, (void)dt, (void)R, (void)H, (void)run, (void)pieces;
     dp_ticket_discard(t, tk, MOE_EPRECOND, "%s", wnc_no_gpu);
 }
 
-moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns)
+moe_err wnc_x_piece_wait(const dp_ticket *tk, int piece, char *err, size_t errlen)
 {
-    (void)x, (void)dev, (void)n, (void)deadline_ns;
+    (void)tk, (void)piece, (void)err, (void)errlen;
+    return MOE_OK; /* no ticket comes over NCCL here */
+}
+
+moe_err wnc_send_y(struct wnc *x, const void *dev, size_t n, uint64_t deadline_ns, int piece,
+                   int pieces)
+{
+    (void)x, (void)dev, (void)n, (void)deadline_ns, (void)piece, (void)pieces;
     return MOE_EUNAVAIL;
 }
 

@@ -1443,3 +1443,112 @@ Test(dataplane, nccl_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini
     moe_client_close(c);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* pieces_rows_call: data.rows of T rows (H wide, f32) over communicator 1
+ * in `pieces` pieces (has_pieces 0: no such key); lane: with run (model m,
+ * layer 0, generation 1); inline: x in the message instead of nccl */
+static void pieces_rows_call(nng_socket s, uint64_t seq, int64_t T, int64_t H, int64_t pieces,
+                             int lane, int inline_x, raw_reply *r)
+{
+    static float x[8 * 32];
+    mp_writer p;
+    uint32_t n = 1;
+    mp_writer_init(&p);
+    write_ticket(&p, 91, seq);
+    if (inline_x) {
+        moe_tensor t = {MOE_F32, 2, {T, H, 0, 0}, x, (size_t)(T * H) * sizeof(float)};
+        mp_write_cstr(&p, "x");
+        moe_tensor_write(&p, &t);
+        n += 1;
+    } else {
+        mp_write_cstr(&p, "dtype");
+        mp_write_cstr(&p, "f32");
+        mp_write_cstr(&p, "shape");
+        mp_write_array(&p, 2);
+        mp_write_i64(&p, T);
+        mp_write_i64(&p, H);
+        mp_write_cstr(&p, "nccl");
+        mp_write_u64(&p, 1);
+        n += 3;
+    }
+    mp_write_cstr(&p, "pieces");
+    mp_write_i64(&p, pieces);
+    n++;
+    if (lane) {
+        mp_write_cstr(&p, "run");
+        mp_write_map(&p, 3);
+        mp_write_cstr(&p, "model");
+        mp_write_cstr(&p, "m");
+        mp_write_cstr(&p, "layer");
+        mp_write_i64(&p, 0);
+        mp_write_cstr(&p, "generation");
+        mp_write_u64(&p, 1);
+        n++;
+    }
+    raw_call(s, "data.rows", &p, n, r);
+    mp_writer_fini(&p);
+}
+
+/* expect_says: an error reply of code want whose message holds says */
+static void expect_says(raw_reply *r, moe_err want, const char *says, const char *what)
+{
+    cr_assert_eq(r->rv, 0, "%s: no reply", what);
+    cr_assert(r->resp.errmsg && memmem(r->resp.errmsg, r->resp.errmsg_len, says, strlen(says)),
+              "%s: '%.*s' does not say '%s'", what, (int)r->resp.errmsg_len,
+              r->resp.errmsg ? r->resp.errmsg : "", says);
+    expect_err(r, want, what);
+}
+
+/* data.rows "pieces" (docs/PROTOCOL.md, "9. NCCL", "Pieces"): a value the
+ * worker cannot honour - out of [1, 8], more pieces than rows, pieces
+ * outside a lane forward, pieces of rows that do not come over NCCL - is
+ * refused invalid_argument with the reason, before anything is received
+ * (this CPU worker would otherwise say that no communicator is open: a
+ * valid request gets that answer); nothing is left behind, and the worker
+ * keeps serving. */
+Test(dataplane, nccl_pieces_refused_clearly, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32, T = 4;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    cr_assert(lane_open(cl), "one worker: the lane is open");
+    char url[256];
+    cr_assert_eq(cluster_worker_key(cl, 0, "url", url, sizeof(url)), 0, "%s", cluster_error());
+    nng_socket s = raw_open(url);
+    raw_reply r;
+
+    pieces_rows_call(s, 1, T, H, 9, 1, 0, &r);
+    expect_says(&r, MOE_EINVAL, "1 to 8 pieces", "pieces 9");
+    pieces_rows_call(s, 2, T, H, 0, 1, 0, &r);
+    expect_says(&r, MOE_EINVAL, "1 to 8 pieces", "pieces 0");
+    pieces_rows_call(s, 3, T, H, -1, 1, 0, &r);
+    expect_says(&r, MOE_EINVAL, "1 to 8 pieces", "pieces -1");
+    pieces_rows_call(s, 4, T, H, T + 1, 1, 0, &r);
+    expect_says(&r, MOE_EINVAL, "every piece needs at least one row", "more pieces than rows");
+    pieces_rows_call(s, 5, T, H, 2, 0, 0, &r);
+    expect_says(&r, MOE_EINVAL, "only a lane forward", "pieces without run");
+    pieces_rows_call(s, 6, T, H, 2, 1, 1, &r);
+    expect_says(&r, MOE_EINVAL, "only rows over NCCL", "pieces of inline rows");
+    /* valid pieces: past the check, refused for what this worker lacks */
+    for (int P = 1; P <= T; P++) {
+        pieces_rows_call(s, 10 + (uint64_t)P, T, H, P, 1, 0, &r);
+        cr_assert_eq(r.rv, 0);
+        cr_assert(r.resp.err == MOE_EPRECOND || r.resp.err == MOE_ENOTFOUND,
+                  "pieces %d over NCCL on a CPU worker: %s", P, moe_err_code(r.resp.err));
+        expect_err(&r, r.resp.err, "valid pieces, no communicator");
+    }
+    /* nothing left behind */
+    wait_stat(url, "tickets", 0);
+    cr_assert_eq(data_stat(url, "staged_bytes"), 0);
+    nng_close(s);
+
+    /* the worker still serves */
+    float x[4 * 32], y[4 * 32];
+    rng_fill_uniform(5, 1, -1, 1, x, (size_t)T * H);
+    moe_client *c = open_path(cl, "socket");
+    cr_assert_eq(moe_forward(c, "m", 0, MOE_F32, x, T, H, y, NULL), MOE_OK, "%s", moe_last_error());
+    moe_client_close(c);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
