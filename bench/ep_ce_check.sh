@@ -9,7 +9,7 @@
 #      node). The "ce:" lines and the table.
 #   2. where the transport exists (KCU_EP_CE in bin/ep_bench; built on
 #      branch ep-ce, see bench/NOTES.md "Copy-engine exchange"): KCU_EP_CE=1
-#      with --check-infer (y bit-identical to the one-GPU layer at chunks 1,
+#      with --check-infer --layers 3 (y bit-identical to the one-GPU layer at chunks 1,
 #      4 and auto; each check line names the exchange it took), skewed
 #      routing (falls back to send/recv), 2 GPUs, then the forward's time
 #      with and without it (the table's "ce" column: forwards on the CE
@@ -39,7 +39,7 @@ grep -E "NCCL (WARN|INFO).*(CE|[Ss]ymmetric|[Ww]indow)" "$OUT/ce_measure.log" | 
 
 if grep -q KCU_EP_CE "$B"; then
     echo "== 2. KCU_EP_CE=1: check-infer on $NG GPUs" | log
-    KCU_EP_CE=1 timeout 240 $B $A --chunks 1,4,0 --check-infer --iters 2 >"$OUT/ce_check.log" 2>&1
+    KCU_EP_CE=1 timeout 240 $B $A --chunks 1,4,0 --check-infer --layers 3 --iters 2 >"$OUT/ce_check.log" 2>&1
     echo "rc $?" | log
     grep -E "^(check|kcu_ep)|CE" "$OUT/ce_check.log" | cut -c1-220 | log
     # skewed routing: padding past 1.25x must fall back to send/recv (the
