@@ -19,4 +19,12 @@ static inline int ep_dedup_env(void)
     return v < 0 ? 0 : v > 2 ? 2 : v;
 }
 
+/* ep_ce_env: the copy-engine exchange (kernels/cuda/kcu_ep.h "Copy-engine
+ * exchange"): 1 where KCU_EP_CE=1, else 0 */
+static inline int ep_ce_env(void)
+{
+    const char *s = getenv("KCU_EP_CE");
+    return s && atoi(s) == 1 ? 1 : 0;
+}
+
 #endif

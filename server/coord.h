@@ -51,6 +51,7 @@ typedef struct coord_worker {
     char host[128];               /* host identity (boot id): same host = shared memory */
     char backend[32], device[128];
     int ep_dedup;  /* its KCU_EP_DEDUP (0..2; -1 not reported): all must agree */
+    int ep_ce;     /* its KCU_EP_CE (0 or 1; -1 not reported): all must agree */
     uint32_t pipe; /* the connection its registration and heartbeats come on */
     /* its data plane, from its last heartbeat: rows waiting for their job,
      * clients' regions mapped, rows and bytes received, rows expired */

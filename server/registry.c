@@ -170,30 +170,34 @@ void coord_watch_tick(uv_timer_t *t)
         coord_maybe_form(c);
 }
 
-/* ep_dedup_refused: 1 (and the call answered failed_precondition) when
- * the registering worker's KCU_EP_DEDUP (mode, -1 not reported) differs
- * from one reported by a worker that is up (another address: a restarted
- * worker replaces its own entry; a down one runs nothing, so a change of
- * the value over every worker in turn is refused only while an old one
- * still runs - the refused worker registers again at its next heartbeat
- * tick). Expert-parallel layers size their counts exchange by the mode, so
- * ranks that disagree would fail every forward (or wait on each other
- * until the exchange's timeout). */
-static int ep_dedup_refused(coord *c, rpc_call *call, const char *rpc_url, int mode)
+/* ep_env_refused: 1 (and the call answered failed_precondition) when
+ * the registering worker's value of the expert-parallel setting `name`
+ * (mode, -1 not reported; KCU_EP_DEDUP when ce is 0, KCU_EP_CE when 1)
+ * differs from one reported by a worker that is up (another address: a
+ * restarted worker replaces its own entry; a down one runs nothing, so a
+ * change of the value over every worker in turn is refused only while an
+ * old one still runs - the refused worker registers again at its next
+ * heartbeat tick). Expert-parallel layers size their counts exchange by
+ * KCU_EP_DEDUP and make KCU_EP_CE's collective setup calls (a communicator
+ * split, window registrations) only where it is 1, so ranks that disagree
+ * would fail every forward (or wait on each other until the exchange's
+ * timeout). */
+static int ep_env_refused(coord *c, rpc_call *call, const char *rpc_url, const char *name, int mode,
+                          int ce)
 {
     if (mode < 0)
         return 0;
     for (int i = 0; i < COORD_MAX_WORKERS; i++) {
         const coord_worker *w = &c->workers[i];
-        if (w->state != WS_UP || w->ep_dedup < 0 || w->ep_dedup == mode ||
-            strcmp(w->rpc_url, rpc_url) == 0)
+        const int theirs = ce ? w->ep_ce : w->ep_dedup;
+        if (w->state != WS_UP || theirs < 0 || theirs == mode || strcmp(w->rpc_url, rpc_url) == 0)
             continue;
-        LOG_W("worker at %s refused: KCU_EP_DEDUP=%d there, %d on worker %d (%s)", rpc_url, mode,
-              w->ep_dedup, w->id, w->rpc_url);
+        LOG_W("worker at %s refused: %s=%d there, %d on worker %d (%s)", rpc_url, name, mode,
+              theirs, w->id, w->rpc_url);
         rpc_reply_err(call, MOE_EPRECOND,
-                      "KCU_EP_DEDUP=%d on this worker, %d on worker %d (%s): every worker must "
-                      "run with the same value",
-                      mode, w->ep_dedup, w->id, w->rpc_url);
+                      "%s=%d on this worker, %d on worker %d (%s): every worker must run with "
+                      "the same value",
+                      name, mode, theirs, w->id, w->rpc_url);
         return 1;
     }
     return 0;
@@ -203,7 +207,7 @@ void coord_worker_register(coord *c, rpc_call *call)
 {
     char rpc_url[CFG_STR_MAX], data_url[CFG_STR_MAX], backend[32] = "cpu", device[128] = "";
     char client_url[CFG_STR_MAX] = "", host[128] = "", bulk_url[CFG_STR_MAX] = "";
-    int64_t pid = 0, start_ticks = 0, ep_dedup = -1;
+    int64_t pid = 0, start_ticks = 0, ep_dedup = -1, ep_ce = -1;
     mp_reader rmem;
     char err[256];
     pspec sp[] = {
@@ -218,9 +222,10 @@ void coord_worker_register(coord *c, rpc_call *call)
         {"mem", P_RAW, &rmem, false, 0, 0, 0, false},
         {"start_ticks", P_INT, &start_ticks, false, 0, 9.2e18, 0, false},
         {"ep_dedup", P_INT, &ep_dedup, false, 0, 2, 0, false},
+        {"ep_ce", P_INT, &ep_ce, false, 0, 1, 0, false},
     };
     mp_reader r = call->req.params;
-    moe_err e = params_parse(&r, call->req.nparams, sp, 11, err, sizeof(err));
+    moe_err e = params_parse(&r, call->req.nparams, sp, 12, err, sizeof(err));
     int64_t mem_host = -1, mem_gpu = -1;
     if (e == MOE_OK && sp[8].seen)
         e = coord_parse_mem(&rmem, &mem_host, &mem_gpu, err, sizeof(err));
@@ -228,7 +233,8 @@ void coord_worker_register(coord *c, rpc_call *call)
         rpc_reply_err(call, e, "%s", err);
         return;
     }
-    if (ep_dedup_refused(c, call, rpc_url, (int)ep_dedup))
+    if (ep_env_refused(c, call, rpc_url, "KCU_EP_DEDUP", (int)ep_dedup, 0) ||
+        ep_env_refused(c, call, rpc_url, "KCU_EP_CE", (int)ep_ce, 1))
         return;
     /* a restarted worker on the same address replaces its old entry */
     coord_worker *slot = NULL;
@@ -282,6 +288,7 @@ void coord_worker_register(coord *c, rpc_call *call)
     snprintf(slot->device, sizeof(slot->device), "%s", device);
     slot->pid = (int)pid;
     slot->ep_dedup = (int)ep_dedup;
+    slot->ep_ce = (int)ep_ce;
     slot->start_ticks = (unsigned long long)start_ticks;
     slot->watched = watchable(c, slot);
     slot->mem_host = mem_host;

@@ -8,6 +8,13 @@ slot's returned row is (its expert, its token). Written without a GPU to
 check the index arithmetic; keep it in step with the kernels when they
 change. Not run by make lint.
 
+With ce=True, the copy-engine exchange's padded layout (kcu_ep.cu ce_slots,
+epd_plan with ce_fwd): chunk c's dispatch slot Sd[c] (the most unique rows of
+one (source, destination) pair), return slot R[c] (the most slot rows of one
+(source, owner) pair), regions D[c], B[c]; the transfers are all-to-alls of
+whole slots (ncclAlltoAll semantics: rank a's slot b lands in rank b's slot
+a) and every row must land where the tables say, y as without it.
+
 Usage: tools/ep_dedup_layout.py   exit 0 when every case passes (assert).
 """
 import random
@@ -41,7 +48,7 @@ def kernel_urank(mask,T,W):
                     ur[(b*NT+i,q)]=bcnt[b][q]+sum(f[w*32:w*32+lane])+sum(wsum[:w])
     return ur
 
-def run(W,E,K,Ts,C,P,seed):
+def run(W,E,K,Ts,C,P,seed,ce=False):
     rnd=random.Random(seed)
     BM=128
     ranks=[]
@@ -84,6 +91,14 @@ def run(W,E,K,Ts,C,P,seed):
     def owner_rows(q,c,o):
         a=first(E,W,o); b=first(E,W,o+1)
         return sum(rows(q,c,e) for e in range(a,b))
+    # ce_slots: the same on every rank (from the gathered counts only)
+    Sd=[max(uniq(q,c,d) for q in range(W) for d in range(W)) for c in range(C)]
+    Rs=[max(owner_rows(q,c,o) for q in range(W) for o in range(W)) for c in range(C)]
+    D=[0]; B=[0]
+    for c in range(C): D.append(D[-1]+W*Sd[c]); B.append(B[-1]+W*Rs[c])
+    real=sum(uniq(q,c,d)+owner_rows(q,c,d) for q in range(W) for c in range(C) for d in range(W))
+    padded=W*(D[C]+B[C])
+    assert padded>=real
     plans=[]
     for me in range(W):
         fst=first(E,W,me); ne=first(E,W,me+1)-fst
@@ -103,12 +118,14 @@ def run(W,E,K,Ts,C,P,seed):
             offs.append(o); offsc.append(offs)
             pos=sbase[c]
             for e in range(E):
+                if ce and e==first(E,W,owner(E,W,e)): pos=B[c]+owner(E,W,e)*Rs[c]
                 ctab[(c,e)]=pos; cpre[(c,e)]=sum(rows(me,cc,e) for cc in range(c)); pos+=rows(me,c,e)
             upos=usbase[c]; rpos=urbase[c]; ret=0
             for q in range(W):
+                if ce: upos=rpos=D[c]+q*Sd[c]
                 utab[(c,q)]=upos; upre[(c,q)]=sum(usend[cc][q] for cc in range(c)); upos+=usend[c][q]
                 ur0[(c,q)]=rpos; urn[(c,q)]=urecv[c][q]; rpos+=urecv[c][q]
-                r_in=ret
+                r_in=B[c]-rbase[c]+q*Rs[c] if ce else ret
                 for i in range(ne):
                     g=offs[i]+sum(rows(qq,c,fst+i) for qq in range(q))
                     goff[(c,q,i)]=g; roff[(c,q,i)]=r_in; r_in+=rows(q,c,fst+i)
@@ -142,8 +159,8 @@ def run(W,E,K,Ts,C,P,seed):
             j=r-R['offs'][e]-p['cpre'][(c,e)]
             assert 0<=j<rows(me,c,e)
             sendpos[s]=p['ctab'][(c,e)]+j
-        assert sorted(sendpos)==list(range(S))
-        nus=p['usbase'][C]
+        assert len(set(sendpos))==S and (ce or sorted(sendpos)==list(range(S)))
+        nus=D[C] if ce else p['usbase'][C]
         xsend=[None]*nus; msend=[None]*(nus*K)
         for t in range(T):
             c=part(t,T,C)
@@ -151,6 +168,7 @@ def run(W,E,K,Ts,C,P,seed):
                 if not (R['mask'][t]>>q&1): continue
                 u=p['utab'][(c,q)]+R['urank'][(t,q)]-p['upre'][(c,q)]
                 assert xsend[u] is None
+                if ce: assert D[c]+q*Sd[c]<=u<D[c]+q*Sd[c]+p['usend'][c][q]<=D[c]+(q+1)*Sd[c]
                 xsend[u]=(me,t)
                 for k in range(K):
                     s=t*K+k; e=idx[s]; v=-1
@@ -160,13 +178,25 @@ def run(W,E,K,Ts,C,P,seed):
                         v=((e-first(E,W,q))<<24)|j
                         assert v>=0 and v>>24==e-first(E,W,q) and v&0xffffff==j
                     msend[u*K+k]=v
-        assert all(x is not None for x in xsend)
+        if ce:
+            assert sum(x is not None for x in xsend)==p['usbase'][C]
+            # sendpos: owner o's rows of chunk c in o's return slot of yrecv
+            for s_ in range(S):
+                c=part(s_//K,T,C); o=owner(E,W,idx[s_])
+                assert B[c]+o*Rs[c]<=sendpos[s_]<B[c]+o*Rs[c]+p['send_rows'][c][o]
+        else:
+            assert all(x is not None for x in xsend)
         R['sendpos']=sendpos; R['xsend']=xsend; R['msend']=msend
     # dispatch: owner me receives from q chunk c
     for me in range(W):
-        p=plans[me]; nur=p['urbase'][C]
+        p=plans[me]; nur=D[C] if ce else p['urbase'][C]
         xrecv=[None]*nur; mrecv=[None]*(nur*K)
-        for c in range(C):
+        for c in range(C) if ce else ():  # ncclAlltoAll of Sd[c] rows (and Sd[c] K int32) a peer
+            for q in range(W):
+                for u in range(Sd[c]):
+                    xrecv[D[c]+q*Sd[c]+u]=ranks[q]['xsend'][D[c]+me*Sd[c]+u]
+                    for k in range(K): mrecv[(D[c]+q*Sd[c]+u)*K+k]=ranks[q]['msend'][(D[c]+me*Sd[c]+u)*K+k]
+        for c in range(C) if not ce else ():
             ro=p['urbase'][c]
             for q in range(W):
                 pq=plans[q]; nr=p['urecv'][c][q]
@@ -189,7 +219,28 @@ def run(W,E,K,Ts,C,P,seed):
                     g=p['goff'][(c,q,i)]+j
                     assert gidx[rb+g] is None
                     gidx[rb+g]=p['ur0'][(c,q)]+kk//K; sidx[rb+g]=rb+p['roff'][(c,q,i)]+j
-        assert all(x is not None for x in gidx) and sorted(sidx)==list(range(N))
+        assert all(x is not None for x in gidx)
+        if ce:  # each GEMM row returns into its source's slot of its chunk, once
+            assert len(set(sidx))==N
+            for c in range(C):
+                rb=p['rbase'][c]
+                # the sorted-mode scratch [B[c], B[c] + rows) stays in the chunk's region
+                assert p['rbase'][c+1]-rb<=W*Rs[c]
+                for g in range(p['rbase'][c+1]-rb):
+                    src=xrecv[gidx[rb+g]][0]  # the row came from rank src's slot
+                    assert D[c]+src*Sd[c]<=gidx[rb+g]<D[c]+src*Sd[c]+p['urecv'][c][src]
+                    assert B[c]+src*Rs[c]<=sidx[rb+g]<B[c]+src*Rs[c]+p['recv_rows'][c][src]
+        else:
+            assert sorted(sidx)==list(range(N))
+        if ce:  # inference only: no weight-gradient indices
+            ysend=[None]*B[C]
+            for c in range(C):
+                rb=p['rbase'][c]; offs=p['offsc'][c]
+                for i in range(p['ne']):
+                    for g in range(offs[i],offs[i+1]):
+                        ysend[sidx[rb+g]]=(p['fst']+i,xrecv[gidx[rb+g]])
+            ranks[me].update(gidx=gidx,sidx=sidx,xrecv=xrecv,ysend=ysend)
+            continue
         # global expert-major rows (wbase as epd_plan)
         ne=p['ne']; goffs=[0]*(ne+1)
         for i in range(ne):
@@ -233,8 +284,12 @@ def run(W,E,K,Ts,C,P,seed):
     # return + combine check
     for me in range(W):
         p=plans[me]; R=ranks[me]
-        yrecv=[None]*p['sbase'][C]
-        for c in range(C):
+        yrecv=[None]*(B[C] if ce else p['sbase'][C])
+        for c in range(C) if ce else ():  # ncclAlltoAll of R[c] rows a peer
+            for o in range(W):
+                for u in range(Rs[c]):
+                    yrecv[B[c]+o*Rs[c]+u]=ranks[o]['ysend'][B[c]+me*Rs[c]+u]
+        for c in range(C) if not ce else ():
             so=p['sbase'][c]
             for q in range(W):
                 pq=plans[q]; ns=p['send_rows'][c][q]
@@ -244,6 +299,11 @@ def run(W,E,K,Ts,C,P,seed):
                 so+=ns
         for s in range(R['T']*K):
             assert yrecv[R['sendpos'][s]]==(R['idx'][s],(me,s//K)), (me,s)
+    if ce:  # every pair's rows fit its slot (the all-to-all pairs itself)
+        for c in range(C):
+            for me in range(W):
+                assert max(plans[me]['usend'][c])<=Sd[c] and max(plans[me]['recv_rows'][c])<=Rs[c]
+        return padded,real
     # backward (ep_pipeline bwd after a dedup forward): k_ep_dy writes the
     # w dy row of slot s at xsend[sendpos[s]]; ep_exchange sends it along the
     # return layout (send_rows / recv_rows) into ysend; the owner reads GEMM
@@ -328,6 +388,21 @@ def main():
            (64,64,8,[3]*64,2,8),(6,13,5,[1,2,3,4,5,6],5,5)]
     for n,(W,E,K,Ts,C,P) in enumerate(named):
         run(W,E,K,Ts,C,P,500+n)
+    # the copy-engine exchange's padded layout: random cases, T=0 on some
+    # ranks, W=2..8, uneven experts per rank (E not a multiple of W)
+    for seed in range(40):
+        rnd=random.Random(3000+seed)
+        W=rnd.randint(2,8); E=rnd.choice([W,W+1,2*W+3,16,24,64,129]); E=max(E,W)
+        K=rnd.randint(1,min(8,E))
+        Ts=[rnd.choice([0,0,1,3,7,50,130,300]) for _ in range(W)]
+        C=rnd.choice([1,2,3,4]); P=8 if C in (1,2,4) and rnd.random()<0.3 else C*rnd.choice([1,2])
+        run(W,E,K,Ts,C,P,seed,ce=True)
+    for n,(W,E,K,Ts,C,P) in enumerate(named):
+        run(W,E,K,Ts,C,P,700+n,ce=True)
+    pd,rl=run(4,128,8,[2000]*4,4,8,1,ce=True)
+    print("ep_dedup_layout: copy-engine padded layout: 40 random and %d named cases pass; "
+          "Qwen3-like 4 ranks x 2000 tokens, 4 chunks: padded / real rows %.3f"
+          % (len(named),pd/rl))
     u,s=run(4,128,8,[2000]*4,4,8,1)
     print("ep_dedup_layout: 40 random and %d named cases pass; Qwen3-like 4 ranks x 2000 "
           "tokens: %d unique rows for %d slots" % (len(named),u,s))

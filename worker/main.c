@@ -267,7 +267,7 @@ static void send_register(wkr *w)
     if (load_secret(w) != 0)
         return;
     mp_writer_init(&pw);
-    mp_write_map(&pw, 10 + (w->bulk_url[0] ? 1 : 0));
+    mp_write_map(&pw, 11 + (w->bulk_url[0] ? 1 : 0));
     if (w->bulk_url[0]) {
         mp_write_cstr(&pw, "bulk_url");
         mp_write_cstr(&pw, w->bulk_url);
@@ -288,9 +288,11 @@ static void send_register(wkr *w)
     mp_write_cstr(&pw, "pid");
     mp_write_i64(&pw, getpid());
     mp_write_cstr(&pw, "ep_dedup");
-    mp_write_i64(&pw, ep_dedup_env()); /* its layers' rule (common/ep_env.h) */
-    procstat me;                       /* with the pid, names this process: a coordinator on this
-                                        * host watches it die (common/procstat.h) */
+    mp_write_i64(&pw, ep_dedup_env()); /* its layers' rules (common/ep_env.h) */
+    mp_write_cstr(&pw, "ep_ce");
+    mp_write_i64(&pw, ep_ce_env());
+    procstat me; /* with the pid, names this process: a coordinator on this
+                  * host watches it die (common/procstat.h) */
     mp_write_cstr(&pw, "start_ticks");
     mp_write_i64(&pw, procstat_read(0, &me) == 0 ? (int64_t)me.start_ticks : 0);
     w->registering = 1;

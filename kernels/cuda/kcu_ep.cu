@@ -42,13 +42,17 @@
  * row -> recv row / activation row).
  */
 #include <limits.h>
+#include <pthread.h>
 #include <math.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include <atomic>
 #include <type_traits>
+
+#include <dlfcn.h>
 
 #include <nccl.h>
 
@@ -70,6 +74,60 @@ extern "C" int (*kcu_ep_abort_hook)(void) = nullptr;
  * +9 / +5 / +1 / -1 / -11%: the forward gains from 49152 on, training from
  * 98304 on. */
 enum { EP_MAX_CHUNKS = 8, EP_MAX_WORLD = 64, EP_CHUNK_ROWS = 49152, EP_CHUNK_ROWS_TRAIN = 98304 };
+
+/* NCCL entry points of the copy-engine exchange, looked up at run time
+ * (dlsym) so that the library runs where NCCL lacks them: ncclAlltoAll
+ * (2.28), ncclCommWindowRegister / Deregister (2.27), ncclMemAlloc /
+ * ncclMemFree (2.19) */
+struct ep_ce_fns {
+    ncclResult_t (*mem_alloc)(void **, size_t);
+    ncclResult_t (*mem_free)(void *);
+    ncclResult_t (*win_reg)(ncclComm_t, void *, size_t, ncclWindow_t *, int);
+    ncclResult_t (*win_dereg)(ncclComm_t, ncclWindow_t);
+    ncclResult_t (*a2a)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
+};
+
+/* the padded slots of a CE forward (ce_slots; the same on every rank):
+ * chunk c's dispatch slot S[c] rows per (source, destination) pair, its
+ * return slot R[c] rows per (owner, source) pair; the dispatch region of
+ * chunk c starts at row D[c] = W sum_{c'<c} S[c'] of xsend / xrecv (peer
+ * q's slot at D[c] + q S[c]), the return region at B[c] = W sum R[c'] of
+ * ysend / yrecv (peer q's slot at B[c] + q R[c]) */
+struct ep_ce_slots {
+    int64_t S[EP_MAX_CHUNKS], R[EP_MAX_CHUNKS], D[EP_MAX_CHUNKS + 1], B[EP_MAX_CHUNKS + 1];
+    int64_t real, padded; /* rows over all ranks: sent for real, moved with padding */
+};
+
+/* the copy-engine state of one borrowed communicator (kcu_ep.h
+ * "Copy-engine exchange"), shared by every kcu_ep on it (the layers of one
+ * worker): one CE communicator, one pair of windows, grown to what the
+ * largest layer needs. Found by parent in ce_list under ce_mu and
+ * refcounted by the kcu_ep holding it (kcu_ep_create / kcu_ep_destroy);
+ * the rest is used by one thread at a time (a worker's layers run one at a
+ * time on its compute thread), but the GPU work of consecutive layers
+ * overlaps: ev_free orders the windows' reuse (ce_plan, ce_windows_done). */
+struct ep_ce_shared {
+    ep_ce_shared *next;  /* ce_list, while linked */
+    ncclComm_t parent;   /* the borrowed communicator (the key; not owned) */
+    int refs;            /* kcu_ep holding it (under ce_mu) */
+    int linked;          /* in ce_list (under ce_mu): unlinked once failed */
+    int state;           /* 0 not set up yet, 1 ready, -1 unavailable: every layer
+                          * takes the send/recv path */
+    ep_ce_fns fn;        /* NCCL symbols newer than 2.27, by dlsym */
+    ncclComm_t comm;     /* the CE communicator over parent's ranks, CTAPolicy ZERO,
+                          * blocking (owned; ce_create), or NULL (not set up, or
+                          * aborted) */
+    void *buf[2];        /* ncclMemAlloc: [0] token side, [1] owner side */
+    ncclWindow_t win[2]; /* their symmetric windows on comm */
+    size_t bytes;        /* bytes of each */
+    int64_t capx, capy;  /* padded dispatch / return rows they hold */
+    unsigned gen;        /* bumped by each growth (the buffers move) */
+    cudaEvent_t ev_free; /* recorded after the last CE forward's last use of the
+                          * windows (any layer's); ev_used once recorded */
+    int ev_used;
+    const kcu_ep *acct; /* the layer whose kcu_ep_bytes counts the windows (once):
+                         * the one that set up, else the next to take the CE path */
+};
 
 struct kcu_ep {
     kcu_ep_config c;
@@ -134,6 +192,20 @@ struct kcu_ep {
      * cpre (C,E), utab, upre (C,W); owner ur0, urn (C,W), goff, roff (C,W,ne) */
     int t_ctab, t_cpre, t_utab, t_upre, t_ur0, t_urn, t_goff, t_roff;
     int t_wbase; /* (C,W,ne) global expert-major row of (chunk, source, expert) (train) */
+    /* the exchange buffers a forward binds (ep_bind): the send/recv path's
+     * (xsend, yrecv, msend in tws; xrecv, ysend, mrecv in ows, set by
+     * ep_grow) or the copy-engine windows' */
+    bf16 *xsend_t, *yrecv_t, *xrecv_o, *ysend_o;
+    int32_t *msend_t, *mrecv_o;
+    /* copy-engine exchange (KCU_EP_CE=1; kcu_ep.h "Copy-engine exchange") */
+    int ce_want;                /* KCU_EP_CE=1 at create, world > 1, dedup on */
+    int ce_fwd;                 /* the last forward took the CE path */
+    int64_t ce_n[2];            /* inference dedup forwards on the CE path, fallen back */
+    ep_ce_shared *ce;           /* the CE state of comm, shared by its layers (a reference),
+                                 * or NULL without ce_want */
+    unsigned ce_gen;            /* ce->gen when the last CE forward bound the windows */
+    int32_t *agree_d, *agree_h; /* one int32 for ep_agree (device, pinned) */
+    ep_ce_slots cs_;            /* the last CE forward's padded slots */
 };
 
 namespace
@@ -278,7 +350,11 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
 
 /* ---- host helpers ---- */
 
-moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
+void ce_fail(kcu_ep *ep, const char *why);
+
+/* r of an NCCL call on communicator comm: while the (non-blocking)
+ * communicator reports ncclInProgress, polled under the timeout */
+moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what)
 {
     const int64_t deadline = now_ms() + ep->c.timeout_ms;
     int spins = 0;
@@ -286,6 +362,14 @@ moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s still in progress after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
+            ce_fail(ep, what);
+            return MOE_EUNAVAIL;
+        }
+        /* a member is gone (the worker aborted the exchange): a collective
+         * call in progress (a split, a window's registration) never ends */
+        if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (spins++ > 1000) {
@@ -293,15 +377,30 @@ moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
             nanosleep(&ts, NULL);
         }
         ncclResult_t st = ncclSuccess;
-        ncclResult_t q = ncclCommGetAsyncError(ep->comm, &st);
+        ncclResult_t q = ncclCommGetAsyncError(comm, &st);
         r = q != ncclSuccess ? q : st;
     }
     if (r != ncclSuccess) {
         fprintf(stderr, "kcu_ep: rank %d: %s: %s (%s)\n", ep->c.rank, what, ncclGetErrorString(r),
-                ncclGetLastError(ep->comm));
+                ncclGetLastError(comm));
+        ce_fail(ep, what);
         return MOE_EUNAVAIL;
     }
     return MOE_OK;
+}
+
+moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
+{
+    return ep_nccl_on(ep, ep->comm, r, what);
+}
+
+/* the asynchronous error state of comm: nonzero on an error (in progress
+ * is not one) */
+int ep_comm_failed(ncclComm_t comm)
+{
+    ncclResult_t as = ncclSuccess;
+    return ncclCommGetAsyncError(comm, &as) != ncclSuccess ||
+           (as != ncclSuccess && as != ncclInProgress);
 }
 
 /* wait for an event (or a stream when ev is NULL) under the timeout while
@@ -318,20 +417,22 @@ moe_err ep_wait(kcu_ep *ep, cudaEvent_t ev, cudaStream_t st, const char *what)
             fprintf(stderr, "kcu_ep: rank %d: %s: %s\n", ep->c.rank, what, cudaGetErrorString(e));
             return MOE_EINTERNAL;
         }
-        ncclResult_t as = ncclSuccess;
-        if (ncclCommGetAsyncError(ep->comm, &as) != ncclSuccess ||
-            (as != ncclSuccess && as != ncclInProgress)) {
-            fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error %s\n", ep->c.rank, what,
-                    ncclGetErrorString(as));
+        /* the CE communicator's too: its all-to-alls wait on peers as well */
+        if (ep_comm_failed(ep->comm) || (ep->ce && ep->ce->comm && ep_comm_failed(ep->ce->comm))) {
+            fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error (%s)\n", ep->c.rank, what,
+                    ep_comm_failed(ep->comm) ? "communicator" : "CE communicator");
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
             fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
+            ce_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (spins++ < 2000) {
@@ -425,10 +526,652 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
         if (tr)
             ep->wgy = (int32_t *)take(rows * 4);
     }
+    ep->xrecv_o = ep->xrecv;
+    ep->ysend_o = ep->ysend;
+    ep->mrecv_o = ep->mrecv;
     ep->ows_bytes = b;
     ep->cap_rows = rows;
     ep->cap_tbl = tbl;
     return MOE_OK;
+}
+
+/* ---- copy-engine exchange (kcu_ep.h "Copy-engine exchange") ---- */
+
+/* the exchange buffers of this forward: the copy-engine windows (ce) or
+ * the send/recv path's */
+void ep_bind(kcu_ep *ep, int ce)
+{
+    if (ce) {
+        const size_t H = ep->c.H, K = ep->c.K, X = ep->ce->capx;
+        /* each window: [X rows of H bf16 | X rows of K int32 | Y rows of H
+         * bf16]: xsend | msend | yrecv on the token side, xrecv | mrecv |
+         * ysend on the owner side (the same offsets on every rank) */
+        char *t = (char *)ep->ce->buf[0], *o = (char *)ep->ce->buf[1];
+        const size_t m0 = al(X * H * 2), y0 = m0 + al(X * K * 4);
+        ep->xsend = (bf16 *)t;
+        ep->msend = (int32_t *)(t + m0);
+        ep->yrecv = (bf16 *)(t + y0);
+        ep->xrecv = (bf16 *)o;
+        ep->mrecv = (int32_t *)(o + m0);
+        ep->ysend = (bf16 *)(o + y0);
+    } else {
+        ep->xsend = ep->xsend_t;
+        ep->msend = ep->msend_t;
+        ep->yrecv = ep->yrecv_t;
+        ep->xrecv = ep->xrecv_o;
+        ep->mrecv = ep->mrecv_o;
+        ep->ysend = ep->ysend_o;
+    }
+}
+
+/* one stderr line per process for the CE path's notes */
+void ce_note(const kcu_ep *ep, const char *msg)
+{
+    static std::atomic<int> said{0};
+    if (!said.exchange(1))
+        fprintf(stderr, "kcu_ep: rank %d: KCU_EP_CE=1: %s; forwards take the send/recv path\n",
+                ep->c.rank, msg);
+}
+
+/* ---- the shared CE state: one per borrowed communicator ---- */
+
+pthread_mutex_t ce_mu = PTHREAD_MUTEX_INITIALIZER;
+ep_ce_shared *ce_list = nullptr; /* the linked states (under ce_mu) */
+
+/* a reference to parent's shared CE state, made the first time (state 0:
+ * nothing set up, no collective call); NULL when out of memory */
+ep_ce_shared *ce_get(ncclComm_t parent)
+{
+    pthread_mutex_lock(&ce_mu);
+    ep_ce_shared *s = ce_list;
+    while (s && s->parent != parent)
+        s = s->next;
+    if (!s) {
+        s = (ep_ce_shared *)calloc(1, sizeof(*s));
+        if (s && cudaEventCreateWithFlags(&s->ev_free, cudaEventDisableTiming) != cudaSuccess) {
+            (void)cudaGetLastError();
+            free(s);
+            s = nullptr;
+        }
+        if (s) {
+            s->parent = parent;
+            s->linked = 1;
+            s->next = ce_list;
+            ce_list = s;
+        }
+    }
+    if (s)
+        s->refs++;
+    pthread_mutex_unlock(&ce_mu);
+    return s;
+}
+
+/* takes s out of ce_list (ce_mu held): a kcu_ep created later on the same
+ * parent (or on a new communicator at the same address) starts afresh */
+void ce_unlink_locked(ep_ce_shared *s)
+{
+    if (!s->linked)
+        return;
+    for (ep_ce_shared **p = &ce_list; *p; p = &(*p)->next)
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    s->linked = 0;
+    s->next = nullptr;
+}
+
+void ce_free_bufs(ep_ce_shared *s);
+
+/* ---- the CE communicator's abort, off the caller's thread ----
+ * ncclCommAbort of the CE communicator with a peer dead can take long or
+ * not return (its symmetric windows map the peer's memory; a worker's
+ * compute thread stuck in it for 30 s after a SIGKILLed peer, 4x H100,
+ * 2026-11-27), and the caller (the compute thread failing a forward, or
+ * destroying the layers for a re-formation) must go on to the borrowed
+ * communicator's abort. So a detached thread takes the communicator and
+ * the windows' buffers, aborts, then frees them; the caller only forgets
+ * them. Where the thread cannot start, the abort runs here. */
+struct ce_reap {
+    ncclComm_t comm; /* aborted (owned) */
+    void *buf[2];    /* ncclMemFree'd after the abort (owned) */
+    ep_ce_fns fn;    /* mem_free */
+    int rank;
+    char why[96];
+};
+
+void *ce_reap_main(void *arg)
+{
+    ce_reap *r = (ce_reap *)arg;
+    const int64_t t0 = now_ms();
+    if (r->comm)
+        ncclCommAbort(r->comm);
+    for (int i = 0; i < 2; i++)
+        if (r->buf[i] && r->fn.mem_free)
+            r->fn.mem_free(r->buf[i]);
+    fprintf(stderr, "kcu_ep: rank %d: %s: CE communicator aborted (%lld ms)\n", r->rank, r->why,
+            (long long)(now_ms() - t0));
+    free(r);
+    return nullptr;
+}
+
+/* hands s's communicator and buffers to a reaper thread (see above) and
+ * forgets them: s has no windows afterwards */
+void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
+{
+    if (!s->comm && !s->buf[0] && !s->buf[1])
+        return;
+    ce_reap *r = (ce_reap *)calloc(1, sizeof(*r));
+    if (!r) { /* no memory for the hand-over: the abort and the frees here */
+        if (s->comm)
+            ncclCommAbort(s->comm);
+        s->comm = nullptr;
+        s->win[0] = s->win[1] = nullptr;
+        ce_free_bufs(s);
+        return;
+    }
+    r->comm = s->comm;
+    r->buf[0] = s->buf[0];
+    r->buf[1] = s->buf[1];
+    r->fn = s->fn;
+    r->rank = rank;
+    snprintf(r->why, sizeof(r->why), "%s", why);
+    s->comm = nullptr;
+    s->win[0] = s->win[1] = nullptr;
+    s->buf[0] = s->buf[1] = nullptr;
+    s->bytes = 0;
+    s->capx = s->capy = 0;
+    pthread_attr_t at;
+    pthread_t th;
+    int started = pthread_attr_init(&at) == 0 &&
+                  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
+                  pthread_create(&th, &at, ce_reap_main, r) == 0;
+    pthread_attr_destroy(&at);
+    if (!started)
+        ce_reap_main(r);
+}
+
+/* the CE path failed (a wait or an NCCL call failed: a peer is gone, the
+ * timeout passed, the abort hook; or a window's registration failed): the
+ * CE communicator is ours, so it is aborted (its copies stuck on a dead
+ * peer stop; the caller aborts the borrowed one) by a reaper thread
+ * (ce_reap_start), and never used again; its windows and their buffers go
+ * with it. Every layer on it falls back to send/recv; the state leaves
+ * ce_list. */
+void ce_fail(kcu_ep *ep, const char *why)
+{
+    ep_ce_shared *s = ep->ce;
+    ep->ce_fwd = 0;
+    if (!s)
+        return;
+    pthread_mutex_lock(&ce_mu);
+    ce_unlink_locked(s);
+    pthread_mutex_unlock(&ce_mu);
+    s->state = -1;
+    ce_reap_start(s, ep->c.rank, why);
+}
+
+/* frees the windows' buffers (after their deregistration or the CE
+ * communicator's abort, nothing in flight on them) */
+void ce_free_bufs(ep_ce_shared *s)
+{
+    for (int i = 0; i < 2; i++) {
+        if (s->buf[i] && s->fn.mem_free)
+            s->fn.mem_free(s->buf[i]);
+        s->buf[i] = nullptr;
+    }
+    s->bytes = 0;
+    s->capx = s->capy = 0;
+}
+
+/* kcu_ep_destroy's first part: drops ep's reference. The last one takes
+ * the state out of ce_list and aborts the CE communicator, never
+ * deregisters and destroys it: both are collective, and a layer is
+ * destroyed when its model is deleted or re-created after a re-formation,
+ * where a peer may be dead or the borrowed communicator already aborted (a
+ * deregistration waiting on it would hold the worker up to the timeout, or
+ * for good). The abort is local (a reaper thread: ce_reap_start) and
+ * stops copies stuck on a dead peer while the device is synchronised.
+ * Returns the state for ce_free (after
+ * that synchronisation) when this was the last reference, else NULL. */
+ep_ce_shared *ce_put(kcu_ep *ep)
+{
+    ep_ce_shared *s = ep->ce;
+    ep->ce = nullptr;
+    if (!s)
+        return nullptr;
+    pthread_mutex_lock(&ce_mu);
+    const int last = --s->refs == 0;
+    if (last)
+        ce_unlink_locked(s);
+    else if (s->acct == ep)
+        s->acct = nullptr; /* the next layer taking the CE path counts the windows */
+    pthread_mutex_unlock(&ce_mu);
+    if (!last)
+        return nullptr;
+    ce_reap_start(s, ep->c.rank, "the last layer's destroy");
+    return s;
+}
+
+/* kcu_ep_destroy's second part, after the device synchronisation: the
+ * buffers, the event, the state */
+void ce_free(ep_ce_shared *s)
+{
+    ce_free_bufs(s);
+    cudaEventDestroy(s->ev_free);
+    free(s);
+}
+
+/* ---- the watchdog of a blocking call on the CE communicator ----
+ * The CE communicator is blocking (ce_create says why): a collective call on
+ * it (a window's registration or deregistration) does not return while a
+ * peer is missing. ce_guard_start starts a thread that, until
+ * ce_guard_stop, polls kcu_ep_abort_hook and the layer's timeout; when
+ * either trips it aborts the communicator (ncclCommAbort from another
+ * thread: the blocked call then returns an error). ce_guard_stop joins it
+ * and returns nonzero when it did so: the caller never touches that
+ * communicator again. One thread per guarded call: they are rare (the
+ * setup, each growth). */
+struct ce_guard {
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ncclComm_t comm;  /* guarded (the shared state's; aborted here only when fired) */
+    int64_t deadline; /* now_ms() past which it fires */
+    int done;         /* the guarded call returned (ce_guard_stop) */
+    int fired;        /* it aborted comm: 1 on the abort hook, 2 on the timeout */
+};
+
+void *ce_guard_main(void *arg)
+{
+    ce_guard *g = (ce_guard *)arg;
+    pthread_mutex_lock(&g->mu);
+    while (!g->done && !g->fired) {
+        if (kcu_ep_abort_hook && kcu_ep_abort_hook())
+            g->fired = 1;
+        else if (now_ms() > g->deadline)
+            g->fired = 2;
+        if (g->fired)
+            break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 2000000; /* 2 ms */
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&g->cv, &g->mu, &ts);
+    }
+    const int fired = g->fired;
+    pthread_mutex_unlock(&g->mu);
+    if (fired)
+        ncclCommAbort(g->comm);
+    return nullptr;
+}
+
+/* 0, or -1 when the thread cannot start (then no blocking call is made) */
+int ce_guard_start(ce_guard *g, const kcu_ep *ep, ncclComm_t comm)
+{
+    memset(g, 0, sizeof(*g));
+    g->comm = comm;
+    g->deadline = now_ms() + ep->c.timeout_ms;
+    pthread_mutex_init(&g->mu, nullptr);
+    pthread_cond_init(&g->cv, nullptr);
+    if (pthread_create(&g->th, nullptr, ce_guard_main, g) != 0) {
+        pthread_cond_destroy(&g->cv);
+        pthread_mutex_destroy(&g->mu);
+        return -1;
+    }
+    return 0;
+}
+
+/* the guarded call returned: 0, or 1 / 2 when the watchdog aborted the
+ * communicator (the abort hook / the timeout), the abort then finished */
+int ce_guard_stop(ce_guard *g)
+{
+    pthread_mutex_lock(&g->mu);
+    g->done = 1;
+    pthread_cond_signal(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    pthread_join(g->th, nullptr);
+    pthread_cond_destroy(&g->cv);
+    pthread_mutex_destroy(&g->mu);
+    return g->fired;
+}
+
+enum { CE_REG, CE_DEREG };
+
+/* one blocking collective call on the CE communicator, under the watchdog:
+ * CE_REG registers window i over buf[i] (bytes, NCCL_WIN_COLL_SYMMETRIC),
+ * CE_DEREG deregisters window i. ncclSuccess, or the failure, after which
+ * the CE path is failed (ce_fail; where the watchdog fired the
+ * communicator is already aborted and forgotten). A non-blocking answer
+ * (ncclInProgress: NCCL_COMM_BLOCKING=0 in the environment overrides the
+ * config) counts as a failure: this path polls nothing. */
+ncclResult_t ce_guarded(kcu_ep *ep, int op, int i, size_t bytes, const char *what)
+{
+    ep_ce_shared *s = ep->ce;
+    if (!s->comm)
+        return ncclInvalidUsage;
+    ce_guard g;
+    if (ce_guard_start(&g, ep, s->comm) != 0) {
+        fprintf(stderr, "kcu_ep: rank %d: %s: no watchdog thread\n", ep->c.rank, what);
+        ce_fail(ep, what);
+        return ncclSystemError;
+    }
+    ncclResult_t r =
+        op == CE_REG ? s->fn.win_reg(s->comm, s->buf[i], bytes, &s->win[i], NCCL_WIN_COLL_SYMMETRIC)
+                     : s->fn.win_dereg(s->comm, s->win[i]);
+    const int fired = ce_guard_stop(&g);
+    if (op == CE_DEREG)
+        s->win[i] = nullptr;
+    if (fired) {
+        s->comm = nullptr; /* aborted by the watchdog: never touched again */
+        s->win[0] = s->win[1] = nullptr;
+        if (fired == 1)
+            fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+        else
+            fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
+                    ep->c.timeout_ms);
+        if (r == ncclSuccess || r == ncclInProgress)
+            r = ncclRemoteError;
+    }
+    if (r != ncclSuccess) {
+        if (!fired)
+            fprintf(stderr, "kcu_ep: rank %d: %s: %s (%s)\n", ep->c.rank, what,
+                    ncclGetErrorString(r), ncclGetLastError(s->comm));
+        ce_fail(ep, what);
+    }
+    return r;
+}
+
+/* 1 when every rank passes ok != 0: a min all-reduce of one int32 on the
+ * borrowed communicator (every rank calls, in the same order), waited for
+ * under the timeout. *all is set only on success. */
+moe_err ep_agree(kcu_ep *ep, int ok, int *all, const char *what)
+{
+    ep->agree_h[0] = ok ? 1 : 0;
+    KCU_CHECK(cudaMemcpyAsync(ep->agree_d, ep->agree_h, 4, cudaMemcpyHostToDevice, ep->cs));
+    KCU_TRY(ep_nccl(
+        ep, ncclAllReduce(ep->agree_d, ep->agree_d, 1, ncclInt32, ncclMin, ep->comm, ep->cs),
+        what));
+    KCU_CHECK(cudaMemcpyAsync(ep->agree_h, ep->agree_d, 4, cudaMemcpyDeviceToHost, ep->cs));
+    KCU_CHECK(cudaEventRecord(ep->ev_cnt, ep->cs));
+    KCU_TRY(ep_wait(ep, ep->ev_cnt, nullptr, what));
+    *all = ep->agree_h[0] == 1;
+    return MOE_OK;
+}
+
+/* deregisters both windows (collective on the CE communicator: every rank,
+ * in lockstep), each under the watchdog; MOE_EUNAVAIL (the CE path failed)
+ * when one fails */
+moe_err ce_dereg(kcu_ep *ep)
+{
+    ep_ce_shared *s = ep->ce;
+    for (int i = 0; i < 2; i++)
+        if (s->comm && s->win[i] &&
+            ce_guarded(ep, CE_DEREG, i, 0, "ncclCommWindowDeregister") != ncclSuccess)
+            return MOE_EUNAVAIL;
+    return MOE_OK;
+}
+
+/* r of NCCL call or state, or the one it reports asynchronously */
+ncclResult_t ce_async(ncclComm_t comm)
+{
+    ncclResult_t st = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &st);
+    return q != ncclSuccess ? q : st;
+}
+
+/* the CE communicator (CTAPolicy ZERO, BLOCKING) into s->comm; *ok whether
+ * it was made here. Errors only where the borrowed communicator fails.
+ * Why blocking: NCCL 2.28 refuses the window registration on a non-blocking
+ * CE communicator: ncclCommWindowRegister fails at once on every rank with
+ * ncclInvalidArgument, NCCL_DEBUG=WARN showing per rank "init.cc:362 NCCL
+ * WARN Attempt to use communicator before the previous operation returned
+ * ncclSuccess" and "group.cc:86 NCCL WARN ncclAsyncJobComplete: job ...
+ * failed, job error 3" (4x H100, 2026-11-27); a blocking one registers and
+ * runs (bench/NOTES.md "Copy-engine exchange"). Its blocking collective
+ * calls run under the watchdog (ce_guarded).
+ * Why not ncclCommSplit of the borrowed communicator: the split runs in the
+ * parent's mode, and on the worker's non-blocking communicator its job
+ * fails the same way (the same two WARN lines, each worker of 4 on 4x H100,
+ * 2026-11-27), which also leaves the parent unusable. So rank 0 makes a
+ * fresh unique id, the borrowed communicator broadcasts it (a collective
+ * like the agreements, under the timeout and the abort hook), and every
+ * rank joins with ncclCommInitRankConfig. That join blocks until every rank
+ * is in; the agreement just before it has seen them all alive, and a peer
+ * dying inside it leaves the join to NCCL's bootstrap timeout (not under
+ * the watchdog: until it returns there is no communicator to abort). */
+moe_err ce_create(kcu_ep *ep, int *ok, char *why, size_t nwhy)
+{
+    ep_ce_shared *s = ep->ce;
+    *ok = 0;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof(id));
+    ncclResult_t r = ep->c.rank == 0 ? ncclGetUniqueId(&id) : ncclSuccess;
+    unsigned char *h = nullptr; /* pinned: the id's way back from the device */
+    void *d = nullptr;
+    int ready = r == ncclSuccess && cudaMallocHost((void **)&h, sizeof(id)) == cudaSuccess &&
+                cudaMalloc(&d, sizeof(id)) == cudaSuccess;
+    if (!ready)
+        (void)cudaGetLastError();
+    int all = 0;
+    moe_err e = ep_agree(ep, ready, &all, "CE setup (unique id)");
+    if (e == MOE_OK && all) {
+        memcpy(h, &id, sizeof(id));
+        if (cudaMemcpyAsync(d, h, sizeof(id), cudaMemcpyHostToDevice, ep->cs) != cudaSuccess)
+            e = MOE_EINTERNAL;
+        if (e == MOE_OK)
+            e = ep_nccl(ep, ncclBroadcast(d, d, sizeof(id), ncclUint8, 0, ep->comm, ep->cs),
+                        "CE setup (unique id)");
+        if (e == MOE_OK &&
+            (cudaMemcpyAsync(h, d, sizeof(id), cudaMemcpyDeviceToHost, ep->cs) != cudaSuccess ||
+             cudaEventRecord(ep->ev_cnt, ep->cs) != cudaSuccess))
+            e = MOE_EINTERNAL;
+        if (e == MOE_OK)
+            e = ep_wait(ep, ep->ev_cnt, nullptr, "CE setup (unique id)");
+        if (e == MOE_OK)
+            memcpy(&id, h, sizeof(id));
+    } else if (e == MOE_OK) {
+        snprintf(why, nwhy, "the CE communicator's unique id (rank %d: %s)", ep->c.rank,
+                 r != ncclSuccess ? ncclGetErrorString(r) : "no memory for it");
+    }
+    if (d)
+        cudaFree(d);
+    if (h)
+        cudaFreeHost(h);
+    if (e != MOE_OK || !all)
+        return e;
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    cfg.blocking = 1;
+    ncclComm_t ce = nullptr;
+    r = ncclCommInitRankConfig(&ce, ep->c.world, id, ep->c.rank, &cfg);
+    if (r == ncclSuccess && ce)
+        r = ce_async(ce);
+    *ok = r == ncclSuccess && ce;
+    if (*ok) {
+        s->comm = ce;
+        return MOE_OK;
+    }
+    snprintf(why, nwhy, "ncclCommInitRankConfig with CTAPolicy ZERO on rank %d: %s", ep->c.rank,
+             ncclGetErrorString(r));
+    if (ce)
+        ncclCommAbort(ce);
+    return MOE_OK;
+}
+
+/* the CE communicator, at the first forward of any layer on this borrowed
+ * communicator that would take the CE path (every rank reaches it in
+ * lockstep: the decision comes from the gathered counts, and the layers
+ * run in the same order on every rank). The library's version and symbols,
+ * then the CE communicator (ce_create), each agreed on by all ranks
+ * (ep_agree); a failure anywhere leaves every rank on the send/recv path
+ * (state -1, one note). Errors only where the borrowed communicator fails. */
+moe_err ce_setup(kcu_ep *ep)
+{
+    ep_ce_shared *s = ep->ce;
+    char why[160] = "";
+    int ver = 0;
+    ncclGetVersion(&ver);
+    ep_ce_fns &f = s->fn;
+    f.mem_alloc = (decltype(f.mem_alloc))dlsym(RTLD_DEFAULT, "ncclMemAlloc");
+    f.mem_free = (decltype(f.mem_free))dlsym(RTLD_DEFAULT, "ncclMemFree");
+    f.win_reg = (decltype(f.win_reg))dlsym(RTLD_DEFAULT, "ncclCommWindowRegister");
+    f.win_dereg = (decltype(f.win_dereg))dlsym(RTLD_DEFAULT, "ncclCommWindowDeregister");
+    f.a2a = (decltype(f.a2a))dlsym(RTLD_DEFAULT, "ncclAlltoAll");
+    if (ver < 22800) /* NCCL_VERSION(2,28,0): CTAPolicy ZERO's copy-engine collectives */
+        snprintf(why, sizeof(why), "NCCL %d.%d.%d at run time (copy-engine collectives need 2.28)",
+                 ver / 10000, ver / 100 % 100, ver % 100);
+    else if (!f.mem_alloc || !f.mem_free || !f.win_reg || !f.win_dereg || !f.a2a)
+        snprintf(why, sizeof(why),
+                 "NCCL at run time lacks a symbol of "
+                 "ncclMemAlloc, ncclMemFree, ncclCommWindow(De)Register, "
+                 "ncclAlltoAll");
+    int all = 0;
+    KCU_TRY(ep_agree(ep, !why[0], &all, "CE setup (versions)"));
+    if (!all) {
+        s->state = -1;
+        ce_note(ep, why[0] ? why : "another rank's NCCL lacks the copy-engine collectives");
+        return MOE_OK;
+    }
+    int ok = 0;
+    KCU_TRY(ce_create(ep, &ok, why, sizeof(why)));
+    moe_err e = ep_agree(ep, ok, &all, "CE setup (communicator)");
+    if (e != MOE_OK || !all) {
+        if (e == MOE_OK)
+            ce_note(ep, why[0] ? why : "the CE communicator could not be made on another rank");
+        ce_fail(ep, "CE setup (communicator)");
+        return e;
+    }
+    s->state = 1;
+    s->acct = ep;
+    return MOE_OK;
+}
+
+/* the windows for x padded dispatch rows and y return rows (every rank
+ * the same sizes, from the gathered counts: grown in lockstep; shared by
+ * the layers, so grown to the largest need of any). Everything in flight
+ * on them is waited for first, bounded: this layer's streams and ev_free
+ * (the last CE forward of any layer: its combine reads yrecv, its
+ * transfers use both). A failure on any rank (agreed) fails the CE path:
+ * every rank then stays on the send/recv path. */
+moe_err ce_grow(kcu_ep *ep, int64_t x, int64_t y, cudaStream_t st)
+{
+    ep_ce_shared *s = ep->ce;
+    const size_t H = ep->c.H, K = ep->c.K;
+    /* 1.25x what this forward needs, so that a slightly larger batch does
+     * not register again (collective, slow); bytes rounded to 2 MiB */
+    const int64_t nx = std::max(s->capx, x + x / 4 + 256);
+    const int64_t ny = std::max(s->capy, y + y / 4 + 256);
+    const size_t mib2 = (size_t)2 << 20;
+    const size_t bytes =
+        ((al(nx * H * 2) + al(nx * K * 4) + al(ny * H * 2)) + mib2 - 1) / mib2 * mib2;
+    KCU_TRY(ep_wait(ep, nullptr, st, "CE windows (previous forward)"));
+    KCU_TRY(ep_quiesce(ep, "CE windows (previous forward)"));
+    if (s->ev_used)
+        KCU_TRY(ep_wait(ep, s->ev_free, nullptr, "CE windows (previous forward of a layer)"));
+    KCU_TRY(ce_dereg(ep));
+    ce_free_bufs(s);
+    ncclResult_t r = s->fn.mem_alloc(&s->buf[0], bytes);
+    if (r == ncclSuccess)
+        r = s->fn.mem_alloc(&s->buf[1], bytes);
+    int all = 0;
+    char why[160];
+    snprintf(why, sizeof(why), "ncclMemAlloc of 2 x %.1f MiB failed on some rank (rank %d: %s)",
+             bytes / 1048576.0, ep->c.rank, ncclGetErrorString(r));
+    moe_err e = ep_agree(ep, r == ncclSuccess, &all, "CE windows (allocation)");
+    if (e == MOE_OK && all) {
+        /* collective on the CE communicator: every rank registers the same
+         * sizes in the same order; a failure fails the CE path here */
+        r = ce_guarded(ep, CE_REG, 0, bytes, "ncclCommWindowRegister");
+        if (r == ncclSuccess)
+            r = ce_guarded(ep, CE_REG, 1, bytes, "ncclCommWindowRegister");
+        snprintf(why, sizeof(why), "ncclCommWindowRegister failed on some rank (rank %d: %s)",
+                 ep->c.rank, ncclGetErrorString(r));
+        e = ep_agree(ep, r == ncclSuccess && s->comm, &all, "CE windows (registration)");
+    }
+    if (e != MOE_OK || !all) {
+        if (e == MOE_OK)
+            ce_note(ep, why);
+        ce_fail(ep, "CE windows");
+        ce_free_bufs(s); /* nothing in flight on them: waited for above */
+        return e;
+    }
+    s->bytes = bytes;
+    s->capx = nx;
+    s->capy = ny;
+    s->gen++;
+    /* one line per setup and growth (rare): the operator's sign that the
+     * copy-engine path is in use, and what it holds */
+    if (ep->c.rank == 0)
+        fprintf(stderr,
+                "kcu_ep: rank 0: copy-engine exchange: windows 2 x %.1f MiB (%lld dispatch, %lld "
+                "return rows), growth %u\n",
+                bytes / 1048576.0, (long long)nx, (long long)ny, s->gen);
+    return MOE_OK;
+}
+
+/* after a CE forward (or the bench's exchange) on stream st, finished or
+ * failed half-way: the exchange stream joined into st, then ev_free
+ * recorded on st. The next CE forward of any layer waits for it on its
+ * stream before writing into the windows (ce_plan), a growth on the host
+ * (ce_grow). A CUDA error here fails the CE path. */
+moe_err ce_windows_done(kcu_ep *ep, cudaStream_t st)
+{
+    ep_ce_shared *s = ep->ce;
+    if (!s || s->state <= 0)
+        return MOE_OK;
+    cudaError_t e = cudaEventRecord(ep->ev_done, ep->cs);
+    if (e == cudaSuccess)
+        e = cudaStreamWaitEvent(st, ep->ev_done, 0);
+    if (e == cudaSuccess)
+        e = cudaEventRecord(s->ev_free, st);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "kcu_ep: rank %d: CE windows' release: %s\n", ep->c.rank,
+                cudaGetErrorString(e));
+        ce_fail(ep, "CE windows' release");
+        return MOE_EINTERNAL;
+    }
+    s->ev_used = 1;
+    return MOE_OK;
+}
+
+/* the CE path's all-to-alls of chunk c on stream cs: the unique rows and
+ * their metadata out (two ncclAlltoAll of S[c] rows per peer), or the slot
+ * rows back (R[c] rows per peer). The slots are padded: rows past a
+ * pair's real count carry stale bytes nothing reads. On the blocking CE
+ * communicator ncclAlltoAll returns once enqueued; ep_wait watches its
+ * progress under the timeout. */
+moe_err ce_dispatch(kcu_ep *ep, int c)
+{
+    const ep_ce_slots &p = ep->cs_;
+    const ep_ce_shared *s = ep->ce;
+    const size_t H = ep->c.H, K = ep->c.K;
+    if (p.S[c] == 0)
+        return MOE_OK;
+    KCU_TRY(ep_nccl_on(ep, s->comm,
+                       s->fn.a2a(ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
+                                 (size_t)p.S[c] * H, ncclBfloat16, s->comm, ep->cs),
+                       "ncclAlltoAll (CE dispatch)"));
+    return ep_nccl_on(ep, s->comm,
+                      s->fn.a2a(ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
+                                (size_t)p.S[c] * K, ncclInt32, s->comm, ep->cs),
+                      "ncclAlltoAll (CE metadata)");
+}
+
+moe_err ce_return(kcu_ep *ep, int c)
+{
+    const ep_ce_slots &p = ep->cs_;
+    const ep_ce_shared *s = ep->ce;
+    const size_t H = ep->c.H;
+    if (p.R[c] == 0)
+        return MOE_OK;
+    return ep_nccl_on(ep, s->comm,
+                      s->fn.a2a(ep->ysend + (size_t)p.B[c] * H, ep->yrecv + (size_t)p.B[c] * H,
+                                (size_t)p.R[c] * H, ncclBfloat16, s->comm, ep->cs),
+                      "ncclAlltoAll (CE return)");
 }
 
 /* the host tables of one call from the gathered counts: transfer sizes,
@@ -570,7 +1313,8 @@ int ep_overlap_sms(const kcu_ep *ep)
 
 int ep_gemm_sms(const kcu_ep *ep)
 {
-    if (ep->C <= 1 || ep->c.world == 1)
+    /* the CE path moves the rows on the copy engines: no SM to leave */
+    if (ep->C <= 1 || ep->c.world == 1 || ep->ce_fwd)
         return ep->nsm;
     return ep_overlap_sms(ep);
 }
@@ -876,9 +1620,76 @@ int64_t epd_owner_rows(const kcu_ep *ep, int q, int c, int o)
     return n;
 }
 
+/* ep_ce_slots of this forward from the gathered counts (the same on every
+ * rank): S[c] the most unique rows of chunk c from one source to one
+ * destination (itself included: NCCL copies a rank's own slot too), R[c]
+ * the most slot rows of chunk c from one source for one owner; the regions'
+ * bases; the rows sent for real and with padding over all ranks */
+void ce_slots(const kcu_ep *ep, ep_ce_slots *p)
+{
+    const int W = ep->c.world, C = ep->C;
+    p->D[0] = p->B[0] = 0;
+    p->real = 0;
+    for (int c = 0; c < C; c++) {
+        int64_t s = 0, r = 0;
+        for (int q = 0; q < W; q++)
+            for (int d = 0; d < W; d++) {
+                const int64_t u = epd_uniq(ep, q, c, d), n = epd_owner_rows(ep, q, c, d);
+                s = std::max(s, u);
+                r = std::max(r, n);
+                p->real += u + n;
+            }
+        p->S[c] = s;
+        p->R[c] = r;
+        p->D[c + 1] = p->D[c] + W * s;
+        p->B[c + 1] = p->B[c] + W * r;
+    }
+    p->padded = (int64_t)W * (p->D[C] + p->B[C]);
+}
+
+/* whether this forward takes the CE path (ep->ce_fwd), decided from the
+ * gathered counts only, so every rank decides the same and makes the same
+ * collective calls (setup, growth) in the same order: an inference forward
+ * with KCU_EP_CE=1, the CE communicator up (set up here the first time),
+ * padding at most 1.25x the real rows (rows over all ranks, both
+ * directions; the copy engines move every slot whole), some rows to move,
+ * and the windows big enough (grown here). Otherwise the send/recv path. */
+moe_err ce_plan(kcu_ep *ep, int train, cudaStream_t st)
+{
+    ep->ce_fwd = 0;
+    if (!ep->ce_want || train)
+        return MOE_OK;
+    ep_ce_slots &p = ep->cs_;
+    ce_slots(ep, &p);
+    const int C = ep->C;
+    ep_ce_shared *s = ep->ce;
+    int take = s->state >= 0 && p.real > 0 && p.padded * 4 <= p.real * 5 &&
+               p.D[C] < INT32_MAX / 2 && p.B[C] < INT32_MAX / 2;
+    if (take && s->state == 0)
+        KCU_TRY(ce_setup(ep));
+    take = take && s->state > 0;
+    if (take && (p.D[C] > s->capx || p.B[C] > s->capy))
+        KCU_TRY(ce_grow(ep, p.D[C], p.B[C], st));
+    take = take && s->state > 0;
+    if (take) {
+        /* the windows are shared: the last CE forward (this layer's or
+         * another's, maybe still running on the GPU) is done with them
+         * before this one writes into them (the pack on st, next; the
+         * transfers and GEMMs follow st) */
+        if (s->ev_used)
+            KCU_CHECK(cudaStreamWaitEvent(st, s->ev_free, 0));
+        if (!s->acct)
+            s->acct = ep;
+        ep->ce_gen = s->gen;
+    }
+    ep->ce_fwd = take;
+    ep->ce_n[take ? 0 : 1]++;
+    return MOE_OK;
+}
+
 /* ep_plan for a dedup forward: statistics, transfer sizes (unique rows out,
  * slot rows back), tile lists, and the dedup tables */
-moe_err epd_plan(kcu_ep *ep)
+moe_err epd_plan(kcu_ep *ep, int train, cudaStream_t st)
 {
     const int E = ep->c.E, W = ep->c.world, C = ep->C, me = ep->c.rank, ne = ep->ne, K = ep->c.K;
     const int first = ep->first;
@@ -956,6 +1767,11 @@ moe_err epd_plan(kcu_ep *ep)
     ep->t_wbase = ep->t_roff + C * W * ne;
     ep->t_len = ep->t_wbase + C * W * ne;
     KCU_TRY(ep_grow(ep, ep->N, ep->t_len));
+    /* the CE path (its windows) or the send/recv path (ep_grow's buffers) */
+    KCU_TRY(ce_plan(ep, train, st));
+    ep_bind(ep, ep->ce_fwd);
+    const ep_ce_slots &cp = ep->cs_;
+    const int ce = ep->ce_fwd;
     int32_t *t = ep->tbl_h;
     for (int i = 0; i <= ne; i++)
         t[ep->t_goffs + i] = 0;
@@ -981,12 +1797,20 @@ moe_err epd_plan(kcu_ep *ep)
         t[ep->t_ntiles + c] = k;
         t[ep->t_rbase + c] = (int32_t)ep->rbase[c];
         /* token side: return rows of (c, e), expert e's slots in chunks
-         * before c; unique send rows of (c, q), tokens on q before c */
+         * before c; unique send rows of (c, q), tokens on q before c. CE
+         * path: owner o's rows of chunk c come back into the slot B[c] + o
+         * R[c] of yrecv, and the unique rows for q go out from D[c] + q S[c]
+         * of xsend */
         int64_t pos = ep->sbase[c];
         for (int e = 0; e < E; e++) {
             int64_t before = 0;
             for (int cc = 0; cc < c; cc++)
                 before += epd_rows(ep, me, cc, e);
+            if (ce) {
+                const int o = placement_owner(E, W, e);
+                if (e == placement_first(E, W, o))
+                    pos = cp.B[c] + o * cp.R[c];
+            }
             t[ep->t_ctab + c * E + e] = (int32_t)pos;
             t[ep->t_cpre + c * E + e] = (int32_t)before;
             pos += epd_rows(ep, me, c, e);
@@ -996,15 +1820,18 @@ moe_err epd_plan(kcu_ep *ep)
             int64_t before = 0;
             for (int cc = 0; cc < c; cc++)
                 before += ep->usend[cc][q];
+            if (ce) /* the same row on both sides: the slot of the pair */
+                upos = rpos = cp.D[c] + q * cp.S[c];
             t[ep->t_utab + c * W + q] = (int32_t)upos;
             t[ep->t_upre + c * W + q] = (int32_t)before;
             upos += ep->usend[c][q];
             /* owner side: source q's unique rows, its slots' GEMM rows and
-             * return rows per local expert */
+             * return rows per local expert (relative to rbase[c]; CE path:
+             * in source q's slot B[c] + q R[c] of ysend) */
             t[ep->t_ur0 + c * W + q] = (int32_t)rpos;
             t[ep->t_urn + c * W + q] = (int32_t)ep->urecv[c][q];
             rpos += ep->urecv[c][q];
-            int64_t r_in = ret;
+            int64_t r_in = ce ? cp.B[c] - ep->rbase[c] + q * cp.R[c] : ret;
             for (int i = 0; i < ne; i++) {
                 int64_t g = offs[i];
                 for (int qq = 0; qq < q; qq++)
@@ -1065,7 +1892,7 @@ moe_err epd_prepare(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t s
     }
     if (ep->P % ep->C)
         return MOE_EINTERNAL;
-    KCU_TRY(epd_plan(ep));
+    KCU_TRY(epd_plan(ep, train, st));
     KCU_CHECK(
         cudaMemcpyAsync(ep->tbl_d, ep->tbl_h, (size_t)ep->t_len * 4, cudaMemcpyHostToDevice, st));
     const int32_t *tb = ep->tbl_d;
@@ -1134,8 +1961,10 @@ moe_err epd_experts_fwd(kcu_ep *ep, int c, int train, cudaStream_t st)
     const int32_t *xgather = ep->gidx + rb;
     if (ep->sorted) { /* the chunk's rows in expert order: kept in xg for dW13 when
                        * training, else in its ysend region (the down-projection
-                       * overwrites it afterwards) */
-        bf16 *dst = (train && ep->xg ? ep->xg : ep->ysend) + (size_t)rb * H;
+                       * overwrites it afterwards; CE path: the chunk's padded
+                       * return region, which holds at least its rows) */
+        const int64_t yb = ep->ce_fwd ? ep->cs_.B[c] : rb;
+        bf16 *dst = train && ep->xg ? ep->xg + (size_t)rb * H : ep->ysend + (size_t)yb * H;
         KCU_TRY(kcu_gather_rows(ep->xrecv, MOE_BF16, ep->gidx + rb, f.t.offs + ne,
                                 (int)(ep->rbase[c + 1] - rb), H, dst, 0, st));
         xrows = dst;
@@ -1153,7 +1982,7 @@ moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
     const int C = ep->C;
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
     for (int c = 0; c < C; c++) {
-        KCU_TRY(epd_dispatch(ep, c));
+        KCU_TRY(ep->ce_fwd ? ce_dispatch(ep, c) : epd_dispatch(ep, c));
         KCU_CHECK(cudaEventRecord(ep->ev_disp[c], ep->cs));
     }
     for (int c = 0; c < C; c++) {
@@ -1163,7 +1992,7 @@ moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
     }
     for (int c = 0; c < C; c++) {
         KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_comp[c], 0));
-        KCU_TRY(ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
+        KCU_TRY(ep->ce_fwd ? ce_return(ep, c) : ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
     }
     KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
     return MOE_OK;
@@ -1235,6 +2064,10 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         ep->dedup = c.world > 1 && c.T_max < (1 << 24) ? want : 0;
         if (want && !ep->dedup && c.world > 1)
             fprintf(stderr, "kcu_ep_create: dedup off: T_max %d >= 2^24\n", c.T_max);
+        /* the copy-engine exchange (kcu_ep.h): KCU_EP_CE=1, inference
+         * forwards of the dedup path; set up at the first forward that
+         * takes it */
+        ep->ce_want = ep->dedup && ep_ce_env();
     }
     int dev = 0;
     moe_err rc = MOE_OK;
@@ -1243,6 +2076,12 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         cudaStreamCreateWithFlags(&ep->cs, cudaStreamNonBlocking) != cudaSuccess) {
         kcu_ep_destroy(ep);
         return MOE_EUNAVAIL;
+    }
+    /* the CE state of comm, shared with the other layers on it (no
+     * collective call: set up at the first forward that takes the path) */
+    if (ep->ce_want && !(ep->ce = ce_get(ep->comm))) {
+        kcu_ep_destroy(ep);
+        return MOE_ENOMEM;
     }
     cudaEvent_t *evs[] = {&ep->ev_a, &ep->ev_cnt, &ep->ev_done};
     for (auto e : evs)
@@ -1327,6 +2166,8 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         take(&ep->sendpos, S * 4);
         take(&ep->tab, (size_t)EP_MAX_CHUNKS * E * 4);
         take(&ep->cnt_all, (size_t)c.world * ncnt * 4);
+        if (ep->ce_want)
+            take(&ep->agree_d, 4);
         if (ep->dedup) {
             take(&ep->dcnt, ncnt * 4);
             take(&ep->umask, T * 8);
@@ -1344,7 +2185,8 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         if (pass == 0) {
             ep->tws_bytes = off;
             if (cudaMalloc(&ep->tws, off) != cudaSuccess ||
-                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) != cudaSuccess) {
+                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) != cudaSuccess ||
+                (ep->ce_want && cudaMallocHost((void **)&ep->agree_h, 4) != cudaSuccess)) {
                 (void)cudaGetLastError();
                 fprintf(stderr, "kcu_ep_create: allocation of %zu bytes failed\n", off);
                 kcu_ep_destroy(ep);
@@ -1353,6 +2195,9 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         }
     }
     R->max_tiles = (int)(mt - 1);
+    ep->xsend_t = ep->xsend;
+    ep->yrecv_t = ep->yrecv;
+    ep->msend_t = ep->msend;
     if (cudaMemset(R->wr, 0, Ep * H * 2) != cudaSuccess ||
         cudaMemset(R->bias, 0, E * 4) != cudaSuccess ||
         cudaMemset(R->dsync, 0, KCU_DSYNC_WORDS * 4) != cudaSuccess) {
@@ -1367,7 +2212,12 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
 {
     if (!ep)
         return;
+    /* before the device sync: the last layer's abort of the shared CE
+     * communicator stops its copies */
+    ep_ce_shared *ce_last = ce_put(ep);
     cudaDeviceSynchronize();
+    if (ce_last)
+        ce_free(ce_last);
     if (ep->ex)
         kcu_experts_destroy(ep->ex);
     if (ep->sh)
@@ -1380,6 +2230,8 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
         cudaFreeHost(ep->tbl_h);
     if (ep->cnt_h)
         cudaFreeHost(ep->cnt_h);
+    if (ep->agree_h)
+        cudaFreeHost(ep->agree_h);
     cudaEvent_t evs[] = {ep->ev_a, ep->ev_cnt, ep->ev_done};
     for (auto e : evs)
         if (e)
@@ -1461,15 +2313,19 @@ extern "C" moe_err kcu_ep_upload_router(kcu_ep *ep, const float *wr)
     return MOE_OK;
 }
 
-extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
-                                  moe_dtype y_dtype, int train, void *stream)
+/* kcu_ep_forward's work (kcu_ep_forward orders the CE windows' next use
+ * after it, whatever its outcome) */
+static moe_err ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
+                          moe_dtype y_dtype, int train, cudaStream_t st)
 {
-    cudaStream_t st = (cudaStream_t)stream;
     if (T < 0 || T > ep->c.T_max || (train && !ep->c.train) || (T > 0 && (!x || !y)) ||
         (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
         return MOE_EINVAL;
     ep->T_fwd = 0;
     ep->T = T;
+    ep->ce_fwd = 0; /* epd_plan may take the CE path; until then send/recv's buffers */
+    if (ep->ows)
+        ep_bind(ep, 0);
     const bf16 *xb = ep->R.xs;
     if (T > 0) {
         if (x_dtype == MOE_BF16 && !train && !kcu_is_host_ptr(x))
@@ -1500,7 +2356,7 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
          * while the dispatch flies (so it leaves NCCL its SMs when there
          * are peers); kept for the gate's gradient */
         const int32_t rows = T;
-        ep->sh->nsm = ep->c.world > 1 ? ep_overlap_sms(ep) : ep->nsm;
+        ep->sh->nsm = ep->c.world > 1 && !ep->ce_fwd ? ep_overlap_sms(ep) : ep->nsm;
         KCU_TRY(kcu_experts_forward(ep->sh, T, xb, MOE_BF16, &rows, ep->sy, MOE_BF16, train, st));
     }
     KCU_TRY(ep->dd ? epd_pipeline(ep, train, st) : ep_pipeline(ep, 0, train, st));
@@ -1508,6 +2364,19 @@ extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_
                        ep->gate ? ep->R.logits + ep->c.E : nullptr, T, y, y_dtype, st));
     ep->T_fwd = train ? (T > 0 ? T : -1) : 0; /* -1: a train forward of no tokens */
     return MOE_OK;
+}
+
+extern "C" moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
+                                  moe_dtype y_dtype, int train, void *stream)
+{
+    cudaStream_t st = (cudaStream_t)stream;
+    ep->ce_fwd = 0;
+    moe_err e = ep_forward(ep, T, x, x_dtype, y, y_dtype, train, st);
+    if (ep->ce_fwd) { /* the shared windows' next user waits for this forward */
+        const moe_err e2 = ce_windows_done(ep, st);
+        e = e != MOE_OK ? e : e2;
+    }
+    return e;
 }
 
 extern "C" moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtype, void *dx,
@@ -1766,7 +2635,10 @@ extern "C" size_t kcu_ep_bytes(const kcu_ep *ep)
     kcu_experts_bytes(ep->ex, &p, &w);
     if (ep->sh)
         kcu_experts_bytes(ep->sh, &sp, &sw);
-    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes;
+    /* the shared CE windows once per worker: in the layer that accounts
+     * for them (ep_ce_shared.acct), 0 in the others */
+    const size_t ce = ep->ce && ep->ce->acct == ep ? 2 * ep->ce->bytes : 0;
+    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes + ce;
 }
 
 extern "C" int kcu_ep_local_experts(const kcu_ep *ep, int *first)
@@ -1779,15 +2651,45 @@ extern "C" int kcu_ep_local_experts(const kcu_ep *ep, int *first)
 extern "C" moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream)
 {
     cudaStream_t st = (cudaStream_t)stream;
+    if (ep->ce_fwd) {
+        /* the shared windows: failed, or moved by another layer's growth,
+         * since this layer's last forward bound them */
+        const ep_ce_shared *s = ep->ce;
+        if (s->state <= 0 || s->gen != ep->ce_gen)
+            return MOE_EPRECOND;
+        if (s->ev_used)
+            KCU_CHECK(cudaStreamWaitEvent(st, s->ev_free, 0));
+    }
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
     for (int c = 0; c < ep->C; c++) /* dedup: the unique rows and their metadata */
-        KCU_TRY(ep->dd ? epd_dispatch(ep, c) : ep_exchange(ep, c, ep->xsend, ep->xrecv, 0));
+        KCU_TRY(ep->ce_fwd ? ce_dispatch(ep, c)
+                : ep->dd   ? epd_dispatch(ep, c)
+                           : ep_exchange(ep, c, ep->xsend, ep->xrecv, 0));
     for (int c = 0; c < ep->C; c++)
-        KCU_TRY(ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
+        KCU_TRY(ep->ce_fwd ? ce_return(ep, c) : ep_exchange(ep, c, ep->yrecv, ep->ysend, 1));
     KCU_CHECK(cudaEventRecord(ep->ev_done, ep->cs));
     KCU_CHECK(cudaStreamWaitEvent(st, ep->ev_done, 0));
+    if (ep->ce_fwd)
+        KCU_TRY(ce_windows_done(ep, st));
     return ep_wait(ep, nullptr, st, "exchange");
+}
+
+extern "C" int kcu_ep_last_ce(const kcu_ep *ep, int64_t *wire_bytes, int64_t *n_ce,
+                              int64_t *n_fallback)
+{
+    if (n_ce)
+        *n_ce = ep->ce_n[0];
+    if (n_fallback)
+        *n_fallback = ep->ce_n[1];
+    if (wire_bytes) { /* every slot of every other rank, padding included */
+        int64_t b = 0;
+        const int64_t H = ep->c.H, K = ep->c.K;
+        for (int c = 0; ep->ce_fwd && c < ep->C; c++)
+            b += ep->cs_.S[c] * (2 * H + 4 * K) + ep->cs_.R[c] * 2 * H;
+        *wire_bytes = b * (ep->c.world - 1);
+    }
+    return ep->ce_fwd;
 }
 
 extern "C" int64_t kcu_ep_last_send_bytes(const kcu_ep *ep)

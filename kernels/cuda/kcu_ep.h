@@ -106,6 +106,42 @@ typedef struct kcu_ep_config {
  * (token chunks here), so with chunks > 1 their bits differ from the path
  * without dedup (with one chunk the order is the same). */
 
+/* Copy-engine exchange (KCU_EP_CE=1, read at create; default off; the same
+ * value on every rank: the worker reports it at registration and the
+ * coordinator refuses one that differs). Inference forwards of the
+ * deduplicated dispatch move their rows with ncclAlltoAll on a second
+ * communicator over the borrowed one's ranks (ncclCommInitRankConfig
+ * over a unique id the borrowed one broadcasts; blocking) with CTAPolicy
+ * NCCL_CTA_POLICY_ZERO, over two ncclMemAlloc buffers registered as
+ * symmetric windows (NCCL >= 2.28 on one node: the copy engines, no CTA),
+ * so that while chunks overlap the expert GEMMs keep every SM (comm_sms is
+ * not reserved). ncclAlltoAll moves a fixed count per peer: every
+ * (chunk, pair) gets a slot of the chunk's largest count, the same on every
+ * rank from the gathered counts; the layout tables point into the padded
+ * slots, so the kernels, the combine and y (bit-identical to the forward
+ * without it) do not change. Set up at the first forward that takes it
+ * (the communicator, collective), windows grown in lockstep (1.25x the need).
+ * A forward takes the send/recv path instead (same results, no error) when
+ * padding would exceed 1.25x the real rows (skewed routing), for training
+ * forwards, or when NCCL lacks the symbols / is older than 2.28 or the
+ * communicator, allocation or registration failed on any rank (one stderr line,
+ * then every later forward). Every rank takes the same decision (from data
+ * all ranks share). One CE communicator and one pair of windows per
+ * borrowed communicator, shared by every kcu_ep on it (a worker's layers:
+ * refcounted, set up at the first CE forward of any layer, grown to the
+ * largest need; the next CE forward of any layer waits on the GPU for the
+ * previous one to be done with the windows). The CE communicator is
+ * blocking (NCCL 2.28 refuses the window registration on a non-blocking
+ * one); its blocking collective calls run under a watchdog thread that
+ * aborts it on the timeout or the abort hook. It is owned: aborted by the
+ * last kcu_ep_destroy on it (local, no collective), or when a wait fails (a
+ * dead peer, the timeout, the abort hook: every layer then falls back).
+ * Measured with a blocking CE communicator (per layer then) on 4x H100
+ * (bench/NOTES.md "Copy-engine exchange"); the shared design as built here
+ * NOT yet. kcu_ep_bytes counts the shared windows in one layer only.
+ * kcu_ep_last_send_bytes / kcu_ep_last_a2a_bytes count real
+ * rows; kcu_ep_last_ce gives what the padded slots put on the wire. */
+
 /* Routing families and shared experts (kern_cuda.h "Routing families").
  *
  * Token side: the router GEMM and the family router of kcu_layer
@@ -231,16 +267,29 @@ moe_err kcu_ep_download_router_grad(kcu_ep *ep, float *dwr);
 moe_err kcu_ep_upload_router(kcu_ep *ep, const float *wr);
 moe_err kcu_ep_zero_grads(kcu_ep *ep);
 struct kcu_experts *kcu_ep_experts(kcu_ep *ep);
-/* bytes of device memory held (all buffers, the shared expert's included) */
+/* bytes of device memory held (all buffers, the shared expert's included;
+ * the CE windows, shared by the layers on one communicator, in one layer
+ * only: the one that set them up, or after its destroy the next whose
+ * forward takes the CE path) */
 size_t kcu_ep_bytes(const kcu_ep *ep);
 /* kcu_ep_bench_exchange repeats the transfers of the last forward (every
  * chunk's dispatch, then every chunk's return; no GEMMs) and waits: the
  * time a caller measures around it is the layer's all-to-all time. The
- * forward's outputs are overwritten with garbage (a benchmark hook). */
+ * forward's outputs are overwritten with garbage (a benchmark hook).
+ * MOE_EPRECOND after a CE forward whose shared windows have since moved
+ * (another layer grew them) or failed. */
 moe_err kcu_ep_bench_exchange(kcu_ep *ep, void *stream);
 /* bytes this rank sent to other ranks (dispatch, one direction) in the
- * last forward */
+ * last forward: real rows (on the CE path the padded slots add what
+ * kcu_ep_last_ce's wire_bytes counts beyond these) */
 int64_t kcu_ep_last_send_bytes(const kcu_ep *ep);
+/* kcu_ep_last_ce: 1 when the last forward took the copy-engine path (see
+ * "Copy-engine exchange"); *wire_bytes (may be NULL) the bytes its
+ * all-to-alls moved to other ranks, padding included (0 on the send/recv
+ * path); *n_ce, *n_fallback (may be NULL) this layer's inference dedup
+ * forwards on the CE path and fallen back since create (both 0 without
+ * KCU_EP_CE=1) */
+int kcu_ep_last_ce(const kcu_ep *ep, int64_t *wire_bytes, int64_t *n_ce, int64_t *n_fallback);
 /* number of local experts; *first (may be NULL) the first one's index */
 int kcu_ep_local_experts(const kcu_ep *ep, int *first);
 

@@ -42,6 +42,9 @@ static moe_err fake_register_as(const char *coord_url, const char *secret, const
                                 const fake_proc *proc, int ep_dedup, nng_socket *sock, char *msg,
                                 size_t cap);
 
+/* KCU_EP_CE a fake worker reports (fake_register_as; -1: none) */
+static int fake_ep_ce = -1;
+
 static moe_err fake_register(const char *coord_url, const char *secret, const char *rpc_url,
                              nng_socket *sock, char *msg, size_t cap)
 {
@@ -65,10 +68,15 @@ static moe_err fake_register_as(const char *coord_url, const char *secret, const
     mp_write_i64(&w, 1);
     mp_write_cstr(&w, "worker.register");
     mp_write_array(&w, 1);
-    mp_write_map(&w, (secret ? 3 : 2) + (proc ? 3 : 0) + (ep_dedup >= 0 ? 1 : 0));
+    mp_write_map(&w, (secret ? 3 : 2) + (proc ? 3 : 0) + (ep_dedup >= 0 ? 1 : 0) +
+                         (fake_ep_ce >= 0 ? 1 : 0));
     if (ep_dedup >= 0) {
         mp_write_cstr(&w, "ep_dedup");
         mp_write_i64(&w, ep_dedup);
+    }
+    if (fake_ep_ce >= 0) {
+        mp_write_cstr(&w, "ep_ce");
+        mp_write_i64(&w, fake_ep_ce);
     }
     if (secret) {
         mp_write_cstr(&w, "cluster");
@@ -400,5 +408,41 @@ Test(registry, workers_disagreeing_on_ep_dedup_refused, .timeout = 60, .fini = c
     nng_close(s[2]);
     cr_assert(coord_warned(cl, "KCU_EP_DEDUP=0 there, 1 on worker"),
               "no warning about KCU_EP_DEDUP in %s", cl->paths_coord_log);
+    cr_assert_eq(cluster_stop(cl), 0);
+}
+
+/* Workers must agree on KCU_EP_CE too (the copy-engine exchange's setup is
+ * collective): as KCU_EP_DEDUP, a differing value is refused naming both,
+ * with a warning; none reported is not compared; the same value registers. */
+Test(registry, workers_disagreeing_on_ep_ce_refused, .timeout = 60, .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 0, .expected_workers = 3, .no_wait = 1, .checkpoint_root = ""};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "%s", cluster_error());
+    nng_socket s[4];
+    char msg[512];
+    fake_ep_ce = 1;
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21021", NULL, 1, &s[0], msg,
+                                  sizeof(msg)),
+                 MOE_OK, "%s", msg);
+    fake_ep_ce = 0;
+    moe_err e = fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21022", NULL, 1, &s[1], msg,
+                                 sizeof(msg));
+    cr_assert_eq(e, MOE_EPRECOND, "%s: %s", moe_err_code(e), msg);
+    cr_assert(strstr(msg, "KCU_EP_CE=0 on this worker, 1 on worker"), "%s", msg);
+    fake_ep_ce = -1;
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21023", NULL, 1, &s[2], msg,
+                                  sizeof(msg)),
+                 MOE_OK, "%s", msg);
+    fake_ep_ce = 1;
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21024", NULL, 1, &s[3], msg,
+                                  sizeof(msg)),
+                 MOE_OK, "%s", msg);
+    fake_ep_ce = -1;
+    wait_state(cl, 3, 3, 0);
+    for (int i = 0; i < 4; i++)
+        nng_close(s[i]);
+    cr_assert(coord_warned(cl, "KCU_EP_CE=0 there, 1 on worker"),
+              "no warning about KCU_EP_CE in %s", cl->paths_coord_log);
     cr_assert_eq(cluster_stop(cl), 0);
 }
