@@ -12,8 +12,8 @@
  * forward (bit-identical expected). The deduplicated dispatch of inference
  * forwards (kcu_ep.h) is on, as in the library (--no-dedup: off, the
  * baseline); the table's "disp MB" column shows the inference forward's
- * off-GPU dispatch bytes. KCU_EP_DEDUP is not read here. With KCU_EP_CE=1
- * (the copy-engine exchange, kcu_ep.h) the "ce" column shows how many of
+ * off-GPU dispatch bytes. KCU_EP_DEDUP is not read here. Unless KCU_EP_CE=0
+ * (the copy-engine exchange, kcu_ep.h; on by default) the "ce" column shows how many of
  * the timed inference forwards took the CE path, and a line after the
  * table the bytes its padded slots put on the wire; --check-infer names
  * the path of each forward it checks. Not a test.

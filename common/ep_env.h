@@ -20,11 +20,13 @@ static inline int ep_dedup_env(void)
 }
 
 /* ep_ce_env: the copy-engine exchange (kernels/cuda/kcu_ep.h "Copy-engine
- * exchange"): 1 where KCU_EP_CE=1, else 0 */
+ * exchange"): 0 where KCU_EP_CE=0, else 1 (on by default since session 24:
+ * bit-identical, Qwen3 on 4 H100s 3.81 ms against 4.49; it falls back by
+ * itself where NCCL or the routing cannot take it) */
 static inline int ep_ce_env(void)
 {
     const char *s = getenv("KCU_EP_CE");
-    return s && atoi(s) == 1 ? 1 : 0;
+    return s && *s && atoi(s) == 0 ? 0 : 1;
 }
 
 #endif

@@ -197,8 +197,8 @@ struct kcu_ep {
      * ep_grow) or the copy-engine windows' */
     bf16 *xsend_t, *yrecv_t, *xrecv_o, *ysend_o;
     int32_t *msend_t, *mrecv_o;
-    /* copy-engine exchange (KCU_EP_CE=1; kcu_ep.h "Copy-engine exchange") */
-    int ce_want;                /* KCU_EP_CE=1 at create, world > 1, dedup on */
+    /* copy-engine exchange (KCU_EP_CE, on unless 0; kcu_ep.h "Copy-engine exchange") */
+    int ce_want;                /* KCU_EP_CE not 0 at create, world > 1, dedup on */
     int ce_fwd;                 /* the last forward took the CE path */
     int64_t ce_n[2];            /* inference dedup forwards on the CE path, fallen back */
     ep_ce_shared *ce;           /* the CE state of comm, shared by its layers (a reference),
@@ -569,7 +569,9 @@ void ce_note(const kcu_ep *ep, const char *msg)
 {
     static std::atomic<int> said{0};
     if (!said.exchange(1))
-        fprintf(stderr, "kcu_ep: rank %d: KCU_EP_CE=1: %s; forwards take the send/recv path\n",
+        fprintf(stderr,
+                "kcu_ep: rank %d: the copy-engine exchange (KCU_EP_CE): %s; forwards take the "
+                "send/recv path\n",
                 ep->c.rank, msg);
 }
 
@@ -1650,7 +1652,7 @@ void ce_slots(const kcu_ep *ep, ep_ce_slots *p)
 /* whether this forward takes the CE path (ep->ce_fwd), decided from the
  * gathered counts only, so every rank decides the same and makes the same
  * collective calls (setup, growth) in the same order: an inference forward
- * with KCU_EP_CE=1, the CE communicator up (set up here the first time),
+ * with KCU_EP_CE not 0, the CE communicator up (set up here the first time),
  * padding at most 1.25x the real rows (rows over all ranks, both
  * directions; the copy engines move every slot whole), some rows to move,
  * and the windows big enough (grown here). Otherwise the send/recv path. */
@@ -2064,7 +2066,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         ep->dedup = c.world > 1 && c.T_max < (1 << 24) ? want : 0;
         if (want && !ep->dedup && c.world > 1)
             fprintf(stderr, "kcu_ep_create: dedup off: T_max %d >= 2^24\n", c.T_max);
-        /* the copy-engine exchange (kcu_ep.h): KCU_EP_CE=1, inference
+        /* the copy-engine exchange (kcu_ep.h): KCU_EP_CE not 0, inference
          * forwards of the dedup path; set up at the first forward that
          * takes it */
         ep->ce_want = ep->dedup && ep_ce_env();

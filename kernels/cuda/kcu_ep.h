@@ -106,7 +106,7 @@ typedef struct kcu_ep_config {
  * (token chunks here), so with chunks > 1 their bits differ from the path
  * without dedup (with one chunk the order is the same). */
 
-/* Copy-engine exchange (KCU_EP_CE=1, read at create; default off; the same
+/* Copy-engine exchange (KCU_EP_CE, read at create; on unless KCU_EP_CE=0; the same
  * value on every rank: the worker reports it at registration and the
  * coordinator refuses one that differs). Inference forwards of the
  * deduplicated dispatch move their rows with ncclAlltoAll on a second
@@ -287,8 +287,8 @@ int64_t kcu_ep_last_send_bytes(const kcu_ep *ep);
  * "Copy-engine exchange"); *wire_bytes (may be NULL) the bytes its
  * all-to-alls moved to other ranks, padding included (0 on the send/recv
  * path); *n_ce, *n_fallback (may be NULL) this layer's inference dedup
- * forwards on the CE path and fallen back since create (both 0 without
- * KCU_EP_CE=1) */
+ * forwards on the CE path and fallen back since create (both 0 with
+ * KCU_EP_CE=0) */
 int kcu_ep_last_ce(const kcu_ep *ep, int64_t *wire_bytes, int64_t *n_ce, int64_t *n_fallback);
 /* number of local experts; *first (may be NULL) the first one's index */
 int kcu_ep_local_experts(const kcu_ep *ep, int *first);
