@@ -1340,6 +1340,55 @@ Test(dataplane, ring_worker_killed_answers_unavailable, .timeout = 120, .fini = 
  * failed_precondition and a reason, rows naming a communicator refused,
  * a client on data path nccl fails clearly (unavailable) - and the worker
  * keeps serving the other paths */
+/* pieces_rows_call: data.rows (ticket 91/seq) of T rows (H wide, f32) over
+ * communicator 1 in `pieces` pieces (NO_PIECES: no such key); lane: with
+ * run (model m, layer 0, generation 1); inline: x in the message instead
+ * of nccl */
+#define NO_PIECES INT64_MIN
+static void pieces_rows_call(nng_socket s, uint64_t seq, int64_t T, int64_t H, int64_t pieces,
+                             int lane, int inline_x, raw_reply *r)
+{
+    static float x[8 * 32];
+    mp_writer p;
+    uint32_t n = 1;
+    mp_writer_init(&p);
+    write_ticket(&p, 91, seq);
+    if (inline_x) {
+        moe_tensor t = {MOE_F32, 2, {T, H, 0, 0}, x, (size_t)(T * H) * sizeof(float)};
+        mp_write_cstr(&p, "x");
+        moe_tensor_write(&p, &t);
+        n += 1;
+    } else {
+        mp_write_cstr(&p, "dtype");
+        mp_write_cstr(&p, "f32");
+        mp_write_cstr(&p, "shape");
+        mp_write_array(&p, 2);
+        mp_write_i64(&p, T);
+        mp_write_i64(&p, H);
+        mp_write_cstr(&p, "nccl");
+        mp_write_u64(&p, 1);
+        n += 3;
+    }
+    if (pieces != NO_PIECES) {
+        mp_write_cstr(&p, "pieces");
+        mp_write_i64(&p, pieces);
+        n++;
+    }
+    if (lane) {
+        mp_write_cstr(&p, "run");
+        mp_write_map(&p, 3);
+        mp_write_cstr(&p, "model");
+        mp_write_cstr(&p, "m");
+        mp_write_cstr(&p, "layer");
+        mp_write_i64(&p, 0);
+        mp_write_cstr(&p, "generation");
+        mp_write_u64(&p, 1);
+        n++;
+    }
+    raw_call(s, "data.rows", &p, n, r);
+    mp_writer_fini(&p);
+}
+
 Test(dataplane, nccl_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini_all)
 {
     cluster_opts o = {.workers = 1};
@@ -1401,18 +1450,7 @@ Test(dataplane, nccl_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini
     expect_err(&r, MOE_EPRECOND, "data.nccl_open from another NCCL version");
 
     /* rows naming a communicator: none is open here */
-    mp_writer_init(&p);
-    write_ticket(&p, 9, 1);
-    mp_write_cstr(&p, "dtype");
-    mp_write_cstr(&p, "f32");
-    mp_write_cstr(&p, "shape");
-    mp_write_array(&p, 2);
-    mp_write_i64(&p, T);
-    mp_write_i64(&p, H);
-    mp_write_cstr(&p, "nccl");
-    mp_write_u64(&p, 1);
-    raw_call(s, "data.rows", &p, 4, &r);
-    mp_writer_fini(&p);
+    pieces_rows_call(s, 1, T, H, NO_PIECES, 0, 0, &r);
     cr_assert_eq(r.rv, 0);
     cr_assert(r.resp.err == MOE_EPRECOND || r.resp.err == MOE_ENOTFOUND, "data.rows nccl: %s",
               moe_err_code(r.resp.err));
@@ -1442,51 +1480,6 @@ Test(dataplane, nccl_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini
                  moe_last_error());
     moe_client_close(c);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
-}
-
-/* pieces_rows_call: data.rows of T rows (H wide, f32) over communicator 1
- * in `pieces` pieces (has_pieces 0: no such key); lane: with run (model m,
- * layer 0, generation 1); inline: x in the message instead of nccl */
-static void pieces_rows_call(nng_socket s, uint64_t seq, int64_t T, int64_t H, int64_t pieces,
-                             int lane, int inline_x, raw_reply *r)
-{
-    static float x[8 * 32];
-    mp_writer p;
-    uint32_t n = 1;
-    mp_writer_init(&p);
-    write_ticket(&p, 91, seq);
-    if (inline_x) {
-        moe_tensor t = {MOE_F32, 2, {T, H, 0, 0}, x, (size_t)(T * H) * sizeof(float)};
-        mp_write_cstr(&p, "x");
-        moe_tensor_write(&p, &t);
-        n += 1;
-    } else {
-        mp_write_cstr(&p, "dtype");
-        mp_write_cstr(&p, "f32");
-        mp_write_cstr(&p, "shape");
-        mp_write_array(&p, 2);
-        mp_write_i64(&p, T);
-        mp_write_i64(&p, H);
-        mp_write_cstr(&p, "nccl");
-        mp_write_u64(&p, 1);
-        n += 3;
-    }
-    mp_write_cstr(&p, "pieces");
-    mp_write_i64(&p, pieces);
-    n++;
-    if (lane) {
-        mp_write_cstr(&p, "run");
-        mp_write_map(&p, 3);
-        mp_write_cstr(&p, "model");
-        mp_write_cstr(&p, "m");
-        mp_write_cstr(&p, "layer");
-        mp_write_i64(&p, 0);
-        mp_write_cstr(&p, "generation");
-        mp_write_u64(&p, 1);
-        n++;
-    }
-    raw_call(s, "data.rows", &p, n, r);
-    mp_writer_fini(&p);
 }
 
 /* expect_says: an error reply of code want whose message holds says */
