@@ -3,7 +3,8 @@
 # run on the GPUs of this host: bin/ep_bench at 1, 2, 4 and 8 GPUs (as many
 # as there are) for the Qwen3-30B-A3B (16384 tokens per GPU), Mixtral (8192)
 # and DeepSeek-V3 (4096, 256 experts, inference only: its optimizer state
-# does not fit) shapes, random routing, chunks 1 and 2; then the PyTorch
+# does not fit) shapes, random routing, chunks 1 and 2 (Qwen3 inference
+# also 4: the copy-engine exchange's best); then the PyTorch
 # expert-parallel layer (bench/peer_ep.py: all_to_all_single +
 # torch._grouped_mm) at the same sizes; then skewed routing at the largest
 # GPU count. Run from the repository root with bin/ and lib/ built; logs and
@@ -29,6 +30,9 @@ for W in $WS; do
     [ "$W" -gt "$NG" ] && continue
     LAST=$W
     step 150 "qwen3_w$W" $B --gpus "$W" --shape qwen3 --tokens 16384 --chunks 1,2
+    # inference: the deduplicated dispatch and the copy-engine exchange
+    # (both on by default) and their chunks
+    step 150 "qwen3_infer_w$W" $B --gpus "$W" --shape qwen3 --tokens 16384 --chunks 1,2,4 --infer
     step 150 "mixtral_w$W" $B --gpus "$W" --shape mixtral --tokens 8192 --chunks 1,2
     step 200 "deepseek_w$W" $B --gpus "$W" --shape deepseek --tokens 4096 --chunks 1,2 --infer
     step 200 "peer_w$W" python3 -m torch.distributed.run --standalone --nproc_per_node "$W" \

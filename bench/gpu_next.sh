@@ -5,10 +5,13 @@
 # $OUT/next.log (a device call returns eight files at most). The branches'
 # checks are bench/gpu_branches.sh's.
 #
-#   kills     GPU workers killed with the deduplicated dispatch on (the
-#             default since session 23; the last kill series ran before):
-#             deploy/kill-series.sh 4 --mix --kills 4 --backend cuda on all
-#             GPUs (about 4-6 minutes)
+#   kills     GPU workers killed with today's defaults (the deduplicated
+#             dispatch since session 23, the copy-engine exchange since
+#             session 24): deploy/kill-series.sh 4 --mix --kills 4 --backend
+#             cuda on all GPUs (about 4-6 minutes)
+#   scaling   issue 24's table with today's defaults: bash bench/ep_scaling.sh
+#             on 1, 2 and 4 GPUs (8 where lent), the PyTorch peer beside it
+#             (about 8-10 minutes on 4 GPUs: split with W lists if needed)
 #   qwen235   the bytes-bound Qwen3-235B-shaped layer (issue 23: 70% of copy,
 #             85% asked) under each GEMM mechanism and schedule switch, one
 #             bin/moe_bench run each (about 20 s each): which streams the
@@ -50,6 +53,12 @@ if want ipc; then
         echo "== CUDA IPC, MOE_RING=$r (rc $?)" | log
         grep -E "^(PASS|FAIL|qwen3 T=)" "$LOGS/ipc_ring$r.log" | cut -c1-160 | log
     done
+fi
+if want scaling; then
+    mkdir -p "$LOGS/scaling"
+    OUT="$LOGS/scaling" timeout 540 bash bench/ep_scaling.sh ${SCALING_WS:-1 2 4} >/dev/null 2>&1
+    echo "== scaling (rc $?)" | log
+    grep -E "^== |^[0-9] |rc=" "$LOGS/scaling/ep_scaling.log" | cut -c1-200 | tail -n 60 | log
 fi
 if want kills; then
     NG=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
