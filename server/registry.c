@@ -233,6 +233,12 @@ void coord_worker_register(coord *c, rpc_call *call)
         rpc_reply_err(call, e, "%s", err);
         return;
     }
+    /* a worker that reports ep_dedup but not ep_ce is of a build before the
+     * copy-engine exchange (session 24): it has none, so its value is 0 (a
+     * new worker, on by default, is refused beside it, not left to fail its
+     * forwards); one that reports neither is not compared */
+    if (ep_ce < 0 && ep_dedup >= 0)
+        ep_ce = 0;
     if (ep_env_refused(c, call, rpc_url, "KCU_EP_DEDUP", (int)ep_dedup, 0) ||
         ep_env_refused(c, call, rpc_url, "KCU_EP_CE", (int)ep_ce, 1))
         return;

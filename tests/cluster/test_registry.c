@@ -413,13 +413,15 @@ Test(registry, workers_disagreeing_on_ep_dedup_refused, .timeout = 60, .fini = c
 
 /* Workers must agree on KCU_EP_CE too (the copy-engine exchange's setup is
  * collective): as KCU_EP_DEDUP, a differing value is refused naming both,
- * with a warning; none reported is not compared; the same value registers. */
+ * with a warning; a worker reporting ep_dedup but no ep_ce is of a build
+ * without the exchange: 0, refused beside one that has it on; a worker
+ * reporting neither is not compared; the same value registers. */
 Test(registry, workers_disagreeing_on_ep_ce_refused, .timeout = 60, .fini = cluster_fini_all)
 {
     cluster_opts o = {.workers = 0, .expected_workers = 3, .no_wait = 1, .checkpoint_root = ""};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "%s", cluster_error());
-    nng_socket s[4];
+    nng_socket s[5];
     char msg[512];
     fake_ep_ce = 1;
     cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21021", NULL, 1, &s[0], msg,
@@ -430,17 +432,21 @@ Test(registry, workers_disagreeing_on_ep_ce_refused, .timeout = 60, .fini = clus
                                  sizeof(msg));
     cr_assert_eq(e, MOE_EPRECOND, "%s: %s", moe_err_code(e), msg);
     cr_assert(strstr(msg, "KCU_EP_CE=0 on this worker, 1 on worker"), "%s", msg);
-    fake_ep_ce = -1;
-    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21023", NULL, 1, &s[2], msg,
-                                  sizeof(msg)),
-                 MOE_OK, "%s", msg);
+    fake_ep_ce = -1; /* a build before the exchange: ep_dedup only */
+    e = fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21023", NULL, 1, &s[2], msg,
+                         sizeof(msg));
+    cr_assert_eq(e, MOE_EPRECOND, "ep_dedup without ep_ce: %s: %s", moe_err_code(e), msg);
+    cr_assert(strstr(msg, "KCU_EP_CE=0 on this worker, 1 on worker"), "%s", msg);
+    cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21025", NULL, -1, &s[4],
+                                  msg, sizeof(msg)),
+                 MOE_OK, "neither reported: not compared: %s", msg);
     fake_ep_ce = 1;
     cr_assert_eq(fake_register_as(cl->url, cl->secret, "tcp://127.0.0.1:21024", NULL, 1, &s[3], msg,
                                   sizeof(msg)),
                  MOE_OK, "%s", msg);
     fake_ep_ce = -1;
     wait_state(cl, 3, 3, 0);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         nng_close(s[i]);
     cr_assert(coord_warned(cl, "KCU_EP_CE=0 there, 1 on worker"),
               "no warning about KCU_EP_CE in %s", cl->paths_coord_log);
