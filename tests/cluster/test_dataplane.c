@@ -271,6 +271,17 @@ static void write_ticket(mp_writer *p, uint64_t a, uint64_t b)
     mp_write_u64(p, b);
 }
 
+/* write_rows_f32: data.rows' "dtype" f32 and "shape" [rows, H] (two keys) */
+static void write_rows_f32(mp_writer *p, int64_t rows, int64_t H)
+{
+    mp_write_cstr(p, "dtype");
+    mp_write_cstr(p, "f32");
+    mp_write_cstr(p, "shape");
+    mp_write_array(p, 2);
+    mp_write_i64(p, rows);
+    mp_write_i64(p, H);
+}
+
 Test(dataplane, bad_input_worker_keeps_serving, .timeout = 120, .fini = cluster_fini_all)
 {
     cluster_opts o = {.workers = 1};
@@ -287,12 +298,7 @@ Test(dataplane, bad_input_worker_keeps_serving, .timeout = 120, .fini = cluster_
     /* a region nobody attached */
     mp_writer_init(&p);
     write_ticket(&p, 1, 1);
-    mp_write_cstr(&p, "dtype");
-    mp_write_cstr(&p, "f32");
-    mp_write_cstr(&p, "shape");
-    mp_write_array(&p, 2);
-    mp_write_i64(&p, 2);
-    mp_write_i64(&p, H);
+    write_rows_f32(&p, 2, H);
     mp_write_cstr(&p, "region");
     mp_write_u64(&p, 7);
     mp_write_cstr(&p, "x_offset");
@@ -351,12 +357,7 @@ Test(dataplane, bad_input_worker_keeps_serving, .timeout = 120, .fini = cluster_
     for (int i = 0; i < 3; i++) {
         mp_writer_init(&p);
         write_ticket(&p, 2, (uint64_t)i);
-        mp_write_cstr(&p, "dtype");
-        mp_write_cstr(&p, "f32");
-        mp_write_cstr(&p, "shape");
-        mp_write_array(&p, 2);
-        mp_write_i64(&p, 32);
-        mp_write_i64(&p, H);
+        write_rows_f32(&p, 32, H);
         mp_write_cstr(&p, "region");
         mp_write_u64(&p, region);
         mp_write_cstr(&p, "x_offset");
@@ -371,12 +372,7 @@ Test(dataplane, bad_input_worker_keeps_serving, .timeout = 120, .fini = cluster_
     nng_socket s2 = raw_open(url);
     mp_writer_init(&p);
     write_ticket(&p, 3, 1);
-    mp_write_cstr(&p, "dtype");
-    mp_write_cstr(&p, "f32");
-    mp_write_cstr(&p, "shape");
-    mp_write_array(&p, 2);
-    mp_write_i64(&p, 1);
-    mp_write_i64(&p, H);
+    write_rows_f32(&p, 1, H);
     mp_write_cstr(&p, "region");
     mp_write_u64(&p, region);
     mp_write_cstr(&p, "x_offset");
@@ -1200,12 +1196,7 @@ Test(dataplane, ring_requests_and_bad_input, .timeout = 120, .fini = cluster_fin
         mp_writer_init(&p);
         mp_write_map(&p, 7);
         write_ticket(&p, 5, (uint64_t)k);
-        mp_write_cstr(&p, "dtype");
-        mp_write_cstr(&p, "f32");
-        mp_write_cstr(&p, "shape");
-        mp_write_array(&p, 2);
-        mp_write_i64(&p, 4);
-        mp_write_i64(&p, H);
+        write_rows_f32(&p, 4, H);
         mp_write_cstr(&p, "region");
         mp_write_u64(&p, region[1]);
         mp_write_cstr(&p, "x_offset");
@@ -1238,12 +1229,7 @@ Test(dataplane, ring_requests_and_bad_input, .timeout = 120, .fini = cluster_fin
     mp_writer_init(&p);
     mp_write_map(&p, 7);
     write_ticket(&p, 6, 1);
-    mp_write_cstr(&p, "dtype");
-    mp_write_cstr(&p, "f32");
-    mp_write_cstr(&p, "shape");
-    mp_write_array(&p, 2);
-    mp_write_i64(&p, T);
-    mp_write_i64(&p, H);
+    write_rows_f32(&p, T, H);
     mp_write_cstr(&p, "region");
     mp_write_u64(&p, region[1]);
     mp_write_cstr(&p, "x_offset");
@@ -1359,12 +1345,7 @@ static void pieces_rows_call(nng_socket s, uint64_t seq, int64_t T, int64_t H, i
         moe_tensor_write(&p, &t);
         n += 1;
     } else {
-        mp_write_cstr(&p, "dtype");
-        mp_write_cstr(&p, "f32");
-        mp_write_cstr(&p, "shape");
-        mp_write_array(&p, 2);
-        mp_write_i64(&p, T);
-        mp_write_i64(&p, H);
+        write_rows_f32(&p, T, H);
         mp_write_cstr(&p, "nccl");
         mp_write_u64(&p, 1);
         n += 3;
