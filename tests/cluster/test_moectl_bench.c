@@ -173,14 +173,20 @@ static const char *moectl_path(void)
 static int run_moectl(const char *url, const char *args, char *out, size_t cap)
 {
     char cmd[2048];
-    snprintf(cmd, sizeof(cmd), "'%s' --url '%s' %s 2>&1", moectl_path(), url, args);
+    /* bounded (well inside the test's own timeout), so that a moectl that
+     * never finishes fails here naming the command and what it printed,
+     * instead of the whole test timing out without either */
+    snprintf(cmd, sizeof(cmd), "timeout -k 5 60 '%s' --url '%s' %s 2>&1", moectl_path(), url, args);
     FILE *p = popen(cmd, "r");
     cr_assert(p, "popen %s", cmd);
     size_t n = fread(out, 1, cap - 1, p);
     out[n] = 0;
     int st = pclose(p);
     cr_log_info("$ moectl %s\n%s", args, out);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    const int rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    cr_assert(rc != 124 && rc != 137, "moectl %s: not finished after 60 s; it printed: %s", args,
+              out);
+    return rc;
 }
 
 Test(moectl_bench, ok_and_failed_requests, .timeout = 120, .fini = cluster_fini_all)
