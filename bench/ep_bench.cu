@@ -548,6 +548,21 @@ static void ce_measure(world *w, int r, ncclComm_t comm, kcu_ep *ep, cudaStream_
     ncclCommDestroy(ce);
 }
 
+/* ep_upload_weights: this rank's share of the layer into ep (its experts
+ * from first on, the router, the choice bias; the shared expert replicated
+ * on every rank) */
+static void ep_upload_weights(world *w, kcu_ep *ep, int first)
+{
+    const size_t H = w->o.s.H, F = w->o.s.F;
+    CKM(kcu_ep_upload(ep, w->wr.data(), w->w1.data() + (size_t)first * F * H,
+                      w->w3.data() + (size_t)first * F * H, w->w2.data() + (size_t)first * H * F));
+    if (!w->bias.empty())
+        CKM(kcu_ep_upload_bias(ep, w->bias.data()));
+    if (!w->ws1.empty())
+        CKM(kcu_ep_upload_shared(ep, w->ws1.data(), w->ws3.data(), w->ws2.data(),
+                                 w->wsg.empty() ? nullptr : w->wsg.data()));
+}
+
 /* --layers: every layer's inference forward of this rank's x (device f32
  * xd), back to back, each on its own stream into its own device y, no host
  * wait between them (a layer's combine may still read the shared CE
@@ -617,27 +632,14 @@ static void *rank_main(void *arg)
     CKM(kcu_ep_create(&c, comm, &ep));
     int first = 0;
     const int ne = kcu_ep_local_experts(ep, &first);
-    CKM(kcu_ep_upload(ep, w->wr.data(), w->w1.data() + (size_t)first * F * H,
-                      w->w3.data() + (size_t)first * F * H, w->w2.data() + (size_t)first * H * F));
-    if (!w->bias.empty())
-        CKM(kcu_ep_upload_bias(ep, w->bias.data()));
-    if (!w->ws1.empty()) /* replicated on every rank */
-        CKM(kcu_ep_upload_shared(ep, w->ws1.data(), w->ws3.data(), w->ws2.data(),
-                                 w->wsg.empty() ? nullptr : w->wsg.data()));
+    ep_upload_weights(w, ep, first);
 
     /* --layers: layers 1..L-1, the same weights on the same communicator */
     std::vector<kcu_ep *> more(w->o.check_infer ? w->o.layers - 1 : 0, nullptr);
     std::vector<cudaStream_t> lst(more.size() + 1);
     for (size_t l = 0; l < more.size(); l++) {
         CKM(kcu_ep_create(&c, comm, &more[l]));
-        CKM(kcu_ep_upload(more[l], w->wr.data(), w->w1.data() + (size_t)first * F * H,
-                          w->w3.data() + (size_t)first * F * H,
-                          w->w2.data() + (size_t)first * H * F));
-        if (!w->bias.empty())
-            CKM(kcu_ep_upload_bias(more[l], w->bias.data()));
-        if (!w->ws1.empty())
-            CKM(kcu_ep_upload_shared(more[l], w->ws1.data(), w->ws3.data(), w->ws2.data(),
-                                     w->wsg.empty() ? nullptr : w->wsg.data()));
+        ep_upload_weights(w, more[l], first);
     }
     for (cudaStream_t &x : lst)
         CK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
@@ -813,13 +815,14 @@ static double rel(const float *a, const float *b, size_t n, int *nan)
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-/* the single-GPU layer on GPU 0 over all W*T tokens; returns 0 if all pass */
-static int check_single(world *w)
+/* single_layer: the one-GPU layer on GPU 0 (current device afterwards)
+ * with the whole layer's weights, T_max every rank's tokens (W*T), the
+ * run's routing family; train: its training state too. The checks'
+ * reference; the caller destroys it. */
+static kcu_layer *single_layer(world *w, int train)
 {
     const opts &o = w->o;
     const shape s = o.s;
-    const int W = o.W, T = o.T, E = s.E;
-    const size_t H = s.H, F = s.F, TT = (size_t)W * T;
     CK(cudaSetDevice(0));
     kcu_config c;
     memset(&c, 0, sizeof(c));
@@ -829,18 +832,29 @@ static int check_single(world *w)
     c.K = s.K;
     c.act = KERN_ACT_SWIGLU;
     c.renorm = family_renorm(o.family);
-    c.T_max = (int)TT;
-    c.train = 1;
+    c.T_max = o.W * o.T;
+    c.train = train;
     const kcu_route_config rc = family_route(o.family);
-    const int shared = !w->ws1.empty(), gate = !w->wsg.empty();
     kcu_layer *l;
     CKM(kcu_layer_create_ex(&c, &rc, &l));
     CKM(kcu_layer_upload(l, w->wr.data(), w->w1.data(), w->w3.data(), w->w2.data()));
     if (!w->bias.empty())
         CKM(kcu_layer_upload_bias(l, w->bias.data()));
-    if (shared)
+    if (!w->ws1.empty())
         CKM(kcu_layer_upload_shared(l, w->ws1.data(), w->ws3.data(), w->ws2.data(),
-                                    gate ? w->wsg.data() : nullptr));
+                                    w->wsg.empty() ? nullptr : w->wsg.data()));
+    return l;
+}
+
+/* the single-GPU layer on GPU 0 over all W*T tokens; returns 0 if all pass */
+static int check_single(world *w)
+{
+    const opts &o = w->o;
+    const shape s = o.s;
+    const int W = o.W, T = o.T, E = s.E;
+    const size_t H = s.H, F = s.F, TT = (size_t)W * T;
+    const int shared = !w->ws1.empty(), gate = !w->wsg.empty();
+    kcu_layer *l = single_layer(w, 1);
     std::vector<float> x(TT * H), dy(TT * H), y(TT * H), dx(TT * H);
     for (int r = 0; r < W; r++) {
         memcpy(x.data() + (size_t)r * T * H, w->x[r].data(), (size_t)T * H * 4);
@@ -921,26 +935,7 @@ static int check_infer(world *w)
     const shape s = o.s;
     const int W = o.W, T = o.T;
     const size_t H = s.H, TT = (size_t)W * T;
-    CK(cudaSetDevice(0));
-    kcu_config c;
-    memset(&c, 0, sizeof(c));
-    c.H = s.H;
-    c.F = s.F;
-    c.E = s.E;
-    c.K = s.K;
-    c.act = KERN_ACT_SWIGLU;
-    c.renorm = family_renorm(o.family);
-    c.T_max = (int)TT;
-    c.train = 0;
-    const kcu_route_config rc = family_route(o.family);
-    kcu_layer *l;
-    CKM(kcu_layer_create_ex(&c, &rc, &l));
-    CKM(kcu_layer_upload(l, w->wr.data(), w->w1.data(), w->w3.data(), w->w2.data()));
-    if (!w->bias.empty())
-        CKM(kcu_layer_upload_bias(l, w->bias.data()));
-    if (!w->ws1.empty())
-        CKM(kcu_layer_upload_shared(l, w->ws1.data(), w->ws3.data(), w->ws2.data(),
-                                    w->wsg.empty() ? nullptr : w->wsg.data()));
+    kcu_layer *l = single_layer(w, 0);
     std::vector<float> x(TT * H), y(TT * H);
     for (int r = 0; r < W; r++)
         memcpy(x.data() + (size_t)r * T * H, w->x[r].data(), (size_t)T * H * 4);

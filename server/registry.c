@@ -178,8 +178,8 @@ void coord_watch_tick(uv_timer_t *t)
  * change of the value over every worker in turn is refused only while an
  * old one still runs - the refused worker registers again at its next
  * heartbeat tick). Expert-parallel layers size their counts exchange by
- * KCU_EP_DEDUP and make KCU_EP_CE's collective setup calls (a communicator
- * split, window registrations) only where it is 1, so ranks that disagree
+ * KCU_EP_DEDUP and make KCU_EP_CE's collective setup calls (the CE
+ * communicator, window registrations) only where it is 1, so ranks that disagree
  * would fail every forward (or wait on each other until the exchange's
  * timeout). */
 static int ep_env_refused(coord *c, rpc_call *call, const char *rpc_url, const char *name, int mode,

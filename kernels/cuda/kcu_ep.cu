@@ -366,7 +366,7 @@ moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what
             return MOE_EUNAVAIL;
         }
         /* a member is gone (the worker aborted the exchange): a collective
-         * call in progress (a split, a window's registration) never ends */
+         * call in progress on the borrowed communicator never ends */
         if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
             fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
             ce_fail(ep, what);

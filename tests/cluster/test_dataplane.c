@@ -271,6 +271,20 @@ static void write_ticket(mp_writer *p, uint64_t a, uint64_t b)
     mp_write_u64(p, b);
 }
 
+/* write_run_m0: data.rows' "run" key: a lane forward of model m, layer 0,
+ * in generation gen (one key) */
+static void write_run_m0(mp_writer *p, uint64_t gen)
+{
+    mp_write_cstr(p, "run");
+    mp_write_map(p, 3);
+    mp_write_cstr(p, "model");
+    mp_write_cstr(p, "m");
+    mp_write_cstr(p, "layer");
+    mp_write_i64(p, 0);
+    mp_write_cstr(p, "generation");
+    mp_write_u64(p, gen);
+}
+
 /* write_rows_f32: data.rows' "dtype" f32 and "shape" [rows, H] (two keys) */
 static void write_rows_f32(mp_writer *p, int64_t rows, int64_t H)
 {
@@ -1236,14 +1250,7 @@ Test(dataplane, ring_requests_and_bad_input, .timeout = 120, .fini = cluster_fin
     mp_write_u64(&p, 0);
     mp_write_cstr(&p, "y_offset");
     mp_write_u64(&p, 8192);
-    mp_write_cstr(&p, "run");
-    mp_write_map(&p, 3);
-    mp_write_cstr(&p, "model");
-    mp_write_cstr(&p, "m");
-    mp_write_cstr(&p, "layer");
-    mp_write_i64(&p, 0);
-    mp_write_cstr(&p, "generation");
-    mp_write_u64(&p, gen);
+    write_run_m0(&p, gen);
     cr_assert_eq(moe_ring_post(&rg, p.buf, p.len), MOE_OK);
     mp_writer_fini(&p);
     uint8_t ans[4096];
@@ -1356,14 +1363,7 @@ static void pieces_rows_call(nng_socket s, uint64_t seq, int64_t T, int64_t H, i
         n++;
     }
     if (lane) {
-        mp_write_cstr(&p, "run");
-        mp_write_map(&p, 3);
-        mp_write_cstr(&p, "model");
-        mp_write_cstr(&p, "m");
-        mp_write_cstr(&p, "layer");
-        mp_write_i64(&p, 0);
-        mp_write_cstr(&p, "generation");
-        mp_write_u64(&p, 1);
+        write_run_m0(&p, 1);
         n++;
     }
     raw_call(s, "data.rows", &p, n, r);
