@@ -233,7 +233,16 @@ int main(int argc, char **argv)
                                 /* Qwen3-235B-A22B, inference at T = 2048: 128 rows per
                                  * expert, every expert touched, ~4.8 GB of weights (a
                                  * bytes-bound layer: the GB/s column applies) */
-                                {"qwen235", 2048, 4096, 1536, 128, 8, 0, 0}};
+                                {"qwen235", 2048, 4096, 1536, 128, 8, 0, 0},
+                                /* the same kind of layer (few rows per expert, every
+                                 * expert touched): 64 and 256 rows per expert; Qwen3 and
+                                 * Mixtral at 128 and 256 */
+                                {"qwen235", 1024, 4096, 1536, 128, 8, 0, 0},
+                                {"qwen235", 4096, 4096, 1536, 128, 8, 0, 0},
+                                {"qwen3-mid", 2048, 2048, 768, 128, 8, 0, 0},
+                                {"qwen3-mid", 4096, 2048, 768, 128, 8, 0, 0},
+                                {"mixtral-mid", 512, 4096, 14336, 8, 2, 0, 0},
+                                {"mixtral-mid", 1024, 4096, 14336, 8, 2, 0, 0}};
     if (quick)
         cases.resize(2);
     printf("%-12s %6s %5s %6s %4s %2s | %9s %8s %6s | %9s %8s %6s | %8s | %8s %8s | %s\n", "case",

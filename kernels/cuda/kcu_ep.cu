@@ -1484,7 +1484,7 @@ moe_err ep_route(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t st)
         a.Cf = R->logits;
         a.ldc = R->Ep;
         KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, ep->nsm, st));
-        KCU_TRY(kcu_route(R, T, INT_MAX, st));
+        KCU_TRY(kcu_route(R, T, INT_MAX, 0, st));
         KCU_TRY(kcu_stats(R, T, st));
     } else {
         KCU_CHECK(cudaMemsetAsync(R->counts, 0, E * 4, st));

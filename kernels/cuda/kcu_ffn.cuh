@@ -26,6 +26,7 @@ struct kcu_ffn_tiles {
     const int32_t *ntiles;  /* device count of tiles in the list */
     int max_tiles;          /* host bound on *ntiles */
     int *sched;             /* v7 schedule counter (kcu_gemm_args.sched), or NULL */
+    int few;                /* in pairs of one expert, ~2 per expert (kcu_gemm_args.few_tiles) */
 };
 
 struct kcu_ffn {

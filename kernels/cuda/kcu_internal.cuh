@@ -215,6 +215,8 @@ typedef struct kcu_gemm_args {
     int beta0;           /* ACC: overwrite C instead of accumulating (C known to be zero) */
     int wg_ovl;          /* wgmma kernel: next item's loads before the epilogue (set inside) */
     int group_m;         /* wgmma kernels: m-tiles that walk n together (set inside) */
+    int few_tiles;       /* rows mode: at most ~2 m-tiles per expert, in pairs of one expert
+                          * (k_layout_scan's pairs): v7 walks each pair's n tiles alone */
     int pdl;             /* v4/v7: launch with PDL (small inference batches: measured to
                           * help there, to cost ~1.5% on Mixtral's training rows) */
     int *sched;          /* v7: 2 words, zero before the launch and left zero by it: items
@@ -456,8 +458,13 @@ void kcu_pipe_release(kcu_layer *l);
 /* ---- small kernels (kcu_route.cu) ---- */
 moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st);
 /* kcu_route: routing (plain softmax top-k, or the family router when
- * kcu_route_family) and the layout with capacity cap on the routed experts */
-moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st);
+ * kcu_route_family) and the layout with capacity cap on the routed experts;
+ * pairs: the tile list in pairs of one expert (k_layout_scan; off with
+ * KCU_TILE_PAIRS=0) - for GEMMs on v7 with ~2 m-tiles per expert at most,
+ * where it saves reading a weight tile twice; with more tiles per expert it
+ * parts an odd expert's last tile from the rest (its weights read again) */
+moe_err kcu_route(kcu_layer *l, int T, int cap, int pairs, cudaStream_t st);
+int kcu_tile_pairs_on(void);
 /* kcu_route_family_topk: the family router (k_route_family) alone on the
  * layer's logits (T,Ep): probs (T,E), lse (T), topk_idx and topk_w (T,Kt),
  * the K routed slots then the shared ones; kcu_route and the decode path

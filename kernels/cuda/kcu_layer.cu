@@ -104,7 +104,7 @@ namespace
 
 /* the GEMM path's routing: logits (T,Ep) = xb wr^T by the grouped GEMM
  * kernel, then kcu_route (softmax/top-k and the layout with capacity) */
-moe_err route_gemm(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st)
+moe_err route_gemm(kcu_layer *l, int T, const bf16 *xb, int cap, int pairs, cudaStream_t st)
 {
     kcu_gemm_args a;
     memset(&a, 0, sizeof(a));
@@ -118,7 +118,7 @@ moe_err route_gemm(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st
     a.Cf = l->logits;
     a.ldc = l->Ep;
     KCU_TRY(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, l->nsm, st));
-    return kcu_route(l, T, cap, st);
+    return kcu_route(l, T, cap, pairs, st);
 }
 
 /* the split of the router's weight gradient over k (tokens): enough work
@@ -147,18 +147,26 @@ int dwr_split(const kcu_layer *l, int T)
 /* inference forwards with few routed rows copy x[tok] into sorted rows
  * (in ye, as mode 1) even where the layer's mode is 0: the copy is small
  * and the up-projection then streams dense tiles by TMA (v7) instead of
- * gathering rows (v2). KCU_SORTED_INFER: the most routed rows that take it
- * (default 8192; 0 = never). */
+ * gathering rows (v2). So do those with few rows per expert (bytes-bound:
+ * their time is the weights streamed, and v7's clusters stream them best).
+ * KCU_SORTED_INFER: the most routed rows that take it (default 8192; 0 =
+ * never); KCU_SORTED_INFER_RPE: the most rows per expert (mean) that take
+ * it whatever their total (default 128; 0 = none). */
 int sorted_infer(const kcu_layer *l, int T, int train)
 {
-    static int rows = -1;
+    static int rows = -1, rpe = -1;
     if (rows < 0) {
         const char *s = getenv("KCU_SORTED_INFER");
         rows = s && *s ? atoi(s) : 8192;
         if (rows < 0)
             rows = 0;
+        s = getenv("KCU_SORTED_INFER_RPE");
+        rpe = s && *s ? atoi(s) : 128;
+        if (rpe < 0)
+            rpe = 0;
     }
-    return !train && (long long)T * kcu_nslot(l) <= rows;
+    const long long S = (long long)T * kcu_nslot(l);
+    return !train && (S <= rows || S <= (long long)rpe * kcu_nexp(l));
 }
 
 using carve = kcu_carve;
@@ -865,17 +873,22 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     PHASE("f.router");
     const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
     const int small = kcu_route_small_use(l, T_path, train);
+    /* sorted rows (the sorted modes, or an inference forward with few rows)
+     * take v7; with 1.5 m-tiles per expert or fewer on average, the tile
+     * list in pairs of one expert (kcu_route: each weight tile read once) */
+    const int sorted_rows = l->sorted || sorted_infer(l, T_path, train);
+    const int pairs = sorted_rows && !train && 2LL * T * Kt <= 3LL * KCU_BM * Et;
     if (small) /* few slots: one kernel (kcu_decode.cu) */
         KCU_TRY(kcu_route_small(l, T, xb, cap, st));
     else
-        KCU_TRY(route_gemm(l, T, xb, cap, st));
+        KCU_TRY(route_gemm(l, T, xb, cap, pairs, st));
     l->cap_fwd[l->state] = cap;
     const int32_t *spos = cap < INT32_MAX ? l->spos : nullptr;
 
     /* sorted modes: x[tok] copied once into sorted rows (in ye, which the
      * down-projection overwrites later, or kept in xg for dW13) */
     const bf16 *xrows = xb;
-    if (l->sorted || sorted_infer(l, T_path, train)) {
+    if (sorted_rows) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
         KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + Et, T * Kt, H, dst, small, st));
@@ -885,7 +898,8 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     PHASE("f.up");
     /* up: h (S,F) [, ab (S,N1)] = act(x[tok] w13_e^T) over the tile list */
     kcu_ffn f = layer_ffn(l);
-    f.pdl = small; /* small inference batches: the kernel chain with PDL */
+    f.pdl = small;             /* small inference batches: the kernel chain with PDL */
+    f.t.few = pairs && !small; /* kcu_route_small's list is not in pairs */
     KCU_TRY(kcu_ffn_up(&f, xrows, xrows != xb ? nullptr : l->tok, train, st));
 
     PHASE("f.down");

@@ -214,19 +214,32 @@ __global__ void k_layout_count(const int32_t *__restrict__ idx, int S, int E,
  * (E) out (may be NULL), offs (E+1) out over the kept rows (min(count, cap)
  * per expert e < ncap: the routed experts; the shared ones after them are
  * never capped); tile list (tile_e, tile_r0, *ntiles) out: ceil(kept_e /
- * BM) tiles per expert. */
+ * BM) tiles per expert; pairs: an expert's tiles two by two from the front
+ * of the list (every pair 2q, 2q+1 of one expert: v7's clusters then
+ * multicast its weight tile, read once), the odd ones' last tiles after
+ * them in expert order; else each expert's tiles in turn. */
 __global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int cap, int ncap,
                               int32_t *__restrict__ counts, int32_t *__restrict__ dropped,
                               int32_t *__restrict__ offs, int32_t *__restrict__ tile_e,
-                              int32_t *__restrict__ tile_r0, int32_t *__restrict__ ntiles)
+                              int32_t *__restrict__ tile_r0, int32_t *__restrict__ ntiles,
+                              int pairs)
 {
-    __shared__ int kc[257], base[257], toff[257];
+    __shared__ int kc[257], base[257], toff[257], soff[257];
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        /* 16 counts loaded before any is rewritten: the loads in flight
+         * together instead of one round trip per chunk (20 us at 64 chunks) */
         int run = 0;
-        for (int c = 0; c < nch; c++) {
-            const int v = chunk[(size_t)c * E + e];
-            chunk[(size_t)c * E + e] = run;
-            run += v;
+        for (int c0 = 0; c0 < nch; c0 += 16) {
+            int v[16];
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+                v[j] = c0 + j < nch ? chunk[(size_t)(c0 + j) * E + e] : 0;
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+                if (c0 + j < nch) {
+                    chunk[(size_t)(c0 + j) * E + e] = run;
+                    run += v[j];
+                }
         }
         counts[e] = run;
         const int ce = e < ncap ? cap : INT_MAX;
@@ -237,24 +250,36 @@ __global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int c
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int o = 0, to = 0;
+        /* toff[e]: e's first tile (its even part with pairs); soff[e]: the
+         * slot of its odd last tile with pairs (after every pair) */
+        int o = 0, to = 0, so = 0;
         for (int e = 0; e < E; e++) {
+            const int nt = KCU_CEIL_DIV(kc[e], KCU_BM);
             offs[e] = o;
             base[e] = o;
             toff[e] = to;
+            soff[e] = so;
             o += kc[e];
-            to += KCU_CEIL_DIV(kc[e], KCU_BM);
+            to += pairs ? nt & ~1 : nt;
+            so += pairs ? nt & 1 : 0;
         }
         offs[E] = o;
         toff[E] = to;
-        *ntiles = to;
+        soff[E] = so;
+        *ntiles = to + so;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
         for (int i = toff[e]; i < toff[e + 1]; i++) {
             tile_e[i] = e;
             tile_r0[i] = base[e] + (i - toff[e]) * KCU_BM;
         }
+        if (soff[e + 1] > soff[e]) { /* pairs: the odd last tile */
+            const int i = toff[E] + soff[e];
+            tile_e[i] = e;
+            tile_r0[i] = base[e] + (toff[e + 1] - toff[e]) * KCU_BM;
+        }
+    }
 }
 
 /* Stable scatter of the kept slots: perm (S_kept) sorted row -> slot, tok
@@ -401,17 +426,20 @@ __global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, i
                               const int32_t *__restrict__ counts, float *__restrict__ stats)
 {
     __shared__ float col[257];
+    __shared__ int cnt[256];
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
         float s = 0.f;
         for (int b = 0; b < nblk; b++)
             s += part[(size_t)b * (E + 1) + e];
         col[e] = s;
+        if (e < E) /* in shared memory: thread 0's sum below makes no round trips */
+            cnt[e] = counts[e];
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         float aux = 0.f;
         for (int e = 0; e < E; e++)
-            aux += (float)counts[e] * (col[e] / (float)T);
+            aux += (float)cnt[e] * (col[e] / (float)T);
         stats[0] = aux * (float)E / ((float)K * (float)T);
         stats[1] = col[E] / (float)T;
     }
@@ -610,7 +638,15 @@ moe_err kcu_route_family_topk(kcu_layer *l, int T, cudaStream_t st)
     return MOE_OK;
 }
 
-moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
+/* the tile list in pairs of one expert where asked (kcu_route's pairs):
+ * unless KCU_TILE_PAIRS=0 */
+static int g_tile_pairs = -1;
+int kcu_tile_pairs_on()
+{
+    return kcu_env_flag(&g_tile_pairs, "KCU_TILE_PAIRS", 1);
+}
+
+moe_err kcu_route(kcu_layer *l, int T, int cap, int pairs, cudaStream_t st)
 {
     const kcu_config *c = &l->c;
     /* E routed experts of K slots, Et experts held of Kt slots per token */
@@ -626,7 +662,8 @@ moe_err kcu_route(kcu_layer *l, int T, int cap, cudaStream_t st)
     k_layout_count<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, l->chunk);
     KCU_CHECK_LAUNCH();
     k_layout_scan<<<1, 256, 0, st>>>(l->chunk, nch, Et, cap, E, l->counts, l->dropped, l->offs,
-                                     l->tile_e, l->tile_r0, l->ntiles);
+                                     l->tile_e, l->tile_r0, l->ntiles,
+                                     pairs && kcu_tile_pairs_on());
     KCU_CHECK_LAUNCH();
     k_layout_scatter<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, Kt, cap, E, l->chunk, l->offs,
                                             l->perm, l->tok, l->spos);
@@ -638,7 +675,7 @@ moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *off
                               int32_t *tile_r0, int32_t *ntiles, cudaStream_t st)
 {
     k_layout_scan<<<1, 256, 0, st>>>(cnt, 1, E, INT_MAX, E, counts, nullptr, offs, tile_e, tile_r0,
-                                     ntiles);
+                                     ntiles, 0);
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

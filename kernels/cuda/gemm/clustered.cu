@@ -555,7 +555,7 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
     if (!ok)
         return MOE_OK;
     kcu_gemm_args b = *a;
-    b.group_m = raster_group(KCU_A_K);
+    b.group_m = raster_group_rows(a);
     if (!ws_sched_on(a->K))
         b.sched = nullptr;
     kcu_pdl_attr(&cfg, at, a->pdl);

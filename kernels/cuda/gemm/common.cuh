@@ -144,6 +144,10 @@ namespace kgemm
  * (KCU_GROUP_M) and weight gradients (KCU_GROUP_W), default GROUP_M (read
  * once per process; gemm/dispatch.cu) */
 int raster_group(int am);
+/* raster_group_rows: v7's group for a rows-mode call: KCU_GROUP_M where
+ * set; else 2 (one pair) over a tile list in pairs of one expert
+ * (kcu_gemm_args.few_tiles) with at most 16 n tiles, else GROUP_M */
+int raster_group_rows(const kcu_gemm_args *a);
 /* work items (128-row m-tiles x 256-wide n tiles) of a wgmma GEMM */
 long long wg_items(int am, const kcu_gemm_args *a);
 /* v7's dynamic schedule for K (KCU_WS_SCHED; gemm/dispatch.cu) */
@@ -168,6 +172,7 @@ namespace
 {
 
 using kgemm::raster_group;
+using kgemm::raster_group_rows;
 using kgemm::wg_items;
 using kgemm::ws_sched_on;
 

@@ -27,6 +27,19 @@ int raster_group(int am)
     return g[am];
 }
 
+/* one pair per group where each pair is one expert's whole rows: the n
+ * tiles that read the pair's A rows are dealt one after another, so they
+ * find those rows in L2 (qwen235 T=2048: 75% of copy against 73% with 4
+ * pairs, bench/NOTES.md). With many n tiles (Mixtral's up-projection, 112)
+ * one pair's walk spans the whole GPU and the default group measured better
+ * (80% against 76%). */
+int raster_group_rows(const kcu_gemm_args *a)
+{
+    if (!getenv("KCU_GROUP_M") && a->few_tiles && a->N / WG_BN <= 16)
+        return 2;
+    return raster_group(KCU_A_K);
+}
+
 /* work items (128-row m-tiles x 256-wide n tiles) of a wgmma GEMM */
 long long wg_items(int am, const kcu_gemm_args *a)
 {
