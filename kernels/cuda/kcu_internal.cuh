@@ -245,6 +245,12 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
  * sched (KCU_WS_SCHED; v7 given kcu_gemm_args.sched): 0 never, 1 always,
  *   2 for items of 64 k steps or more. */
 void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched);
+/* kcu_gemm_narrow_override: v1n, v1 in tiles of 16 or 32 rows (A_K, B_K,
+ * EPI_F32, A dense, no tile list: the router's logits; v1's bits), for
+ * checks: -1 the default (KCU_GEMM_NARROW, on unless 0: where v1 runs and
+ * its 128-row tiles number fewer than half the SMs), 0 never, 1 / 2 always
+ * where it applies, in tiles of 16 / 32 rows */
+extern int kcu_gemm_narrow_override;
 
 /* ---- the layer ---- */
 /* kcu_carve: hands out 256-byte aligned pieces of one allocation (or, with

@@ -958,6 +958,84 @@ static void st_act_bwd(kern_act act, float a, float b, float dh, float *da, floa
     kern_act_ops_of(act)->backward(&a, &b, &dh, 1, da, db);
 }
 
+/* ---- v1n (the router's logits in 16- or 32-row tiles): v1's bits ----
+ * A_K, B_K, EPI_F32 over dense rows, the router's shapes and ragged M (4
+ * checks, counted with the 3 GEMM groups in the summary line):
+ * v1n with each tile height must give v1's output bit for bit (the same
+ * instruction chain per element), and both the double CPU product within
+ * 1e-5. One line per shape. */
+static int narrow_check(uint64_t seed)
+{
+    struct ncase {
+        int M, N, K;
+    };
+    const ncase cases[] = {{1, 128, 256}, {37, 128, 2048}, {2048, 128, 4096}, {3001, 256, 1024}};
+    int fails = 0;
+    uint64_t st = seed ^ 0x51ed27u;
+    for (const ncase &c : cases) {
+        std::vector<float> A((size_t)c.M * c.K), B((size_t)c.N * c.K);
+        rng_fill_uniform(seed, lcg(st), -1.f, 1.f, A.data(), A.size());
+        rng_fill_uniform(seed, lcg(st), -1.f, 1.f, B.data(), B.size());
+        kern_bf16_round_n(A.data(), A.size());
+        kern_bf16_round_n(B.data(), B.size());
+        std::vector<uint16_t> Ah(A.size()), Bh(B.size());
+        for (size_t i = 0; i < A.size(); i++)
+            Ah[i] = kern_f32_to_bf16(A[i]);
+        for (size_t i = 0; i < B.size(); i++)
+            Bh[i] = kern_f32_to_bf16(B[i]);
+        void *dA, *dB;
+        float *dC;
+        CK(cudaMalloc(&dA, Ah.size() * 2));
+        CK(cudaMalloc(&dB, Bh.size() * 2));
+        CK(cudaMalloc(&dC, (size_t)c.M * c.N * 4));
+        CK(cudaMemcpy(dA, Ah.data(), Ah.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dB, Bh.data(), Bh.size() * 2, cudaMemcpyHostToDevice));
+        kcu_gemm_args a;
+        memset(&a, 0, sizeof(a));
+        a.A = (const bf16 *)dA;
+        a.lda = c.K;
+        a.B = (const bf16 *)dB;
+        a.ldb = c.K;
+        a.M = c.M;
+        a.N = c.N;
+        a.K = c.K;
+        a.Cf = dC;
+        a.ldc = c.N;
+        std::vector<float> C[3];
+        for (int v = 0; v < 3; v++) { /* v1, v1n 16 rows, v1n 32 rows */
+            kcu_gemm_narrow_override = v;
+            kcu_gemm_select(1, -1, -1, -1, -1);
+            CK(cudaMemset(dC, 0xff, (size_t)c.M * c.N * 4));
+            CKM(kcu_gemm(KCU_A_K, KCU_B_K, KCU_EPI_F32, &a, 3, NULL));
+            CK(cudaDeviceSynchronize());
+            C[v].resize((size_t)c.M * c.N);
+            CK(cudaMemcpy(C[v].data(), dC, C[v].size() * 4, cudaMemcpyDeviceToHost));
+        }
+        kcu_gemm_narrow_override = -1;
+        kcu_gemm_select(-1, -1, -1, -1, -1);
+        std::vector<float> ref((size_t)c.M * c.N);
+        parallel_for(c.M, [&](int m) {
+            for (int n = 0; n < c.N; n++) {
+                double acc = 0;
+                for (int k = 0; k < c.K; k++)
+                    acc += (double)A[(size_t)m * c.K + k] * B[(size_t)n * c.K + k];
+                ref[(size_t)m * c.N + n] = (float)acc;
+            }
+        });
+        const double err = relerr(C[0].data(), ref.data(), ref.size());
+        const int same = memcmp(C[0].data(), C[1].data(), ref.size() * 4) == 0 &&
+                         memcmp(C[0].data(), C[2].data(), ref.size() * 4) == 0;
+        const int ok = err < 1e-5 && same;
+        fails += !ok;
+        printf("gemm v1n M=%d N=%d K=%d: rel err %.1e, 16- and 32-row tiles %s v1 %s\n", c.M, c.N,
+               c.K, err, same ? "==" : "!=", ok ? "PASS" : "FAIL");
+        CK(cudaFree(dA));
+        CK(cudaFree(dB));
+        CK(cudaFree(dC));
+    }
+    return fails;
+}
+
 static int gemm_selftest(uint64_t seed)
 {
     const int NSM = 3;
@@ -2276,6 +2354,7 @@ int main(int argc, char **argv)
     }
     int fails = gemm_checks(seed);
     fails += gemm_selftest(seed); /* every GEMM mode on each version, v4 included */
+    fails += narrow_check(seed);
     const int gemm_fails = fails;
     if (gemm_only) {
         printf("check-gpu --gemm-only: %d failed -> %s\n", fails, fails ? "FAIL" : "PASS");
@@ -2419,7 +2498,7 @@ int main(int argc, char **argv)
 
     printf("check-gpu: %d gemm + %zu experts + %zu layer + %zu decode checks, %d failed (gemm %d, "
            "experts %d, decode %d) (bf16 tolerance %.0e) -> %s\n",
-           3, ecases.size(), cases.size() + scases.size() + fcases.size() + 1 + pcases.size(),
+           3 + 4, ecases.size(), cases.size() + scases.size() + fcases.size() + 1 + pcases.size(),
            dcases.size() + decases.size(), fails, gemm_fails, exp_fails, dec_fails, TOL,
            fails ? "FAIL" : "PASS");
     return fails ? 1 : 0;

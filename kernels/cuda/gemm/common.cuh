@@ -157,6 +157,9 @@ int ws_sched_on(int K);
  * built combinations; MOE_EINVAL when not built), each in its mechanism's .cu */
 moe_err launch_v1(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m,
                   int nsm, cudaStream_t st); /* gemm/mma_sync.cu */
+/* v1n: v1's bits for A_K, B_K, EPI_F32 with A dense and no tile list, in
+ * tiles of 16 mi rows (mi 1 or 2) x 128 columns (gemm/mma_sync.cu) */
+moe_err launch_v1n(const kcu_gemm_args *a, int mi, int nsm, cudaStream_t st);
 moe_err launch_v2(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m,
                   int nsm, cudaStream_t st); /* gemm/wgmma.cu */
 moe_err launch_v4(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m,

@@ -345,6 +345,33 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
     return 4;
 }
 
+int kcu_gemm_narrow_override = -1;
+
+namespace
+{
+
+int g_narrow = -1; /* KCU_GEMM_NARROW */
+
+/* v1n's rows per tile / 16 (1 or 2) where it takes this v1 call, else 0:
+ * fewer than nsm / 2 of v1's 128-row tiles; 32-row tiles where they give at
+ * least nsm / 2 CTAs */
+int narrow_mi(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
+{
+    if (am != KCU_A_K || bm != KCU_B_K || epi != KCU_EPI_F32 || a->tile_e || a->a_gather ||
+        a->scatter || !a->Cf || a->M < 1 || kcu_gemm_narrow_override == 0)
+        return 0;
+    if (kcu_gemm_narrow_override > 0)
+        return kcu_gemm_narrow_override == 1 ? 1 : 2;
+    if (!kcu_env_flag(&g_narrow, "KCU_GEMM_NARROW", 1))
+        return 0;
+    const long long ntn = a->N / BN, v1_tiles = (long long)KCU_CEIL_DIV(a->M, BM) * ntn;
+    if (2 * v1_tiles >= nsm)
+        return 0;
+    return 2 * (long long)KCU_CEIL_DIV(a->M, 32) * ntn >= nsm ? 2 : 1;
+}
+
+} // namespace
+
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
                  cudaStream_t st)
 {
@@ -376,6 +403,11 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
         ws_build_epi_maps(epi, a, &m);
         return kgemm::launch_v4(am, bm, epi, a, m, nsm, st);
     case 2: return kgemm::launch_v2(am, bm, epi, a, m, nsm, st);
-    default: return kgemm::launch_v1(am, bm, epi, a, m, nsm, st);
+    default: {
+        const int mi = narrow_mi(am, bm, epi, a, nsm);
+        if (mi)
+            return kgemm::launch_v1n(a, mi, nsm, st);
+        return kgemm::launch_v1(am, bm, epi, a, m, nsm, st);
+    }
     }
 }

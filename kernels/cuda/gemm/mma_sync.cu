@@ -327,6 +327,128 @@ moe_err launch(const kcu_gemm_args *a, int nsm, cudaStream_t st)
     return MOE_OK;
 }
 
+/* ---- v1n: v1 for few rows (A_K, B_K, EPI_F32, A dense, no tile list: the
+ * router's logits) ----
+ * v1's 128-row tiles leave most SMs idle when a batch has few of them (the
+ * router at T = 2048, E = 128: 16 CTAs, 70 us on an H100). v1n takes tiles
+ * of 16 MI rows x 128 columns with 4 warps (warp tile 16 MI x 32) through
+ * v1's k steps and m16n8k16 fragments: every output element is the same
+ * chain of the same instructions on the same operands as in v1, so its bits
+ * are v1's (the logits do not depend on the batch the router ran in: the
+ * layer and each kcu_ep rank route alike). 4 stages of (A tile, 16 KB B). */
+constexpr int N_NT = 128, N_STAGES = 4;
+template <int MI> __host__ __device__ constexpr int n_stage_bytes()
+{
+    return 16 * MI * 128 + TILE_BYTES;
+}
+
+template <int MI> __global__ void __launch_bounds__(N_NT) k_gemm_narrow(const kcu_gemm_args p)
+{
+    constexpr int BMN = 16 * MI, A_BYTES = BMN * 128, STG = n_stage_bytes<MI>();
+    extern __shared__ __align__(128) uint8_t smem[];
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    const int tid = threadIdx.x, lane = tid & 31, wn = tid >> 5;
+    const int ntn = p.N / BN, total = KCU_CEIL_DIV(p.M, BMN) * ntn;
+    const int q = lane >> 3, r8 = lane & 7, g = lane >> 2, q4 = lane & 3;
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        const int m0 = (w / ntn) * BMN, n0 = (w % ntn) * BN;
+        auto load = [&](int stage, int kt) {
+            const uint32_t sa = sbase + stage * STG, sb = sa + A_BYTES;
+            const int k0 = kt * BK;
+#pragma unroll
+            for (int j = 0; j < MI; j++) { /* A: BMN rows of 8 chunks */
+                const int idx = tid + j * N_NT, row = idx >> 3, ch = idx & 7, r = m0 + row;
+                const int ok = r < p.M;
+                cp_async16(sa + off_k(row, ch * 8),
+                           p.A + (size_t)(ok ? r : 0) * p.lda + k0 + ch * 8, ok ? 16 : 0);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) { /* B: 128 rows of 8 chunks */
+                const int idx = tid + j * N_NT, row = idx >> 3, ch = idx & 7;
+                cp_async16(sb + off_k(row, ch * 8), p.B + (size_t)(n0 + row) * p.ldb + k0 + ch * 8,
+                           16);
+            }
+        };
+        float acc[MI][4][4];
+#pragma unroll
+        for (int a = 0; a < MI; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    acc[a][b][c] = 0.f;
+        const int ktiles = p.K / BK;
+#pragma unroll
+        for (int s = 0; s < N_STAGES - 1; s++) {
+            if (s < ktiles)
+                load(s, s);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt < ktiles; kt++) {
+            cp_async_wait<N_STAGES - 2>();
+            __syncthreads();
+            const int nk = kt + N_STAGES - 1;
+            if (nk < ktiles)
+                load(nk % N_STAGES, nk);
+            cp_async_commit();
+            const uint32_t sa = sbase + (kt % N_STAGES) * STG, sb = sa + A_BYTES;
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++) {
+                uint32_t af[MI][4], bfr[4][2];
+#pragma unroll
+                for (int mi = 0; mi < MI; mi++)
+                    ldsm4(af[mi], sa + off_k(mi * 16 + (q & 1) * 8 + r8, kk * 16 + (q >> 1) * 8));
+#pragma unroll
+                for (int nj = 0; nj < 2; nj++) {
+                    uint32_t t4[4];
+                    ldsm4(t4,
+                          sb + off_k(wn * 32 + nj * 16 + (q >> 1) * 8 + r8, kk * 16 + (q & 1) * 8));
+                    bfr[2 * nj][0] = t4[0];
+                    bfr[2 * nj][1] = t4[1];
+                    bfr[2 * nj + 1][0] = t4[2];
+                    bfr[2 * nj + 1][1] = t4[3];
+                }
+#pragma unroll
+                for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                    for (int ni = 0; ni < 4; ni++)
+                        mma16816(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads(); /* every stage read before the next item's loads */
+                         /* fragment (mi, ni, c): row mi*16+g+(c>>1)*8, col wn*32+ni*8+q4*2+(c&1) */
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const int r = m0 + mi * 16 + g + hr * 8;
+                if (r >= p.M)
+                    continue;
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) {
+                    const int n = n0 + wn * 32 + ni * 8 + q4 * 2;
+                    *reinterpret_cast<float2 *>(p.Cf + (size_t)r * p.ldc + n) =
+                        make_float2(acc[mi][ni][hr * 2], acc[mi][ni][hr * 2 + 1]);
+                }
+            }
+    }
+}
+
+template <int MI> moe_err launch_narrow_t(const kcu_gemm_args *a, int nsm, cudaStream_t st)
+{
+    static unsigned long long attr_done;
+    constexpr int smem = N_STAGES * n_stage_bytes<MI>();
+    KCU_TRY(smem_limit_once(attr_done, k_gemm_narrow<MI>, smem));
+    const long long total = (long long)KCU_CEIL_DIV(a->M, 16 * MI) * (a->N / BN);
+    if (total <= 0)
+        return MOE_OK;
+    const int grid = (int)(total < 2LL * nsm ? total : 2LL * nsm);
+    k_gemm_narrow<MI><<<grid, N_NT, smem, st>>>(*a);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
 struct run_v1 {
     template <int AM, int BM, int EPI>
     static moe_err run(const kcu_gemm_args *a, const ws_maps &, int nsm, cudaStream_t st)
@@ -341,4 +463,9 @@ moe_err kgemm::launch_v1(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm
                          const ws_maps &m, int nsm, cudaStream_t st)
 {
     return gemm_dispatch<run_v1>(am, bm, epi, a, m, nsm, st);
+}
+
+moe_err kgemm::launch_v1n(const kcu_gemm_args *a, int mi, int nsm, cudaStream_t st)
+{
+    return mi == 1 ? launch_narrow_t<1>(a, nsm, st) : launch_narrow_t<2>(a, nsm, st);
 }
