@@ -6,6 +6,8 @@
 #
 # Worker i runs on GPU FIRST_GPU + i (default 0): -w 1 -d 1 puts the one
 # worker on GPU 1 and leaves GPU 0 to a client (bench/nccl_client_check.sh).
+# MOE_WORKER_PREFIX: words put before each worker's command line (a
+# profiler: MOE_WORKER_PREFIX="nsys profile -o /tmp/w --force-overwrite true").
 #
 # For air-gapped GPU hosts: if .deps/*.deb exists (see docs/OPERATIONS.md),
 # the runtime libraries are unpacked into /opt/moe-deps first.
@@ -31,9 +33,17 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 RUN=${MOE_RUN_DIR:-$(mktemp -d /tmp/moe-gpu.XXXXXX)}
 mkdir -p "$RUN"
 pids=()
+# stop: SIGTERM, then SIGKILL for what still runs after 1 s (60 s with a
+# MOE_WORKER_PREFIX: a profiler writes its report after its program exits)
 cleanup() {
     for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-    sleep 1
+    local t
+    for t in $(seq $([ -n "${MOE_WORKER_PREFIX:-}" ] && echo 600 || echo 10)); do
+        local alive=0
+        for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && break
+        sleep 0.1
+    done
     for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
 }
 trap cleanup EXIT
@@ -49,7 +59,8 @@ pids+=($!)
 for i in $(seq 50); do [ -s "$RUN/addr" ] && break; sleep 0.1; done
 export MOE_URL=$(cat "$RUN/addr")
 for i in $(seq 0 $((W - 1))); do
-    ./bin/moe-worker --coordinator "$MOE_URL" --cluster-secret-file "$RUN/secret" --device "$((FIRST + i))" \
+    # shellcheck disable=SC2086 # the prefix's words, split on purpose
+    ${MOE_WORKER_PREFIX:-} ./bin/moe-worker --coordinator "$MOE_URL" --cluster-secret-file "$RUN/secret" --device "$((FIRST + i))" \
         --backend "$BACKEND" --xchg-timeout-ms 120000 >"$RUN/worker$i.log" 2>&1 &
     pids+=($!)
 done
