@@ -129,20 +129,10 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                     acc[a][b][c] = 0.f;
 
         const int ktiles = (kend - kbeg + BK - 1) / BK;
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; s++) {
-            if (s < ktiles)
-                load(s, s);
-            cp_async_commit();
-        }
+        cp_ring_fill<STAGES>(ktiles, load);
         const int q = lane >> 3, r8 = lane & 7;
         for (int kt = 0; kt < ktiles; kt++) {
-            cp_async_wait<STAGES - 2>();
-            __syncthreads();
-            const int nk = kt + STAGES - 1;
-            if (nk < ktiles)
-                load(nk % STAGES, nk);
-            cp_async_commit();
+            cp_ring_step<STAGES>(kt, ktiles, load);
             const uint32_t sa = sbase + (kt % STAGES) * STAGE_BYTES, sb = sa + TILE_BYTES;
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
@@ -378,19 +368,9 @@ template <int MI> __global__ void __launch_bounds__(N_NT) k_gemm_narrow(const kc
                 for (int c = 0; c < 4; c++)
                     acc[a][b][c] = 0.f;
         const int ktiles = p.K / BK;
-#pragma unroll
-        for (int s = 0; s < N_STAGES - 1; s++) {
-            if (s < ktiles)
-                load(s, s);
-            cp_async_commit();
-        }
+        cp_ring_fill<N_STAGES>(ktiles, load);
         for (int kt = 0; kt < ktiles; kt++) {
-            cp_async_wait<N_STAGES - 2>();
-            __syncthreads();
-            const int nk = kt + N_STAGES - 1;
-            if (nk < ktiles)
-                load(nk % N_STAGES, nk);
-            cp_async_commit();
+            cp_ring_step<N_STAGES>(kt, ktiles, load);
             const uint32_t sa = sbase + (kt % N_STAGES) * STG, sb = sa + A_BYTES;
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {

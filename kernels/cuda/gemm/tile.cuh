@@ -41,6 +41,31 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
 {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+/* the cp.async stage ring of the mma.sync kernels (v1, v1n): cp_ring_fill
+ * loads k tiles 0 .. STAGES-2 (one commit group each, empty past ktiles);
+ * cp_ring_step, before k tile kt is read: its stage has landed for every
+ * thread, and the stage of k tile kt + STAGES - 1 is refilled (load(stage,
+ * k tile)) */
+template <int STAGES, class LOAD>
+__device__ __forceinline__ void cp_ring_fill(int ktiles, LOAD &load)
+{
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < ktiles)
+            load(s, s);
+        cp_async_commit();
+    }
+}
+template <int STAGES, class LOAD>
+__device__ __forceinline__ void cp_ring_step(int kt, int ktiles, LOAD &load)
+{
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int nk = kt + STAGES - 1;
+    if (nk < ktiles)
+        load(nk % STAGES, nk);
+    cp_async_commit();
+}
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t a)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
