@@ -473,8 +473,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
          * same and the item's tensor work halves (at 128 rows per expert
          * about a third of the tiles are such tails) */
         const bool math = t.has && t.m0 + 64 * cw < t.rend;
-        cl_k_loop<KCU_A_K, BMODE, false>(d, full0, empty0, sbase, it, ktiles, math, cw, lane,
-                                         peer);
+        cl_k_loop<KCU_A_K, BMODE, false>(d, full0, empty0, sbase, it, ktiles, math, cw, lane, peer);
         if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
             ab_epilogue(p, d, full0, empty0, sbase, it, t.m0, t.n0, t.rend, cw, warp, lane, t.has,
                         (int)peer);
