@@ -12,10 +12,12 @@
 #   scaling   issue 24's table with today's defaults: bash bench/ep_scaling.sh
 #             on 1, 2 and 4 GPUs (8 where lent), the PyTorch peer beside it
 #             (about 8-10 minutes on 4 GPUs: split with W lists if needed)
-#   qwen235   the bytes-bound Qwen3-235B-shaped layer (issue 23: 70% of copy,
-#             85% asked) under each GEMM mechanism and schedule switch, one
-#             bin/moe_bench run each (about 20 s each): which streams the
-#             weights best
+#   qwen235   the bytes-bound layers (issue 23: qwen235 T=2048 76-77% of
+#             copy since session 25, 85% asked; qwen235, qwen3-mid and
+#             mixtral-mid cases) with today's defaults and with each of
+#             session 25's switches off (tile pairs with the sorted rows,
+#             v1n, the one-pair raster group), one bin/moe_bench run each
+#             (about 40 s each)
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -35,12 +37,13 @@ nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | he
 
 if want qwen235; then
     # one line per setting: the case's row (time, GB/s, fraction of copy)
-    for s in "" KCU_GEMM=wgmma KCU_GEMM=ws KCU_WS_CLUSTER=0 KCU_WS_SCHED=1 KCU_GROUP_M=1 \
-        KCU_GROUP_M=4 KCU_GROUP_M=16; do
-        name=qwen235_${s:-default}
-        env MOE_BENCH_NO_AB=1 $s timeout 90 bin/moe_bench --only qwen235: >"$LOGS/$name.log" 2>&1
+    for s in "" "KCU_TILE_PAIRS=0 KCU_SORTED_INFER_RPE=0" KCU_GEMM_NARROW=0 KCU_GROUP_M=8; do
+        name=qwen235_$(echo "${s:-default}" | tr ' =' '__')
+        # shellcheck disable=SC2086 # the switches' words, split on purpose
+        env MOE_BENCH_NO_AB=1 $s timeout 150 bin/moe_bench --only qwen235:,qwen3-mid:,mixtral-mid: \
+            >"$LOGS/$name.log" 2>&1
         echo "== ${s:-default} (rc $?)" | log
-        grep -E "^qwen235|copy" "$LOGS/$name.log" | cut -c1-220 | head -n 4 | log
+        grep -E "^(qwen|mixtral)|copy" "$LOGS/$name.log" | cut -c1-220 | head -n 8 | log
     done
 fi
 if want ipc; then
