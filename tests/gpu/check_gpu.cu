@@ -1705,7 +1705,19 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
     fwd(y2);
     fwd(y);
     r->determ_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
-    r->path_ok = kcu_decode_calls == calls0 + 2;
+    /* y in page-locked host memory: the last kernel writes it there
+     * (KCU_Y_MAPPED, small y) or it is staged and copied - the same bytes */
+    {
+        float *yp = nullptr;
+        CK(cudaMallocHost(&yp, y.size() * 4));
+        memset(yp, 0xff, y.size() * 4);
+        CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+        CKM(kcu_forward(l, T, x.data(), MOE_F32, yp, MOE_F32, 0, NULL));
+        CK(cudaDeviceSynchronize());
+        r->determ_ok = r->determ_ok && memcmp(yp, y.data(), y.size() * 4) == 0;
+        CK(cudaFreeHost(yp));
+    }
+    r->path_ok = kcu_decode_calls == calls0 + 3;
     route_gpu g;
     check_route(l, c, x, wr, g, r->logits, r->probs, r->tw, r->idx_ok);
     const std::vector<float> &lg = g.lg, &probs_g = g.probs, &tw_g = g.tw;
@@ -1768,12 +1780,12 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
     kcu_decode_force_ks = 0;
     r->y_ks1 = relerr(yk1.data(), yref.data(), y.size());
     r->y_ks2 = relerr(yk2.data(), yref.data(), y.size());
-    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 5;
+    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 6;
     /* the GEMM path on the same layer and input */
     kcu_decode_override = 0;
     fwd(yg);
     kcu_decode_override = -1;
-    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 5;
+    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 6;
     r->gemm_same = dl(l->topk_idx, S) == idx_g;
     r->y_gemm = r->gemm_same ? relerr(y.data(), yg.data(), y.size()) : 0.0;
     { /* the GEMM path's counts, drops and statistics (kcu_route_small for few
