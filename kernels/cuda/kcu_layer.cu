@@ -58,16 +58,18 @@ static void *host_mapped(const void *p)
 }
 
 /* KCU_Y_MAPPED: the most bytes of a decode forward's y that its last kernel
- * writes straight into page-locked host memory (no staging copy; default
- * 65536: T <= 8 at d_model 4096 in bf16; 0 = always staged). Small writes
- * over PCIe are posted and cost less than a copy's round trip; large ones
- * go faster as one DMA copy. */
+ * writes straight into page-locked host memory instead of staging it and
+ * copying it out (default 0: always staged; e.g. 65536, T <= 8 at d_model
+ * 4096 in bf16). Small writes over PCIe are posted and may cost less than
+ * a copy's round trip (issue 19's T=1: the worker's copies are 7 us beyond
+ * the kernel); large ones go faster as one DMA copy. Not yet measured on a
+ * GPU: off until it is (bench/history/service.md "Session 25"). */
 static size_t y_mapped_max()
 {
     static long long v = -1;
     if (v < 0) {
         const char *s = getenv("KCU_Y_MAPPED");
-        v = s && *s ? atoll(s) : 65536;
+        v = s && *s ? atoll(s) : 0;
         if (v < 0)
             v = 0;
     }
