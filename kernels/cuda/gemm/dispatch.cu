@@ -35,7 +35,10 @@ int raster_group(int am)
  * (80% against 76%). */
 int raster_group_rows(const kcu_gemm_args *a)
 {
-    if (!getenv("KCU_GROUP_M") && a->few_tiles && a->N / WG_BN <= 16)
+    static int env_set = -1; /* KCU_GROUP_M given: it rules */
+    if (env_set < 0)
+        env_set = getenv("KCU_GROUP_M") != nullptr;
+    if (!env_set && a->few_tiles && a->N / WG_BN <= 16)
         return 2;
     return raster_group(KCU_A_K);
 }
