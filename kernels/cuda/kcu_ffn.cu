@@ -22,7 +22,7 @@ kcu_gemm_args rows_args(const kcu_ffn *f)
     a.ntiles_m = f->t.ntiles;
     a.max_tiles_m = f->t.max_tiles;
     a.sched = f->t.sched;
-    a.few_tiles = f->t.few && kcu_tile_pairs_on();
+    a.few_tiles = f->t.few;
     a.pdl = f->pdl;
     return a;
 }

@@ -465,12 +465,12 @@ void kcu_pipe_release(kcu_layer *l);
 moe_err kcu_to_bf16(const void *src, moe_dtype dt, bf16 *dst, size_t n, cudaStream_t st);
 /* kcu_route: routing (plain softmax top-k, or the family router when
  * kcu_route_family) and the layout with capacity cap on the routed experts;
- * pairs: the tile list in pairs of one expert (k_layout_scan; off with
- * KCU_TILE_PAIRS=0) - for GEMMs on v7 with ~2 m-tiles per expert at most,
- * where it saves reading a weight tile twice; with more tiles per expert it
- * parts an odd expert's last tile from the rest (its weights read again) */
+ * pairs: the tile list in pairs of one expert (k_layout_scan; the forward
+ * decides, KCU_TILE_PAIRS=0 turns it off) - for GEMMs on v7 with ~2 m-tiles
+ * per expert at most, where it saves reading a weight tile twice; with more
+ * tiles per expert it parts an odd expert's last tile from the rest (its
+ * weights read again) */
 moe_err kcu_route(kcu_layer *l, int T, int cap, int pairs, cudaStream_t st);
-int kcu_tile_pairs_on(void);
 /* kcu_route_family_topk: the family router (k_route_family) alone on the
  * layer's logits (T,Ep): probs (T,E), lse (T), topk_idx and topk_w (T,Kt),
  * the K routed slots then the shared ones; kcu_route and the decode path

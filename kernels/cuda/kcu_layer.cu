@@ -34,27 +34,27 @@ void (*kcu_phase_hook)(const char *phase, cudaStream_t st) = nullptr;
             kcu_phase_hook(name, st);                                                              \
     } while (0)
 
-int kcu_is_host_ptr(const void *p)
+/* whether p is host memory (pageable or page-locked; a pointer CUDA does
+ * not know counts as host); *mapped, when asked: p's device-visible address
+ * where it is page-locked and mapped into the device's address space
+ * (cudaHostRegister, cudaHostAlloc on a UVA system), else NULL */
+static int host_ptr(const void *p, void **mapped)
 {
     cudaPointerAttributes a;
+    if (mapped)
+        *mapped = nullptr;
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
         (void)cudaGetLastError();
         return 1;
     }
+    if (mapped && a.type == cudaMemoryTypeHost)
+        *mapped = a.devicePointer;
     return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
 }
 
-/* p's device-visible address where p is page-locked host memory mapped
- * into the device's address space (cudaHostRegister, cudaHostAlloc on a
- * UVA system), else NULL */
-static void *host_mapped(const void *p)
+int kcu_is_host_ptr(const void *p)
 {
-    cudaPointerAttributes a;
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return nullptr;
-    }
-    return a.type == cudaMemoryTypeHost ? a.devicePointer : nullptr;
+    return host_ptr(p, nullptr);
 }
 
 /* KCU_Y_MAPPED: the most bytes of a decode forward's y that its last kernel
@@ -887,11 +887,13 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     if (kcu_decode_use(l, T_path, train)) {
         const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
         l->cap_fwd[l->state] = cap;
-        const int yhost = kcu_is_host_ptr(y);
-        const size_t ybytes = n * (y_dtype == MOE_F32 ? 4 : 2);
         /* small y in page-locked host memory: written there by the last
          * kernel (visible once the stream is waited for, as the copy's) */
-        void *ymap = yhost && ybytes <= y_mapped_max() ? host_mapped(y) : nullptr;
+        void *ymap = nullptr;
+        const int yhost = host_ptr(y, &ymap);
+        const size_t ybytes = n * (y_dtype == MOE_F32 ? 4 : 2);
+        if (ybytes > y_mapped_max())
+            ymap = nullptr;
         const int staged = yhost && !ymap;
         if (staged)
             KCU_TRY(ensure_stage(l));
@@ -917,7 +919,9 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
      * take v7; with 1.5 m-tiles per expert or fewer on average, the tile
      * list in pairs of one expert (kcu_route: each weight tile read once) */
     const int sorted_rows = l->sorted || sorted_infer(l, T_path, train);
-    const int pairs = sorted_rows && !train && 2LL * T * Kt <= 3LL * KCU_BM * Et;
+    static int pairs_on = -1; /* KCU_TILE_PAIRS=0: never */
+    const int pairs = sorted_rows && !train && 2LL * T * Kt <= 3LL * KCU_BM * Et &&
+                      kcu_env_flag(&pairs_on, "KCU_TILE_PAIRS", 1);
     if (small) /* few slots: one kernel (kcu_decode.cu) */
         KCU_TRY(kcu_route_small(l, T, xb, cap, st));
     else

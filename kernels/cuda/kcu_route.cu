@@ -638,14 +638,6 @@ moe_err kcu_route_family_topk(kcu_layer *l, int T, cudaStream_t st)
     return MOE_OK;
 }
 
-/* the tile list in pairs of one expert where asked (kcu_route's pairs):
- * unless KCU_TILE_PAIRS=0 */
-static int g_tile_pairs = -1;
-int kcu_tile_pairs_on()
-{
-    return kcu_env_flag(&g_tile_pairs, "KCU_TILE_PAIRS", 1);
-}
-
 moe_err kcu_route(kcu_layer *l, int T, int cap, int pairs, cudaStream_t st)
 {
     const kcu_config *c = &l->c;
@@ -662,8 +654,7 @@ moe_err kcu_route(kcu_layer *l, int T, int cap, int pairs, cudaStream_t st)
     k_layout_count<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, l->chunk);
     KCU_CHECK_LAUNCH();
     k_layout_scan<<<1, 256, 0, st>>>(l->chunk, nch, Et, cap, E, l->counts, l->dropped, l->offs,
-                                     l->tile_e, l->tile_r0, l->ntiles,
-                                     pairs && kcu_tile_pairs_on());
+                                     l->tile_e, l->tile_r0, l->ntiles, pairs);
     KCU_CHECK_LAUNCH();
     k_layout_scatter<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, Kt, cap, E, l->chunk, l->offs,
                                             l->perm, l->tok, l->spos);

@@ -155,10 +155,7 @@ __global__ void __launch_bounds__(NT, 2) k_gemm(const kcu_gemm_args p)
                     else
                         ldsm4t(t4, sb + off_mn(kk * 16 + (q & 1) * 8 + r8,
                                                wn * 32 + nj * 16 + (q >> 1) * 8));
-                    bfr[2 * nj][0] = t4[0];
-                    bfr[2 * nj][1] = t4[1];
-                    bfr[2 * nj + 1][0] = t4[2];
-                    bfr[2 * nj + 1][1] = t4[3];
+                    b_frag_pair(bfr, nj, t4);
                 }
 #pragma unroll
                 for (int mi = 0; mi < 4; mi++)
@@ -383,10 +380,7 @@ template <int MI> __global__ void __launch_bounds__(N_NT) k_gemm_narrow(const kc
                     uint32_t t4[4];
                     ldsm4(t4,
                           sb + off_k(wn * 32 + nj * 16 + (q >> 1) * 8 + r8, kk * 16 + (q & 1) * 8));
-                    bfr[2 * nj][0] = t4[0];
-                    bfr[2 * nj][1] = t4[1];
-                    bfr[2 * nj + 1][0] = t4[2];
-                    bfr[2 * nj + 1][1] = t4[3];
+                    b_frag_pair(bfr, nj, t4);
                 }
 #pragma unroll
                 for (int mi = 0; mi < MI; mi++)

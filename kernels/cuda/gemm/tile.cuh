@@ -66,6 +66,15 @@ __device__ __forceinline__ void cp_ring_step(int kt, int ktiles, LOAD &load)
         load(nk % STAGES, nk);
     cp_async_commit();
 }
+/* mma16816's B fragments (b0, b1) of n8 blocks 2 nj and 2 nj + 1 from one
+ * ldmatrix.x4 (t4) */
+__device__ __forceinline__ void b_frag_pair(uint32_t (&bfr)[4][2], int nj, const uint32_t (&t4)[4])
+{
+    bfr[2 * nj][0] = t4[0];
+    bfr[2 * nj][1] = t4[1];
+    bfr[2 * nj + 1][0] = t4[2];
+    bfr[2 * nj + 1][1] = t4[3];
+}
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t a)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
