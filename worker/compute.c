@@ -5,6 +5,7 @@
 #include "worker/gpu.h"
 #include "common/log.h"
 #include "common/prio.h"
+#include "worker/lane_trace.h"
 #include "worker/worker.h"
 
 void wkr_enqueue(wkr *w, rpc_call *c, const wkr_method *m)
@@ -141,9 +142,10 @@ void *wkr_compute_main(void *arg)
         pthread_mutex_unlock(&w->qmu);
         atomic_store(&w->busy_since_ns, rpc_now_ns());
         wkr_busy_at(w, it->is_run ? "a lane forward" : it->method->m.name);
-        if (it->is_run)
+        if (it->is_run) {
+            lane_trace(LT_TAKEN);
             wkr_lane_run(w, &it->run);
-        else
+        } else
             run_one(w, it->call, it->method);
 #ifdef MOE_HAVE_CUDA
         /* a failed NCCL call was answered: now its communicator's abort

@@ -17,6 +17,7 @@
 
 #include "worker/pool.h"
 #include "worker/fwd.h"
+#include "worker/lane_trace.h"
 #include "worker/gpu.h"
 #include "common/log.h"
 #include "common/nccl_pieces.h"
@@ -595,6 +596,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
     const int T = st->T;
     const size_t S = (size_t)T * K, Tn = T ? (size_t)T : 1;
     double t0 = fwd_now_s(), t_gate, t_disp, t_exp, t_comb;
+    lane_trace(LT_FWD0);
     uint64_t a2a = 0; /* bytes this rank sent to the others (dispatch + combine) */
     double aux = 0;   /* aux_whole: the aux loss, computed by the device */
     int aux_whole = 0;
@@ -765,6 +767,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
 
 reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times, and a2a_bytes or
          * aux_loss} */
+    lane_trace(LT_FWD1);
     if (lane) {
         double ph[4] = {t_gate - t0, t_disp - t_gate, t_exp - t_disp, t_comb - t_exp};
         lane_attach_stats(&batch, cfg, T, st->counts, dropped, probs_sum, z_sum,

@@ -18,6 +18,7 @@
 
 #include "common/log.h"
 #include "common/routing_stats.h"
+#include "worker/lane_trace.h"
 #include "worker/worker.h"
 
 moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen)
@@ -39,6 +40,7 @@ moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen)
     pthread_cond_signal(&w->qcv);
     pthread_mutex_unlock(&w->qmu);
     atomic_fetch_add(&w->qposted, 1); /* for a compute thread that spins (compute.c) */
+    lane_trace(LT_QUEUED);
     return MOE_OK;
 }
 

@@ -38,6 +38,7 @@
 #include "common/params.h"
 #include "proto/ring_wire.h"
 #include "worker/dataplane.h"
+#include "worker/lane_trace.h"
 
 struct dp_ring {
     uint64_t id;
@@ -70,6 +71,7 @@ static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *t
 static void ring_write(dp_ring *r, uint32_t seq, const void *buf, size_t len)
 {
     mp_writer w;
+    lane_trace(LT_ANSWER);
     mp_writer_init(&w);
     if (len > r->rep_cap) { /* an inline y larger than the ring: say so */
         char text[200];
@@ -87,6 +89,7 @@ static void ring_write(dp_ring *r, uint32_t seq, const void *buf, size_t len)
     __atomic_store_n(word(r, RING_REP_SEQ), seq, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(word(r, RING_CLIENT_IDLE), __ATOMIC_SEQ_CST))
         futex(word(r, RING_REP_SEQ), FUTEX_WAKE, 1, NULL);
+    lane_trace(LT_DONE);
     pthread_mutex_lock(&r->mu);
     r->busy = 0;
     r->seq_done = seq;
@@ -144,6 +147,7 @@ static void *ring_main(void *arg)
     dp_table *t = r->t;
     uint32_t seq;
     while (wait_request(r, &seq)) {
+        lane_trace(LT_SEEN);
         uint32_t len = __atomic_load_n(word(r, RING_REQ_LEN), __ATOMIC_ACQUIRE);
         if (len == 0 || len > r->req_cap) {
             char text[160];

@@ -58,6 +58,7 @@
 #include "kernels/cuda/kcu_topk.cuh"
 
 int kcu_decode_override = -1;
+int kcu_stats_mapped_override = -1;
 long long kcu_decode_calls = 0;
 int kcu_decode_force_ks = 0;
 
@@ -150,6 +151,12 @@ struct dn_params {
     int out_f32;
     int smem_floats;
     int ks_force; /* 0 = choose the split of F, else at most this (checks) */
+    /* span_out != NULL: CTA 0 copies span_words words of span_in (the
+     * workspace's counts .. dropped, written by the up kernel) there at
+     * its end - page-locked host memory, so no copy follows the chain */
+    const uint32_t *span_in;
+    uint32_t *span_out;
+    int span_words;
 };
 
 /* ---- device helpers ---- */
@@ -1039,6 +1046,10 @@ __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ d
         }
         __syncthreads();
     }
+    /* the up kernel ended before kcu_pdl_wait returned: its span is final */
+    if (p.span_out && blockIdx.x == 0)
+        for (int i = tid; i < p.span_words; i += DN_NT)
+            p.span_out[i] = p.span_in[i];
 }
 
 /* ---- host side ---- */
@@ -1399,6 +1410,24 @@ dn_params dn_ffn(const bf16 *h, const bf16 *w2, int H, int F, int E, void *y, mo
     return dp;
 }
 
+/* stats_span_out: where the decode chain's statistics go (kcu_forward_stats
+ * reads them): the workspace's span counts .. dropped copied by the down
+ * kernel into l->stats_h where the device maps it (KCU_STATS_MAPPED, default
+ * 1: no copy and its round trip after the chain; 0 = kcu_forward_stats
+ * copies them) */
+static void stats_span_out(kcu_layer *l, dn_params *dp)
+{
+    static int env_on = -1;
+    const int on = kcu_stats_mapped_override >= 0 ? kcu_stats_mapped_override
+                                                  : kcu_env_flag(&env_on, "KCU_STATS_MAPPED", 1);
+    if (!on || kcu_stats_host(l) != MOE_OK || !l->stats_map)
+        return;
+    dp->span_in = reinterpret_cast<const uint32_t *>(l->counts);
+    dp->span_out = reinterpret_cast<uint32_t *>(l->stats_map);
+    dp->span_words = (int)(kcu_stats_span(l) / 4);
+    l->stats_in_host = 1;
+}
+
 moe_err decode_forward_family(kcu_layer *l, int T, const bf16 *xb, int cap, void *y,
                               moe_dtype y_dtype, cudaStream_t st)
 {
@@ -1444,6 +1473,7 @@ moe_err decode_forward_family(kcu_layer *l, int T, const bf16 *xb, int cap, void
         dp.glog = l->sh_gate ? l->logits + E : nullptr;
         dp.ldg = l->Ep;
     }
+    stats_span_out(l, &dp);
     KCU_TRY(launch_down(dp, rows, S, l->nsm, st));
     kcu_decode_calls++;
     return MOE_OK;
@@ -1482,6 +1512,7 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
     dp.topk_w = l->topk_w;
     dp.T = T;
     dp.K = K;
+    stats_span_out(l, &dp);
     KCU_TRY(launch_down(dp, rows, S, l->nsm, st));
     kcu_decode_calls++;
     return MOE_OK;

@@ -251,6 +251,12 @@ void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched);
  * its 128-row tiles number fewer than half the SMs), 0 never, 1 / 2 always
  * where it applies, in tiles of 16 / 32 rows */
 extern int kcu_gemm_narrow_override;
+/* kcu_stats_mapped_override: the decode path's last kernel writes counts,
+ * aux/z and drops into mapped page-locked memory (1), or they are copied
+ * out by kcu_forward_stats (0); -1 = KCU_STATS_MAPPED (checks set it) */
+extern int kcu_stats_mapped_override;
+size_t kcu_stats_span(const kcu_layer *l);
+moe_err kcu_stats_host(kcu_layer *l);
 
 /* ---- the layer ---- */
 /* kcu_carve: hands out 256-byte aligned pieces of one allocation (or, with
@@ -356,6 +362,9 @@ struct kcu_layer {
                                   * counts, aux and z, dropped read back by
                                   * kcu_forward_stats in one copy and one wait; made on
                                   * its first call, freed by kcu_layer_destroy */
+    int32_t *stats_map;          /* stats_h's device-visible address (mapped), or NULL */
+    int stats_in_host;           /* the last forward's decode kernels wrote the span into
+                                  * stats_h themselves (KCU_STATS_MAPPED): no copy */
     /* kcu_forward_pipelined (kcu_pipe.cu): created on its first call (all
      * zero before), freed by kcu_layer_destroy (kcu_pipe_release). Shared
      * by the states (nothing in it outlives one call). */

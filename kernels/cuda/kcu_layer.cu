@@ -59,17 +59,17 @@ int kcu_is_host_ptr(const void *p)
 
 /* KCU_Y_MAPPED: the most bytes of a decode forward's y that its last kernel
  * writes straight into page-locked host memory instead of staging it and
- * copying it out (default 0: always staged; e.g. 65536, T <= 8 at d_model
- * 4096 in bf16). Small writes over PCIe are posted and may cost less than
- * a copy's round trip (issue 19's T=1: the worker's copies are 7 us beyond
- * the kernel); large ones go faster as one DMA copy. Not yet measured on a
- * GPU: off until it is (bench/history/service.md "Session 25"). */
+ * copying it out (default 65536: T <= 8 at d_model 4096 in bf16; 0 = always
+ * staged). Small writes over PCIe are posted and cost less than a copy's
+ * round trip; large ones go faster as one DMA copy. Measured on an H100
+ * (bench/history/service.md "Session 26"): with KCU_STATS_MAPPED, a T=1
+ * Qwen3 forward through a ring 0.071-0.076 ms against 0.077-0.089 copied. */
 static size_t y_mapped_max()
 {
     static long long v = -1;
     if (v < 0) {
         const char *s = getenv("KCU_Y_MAPPED");
-        v = s && *s ? atoll(s) : 0;
+        v = s && *s ? atoll(s) : 65536;
         if (v < 0)
             v = 0;
     }
@@ -868,6 +868,7 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
         (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
         return MOE_EINVAL;
     l->T_fwd[l->state] = 0;
+    l->stats_in_host = 0; /* the decode chain sets it where its last kernel writes them */
     if (T == 0)
         return MOE_OK;
     /* K routed slots (capacity); Kt slots per token and Et experts held,
@@ -1138,6 +1139,35 @@ extern "C" moe_err kcu_layer_set_capacity(kcu_layer *l, float capacity_factor)
     return MOE_OK;
 }
 
+/* kcu_stats_span: bytes of the workspace's span counts .. dropped (carve_ws
+ * lays them side by side) */
+size_t kcu_stats_span(const kcu_layer *l)
+{
+    const char *d0 = reinterpret_cast<const char *>(l->counts);
+    return (size_t)(reinterpret_cast<const char *>(l->dropped) - d0) + (size_t)l->c.E * 4;
+}
+
+/* kcu_stats_host: l->stats_h (page-locked, mapped: l->stats_map its device
+ * address, NULL where the device cannot address it), made once */
+moe_err kcu_stats_host(kcu_layer *l)
+{
+    if (l->stats_h)
+        return MOE_OK;
+    void *p = nullptr;
+    if (cudaHostAlloc(&p, kcu_stats_span(l), cudaHostAllocMapped) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return MOE_ENOMEM;
+    }
+    l->stats_h = (int32_t *)p;
+    void *d = nullptr;
+    if (cudaHostGetDevicePointer(&d, p, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        d = nullptr;
+    }
+    l->stats_map = (int32_t *)d;
+    return MOE_OK;
+}
+
 extern "C" moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, int32_t *dropped,
                                      float *aux_loss, float *z_loss, void *stream)
 {
@@ -1145,18 +1175,15 @@ extern "C" moe_err kcu_forward_stats(kcu_layer *l, int32_t *counts, int32_t *dro
     const int E = l->c.E;
     /* counts, stats and dropped lie side by side in the workspace
      * (carve_ws): one copy into pinned memory and one wait for all three
-     * (a decode call is tens of microseconds: each copy's launch counts) */
+     * (a decode call is tens of microseconds: each copy's launch counts);
+     * no copy where the decode chain's last kernel wrote them there */
     const char *d0 = reinterpret_cast<const char *>(l->counts);
     const size_t o_stats = reinterpret_cast<const char *>(l->stats) - d0;
     const size_t o_drop = reinterpret_cast<const char *>(l->dropped) - d0;
-    const size_t span = o_drop + (size_t)E * 4;
-    if (!l->stats_h && cudaMallocHost(&l->stats_h, span) != cudaSuccess) {
-        (void)cudaGetLastError();
-        l->stats_h = nullptr;
-        return MOE_ENOMEM;
-    }
+    KCU_TRY(kcu_stats_host(l));
     const char *h0 = reinterpret_cast<const char *>(l->stats_h);
-    KCU_CHECK(cudaMemcpyAsync(l->stats_h, d0, span, cudaMemcpyDeviceToHost, st));
+    if (!l->stats_in_host)
+        KCU_CHECK(cudaMemcpyAsync(l->stats_h, d0, kcu_stats_span(l), cudaMemcpyDeviceToHost, st));
     KCU_CHECK(cudaStreamSynchronize(st));
     const float *hs = reinterpret_cast<const float *>(h0 + o_stats);
     if (counts)

@@ -164,6 +164,7 @@ moe_err pipe_run(kcu_layer *l, int T, const char *x, size_t xrow, moe_dtype x_dt
     /* the whole batch's statistics where kcu_forward_stats reads them */
     k_pipe_final<<<1, 256, 0, scomp>>>(l->pp_acc, l->pp_cnt, T, E, Et, c->K, l->counts, l->dropped,
                                        l->stats);
+    l->stats_in_host = 0; /* the chunks' decode kernels never wrote the whole batch's */
     KCU_CHECK_LAUNCH();
     return MOE_OK;
 }

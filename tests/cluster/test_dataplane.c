@@ -1526,3 +1526,50 @@ Test(dataplane, nccl_pieces_refused_clearly, .timeout = 60, .fini = cluster_fini
     moe_client_close(c);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
+
+/* log_has: whether the file at path holds needle (NULL when unreadable) */
+static int log_has(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    char line[1024];
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f))
+        found = strstr(line, needle) != NULL;
+    fclose(f);
+    return found;
+}
+
+/* MOE_LANE_TRACE=N (docs/OPERATIONS.md, "Logs"): every N ring requests the
+ * worker logs the medians of each step's time; requests on the socket are
+ * not counted, and a worker without the variable logs nothing of it. */
+Test(dataplane, lane_trace_logs_step_medians, .timeout = 120, .fini = cluster_fini_all)
+{
+    setenv("MOE_LANE_TRACE", "3", 1);
+    cluster_opts o = {.workers = 1};
+    cluster *cl = cluster_start(&o);
+    unsetenv("MOE_LANE_TRACE");
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const int H = 32;
+    create(cl, "m", H, 32, 4, 2, MOE_F32);
+    moe_client *cs = open_path(cl, "socket"), *cm = open_path(cl, "shm");
+    float x[2 * 32], y[2 * 32];
+    rng_fill_uniform(91, 1, -1, 1, x, sizeof(x) / 4);
+    for (int i = 0; i < 4; i++) /* the socket: no stamps from a ring */
+        cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 2, H, y, NULL), MOE_OK, "%s",
+                     moe_last_error());
+    cr_assert(!log_has(cl->paths_worker_log[0], "lane trace"), "socket requests were traced");
+    for (int i = 0; i < 6; i++) /* 3 at least on the ring, however it is set up */
+        cr_assert_eq(moe_forward(cm, "m", 0, MOE_F32, x, 2, H, y, NULL), MOE_OK, "%s",
+                     moe_last_error());
+    int found = 0;
+    for (int i = 0; i < 500 && !found; i++) { /* written after the third answer went */
+        found = log_has(cl->paths_worker_log[0], "lane trace, medians of 3 requests (us): seen->");
+        if (!found)
+            usleep(10000);
+    }
+    cr_assert(found, "no lane trace line after 6 requests through shared memory");
+    moe_client_close(cs);
+    moe_client_close(cm);
+}

@@ -1706,18 +1706,32 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
     fwd(y);
     r->determ_ok = memcmp(y.data(), y2.data(), y.size() * 4) == 0;
     /* y in page-locked host memory: the last kernel writes it there
-     * (KCU_Y_MAPPED, small y) or it is staged and copied - the same bytes */
+     * (KCU_Y_MAPPED, small y) or it is staged and copied - the same bytes;
+     * and the statistics written into mapped memory by the last kernel
+     * (KCU_STATS_MAPPED) or copied out: the same values */
     {
         float *yp = nullptr;
         CK(cudaMallocHost(&yp, y.size() * 4));
-        memset(yp, 0xff, y.size() * 4);
-        CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
-        CKM(kcu_forward(l, T, x.data(), MOE_F32, yp, MOE_F32, 0, NULL));
-        CK(cudaDeviceSynchronize());
-        r->determ_ok = r->determ_ok && memcmp(yp, y.data(), y.size() * 4) == 0;
+        std::vector<int32_t> cnt[2], drp[2];
+        float aux[2], z[2];
+        for (int m = 0; m < 2; m++) {
+            memset(yp, 0xff, y.size() * 4);
+            CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+            kcu_stats_mapped_override = m;
+            CKM(kcu_forward(l, T, x.data(), MOE_F32, yp, MOE_F32, 0, NULL));
+            cnt[m].assign(E, -1);
+            drp[m].assign(E, -1);
+            CKM(kcu_forward_stats(l, cnt[m].data(), drp[m].data(), &aux[m], &z[m], NULL));
+            r->determ_ok = r->determ_ok && memcmp(yp, y.data(), y.size() * 4) == 0;
+            if (m == 1) /* the statistics' copy is gone only where the device maps it */
+                r->determ_ok = r->determ_ok && l->stats_in_host == (l->stats_map != nullptr);
+        }
+        kcu_stats_mapped_override = -1;
+        r->determ_ok = r->determ_ok && cnt[0] == cnt[1] && drp[0] == drp[1] &&
+                       memcmp(&aux[0], &aux[1], 4) == 0 && memcmp(&z[0], &z[1], 4) == 0;
         CK(cudaFreeHost(yp));
     }
-    r->path_ok = kcu_decode_calls == calls0 + 3;
+    r->path_ok = kcu_decode_calls == calls0 + 4;
     route_gpu g;
     check_route(l, c, x, wr, g, r->logits, r->probs, r->tw, r->idx_ok);
     const std::vector<float> &lg = g.lg, &probs_g = g.probs, &tw_g = g.tw;
@@ -1772,6 +1786,20 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
             r->bf16_ok = r->bf16_ok && yb[i] == kern_f32_to_bf16(y[i]);
         CK(cudaFree(dx_));
         CK(cudaFree(dy_));
+        /* bf16 x and y in page-locked host memory (a worker's shared-memory
+         * rows): x copied in, y written there by the last kernel (or staged
+         * beyond KCU_Y_MAPPED) - the device run's bits */
+        uint16_t *hx, *hy;
+        CK(cudaMallocHost(&hx, xb.size() * 2));
+        CK(cudaMallocHost(&hy, yb.size() * 2));
+        memcpy(hx, xb.data(), xb.size() * 2);
+        memset(hy, 0xff, yb.size() * 2);
+        CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
+        CKM(kcu_forward(l, T, hx, MOE_BF16, hy, MOE_BF16, 0, NULL));
+        CK(cudaDeviceSynchronize());
+        r->bf16_ok = r->bf16_ok && memcmp(hy, yb.data(), yb.size() * 2) == 0;
+        CK(cudaFreeHost(hx));
+        CK(cudaFreeHost(hy));
     }
     kcu_decode_force_ks = 1;
     fwd(yk1);
@@ -1780,12 +1808,12 @@ static int decode_case(const tcase &c, uint64_t seed, dresult *r)
     kcu_decode_force_ks = 0;
     r->y_ks1 = relerr(yk1.data(), yref.data(), y.size());
     r->y_ks2 = relerr(yk2.data(), yref.data(), y.size());
-    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 6;
+    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 8;
     /* the GEMM path on the same layer and input */
     kcu_decode_override = 0;
     fwd(yg);
     kcu_decode_override = -1;
-    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 6;
+    r->path_ok = r->path_ok && kcu_decode_calls == calls0 + 8;
     r->gemm_same = dl(l->topk_idx, S) == idx_g;
     r->y_gemm = r->gemm_same ? relerr(y.data(), yg.data(), y.size()) : 0.0;
     { /* the GEMM path's counts, drops and statistics (kcu_route_small for few
