@@ -258,6 +258,13 @@ typedef struct dp_req {
     int timeout_ms;
 } dp_req;
 
+/* bulk_started: rank q's rows went on its bulk connection (bx: NULL
+ * where none did) */
+static inline int bulk_started(const moe_bulk_xfer *bx, int q)
+{
+    return bx && bx[q].started;
+}
+
 /* req_done: aio's callback counts its completed operations (send, then
  * the answer's receive) */
 static void req_done(void *arg)
@@ -2090,18 +2097,19 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     if (b)
         par_memcpy(b->base, in, nbytes);
     /* 0. large rows for workers with a bulk endpoint: on their own
-     * connections, all at once (each waits for its ack before data.rows) */
-    moe_bulk_xfer *bx = calloc((size_t)W, sizeof(moe_bulk_xfer));
-    if (!bx) {
-        free(rq);
-        shm_put(dp, b);
-        return MOE_ENOMEM;
-    }
+     * connections, all at once (each waits for its ack before data.rows);
+     * bx made where the first one goes (a decode call never needs it) */
+    moe_bulk_xfer *bx = NULL;
     for (int q = 0; q < W && e == MOE_OK && !zero_copy && !b; q++) {
         int64_t a = shard_first(T, W, q), rows = shard_first(T, W, q + 1) - a;
         size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
         if (rows == 0 || !use_bulk(c, m, q, n))
             continue;
+        if (!bx && !(bx = calloc((size_t)W, sizeof(moe_bulk_xfer)))) {
+            free(rq);
+            shm_put(dp, b);
+            return MOE_ENOMEM;
+        }
         if (!m->bulk[q].url[0]) { /* asked for by name: never replaced in silence */
             e = MOE_EUNAVAIL;
             moe__set_error("%s: data path bulk: worker rank %d offers no bulk endpoint "
@@ -2130,7 +2138,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         if (rows == 0)
             continue;
         size_t off = (size_t)a * (size_t)H * es, n = (size_t)rows * (size_t)H * es;
-        if (bx[q].started && (e = moe_bulk_wait_ack(&bx[q])) != MOE_OK) {
+        if (bulk_started(bx, q) && (e = moe_bulk_wait_ack(&bx[q])) != MOE_OK) {
             moe__set_error("%s: bulk rows to worker rank %d: %s: %s", method, q, moe_err_code(e),
                            bx[q].msg);
             snprintf(ctl->message, sizeof(ctl->message), "%s", moe_last_error());
@@ -2189,7 +2197,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             mp_write_cstr(&w, "y_offset");
             mp_write_u64(&w, nbytes + off);
             e = ring ? MOE_OK : msg_from_writer(&w, NULL, 0, &msg);
-        } else if (bx[q].started) { /* the rows are at the worker already */
+        } else if (bulk_started(bx, q)) { /* the rows are at the worker already */
             mp_write_cstr(&w, "bulk");
             mp_write_bool(&w, true);
             e = msg_from_writer(&w, NULL, 0, &msg);
@@ -2256,10 +2264,11 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
                 zero_copy ? (uint64_t)((uint8_t *)out - dp->ubuf[uy].base) + off : nbytes + off;
             const uint8_t *st = NULL;
             size_t stlen = 0;
-            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo, bx[q].started, &st, &stlen);
+            qe = read_y(&rd, dt, rows, H, (uint8_t *)out + off, rg, yo, bulk_started(bx, q), &st,
+                        &stlen);
             if (qe != MOE_OK)
                 snprintf(msg, sizeof(msg), "malformed rows from worker %d", q);
-            else if (bx[q].started && (qe = moe_bulk_finish(&bx[q], 0)) != MOE_OK)
+            else if (bulk_started(bx, q) && (qe = moe_bulk_finish(&bx[q], 0)) != MOE_OK)
                 snprintf(msg, sizeof(msg), "%s", bx[q].msg); /* y did not come in bulk */
             else if (lane)
                 qe = lane_reply(ctl, st, stlen, msg, sizeof(msg));
@@ -2274,7 +2283,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         req_close(&rq[q]);
     }
     for (int q = 0; q < W; q++) /* not answered in bulk: the call failed, the connection shut */
-        if (bx[q].started)
+        if (bulk_started(bx, q))
             (void)moe_bulk_finish(&bx[q], 1);
     free(bx);
     free(rq);

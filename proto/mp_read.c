@@ -324,8 +324,50 @@ moe_err mp_read_bool(mp_reader *r, bool *out, mp_errbuf *eb)
     return MOE_OK;
 }
 
+/* small_uint: the common unsigned integers (fixint, uint8/16/32) read
+ * without the general header's work - decode-sized answers carry hundreds
+ * of them (per-expert counts); 0 where the value is anything else. */
+static inline int small_uint(mp_reader *r, uint64_t *v)
+{
+    const uint8_t *p = r->p;
+    if (p >= r->end)
+        return 0;
+    const size_t left = (size_t)(r->end - p);
+    switch (*p) {
+    case 0xcc:
+        if (left < 2)
+            return 0;
+        *v = p[1];
+        r->p = p + 2;
+        return 1;
+    case 0xcd:
+        if (left < 3)
+            return 0;
+        *v = (uint64_t)p[1] << 8 | p[2];
+        r->p = p + 3;
+        return 1;
+    case 0xce:
+        if (left < 5)
+            return 0;
+        *v = be32(p + 1);
+        r->p = p + 5;
+        return 1;
+    default:
+        if (*p > 0x7f)
+            return 0;
+        *v = *p;
+        r->p = p + 1;
+        return 1;
+    }
+}
+
 moe_err mp_read_i64(mp_reader *r, int64_t *out, mp_errbuf *eb)
 {
+    uint64_t v;
+    if (small_uint(r, &v)) {
+        *out = (int64_t)v;
+        return MOE_OK;
+    }
     hdr h;
     moe_err e = expect(r, &h, MP_UINT, eb);
     if (e)
@@ -338,6 +380,8 @@ moe_err mp_read_i64(mp_reader *r, int64_t *out, mp_errbuf *eb)
 
 moe_err mp_read_u64(mp_reader *r, uint64_t *out, mp_errbuf *eb)
 {
+    if (small_uint(r, out))
+        return MOE_OK;
     hdr h;
     moe_err e = expect(r, &h, MP_UINT, eb);
     if (e)
@@ -409,9 +453,40 @@ moe_err mp_read_map(mp_reader *r, uint32_t *count, mp_errbuf *eb)
     return MOE_OK;
 }
 
+/* skip_scalar: steps over a value of fixed size (nil, bool, integers,
+ * floats) with one look at its marker; 0 (nothing read) for anything else
+ * or one cut short, which mp_skip_depth then reads the long way (and
+ * reports) */
+static inline int skip_scalar(mp_reader *r)
+{
+    const uint8_t *p = r->p;
+    if (p >= r->end)
+        return 0;
+    const uint8_t m = *p;
+    size_t n;
+    if (m <= 0x7f || m >= 0xe0 || m == 0xc0 || m == 0xc2 || m == 0xc3)
+        n = 1;
+    else if (m == 0xcc || m == 0xd0)
+        n = 2;
+    else if (m == 0xcd || m == 0xd1)
+        n = 3;
+    else if (m == 0xca || m == 0xce || m == 0xd2)
+        n = 5;
+    else if (m == 0xcb || m == 0xcf || m == 0xd3)
+        n = 9;
+    else
+        return 0;
+    if ((size_t)(r->end - p) < n)
+        return 0;
+    r->p = p + n;
+    return 1;
+}
+
 /* mp_skip_depth: mp_skip for a value found `depth` containers deep. */
 moe_err mp_skip_depth(mp_reader *r, int depth, mp_errbuf *eb)
 {
+    if (skip_scalar(r))
+        return MOE_OK;
     hdr h;
     moe_err e = read_hdr(r, &h, eb);
     if (e)
@@ -426,6 +501,8 @@ moe_err mp_skip_depth(mp_reader *r, int depth, mp_errbuf *eb)
             return mp_errf(eb, MOE_EPROTO, "nesting deeper than %d containers", MP_MAX_DEPTH);
         uint64_t values = h.type == MP_MAP ? 2 * (uint64_t)h.n : h.n;
         for (uint64_t i = 0; i < values; i++) {
+            if (skip_scalar(r)) /* arrays of numbers: no call per element */
+                continue;
             e = mp_skip_depth(r, depth + 1, eb);
             if (e)
                 return e;
@@ -443,6 +520,10 @@ moe_err mp_skip(mp_reader *r, mp_errbuf *eb)
 
 bool mp_str_eq(const char *s, uint32_t len, const char *cstr)
 {
-    size_t n = strlen(cstr);
-    return n == len && memcmp(s, cstr, n) == 0;
+    /* byte by byte: a parameter table compares each key with every name,
+     * and most differ at the first byte (no strlen of each name) */
+    for (uint32_t i = 0; i < len; i++)
+        if (cstr[i] == '\0' || cstr[i] != s[i])
+            return false;
+    return cstr[len] == '\0';
 }

@@ -103,6 +103,10 @@ void mp_write_bool(mp_writer *w, bool v)
 
 void mp_write_u64(mp_writer *w, uint64_t v)
 {
+    if (v <= 0x7f && w->len < w->cap && !w->failed) { /* the common case, no call */
+        w->buf[w->len++] = (uint8_t)v;
+        return;
+    }
     if (v <= 0x7f)
         put_marker(w, (uint8_t)v, 0, 0);
     else if (v <= UINT8_MAX)
@@ -117,6 +121,10 @@ void mp_write_u64(mp_writer *w, uint64_t v)
 
 void mp_write_i64(mp_writer *w, int64_t v)
 {
+    if (v >= 0 && v <= 0x7f && w->len < w->cap && !w->failed) { /* as mp_write_u64's */
+        w->buf[w->len++] = (uint8_t)v;
+        return;
+    }
     if (v >= 0)
         mp_write_u64(w, (uint64_t)v);
     else if (v >= -32)

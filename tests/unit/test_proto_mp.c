@@ -313,6 +313,10 @@ Test(proto_mp_bytes, str_eq_and_cstr)
     cr_assert(!mp_str_eq("ping", 3, "ping"));
     cr_assert(!mp_str_eq("pinG", 4, "ping"));
     cr_assert(mp_str_eq("", 0, ""));
+    cr_assert(!mp_str_eq("pin", 3, "ping")); /* a prefix of the name */
+    cr_assert(!mp_str_eq("ping!", 5, "ping"));
+    cr_assert(!mp_str_eq("pi\0g", 4, "pi")); /* a NUL inside the read string */
+    cr_assert(!mp_str_eq("", 0, "ping"));
     mp_writer w;
     mp_writer_init(&w);
     mp_write_cstr(&w, "forward");
@@ -473,6 +477,74 @@ Test(proto_mp_reject, every_prefix_of_a_message_is_truncated)
     mp_reader_init(&r, w.buf, w.len);
     cr_assert_eq(mp_skip(&r, NULL), MOE_OK);
     cr_assert_eq(mp_left(&r), 0);
+    mp_writer_fini(&w);
+}
+
+/* mp_skip's and mp_read_i64/u64's fast paths for scalars (an array of
+ * per-expert counts is hundreds of them): every width, each prefix cut
+ * short refused, the whole message skipped to its end and read back */
+Test(proto_mp_reject, scalar_arrays_every_width_and_prefix)
+{
+    static const int64_t iv[] = {0,
+                                 127,
+                                 128,
+                                 255,
+                                 256,
+                                 65535,
+                                 65536,
+                                 -1,
+                                 -32,
+                                 -33,
+                                 -128,
+                                 -129,
+                                 -32768,
+                                 -32769,
+                                 (int64_t)1 << 40,
+                                 -70000,
+                                 -((int64_t)1 << 40)};
+    const int ni = (int)(sizeof(iv) / sizeof(iv[0]));
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_array(&w, (uint32_t)ni + 5);
+    for (int i = 0; i < ni; i++)
+        mp_write_i64(&w, iv[i]);
+    mp_write_f32(&w, 1.5f);
+    mp_write_f64(&w, 2.5);
+    mp_write_nil(&w);
+    mp_write_bool(&w, true);
+    mp_write_u64(&w, UINT64_MAX);
+    cr_assert(!w.failed);
+    for (size_t n = 0; n < w.len; n++) {
+        mp_reader r;
+        mp_errbuf eb;
+        mp_reader_init(&r, w.buf, n);
+        ASSERT_ERR(mp_skip(&r, &eb), MOE_EPROTO, eb);
+    }
+    mp_reader r;
+    mp_reader_init(&r, w.buf, w.len);
+    cr_assert_eq(mp_skip(&r, NULL), MOE_OK);
+    cr_assert_eq(mp_left(&r), 0);
+    /* read back: the integers as written, each one cut short refused */
+    mp_reader_init(&r, w.buf, w.len);
+    uint32_t n;
+    cr_assert_eq(mp_read_array(&r, &n, NULL), MOE_OK);
+    for (int i = 0; i < ni; i++) {
+        const uint8_t *at = r.p;
+        int64_t v = 0;
+        cr_assert_eq(mp_read_i64(&r, &v, NULL), MOE_OK, "value %d", i);
+        cr_assert_eq(v, iv[i], "value %d: %lld", i, (long long)v);
+        for (const uint8_t *end = at; end < r.p; end++) {
+            mp_reader t;
+            mp_reader_init(&t, at, (size_t)(end - at));
+            cr_assert_eq(mp_read_i64(&t, &v, NULL), MOE_EPROTO, "value %d cut to %td bytes", i,
+                         end - at);
+            if (iv[i] >= 0) {
+                uint64_t u;
+                mp_reader_init(&t, at, (size_t)(end - at));
+                cr_assert_eq(mp_read_u64(&t, &u, NULL), MOE_EPROTO);
+            }
+        }
+    }
     mp_writer_fini(&w);
 }
 
