@@ -933,7 +933,12 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     /* sorted modes: x[tok] copied once into sorted rows (in ye, which the
      * down-projection overwrites later, or kept in xg for dW13) */
     const bf16 *xrows = xb;
-    if (sorted_rows) {
+    /* KCU_V7_GATHER: the bytes-bound inference forwards (the list in pairs)
+     * gather x[tok] inside the up-projection's producer instead of copying
+     * the rows first */
+    static int v7_gather = -1;
+    const int gather_in_gemm = pairs && !l->sorted && kcu_env_flag(&v7_gather, "KCU_V7_GATHER", 0);
+    if (sorted_rows && !gather_in_gemm) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
         KCU_TRY(kcu_gather_rows(xb, MOE_BF16, l->tok, l->offs + Et, T * Kt, H, dst, small, st));

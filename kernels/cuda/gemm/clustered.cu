@@ -336,6 +336,85 @@ __device__ __forceinline__ void sw_epilogue(const kcu_gemm_args &p, const float 
     sw_signal(full0, t.m0, t.n0, whole ? (p.ab ? 2 : 1) : 0, cw, warp, lane);
 }
 
+/* v7's producer where A is gathered (p.a_gather: rows of p.A by index):
+ * the 128 producer threads walk the static schedule together; thread 0
+ * loads the weight tile by TMA (multicast where the pair shares its
+ * expert) as the plain producer does, and every thread copies 8 rows' 16
+ * bytes of A per stage by cp.async into the layout the A map's boxes give
+ * (rows past the expert's end zero-filled), then arrives on the stage */
+template <int BMODE>
+__device__ __forceinline__ void wsc_gather_producer(const kcu_gemm_args &p, const ws_maps &mp,
+                                                    uint32_t full0, uint32_t empty0, uint32_t sbase,
+                                                    int total, int ntm, int ntn, int ktiles,
+                                                    int cid, int ncl, uint32_t rank, int tid)
+{
+#if KCU_SM90
+    constexpr uint32_t HALF_B = WG_B_BYTES / 2;
+    if (tid == 0)
+        prefetch_tmap(&mp.b);
+    const int ch = tid & 7;
+    uint32_t it = 0;
+    for (int w = cid; w < total; w += ncl) {
+        wsc_item t;
+        wsc_decode(p, w, ntm, ntn, (int)rank, t);
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % WS_STAGES;
+            const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
+                           sb = sa + WG_A_BYTES;
+            const int k0 = kt * BK;
+            mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+            if (tid == 0) {
+                if (!t.has) {
+                    mbar_arrive(fb);
+                } else {
+                    mbar_arrive_tx(fb, WG_B_BYTES);
+                    if (t.mc) {
+                        if (BMODE == KCU_B_K) {
+                            tma_3d_mc(sb + rank * HALF_B, &mp.b, k0, t.n0 + 128 * (int)rank, t.e,
+                                      fb, (uint16_t)3);
+                        } else {
+#pragma unroll
+                            for (int a2 = 0; a2 < 2; a2++) {
+                                const int a4 = 2 * (int)rank + a2;
+                                tma_3d_mc(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb,
+                                          (uint16_t)3);
+                            }
+                        }
+                    } else if (BMODE == KCU_B_K) {
+#pragma unroll
+                        for (int h2 = 0; h2 < 2; h2++)
+                            tma_3d(sb + h2 * HALF_B, &mp.b, k0, t.n0 + 128 * h2, t.e, fb);
+                    } else {
+#pragma unroll
+                        for (int a4 = 0; a4 < 4; a4++)
+                            tma_3d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb);
+                    }
+                }
+            }
+            if (t.has) {
+                /* rows (tid >> 3) + 16 j, 16-byte chunk ch; the indices read
+                 * again each stage (L1 hits): at 40 registers kept ones spill */
+                int src[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int r = t.m0 + (tid >> 3) + 16 * j;
+                    src[j] = r < t.rend ? p.a_gather[r] : -1;
+                }
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    cp_async16(sa + off_k((tid >> 3) + 16 * j, ch * 8),
+                               p.A + (size_t)(src[j] < 0 ? 0 : src[j]) * p.lda + k0 + ch * 8,
+                               src[j] >= 0 ? 16 : 0);
+            }
+            cp_async_arrive(fb);
+        }
+    }
+    cp_async_wait<0>(); /* leave no cp.async of this thread in flight */
+    if (tid == 0)
+        ws_stages_drained(empty0, it);
+#endif
+}
+
 template <int BMODE, int EPI>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_wsc(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
@@ -347,8 +426,12 @@ __global__ void __launch_bounds__(WS_NT, 1)
     const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
     const uint32_t qb = full0 + WQ_OFF;
     const bool dyn = p.sched != nullptr;
+    /* A gathered (p.a_gather: launch_wsc makes the schedule static and the
+     * SwiGLU epilogue the register one): its rows by cp.async from all 128
+     * producer threads, each stage's full barrier then 1 + 128 arrivals */
+    const bool gat = p.a_gather != nullptr;
     if (tid == 0) {
-        ws_stage_bars_init(full0, empty0, 1, 16);
+        ws_stage_bars_init(full0, empty0, gat ? 129 : 1, 16);
 #pragma unroll
         for (int q = 0; q < WQ; q++) {
             mbar_init(qb + 8 * q, 1);
@@ -371,6 +454,11 @@ __global__ void __launch_bounds__(WS_NT, 1)
     if (wg == 0) {
         /* ---------------- producer: thread 0 ---------------- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
+        if (gat) {
+            wsc_gather_producer<BMODE>(p, mp, full0, empty0, sbase, total, ntm, ntn, ktiles, cid,
+                                       ncl, rank, tid);
+            return;
+        }
         if (tid != 0) {
             if (EPI == KCU_EPI_SWIGLU && mp.tsw && tid == 32)
                 sw_store_loop(mp, full0, empty0, sbase, ktiles, peer);
@@ -473,7 +561,12 @@ __global__ void __launch_bounds__(WS_NT, 1)
          * same and the item's tensor work halves (at 128 rows per expert
          * about a third of the tiles are such tails) */
         const bool math = t.has && t.m0 + 64 * cw < t.rend;
-        cl_k_loop<KCU_A_K, BMODE, false>(d, full0, empty0, sbase, it, ktiles, math, cw, lane, peer);
+        if (gat) /* A written by cp.async (generic proxy): fenced before wgmma */
+            cl_k_loop<KCU_A_K, BMODE, true>(d, full0, empty0, sbase, it, ktiles, math, cw, lane,
+                                            peer);
+        else
+            cl_k_loop<KCU_A_K, BMODE, false>(d, full0, empty0, sbase, it, ktiles, math, cw, lane,
+                                             peer);
         if (EPI == KCU_EPI_DSWIGLU && mp.tab) {
             ab_epilogue(p, d, full0, empty0, sbase, it, t.m0, t.n0, t.rend, cw, warp, lane, t.has,
                         (int)peer);
@@ -561,7 +654,7 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
         return MOE_OK;
     kcu_gemm_args b = *a;
     b.group_m = raster_group_rows(a);
-    if (!ws_sched_on(a->K))
+    if (!ws_sched_on(a->K) || a->a_gather) /* gathered A: its producers walk the static order */
         b.sched = nullptr;
     kcu_pdl_attr(&cfg, at, a->pdl);
     KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_wsc<BMODE, EPI>, b, m));

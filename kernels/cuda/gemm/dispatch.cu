@@ -299,6 +299,13 @@ void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched)
     g_ws_tab = staged < 0 ? -1 : staged != 0;
 }
 
+/* KCU_V7_GATHER=1: gathered A on v7 (cp.async from its producers) */
+static int v7_gather_on()
+{
+    static int on = -1;
+    return kcu_env_flag(&on, "KCU_V7_GATHER", 0);
+}
+
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
 {
     /* KCU_GEMM=mma forces the mma.sync version (v1), KCU_GEMM=wgmma the v2
@@ -329,7 +336,7 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
          * producer loads dense tiles by TMA, v2 where the streamed operand
          * is gathered row by row (up-projection, dh, dW13) */
         const int gathered = am == KCU_A_K ? a->a_gather != NULL : a->b_gather != NULL;
-        if (gathered)
+        if (gathered && !(am == KCU_A_K && a->tile_e && v7_gather_on()))
             return 2;
     }
     if (mode == 2)
@@ -340,8 +347,10 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
         if (ws_tma_on())
             return 9;
     }
-    /* v7: rows mode over a tile list with A dense, every operand by TMA */
-    if (am == KCU_A_K && a->tile_e && !a->a_gather && ws_cluster_on()) {
+    /* v7: rows mode over a tile list with A dense, every operand by TMA;
+     * with KCU_V7_GATHER=1 also A gathered (its rows by cp.async from the
+     * 128 producer threads, B still by TMA and multicast) */
+    if (am == KCU_A_K && a->tile_e && ws_cluster_on() && (!a->a_gather || v7_gather_on())) {
         if (ws_tma_on())
             return 7;
     }
@@ -396,7 +405,7 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
     case 7:
         ws_build_maps(am, bm, a, &m, 1);
         ws_build_epi_maps(epi, a, &m);
-        if (am == KCU_A_K && m.ta && m.tb)
+        if (am == KCU_A_K && (m.ta || a->a_gather) && m.tb)
             return kgemm::launch_v7(am, bm, epi, a, m, nsm, st);
         ws_build_maps(am, bm, a, &m, 0); /* no map for an operand: v4, cp.async for it */
         ws_build_epi_maps(epi, a, &m);
