@@ -336,6 +336,35 @@ __device__ __forceinline__ void sw_epilogue(const kcu_gemm_args &p, const float 
     sw_signal(full0, t.m0, t.n0, whole ? (p.ab ? 2 : 1) : 0, cw, warp, lane);
 }
 
+/* v7's weight tile of one k step into stage sb: by TMA, multicast to both
+ * CTAs where the pair shares its expert (each CTA loads its half), else
+ * the whole tile here; completes on fb */
+template <int BMODE>
+__device__ __forceinline__ void wsc_load_b(const ws_maps &mp, uint32_t sb, int k0,
+                                           const wsc_item &t, uint32_t fb, uint32_t rank)
+{
+    constexpr uint32_t HALF_B = WG_B_BYTES / 2;
+    if (t.mc) {
+        if (BMODE == KCU_B_K) {
+            tma_3d_mc(sb + rank * HALF_B, &mp.b, k0, t.n0 + 128 * (int)rank, t.e, fb, (uint16_t)3);
+        } else {
+#pragma unroll
+            for (int a2 = 0; a2 < 2; a2++) {
+                const int a4 = 2 * (int)rank + a2;
+                tma_3d_mc(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb, (uint16_t)3);
+            }
+        }
+    } else if (BMODE == KCU_B_K) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; h2++)
+            tma_3d(sb + h2 * HALF_B, &mp.b, k0, t.n0 + 128 * h2, t.e, fb);
+    } else {
+#pragma unroll
+        for (int a4 = 0; a4 < 4; a4++)
+            tma_3d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb);
+    }
+}
+
 /* v7's producer where A is gathered (p.a_gather: rows of p.A by index):
  * the 128 producer threads walk the static schedule together; thread 0
  * loads the weight tile by TMA (multicast where the pair shares its
@@ -349,10 +378,8 @@ __device__ __forceinline__ void wsc_gather_producer(const kcu_gemm_args &p, cons
                                                     int cid, int ncl, uint32_t rank, int tid)
 {
 #if KCU_SM90
-    constexpr uint32_t HALF_B = WG_B_BYTES / 2;
     if (tid == 0)
         prefetch_tmap(&mp.b);
-    const int ch = tid & 7;
     uint32_t it = 0;
     for (int w = cid; w < total; w += ncl) {
         wsc_item t;
@@ -368,44 +395,11 @@ __device__ __forceinline__ void wsc_gather_producer(const kcu_gemm_args &p, cons
                     mbar_arrive(fb);
                 } else {
                     mbar_arrive_tx(fb, WG_B_BYTES);
-                    if (t.mc) {
-                        if (BMODE == KCU_B_K) {
-                            tma_3d_mc(sb + rank * HALF_B, &mp.b, k0, t.n0 + 128 * (int)rank, t.e,
-                                      fb, (uint16_t)3);
-                        } else {
-#pragma unroll
-                            for (int a2 = 0; a2 < 2; a2++) {
-                                const int a4 = 2 * (int)rank + a2;
-                                tma_3d_mc(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb,
-                                          (uint16_t)3);
-                            }
-                        }
-                    } else if (BMODE == KCU_B_K) {
-#pragma unroll
-                        for (int h2 = 0; h2 < 2; h2++)
-                            tma_3d(sb + h2 * HALF_B, &mp.b, k0, t.n0 + 128 * h2, t.e, fb);
-                    } else {
-#pragma unroll
-                        for (int a4 = 0; a4 < 4; a4++)
-                            tma_3d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb);
-                    }
+                    wsc_load_b<BMODE>(mp, sb, k0, t, fb, rank);
                 }
             }
-            if (t.has) {
-                /* rows (tid >> 3) + 16 j, 16-byte chunk ch; the indices read
-                 * again each stage (L1 hits): at 40 registers kept ones spill */
-                int src[8];
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const int r = t.m0 + (tid >> 3) + 16 * j;
-                    src[j] = r < t.rend ? p.a_gather[r] : -1;
-                }
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    cp_async16(sa + off_k((tid >> 3) + 16 * j, ch * 8),
-                               p.A + (size_t)(src[j] < 0 ? 0 : src[j]) * p.lda + k0 + ch * 8,
-                               src[j] >= 0 ? 16 : 0);
-            }
+            if (t.has)
+                a_rows_cp_async(sa, p.A, p.lda, p.a_gather, t.m0, t.rend, k0, tid);
             cp_async_arrive(fb);
         }
     }
@@ -449,7 +443,6 @@ __global__ void __launch_bounds__(WS_NT, 1)
     const int ntn = p.N / WG_BN, ntm = *p.ntiles_m;
     const int total = (ntm + 1) / 2 * ntn, ktiles = p.K / BK;
     const int cid = blockIdx.x >> 1, ncl = gridDim.x >> 1;
-    constexpr uint32_t HALF_B = WG_B_BYTES / 2;
 
     if (wg == 0) {
         /* ---------------- producer: thread 0 ---------------- */
@@ -493,29 +486,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
                 }
                 mbar_arrive_tx(fb, WG_A_BYTES + WG_B_BYTES);
                 tma_2d(sa, &mp.a, k0, t.m0, fb);
-                if (t.mc) {
-                    if (BMODE == KCU_B_K) {
-                        tma_3d_mc(sb + rank * HALF_B, &mp.b, k0, t.n0 + 128 * (int)rank, t.e, fb,
-                                  (uint16_t)3);
-                    } else {
-#pragma unroll
-                        for (int a2 = 0; a2 < 2; a2++) {
-                            const int a4 = 2 * (int)rank + a2;
-                            tma_3d_mc(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb,
-                                      (uint16_t)3);
-                        }
-                    }
-                } else {
-                    if (BMODE == KCU_B_K) {
-#pragma unroll
-                        for (int h2 = 0; h2 < 2; h2++)
-                            tma_3d(sb + h2 * HALF_B, &mp.b, k0, t.n0 + 128 * h2, t.e, fb);
-                    } else {
-#pragma unroll
-                        for (int a4 = 0; a4 < 4; a4++)
-                            tma_3d(sb + a4 * WG_ATOM, &mp.b, t.n0 + 64 * a4, k0, t.e, fb);
-                    }
-                }
+                wsc_load_b<BMODE>(mp, sb, k0, t, fb, rank);
             }
             if (EPI == KCU_EPI_DSWIGLU && mp.tab)
                 ab_produce(mp, full0, empty0, sbase, it, t.m0, t.n0, t.has);

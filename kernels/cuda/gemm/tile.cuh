@@ -41,6 +41,29 @@ template <int N> __device__ __forceinline__ void cp_async_wait()
 {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+
+/* a_rows_cp_async: one k step's A tile (rows m0 .. m0 + 127, columns k0 ..
+ * k0 + 63) by cp.async from 128 producer threads into the K-major layout
+ * of A's tensor-map boxes: thread tid copies 16 bytes (chunk tid & 7) of
+ * rows (tid >> 3) + 16 j; row r is A's row gather[r] (r itself without
+ * gather), zero-filled from rend on. The indices are read again each
+ * stage (L1 hits): at a producer's 40 registers kept ones would spill. */
+__device__ __forceinline__ void a_rows_cp_async(uint32_t sa, const bf16 *A, int lda,
+                                                const int32_t *gather, int m0, int rend, int k0,
+                                                int tid)
+{
+    const int ch = tid & 7;
+    int src[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int r = m0 + (tid >> 3) + 16 * j;
+        src[j] = r < rend ? (gather ? gather[r] : r) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        cp_async16(sa + off_k((tid >> 3) + 16 * j, ch * 8),
+                   A + (size_t)(src[j] < 0 ? 0 : src[j]) * lda + k0 + ch * 8, src[j] >= 0 ? 16 : 0);
+}
 /* the cp.async stage ring of the mma.sync kernels (v1, v1n): cp_ring_fill
  * loads k tiles 0 .. STAGES-2 (one commit group each, empty past ktiles);
  * cp_ring_step, before k tile kt is read: its stage has landed for every

@@ -111,24 +111,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
                     }
                     if (!cpa)
                         continue;
-                    if (!mp.ta) {
-                        /* rows (tid >> 3) + 16 j, 16-byte chunk tid & 7; the source
-                         * rows are loaded again for each stage (L1 hits): kept in
-                         * registers they would spill at 40 registers */
-                        const int ch = tid & 7;
-                        int src[8];
-#pragma unroll
-                        for (int j = 0; j < 8; j++) {
-                            const int r = t.m0 + (tid >> 3) + 16 * j;
-                            src[j] = r < t.rend ? (p.a_gather ? p.a_gather[r] : r) : -1;
-                        }
-#pragma unroll
-                        for (int j = 0; j < 8; j++)
-                            cp_async16(sa + off_k((tid >> 3) + 16 * j, ch * 8),
-                                       p.A + (size_t)(src[j] < 0 ? 0 : src[j]) * p.lda + k0 +
-                                           ch * 8,
-                                       src[j] >= 0 ? 16 : 0);
-                    }
+                    if (!mp.ta)
+                        a_rows_cp_async(sa, p.A, p.lda, p.a_gather, t.m0, t.rend, k0, tid);
                     if (!mp.tb) {
                         if (BMODE == KCU_B_K) {
                             const int ch = tid & 7;
