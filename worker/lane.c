@@ -31,6 +31,9 @@ moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen)
     }
     it->run = *r;
     it->is_run = 1;
+    /* stamped before the compute thread can see it (the queue's mutex
+     * orders this stamp before the compute thread's) */
+    lane_trace(LT_QUEUED);
     pthread_mutex_lock(&w->qmu);
     if (w->qtail)
         w->qtail->next = it;
@@ -40,7 +43,6 @@ moe_err wkr_lane_enqueue(void *arg, const dp_run *r, char *err, size_t errlen)
     pthread_cond_signal(&w->qcv);
     pthread_mutex_unlock(&w->qmu);
     atomic_fetch_add(&w->qposted, 1); /* for a compute thread that spins (compute.c) */
-    lane_trace(LT_QUEUED);
     return MOE_OK;
 }
 

@@ -5,6 +5,7 @@
  * ring that hand the request on); LT_DONE moves its step times into a
  * window of the last LT_WINDOW requests and, every N, logs their medians.
  */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,7 +19,11 @@
 
 static atomic_int every = -1; /* -1: not read yet; 0: off */
 static _Atomic uint64_t stamp[LT_N];
-static float win[LT_N][LT_WINDOW]; /* step i: stamp[i] - stamp[i - 1], us */
+/* under mu: the window (step i: stamp[i] - stamp[i - 1], us), its fill,
+ * the requests closed, and the sort's scratch (no 16 KB on a thread's
+ * stack; two rings answered at once take turns here) */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static float win[LT_N][LT_WINDOW], scratch[LT_WINDOW];
 static int nwin, ndone;
 
 static int trace_every(void)
@@ -39,12 +44,12 @@ static int cmp_float(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* median of v[0 .. n) (n <= LT_WINDOW; mu held) */
 static float median(const float *v, int n)
 {
-    float tmp[LT_WINDOW];
-    memcpy(tmp, v, (size_t)n * sizeof(float));
-    qsort(tmp, (size_t)n, sizeof(float), cmp_float);
-    return tmp[n / 2];
+    memcpy(scratch, v, (size_t)n * sizeof(float));
+    qsort(scratch, (size_t)n, sizeof(float), cmp_float);
+    return scratch[n / 2];
 }
 
 void lane_trace(lane_step step)
@@ -55,13 +60,17 @@ void lane_trace(lane_step step)
     atomic_store_explicit(&stamp[step], rpc_now_ns(), memory_order_relaxed);
     if (step != LT_DONE)
         return;
+    uint64_t t[LT_N];
+    for (int i = 0; i < LT_N; i++)
+        t[i] = atomic_exchange_explicit(&stamp[i], 0, memory_order_relaxed);
     /* a request that skipped steps (refused before the forward) is not counted */
     for (int i = 1; i < LT_N; i++)
-        if (stamp[i] < stamp[i - 1] || !stamp[i - 1])
-            goto reset;
+        if (t[i] < t[i - 1] || !t[i - 1])
+            return;
+    pthread_mutex_lock(&mu);
     const int slot = nwin < LT_WINDOW ? nwin++ : ndone % LT_WINDOW;
     for (int i = 1; i < LT_N; i++)
-        win[i][slot] = (float)(stamp[i] - stamp[i - 1]) * 1e-3f;
+        win[i][slot] = (float)(t[i] - t[i - 1]) * 1e-3f;
     if (++ndone % n == 0) {
         float m[LT_N];
         for (int i = 1; i < LT_N; i++)
@@ -70,7 +79,5 @@ void lane_trace(lane_step step)
               "->fwd start %.1f, ->fwd done %.1f, ->answer %.1f, ->done %.1f",
               nwin, m[LT_QUEUED], m[LT_TAKEN], m[LT_FWD0], m[LT_FWD1], m[LT_ANSWER], m[LT_DONE]);
     }
-reset:
-    for (int i = 0; i < LT_N; i++)
-        atomic_store_explicit(&stamp[i], 0, memory_order_relaxed);
+    pthread_mutex_unlock(&mu);
 }

@@ -12,7 +12,7 @@
 
 typedef enum {
     LT_SEEN,   /* the ring's thread saw the request's counter */
-    LT_QUEUED, /* the lane's job is on the compute thread's queue */
+    LT_QUEUED, /* the lane's job goes onto the compute thread's queue */
     LT_TAKEN,  /* the compute thread took it */
     LT_FWD0,   /* the forward's handler starts computing (its t0) */
     LT_FWD1,   /* the device forward and its statistics are back */
