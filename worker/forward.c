@@ -530,8 +530,15 @@ void wkr_op_forward(wkr *w, rpc_call *c)
          * pieces as they come (fwd_nccl_pieces) */
         int device_ok = gpu_whole && bf && dt == MOE_BF16 && !train;
         int piecewise = device_ok && lane && !fanout && !gops->collective;
+        /* in a job of several workers the peers whose rows came are in the
+         * exchange already: this rank gives up on missing rows well within
+         * their collective's timeout, so that the exchange goes on (the
+         * missing client answered unavailable) instead of timing out */
+        long long wait_ms = w->data_wait_ms;
+        if (W > 1 && wait_ms > w->xchg_timeout_ms / 2)
+            wait_ms = w->xchg_timeout_ms / 2;
         e = dp_batch_gather(&w->dp, &rpieces, dt, H,
-                            rpc_now_ns() + (uint64_t)w->data_wait_ms * 1000000ull,
+                            rpc_now_ns() + (uint64_t)wait_ms * 1000000ull,
                             (device_ok ? DP_GATHER_DEVICE : 0) | (piecewise ? DP_GATHER_PIECES : 0),
                             &batch, err, sizeof(err));
         if (e != MOE_OK) {
