@@ -537,8 +537,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         long long wait_ms = w->data_wait_ms;
         if (W > 1 && wait_ms > w->xchg_timeout_ms / 2)
             wait_ms = w->xchg_timeout_ms / 2;
-        e = dp_batch_gather(&w->dp, &rpieces, dt, H,
-                            rpc_now_ns() + (uint64_t)wait_ms * 1000000ull,
+        e = dp_batch_gather(&w->dp, &rpieces, dt, H, rpc_now_ns() + (uint64_t)wait_ms * 1000000ull,
                             (device_ok ? DP_GATHER_DEVICE : 0) | (piecewise ? DP_GATHER_PIECES : 0),
                             &batch, err, sizeof(err));
         if (e != MOE_OK) {
