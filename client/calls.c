@@ -99,16 +99,11 @@ static moe_err read_i64_array(mp_reader *r, int64_t **out, int *n_out)
     int64_t *a = calloc(n ? n : 1, sizeof(int64_t));
     if (!a)
         return MOE_ENOMEM;
-    for (uint32_t i = 0; i < n; i++) {
-        if (r->p < r->end && *r->p <= 0x7f) { /* a positive fixint: most counts at decode */
-            a[i] = *r->p++;
-            continue;
-        }
+    for (uint32_t i = 0; i < n; i++)
         if (mp_read_i64(r, &a[i], NULL) != MOE_OK) {
             free(a);
             return MOE_EPROTO;
         }
-    }
     *out = a;
     *n_out = (int)n;
     return MOE_OK;

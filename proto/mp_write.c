@@ -121,10 +121,6 @@ void mp_write_u64(mp_writer *w, uint64_t v)
 
 void mp_write_i64(mp_writer *w, int64_t v)
 {
-    if (v >= 0 && v <= 0x7f && w->len < w->cap && !w->failed) { /* as mp_write_u64's */
-        w->buf[w->len++] = (uint8_t)v;
-        return;
-    }
     if (v >= 0)
         mp_write_u64(w, (uint64_t)v);
     else if (v >= -32)

@@ -255,6 +255,10 @@ extern int kcu_gemm_narrow_override;
  * aux/z and drops into mapped page-locked memory (1), or they are copied
  * out by kcu_forward_stats (0); -1 = KCU_STATS_MAPPED (checks set it) */
 extern int kcu_stats_mapped_override;
+/* kcu_v7_gather_on: KCU_V7_GATHER=1 (experimental, off): gathered rows-mode
+ * A on v7, its producers copying the rows by cp.async; the bytes-bound
+ * inference forwards then skip their row copy (read once) */
+int kcu_v7_gather_on();
 size_t kcu_stats_span(const kcu_layer *l);
 moe_err kcu_stats_host(kcu_layer *l);
 

@@ -936,8 +936,7 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     /* KCU_V7_GATHER: the bytes-bound inference forwards (the list in pairs)
      * gather x[tok] inside the up-projection's producer instead of copying
      * the rows first */
-    static int v7_gather = -1;
-    const int gather_in_gemm = pairs && !l->sorted && kcu_env_flag(&v7_gather, "KCU_V7_GATHER", 0);
+    const int gather_in_gemm = pairs && !l->sorted && kcu_v7_gather_on();
     if (sorted_rows && !gather_in_gemm) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");

@@ -299,8 +299,7 @@ void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched)
     g_ws_tab = staged < 0 ? -1 : staged != 0;
 }
 
-/* KCU_V7_GATHER=1: gathered A on v7 (cp.async from its producers) */
-static int v7_gather_on()
+int kcu_v7_gather_on()
 {
     static int on = -1;
     return kcu_env_flag(&on, "KCU_V7_GATHER", 0);
@@ -336,7 +335,7 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
          * producer loads dense tiles by TMA, v2 where the streamed operand
          * is gathered row by row (up-projection, dh, dW13) */
         const int gathered = am == KCU_A_K ? a->a_gather != NULL : a->b_gather != NULL;
-        if (gathered && !(am == KCU_A_K && a->tile_e && v7_gather_on()))
+        if (gathered && !(am == KCU_A_K && a->tile_e && kcu_v7_gather_on()))
             return 2;
     }
     if (mode == 2)
@@ -350,7 +349,7 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
     /* v7: rows mode over a tile list with A dense, every operand by TMA;
      * with KCU_V7_GATHER=1 also A gathered (its rows by cp.async from the
      * 128 producer threads, B still by TMA and multicast) */
-    if (am == KCU_A_K && a->tile_e && ws_cluster_on() && (!a->a_gather || v7_gather_on())) {
+    if (am == KCU_A_K && a->tile_e && ws_cluster_on() && (!a->a_gather || kcu_v7_gather_on())) {
         if (ws_tma_on())
             return 7;
     }
