@@ -10,8 +10,10 @@
 
 #include <stddef.h>
 
-/* par_memcpy: memcpy(dst, src, n) (no overlap), split over up to 8 threads
- * for n of 8 MiB or more; returns when all of it is copied. */
+/* par_memcpy: memcpy(dst, src, n) (no overlap); n of 8 MiB or more is split
+ * over up to 12 threads and written with streaming (non-temporal) stores,
+ * which do not read the destination first. Returns when all of it is copied
+ * and visible to other threads and processes. */
 void par_memcpy(void *dst, const void *src, size_t n);
 
 #endif
