@@ -5,8 +5,9 @@
  *            top-k), kern_layout_cpu
  *   dispatch the token rows copied into expert order (fwd_pack_by_owner:
  *            kern_rows_gather_par, on the BLAS's thread count)
- *   experts  kern_expert_ffn_blas (SwiGLU) on each expert's rows, with the
- *            worker's (rows, d_ff) a/b buffers
+ *   experts  kern_experts_ffn_blas (SwiGLU): every expert's rows at once,
+ *            column blocks of their GEMMs on the threads, with the worker's
+ *            (rows, d_ff) a/b buffers
  *   combine  rows back to slot order (fwd_unpack_sorted:
  *            kern_rows_scatter_par), kern_combine_par
  * Buffers are allocated once per T and kept across forwards, as the
@@ -54,13 +55,14 @@ typedef struct {
     int32_t *ti, *perm;            /* (T,K), (S) */
     int32_t *counts, *offsets;     /* (E), (E+1) */
     float *xe, *ye, *ys, *ae, *be; /* (S,H), (S,H), (S,H), (S,F), (S,F) */
+    float *h;                      /* (S,F) the experts' workspace */
 } bufs;
 
 static void bufs_free(bufs *b)
 {
     free(b->logits), free(b->probs), free(b->tw), free(b->ti), free(b->perm);
     free(b->counts), free(b->offsets);
-    free(b->xe), free(b->ye), free(b->ys), free(b->ae), free(b->be);
+    free(b->xe), free(b->ye), free(b->ys), free(b->ae), free(b->be), free(b->h);
     memset(b, 0, sizeof(*b));
 }
 
@@ -80,8 +82,9 @@ static int bufs_alloc(const layer *L, int T, bufs *b)
     b->ys = malloc(S * L->H * sizeof(float));
     b->ae = malloc(S * L->F * sizeof(float));
     b->be = malloc(S * L->F * sizeof(float));
+    b->h = malloc(S * L->F * sizeof(float));
     if (!b->logits || !b->probs || !b->tw || !b->ti || !b->perm || !b->counts || !b->offsets ||
-        !b->xe || !b->ye || !b->ys || !b->ae || !b->be) {
+        !b->xe || !b->ye || !b->ys || !b->ae || !b->be || !b->h) {
         bufs_free(b);
         return -1;
     }
@@ -100,18 +103,12 @@ static double now_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* run_experts: each expert's rows through the FFN (phase "experts"). */
+/* run_experts: every expert's rows through the FFN at once, as the worker
+ * runs them (kern_experts_ffn_blas; phase "experts"). */
 static void run_experts(const layer *L, const bufs *b)
 {
-    const int H = L->H, F = L->F;
-    const size_t fh = (size_t)F * H;
-    for (int e = 0; e < L->E; e++) {
-        size_t n0 = (size_t)b->offsets[e];
-        if (b->counts[e])
-            kern_expert_ffn_blas(b->xe + n0 * H, b->counts[e], H, F, L->w1 + e * fh, L->w3 + e * fh,
-                                 L->w2 + e * fh, KERN_ACT_SWIGLU, 0, b->ae + n0 * F, b->be + n0 * F,
-                                 b->ye + n0 * H);
-    }
+    (void)kern_experts_ffn_blas(b->xe, b->counts, b->counts, L->E, L->H, L->F, L->w1, L->w3, L->w2,
+                                KERN_ACT_SWIGLU, 0, b->ae, b->be, b->h, b->ye, NULL);
 }
 
 /* forward: y (T,H) = the layer on x (T,H), in the buffers b (from

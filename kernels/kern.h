@@ -149,6 +149,26 @@ void kern_expert_ffn_blas(const float *x, int N, int H, int F, const float *w1, 
                           const float *w2, kern_act act, int bf16, float *a_out, float *b_out,
                           float *y);
 
+/* kern_experts_ffn_blas: the FFNs of ne experts of one layer at once (a
+ * CPU worker's owned experts; kernels/experts_blas.c). xe (sum n, H):
+ * expert i's n[i] rows from row0 = n[0] + .. + n[i-1] on; its first kept[i]
+ * rows run, the others give zero rows of ye. w1, w3 (ne, F, H), w2 (ne, H,
+ * F), expert i at + i*F*H (w3 unused for an ungated act). a, b (sum n, F)
+ * out: the pre-activation values (b: gated acts only); h (sum n, F)
+ * workspace; ye (sum n, H) out. The experts with more than
+ * KERN_BLAS_GEMV_ROWS kept rows run as column blocks of their GEMMs, one
+ * one-thread sgemm per block, kern_par_threads() blocks at a time (the
+ * BLAS's own thread count is set to 1 meanwhile and restored: one such call
+ * in a process at a time); the others as kern_expert_ffn_blas. Each output
+ * is what kern_expert_ffn_blas gives for the expert within rounding (the
+ * same bits where the BLAS's dot product does not depend on the block).
+ * abort_fn (may be NULL) is asked before each block: nonzero stops the
+ * call, which returns 1 (outputs incomplete). Returns 0, or -1 out of
+ * memory (nothing computed). */
+int kern_experts_ffn_blas(const float *xe, const int32_t *n, const int32_t *kept, int ne, int H,
+                          int F, const float *w1, const float *w3, const float *w2, kern_act act,
+                          int bf16, float *a, float *b, float *h, float *ye, int (*abort_fn)(void));
+
 /* ---- combine ---- */
 /* y (T,H) out: y[t] = sum over j = 0..K-1 in that order of
  * topk_w[t,j] * ye[t*K+j] for kept slots (keep may be NULL = all kept),

@@ -52,7 +52,7 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     const moe_dtype rdt = bf ? MOE_BF16 : MOE_F32; /* how expert rows travel */
     const wkr_layer *L = &m->layers[layer];
     const int T = (int)batch->x.shape[0];
-    const size_t Tn = T ? (size_t)T : 1, fh = (size_t)F * H;
+    const size_t Tn = T ? (size_t)T : 1;
     moe_err e = MOE_OK;
     char err[256] = "";
     wkr_fwd_state *st = wpool_calloc(1, sizeof(*st));
@@ -109,18 +109,25 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
         slots[j] = s;
         memcpy(st->xe + j * H, st->x + (size_t)(s / K) * H, (size_t)H * sizeof(float));
     }
-    size_t n0 = 0;
+    /* the same call as the ordered road's owner (worker/forward.c) */
+    st->kept = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
+    float *h = wpool_alloc(nm * (size_t)(F > 0 ? F : 1) * sizeof(float));
+    if (!st->kept || !h) {
+        wpool_free(h);
+        e = MOE_ENOMEM;
+        goto fail;
+    }
     for (int i = 0; i < ne; i++) {
-        size_t n = (size_t)st->counts[e0 + i];
-        size_t kept = n < (size_t)cap ? n : (size_t)cap;
-        dropped[e0 + i] = (int32_t)(n - kept);
-        if (kept)
-            kern_expert_ffn_blas(st->xe + n0 * H, (int)kept, H, F, L->w1 + i * fh,
-                                 L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh, (kern_act)cfg->act,
-                                 bf, st->ae + n0 * F, st->be ? st->be + n0 * F : NULL, ye + n0 * H);
-        if (n > kept)
-            memset(ye + (n0 + kept) * H, 0, (n - kept) * H * sizeof(float));
-        n0 += n;
+        int32_t n = st->counts[e0 + i];
+        st->kept[i] = n < cap ? n : cap;
+        dropped[e0 + i] = n - st->kept[i];
+    }
+    int rc = kern_experts_ffn_blas(st->xe, st->counts + e0, st->kept, ne, H, F, L->w1, L->w3,
+                                   L->w2, (kern_act)cfg->act, bf, st->ae, st->be, h, ye, NULL);
+    wpool_free(h);
+    if (rc != 0) {
+        e = MOE_ENOMEM;
+        goto fail;
     }
     double t_exp = fwd_now_s();
     /* the shared expert's gated rows of this rank's shard of the tokens

@@ -307,48 +307,39 @@ static moe_err fwd_experts(wkr_fwd_state *st, const wkr_layer *L, int W, int32_t
 {
     const model_cfg *cfg = &st->model->cfg;
     const int ne = st->model->ne, H = cfg->d_model, F = cfg->d_ff, K = cfg->top_k;
-    const size_t fh = (size_t)F * H;
     int32_t cap = kern_capacity((float)cfg->capacity_factor, st->T_total, K, cfg->n_experts);
     const wkr_gpu_ops *g = st->model->gpu_ops;
-    if (g && g->experts_forward) {
-        int32_t *n = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
-        if (!n)
-            return MOE_ENOMEM;
-        for (int i = 0; i < ne; i++) {
-            n[i] = 0;
-            for (int q = 0; q < W; q++)
-                n[i] += st->src_cnt[(size_t)q * ne + i];
-            st->kept[i] = n[i] < cap ? n[i] : cap;
-            dropped[st->model->e0 + i] = n[i] - st->kept[i];
-        }
-        moe_err e =
-            g->experts_forward(st->model, st->layer, st->handle, st->xe, n, st->kept, ye, train);
-        wpool_free(n);
-        return e;
-    }
-    size_t n0 = 0;
+    int32_t *n = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t)); /* (ne) rows in */
+    size_t rows = 0;
+    if (!n)
+        return MOE_ENOMEM;
     for (int i = 0; i < ne; i++) {
-        /* the generation given up (a member is gone): the combine cannot
-         * complete, so the rest of this work is lost - answer now, not
-         * after tens of ms of GEMMs (the exchange would only fail then) */
-        if (xchg_aborted())
-            return MOE_EUNAVAIL;
-        size_t n = 0;
+        n[i] = 0;
         for (int q = 0; q < W; q++)
-            n += (size_t)st->src_cnt[(size_t)q * ne + i];
-        size_t kept = n < (size_t)cap ? n : (size_t)cap;
-        st->kept[i] = (int32_t)kept;
-        dropped[st->model->e0 + i] = (int32_t)(n - kept);
-        if (kept)
-            kern_expert_ffn_blas(st->xe + n0 * H, (int)kept, H, F, L->w1 + i * fh,
-                                 L->w3 ? L->w3 + i * fh : NULL, L->w2 + i * fh, (kern_act)cfg->act,
-                                 cfg->dtype == MOE_BF16, st->ae + n0 * F,
-                                 st->be ? st->be + n0 * F : NULL, ye + n0 * H);
-        if (n > kept)
-            memset(ye + (n0 + kept) * H, 0, (n - kept) * H * sizeof(float));
-        n0 += n;
+            n[i] += st->src_cnt[(size_t)q * ne + i];
+        st->kept[i] = n[i] < cap ? n[i] : cap;
+        dropped[st->model->e0 + i] = n[i] - st->kept[i];
+        rows += (size_t)n[i];
     }
-    return MOE_OK;
+    moe_err e = MOE_OK;
+    if (g && g->experts_forward) {
+        e = g->experts_forward(st->model, st->layer, st->handle, st->xe, n, st->kept, ye, train);
+    } else {
+        /* the owned experts at once, column blocks of their GEMMs on the
+         * threads (kern_experts_ffn_blas); between blocks the generation
+         * given up (a member is gone) stops the work: the combine cannot
+         * complete, so the rest of it is lost - answer now, not after tens
+         * of ms of GEMMs (the exchange would only fail then) */
+        float *h = wpool_alloc((rows ? rows : 1) * (size_t)(F > 0 ? F : 1) * sizeof(float));
+        int rc = h ? kern_experts_ffn_blas(st->xe, n, st->kept, ne, H, F, L->w1, L->w3, L->w2,
+                                           (kern_act)cfg->act, cfg->dtype == MOE_BF16, st->ae,
+                                           st->be, h, ye, xchg_aborted)
+                   : -1;
+        wpool_free(h);
+        e = rc < 0 ? MOE_ENOMEM : rc > 0 ? MOE_EUNAVAIL : MOE_OK;
+    }
+    wpool_free(n);
+    return e;
 }
 
 /* write_y writes the output rows into the coordinator's reply, or, on the

@@ -220,3 +220,80 @@ Test(kern_expert, router_logits_blas_matches_ref)
     expect_rel("logits", lb, la, T * E, 1e-5);
     free(x), free(wr);
 }
+
+/* kern_experts_ffn_blas (all of a worker's experts at once, column blocks on
+ * threads) against kern_expert_ffn_blas expert by expert: rows 0, 1, the
+ * sgemv count and after it, several blocks of d_ff (256) and d_model (512)
+ * with ragged ends, kept < n (dropped rows zero), gated and not, bf16
+ * rounding; and the abort callback stops it. */
+static int abort_now(void)
+{
+    return 1;
+}
+
+static void check_experts(kern_act act, int bf16)
+{
+    enum { NE = 6, H = 600, F = 300 };
+    static const int32_t n[NE] = {0, 1, KERN_BLAS_GEMV_ROWS, KERN_BLAS_GEMV_ROWS + 1, 37, 70};
+    static const int32_t kept[NE] = {0, 1, KERN_BLAS_GEMV_ROWS, KERN_BLAS_GEMV_ROWS + 1, 30, 70};
+    const int gated = act_gated(act);
+    size_t rows = 0;
+    for (int i = 0; i < NE; i++)
+        rows += (size_t)n[i];
+    const size_t fh = (size_t)F * H;
+    uint64_t seed = 900 + (uint64_t)act * 3 + (uint64_t)bf16;
+    float *x = rnd(seed, 0, rows * H, 1.0f);
+    float *w1 = rnd(seed, 1, NE * fh, 1.0f / sqrtf((float)H));
+    float *w3 = rnd(seed, 2, NE * fh, 1.0f / sqrtf((float)H));
+    float *w2 = rnd(seed, 3, NE * fh, 1.0f / sqrtf((float)F));
+    float *a = calloc(rows * F, sizeof(float)), *b = calloc(rows * F, sizeof(float));
+    float *h = calloc(rows * F, sizeof(float)), *y = malloc(rows * H * sizeof(float));
+    float *a1 = calloc(rows * F, sizeof(float)), *b1 = calloc(rows * F, sizeof(float));
+    float *y1 = calloc(rows * H, sizeof(float));
+    cr_assert(a && b && h && y && a1 && b1 && y1);
+    for (size_t i = 0; i < rows * H; i++)
+        y[i] = NAN; /* every row written, the dropped ones with zeros */
+    cr_assert_eq(kern_experts_ffn_blas(x, n, kept, NE, H, F, w1, gated ? w3 : NULL, w2, act, bf16,
+                                       a, gated ? b : NULL, h, y, NULL),
+                 0);
+    size_t r0 = 0;
+    for (int i = 0; i < NE; i++) {
+        if (kept[i])
+            kern_expert_ffn_blas(x + r0 * H, kept[i], H, F, w1 + i * fh, gated ? w3 + i * fh : NULL,
+                                 w2 + i * fh, act, bf16, a1 + r0 * F, gated ? b1 + r0 * F : NULL,
+                                 y1 + r0 * H);
+        char name[64];
+        snprintf(name, sizeof(name), "expert %d (n %d kept %d) y", i, n[i], kept[i]);
+        expect_rel(name, y + r0 * H, y1 + r0 * H, (size_t)kept[i] * H, 1e-5);
+        snprintf(name, sizeof(name), "expert %d a", i);
+        expect_rel(name, a + r0 * F, a1 + r0 * F, (size_t)kept[i] * F, 1e-5);
+        if (gated) {
+            snprintf(name, sizeof(name), "expert %d b", i);
+            expect_rel(name, b + r0 * F, b1 + r0 * F, (size_t)kept[i] * F, 1e-5);
+        }
+        for (size_t k = (r0 + (size_t)kept[i]) * H; k < (r0 + (size_t)n[i]) * H; k++)
+            cr_assert(y[k] == 0.0f, "expert %d: dropped row value %g at %zu", i, y[k], k);
+        r0 += (size_t)n[i];
+    }
+    /* asked to stop before the first block: returns 1 */
+    cr_expect_eq(kern_experts_ffn_blas(x, n, kept, NE, H, F, w1, gated ? w3 : NULL, w2, act, bf16,
+                                       a, gated ? b : NULL, h, y, abort_now),
+                 1);
+    free(x), free(w1), free(w3), free(w2), free(a), free(b), free(h), free(y);
+    free(a1), free(b1), free(y1);
+}
+
+Test(kern_expert, experts_at_once_swiglu)
+{
+    check_experts(KERN_ACT_SWIGLU, 0);
+}
+
+Test(kern_expert, experts_at_once_swiglu_bf16)
+{
+    check_experts(KERN_ACT_SWIGLU, 1);
+}
+
+Test(kern_expert, experts_at_once_gelu)
+{
+    check_experts(KERN_ACT_GELU, 0);
+}
