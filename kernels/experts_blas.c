@@ -153,9 +153,23 @@ int kern_experts_ffn_blas(const float *xe, const int32_t *n, const int32_t *kept
                 te[k] = i;
                 tc[k] = c;
             }
-    ex_job j = {.xe = xe, .w1 = w1, .w3 = w3, .w2 = w2, .kept = kept, .row0 = row0, .ne = ne,
-                .H = H, .F = F, .gated = gated, .bf16 = bf16, .act = act, .a = a, .b = b, .h = h,
-                .ye = ye, .abort_fn = abort_fn};
+    ex_job j = {.xe = xe,
+                .w1 = w1,
+                .w3 = w3,
+                .w2 = w2,
+                .kept = kept,
+                .row0 = row0,
+                .ne = ne,
+                .H = H,
+                .F = F,
+                .gated = gated,
+                .bf16 = bf16,
+                .act = act,
+                .a = a,
+                .b = b,
+                .h = h,
+                .ye = ye,
+                .abort_fn = abort_fn};
     atomic_init(&j.next, 0);
     atomic_init(&j.aborted, 0);
     int rc = 0;

@@ -122,8 +122,8 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
         st->kept[i] = n < cap ? n : cap;
         dropped[e0 + i] = n - st->kept[i];
     }
-    int rc = kern_experts_ffn_blas(st->xe, st->counts + e0, st->kept, ne, H, F, L->w1, L->w3,
-                                   L->w2, (kern_act)cfg->act, bf, st->ae, st->be, h, ye, NULL);
+    int rc = kern_experts_ffn_blas(st->xe, st->counts + e0, st->kept, ne, H, F, L->w1, L->w3, L->w2,
+                                   (kern_act)cfg->act, bf, st->ae, st->be, h, ye, NULL);
     wpool_free(h);
     if (rc != 0) {
         e = MOE_ENOMEM;
