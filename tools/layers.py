@@ -34,7 +34,8 @@ FLOORS = [
 ]
 
 SOURCE_EXT = (".c", ".h", ".cu", ".cuh")
-SKIP_DIRS = {".git", "build", "bin", "lib", "node_modules", "__pycache__"}
+SKIP_DIRS = {".git", "build", "bin", "lib", "node_modules", "__pycache__",
+             "run"}  # run/: the ignored scratch folder of device calls (.gitignore)
 INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
 
 
