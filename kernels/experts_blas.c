@@ -9,9 +9,12 @@
  * (up) and 512 (down) columns at 1245-1363, same bits (bench/history/
  * service.md, session 27).
  *
- * Phase 1, per (expert, block of UP_COLS columns of d_ff): a = x w1^T and
- * b = x w3^T for those columns, then h = act(a, b) on them. Phase 2, per
- * (expert, block of DOWN_COLS columns of d_model): y = h w2^T. Every
+ * Phase 1, per (expert, block of columns of d_ff): a = x w1^T and b = x
+ * w3^T for those columns, then h = act(a, b) on them. Phase 2, per (expert,
+ * block of columns of d_model): y = h w2^T. On 2 threads (the 2-core
+ * development machine) 256-column blocks were 2-4% slower than whole
+ * experts (x packed again per block): the blocks are as wide as ~4 tasks
+ * per thread allows. Every
  * element is one sgemm's dot product over the whole of H or F, so the
  * blocks give what one sgemm over the expert gives. */
 #include <cblas.h>
@@ -22,7 +25,7 @@
 
 #include "kernels/kern.h"
 
-#define UP_COLS   256
+#define UP_COLS   256 /* the narrowest blocks: measured best on 16 threads */
 #define DOWN_COLS 512
 #define MAX_TH    64
 
@@ -34,6 +37,7 @@ typedef struct ex_job {
     const int32_t *kept;
     const size_t *row0; /* (ne) first row of expert i */
     int ne, H, F, gated, bf16;
+    int up_cols, down_cols; /* block widths */
     kern_act act;
     float *a, *b, *h, *ye;
     int (*abort_fn)(void);
@@ -48,7 +52,7 @@ typedef struct ex_job {
 static void up_block(const ex_job *j, int i, int c)
 {
     const int H = j->H, F = j->F, n = j->kept[i];
-    const int c0 = c * UP_COLS, cw = F - c0 < UP_COLS ? F - c0 : UP_COLS;
+    const int c0 = c * j->up_cols, cw = F - c0 < j->up_cols ? F - c0 : j->up_cols;
     const size_t fh = (size_t)F * H, r0 = j->row0[i];
     const float *x = j->xe + r0 * H;
     float *a = j->a + r0 * F + c0, *b = j->gated ? j->b + r0 * F + c0 : NULL;
@@ -67,7 +71,7 @@ static void up_block(const ex_job *j, int i, int c)
 static void down_block(const ex_job *j, int i, int c)
 {
     const int H = j->H, F = j->F, n = j->kept[i];
-    const int c0 = c * DOWN_COLS, cw = H - c0 < DOWN_COLS ? H - c0 : DOWN_COLS;
+    const int c0 = c * j->down_cols, cw = H - c0 < j->down_cols ? H - c0 : j->down_cols;
     const size_t fh = (size_t)F * H, r0 = j->row0[i];
     /* y[:, c0:c0+cw] (n,cw) = h (n,F) w2[c0:c0+cw]^T */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, cw, F, 1.0f, j->h + r0 * F, F,
@@ -126,12 +130,21 @@ int kern_experts_ffn_blas(const float *xe, const int32_t *n, const int32_t *kept
     for (int i = 0; i < ne; i++) {
         row0[i] = r;
         r += (size_t)n[i];
-        if (kept[i] > KERN_BLAS_GEMV_ROWS && F > 0) {
-            nup += (F + UP_COLS - 1) / UP_COLS;
-            ndown += (H + DOWN_COLS - 1) / DOWN_COLS;
-            many++;
-        }
+        many += kept[i] > KERN_BLAS_GEMV_ROWS && F > 0;
     }
+    /* blocks: about 4 tasks per thread over the experts with rows, none
+     * narrower than UP_COLS / DOWN_COLS (16 threads, 8 experts: 256 and
+     * 512; 2 threads: whole experts - narrower blocks only pack x again) */
+    const int nth = kern_par_threads();
+    const int want = many ? (4 * nth + many - 1) / many : 1;
+    int up = (F / want + 63) / 64 * 64, down = (H / want + 63) / 64 * 64;
+    up = up < UP_COLS ? UP_COLS : up;
+    down = down < DOWN_COLS ? DOWN_COLS : down;
+    for (int i = 0; i < ne; i++)
+        if (kept[i] > KERN_BLAS_GEMV_ROWS && F > 0) {
+            nup += (F + up - 1) / up;
+            ndown += (H + down - 1) / down;
+        }
     int *te = malloc((size_t)(nup + ndown + 1) * sizeof(int));
     int *tc = malloc((size_t)(nup + ndown + 1) * sizeof(int));
     if (!te || !tc) {
@@ -143,13 +156,13 @@ int kern_experts_ffn_blas(const float *xe, const int32_t *n, const int32_t *kept
     int k = 0;
     for (int i = 0; i < ne; i++)
         if (kept[i] > KERN_BLAS_GEMV_ROWS && F > 0)
-            for (int c = 0; c * UP_COLS < F; c++, k++) {
+            for (int c = 0; c * up < F; c++, k++) {
                 te[k] = i;
                 tc[k] = c;
             }
     for (int i = 0; i < ne; i++)
         if (kept[i] > KERN_BLAS_GEMV_ROWS && F > 0)
-            for (int c = 0; c * DOWN_COLS < H; c++, k++) {
+            for (int c = 0; c * down < H; c++, k++) {
                 te[k] = i;
                 tc[k] = c;
             }
@@ -169,7 +182,9 @@ int kern_experts_ffn_blas(const float *xe, const int32_t *n, const int32_t *kept
                 .b = b,
                 .h = h,
                 .ye = ye,
-                .abort_fn = abort_fn};
+                .abort_fn = abort_fn,
+                .up_cols = up,
+                .down_cols = down};
     atomic_init(&j.next, 0);
     atomic_init(&j.aborted, 0);
     int rc = 0;
@@ -185,7 +200,6 @@ int kern_experts_ffn_blas(const float *xe, const int32_t *n, const int32_t *kept
     }
     if (many && !rc) {
         pthread_mutex_lock(&ex_mu);
-        int nth = kern_par_threads();
         int blas_th = openblas_get_num_threads();
         openblas_set_num_threads(1); /* each task's sgemm on its own thread */
         j.phase = 1;
