@@ -16,7 +16,8 @@
  * and y in moe_buffer_alloc buffers), beside the limits measured in the
  * same run:
  *   - compute: the workers' own time for the call (the sum of the phases
- *     they report: gate, dispatch, experts, combine);
+ *     they report: gate, dispatch, experts, combine; SERVICE_BENCH_PHASES=1
+ *     prints the last call's phases too);
  *   - nng: a raw nng req/rep round trip of the same bytes (x out, y back) on
  *     the coordinator's transport, to an echo server in this process;
  *   - tcp: the same bytes out and back over one plain loopback TCP
@@ -562,6 +563,7 @@ int main(int argc, char **argv)
                 memcpy(xin, xw, n * es);
                 memcpy(dyin, dyw, n * es);
             }
+            double last_ph[4] = {0}; /* the last call's phases (s) */
             for (int it = -1; it < iters; it++) { /* one warm-up call */
                 moe_fwd_info fi;
                 memset(&fi, 0, sizeof(fi));
@@ -574,6 +576,8 @@ int main(int argc, char **argv)
                 if (it >= 0) {
                     lat[it] = dt_s;
                     cmp[it] = fi.gate_s + fi.dispatch_s + fi.experts_s + fi.combine_s;
+                    last_ph[0] = fi.gate_s, last_ph[1] = fi.dispatch_s;
+                    last_ph[2] = fi.experts_s, last_ph[3] = fi.combine_s;
                 }
                 moe_fwd_info_free(&fi);
                 if (e != MOE_OK) {
@@ -614,6 +618,11 @@ int main(int argc, char **argv)
                        med > kc ? floor_nng / (med - kc) : 0.0, iters,
                        differs ? "  y DIFFERS from the first path" : "");
                 failures += differs;
+                if (getenv("SERVICE_BENCH_PHASES"))
+                    printf("         %-11s phases of the last call: gate %.3f dispatch %.3f "
+                           "experts %.3f combine %.3f ms\n",
+                           pname, last_ph[0] * 1e3, last_ph[1] * 1e3, last_ph[2] * 1e3,
+                           last_ph[3] * 1e3);
             }
             free(lat);
             free(cmp);
