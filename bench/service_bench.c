@@ -563,7 +563,7 @@ int main(int argc, char **argv)
                 memcpy(xin, xw, n * es);
                 memcpy(dyin, dyw, n * es);
             }
-            double last_ph[4] = {0}; /* the last call's phases (s) */
+            double last_ph[4] = {0};              /* the last call's phases (s) */
             for (int it = -1; it < iters; it++) { /* one warm-up call */
                 moe_fwd_info fi;
                 memset(&fi, 0, sizeof(fi));
