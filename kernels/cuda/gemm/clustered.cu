@@ -385,11 +385,9 @@ __device__ __forceinline__ void wsc_gather_producer(const kcu_gemm_args &p, cons
         wsc_item t;
         wsc_decode(p, w, ntm, ntn, (int)rank, t);
         for (int kt = 0; kt < ktiles; kt++, it++) {
-            const int s = it % WS_STAGES;
-            const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
-                           sb = sa + WG_A_BYTES;
+            const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
+            const uint32_t fb = g.fb, sa = g.sa, sb = g.sb;
             const int k0 = kt * BK;
-            mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
             if (tid == 0) {
                 if (!t.has) {
                     mbar_arrive(fb);
@@ -475,11 +473,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
             wsc_item t;
             wsc_decode(p, w, ntm, ntn, (int)rank, t);
             for (int kt = 0; kt < ktiles; kt++, it++) {
-                const int s = it % WS_STAGES;
-                const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
-                               sb = sa + WG_A_BYTES;
+                const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
+                const uint32_t fb = g.fb, sa = g.sa, sb = g.sb;
                 const int k0 = kt * BK;
-                mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
                 if (!t.has) {
                     mbar_arrive(fb);
                     continue;
@@ -491,11 +487,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
             if (EPI == KCU_EPI_DSWIGLU && mp.tab)
                 ab_produce(mp, full0, empty0, sbase, it, t.m0, t.n0, t.has);
             if (EPI == KCU_EPI_SWIGLU && mp.tsw) /* handed over empty (sw_epilogue) */
-                for (int j = 0; j < SW_STAGES; j++, it++) {
-                    const int s = it % WS_STAGES;
-                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
-                    mbar_arrive(full0 + 8 * s);
-                }
+                for (int j = 0; j < SW_STAGES; j++, it++)
+                    mbar_arrive(ws_slot_take(full0, empty0, sbase, it).fb);
             w = wn;
         }
         ws_stages_drained(empty0, it);
@@ -712,12 +705,10 @@ __global__ void __launch_bounds__(WS_NT, 1)
             wgc_item t;
             wgc_decode(p, w, ntm, ntn, r, t);
             for (int k0 = t.kbeg; k0 < t.kend; k0 += BK, it++) {
-                const int s = it % WS_STAGES;
-                const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
-                               sb = sa + WG_A_BYTES;
                 /* the same for both CTAs: one group, one k range */
                 const bool whole = k0 + BK <= t.kend;
-                mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
+                const uint32_t fb = g.fb, sa = g.sa, sb = g.sb;
                 if (tid == 0) {
                     if (t.has && whole) {
                         mbar_arrive_tx(fb, WG_A_BYTES + WG_B_BYTES);

@@ -505,13 +505,11 @@ __device__ __forceinline__ void ab_produce(const ws_maps &mp, uint32_t full0, ui
                                            uint32_t sbase, uint32_t &it, int m0, int n0, bool has)
 {
     for (int j = 0; j < AB_STAGES; j++, it++) {
-        const int s = it % WS_STAGES;
-        const uint32_t fb = full0 + 8 * s;
-        mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+        const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
         if (has)
-            ab_issue(mp, sbase + s * WG_STAGE_BYTES, fb, j, m0, n0);
+            ab_issue(mp, g.sa, g.fb, j, m0, n0);
         else
-            mbar_arrive(fb);
+            mbar_arrive(g.fb);
     }
 }
 

@@ -98,6 +98,20 @@ __device__ __forceinline__ void ws_stage_bars_init(uint32_t full0, uint32_t empt
         mbar_init(empty0 + 8 * s, nempty);
     }
 }
+/* ws_slot_take: the producer's stage of pipeline step `it` of the ring - its
+ * full barrier and its A and B tiles - once the consumers released it (its
+ * empty barrier's phase of that round) */
+struct ws_slot {
+    uint32_t fb, sa, sb;
+};
+__device__ __forceinline__ ws_slot ws_slot_take(uint32_t full0, uint32_t empty0, uint32_t sbase,
+                                                uint32_t it)
+{
+    const int s = it % WS_STAGES;
+    const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES, sb = sa + WG_A_BYTES;
+    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+    return ws_slot{fb, sa, sb};
+}
 /* after every barrier init: visible to the cluster and to the async proxy */
 __device__ __forceinline__ void ws_bars_fence()
 {

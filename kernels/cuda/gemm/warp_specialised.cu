@@ -84,11 +84,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
             if (AM == KCU_A_K) {
                 const bf16 *Bg = p.B + (size_t)t.e * p.b_gstride;
                 for (int kt = 0; kt < t.ktiles; kt++, it++) {
-                    const int s = it % WS_STAGES;
-                    const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
-                                   sb = sa + WG_A_BYTES;
                     const int k0 = kt * BK;
-                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                    const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
+                    const uint32_t fb = g.fb, sa = g.sa, sb = g.sb;
                     if (tid == 0) {
                         const uint32_t tx = (mp.ta ? WG_A_BYTES : 0) + (mp.tb ? WG_B_BYTES : 0);
                         if (tx) {
@@ -138,14 +136,12 @@ __global__ void __launch_bounds__(WS_NT, 1)
                     ab_produce(mp, full0, empty0, sbase, it, t.m0, t.n0, true);
             } else {
                 for (int kt = 0; kt < t.ktiles; kt++, it++) {
-                    const int s = it % WS_STAGES;
-                    const uint32_t fb = full0 + 8 * s, sa = sbase + s * WG_STAGE_BYTES,
-                                   sb = sa + WG_A_BYTES;
                     const int k0 = t.kbeg + kt * BK;
                     /* a group's last partial k tile: cp.async with zero fill */
                     const bool whole = k0 + BK <= t.kend;
                     const bool tA = mp.ta && whole, tB = mp.tb && whole;
-                    mbar_wait(empty0 + 8 * s, ((it / WS_STAGES) & 1) ^ 1);
+                    const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
+                    const uint32_t fb = g.fb, sa = g.sa, sb = g.sb;
                     if (tid == 0) {
                         const uint32_t tx = (tA ? WG_A_BYTES : 0) + (tB ? WG_B_BYTES : 0);
                         if (tx) {
