@@ -110,7 +110,9 @@ void xchg_shm_sweep(void);
  * contiguously from sendbuf in rank order (q = 0 first; the part for itself
  * is copied locally). On success *recvbuf holds the bytes received, in rank
  * order, recv_bytes[q] from rank q; *recvbuf is owned by the caller and
- * freed with xchg_free (it may be NULL when nothing was received). */
+ * freed with xchg_free (it may be NULL when nothing was received). The host
+ * backends take it from the worker's buffer pool (worker/pool.h), so that
+ * a large exchange does not fault in fresh pages on every call. */
 static inline moe_err xchg_alltoallv(xchg *x, const void *sendbuf, const size_t *send_bytes,
                                      void **recvbuf, size_t *recv_bytes)
 {

@@ -30,6 +30,7 @@
 #include <nccl.h>
 
 #include "common/log.h"
+#include "worker/pool.h"
 #include "worker/xchg.h"
 
 _Static_assert(sizeof(ncclUniqueId) == XCHG_NCCL_ID_BYTES, "ncclUniqueId size");
@@ -318,7 +319,7 @@ static moe_err nc_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_by
     if (err == MOE_OK)
         err = nc_sync(x, "alltoallv", deadline);
     if (err == MOE_OK && host && recv_total) { /* host caller: hand back host memory */
-        uint8_t *h = malloc(recv_total);
+        uint8_t *h = wpool_alloc(recv_total);
         err = h ? MOE_OK : MOE_ENOMEM;
         if (err == MOE_OK)
             err = nc_to_host(x, h, dst, recv_total, "alltoallv: copy to host", deadline);
@@ -328,7 +329,7 @@ static moe_err nc_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_by
     }
     if (err != MOE_OK) {
         if (dst_host)
-            free(dst);
+            wpool_free(dst);
         else if (dst)
             cudaFreeAsync(dst, x->stream);
         return nc_end(x, err, "alltoallv");
@@ -408,7 +409,7 @@ static void nc_free_buf(xchg *xp, void *buf)
     if (!buf)
         return;
     if (nc_is_host(buf)) {
-        free(buf);
+        wpool_free(buf);
         return;
     }
     cudaSetDevice(x->device);

@@ -45,6 +45,8 @@
 #include <nng/protocol/pipeline0/push.h>
 
 #include "common/log.h"
+#include "common/parcopy.h"
+#include "worker/pool.h"
 #include "worker/xchg.h"
 
 #define NX_MAGIC        0x4843584du /* "MXCH" read as a little-endian u32 */
@@ -714,7 +716,7 @@ static moe_err nx_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_by
         total += recv_bytes[q];
     }
     uint8_t *out = NULL;
-    if (total && !(out = malloc(total))) {
+    if (total && !(out = wpool_alloc(total))) {
         LOG_E("xchg_alltoallv: rank %d: cannot allocate %zu bytes", r, total);
         nx_rx_clear(x); /* the peers are in step: the communicator stays usable */
         return MOE_ENOMEM;
@@ -723,7 +725,7 @@ static moe_err nx_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_by
     for (int q = 0; q < W; q++) {
         if (q == r) {
             if (recv_bytes[q])
-                memcpy(out + off, x->sp[r], recv_bytes[q]);
+                par_memcpy(out + off, x->sp[r], recv_bytes[q]);
         } else {
             nx_rx_copy(&x->rx[q], out + off);
         }
@@ -858,7 +860,7 @@ out:
 static void nx_free_buf(xchg *xp, void *buf)
 {
     (void)xp;
-    free(buf);
+    wpool_free(buf);
 }
 
 /* ---------------------------------------------------------- open and close */

@@ -50,7 +50,9 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/parcopy.h"
 #include "common/procstat.h"
+#include "worker/pool.h"
 #include "worker/xchg.h"
 
 #define XS_MAGIC   0x4d53584du /* "MXSM" */
@@ -382,7 +384,7 @@ static moe_err a2a_place(xs *x, void *arg)
         o->recv_bytes[q] = q == r ? x->peer[r].sn : (size_t)x->peer[q].rlen;
         total += o->recv_bytes[q];
     }
-    if (total && !(o->buf = malloc(total))) {
+    if (total && !(o->buf = wpool_alloc(total))) {
         LOG_E("xchg_alltoallv: rank %d: cannot allocate %zu bytes", r, total);
         return MOE_ENOMEM; /* the peers cannot finish this round without us: failed */
     }
@@ -390,7 +392,7 @@ static moe_err a2a_place(xs *x, void *arg)
     for (int q = 0; q < W; q++) {
         if (q == r) {
             if (o->recv_bytes[q])
-                memcpy(o->buf + off, x->peer[r].sp, o->recv_bytes[q]);
+                par_memcpy(o->buf + off, x->peer[r].sp, o->recv_bytes[q]);
         } else {
             x->peer[q].dst = o->buf + off;
         }
@@ -422,7 +424,7 @@ static moe_err xs_alltoallv(xchg *xp, const void *sendbuf, const size_t *send_by
     a2a_out o = {recv_bytes, NULL};
     moe_err e = round_run(x, a2a_place, &o);
     if (e != MOE_OK) {
-        free(o.buf);
+        wpool_free(o.buf);
         return e;
     }
     *recvbuf = o.buf;
@@ -498,7 +500,7 @@ static moe_err xs_allreduce_f32(xchg *xp, float *buf, size_t n)
 static void xs_free_buf(xchg *xp, void *buf)
 {
     (void)xp;
-    free(buf);
+    wpool_free(buf);
 }
 
 static void xs_destroy(xs *x)
