@@ -1494,12 +1494,11 @@ int dp_batch_refuse_nonfinite(dp_batch *b, float *x, int64_t H)
         if (!b->tk[i])
             continue;
         float *p = x + row * (size_t)H;
-        for (int64_t r = 0; r < b->rows[i] && b->refused_row[i] < 0; r++)
-            for (int64_t h = 0; h < H; h++)
-                if (!isfinite(p[(size_t)r * H + h])) {
-                    b->refused_row[i] = r;
-                    break;
-                }
+        if (b->refused_row[i] < 0) {
+            int64_t r = rows_first_nonfinite(p, b->rows[i], H);
+            if (r < b->rows[i])
+                b->refused_row[i] = r;
+        }
         if (b->refused_row[i] >= 0) {
             dp_answer_err(b->tk[i], MOE_EINVAL,
                           "row %lld of these rows is not finite (NaN or Inf): refused",

@@ -93,3 +93,42 @@ void rows_f32_to_dtype(const float *x, moe_dtype dt, void *out, size_t n)
     conv_job j = {x, out, dt, 0};
     kern_par_for(n, KERN_PAR_GRAIN, conv_part, &j);
 }
+
+typedef struct nonfinite_job {
+    const float *x;
+    int64_t H;
+    int64_t first; /* min-ed atomically by the parts */
+} nonfinite_job;
+
+static void nonfinite_part(void *arg, size_t r0, size_t r1)
+{
+    nonfinite_job *j = arg;
+    for (size_t r = r0; r < r1; r++) {
+        if ((int64_t)r >= __atomic_load_n(&j->first, __ATOMIC_RELAXED))
+            return; /* an earlier row is bad already */
+        const float *row = j->x + r * (size_t)j->H;
+        uint32_t bad = 0;
+        for (int64_t h = 0; h < j->H; h++) { /* exponent all ones: Inf or NaN */
+            uint32_t u;
+            memcpy(&u, row + h, 4);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        if (bad) {
+            int64_t cur = __atomic_load_n(&j->first, __ATOMIC_RELAXED);
+            while ((int64_t)r < cur &&
+                   !__atomic_compare_exchange_n(&j->first, &cur, (int64_t)r, 0, __ATOMIC_RELAXED,
+                                                __ATOMIC_RELAXED))
+                ;
+            return;
+        }
+    }
+}
+
+int64_t rows_first_nonfinite(const float *x, int64_t n, int64_t H)
+{
+    if (n <= 0 || H <= 0)
+        return n > 0 ? n : 0;
+    nonfinite_job j = {x, H, n};
+    kern_par_for((size_t)n, KERN_PAR_GRAIN / (size_t)H + 1, nonfinite_part, &j);
+    return j.first;
+}

@@ -40,6 +40,11 @@ static inline void rows_get(float *dst, const void *src, size_t n, int bf16)
     }
 }
 
+/* rows_first_nonfinite: the first of the n rows of x (n,H) that holds a NaN
+ * or an Inf, or n when all are finite; the rows split over the kernels'
+ * threads (kern_par_for), each row's exponents checked without a branch
+ * per value. */
+int64_t rows_first_nonfinite(const float *x, int64_t n, int64_t H);
 /* rows_tensor_to_f32 converts a wire tensor of any dtype into floats. */
 void rows_tensor_to_f32(const moe_tensor *t, float *out, size_t n);
 /* rows_f32_to_dtype writes n floats as dtype dt into dst (unaligned ok). */
