@@ -27,7 +27,6 @@
 
 #define UP_COLS   256 /* the narrowest blocks: measured best on 16 threads */
 #define DOWN_COLS 512
-#define MAX_TH    64
 
 /* the BLAS thread count is the process's: one forward at a time sets it to 1 */
 static pthread_mutex_t ex_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -41,8 +40,8 @@ typedef struct ex_job {
     kern_act act;
     float *a, *b, *h, *ye;
     int (*abort_fn)(void);
-    /* tasks: expert i has nup[i] blocks in phase 1 and ndown[i] in phase 2;
-     * task t of a phase maps to (expert, block) by the prefix sums */
+    /* the running phase (1: up, 2: down) and its tasks: task t is block
+     * task_c[t] of expert task_e[t] */
     int phase, ntask;
     const int *task_e, *task_c; /* (ntask) of the running phase */
     atomic_int next;
@@ -78,9 +77,8 @@ static void down_block(const ex_job *j, int i, int c)
                 j->w2 + i * fh + (size_t)c0 * F, F, 0.0f, j->ye + r0 * H + c0, H);
 }
 
-static void *ex_main(void *arg)
+static void ex_main(ex_job *j)
 {
-    ex_job *j = arg;
     for (;;) {
         if (atomic_load(&j->aborted))
             break;
@@ -96,23 +94,21 @@ static void *ex_main(void *arg)
         else
             down_block(j, j->task_e[t], j->task_c[t]);
     }
-    return NULL;
 }
 
-/* run_phase: the phase's tasks on up to nth threads (the caller is one) */
+/* ex_part: kern_par_for's part = one taker of tasks (dynamic: experts
+ * differ in rows) */
+static void ex_part(void *arg, size_t i0, size_t i1)
+{
+    for (size_t i = i0; i < i1; i++)
+        ex_main(arg);
+}
+
+/* run_phase: the phase's tasks, taken by up to nth threads at once */
 static void run_phase(ex_job *j, int nth)
 {
-    if (nth > j->ntask)
-        nth = j->ntask;
     atomic_store(&j->next, 0);
-    pthread_t th[MAX_TH];
-    int started[MAX_TH] = {0};
-    for (int i = 0; i + 1 < nth; i++)
-        started[i] = pthread_create(&th[i], NULL, ex_main, j) == 0;
-    ex_main(j); /* a thread that did not start leaves its share to the others */
-    for (int i = 0; i + 1 < nth; i++)
-        if (started[i])
-            pthread_join(th[i], NULL);
+    kern_par_for((size_t)(nth < j->ntask ? nth : j->ntask), 1, ex_part, j);
 }
 
 int kern_experts_ffn_blas(const float *xe, const int32_t *n, const int32_t *kept, int ne, int H,
