@@ -6,7 +6,6 @@
 #include <string.h>
 
 #include "base/bf16.h"
-#include "common/combine.h"
 
 static int read_bin_key(mp_reader *r, const uint8_t **p, size_t *len)
 {
@@ -124,17 +123,35 @@ moe_err moe_fanout_read(mp_reader *r, moe_fanout_part *p, char *msg, size_t msgl
 }
 
 /* to_f32: n values of dtype dt (f32 or bf16) at src, unaligned, into dst */
-static void to_f32(const uint8_t *src, moe_dtype dt, size_t n, float *dst)
+/* a row of n values of dtype dt as f32 (memcpy: the rows of a msgpack bin
+ * need not be aligned) */
+static inline float row_at(const uint8_t *row, int bf, size_t i)
 {
-    if (dt == MOE_F32) {
-        memcpy(dst, src, n * sizeof(float));
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
+    if (bf) {
         uint16_t h;
-        memcpy(&h, src + 2 * i, 2);
-        dst[i] = bf16_to_f32_inl(h);
+        memcpy(&h, row + 2 * i, 2);
+        return bf16_to_f32_inl(h);
     }
+    float f;
+    memcpy(&f, row + 4 * i, 4);
+    return f;
+}
+
+static inline float round_bf16(float f)
+{
+    return bf16_to_f32_inl(bf16_from_f32_inl(f));
+}
+
+/* yt (H) += w row, each term rounded to bf16 when bf (moe_combine_rows'
+ * arithmetic, in one pass over the row as it came: no f32 copy of it) */
+static void add_term(float *yt, const uint8_t *row, int bf, float w, size_t H)
+{
+    if (bf)
+        for (size_t i = 0; i < H; i++)
+            yt[i] += round_bf16(w * row_at(row, 1, i));
+    else
+        for (size_t i = 0; i < H; i++)
+            yt[i] += w * row_at(row, 0, i);
 }
 
 moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64_t H, moe_dtype dt,
@@ -146,7 +163,8 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
     }
     const int K = parts[0].top_k;
     const moe_dtype rdt = parts[0].dtype;
-    const size_t S = (size_t)T * (size_t)K, es = moe_dtype_size(rdt);
+    const size_t S = (size_t)T * (size_t)K, es = moe_dtype_size(rdt), rb = (size_t)H * es;
+    const int bf = rdt == MOE_BF16;
     size_t shared_rows = 0; /* the shared expert's rows, from the parts that sent them */
     int has_shared = 0;
     for (int q = 0; q < W; q++) {
@@ -158,14 +176,14 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
                      parts[0].rank);
             return MOE_EPROTO;
         }
-        if (p->rows_len != p->nslots * (size_t)H * es) {
+        if (p->rows_len != p->nslots * rb) {
             snprintf(msg, msglen, "fan-out: worker rank %d sent %zu bytes of rows for %zu slots",
                      p->rank, p->rows_len, p->nslots);
             return MOE_EPROTO;
         }
         if (p->shared) {
-            size_t rows = p->shared_len / ((size_t)H * es);
-            if (p->shared_len % ((size_t)H * es) || rows == 0 || p->shared_row0 < 0 ||
+            size_t rows = p->shared_len / rb;
+            if (p->shared_len % rb || rows == 0 || p->shared_row0 < 0 ||
                 (size_t)p->shared_row0 + rows > (size_t)T) {
                 snprintf(msg, msglen, "fan-out: shared rows of worker rank %d outside the batch",
                          p->rank);
@@ -175,15 +193,12 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
             has_shared = 1;
         }
     }
-    const size_t n = (size_t)T * (size_t)H;
-    float *ye = malloc((S ? S : 1) * (size_t)H * sizeof(float)); /* (S,H) */
-    float *topk_w = malloc((S ? S : 1) * sizeof(float));         /* (T,K) */
-    float *y = malloc((n ? n : 1) * sizeof(float));              /* (T,H) */
-    uint8_t *seen = calloc(S ? S : 1, 1);
-    float *shared = has_shared ? malloc(n * sizeof(float)) : NULL; /* (T,H) */
-    uint8_t *shared_seen = has_shared ? calloc(T ? (size_t)T : 1, 1) : NULL;
+    /* where each slot's row is (and each token's shared row), checked once */
+    const uint8_t **row = calloc(S ? S : 1, sizeof(*row));           /* (S) */
+    const uint8_t **srow = calloc(T ? (size_t)T : 1, sizeof(*srow)); /* (T) */
+    float *yt = malloc((size_t)H * sizeof(float));                   /* (H) */
     moe_err e = MOE_OK;
-    if (!ye || !topk_w || !y || !seen || (has_shared && (!shared || !shared_seen))) {
+    if (!row || !srow || !yt) {
         snprintf(msg, msglen, "out of memory");
         e = MOE_ENOMEM;
         goto out;
@@ -194,14 +209,13 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
         for (size_t j = 0; j < p->nslots; j++) {
             int32_t s;
             memcpy(&s, p->slots + 4 * j, 4);
-            if (s < 0 || (size_t)s >= S || seen[s]) {
+            if (s < 0 || (size_t)s >= S || row[s]) {
                 snprintf(msg, msglen, "fan-out: worker rank %d names slot %d %s", p->rank, (int)s,
                          s < 0 || (size_t)s >= S ? "out of range" : "twice");
                 e = MOE_EPROTO;
                 break;
             }
-            seen[s] = 1;
-            to_f32(p->rows + j * (size_t)H * es, rdt, (size_t)H, ye + (size_t)s * H);
+            row[s] = p->rows + j * rb;
             filled++;
         }
     }
@@ -212,17 +226,15 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
     /* the shared rows: every token's once, when any worker sent some */
     for (int q = 0; q < W && e == MOE_OK && has_shared; q++) {
         const moe_fanout_part *p = &parts[q];
-        size_t rows = p->shared ? p->shared_len / ((size_t)H * es) : 0;
+        size_t rows = p->shared ? p->shared_len / rb : 0;
         for (size_t r = 0; r < rows && e == MOE_OK; r++) {
             size_t t = (size_t)p->shared_row0 + r;
-            if (shared_seen[t]) {
+            if (srow[t]) {
                 snprintf(msg, msglen, "fan-out: shared rows of token %zu twice", t);
                 e = MOE_EPROTO;
             }
-            shared_seen[t] = 1;
+            srow[t] = p->shared + r * rb;
         }
-        if (rows)
-            to_f32(p->shared, rdt, rows * (size_t)H, shared + (size_t)p->shared_row0 * H);
     }
     if (e == MOE_OK && has_shared && shared_rows != (size_t)T) {
         snprintf(msg, msglen, "fan-out: shared rows of %zu of %lld tokens", shared_rows,
@@ -231,25 +243,39 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
     }
     if (e != MOE_OK)
         goto out;
-    memcpy(topk_w, parts[0].topk_w, S * sizeof(float));
-    moe_combine_rows(ye, topk_w, NULL, (int)T, K, (int)H, rdt == MOE_BF16, y);
-    if (has_shared)
-        moe_rows_add(y, shared, n, rdt == MOE_BF16);
-    if (dt == MOE_F32) {
-        memcpy(out, y, n * sizeof(float));
-    } else {
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h = bf16_from_f32_inl(y[i]);
-            memcpy((uint8_t *)out + 2 * i, &h, 2);
+    /* y[t] = sum_j w[t,j] rows[t*K+j] in order j (moe_combine_rows), then
+     * the shared row (moe_rows_add), in the output's dtype */
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t i = 0; i < H; i++)
+            yt[i] = 0.0f;
+        for (int j = 0; j < K; j++) {
+            const size_t s = (size_t)t * K + j;
+            float w;
+            memcpy(&w, parts[0].topk_w + 4 * s, 4);
+            add_term(yt, row[s], bf, w, (size_t)H);
+        }
+        if (bf)
+            for (int64_t i = 0; i < H; i++)
+                yt[i] = round_bf16(yt[i]);
+        if (has_shared)
+            for (int64_t i = 0; i < H; i++) {
+                const float sum = yt[i] + row_at(srow[t], bf, (size_t)i);
+                yt[i] = bf ? round_bf16(sum) : sum;
+            }
+        if (dt == MOE_F32) {
+            memcpy((float *)out + (size_t)t * H, yt, (size_t)H * sizeof(float));
+        } else {
+            uint8_t *o = (uint8_t *)out + (size_t)t * H * 2;
+            for (int64_t i = 0; i < H; i++) {
+                const uint16_t h = bf16_from_f32_inl(yt[i]);
+                memcpy(o + 2 * i, &h, 2);
+            }
         }
     }
 out:
-    free(ye);
-    free(topk_w);
-    free(y);
-    free(seen);
-    free(shared);
-    free(shared_seen);
+    free(row);
+    free(srow);
+    free(yt);
     return e;
 }
 

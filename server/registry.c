@@ -603,9 +603,14 @@ int coord_fanout_open(const coord *c)
 {
     if (!c->lane || !c->ready || c->world < 2 || c->draining)
         return 0;
-    for (int r = 0; r < c->world; r++)
-        if (strcmp(c->workers[c->rank_to_worker[r]].backend, "cpu") != 0)
-            return 0; /* GPU workers: the ordered road (their kernels combine on the device) */
+    /* every member of one backend: all CPU workers route alike, and so do
+     * GPU workers (of one GPU type; the client checks that the ranks'
+     * gate weights agree bit for bit) - a CPU worker and a GPU worker
+     * need not */
+    const char *b0 = c->workers[c->rank_to_worker[0]].backend;
+    for (int r = 1; r < c->world; r++)
+        if (strcmp(c->workers[c->rank_to_worker[r]].backend, b0) != 0)
+            return 0;
     return 1;
 }
 

@@ -19,6 +19,16 @@
  * same GEMM heights) and added by the client after the sum, as
  * kern_shared_forward_cpu adds them.
  *
+ * GPU workers (worker/gpu.h): the expert-parallel backend routes all T
+ * tokens on its device and runs its experts there (gops->fanout,
+ * kcu_ep_forward_local): the rows travel as bf16, as the GEMMs store them,
+ * and the client's sum is the device combine's (sum_j bf16(w ye) in slot
+ * order, one rounding), so y agrees with the ordered road's to bf16
+ * rounding (the decode kernels may round an expert row differently from
+ * the owner's GEMMs). The experts backend (a capacity factor, --ep off)
+ * routes on the host as a CPU worker and runs its experts on the device
+ * (gops->experts_forward), as its ordered road does.
+ *
  * Thread: the compute thread (called from wkr_op_forward for a lane run
  * with fanout).
  */
@@ -27,6 +37,8 @@
 #include "common/log.h"
 #include "common/placement.h"
 #include "worker/fwd.h"
+#include "worker/gpu.h"
+#include "worker/lane_trace.h"
 #include "worker/pool.h"
 #include "worker/rows.h"
 
@@ -44,13 +56,132 @@ static void write_rows_bin(mp_writer *w, const float *x, size_t n, moe_dtype dt)
     wpool_free(tmp);
 }
 
+/* fanout_out: what a rank answers, however it computed it */
+typedef struct fanout_out {
+    int32_t *counts;   /* (E) slots routed per expert */
+    int32_t *dropped;  /* (E) slots dropped by the capacity (this rank's experts) */
+    double *probs_sum; /* (E) */
+    double z_sum;
+    const float *topk_w;  /* (T*K) */
+    const int32_t *slots; /* (n) this rank's experts' slots */
+    size_t n;
+    const void *rows; /* (n,H) of dtype rdt, or f32 rows (rows_f32) to convert */
+    int rows_f32;
+    moe_dtype rdt;       /* how the rows travel */
+    const float *shared; /* (shn,H) the shared expert's gated rows, or NULL */
+    long long sh0, shn;
+} fanout_out;
+
+/* fanout_answer writes the client's answer {fanout: {...}, stats} on the
+ * ticket, and c's reply with the counts lane.c records */
+static void fanout_answer(wkr *w, rpc_call *c, const model_cfg *cfg, int T, dp_batch *batch,
+                          const fanout_out *o, const double ph[4])
+{
+    const int H = cfg->d_model, E = cfg->n_experts, K = cfg->top_k;
+    mp_writer pw;
+    mp_writer_init(&pw);
+    mp_write_cstr(&pw, "fanout");
+    mp_write_map(&pw, o->shared ? 8 : 6);
+    mp_write_cstr(&pw, "rank");
+    mp_write_i64(&pw, w->rank);
+    mp_write_cstr(&pw, "top_k");
+    mp_write_i64(&pw, K);
+    mp_write_cstr(&pw, "dtype");
+    mp_write_cstr(&pw, moe_dtype_name(o->rdt));
+    mp_write_cstr(&pw, "slots");
+    mp_write_bin(&pw, o->slots, (uint32_t)(o->n * sizeof(int32_t)));
+    mp_write_cstr(&pw, "rows");
+    if (o->rows_f32)
+        write_rows_bin(&pw, o->rows, o->n * H, o->rdt);
+    else
+        mp_write_bin(&pw, o->rows, (uint32_t)(o->n * H * moe_dtype_size(o->rdt)));
+    mp_write_cstr(&pw, "topk_w");
+    mp_write_bin(&pw, o->topk_w, (uint32_t)((size_t)T * K * sizeof(float)));
+    if (o->shared) {
+        mp_write_cstr(&pw, "shared_row0");
+        mp_write_i64(&pw, o->sh0);
+        mp_write_cstr(&pw, "shared");
+        write_rows_bin(&pw, o->shared, (size_t)o->shn * H, o->rdt);
+    }
+    wkr_lane_stats_write(&pw, cfg, T, o->counts, o->dropped, o->probs_sum, o->z_sum, NULL, ph);
+    dp_ticket *tk = batch->tk[0];
+    if (tk->call) { /* not refused (a NaN or Inf row answers with its error) */
+        if (pw.failed || dp_ticket_set_extra(tk, pw.buf, pw.len, 2) != MOE_OK)
+            dp_answer_err(tk, MOE_ENOMEM, "worker out of memory for a fan-out answer");
+        else
+            dp_answer_extra(tk);
+    }
+    mp_writer_fini(&pw);
+
+    /* the local call's reply: what lane.c counts (counts on rank 0 only) */
+    mp_writer wr;
+    mp_writer_init(&wr);
+    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
+    mp_write_map(&wr, 6);
+    mp_write_cstr(&wr, "counts");
+    mp_write_bin(&wr, o->counts, (uint32_t)(4 * E));
+    mp_write_cstr(&wr, "dropped");
+    mp_write_bin(&wr, o->dropped, (uint32_t)(4 * E));
+    mp_write_cstr(&wr, "gate_s");
+    mp_write_f64(&wr, ph[0]);
+    mp_write_cstr(&wr, "dispatch_s");
+    mp_write_f64(&wr, ph[1]);
+    mp_write_cstr(&wr, "experts_s");
+    mp_write_f64(&wr, ph[2]);
+    mp_write_cstr(&wr, "combine_s");
+    mp_write_f64(&wr, ph[3]);
+    rpc_reply(c, &wr);
+}
+
+/* fanout_device: the expert-parallel GPU backend's fan-out (gops->fanout):
+ * routing and this rank's experts on the device; x (T,H) f32 host */
+static moe_err fanout_device(wkr *w, wkr_model *m, int layer, int T, const float *x, fanout_out *o,
+                             double ph[4], char *err, size_t errlen)
+{
+    const model_cfg *cfg = &m->cfg;
+    const int H = cfg->d_model, K = cfg->top_k;
+    const size_t S = (size_t)T * K;
+    wkr_gpu_fanout g;
+    memset(&g, 0, sizeof(g));
+    g.counts = o->counts;
+    g.probs_sum = o->probs_sum;
+    g.topk_w = wpool_alloc(S * sizeof(float));
+    g.slots = wpool_alloc(S * sizeof(int32_t));
+    g.ye = wpool_alloc(S * (size_t)H * 2);
+    /* the shared expert's rows of this rank's ordered-road shard */
+    g.sh0 = (int)shard_first(T, w->world, w->rank);
+    g.shn = cfg->shared_d_ff > 0 ? (int)shard_first(T, w->world, w->rank + 1) - g.sh0 : 0;
+    g.ys = g.shn > 0 ? wpool_alloc((size_t)g.shn * H * sizeof(float)) : NULL;
+    if (!g.topk_w || !g.slots || !g.ye || (g.shn > 0 && !g.ys)) {
+        wpool_free(g.topk_w);
+        wpool_free(g.slots);
+        wpool_free(g.ye);
+        wpool_free(g.ys);
+        return MOE_ENOMEM;
+    }
+    double t0 = fwd_now_s();
+    moe_err e = m->gpu_ops->fanout(w, m, layer, T, x, MOE_F32, &g, err, errlen);
+    ph[2] = fwd_now_s() - t0; /* routing and experts: one device call */
+    o->z_sum = g.z_sum;
+    o->topk_w = g.topk_w;
+    o->slots = g.slots;
+    o->n = (size_t)g.n;
+    o->rows = g.ye;
+    o->rows_f32 = 0;
+    o->rdt = MOE_BF16; /* the device's expert rows are bf16 */
+    o->shared = g.shn > 0 ? g.ys : NULL;
+    o->sh0 = g.sh0;
+    o->shn = g.shn;
+    return e;
+}
+
 void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *batch)
 {
     const model_cfg *cfg = &m->cfg;
     const int H = cfg->d_model, F = cfg->d_ff, E = cfg->n_experts, K = cfg->top_k;
     const int bf = cfg->dtype == MOE_BF16;
-    const moe_dtype rdt = bf ? MOE_BF16 : MOE_F32; /* how expert rows travel */
     const wkr_layer *L = &m->layers[layer];
+    const wkr_gpu_ops *gops = m->gpu_ops;
     const int T = (int)batch->x.shape[0];
     const size_t Tn = T ? (size_t)T : 1;
     moe_err e = MOE_OK;
@@ -60,6 +191,8 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     int32_t *dropped = wpool_calloc((size_t)E, sizeof(int32_t));
     int32_t *slots = NULL; /* (mine) the slots of this rank's experts, in order */
     float *ye = NULL, *shared = NULL;
+    fanout_out o;
+    memset(&o, 0, sizeof(o));
     if (!st || !probs_sum || !dropped) {
         e = MOE_ENOMEM;
         goto fail;
@@ -74,8 +207,10 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     st->T = T;
     st->T_total = T;
     double t0 = fwd_now_s();
+    lane_trace(LT_FWD0);
 
-    /* ---- gate: every token, as every other rank does ---- */
+    /* the client's rows as f32 (a decode batch: a few rows), bf16 models'
+     * rounded; a NaN or Inf row refuses its request */
     st->x = wpool_alloc(Tn * H * sizeof(float));
     if (!st->x) {
         e = MOE_ENOMEM;
@@ -85,6 +220,36 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     if (bf)
         kern_bf16_round_n(st->x, (size_t)T * H);
     dp_batch_refuse_nonfinite(batch, st->x, H);
+
+    if (gops && gops->fanout) { /* routing and experts on the device */
+        double ph[4] = {0, 0, 0, 0};
+        o.counts = wpool_calloc((size_t)E, sizeof(int32_t));
+        o.dropped = dropped;
+        o.probs_sum = probs_sum;
+        if (!o.counts) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
+        e = fanout_device(w, m, layer, T, st->x, &o, ph, err, sizeof(err));
+        lane_trace(LT_FWD1);
+        if (e == MOE_OK) {
+            ph[0] = 0;
+            ph[3] = fwd_now_s() - t0 - ph[2];
+            fanout_answer(w, c, cfg, T, batch, &o, ph);
+        }
+        wpool_free(o.counts);
+        wpool_free((void *)o.topk_w);
+        wpool_free((void *)o.slots);
+        wpool_free((void *)o.rows);
+        wpool_free((void *)o.shared);
+        if (e == MOE_OK)
+            goto out;
+        if (err[0])
+            goto fail_msg;
+        goto fail;
+    }
+
+    /* ---- gate: every token, as every other rank does ---- */
     if ((e = fwd_gate(L, st, w->world, probs_sum, &z_sum)) != MOE_OK)
         goto fail;
     double t_gate = fwd_now_s();
@@ -97,10 +262,8 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     int32_t cap = kern_capacity((float)cfg->capacity_factor, T, K, E);
     slots = wpool_alloc(nm * sizeof(int32_t));
     st->xe = wpool_alloc(nm * H * sizeof(float));
-    st->ae = wpool_alloc(nm * F * sizeof(float));
-    st->be = act_gated(cfg->act) ? wpool_alloc(nm * F * sizeof(float)) : NULL;
     ye = wpool_alloc(nm * H * sizeof(float));
-    if (!slots || !st->xe || !st->ae || (act_gated(cfg->act) && !st->be) || !ye) {
+    if (!slots || !st->xe || !ye) {
         e = MOE_ENOMEM;
         goto fail;
     }
@@ -109,11 +272,8 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
         slots[j] = s;
         memcpy(st->xe + j * H, st->x + (size_t)(s / K) * H, (size_t)H * sizeof(float));
     }
-    /* the same call as the ordered road's owner (worker/forward.c) */
     st->kept = wpool_alloc((size_t)(ne ? ne : 1) * sizeof(int32_t));
-    float *h = wpool_alloc(nm * (size_t)(F > 0 ? F : 1) * sizeof(float));
-    if (!st->kept || !h) {
-        wpool_free(h);
+    if (!st->kept) {
         e = MOE_ENOMEM;
         goto fail;
     }
@@ -122,12 +282,26 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
         st->kept[i] = n < cap ? n : cap;
         dropped[e0 + i] = n - st->kept[i];
     }
-    int rc = kern_experts_ffn_blas(st->xe, st->counts + e0, st->kept, ne, H, F, L->w1, L->w3, L->w2,
-                                   (kern_act)cfg->act, bf, st->ae, st->be, h, ye, NULL);
-    wpool_free(h);
-    if (rc != 0) {
-        e = MOE_ENOMEM;
-        goto fail;
+    if (gops && gops->experts_forward) { /* the experts backend: rows on the device */
+        e = gops->experts_forward(m, layer, 0, st->xe, st->counts + e0, st->kept, ye, 0);
+        if (e != MOE_OK)
+            goto fail;
+    } else { /* the same call as the ordered road's owner (worker/forward.c) */
+        st->ae = wpool_alloc(nm * F * sizeof(float));
+        st->be = act_gated(cfg->act) ? wpool_alloc(nm * F * sizeof(float)) : NULL;
+        float *h = wpool_alloc(nm * (size_t)(F > 0 ? F : 1) * sizeof(float));
+        if (!st->ae || (act_gated(cfg->act) && !st->be) || !h) {
+            wpool_free(h);
+            e = MOE_ENOMEM;
+            goto fail;
+        }
+        int rc = kern_experts_ffn_blas(st->xe, st->counts + e0, st->kept, ne, H, F, L->w1, L->w3,
+                                       L->w2, (kern_act)cfg->act, bf, st->ae, st->be, h, ye, NULL);
+        wpool_free(h);
+        if (rc != 0) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
     }
     double t_exp = fwd_now_s();
     /* the shared expert's gated rows of this rank's shard of the tokens
@@ -144,59 +318,23 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
                              L->ws2, L->wsg, (kern_act)cfg->act, bf, 1, shared);
     }
     double t_comb = fwd_now_s();
+    lane_trace(LT_FWD1);
 
-    /* ---- the client's answer: {fanout: {...}, stats} ---- */
     double ph[4] = {t_gate - t0, 0, t_exp - t_gate, t_comb - t_exp};
-    mp_writer pw;
-    mp_writer_init(&pw);
-    mp_write_cstr(&pw, "fanout");
-    mp_write_map(&pw, shared ? 8 : 6);
-    mp_write_cstr(&pw, "rank");
-    mp_write_i64(&pw, w->rank);
-    mp_write_cstr(&pw, "top_k");
-    mp_write_i64(&pw, K);
-    mp_write_cstr(&pw, "dtype");
-    mp_write_cstr(&pw, moe_dtype_name(rdt));
-    mp_write_cstr(&pw, "slots");
-    mp_write_bin(&pw, slots, (uint32_t)(mine * sizeof(int32_t)));
-    mp_write_cstr(&pw, "rows");
-    write_rows_bin(&pw, ye, mine * H, rdt);
-    mp_write_cstr(&pw, "topk_w");
-    mp_write_bin(&pw, st->topk_w, (uint32_t)((size_t)T * K * sizeof(float)));
-    if (shared) {
-        mp_write_cstr(&pw, "shared_row0");
-        mp_write_i64(&pw, sh0);
-        mp_write_cstr(&pw, "shared");
-        write_rows_bin(&pw, shared, (size_t)shn * H, rdt);
-    }
-    wkr_lane_stats_write(&pw, cfg, T, st->counts, dropped, probs_sum, z_sum, NULL, ph);
-    dp_ticket *tk = batch->tk[0];
-    if (tk->call) { /* not refused (a NaN or Inf row answers with its error) */
-        if (pw.failed || dp_ticket_set_extra(tk, pw.buf, pw.len, 2) != MOE_OK)
-            dp_answer_err(tk, MOE_ENOMEM, "worker out of memory for a fan-out answer");
-        else
-            dp_answer_extra(tk);
-    }
-    mp_writer_fini(&pw);
-
-    /* the local call's reply: what lane.c counts (counts on rank 0 only) */
-    mp_writer wr;
-    mp_writer_init(&wr);
-    moe_rpc_write_response_ok_head(&wr, c->req.msgid);
-    mp_write_map(&wr, 6);
-    mp_write_cstr(&wr, "counts");
-    mp_write_bin(&wr, st->counts, (uint32_t)(4 * E));
-    mp_write_cstr(&wr, "dropped");
-    mp_write_bin(&wr, dropped, (uint32_t)(4 * E));
-    mp_write_cstr(&wr, "gate_s");
-    mp_write_f64(&wr, ph[0]);
-    mp_write_cstr(&wr, "dispatch_s");
-    mp_write_f64(&wr, ph[1]);
-    mp_write_cstr(&wr, "experts_s");
-    mp_write_f64(&wr, ph[2]);
-    mp_write_cstr(&wr, "combine_s");
-    mp_write_f64(&wr, ph[3]);
-    rpc_reply(c, &wr);
+    o.counts = st->counts;
+    o.dropped = dropped;
+    o.probs_sum = probs_sum;
+    o.z_sum = z_sum;
+    o.topk_w = st->topk_w;
+    o.slots = slots;
+    o.n = mine;
+    o.rows = ye;
+    o.rows_f32 = 1;
+    o.rdt = bf ? MOE_BF16 : MOE_F32; /* as the exchange carries them */
+    o.shared = shared;
+    o.sh0 = sh0;
+    o.shn = shn;
+    fanout_answer(w, c, cfg, T, batch, &o, ph);
     goto out;
 
 fail_msg:

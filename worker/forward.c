@@ -519,7 +519,7 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         /* rows on a client's GPU stay there when the device path takes them;
          * a lane forward on one device computes rows arriving over NCCL in
          * pieces as they come (fwd_nccl_pieces) */
-        int device_ok = gpu_whole && bf && dt == MOE_BF16 && !train;
+        int device_ok = gpu_whole && bf && dt == MOE_BF16 && !train && !fanout;
         int piecewise = device_ok && lane && !fanout && !gops->collective;
         /* in a job of several workers the peers whose rows came are in the
          * exchange already: this rank gives up on missing rows well within
@@ -538,13 +538,17 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             return;
         }
         xt = batch.x;
-        if (fanout) { /* the lane of several CPU workers: no exchange (fanout.c) */
-            if (!lane || train || gpu_whole || gops || xt.ndim != 2 || xt.shape[1] != H) {
+        if (fanout) { /* the lane of several workers: no exchange (fanout.c) */
+            /* a GPU backend either routes on the device (fanout) or runs
+             * the experts alone (experts_forward, routing on the host) */
+            int backend_ok = !gops || gops->fanout || (!gops->whole_layer && gops->experts_forward);
+            if (!lane || train || !backend_ok || xt.ndim != 2 || xt.shape[1] != H) {
                 if (xt.ndim != 2 || xt.shape[1] != H)
                     snprintf(err, sizeof(err), "x must be (T, %d) for model '%s'", H, model_name);
                 else
                     snprintf(err, sizeof(err),
-                             "a fan-out forward is an inference lane forward of a CPU worker");
+                             "a fan-out forward is an inference lane forward of a cluster of "
+                             "several workers");
                 dp_batch_fail(&batch, MOE_EINVAL, err);
                 rpc_reply_err(c, MOE_EINVAL, "%s", err);
             } else {

@@ -606,6 +606,31 @@ static moe_err ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int
     return ep_failed(w, e, "expert-parallel backward", err, errlen);
 }
 
+static moe_err ep_fanout(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
+                         wkr_gpu_fanout *out, char *err, size_t errlen)
+{
+    kcu_ep *ep = ((ep_dev *)m->gpu[layer])->ep;
+    kcu_ep_local lo;
+    memset(&lo, 0, sizeof(lo));
+    lo.counts = out->counts;
+    lo.topk_w = out->topk_w;
+    lo.slots = out->slots;
+    lo.ye = out->ye;
+    lo.sh0 = out->sh0;
+    lo.shn = out->shn;
+    lo.ys = out->ys;
+    lo.probs_sum = out->probs_sum;
+    wkr_busy_at(w, "fan-out forward: kcu_ep_forward_local");
+    moe_err e = kcu_ep_forward_local(ep, T, x, xdt, &lo, NULL);
+    m->gpu_handle[layer] = 0; /* a kept train forward is gone: its backward recomputes */
+    out->n = lo.n;
+    out->z_sum = lo.z_sum;
+    if (e != MOE_OK)
+        snprintf(err, errlen, "GPU fan-out forward failed on rank %d: %s", w->rank,
+                 moe_strerror(e));
+    return e;
+}
+
 static const wkr_gpu_ops ep_ops = {
     .name = "expert-parallel (rows stay on the GPUs, NCCL)",
     .whole_layer = 1,
@@ -616,6 +641,7 @@ static const wkr_gpu_ops ep_ops = {
     .pull_grads = ep_pull_grads,
     .forward = ep_forward,
     .backward = ep_backward,
+    .fanout = ep_fanout,
 };
 
 /* ---- experts: the local experts' rows on the device (kcu_experts) ---- */
@@ -711,8 +737,9 @@ static moe_err experts_forward(wkr_model *m, int layer, uint64_t handle, const f
                                const int32_t *n, const int32_t *kept, float *ye, int train)
 {
     moe_err e = experts_call(m, layer, xe, n, kept, ye, 0, train);
-    if (train && e == MOE_OK)
-        m->gpu_handle[layer] = handle;
+    /* an inference forward (the fan-out's too) drops a kept train forward:
+     * its backward recomputes */
+    m->gpu_handle[layer] = train && e == MOE_OK ? handle : 0;
     return e;
 }
 

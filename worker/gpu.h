@@ -65,6 +65,20 @@ typedef struct wkr_gpu_out {
     uint64_t a2a_bytes; /* bytes sent to other ranks (not with aux_whole) */
 } wkr_gpu_out;
 
+/* What a fan-out forward (worker/fanout.c) gets from a backend that routes
+ * on the device: host arrays the caller owns, sized for T tokens. */
+typedef struct wkr_gpu_fanout {
+    int32_t *counts;   /* (E) out: slots routed to each expert */
+    double *probs_sum; /* (E) out: router probability sums */
+    double z_sum;      /* out: sum of lse^2 */
+    float *topk_w;     /* (T*K) out: the slots' gate weights */
+    int32_t *slots;    /* (T*K) room; out: this rank's experts' slots (expert-major) */
+    void *ye;          /* (T*K,H) bf16 room; out: their unweighted expert rows */
+    int64_t n;         /* out: their number */
+    int sh0, shn;      /* in: the shared expert's rows [sh0, sh0+shn) (shn 0: none) */
+    float *ys;         /* (shn,H) out: its output of them, gated as the layer gates it */
+} wkr_gpu_fanout;
+
 /* wkr_gpu_ops: one GPU backend. dev is one layer's device object
  * (m->gpu[layer]). forward/backward/experts_* keep m->gpu_handle[layer]: the
  * train forward whose state the device holds; a backward for another one
@@ -102,6 +116,12 @@ typedef struct wkr_gpu_ops {
     moe_err (*experts_backward)(wkr_model *m, int layer, uint64_t handle, const float *xe,
                                 const float *dye, const int32_t *n, const int32_t *kept,
                                 float *dxe);
+    /* fan-out (the decode lane of several workers; fanout.c): route all T
+     * tokens of x (T,H) host, of dtype xdt, on the device and run this
+     * rank's experts on their slots; no collective. NULL: the backend's
+     * fan-out routes on the host (experts_forward runs the experts). */
+    moe_err (*fanout)(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
+                      wkr_gpu_fanout *out, char *err, size_t errlen);
 } wkr_gpu_ops;
 
 /* wkr_gpu_attach picks the backend of m (m->gpu_ops), makes the device

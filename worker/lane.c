@@ -154,8 +154,8 @@ static void lane_done(rpc_call *call, const void *buf, size_t len, void *arg)
 void wkr_lane_run(wkr *w, const dp_run *r)
 {
     /* the lane is open only inside the generation the client's map names,
-     * and only while it has one worker - or, fanned out, several CPU ones */
-    int open = r->fanout ? w->world > 1 && !w->use_gpu : w->world == 1;
+     * and only while it has one worker - or, fanned out, several */
+    int open = r->fanout ? w->world > 1 : w->world == 1;
     if (!open || !w->xc || w->generation != r->generation) {
         dp_ticket *tk = dp_take(&w->dp, r->cid, r->seq, rpc_now_ns());
         if (tk) {

@@ -1342,7 +1342,8 @@ int kcu_route_small_use(const kcu_layer *l, int T, int train)
            c->E <= DEC_EMAX && c->H % 128 == 0;
 }
 
-moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st)
+moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, int *stat_rows,
+                        cudaStream_t st)
 {
     rt_params rp = router_params(l, T, xb, cap, 1);
     rp.layout = 1;
@@ -1357,7 +1358,10 @@ moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream
     rp.ntiles = l->ntiles;
     rp.stats = l->stats;
     int nrt = 0;
-    return launch_router(rp, l->nsm, st, &nrt);
+    KCU_TRY(launch_router(rp, l->nsm, st, &nrt));
+    if (stat_rows)
+        *stat_rows = nrt;
+    return MOE_OK;
 }
 
 namespace

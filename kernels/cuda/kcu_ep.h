@@ -293,6 +293,37 @@ int kcu_ep_last_ce(const kcu_ep *ep, int64_t *wire_bytes, int64_t *n_ce, int64_t
 /* number of local experts; *first (may be NULL) the first one's index */
 int kcu_ep_local_experts(const kcu_ep *ep, int *first);
 
+/* The fan-out forward (the decode lane of several GPU workers; the worker's
+ * fanout.c): an inference forward that every rank runs on the SAME T
+ * tokens with no exchange and no collective - each routes all of them (the
+ * same kernels, so the same choices and weights on every rank of one GPU
+ * type) and runs its own experts on their slots; whoever holds the tokens
+ * combines the ranks' rows. Host arrays the caller owns: */
+typedef struct kcu_ep_local {
+    int32_t *counts; /* (E) out: slots routed to each expert */
+    float *topk_w;   /* (T*K) out: the gate weights of the slots */
+    int32_t *slots;  /* (T*K) room; out: the slots of this rank's experts, expert by
+                      * expert (the sorted rows of the layout) */
+    void *ye;        /* (T*K,H) bf16 room; out: those slots' unweighted expert
+                      * rows, bf16 as the GEMMs store them (page-locked: faster) */
+    int64_t n;       /* out: how many slots (rows) */
+    int sh0, shn;    /* in: the shared expert's rows [sh0, sh0+shn) of the T (shn 0:
+                      * none; needs route.shared_experts) */
+    float *ys;       /* (shn,H) out: the shared expert's output of those rows,
+                      * bf16 values times the gate sigmoid(x . wsg) when gated */
+    double *probs_sum; /* (E) out (may be NULL): router probability sums, as
+                        * kcu_ep_stats would give them */
+    double z_sum;      /* out: the sum of lse^2 over the T tokens */
+} kcu_ep_local;
+/* kcu_ep_forward_local: x (T,H) host or device, f32 or bf16, 1 <= T <=
+ * T_max. Synchronous (on `stream`): two host synchronisations, one after
+ * the routing (the counts size the experts' call) and one at the end; the
+ * host's copies go through a pinned mirror the layer keeps (grown to the
+ * largest call). Drops a kept train forward (as any inference forward).
+ * MOE_EINVAL: bad arguments. */
+moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype,
+                             kcu_ep_local *out, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -571,8 +571,11 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
 int kcu_route_small_use(const kcu_layer *l, int T, int train);
 /* kcu_route_small: logits, probs, lse, topk, counts, dropped, offs, perm,
  * tok, spos, the tile list and the statistics in one kernel (the decode
- * router; its CTAs meet at grid barriers) */
-moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, cudaStream_t st);
+ * router; its CTAs meet at grid barriers). *stat_rows (may be NULL): the rows
+ * of statpart it wrote (one per router CTA, zero for a CTA without tokens),
+ * all of which the column sums of probs and lse^2 need */
+moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, int *stat_rows,
+                        cudaStream_t st);
 int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, int keep);
 /* y (N,H) device of y_dtype from the bf16 device rows xb grouped by counts */
 moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const int32_t *counts,

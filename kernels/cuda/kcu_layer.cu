@@ -924,7 +924,7 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     const int pairs = sorted_rows && !train && 2LL * T * Kt <= 3LL * KCU_BM * Et &&
                       kcu_env_flag(&pairs_on, "KCU_TILE_PAIRS", 1);
     if (small) /* few slots: one kernel (kcu_decode.cu) */
-        KCU_TRY(kcu_route_small(l, T, xb, cap, st));
+        KCU_TRY(kcu_route_small(l, T, xb, cap, nullptr, st));
     else
         KCU_TRY(route_gemm(l, T, xb, cap, pairs, st));
     l->cap_fwd[l->state] = cap;
