@@ -143,8 +143,16 @@ static inline float round_bf16(float f)
 }
 
 /* yt (H) += w row, each term rounded to bf16 when bf (moe_combine_rows'
- * arithmetic, in one pass over the row as it came: no f32 copy of it) */
-static void add_term(float *yt, const uint8_t *row, int bf, float w, size_t H)
+ * arithmetic, in one pass over the row as it came: no f32 copy of it).
+ * Cloned for the wider vector units (picked at load time): the same
+ * operations in the same order, so the same bits (no contraction under
+ * -std=c11), 2x faster with AVX2 than with SSE2 (T=1 at d_model 2048, top-8:
+ * a decode step's sum) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void
+add_term(float *yt, const uint8_t *row, int bf, float w, size_t H)
 {
     if (bf)
         for (size_t i = 0; i < H; i++)
@@ -311,6 +319,29 @@ static int dropped_of(const uint8_t *stats, size_t len, int64_t *sum, uint32_t c
     return 0;
 }
 
+/* dropped_len: the length of the "dropped" array of an encoded stats map
+ * (0 when it has none); 0, or -1 when malformed */
+static int dropped_len(const uint8_t *stats, size_t len, uint32_t *m)
+{
+    mp_reader r;
+    uint32_t n;
+    *m = 0;
+    mp_reader_init(&r, stats, len);
+    if (mp_read_map(&r, &n, NULL) != MOE_OK)
+        return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK)
+            return -1;
+        if (mp_str_eq(k, kl, "dropped"))
+            return mp_read_array(&r, m, NULL) == MOE_OK ? 0 : -1;
+        if (mp_skip(&r, NULL) != MOE_OK)
+            return -1;
+    }
+    return 0;
+}
+
 int moe_fanout_stats(const moe_fanout_part *parts, int W, mp_writer *w)
 {
     const moe_fanout_part *p0 = NULL;
@@ -319,12 +350,17 @@ int moe_fanout_stats(const moe_fanout_part *parts, int W, mp_writer *w)
             p0 = &parts[q];
     if (!p0 || !p0->stats)
         return -1;
-    enum { CAP = 1 << 16 };
-    int64_t *sum = calloc(CAP, sizeof(int64_t));
+    /* sum (E): sized by rank 0's own "dropped" (a fresh 512 KB of zeroes
+     * per call cost a decode step tens of microseconds) */
     uint32_t E = 0;
+    if (dropped_len(p0->stats, p0->stats_len, &E) != 0 || E > (1u << 16))
+        return -1;
+    int64_t *sum = calloc(E ? E : 1, sizeof(int64_t));
+    const uint32_t cap = E;
+    E = 0;
     int ok = sum != NULL;
     for (int q = 0; ok && q < W; q++)
-        ok = !parts[q].stats || dropped_of(parts[q].stats, parts[q].stats_len, sum, CAP, &E) == 0;
+        ok = !parts[q].stats || dropped_of(parts[q].stats, parts[q].stats_len, sum, cap, &E) == 0;
     mp_reader r;
     uint32_t n;
     mp_reader_init(&r, p0->stats, p0->stats_len);

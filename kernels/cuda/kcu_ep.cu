@@ -2786,7 +2786,7 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
         out->sh0 + out->shn > T || (out->shn > 0 && (!ep->sh || !out->ys)))
         return MOE_EINVAL;
     const size_t S = (size_t)T * K, shn = (size_t)out->shn;
-    const int host_x = kcu_is_host_ptr(x);
+    const int host_x = out->x_device ? 0 : 1;
     /* the pinned mirror, in parts: x in (bf16); counts, the slot of each
      * sorted row, the weights, the statistics' rows (at most one per router
      * CTA or 256-token block), the shared gate's logits, the rows out */
@@ -2818,9 +2818,13 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
     if (host_x) {
         uint16_t *xh = (uint16_t *)(hb + o_x);
         const size_t nx = (size_t)T * H;
-        if (x_dtype == MOE_F32)
-            for (size_t i = 0; i < nx; i++)
-                xh[i] = kcu_host_bf16(((const float *)x)[i]);
+        if (x_dtype == MOE_F32) /* round to nearest even, NaN kept (kcu_host_bf16) */
+            for (size_t i = 0; i < nx; i++) {
+                uint32_t u;
+                memcpy(&u, (const float *)x + i, 4);
+                const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+                xh[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r);
+            }
         else
             memcpy(xh, x, nx * 2);
         if (mapped_x)

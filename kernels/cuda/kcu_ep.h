@@ -309,13 +309,14 @@ typedef struct kcu_ep_local {
     int64_t n;       /* out: how many slots (rows) */
     int sh0, shn;    /* in: the shared expert's rows [sh0, sh0+shn) of the T (shn 0:
                       * none; needs route.shared_experts) */
+    int x_device;    /* in: x is device memory (0: host memory, asked of no one) */
     float *ys;       /* (shn,H) out: the shared expert's output of those rows,
                       * bf16 values times the gate sigmoid(x . wsg) when gated */
     double *probs_sum; /* (E) out (may be NULL): router probability sums, as
                         * kcu_ep_stats would give them */
     double z_sum;      /* out: the sum of lse^2 over the T tokens */
 } kcu_ep_local;
-/* kcu_ep_forward_local: x (T,H) host or device, f32 or bf16, 1 <= T <=
+/* kcu_ep_forward_local: x (T,H) host (or device: x_device), f32 or bf16, 1 <= T <=
  * T_max. Synchronous (on `stream`): two host synchronisations, one after
  * the routing (the counts size the experts' call) and one at the end; the
  * host's copies go through a pinned mirror the layer keeps (grown to the
