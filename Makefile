@@ -232,10 +232,13 @@ bin/cuda_ipc_check: tests/gpu/cuda_ipc_check.c $(KERN_LIB) lib/libmoe.a
 ALL_TARGETS += bin/cuda_ipc_check
 # check-gpu-dataplane: the data plane on this host's GPU, two processes each
 # (a worker and a client): CUDA IPC from C, then the Python client (NumPy,
-# torch CPU and CUDA tensors), against a one-GPU cluster each time
+# torch CPU and CUDA tensors), against a one-GPU cluster each time; with
+# two GPUs or more, the fan-out of decode batches on 2 GPU workers
+# (tests/gpu/fanout_check.sh)
 check-gpu-dataplane: bin/cuda_ipc_check
 	deploy/gpu-cluster.sh -w 1 -b cuda -- bin/cuda_ipc_check --no-timing
 	deploy/gpu-cluster.sh -w 1 -b cuda -- bash -c 'python3 python/dataplane_check.py --url $$MOE_URL'
+	tests/gpu/fanout_check.sh
 endif
 
 # bench/cpu_layer_bench: one CPU-worker layer forward, timed (bench/cpu_peer.py; not a test).

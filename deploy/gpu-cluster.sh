@@ -32,6 +32,8 @@ done
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 RUN=${MOE_RUN_DIR:-$(mktemp -d /tmp/moe-gpu.XXXXXX)}
 mkdir -p "$RUN"
+# a run directory used before: its address would name a coordinator gone
+rm -f "$RUN/addr" "$RUN/secret"
 pids=()
 # stop: SIGTERM, then SIGKILL for what still runs after 1 s (60 s with a
 # MOE_WORKER_PREFIX: a profiler writes its report after its program exits)

@@ -128,6 +128,9 @@ struct up_params {
     int ks_force;              /* 0 = choose the split of H, else at most this (checks) */
     int small_layout;          /* layout_small where S <= 32 (KCU_DEC_SMALL_LAYOUT, default 1) */
     dec_offs go;
+    /* the fan-out (kcu_decode_local): tiles of experts [e_lo, e_hi) of the
+     * layout only, whose weights are w13's rows from e_lo on (e_hi 0: all) */
+    int e_lo, e_hi;
 };
 
 struct dn_params {
@@ -157,6 +160,10 @@ struct dn_params {
     const uint32_t *span_in;
     uint32_t *span_out;
     int span_words;
+    /* the fan-out (kcu_decode_local): experts [e_lo, e_hi) of the layout
+     * only (w2 from e_lo on), their rows out at their sorted rows (e_hi 0:
+     * all) */
+    int e_lo, e_hi;
 };
 
 /* ---- device helpers ---- */
@@ -287,6 +294,26 @@ __device__ void build_active(const int *off, int E, int *act_e, int *act_off, in
     }
     if (lane == 31)
         *na = total;
+}
+
+/* thread 0: the active list cut to experts [e_lo, e_hi) (the fan-out's:
+ * this rank's experts of a layout of every expert), order kept; the caller
+ * synchronises */
+__device__ void keep_range(int e_lo, int e_hi, int *act_e, int *act_off, int *act_n, int *na)
+{
+    if (threadIdx.x != 0)
+        return;
+    int k = 0;
+    for (int a = 0; a < *na; a++) {
+        const int e = act_e[a];
+        if (e >= e_lo && e < e_hi) {
+            act_e[k] = e;
+            act_off[k] = act_off[a];
+            act_n[k] = act_n[a];
+            k++;
+        }
+    }
+    *na = k;
 }
 
 /* warp 0: off[e] = exclusive scan of cnt[e] (E <= 256), off[E] = total */
@@ -820,6 +847,10 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
             build_active(sm.off, p.E, sm.act_e, sm.act_off, sm.act_n, &sm.na);
         __syncthreads();
     }
+    if (p.e_hi > 0) {
+        keep_range(p.e_lo, p.e_hi, sm.act_e, sm.act_off, sm.act_n, &sm.na);
+        __syncthreads();
+    }
     const int na = sm.na, H = p.H, F = p.F;
     const int tpe = p.N1 / 16, tiles = na * tpe, nkb = H / 32;
     /* split of H over KS warps: the fewest waves per unit of work, a small
@@ -861,7 +892,7 @@ __global__ void __launch_bounds__(UP_NT, 2) k_dec_up(const __grid_constant__ up_
                     mpass = max(mpass, KCU_CEIL_DIV(sm.act_n[tq / tpe], TP));
             }
         }
-        const bf16 *wrow = p.w13 + ((size_t)e * p.N1 + (size_t)j * 16 + g) * H;
+        const bf16 *wrow = p.w13 + ((size_t)(e - p.e_lo) * p.N1 + (size_t)j * 16 + g) * H;
         for (int pass = 0; pass < mpass; pass++) {
             float acc[NB][4];
 #pragma unroll
@@ -945,7 +976,13 @@ __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ d
     if (warp == 0)
         build_active(off, p.E, act_e, act_off, act_n, &na_s);
     __syncthreads();
+    if (p.e_hi > 0) {
+        keep_range(p.e_lo, p.e_hi, act_e, act_off, act_n, &na_s);
+        __syncthreads();
+    }
     const int na = na_s, nrows = off[p.E], H = p.H, F = p.F, nkb = F / 32, TP = 8 * NB;
+    /* the rows written out: all, or the fan-out's experts' */
+    const int r_lo = p.e_hi > 0 ? off[p.e_lo] : 0, r_hi = p.e_hi > 0 ? off[p.e_hi] : nrows;
     int KS = 1;
     {
         float best = 0.f;
@@ -969,7 +1006,7 @@ __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ d
             const int a = it / KS, pp = it - a * KS;
             const int e = act_e[a], o = act_off[a], n = act_n[a];
             const int kb0 = pp * nkb / KS, kb1 = (pp + 1) * nkb / KS;
-            const bf16 *wrow = p.w2 + ((size_t)e * H + n0 + g) * F;
+            const bf16 *wrow = p.w2 + ((size_t)(e - p.e_lo) * H + n0 + g) * F;
             float *dst = KS > 1 ? part + (size_t)pp * nrows * DN_COLS : ys;
             for (int pass = 0; pass * TP < n; pass++) {
                 const int ntok = min(TP, n - pass * TP);
@@ -1034,8 +1071,8 @@ __global__ void __launch_bounds__(DN_NT, 1) k_dec_down(const __grid_constant__ d
                 else
                     ((bf16 *)p.out)[oi] = __float2bfloat16_rn(acc);
             }
-        } else { /* rows out (experts object) */
-            for (int i = tid; i < nrows * DN_COLS; i += DN_NT) {
+        } else { /* rows out (experts object; the fan-out's experts) */
+            for (int i = r_lo * DN_COLS + tid; i < r_hi * DN_COLS; i += DN_NT) {
                 const int r = i / DN_COLS, cc = i % DN_COLS;
                 const size_t oi = (size_t)r * H + n0 + cc;
                 if (p.out_f32)
@@ -1552,6 +1589,44 @@ moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const 
     dn_params dp = dn_ffn(x->h, x->w2, x->H, x->F, x->ne, y, y_dtype);
     dp.go = up.go;
     KCU_TRY(launch_down(dp, mx, N, x->nsm, st));
+    kcu_decode_calls++;
+    return MOE_OK;
+}
+
+int kcu_decode_local_use(const kcu_layer *l, int T)
+{
+    return !kcu_route_family(l) && l->c.capacity_factor <= 0.0f && kcu_decode_use(l, T, 0);
+}
+
+moe_err kcu_decode_local(kcu_layer *l, const kcu_experts *x, int e_lo, int T, const bf16 *xb,
+                         bf16 *h, void *rows, cudaStream_t st)
+{
+    const kcu_config *c = &l->c;
+    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    if (x->H != H || x->F != F || e_lo < 0 || e_lo + x->ne > E)
+        return MOE_EINVAL;
+    /* as kcu_decode_forward, dropless; at most 32 slots: the up CTAs route */
+    const rt_params rp = router_params(l, T, xb, INT_MAX, S > 32 || !dec_small_layout());
+    int nrt = 0;
+    KCU_TRY(launch_router(rp, l->nsm, st, &nrt));
+    up_params up = layout_params(l, T, INT_MAX, nrt);
+    up_ffn(up, xb, x->w13, x->N1, H, F, c->act, h);
+    if (!rp.topk) {
+        up.logits = l->logits;
+        up.Ep = l->Ep;
+        up.renorm = c->renorm;
+        up.probs = l->probs;
+        up.lse = l->lse;
+        up.topk_w = l->topk_w;
+    }
+    up.e_lo = e_lo;
+    up.e_hi = e_lo + x->ne;
+    KCU_TRY(launch_up(up, T, l->nsm, st));
+    dn_params dp = dn_ffn(h, x->w2, H, F, E, rows, MOE_BF16);
+    dp.offs = l->offs; /* written by the up kernel's last CTA; no spos: rows out */
+    dp.e_lo = e_lo;
+    dp.e_hi = e_lo + x->ne;
+    KCU_TRY(launch_down(dp, T, S, l->nsm, st));
     kcu_decode_calls++;
     return MOE_OK;
 }

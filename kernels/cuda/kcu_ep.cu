@@ -210,6 +210,8 @@ struct kcu_ep {
      * topk_w, perm and the shared gate's logits, grown on demand */
     void *loc_h, *loc_d; /* loc_d: its device-visible address (mapped) */
     size_t loc_bytes;
+    bf16 *loc_hd; /* (S,F) the decode chain's h (kcu_decode_local), grown on demand */
+    size_t loc_hd_bytes;
     ep_ce_slots cs_; /* the last CE forward's padded slots */
 };
 
@@ -266,23 +268,20 @@ __global__ void k_ep_local_rows(const bf16 *__restrict__ x, const int32_t *__res
         d[i] = src[i];
 }
 
-/* the fan-out forward's routing out to the host's mapped mirror, one
- * launch for four copies: counts (E), perm (S), topk_w (S), statpart
- * (nstat floats) */
-__global__ void k_ep_local_out(const int32_t *__restrict__ counts, const int32_t *__restrict__ perm,
-                               const float *__restrict__ topk_w, const float *__restrict__ stat,
-                               int E, int S, int nstat, int32_t *cnt_o, int32_t *perm_o, float *w_o,
-                               float *stat_o)
+/* the fan-out forward's copies into the host's mapped mirror in one
+ * launch: up to five arrays of 32-bit words */
+struct ep_copies {
+    const uint32_t *src[5];
+    uint32_t *dst[5];
+    int n[5];
+};
+
+__global__ void k_ep_copies(const __grid_constant__ ep_copies c)
 {
     const int i0 = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
-    for (int i = i0; i < E; i += step)
-        cnt_o[i] = counts[i];
-    for (int i = i0; i < S; i += step) {
-        perm_o[i] = perm[i];
-        w_o[i] = topk_w[i];
-    }
-    for (int i = i0; i < nstat; i += step)
-        stat_o[i] = stat[i];
+    for (int k = 0; k < 5; k++)
+        for (int i = i0; i < c.n[k]; i += step)
+            c.dst[k][i] = c.src[k][i];
 }
 
 /* one warp per sorted row r: xsend[dest] = x[tok[r]], sendpos[slot] = dest */
@@ -2273,6 +2272,8 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
         cudaFreeHost(ep->agree_h);
     if (ep->loc_h)
         cudaFreeHost(ep->loc_h);
+    if (ep->loc_hd)
+        cudaFree(ep->loc_hd);
     cudaEvent_t evs[] = {ep->ev_a, ep->ev_cnt, ep->ev_done};
     for (auto e : evs)
         if (e)
@@ -2732,6 +2733,31 @@ static moe_err loc_reserve(kcu_ep *ep, size_t need)
     return MOE_OK;
 }
 
+/* the routing of a fan-out forward into the mapped mirror db: counts (E),
+ * perm and topk_w (S), then a (na words) and b (nb words) one after the
+ * other from o_stat */
+static moe_err loc_copies(kcu_ep *ep, char *db, size_t o_cnt, size_t o_perm, size_t o_w,
+                          size_t o_stat, size_t S, const void *a, size_t na, const void *b,
+                          size_t nb, cudaStream_t st)
+{
+    ep_copies c;
+    memset(&c, 0, sizeof(c));
+    const void *src[5] = {ep->R.counts, ep->R.perm, ep->R.topk_w, a, b};
+    char *dst[5] = {db + o_cnt, db + o_perm, db + o_w, db + o_stat, db + o_stat + na * 4};
+    const size_t n[5] = {(size_t)ep->c.E, S, S, na, nb};
+    size_t most = 0;
+    for (int k = 0; k < 5; k++) {
+        c.src[k] = (const uint32_t *)src[k];
+        c.dst[k] = (uint32_t *)dst[k];
+        c.n[k] = src[k] ? (int)n[k] : 0;
+        most = std::max(most, n[k]);
+    }
+    const int grid = std::max(1, (int)std::min<size_t>(KCU_CEIL_DIV(most, (size_t)256), 32));
+    k_ep_copies<<<grid, 256, 0, st>>>(c);
+    KCU_CHECK_LAUNCH();
+    return MOE_OK;
+}
+
 /* KCU_LOCAL_TRACE=N: every N fan-out forwards, stderr gets the mean host
  * time of each step of kcu_ep_forward_local (us; where its time goes) */
 static struct {
@@ -2769,6 +2795,75 @@ static void loc_close()
     }
     fprintf(stderr, "\n");
     loc_tr.n = 0;
+}
+
+/* the fan-out forward through the decode chain (kcu_decode_local): the
+ * expert rows land at their sorted rows of the mirror's o_ye part, the
+ * routing (counts, perm, weights, probs, lse) in its other parts; one
+ * synchronisation */
+static moe_err local_chain(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, kcu_ep_local *out,
+                           char *hb, char *db, size_t o_cnt, size_t o_perm, size_t o_w,
+                           size_t o_stat, size_t o_ye, cudaStream_t st, double t_last)
+{
+    const int H = ep->c.H, F = ep->c.F, E = ep->c.E, K = ep->c.K;
+    const size_t S = (size_t)T * K;
+    if (S * F * 2 > ep->loc_hd_bytes) {
+        if (ep->loc_hd)
+            cudaFree(ep->loc_hd);
+        ep->loc_hd = nullptr;
+        ep->loc_hd_bytes = 0;
+        KCU_CHECK(cudaMalloc((void **)&ep->loc_hd, S * F * 2));
+        ep->loc_hd_bytes = S * F * 2;
+    }
+    ep->stat_rows = 0; /* kcu_ep_stats: the sums are this call's (out) */
+    if (x_mapped) {
+        /* rows in the mapped mirror: the up kernel reads x once per weight
+         * tile, over PCIe that would cost more than the chain saves (x
+         * read in place: 105 us a T=1 chain on an H200, against 67 for two
+         * steps) - one copy kernel first */
+        ep_copies c;
+        memset(&c, 0, sizeof(c));
+        c.src[0] = (const uint32_t *)xb;
+        c.dst[0] = (uint32_t *)ep->R.xs;
+        c.n[0] = (int)((size_t)T * H / 2);
+        const int grid = (int)std::min<size_t>(KCU_CEIL_DIV((size_t)c.n[0], (size_t)256), 32);
+        k_ep_copies<<<grid, 256, 0, st>>>(c);
+        KCU_CHECK_LAUNCH();
+        xb = ep->R.xs;
+    }
+    KCU_TRY(kcu_decode_local(&ep->R, ep->ex, ep->first, T, xb, ep->loc_hd, db + o_ye, st));
+    loc_stamp(1, &t_last);
+    KCU_TRY(loc_copies(ep, db, o_cnt, o_perm, o_w, o_stat, S, ep->R.probs, (size_t)T * E, ep->R.lse,
+                       (size_t)T, st));
+    loc_stamp(2, &t_last);
+    KCU_CHECK(cudaStreamSynchronize(st));
+    loc_stamp(3, &t_last);
+    const int32_t *cnt_h = (const int32_t *)(hb + o_cnt), *perm_h = (const int32_t *)(hb + o_perm);
+    const float *w_h = (const float *)(hb + o_w), *probs_h = (const float *)(hb + o_stat);
+    const float *lse_h = probs_h + (size_t)T * E;
+    int64_t off0 = 0, n = 0;
+    for (int e = 0; e < ep->first; e++)
+        off0 += cnt_h[e];
+    for (int e = ep->first; e < ep->first + ep->ne; e++)
+        n += cnt_h[e];
+    memcpy(out->counts, cnt_h, (size_t)E * 4);
+    memcpy(out->topk_w, w_h, S * 4);
+    memcpy(out->slots, perm_h + off0, (size_t)n * 4);
+    memcpy(out->ye, hb + o_ye + (size_t)off0 * H * 2, (size_t)n * H * 2);
+    out->n = n;
+    if (out->probs_sum)
+        for (int e = 0; e < E; e++) {
+            double sum = 0;
+            for (int t = 0; t < T; t++)
+                sum += probs_h[(size_t)t * E + e];
+            out->probs_sum[e] = sum;
+        }
+    out->z_sum = 0;
+    for (int t = 0; t < T; t++)
+        out->z_sum += (double)lse_h[t] * lse_h[t];
+    loc_stamp(7, &t_last);
+    loc_close();
+    return MOE_OK;
 }
 
 extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype,
@@ -2814,7 +2909,16 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
         const char *v = getenv("KCU_LOCAL_MAPPED_X");
         mx_on = v && *v ? atoi(v) != 0 : 1;
     }
-    const int mapped_x = mx_on && host_x && db && kcu_route_small_use(&ep->R, T, 0);
+    static int chain_on = -1; /* KCU_LOCAL_CHAIN=0: the two-step path below */
+    if (chain_on < 0) {
+        const char *v = getenv("KCU_LOCAL_CHAIN");
+        chain_on = v && *v ? atoi(v) != 0 : 1;
+    }
+    /* the decode chain: router, up and down of this rank's experts, then the
+     * copies, one synchronisation (plain softmax top-k, a decode batch) */
+    const int chain =
+        chain_on && db && shn == 0 && (!host_x || mx_on) && kcu_decode_local_use(&ep->R, T);
+    const int mapped_x = mx_on && host_x && db && (chain || kcu_route_small_use(&ep->R, T, 0));
     if (host_x) {
         uint16_t *xh = (uint16_t *)(hb + o_x);
         const size_t nx = (size_t)T * H;
@@ -2837,18 +2941,17 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
         KCU_TRY(kcu_to_bf16(x, x_dtype, ep->R.xs, (size_t)T * H, st));
     }
     loc_stamp(0, &t_last);
+    if (chain)
+        return local_chain(ep, T, xb, mapped_x, out, hb, db, o_cnt, o_perm, o_w, o_stat, o_ye, st,
+                           t_last);
     KCU_TRY(ep_route(ep, T, xb, 0, st));
     loc_stamp(1, &t_last);
     /* counts, slots, weights, statistics and the shared gate's logits to
      * the host: one synchronisation */
     const size_t nrows = (size_t)ep->stat_rows, nst = nrows * (E + 1);
     if (db) {
-        const int nb = (int)std::min<size_t>(KCU_CEIL_DIV(std::max(S, nst), (size_t)256), 32);
-        k_ep_local_out<<<nb, 256, 0, st>>>(ep->R.counts, ep->R.perm, ep->R.topk_w, ep->R.statpart,
-                                           E, (int)S, (int)nst, (int32_t *)(db + o_cnt),
-                                           (int32_t *)(db + o_perm), (float *)(db + o_w),
-                                           (float *)(db + o_stat));
-        KCU_CHECK_LAUNCH();
+        KCU_TRY(
+            loc_copies(ep, db, o_cnt, o_perm, o_w, o_stat, S, ep->R.statpart, nst, nullptr, 0, st));
     } else {
         KCU_CHECK(cudaMemcpyAsync(cnt_h, ep->R.counts, (size_t)E * 4, cudaMemcpyDeviceToHost, st));
         KCU_CHECK(cudaMemcpyAsync(perm_h, ep->R.perm, S * 4, cudaMemcpyDeviceToHost, st));

@@ -577,6 +577,21 @@ int kcu_route_small_use(const kcu_layer *l, int T, int train);
 moe_err kcu_route_small(kcu_layer *l, int T, const bf16 *xb, int cap, int *stat_rows,
                         cudaStream_t st);
 int kcu_decode_use_experts(const kcu_experts *x, int N, const int32_t *counts, int keep);
+/* kcu_decode_local_use: whether the fan-out's chain (kcu_decode_local) takes
+ * an inference forward of T tokens on the router view l (plain softmax
+ * top-k, dropless, the decode path's sizes) */
+int kcu_decode_local_use(const kcu_layer *l, int T);
+/* kcu_decode_local: the fan-out's decode chain (kcu_ep_forward_local) on
+ * the router view l of all E experts and the experts x, which are experts
+ * [e_lo, e_lo + x->ne) of the layer: the router and the layout of the T
+ * tokens of xb (T,H) bf16 (device-visible; the layout, weights, probs and
+ * lse land in l as kcu_decode_forward leaves them), the up and down
+ * projections of x's experts only, their rows written as bf16 at their
+ * sorted rows of rows (S,H) (device-visible; other rows untouched); h
+ * (S,F) bf16 device workspace. Three kernels chained with PDL, nothing
+ * waited for. */
+moe_err kcu_decode_local(kcu_layer *l, const kcu_experts *x, int e_lo, int T, const bf16 *xb,
+                         bf16 *h, void *rows, cudaStream_t st);
 /* y (N,H) device of y_dtype from the bf16 device rows xb grouped by counts */
 moe_err kcu_decode_experts_forward(kcu_experts *x, int N, const bf16 *xb, const int32_t *counts,
                                    void *y, moe_dtype y_dtype, cudaStream_t st);
