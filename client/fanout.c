@@ -288,7 +288,8 @@ out:
 }
 
 /* dropped_of adds the "dropped" array of an encoded stats map into sum
- * (growing *E on first sight); 0, or -1 when malformed */
+ * (growing *E on first sight; sum NULL: only its length into *E); 0, or -1
+ * when malformed */
 static int dropped_of(const uint8_t *stats, size_t len, int64_t *sum, uint32_t cap, uint32_t *E)
 {
     mp_reader r;
@@ -313,31 +314,9 @@ static int dropped_of(const uint8_t *stats, size_t len, int64_t *sum, uint32_t c
             int64_t v;
             if (mp_read_i64(&r, &v, NULL) != MOE_OK)
                 return -1;
-            sum[e] += v;
+            if (sum)
+                sum[e] += v;
         }
-    }
-    return 0;
-}
-
-/* dropped_len: the length of the "dropped" array of an encoded stats map
- * (0 when it has none); 0, or -1 when malformed */
-static int dropped_len(const uint8_t *stats, size_t len, uint32_t *m)
-{
-    mp_reader r;
-    uint32_t n;
-    *m = 0;
-    mp_reader_init(&r, stats, len);
-    if (mp_read_map(&r, &n, NULL) != MOE_OK)
-        return -1;
-    for (uint32_t i = 0; i < n; i++) {
-        const char *k;
-        uint32_t kl;
-        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK)
-            return -1;
-        if (mp_str_eq(k, kl, "dropped"))
-            return mp_read_array(&r, m, NULL) == MOE_OK ? 0 : -1;
-        if (mp_skip(&r, NULL) != MOE_OK)
-            return -1;
     }
     return 0;
 }
@@ -353,7 +332,7 @@ int moe_fanout_stats(const moe_fanout_part *parts, int W, mp_writer *w)
     /* sum (E): sized by rank 0's own "dropped" (a fresh 512 KB of zeroes
      * per call cost a decode step tens of microseconds) */
     uint32_t E = 0;
-    if (dropped_len(p0->stats, p0->stats_len, &E) != 0 || E > (1u << 16))
+    if (dropped_of(p0->stats, p0->stats_len, NULL, 1u << 16, &E) != 0)
         return -1;
     int64_t *sum = calloc(E ? E : 1, sizeof(int64_t));
     const uint32_t cap = E;

@@ -1522,20 +1522,19 @@ moe_err decode_forward_family(kcu_layer *l, int T, const bf16 *xb, int cap, void
 
 } // namespace
 
-moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
-                           cudaStream_t st)
+/* router_up: the softmax path's first two kernels - the router (at
+ * most 32 slots: logits only, the up CTAs route, no grid barrier on the
+ * path), then the up projection over w13 (N1 rows per expert) of the
+ * experts [e_lo, e_hi) of the layout (e_hi 0: all) into h */
+static moe_err router_up(kcu_layer *l, int T, const bf16 *xb, int cap, const bf16 *w13, int N1,
+                         bf16 *h, int e_lo, int e_hi, cudaStream_t st)
 {
-    if (kcu_route_family(l)) /* a host branch: the softmax path below is unchanged */
-        return decode_forward_family(l, T, xb, cap, y, y_dtype, st);
     const kcu_config *c = &l->c;
-    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
-    /* at most 32 slots: the up CTAs route (no grid barrier on the path) */
-    const rt_params rp = router_params(l, T, xb, cap, S > 32 || !dec_small_layout());
+    const rt_params rp = router_params(l, T, xb, cap, T * c->K > 32 || !dec_small_layout());
     int nrt = 0;
     KCU_TRY(launch_router(rp, l->nsm, st, &nrt));
-
     up_params up = layout_params(l, T, cap, nrt);
-    up_ffn(up, xb, l->w13, l->N1, H, F, c->act, l->h);
+    up_ffn(up, xb, w13, N1, c->H, c->F, c->act, h);
     if (!rp.topk) {
         up.logits = l->logits;
         up.Ep = l->Ep;
@@ -1544,9 +1543,20 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
         up.lse = l->lse;
         up.topk_w = l->topk_w;
     }
-    const int rows = T < cap ? T : cap; /* rows per expert at most */
-    KCU_TRY(launch_up(up, rows, l->nsm, st));
+    up.e_lo = e_lo;
+    up.e_hi = e_hi;
+    return launch_up(up, T < cap ? T : cap, l->nsm, st); /* rows per expert at most */
+}
 
+moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y, moe_dtype y_dtype,
+                           cudaStream_t st)
+{
+    if (kcu_route_family(l)) /* a host branch: the softmax path below is unchanged */
+        return decode_forward_family(l, T, xb, cap, y, y_dtype, st);
+    const kcu_config *c = &l->c;
+    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    KCU_TRY(router_up(l, T, xb, cap, l->w13, l->N1, l->h, 0, 0, st));
+    const int rows = T < cap ? T : cap; /* rows per expert at most */
     dn_params dp = dn_ffn(l->h, l->w2, H, F, E, y, y_dtype);
     dp.offs = l->offs;
     dp.spos = l->spos;
@@ -1602,26 +1612,11 @@ moe_err kcu_decode_local(kcu_layer *l, const kcu_experts *x, int e_lo, int T, co
                          bf16 *h, void *rows, cudaStream_t st)
 {
     const kcu_config *c = &l->c;
-    const int H = c->H, F = c->F, E = c->E, K = c->K, S = T * K;
+    const int H = c->H, F = c->F, E = c->E, S = T * c->K;
     if (x->H != H || x->F != F || e_lo < 0 || e_lo + x->ne > E)
         return MOE_EINVAL;
-    /* as kcu_decode_forward, dropless; at most 32 slots: the up CTAs route */
-    const rt_params rp = router_params(l, T, xb, INT_MAX, S > 32 || !dec_small_layout());
-    int nrt = 0;
-    KCU_TRY(launch_router(rp, l->nsm, st, &nrt));
-    up_params up = layout_params(l, T, INT_MAX, nrt);
-    up_ffn(up, xb, x->w13, x->N1, H, F, c->act, h);
-    if (!rp.topk) {
-        up.logits = l->logits;
-        up.Ep = l->Ep;
-        up.renorm = c->renorm;
-        up.probs = l->probs;
-        up.lse = l->lse;
-        up.topk_w = l->topk_w;
-    }
-    up.e_lo = e_lo;
-    up.e_hi = e_lo + x->ne;
-    KCU_TRY(launch_up(up, T, l->nsm, st));
+    /* as kcu_decode_forward, dropless, over x's experts only */
+    KCU_TRY(router_up(l, T, xb, INT_MAX, x->w13, x->N1, h, e_lo, e_lo + x->ne, st));
     dn_params dp = dn_ffn(h, x->w2, H, F, E, rows, MOE_BF16);
     dp.offs = l->offs; /* written by the up kernel's last CTA; no spos: rows out */
     dp.e_lo = e_lo;
