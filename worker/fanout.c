@@ -221,6 +221,18 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
         kern_bf16_round_n(st->x, (size_t)T * H);
     dp_batch_refuse_nonfinite(batch, st->x, H);
 
+    if (gops && gops->fanout && T > w->gpu_max_tokens) {
+        /* more rows than the device layer holds ($MOE_FANOUT_ROWS raised
+         * past --gpu-max-tokens): the client takes the ordered road for
+         * this call (it retries a lane or fan-out forward answered
+         * not_found there), where the rows are split over the workers */
+        e = MOE_ENOTFOUND;
+        snprintf(err, sizeof(err),
+                 "a fan-out of %d rows exceeds this GPU worker's --gpu-max-tokens=%lld: the "
+                 "ordered road takes it",
+                 T, w->gpu_max_tokens);
+        goto fail_msg;
+    }
     if (gops && gops->fanout) { /* routing and experts on the device */
         double ph[4] = {0, 0, 0, 0};
         o.counts = wpool_calloc((size_t)E, sizeof(int32_t));
