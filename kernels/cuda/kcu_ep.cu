@@ -129,6 +129,8 @@ struct ep_ce_shared {
                          * the one that set up, else the next to take the CE path */
 };
 
+enum { EP_LOC_GRAPHS = 16 }; /* the fan-out's decode chains kept as graphs: T = 1..16 */
+
 struct kcu_ep {
     kcu_ep_config c;
     ncclComm_t comm; /* borrowed */
@@ -212,6 +214,16 @@ struct kcu_ep {
     size_t loc_bytes;
     bf16 *loc_hd; /* (S,F) the decode chain's h (kcu_decode_local), grown on demand */
     size_t loc_hd_bytes;
+    /* the decode chain as a CUDA graph per T <= EP_LOC_GRAPHS (KCU_LOCAL_GRAPH):
+     * captured on loc_st at a T's second call, valid while loc_gen (bumped
+     * when the mirror or loc_hd move) is the one it was captured under */
+    cudaStream_t loc_st;
+    unsigned loc_gen;
+    struct {
+        cudaGraphExec_t exec;
+        unsigned gen;
+        int calls, bad;
+    } loc_g[EP_LOC_GRAPHS + 1];
     ep_ce_slots cs_; /* the last CE forward's padded slots */
 };
 
@@ -2274,6 +2286,11 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
         cudaFreeHost(ep->loc_h);
     if (ep->loc_hd)
         cudaFree(ep->loc_hd);
+    for (int t = 0; t <= EP_LOC_GRAPHS; t++)
+        if (ep->loc_g[t].exec)
+            cudaGraphExecDestroy(ep->loc_g[t].exec);
+    if (ep->loc_st)
+        cudaStreamDestroy(ep->loc_st);
     cudaEvent_t evs[] = {ep->ev_a, ep->ev_cnt, ep->ev_done};
     for (auto e : evs)
         if (e)
@@ -2726,6 +2743,7 @@ static moe_err loc_reserve(kcu_ep *ep, size_t need)
     ep->loc_bytes = 0;
     KCU_CHECK(cudaMallocHost(&ep->loc_h, need));
     ep->loc_bytes = need;
+    ep->loc_gen++; /* the graphs name the old mirror */
     if (cudaHostGetDevicePointer(&ep->loc_d, ep->loc_h, 0) != cudaSuccess) {
         (void)cudaGetLastError();
         ep->loc_d = nullptr; /* not mapped: the copies go through the copy engines */
@@ -2797,6 +2815,90 @@ static void loc_close()
     loc_tr.n = 0;
 }
 
+/* the decode chain's work on st: x from the mapped mirror to the device
+ * (x_mapped), the chain, the copies of the routing into the mirror; off:
+ * the mirror's counts, perm, weights, statistics and rows parts */
+static moe_err chain_enqueue(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, char *db,
+                             const size_t off[5], cudaStream_t st)
+{
+    const int H = ep->c.H, E = ep->c.E;
+    if (x_mapped) {
+        /* rows in the mapped mirror: the up kernel reads x once per weight
+         * tile, over PCIe that would cost more than the chain saves (x
+         * read in place: 105 us a T=1 chain on an H200, against 67 for two
+         * steps) - one copy kernel first */
+        ep_copies c;
+        memset(&c, 0, sizeof(c));
+        c.src[0] = (const uint32_t *)xb;
+        c.dst[0] = (uint32_t *)ep->R.xs;
+        c.n[0] = (int)((size_t)T * H / 2);
+        const int grid = (int)std::min<size_t>(KCU_CEIL_DIV((size_t)c.n[0], (size_t)256), 32);
+        k_ep_copies<<<grid, 256, 0, st>>>(c);
+        KCU_CHECK_LAUNCH();
+        xb = ep->R.xs;
+    }
+    KCU_TRY(kcu_decode_local(&ep->R, ep->ex, ep->first, T, xb, ep->loc_hd, db + off[4], st));
+    return loc_copies(ep, db, off[0], off[1], off[2], off[3], (size_t)T * ep->c.K, ep->R.probs,
+                      (size_t)T * E, ep->R.lse, (size_t)T, st);
+}
+
+/* KCU_LOCAL_GRAPH=0: the chain launched kernel by kernel every call */
+static int loc_graph_on()
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("KCU_LOCAL_GRAPH");
+        on = v && *v ? atoi(v) != 0 : 1;
+    }
+    return on;
+}
+
+/* the chain of T rows from the mapped mirror as one graph launch on
+ * ep->loc_st (four kernel launches cost ~20 us of host time before the
+ * device starts; a graph launch one). A T's first call runs uncaptured
+ * (the kernels' one-time set-up, e.g. shared memory limits, stays out of
+ * the capture), its second is captured; a capture that fails leaves that T
+ * uncaptured for good. */
+static moe_err chain_graph(kcu_ep *ep, int T, const bf16 *xb, char *db, const size_t off[5])
+{
+    if (!ep->loc_st)
+        KCU_CHECK(cudaStreamCreateWithFlags(&ep->loc_st, cudaStreamNonBlocking));
+    auto &g = ep->loc_g[T];
+    if (g.exec && g.gen == ep->loc_gen) {
+        KCU_CHECK(cudaGraphLaunch(g.exec, ep->loc_st));
+        return MOE_OK;
+    }
+    if (g.exec) {
+        cudaGraphExecDestroy(g.exec);
+        g.exec = nullptr;
+    }
+    if (g.bad || g.calls++ < 1)
+        return chain_enqueue(ep, T, xb, 1, db, off, ep->loc_st);
+    cudaGraph_t graph = nullptr;
+    cudaError_t ce = cudaStreamBeginCapture(ep->loc_st, cudaStreamCaptureModeThreadLocal);
+    moe_err e =
+        ce == cudaSuccess ? chain_enqueue(ep, T, xb, 1, db, off, ep->loc_st) : MOE_EINTERNAL;
+    if (ce == cudaSuccess)
+        ce = cudaStreamEndCapture(ep->loc_st, &graph);
+    if (e == MOE_OK && ce == cudaSuccess && graph)
+        ce = cudaGraphInstantiate(&g.exec, graph, 0);
+    if (graph)
+        cudaGraphDestroy(graph);
+    if (e != MOE_OK || ce != cudaSuccess || !g.exec) {
+        (void)cudaGetLastError();
+        fprintf(stderr,
+                "kcu_ep_forward_local: the chain of %d rows cannot be a graph (%s, %d); "
+                "it runs kernel by kernel\n",
+                T, cudaGetErrorString(ce), (int)e);
+        g.bad = 1;
+        g.exec = nullptr;
+        return chain_enqueue(ep, T, xb, 1, db, off, ep->loc_st);
+    }
+    g.gen = ep->loc_gen;
+    KCU_CHECK(cudaGraphLaunch(g.exec, ep->loc_st));
+    return MOE_OK;
+}
+
 /* the fan-out forward through the decode chain (kcu_decode_local): the
  * expert rows land at their sorted rows of the mirror's o_ye part, the
  * routing (counts, perm, weights, probs, lse) in its other parts; one
@@ -2814,29 +2916,19 @@ static moe_err local_chain(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, kcu_
         ep->loc_hd_bytes = 0;
         KCU_CHECK(cudaMalloc((void **)&ep->loc_hd, S * F * 2));
         ep->loc_hd_bytes = S * F * 2;
+        ep->loc_gen++;
     }
     ep->stat_rows = 0; /* kcu_ep_stats: the sums are this call's (out) */
-    if (x_mapped) {
-        /* rows in the mapped mirror: the up kernel reads x once per weight
-         * tile, over PCIe that would cost more than the chain saves (x
-         * read in place: 105 us a T=1 chain on an H200, against 67 for two
-         * steps) - one copy kernel first */
-        ep_copies c;
-        memset(&c, 0, sizeof(c));
-        c.src[0] = (const uint32_t *)xb;
-        c.dst[0] = (uint32_t *)ep->R.xs;
-        c.n[0] = (int)((size_t)T * H / 2);
-        const int grid = (int)std::min<size_t>(KCU_CEIL_DIV((size_t)c.n[0], (size_t)256), 32);
-        k_ep_copies<<<grid, 256, 0, st>>>(c);
-        KCU_CHECK_LAUNCH();
-        xb = ep->R.xs;
+    const size_t off[5] = {o_cnt, o_perm, o_w, o_stat, o_ye};
+    if (x_mapped && T <= EP_LOC_GRAPHS && loc_graph_on()) {
+        KCU_TRY(chain_graph(ep, T, xb, db, off));
+        loc_stamp(1, &t_last);
+        KCU_CHECK(cudaStreamSynchronize(ep->loc_st));
+    } else {
+        KCU_TRY(chain_enqueue(ep, T, xb, x_mapped, db, off, st));
+        loc_stamp(1, &t_last);
+        KCU_CHECK(cudaStreamSynchronize(st));
     }
-    KCU_TRY(kcu_decode_local(&ep->R, ep->ex, ep->first, T, xb, ep->loc_hd, db + o_ye, st));
-    loc_stamp(1, &t_last);
-    KCU_TRY(loc_copies(ep, db, o_cnt, o_perm, o_w, o_stat, S, ep->R.probs, (size_t)T * E, ep->R.lse,
-                       (size_t)T, st));
-    loc_stamp(2, &t_last);
-    KCU_CHECK(cudaStreamSynchronize(st));
     loc_stamp(3, &t_last);
     const int32_t *cnt_h = (const int32_t *)(hb + o_cnt), *perm_h = (const int32_t *)(hb + o_perm);
     const float *w_h = (const float *)(hb + o_w), *probs_h = (const float *)(hb + o_stat);
