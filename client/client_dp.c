@@ -64,7 +64,7 @@ typedef struct dp_map {
     int W;
     int shm;             /* shared memory usable with every worker */
     int lane;            /* one worker that runs inference forwards itself (the lane) */
-    int fanout;          /* several CPU workers that each run small inference forwards */
+    int fanout;          /* several workers (one backend) that each run small inference forwards */
     nng_socket *sock;    /* (W) req0 sockets, one per worker */
     moe_bulk_pool *bulk; /* (W) bulk connections per worker (url "" = it offers none) */
     int *remote;         /* (W) the worker is on another host */
@@ -1393,7 +1393,7 @@ static int64_t fanout_rows(void)
 }
 
 /* dp_fanout: an inference forward of T <= fanout_rows() rows on a cluster
- * of several CPU workers: the same rows to every worker (data.rows with
+ * of several workers: the same rows to every worker (data.rows with
  * run.fanout), each answering the expert rows of its own experts' slots;
  * y is their sum (client/fanout.c). No coordinator, no exchange. */
 /* fo_ring_fits: the largest fan-out answer of (model, layer) for T rows
@@ -2109,7 +2109,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         return dp_nccl(c, m, method, ctl_pairs, ctl_len, nctl, dt, in, T, H, out, ctl, stale,
                        ordered);
     }
-    /* a small inference forward on several CPU workers: fanned out, while
+    /* a small inference forward on several workers: fanned out, while
      * every worker's connection is up (a request to one that is down would
      * wait for it until the call's timeout; the ordered road asks the
      * coordinator, which knows) */

@@ -405,7 +405,7 @@ void coord_on_pipes(uv_async_t *h);
  * worker of the generation (the lane). */
 int coord_lane_open(const coord *c);
 /* coord_fanout_open: clients may send small inference forwards to every
- * worker of the generation at once (fan-out: several CPU workers). */
+ * worker of the generation at once (fan-out: several workers of one backend). */
 int coord_fanout_open(const coord *c);
 void coord_dataplane_info(coord *c, rpc_call *call);
 

@@ -1,5 +1,5 @@
 /*
- * fanout.c - the lane of a cluster of several CPU workers (fan-out;
+ * fanout.c - the lane of a cluster of several workers (fan-out;
  * docs/PROTOCOL.md "Data plane", 6). A client sends the same T rows of an
  * inference forward to every member; each one routes all T tokens (every
  * rank holds the router, and all compute the same routing), runs its own
