@@ -2,7 +2,8 @@
  * test_deploy_scripts.c - the deploy checks written in bash (tests/deploy/,
  * run from the repository root): systemd units and `make install`'s layout,
  * the Kubernetes manifests and the Dockerfile, the Slurm batch script with
- * stub srun / scontrol, and the air-gapped bundle started from a fresh
+ * stub srun / scontrol, the air-gapped bundle started from a fresh
+ * directory, and the local cluster script started twice in one run
  * directory. A script exits 0 (pass), 77 (skipped: a tool it needs is not
  * installed; its last line says which) or anything else (fail: its output is
  * printed).
@@ -73,4 +74,9 @@ Test(deploy_files, slurm_batch_script_with_stub_srun, .timeout = 300)
 Test(deploy_files, bundle_installs_and_runs_from_a_fresh_directory, .timeout = 600)
 {
     check_script("bundle.sh");
+}
+
+Test(deploy_files, local_cluster_restarts_in_one_run_directory, .timeout = 300)
+{
+    check_script("local_cluster.sh");
 }
