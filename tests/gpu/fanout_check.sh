@@ -3,9 +3,10 @@
 # GPUs of this host): through 2 GPU workers, service_bench's forwards of
 # T = 1, 4, 16 (fanned out) and 64 (the ordered road) against the CPU
 # reference, over rings and sockets, once through the decode chain and once
-# through the two-step path (KCU_LOCAL_CHAIN=0); then the routing families
-# (a shared expert: the two-step path) against a CPU worker. Exit 1 on any
-# failure, or when no fan-out forward ran on the workers.
+# through the two-step path (KCU_LOCAL_CHAIN=0); the experts backend (--ep
+# off: routing on the host); then the routing families (a shared expert:
+# the two-step path) against a CPU worker. Exit 1 on any failure, or when
+# no fan-out forward ran on the workers.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
@@ -31,6 +32,21 @@ for ch in 1 0; do
         fail=1
     fi
 done
+# the experts backend (--ep off): the host routes, the GPUs run the experts
+run="$OUT/ep_off"
+rm -rf "$run"
+MOE_WORKER_EP=off MOE_LANE_TRACE=10 MOE_RUN_DIR="$run" timeout 300 deploy/gpu-cluster.sh -w 2 -b cuda \
+    -- sh -c "bin/service_bench --url \$MOE_URL $Q --tokens 1,4,64 --iters 20 --paths shm,socket" \
+    >"$OUT/ep_off.log" 2>&1
+rc=$?
+npass=$(grep -c "PASS" "$OUT/ep_off.log")
+nlane=$(cat "$run"/worker*.log | grep -c "lane trace")
+nexp=$(cat "$run"/worker*.log | grep -c "experts mode")
+echo "fanout_check: --ep off rc $rc, $npass PASS, $(grep -c FAIL "$OUT/ep_off.log") FAIL, $nlane lane trace lines, $nexp workers in experts mode"
+if [ $rc -ne 0 ] || [ "$npass" -lt 3 ] || grep -q FAIL "$OUT/ep_off.log" || [ "$nlane" -lt 2 ] ||
+    [ "$nexp" -lt 2 ]; then
+    fail=1
+fi
 timeout 200 deploy/gpu-cluster.sh -w 1 -b cpu -- python3 python/family_check.py \
     --save "$OUT/famref.npz" >"$OUT/fam_cpu.log" 2>&1 || fail=1
 timeout 200 deploy/gpu-cluster.sh -w 2 -b cuda -- python3 python/family_check.py \
