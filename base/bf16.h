@@ -28,4 +28,10 @@ static inline float bf16_to_f32_inl(uint16_t h)
     return f;
 }
 
+/* bf16_round_inl: f rounded to the nearest bf16 value, as a float */
+static inline float bf16_round_inl(float f)
+{
+    return bf16_to_f32_inl(bf16_from_f32_inl(f));
+}
+
 #endif

@@ -8,6 +8,7 @@
 #include "common/nccl_pieces.h"
 #include "common/parcopy.h"
 #include "common/placement.h"
+#include "common/step_trace.h"
 
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/req.h>
@@ -1480,52 +1481,23 @@ static void fo_write_params(mp_writer *w, const char *auth, uint64_t cid, uint64
     moe_tensor_write_head(w, dt, 2, shape);
 }
 
-/* MOE_FANOUT_TRACE=N: every N fan-out forwards, stderr gets the mean time
- * of each of their steps (us): posting the rows, the answers, reading
- * them, the sum, the statistics. One caller at a time (a decode loop): calls
- * in flight at once mix their stamps. */
-static struct {
-    int every; /* -1: not read */
-    int n;
-    double t[5];
-} fo_tr = {-1, 0, {0}};
-
-static void fo_stamp(int i, double *last)
-{
-    if (fo_tr.every <= 0)
-        return;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    const double now = (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
-    if (i >= 0)
-        fo_tr.t[i] += now - *last;
-    *last = now;
-}
-
-static void fo_close(void)
-{
-    if (fo_tr.every <= 0 || ++fo_tr.n < fo_tr.every)
-        return;
-    static const char *name[5] = {"post", "answers", "read", "sum", "stats"};
-    fprintf(stderr, "libmoe fan-out: mean of %d (us):", fo_tr.n);
-    for (int i = 0; i < 5; i++) {
-        fprintf(stderr, " %s %.1f", name[i], fo_tr.t[i] / fo_tr.n);
-        fo_tr.t[i] = 0;
-    }
-    fprintf(stderr, "\n");
-    fo_tr.n = 0;
-}
+/* MOE_FANOUT_TRACE=N: where a fan-out forward's time goes in libmoe
+ * (common/step_trace.h): posting the rows, the answers, reading them, the
+ * sum, the statistics */
+static step_trace fo_tr = {"MOE_FANOUT_TRACE",
+                           "libmoe fan-out",
+                           5,
+                           {"post", "answers", "read", "sum", "stats"},
+                           -1,
+                           0,
+                           {0}};
 
 static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
                          const void *ctl_pairs, size_t ctl_len, moe_dtype dt, const void *in,
                          int64_t T, int64_t H, void *out, moe_reply *ctl, int *stale)
 {
-    if (fo_tr.every < 0) {
-        const char *v = getenv("MOE_FANOUT_TRACE");
-        fo_tr.every = v && *v ? atoi(v) : 0;
-    }
     double t_last = 0;
-    fo_stamp(-1, &t_last);
+    step_trace_begin(&fo_tr, &t_last);
     const int W = m->W;
     const size_t nbytes = (size_t)T * (size_t)H * moe_dtype_size(dt);
     const uint64_t cid = moe_client_id(c), seq = moe__next_msgid(c);
@@ -1581,7 +1553,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         if (e != MOE_OK)
             bad = q, snprintf(msg, sizeof(msg), "sending rows: %s", moe_strerror(e));
     }
-    fo_stamp(0, &t_last);
+    step_trace_stamp(&fo_tr, 0, &t_last);
     /* 2. every answer (each worker may still be at work until it answered) */
     for (int q = 0; q < W; q++) {
         if (!rq[q].open)
@@ -1590,7 +1562,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         char qm[400];
         moe_err qe =
             req_finish(&rq[q], e != MOE_OK, e != MOE_OK ? DP_GRACE_MS : 0, &resp, qm, sizeof(qm));
-        fo_stamp(1, &t_last);
+        step_trace_stamp(&fo_tr, 1, &t_last);
         watch_del(watch[q]);
         if (qe != MOE_OK && !resp_was_answer(&rq[q]) &&
             __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) <= 0) {
@@ -1601,7 +1573,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
             mp_reader rd = resp.result;
             qe = moe_fanout_read(&rd, &parts[q], qm, sizeof(qm));
         }
-        fo_stamp(2, &t_last);
+        step_trace_stamp(&fo_tr, 2, &t_last);
         if (qe != MOE_OK && e == MOE_OK) {
             e = qe;
             bad = q;
@@ -1618,7 +1590,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
     if (e == MOE_OK &&
         (e = moe_fanout_combine(parts, W, T, H, dt, out, msg, sizeof(msg))) != MOE_OK)
         bad = 0;
-    fo_stamp(3, &t_last);
+    step_trace_stamp(&fo_tr, 3, &t_last);
     if (e == MOE_OK) {
         mp_writer sw;
         mp_writer_init(&sw);
@@ -1626,8 +1598,8 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         e = lane_reply(ctl, st == 0 && !sw.failed ? sw.buf : NULL, sw.len, msg, sizeof(msg));
         mp_writer_fini(&sw);
     }
-    fo_stamp(4, &t_last);
-    fo_close();
+    step_trace_stamp(&fo_tr, 4, &t_last);
+    step_trace_end(&fo_tr);
     for (int q = 0; q < W; q++)
         req_close(&rq[q]);
     free(rq);

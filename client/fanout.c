@@ -137,11 +137,6 @@ static inline float row_at(const uint8_t *row, int bf, size_t i)
     return f;
 }
 
-static inline float round_bf16(float f)
-{
-    return bf16_to_f32_inl(bf16_from_f32_inl(f));
-}
-
 /* yt (H) += w row, each term rounded to bf16 when bf (moe_combine_rows'
  * arithmetic, in one pass over the row as it came: no f32 copy of it).
  * Cloned for the wider vector units (picked at load time): the same
@@ -156,7 +151,7 @@ add_term(float *yt, const uint8_t *row, int bf, float w, size_t H)
 {
     if (bf)
         for (size_t i = 0; i < H; i++)
-            yt[i] += round_bf16(w * row_at(row, 1, i));
+            yt[i] += bf16_round_inl(w * row_at(row, 1, i));
     else
         for (size_t i = 0; i < H; i++)
             yt[i] += w * row_at(row, 0, i);
@@ -264,11 +259,11 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
         }
         if (bf)
             for (int64_t i = 0; i < H; i++)
-                yt[i] = round_bf16(yt[i]);
+                yt[i] = bf16_round_inl(yt[i]);
         if (has_shared)
             for (int64_t i = 0; i < H; i++) {
                 const float sum = yt[i] + row_at(srow[t], bf, (size_t)i);
-                yt[i] = bf ? round_bf16(sum) : sum;
+                yt[i] = bf ? bf16_round_inl(sum) : sum;
             }
         if (dt == MOE_F32) {
             memcpy((float *)out + (size_t)t * H, yt, (size_t)H * sizeof(float));

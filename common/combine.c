@@ -6,11 +6,6 @@
 
 #include "base/bf16.h"
 
-static inline float round_bf16(float f)
-{
-    return bf16_to_f32_inl(bf16_from_f32_inl(f));
-}
-
 void moe_combine_rows(const float *ye, const float *topk_w, const uint8_t *keep, int T, int K,
                       int H, int bf16, float *y)
 {
@@ -27,7 +22,7 @@ void moe_combine_rows(const float *ye, const float *topk_w, const uint8_t *keep,
             const float *ys = ye + s * H;
             if (bf16) {
                 for (int i = 0; i < H; i++)
-                    yt[i] += round_bf16(w * ys[i]);
+                    yt[i] += bf16_round_inl(w * ys[i]);
             } else {
                 for (int i = 0; i < H; i++)
                     yt[i] += w * ys[i];
@@ -35,7 +30,7 @@ void moe_combine_rows(const float *ye, const float *topk_w, const uint8_t *keep,
         }
         if (bf16)
             for (int i = 0; i < H; i++)
-                yt[i] = round_bf16(yt[i]);
+                yt[i] = bf16_round_inl(yt[i]);
     }
 }
 
@@ -43,6 +38,6 @@ void moe_rows_add(float *y, const float *add, size_t n, int bf16)
 {
     for (size_t i = 0; i < n; i++) {
         float sum = y[i] + add[i];
-        y[i] = bf16 ? round_bf16(sum) : sum;
+        y[i] = bf16 ? bf16_round_inl(sum) : sum;
     }
 }

@@ -61,6 +61,8 @@
 #include "kernels/cuda/kcu_ffn.cuh"
 #include "common/ep_env.h"
 #include "common/placement.h"
+#include "common/step_trace.h"
+#include "base/bf16.h"
 
 /* the worker's "give up on this generation" check (kcu_ep.h) */
 extern "C" int (*kcu_ep_abort_hook)(void) = nullptr;
@@ -2732,36 +2734,61 @@ static moe_err local_experts(kcu_ep *ep, const int32_t *cnt, int64_t n, const bf
     return MOE_OK;
 }
 
-/* the pinned host mirror of the fan-out forward (ep->loc_h), grown to need */
+/* the pinned host mirror of the fan-out forward (ep->loc_h), grown to need,
+ * mapped into the device's address space (loc_d: every 64-bit CUDA system
+ * maps page-locked memory; MOE_EINTERNAL where it is not) */
 static moe_err loc_reserve(kcu_ep *ep, size_t need)
 {
     if (need <= ep->loc_bytes)
         return MOE_OK;
     if (ep->loc_h)
         cudaFreeHost(ep->loc_h);
-    ep->loc_h = nullptr;
+    ep->loc_h = ep->loc_d = nullptr;
     ep->loc_bytes = 0;
     KCU_CHECK(cudaMallocHost(&ep->loc_h, need));
     ep->loc_bytes = need;
     ep->loc_gen++; /* the graphs name the old mirror */
-    if (cudaHostGetDevicePointer(&ep->loc_d, ep->loc_h, 0) != cudaSuccess) {
-        (void)cudaGetLastError();
-        ep->loc_d = nullptr; /* not mapped: the copies go through the copy engines */
-    }
+    KCU_CHECK(cudaHostGetDevicePointer(&ep->loc_d, ep->loc_h, 0));
     return MOE_OK;
 }
 
-/* the routing of a fan-out forward into the mapped mirror db: counts (E),
- * perm and topk_w (S), then a (na words) and b (nb words) one after the
- * other from o_stat */
-static moe_err loc_copies(kcu_ep *ep, char *db, size_t o_cnt, size_t o_perm, size_t o_w,
-                          size_t o_stat, size_t S, const void *a, size_t na, const void *b,
-                          size_t nb, cudaStream_t st)
+/* the mirror's parts for a forward of T tokens (byte offsets): x in (bf16);
+ * counts; the slot of each sorted row; the weights; the statistics (the
+ * statpart rows, at most one per router CTA or 256-token block, or probs
+ * then lse); the shared gate's logits; the expert rows out (at their
+ * sorted rows on the chain, from 0 on the two-step path); the shared rows */
+struct loc_parts {
+    size_t x, cnt, perm, w, stat, glog, ye, ys, need;
+};
+
+static loc_parts loc_layout(const kcu_ep *ep, int T, size_t shn)
 {
+    const size_t H = ep->c.H, E = ep->c.E, S = (size_t)T * ep->c.K;
+    const size_t nstat = std::max((size_t)KCU_RT_CTAS, (size_t)KCU_CEIL_DIV(T, 256));
+    loc_parts o;
+    o.x = 0;
+    o.cnt = al((size_t)T * H * 2);
+    o.perm = o.cnt + al(E * 4);
+    o.w = o.perm + al(S * 4);
+    o.stat = o.w + al(S * 4);
+    o.glog = o.stat + al(nstat * (E + 1) * 4);
+    o.ye = o.glog + al(shn * 4);
+    o.ys = o.ye + al(S * H * 2);
+    o.need = o.ys + al(shn * H * 2);
+    return o;
+}
+
+/* the routing of a fan-out forward into the mapped mirror: counts (E),
+ * perm and topk_w (S), then a (na words) and b (nb words) one after the
+ * other from the statistics part */
+static moe_err loc_copies(kcu_ep *ep, const loc_parts &o, size_t S, const void *a, size_t na,
+                          const void *b, size_t nb, cudaStream_t st)
+{
+    char *db = (char *)ep->loc_d;
     ep_copies c;
     memset(&c, 0, sizeof(c));
     const void *src[5] = {ep->R.counts, ep->R.perm, ep->R.topk_w, a, b};
-    char *dst[5] = {db + o_cnt, db + o_perm, db + o_w, db + o_stat, db + o_stat + na * 4};
+    char *dst[5] = {db + o.cnt, db + o.perm, db + o.w, db + o.stat, db + o.stat + na * 4};
     const size_t n[5] = {(size_t)ep->c.E, S, S, na, nb};
     size_t most = 0;
     for (int k = 0; k < 5; k++) {
@@ -2776,70 +2803,36 @@ static moe_err loc_copies(kcu_ep *ep, char *db, size_t o_cnt, size_t o_perm, siz
     return MOE_OK;
 }
 
-/* KCU_LOCAL_TRACE=N: every N fan-out forwards, stderr gets the mean host
- * time of each step of kcu_ep_forward_local (us; where its time goes) */
-static struct {
-    int every; /* -1: not read */
-    int n;
-    double t[8];
-} loc_tr = {-1, 0, {0}};
-
-static double loc_now_us()
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
-}
-
-static void loc_stamp(int i, double *last)
-{
-    if (loc_tr.every <= 0)
-        return;
-    const double now = loc_now_us();
-    loc_tr.t[i] += now - *last;
-    *last = now;
-}
-
-static void loc_close()
-{
-    if (loc_tr.every <= 0 || ++loc_tr.n < loc_tr.every)
-        return;
-    static const char *name[8] = {"x in",    "route", "copies out", "sync 1",
-                                  "experts", "host",  "sync 2",     "rows out"};
-    fprintf(stderr, "kcu_ep_forward_local: mean of %d (us):", loc_tr.n);
-    for (int i = 0; i < 8; i++) {
-        fprintf(stderr, " %s %.1f", name[i], loc_tr.t[i] / loc_tr.n);
-        loc_tr.t[i] = 0;
-    }
-    fprintf(stderr, "\n");
-    loc_tr.n = 0;
-}
+/* KCU_LOCAL_TRACE=N: where a fan-out forward's host time goes
+ * (common/step_trace.h); the chain leaves steps 2 and 4-6 at 0 */
+static step_trace loc_tr = {
+    "KCU_LOCAL_TRACE",
+    "kcu_ep_forward_local",
+    8,
+    {"x in", "route", "copies out", "sync 1", "experts", "host", "sync 2", "rows out"},
+    -1,
+    0,
+    {0}};
 
 /* the decode chain's work on st: x from the mapped mirror to the device
- * (x_mapped), the chain, the copies of the routing into the mirror; off:
- * the mirror's counts, perm, weights, statistics and rows parts */
-static moe_err chain_enqueue(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, char *db,
-                             const size_t off[5], cudaStream_t st)
+ * (read in place over PCIe the up kernel would read it once per weight
+ * tile: 105 us a T=1 chain on an H200, against 67 for the two steps), the
+ * chain, the copies of the routing into the mirror */
+static moe_err chain_enqueue(kcu_ep *ep, int T, const loc_parts &o, cudaStream_t st)
 {
     const int H = ep->c.H, E = ep->c.E;
-    if (x_mapped) {
-        /* rows in the mapped mirror: the up kernel reads x once per weight
-         * tile, over PCIe that would cost more than the chain saves (x
-         * read in place: 105 us a T=1 chain on an H200, against 67 for two
-         * steps) - one copy kernel first */
-        ep_copies c;
-        memset(&c, 0, sizeof(c));
-        c.src[0] = (const uint32_t *)xb;
-        c.dst[0] = (uint32_t *)ep->R.xs;
-        c.n[0] = (int)((size_t)T * H / 2);
-        const int grid = (int)std::min<size_t>(KCU_CEIL_DIV((size_t)c.n[0], (size_t)256), 32);
-        k_ep_copies<<<grid, 256, 0, st>>>(c);
-        KCU_CHECK_LAUNCH();
-        xb = ep->R.xs;
-    }
-    KCU_TRY(kcu_decode_local(&ep->R, ep->ex, ep->first, T, xb, ep->loc_hd, db + off[4], st));
-    return loc_copies(ep, db, off[0], off[1], off[2], off[3], (size_t)T * ep->c.K, ep->R.probs,
-                      (size_t)T * E, ep->R.lse, (size_t)T, st);
+    char *db = (char *)ep->loc_d;
+    ep_copies c;
+    memset(&c, 0, sizeof(c));
+    c.src[0] = (const uint32_t *)(db + o.x);
+    c.dst[0] = (uint32_t *)ep->R.xs;
+    c.n[0] = (int)((size_t)T * H / 2);
+    const int grid = (int)std::min<size_t>(KCU_CEIL_DIV((size_t)c.n[0], (size_t)256), 32);
+    k_ep_copies<<<grid, 256, 0, st>>>(c);
+    KCU_CHECK_LAUNCH();
+    KCU_TRY(kcu_decode_local(&ep->R, ep->ex, ep->first, T, ep->R.xs, ep->loc_hd, db + o.ye, st));
+    return loc_copies(ep, o, (size_t)T * ep->c.K, ep->R.probs, (size_t)T * E, ep->R.lse, (size_t)T,
+                      st);
 }
 
 /* KCU_LOCAL_GRAPH=0: the chain launched kernel by kernel every call */
@@ -2853,13 +2846,12 @@ static int loc_graph_on()
     return on;
 }
 
-/* the chain of T rows from the mapped mirror as one graph launch on
- * ep->loc_st (four kernel launches cost ~20 us of host time before the
- * device starts; a graph launch one). A T's first call runs uncaptured
- * (the kernels' one-time set-up, e.g. shared memory limits, stays out of
- * the capture), its second is captured; a capture that fails leaves that T
- * uncaptured for good. */
-static moe_err chain_graph(kcu_ep *ep, int T, const bf16 *xb, char *db, const size_t off[5])
+/* the chain of T rows as one graph launch on ep->loc_st (four kernel
+ * launches cost ~20 us of host time before the device starts; a graph
+ * launch one). A T's first call runs uncaptured (the kernels' one-time
+ * set-up, e.g. shared memory limits, stays out of the capture), its second
+ * is captured; a capture that fails leaves that T uncaptured for good. */
+static moe_err chain_graph(kcu_ep *ep, int T, const loc_parts &o)
 {
     if (!ep->loc_st)
         KCU_CHECK(cudaStreamCreateWithFlags(&ep->loc_st, cudaStreamNonBlocking));
@@ -2873,11 +2865,10 @@ static moe_err chain_graph(kcu_ep *ep, int T, const bf16 *xb, char *db, const si
         g.exec = nullptr;
     }
     if (g.bad || g.calls++ < 1)
-        return chain_enqueue(ep, T, xb, 1, db, off, ep->loc_st);
+        return chain_enqueue(ep, T, o, ep->loc_st);
     cudaGraph_t graph = nullptr;
     cudaError_t ce = cudaStreamBeginCapture(ep->loc_st, cudaStreamCaptureModeThreadLocal);
-    moe_err e =
-        ce == cudaSuccess ? chain_enqueue(ep, T, xb, 1, db, off, ep->loc_st) : MOE_EINTERNAL;
+    moe_err e = ce == cudaSuccess ? chain_enqueue(ep, T, o, ep->loc_st) : MOE_EINTERNAL;
     if (ce == cudaSuccess)
         ce = cudaStreamEndCapture(ep->loc_st, &graph);
     if (e == MOE_OK && ce == cudaSuccess && graph)
@@ -2892,7 +2883,7 @@ static moe_err chain_graph(kcu_ep *ep, int T, const bf16 *xb, char *db, const si
                 T, cudaGetErrorString(ce), (int)e);
         g.bad = 1;
         g.exec = nullptr;
-        return chain_enqueue(ep, T, xb, 1, db, off, ep->loc_st);
+        return chain_enqueue(ep, T, o, ep->loc_st);
     }
     g.gen = ep->loc_gen;
     KCU_CHECK(cudaGraphLaunch(g.exec, ep->loc_st));
@@ -2900,12 +2891,11 @@ static moe_err chain_graph(kcu_ep *ep, int T, const bf16 *xb, char *db, const si
 }
 
 /* the fan-out forward through the decode chain (kcu_decode_local): the
- * expert rows land at their sorted rows of the mirror's o_ye part, the
+ * expert rows land at their sorted rows of the mirror's ye part, the
  * routing (counts, perm, weights, probs, lse) in its other parts; one
  * synchronisation */
-static moe_err local_chain(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, kcu_ep_local *out,
-                           char *hb, char *db, size_t o_cnt, size_t o_perm, size_t o_w,
-                           size_t o_stat, size_t o_ye, cudaStream_t st, double t_last)
+static moe_err local_chain(kcu_ep *ep, int T, const loc_parts &o, kcu_ep_local *out,
+                           cudaStream_t st, double t_last)
 {
     const int H = ep->c.H, F = ep->c.F, E = ep->c.E, K = ep->c.K;
     const size_t S = (size_t)T * K;
@@ -2919,19 +2909,19 @@ static moe_err local_chain(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, kcu_
         ep->loc_gen++;
     }
     ep->stat_rows = 0; /* kcu_ep_stats: the sums are this call's (out) */
-    const size_t off[5] = {o_cnt, o_perm, o_w, o_stat, o_ye};
-    if (x_mapped && T <= EP_LOC_GRAPHS && loc_graph_on()) {
-        KCU_TRY(chain_graph(ep, T, xb, db, off));
-        loc_stamp(1, &t_last);
-        KCU_CHECK(cudaStreamSynchronize(ep->loc_st));
+    cudaStream_t run = T <= EP_LOC_GRAPHS && loc_graph_on() ? nullptr : st;
+    if (!run) {
+        KCU_TRY(chain_graph(ep, T, o));
+        run = ep->loc_st;
     } else {
-        KCU_TRY(chain_enqueue(ep, T, xb, x_mapped, db, off, st));
-        loc_stamp(1, &t_last);
-        KCU_CHECK(cudaStreamSynchronize(st));
+        KCU_TRY(chain_enqueue(ep, T, o, run));
     }
-    loc_stamp(3, &t_last);
-    const int32_t *cnt_h = (const int32_t *)(hb + o_cnt), *perm_h = (const int32_t *)(hb + o_perm);
-    const float *w_h = (const float *)(hb + o_w), *probs_h = (const float *)(hb + o_stat);
+    step_trace_stamp(&loc_tr, 1, &t_last);
+    KCU_CHECK(cudaStreamSynchronize(run));
+    step_trace_stamp(&loc_tr, 3, &t_last);
+    const char *hb = (const char *)ep->loc_h;
+    const int32_t *cnt_h = (const int32_t *)(hb + o.cnt), *perm_h = (const int32_t *)(hb + o.perm);
+    const float *w_h = (const float *)(hb + o.w), *probs_h = (const float *)(hb + o.stat);
     const float *lse_h = probs_h + (size_t)T * E;
     int64_t off0 = 0, n = 0;
     for (int e = 0; e < ep->first; e++)
@@ -2941,7 +2931,7 @@ static moe_err local_chain(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, kcu_
     memcpy(out->counts, cnt_h, (size_t)E * 4);
     memcpy(out->topk_w, w_h, S * 4);
     memcpy(out->slots, perm_h + off0, (size_t)n * 4);
-    memcpy(out->ye, hb + o_ye + (size_t)off0 * H * 2, (size_t)n * H * 2);
+    memcpy(out->ye, hb + o.ye + (size_t)off0 * H * 2, (size_t)n * H * 2);
     out->n = n;
     if (out->probs_sum)
         for (int e = 0; e < E; e++) {
@@ -2953,19 +2943,16 @@ static moe_err local_chain(kcu_ep *ep, int T, const bf16 *xb, int x_mapped, kcu_
     out->z_sum = 0;
     for (int t = 0; t < T; t++)
         out->z_sum += (double)lse_h[t] * lse_h[t];
-    loc_stamp(7, &t_last);
-    loc_close();
+    step_trace_stamp(&loc_tr, 7, &t_last);
+    step_trace_end(&loc_tr);
     return MOE_OK;
 }
 
 extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype,
                                         kcu_ep_local *out, void *stream)
 {
-    if (loc_tr.every < 0) {
-        const char *v = getenv("KCU_LOCAL_TRACE");
-        loc_tr.every = v && *v ? atoi(v) : 0;
-    }
-    double t_last = loc_tr.every > 0 ? loc_now_us() : 0;
+    double t_last = 0;
+    step_trace_begin(&loc_tr, &t_last);
     cudaStream_t st = (cudaStream_t)stream;
     const int H = ep->c.H, E = ep->c.E, K = ep->c.K;
     if (T < 1 || T > ep->c.T_max || !x || !out || !out->counts || !out->topk_w || !out->slots ||
@@ -2973,34 +2960,21 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
         out->sh0 + out->shn > T || (out->shn > 0 && (!ep->sh || !out->ys)))
         return MOE_EINVAL;
     const size_t S = (size_t)T * K, shn = (size_t)out->shn;
-    const int host_x = out->x_device ? 0 : 1;
-    /* the pinned mirror, in parts: x in (bf16); counts, the slot of each
-     * sorted row, the weights, the statistics' rows (at most one per router
-     * CTA or 256-token block), the shared gate's logits, the rows out */
-    const size_t nstat = std::max((size_t)KCU_RT_CTAS, (size_t)KCU_CEIL_DIV(T, 256));
-    size_t o_x = 0, o_cnt = al(host_x ? (size_t)T * H * 2 : 0), o_perm = o_cnt + al(E * 4);
-    size_t o_w = o_perm + al(S * 4), o_stat = o_w + al(S * 4);
-    size_t o_glog = o_stat + al(nstat * (E + 1) * 4), o_ye = o_glog + al(shn * 4);
-    size_t o_ys = o_ye + al(S * H * 2), need = o_ys + al(shn * H * 2);
-    KCU_TRY(loc_reserve(ep, need));
-    char *hb = (char *)ep->loc_h, *db = (char *)ep->loc_d; /* db: NULL when not mapped */
-    int32_t *cnt_h = (int32_t *)(hb + o_cnt), *perm_h = (int32_t *)(hb + o_perm);
-    float *w_h = (float *)(hb + o_w), *stat_h = (float *)(hb + o_stat);
-    float *glog_h = (float *)(hb + o_glog);
-    uint16_t *ye_h = (uint16_t *)(hb + o_ye), *ys_h = (uint16_t *)(hb + o_ys);
+    const loc_parts o = loc_layout(ep, T, shn);
+    KCU_TRY(loc_reserve(ep, o.need));
+    char *hb = (char *)ep->loc_h, *db = (char *)ep->loc_d;
+    int32_t *cnt_h = (int32_t *)(hb + o.cnt), *perm_h = (int32_t *)(hb + o.perm);
+    float *w_h = (float *)(hb + o.w), *stat_h = (float *)(hb + o.stat);
+    float *glog_h = (float *)(hb + o.glog);
+    uint16_t *ye_h = (uint16_t *)(hb + o.ye), *ys_h = (uint16_t *)(hb + o.ys);
 
     /* the routing of every token, as ep_forward's token side (its train
-     * state, if any, is gone: as after any inference forward). A few host
-     * rows (the decode router: kcu_route_small) are read by the kernels
-     * straight from the mapped mirror, bf16 - no copy to wait for */
+     * state, if any, is gone: as after any inference forward). The rows go
+     * into the mapped mirror as bf16; the decode router and the gather read
+     * them there (no copy to wait for), the router GEMM of a routing family
+     * from the device (one copy) */
     ep->T_fwd = 0;
     ep->T = T;
-    const bf16 *xb = ep->R.xs;
-    static int mx_on = -1; /* KCU_LOCAL_MAPPED_X=0: x copied to the device first */
-    if (mx_on < 0) {
-        const char *v = getenv("KCU_LOCAL_MAPPED_X");
-        mx_on = v && *v ? atoi(v) != 0 : 1;
-    }
     static int chain_on = -1; /* KCU_LOCAL_CHAIN=0: the two-step path below */
     if (chain_on < 0) {
         const char *v = getenv("KCU_LOCAL_CHAIN");
@@ -3008,48 +2982,28 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
     }
     /* the decode chain: router, up and down of this rank's experts, then the
      * copies, one synchronisation (plain softmax top-k, a decode batch) */
-    const int chain =
-        chain_on && db && shn == 0 && (!host_x || mx_on) && kcu_decode_local_use(&ep->R, T);
-    const int mapped_x = mx_on && host_x && db && (chain || kcu_route_small_use(&ep->R, T, 0));
-    if (host_x) {
-        uint16_t *xh = (uint16_t *)(hb + o_x);
-        const size_t nx = (size_t)T * H;
-        if (x_dtype == MOE_F32) /* round to nearest even, NaN kept (kcu_host_bf16) */
-            for (size_t i = 0; i < nx; i++) {
-                uint32_t u;
-                memcpy(&u, (const float *)x + i, 4);
-                const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-                xh[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : r);
-            }
-        else
-            memcpy(xh, x, nx * 2);
-        if (mapped_x)
-            xb = (const bf16 *)(db + o_x);
-        else
-            KCU_CHECK(cudaMemcpyAsync(ep->R.xs, xh, nx * 2, cudaMemcpyHostToDevice, st));
-    } else if (x_dtype == MOE_BF16 && (uintptr_t)x % 16 == 0) {
-        xb = (const bf16 *)x;
-    } else {
-        KCU_TRY(kcu_to_bf16(x, x_dtype, ep->R.xs, (size_t)T * H, st));
-    }
-    loc_stamp(0, &t_last);
+    const int chain = chain_on && shn == 0 && kcu_decode_local_use(&ep->R, T);
+    uint16_t *xh = (uint16_t *)(hb + o.x);
+    const size_t nx = (size_t)T * H;
+    if (x_dtype == MOE_F32)
+        for (size_t i = 0; i < nx; i++)
+            xh[i] = bf16_from_f32_inl(((const float *)x)[i]);
+    else
+        memcpy(xh, x, nx * 2);
+    step_trace_stamp(&loc_tr, 0, &t_last);
     if (chain)
-        return local_chain(ep, T, xb, mapped_x, out, hb, db, o_cnt, o_perm, o_w, o_stat, o_ye, st,
-                           t_last);
+        return local_chain(ep, T, o, out, st, t_last);
+    const bf16 *xb = (const bf16 *)(db + o.x);
+    if (!kcu_route_small_use(&ep->R, T, 0)) {
+        KCU_CHECK(cudaMemcpyAsync(ep->R.xs, xh, nx * 2, cudaMemcpyHostToDevice, st));
+        xb = ep->R.xs;
+    }
     KCU_TRY(ep_route(ep, T, xb, 0, st));
-    loc_stamp(1, &t_last);
+    step_trace_stamp(&loc_tr, 1, &t_last);
     /* counts, slots, weights, statistics and the shared gate's logits to
      * the host: one synchronisation */
     const size_t nrows = (size_t)ep->stat_rows, nst = nrows * (E + 1);
-    if (db) {
-        KCU_TRY(
-            loc_copies(ep, db, o_cnt, o_perm, o_w, o_stat, S, ep->R.statpart, nst, nullptr, 0, st));
-    } else {
-        KCU_CHECK(cudaMemcpyAsync(cnt_h, ep->R.counts, (size_t)E * 4, cudaMemcpyDeviceToHost, st));
-        KCU_CHECK(cudaMemcpyAsync(perm_h, ep->R.perm, S * 4, cudaMemcpyDeviceToHost, st));
-        KCU_CHECK(cudaMemcpyAsync(w_h, ep->R.topk_w, S * 4, cudaMemcpyDeviceToHost, st));
-        KCU_CHECK(cudaMemcpyAsync(stat_h, ep->R.statpart, nst * 4, cudaMemcpyDeviceToHost, st));
-    }
+    KCU_TRY(loc_copies(ep, o, S, ep->R.statpart, nst, nullptr, 0, st));
     if (shn > 0 && ep->gate)
         KCU_CHECK(cudaMemcpy2DAsync(glog_h, 4, ep->R.logits + (size_t)out->sh0 * ep->R.Ep + E,
                                     (size_t)ep->R.Ep * 4, 4, shn, cudaMemcpyDeviceToHost, st));
@@ -3062,9 +3016,9 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
                                     ep->sy, MOE_BF16, 0, st));
         KCU_CHECK(cudaMemcpyAsync(ys_h, ep->sy, shn * H * 2, cudaMemcpyDeviceToHost, st));
     }
-    loc_stamp(2, &t_last);
+    step_trace_stamp(&loc_tr, 2, &t_last);
     KCU_CHECK(cudaStreamSynchronize(st));
-    loc_stamp(3, &t_last);
+    step_trace_stamp(&loc_tr, 3, &t_last);
     int64_t off0 = 0, n = 0;
     for (int e = 0; e < ep->first; e++)
         off0 += cnt_h[e];
@@ -3076,8 +3030,8 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
         const int32_t *cnt = cnt_h + ep->first;
         k_ep_local_rows<<<(unsigned)n, 128, 0, st>>>(xb, ep->R.tok + off0, H, ep->xsend_t);
         KCU_CHECK_LAUNCH();
-        if (db && n <= ep->ex->N_max && kcu_decode_use_experts(ep->ex, (int)n, cnt, 0)) {
-            KCU_TRY(kcu_decode_experts_forward(ep->ex, (int)n, ep->xsend_t, cnt, db + o_ye,
+        if (n <= ep->ex->N_max && kcu_decode_use_experts(ep->ex, (int)n, cnt, 0)) {
+            KCU_TRY(kcu_decode_experts_forward(ep->ex, (int)n, ep->xsend_t, cnt, db + o.ye,
                                                MOE_BF16, st));
         } else {
             KCU_TRY(local_experts(ep, cnt, n, ep->xsend_t, ep->yrecv_t, st));
@@ -3085,7 +3039,7 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
                 cudaMemcpyAsync(ye_h, ep->yrecv_t, (size_t)n * H * 2, cudaMemcpyDeviceToHost, st));
         }
     }
-    loc_stamp(4, &t_last);
+    step_trace_stamp(&loc_tr, 4, &t_last);
     memcpy(out->counts, cnt_h, (size_t)E * 4);
     memcpy(out->topk_w, w_h, S * 4);
     memcpy(out->slots, perm_h + off0, (size_t)n * 4);
@@ -3104,18 +3058,16 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
     for (size_t t = 0; t < shn; t++) { /* ys rows, gated as the combine gates them */
         const float g = ep->gate ? 1.f / (1.f + expf(-glog_h[t])) : 1.f;
         for (int i = 0; i < H; i++) {
-            const uint32_t b = (uint32_t)ys_h[t * H + i] << 16;
-            float v;
-            memcpy(&v, &b, 4);
+            const float v = bf16_to_f32_inl(ys_h[t * H + i]);
             out->ys[t * H + i] = ep->gate ? g * v : v;
         }
     }
-    loc_stamp(5, &t_last);
+    step_trace_stamp(&loc_tr, 5, &t_last);
     KCU_CHECK(cudaStreamSynchronize(st));
-    loc_stamp(6, &t_last);
+    step_trace_stamp(&loc_tr, 6, &t_last);
     memcpy(out->ye, ye_h, (size_t)n * H * 2);
-    loc_stamp(7, &t_last);
-    loc_close();
+    step_trace_stamp(&loc_tr, 7, &t_last);
+    step_trace_end(&loc_tr);
     return MOE_OK;
 }
 

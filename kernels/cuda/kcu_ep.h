@@ -309,19 +309,23 @@ typedef struct kcu_ep_local {
     int64_t n;       /* out: how many slots (rows) */
     int sh0, shn;    /* in: the shared expert's rows [sh0, sh0+shn) of the T (shn 0:
                       * none; needs route.shared_experts) */
-    int x_device;    /* in: x is device memory (0: host memory, asked of no one) */
     float *ys;       /* (shn,H) out: the shared expert's output of those rows,
                       * bf16 values times the gate sigmoid(x . wsg) when gated */
     double *probs_sum; /* (E) out (may be NULL): router probability sums, as
                         * kcu_ep_stats would give them */
     double z_sum;      /* out: the sum of lse^2 over the T tokens */
 } kcu_ep_local;
-/* kcu_ep_forward_local: x (T,H) host (or device: x_device), f32 or bf16, 1 <= T <=
- * T_max. Synchronous (on `stream`): two host synchronisations, one after
- * the routing (the counts size the experts' call) and one at the end; the
- * host's copies go through a pinned mirror the layer keeps (grown to the
- * largest call). Drops a kept train forward (as any inference forward).
- * MOE_EINVAL: bad arguments. */
+/* kcu_ep_forward_local: x (T,H) host memory, f32 or bf16, 1 <= T <=
+ * T_max. Synchronous. The host's copies go through a page-locked mirror
+ * the layer keeps (grown to the largest call), mapped into the device's
+ * address space. A plain softmax top-k layer's decode batch runs the decode
+ * chain over this rank's experts (kcu_decode_local) with one host
+ * synchronisation, as one CUDA graph per T <= 16 on the layer's own stream
+ * (KCU_LOCAL_GRAPH=0: kernel by kernel on `stream`); other layers (routing
+ * families, shared experts) and KCU_LOCAL_CHAIN=0 take two steps on
+ * `stream` (routing, a synchronisation, the experts' rows, one more). Drops
+ * a kept train forward (as any inference forward). MOE_EINVAL: bad
+ * arguments. */
 moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype,
                              kcu_ep_local *out, void *stream);
 
