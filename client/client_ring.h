@@ -21,9 +21,10 @@
 
 #include "base/moe.h"
 
-/* 1 MiB: a fan-out answer of a top-8 layer of d_model 7168 in bf16 (about
- * 130 KiB at one token) fits its half */
-#define MOE_RING_BYTES ((size_t)1 << 20)
+/* 2 MiB: the largest fan-out answer of a decode step of 16 tokens of a
+ * top-8 layer of d_model 2048 in bf16 (every slot on one worker: 512 KiB
+ * of rows) fits its half (1 MiB), as does one token of d_model 7168 */
+#define MOE_RING_BYTES ((size_t)2 << 20)
 
 typedef struct moe_ring {
     uint8_t *base; /* owned mapping of size bytes (the ring at offset 0) */
@@ -43,7 +44,7 @@ typedef struct moe_ring {
  * made), MOE_ENOMEM. */
 moe_err moe_shm_make(const char *name, size_t size, void **base);
 /* moe_ring_map creates segment `name` (/moe-<pid>-...) of size bytes (a
- * multiple of 64, 4096 .. 1 MiB; libmoe uses MOE_RING_BYTES), maps it into
+ * multiple of 64, 4096 .. 8 MiB; libmoe uses MOE_RING_BYTES), maps it into
  * r and lays out an empty ring over all of it. The caller attaches it to
  * the worker (the ring at offset 0, this size) and then unlinks the name.
  * MOE_EINVAL / MOE_EIO / MOE_ENOMEM. */

@@ -122,7 +122,6 @@ moe_err moe_fanout_read(mp_reader *r, moe_fanout_part *p, char *msg, size_t msgl
     return MOE_OK;
 }
 
-/* to_f32: n values of dtype dt (f32 or bf16) at src, unaligned, into dst */
 /* a row of n values of dtype dt as f32 (memcpy: the rows of a msgpack bin
  * need not be aligned) */
 static inline float row_at(const uint8_t *row, int bf, size_t i)
@@ -137,24 +136,143 @@ static inline float row_at(const uint8_t *row, int bf, size_t i)
     return f;
 }
 
-/* yt (H) += w row, each term rounded to bf16 when bf (moe_combine_rows'
- * arithmetic, in one pass over the row as it came: no f32 copy of it).
- * Cloned for the wider vector units (picked at load time): the same
- * operations in the same order, so the same bits (no contraction under
- * -std=c11), 2x faster with AVX2 than with SSE2 (T=1 at d_model 2048, top-8:
- * a decode step's sum) */
+/* sum_cols writes columns [c0, c1) of y (dtype of out: bf16 when out_bf,
+ * else f32) = sum_j w[j] row[j] in order j (moe_combine_rows' arithmetic:
+ * each term rounded to bf16 when bf, then the sum), plus the shared row
+ * srow (or NULL) rounded as moe_rows_add does: the reference arithmetic,
+ * one column at a time */
+static void sum_cols(uint8_t *out, int out_bf, const uint8_t *const *row, const float *w, int K,
+                     const uint8_t *srow, int bf, size_t c0, size_t c1)
+{
+    for (size_t i = c0; i < c1; i++) {
+        float acc = 0.0f;
+        for (int j = 0; j < K; j++) {
+            const float t = w[j] * row_at(row[j], bf, i);
+            acc += bf ? bf16_round_inl(t) : t;
+        }
+        if (bf)
+            acc = bf16_round_inl(acc);
+        if (srow) {
+            const float s = acc + row_at(srow, bf, i);
+            acc = bf ? bf16_round_inl(s) : s;
+        }
+        if (out_bf) {
+            const uint16_t h = bf16_from_f32_inl(acc);
+            memcpy(out + 2 * i, &h, 2);
+        } else {
+            memcpy(out + 4 * i, &acc, 4);
+        }
+    }
+}
+
+/* The bf16 sum in vectors (GCC's and clang's vector extensions: plain C
+ * operators on whole vectors, compiled for the unit the clone targets). A
+ * vector of 8 words holds 16 bf16 columns: its words shifted left by 16 are
+ * the even columns as f32, masked to the high half the odd ones, so a load
+ * and two integer operations widen 16 values.
+ *
+ * The rounding is bf16_round_inl without its NaN branch: (u + 0x7fff +
+ * lsb) & 0xffff0000. Both agree on every finite value and infinity, and on
+ * every NaN whose low 16 bits are zero and whose quiet bit is set, as here:
+ * the rows are bf16 (their low halves zero), arithmetic returns quiet NaNs
+ * carrying an operand's payload or the default NaN, and the weights are
+ * checked finite first (sum_token takes the reference path otherwise). */
+#if defined(__GNUC__) && !defined(__clang__)
+/* vectors passed between these static helpers (inlined; no ABI crosses a
+ * library boundary) */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float sum_vf __attribute__((vector_size(32)));
+typedef uint32_t sum_vu __attribute__((vector_size(32)));
+#define SUM_BF_COLS 16 /* bf16 columns in one vector of words */
+
+static inline sum_vf sum_as_f(sum_vu u)
+{
+    sum_vf f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+static inline sum_vu sum_as_u(sum_vf f)
+{
+    sum_vu u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static inline sum_vf sum_round(sum_vf f)
+{
+    const sum_vu u = sum_as_u(f);
+    return sum_as_f((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
+/* sum_token writes y (H) of one token: the vectors where the rows are bf16
+ * and the weights finite, sum_cols elsewhere (f32 rows, the last columns,
+ * a non-finite weight); the same bits either way. Cloned for the wider
+ * vector units (picked at load time): the same operations in the same
+ * order (no contraction under -std=c11). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 static void
-add_term(float *yt, const uint8_t *row, int bf, float w, size_t H)
+sum_token(uint8_t *out, int out_bf, const uint8_t *const *row, const float *w, int K,
+          const uint8_t *srow, int bf, size_t H)
 {
-    if (bf)
-        for (size_t i = 0; i < H; i++)
-            yt[i] += bf16_round_inl(w * row_at(row, 1, i));
-    else
-        for (size_t i = 0; i < H; i++)
-            yt[i] += w * row_at(row, 0, i);
+    int finite = 1;
+    for (int j = 0; j < K; j++) {
+        uint32_t wb;
+        memcpy(&wb, &w[j], 4);
+        finite &= (wb & 0x7f800000u) != 0x7f800000u;
+    }
+    const size_t step = 2 * SUM_BF_COLS, Hv = bf && finite ? H - H % step : 0;
+    const sum_vu hi = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
+                       0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+    for (size_t c = 0; c < Hv; c += step) {
+        sum_vf e0 = {0}, o0 = {0}, e1 = {0}, o1 = {0}; /* even and odd columns */
+        for (int j = 0; j < K; j++) {
+            sum_vu u0, u1;
+            memcpy(&u0, row[j] + 2 * c, sizeof(u0));
+            memcpy(&u1, row[j] + 2 * c + sizeof(u0), sizeof(u1));
+            const float wj = w[j];
+            e0 += sum_round(wj * sum_as_f(u0 << 16));
+            o0 += sum_round(wj * sum_as_f(u0 & hi));
+            e1 += sum_round(wj * sum_as_f(u1 << 16));
+            o1 += sum_round(wj * sum_as_f(u1 & hi));
+        }
+        e0 = sum_round(e0);
+        o0 = sum_round(o0);
+        e1 = sum_round(e1);
+        o1 = sum_round(o1);
+        if (srow) {
+            sum_vu s0, s1;
+            memcpy(&s0, srow + 2 * c, sizeof(s0));
+            memcpy(&s1, srow + 2 * c + sizeof(s0), sizeof(s1));
+            e0 = sum_round(e0 + sum_as_f(s0 << 16));
+            o0 = sum_round(o0 + sum_as_f(s0 & hi));
+            e1 = sum_round(e1 + sum_as_f(s1 << 16));
+            o1 = sum_round(o1 + sum_as_f(s1 & hi));
+        }
+        if (out_bf) { /* already bf16 values: the high halves, packed back */
+            const sum_vu p0 = (sum_as_u(o0) & hi) | (sum_as_u(e0) >> 16);
+            const sum_vu p1 = (sum_as_u(o1) & hi) | (sum_as_u(e1) >> 16);
+            memcpy(out + 2 * c, &p0, sizeof(p0));
+            memcpy(out + 2 * c + sizeof(p0), &p1, sizeof(p1));
+        } else {
+            float ev[2][8], od[2][8];
+            memcpy(ev[0], &e0, sizeof(e0));
+            memcpy(od[0], &o0, sizeof(o0));
+            memcpy(ev[1], &e1, sizeof(e1));
+            memcpy(od[1], &o1, sizeof(o1));
+            float y[2 * SUM_BF_COLS];
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 8; i++) {
+                    y[h * SUM_BF_COLS + 2 * i] = ev[h][i];
+                    y[h * SUM_BF_COLS + 2 * i + 1] = od[h][i];
+                }
+            memcpy(out + 4 * c, y, sizeof(y));
+        }
+    }
+    sum_cols(out, out_bf, row, w, K, srow, bf, Hv, H);
 }
 
 moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64_t H, moe_dtype dt,
@@ -199,9 +317,9 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
     /* where each slot's row is (and each token's shared row), checked once */
     const uint8_t **row = calloc(S ? S : 1, sizeof(*row));           /* (S) */
     const uint8_t **srow = calloc(T ? (size_t)T : 1, sizeof(*srow)); /* (T) */
-    float *yt = malloc((size_t)H * sizeof(float));                   /* (H) */
+    float *wt = malloc((size_t)K * sizeof(float));                   /* (K) */
     moe_err e = MOE_OK;
-    if (!row || !srow || !yt) {
+    if (!row || !srow || !wt) {
         snprintf(msg, msglen, "out of memory");
         e = MOE_ENOMEM;
         goto out;
@@ -249,69 +367,71 @@ moe_err moe_fanout_combine(const moe_fanout_part *parts, int W, int64_t T, int64
     /* y[t] = sum_j w[t,j] rows[t*K+j] in order j (moe_combine_rows), then
      * the shared row (moe_rows_add), in the output's dtype */
     for (int64_t t = 0; t < T; t++) {
-        for (int64_t i = 0; i < H; i++)
-            yt[i] = 0.0f;
-        for (int j = 0; j < K; j++) {
-            const size_t s = (size_t)t * K + j;
-            float w;
-            memcpy(&w, parts[0].topk_w + 4 * s, 4);
-            add_term(yt, row[s], bf, w, (size_t)H);
-        }
-        if (bf)
-            for (int64_t i = 0; i < H; i++)
-                yt[i] = bf16_round_inl(yt[i]);
-        if (has_shared)
-            for (int64_t i = 0; i < H; i++) {
-                const float sum = yt[i] + row_at(srow[t], bf, (size_t)i);
-                yt[i] = bf ? bf16_round_inl(sum) : sum;
-            }
-        if (dt == MOE_F32) {
-            memcpy((float *)out + (size_t)t * H, yt, (size_t)H * sizeof(float));
-        } else {
-            uint8_t *o = (uint8_t *)out + (size_t)t * H * 2;
-            for (int64_t i = 0; i < H; i++) {
-                const uint16_t h = bf16_from_f32_inl(yt[i]);
-                memcpy(o + 2 * i, &h, 2);
-            }
-        }
+        for (int j = 0; j < K; j++)
+            memcpy(&wt[j], parts[0].topk_w + 4 * ((size_t)t * K + j), 4);
+        sum_token((uint8_t *)out + (size_t)t * H * moe_dtype_size(dt), dt == MOE_BF16,
+                  row + (size_t)t * K, wt, K, has_shared ? srow[t] : NULL, bf, (size_t)H);
     }
 out:
     free(row);
     free(srow);
-    free(yt);
+    free(wt);
     return e;
 }
 
-/* dropped_of adds the "dropped" array of an encoded stats map into sum
- * (growing *E on first sight; sum NULL: only its length into *E); 0, or -1
- * when malformed */
-static int dropped_of(const uint8_t *stats, size_t len, int64_t *sum, uint32_t cap, uint32_t *E)
+/* skip_value steps over one value: an array of small counts (the stats'
+ * per-expert arrays) in one step */
+static int skip_value(mp_reader *r)
 {
-    mp_reader r;
+    uint32_t m;
+    const uint8_t *small;
+    return mp_read_small_uints(r, &m, &small, NULL) == MOE_OK || mp_skip(r, NULL) == MOE_OK;
+}
+
+/* dropped_at points r at the value of the "dropped" key of an encoded
+ * stats map; 0, or -1 when malformed or missing */
+static int dropped_at(const uint8_t *stats, size_t len, mp_reader *r)
+{
     uint32_t n;
-    mp_reader_init(&r, stats, len);
-    if (mp_read_map(&r, &n, NULL) != MOE_OK)
+    mp_reader_init(r, stats, len);
+    if (mp_read_map(r, &n, NULL) != MOE_OK)
         return -1;
     for (uint32_t i = 0; i < n; i++) {
         const char *k;
-        uint32_t kl, m;
-        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK)
+        uint32_t kl;
+        if (mp_read_str(r, &k, &kl, NULL) != MOE_OK)
             return -1;
-        if (!mp_str_eq(k, kl, "dropped")) {
-            if (mp_skip(&r, NULL) != MOE_OK)
-                return -1;
-            continue;
-        }
-        if (mp_read_array(&r, &m, NULL) != MOE_OK || m > cap || (*E && m != *E))
+        if (mp_str_eq(k, kl, "dropped"))
+            return 0;
+        if (!skip_value(r))
+            return -1;
+    }
+    return -1;
+}
+
+/* dropped_add adds the "dropped" array at r into sum (E values; *E 0: its
+ * length sets *E, at most cap); 0, or -1 when malformed. Small counts (one
+ * byte each, as dropped slots mostly are: none) are read in one step. */
+static int dropped_add(mp_reader *r, int64_t *sum, uint32_t cap, uint32_t *E)
+{
+    uint32_t m;
+    const uint8_t *small;
+    if (mp_read_small_uints(r, &m, &small, NULL) == MOE_OK) {
+        if (m > cap || (*E && m != *E))
             return -1;
         *E = m;
-        for (uint32_t e = 0; e < m; e++) {
-            int64_t v;
-            if (mp_read_i64(&r, &v, NULL) != MOE_OK)
-                return -1;
-            if (sum)
-                sum[e] += v;
-        }
+        for (uint32_t e = 0; e < m; e++)
+            sum[e] += small[e];
+        return 0;
+    }
+    if (mp_read_array(r, &m, NULL) != MOE_OK || m > cap || (*E && m != *E))
+        return -1;
+    *E = m;
+    for (uint32_t e = 0; e < m; e++) {
+        int64_t v;
+        if (mp_read_i64(r, &v, NULL) != MOE_OK)
+            return -1;
+        sum[e] += v;
     }
     return 0;
 }
@@ -326,17 +446,22 @@ int moe_fanout_stats(const moe_fanout_part *parts, int W, mp_writer *w)
         return -1;
     /* sum (E): sized by rank 0's own "dropped" (a fresh 512 KB of zeroes
      * per call cost a decode step tens of microseconds) */
-    uint32_t E = 0;
-    if (dropped_of(p0->stats, p0->stats_len, NULL, 1u << 16, &E) != 0)
+    mp_reader r;
+    uint32_t E = 0, n;
+    if (dropped_at(p0->stats, p0->stats_len, &r) != 0 || mp_peek(&r) != MP_ARRAY)
         return -1;
+    {
+        mp_reader c = r;
+        if (mp_read_array(&c, &E, NULL) != MOE_OK || E > (1u << 16))
+            return -1;
+    }
     int64_t *sum = calloc(E ? E : 1, sizeof(int64_t));
     const uint32_t cap = E;
     E = 0;
     int ok = sum != NULL;
     for (int q = 0; ok && q < W; q++)
-        ok = !parts[q].stats || dropped_of(parts[q].stats, parts[q].stats_len, sum, cap, &E) == 0;
-    mp_reader r;
-    uint32_t n;
+        ok = !parts[q].stats || (dropped_at(parts[q].stats, parts[q].stats_len, &r) == 0 &&
+                                 dropped_add(&r, sum, cap, &E) == 0);
     mp_reader_init(&r, p0->stats, p0->stats_len);
     if (!ok || mp_read_map(&r, &n, NULL) != MOE_OK) {
         free(sum);
@@ -347,15 +472,30 @@ int moe_fanout_stats(const moe_fanout_part *parts, int W, mp_writer *w)
         const uint8_t *a = r.p;
         const char *k;
         uint32_t kl;
-        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK || mp_skip(&r, NULL) != MOE_OK) {
+        if (mp_read_str(&r, &k, &kl, NULL) != MOE_OK || !skip_value(&r)) {
             free(sum);
             return -1;
         }
         if (mp_str_eq(k, kl, "dropped")) {
             mp_write_cstr(w, "dropped");
             mp_write_array(w, E);
-            for (uint32_t e = 0; e < E; e++)
-                mp_write_i64(w, sum[e]);
+            uint8_t small[256]; /* runs of small sums: one byte each, written at once */
+            uint32_t ns = 0;
+            for (uint32_t e = 0; e < E; e++) {
+                if (sum[e] >= 0 && sum[e] < 128) {
+                    small[ns++] = (uint8_t)sum[e];
+                    if (ns < sizeof(small))
+                        continue;
+                } else {
+                    mp_write_raw(w, small, ns);
+                    ns = 0;
+                    mp_write_i64(w, sum[e]);
+                    continue;
+                }
+                mp_write_raw(w, small, ns);
+                ns = 0;
+            }
+            mp_write_raw(w, small, ns);
         } else {
             mp_write_raw(w, a, (size_t)(r.p - a));
         }

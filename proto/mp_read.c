@@ -443,6 +443,26 @@ moe_err mp_read_array(mp_reader *r, uint32_t *count, mp_errbuf *eb)
     return MOE_OK;
 }
 
+moe_err mp_read_small_uints(mp_reader *r, uint32_t *count, const uint8_t **vals, mp_errbuf *eb)
+{
+    const uint8_t *at = r->p;
+    hdr h;
+    moe_err e = expect(r, &h, MP_ARRAY, eb);
+    if (e == MOE_OK && (size_t)(r->end - r->p) >= h.n) {
+        uint8_t high = 0; /* any byte >= 0x80 is not a positive fixint */
+        for (uint32_t i = 0; i < h.n; i++)
+            high |= r->p[i];
+        if (!(high & 0x80)) {
+            *count = h.n;
+            *vals = r->p;
+            r->p += h.n;
+            return MOE_OK;
+        }
+    }
+    r->p = at;
+    return mp_errf(eb, MOE_EPROTO, "not an array of small non-negative integers");
+}
+
 moe_err mp_read_map(mp_reader *r, uint32_t *count, mp_errbuf *eb)
 {
     hdr h;

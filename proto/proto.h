@@ -82,6 +82,12 @@ moe_err mp_read_str(mp_reader *r, const char **s, uint32_t *len, mp_errbuf *eb);
 moe_err mp_read_bin(mp_reader *r, const void **data, uint32_t *len, mp_errbuf *eb);
 moe_err mp_read_array(mp_reader *r, uint32_t *count, mp_errbuf *eb);
 moe_err mp_read_map(mp_reader *r, uint32_t *count, mp_errbuf *eb);
+/* mp_read_small_uints reads an array whose elements are all positive
+ * fixints (0..127, one byte each; a count or flag per expert): *vals points
+ * at its *count value bytes inside the buffer. MOE_EPROTO, with the reader
+ * where it was, when the next value is not such an array (the caller reads
+ * it element by element then). */
+moe_err mp_read_small_uints(mp_reader *r, uint32_t *count, const uint8_t **vals, mp_errbuf *eb);
 /* mp_skip consumes any one value, recursively, depth-capped. */
 moe_err mp_skip(mp_reader *r, mp_errbuf *eb);
 /* mp_skip_depth is mp_skip for a value already inside `depth` containers, so

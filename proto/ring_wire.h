@@ -27,7 +27,7 @@
 #define RING_CLIENT_IDLE 72
 #define RING_HEAD        128
 #define RING_MIN         4096u      /* smallest ring (bytes, a multiple of 64) */
-#define RING_MAX         (1u << 20) /* largest */
+#define RING_MAX         (8u << 20) /* largest */
 
 /* ring_req_cap: the request area of a ring of size bytes (its answer area
  * is the rest: size - RING_HEAD - ring_req_cap(size)) */

@@ -393,21 +393,23 @@ static void answer_inline(dp_ticket *tk, moe_dtype dt, int64_t rows, int64_t H, 
     tk->call = NULL;
 }
 
-void dp_answer_extra(dp_ticket *tk)
+int dp_answer_begin(dp_ticket *tk, mp_writer *w, uint32_t npairs)
+{
+    if (!tk->call)
+        return 0;
+    moe_rpc_write_response_ok_head(w, tk->call->req.msgid);
+    mp_write_map(w, npairs);
+    return 1;
+}
+
+void dp_answer_end(dp_ticket *tk, mp_writer *w)
 {
     if (!tk->call)
         return;
-    mp_writer w;
-    mp_writer_init(&w);
-    moe_rpc_write_response_ok_head(&w, tk->call->req.msgid);
-    mp_write_map(&w, tk->extra_pairs);
-    if (tk->extra_pairs)
-        mp_write_raw(&w, tk->extra, tk->extra_len);
-    if (w.failed) {
-        mp_writer_fini(&w);
+    if (w->failed)
         rpc_reply_err(tk->call, MOE_ENOMEM, "out of memory for an answer");
-    } else
-        rpc_reply(tk->call, &w);
+    else
+        rpc_reply(tk->call, w);
     tk->call = NULL;
 }
 

@@ -251,9 +251,14 @@ dp_ticket *dp_take(dp_table *t, uint64_t cid, uint64_t seq, uint64_t deadline_ns
 void dp_answer_f32(dp_ticket *tk, const float *y, int64_t rows, int64_t H);
 /* dp_answer_raw answers with y (R,H) already in the ticket's dtype. */
 void dp_answer_raw(dp_ticket *tk, const void *y, int64_t rows, int64_t H);
-/* dp_answer_extra answers with the ticket's extra pairs alone (no y: a
- * fan-out forward's rows, worker/fanout.c). */
-void dp_answer_extra(dp_ticket *tk);
+/* dp_answer_begin starts tk's answer in w (initialised by the caller):
+ * the response head and a map of npairs pairs, which the caller writes
+ * next, with no y (a fan-out forward's rows, worker/fanout.c: written once,
+ * straight into the answer); 0 when tk is answered already (refused).
+ * dp_answer_end sends it (an error answer when w failed); w stays the
+ * caller's to free. */
+int dp_answer_begin(dp_ticket *tk, mp_writer *w, uint32_t npairs);
+void dp_answer_end(dp_ticket *tk, mp_writer *w);
 /* dp_answer_err answers the ticket with an error. */
 void dp_answer_err(dp_ticket *tk, moe_err e, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

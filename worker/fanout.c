@@ -78,38 +78,35 @@ static void fanout_answer(wkr *w, rpc_call *c, const model_cfg *cfg, int T, dp_b
                           const fanout_out *o, const double ph[4])
 {
     const int H = cfg->d_model, E = cfg->n_experts, K = cfg->top_k;
-    mp_writer pw;
-    mp_writer_init(&pw);
-    mp_write_cstr(&pw, "fanout");
-    mp_write_map(&pw, o->shared ? 8 : 6);
-    mp_write_cstr(&pw, "rank");
-    mp_write_i64(&pw, w->rank);
-    mp_write_cstr(&pw, "top_k");
-    mp_write_i64(&pw, K);
-    mp_write_cstr(&pw, "dtype");
-    mp_write_cstr(&pw, moe_dtype_name(o->rdt));
-    mp_write_cstr(&pw, "slots");
-    mp_write_bin(&pw, o->slots, (uint32_t)(o->n * sizeof(int32_t)));
-    mp_write_cstr(&pw, "rows");
-    if (o->rows_f32)
-        write_rows_bin(&pw, o->rows, o->n * H, o->rdt);
-    else
-        mp_write_bin(&pw, o->rows, (uint32_t)(o->n * H * moe_dtype_size(o->rdt)));
-    mp_write_cstr(&pw, "topk_w");
-    mp_write_bin(&pw, o->topk_w, (uint32_t)((size_t)T * K * sizeof(float)));
-    if (o->shared) {
-        mp_write_cstr(&pw, "shared_row0");
-        mp_write_i64(&pw, o->sh0);
-        mp_write_cstr(&pw, "shared");
-        write_rows_bin(&pw, o->shared, (size_t)o->shn * H, o->rdt);
-    }
-    wkr_lane_stats_write(&pw, cfg, T, o->counts, o->dropped, o->probs_sum, o->z_sum, NULL, ph);
     dp_ticket *tk = batch->tk[0];
-    if (tk->call) { /* not refused (a NaN or Inf row answers with its error) */
-        if (pw.failed || dp_ticket_set_extra(tk, pw.buf, pw.len, 2) != MOE_OK)
-            dp_answer_err(tk, MOE_ENOMEM, "worker out of memory for a fan-out answer");
+    mp_writer pw; /* the answer, written once (the rows straight from where they are) */
+    mp_writer_init(&pw);
+    if (dp_answer_begin(tk, &pw, 2)) { /* not refused (a NaN or Inf row answers with its error) */
+        mp_write_cstr(&pw, "fanout");
+        mp_write_map(&pw, o->shared ? 8 : 6);
+        mp_write_cstr(&pw, "rank");
+        mp_write_i64(&pw, w->rank);
+        mp_write_cstr(&pw, "top_k");
+        mp_write_i64(&pw, K);
+        mp_write_cstr(&pw, "dtype");
+        mp_write_cstr(&pw, moe_dtype_name(o->rdt));
+        mp_write_cstr(&pw, "slots");
+        mp_write_bin(&pw, o->slots, (uint32_t)(o->n * sizeof(int32_t)));
+        mp_write_cstr(&pw, "rows");
+        if (o->rows_f32)
+            write_rows_bin(&pw, o->rows, o->n * H, o->rdt);
         else
-            dp_answer_extra(tk);
+            mp_write_bin(&pw, o->rows, (uint32_t)(o->n * H * moe_dtype_size(o->rdt)));
+        mp_write_cstr(&pw, "topk_w");
+        mp_write_bin(&pw, o->topk_w, (uint32_t)((size_t)T * K * sizeof(float)));
+        if (o->shared) {
+            mp_write_cstr(&pw, "shared_row0");
+            mp_write_i64(&pw, o->sh0);
+            mp_write_cstr(&pw, "shared");
+            write_rows_bin(&pw, o->shared, (size_t)o->shn * H, o->rdt);
+        }
+        wkr_lane_stats_write(&pw, cfg, T, o->counts, o->dropped, o->probs_sum, o->z_sum, NULL, ph);
+        dp_answer_end(tk, &pw);
     }
     mp_writer_fini(&pw);
 
@@ -134,9 +131,11 @@ static void fanout_answer(wkr *w, rpc_call *c, const model_cfg *cfg, int T, dp_b
 }
 
 /* fanout_device: the expert-parallel GPU backend's fan-out (gops->fanout):
- * routing and this rank's experts on the device; x (T,H) f32 host */
-static moe_err fanout_device(wkr *w, wkr_model *m, int layer, int T, const float *x, fanout_out *o,
-                             double ph[4], char *err, size_t errlen)
+ * routing and this rank's experts on the device; x (T,H) host, f32 or bf16
+ * (xdt). The rows stay where the backend left them (o->rows: valid until
+ * the layer's next call); o's other arrays are pool memory the caller frees. */
+static moe_err fanout_device(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
+                             fanout_out *o, double ph[4], char *err, size_t errlen)
 {
     const model_cfg *cfg = &m->cfg;
     const int H = cfg->d_model, K = cfg->top_k;
@@ -147,29 +146,23 @@ static moe_err fanout_device(wkr *w, wkr_model *m, int layer, int T, const float
     g.probs_sum = o->probs_sum;
     g.topk_w = wpool_alloc(S * sizeof(float));
     g.slots = wpool_alloc(S * sizeof(int32_t));
-    g.ye = wpool_alloc(S * (size_t)H * 2);
     /* the shared expert's rows of this rank's ordered-road shard */
     g.sh0 = (int)shard_first(T, w->world, w->rank);
     g.shn = cfg->shared_d_ff > 0 ? (int)shard_first(T, w->world, w->rank + 1) - g.sh0 : 0;
     g.ys = g.shn > 0 ? wpool_alloc((size_t)g.shn * H * sizeof(float)) : NULL;
-    if (!g.topk_w || !g.slots || !g.ye || (g.shn > 0 && !g.ys)) {
-        wpool_free(g.topk_w);
-        wpool_free(g.slots);
-        wpool_free(g.ye);
-        wpool_free(g.ys);
-        return MOE_ENOMEM;
-    }
-    double t0 = fwd_now_s();
-    moe_err e = m->gpu_ops->fanout(w, m, layer, T, x, MOE_F32, &g, err, errlen);
-    ph[2] = fwd_now_s() - t0; /* routing and experts: one device call */
-    o->z_sum = g.z_sum;
     o->topk_w = g.topk_w;
     o->slots = g.slots;
+    o->shared = g.shn > 0 ? g.ys : NULL;
+    if (!g.topk_w || !g.slots || (g.shn > 0 && !g.ys))
+        return MOE_ENOMEM;
+    double t0 = fwd_now_s();
+    moe_err e = m->gpu_ops->fanout(w, m, layer, T, x, xdt, &g, err, errlen);
+    ph[2] = fwd_now_s() - t0; /* routing and experts: one device call */
+    o->z_sum = g.z_sum;
     o->n = (size_t)g.n;
-    o->rows = g.ye;
+    o->rows = g.ye_at;
     o->rows_f32 = 0;
     o->rdt = MOE_BF16; /* the device's expert rows are bf16 */
-    o->shared = g.shn > 0 ? g.ys : NULL;
     o->sh0 = g.sh0;
     o->shn = g.shn;
     return e;
@@ -209,17 +202,22 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
     double t0 = fwd_now_s();
     lane_trace(LT_FWD0);
 
-    /* the client's rows as f32 (a decode batch: a few rows), bf16 models'
-     * rounded; a NaN or Inf row refuses its request */
-    st->x = wpool_alloc(Tn * H * sizeof(float));
-    if (!st->x) {
-        e = MOE_ENOMEM;
-        goto fail;
+    /* a bf16 model's finite bf16 rows go to the device as they came;
+     * otherwise the client's rows as f32 (a decode batch: a few rows), bf16
+     * models' rounded, and a NaN or Inf row refuses its request */
+    const int raw = gops && gops->fanout && bf && batch->x.dtype == MOE_BF16 &&
+                    rows_first_nonfinite_bf16(batch->x.data, T, H) == T;
+    if (!raw) {
+        st->x = wpool_alloc(Tn * H * sizeof(float));
+        if (!st->x) {
+            e = MOE_ENOMEM;
+            goto fail;
+        }
+        rows_tensor_to_f32(&batch->x, st->x, (size_t)T * H);
+        if (bf)
+            kern_bf16_round_n(st->x, (size_t)T * H);
+        dp_batch_refuse_nonfinite(batch, st->x, H);
     }
-    rows_tensor_to_f32(&batch->x, st->x, (size_t)T * H);
-    if (bf)
-        kern_bf16_round_n(st->x, (size_t)T * H);
-    dp_batch_refuse_nonfinite(batch, st->x, H);
 
     if (gops && gops->fanout && T > w->gpu_max_tokens) {
         /* more rows than the device layer holds ($MOE_FANOUT_ROWS raised
@@ -242,7 +240,8 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
             e = MOE_ENOMEM;
             goto fail;
         }
-        e = fanout_device(w, m, layer, T, st->x, &o, ph, err, sizeof(err));
+        e = raw ? fanout_device(w, m, layer, T, batch->x.data, MOE_BF16, &o, ph, err, sizeof(err))
+                : fanout_device(w, m, layer, T, st->x, MOE_F32, &o, ph, err, sizeof(err));
         lane_trace(LT_FWD1);
         if (e == MOE_OK) {
             ph[0] = 0;
@@ -252,8 +251,7 @@ void wkr_forward_fanout(wkr *w, rpc_call *c, wkr_model *m, int layer, dp_batch *
         wpool_free(o.counts);
         wpool_free((void *)o.topk_w);
         wpool_free((void *)o.slots);
-        wpool_free((void *)o.rows);
-        wpool_free((void *)o.shared);
+        wpool_free((void *)o.shared); /* o.rows: the backend's */
         if (e == MOE_OK)
             goto out;
         if (err[0])

@@ -624,6 +624,7 @@ static moe_err ep_fanout(wkr *w, wkr_model *m, int layer, int T, const void *x, 
     moe_err e = kcu_ep_forward_local(ep, T, x, xdt, &lo, NULL);
     m->gpu_handle[layer] = 0; /* a kept train forward is gone: its backward recomputes */
     out->n = lo.n;
+    out->ye_at = lo.ye_at;
     out->z_sum = lo.z_sum;
     if (e != MOE_OK)
         snprintf(err, errlen, "GPU fan-out forward failed on rank %d: %s", w->rank,

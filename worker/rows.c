@@ -95,7 +95,8 @@ void rows_f32_to_dtype(const float *x, moe_dtype dt, void *out, size_t n)
 }
 
 typedef struct nonfinite_job {
-    const float *x;
+    const void *x; /* (n,H) f32, or bf16 when bf */
+    int bf;
     int64_t H;
     int64_t first; /* min-ed atomically by the parts */
 } nonfinite_job;
@@ -106,12 +107,21 @@ static void nonfinite_part(void *arg, size_t r0, size_t r1)
     for (size_t r = r0; r < r1; r++) {
         if ((int64_t)r >= __atomic_load_n(&j->first, __ATOMIC_RELAXED))
             return; /* an earlier row is bad already */
-        const float *row = j->x + r * (size_t)j->H;
         uint32_t bad = 0;
-        for (int64_t h = 0; h < j->H; h++) { /* exponent all ones: Inf or NaN */
-            uint32_t u;
-            memcpy(&u, row + h, 4);
-            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        if (j->bf) {
+            const uint8_t *row = (const uint8_t *)j->x + r * (size_t)j->H * 2;
+            for (int64_t h = 0; h < j->H; h++) { /* exponent all ones: Inf or NaN */
+                uint16_t u;
+                memcpy(&u, row + 2 * h, 2);
+                bad |= (u & 0x7f80u) == 0x7f80u;
+            }
+        } else {
+            const float *row = (const float *)j->x + r * (size_t)j->H;
+            for (int64_t h = 0; h < j->H; h++) {
+                uint32_t u;
+                memcpy(&u, row + h, 4);
+                bad |= (u & 0x7f800000u) == 0x7f800000u;
+            }
         }
         if (bad) {
             int64_t cur = __atomic_load_n(&j->first, __ATOMIC_RELAXED);
@@ -124,11 +134,21 @@ static void nonfinite_part(void *arg, size_t r0, size_t r1)
     }
 }
 
-int64_t rows_first_nonfinite(const float *x, int64_t n, int64_t H)
+static int64_t first_nonfinite(const void *x, int bf, int64_t n, int64_t H)
 {
     if (n <= 0 || H <= 0)
         return n > 0 ? n : 0;
-    nonfinite_job j = {x, H, n};
+    nonfinite_job j = {x, bf, H, n};
     kern_par_for((size_t)n, KERN_PAR_GRAIN / (size_t)H + 1, nonfinite_part, &j);
     return j.first;
+}
+
+int64_t rows_first_nonfinite(const float *x, int64_t n, int64_t H)
+{
+    return first_nonfinite(x, 0, n, H);
+}
+
+int64_t rows_first_nonfinite_bf16(const void *x, int64_t n, int64_t H)
+{
+    return first_nonfinite(x, 1, n, H);
 }

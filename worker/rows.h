@@ -45,6 +45,8 @@ static inline void rows_get(float *dst, const void *src, size_t n, int bf16)
  * threads (kern_par_for), each row's exponents checked without a branch
  * per value. */
 int64_t rows_first_nonfinite(const float *x, int64_t n, int64_t H);
+/* rows_first_nonfinite_bf16: the same over bf16 rows (unaligned ok) */
+int64_t rows_first_nonfinite_bf16(const void *x, int64_t n, int64_t H);
 /* rows_tensor_to_f32 converts a wire tensor of any dtype into floats. */
 void rows_tensor_to_f32(const moe_tensor *t, float *out, size_t n);
 /* rows_f32_to_dtype writes n floats as dtype dt into dst (unaligned ok). */

@@ -2931,7 +2931,11 @@ static moe_err local_chain(kcu_ep *ep, int T, const loc_parts &o, kcu_ep_local *
     memcpy(out->counts, cnt_h, (size_t)E * 4);
     memcpy(out->topk_w, w_h, S * 4);
     memcpy(out->slots, perm_h + off0, (size_t)n * 4);
-    memcpy(out->ye, hb + o.ye + (size_t)off0 * H * 2, (size_t)n * H * 2);
+    out->ye_at = hb + o.ye + (size_t)off0 * H * 2;
+    if (out->ye) {
+        memcpy(out->ye, out->ye_at, (size_t)n * H * 2);
+        out->ye_at = out->ye;
+    }
     out->n = n;
     if (out->probs_sum)
         for (int e = 0; e < E; e++) {
@@ -2956,7 +2960,7 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
     cudaStream_t st = (cudaStream_t)stream;
     const int H = ep->c.H, E = ep->c.E, K = ep->c.K;
     if (T < 1 || T > ep->c.T_max || !x || !out || !out->counts || !out->topk_w || !out->slots ||
-        !out->ye || (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || out->sh0 < 0 || out->shn < 0 ||
+        (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || out->sh0 < 0 || out->shn < 0 ||
         out->sh0 + out->shn > T || (out->shn > 0 && (!ep->sh || !out->ys)))
         return MOE_EINVAL;
     const size_t S = (size_t)T * K, shn = (size_t)out->shn;
@@ -3065,7 +3069,11 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
     step_trace_stamp(&loc_tr, 5, &t_last);
     KCU_CHECK(cudaStreamSynchronize(st));
     step_trace_stamp(&loc_tr, 6, &t_last);
-    memcpy(out->ye, ye_h, (size_t)n * H * 2);
+    out->ye_at = ye_h;
+    if (out->ye) {
+        memcpy(out->ye, ye_h, (size_t)n * H * 2);
+        out->ye_at = out->ye;
+    }
     step_trace_stamp(&loc_tr, 7, &t_last);
     step_trace_end(&loc_tr);
     return MOE_OK;
