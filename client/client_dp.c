@@ -247,15 +247,16 @@ typedef struct dp_req {
     nng_ctx ctx;
     nng_aio *aio;
     int open, sent;
-    int recv_posted; /* the receive of the answer was posted already (dp_nccl) */
+    int recv_posted; /* the receive of the answer was posted already (dp_nccl; atomic) */
     int ndone;       /* operations of aio completed (its callback; atomic) */
+    int chain;       /* req_start_chained: the callback posts the receive */
     int timed_out;   /* the answer did not come in the time given */
     uint32_t msgid;
     nng_msg *reply; /* owned once received */
     /* or through a shared-memory ring (client_ring.h): no socket */
-    moe_ring *ring; /* held (busy) until req_close */
-    uint8_t *rbuf;  /* owned: the answer copied out of the ring */
-    const int *up;  /* the worker connection's live pipes */
+    moe_ring *ring;    /* held (busy) until req_close */
+    int ring_answered; /* its answer came (read in place in the ring) */
+    const int *up;     /* the worker connection's live pipes */
     int timeout_ms;
 } dp_req;
 
@@ -267,16 +268,23 @@ static inline int bulk_started(const moe_bulk_xfer *bx, int q)
 }
 
 /* req_done: aio's callback counts its completed operations (send, then
- * the answer's receive) */
+ * the answer's receive). A chained request's receive is posted here, the
+ * moment its send is done: the caller is not woken in between, and its
+ * nng_aio_wait covers both operations (the aio stays busy from the
+ * callback's nng_ctx_recv on). So the answers of several workers complete
+ * on nng's threads side by side, each waiting to be read, instead of the
+ * caller posting each receive in turn and being woken once more for each. */
 static void req_done(void *arg)
 {
     dp_req *q = arg;
-    __atomic_add_fetch(&q->ndone, 1, __ATOMIC_RELEASE);
+    int n = __atomic_add_fetch(&q->ndone, 1, __ATOMIC_ACQ_REL);
+    if (n == 1 && q->chain && nng_aio_result(q->aio) == 0) {
+        __atomic_store_n(&q->recv_posted, 1, __ATOMIC_RELEASE);
+        nng_ctx_recv(q->ctx, q->aio);
+    }
 }
 
-/* req_start sends m (owned from here) on sock; the reply is awaited by
- * req_finish. */
-static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
+static moe_err req_begin(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms, int chain)
 {
     int rv;
     memset(q, 0, sizeof(*q));
@@ -290,11 +298,27 @@ static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
         return moe__from_nng(rv);
     }
     q->open = 1;
+    q->chain = chain;
     nng_aio_set_timeout(q->aio, timeout_ms);
     nng_aio_set_msg(q->aio, m);
     nng_ctx_send(q->ctx, q->aio);
     q->sent = 1;
     return MOE_OK;
+}
+
+/* req_start sends m (owned from here) on sock; the reply is awaited by
+ * req_finish. */
+static moe_err req_start(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
+{
+    return req_begin(q, sock, m, timeout_ms, 0);
+}
+
+/* req_start_chained: req_start whose answer's receive is posted by the
+ * send's callback (req_done), for requests to several workers awaited in
+ * turn */
+static moe_err req_start_chained(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms)
+{
+    return req_begin(q, sock, m, timeout_ms, 1);
 }
 
 /* parse_answer parses a worker's answer (len bytes at buf) into resp. */
@@ -338,13 +362,10 @@ static moe_err ring_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_re
                                      : "a malformed answer");
         return e;
     }
-    q->rbuf = malloc(n);
-    if (!q->rbuf) {
-        snprintf(msg, msglen, "out of memory");
-        return MOE_ENOMEM;
-    }
-    memcpy(q->rbuf, a, n); /* the ring is free for the next post once released */
-    return parse_answer(q, q->rbuf, n, resp, msg, msglen);
+    /* read in place: the ring stays held (busy) until req_close, and the
+     * worker writes into it again only after the next post */
+    q->ring_answered = 1;
+    return parse_answer(q, a, n, resp, msg, msglen);
 }
 
 /* req_finish waits for the reply (q->reply) and parses its envelope into
@@ -357,12 +378,15 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
         return MOE_EINTERNAL;
     if (q->ring)
         return ring_finish(q, abort, recv_timeout_ms, resp, msg, msglen);
-    if (abort)
+    if (abort && q->chain)
+        nng_aio_stop(q->aio); /* also a receive its callback may be posting now */
+    else if (abort)
         nng_aio_cancel(q->aio);
     nng_aio_wait(q->aio);
-    if (q->recv_posted && (rv = nng_aio_result(q->aio)) == 0 && !abort)
+    const int recv_posted = __atomic_load_n(&q->recv_posted, __ATOMIC_ACQUIRE);
+    if (recv_posted && (rv = nng_aio_result(q->aio)) == 0 && !abort)
         goto received; /* the answer is here already */
-    if (q->recv_posted) {
+    if (recv_posted) {
         snprintf(msg, msglen, "waiting for a worker's rows: %s",
                  abort ? "the worker's connection is down" : nng_strerror(rv));
         q->timed_out = !abort && rv == NNG_ETIMEDOUT;
@@ -406,14 +430,13 @@ static void req_on_ring(dp_req *q, moe_ring *ring, const int *up, int timeout_ms
  * a transport failure */
 static int resp_was_answer(const dp_req *q)
 {
-    return q->reply != NULL || q->rbuf != NULL;
+    return q->reply != NULL || q->ring_answered;
 }
 
 static void req_close(dp_req *q)
 {
     if (q->reply)
         nng_msg_free(q->reply);
-    free(q->rbuf);
     if (q->ring) {
         __atomic_store_n(&q->ring->busy, 0, __ATOMIC_RELEASE);
     } else if (q->open) {
@@ -1528,8 +1551,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
             mp_writer_init(&w);
             fo_write_params(&w, NULL, cid, seq, moe__timeout_ms(c), ctl_pairs, ctl_len, m->gen, dt,
                             T, H);
-            mp_write_raw(&w, in, nbytes);
-            moe_err pe = w.failed ? MOE_ENOMEM : moe_ring_post(ring, w.buf, w.len);
+            moe_err pe = w.failed ? MOE_ENOMEM : moe_ring_post2(ring, w.buf, w.len, in, nbytes);
             mp_writer_fini(&w);
             if (pe == MOE_OK) {
                 req_on_ring(&rq[q], ring, &m->up[q], moe__timeout_ms(c));
@@ -1546,7 +1568,7 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         e = msg_from_writer(&w, in, nbytes, &nm);
         mp_writer_fini(&w);
         if (e == MOE_OK)
-            e = req_start(&rq[q], m->sock[q], nm, moe__timeout_ms(c));
+            e = req_start_chained(&rq[q], m->sock[q], nm, moe__timeout_ms(c));
         rq[q].msgid = msgid;
         if (e == MOE_OK)
             watch[q] = watch_add(&m->up[q], rq[q].aio);
@@ -2240,7 +2262,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         }
         mp_writer_fini(&w);
         if (e == MOE_OK)
-            e = req_start(&rq[q], m->sock[q], msg, moe__timeout_ms(c));
+            e = req_start_chained(&rq[q], m->sock[q], msg, moe__timeout_ms(c));
         rq[q].msgid = msgid;
     }
     /* 2. the control call: the coordinator orders the job and names the

@@ -80,9 +80,17 @@ void moe_ring_unmap(moe_ring *r)
 
 moe_err moe_ring_post(moe_ring *r, const void *params, size_t len)
 {
+    return moe_ring_post2(r, params, len, NULL, 0);
+}
+
+moe_err moe_ring_post2(moe_ring *r, const void *head, size_t hlen, const void *tail, size_t tlen)
+{
+    const size_t len = hlen + tlen;
     if (len == 0 || len > r->req_cap)
         return MOE_ETOOBIG;
-    memcpy(r->base + RING_HEAD, params, len);
+    memcpy(r->base + RING_HEAD, head, hlen);
+    if (tlen)
+        memcpy(r->base + RING_HEAD + hlen, tail, tlen);
     __atomic_store_n(word(r, RING_REQ_LEN), (uint32_t)len, __ATOMIC_RELAXED);
     __atomic_store_n(word(r, RING_REQ_SEQ), ++r->seq, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(word(r, RING_WORKER_IDLE), __ATOMIC_SEQ_CST))

@@ -54,6 +54,10 @@ void moe_ring_unmap(moe_ring *r);
 /* moe_ring_post writes the params map of a data.rows (len bytes) and rings
  * the worker. MOE_ETOOBIG when they do not fit the request area. */
 moe_err moe_ring_post(moe_ring *r, const void *params, size_t len);
+/* moe_ring_post2 posts a request written in two parts, head then tail (the
+ * params map's rows inline: they go from the caller's memory into the ring
+ * once). */
+moe_err moe_ring_post2(moe_ring *r, const void *head, size_t hlen, const void *tail, size_t tlen);
 /* moe_ring_wait waits up to timeout_ms for the answer of the last post: a
  * view of the msgpack-rpc response in the ring (*ans, *len; valid until the
  * next post). *up (may be NULL) is the connection's count of live pipes:
