@@ -2110,8 +2110,12 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     int all_up = 1;
     for (int q = 0; q < W; q++)
         all_up &= __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) > 0;
-    if (!ordered && m->fanout && all_up && nctl == 2 && !strcmp(method, "forward") && T >= 1 &&
-        T <= fanout_rows() && (dt == MOE_F32 || dt == MOE_BF16) &&
+    /* rows in GPU memory (registered with moe_cuda_register) are read by
+     * the workers, never here: the fan-out, which sends host rows, is not
+     * theirs */
+    const int on_gpu = moe_dp_on_device(c, in, nbytes) || moe_dp_on_device(c, out, nbytes);
+    if (!ordered && m->fanout && all_up && !on_gpu && nctl == 2 && !strcmp(method, "forward") &&
+        T >= 1 && T <= fanout_rows() && (dt == MOE_F32 || dt == MOE_BF16) &&
         moe__data_path(c) != MOE_PATH_BULK) {
         free(rq);
         return dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
@@ -2120,7 +2124,6 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     int ux = nbytes && m->shm ? ubuf_find(dp, in, nbytes) : -1;
     int uy = ux >= 0 ? ubuf_find(dp, out, nbytes) : -1;
     int zero_copy = uy >= 0 && ubuf_attached(c, dp, m, ux) && ubuf_attached(c, dp, m, uy);
-    int on_gpu = moe_dp_on_device(c, in, nbytes) || moe_dp_on_device(c, out, nbytes);
     if (on_gpu && !zero_copy) { /* GPU memory is never read or written here */
         char why[400];
         snprintf(why, sizeof(why), "%s", uy >= 0 ? moe_last_error() : "");

@@ -615,13 +615,14 @@ Test(dataplane, zero_copy_buffers, .timeout = 120, .fini = cluster_fini_all)
  * libmoe: on CPU workers the worker refuses the buffer with a clear error,
  * on the coordinator path the call fails before sending anything. The
  * "device" memory here is a PROT_NONE mapping: any read or write of it by
- * the library would crash the test. */
-Test(dataplane, gpu_buffers_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini_all)
+ * the library would crash the test. With two workers, T rows small enough
+ * to fan out: the fan-out reads rows on the host, so it must not take them. */
+static void gpu_buffers_refused(int workers, int T)
 {
-    cluster_opts o = {.workers = 1};
+    cluster_opts o = {.workers = workers};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
-    const int H = 32, T = 8;
+    const int H = 32;
     create(cl, "m", H, 32, 4, 2, MOE_BF16);
     size_t n = (size_t)T * H * 2;
     void *guard = mmap(NULL, 2 * n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -634,10 +635,10 @@ Test(dataplane, gpu_buffers_refused_clearly_on_cpu, .timeout = 60, .fini = clust
         cr_assert_eq(moe_cuda_register(c, guard, 2 * n, handle), MOE_OK, "%s", moe_last_error());
         moe_err e = moe_forward(c, "m", 0, MOE_BF16, guard, T, H, (uint8_t *)guard + n, NULL);
         cr_assert_eq(e, MOE_EINVAL, "%s: got %s", ps[p], moe_err_code(e));
-        cr_log_info("%s: %s", ps[p], moe_last_error());
+        cr_log_info("%d workers, %s: %s", workers, ps[p], moe_last_error());
         if (p == 0)
             cr_assert(strstr(moe_last_error(), "no GPU"), "%s", moe_last_error());
-        /* the worker and the client still serve */
+        /* the workers and the client still serve */
         uint16_t x[8 * 32], y[8 * 32];
         memset(x, 0, sizeof(x));
         cr_assert_eq(moe_forward(c, "m", 0, MOE_BF16, x, T, H, y, NULL), MOE_OK, "%s",
@@ -647,6 +648,16 @@ Test(dataplane, gpu_buffers_refused_clearly_on_cpu, .timeout = 60, .fini = clust
     }
     munmap(guard, 2 * n);
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
+Test(dataplane, gpu_buffers_refused_clearly_on_cpu, .timeout = 60, .fini = cluster_fini_all)
+{
+    gpu_buffers_refused(1, 8);
+}
+
+Test(dataplane, gpu_buffers_never_fanned_out, .timeout = 90, .fini = cluster_fini_all)
+{
+    gpu_buffers_refused(2, 1);
 }
 
 /* many requests in flight on one client, over each data path: 8 threads x
