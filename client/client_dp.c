@@ -2110,15 +2110,35 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     int all_up = 1;
     for (int q = 0; q < W; q++)
         all_up &= __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) > 0;
-    /* rows in GPU memory (registered with moe_cuda_register) are read by
-     * the workers, never here: the fan-out, which sends host rows, is not
-     * theirs */
     const int on_gpu = moe_dp_on_device(c, in, nbytes) || moe_dp_on_device(c, out, nbytes);
-    if (!ordered && m->fanout && all_up && !on_gpu && nctl == 2 && !strcmp(method, "forward") &&
-        T >= 1 && T <= fanout_rows() && (dt == MOE_F32 || dt == MOE_BF16) &&
+    if (!ordered && m->fanout && all_up && nctl == 2 && !strcmp(method, "forward") && T >= 1 &&
+        T <= fanout_rows() && (dt == MOE_F32 || dt == MOE_BF16) &&
         moe__data_path(c) != MOE_PATH_BULK) {
-        free(rq);
-        return dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
+        if (!on_gpu) {
+            free(rq);
+            return dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
+        }
+        /* rows in GPU memory (moe_cuda_register): the fan-out sends host
+         * rows, so a decode batch is staged through host memory with two
+         * small copies (an engine's hidden states on its GPU then pay them
+         * instead of the ordered road); when CUDA cannot copy them here,
+         * the ordered road, where the workers read them from the device */
+        void *hin = malloc(nbytes), *hout = malloc(nbytes);
+        if (hin && hout && moe_nccl_copy(hin, in, nbytes) == MOE_OK) {
+            free(rq);
+            moe_err fe =
+                dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, hin, T, H, hout, ctl, stale);
+            if (fe == MOE_OK && moe_nccl_copy(out, hout, nbytes) != MOE_OK) {
+                fe = ctl->err = MOE_EINTERNAL;
+                snprintf(ctl->message, sizeof(ctl->message),
+                         "%s: copying y into the caller's GPU buffer failed", method);
+            }
+            free(hin);
+            free(hout);
+            return fe;
+        }
+        free(hin);
+        free(hout);
     }
     /* x and out in the application's shared buffers: no copy at all */
     int ux = nbytes && m->shm ? ubuf_find(dp, in, nbytes) : -1;
