@@ -2121,9 +2121,15 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         /* rows in GPU memory (moe_cuda_register): the fan-out sends host
          * rows, so a decode batch is staged through host memory with two
          * small copies (an engine's hidden states on its GPU then pay them
-         * instead of the ordered road); when CUDA cannot copy them here,
-         * the ordered road, where the workers read them from the device */
-        void *hin = malloc(nbytes), *hout = malloc(nbytes);
+         * instead of the ordered road), when both are device memory of
+         * this process as CUDA itself says (a registered pointer is the
+         * caller's word only); otherwise, or when CUDA cannot copy them
+         * here, the ordered road, where the workers read them */
+        const uint8_t *ib = in, *ob = out;
+        const int device_rows =
+            moe_nccl_device_of(ib) >= 0 && moe_nccl_device_of(ib + nbytes - 1) >= 0 &&
+            moe_nccl_device_of(ob) >= 0 && moe_nccl_device_of(ob + nbytes - 1) >= 0;
+        void *hin = device_rows ? malloc(nbytes) : NULL, *hout = hin ? malloc(nbytes) : NULL;
         if (hin && hout && moe_nccl_copy(hin, in, nbytes) == MOE_OK) {
             free(rq);
             moe_err fe =
