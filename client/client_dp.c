@@ -2078,6 +2078,13 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     return e;
 }
 
+/* MOE_DIRECT_TRACE=N: where an ordered-road call's time goes in libmoe
+ * (common/step_trace.h): the rows sent to the workers, the coordinator's
+ * answer (the job ordered and run), the workers' answers read, y copied
+ * out */
+static step_trace dr_tr = {
+    "MOE_DIRECT_TRACE", "libmoe ordered road", 4, {"post", "order", "answers", "out"}, -1, 0, {0}};
+
 /* dp_attempt: one try of a data-plane call on map m. ordered: never the
  * lane or the fan-out - the coordinator orders the job (the retry of a
  * forward they could not place) */
@@ -2146,6 +2153,8 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         free(hin);
         free(hout);
     }
+    double t_tr = 0;
+    step_trace_begin(&dr_tr, &t_tr);
     /* x and out in the application's shared buffers: no copy at all */
     int ux = nbytes && m->shm ? ubuf_find(dp, in, nbytes) : -1;
     int uy = ux >= 0 ? ubuf_find(dp, out, nbytes) : -1;
@@ -2294,6 +2303,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             e = req_start_chained(&rq[q], m->sock[q], msg, moe__timeout_ms(c));
         rq[q].msgid = msgid;
     }
+    step_trace_stamp(&dr_tr, 0, &t_tr);
     /* 2. the control call: the coordinator orders the job and names the
      * ticket to every worker (not on the lane: the worker runs it) */
     moe_rpc_response gone = {0}; /* the ranks the coordinator's error names gone */
@@ -2305,6 +2315,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             *stale = 1;
         gone = gone_ranks(ctl, e);
     }
+    step_trace_stamp(&dr_tr, 1, &t_tr);
     /* 3. the answers: the rows back from each worker (always awaited: a
      * worker may still write into our buffer until it has answered) */
     int poisoned = 0;
@@ -2353,6 +2364,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         }
         req_close(&rq[q]);
     }
+    step_trace_stamp(&dr_tr, 2, &t_tr);
     for (int q = 0; q < W; q++) /* not answered in bulk: the call failed, the connection shut */
         if (bulk_started(bx, q))
             (void)moe_bulk_finish(&bx[q], 1);
@@ -2365,6 +2377,8 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     }
     if (e == MOE_OK && b)
         par_memcpy(out, b->base + nbytes, nbytes);
+    step_trace_stamp(&dr_tr, 3, &t_tr);
+    step_trace_end(&dr_tr);
     if (poisoned && b)
         shm_drop(dp, b);
     else

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/step_trace.h"
 
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -555,22 +556,34 @@ static moe_err ep_failed(wkr *w, moe_err e, const char *what, char *err, size_t 
     return e;
 }
 
+/* MOE_EP_TRACE=N: where an expert-parallel forward's host time goes on
+ * the ordered road (common/step_trace.h): the forward's launches, the wait
+ * for it (the exchange included), the counts and statistics */
+static step_trace ep_tr = {
+    "MOE_EP_TRACE", "worker ep_forward", 3, {"launch", "wait", "stats"}, -1, 0, {0}};
+
 static moe_err ep_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const void *x,
                           moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
                           char *err, size_t errlen)
 {
     kcu_ep *ep = ((ep_dev *)m->gpu[layer])->ep;
+    double t_last = 0;
+    step_trace_begin(&ep_tr, &t_last);
     wkr_busy_at(w, "expert-parallel forward: kcu_ep_forward");
     moe_err e = kcu_ep_forward(ep, T, x, xdt, y, ydt, train, NULL);
+    step_trace_stamp(&ep_tr, 0, &t_last);
     wkr_busy_at(w, "expert-parallel forward: kcu_ep_wait");
     if (e == MOE_OK)
         e = kcu_ep_wait(ep, NULL);
+    step_trace_stamp(&ep_tr, 1, &t_last);
     wkr_busy_at(w, "expert-parallel forward: counts and stats");
     if (e == MOE_OK) {
         kcu_ep_last_counts(ep, out->counts, NULL, NULL, NULL);
         out->a2a_bytes = (uint64_t)kcu_ep_last_a2a_bytes(ep);
         e = kcu_ep_stats(ep, out->probs_sum, &out->z_sum, NULL);
     }
+    step_trace_stamp(&ep_tr, 2, &t_last);
+    step_trace_end(&ep_tr);
     m->gpu_handle[layer] = 0;
     if (e == MOE_OK && train)
         m->gpu_handle[layer] = handle;
