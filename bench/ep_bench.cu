@@ -20,6 +20,9 @@
  *
  *   bin/ep_bench --gpus 4 --shape mixtral|qwen3|deepseek|small|moe64 [--tokens 16384]
  *                [--chunks 1,2,4] [--comm-sms 16] [--iters 10] [--skew] [--check]
+ *                [--t-max N]   (the layer sized for N tokens, as a worker's --gpu-max-tokens)
+ *                [--host-rows]   (the timed inference forward's x and y bf16 in page-locked
+ *                             host memory, as a GPU worker's raw path)
  *                [--check-chunks N]   (the check's overlap degree, default 2; 0: auto)
  *                [--dedup]   (deduplicated dispatch in inference forwards: c.dedup 1,
  *                             the default)
@@ -84,6 +87,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include "base/bf16.h"
 #include "kernels/cuda/kcu_ep.h"
 #include "kernels/cuda/kern_cuda.h"
 #include "kernels/cuda/kcu_tool.h"
@@ -176,6 +180,11 @@ struct opts {
     int layers = 1;       /* --layers L (with --check-infer): L layers on one communicator,
                            * forwards back to back on their own streams (the worker's
                            * layers share the copy-engine windows) */
+    int t_max = 0;      /* --t-max N: the layer sized for N tokens (a worker's
+                         * --gpu-max-tokens), not T */
+    int host_rows = 0;  /* --host-rows: the timed inference forward's x and y bf16 in
+                         * page-locked host memory (a GPU worker's raw path), not on the
+                         * device */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};
@@ -624,7 +633,7 @@ static void *rank_main(void *arg)
     c.route = family_route(w->o.family);
     c.rank = r;
     c.world = W;
-    c.T_max = T;
+    c.T_max = w->o.t_max > T ? w->o.t_max : T;
     c.train = !w->o.infer;
     c.chunks = 1;
     c.dedup = w->o.dedup ? w->o.dedup : -1;
@@ -652,6 +661,16 @@ static void *rank_main(void *arg)
     CK(cudaMalloc(&dxd, (size_t)T * H * 2));
     CK(cudaMemcpy(xd, w->x[r].data(), (size_t)T * H * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dyd, w->dy[r].data(), (size_t)T * H * 4, cudaMemcpyHostToDevice));
+    /* --host-rows: the timed inference forward's x and y (bf16) page-locked on the host */
+    void *xh = nullptr, *yh = nullptr;
+    if (w->o.host_rows) {
+        CK(cudaMallocHost(&xh, (size_t)T * H * 2 + 2));
+        CK(cudaMallocHost(&yh, (size_t)T * H * 2 + 2));
+        std::vector<uint16_t> xb((size_t)T * H);
+        for (size_t i = 0; i < xb.size(); i++)
+            xb[i] = bf16_from_f32_inl(w->x[r][i]);
+        memcpy(xh, xb.data(), xb.size() * 2);
+    }
 
     if (w->o.check) { /* chunks 2 for the check (the pipelined path) unless --check-chunks */
         CKM(kcu_ep_set_chunks(ep, w->o.check_chunks, 0));
@@ -707,7 +726,10 @@ static void *rank_main(void *arg)
         int64_t disp_b = 0, a2a_b = 0, ce_wire = 0;
         for (int it = 0; it < w->o.iters + 2; it++) {
             const double f = timed(w, r, [&] {
-                CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 0, st));
+                if (xh)
+                    CKM(kcu_ep_forward(ep, T, xh, MOE_BF16, yh, MOE_BF16, 0, st));
+                else
+                    CKM(kcu_ep_forward(ep, T, xd, MOE_F32, yd, MOE_BF16, 0, st));
                 CKM(kcu_ep_wait(ep, st));
             });
             used_inf = kcu_ep_last_chunks(ep);
@@ -790,6 +812,10 @@ static void *rank_main(void *arg)
     }
     cudaFree(xd);
     cudaFree(yd);
+    if (xh)
+        cudaFreeHost(xh);
+    if (yh)
+        cudaFreeHost(yh);
     cudaFree(dyd);
     cudaFree(dxd);
     for (kcu_ep *m : more)
@@ -989,6 +1015,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(a, "--iters")) {
             o.iters = atoi(v);
             i++;
+        } else if (!strcmp(a, "--t-max")) {
+            o.t_max = atoi(v);
+            i++;
+        } else if (!strcmp(a, "--host-rows")) {
+            o.host_rows = 1;
         } else if (!strcmp(a, "--shape")) {
             int ok = 0;
             for (const shape &s : SHAPES)
