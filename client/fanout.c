@@ -177,9 +177,10 @@ static void sum_cols(uint8_t *out, int out_bf, const uint8_t *const *row, const 
  * the rows are bf16 (their low halves zero), arithmetic returns quiet NaNs
  * carrying an operand's payload or the default NaN, and the weights are
  * checked finite first (sum_token takes the reference path otherwise). */
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(__GNUC__)
 /* vectors passed between these static helpers (inlined; no ABI crosses a
- * library boundary) */
+ * library boundary): GCC's and clang's note on the ABI of such arguments
+ * does not apply */
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 typedef float sum_vf __attribute__((vector_size(32)));
