@@ -180,11 +180,11 @@ struct opts {
     int layers = 1;       /* --layers L (with --check-infer): L layers on one communicator,
                            * forwards back to back on their own streams (the worker's
                            * layers share the copy-engine windows) */
-    int t_max = 0;      /* --t-max N: the layer sized for N tokens (a worker's
-                         * --gpu-max-tokens), not T */
-    int host_rows = 0;  /* --host-rows: the timed inference forward's x and y bf16 in
-                         * page-locked host memory (a GPU worker's raw path), not on the
-                         * device */
+    int t_max = 0;        /* --t-max N: the layer sized for N tokens (a worker's
+                           * --gpu-max-tokens), not T */
+    int host_rows = 0;    /* --host-rows: the timed inference forward's x and y bf16 in
+                           * page-locked host memory (a GPU worker's raw path), not on the
+                           * device */
     int family = FAM_PLAIN;
     shape s = SHAPES[2];
     std::vector<int> chunks{1, 2, 4};

@@ -211,7 +211,8 @@ struct coord_job {
     int64_t expect_step; /* JOB_STEP: the client's expect_step (-1: none) */
     uint64_t admit_gen;  /* JOB_CKPT_SAVE with deferred: the generation of its step */
     uint64_t enqueued_ns, deadline_ns, started_ns;
-    uint64_t generation; /* cluster generation the job was sent in */
+    uint64_t first_reply_ns, last_reply_ns; /* on the loop: the first and last member's reply */
+    uint64_t generation;                    /* cluster generation the job was sent in */
     int nsent, pending;
     int answered;   /* finish ran early (a member is gone, JOB_F_EARLY): not again */
     int gone_plus1; /* 1 + the rank whose loss answered it early (0: none): its error

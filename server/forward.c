@@ -12,6 +12,7 @@
 #include "server/coord.h"
 #include "common/log.h"
 #include "common/params.h"
+#include "common/step_trace.h"
 #include "common/routing_stats.h"
 #include "common/placement.h"
 
@@ -315,6 +316,36 @@ static int nbatch_of(const coord_job *j)
     return n;
 }
 
+/* MOE_COORD_TRACE=N: where an ordered forward's time goes in the
+ * coordinator (common/step_trace.h; a decode loop's one call at a time):
+ * from the request's arrival to its job's queueing on the loop, to the job
+ * sent to the workers, to the first member's reply seen on the loop, to
+ * the last's, to the answer sent */
+static step_trace co_tr = {"MOE_COORD_TRACE",
+                           "coordinator forward",
+                           5,
+                           {"to loop", "to send", "first reply", "last reply", "answer"},
+                           -1,
+                           0,
+                           {0}};
+
+static void coord_trace(const coord_job *j)
+{
+    double now_us = 0;
+    if (!step_trace_begin(&co_tr, &now_us) || !j->call || !j->started_ns || !j->first_reply_ns)
+        return;
+    const double us[5] = {
+        ((double)j->enqueued_ns - (double)j->call->recv_ns) * 1e-3,
+        ((double)j->started_ns - (double)j->enqueued_ns) * 1e-3,
+        ((double)j->first_reply_ns - (double)j->started_ns) * 1e-3,
+        ((double)j->last_reply_ns - (double)j->first_reply_ns) * 1e-3,
+        ((double)rpc_now_ns() - (double)j->last_reply_ns) * 1e-3,
+    };
+    for (int i = 0; i < 5; i++)
+        co_tr.t[i] += us[i];
+    step_trace_end(&co_tr);
+}
+
 static void forward_finish(coord *c, coord_job *j)
 {
     coord_model *m = j->model;
@@ -549,6 +580,7 @@ static void forward_finish(coord *c, coord_job *j)
         c->phase_hist[k][pb]++;
     }
     c->recent_tokens += (double)T;
+    coord_trace(j);
     free(cnt);
     free(drop);
     free(psum);

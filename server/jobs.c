@@ -191,6 +191,9 @@ void coord_on_done(uv_async_t *h)
         coord_job *j = d->job;
         j->replies[d->rank] = d->reply;
         j->errs[d->rank] = d->err;
+        j->last_reply_ns = rpc_now_ns();
+        if (!j->first_reply_ns)
+            j->first_reply_ns = j->last_reply_ns;
         if (--j->pending > 0 && !j->answered && (j->ops->flags & JOB_F_EARLY) && d->reply &&
             d->reply->transport && d->err != MOE_OK)
             answer_early(c, j, d->rank);

@@ -23,6 +23,7 @@
 #include "common/nccl_pieces.h"
 #include "common/params.h"
 #include "common/placement.h"
+#include "common/step_trace.h"
 #include "worker/nccl_client.h"
 #include "worker/rows.h"
 
@@ -452,8 +453,23 @@ static moe_err fwd_nccl_pieces(wkr *w, wkr_model *m, const wkr_gpu_ops *gops, in
     return e;
 }
 
+/* MOE_JOB_TRACE=N: where an ordered-road forward's time goes in a worker
+ * (common/step_trace.h; a decode loop's one call at a time): from the
+ * coordinator's job arriving to the compute thread taking it, the rows
+ * gathered, the forward, its answers (rows to the client, reply to the
+ * coordinator) */
+static step_trace job_tr = {"MOE_JOB_TRACE",
+                            "worker ordered forward",
+                            4,
+                            {"to compute", "rows", "forward", "answer"},
+                            -1,
+                            0,
+                            {0}};
+
 void wkr_op_forward(wkr *w, rpc_call *c)
 {
+    double t_tr = 0;
+    int tr = step_trace_begin(&job_tr, &t_tr);
     char model_name[MODEL_NAME_MAX], err[256] = "";
     int64_t layer = 0, T_total = 0, row0 = 0, handle = 0;
     bool train = false, lane = false, fanout = false;
@@ -528,6 +544,9 @@ void wkr_op_forward(wkr *w, rpc_call *c)
         long long wait_ms = w->data_wait_ms;
         if (W > 1 && wait_ms > w->xchg_timeout_ms / 2)
             wait_ms = w->xchg_timeout_ms / 2;
+        tr = tr && !lane && !fanout; /* the ordered road's */
+        if (tr)
+            job_tr.t[0] += t_tr - (double)c->recv_ns * 1e-3;
         e = dp_batch_gather(&w->dp, &rpieces, dt, H, rpc_now_ns() + (uint64_t)wait_ms * 1000000ull,
                             (device_ok ? DP_GATHER_DEVICE : 0) | (piecewise ? DP_GATHER_PIECES : 0),
                             &batch, err, sizeof(err));
@@ -538,6 +557,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
             return;
         }
         xt = batch.x;
+        if (tr)
+            step_trace_stamp(&job_tr, 1, &t_tr);
         if (fanout) { /* the lane of several workers: no exchange (fanout.c) */
             /* a GPU backend either routes on the device (fanout) or runs
              * the experts alone (experts_forward, routing on the host) */
@@ -769,6 +790,8 @@ void wkr_op_forward(wkr *w, rpc_call *c)
 reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times, and a2a_bytes or
          * aux_loss} */
     lane_trace(LT_FWD1);
+    if (tr && direct)
+        step_trace_stamp(&job_tr, 2, &t_tr);
     if (lane) {
         double ph[4] = {t_gate - t0, t_disp - t_gate, t_exp - t_disp, t_comb - t_exp};
         lane_attach_stats(&batch, cfg, T, st->counts, dropped, probs_sum, z_sum,
@@ -804,6 +827,10 @@ reply:; /* {y, counts, dropped, probs_sum, z_sum, phase times, and a2a_bytes or
     mp_write_cstr(&wr, "combine_s");
     mp_write_f64(&wr, t_comb - t_exp);
     rpc_reply(c, &wr);
+    if (tr && direct) {
+        step_trace_stamp(&job_tr, 3, &t_tr);
+        step_trace_end(&job_tr);
+    }
     if (train) {
         wkr_handle_put(w, st);
         st = NULL;
