@@ -528,6 +528,90 @@ Test(fanout_unit, bf16_sum_matches_the_reference_bit_for_bit)
     free(allb), free(ref), free(shf), free(shb), free(want), free(y), free(yb);
 }
 
+/* the answer's stats: rank 0's map with "dropped" summed over the parts,
+ * whether the counts are one byte each (the fast read: rank 1) or not
+ * (rank 0: 200), and the sums written small (one byte) or not */
+static void stats_map(mp_writer *w, const int64_t *dropped, int E)
+{
+    mp_write_map(w, 3);
+    mp_write_cstr(w, "tokens_per_expert");
+    mp_write_array(w, (uint32_t)E);
+    for (int e = 0; e < E; e++)
+        mp_write_i64(w, 3 * e);
+    mp_write_cstr(w, "dropped");
+    mp_write_array(w, (uint32_t)E);
+    for (int e = 0; e < E; e++)
+        mp_write_i64(w, dropped[e]);
+    mp_write_cstr(w, "imbalance");
+    mp_write_f64(w, 0.5);
+}
+
+Test(fanout_unit, stats_sum_dropped_small_or_not)
+{
+    enum { E = 4 };
+    const int64_t d0[E] = {1, 200, 0, 127}, d1[E] = {0, 5, 100, 1}, want[E] = {1, 205, 100, 128};
+    mp_writer a, b, out;
+    mp_writer_init(&a);
+    mp_writer_init(&b);
+    mp_writer_init(&out);
+    stats_map(&a, d0, E);
+    stats_map(&b, d1, E);
+    moe_fanout_part p[2];
+    memset(p, 0, sizeof(p));
+    p[0].rank = 1, p[0].stats = b.buf, p[0].stats_len = b.len; /* rank 0 second: found by rank */
+    p[1].rank = 0, p[1].stats = a.buf, p[1].stats_len = a.len;
+    cr_assert_eq(moe_fanout_stats(p, 2, &out), 0);
+    mp_reader r;
+    uint32_t n, m;
+    mp_reader_init(&r, out.buf, out.len);
+    cr_assert_eq(mp_read_map(&r, &n, NULL), MOE_OK);
+    cr_assert_eq(n, 3);
+    int seen = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        cr_assert_eq(mp_read_str(&r, &k, &kl, NULL), MOE_OK);
+        if (mp_str_eq(k, kl, "dropped")) {
+            cr_assert_eq(mp_read_array(&r, &m, NULL), MOE_OK);
+            cr_assert_eq(m, E);
+            for (int e = 0; e < E; e++) {
+                int64_t v;
+                cr_assert_eq(mp_read_i64(&r, &v, NULL), MOE_OK);
+                cr_assert_eq(v, want[e], "dropped[%d] = %lld, want %lld", e, (long long)v,
+                             (long long)want[e]);
+            }
+            seen |= 1;
+        } else if (mp_str_eq(k, kl, "tokens_per_expert")) { /* rank 0's, as it was */
+            cr_assert_eq(mp_read_array(&r, &m, NULL), MOE_OK);
+            for (uint32_t e = 0; e < m; e++) {
+                int64_t v;
+                cr_assert_eq(mp_read_i64(&r, &v, NULL), MOE_OK);
+                cr_assert_eq(v, 3 * (int64_t)e);
+            }
+            seen |= 2;
+        } else {
+            double f;
+            cr_assert_eq(mp_read_f64(&r, &f, NULL), MOE_OK);
+            cr_assert_eq(f, 0.5);
+            seen |= 4;
+        }
+    }
+    cr_assert_eq(seen, 7);
+    /* a part whose dropped counts differ in length: refused */
+    mp_writer c;
+    mp_writer_init(&c);
+    stats_map(&c, d1, E - 1);
+    p[0].stats = c.buf, p[0].stats_len = c.len;
+    mp_writer o2;
+    mp_writer_init(&o2);
+    cr_assert_eq(moe_fanout_stats(p, 2, &o2), -1);
+    mp_writer_fini(&o2);
+    mp_writer_fini(&c);
+    mp_writer_fini(&a);
+    mp_writer_fini(&b);
+    mp_writer_fini(&out);
+}
+
 /* a worker killed under a stream of fan-out forwards (through rings and
  * over sockets): every call in flight or sent after is answered promptly
  * (ok, or unavailable - never held until the call's timeout); after the
