@@ -246,8 +246,12 @@ void moe_buffer_free(moe_client *c, void *p);
  * moe_buffer_alloc ones) go GPU to GPU - each worker opens the allocation
  * once and reads x and writes y on the device, with no host copy (the
  * caller's stream work must be finished before the call). libmoe never
- * reads or writes that memory itself: without a data plane to workers on
- * this host such a call fails with MOE_EINVAL. At most 64 buffers of both
+ * reads or writes that memory on the host; it copies it only with CUDA:
+ * a decode batch (at most $MOE_FANOUT_ROWS rows, 16 by default) on several
+ * workers, when CUDA reports both buffers as device memory, is copied to
+ * host memory and back with cudaMemcpy and fanned out (a few microseconds
+ * instead of the ordered road). Without a data plane to workers on this
+ * host such a call fails with MOE_EINVAL. At most 64 buffers of both
  * kinds per client. The memory stays the caller's; moe_cuda_unregister
  * tells the workers to close it. */
 moe_err moe_cuda_register(moe_client *c, void *dptr, size_t n, const void *ipc_handle);

@@ -207,9 +207,9 @@ static inline sum_vf sum_round(sum_vf f)
     return sum_as_f((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
 }
 
-/* sum_token writes y (H) of one token: the vectors where the rows are bf16
- * and the weights finite, sum_cols elsewhere (f32 rows, the last columns,
- * a non-finite weight); the same bits either way. Cloned for the wider
+/* sum_token writes y (H) of one token: vectors for f32 rows, and for bf16
+ * rows whose weights are finite; sum_cols elsewhere (the last columns, a
+ * non-finite weight); the same bits either way. Cloned for the wider
  * vector units (picked at load time): the same operations in the same
  * order (no contraction under -std=c11). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -225,7 +225,49 @@ sum_token(uint8_t *out, int out_bf, const uint8_t *const *row, const float *w, i
         memcpy(&wb, &w[j], 4);
         finite &= (wb & 0x7f800000u) != 0x7f800000u;
     }
-    const size_t step = 2 * SUM_BF_COLS, Hv = bf && finite ? H - H % step : 0;
+    if (!bf) { /* f32 rows: the reference's products and sums, 32 columns at a time */
+        const size_t Hf = H - H % 32;
+        for (size_t c = 0; c < Hf; c += 32) {
+            sum_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, x0, x1, x2, x3;
+            for (int j = 0; j < K; j++) {
+                const uint8_t *r = row[j] + 4 * c;
+                memcpy(&x0, r, sizeof(x0));
+                memcpy(&x1, r + 32, sizeof(x1));
+                memcpy(&x2, r + 64, sizeof(x2));
+                memcpy(&x3, r + 96, sizeof(x3));
+                a0 += w[j] * x0;
+                a1 += w[j] * x1;
+                a2 += w[j] * x2;
+                a3 += w[j] * x3;
+            }
+            if (srow) {
+                const uint8_t *r = srow + 4 * c;
+                memcpy(&x0, r, sizeof(x0));
+                memcpy(&x1, r + 32, sizeof(x1));
+                memcpy(&x2, r + 64, sizeof(x2));
+                memcpy(&x3, r + 96, sizeof(x3));
+                a0 = a0 + x0;
+                a1 = a1 + x1;
+                a2 = a2 + x2;
+                a3 = a3 + x3;
+            }
+            float y[32];
+            memcpy(y, &a0, 32);
+            memcpy(y + 8, &a1, 32);
+            memcpy(y + 16, &a2, 32);
+            memcpy(y + 24, &a3, 32);
+            if (out_bf)
+                for (int i = 0; i < 32; i++) {
+                    const uint16_t h = bf16_from_f32_inl(y[i]);
+                    memcpy(out + 2 * (c + (size_t)i), &h, 2);
+                }
+            else
+                memcpy(out + 4 * c, y, sizeof(y));
+        }
+        sum_cols(out, out_bf, row, w, K, srow, bf, Hf, H);
+        return;
+    }
+    const size_t step = 2 * SUM_BF_COLS, Hv = finite ? H - H % step : 0;
     const sum_vu hi = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
                        0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
     for (size_t c = 0; c < Hv; c += step) {

@@ -435,97 +435,202 @@ Test(fanout_unit, assembly_sums_in_order_and_refuses_misfits)
     cr_assert_eq(moe_fanout_combine(p, 2, 2, 3, MOE_F32, y, msg, sizeof(msg)), MOE_EPROTO);
 }
 
-/* the bf16 sum's vector path against the reference arithmetic
+/* the sum's vector paths against the reference arithmetic
  * (moe_combine_rows, moe_rows_add), bit for bit: T=3 tokens, top-8, 2 parts
  * taking alternate slots, H past a whole number of vectors (the last
  * columns take the scalar path), shared rows from both parts, rows with
  * infinities, NaNs, subnormals and values whose weighted terms overflow;
- * bf16 and f32 output; then a NaN weight (the reference path throughout).
- * NaNs compare as NaNs (their payloads are the compiler's to choose). */
+ * bf16 rows and f32 rows, bf16 and f32 output; then a NaN weight (the
+ * reference path throughout for bf16 rows). NaNs compare as NaNs (their
+ * payloads are the compiler's to choose). */
 static int same_value(float a, float b)
 {
     return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof(a)) == 0;
 }
 
-Test(fanout_unit, bf16_sum_matches_the_reference_bit_for_bit)
+enum { SUM_T = 3, SUM_K = 8, SUM_S = SUM_T * SUM_K, SUM_H = 2048 + 17 };
+
+/* sum_case: parts of rows (S,H) of dtype rdt (rows by slot, ye f32 the
+ * same values), shared rows sh (T,H) of rdt (shf f32), weights w: y in
+ * both output dtypes against the reference; returns the NaN outputs */
+static int sum_case(moe_dtype rdt, const void *rows, const float *ye, const void *sh,
+                    const float *shf, const float *w, int pass)
 {
-    enum { T = 3, K = 8, S = T * K, H = 2048 + 17 };
-    float *ref = malloc((size_t)S * H * sizeof(float));        /* (S,H) ye by slot */
-    float *shf = malloc((size_t)T * H * sizeof(float));        /* (T,H) shared rows */
-    uint16_t *rows[2], *shb = malloc((size_t)T * H * 2);       /* bf16 */
-    float *want = malloc((size_t)T * H * sizeof(float)), w[S]; /* (T,H) */
-    float *y = malloc((size_t)T * H * sizeof(float));          /* (T,H) f32 out */
-    uint16_t *yb = malloc((size_t)T * H * 2);                  /* (T,H) bf16 out */
+    enum { T = SUM_T, K = SUM_K, S = SUM_S, H = SUM_H };
+    const size_t es = moe_dtype_size(rdt), n = (size_t)T * H;
+    const int bf = rdt == MOE_BF16;
+    uint8_t *part[2];
     int32_t slots[2][S / 2];
+    float *want = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
+    uint16_t *yb = malloc(n * 2);
     char msg[256];
-    cr_assert(ref && shf && shb && want && y && yb);
-    rng_fill_uniform(7, 1, -4.0f, 4.0f, ref, (size_t)S * H);
-    rng_fill_uniform(7, 2, -2.0f, 2.0f, shf, (size_t)T * H);
+    cr_assert(want && y && yb);
+    for (int q = 0; q < 2; q++) {
+        part[q] = malloc((size_t)(S / 2) * H * es);
+        cr_assert(part[q]);
+    }
+    for (int s = 0; s < S; s++) { /* rank q takes slots q, q+2, ... */
+        slots[s % 2][s / 2] = s;
+        memcpy(part[s % 2] + (size_t)(s / 2) * H * es, (const uint8_t *)rows + (size_t)s * H * es,
+               (size_t)H * es);
+    }
+    moe_combine_rows(ye, w, NULL, T, K, H, bf, want);
+    moe_rows_add(want, shf, n, bf);
+    moe_fanout_part p[2];
+    memset(p, 0, sizeof(p));
+    for (int q = 0; q < 2; q++) {
+        p[q].rank = q;
+        p[q].top_k = K;
+        p[q].dtype = rdt;
+        p[q].slots = (const uint8_t *)slots[q];
+        p[q].nslots = S / 2;
+        p[q].rows = part[q];
+        p[q].rows_len = (size_t)(S / 2) * H * es;
+        p[q].topk_w = (const uint8_t *)w;
+        p[q].ntopk = S;
+    }
+    p[0].shared = sh; /* token 0 from rank 0, 1-2 from rank 1 */
+    p[0].shared_len = (size_t)H * es;
+    p[1].shared = (const uint8_t *)sh + (size_t)H * es;
+    p[1].shared_len = (size_t)2 * H * es;
+    p[1].shared_row0 = 1;
+    cr_assert_eq(moe_fanout_combine(p, 2, T, H, MOE_F32, y, msg, sizeof(msg)), MOE_OK, "%s", msg);
+    cr_assert_eq(moe_fanout_combine(p, 2, T, H, MOE_BF16, yb, msg, sizeof(msg)), MOE_OK, "%s", msg);
+    int nan = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint16_t wb;
+        float wf;
+        moe_bf16_from_f32(&want[i], &wb, 1);
+        moe_f32_from_bf16(&yb[i], &wf, 1);
+        nan += isnan(want[i]);
+        cr_assert(same_value(y[i], want[i]), "%s rows, pass %d: f32 y[%zu] %a, reference %a",
+                  moe_dtype_name(rdt), pass, i, y[i], want[i]);
+        cr_assert(isnan(wf) ? isnan(want[i]) : yb[i] == wb,
+                  "%s rows, pass %d: bf16 y[%zu] %04x, reference %04x", moe_dtype_name(rdt), pass,
+                  i, yb[i], wb);
+    }
+    for (int q = 0; q < 2; q++)
+        free(part[q]);
+    free(want), free(y), free(yb);
+    return nan;
+}
+
+Test(fanout_unit, sum_matches_the_reference_bit_for_bit)
+{
+    enum { T = SUM_T, S = SUM_S, H = SUM_H };
+    float *ref = malloc((size_t)S * H * sizeof(float)); /* (S,H) ye by slot */
+    float *ref32 = malloc((size_t)S * H * sizeof(float));
+    float *shf = malloc((size_t)T * H * sizeof(float)); /* (T,H) shared rows */
+    float *shf32 = malloc((size_t)T * H * sizeof(float));
+    uint16_t *allb = malloc((size_t)S * H * 2), *shb = malloc((size_t)T * H * 2); /* bf16 */
+    float w[S];
+    cr_assert(ref && ref32 && shf && shf32 && allb && shb);
+    rng_fill_uniform(7, 1, -4.0f, 4.0f, ref32, (size_t)S * H);
+    rng_fill_uniform(7, 2, -2.0f, 2.0f, shf32, (size_t)T * H);
     rng_fill_uniform(7, 3, 0.0f, 2.5f, w, S);
     w[3] = 0.0f;
     const float special[] = {INFINITY, -INFINITY, NAN, -NAN, 1e-39f, -3e-40f, 3.0e38f, -3.3e38f};
     for (int k = 0; k < 64; k++) /* special values at scattered places, vector and tail */
-        ref[(size_t)(k * 7919) % ((size_t)S * H)] = special[k % 8];
-    ref[(size_t)3 * H + 5] = INFINITY; /* times the zero weight: NaN */
-    for (int q = 0; q < 2; q++) {
-        rows[q] = malloc((size_t)(S / 2) * H * 2);
-        cr_assert(rows[q]);
-    }
-    /* bf16 values: the reference rows rounded, rank q taking slots q, q+2, ... */
-    uint16_t *allb = malloc((size_t)S * H * 2);
-    cr_assert(allb);
-    moe_bf16_from_f32(ref, allb, (size_t)S * H);
+        ref32[(size_t)(k * 7919) % ((size_t)S * H)] = special[k % 8];
+    ref32[(size_t)3 * H + 5] = INFINITY; /* times the zero weight: NaN */
+    /* bf16 values: the f32 rows rounded */
+    moe_bf16_from_f32(ref32, allb, (size_t)S * H);
     moe_f32_from_bf16(allb, ref, (size_t)S * H);
-    moe_bf16_from_f32(shf, shb, (size_t)T * H);
+    moe_bf16_from_f32(shf32, shb, (size_t)T * H);
     moe_f32_from_bf16(shb, shf, (size_t)T * H);
-    for (int s = 0; s < S; s++) {
-        slots[s % 2][s / 2] = s;
-        memcpy(rows[s % 2] + (size_t)(s / 2) * H, allb + (size_t)s * H, (size_t)H * 2);
-    }
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1)
             w[5] = NAN;
-        moe_combine_rows(ref, w, NULL, T, K, H, 1, want);
-        moe_rows_add(want, shf, (size_t)T * H, 1);
-        moe_fanout_part p[2];
-        memset(p, 0, sizeof(p));
-        for (int q = 0; q < 2; q++) {
-            p[q].rank = q;
-            p[q].top_k = K;
-            p[q].dtype = MOE_BF16;
-            p[q].slots = (const uint8_t *)slots[q];
-            p[q].nslots = S / 2;
-            p[q].rows = (const uint8_t *)rows[q];
-            p[q].rows_len = (size_t)(S / 2) * H * 2;
-            p[q].topk_w = (const uint8_t *)w;
-            p[q].ntopk = S;
-        }
-        p[0].shared = (const uint8_t *)shb; /* token 0 from rank 0, 1-2 from rank 1 */
-        p[0].shared_len = (size_t)H * 2;
-        p[1].shared = (const uint8_t *)(shb + H);
-        p[1].shared_len = (size_t)2 * H * 2;
-        p[1].shared_row0 = 1;
-        cr_assert_eq(moe_fanout_combine(p, 2, T, H, MOE_F32, y, msg, sizeof(msg)), MOE_OK, "%s",
-                     msg);
-        cr_assert_eq(moe_fanout_combine(p, 2, T, H, MOE_BF16, yb, msg, sizeof(msg)), MOE_OK, "%s",
-                     msg);
-        int nan = 0;
-        for (size_t i = 0; i < (size_t)T * H; i++) {
-            uint16_t wb;
-            float wf;
-            moe_bf16_from_f32(&want[i], &wb, 1);
-            moe_f32_from_bf16(&yb[i], &wf, 1);
-            nan += isnan(want[i]);
-            cr_assert(same_value(y[i], want[i]), "pass %d f32 y[%zu] %a, reference %a", pass, i,
-                      y[i], want[i]);
-            cr_assert(isnan(wf) ? isnan(want[i]) : yb[i] == wb,
-                      "pass %d bf16 y[%zu] %04x, reference %04x", pass, i, yb[i], wb);
-        }
-        cr_assert(nan > 0 && nan < T * H / 2, "pass %d: %d NaN outputs", pass, nan);
+        int nan = sum_case(MOE_BF16, allb, ref, shb, shf, w, pass);
+        cr_assert(nan > 0 && nan < T * H / 2, "bf16 rows, pass %d: %d NaN outputs", pass, nan);
+        nan = sum_case(MOE_F32, ref32, ref32, shf32, shf32, w, pass);
+        cr_assert(nan > 0 && nan < T * H / 2, "f32 rows, pass %d: %d NaN outputs", pass, nan);
     }
-    for (int q = 0; q < 2; q++)
-        free(rows[q]);
-    free(allb), free(ref), free(shf), free(shb), free(want), free(y), free(yb);
+    free(ref), free(ref32), free(shf), free(shf32), free(allb), free(shb);
+}
+
+/* the answer's stats: rank 0's map with "dropped" summed over the parts,
+ * whether the counts are one byte each (the fast read: rank 1) or not
+ * (rank 0: 200), and the sums written small (one byte) or not */
+static void stats_map(mp_writer *w, const int64_t *dropped, int E)
+{
+    mp_write_map(w, 3);
+    mp_write_cstr(w, "tokens_per_expert");
+    mp_write_array(w, (uint32_t)E);
+    for (int e = 0; e < E; e++)
+        mp_write_i64(w, 3 * e);
+    mp_write_cstr(w, "dropped");
+    mp_write_array(w, (uint32_t)E);
+    for (int e = 0; e < E; e++)
+        mp_write_i64(w, dropped[e]);
+    mp_write_cstr(w, "imbalance");
+    mp_write_f64(w, 0.5);
+}
+
+Test(fanout_unit, stats_sum_dropped_small_or_not)
+{
+    enum { E = 4 };
+    const int64_t d0[E] = {1, 200, 0, 127}, d1[E] = {0, 5, 100, 1}, want[E] = {1, 205, 100, 128};
+    mp_writer a, b, out;
+    mp_writer_init(&a);
+    mp_writer_init(&b);
+    mp_writer_init(&out);
+    stats_map(&a, d0, E);
+    stats_map(&b, d1, E);
+    moe_fanout_part p[2];
+    memset(p, 0, sizeof(p));
+    p[0].rank = 1, p[0].stats = b.buf, p[0].stats_len = b.len; /* rank 0 second: found by rank */
+    p[1].rank = 0, p[1].stats = a.buf, p[1].stats_len = a.len;
+    cr_assert_eq(moe_fanout_stats(p, 2, &out), 0);
+    mp_reader r;
+    uint32_t n, m;
+    mp_reader_init(&r, out.buf, out.len);
+    cr_assert_eq(mp_read_map(&r, &n, NULL), MOE_OK);
+    cr_assert_eq(n, 3);
+    int seen = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *k;
+        uint32_t kl;
+        cr_assert_eq(mp_read_str(&r, &k, &kl, NULL), MOE_OK);
+        if (mp_str_eq(k, kl, "dropped")) {
+            cr_assert_eq(mp_read_array(&r, &m, NULL), MOE_OK);
+            cr_assert_eq(m, E);
+            for (int e = 0; e < E; e++) {
+                int64_t v;
+                cr_assert_eq(mp_read_i64(&r, &v, NULL), MOE_OK);
+                cr_assert_eq(v, want[e], "dropped[%d] = %lld, want %lld", e, (long long)v,
+                             (long long)want[e]);
+            }
+            seen |= 1;
+        } else if (mp_str_eq(k, kl, "tokens_per_expert")) { /* rank 0's, as it was */
+            cr_assert_eq(mp_read_array(&r, &m, NULL), MOE_OK);
+            for (uint32_t e = 0; e < m; e++) {
+                int64_t v;
+                cr_assert_eq(mp_read_i64(&r, &v, NULL), MOE_OK);
+                cr_assert_eq(v, 3 * (int64_t)e);
+            }
+            seen |= 2;
+        } else {
+            double f;
+            cr_assert_eq(mp_read_f64(&r, &f, NULL), MOE_OK);
+            cr_assert_eq(f, 0.5);
+            seen |= 4;
+        }
+    }
+    cr_assert_eq(seen, 7);
+    /* a part whose dropped counts differ in length: refused */
+    mp_writer c;
+    mp_writer_init(&c);
+    stats_map(&c, d1, E - 1);
+    p[0].stats = c.buf, p[0].stats_len = c.len;
+    mp_writer o2;
+    mp_writer_init(&o2);
+    cr_assert_eq(moe_fanout_stats(p, 2, &o2), -1);
+    mp_writer_fini(&o2);
+    mp_writer_fini(&c);
+    mp_writer_fini(&a);
+    mp_writer_fini(&b);
+    mp_writer_fini(&out);
 }
 
 /* a worker killed under a stream of fan-out forwards (through rings and

@@ -59,7 +59,7 @@ Test(python, kill_test_two_kills_in_one_cluster, .timeout = 150)
              "python3 tests/faults/kill_test.py --workers 2 --backend cpu --kills 2 --train "
              "--kill-during step --checkpoint-dir %s/ck --d-model 128 --d-ff 256 --seed 3 "
              "--time-limit 120 >%s/out.log 2>&1; rc=$?; "
-             "grep -E '^kill-summary|^kill test:' %s/out.log; "
+             "grep -E '^kill-summary|^kill test:|check [0-9]+b? .*: FAIL|Abort' %s/out.log; "
              "[ $rc -ne 0 ] && tail -n 60 %s/out.log; exit $rc",
              dir, dir, dir, dir);
     FILE *p = popen(cmd, "r");

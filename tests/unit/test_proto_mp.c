@@ -966,3 +966,50 @@ Test(proto_mp_differential, random_valid_messages_agree_with_msgpack_c)
     }
     msgpack_unpacked_destroy(&up);
 }
+
+/* ---- arrays of small counts in one step ---- */
+
+/* mp_read_small_uints takes an array of positive fixints (fixarray and
+ * array16 headers) as a view of its bytes, and refuses, with the reader
+ * where it was, an array holding anything else, a value that is not an
+ * array, or a count past the buffer */
+Test(proto_mp_small_uints, view_or_refusal_with_the_reader_kept)
+{
+    mp_writer w;
+    mp_writer_init(&w);
+    mp_write_array(&w, 3); /* fixarray of small counts */
+    for (int i = 0; i < 3; i++)
+        mp_write_i64(&w, 5 * i);
+    mp_write_array(&w, 40); /* array16 of small counts */
+    for (int i = 0; i < 40; i++)
+        mp_write_i64(&w, i % 128);
+    mp_write_array(&w, 2); /* a count of 128 takes two bytes: not small */
+    mp_write_i64(&w, 1);
+    mp_write_i64(&w, 128);
+    mp_write_array(&w, 1); /* a negative fixint is not a count */
+    mp_write_i64(&w, -1);
+    mp_write_str(&w, "ab", 2); /* not an array */
+    cr_assert(!w.failed);
+    mp_reader r;
+    mp_reader_init(&r, w.buf, w.len);
+    uint32_t n = 0;
+    const uint8_t *v = NULL;
+    mp_errbuf eb;
+    cr_assert_eq(mp_read_small_uints(&r, &n, &v, &eb), MOE_OK);
+    cr_assert(n == 3 && v[0] == 0 && v[1] == 5 && v[2] == 10);
+    cr_assert_eq(mp_read_small_uints(&r, &n, &v, &eb), MOE_OK);
+    cr_assert(n == 40 && v[39] == 39);
+    for (int k = 0; k < 3; k++) { /* refused, then read the long way */
+        const size_t left = mp_left(&r);
+        ASSERT_ERR(mp_read_small_uints(&r, &n, &v, &eb), MOE_EPROTO, eb);
+        cr_assert_eq(mp_left(&r), left, "the reader moved on a refusal");
+        cr_assert_eq(mp_skip(&r, NULL), MOE_OK);
+    }
+    cr_assert_eq(mp_left(&r), 0);
+    /* a count past the end of the buffer: refused, nothing read out of bounds */
+    const uint8_t cut[3] = {0x94, 0x01, 0x02}; /* fixarray of 4, 2 bytes present */
+    mp_reader_init(&r, cut, sizeof(cut));
+    ASSERT_ERR(mp_read_small_uints(&r, &n, &v, &eb), MOE_EPROTO, eb);
+    cr_assert_eq(mp_left(&r), sizeof(cut));
+    mp_writer_fini(&w);
+}
