@@ -2078,6 +2078,38 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     return e;
 }
 
+/* fanout_staged: a fan-out whose rows are in GPU memory (moe_cuda_register).
+ * The fan-out sends host rows, so a decode batch is staged through host
+ * memory with two small copies (an engine's hidden states on its GPU then
+ * pay them instead of the ordered road), when both buffers are device
+ * memory of this process as CUDA itself says (a registered pointer is the
+ * caller's word only). 1 with the call's result in *e; 0 when it cannot be
+ * staged here (not device memory, no CUDA): the ordered road then, where
+ * the workers read the rows. */
+static int fanout_staged(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
+                         const void *ctl_pairs, size_t ctl_len, moe_dtype dt, const void *in,
+                         int64_t T, int64_t H, void *out, moe_reply *ctl, int *stale, moe_err *e)
+{
+    const size_t nbytes = (size_t)T * (size_t)H * moe_dtype_size(dt);
+    const uint8_t *ib = in, *ob = out;
+    if (moe_nccl_device_of(ib) < 0 || moe_nccl_device_of(ib + nbytes - 1) < 0 ||
+        moe_nccl_device_of(ob) < 0 || moe_nccl_device_of(ob + nbytes - 1) < 0)
+        return 0;
+    void *hin = malloc(nbytes), *hout = malloc(nbytes);
+    int staged = hin && hout && moe_nccl_copy(hin, in, nbytes) == MOE_OK;
+    if (staged) {
+        *e = dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, hin, T, H, hout, ctl, stale);
+        if (*e == MOE_OK && moe_nccl_copy(out, hout, nbytes) != MOE_OK) {
+            *e = ctl->err = MOE_EINTERNAL;
+            snprintf(ctl->message, sizeof(ctl->message),
+                     "%s: copying y into the caller's GPU buffer failed", method);
+        }
+    }
+    free(hin);
+    free(hout);
+    return staged;
+}
+
 /* MOE_DIRECT_TRACE=N: where an ordered-road call's time goes in libmoe
  * (common/step_trace.h): the rows sent to the workers, the coordinator's
  * answer (the job ordered and run), the workers' answers read, y copied
@@ -2125,33 +2157,12 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             free(rq);
             return dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
         }
-        /* rows in GPU memory (moe_cuda_register): the fan-out sends host
-         * rows, so a decode batch is staged through host memory with two
-         * small copies (an engine's hidden states on its GPU then pay them
-         * instead of the ordered road), when both are device memory of
-         * this process as CUDA itself says (a registered pointer is the
-         * caller's word only); otherwise, or when CUDA cannot copy them
-         * here, the ordered road, where the workers read them */
-        const uint8_t *ib = in, *ob = out;
-        const int device_rows =
-            moe_nccl_device_of(ib) >= 0 && moe_nccl_device_of(ib + nbytes - 1) >= 0 &&
-            moe_nccl_device_of(ob) >= 0 && moe_nccl_device_of(ob + nbytes - 1) >= 0;
-        void *hin = device_rows ? malloc(nbytes) : NULL, *hout = hin ? malloc(nbytes) : NULL;
-        if (hin && hout && moe_nccl_copy(hin, in, nbytes) == MOE_OK) {
+        moe_err fe;
+        if (fanout_staged(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale,
+                          &fe)) {
             free(rq);
-            moe_err fe =
-                dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, hin, T, H, hout, ctl, stale);
-            if (fe == MOE_OK && moe_nccl_copy(out, hout, nbytes) != MOE_OK) {
-                fe = ctl->err = MOE_EINTERNAL;
-                snprintf(ctl->message, sizeof(ctl->message),
-                         "%s: copying y into the caller's GPU buffer failed", method);
-            }
-            free(hin);
-            free(hout);
             return fe;
         }
-        free(hin);
-        free(hout);
     }
     double t_tr = 0;
     step_trace_begin(&dr_tr, &t_tr);
