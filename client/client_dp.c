@@ -277,11 +277,24 @@ static inline int bulk_started(const moe_bulk_xfer *bx, int q)
 static void req_done(void *arg)
 {
     dp_req *q = arg;
-    int n = __atomic_add_fetch(&q->ndone, 1, __ATOMIC_ACQ_REL);
-    if (n == 1 && q->chain && nng_aio_result(q->aio) == 0) {
+    /* one aio's callbacks run one at a time: ndone is written here alone;
+     * recv_posted is stored before ndone counts the send, so that a reader
+     * who sees the send counted also sees whether a receive follows */
+    const int chain = __atomic_load_n(&q->ndone, __ATOMIC_RELAXED) == 0 && q->chain &&
+                      nng_aio_result(q->aio) == 0;
+    if (chain)
         __atomic_store_n(&q->recv_posted, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&q->ndone, 1, __ATOMIC_ACQ_REL);
+    if (chain)
         nng_ctx_recv(q->ctx, q->aio);
-    }
+}
+
+/* req_idle: every operation of q's aio is complete (the send, and the
+ * receive when the send's callback posted one) */
+static int req_idle(const dp_req *q)
+{
+    const int n = __atomic_load_n(&q->ndone, __ATOMIC_ACQUIRE);
+    return n >= 1 + __atomic_load_n(&q->recv_posted, __ATOMIC_ACQUIRE);
 }
 
 static moe_err req_begin(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms, int chain)
@@ -378,15 +391,29 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
         return MOE_EINTERNAL;
     if (q->ring)
         return ring_finish(q, abort, recv_timeout_ms, resp, msg, msglen);
-    if (abort && q->chain)
+    int grace_over = 0;
+    if (abort && q->chain) {
         nng_aio_stop(q->aio); /* also a receive its callback may be posting now */
-    else if (abort)
+    } else if (abort) {
         nng_aio_cancel(q->aio);
+    } else if (q->chain && recv_timeout_ms > 0) {
+        /* the answer of a call that failed elsewhere: given recv_timeout_ms
+         * more (the receive was posted with the call's whole timeout), then
+         * given up on as timed out (a failure path: 1 ms polls) */
+        for (int ms = 0; !req_idle(q) && ms < recv_timeout_ms; ms++)
+            usleep(1000);
+        if (!req_idle(q)) {
+            nng_aio_cancel(q->aio);
+            grace_over = 1;
+        }
+    }
     nng_aio_wait(q->aio);
     const int recv_posted = __atomic_load_n(&q->recv_posted, __ATOMIC_ACQUIRE);
     if (recv_posted && (rv = nng_aio_result(q->aio)) == 0 && !abort)
         goto received; /* the answer is here already */
     if (recv_posted) {
+        if (grace_over && rv == NNG_ECANCELED)
+            rv = NNG_ETIMEDOUT;
         snprintf(msg, msglen, "waiting for a worker's rows: %s",
                  abort ? "the worker's connection is down" : nng_strerror(rv));
         q->timed_out = !abort && rv == NNG_ETIMEDOUT;
