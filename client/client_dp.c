@@ -277,11 +277,24 @@ static inline int bulk_started(const moe_bulk_xfer *bx, int q)
 static void req_done(void *arg)
 {
     dp_req *q = arg;
-    int n = __atomic_add_fetch(&q->ndone, 1, __ATOMIC_ACQ_REL);
-    if (n == 1 && q->chain && nng_aio_result(q->aio) == 0) {
+    /* one aio's callbacks run one at a time: ndone is written here alone;
+     * recv_posted is stored before ndone counts the send, so that a reader
+     * who sees the send counted also sees whether a receive follows */
+    const int chain = __atomic_load_n(&q->ndone, __ATOMIC_RELAXED) == 0 && q->chain &&
+                      nng_aio_result(q->aio) == 0;
+    if (chain)
         __atomic_store_n(&q->recv_posted, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&q->ndone, 1, __ATOMIC_ACQ_REL);
+    if (chain)
         nng_ctx_recv(q->ctx, q->aio);
-    }
+}
+
+/* req_idle: every operation of q's aio is complete (the send, and the
+ * receive when the send's callback posted one) */
+static int req_idle(const dp_req *q)
+{
+    const int n = __atomic_load_n(&q->ndone, __ATOMIC_ACQUIRE);
+    return n >= 1 + __atomic_load_n(&q->recv_posted, __ATOMIC_ACQUIRE);
 }
 
 static moe_err req_begin(dp_req *q, nng_socket sock, nng_msg *m, int timeout_ms, int chain)
@@ -378,15 +391,29 @@ static moe_err req_finish(dp_req *q, int abort, int recv_timeout_ms, moe_rpc_res
         return MOE_EINTERNAL;
     if (q->ring)
         return ring_finish(q, abort, recv_timeout_ms, resp, msg, msglen);
-    if (abort && q->chain)
+    int grace_over = 0;
+    if (abort && q->chain) {
         nng_aio_stop(q->aio); /* also a receive its callback may be posting now */
-    else if (abort)
+    } else if (abort) {
         nng_aio_cancel(q->aio);
+    } else if (q->chain && recv_timeout_ms > 0) {
+        /* the answer of a call that failed elsewhere: given recv_timeout_ms
+         * more (the receive was posted with the call's whole timeout), then
+         * given up on as timed out (a failure path: 1 ms polls) */
+        for (int ms = 0; !req_idle(q) && ms < recv_timeout_ms; ms++)
+            usleep(1000);
+        if (!req_idle(q)) {
+            nng_aio_cancel(q->aio);
+            grace_over = 1;
+        }
+    }
     nng_aio_wait(q->aio);
     const int recv_posted = __atomic_load_n(&q->recv_posted, __ATOMIC_ACQUIRE);
     if (recv_posted && (rv = nng_aio_result(q->aio)) == 0 && !abort)
         goto received; /* the answer is here already */
     if (recv_posted) {
+        if (grace_over && rv == NNG_ECANCELED)
+            rv = NNG_ETIMEDOUT;
         snprintf(msg, msglen, "waiting for a worker's rows: %s",
                  abort ? "the worker's connection is down" : nng_strerror(rv));
         q->timed_out = !abort && rv == NNG_ETIMEDOUT;
@@ -2078,6 +2105,38 @@ static moe_err dp_nccl(moe_client *c, dp_map *m, const char *method, const void 
     return e;
 }
 
+/* fanout_staged: a fan-out whose rows are in GPU memory (moe_cuda_register).
+ * The fan-out sends host rows, so a decode batch is staged through host
+ * memory with two small copies (an engine's hidden states on its GPU then
+ * pay them instead of the ordered road), when both buffers are device
+ * memory of this process as CUDA itself says (a registered pointer is the
+ * caller's word only). 1 with the call's result in *e; 0 when it cannot be
+ * staged here (not device memory, no CUDA): the ordered road then, where
+ * the workers read the rows. */
+static int fanout_staged(moe_client *c, struct moe_dp *dp, dp_map *m, const char *method,
+                         const void *ctl_pairs, size_t ctl_len, moe_dtype dt, const void *in,
+                         int64_t T, int64_t H, void *out, moe_reply *ctl, int *stale, moe_err *e)
+{
+    const size_t nbytes = (size_t)T * (size_t)H * moe_dtype_size(dt);
+    const uint8_t *ib = in, *ob = out;
+    if (moe_nccl_device_of(ib) < 0 || moe_nccl_device_of(ib + nbytes - 1) < 0 ||
+        moe_nccl_device_of(ob) < 0 || moe_nccl_device_of(ob + nbytes - 1) < 0)
+        return 0;
+    void *hin = malloc(nbytes), *hout = malloc(nbytes);
+    int staged = hin && hout && moe_nccl_copy(hin, in, nbytes) == MOE_OK;
+    if (staged) {
+        *e = dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, hin, T, H, hout, ctl, stale);
+        if (*e == MOE_OK && moe_nccl_copy(out, hout, nbytes) != MOE_OK) {
+            *e = ctl->err = MOE_EINTERNAL;
+            snprintf(ctl->message, sizeof(ctl->message),
+                     "%s: copying y into the caller's GPU buffer failed", method);
+        }
+    }
+    free(hin);
+    free(hout);
+    return staged;
+}
+
 /* MOE_DIRECT_TRACE=N: where an ordered-road call's time goes in libmoe
  * (common/step_trace.h): the rows sent to the workers, the coordinator's
  * answer (the job ordered and run), the workers' answers read, y copied
@@ -2125,33 +2184,12 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
             free(rq);
             return dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale);
         }
-        /* rows in GPU memory (moe_cuda_register): the fan-out sends host
-         * rows, so a decode batch is staged through host memory with two
-         * small copies (an engine's hidden states on its GPU then pay them
-         * instead of the ordered road), when both are device memory of
-         * this process as CUDA itself says (a registered pointer is the
-         * caller's word only); otherwise, or when CUDA cannot copy them
-         * here, the ordered road, where the workers read them */
-        const uint8_t *ib = in, *ob = out;
-        const int device_rows =
-            moe_nccl_device_of(ib) >= 0 && moe_nccl_device_of(ib + nbytes - 1) >= 0 &&
-            moe_nccl_device_of(ob) >= 0 && moe_nccl_device_of(ob + nbytes - 1) >= 0;
-        void *hin = device_rows ? malloc(nbytes) : NULL, *hout = hin ? malloc(nbytes) : NULL;
-        if (hin && hout && moe_nccl_copy(hin, in, nbytes) == MOE_OK) {
+        moe_err fe;
+        if (fanout_staged(c, dp, m, method, ctl_pairs, ctl_len, dt, in, T, H, out, ctl, stale,
+                          &fe)) {
             free(rq);
-            moe_err fe =
-                dp_fanout(c, dp, m, method, ctl_pairs, ctl_len, dt, hin, T, H, hout, ctl, stale);
-            if (fe == MOE_OK && moe_nccl_copy(out, hout, nbytes) != MOE_OK) {
-                fe = ctl->err = MOE_EINTERNAL;
-                snprintf(ctl->message, sizeof(ctl->message),
-                         "%s: copying y into the caller's GPU buffer failed", method);
-            }
-            free(hin);
-            free(hout);
             return fe;
         }
-        free(hin);
-        free(hout);
     }
     double t_tr = 0;
     step_trace_begin(&dr_tr, &t_tr);

@@ -219,12 +219,6 @@ static void
 sum_token(uint8_t *out, int out_bf, const uint8_t *const *row, const float *w, int K,
           const uint8_t *srow, int bf, size_t H)
 {
-    int finite = 1;
-    for (int j = 0; j < K; j++) {
-        uint32_t wb;
-        memcpy(&wb, &w[j], 4);
-        finite &= (wb & 0x7f800000u) != 0x7f800000u;
-    }
     if (!bf) { /* f32 rows: the reference's products and sums, 32 columns at a time */
         const size_t Hf = H - H % 32;
         for (size_t c = 0; c < Hf; c += 32) {
@@ -266,6 +260,12 @@ sum_token(uint8_t *out, int out_bf, const uint8_t *const *row, const float *w, i
         }
         sum_cols(out, out_bf, row, w, K, srow, bf, Hf, H);
         return;
+    }
+    int finite = 1; /* the weights: the vectors' rounding needs them finite */
+    for (int j = 0; j < K; j++) {
+        uint32_t wb;
+        memcpy(&wb, &w[j], 4);
+        finite &= (wb & 0x7f800000u) != 0x7f800000u;
     }
     const size_t step = 2 * SUM_BF_COLS, Hv = finite ? H - H % step : 0;
     const sum_vu hi = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u,
@@ -522,21 +522,19 @@ int moe_fanout_stats(const moe_fanout_part *parts, int W, mp_writer *w)
         if (mp_str_eq(k, kl, "dropped")) {
             mp_write_cstr(w, "dropped");
             mp_write_array(w, E);
-            uint8_t small[256]; /* runs of small sums: one byte each, written at once */
+            uint8_t small[256]; /* runs of small sums (a fixint: the value's own
+                                 * byte), written at once */
             uint32_t ns = 0;
             for (uint32_t e = 0; e < E; e++) {
-                if (sum[e] >= 0 && sum[e] < 128) {
+                const int fits = sum[e] >= 0 && sum[e] < 128;
+                if (fits)
                     small[ns++] = (uint8_t)sum[e];
-                    if (ns < sizeof(small))
-                        continue;
-                } else {
+                if (!fits || ns == sizeof(small)) {
                     mp_write_raw(w, small, ns);
                     ns = 0;
-                    mp_write_i64(w, sum[e]);
-                    continue;
                 }
-                mp_write_raw(w, small, ns);
-                ns = 0;
+                if (!fits)
+                    mp_write_i64(w, sum[e]);
             }
             mp_write_raw(w, small, ns);
         } else {

@@ -628,7 +628,6 @@ static moe_err ep_fanout(wkr *w, wkr_model *m, int layer, int T, const void *x, 
     lo.counts = out->counts;
     lo.topk_w = out->topk_w;
     lo.slots = out->slots;
-    lo.ye = out->ye;
     lo.sh0 = out->sh0;
     lo.shn = out->shn;
     lo.ys = out->ys;

@@ -73,9 +73,8 @@ typedef struct wkr_gpu_fanout {
     double z_sum;      /* out: sum of lse^2 */
     float *topk_w;     /* (T*K) out: the slots' gate weights */
     int32_t *slots;    /* (T*K) room; out: this rank's experts' slots (expert-major) */
-    void *ye;          /* (T*K,H) bf16 room, or NULL; out: their unweighted expert rows */
-    const void *ye_at; /* out: where those rows are: ye, or (ye NULL) the backend's
-                        * memory, valid until the layer's next call */
+    const void *ye_at; /* out: their unweighted expert rows (n,H) bf16, in the
+                        * backend's memory: valid until the layer's next call */
     int64_t n;         /* out: their number */
     int sh0, shn;      /* in: the shared expert's rows [sh0, sh0+shn) (shn 0: none) */
     float *ys;         /* (shn,H) out: its output of them, gated as the layer gates it */

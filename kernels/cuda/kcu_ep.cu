@@ -2963,10 +2963,6 @@ static moe_err local_chain(kcu_ep *ep, int T, const loc_parts &o, kcu_ep_local *
     memcpy(out->topk_w, w_h, S * 4);
     memcpy(out->slots, perm_h + off0, (size_t)n * 4);
     out->ye_at = hb + o.ye + (size_t)off0 * H * 2;
-    if (out->ye) {
-        memcpy(out->ye, out->ye_at, (size_t)n * H * 2);
-        out->ye_at = out->ye;
-    }
     out->n = n;
     if (out->probs_sum)
         for (int e = 0; e < E; e++) {
@@ -3101,10 +3097,6 @@ extern "C" moe_err kcu_ep_forward_local(kcu_ep *ep, int T, const void *x, moe_dt
     KCU_CHECK(cudaStreamSynchronize(st));
     step_trace_stamp(&loc_tr, 6, &t_last);
     out->ye_at = ye_h;
-    if (out->ye) {
-        memcpy(out->ye, ye_h, (size_t)n * H * 2);
-        out->ye_at = out->ye;
-    }
     step_trace_stamp(&loc_tr, 7, &t_last);
     step_trace_end(&loc_tr);
     return MOE_OK;

@@ -304,10 +304,9 @@ typedef struct kcu_ep_local {
     float *topk_w;   /* (T*K) out: the gate weights of the slots */
     int32_t *slots;  /* (T*K) room; out: the slots of this rank's experts, expert by
                       * expert (the sorted rows of the layout) */
-    void *ye;        /* (T*K,H) bf16 room, or NULL; out: those slots' unweighted
-                      * expert rows, bf16 as the GEMMs store them */
-    const void *ye_at; /* out: where those rows are: ye, or (ye NULL) the layer's
-                        * page-locked mirror, valid until its next call */
+    const void *ye_at; /* out: those slots' unweighted expert rows (n,H), bf16 as
+                        * the GEMMs store them, in the layer's page-locked mirror:
+                        * valid until its next call */
     int64_t n;       /* out: how many slots (rows) */
     int sh0, shn;    /* in: the shared expert's rows [sh0, sh0+shn) of the T (shn 0:
                       * none; needs route.shared_experts) */

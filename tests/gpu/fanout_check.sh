@@ -6,7 +6,8 @@
 # through the two-step path (KCU_LOCAL_CHAIN=0); the experts backend (--ep
 # off: routing on the host); then the routing families (a shared expert:
 # the two-step path) against a CPU worker. Exit 1 on any failure, or when
-# no fan-out forward ran on the workers.
+# no fan-out forward ran on the workers. Last, bin/cuda_ipc_check through 2
+# GPU workers.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -lt 2 ]; then
@@ -52,5 +53,18 @@ timeout 200 deploy/gpu-cluster.sh -w 1 -b cpu -- python3 python/family_check.py 
 timeout 200 deploy/gpu-cluster.sh -w 2 -b cuda -- python3 python/family_check.py \
     --against "$OUT/famref.npz" >"$OUT/fam_gpu2.log" 2>&1 || fail=1
 echo "fanout_check: families through 2 GPU workers: $(grep -E 'passed' "$OUT/fam_gpu2.log" | tail -1)"
+# rows already on a GPU (CUDA IPC) through 2 GPU workers: a decode batch
+# staged through host memory and fanned out, the rest on the ordered road,
+# bad handles refused (a fan-out once read device pointers on the host and
+# crashed here)
+run="$OUT/ipc2"
+rm -rf "$run"
+MOE_RUN_DIR="$run" timeout 200 deploy/gpu-cluster.sh -w 2 -b cuda -- bin/cuda_ipc_check --no-timing \
+    >"$OUT/ipc2.log" 2>&1
+rc=$?
+echo "fanout_check: CUDA IPC through 2 GPU workers rc $rc, $(grep -c "^PASS" "$OUT/ipc2.log") PASS, $(grep -c "FAIL" "$OUT/ipc2.log") FAIL"
+if [ $rc -ne 0 ] || grep -q FAIL "$OUT/ipc2.log" || [ "$(grep -c "^PASS" "$OUT/ipc2.log")" -lt 5 ]; then
+    fail=1
+fi
 [ $fail -eq 0 ] && echo "fanout_check: PASS (logs in $OUT)" || echo "fanout_check: FAIL (logs in $OUT)"
 exit $fail
