@@ -100,25 +100,37 @@ struct ep_ce_slots {
     int64_t real, padded; /* rows over all ranks: sent for real, moved with padding */
 };
 
-/* the copy-engine state of one borrowed communicator (kcu_ep.h
- * "Copy-engine exchange"), shared by every kcu_ep on it (the layers of one
- * worker): one CE communicator, one pair of windows, grown to what the
- * largest layer needs. Found by parent in ce_list under ce_mu and
+/* the state of one borrowed communicator shared by every kcu_ep on it (the
+ * layers of one worker; world > 1): the exchange communicator (kcu_ep.h
+ * "The exchange communicator") and its watchdog, and the copy-engine state
+ * (kcu_ep.h "Copy-engine exchange"): one CE communicator, one pair of
+ * windows, grown to what the largest layer needs. Found by parent in ce_list under ce_mu and
  * refcounted by the kcu_ep holding it (kcu_ep_create / kcu_ep_destroy);
  * the rest is used by one thread at a time (a worker's layers run one at a
  * time on its compute thread), but the GPU work of consecutive layers
  * overlaps: ev_free orders the windows' reuse (ce_plan, ce_windows_done). */
+struct ep_watch;
+
 struct ep_ce_shared {
-    ep_ce_shared *next;  /* ce_list, while linked */
-    ncclComm_t parent;   /* the borrowed communicator (the key; not owned) */
-    int refs;            /* kcu_ep holding it (under ce_mu) */
-    int linked;          /* in ce_list (under ce_mu): unlinked once failed */
-    int state;           /* 0 not set up yet, 1 ready, -1 unavailable: every layer
-                          * takes the send/recv path */
-    ep_ce_fns fn;        /* NCCL symbols newer than 2.27, by dlsym */
-    ncclComm_t comm;     /* the CE communicator over parent's ranks, CTAPolicy ZERO,
-                          * blocking (owned; ce_create), or NULL (not set up, or
-                          * aborted) */
+    ep_ce_shared *next; /* ce_list, while linked */
+    ncclComm_t parent;  /* the borrowed communicator (the key; not owned) */
+    int refs;           /* kcu_ep holding it (under ce_mu) */
+    int linked;         /* in ce_list (under ce_mu): unlinked once failed */
+    int state;          /* 0 not set up yet, 1 ready, -1 unavailable: every layer
+                         * takes the send/recv path */
+    ep_ce_fns fn;       /* NCCL symbols newer than 2.27, by dlsym */
+    ncclComm_t comm;    /* the CE communicator over parent's ranks, CTAPolicy ZERO,
+                         * blocking (owned; ce_create), or NULL (not set up, or
+                         * aborted) */
+    /* the exchange communicator (KCU_EP_BLOCKING, on unless 0; kcu_ep.h
+     * "The exchange communicator"): a blocking twin of parent over its
+     * ranks that every NCCL call of the layers on parent takes once set up
+     * (fast_setup, at the first forward of any of them) */
+    int fast_state;      /* 0 not set up, 1 up, -1 unavailable (the layers use
+                          * parent), -2 failed (every call fails: the
+                          * generation is over) */
+    ncclComm_t fast;     /* blocking, default CTA policy (owned), or NULL */
+    ep_watch *watch;     /* the watchdog of blocking calls (a reference), or NULL */
     void *buf[2];        /* ncclMemAlloc: [0] token side, [1] owner side */
     ncclWindow_t win[2]; /* their symmetric windows on comm */
     size_t bytes;        /* bytes of each */
@@ -400,59 +412,179 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
 /* ---- host helpers ---- */
 
 void ce_fail(kcu_ep *ep, const char *why);
+void ep_fail(kcu_ep *ep, const char *why);
 
-/* r of an NCCL call on communicator comm: while the (non-blocking)
- * communicator reports ncclInProgress, polled under the timeout */
-/* KCU_NCCL_SPIN_US (default 500): how long a call in progress on a
- * non-blocking communicator is polled with yields before the polls sleep
- * 20 us between them (0: after 1000 polls, the behaviour before). A call in
- * progress is mostly NCCL's own launch finishing within tens of
- * microseconds, while a 20 us sleep takes 50-80 with the timer's slack, and
- * a forward makes several such calls: on 2 GPUs a T=1 forward's compute
- * was 0.67 ms on the worker's non-blocking communicator against 0.26 on a
- * blocking one (session 29). */
-static int64_t nccl_spin_ns()
+/* ---- the watchdog of blocking NCCL calls ----
+ * A call on a blocking communicator (the exchange communicator's group
+ * end or collective, the CE communicator's all-to-all) can wait on a peer
+ * inside the call: the first call to a peer connects to it, and a dead peer
+ * never answers. One thread per shared state (ep_ce_shared) watches the call
+ * in progress: watch_arm before it, watch_disarm after. When the abort hook
+ * trips or the layer's timeout passes while a call is armed, the thread
+ * aborts that call's communicator (ncclCommAbort from another thread: the
+ * blocked call then returns an error) and the caller, told by
+ * watch_disarm, never touches it again. Arming costs a mutex and two
+ * stores, no system call: the thread polls every 20 ms, armed or not (the
+ * timeouts are seconds). The thread is detached and holds a reference: the
+ * last of it and the owner (watch_put) frees the struct, so the owner never
+ * waits for an abort in progress (one can take seconds with a dead peer). */
+} // namespace
+
+struct ep_watch {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;         /* the thread and the owner */
+    int stop;         /* the owner is gone: the thread ends */
+    ncclComm_t comm;  /* the armed call's communicator (not owned), or NULL */
+    int64_t deadline; /* now_ms() past which the armed call is given up */
+    int fired;        /* it aborted the armed call's communicator: 1 on the abort
+                       * hook, 2 on the timeout (cleared by watch_disarm) */
+};
+
+namespace
 {
-    static int64_t ns = -1;
-    if (ns < 0) {
-        const char *v = getenv("KCU_NCCL_SPIN_US");
-        const long us = v && *v ? atol(v) : 500;
-        ns = us > 0 && us < 1000000 ? (int64_t)us * 1000 : 0;
+
+void watch_unref(ep_watch *w)
+{
+    pthread_mutex_lock(&w->mu);
+    const int last = --w->refs == 0;
+    pthread_mutex_unlock(&w->mu);
+    if (last) {
+        pthread_cond_destroy(&w->cv);
+        pthread_mutex_destroy(&w->mu);
+        free(w);
     }
-    return ns;
 }
 
-static int64_t mono_ns()
+void *watch_main(void *arg)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+    ep_watch *w = (ep_watch *)arg;
+    pthread_mutex_lock(&w->mu);
+    while (!w->stop) {
+        int why = 0;
+        if (w->comm)
+            why = kcu_ep_abort_hook && kcu_ep_abort_hook() ? 1 : now_ms() > w->deadline ? 2 : 0;
+        if (why) {
+            ncclComm_t c = w->comm;
+            w->comm = nullptr;
+            w->fired = why;
+            pthread_mutex_unlock(&w->mu);
+            ncclCommAbort(c);
+            pthread_mutex_lock(&w->mu);
+            continue;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20000000; /* 20 ms */
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    }
+    pthread_mutex_unlock(&w->mu);
+    watch_unref(w);
+    return nullptr;
 }
 
+/* s's watchdog, started the first time: 0, or -1 when no thread starts */
+int watch_ensure(ep_ce_shared *s)
+{
+    if (s->watch)
+        return 0;
+    ep_watch *w = (ep_watch *)calloc(1, sizeof(*w));
+    if (!w)
+        return -1;
+    pthread_mutex_init(&w->mu, nullptr);
+    pthread_cond_init(&w->cv, nullptr);
+    w->refs = 2;
+    pthread_attr_t at;
+    pthread_t th;
+    const int started = pthread_attr_init(&at) == 0 &&
+                        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
+                        pthread_create(&th, &at, watch_main, w) == 0;
+    pthread_attr_destroy(&at);
+    if (!started) {
+        pthread_cond_destroy(&w->cv);
+        pthread_mutex_destroy(&w->mu);
+        free(w);
+        return -1;
+    }
+    s->watch = w;
+    return 0;
+}
+
+/* the owner lets go (the shared state's end): the thread ends at its next
+ * wake-up */
+void watch_put(ep_ce_shared *s)
+{
+    ep_watch *w = s->watch;
+    s->watch = nullptr;
+    if (!w)
+        return;
+    pthread_mutex_lock(&w->mu);
+    w->stop = 1;
+    w->comm = nullptr;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    watch_unref(w);
+}
+
+void watch_arm(ep_watch *w, ncclComm_t comm, int timeout_ms)
+{
+    pthread_mutex_lock(&w->mu);
+    w->comm = comm;
+    w->deadline = now_ms() + timeout_ms;
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* 0, or 1 / 2 when the watchdog aborted the armed call's communicator (the
+ * abort hook / the timeout) */
+int watch_disarm(ep_watch *w)
+{
+    pthread_mutex_lock(&w->mu);
+    w->comm = nullptr;
+    const int fired = w->fired;
+    w->fired = 0;
+    pthread_mutex_unlock(&w->mu);
+    return fired;
+}
+
+/* ---- NCCL calls ---- */
+
+/* the communicator an exchange call takes: the shared blocking twin once
+ * up, the borrowed one before it or without it; NULL once the twin failed
+ * (the generation is over: every call fails) */
+ncclComm_t ep_xc(const kcu_ep *ep)
+{
+    const ep_ce_shared *s = ep->ce;
+    if (!s || s->fast_state == 0 || s->fast_state == -1)
+        return ep->comm;
+    return s->fast_state == 1 ? s->fast : nullptr;
+}
+
+/* r of an NCCL call on communicator comm: while a non-blocking
+ * communicator reports ncclInProgress, polled under the timeout and the
+ * abort hook (1000 polls, then 20 us sleeps) */
 moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what)
 {
     const int64_t deadline = now_ms() + ep->c.timeout_ms;
-    const int64_t spin_ns = nccl_spin_ns();
-    const int64_t spin_until = r == ncclInProgress && spin_ns > 0 ? mono_ns() + spin_ns : 0;
     int spins = 0;
     while (r == ncclInProgress) {
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s still in progress after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
-            ce_fail(ep, what);
+            ep_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         /* a member is gone (the worker aborted the exchange): a collective
          * call in progress on the borrowed communicator never ends */
         if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
             fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
-            ce_fail(ep, what);
+            ep_fail(ep, what);
             return MOE_EUNAVAIL;
         }
-        if (spin_until ? mono_ns() < spin_until : spins++ <= 1000) {
-            if (spin_until)
-                sched_yield();
-        } else {
+        if (spins++ > 1000) {
             struct timespec ts = {0, 20000};
             nanosleep(&ts, NULL);
         }
@@ -463,16 +595,65 @@ moe_err ep_nccl_on(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what
     if (r != ncclSuccess) {
         fprintf(stderr, "kcu_ep: rank %d: %s: %s (%s)\n", ep->c.rank, what, ncclGetErrorString(r),
                 ncclGetLastError(comm));
-        ce_fail(ep, what);
+        ep_fail(ep, what);
         return MOE_EUNAVAIL;
     }
     return MOE_OK;
 }
 
-moe_err ep_nccl(kcu_ep *ep, ncclResult_t r, const char *what)
+/* before an NCCL call on comm (EP_NCCL_ON): the watchdog armed where comm
+ * is one of the shared blocking communicators; 0 when comm is NULL (the
+ * exchange communicator failed: the call is not made) */
+int ep_arm(kcu_ep *ep, ncclComm_t comm)
 {
-    return ep_nccl_on(ep, ep->comm, r, what);
+    if (!comm)
+        return 0;
+    if (comm != ep->comm && ep->ce && ep->ce->watch)
+        watch_arm(ep->ce->watch, comm, ep->c.timeout_ms);
+    return 1;
 }
+
+/* after it: disarmed, then its result r checked (ep_nccl_on). Where the
+ * watchdog aborted comm, comm is forgotten (the shared state no longer
+ * holds it) and the exchange fails. */
+moe_err ep_nccl_done(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *what)
+{
+    ep_ce_shared *s = ep->ce;
+    const int fired = comm != ep->comm && s && s->watch ? watch_disarm(s->watch) : 0;
+    if (!fired)
+        return ep_nccl_on(ep, comm, r, what);
+    if (comm == s->fast) {
+        s->fast = nullptr;
+        s->fast_state = -2;
+    }
+    if (comm == s->comm) {
+        s->comm = nullptr;
+        s->win[0] = s->win[1] = nullptr;
+    }
+    if (fired == 1)
+        fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+    else
+        fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
+                ep->c.timeout_ms);
+    ep_fail(ep, what);
+    return MOE_EUNAVAIL;
+}
+
+moe_err ep_gone(kcu_ep *ep, const char *what)
+{
+    fprintf(stderr, "kcu_ep: rank %d: %s: the exchange communicator failed earlier\n", ep->c.rank,
+            what);
+    return MOE_EUNAVAIL;
+}
+
+/* EP_NCCL_ON(ep, comm, call, what): one NCCL call whose communicator
+ * argument is comm, under the watchdog when comm is blocking (armed before
+ * the call is evaluated: it is the call that can block), its result
+ * checked. EP_NCCL: the same on the exchange communicator, ep_xc(ep) (the
+ * call names ep_xc(ep) as its communicator). */
+#define EP_NCCL_ON(ep, comm, call, what)                                                           \
+    (ep_arm((ep), (comm)) ? ep_nccl_done((ep), (comm), (call), (what)) : ep_gone((ep), (what)))
+#define EP_NCCL(ep, call, what) EP_NCCL_ON(ep, ep_xc(ep), call, what)
 
 /* the asynchronous error state of comm: nonzero on an error (in progress
  * is not one) */
@@ -497,22 +678,29 @@ moe_err ep_wait(kcu_ep *ep, cudaEvent_t ev, cudaStream_t st, const char *what)
             fprintf(stderr, "kcu_ep: rank %d: %s: %s\n", ep->c.rank, what, cudaGetErrorString(e));
             return MOE_EINTERNAL;
         }
-        /* the CE communicator's too: its all-to-alls wait on peers as well */
-        if (ep_comm_failed(ep->comm) || (ep->ce && ep->ce->comm && ep_comm_failed(ep->ce->comm))) {
-            fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error (%s)\n", ep->c.rank, what,
-                    ep_comm_failed(ep->comm) ? "communicator" : "CE communicator");
-            ce_fail(ep, what);
+        /* the exchange and CE communicators' too: their calls wait on
+         * peers as well */
+        const ep_ce_shared *s = ep->ce;
+        const int bad = ep_comm_failed(ep->comm)                  ? 1
+                        : s && s->fast && ep_comm_failed(s->fast) ? 2
+                        : s && s->comm && ep_comm_failed(s->comm) ? 3
+                                                                  : 0;
+        if (bad) {
+            static const char *const name[] = {"", "communicator", "exchange communicator",
+                                               "CE communicator"};
+            fprintf(stderr, "kcu_ep: rank %d: %s: NCCL error (%s)\n", ep->c.rank, what, name[bad]);
+            ep_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (kcu_ep_abort_hook && kcu_ep_abort_hook()) {
             fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
-            ce_fail(ep, what);
+            ep_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (now_ms() > deadline) {
             fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
                     ep->c.timeout_ms);
-            ce_fail(ep, what);
+            ep_fail(ep, what);
             return MOE_EUNAVAIL;
         }
         if (spins++ < 2000) {
@@ -719,6 +907,7 @@ struct ce_reap {
     void *buf[2];    /* ncclMemFree'd after the abort (owned) */
     ep_ce_fns fn;    /* mem_free */
     int rank;
+    const char *name; /* which communicator, for the log line */
     char why[96];
 };
 
@@ -731,10 +920,43 @@ void *ce_reap_main(void *arg)
     for (int i = 0; i < 2; i++)
         if (r->buf[i] && r->fn.mem_free)
             r->fn.mem_free(r->buf[i]);
-    fprintf(stderr, "kcu_ep: rank %d: %s: CE communicator aborted (%lld ms)\n", r->rank, r->why,
+    fprintf(stderr, "kcu_ep: rank %d: %s: %s aborted (%lld ms)\n", r->rank, r->why, r->name,
             (long long)(now_ms() - t0));
     free(r);
     return nullptr;
+}
+
+/* runs r on a detached thread, or here where none starts */
+void reap_run(ce_reap *r)
+{
+    pthread_attr_t at;
+    pthread_t th;
+    int started = pthread_attr_init(&at) == 0 &&
+                  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
+                  pthread_create(&th, &at, ce_reap_main, r) == 0;
+    pthread_attr_destroy(&at);
+    if (!started)
+        ce_reap_main(r);
+}
+
+/* the exchange communicator's abort, off the caller's thread as the CE
+ * communicator's (a dead peer's connections can make it slow) */
+void fast_reap(ep_ce_shared *s, int rank, const char *why)
+{
+    ncclComm_t c = s->fast;
+    s->fast = nullptr;
+    if (!c)
+        return;
+    ce_reap *r = (ce_reap *)calloc(1, sizeof(*r));
+    if (!r) {
+        ncclCommAbort(c);
+        return;
+    }
+    r->comm = c;
+    r->rank = rank;
+    r->name = "exchange communicator";
+    snprintf(r->why, sizeof(r->why), "%s", why);
+    reap_run(r);
 }
 
 /* hands s's communicator and buffers to a reaper thread (see above) and
@@ -757,20 +979,14 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
     r->buf[1] = s->buf[1];
     r->fn = s->fn;
     r->rank = rank;
+    r->name = "CE communicator";
     snprintf(r->why, sizeof(r->why), "%s", why);
     s->comm = nullptr;
     s->win[0] = s->win[1] = nullptr;
     s->buf[0] = s->buf[1] = nullptr;
     s->bytes = 0;
     s->capx = s->capy = 0;
-    pthread_attr_t at;
-    pthread_t th;
-    int started = pthread_attr_init(&at) == 0 &&
-                  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
-                  pthread_create(&th, &at, ce_reap_main, r) == 0;
-    pthread_attr_destroy(&at);
-    if (!started)
-        ce_reap_main(r);
+    reap_run(r);
 }
 
 /* the CE path failed (a wait or an NCCL call failed: a peer is gone, the
@@ -791,6 +1007,22 @@ void ce_fail(kcu_ep *ep, const char *why)
     pthread_mutex_unlock(&ce_mu);
     s->state = -1;
     ce_reap_start(s, ep->c.rank, why);
+}
+
+/* the exchange failed (an NCCL call or a wait: a peer is gone, the
+ * timeout, the abort hook): the CE path fails (ce_fail) and so does the
+ * exchange communicator, aborted by a reaper thread (its kernels stuck on a
+ * dead peer stop); every later call of the layers on it fails (the worker
+ * aborts the borrowed communicator and the cluster re-forms) */
+void ep_fail(kcu_ep *ep, const char *why)
+{
+    ce_fail(ep, why);
+    ep_ce_shared *s = ep->ce;
+    if (!s)
+        return;
+    fast_reap(s, ep->c.rank, why);
+    if (s->fast_state == 1)
+        s->fast_state = -2;
 }
 
 /* frees the windows' buffers (after their deregistration or the CE
@@ -831,7 +1063,9 @@ ep_ce_shared *ce_put(kcu_ep *ep)
     pthread_mutex_unlock(&ce_mu);
     if (!last)
         return nullptr;
+    watch_put(s); /* nothing armed: no call in progress */
     ce_reap_start(s, ep->c.rank, "the last layer's destroy");
+    fast_reap(s, ep->c.rank, "the last layer's destroy");
     return s;
 }
 
@@ -974,8 +1208,8 @@ moe_err ep_agree(kcu_ep *ep, int ok, int *all, const char *what)
 {
     ep->agree_h[0] = ok ? 1 : 0;
     KCU_CHECK(cudaMemcpyAsync(ep->agree_d, ep->agree_h, 4, cudaMemcpyHostToDevice, ep->cs));
-    KCU_TRY(ep_nccl(
-        ep, ncclAllReduce(ep->agree_d, ep->agree_d, 1, ncclInt32, ncclMin, ep->comm, ep->cs),
+    KCU_TRY(EP_NCCL(
+        ep, ncclAllReduce(ep->agree_d, ep->agree_d, 1, ncclInt32, ncclMin, ep_xc(ep), ep->cs),
         what));
     KCU_CHECK(cudaMemcpyAsync(ep->agree_h, ep->agree_d, 4, cudaMemcpyDeviceToHost, ep->cs));
     KCU_CHECK(cudaEventRecord(ep->ev_cnt, ep->cs));
@@ -1005,8 +1239,10 @@ ncclResult_t ce_async(ncclComm_t comm)
     return q != ncclSuccess ? q : st;
 }
 
-/* the CE communicator (CTAPolicy ZERO, BLOCKING) into s->comm; *ok whether
- * it was made here. Errors only where the borrowed communicator fails.
+/* a blocking communicator over the borrowed one's ranks into *out (CTAPolicy
+ * ZERO when zero_cta: the CE communicator; else NCCL's default: the exchange
+ * communicator); *ok whether it was made here, else why says why. Errors
+ * only where the exchange fails (the unique id's broadcast).
  * Why blocking: NCCL 2.28 refuses the window registration on a non-blocking
  * CE communicator: ncclCommWindowRegister fails at once on every rank with
  * ncclInvalidArgument, NCCL_DEBUG=WARN showing per rank "init.cc:362 NCCL
@@ -1022,13 +1258,58 @@ ncclResult_t ce_async(ncclComm_t comm)
  * fresh unique id, the borrowed communicator broadcasts it (a collective
  * like the agreements, under the timeout and the abort hook), and every
  * rank joins with ncclCommInitRankConfig. That join blocks until every rank
- * is in; the agreement just before it has seen them all alive, and a peer
- * dying inside it leaves the join to NCCL's bootstrap timeout (not under
- * the watchdog: until it returns there is no communicator to abort). */
-moe_err ce_create(kcu_ep *ep, int *ok, char *why, size_t nwhy)
+ * is in; the broadcast just before it has seen them all alive, and the join
+ * runs on a thread of its own (twin_init) that the caller waits for under
+ * the timeout and the abort hook: a peer dying inside it fails the
+ * exchange, and the thread, when NCCL lets it go, aborts what it made. */
+struct twin_init {
+    pthread_mutex_t mu;
+    ncclUniqueId id;
+    int world, rank, device, zero_cta;
+    ncclComm_t comm; /* made (handed to the caller unless abandoned) */
+    ncclResult_t r;
+    int done, abandoned; /* the join returned; the caller gave up waiting */
+};
+
+void *twin_init_main(void *arg)
 {
-    ep_ce_shared *s = ep->ce;
+    twin_init *j = (twin_init *)arg;
+    ncclComm_t c = nullptr;
+    ncclResult_t r = ncclUnhandledCudaError;
+    if (cudaSetDevice(j->device) == cudaSuccess) {
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        if (j->zero_cta)
+            cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+        cfg.blocking = 1;
+        r = ncclCommInitRankConfig(&c, j->world, j->id, j->rank, &cfg);
+        /* NCCL_COMM_BLOCKING=0 in the environment overrides the config */
+        while (r == ncclInProgress && c) {
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+            r = ce_async(c);
+        }
+        if (r == ncclSuccess && c)
+            r = ce_async(c);
+    }
+    pthread_mutex_lock(&j->mu);
+    j->done = 1;
+    const int gone = j->abandoned;
+    j->comm = c;
+    j->r = r;
+    pthread_mutex_unlock(&j->mu);
+    if (gone) { /* the caller left: this thread owns the job */
+        if (c)
+            ncclCommAbort(c);
+        pthread_mutex_destroy(&j->mu);
+        free(j);
+    }
+    return nullptr;
+}
+
+moe_err twin_create(kcu_ep *ep, int zero_cta, ncclComm_t *out, int *ok, char *why, size_t nwhy)
+{
     *ok = 0;
+    *out = nullptr;
     ncclUniqueId id;
     memset(&id, 0, sizeof(id));
     ncclResult_t r = ep->c.rank == 0 ? ncclGetUniqueId(&id) : ncclSuccess;
@@ -1038,25 +1319,25 @@ moe_err ce_create(kcu_ep *ep, int *ok, char *why, size_t nwhy)
                 cudaMalloc(&d, sizeof(id)) == cudaSuccess;
     if (!ready)
         (void)cudaGetLastError();
+    const char *what = zero_cta ? "CE setup (unique id)" : "exchange communicator (unique id)";
     int all = 0;
-    moe_err e = ep_agree(ep, ready, &all, "CE setup (unique id)");
+    moe_err e = ep_agree(ep, ready, &all, what);
     if (e == MOE_OK && all) {
         memcpy(h, &id, sizeof(id));
         if (cudaMemcpyAsync(d, h, sizeof(id), cudaMemcpyHostToDevice, ep->cs) != cudaSuccess)
             e = MOE_EINTERNAL;
         if (e == MOE_OK)
-            e = ep_nccl(ep, ncclBroadcast(d, d, sizeof(id), ncclUint8, 0, ep->comm, ep->cs),
-                        "CE setup (unique id)");
+            e = EP_NCCL(ep, ncclBroadcast(d, d, sizeof(id), ncclUint8, 0, ep_xc(ep), ep->cs), what);
         if (e == MOE_OK &&
             (cudaMemcpyAsync(h, d, sizeof(id), cudaMemcpyDeviceToHost, ep->cs) != cudaSuccess ||
              cudaEventRecord(ep->ev_cnt, ep->cs) != cudaSuccess))
             e = MOE_EINTERNAL;
         if (e == MOE_OK)
-            e = ep_wait(ep, ep->ev_cnt, nullptr, "CE setup (unique id)");
+            e = ep_wait(ep, ep->ev_cnt, nullptr, what);
         if (e == MOE_OK)
             memcpy(&id, h, sizeof(id));
     } else if (e == MOE_OK) {
-        snprintf(why, nwhy, "the CE communicator's unique id (rank %d: %s)", ep->c.rank,
+        snprintf(why, nwhy, "the unique id (rank %d: %s)", ep->c.rank,
                  r != ncclSuccess ? ncclGetErrorString(r) : "no memory for it");
     }
     if (d)
@@ -1065,22 +1346,116 @@ moe_err ce_create(kcu_ep *ep, int *ok, char *why, size_t nwhy)
         cudaFreeHost(h);
     if (e != MOE_OK || !all)
         return e;
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
-    cfg.blocking = 1;
-    ncclComm_t ce = nullptr;
-    r = ncclCommInitRankConfig(&ce, ep->c.world, id, ep->c.rank, &cfg);
-    if (r == ncclSuccess && ce)
-        r = ce_async(ce);
-    *ok = r == ncclSuccess && ce;
-    if (*ok) {
-        s->comm = ce;
+    twin_init *j = (twin_init *)calloc(1, sizeof(*j));
+    int dev = 0;
+    if (!j || cudaGetDevice(&dev) != cudaSuccess) {
+        free(j);
+        snprintf(why, nwhy, "rank %d: no memory or device for the join", ep->c.rank);
         return MOE_OK;
     }
-    snprintf(why, nwhy, "ncclCommInitRankConfig with CTAPolicy ZERO on rank %d: %s", ep->c.rank,
-             ncclGetErrorString(r));
-    if (ce)
-        ncclCommAbort(ce);
+    pthread_mutex_init(&j->mu, nullptr);
+    j->id = id;
+    j->world = ep->c.world;
+    j->rank = ep->c.rank;
+    j->device = dev;
+    j->zero_cta = zero_cta;
+    pthread_attr_t at;
+    pthread_t th;
+    const int started = pthread_attr_init(&at) == 0 &&
+                        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
+                        pthread_create(&th, &at, twin_init_main, j) == 0;
+    pthread_attr_destroy(&at);
+    if (!started) /* no thread: the join here, unguarded */
+        twin_init_main(j);
+    const int64_t deadline = now_ms() + ep->c.timeout_ms;
+    for (;;) {
+        pthread_mutex_lock(&j->mu);
+        if (j->done)
+            break;
+        const int why_gone = kcu_ep_abort_hook && kcu_ep_abort_hook() ? 1
+                             : now_ms() > deadline                    ? 2
+                                                                      : 0;
+        if (why_gone) {
+            j->abandoned = 1; /* the thread frees the job and aborts what it makes */
+            pthread_mutex_unlock(&j->mu);
+            fprintf(stderr, "kcu_ep: rank %d: %s: %s\n", ep->c.rank,
+                    zero_cta ? "CE setup (communicator)" : "exchange communicator (join)",
+                    why_gone == 1 ? "given up (a member is gone)" : "not done within the timeout");
+            ep_fail(ep, what);
+            return MOE_EUNAVAIL;
+        }
+        pthread_mutex_unlock(&j->mu);
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    ncclComm_t c = j->comm;
+    r = j->r;
+    pthread_mutex_unlock(&j->mu);
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+    *ok = r == ncclSuccess && c;
+    if (*ok) {
+        *out = c;
+        return MOE_OK;
+    }
+    snprintf(why, nwhy, "ncclCommInitRankConfig%s on rank %d: %s",
+             zero_cta ? " with CTAPolicy ZERO" : "", ep->c.rank, ncclGetErrorString(r));
+    if (c)
+        ncclCommAbort(c);
+    return MOE_OK;
+}
+
+/* the CE communicator into s->comm (twin_create); *ok whether it was made */
+moe_err ce_create(kcu_ep *ep, int *ok, char *why, size_t nwhy)
+{
+    return twin_create(ep, 1, &ep->ce->comm, ok, why, nwhy);
+}
+
+/* the exchange communicator (KCU_EP_BLOCKING, on unless 0; kcu_ep.h "The
+ * exchange communicator"), at the first forward of any layer on this
+ * borrowed communicator (every rank reaches it in lockstep: the layers run
+ * in the same order on every rank). Why: a non-blocking communicator's
+ * group end hands the launch to a thread NCCL creates for each call and
+ * answers ncclInProgress until it is done; a forward makes several, and
+ * on 2 H200s a T=1 forward's exchange took 0.67 ms of host time on the
+ * worker's non-blocking communicator against 0.25 on a blocking one (the
+ * same binaries, NCCL_COMM_BLOCKING=1; polling with yields instead of
+ * sleeps gained 0.07). Every rank agrees on wanting it, then on having
+ * made it; otherwise the layers stay on the borrowed one (one stderr
+ * line). Its calls run under the watchdog (watch_ensure). */
+moe_err fast_setup(kcu_ep *ep)
+{
+    ep_ce_shared *s = ep->ce;
+    const char *v = getenv("KCU_EP_BLOCKING");
+    const int want = !(v && v[0] == '0' && !v[1]);
+    int all = 0;
+    KCU_TRY(ep_agree(ep, want && watch_ensure(s) == 0, &all, "exchange communicator (wanted)"));
+    if (!all) {
+        s->fast_state = -1;
+        if (want && ep->c.rank == 0)
+            fprintf(stderr, "kcu_ep: rank 0: the exchange communicator (KCU_EP_BLOCKING): not "
+                            "wanted or no watchdog on some rank; the worker's communicator "
+                            "carries the exchange\n");
+        return MOE_OK;
+    }
+    char why[160] = "";
+    int ok = 0;
+    ncclComm_t c = nullptr;
+    KCU_TRY(twin_create(ep, 0, &c, &ok, why, sizeof(why)));
+    const moe_err e = ep_agree(ep, ok, &all, "exchange communicator");
+    if (e != MOE_OK || !all) {
+        if (c)
+            ncclCommAbort(c);
+        s->fast_state = -1;
+        if (e == MOE_OK)
+            fprintf(stderr,
+                    "kcu_ep: rank %d: the exchange communicator (KCU_EP_BLOCKING): %s; the "
+                    "worker's communicator carries the exchange\n",
+                    ep->c.rank, why[0] ? why : "not made on another rank");
+        return e;
+    }
+    s->fast = c;
+    s->fast_state = 1;
     return MOE_OK;
 }
 
@@ -1119,6 +1494,7 @@ moe_err ce_setup(kcu_ep *ep)
         return MOE_OK;
     }
     int ok = 0;
+    (void)watch_ensure(s); /* the all-to-alls under the watchdog where a thread starts */
     KCU_TRY(ce_create(ep, &ok, why, sizeof(why)));
     moe_err e = ep_agree(ep, ok, &all, "CE setup (communicator)");
     if (e != MOE_OK || !all) {
@@ -1233,11 +1609,11 @@ moe_err ce_dispatch(kcu_ep *ep, int c)
     const size_t H = ep->c.H, K = ep->c.K;
     if (p.S[c] == 0)
         return MOE_OK;
-    KCU_TRY(ep_nccl_on(ep, s->comm,
+    KCU_TRY(EP_NCCL_ON(ep, s->comm,
                        s->fn.a2a(ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
                                  (size_t)p.S[c] * H, ncclBfloat16, s->comm, ep->cs),
                        "ncclAlltoAll (CE dispatch)"));
-    return ep_nccl_on(ep, s->comm,
+    return EP_NCCL_ON(ep, s->comm,
                       s->fn.a2a(ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
                                 (size_t)p.S[c] * K, ncclInt32, s->comm, ep->cs),
                       "ncclAlltoAll (CE metadata)");
@@ -1250,7 +1626,7 @@ moe_err ce_return(kcu_ep *ep, int c)
     const size_t H = ep->c.H;
     if (p.R[c] == 0)
         return MOE_OK;
-    return ep_nccl_on(ep, s->comm,
+    return EP_NCCL_ON(ep, s->comm,
                       s->fn.a2a(ep->ysend + (size_t)p.B[c] * H, ep->yrecv + (size_t)p.B[c] * H,
                                 (size_t)p.R[c] * H, ncclBfloat16, s->comm, ep->cs),
                       "ncclAlltoAll (CE return)");
@@ -1351,7 +1727,7 @@ moe_err ep_exchange(kcu_ep *ep, int c, const bf16 *tok_buf, bf16 *own_buf, int b
     const int W = ep->c.world, me = ep->c.rank;
     const size_t H = ep->c.H;
     int64_t so = ep->sbase[c], ro = ep->rbase[c];
-    KCU_TRY(ep_nccl(ep, ncclGroupStart(), "ncclGroupStart"));
+    KCU_TRY(EP_NCCL(ep, ncclGroupStart(), "ncclGroupStart"));
     moe_err err = MOE_OK;
     for (int q = 0; q < W && err == MOE_OK; q++) {
         const int64_t ns = ep->send_rows[c][q], nr = ep->recv_rows[c][q];
@@ -1364,23 +1740,23 @@ moe_err ep_exchange(kcu_ep *ep, int c, const bf16 *tok_buf, bf16 *own_buf, int b
                 err = MOE_EINTERNAL;
         } else if (!back) {
             if (ns)
-                err = ep_nccl(ep, ncclSend(tp, (size_t)ns * H, ncclBfloat16, q, ep->comm, ep->cs),
+                err = EP_NCCL(ep, ncclSend(tp, (size_t)ns * H, ncclBfloat16, q, ep_xc(ep), ep->cs),
                               "ncclSend");
             if (err == MOE_OK && nr)
-                err = ep_nccl(ep, ncclRecv(op, (size_t)nr * H, ncclBfloat16, q, ep->comm, ep->cs),
+                err = EP_NCCL(ep, ncclRecv(op, (size_t)nr * H, ncclBfloat16, q, ep_xc(ep), ep->cs),
                               "ncclRecv");
         } else {
             if (nr)
-                err = ep_nccl(ep, ncclSend(op, (size_t)nr * H, ncclBfloat16, q, ep->comm, ep->cs),
+                err = EP_NCCL(ep, ncclSend(op, (size_t)nr * H, ncclBfloat16, q, ep_xc(ep), ep->cs),
                               "ncclSend");
             if (err == MOE_OK && ns)
-                err = ep_nccl(ep, ncclRecv(tp, (size_t)ns * H, ncclBfloat16, q, ep->comm, ep->cs),
+                err = EP_NCCL(ep, ncclRecv(tp, (size_t)ns * H, ncclBfloat16, q, ep_xc(ep), ep->cs),
                               "ncclRecv");
         }
         so += ns;
         ro += nr;
     }
-    moe_err e2 = ep_nccl(ep, ncclGroupEnd(), "ncclGroupEnd");
+    moe_err e2 = EP_NCCL(ep, ncclGroupEnd(), "ncclGroupEnd");
     return err != MOE_OK ? err : e2;
 }
 
@@ -1597,7 +1973,7 @@ moe_err ep_exchange_counts(kcu_ep *ep, int train, cudaStream_t st)
     const int E = ep->c.E, W = ep->c.world;
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
-    KCU_TRY(ep_nccl(ep, ncclAllGather(ep->R.counts, ep->cnt_all, E, ncclInt32, ep->comm, ep->cs),
+    KCU_TRY(EP_NCCL(ep, ncclAllGather(ep->R.counts, ep->cnt_all, E, ncclInt32, ep_xc(ep), ep->cs),
                     "ncclAllGather(counts)"));
     KCU_CHECK(
         cudaMemcpyAsync(ep->cnt_h, ep->cnt_all, (size_t)W * E * 4, cudaMemcpyDeviceToHost, ep->cs));
@@ -1960,7 +2336,7 @@ moe_err epd_prepare(kcu_ep *ep, int T, const bf16 *xb, int train, cudaStream_t s
     KCU_TRY(kcu_epd_rank(ep->umask, T, W, ep->ubcnt, ep->urank, st));
     KCU_CHECK(cudaEventRecord(ep->ev_a, st));
     KCU_CHECK(cudaStreamWaitEvent(ep->cs, ep->ev_a, 0));
-    KCU_TRY(ep_nccl(ep, ncclAllGather(ep->dcnt, ep->cnt_all, BW, ncclInt32, ep->comm, ep->cs),
+    KCU_TRY(EP_NCCL(ep, ncclAllGather(ep->dcnt, ep->cnt_all, BW, ncclInt32, ep_xc(ep), ep->cs),
                     "ncclAllGather(dedup counts)"));
     KCU_CHECK(cudaMemcpyAsync(ep->cnt_h, ep->cnt_all, (size_t)W * BW * 4, cudaMemcpyDeviceToHost,
                               ep->cs));
@@ -1991,36 +2367,36 @@ moe_err epd_dispatch(kcu_ep *ep, int c)
     const int W = ep->c.world, K = ep->c.K;
     const size_t H = ep->c.H;
     int64_t so = ep->usbase[c], ro = ep->urbase[c];
-    KCU_TRY(ep_nccl(ep, ncclGroupStart(), "ncclGroupStart"));
+    KCU_TRY(EP_NCCL(ep, ncclGroupStart(), "ncclGroupStart"));
     moe_err err = MOE_OK;
     for (int q = 0; q < W && err == MOE_OK; q++) {
         const int64_t ns = ep->usend[c][q], nr = ep->urecv[c][q];
         if (ns) {
-            err = ep_nccl(ep,
+            err = EP_NCCL(ep,
                           ncclSend(ep->xsend + (size_t)so * H, (size_t)ns * H, ncclBfloat16, q,
-                                   ep->comm, ep->cs),
+                                   ep_xc(ep), ep->cs),
                           "ncclSend");
             if (err == MOE_OK)
-                err = ep_nccl(ep,
+                err = EP_NCCL(ep,
                               ncclSend(ep->msend + (size_t)so * K, (size_t)ns * K, ncclInt32, q,
-                                       ep->comm, ep->cs),
+                                       ep_xc(ep), ep->cs),
                               "ncclSend(meta)");
         }
         if (err == MOE_OK && nr) {
-            err = ep_nccl(ep,
+            err = EP_NCCL(ep,
                           ncclRecv(ep->xrecv + (size_t)ro * H, (size_t)nr * H, ncclBfloat16, q,
-                                   ep->comm, ep->cs),
+                                   ep_xc(ep), ep->cs),
                           "ncclRecv");
             if (err == MOE_OK)
-                err = ep_nccl(ep,
+                err = EP_NCCL(ep,
                               ncclRecv(ep->mrecv + (size_t)ro * K, (size_t)nr * K, ncclInt32, q,
-                                       ep->comm, ep->cs),
+                                       ep_xc(ep), ep->cs),
                               "ncclRecv(meta)");
         }
         so += ns;
         ro += nr;
     }
-    moe_err e2 = ep_nccl(ep, ncclGroupEnd(), "ncclGroupEnd");
+    moe_err e2 = EP_NCCL(ep, ncclGroupEnd(), "ncclGroupEnd");
     return err != MOE_OK ? err : e2;
 }
 
@@ -2160,9 +2536,10 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         kcu_ep_destroy(ep);
         return MOE_EUNAVAIL;
     }
-    /* the CE state of comm, shared with the other layers on it (no
-     * collective call: set up at the first forward that takes the path) */
-    if (ep->ce_want && !(ep->ce = ce_get(ep->comm))) {
+    /* the state shared with the other layers on comm: the exchange
+     * communicator and the CE path (no collective call: each is set up at
+     * the first forward that needs it) */
+    if (c.world > 1 && !(ep->ce = ce_get(ep->comm))) {
         kcu_ep_destroy(ep);
         return MOE_ENOMEM;
     }
@@ -2249,7 +2626,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
         take(&ep->sendpos, S * 4);
         take(&ep->tab, (size_t)EP_MAX_CHUNKS * E * 4);
         take(&ep->cnt_all, (size_t)c.world * ncnt * 4);
-        if (ep->ce_want)
+        if (c.world > 1)
             take(&ep->agree_d, 4);
         if (ep->dedup) {
             take(&ep->dcnt, ncnt * 4);
@@ -2269,7 +2646,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
             ep->tws_bytes = off;
             if (cudaMalloc(&ep->tws, off) != cudaSuccess ||
                 cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) != cudaSuccess ||
-                (ep->ce_want && cudaMallocHost((void **)&ep->agree_h, 4) != cudaSuccess)) {
+                (c.world > 1 && cudaMallocHost((void **)&ep->agree_h, 4) != cudaSuccess)) {
                 (void)cudaGetLastError();
                 fprintf(stderr, "kcu_ep_create: allocation of %zu bytes failed\n", off);
                 kcu_ep_destroy(ep);
@@ -2413,6 +2790,8 @@ static moe_err ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, v
     if (T < 0 || T > ep->c.T_max || (train && !ep->c.train) || (T > 0 && (!x || !y)) ||
         (x_dtype != MOE_F32 && x_dtype != MOE_BF16) || (y_dtype != MOE_F32 && y_dtype != MOE_BF16))
         return MOE_EINVAL;
+    if (ep->ce && ep->ce->fast_state == 0)
+        KCU_TRY(fast_setup(ep));
     ep->T_fwd = 0;
     ep->T = T;
     ep->ce_fwd = 0; /* epd_plan may take the CE path; until then send/recv's buffers */

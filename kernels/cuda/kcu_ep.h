@@ -142,6 +142,27 @@ typedef struct kcu_ep_config {
  * kcu_ep_last_send_bytes / kcu_ep_last_a2a_bytes count real
  * rows; kcu_ep_last_ce gives what the padded slots put on the wire. */
 
+/* The exchange communicator (KCU_EP_BLOCKING, read at the first forward;
+ * on unless 0; agreed by every rank). The borrowed communicator may be
+ * non-blocking (the worker's is, so that a dead peer cannot hold its
+ * compute thread); on one, NCCL hands every group end to a thread it
+ * creates for the call and answers ncclInProgress until that is done, which
+ * cost a T=1 forward on 2 GPUs 0.4-0.5 ms of host time. So at the first
+ * forward of any layer on a borrowed communicator, rank 0 makes a unique
+ * id, the borrowed communicator broadcasts it, and every rank joins a
+ * BLOCKING communicator over the same ranks (the join on a thread of its
+ * own, waited for under the timeout and the abort hook). From then every
+ * NCCL call of the layers on that borrowed communicator (counts, dispatch,
+ * return, agreements) runs on it, each under a watchdog thread that aborts
+ * it (ncclCommAbort from that thread: the blocked call returns) on the
+ * layer's timeout or the abort hook; the CE communicator's all-to-alls run
+ * under the same watchdog. One per borrowed communicator, shared by its
+ * layers with the CE state; aborted (local, on a reaper thread) by the last
+ * kcu_ep_destroy on it or when the exchange fails (then every later call
+ * of its layers fails: the caller re-forms). Where any rank does not want
+ * it or cannot make it, every rank stays on the borrowed communicator (one
+ * stderr line). The results do not depend on it. */
+
 /* Routing families and shared experts (kern_cuda.h "Routing families").
  *
  * Token side: the router GEMM and the family router of kcu_layer
