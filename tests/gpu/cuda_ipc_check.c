@@ -12,7 +12,8 @@
  *   - then times a Qwen3-30B-A3B layer (2048, 768, 128 experts, top-8) at
  *     T = 1, 64, 4096, 16384 from device buffers (median of --iters).
  *
- *   cuda_ipc_check [--url URL] [--iters N] [--no-timing]
+ *   cuda_ipc_check [--url URL] [--iters N] [--no-timing] [--timing-min T]
+ *   (--timing-min: time only the T of at least that many tokens)
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -76,7 +77,7 @@ static void create(moe_client *c, const char *name, int H, int F, int E, int K)
 int main(int argc, char **argv)
 {
     const char *url = getenv("MOE_URL") ? getenv("MOE_URL") : "tcp://127.0.0.1:7000";
-    int iters = 20, timing = 1;
+    int iters = 20, timing = 1, tmin = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--url") && i + 1 < argc)
             url = argv[++i];
@@ -84,6 +85,8 @@ int main(int argc, char **argv)
             iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--no-timing"))
             timing = 0;
+        else if (!strcmp(argv[i], "--timing-min") && i + 1 < argc)
+            tmin = atoi(argv[++i]);
     }
     moe_client *c;
     moe_client_opts co = {.timeout_ms = 600000};
@@ -154,6 +157,8 @@ int main(int argc, char **argv)
         double *lat = malloc((size_t)iters * sizeof(double));
         for (int ti = 0; ti < 4; ti++) {
             int T = QT[ti];
+            if (T < tmin)
+                continue;
             moe_err e = MOE_OK;
             for (int it = -2; it < iters && e == MOE_OK; it++) {
                 moe_fwd_info fi;
