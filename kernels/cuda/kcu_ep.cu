@@ -3265,6 +3265,8 @@ static moe_err chain_graph(kcu_ep *ep, int T, const loc_parts &o)
 {
     if (!ep->loc_st)
         KCU_CHECK(cudaStreamCreateWithFlags(&ep->loc_st, cudaStreamNonBlocking));
+    if (T < 1 || T > EP_LOC_GRAPHS) /* one graph slot per T up to EP_LOC_GRAPHS */
+        return chain_enqueue(ep, T, o, ep->loc_st);
     auto &g = ep->loc_g[T];
     if (g.exec && g.gen == ep->loc_gen) {
         KCU_CHECK(cudaGraphLaunch(g.exec, ep->loc_st));
@@ -3319,8 +3321,12 @@ static moe_err local_chain(kcu_ep *ep, int T, const loc_parts &o, kcu_ep_local *
         ep->loc_gen++;
     }
     ep->stat_rows = 0; /* kcu_ep_stats: the sums are this call's (out) */
-    cudaStream_t run = T <= EP_LOC_GRAPHS && loc_graph_on() ? nullptr : st;
-    if (!run) {
+    /* a graph per T of at most EP_LOC_GRAPHS rows on loc_st; larger batches
+     * (MOE_FANOUT_ROWS raised past 16) kernel by kernel on st - which may
+     * be the legacy stream, NULL: the choice is its own flag */
+    const int graph = T <= EP_LOC_GRAPHS && loc_graph_on();
+    cudaStream_t run = st;
+    if (graph) {
         KCU_TRY(chain_graph(ep, T, o));
         run = ep->loc_st;
     } else {
