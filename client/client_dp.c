@@ -4,6 +4,7 @@
 #include "client/client_nccl.h"
 #include "client/fanout.h"
 #include "client/client_ring.h"
+#include "proto/ring_wire.h"
 #include "common/hostid.h"
 #include "common/nccl_pieces.h"
 #include "common/parcopy.h"
@@ -77,7 +78,8 @@ typedef struct dp_map {
     uint64_t *uregion; /* (DP_MAX_UBUF, W) region id of user buffer i at worker q; 0 = none */
     moe_ring *rings;   /* (W, DP_MAX_RING) to each worker (client_ring.h): the lane's, fan-out's */
     int *nrings;       /* (W) made */
-    int *no_ring;      /* (W) the worker offers none (an older worker) or they cannot be made */
+    int *no_ring;      /* (W) 0, or the smallest ring size (bytes) that could not be made
+                        * (an older worker, /dev/shm full): none that large is tried again */
     /* fan-out answers seen, by (model, layer): their top_k and row size, so
      * that later calls know whether the largest answer fits a ring */
     struct {
@@ -930,14 +932,15 @@ static moe_err shm_create(moe_client *c, struct moe_dp *dp, dp_map *m, size_t si
     return e;
 }
 
-/* ring_make maps a fresh ring and attaches it to worker 0 of m (the
- * lane's): its segment (data.shm_attach), then the ring in it. */
-static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, int q, moe_ring *r)
+/* ring_make maps a fresh ring of size bytes and attaches it to worker q
+ * of m: its segment (data.shm_attach), then the ring in it. */
+static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, int q, size_t size,
+                         moe_ring *r)
 {
     char name[96];
     snprintf(name, sizeof(name), "/moe-%ld-%016llx-r%u", (long)getpid(),
              (unsigned long long)moe_client_id(c), __atomic_add_fetch(&dp->next_shm, 1, 0));
-    moe_err e = moe_ring_map(r, name, MOE_RING_BYTES);
+    moe_err e = moe_ring_map(r, name, size);
     if (e != MOE_OK)
         return e;
     e = attach_one(c, m, q, name, r->size, &r->region);
@@ -959,39 +962,65 @@ static moe_err ring_make(moe_client *c, struct moe_dp *dp, dp_map *m, int q, moe
     return e;
 }
 
-/* ring_get: a free ring to worker q (busy on return), or NULL (rings off:
- * $MOE_RING=0, none offered, or all busy) */
-static moe_ring *ring_get(moe_client *c, struct moe_dp *dp, dp_map *m, int q)
+/* ring_bytes: the size of a ring whose answer area holds rep bytes:
+ * MOE_RING_BYTES, or for a larger answer the power of two that holds it
+ * (at most RING_MAX); 0 when none does */
+static size_t ring_bytes(size_t rep)
+{
+    size_t size = MOE_RING_BYTES;
+    while (size <= RING_MAX && size - RING_HEAD - ring_req_cap((uint32_t)size) < rep)
+        size *= 2;
+    return size <= RING_MAX ? size : 0;
+}
+
+/* ring_get: a free ring to worker q of at least size bytes (busy on
+ * return), or NULL (rings off: $MOE_RING=0, none offered, all busy, or
+ * every slot taken by smaller ones). A ring larger than MOE_RING_BYTES is
+ * made only for an answer that needs it (a fan-out of many rows): shared
+ * memory grows with what the calls carry. */
+static moe_ring *ring_get(moe_client *c, struct moe_dp *dp, dp_map *m, int q, size_t size)
 {
     const char *env = getenv("MOE_RING");
-    if (env && !strcmp(env, "0"))
+    if ((env && !strcmp(env, "0")) || size == 0)
         return NULL;
     moe_ring *rings = m->rings + (size_t)q * DP_MAX_RING;
     pthread_mutex_lock(&dp->mu);
     for (int i = 0; i < m->nrings[q]; i++) {
         moe_ring *r = &rings[i];
-        if (r->id && !r->dead && !__atomic_load_n(&r->busy, __ATOMIC_ACQUIRE)) {
+        if (r->id && !r->dead && r->size >= size && !__atomic_load_n(&r->busy, __ATOMIC_ACQUIRE)) {
             r->busy = 1;
             pthread_mutex_unlock(&dp->mu);
             return r;
         }
     }
-    if (m->no_ring[q] || m->nrings[q] == DP_MAX_RING) {
+    moe_ring *r = NULL;
+    if (!m->no_ring[q] || size < (size_t)m->no_ring[q]) {
+        /* a slot a ring could not be made in, else the next one */
+        for (int i = 0; i < m->nrings[q] && !r; i++)
+            if (!rings[i].id && !rings[i].busy && !rings[i].dead)
+                r = &rings[i];
+        if (!r && m->nrings[q] < DP_MAX_RING)
+            r = &rings[m->nrings[q]++];
+    }
+    if (!r) {
         pthread_mutex_unlock(&dp->mu);
         return NULL;
     }
-    moe_ring *r = &rings[m->nrings[q]++];
     r->busy = 1; /* reserved while it is made */
     pthread_mutex_unlock(&dp->mu);
     moe_ring made;
-    moe_err e = ring_make(c, dp, m, q, &made);
+    moe_err e = ring_make(c, dp, m, q, size, &made);
     pthread_mutex_lock(&dp->mu);
     if (e == MOE_OK) {
         *r = made;
         r->busy = 1;
     } else {
-        m->no_ring[q] = 1; /* an older worker, or no shared memory: the socket */
-        r->dead = 1;       /* an empty slot never handed out */
+        /* an older worker, or no shared memory for this size (/dev/shm
+         * full): rings of this size and larger are not tried again (the
+         * socket); the slot stays empty for a smaller one */
+        if (!m->no_ring[q] || size < (size_t)m->no_ring[q])
+            m->no_ring[q] = (int)size;
+        memset(r, 0, sizeof(*r));
         r = NULL;
     }
     pthread_mutex_unlock(&dp->mu);
@@ -1447,24 +1476,24 @@ static int64_t fanout_rows(void)
  * of several workers: the same rows to every worker (data.rows with
  * run.fanout), each answering the expert rows of its own experts' slots;
  * y is their sum (client/fanout.c). No coordinator, no exchange. */
-/* fo_ring_fits: the largest fan-out answer of (model, layer) for T rows
- * fits a ring's answer area (every slot on one worker, the shared rows,
- * the weights and stats of up to 1024 experts); unknown before its first
- * answer: 0 */
-static int fo_ring_fits(struct moe_dp *dp, dp_map *m, const void *key, size_t klen, int64_t T,
-                        int64_t H, size_t rep_cap)
+/* fo_ring_size: the ring a fan-out of (model, layer) of T rows needs
+ * (ring_bytes): its answer area holds the largest answer (every slot on one
+ * worker, the shared rows, the weights and stats of up to 1024 experts, 128
+ * bytes of head); 0 before the first answer (unknown) or when no ring
+ * holds it */
+static size_t fo_ring_size(struct moe_dp *dp, dp_map *m, const void *key, size_t klen, int64_t T,
+                           int64_t H)
 {
-    int fits = 0;
+    size_t most = 0;
     pthread_mutex_lock(&dp->mu);
     for (int i = 0; i < m->nfo_seen; i++)
         if (m->fo_seen[i].klen == klen && !memcmp(m->fo_seen[i].key, key, klen)) {
             size_t K = (size_t)m->fo_seen[i].top_k, es = m->fo_seen[i].es;
-            size_t most = (size_t)T * K * (size_t)H * es + (size_t)T * (size_t)H * es +
-                          (size_t)T * K * 4 + ((size_t)24 << 10);
-            fits = most <= rep_cap;
+            most = (size_t)T * K * (size_t)H * es + (size_t)T * (size_t)H * es + (size_t)T * K * 4 +
+                   ((size_t)24 << 10) + 128;
         }
     pthread_mutex_unlock(&dp->mu);
-    return fits;
+    return most ? ring_bytes(most) : 0;
 }
 
 static void fo_remember(struct moe_dp *dp, dp_map *m, const void *key, size_t klen, int top_k,
@@ -1568,11 +1597,10 @@ static moe_err dp_fanout(moe_client *c, struct moe_dp *dp, dp_map *m, const char
         watch[q] = -1;
     /* 1. the same rows to every worker, all at once: through a ring on this
      * host when the largest answer fits one, else over the socket */
-    const int ring_ok =
-        m->shm && fo_ring_fits(dp, m, ctl_pairs, ctl_len, T, H, MOE_RING_BYTES / 2 - 128);
+    const size_t ring_size = m->shm ? fo_ring_size(dp, m, ctl_pairs, ctl_len, T, H) : 0;
     for (int q = 0; q < W && e == MOE_OK; q++) {
         mp_writer w;
-        moe_ring *ring = ring_ok ? ring_get(c, dp, m, q) : NULL;
+        moe_ring *ring = ring_size ? ring_get(c, dp, m, q, ring_size) : NULL;
         if (ring) { /* the params map alone, rows inline (the ring's connection is
                      * authenticated) */
             mp_writer_init(&w);
@@ -2267,7 +2295,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         uint32_t msgid = moe__next_msgid(c);
         /* on the lane, rows in shared memory: the request goes through a
          * ring (its params only; the ring's connection is authenticated) */
-        moe_ring *ring = lane && (zero_copy || b) ? ring_get(c, dp, m, 0) : NULL;
+        moe_ring *ring = lane && (zero_copy || b) ? ring_get(c, dp, m, 0, MOE_RING_BYTES) : NULL;
         mp_writer_init(&w);
         if (!ring)
             moe_rpc_write_request_head(&w, msgid, "data.rows");

@@ -23,7 +23,9 @@
 
 /* 2 MiB: the largest fan-out answer of a decode step of 16 tokens of a
  * top-8 layer of d_model 2048 in bf16 (every slot on one worker: 512 KiB
- * of rows) fits its half (1 MiB), as does one token of d_model 7168 */
+ * of rows) fits its half (1 MiB), as does one token of d_model 7168; a
+ * fan-out whose answers need more gets a ring of their size (client_dp.c
+ * ring_bytes, up to RING_MAX) */
 #define MOE_RING_BYTES ((size_t)2 << 20)
 
 typedef struct moe_ring {
