@@ -414,6 +414,29 @@ __global__ void k_ep_dy(const bf16 *__restrict__ dy, const bf16 *__restrict__ yr
 void ce_fail(kcu_ep *ep, const char *why);
 void ep_fail(kcu_ep *ep, const char *why);
 
+/* a wait on cv (mu held) of at most ms milliseconds */
+void cond_wait_ms(pthread_cond_t *cv, pthread_mutex_t *mu, int ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += (long)ms * 1000000;
+    ts.tv_sec += ts.tv_nsec / 1000000000;
+    ts.tv_nsec %= 1000000000;
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
+/* fn(arg) on a detached thread: 1, or 0 when none starts */
+int start_detached(void *(*fn)(void *), void *arg)
+{
+    pthread_attr_t at;
+    pthread_t th;
+    const int started = pthread_attr_init(&at) == 0 &&
+                        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
+                        pthread_create(&th, &at, fn, arg) == 0;
+    pthread_attr_destroy(&at);
+    return started;
+}
+
 /* ---- the watchdog of blocking NCCL calls ----
  * A call on a blocking communicator (the exchange communicator's group
  * end or collective, the CE communicator's all-to-all) can wait on a peer
@@ -473,14 +496,7 @@ void *watch_main(void *arg)
             pthread_mutex_lock(&w->mu);
             continue;
         }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 20000000; /* 20 ms */
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+        cond_wait_ms(&w->cv, &w->mu, 20);
     }
     pthread_mutex_unlock(&w->mu);
     watch_unref(w);
@@ -498,13 +514,7 @@ int watch_ensure(ep_ce_shared *s)
     pthread_mutex_init(&w->mu, nullptr);
     pthread_cond_init(&w->cv, nullptr);
     w->refs = 2;
-    pthread_attr_t at;
-    pthread_t th;
-    const int started = pthread_attr_init(&at) == 0 &&
-                        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
-                        pthread_create(&th, &at, watch_main, w) == 0;
-    pthread_attr_destroy(&at);
-    if (!started) {
+    if (!start_detached(watch_main, w)) {
         pthread_cond_destroy(&w->cv);
         pthread_mutex_destroy(&w->mu);
         free(w);
@@ -929,13 +939,7 @@ void *ce_reap_main(void *arg)
 /* runs r on a detached thread, or here where none starts */
 void reap_run(ce_reap *r)
 {
-    pthread_attr_t at;
-    pthread_t th;
-    int started = pthread_attr_init(&at) == 0 &&
-                  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
-                  pthread_create(&th, &at, ce_reap_main, r) == 0;
-    pthread_attr_destroy(&at);
-    if (!started)
+    if (!start_detached(ce_reap_main, r))
         ce_reap_main(r);
 }
 
@@ -1109,14 +1113,7 @@ void *ce_guard_main(void *arg)
             g->fired = 2;
         if (g->fired)
             break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 2000000; /* 2 ms */
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&g->cv, &g->mu, &ts);
+        cond_wait_ms(&g->cv, &g->mu, 2);
     }
     const int fired = g->fired;
     pthread_mutex_unlock(&g->mu);
@@ -1359,13 +1356,7 @@ moe_err twin_create(kcu_ep *ep, int zero_cta, ncclComm_t *out, int *ok, char *wh
     j->rank = ep->c.rank;
     j->device = dev;
     j->zero_cta = zero_cta;
-    pthread_attr_t at;
-    pthread_t th;
-    const int started = pthread_attr_init(&at) == 0 &&
-                        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED) == 0 &&
-                        pthread_create(&th, &at, twin_init_main, j) == 0;
-    pthread_attr_destroy(&at);
-    if (!started) /* no thread: the join here, unguarded */
+    if (!start_detached(twin_init_main, j)) /* no thread: the join here, unguarded */
         twin_init_main(j);
     const int64_t deadline = now_ms() + ep->c.timeout_ms;
     for (;;) {
