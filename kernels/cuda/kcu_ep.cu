@@ -560,6 +560,17 @@ int watch_disarm(ep_watch *w)
     return fired;
 }
 
+/* the stderr line of a call a watchdog gave up on: fired 1 (the abort
+ * hook) or 2 (the timeout) */
+void fired_say(const kcu_ep *ep, const char *what, int fired)
+{
+    if (fired == 1)
+        fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
+    else
+        fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
+                ep->c.timeout_ms);
+}
+
 /* ---- NCCL calls ---- */
 
 /* the communicator an exchange call takes: the shared blocking twin once
@@ -640,11 +651,7 @@ moe_err ep_nccl_done(kcu_ep *ep, ncclComm_t comm, ncclResult_t r, const char *wh
         s->comm = nullptr;
         s->win[0] = s->win[1] = nullptr;
     }
-    if (fired == 1)
-        fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
-    else
-        fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
-                ep->c.timeout_ms);
+    fired_say(ep, what, fired);
     ep_fail(ep, what);
     return MOE_EUNAVAIL;
 }
@@ -1181,11 +1188,7 @@ ncclResult_t ce_guarded(kcu_ep *ep, int op, int i, size_t bytes, const char *wha
     if (fired) {
         s->comm = nullptr; /* aborted by the watchdog: never touched again */
         s->win[0] = s->win[1] = nullptr;
-        if (fired == 1)
-            fprintf(stderr, "kcu_ep: rank %d: %s: given up (a member is gone)\n", ep->c.rank, what);
-        else
-            fprintf(stderr, "kcu_ep: rank %d: %s: not done after %d ms\n", ep->c.rank, what,
-                    ep->c.timeout_ms);
+        fired_say(ep, what, fired);
         if (r == ncclSuccess || r == ncclInProgress)
             r = ncclRemoteError;
     }
