@@ -439,14 +439,16 @@ int start_detached(void *(*fn)(void *), void *arg)
 
 /* ---- the watchdog of blocking NCCL calls ----
  * A call on a blocking communicator (the exchange communicator's group
- * end or collective, the CE communicator's all-to-all) can wait on a peer
+ * end or collective, the CE communicator's all-to-all and window
+ * registrations) can wait on a peer
  * inside the call: the first call to a peer connects to it, and a dead peer
  * never answers. One thread per shared state (ep_ce_shared) watches the call
  * in progress: watch_arm before it, watch_disarm after. When the abort hook
  * trips or the layer's timeout passes while a call is armed, the thread
  * aborts that call's communicator (ncclCommAbort from another thread: the
  * blocked call then returns an error) and the caller, told by
- * watch_disarm, never touches it again. Arming costs a mutex and two
+ * watch_disarm, never touches it again; the reaper frees what it used (the
+ * CE windows' buffers) once the abort is over (watch_idle). Arming costs a mutex and two
  * stores, no system call: the thread polls every 20 ms, armed or not (the
  * timeouts are seconds). The thread is detached and holds a reference: the
  * last of it and the owner (watch_put) frees the struct, so the owner never
@@ -462,6 +464,7 @@ struct ep_watch {
     int64_t deadline; /* now_ms() past which the armed call is given up */
     int fired;        /* it aborted the armed call's communicator: 1 on the abort
                        * hook, 2 on the timeout (cleared by watch_disarm) */
+    int aborting;     /* its ncclCommAbort is running (watch_disarm waits it out) */
 };
 
 namespace
@@ -491,9 +494,12 @@ void *watch_main(void *arg)
             ncclComm_t c = w->comm;
             w->comm = nullptr;
             w->fired = why;
+            w->aborting = 1;
             pthread_mutex_unlock(&w->mu);
             ncclCommAbort(c);
             pthread_mutex_lock(&w->mu);
+            w->aborting = 0;
+            pthread_cond_broadcast(&w->cv);
             continue;
         }
         cond_wait_ms(&w->cv, &w->mu, 20);
@@ -549,7 +555,8 @@ void watch_arm(ep_watch *w, ncclComm_t comm, int timeout_ms)
 }
 
 /* 0, or 1 / 2 when the watchdog aborted the armed call's communicator (the
- * abort hook / the timeout) */
+ * abort hook / the timeout; the abort may still be running: what the
+ * communicator used is freed after watch_idle, by the reaper) */
 int watch_disarm(ep_watch *w)
 {
     pthread_mutex_lock(&w->mu);
@@ -558,6 +565,27 @@ int watch_disarm(ep_watch *w)
     w->fired = 0;
     pthread_mutex_unlock(&w->mu);
     return fired;
+}
+
+/* a reference to w for a thread that waits for its abort (watch_idle),
+ * then lets go (watch_unref) */
+ep_watch *watch_ref(ep_watch *w)
+{
+    if (w) {
+        pthread_mutex_lock(&w->mu);
+        w->refs++;
+        pthread_mutex_unlock(&w->mu);
+    }
+    return w;
+}
+
+/* returns once no abort of w's is running */
+void watch_idle(ep_watch *w)
+{
+    pthread_mutex_lock(&w->mu);
+    while (w->aborting)
+        pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
 }
 
 /* the stderr line of a call a watchdog gave up on: fired 1 (the abort
@@ -923,6 +951,7 @@ struct ce_reap {
     ncclComm_t comm; /* aborted (owned) */
     void *buf[2];    /* ncclMemFree'd after the abort (owned) */
     ep_ce_fns fn;    /* mem_free */
+    ep_watch *w;     /* a reference: its abort of comm, if running, ends first */
     int rank;
     const char *name; /* which communicator, for the log line */
     char why[96];
@@ -932,6 +961,10 @@ void *ce_reap_main(void *arg)
 {
     ce_reap *r = (ce_reap *)arg;
     const int64_t t0 = now_ms();
+    if (r->w) { /* the watchdog aborted the communicator: its abort is over first */
+        watch_idle(r->w);
+        watch_unref(r->w);
+    }
     if (r->comm)
         ncclCommAbort(r->comm);
     for (int i = 0; i < 2; i++)
@@ -980,6 +1013,8 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
     if (!r) { /* no memory for the hand-over: the abort and the frees here */
         if (s->comm)
             ncclCommAbort(s->comm);
+        if (s->watch)
+            watch_idle(s->watch);
         s->comm = nullptr;
         s->win[0] = s->win[1] = nullptr;
         ce_free_bufs(s);
@@ -989,6 +1024,7 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
     r->buf[0] = s->buf[0];
     r->buf[1] = s->buf[1];
     r->fn = s->fn;
+    r->w = watch_ref(s->watch);
     r->rank = rank;
     r->name = "CE communicator";
     snprintf(r->why, sizeof(r->why), "%s", why);
@@ -1089,76 +1125,6 @@ void ce_free(ep_ce_shared *s)
     free(s);
 }
 
-/* ---- the watchdog of a blocking call on the CE communicator ----
- * The CE communicator is blocking (ce_create says why): a collective call on
- * it (a window's registration or deregistration) does not return while a
- * peer is missing. ce_guard_start starts a thread that, until
- * ce_guard_stop, polls kcu_ep_abort_hook and the layer's timeout; when
- * either trips it aborts the communicator (ncclCommAbort from another
- * thread: the blocked call then returns an error). ce_guard_stop joins it
- * and returns nonzero when it did so: the caller never touches that
- * communicator again. One thread per guarded call: they are rare (the
- * setup, each growth). */
-struct ce_guard {
-    pthread_t th;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    ncclComm_t comm;  /* guarded (the shared state's; aborted here only when fired) */
-    int64_t deadline; /* now_ms() past which it fires */
-    int done;         /* the guarded call returned (ce_guard_stop) */
-    int fired;        /* it aborted comm: 1 on the abort hook, 2 on the timeout */
-};
-
-void *ce_guard_main(void *arg)
-{
-    ce_guard *g = (ce_guard *)arg;
-    pthread_mutex_lock(&g->mu);
-    while (!g->done && !g->fired) {
-        if (kcu_ep_abort_hook && kcu_ep_abort_hook())
-            g->fired = 1;
-        else if (now_ms() > g->deadline)
-            g->fired = 2;
-        if (g->fired)
-            break;
-        cond_wait_ms(&g->cv, &g->mu, 2);
-    }
-    const int fired = g->fired;
-    pthread_mutex_unlock(&g->mu);
-    if (fired)
-        ncclCommAbort(g->comm);
-    return nullptr;
-}
-
-/* 0, or -1 when the thread cannot start (then no blocking call is made) */
-int ce_guard_start(ce_guard *g, const kcu_ep *ep, ncclComm_t comm)
-{
-    memset(g, 0, sizeof(*g));
-    g->comm = comm;
-    g->deadline = now_ms() + ep->c.timeout_ms;
-    pthread_mutex_init(&g->mu, nullptr);
-    pthread_cond_init(&g->cv, nullptr);
-    if (pthread_create(&g->th, nullptr, ce_guard_main, g) != 0) {
-        pthread_cond_destroy(&g->cv);
-        pthread_mutex_destroy(&g->mu);
-        return -1;
-    }
-    return 0;
-}
-
-/* the guarded call returned: 0, or 1 / 2 when the watchdog aborted the
- * communicator (the abort hook / the timeout), the abort then finished */
-int ce_guard_stop(ce_guard *g)
-{
-    pthread_mutex_lock(&g->mu);
-    g->done = 1;
-    pthread_cond_signal(&g->cv);
-    pthread_mutex_unlock(&g->mu);
-    pthread_join(g->th, nullptr);
-    pthread_cond_destroy(&g->cv);
-    pthread_mutex_destroy(&g->mu);
-    return g->fired;
-}
-
 enum { CE_REG, CE_DEREG };
 
 /* one blocking collective call on the CE communicator, under the watchdog:
@@ -1173,16 +1139,16 @@ ncclResult_t ce_guarded(kcu_ep *ep, int op, int i, size_t bytes, const char *wha
     ep_ce_shared *s = ep->ce;
     if (!s->comm)
         return ncclInvalidUsage;
-    ce_guard g;
-    if (ce_guard_start(&g, ep, s->comm) != 0) {
+    if (!s->watch) {
         fprintf(stderr, "kcu_ep: rank %d: %s: no watchdog thread\n", ep->c.rank, what);
         ce_fail(ep, what);
         return ncclSystemError;
     }
+    watch_arm(s->watch, s->comm, ep->c.timeout_ms);
     ncclResult_t r =
         op == CE_REG ? s->fn.win_reg(s->comm, s->buf[i], bytes, &s->win[i], NCCL_WIN_COLL_SYMMETRIC)
                      : s->fn.win_dereg(s->comm, s->win[i]);
-    const int fired = ce_guard_stop(&g);
+    const int fired = watch_disarm(s->watch);
     if (op == CE_DEREG)
         s->win[i] = nullptr;
     if (fired) {
@@ -1488,7 +1454,8 @@ moe_err ce_setup(kcu_ep *ep)
         return MOE_OK;
     }
     int ok = 0;
-    (void)watch_ensure(s); /* the all-to-alls under the watchdog where a thread starts */
+    (void)watch_ensure(
+        s); /* its calls under the watchdog (without one ce_guarded registers no window) */
     KCU_TRY(ce_create(ep, &ok, why, sizeof(why)));
     moe_err e = ep_agree(ep, ok, &all, "CE setup (communicator)");
     if (e != MOE_OK || !all) {
