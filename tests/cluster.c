@@ -29,8 +29,7 @@ extern char **environ;
  * hung: 15 s, so that a 2-core machine loaded past its cores (a suite run
  * beside a build) does not fail a stop that is only slow (a worker took
  * more than 5 s there once, session 30) */
-#define STOP_WAIT_MS   15000
-#define STOP_WAIT_TEXT "15 s"
+#define STOP_WAIT_MS 15000
 
 /* The clusters' storage: static, so that a cluster outlives the test's stack
  * (a failed cr_assert unwinds it before .fini). live = started, not stopped.
@@ -669,10 +668,12 @@ int cluster_stop(cluster *cl)
             waitpid(*pids[i], &st[i], 0);
         }
         if (killed || st[i] == -1 || !WIFEXITED(st[i]) || WEXITSTATUS(st[i]) != 0) {
-            int k = snprintf(
-                why + wl, sizeof(why) - wl, "%s pid %d %s%s (status 0x%x); ", name, (int)*pids[i],
-                killed ? "ignored SIGTERM and was killed after " : "did not exit 0 after SIGTERM",
-                killed ? STOP_WAIT_TEXT : "", st[i]);
+            char how[64] = "did not exit 0 after SIGTERM";
+            if (killed)
+                snprintf(how, sizeof(how), "ignored SIGTERM for %d s and was killed",
+                         STOP_WAIT_MS / 1000);
+            int k = snprintf(why + wl, sizeof(why) - wl, "%s pid %d %s (status 0x%x); ", name,
+                             (int)*pids[i], how, st[i]);
             if (k > 0 && wl + (size_t)k < sizeof(why))
                 wl += (size_t)k;
             bad++;
