@@ -247,7 +247,8 @@ void moe_buffer_free(moe_client *c, void *p);
  * once and reads x and writes y on the device, with no host copy (the
  * caller's stream work must be finished before the call). libmoe never
  * reads or writes that memory on the host; it copies it only with CUDA:
- * a decode batch (at most $MOE_FANOUT_ROWS rows, 16 by default) on several
+ * a decode batch (at most $MOE_FANOUT_ROWS rows: by default 64 on GPU
+ * workers, 16 on CPU ones) on several
  * workers, when CUDA reports both buffers as device memory, is copied to
  * host memory and back with cudaMemcpy and fanned out (a few microseconds
  * instead of the ordered road). Without a data plane to workers on this

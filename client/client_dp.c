@@ -35,8 +35,12 @@
  * another host over its bulk endpoint */
 #define DP_MIN_BULK ((size_t)1 << 20)
 /* inference forwards of at most this many rows fan out to every worker of
- * a cluster of CPU workers ($MOE_FANOUT_ROWS) */
+ * a cluster of CPU workers ($MOE_FANOUT_ROWS overrides) */
 #define DP_FANOUT_ROWS 16
+/* ... and of a cluster of GPU workers: on 2 H200 workers the fan-out beat
+ * the ordered road at T=64 too (Qwen3 1.10 against 1.15 ms, Mixtral 1.31
+ * against 1.44; bench/history/service.md "Session 31") */
+#define DP_FANOUT_ROWS_GPU 64
 /* a new map waits this long at most for its connections to the workers */
 #define DP_CONNECT_WAIT_US 200000
 /* a rank's bulk rows are split over several connections (each a thread on
@@ -67,6 +71,7 @@ typedef struct dp_map {
     int shm;             /* shared memory usable with every worker */
     int lane;            /* one worker that runs inference forwards itself (the lane) */
     int fanout;          /* several workers (one backend) that each run small inference forwards */
+    int gpu;             /* every worker's backend is "cuda" */
     nng_socket *sock;    /* (W) req0 sockets, one per worker */
     moe_bulk_pool *bulk; /* (W) bulk connections per worker (url "" = it offers none) */
     int *remote;         /* (W) the worker is on another host */
@@ -719,13 +724,14 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     m->gen = (uint64_t)gen;
     m->lane = lane && W == 1;
     m->fanout = fanout && W > 1;
+    int gpu_all = 1;
     m->shm = moe__data_path(c) != MOE_PATH_SOCKET && moe__data_path(c) != MOE_PATH_BULK &&
              moe__data_path(c) != MOE_PATH_NCCL;
     uint32_t nw;
     mp_read_array(&rw, &nw, NULL);
     for (uint32_t q = 0; q < W; q++) {
-        char url[512], host[128], bulk[256];
-        mp_reader one = rw, one2 = rw, one3 = rw, one4 = rw;
+        char url[512], host[128], bulk[256], backend[32] = "";
+        mp_reader one = rw, one2 = rw, one3 = rw, one4 = rw, one5 = rw;
         if (read_str_key(&one, "url", url, sizeof(url)) != MOE_OK ||
             read_str_key(&one2, "host", host, sizeof(host)) != MOE_OK ||
             read_str_key(&one3, "bulk_url", bulk, sizeof(bulk)) != MOE_OK ||
@@ -736,6 +742,9 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         moe_bulk_pool_init(&m->bulk[q], bulk); /* "" when absent: no bulk path */
         moe_nccl_link_init(&m->nccl[q]);
         m->has_nccl[q] = read_bool_key(&one4, "nccl");
+        if (read_str_key(&one5, "backend", backend, sizeof(backend)) != MOE_OK ||
+            strcmp(backend, "cuda") != 0)
+            gpu_all = 0;
         m->remote[q] = !host[0] || strcmp(host, dp->host) != 0;
         if (m->remote[q])
             m->shm = 0;
@@ -776,6 +785,7 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         return MOE_EINVAL;
     }
     m->W = (int)W;
+    m->gpu = gpu_all;
     *out = m;
     return MOE_OK;
 }
@@ -1462,13 +1472,14 @@ static int bulk_parts(size_t n)
     return k < 1 ? 1 : k > (size_t)most ? (int)most : (int)k;
 }
 
-/* fanout_rows: the most rows a forward fans out ($MOE_FANOUT_ROWS, default
- * DP_FANOUT_ROWS; 0 = never): each worker answers T x top_k / W expert
- * rows, so fan-out pays for small batches (decode) only */
-static int64_t fanout_rows(void)
+/* fanout_rows: the most rows a forward fans out on map m ($MOE_FANOUT_ROWS,
+ * default DP_FANOUT_ROWS, DP_FANOUT_ROWS_GPU on GPU workers; 0 = never):
+ * each worker answers T x top_k / W expert rows, so fan-out pays for small
+ * batches (decode) only */
+static int64_t fanout_rows(const dp_map *m)
 {
     const char *env = getenv("MOE_FANOUT_ROWS");
-    long v = env && *env ? strtol(env, NULL, 10) : DP_FANOUT_ROWS;
+    long v = env && *env ? strtol(env, NULL, 10) : m->gpu ? DP_FANOUT_ROWS_GPU : DP_FANOUT_ROWS;
     return v < 0 ? 0 : v;
 }
 
@@ -2206,7 +2217,7 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
         all_up &= __atomic_load_n(&m->up[q], __ATOMIC_RELAXED) > 0;
     const int on_gpu = moe_dp_on_device(c, in, nbytes) || moe_dp_on_device(c, out, nbytes);
     if (!ordered && m->fanout && all_up && nctl == 2 && !strcmp(method, "forward") && T >= 1 &&
-        T <= fanout_rows() && (dt == MOE_F32 || dt == MOE_BF16) &&
+        T <= fanout_rows(m) && (dt == MOE_F32 || dt == MOE_BF16) &&
         moe__data_path(c) != MOE_PATH_BULK) {
         if (!on_gpu) {
             free(rq);

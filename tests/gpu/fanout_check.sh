@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # fanout_check.sh - the fan-out of decode batches on GPU workers (several
 # GPUs of this host): through 2 GPU workers, service_bench's forwards of
-# T = 1, 4, 16 (fanned out) and 64 (the ordered road) against the CPU
+# T = 1, 4, 16 (fanned out) and 65 (the ordered road) against the CPU
 # reference, over rings and sockets, once through the decode chain and once
 # through the two-step path (KCU_LOCAL_CHAIN=0); T = 17, 32, 64 fanned out
-# (MOE_FANOUT_ROWS=64: past the chain's graphs); the experts backend (--ep
+# (libmoe's default on GPU workers, 64 rows: past the chain's graphs); the experts backend (--ep
 # off: routing on the host); then the routing families (a shared expert:
 # the two-step path) against a CPU worker. Exit 1 on any failure, or when
 # no fan-out forward ran on the workers. Last, bin/cuda_ipc_check through 2
@@ -24,7 +24,7 @@ for ch in 1 0; do
     run="$OUT/chain$ch"
     rm -rf "$run"
     KCU_LOCAL_CHAIN=$ch KCU_LOCAL_TRACE=20 MOE_RUN_DIR="$run" timeout 300 deploy/gpu-cluster.sh \
-        -w 2 -b cuda -- sh -c "bin/service_bench --url \$MOE_URL $Q --tokens 1,4,16,64 --iters 20 --paths shm,socket" \
+        -w 2 -b cuda -- sh -c "bin/service_bench --url \$MOE_URL $Q --tokens 1,4,16,65 --iters 20 --paths shm,socket" \
         >"$OUT/chain$ch.log" 2>&1
     rc=$?
     npass=$(grep -c "PASS" "$OUT/chain$ch.log")
@@ -35,18 +35,18 @@ for ch in 1 0; do
     fi
 done
 # batches past the 16 rows the decode chain keeps as graphs, fanned out
-# ($MOE_FANOUT_ROWS=64): the chain kernel by kernel (a worker once took the
+# (libmoe's default on GPU workers: up to 64 rows): the chain kernel by kernel (a worker once took the
 # legacy stream, NULL, for "use a graph", indexed its 17 graph slots with
 # T and died or failed the call)
 run="$OUT/wide"
 rm -rf "$run"
-MOE_FANOUT_ROWS=64 KCU_LOCAL_TRACE=20 MOE_RUN_DIR="$run" timeout 300 deploy/gpu-cluster.sh \
+KCU_LOCAL_TRACE=20 MOE_RUN_DIR="$run" timeout 300 deploy/gpu-cluster.sh \
     -w 2 -b cuda -- sh -c "bin/service_bench --url \$MOE_URL $Q --tokens 17,32,64 --iters 20 --paths shm,socket" \
     >"$OUT/wide.log" 2>&1
 rc=$?
 npass=$(grep -c "PASS" "$OUT/wide.log")
 nfan=$(cat "$run"/worker*.log | grep -c "kcu_ep_forward_local")
-echo "fanout_check: MOE_FANOUT_ROWS=64, T = 17, 32, 64 fanned out: rc $rc, $npass PASS, $(grep -c FAIL "$OUT/wide.log") FAIL, $nfan fan-out trace lines"
+echo "fanout_check: T = 17, 32, 64 fanned out by default: rc $rc, $npass PASS, $(grep -c FAIL "$OUT/wide.log") FAIL, $nfan fan-out trace lines"
 if [ $rc -ne 0 ] || [ "$npass" -lt 3 ] || grep -q FAIL "$OUT/wide.log" || [ "$nfan" -lt 2 ]; then
     fail=1
 fi
