@@ -463,11 +463,44 @@ static const wkr_gpu_ops layer_ops = {
 
 /* ep_dev: a kcu_ep and what its model's routing family needs (the bias,
  * the shared expert replicated on every rank, whose gradients join the
- * layer's extra tensors) */
+ * layer's extra tensors), and its train states. A training layer with
+ * --gpu-ep-train-states above 1 keeps that many train forwards on the device
+ * (kcu_ep.h "Train states"), taken as layer_dev's are (free first, else
+ * least recently used): every rank takes the same one, since train
+ * forwards and backwards are cluster jobs that every rank sees in one
+ * order. Inference and fan-out forwards - a fan-out reaches the ranks in
+ * no common order - run in one more state of their own (ntrain), so they
+ * never displace a train forward. ntrain 0: one state for everything, the
+ * train forward's handle in m->gpu_handle. */
 typedef struct ep_dev {
     kcu_ep *ep;
     dev_model dm;
+    int ntrain;
+    uint64_t handle[KCU_EP_MAX_STATES]; /* the train forward a state holds, 0 = none */
+    uint64_t used[KCU_EP_MAX_STATES];   /* when it was last used (clock) */
+    uint64_t clock;
+    uint64_t recomputes; /* backwards whose forward had been pushed out */
 } ep_dev;
+
+/* ep_take: a train state for the next train forward (free first, else least
+ * recently used), selected on the layer; -1 on an error */
+static int ep_take(ep_dev *d)
+{
+    int s = 0;
+    for (int i = 0; i < d->ntrain; i++) {
+        if (!d->handle[i]) {
+            s = i;
+            break;
+        }
+        if (d->used[i] < d->used[s])
+            s = i;
+    }
+    if (kcu_ep_use_state(d->ep, s) != MOE_OK)
+        return -1;
+    d->handle[s] = 0;
+    d->used[s] = ++d->clock;
+    return s;
+}
 
 static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
 {
@@ -490,6 +523,11 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     ec.train = train;
     ec.chunks = (int)w->ep_chunks;
     ec.timeout_ms = (int)w->xchg_timeout_ms;
+    /* the train states and one for the other forwards (see ep_dev) */
+    if (train && w->gpu_ep_train_states > 1)
+        ec.states = w->gpu_ep_train_states + 1 < KCU_EP_MAX_STATES
+                        ? (int)w->gpu_ep_train_states + 1
+                        : KCU_EP_MAX_STATES;
     /* the routing family: the same router as the one-GPU layer's; a shared
      * expert is replicated and runs on each rank's own tokens */
     if (route_config_of(c, &ec.route) != MOE_OK) {
@@ -501,6 +539,9 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     if (e != MOE_OK) {
         free(d);
         d = NULL;
+    } else {
+        const int ns = kcu_ep_states(d->ep);
+        d->ntrain = ns > 1 ? ns - 1 : 0;
     }
     *dev = d;
     return e;
@@ -511,6 +552,10 @@ static void ep_destroy(void *dev)
     ep_dev *d = dev;
     if (!d)
         return;
+    if (d->recomputes)
+        LOG_I("GPU expert-parallel layer: %llu backwards recomputed their forward (more "
+              "--gpu-train-states would keep them)",
+              (unsigned long long)d->recomputes);
     kcu_ep_destroy(d->ep);
     free(d);
 }
@@ -518,6 +563,7 @@ static void ep_destroy(void *dev)
 static moe_err ep_upload(void *dev, const wkr_layer *L)
 {
     ep_dev *d = dev;
+    memset(d->handle, 0, sizeof(d->handle)); /* the kept forwards are stale */
     moe_err e = kcu_ep_upload(d->ep, L->wr, L->w1, L->w3, L->w2);
     if (e == MOE_OK && d->dm.bias)
         e = kcu_ep_upload_bias(d->ep, L->bias);
@@ -566,11 +612,18 @@ static moe_err ep_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int 
                           moe_dtype xdt, void *y, moe_dtype ydt, int train, wkr_gpu_out *out,
                           char *err, size_t errlen)
 {
-    kcu_ep *ep = ((ep_dev *)m->gpu[layer])->ep;
+    ep_dev *d = m->gpu[layer];
+    kcu_ep *ep = d->ep;
     double t_last = 0;
     step_trace_begin(&ep_tr, &t_last);
+    moe_err e = MOE_OK;
+    int s = -1;
+    if (d->ntrain) /* a train state, or the other forwards' one */
+        e = train ? ((s = ep_take(d)) < 0 ? MOE_EINTERNAL : MOE_OK)
+                  : kcu_ep_use_state(ep, d->ntrain);
     wkr_busy_at(w, "expert-parallel forward: kcu_ep_forward");
-    moe_err e = kcu_ep_forward(ep, T, x, xdt, y, ydt, train, NULL);
+    if (e == MOE_OK)
+        e = kcu_ep_forward(ep, T, x, xdt, y, ydt, train, NULL);
     step_trace_stamp(&ep_tr, 0, &t_last);
     wkr_busy_at(w, "expert-parallel forward: kcu_ep_wait");
     if (e == MOE_OK)
@@ -584,24 +637,43 @@ static moe_err ep_forward(wkr *w, wkr_model *m, int layer, uint64_t handle, int 
     }
     step_trace_stamp(&ep_tr, 2, &t_last);
     step_trace_end(&ep_tr);
-    m->gpu_handle[layer] = 0;
-    if (e == MOE_OK && train)
-        m->gpu_handle[layer] = handle;
+    if (d->ntrain) {
+        if (s >= 0 && e == MOE_OK)
+            d->handle[s] = handle;
+    } else {
+        m->gpu_handle[layer] = 0;
+        if (e == MOE_OK && train)
+            m->gpu_handle[layer] = handle;
+    }
     return ep_failed(w, e, "expert-parallel forward", err, errlen);
 }
 
 static moe_err ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int T, const float *x,
                            const float *dy, float *dx, char *err, size_t errlen)
 {
-    kcu_ep *ep = ((ep_dev *)m->gpu[layer])->ep;
+    ep_dev *d = m->gpu[layer];
+    kcu_ep *ep = d->ep;
     const model_cfg *c = &m->cfg;
     moe_err e = MOE_OK;
-    if (m->gpu_handle[layer] != handle) {
-        /* the devices hold another forward's state: every rank recomputes
-         * this one (they all see the same sequence of jobs) */
+    int s = -1, kept = !d->ntrain && m->gpu_handle[layer] == handle;
+    for (int i = 0; i < d->ntrain && s < 0; i++)
+        if (d->handle[i] == handle)
+            s = i;
+    if (s >= 0) {
+        kept = 1;
+        e = kcu_ep_use_state(ep, s);
+    }
+    if (e == MOE_OK && !kept) {
+        /* the devices hold other forwards: every rank recomputes this one
+         * (they all see the same sequence of jobs, and take the same state) */
         float *y = malloc((size_t)(T ? T : 1) * c->d_model * sizeof(float));
         if (!y)
             return ep_failed(w, MOE_ENOMEM, "expert-parallel backward", err, errlen);
+        if (d->ntrain && (s = ep_take(d)) < 0) {
+            free(y);
+            return ep_failed(w, MOE_EINTERNAL, "expert-parallel backward", err, errlen);
+        }
+        d->recomputes++;
         wkr_busy_at(w, "expert-parallel backward: the forward again");
         e = kcu_ep_forward(ep, T, x, MOE_F32, y, MOE_F32, 1, NULL);
         if (e == MOE_OK)
@@ -616,13 +688,16 @@ static moe_err ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int
     if (e == MOE_OK)
         e = kcu_ep_wait(ep, NULL);
     m->gpu_handle[layer] = 0;
+    if (s >= 0)
+        d->handle[s] = 0;
     return ep_failed(w, e, "expert-parallel backward", err, errlen);
 }
 
 static moe_err ep_fanout(wkr *w, wkr_model *m, int layer, int T, const void *x, moe_dtype xdt,
                          wkr_gpu_fanout *out, char *err, size_t errlen)
 {
-    kcu_ep *ep = ((ep_dev *)m->gpu[layer])->ep;
+    ep_dev *d = m->gpu[layer];
+    kcu_ep *ep = d->ep;
     kcu_ep_local lo;
     memset(&lo, 0, sizeof(lo));
     lo.counts = out->counts;
@@ -633,8 +708,13 @@ static moe_err ep_fanout(wkr *w, wkr_model *m, int layer, int T, const void *x, 
     lo.ys = out->ys;
     lo.probs_sum = out->probs_sum;
     wkr_busy_at(w, "fan-out forward: kcu_ep_forward_local");
-    moe_err e = kcu_ep_forward_local(ep, T, x, xdt, &lo, NULL);
-    m->gpu_handle[layer] = 0; /* a kept train forward is gone: its backward recomputes */
+    /* with train states, in the other forwards' state; else the kept train
+     * forward is gone and its backward recomputes */
+    moe_err e = d->ntrain ? kcu_ep_use_state(ep, d->ntrain) : MOE_OK;
+    if (e == MOE_OK)
+        e = kcu_ep_forward_local(ep, T, x, xdt, &lo, NULL);
+    if (!d->ntrain)
+        m->gpu_handle[layer] = 0;
     out->n = lo.n;
     out->ye_at = lo.ye_at;
     out->z_sum = lo.z_sum;

@@ -66,6 +66,11 @@ static const cfg_entry worker_cfg[] = {
      "GPU backend, one-worker cluster: train forwards per layer kept on the device for their "
      "backward (a pipeline's forwards of several micro-batches do not recompute); each costs "
      "one workspace of device memory"},
+    {"gpu-ep-train-states", CFG_INT, "1", 1, 15, &W.gpu_ep_train_states,
+     "GPU backend, expert parallelism (several GPU workers): train forwards per layer kept on the "
+     "device for their backward; above 1, one more state holds the other forwards (each state: "
+     "a token side and an owner side of device memory, about 3.7 GiB for a Qwen3-30B-A3B layer "
+     "at 16384 tokens on 2 GPUs)"},
     {"gpu-grad-bf16", CFG_INT, "0", 0, 1, &W.gpu_grad_bf16,
      "GPU backend, one-worker cluster: expert gradients stored in bf16 (half the memory)"},
     {"ep-chunks", CFG_INT, "0", 0, 8, &W.ep_chunks,

@@ -180,6 +180,7 @@ struct wkr {
     long long ep_chunks;            /* kcu_ep overlap degree, 0 = by shape */
     long long gpu_grad_bf16;        /* kcu_config.grad_bf16 of whole-layer GPU models */
     long long gpu_train_states;     /* train forwards per layer kept on the device (layer mode) */
+    long long gpu_ep_train_states;  /* the same on the expert-parallel path (ep mode) */
     char ep_cfg[CFG_STR_MAX];       /* "auto" | "off" */
     int use_gpu;                    /* the CUDA backend was chosen at start */
 

@@ -145,6 +145,19 @@ struct ep_ce_shared {
 
 enum { EP_LOC_GRAPHS = 16 }; /* the fan-out's decode chains kept as graphs: T = 1..16 */
 
+/* one train state (kcu_ep.h "Train states"): a forward's token-side
+ * workspace, its owner-side buffers and its plan (the host fields of
+ * EP_PLAN_FIELDS, saved as bytes); the selected state's are the struct's
+ * own fields, saved here when another is selected */
+enum { EP_PLAN_BYTES = 20480 };
+struct ep_state {
+    void *tws; /* this state's part of the token side (owned) */
+    void *ows; /* owner side (owned), grown on demand by ep_grow */
+    size_t ows_bytes, cap_rows, cap_tbl;
+    int32_t *tbl_h; /* pinned (owned) */
+    unsigned char plan[EP_PLAN_BYTES];
+};
+
 struct kcu_ep {
     kcu_ep_config c;
     ncclComm_t comm; /* borrowed */
@@ -239,6 +252,11 @@ struct kcu_ep {
         int calls, bad;
     } loc_g[EP_LOC_GRAPHS + 1];
     ep_ce_slots cs_; /* the last CE forward's padded slots */
+    /* train states (kcu_ep.h "Train states"): nstates of them, cur selected;
+     * tws above is the part the states share (weights, gradients, scratch) */
+    int nstates, cur;
+    size_t tws_state_bytes;
+    ep_state st[KCU_EP_MAX_STATES];
 };
 
 namespace
@@ -778,7 +796,10 @@ int64_t ep_owner_rows(const kcu_ep *ep, const int32_t *cnt, int q, int c)
     return n;
 }
 
-/* owner-side buffers for N rows and a table of tl int32 */
+void ows_layout(kcu_ep *ep);
+
+/* owner-side buffers for N rows and a table of tl int32 (the selected
+ * state's) */
 moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
 {
     if ((size_t)N <= ep->cap_rows && (size_t)tl <= ep->cap_tbl && ep->ows)
@@ -811,40 +832,10 @@ moe_err ep_grow(kcu_ep *ep, int64_t N, int tl)
         ep->ows = nullptr;
         return MOE_ENOMEM;
     }
-    char *p = (char *)ep->ows;
-    auto take = [&](size_t bytes) {
-        char *q = p;
-        p += al(bytes);
-        return q;
-    };
-    ep->xrecv = (bf16 *)take(rows * H * 2);
-    ep->ysend = (bf16 *)take(rows * H * 2);
-    ep->h = (bf16 *)take(rows * F * 2);
-    ep->gidx = (int32_t *)take(rows * 4);
-    ep->tbl_d = (int32_t *)take(tbl * 4);
-    ep->ab = ep->dxsend = ep->xg = nullptr;
-    ep->wgx = ep->wgh = nullptr;
-    if (tr) {
-        ep->ab = (bf16 *)take(rows * N1 * 2);
-        ep->dxsend = (bf16 *)take(rows * H * 2);
-        if (ep->sorted)
-            ep->xg = (bf16 *)take(rows * H * 2);
-        ep->wgx = (int32_t *)take(rows * 4);
-        ep->wgh = (int32_t *)take(rows * 4);
-    }
-    ep->mrecv = ep->sidx = ep->wgy = nullptr;
-    if (ep->dedup) {
-        ep->mrecv = (int32_t *)take(rows * ep->c.K * 4);
-        ep->sidx = (int32_t *)take(rows * 4);
-        if (tr)
-            ep->wgy = (int32_t *)take(rows * 4);
-    }
-    ep->xrecv_o = ep->xrecv;
-    ep->ysend_o = ep->ysend;
-    ep->mrecv_o = ep->mrecv;
     ep->ows_bytes = b;
     ep->cap_rows = rows;
     ep->cap_tbl = tbl;
+    ows_layout(ep);
     return MOE_OK;
 }
 
@@ -2418,6 +2409,175 @@ moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
     return MOE_OK;
 }
 
+/* ---- train states (kcu_ep.h "Train states") ---- */
+
+/* the host fields of one forward's plan, which its backward reads: saved
+ * and loaded as bytes when another state is selected */
+#define EP_PLAN_FIELDS(X)                                                                          \
+    X(T) X(T_fwd) X(C) X(stat_rows) X(T_global) X(N) X(counts_local) X(counts_global)          \
+        X(send_rows) X(recv_rows) X(sbase) X(rbase) X(tiles) X(tbase) X(t_offs) X(t_goffs)     \
+            X(t_ntiles) X(t_rbase) X(t_te) X(t_tr) X(t_len) X(dd) X(P) X(usend) X(urecv)       \
+                X(usbase) X(urbase) X(max_urn) X(t_ctab) X(t_cpre) X(t_utab) X(t_upre)         \
+                    X(t_ur0) X(t_urn) X(t_goff) X(t_roff) X(t_wbase) X(dw2_done) X(ce_fwd)
+
+#define EP_PLAN_SIZE(f) +sizeof(kcu_ep::f)
+static_assert(0 EP_PLAN_FIELDS(EP_PLAN_SIZE) <= EP_PLAN_BYTES, "EP_PLAN_BYTES too small");
+#undef EP_PLAN_SIZE
+
+void plan_save(const kcu_ep *ep, unsigned char *b)
+{
+    size_t o = 0;
+#define EP_PLAN_SAVE(f)                                                                            \
+    memcpy(b + o, &ep->f, sizeof(ep->f));                                                          \
+    o += sizeof(ep->f);
+    EP_PLAN_FIELDS(EP_PLAN_SAVE)
+#undef EP_PLAN_SAVE
+}
+
+void plan_load(kcu_ep *ep, const unsigned char *b)
+{
+    size_t o = 0;
+#define EP_PLAN_LOAD(f)                                                                            \
+    memcpy(&ep->f, b + o, sizeof(ep->f));                                                          \
+    o += sizeof(ep->f);
+    EP_PLAN_FIELDS(EP_PLAN_LOAD)
+#undef EP_PLAN_LOAD
+}
+
+/* ep_tws_layout: the token side's pointers, the states' shared part from
+ * shared and the selected state's from state; with NULL bases only the
+ * sizes (*shared_b, *state_b; the pointers left NULL). Shared: the router's
+ * weights, bias, gradient and grid-barrier words, and the scratch no
+ * forward hands to its backward (each call writes it before it reads it,
+ * on one stream): the f32 staging, the backward's dlogits, dw, dxr and
+ * staged dy, ep_agree's word. Per state: the rest (the routing, its layout
+ * and tables, the dispatch and return rows, the counts). */
+void ep_tws_layout(kcu_ep *ep, char *shared, char *state, size_t *shared_b, size_t *state_b)
+{
+    const kcu_ep_config &c = ep->c;
+    kcu_layer *R = &ep->R;
+    const size_t T = c.T_max, S = T * c.K, H = c.H, E = c.E, Ep = R->Ep;
+    const size_t nch = KCU_CEIL_DIV(S, (size_t)256), mt = S / KCU_BM + E + 1;
+    /* int32 per rank in the counts exchange: E counts, or a dedup counts
+     * block of up to EP_MAX_CHUNKS slices (kcu_ep_dedup.cuh) */
+    const size_t ncnt = ep->dedup ? (size_t)EP_MAX_CHUNKS * (E + c.world) : E;
+    size_t off[2] = {0, 0};
+    char *base[2] = {shared, state};
+    auto take = [&](int part, auto **ptr, size_t bytes) {
+        *ptr = base[part]
+                   ? reinterpret_cast<std::remove_reference_t<decltype(*ptr)>>(base[part] + off[part])
+                   : nullptr;
+        off[part] += al(bytes);
+    };
+    enum { SH = 0, ST = 1 };
+    take(SH, &R->wr, Ep * H * 2);
+    take(ST, &R->xs, T * H * 2);
+    take(SH, &R->stage, T * H * 4);
+    take(ST, &R->logits, T * Ep * 4);
+    take(ST, &R->probs, T * E * 4);
+    take(ST, &R->lse, T * 4);
+    take(ST, &R->topk_idx, S * 4);
+    take(ST, &R->topk_w, S * 4);
+    take(ST, &R->counts, E * 4);
+    take(ST, &R->offs, (E + 1) * 4);
+    take(ST, &R->chunk, nch * E * 4);
+    take(ST, &R->perm, S * 4);
+    take(ST, &R->tok, S * 4);
+    take(ST, &R->tile_e, mt * 4);
+    take(ST, &R->tile_r0, mt * 4);
+    take(ST, &R->ntiles, 4);
+    take(ST, &R->cglob, E * 4);
+    take(ST, &R->stats, 2 * 4);
+    take(ST, &R->statpart,
+         std::max(KCU_CEIL_DIV(T, (size_t)256), (size_t)KCU_RT_CTAS) * (E + 1) * 4);
+    take(SH, &R->dsync, KCU_DSYNC_WORDS * 4);
+    take(ST, &R->spos, S * 4);
+    take(ST, &R->dropped, E * 4);
+    take(SH, &R->bias, E * 4);
+    if (ep->sh)
+        take(ST, &ep->sy, T * H * 2);
+    take(ST, &ep->xsend, S * H * 2);
+    take(ST, &ep->yrecv, S * H * 2);
+    take(ST, &ep->sendpos, S * 4);
+    take(ST, &ep->tab, (size_t)EP_MAX_CHUNKS * E * 4);
+    take(ST, &ep->cnt_all, (size_t)c.world * ncnt * 4);
+    if (c.world > 1)
+        take(SH, &ep->agree_d, 4);
+    if (ep->dedup) {
+        take(ST, &ep->dcnt, ncnt * 4);
+        take(ST, &ep->umask, T * 8);
+        take(ST, &ep->urank, T * c.world * 4);
+        take(ST, &ep->ubcnt, KCU_CEIL_DIV(T, (size_t)256) * c.world * 4);
+        take(ST, &ep->msend, T * std::min(c.world, c.K) * c.K * 4);
+    }
+    if (c.train) {
+        take(SH, &R->g_wr, Ep * H * 4);
+        take(SH, &R->dw, S * 4);
+        take(SH, &R->dlogits, T * Ep * 2);
+        take(SH, &R->dxr, T * H * 4);
+        take(SH, &ep->dyb, T * H * 2);
+    }
+    ep->xsend_t = ep->xsend;
+    ep->yrecv_t = ep->yrecv;
+    ep->msend_t = ep->msend;
+    if (shared_b)
+        *shared_b = off[SH];
+    if (state_b)
+        *state_b = off[ST];
+}
+
+/* ows_layout: the owner side's pointers into ep->ows for cap_rows rows and a
+ * table of cap_tbl int32 (the sizes ep_grow allocated) */
+void ows_layout(kcu_ep *ep)
+{
+    const size_t rows = ep->cap_rows, tbl = ep->cap_tbl;
+    const size_t H = ep->c.H, F = ep->c.F, N1 = ep->N1;
+    const int tr = ep->c.train;
+    char *p = (char *)ep->ows;
+    auto take = [&](size_t bytes) {
+        char *q = p;
+        p += al(bytes);
+        return q;
+    };
+    ep->xrecv = (bf16 *)take(rows * H * 2);
+    ep->ysend = (bf16 *)take(rows * H * 2);
+    ep->h = (bf16 *)take(rows * F * 2);
+    ep->gidx = (int32_t *)take(rows * 4);
+    ep->tbl_d = (int32_t *)take(tbl * 4);
+    ep->ab = ep->dxsend = ep->xg = nullptr;
+    ep->wgx = ep->wgh = nullptr;
+    if (tr) {
+        ep->ab = (bf16 *)take(rows * N1 * 2);
+        ep->dxsend = (bf16 *)take(rows * H * 2);
+        if (ep->sorted)
+            ep->xg = (bf16 *)take(rows * H * 2);
+        ep->wgx = (int32_t *)take(rows * 4);
+        ep->wgh = (int32_t *)take(rows * 4);
+    }
+    ep->mrecv = ep->sidx = ep->wgy = nullptr;
+    if (ep->dedup) {
+        ep->mrecv = (int32_t *)take(rows * ep->c.K * 4);
+        ep->sidx = (int32_t *)take(rows * 4);
+        if (tr)
+            ep->wgy = (int32_t *)take(rows * 4);
+    }
+    ep->xrecv_o = ep->xrecv;
+    ep->ysend_o = ep->ysend;
+    ep->mrecv_o = ep->mrecv;
+}
+
+/* state_stash: the selected state's owner side and plan into ep->st[cur] */
+void state_stash(kcu_ep *ep)
+{
+    ep_state *a = &ep->st[ep->cur];
+    plan_save(ep, a->plan);
+    a->ows = ep->ows;
+    a->ows_bytes = ep->ows_bytes;
+    a->cap_rows = ep->cap_rows;
+    a->cap_tbl = ep->cap_tbl;
+    a->tbl_h = ep->tbl_h;
+}
+
 } // namespace
 
 extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **out)
@@ -2545,86 +2705,40 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
     R->Ep = KCU_CEIL_DIV(c.E + ep->gate, KCU_BN) * KCU_BN;
     R->nsm = ep->nsm;
     const size_t T = c.T_max, S = T * c.K, H = c.H, E = c.E, Ep = R->Ep;
-    const size_t nch = KCU_CEIL_DIV(S, (size_t)256), mt = S / KCU_BM + E + 1;
-    /* int32 per rank in the counts exchange: E counts, or a dedup counts
-     * block of up to EP_MAX_CHUNKS slices (kcu_ep_dedup.cuh) */
+    const size_t mt = S / KCU_BM + E + 1;
     const size_t ncnt = ep->dedup ? (size_t)EP_MAX_CHUNKS * (E + c.world) : E;
-    for (int pass = 0; pass < 2; pass++) {
-        char *p = (char *)ep->tws;
-        size_t off = 0;
-        auto take = [&](auto **ptr, size_t bytes) {
-            *ptr = p ? reinterpret_cast<std::remove_reference_t<decltype(*ptr)>>(p + off) : nullptr;
-            off += al(bytes);
-        };
-        take(&R->wr, Ep * H * 2);
-        take(&R->xs, T * H * 2);
-        take(&R->stage, T * H * 4);
-        take(&R->logits, T * Ep * 4);
-        take(&R->probs, T * E * 4);
-        take(&R->lse, T * 4);
-        take(&R->topk_idx, S * 4);
-        take(&R->topk_w, S * 4);
-        take(&R->counts, E * 4);
-        take(&R->offs, (E + 1) * 4);
-        take(&R->chunk, nch * E * 4);
-        take(&R->perm, S * 4);
-        take(&R->tok, S * 4);
-        take(&R->tile_e, mt * 4);
-        take(&R->tile_r0, mt * 4);
-        take(&R->ntiles, 4);
-        take(&R->cglob, E * 4);
-        take(&R->stats, 2 * 4);
-        take(&R->statpart,
-             std::max(KCU_CEIL_DIV(T, (size_t)256), (size_t)KCU_RT_CTAS) * (E + 1) * 4);
-        take(&R->dsync, KCU_DSYNC_WORDS * 4);
-        take(&R->spos, S * 4);
-        take(&R->dropped, E * 4);
-        take(&R->bias, E * 4);
-        if (m_sh > 0)
-            take(&ep->sy, T * H * 2);
-        take(&ep->xsend, S * H * 2);
-        take(&ep->yrecv, S * H * 2);
-        take(&ep->sendpos, S * 4);
-        take(&ep->tab, (size_t)EP_MAX_CHUNKS * E * 4);
-        take(&ep->cnt_all, (size_t)c.world * ncnt * 4);
-        if (c.world > 1)
-            take(&ep->agree_d, 4);
-        if (ep->dedup) {
-            take(&ep->dcnt, ncnt * 4);
-            take(&ep->umask, T * 8);
-            take(&ep->urank, T * c.world * 4);
-            take(&ep->ubcnt, KCU_CEIL_DIV(T, (size_t)256) * c.world * 4);
-            take(&ep->msend, T * std::min(c.world, c.K) * c.K * 4);
-        }
-        if (c.train) {
-            take(&R->g_wr, Ep * H * 4);
-            take(&R->dw, S * 4);
-            take(&R->dlogits, T * Ep * 2);
-            take(&R->dxr, T * H * 4);
-            take(&ep->dyb, T * H * 2);
-        }
-        if (pass == 0) {
-            ep->tws_bytes = off;
-            if (cudaMalloc(&ep->tws, off) != cudaSuccess ||
-                cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) != cudaSuccess ||
-                (c.world > 1 && cudaMallocHost((void **)&ep->agree_h, 4) != cudaSuccess)) {
-                (void)cudaGetLastError();
-                fprintf(stderr, "kcu_ep_create: allocation of %zu bytes failed\n", off);
-                kcu_ep_destroy(ep);
-                return MOE_ENOMEM;
-            }
-        }
+    /* the token side: the part the states share, and one part per state
+     * (kcu_ep.h "Train states"; a layer with a shared expert keeps one:
+     * its kcu_experts holds its own kept forward) */
+    size_t shared_b = 0, state_b = 0;
+    ep_tws_layout(ep, nullptr, nullptr, &shared_b, &state_b);
+    ep->nstates = c.train && c.states > 1 && !ep->sh
+                      ? (c.states < KCU_EP_MAX_STATES ? c.states : KCU_EP_MAX_STATES)
+                      : 1;
+    ep->tws_bytes = shared_b;
+    ep->tws_state_bytes = state_b;
+    bool ok = cudaMalloc(&ep->tws, shared_b) == cudaSuccess;
+    for (int i = 0; ok && i < ep->nstates; i++)
+        ok = cudaMalloc(&ep->st[i].tws, state_b) == cudaSuccess;
+    ok = ok && cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) == cudaSuccess &&
+         (c.world == 1 || cudaMallocHost((void **)&ep->agree_h, 4) == cudaSuccess);
+    if (!ok) {
+        (void)cudaGetLastError();
+        fprintf(stderr, "kcu_ep_create: allocation of %zu + %d x %zu bytes failed\n", shared_b,
+                ep->nstates, state_b);
+        kcu_ep_destroy(ep);
+        return MOE_ENOMEM;
     }
+    ep_tws_layout(ep, (char *)ep->tws, (char *)ep->st[0].tws, nullptr, nullptr);
     R->max_tiles = (int)(mt - 1);
-    ep->xsend_t = ep->xsend;
-    ep->yrecv_t = ep->yrecv;
-    ep->msend_t = ep->msend;
     if (cudaMemset(R->wr, 0, Ep * H * 2) != cudaSuccess ||
         cudaMemset(R->bias, 0, E * 4) != cudaSuccess ||
         cudaMemset(R->dsync, 0, KCU_DSYNC_WORDS * 4) != cudaSuccess) {
         kcu_ep_destroy(ep);
         return MOE_EINTERNAL;
     }
+    for (int i = 1; i < ep->nstates; i++) /* every state starts as state 0 */
+        plan_save(ep, ep->st[i].plan);
     *out = ep;
     return MOE_OK;
 }
@@ -2645,10 +2759,15 @@ extern "C" void kcu_ep_destroy(kcu_ep *ep)
         kcu_experts_destroy(ep->sh);
     if (ep->tws)
         cudaFree(ep->tws);
-    if (ep->ows)
-        cudaFree(ep->ows);
-    if (ep->tbl_h)
-        cudaFreeHost(ep->tbl_h);
+    state_stash(ep); /* every state's buffers are in st[] */
+    for (int i = 0; i < KCU_EP_MAX_STATES; i++) {
+        if (ep->st[i].tws)
+            cudaFree(ep->st[i].tws);
+        if (ep->st[i].ows)
+            cudaFree(ep->st[i].ows);
+        if (ep->st[i].tbl_h)
+            cudaFreeHost(ep->st[i].tbl_h);
+    }
     if (ep->cnt_h)
         cudaFreeHost(ep->cnt_h);
     if (ep->agree_h)
@@ -2707,13 +2826,67 @@ extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
         chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F, LLONG_MAX, 0);
     if (chunks < 1 || chunks > EP_MAX_CHUNKS || comm_sms < 0)
         return MOE_EINVAL;
-    if (ep->T_fwd > 0)
-        return MOE_EPRECOND;
+    const int keep = ep->cur;
+    for (int i = 0; i < ep->nstates; i++) { /* no state keeps a train forward */
+        (void)kcu_ep_use_state(ep, i);
+        if (ep->T_fwd > 0) {
+            (void)kcu_ep_use_state(ep, keep);
+            return MOE_EPRECOND;
+        }
+    }
+    for (int i = 0; i < ep->nstates; i++) {
+        (void)kcu_ep_use_state(ep, i);
+        ep->C = chunks;
+    }
+    (void)kcu_ep_use_state(ep, keep);
     ep->c.chunks = chunks;
-    ep->C = chunks;
     ep->chunks_auto = autoc;
     ep->c.comm_sms = comm_sms;
     return MOE_OK;
+}
+
+extern "C" int kcu_ep_states(const kcu_ep *ep)
+{
+    return ep->nstates;
+}
+
+extern "C" moe_err kcu_ep_use_state(kcu_ep *ep, int s)
+{
+    if (s < 0 || s >= ep->nstates)
+        return MOE_EINVAL;
+    if (s == ep->cur)
+        return MOE_OK;
+    state_stash(ep);
+    const ep_state *b = &ep->st[s];
+    plan_load(ep, b->plan);
+    ep->ows = b->ows;
+    ep->ows_bytes = b->ows_bytes;
+    ep->cap_rows = b->cap_rows;
+    ep->cap_tbl = b->cap_tbl;
+    ep->tbl_h = b->tbl_h;
+    ep_tws_layout(ep, (char *)ep->tws, (char *)b->tws, nullptr, nullptr);
+    if (ep->ows) {
+        ows_layout(ep);
+    } else { /* ep_grow makes them at this state's first forward */
+        ep->xrecv = ep->ysend = ep->h = ep->ab = ep->dxsend = ep->xg = nullptr;
+        ep->gidx = ep->tbl_d = ep->wgx = ep->wgh = ep->mrecv = ep->sidx = ep->wgy = nullptr;
+        ep->xrecv_o = ep->ysend_o = nullptr;
+        ep->mrecv_o = nullptr;
+    }
+    ep_bind(ep, 0);
+    ep->cur = s;
+    return MOE_OK;
+}
+
+/* forget_train_forwards: no state keeps a train forward (new weights) */
+static void forget_train_forwards(kcu_ep *ep)
+{
+    const int keep = ep->cur;
+    for (int i = 0; i < ep->nstates; i++) {
+        (void)kcu_ep_use_state(ep, i);
+        ep->T_fwd = 0;
+    }
+    (void)kcu_ep_use_state(ep, keep);
 }
 
 extern "C" moe_err kcu_ep_upload(kcu_ep *ep, const float *wr, const float *w1, const float *w3,
@@ -2723,7 +2896,7 @@ extern "C" moe_err kcu_ep_upload(kcu_ep *ep, const float *wr, const float *w1, c
     KCU_TRY(kcu_ep_upload_router(ep, wr));
     KCU_TRY(kcu_experts_upload(ep->ex, w1, w3, w2));
     ep->rgrads_clean = 1;
-    ep->T_fwd = 0;
+    forget_train_forwards(ep);
     return MOE_OK;
 }
 
@@ -3038,7 +3211,7 @@ extern "C" moe_err kcu_ep_upload_shared(kcu_ep *ep, const float *ws1, const floa
         free(b);
         KCU_CHECK(e);
     }
-    ep->T_fwd = 0; /* the shared expert's kept forward is gone (as kcu_ep_upload) */
+    forget_train_forwards(ep); /* the shared expert's kept forward is gone (as kcu_ep_upload) */
     return MOE_OK;
 }
 
@@ -3071,7 +3244,10 @@ extern "C" size_t kcu_ep_bytes(const kcu_ep *ep)
     /* the shared CE windows once per worker: in the layer that accounts
      * for them (ep_ce_shared.acct), 0 in the others */
     const size_t ce = ep->ce && ep->ce->acct == ep ? 2 * ep->ce->bytes : 0;
-    return p + w + sp + sw + ep->tws_bytes + ep->ows_bytes + ce;
+    size_t own = ep->tws_bytes + (size_t)ep->nstates * ep->tws_state_bytes;
+    for (int i = 0; i < ep->nstates; i++)
+        own += i == ep->cur ? ep->ows_bytes : ep->st[i].ows_bytes;
+    return p + w + sp + sw + own + ce;
 }
 
 /* the local experts' rows of the fan-out forward (expert-major, counts cnt

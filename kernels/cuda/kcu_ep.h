@@ -72,7 +72,34 @@ typedef struct kcu_ep_config {
      * inference forwards, 2 training forwards (and their backward) too; 0
      * the default: KCU_EP_DEDUP (0, 1 or 2) where set, else 1. */
     int dedup;
+    /* train states (see "Train states" below): train forwards kept at once
+     * for their backward, 1..KCU_EP_MAX_STATES (0 or 1: one) */
+    int states;
 } kcu_ep_config;
+
+enum { KCU_EP_MAX_STATES = 16 };
+
+/* Train states (c.states > 1 in a training layer without a shared expert;
+ * otherwise one). Each state holds one forward's token-side workspace
+ * (routing, layout, dispatch and return rows), its owner-side buffers
+ * (received rows, pre-activations, activations, tables) and its plan (the
+ * counts and chunk bases): a forward and the backward that follows it use
+ * the state selected when each is called (kcu_ep_use_state), so a pipeline
+ * schedule keeps up to c.states train forwards of a layer on the device
+ * and runs their backwards in any order without recomputing. The weights,
+ * their gradients, the router and the scratch no forward hands to its
+ * backward are shared. Every rank must select the same state for the same
+ * call (the worker chooses by the job's handle, least recently used, from
+ * the job sequence all ranks see). Memory: one token side per state (about
+ * T_max x K x H x 4 bytes plus the routing) and an owner side per state
+ * grown to its rows. An inference forward or a fan-out forward uses the
+ * selected state too, and its kept train forward is gone. */
+/* kcu_ep_states: the states this layer has (1 unless c.states > 1 took) */
+int kcu_ep_states(const kcu_ep *ep);
+/* kcu_ep_use_state selects state s (0..states-1) for the calls that follow
+ * (host only: the previous calls' work stays enqueued). MOE_EINVAL: s out
+ * of range. */
+moe_err kcu_ep_use_state(kcu_ep *ep, int s);
 
 /* Deduplicated dispatch (c.dedup or KCU_EP_DEDUP: 1 for inference
  * forwards, the default, 2 for training ones too, 0 off; world > 1,
@@ -213,7 +240,7 @@ int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank, int train);
 /* kcu_ep_last_chunks: the overlap degree the last forward used */
 int kcu_ep_last_chunks(const kcu_ep *ep);
 /* kcu_ep_set_chunks changes the overlap degree (0..8) for later calls;
- * not between a train forward and its backward (MOE_EPRECOND). */
+ * not while any state keeps a train forward (MOE_EPRECOND). */
 moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms);
 
 /* host fp32: wr (E,H) the whole router; w1, w3 (ne,F,H), w2 (ne,H,F) the
@@ -228,7 +255,8 @@ moe_err kcu_ep_upload(kcu_ep *ep, const float *wr, const float *w1, const float 
  * peer failed or the timeout passed: abort the communicator), MOE_ENOMEM. */
 moe_err kcu_ep_forward(kcu_ep *ep, int T, const void *x, moe_dtype x_dtype, void *y,
                        moe_dtype y_dtype, int train, void *stream);
-/* kcu_ep_backward: dx from dy of the last train forward; expert gradients
+/* kcu_ep_backward: dx from dy of the selected state's train forward
+ * (MOE_EPRECOND: it keeps none); expert gradients
  * (in the local kcu_experts) and router gradients ACCUMULATED. The aux and
  * z losses use the global counts and T_global = sum of T over ranks. */
 moe_err kcu_ep_backward(kcu_ep *ep, const void *dy, moe_dtype dy_dtype, void *dx,
