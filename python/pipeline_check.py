@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """pipeline_check.py - several training forwards in flight on one layer (a
 pipeline schedule) give the bits of the same micro-batches run one after
-the other, on a one-worker GPU cluster (worker --gpu-train-states N, the
-device keeping N train forwards per layer for their backwards).
+the other, on a GPU cluster: one worker (--gpu-train-states N, the device
+keeping N train forwards per layer for their backwards) or several
+(--gpu-ep-train-states N, the expert-parallel path).
 
   schedule 1: fA fB bB bA        against fB bB fA bA (2 in flight: kept)
   schedule 2: fA fC fB bB bC bA  against fB bB fC bC fA bA (3 in flight:
               with 2 states A's forward is pushed out and recomputed)
+  schedule 3: fA iD iC bA        against fA bA (inference forwards of 1 and
+              20 rows between a train forward and its backward - fanned
+              out on several GPU workers - displace nothing on the
+              expert-parallel path, which runs them in a state of their own)
 
 Each pair accumulates the weight gradients in the same order, so dx of
 every micro-batch and every gradient (model.grads) must be bit-identical.
@@ -38,6 +43,8 @@ def run(c, order, xs, dys):
     for op, n in order:
         if op == "f":
             _, handles[n] = c.forward_train("pc", 0, xs[n])
+        elif op == "i":
+            c.forward("pc", 0, xs[n])
         else:
             dx[n] = c.backward(handles.pop(n), dys[n])
     grads = c.model_grads("pc", 0)
@@ -71,7 +78,7 @@ def main():
         pass
     c.model_create("pc", 1, H, F, E, K, renormalize=True, dtype="bf16", seed=5)
     rng = np.random.default_rng(7)
-    rows = {"A": 37, "B": 64, "C": 20}
+    rows = {"A": 37, "B": 64, "C": 20, "D": 1}
     xs = {n: rng.standard_normal((t, H)).astype(np.float32) for n, t in rows.items()}
     dys = {n: rng.standard_normal((t, H)).astype(np.float32) for n, t in rows.items()}
     s1 = run(c, [("f", "A"), ("f", "B"), ("b", "B"), ("b", "A")], xs, dys)
@@ -81,6 +88,9 @@ def main():
     s2r = run(c, [("f", "B"), ("b", "B"), ("f", "C"), ("b", "C"), ("f", "A"), ("b", "A")], xs,
               dys)
     compare("3 in flight", s2, s2r)
+    s3 = run(c, [("f", "A"), ("i", "D"), ("i", "C"), ("b", "A")], xs, dys)
+    s3r = run(c, [("f", "A"), ("b", "A")], xs, dys)
+    compare("inference between", s3, s3r)
     ck.check(all(np.isfinite(v).all() for v in s2[1].values()), "gradients finite")
     c.model_delete("pc")  # the worker logs its recompute count now
     return ck.done()

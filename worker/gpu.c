@@ -463,15 +463,16 @@ static const wkr_gpu_ops layer_ops = {
 
 /* ep_dev: a kcu_ep and what its model's routing family needs (the bias,
  * the shared expert replicated on every rank, whose gradients join the
- * layer's extra tensors), and its train states. A training layer with
- * --gpu-ep-train-states above 1 keeps that many train forwards on the device
- * (kcu_ep.h "Train states"), taken as layer_dev's are (free first, else
- * least recently used): every rank takes the same one, since train
- * forwards and backwards are cluster jobs that every rank sees in one
- * order. Inference and fan-out forwards - a fan-out reaches the ranks in
- * no common order - run in one more state of their own (ntrain), so they
- * never displace a train forward. ntrain 0: one state for everything, the
- * train forward's handle in m->gpu_handle. */
+ * layer's extra tensors), and its train states. A training layer keeps
+ * --gpu-ep-train-states train forwards on the device (kcu_ep.h "Train
+ * states"), taken as layer_dev's are (free first, else least recently
+ * used): every rank takes the same one, since train forwards and backwards
+ * are cluster jobs that every rank sees in one order. Inference and
+ * fan-out forwards - a fan-out reaches the ranks in no common order - run
+ * in one more state of their own (ntrain, allocated at its first use), so
+ * they never displace a train forward on one rank and not on another.
+ * ntrain 0 (an inference layer, or a shared expert: one state): the train
+ * forward's handle in m->gpu_handle. */
 typedef struct ep_dev {
     kcu_ep *ep;
     dev_model dm;
@@ -524,7 +525,7 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     ec.chunks = (int)w->ep_chunks;
     ec.timeout_ms = (int)w->xchg_timeout_ms;
     /* the train states and one for the other forwards (see ep_dev) */
-    if (train && w->gpu_ep_train_states > 1)
+    if (train)
         ec.states = w->gpu_ep_train_states + 1 < KCU_EP_MAX_STATES
                         ? (int)w->gpu_ep_train_states + 1
                         : KCU_EP_MAX_STATES;
@@ -554,7 +555,7 @@ static void ep_destroy(void *dev)
         return;
     if (d->recomputes)
         LOG_I("GPU expert-parallel layer: %llu backwards recomputed their forward (more "
-              "--gpu-train-states would keep them)",
+              "--gpu-ep-train-states would keep them)",
               (unsigned long long)d->recomputes);
     kcu_ep_destroy(d->ep);
     free(d);

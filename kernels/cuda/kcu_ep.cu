@@ -2717,15 +2717,15 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
                       : 1;
     ep->tws_bytes = shared_b;
     ep->tws_state_bytes = state_b;
-    bool ok = cudaMalloc(&ep->tws, shared_b) == cudaSuccess;
-    for (int i = 0; ok && i < ep->nstates; i++)
-        ok = cudaMalloc(&ep->st[i].tws, state_b) == cudaSuccess;
+    /* state 0's token side now; the others' at their first use */
+    bool ok = cudaMalloc(&ep->tws, shared_b) == cudaSuccess &&
+              cudaMalloc(&ep->st[0].tws, state_b) == cudaSuccess;
     ok = ok && cudaMallocHost((void **)&ep->cnt_h, (size_t)c.world * ncnt * 4) == cudaSuccess &&
          (c.world == 1 || cudaMallocHost((void **)&ep->agree_h, 4) == cudaSuccess);
     if (!ok) {
         (void)cudaGetLastError();
-        fprintf(stderr, "kcu_ep_create: allocation of %zu + %d x %zu bytes failed\n", shared_b,
-                ep->nstates, state_b);
+        fprintf(stderr, "kcu_ep_create: allocation of %zu + %zu bytes failed\n", shared_b,
+                state_b);
         kcu_ep_destroy(ep);
         return MOE_ENOMEM;
     }
@@ -2826,8 +2826,11 @@ extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
         chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F, LLONG_MAX, 0);
     if (chunks < 1 || chunks > EP_MAX_CHUNKS || comm_sms < 0)
         return MOE_EINVAL;
+    /* the states in use (a state's first use takes c.chunks) */
     const int keep = ep->cur;
     for (int i = 0; i < ep->nstates; i++) { /* no state keeps a train forward */
+        if (!ep->st[i].tws)
+            continue;
         (void)kcu_ep_use_state(ep, i);
         if (ep->T_fwd > 0) {
             (void)kcu_ep_use_state(ep, keep);
@@ -2835,6 +2838,8 @@ extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
         }
     }
     for (int i = 0; i < ep->nstates; i++) {
+        if (!ep->st[i].tws)
+            continue;
         (void)kcu_ep_use_state(ep, i);
         ep->C = chunks;
     }
@@ -2856,9 +2861,21 @@ extern "C" moe_err kcu_ep_use_state(kcu_ep *ep, int s)
         return MOE_EINVAL;
     if (s == ep->cur)
         return MOE_OK;
+    ep_state *b = &ep->st[s];
+    const int fresh = !b->tws; /* its first use: its token side now */
+    if (fresh && cudaMalloc(&b->tws, ep->tws_state_bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        b->tws = nullptr;
+        fprintf(stderr, "kcu_ep: rank %d: train state %d: allocation of %zu bytes failed\n",
+                ep->c.rank, s, ep->tws_state_bytes);
+        return MOE_ENOMEM;
+    }
     state_stash(ep);
-    const ep_state *b = &ep->st[s];
     plan_load(ep, b->plan);
+    if (fresh) { /* the plan as at create, with today's overlap degree */
+        ep->C = ep->c.chunks;
+        ep->T_fwd = 0;
+    }
     ep->ows = b->ows;
     ep->ows_bytes = b->ows_bytes;
     ep->cap_rows = b->cap_rows;
@@ -2883,6 +2900,8 @@ static void forget_train_forwards(kcu_ep *ep)
 {
     const int keep = ep->cur;
     for (int i = 0; i < ep->nstates; i++) {
+        if (!ep->st[i].tws) /* never used: keeps none */
+            continue;
         (void)kcu_ep_use_state(ep, i);
         ep->T_fwd = 0;
     }
@@ -3244,9 +3263,10 @@ extern "C" size_t kcu_ep_bytes(const kcu_ep *ep)
     /* the shared CE windows once per worker: in the layer that accounts
      * for them (ep_ce_shared.acct), 0 in the others */
     const size_t ce = ep->ce && ep->ce->acct == ep ? 2 * ep->ce->bytes : 0;
-    size_t own = ep->tws_bytes + (size_t)ep->nstates * ep->tws_state_bytes;
+    size_t own = ep->tws_bytes;
     for (int i = 0; i < ep->nstates; i++)
-        own += i == ep->cur ? ep->ows_bytes : ep->st[i].ows_bytes;
+        own += (ep->st[i].tws ? ep->tws_state_bytes : 0) +
+               (i == ep->cur ? ep->ows_bytes : ep->st[i].ows_bytes);
     return p + w + sp + sw + own + ce;
 }
 

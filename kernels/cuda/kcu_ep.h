@@ -90,15 +90,16 @@ enum { KCU_EP_MAX_STATES = 16 };
  * their gradients, the router and the scratch no forward hands to its
  * backward are shared. Every rank must select the same state for the same
  * call (the worker chooses by the job's handle, least recently used, from
- * the job sequence all ranks see). Memory: one token side per state (about
- * T_max x K x H x 4 bytes plus the routing) and an owner side per state
- * grown to its rows. An inference forward or a fan-out forward uses the
+ * the job sequence all ranks see). Memory: one token side per state used
+ * (about T_max x K x H x 4 bytes plus the routing) and an owner side per
+ * state grown to its rows. An inference forward or a fan-out forward uses the
  * selected state too, and its kept train forward is gone. */
 /* kcu_ep_states: the states this layer has (1 unless c.states > 1 took) */
 int kcu_ep_states(const kcu_ep *ep);
 /* kcu_ep_use_state selects state s (0..states-1) for the calls that follow
- * (host only: the previous calls' work stays enqueued). MOE_EINVAL: s out
- * of range. */
+ * (host only: the previous calls' work stays enqueued). A state's token side
+ * is allocated at its first use (state 0's at create). MOE_EINVAL: s out of
+ * range; MOE_ENOMEM: its first allocation failed (the selection unchanged). */
 moe_err kcu_ep_use_state(kcu_ep *ep, int s);
 
 /* Deduplicated dispatch (c.dedup or KCU_EP_DEDUP: 1 for inference
