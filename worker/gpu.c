@@ -526,9 +526,8 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     ec.timeout_ms = (int)w->xchg_timeout_ms;
     /* the train states and one for the other forwards (see ep_dev) */
     if (train)
-        ec.states = w->gpu_ep_train_states + 1 < KCU_EP_MAX_STATES
-                        ? (int)w->gpu_ep_train_states + 1
-                        : KCU_EP_MAX_STATES;
+        ec.states = w->gpu_ep_train_states + 1 < KCU_EP_MAX_STATES ? (int)w->gpu_ep_train_states + 1
+                                                                   : KCU_EP_MAX_STATES;
     /* the routing family: the same router as the one-GPU layer's; a shared
      * expert is replicated and runs on each rank's own tokens */
     if (route_config_of(c, &ec.route) != MOE_OK) {

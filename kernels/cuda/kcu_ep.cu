@@ -2413,12 +2413,14 @@ moe_err epd_pipeline(kcu_ep *ep, int train, cudaStream_t st)
 
 /* the host fields of one forward's plan, which its backward reads: saved
  * and loaded as bytes when another state is selected */
+// clang-format off
 #define EP_PLAN_FIELDS(X)                                                                          \
-    X(T) X(T_fwd) X(C) X(stat_rows) X(T_global) X(N) X(counts_local) X(counts_global)          \
-        X(send_rows) X(recv_rows) X(sbase) X(rbase) X(tiles) X(tbase) X(t_offs) X(t_goffs)     \
-            X(t_ntiles) X(t_rbase) X(t_te) X(t_tr) X(t_len) X(dd) X(P) X(usend) X(urecv)       \
-                X(usbase) X(urbase) X(max_urn) X(t_ctab) X(t_cpre) X(t_utab) X(t_upre)         \
-                    X(t_ur0) X(t_urn) X(t_goff) X(t_roff) X(t_wbase) X(dw2_done) X(ce_fwd)
+    X(T) X(T_fwd) X(C) X(stat_rows) X(T_global) X(N) X(counts_local) X(counts_global)              \
+    X(send_rows) X(recv_rows) X(sbase) X(rbase) X(tiles) X(tbase) X(t_offs) X(t_goffs)             \
+    X(t_ntiles) X(t_rbase) X(t_te) X(t_tr) X(t_len) X(dd) X(P) X(usend) X(urecv) X(usbase)         \
+    X(urbase) X(max_urn) X(t_ctab) X(t_cpre) X(t_utab) X(t_upre) X(t_ur0) X(t_urn) X(t_goff)       \
+    X(t_roff) X(t_wbase) X(dw2_done) X(ce_fwd)
+// clang-format on
 
 #define EP_PLAN_SIZE(f) +sizeof(kcu_ep::f)
 static_assert(0 EP_PLAN_FIELDS(EP_PLAN_SIZE) <= EP_PLAN_BYTES, "EP_PLAN_BYTES too small");
@@ -2464,9 +2466,10 @@ void ep_tws_layout(kcu_ep *ep, char *shared, char *state, size_t *shared_b, size
     size_t off[2] = {0, 0};
     char *base[2] = {shared, state};
     auto take = [&](int part, auto **ptr, size_t bytes) {
-        *ptr = base[part]
-                   ? reinterpret_cast<std::remove_reference_t<decltype(*ptr)>>(base[part] + off[part])
-                   : nullptr;
+        *ptr =
+            base[part]
+                ? reinterpret_cast<std::remove_reference_t<decltype(*ptr)>>(base[part] + off[part])
+                : nullptr;
         off[part] += al(bytes);
     };
     enum { SH = 0, ST = 1 };
@@ -2724,8 +2727,7 @@ extern "C" moe_err kcu_ep_create(const kcu_ep_config *cfg, void *comm, kcu_ep **
          (c.world == 1 || cudaMallocHost((void **)&ep->agree_h, 4) == cudaSuccess);
     if (!ok) {
         (void)cudaGetLastError();
-        fprintf(stderr, "kcu_ep_create: allocation of %zu + %zu bytes failed\n", shared_b,
-                state_b);
+        fprintf(stderr, "kcu_ep_create: allocation of %zu + %zu bytes failed\n", shared_b, state_b);
         kcu_ep_destroy(ep);
         return MOE_ENOMEM;
     }
