@@ -476,6 +476,7 @@ static const wkr_gpu_ops layer_ops = {
 typedef struct ep_dev {
     kcu_ep *ep;
     dev_model dm;
+    int train; /* a training layer */
     int ntrain;
     uint64_t handle[KCU_EP_MAX_STATES]; /* the train forward a state holds, 0 = none */
     uint64_t used[KCU_EP_MAX_STATES];   /* when it was last used (clock) */
@@ -542,6 +543,7 @@ static moe_err ep_create(wkr *w, wkr_model *m, int layer, int train, void **dev)
     } else {
         const int ns = kcu_ep_states(d->ep);
         d->ntrain = ns > 1 ? ns - 1 : 0;
+        d->train = train;
     }
     *dev = d;
     return e;
@@ -707,9 +709,17 @@ static moe_err ep_fanout(wkr *w, wkr_model *m, int layer, int T, const void *x, 
     lo.shn = out->shn;
     lo.ys = out->ys;
     lo.probs_sum = out->probs_sum;
+    if (d->train && !d->ntrain) {
+        /* a training layer of one state (a shared expert): a fan-out, which
+         * reaches the ranks in no common order, would displace the kept
+         * train forward on each rank at its own moment. Every rank refuses
+         * it alike (not_found: libmoe takes the ordered road instead). */
+        err[0] = 0;
+        return MOE_ENOTFOUND;
+    }
     wkr_busy_at(w, "fan-out forward: kcu_ep_forward_local");
-    /* with train states, in the other forwards' state; else the kept train
-     * forward is gone and its backward recomputes */
+    /* with train states, in the other forwards' state (an inference layer
+     * has one state and no kept train forward) */
     moe_err e = d->ntrain ? kcu_ep_use_state(ep, d->ntrain) : MOE_OK;
     if (e == MOE_OK)
         e = kcu_ep_forward_local(ep, T, x, xdt, &lo, NULL);
