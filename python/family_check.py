@@ -10,7 +10,10 @@ seed on each cluster.
     python3 python/family_check.py --url URL --against ref.npz   (GPU cluster)
 
 With --against: y (inference, T=200 and T=4), dx and every weight gradient
-of a training forward and backward compared with the saved run (relative
+of a training forward and backward - with an inference forward of 4 rows
+between them (on several GPU workers a training layer of one state, as a
+shared expert's, refuses the fan-out and the forward takes the ordered
+road) - compared with the saved run (relative
 error <= 3e-2: bf16 on both, summed in other orders), and the tokens per
 expert equal. Prints "N passed, M failed"; exit status 1 on a failure.
 """
@@ -50,9 +53,11 @@ def run(c, name, fam):
         y, st = c.forward(name, 0, x)
         out["y%d" % T] = y
         out["tpe%d" % T] = np.asarray(st["tokens_per_expert"], dtype=np.int64)
+    x4 = rng.standard_normal((4, H)).astype(np.float32)
     x = rng.standard_normal((64, H)).astype(np.float32)
     dy = rng.standard_normal((64, H)).astype(np.float32)
     _, h = c.forward_train(name, 0, x)
+    out["y4t"], _ = c.forward(name, 0, x4)
     out["dx"] = c.backward(h, dy)
     for k, g in c.model_grads(name, 0).items():
         out["g:" + k] = g
