@@ -176,19 +176,25 @@ typedef struct layer_dev {
     uint64_t recomputes; /* backwards whose forward had been pushed out */
 } layer_dev;
 
-/* layer_take: a state for the next forward (free first, else least
- * recently used), selected on the layer; -1 on a kernel error */
-static int layer_take(layer_dev *d)
+/* lru_pick: of n states, the first free one (handle 0), else the least
+ * recently used (layer_dev's and ep_dev's) */
+static int lru_pick(const uint64_t *handle, const uint64_t *used, int n)
 {
     int s = 0;
-    for (int i = 0; i < d->nstates; i++) {
-        if (!d->handle[i]) {
-            s = i;
-            break;
-        }
-        if (d->used[i] < d->used[s])
+    for (int i = 0; i < n; i++) {
+        if (!handle[i])
+            return i;
+        if (used[i] < used[s])
             s = i;
     }
+    return s;
+}
+
+/* layer_take: a state for the next forward (lru_pick), selected on the
+ * layer; -1 on a kernel error */
+static int layer_take(layer_dev *d)
+{
+    const int s = lru_pick(d->handle, d->used, d->nstates);
     if (kcu_layer_set_state(d->kl, s) != MOE_OK)
         return -1;
     d->handle[s] = 0;
@@ -484,19 +490,11 @@ typedef struct ep_dev {
     uint64_t recomputes; /* backwards whose forward had been pushed out */
 } ep_dev;
 
-/* ep_take: a train state for the next train forward (free first, else least
- * recently used), selected on the layer; -1 on an error */
+/* ep_take: a train state for the next train forward (lru_pick), selected
+ * on the layer; -1 on an error */
 static int ep_take(ep_dev *d)
 {
-    int s = 0;
-    for (int i = 0; i < d->ntrain; i++) {
-        if (!d->handle[i]) {
-            s = i;
-            break;
-        }
-        if (d->used[i] < d->used[s])
-            s = i;
-    }
+    const int s = lru_pick(d->handle, d->used, d->ntrain);
     if (kcu_ep_use_state(d->ep, s) != MOE_OK)
         return -1;
     d->handle[s] = 0;
