@@ -724,7 +724,7 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
     m->gen = (uint64_t)gen;
     m->lane = lane && W == 1;
     m->fanout = fanout && W > 1;
-    int gpu_all = 1;
+    m->gpu = 1; /* until a worker of another backend */
     m->shm = moe__data_path(c) != MOE_PATH_SOCKET && moe__data_path(c) != MOE_PATH_BULK &&
              moe__data_path(c) != MOE_PATH_NCCL;
     uint32_t nw;
@@ -744,7 +744,7 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         m->has_nccl[q] = read_bool_key(&one4, "nccl");
         if (read_str_key(&one5, "backend", backend, sizeof(backend)) != MOE_OK ||
             strcmp(backend, "cuda") != 0)
-            gpu_all = 0;
+            m->gpu = 0;
         m->remote[q] = !host[0] || strcmp(host, dp->host) != 0;
         if (m->remote[q])
             m->shm = 0;
@@ -785,7 +785,6 @@ static moe_err map_load(moe_client *c, struct moe_dp *dp, dp_map **out)
         return MOE_EINVAL;
     }
     m->W = (int)W;
-    m->gpu = gpu_all;
     *out = m;
     return MOE_OK;
 }

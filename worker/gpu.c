@@ -655,14 +655,13 @@ static moe_err ep_backward(wkr *w, wkr_model *m, int layer, uint64_t handle, int
     kcu_ep *ep = d->ep;
     const model_cfg *c = &m->cfg;
     moe_err e = MOE_OK;
-    int s = -1, kept = !d->ntrain && m->gpu_handle[layer] == handle;
+    int s = -1;
     for (int i = 0; i < d->ntrain && s < 0; i++)
         if (d->handle[i] == handle)
             s = i;
-    if (s >= 0) {
-        kept = 1;
+    const int kept = s >= 0 || (!d->ntrain && m->gpu_handle[layer] == handle);
+    if (s >= 0)
         e = kcu_ep_use_state(ep, s);
-    }
     if (e == MOE_OK && !kept) {
         /* the devices hold other forwards: every rank recomputes this one
          * (they all see the same sequence of jobs, and take the same state) */

@@ -2530,7 +2530,8 @@ void ep_tws_layout(kcu_ep *ep, char *shared, char *state, size_t *shared_b, size
 }
 
 /* ows_layout: the owner side's pointers into ep->ows for cap_rows rows and a
- * table of cap_tbl int32 (the sizes ep_grow allocated) */
+ * table of cap_tbl int32 (the sizes ep_grow allocated); all NULL without
+ * ows (a state before its first forward) */
 void ows_layout(kcu_ep *ep)
 {
     const size_t rows = ep->cap_rows, tbl = ep->cap_tbl;
@@ -2539,7 +2540,8 @@ void ows_layout(kcu_ep *ep)
     char *p = (char *)ep->ows;
     auto take = [&](size_t bytes) {
         char *q = p;
-        p += al(bytes);
+        if (p)
+            p += al(bytes);
         return q;
     };
     ep->xrecv = (bf16 *)take(rows * H * 2);
@@ -2884,14 +2886,7 @@ extern "C" moe_err kcu_ep_use_state(kcu_ep *ep, int s)
     ep->cap_tbl = b->cap_tbl;
     ep->tbl_h = b->tbl_h;
     ep_tws_layout(ep, (char *)ep->tws, (char *)b->tws, nullptr, nullptr);
-    if (ep->ows) {
-        ows_layout(ep);
-    } else { /* ep_grow makes them at this state's first forward */
-        ep->xrecv = ep->ysend = ep->h = ep->ab = ep->dxsend = ep->xg = nullptr;
-        ep->gidx = ep->tbl_d = ep->wgx = ep->wgh = ep->mrecv = ep->sidx = ep->wgy = nullptr;
-        ep->xrecv_o = ep->ysend_o = nullptr;
-        ep->mrecv_o = nullptr;
-    }
+    ows_layout(ep); /* NULL before the state's first forward (ep_grow makes them) */
     ep_bind(ep, 0);
     ep->cur = s;
     return MOE_OK;
