@@ -190,7 +190,7 @@ bench: bin/moe_bench bin/ep_bench
 	./bin/moe_bench
 # tests/gpu/xchg_nccl_check: the NCCL exchange backend on this host's GPUs
 # (forked ranks; deploy/gpu-smoke.sh runs it on 2+ GPUs)
-bin/xchg_nccl_check: tests/gpu/xchg_nccl_check.c $(B)/worker/xchg_nccl.o $(B)/worker/xchg_abort.o $(B)/worker/pool.o $(RPC_LIB) $(CORE_LIB)
+bin/xchg_nccl_check: tests/gpu/xchg_nccl_check.c $(B)/worker/xchg_nccl.o $(B)/kernels/cuda/kcu_abort.o $(B)/worker/xchg_abort.o $(B)/worker/pool.o $(RPC_LIB) $(CORE_LIB)
 	@mkdir -p bin
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt \
 	    -lnng -luv -lmsgpackc -lpthread -lm

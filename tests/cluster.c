@@ -894,3 +894,16 @@ double cluster_metric_value(const char *text, const char *name)
             return atof(p + n + 1);
     return -1;
 }
+
+int cluster_log_has(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    char line[1024];
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f))
+        found = strstr(line, needle) != NULL;
+    fclose(f);
+    return found;
+}

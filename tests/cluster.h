@@ -104,6 +104,9 @@ int cluster_stop(cluster *cl);
 /* cluster_fini_all: for .fini. Stops every cluster still live and prints its
  * logs first (a live cluster at .fini means the test did not finish). */
 void cluster_fini_all(void);
+/* cluster_log_has: 1 when the file at path (a daemon's log) has a line
+ * containing needle, else 0 (also when it cannot be read). */
+int cluster_log_has(const char *path, const char *needle);
 /* cluster_dump_logs prints the last part of every daemon log to stderr. */
 void cluster_dump_logs(const cluster *cl, const char *why);
 

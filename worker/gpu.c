@@ -12,8 +12,14 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "kernels/cuda/kcu_abort.h"
 #include "kernels/cuda/kcu_ep.h"
 #include "kernels/cuda/kern_cuda.h"
+
+int64_t wkr_gpu_abort_stuck_ms(void)
+{
+    return kcu_abort_stuck_ms();
+}
 
 int64_t wkr_gpu_mem_free(int device)
 {
@@ -1020,6 +1026,11 @@ moe_err wkr_gpu_copy(void *dst, const void *src, size_t n)
 void wkr_gpu_pinned_free(void *p)
 {
     free(p);
+}
+
+int64_t wkr_gpu_abort_stuck_ms(void)
+{
+    return 0;
 }
 
 int64_t wkr_gpu_mem_free(int device)

@@ -37,6 +37,10 @@ int wkr_gpu_probe(int device, char *name, size_t len);
  * CUDA or when the driver refuses. */
 moe_err wkr_gpu_host_register(void *p, size_t n);
 void wkr_gpu_host_unregister(void *p);
+/* wkr_gpu_abort_stuck_ms: how long the oldest ncclCommAbort still running
+ * in this process has run, ms (kcu_abort_stuck_ms); 0 when none or without
+ * CUDA. */
+int64_t wkr_gpu_abort_stuck_ms(void);
 /* wkr_gpu_mem_free: free memory of CUDA device `device` in bytes (cudaMemGetInfo);
  * -1 without CUDA or when it cannot be read. */
 int64_t wkr_gpu_mem_free(int device);

@@ -82,6 +82,10 @@ static const cfg_entry worker_cfg[] = {
      "after the coordinator gave up this worker's generation, exit with status 3 (for the "
      "supervisor to restart it) if the compute thread has not come back from its job within "
      "this bound - a device that cannot be recovered (0 = never)"},
+    {"abort-exit-ms", CFG_INT, "3000", 0, 86400000, &W.abort_exit_ms,
+     "GPU workers: exit with status 3 (for the supervisor to restart it) when an ncclCommAbort "
+     "has not returned within this bound - a stream left waiting on a peer that is gone, which "
+     "no abort releases (0 = never)"},
     {"test-hang-forward-ms", CFG_INT, "0", 0, 3600000, &W.test_hang_forward_ms,
      "tests only: every forward first hangs this long, deaf to aborts"},
     {"xchg-timeout-ms", CFG_INT, "10000", 100, 3600000, &W.xchg_timeout_ms,
@@ -306,6 +310,21 @@ static void send_register(wkr *w)
     mp_writer_fini(&pw);
 }
 
+/* stuck_stacks: $MOE_STUCK_STACKS, when set, is a command run with this
+ * process's id appended (e.g. "eu-stack -p" or "gdb -batch -ex 'thread
+ * apply all bt' -p") before a stuck worker exits: every thread's stack in
+ * the log, for diagnosis */
+static void stuck_stacks(void)
+{
+    const char *cmd = getenv("MOE_STUCK_STACKS");
+    if (!cmd || !*cmd)
+        return;
+    char line[512];
+    snprintf(line, sizeof(line), "%s %d 1>&2", cmd, (int)getpid());
+    if (system(line) != 0)
+        LOG_W("MOE_STUCK_STACKS: \"%s\" failed", line);
+}
+
 /* check_stuck: the coordinator gave up our generation (a member is gone)
  * but the compute thread is still inside the job it began before: a
  * collective or kernel that cannot be interrupted. Past --stuck-exit-ms the
@@ -326,11 +345,33 @@ static void check_stuck(wkr *w)
           "exiting with status 3 for the supervisor to restart this worker",
           (double)(now - ab) * 1e-9, (unsigned long long)xchg_generation(),
           (double)(now - since) * 1e-9, at ? at : "?");
+    stuck_stacks();
+    _exit(3);
+}
+
+/* check_abort: an ncclCommAbort that has run past --abort-exit-ms (a
+ * stream waits on a peer that is gone; every later free on the device waits
+ * behind it): the device cannot be recovered in this process. Aborts with
+ * a dead peer took 0.27-1.03 s on H100 and H200 (366 aborts, 69 kills,
+ * 2x H200, 2026-11-28). */
+static void check_abort(wkr *w)
+{
+    const int64_t ms = wkr_gpu_abort_stuck_ms();
+    if (w->abort_exit_ms <= 0 || ms <= w->abort_exit_ms)
+        return;
+    const char *at = atomic_load(&w->busy_at);
+    LOG_E("an ncclCommAbort has not returned after %.1f s (the compute thread is %s%s): a stream "
+          "waits on a peer that is gone and the device cannot be recovered; exiting with status 3 "
+          "for the supervisor to restart this worker",
+          (double)ms * 1e-3, atomic_load(&w->busy_since_ns) ? "inside: " : "idle",
+          atomic_load(&w->busy_since_ns) && at ? at : "");
+    stuck_stacks();
     _exit(3);
 }
 
 static void on_stuck_timer(uv_timer_t *t)
 {
+    check_abort(t->data);
     check_stuck(t->data);
 }
 

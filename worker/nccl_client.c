@@ -29,6 +29,8 @@ static const char wnc_no_gpu[] =
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "kernels/cuda/kcu_abort.h"
+
 _Static_assert(sizeof(ncclUniqueId) == WNC_ID_BYTES, "ncclUniqueId size");
 
 enum { WNC_RECV_X = 1, WNC_SEND_Y, WNC_ECHO };
@@ -458,7 +460,7 @@ static void *wnc_thread(void *arg)
         LOG_W("data plane: NCCL communicator %llu closes: %s", (unsigned long long)x->id,
               err[0] ? err : "closed");
     if (x->comm) { /* stops kernels stuck on a dead peer too */
-        ncclCommAbort(x->comm);
+        kcu_comm_abort(x->comm);
         x->comm = NULL;
     }
     for (int i = 0; i < x->nev; i++)

@@ -172,6 +172,7 @@ struct wkr {
                                      * 0 = off */
     long long stuck_exit_ms;        /* exit 3 when the compute thread does not come back from a
                                      * job this long after its generation was given up */
+    long long abort_exit_ms;        /* exit 3 when an ncclCommAbort has run this long */
     long long test_hang_forward_ms; /* tests only: a forward first sleeps this long (ignoring
                                      * aborts), as a kernel that never ends would */
     _Atomic uint64_t busy_since_ns; /* the compute thread's current job began (0 = idle) */

@@ -30,6 +30,7 @@
 #include <nccl.h>
 
 #include "common/log.h"
+#include "kernels/cuda/kcu_abort.h"
 #include "worker/pool.h"
 #include "worker/xchg.h"
 
@@ -83,7 +84,7 @@ static void nc_settle(nc *x)
     if (!x->pub.failed || !x->comm)
         return;
     const int64_t t0 = nc_now_ms();
-    ncclCommAbort(x->comm);
+    kcu_comm_abort(x->comm);
     x->comm = NULL;
     LOG_I("xchg: rank %d: ncclCommAbort took %lld ms", x->pub.rank, (long long)(nc_now_ms() - t0));
 }
@@ -426,7 +427,7 @@ static void nc_destroy(nc *x)
         if (nc_nccl(x, ncclCommFinalize(x->comm), "ncclCommFinalize", deadline) == MOE_OK)
             ncclCommDestroy(x->comm);
         else
-            ncclCommAbort(x->comm);
+            kcu_comm_abort(x->comm);
         x->comm = NULL;
     }
     if (x->stream)
@@ -532,7 +533,7 @@ moe_err xchg_nccl_open(int rank, int world, const void *unique_id, int device, i
     return MOE_OK;
 fail:
     if (x->comm) {
-        ncclCommAbort(x->comm);
+        kcu_comm_abort(x->comm);
         x->comm = NULL;
     }
     nc_destroy(x);

@@ -56,6 +56,7 @@
 
 #include <nccl.h>
 
+#include "kernels/cuda/kcu_abort.h"
 #include "kernels/cuda/kcu_ep.h"
 #include "kernels/cuda/kcu_ep_dedup.cuh"
 #include "kernels/cuda/kcu_ffn.cuh"
@@ -514,7 +515,7 @@ void *watch_main(void *arg)
             w->fired = why;
             w->aborting = 1;
             pthread_mutex_unlock(&w->mu);
-            ncclCommAbort(c);
+            kcu_comm_abort(c);
             pthread_mutex_lock(&w->mu);
             w->aborting = 0;
             pthread_cond_broadcast(&w->cv);
@@ -957,7 +958,7 @@ void *ce_reap_main(void *arg)
         watch_unref(r->w);
     }
     if (r->comm)
-        ncclCommAbort(r->comm);
+        kcu_comm_abort(r->comm);
     for (int i = 0; i < 2; i++)
         if (r->buf[i] && r->fn.mem_free)
             r->fn.mem_free(r->buf[i]);
@@ -984,7 +985,7 @@ void fast_reap(ep_ce_shared *s, int rank, const char *why)
         return;
     ce_reap *r = (ce_reap *)calloc(1, sizeof(*r));
     if (!r) {
-        ncclCommAbort(c);
+        kcu_comm_abort(c);
         return;
     }
     r->comm = c;
@@ -1003,7 +1004,7 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
     ce_reap *r = (ce_reap *)calloc(1, sizeof(*r));
     if (!r) { /* no memory for the hand-over: the abort and the frees here */
         if (s->comm)
-            ncclCommAbort(s->comm);
+            kcu_comm_abort(s->comm);
         if (s->watch)
             watch_idle(s->watch);
         s->comm = nullptr;
@@ -1256,7 +1257,7 @@ void *twin_init_main(void *arg)
     pthread_mutex_unlock(&j->mu);
     if (gone) { /* the caller left: this thread owns the job */
         if (c)
-            ncclCommAbort(c);
+            kcu_comm_abort(c);
         pthread_mutex_destroy(&j->mu);
         free(j);
     }
@@ -1352,7 +1353,7 @@ moe_err twin_create(kcu_ep *ep, int zero_cta, ncclComm_t *out, int *ok, char *wh
     snprintf(why, nwhy, "ncclCommInitRankConfig%s on rank %d: %s",
              zero_cta ? " with CTAPolicy ZERO" : "", ep->c.rank, ncclGetErrorString(r));
     if (c)
-        ncclCommAbort(c);
+        kcu_comm_abort(c);
     return MOE_OK;
 }
 
@@ -1396,7 +1397,7 @@ moe_err fast_setup(kcu_ep *ep)
     const moe_err e = ep_agree(ep, ok, &all, "exchange communicator");
     if (e != MOE_OK || !all) {
         if (c)
-            ncclCommAbort(c);
+            kcu_comm_abort(c);
         s->fast_state = -1;
         if (e == MOE_OK)
             fprintf(stderr,

@@ -385,10 +385,12 @@ Test(cluster_ops, stuck_worker_aborts_the_exchange, .timeout = 150, .fini = clus
  * never ends would). When the coordinator gives the generation up (the
  * other member is killed), the stuck worker exits with status 3 after
  * --stuck-exit-ms so that its supervisor restarts it; restarted, both
- * workers form the cluster again. */
+ * workers form the cluster again. Before it exits it runs $MOE_STUCK_STACKS
+ * with its pid (here an echo: the line must be in its log). */
 Test(cluster_ops, stuck_device_exits_for_its_supervisor, .timeout = 120, .fini = cluster_fini_all)
 {
     setenv("MOE_FANOUT_ROWS", "0", 1); /* a cluster job that hangs on the workers */
+    setenv("MOE_STUCK_STACKS", "echo stacks-of-pid", 1);
     cluster_opts o = {.workers = 2,
                       .client_timeout_ms = 60000,
                       .coord_args = {QUIET_COORD},
@@ -414,10 +416,16 @@ Test(cluster_ops, stuck_device_exits_for_its_supervisor, .timeout = 120, .fini =
         cr_assert(cluster_now_ms() - t0 < 30000, "the forward never reached the coordinator");
         usleep(5000);
     }
+    const int stuck_pid = (int)cl->worker_pid[0];
     cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
     int st = cluster_worker_wait(cl, 0, 60000);
     cr_assert(st != -1, "the stuck worker did not exit: %s", cluster_error());
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 3, "stuck worker: status 0x%x, want exit 3", st);
+    unsetenv("MOE_STUCK_STACKS");
+    char want[64];
+    snprintf(want, sizeof(want), "stacks-of-pid %d", stuck_pid);
+    cr_assert(cluster_log_has(cl->paths_worker_log[0], want), "no \"%s\" in the stuck worker's log",
+              want);
     pthread_join(th, NULL);
     cr_assert_neq(j.err, MOE_OK, "the forward cannot have completed");
     cr_log_info("forward answered %s: %s", moe_err_code(j.err), j.msg);

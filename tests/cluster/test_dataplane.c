@@ -1538,20 +1538,6 @@ Test(dataplane, nccl_pieces_refused_clearly, .timeout = 60, .fini = cluster_fini
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
 
-/* log_has: whether the file at path holds needle (NULL when unreadable) */
-static int log_has(const char *path, const char *needle)
-{
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return 0;
-    char line[1024];
-    int found = 0;
-    while (!found && fgets(line, sizeof(line), f))
-        found = strstr(line, needle) != NULL;
-    fclose(f);
-    return found;
-}
-
 /* MOE_LANE_TRACE=N (docs/OPERATIONS.md, "Logs"): every N ring requests the
  * worker logs the medians of each step's time; requests on the socket are
  * not counted, and a worker without the variable logs nothing of it. */
@@ -1570,13 +1556,15 @@ Test(dataplane, lane_trace_logs_step_medians, .timeout = 120, .fini = cluster_fi
     for (int i = 0; i < 4; i++) /* the socket: no stamps from a ring */
         cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, 2, H, y, NULL), MOE_OK, "%s",
                      moe_last_error());
-    cr_assert(!log_has(cl->paths_worker_log[0], "lane trace"), "socket requests were traced");
+    cr_assert(!cluster_log_has(cl->paths_worker_log[0], "lane trace"),
+              "socket requests were traced");
     for (int i = 0; i < 30; i++) /* 3 at least on the ring, however it is set up */
         cr_assert_eq(moe_forward(cm, "m", 0, MOE_F32, x, 2, H, y, NULL), MOE_OK, "%s",
                      moe_last_error());
     int found = 0;
     for (int i = 0; i < 1000 && !found; i++) { /* written after the third answer went */
-        found = log_has(cl->paths_worker_log[0], "lane trace, medians of 3 requests (us): seen->");
+        found = cluster_log_has(cl->paths_worker_log[0],
+                                "lane trace, medians of 3 requests (us): seen->");
         if (!found)
             usleep(10000);
     }
