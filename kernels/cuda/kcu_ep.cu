@@ -41,6 +41,7 @@
  * weight gradients over all chunks at once (wgx, wgh: global expert-major
  * row -> recv row / activation row).
  */
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
 #include <math.h>
@@ -53,7 +54,11 @@
 #include <type_traits>
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cuda.h>
 #include <nccl.h>
 
 #include "kernels/cuda/kcu_abort.h"
@@ -111,6 +116,7 @@ struct ep_ce_slots {
  * time on its compute thread), but the GPU work of consecutive layers
  * overlaps: ev_free orders the windows' reuse (ce_plan, ce_windows_done). */
 struct ep_watch;
+struct ce_flags;
 
 struct ep_ce_shared {
     ep_ce_shared *next; /* ce_list, while linked */
@@ -142,6 +148,20 @@ struct ep_ce_shared {
     int ev_used;
     const kcu_ep *acct; /* the layer whose kcu_ep_bytes counts the windows (once):
                          * the one that set up, else the next to take the CE path */
+    /* the copy-engine transport (kcu_ep.h "Copy-engine exchange"): 1 = this
+     * library's (ce_ipc_*: the windows are cudaMalloc buffers every rank maps
+     * (CUDA IPC), the copies cudaMemcpyAsync, the handshake stream memory
+     * operations on a page of host flags every rank maps, which a host store
+     * releases), 0 = NCCL's CE collectives over symmetric windows */
+    int ipc;
+    int world, rank, device;
+    void **peer[2];           /* ipc: rank q's buf[i] mapped here ([rank] = buf[i]);
+                               * W pointers each (owned arrays) */
+    int peer_open[EP_MAX_WORLD]; /* ipc: bit i when peer[i][q] came from
+                                  * cudaIpcOpenMemHandle (to be closed) */
+    ce_flags *flags;          /* ipc: the flag page (a reference), or NULL */
+    uint64_t seq;             /* ipc: the last handshake's number (the same on every
+                               * rank: the calls run in lockstep) */
 };
 
 enum { EP_LOC_GRAPHS = 16 }; /* the fan-out's decode chains kept as graphs: T = 1..16 */
@@ -930,6 +950,149 @@ void ce_unlink_locked(ep_ce_shared *s)
 
 void ce_free_bufs(ep_ce_shared *s);
 
+/* ---- the IPC transport's flag page ----
+ * A POSIX shared-memory page that every rank of a borrowed communicator
+ * maps and registers with CUDA (mapped, portable): the handshake of each
+ * all-to-all (ce_ipc_a2a) is stream memory operations on it, and a host
+ * store releases a wait that a dead peer will never satisfy (ce_ipc_release)
+ * - which NCCL's CE collectives cannot do: their waits are on flags in
+ * NCCL's own memory, and ncclCommAbort does not release them (a survivor's
+ * stream waited for good after 7 of 69 inference kills on 2x H200,
+ * bench/history/service.md "Session 32"). Flag (kind, w, r) is written by
+ * rank w and waited on by rank r: kind CE_READY "w's receive slots are free
+ * for this call", CE_DONE "w's copies into r are done". Ranks that are
+ * threads of one process (bin/ep_bench) share one mapping: a process-wide
+ * list by name, refcounted (under ce_mu). */
+enum { CE_READY, CE_DONE };
+} // namespace
+
+struct ce_flags {
+    ce_flags *next;
+    char name[64];
+    int refs;
+    volatile uint64_t *h; /* the page (mmap, registered) */
+    uint64_t *d;          /* its device address */
+    size_t bytes;
+};
+
+namespace
+{
+
+ce_flags *ce_flags_list = nullptr; /* under ce_mu */
+
+size_t ce_flag_index(int W, int kind, int w, int r)
+{
+    return (size_t)kind * W * W + (size_t)w * W + r;
+}
+
+/* the page named name of W x W x 2 flags, made (create: O_EXCL, zeroed) or
+ * opened, mapped and registered; NULL with why on failure */
+ce_flags *ce_flags_get(const char *name, int W, int create, char *why, size_t nwhy)
+{
+    pthread_mutex_lock(&ce_mu);
+    ce_flags *f = ce_flags_list;
+    while (f && strcmp(f->name, name) != 0)
+        f = f->next;
+    if (f) {
+        f->refs++;
+        pthread_mutex_unlock(&ce_mu);
+        return f;
+    }
+    const size_t bytes = ((size_t)2 * W * W * 8 + 4095) / 4096 * 4096;
+    void *h = MAP_FAILED;
+    const int fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+    if (fd < 0 || (create && ftruncate(fd, (off_t)bytes) != 0))
+        snprintf(why, nwhy, "shm_open/ftruncate %s: %s", name, strerror(errno));
+    else if ((h = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
+        snprintf(why, nwhy, "mmap %s: %s", name, strerror(errno));
+    if (fd >= 0)
+        close(fd);
+    void *d = nullptr;
+    if (h != MAP_FAILED) {
+        cudaError_t e = cudaHostRegister(h, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+        if (e == cudaSuccess && (e = cudaHostGetDevicePointer(&d, h, 0)) != cudaSuccess)
+            cudaHostUnregister(h);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            snprintf(why, nwhy, "cudaHostRegister of the flag page: %s", cudaGetErrorString(e));
+            munmap(h, bytes);
+            h = MAP_FAILED;
+        }
+    }
+    if (h != MAP_FAILED && !(f = (ce_flags *)calloc(1, sizeof(*f)))) {
+        snprintf(why, nwhy, "no memory");
+        cudaHostUnregister(h);
+        munmap(h, bytes);
+    } else if (f) {
+        snprintf(f->name, sizeof(f->name), "%s", name);
+        f->refs = 1;
+        f->h = (volatile uint64_t *)h;
+        f->d = (uint64_t *)d;
+        f->bytes = bytes;
+        f->next = ce_flags_list;
+        ce_flags_list = f;
+    }
+    pthread_mutex_unlock(&ce_mu);
+    return f;
+}
+
+/* drops a reference; the last unregisters and unmaps the page (nothing
+ * may wait on it any more: the device was synchronised) */
+void ce_flags_put(ce_flags *f)
+{
+    if (!f)
+        return;
+    pthread_mutex_lock(&ce_mu);
+    const int last = --f->refs == 0;
+    if (last)
+        for (ce_flags **p = &ce_flags_list; *p; p = &(*p)->next)
+            if (*p == f) {
+                *p = f->next;
+                break;
+            }
+    pthread_mutex_unlock(&ce_mu);
+    if (!last)
+        return;
+    cudaHostUnregister((void *)f->h);
+    munmap((void *)f->h, f->bytes);
+    free(f);
+}
+
+/* every wait of this rank's handshakes, past and to come, passes: the
+ * flags it waits on (kind, q, rank) are stored far past the last call's
+ * number (the waits compare cyclically: value - wanted >= 0 as int64).
+ * Its stream then drains: its copies into the peers run (their memory
+ * stays mapped: a dead exporter's allocation lives while mapped here,
+ * checked on 2x H200) and the kernels after them read what arrived. */
+void ce_ipc_release(ep_ce_shared *s)
+{
+    ce_flags *f = s->flags;
+    if (!f)
+        return;
+    const uint64_t v = s->seq + ((uint64_t)1 << 40);
+    for (int q = 0; q < s->world; q++)
+        if (q != s->rank) {
+            f->h[ce_flag_index(s->world, CE_READY, q, s->rank)] = v;
+            f->h[ce_flag_index(s->world, CE_DONE, q, s->rank)] = v;
+        }
+    __sync_synchronize();
+}
+
+/* closes the peers' mappings (cudaIpcCloseMemHandle; a peer of this process
+ * was never opened) */
+void ce_ipc_unmap(void **peer[2], int *peer_open, int W, int me)
+{
+    for (int q = 0; q < W; q++) {
+        for (int i = 0; i < 2; i++) {
+            if (peer[i] && (peer_open[q] >> i & 1) && peer[i][q])
+                cudaIpcCloseMemHandle(peer[i][q]);
+            if (peer[i] && q != me)
+                peer[i][q] = nullptr;
+        }
+        peer_open[q] = 0;
+    }
+}
+
 /* ---- the CE communicator's abort, off the caller's thread ----
  * ncclCommAbort of the CE communicator with a peer dead can take long or
  * not return (its symmetric windows map the peer's memory; a worker's
@@ -941,12 +1104,19 @@ void ce_free_bufs(ep_ce_shared *s);
  * them. Where the thread cannot start, the abort runs here. */
 struct ce_reap {
     ncclComm_t comm; /* aborted (owned) */
-    void *buf[2];    /* ncclMemFree'd after the abort (owned) */
+    void *buf[2];    /* ncclMemFree'd after the abort (owned; ipc: cudaFree'd) */
     ep_ce_fns fn;    /* mem_free */
     ep_watch *w;     /* a reference: its abort of comm, if running, ends first */
     int rank;
     const char *name; /* which communicator, for the log line */
     char why[96];
+    /* the IPC transport's (its waits already released: ce_ipc_release):
+     * after the device drains, the peers' mappings closed, the buffers
+     * freed, the flag page let go */
+    int ipc, device, world;
+    void **peer[2]; /* owned arrays */
+    int peer_open[EP_MAX_WORLD];
+    ce_flags *flags; /* a reference */
 };
 
 void *ce_reap_main(void *arg)
@@ -959,11 +1129,24 @@ void *ce_reap_main(void *arg)
     }
     if (r->comm)
         kcu_comm_abort(r->comm);
-    for (int i = 0; i < 2; i++)
-        if (r->buf[i] && r->fn.mem_free)
-            r->fn.mem_free(r->buf[i]);
-    fprintf(stderr, "kcu_ep: rank %d: %s: %s aborted (%lld ms)\n", r->rank, r->why, r->name,
-            (long long)(now_ms() - t0));
+    if (r->ipc) {
+        (void)cudaSetDevice(r->device);
+        (void)cudaDeviceSynchronize(); /* the released handshakes drain */
+        ce_ipc_unmap(r->peer, r->peer_open, r->world, r->rank);
+        for (int i = 0; i < 2; i++) {
+            if (r->buf[i])
+                cudaFree(r->buf[i]);
+            free(r->peer[i]);
+        }
+        ce_flags_put(r->flags);
+        (void)cudaGetLastError();
+    } else {
+        for (int i = 0; i < 2; i++)
+            if (r->buf[i] && r->fn.mem_free)
+                r->fn.mem_free(r->buf[i]);
+    }
+    fprintf(stderr, "kcu_ep: rank %d: %s: %s %s (%lld ms)\n", r->rank, r->why, r->name,
+            r->ipc ? "released" : "aborted", (long long)(now_ms() - t0));
     free(r);
     return nullptr;
 }
@@ -999,7 +1182,7 @@ void fast_reap(ep_ce_shared *s, int rank, const char *why)
  * forgets them: s has no windows afterwards */
 void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
 {
-    if (!s->comm && !s->buf[0] && !s->buf[1])
+    if (!s->comm && !s->buf[0] && !s->buf[1] && !s->flags && !s->peer[0] && !s->peer[1])
         return;
     ce_reap *r = (ce_reap *)calloc(1, sizeof(*r));
     if (!r) { /* no memory for the hand-over: the abort and the frees here */
@@ -1009,6 +1192,12 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
             watch_idle(s->watch);
         s->comm = nullptr;
         s->win[0] = s->win[1] = nullptr;
+        if (s->ipc) {
+            (void)cudaDeviceSynchronize();
+            ce_ipc_unmap(s->peer, s->peer_open, s->world, s->rank);
+            ce_flags_put(s->flags);
+            s->flags = nullptr;
+        }
         ce_free_bufs(s);
         return;
     }
@@ -1018,8 +1207,19 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
     r->fn = s->fn;
     r->w = watch_ref(s->watch);
     r->rank = rank;
-    r->name = "CE communicator";
+    r->name = s->ipc ? "CE windows" : "CE communicator";
     snprintf(r->why, sizeof(r->why), "%s", why);
+    r->ipc = s->ipc;
+    r->device = s->device;
+    r->world = s->world;
+    for (int i = 0; i < 2; i++) {
+        r->peer[i] = s->peer[i];
+        s->peer[i] = nullptr;
+    }
+    memcpy(r->peer_open, s->peer_open, sizeof(r->peer_open));
+    memset(s->peer_open, 0, sizeof(s->peer_open));
+    r->flags = s->flags;
+    s->flags = nullptr;
     s->comm = nullptr;
     s->win[0] = s->win[1] = nullptr;
     s->buf[0] = s->buf[1] = nullptr;
@@ -1045,6 +1245,7 @@ void ce_fail(kcu_ep *ep, const char *why)
     ce_unlink_locked(s);
     pthread_mutex_unlock(&ce_mu);
     s->state = -1;
+    ce_ipc_release(s); /* this rank's waits pass: its stream drains */
     ce_reap_start(s, ep->c.rank, why);
 }
 
@@ -1069,7 +1270,9 @@ void ep_fail(kcu_ep *ep, const char *why)
 void ce_free_bufs(ep_ce_shared *s)
 {
     for (int i = 0; i < 2; i++) {
-        if (s->buf[i] && s->fn.mem_free)
+        if (s->buf[i] && s->ipc)
+            cudaFree(s->buf[i]);
+        else if (s->buf[i] && s->fn.mem_free)
             s->fn.mem_free(s->buf[i]);
         s->buf[i] = nullptr;
     }
@@ -1103,6 +1306,7 @@ ep_ce_shared *ce_put(kcu_ep *ep)
     if (!last)
         return nullptr;
     watch_put(s); /* nothing armed: no call in progress */
+    ce_ipc_release(s); /* nothing may wait on a peer that is gone */
     ce_reap_start(s, ep->c.rank, "the last layer's destroy");
     fast_reap(s, ep->c.rank, "the last layer's destroy");
     return s;
@@ -1113,6 +1317,9 @@ ep_ce_shared *ce_put(kcu_ep *ep)
 void ce_free(ep_ce_shared *s)
 {
     ce_free_bufs(s);
+    for (int i = 0; i < 2; i++)
+        free(s->peer[i]);
+    ce_flags_put(s->flags);
     cudaEventDestroy(s->ev_free);
     free(s);
 }
@@ -1174,6 +1381,50 @@ moe_err ep_agree(kcu_ep *ep, int ok, int *all, const char *what)
     KCU_TRY(ep_wait(ep, ep->ev_cnt, nullptr, what));
     *all = ep->agree_h[0] == 1;
     return MOE_OK;
+}
+
+/* n bytes of host memory through the exchange communicator, waited for
+ * under the timeout: op EP_BCAST broadcasts buf (n bytes) from rank 0,
+ * EP_GATHER all-gathers buf (W x n bytes, this rank's part at rank x n, in
+ * place). ok is this rank's own precondition: every rank agrees first on
+ * it and on its staging memory (ep_agree); *all is 0 when some rank lacked
+ * either (nothing moved). Errors where the exchange fails. */
+enum { EP_BCAST, EP_GATHER };
+moe_err ep_host_coll(kcu_ep *ep, int op, void *buf, size_t n, int ok, int *all, const char *what)
+{
+    const size_t total = op == EP_GATHER ? n * (size_t)ep->c.world : n;
+    unsigned char *h = nullptr; /* pinned: the bytes' way to and from the device */
+    void *d = nullptr;
+    const int ready = ok && cudaMallocHost((void **)&h, total) == cudaSuccess &&
+                      cudaMalloc(&d, total) == cudaSuccess;
+    if (!ready)
+        (void)cudaGetLastError();
+    moe_err e = ep_agree(ep, ready, all, what);
+    if (e == MOE_OK && *all) {
+        memcpy(h, buf, total);
+        if (cudaMemcpyAsync(d, h, total, cudaMemcpyHostToDevice, ep->cs) != cudaSuccess)
+            e = MOE_EINTERNAL;
+        if (e == MOE_OK && op == EP_GATHER)
+            e = EP_NCCL(ep,
+                        ncclAllGather((char *)d + n * (size_t)ep->c.rank, d, n, ncclUint8,
+                                      ep_xc(ep), ep->cs),
+                        what);
+        else if (e == MOE_OK)
+            e = EP_NCCL(ep, ncclBroadcast(d, d, n, ncclUint8, 0, ep_xc(ep), ep->cs), what);
+        if (e == MOE_OK &&
+            (cudaMemcpyAsync(h, d, total, cudaMemcpyDeviceToHost, ep->cs) != cudaSuccess ||
+             cudaEventRecord(ep->ev_cnt, ep->cs) != cudaSuccess))
+            e = MOE_EINTERNAL;
+        if (e == MOE_OK)
+            e = ep_wait(ep, ep->ev_cnt, nullptr, what);
+        if (e == MOE_OK)
+            memcpy(buf, h, total);
+    }
+    if (d)
+        cudaFree(d);
+    if (h)
+        cudaFreeHost(h);
+    return e;
 }
 
 /* deregisters both windows (collective on the CE communicator: every rank,
@@ -1271,37 +1522,12 @@ moe_err twin_create(kcu_ep *ep, int zero_cta, ncclComm_t *out, int *ok, char *wh
     ncclUniqueId id;
     memset(&id, 0, sizeof(id));
     ncclResult_t r = ep->c.rank == 0 ? ncclGetUniqueId(&id) : ncclSuccess;
-    unsigned char *h = nullptr; /* pinned: the id's way back from the device */
-    void *d = nullptr;
-    int ready = r == ncclSuccess && cudaMallocHost((void **)&h, sizeof(id)) == cudaSuccess &&
-                cudaMalloc(&d, sizeof(id)) == cudaSuccess;
-    if (!ready)
-        (void)cudaGetLastError();
     const char *what = zero_cta ? "CE setup (unique id)" : "exchange communicator (unique id)";
     int all = 0;
-    moe_err e = ep_agree(ep, ready, &all, what);
-    if (e == MOE_OK && all) {
-        memcpy(h, &id, sizeof(id));
-        if (cudaMemcpyAsync(d, h, sizeof(id), cudaMemcpyHostToDevice, ep->cs) != cudaSuccess)
-            e = MOE_EINTERNAL;
-        if (e == MOE_OK)
-            e = EP_NCCL(ep, ncclBroadcast(d, d, sizeof(id), ncclUint8, 0, ep_xc(ep), ep->cs), what);
-        if (e == MOE_OK &&
-            (cudaMemcpyAsync(h, d, sizeof(id), cudaMemcpyDeviceToHost, ep->cs) != cudaSuccess ||
-             cudaEventRecord(ep->ev_cnt, ep->cs) != cudaSuccess))
-            e = MOE_EINTERNAL;
-        if (e == MOE_OK)
-            e = ep_wait(ep, ep->ev_cnt, nullptr, what);
-        if (e == MOE_OK)
-            memcpy(&id, h, sizeof(id));
-    } else if (e == MOE_OK) {
+    moe_err e = ep_host_coll(ep, EP_BCAST, &id, sizeof(id), r == ncclSuccess, &all, what);
+    if (e == MOE_OK && !all)
         snprintf(why, nwhy, "the unique id (rank %d: %s)", ep->c.rank,
                  r != ncclSuccess ? ncclGetErrorString(r) : "no memory for it");
-    }
-    if (d)
-        cudaFree(d);
-    if (h)
-        cudaFreeHost(h);
     if (e != MOE_OK || !all)
         return e;
     twin_init *j = (twin_init *)calloc(1, sizeof(*j));
@@ -1418,7 +1644,135 @@ moe_err fast_setup(kcu_ep *ep)
  * then the CE communicator (ce_create), each agreed on by all ranks
  * (ep_agree); a failure anywhere leaves every rank on the send/recv path
  * (state -1, one note). Errors only where the borrowed communicator fails. */
-moe_err ce_setup(kcu_ep *ep)
+/* the driver's stream memory operations (64-bit), by entry point: NULL
+ * where the driver lacks them */
+typedef CUresult (*ce_memop_fn)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+ce_memop_fn ce_wait64, ce_write64;
+
+int ce_memops_load(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, [] {
+        void *w = nullptr, *x = nullptr;
+        cudaDriverEntryPointQueryResult q1, q2;
+        if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &w, 12000, cudaEnableDefault,
+                                             &q1) == cudaSuccess &&
+            cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &x, 12000,
+                                             cudaEnableDefault, &q2) == cudaSuccess &&
+            q1 == cudaDriverEntryPointSuccess && q2 == cudaDriverEntryPointSuccess) {
+            ce_wait64 = (ce_memop_fn)w;
+            ce_write64 = (ce_memop_fn)x;
+        }
+        (void)cudaGetLastError();
+    });
+    return ce_wait64 && ce_write64;
+}
+
+/* one rank's card for the IPC transport's windows (all-gathered) */
+struct ce_ipc_card {
+    cudaIpcMemHandle_t h[2];
+    uint64_t ptr[2]; /* the buffers' addresses (a rank of this process maps none) */
+    int32_t pid, dev;
+};
+
+/* the IPC transport at the first CE forward (every rank in lockstep): the
+ * driver's stream memory operations, then the flag page (rank 0 makes it,
+ * its name broadcast, every rank maps it; unlinked once all have), agreed
+ * by all ranks; a failure leaves every rank on the send/recv path */
+moe_err ce_ipc_setup(kcu_ep *ep)
+{
+    ep_ce_shared *s = ep->ce;
+    static std::atomic<unsigned> made{0};
+    char why[160] = "", name[64] = "";
+    const int W = ep->c.world, me = ep->c.rank;
+    s->world = W;
+    s->rank = me;
+    (void)cudaGetDevice(&s->device);
+    int ok = ce_memops_load();
+    if (!ok)
+        snprintf(why, sizeof(why), "the driver lacks cuStreamWaitValue64 / cuStreamWriteValue64");
+    for (int i = 0; i < 2 && ok; i++)
+        ok = (s->peer[i] = (void **)calloc((size_t)W, sizeof(void *))) != nullptr;
+    ce_flags *f = nullptr;
+    if (me == 0) {
+        snprintf(name, sizeof(name), "/moe-kcu-ce-%d-%u", (int)getpid(), made++);
+        if (ok && !(f = ce_flags_get(name, W, 1, why, sizeof(why))))
+            ok = 0;
+    }
+    int all = 0;
+    KCU_TRY(ep_host_coll(ep, EP_BCAST, name, sizeof(name), me != 0 || f, &all,
+                         "CE setup (flag page)"));
+    if (all && me != 0 && ok && !(f = ce_flags_get(name, W, 0, why, sizeof(why))))
+        ok = 0;
+    moe_err e = all ? ep_agree(ep, ok && f, &all, "CE setup (flag page, mapped)") : MOE_OK;
+    if (me == 0 && f)
+        shm_unlink(name); /* every rank has it mapped, or the path is off */
+    s->flags = f;
+    if (e != MOE_OK || !all) {
+        if (e == MOE_OK)
+            ce_note(ep, why[0] ? why : "the flag page could not be mapped on another rank");
+        ce_fail(ep, "CE setup (flag page)");
+        return e;
+    }
+    s->ipc = 1;
+    s->state = 1;
+    s->acct = ep;
+    return MOE_OK;
+}
+
+/* the windows of the IPC transport, after they were (re)allocated: every
+ * rank's handles and addresses gathered, the peers' opened here (a rank of
+ * this process: its address as it is); *ok whether all ranks have them */
+moe_err ce_ipc_map(kcu_ep *ep, int *all)
+{
+    ep_ce_shared *s = ep->ce;
+    const int W = ep->c.world, me = ep->c.rank;
+    ce_ipc_card *cards = (ce_ipc_card *)calloc((size_t)W, sizeof(ce_ipc_card));
+    int ok = cards != nullptr;
+    if (ok) {
+        ce_ipc_card &c = cards[me];
+        for (int i = 0; i < 2 && ok; i++) {
+            ok = cudaIpcGetMemHandle(&c.h[i], s->buf[i]) == cudaSuccess;
+            c.ptr[i] = (uint64_t)(uintptr_t)s->buf[i];
+        }
+        c.pid = (int32_t)getpid();
+        c.dev = s->device;
+    }
+    (void)cudaGetLastError();
+    const moe_err e = ep_host_coll(ep, EP_GATHER, cards, sizeof(ce_ipc_card), ok, all,
+                                   "CE windows (handles)");
+    if (e != MOE_OK) {
+        free(cards);
+        return e;
+    }
+    for (int i = 0; i < 2; i++)
+        s->peer[i][me] = s->buf[i];
+    for (int q = 0; q < W && *all && ok; q++) {
+        if (q == me)
+            continue;
+        for (int i = 0; i < 2 && ok; i++) {
+            if (cards[q].pid == (int32_t)getpid()) { /* a thread's rank: peer access */
+                s->peer[i][q] = (void *)(uintptr_t)cards[q].ptr[i];
+                if (cards[q].dev != s->device)
+                    (void)cudaDeviceEnablePeerAccess(cards[q].dev, 0);
+                (void)cudaGetLastError(); /* already enabled, or copies staged */
+            } else if (cudaIpcOpenMemHandle(&s->peer[i][q], cards[q].h[i],
+                                            cudaIpcMemLazyEnablePeerAccess) == cudaSuccess) {
+                s->peer_open[q] |= 1 << i;
+            } else {
+                (void)cudaGetLastError();
+                s->peer[i][q] = nullptr;
+                ok = 0;
+            }
+        }
+    }
+    free(cards);
+    if (*all)
+        KCU_TRY(ep_agree(ep, ok, all, "CE windows (handles opened)"));
+    return MOE_OK;
+}
+
+moe_err ce_nccl_setup(kcu_ep *ep)
 {
     ep_ce_shared *s = ep->ce;
     char why[160] = "";
@@ -1461,6 +1815,25 @@ moe_err ce_setup(kcu_ep *ep)
     return MOE_OK;
 }
 
+/* the CE path's transport (KCU_EP_CE_IMPL: "nccl" = NCCL's CE collectives,
+ * else this library's IPC transport), agreed by every rank: ranks that
+ * differ leave every rank on the send/recv path */
+moe_err ce_setup(kcu_ep *ep)
+{
+    const char *v = getenv("KCU_EP_CE_IMPL");
+    const int want_nccl = v && strcmp(v, "nccl") == 0;
+    int all_ipc = 0, all_nccl = 0;
+    KCU_TRY(ep_agree(ep, !want_nccl, &all_ipc, "CE setup (transport)"));
+    if (all_ipc)
+        return ce_ipc_setup(ep);
+    KCU_TRY(ep_agree(ep, want_nccl, &all_nccl, "CE setup (transport)"));
+    if (all_nccl)
+        return ce_nccl_setup(ep);
+    ce_note(ep, "the ranks' KCU_EP_CE_IMPL differ");
+    ep->ce->state = -1;
+    return MOE_OK;
+}
+
 /* the windows for x padded dispatch rows and y return rows (every rank
  * the same sizes, from the gathered counts: grown in lockstep; shared by
  * the layers, so grown to the largest need of any). Everything in flight
@@ -1483,20 +1856,40 @@ moe_err ce_grow(kcu_ep *ep, int64_t x, int64_t y, cudaStream_t st)
     KCU_TRY(ep_quiesce(ep, "CE windows (previous forward)"));
     if (s->ev_used)
         KCU_TRY(ep_wait(ep, s->ev_free, nullptr, "CE windows (previous forward of a layer)"));
-    KCU_TRY(ce_dereg(ep));
-    ce_free_bufs(s);
-    ncclResult_t r = s->fn.mem_alloc(&s->buf[0], bytes);
-    if (r == ncclSuccess)
-        r = s->fn.mem_alloc(&s->buf[1], bytes);
     int all = 0;
     char why[160];
-    snprintf(why, sizeof(why), "ncclMemAlloc of 2 x %.1f MiB failed on some rank (rank %d: %s)",
-             bytes / 1048576.0, ep->c.rank, ncclGetErrorString(r));
-    moe_err e = ep_agree(ep, r == ncclSuccess, &all, "CE windows (allocation)");
-    if (e == MOE_OK && all) {
+    moe_err e = MOE_OK;
+    if (s->ipc) {
+        /* every rank's copies into this rank's windows are done (its last
+         * CE forward waited for their flags), and a peer's mapping keeps
+         * the old buffers alive until that peer closes it */
+        ce_ipc_unmap(s->peer, s->peer_open, s->world, s->rank);
+        ce_free_bufs(s);
+        cudaError_t ce = cudaMalloc(&s->buf[0], bytes);
+        if (ce == cudaSuccess)
+            ce = cudaMalloc(&s->buf[1], bytes);
+        (void)cudaGetLastError();
+        snprintf(why, sizeof(why), "cudaMalloc of 2 x %.1f MiB failed on some rank (rank %d: %s)",
+                 bytes / 1048576.0, ep->c.rank, cudaGetErrorString(ce));
+        e = ep_agree(ep, ce == cudaSuccess, &all, "CE windows (allocation)");
+        if (e == MOE_OK && all) {
+            e = ce_ipc_map(ep, &all);
+            snprintf(why, sizeof(why), "the windows' CUDA IPC handles failed on some rank");
+        }
+    } else {
+        KCU_TRY(ce_dereg(ep));
+        ce_free_bufs(s);
+        ncclResult_t r = s->fn.mem_alloc(&s->buf[0], bytes);
+        if (r == ncclSuccess)
+            r = s->fn.mem_alloc(&s->buf[1], bytes);
+        snprintf(why, sizeof(why), "ncclMemAlloc of 2 x %.1f MiB failed on some rank (rank %d: %s)",
+                 bytes / 1048576.0, ep->c.rank, ncclGetErrorString(r));
+        e = ep_agree(ep, r == ncclSuccess, &all, "CE windows (allocation)");
+    }
+    if (e == MOE_OK && all && !s->ipc) {
         /* collective on the CE communicator: every rank registers the same
          * sizes in the same order; a failure fails the CE path here */
-        r = ce_guarded(ep, CE_REG, 0, bytes, "ncclCommWindowRegister");
+        ncclResult_t r = ce_guarded(ep, CE_REG, 0, bytes, "ncclCommWindowRegister");
         if (r == ncclSuccess)
             r = ce_guarded(ep, CE_REG, 1, bytes, "ncclCommWindowRegister");
         snprintf(why, sizeof(why), "ncclCommWindowRegister failed on some rank (rank %d: %s)",
@@ -1555,6 +1948,71 @@ moe_err ce_windows_done(kcu_ep *ep, cudaStream_t st)
  * pair's real count carry stale bytes nothing reads. On the blocking CE
  * communicator ncclAlltoAll returns once enqueued; ep_wait watches its
  * progress under the timeout. */
+/* one move of an IPC all-to-all: bytes for each peer q from send + q bytes
+ * into q's window win at recv's offset + rank bytes (recv is in this
+ * rank's window win: the windows have the same layout on every rank) */
+struct ce_move {
+    const void *send;
+    void *recv;
+    size_t bytes;
+    int win;
+};
+
+/* the IPC transport's all-to-all of n moves on ep->cs (kcu_ep.h
+ * "Copy-engine exchange"): call number q = ++seq; this rank's READY flag to
+ * every peer (its slots are free: everything before on ep->cs, which
+ * follows the windows' previous use, is done), a wait for every peer's
+ * READY, the copies into the peers' windows (cudaMemcpyAsync: the copy
+ * engines, no SM), DONE to every peer (the write is fenced after the
+ * copies), a wait for every peer's DONE. Only enqueues: ep_wait watches it
+ * under the timeout and the abort hook, and a failure releases the waits
+ * (ce_fail). A CUDA error enqueueing fails the exchange. */
+moe_err ce_ipc_a2a(kcu_ep *ep, const ce_move *mv, int n, const char *what)
+{
+    ep_ce_shared *s = ep->ce;
+    const int W = ep->c.world, me = ep->c.rank;
+    CUstream st = (CUstream)ep->cs;
+    const uint64_t q = ++s->seq;
+    const CUdeviceptr fd = (CUdeviceptr)s->flags->d;
+    CUresult r = CUDA_SUCCESS;
+    cudaError_t ce = cudaSuccess;
+    for (int j = 1; j < W && r == CUDA_SUCCESS; j++) {
+        const int p = (me + j) % W;
+        r = ce_write64(st, fd + 8 * ce_flag_index(W, CE_READY, me, p), q,
+                       CU_STREAM_WRITE_VALUE_DEFAULT);
+    }
+    for (int j = 1; j < W && r == CUDA_SUCCESS; j++) {
+        const int p = (me + j) % W;
+        r = ce_wait64(st, fd + 8 * ce_flag_index(W, CE_READY, p, me), q, CU_STREAM_WAIT_VALUE_GEQ);
+    }
+    for (int k = 0; k < n && r == CUDA_SUCCESS && ce == cudaSuccess; k++) {
+        const ce_move &m = mv[k];
+        const size_t off = (size_t)((const char *)m.recv - (const char *)s->buf[m.win]);
+        for (int j = 0; j < W && ce == cudaSuccess; j++) { /* each rank starts at its next peer */
+            const int p = (me + 1 + j) % W;
+            ce = cudaMemcpyAsync((char *)s->peer[m.win][p] + off + (size_t)me * m.bytes,
+                                 (const char *)m.send + (size_t)p * m.bytes, m.bytes,
+                                 cudaMemcpyDeviceToDevice, ep->cs);
+        }
+    }
+    for (int j = 1; j < W && r == CUDA_SUCCESS && ce == cudaSuccess; j++) {
+        const int p = (me + j) % W;
+        r = ce_write64(st, fd + 8 * ce_flag_index(W, CE_DONE, me, p), q,
+                       CU_STREAM_WRITE_VALUE_DEFAULT);
+    }
+    for (int j = 1; j < W && r == CUDA_SUCCESS && ce == cudaSuccess; j++) {
+        const int p = (me + j) % W;
+        r = ce_wait64(st, fd + 8 * ce_flag_index(W, CE_DONE, p, me), q, CU_STREAM_WAIT_VALUE_GEQ);
+    }
+    if (r == CUDA_SUCCESS && ce == cudaSuccess)
+        return MOE_OK;
+    fprintf(stderr, "kcu_ep: rank %d: %s: %s (driver %d)\n", ep->c.rank, what,
+            cudaGetErrorString(ce), (int)r);
+    (void)cudaGetLastError();
+    ep_fail(ep, what);
+    return MOE_EUNAVAIL;
+}
+
 moe_err ce_dispatch(kcu_ep *ep, int c)
 {
     const ep_ce_slots &p = ep->cs_;
@@ -1562,6 +2020,14 @@ moe_err ce_dispatch(kcu_ep *ep, int c)
     const size_t H = ep->c.H, K = ep->c.K;
     if (p.S[c] == 0)
         return MOE_OK;
+    if (s->ipc) {
+        const ce_move mv[2] = {
+            {ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
+             (size_t)p.S[c] * H * 2, 1},
+            {ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
+             (size_t)p.S[c] * K * 4, 1}};
+        return ce_ipc_a2a(ep, mv, 2, "CE dispatch");
+    }
     KCU_TRY(EP_NCCL_ON(ep, s->comm,
                        s->fn.a2a(ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
                                  (size_t)p.S[c] * H, ncclBfloat16, s->comm, ep->cs),
@@ -1579,6 +2045,11 @@ moe_err ce_return(kcu_ep *ep, int c)
     const size_t H = ep->c.H;
     if (p.R[c] == 0)
         return MOE_OK;
+    if (s->ipc) {
+        const ce_move mv[1] = {{ep->ysend + (size_t)p.B[c] * H, ep->yrecv + (size_t)p.B[c] * H,
+                                (size_t)p.R[c] * H * 2, 0}};
+        return ce_ipc_a2a(ep, mv, 1, "CE return");
+    }
     return EP_NCCL_ON(ep, s->comm,
                       s->fn.a2a(ep->ysend + (size_t)p.B[c] * H, ep->yrecv + (size_t)p.B[c] * H,
                                 (size_t)p.R[c] * H, ncclBfloat16, s->comm, ep->cs),

@@ -137,38 +137,56 @@ moe_err kcu_ep_use_state(kcu_ep *ep, int s);
 /* Copy-engine exchange (KCU_EP_CE, read at create; on unless KCU_EP_CE=0; the same
  * value on every rank: the worker reports it at registration and the
  * coordinator refuses one that differs). Inference forwards of the
- * deduplicated dispatch move their rows with ncclAlltoAll on a second
- * communicator over the borrowed one's ranks (ncclCommInitRankConfig
- * over a unique id the borrowed one broadcasts; blocking) with CTAPolicy
- * NCCL_CTA_POLICY_ZERO, over two ncclMemAlloc buffers registered as
- * symmetric windows (NCCL >= 2.28 on one node: the copy engines, no CTA),
- * so that while chunks overlap the expert GEMMs keep every SM (comm_sms is
- * not reserved). ncclAlltoAll moves a fixed count per peer: every
- * (chunk, pair) gets a slot of the chunk's largest count, the same on every
- * rank from the gathered counts; the layout tables point into the padded
- * slots, so the kernels, the combine and y (bit-identical to the forward
- * without it) do not change. Set up at the first forward that takes it
- * (the communicator, collective), windows grown in lockstep (1.25x the need).
- * A forward takes the send/recv path instead (same results, no error) when
- * padding would exceed 1.25x the real rows (skewed routing), for training
- * forwards, or when NCCL lacks the symbols / is older than 2.28 or the
- * communicator, allocation or registration failed on any rank (one stderr line,
- * then every later forward). Every rank takes the same decision (from data
- * all ranks share). One CE communicator and one pair of windows per
- * borrowed communicator, shared by every kcu_ep on it (a worker's layers:
- * refcounted, set up at the first CE forward of any layer, grown to the
- * largest need; the next CE forward of any layer waits on the GPU for the
- * previous one to be done with the windows). The CE communicator is
- * blocking (NCCL 2.28 refuses the window registration on a non-blocking
- * one); its blocking collective calls run under a watchdog thread that
- * aborts it on the timeout or the abort hook. It is owned: aborted by the
- * last kcu_ep_destroy on it (local, no collective), or when a wait fails (a
- * dead peer, the timeout, the abort hook: every layer then falls back).
- * Measured with a blocking CE communicator (per layer then) on 4x H100
- * (bench/NOTES.md "Copy-engine exchange"); the shared design as built here
- * NOT yet. kcu_ep_bytes counts the shared windows in one layer only.
- * kcu_ep_last_send_bytes / kcu_ep_last_a2a_bytes count real
- * rows; kcu_ep_last_ce gives what the padded slots put on the wire. */
+ * deduplicated dispatch move their rows on the copy engines, so that while
+ * chunks overlap the expert GEMMs keep every SM (comm_sms is not reserved).
+ * Every (chunk, pair) gets a slot of the chunk's largest count, the same
+ * on every rank from the gathered counts; the layout tables point into the
+ * padded slots, so the kernels, the combine and y (bit-identical to the
+ * forward without it) do not change. Two windows (token side: xsend |
+ * msend | yrecv; owner side: xrecv | mrecv | ysend) with the same layout on
+ * every rank. The transport (KCU_EP_CE_IMPL, agreed by every rank at
+ * setup):
+ *   - unset (default), this library's: the windows are cudaMalloc buffers
+ *     every rank maps (CUDA IPC handles all-gathered on the exchange
+ *     communicator; a rank of the same process, as in bin/ep_bench, by its
+ *     address); each all-to-all is, on the layer's exchange stream: READY
+ *     to every peer, a wait for every peer's READY, cudaMemcpyAsync of each
+ *     slot into the peer's window, DONE to every peer (fenced after the
+ *     copies), a wait for every peer's DONE - 64-bit stream memory
+ *     operations (cuStreamWriteValue64 / cuStreamWaitValue64) on a page of
+ *     POSIX shared memory every rank maps and registers (rank 0 makes it,
+ *     its name broadcast, unlinked once all have it). A rank whose exchange
+ *     fails (a dead peer, the timeout, the abort hook) stores past every
+ *     number it waits for, so its stream drains: no stream is left waiting
+ *     on a peer that is gone (a dead exporter's memory stays mapped and
+ *     writable here: checked on 2x H200).
+ *   - "nccl": ncclAlltoAll on a second communicator over the borrowed
+ *     one's ranks (ncclCommInitRankConfig over a unique id the borrowed one
+ *     broadcasts; blocking; CTAPolicy NCCL_CTA_POLICY_ZERO) over two
+ *     ncclMemAlloc buffers registered as symmetric windows (NCCL >= 2.28 on
+ *     one node). Its handshake waits on flags in NCCL's memory, which
+ *     ncclCommAbort does not release: a peer killed mid-exchange can leave
+ *     the survivor's stream waiting for good (the worker's --abort-exit-ms
+ *     then restarts it). The CE communicator's blocking collective calls run
+ *     under a watchdog thread that aborts it on the timeout or the abort hook.
+ * Set up at the first forward that takes it (collective), windows grown in
+ * lockstep (1.25x the need). A forward takes the send/recv path instead
+ * (same results, no error) when padding would exceed 1.25x the real rows
+ * (skewed routing), for training forwards, or when the setup, allocation,
+ * mapping or registration failed on any rank (one stderr line, then every
+ * later forward). Every rank takes the same decision (from data all ranks
+ * share). One state and one pair of windows per borrowed communicator,
+ * shared by every kcu_ep on it (a worker's layers: refcounted, set up at the
+ * first CE forward of any layer, grown to the largest need; the next CE
+ * forward of any layer waits on the GPU for the previous one to be done
+ * with the windows). Released (local, no collective) by the last
+ * kcu_ep_destroy on it, or when a wait fails (every layer then falls back),
+ * on a thread of its own. 2x H200, Qwen3 16384 tokens per GPU: 3.76-3.78 /
+ * 3.40-3.41 ms at chunks 1 / 4 against NCCL's 3.82-3.83 / 3.41-3.44
+ * (bench/NOTES.md "Copy-engine exchange"). kcu_ep_bytes counts the shared
+ * windows in one layer only. kcu_ep_last_send_bytes / kcu_ep_last_a2a_bytes
+ * count real rows; kcu_ep_last_ce gives what the padded slots put on the
+ * wire. */
 
 /* The exchange communicator (KCU_EP_BLOCKING, read at the first forward;
  * on unless 0; agreed by every rank). The borrowed communicator may be
