@@ -155,13 +155,13 @@ struct ep_ce_shared {
      * releases), 0 = NCCL's CE collectives over symmetric windows */
     int ipc;
     int world, rank, device;
-    void **peer[2];           /* ipc: rank q's buf[i] mapped here ([rank] = buf[i]);
-                               * W pointers each (owned arrays) */
+    void **peer[2];              /* ipc: rank q's buf[i] mapped here ([rank] = buf[i]);
+                                  * W pointers each (owned arrays) */
     int peer_open[EP_MAX_WORLD]; /* ipc: bit i when peer[i][q] came from
                                   * cudaIpcOpenMemHandle (to be closed) */
-    ce_flags *flags;          /* ipc: the flag page (a reference), or NULL */
-    uint64_t seq;             /* ipc: the last handshake's number (the same on every
-                               * rank: the calls run in lockstep) */
+    ce_flags *flags;             /* ipc: the flag page (a reference), or NULL */
+    uint64_t seq;                /* ipc: the last handshake's number (the same on every
+                                  * rank: the calls run in lockstep) */
 };
 
 enum { EP_LOC_GRAPHS = 16 }; /* the fan-out's decode chains kept as graphs: T = 1..16 */
@@ -1009,7 +1009,8 @@ ce_flags *ce_flags_get(const char *name, int W, int create, char *why, size_t nw
         close(fd);
     void *d = nullptr;
     if (h != MAP_FAILED) {
-        cudaError_t e = cudaHostRegister(h, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+        cudaError_t e =
+            cudaHostRegister(h, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
         if (e == cudaSuccess && (e = cudaHostGetDevicePointer(&d, h, 0)) != cudaSuccess)
             cudaHostUnregister(h);
         if (e != cudaSuccess) {
@@ -1305,7 +1306,7 @@ ep_ce_shared *ce_put(kcu_ep *ep)
     pthread_mutex_unlock(&ce_mu);
     if (!last)
         return nullptr;
-    watch_put(s); /* nothing armed: no call in progress */
+    watch_put(s);      /* nothing armed: no call in progress */
     ce_ipc_release(s); /* nothing may wait on a peer that is gone */
     ce_reap_start(s, ep->c.rank, "the last layer's destroy");
     fast_reap(s, ep->c.rank, "the last layer's destroy");
@@ -1657,8 +1658,8 @@ int ce_memops_load(void)
         cudaDriverEntryPointQueryResult q1, q2;
         if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &w, 12000, cudaEnableDefault,
                                              &q1) == cudaSuccess &&
-            cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &x, 12000,
-                                             cudaEnableDefault, &q2) == cudaSuccess &&
+            cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &x, 12000, cudaEnableDefault,
+                                             &q2) == cudaSuccess &&
             q1 == cudaDriverEntryPointSuccess && q2 == cudaDriverEntryPointSuccess) {
             ce_wait64 = (ce_memop_fn)w;
             ce_write64 = (ce_memop_fn)x;
@@ -1700,8 +1701,8 @@ moe_err ce_ipc_setup(kcu_ep *ep)
             ok = 0;
     }
     int all = 0;
-    KCU_TRY(ep_host_coll(ep, EP_BCAST, name, sizeof(name), me != 0 || f, &all,
-                         "CE setup (flag page)"));
+    KCU_TRY(
+        ep_host_coll(ep, EP_BCAST, name, sizeof(name), me != 0 || f, &all, "CE setup (flag page)"));
     if (all && me != 0 && ok && !(f = ce_flags_get(name, W, 0, why, sizeof(why))))
         ok = 0;
     moe_err e = all ? ep_agree(ep, ok && f, &all, "CE setup (flag page, mapped)") : MOE_OK;
@@ -1739,8 +1740,8 @@ moe_err ce_ipc_map(kcu_ep *ep, int *all)
         c.dev = s->device;
     }
     (void)cudaGetLastError();
-    const moe_err e = ep_host_coll(ep, EP_GATHER, cards, sizeof(ce_ipc_card), ok, all,
-                                   "CE windows (handles)");
+    const moe_err e =
+        ep_host_coll(ep, EP_GATHER, cards, sizeof(ce_ipc_card), ok, all, "CE windows (handles)");
     if (e != MOE_OK) {
         free(cards);
         return e;
@@ -2021,11 +2022,10 @@ moe_err ce_dispatch(kcu_ep *ep, int c)
     if (p.S[c] == 0)
         return MOE_OK;
     if (s->ipc) {
-        const ce_move mv[2] = {
-            {ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
-             (size_t)p.S[c] * H * 2, 1},
-            {ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
-             (size_t)p.S[c] * K * 4, 1}};
+        const ce_move mv[2] = {{ep->xsend + (size_t)p.D[c] * H, ep->xrecv + (size_t)p.D[c] * H,
+                                (size_t)p.S[c] * H * 2, 1},
+                               {ep->msend + (size_t)p.D[c] * K, ep->mrecv + (size_t)p.D[c] * K,
+                                (size_t)p.S[c] * K * 4, 1}};
         return ce_ipc_a2a(ep, mv, 2, "CE dispatch");
     }
     KCU_TRY(EP_NCCL_ON(ep, s->comm,
