@@ -1686,6 +1686,7 @@ moe_err ce_ipc_setup(kcu_ep *ep)
     static std::atomic<unsigned> made{0};
     char why[160] = "", name[64] = "";
     const int W = ep->c.world, me = ep->c.rank;
+    s->ipc = 1; /* from here a failure's reaper lets go of what is made */
     s->world = W;
     s->rank = me;
     (void)cudaGetDevice(&s->device);
@@ -1715,7 +1716,6 @@ moe_err ce_ipc_setup(kcu_ep *ep)
         ce_fail(ep, "CE setup (flag page)");
         return e;
     }
-    s->ipc = 1;
     s->state = 1;
     s->acct = ep;
     return MOE_OK;
