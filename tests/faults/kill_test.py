@@ -529,6 +529,10 @@ def parse_args():
                     help="the daemons' logs go here, kept (default: a fresh temp dir, removed "
                     "after a PASS)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the temp dir after a PASS")
+    ap.add_argument("--strict-survivors", action="store_true",
+                    help="check 4 fails when a survivor exited 3 (its device could not be "
+                    "recovered) and had to be started again: the re-formation must keep "
+                    "every survivor's process")
     ap.add_argument("--print-errors", type=int, default=4, help="errors printed per thread")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
@@ -1019,7 +1023,8 @@ def main():
             recs, infl = sm.snapshot()
             short = [n for n in names if ok_after[n] < need[n]]
             late = [r for r in recs if r.t0 >= t_ready and r.code is not None]
-            put("reform", not short and not late and e_inf <= a.tolerance,
+            put("reform", not short and not late and e_inf <= a.tolerance
+                and not (a.strict_survivors and supervised),
                 "generation %d -> %d; after ready: %s, %d errors%s; kt_inf output vs before the kill: "
                 "rel err %.2e (tolerance %.0e)%s" % (
                     gen0, gen1, ", ".join("%s %d %s" % (n, ok_after[n], "steps" if n == "train"
