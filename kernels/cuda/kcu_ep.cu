@@ -1000,7 +1000,11 @@ ce_flags *ce_flags_get(const char *name, int W, int create, char *why, size_t nw
     }
     const size_t bytes = ((size_t)2 * W * W * 8 + 4095) / 4096 * 4096;
     void *h = MAP_FAILED;
-    const int fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+    int fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+    if (fd < 0 && create && errno == EEXIST) { /* left by a crashed process of the same pid */
+        shm_unlink(name);
+        fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    }
     if (fd < 0 || (create && ftruncate(fd, (off_t)bytes) != 0))
         snprintf(why, nwhy, "shm_open/ftruncate %s: %s", name, strerror(errno));
     else if ((h = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
