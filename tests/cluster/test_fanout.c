@@ -674,7 +674,9 @@ typedef struct fo_stream {
     const char *path;
     int stop, calls, ok, unavail, other;
     int64_t slowest_ms;
+    int64_t call_since; /* cluster_now_ms of the call in progress, 0 between calls */
     char last_other[256];
+    char last_err[256]; /* the last error answer of any kind */
 } fo_stream;
 
 static void *fo_stream_main(void *arg)
@@ -688,8 +690,13 @@ static void *fo_stream_main(void *arg)
     rng_fill_uniform(9, 9, -1, 1, x, 4 * 16);
     while (!__atomic_load_n(&s->stop, __ATOMIC_ACQUIRE)) {
         int64_t t0 = cluster_now_ms();
+        __atomic_store_n(&s->call_since, t0, __ATOMIC_RELEASE);
         moe_err e = moe_forward(c, "m", 0, MOE_F32, x, 4, 16, y, NULL);
         int64_t ms = cluster_now_ms() - t0;
+        __atomic_store_n(&s->call_since, 0, __ATOMIC_RELEASE);
+        if (e != MOE_OK)
+            snprintf(s->last_err, sizeof(s->last_err), "%s after %lld ms: %s", moe_err_code(e),
+                     (long long)ms, moe_last_error());
         if (ms > s->slowest_ms)
             s->slowest_ms = ms;
         s->calls++;
@@ -709,36 +716,82 @@ static void *fo_stream_main(void *arg)
     return NULL;
 }
 
-Test(fanout, worker_killed_mid_stream_answers_promptly, .timeout = 180, .fini = cluster_fini_all)
+/* the streams' state, for a failed wait: each stream's counts, its last
+ * error and how long its call in progress has waited */
+static void fo_say(const fo_stream *st, char *buf, size_t len)
+{
+    size_t n = 0;
+    for (int i = 0; i < 2 && n < len; i++) {
+        const int64_t since = __atomic_load_n(&st[i].call_since, __ATOMIC_ACQUIRE);
+        n += (size_t)snprintf(buf + n, len - n,
+                              "%s%s: %d calls, %d ok, %d unavailable, a call in progress for "
+                              "%lld ms, last error: %s",
+                              i ? "; " : "", st[i].path, st[i].calls, st[i].ok, st[i].unavail,
+                              since ? (long long)(cluster_now_ms() - since) : 0LL,
+                              st[i].last_err[0] ? st[i].last_err : "none");
+    }
+}
+
+/* waits until both streams have made `more` more calls (ok only: ok_only)
+ * than base; 0, or -1 after limit_ms with what each stream is doing in
+ * why */
+static int fo_wait(fo_stream *st, const int base[2], int more, int ok_only, int64_t limit_ms,
+                   char *why, size_t len)
+{
+    for (int64_t t0 = cluster_now_ms();; usleep(5000)) {
+        int done = 1;
+        for (int i = 0; i < 2; i++)
+            done &= (ok_only ? st[i].ok : st[i].calls) >= base[i] + more;
+        if (done)
+            return 0;
+        if (cluster_now_ms() - t0 > limit_ms) {
+            fo_say(st, why, len);
+            return -1;
+        }
+    }
+}
+
+/* stops the streams (a call in progress ends by its answer or its
+ * timeout) */
+static void fo_stop(fo_stream *st, pthread_t *th)
+{
+    for (int i = 0; i < 2; i++)
+        __atomic_store_n(&st[i].stop, 1, __ATOMIC_RELEASE);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+}
+
+Test(fanout, worker_killed_mid_stream_answers_promptly, .timeout = 240, .fini = cluster_fini_all)
 {
     cluster_opts o = {.workers = 2};
     cluster *cl = cluster_start(&o);
     cr_assert(cl, "cluster_start: %s", cluster_error());
     const fcase f = {"m", 16, 16, 4, 2, MOE_F32, 0, 0};
     create(cl, &f);
-    fo_stream st[2] = {{cl, "shm", 0, 0, 0, 0, 0, 0, ""}, {cl, "socket", 0, 0, 0, 0, 0, 0, ""}};
+    fo_stream st[2] = {{.cl = cl, .path = "shm"}, {.cl = cl, .path = "socket"}};
     pthread_t th[2];
     for (int i = 0; i < 2; i++)
         cr_assert_eq(pthread_create(&th[i], NULL, fo_stream_main, &st[i]), 0);
-    /* calls are flowing, then the kill */
-    for (int64_t t0 = cluster_now_ms(); st[0].ok < 20 || st[1].ok < 20; usleep(5000))
-        cr_assert_lt(cluster_now_ms() - t0, 60000, "the streams did not start");
+    /* calls are flowing, then the kill; a failed wait stops the streams
+     * first (they use the cluster) and says what each was doing */
+    char why[1024];
+    const int zero[2] = {0, 0};
+    int bad = fo_wait(st, zero, 20, 1, 60000, why, sizeof(why));
+    if (bad)
+        fo_stop(st, th);
+    cr_assert(!bad, "the streams did not start: %s", why);
     cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
-    int base0 = st[0].calls, base1 = st[1].calls;
-    for (int64_t t0 = cluster_now_ms(); st[0].calls < base0 + 5 || st[1].calls < base1 + 5;
-         usleep(5000))
-        cr_assert_lt(cluster_now_ms() - t0, 60000,
-                     "calls stopped after the kill (shm %d more, socket %d more)",
-                     st[0].calls - base0, st[1].calls - base1);
+    const int base[2] = {st[0].calls, st[1].calls};
+    bad = fo_wait(st, base, 5, 0, 60000, why, sizeof(why));
+    if (bad)
+        fo_stop(st, th);
+    cr_assert(!bad, "calls stopped after the kill: %s", why);
     cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
     cr_assert_eq(cluster_wait_ready(cl, 60000), 0, "%s", cluster_error());
-    int ok0 = st[0].ok, ok1 = st[1].ok;
-    for (int64_t t0 = cluster_now_ms(); st[0].ok < ok0 + 20 || st[1].ok < ok1 + 20; usleep(5000))
-        cr_assert_lt(cluster_now_ms() - t0, 60000, "no forward served after the restart");
-    for (int i = 0; i < 2; i++)
-        __atomic_store_n(&st[i].stop, 1, __ATOMIC_RELEASE);
-    for (int i = 0; i < 2; i++)
-        pthread_join(th[i], NULL);
+    const int oks[2] = {st[0].ok, st[1].ok};
+    bad = fo_wait(st, oks, 20, 1, 60000, why, sizeof(why));
+    fo_stop(st, th);
+    cr_assert(!bad, "no forward served after the restart: %s", why);
     for (int i = 0; i < 2; i++) {
         cr_log_info("%s: %d calls, %d ok, %d unavailable, slowest %lld ms", st[i].path, st[i].calls,
                     st[i].ok, st[i].unavail, (long long)st[i].slowest_ms);
