@@ -1705,15 +1705,17 @@ moe_err ce_ipc_setup(kcu_ep *ep)
         if (ok && !(f = ce_flags_get(name, W, 1, why, sizeof(why))))
             ok = 0;
     }
+    s->flags = f; /* from here the state's: a failure's reaper lets it go */
     int all = 0;
-    KCU_TRY(
-        ep_host_coll(ep, EP_BCAST, name, sizeof(name), me != 0 || f, &all, "CE setup (flag page)"));
-    if (all && me != 0 && ok && !(f = ce_flags_get(name, W, 0, why, sizeof(why))))
+    moe_err e =
+        ep_host_coll(ep, EP_BCAST, name, sizeof(name), me != 0 || f, &all, "CE setup (flag page)");
+    if (e == MOE_OK && all && me != 0 && ok &&
+        !(s->flags = ce_flags_get(name, W, 0, why, sizeof(why))))
         ok = 0;
-    moe_err e = all ? ep_agree(ep, ok && f, &all, "CE setup (flag page, mapped)") : MOE_OK;
+    if (e == MOE_OK && all)
+        e = ep_agree(ep, ok && s->flags, &all, "CE setup (flag page, mapped)");
     if (me == 0 && f)
         shm_unlink(name); /* every rank has it mapped, or the path is off */
-    s->flags = f;
     if (e != MOE_OK || !all) {
         if (e == MOE_OK)
             ce_note(ep, why[0] ? why : "the flag page could not be mapped on another rank");
