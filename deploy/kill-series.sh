@@ -50,9 +50,10 @@ pass=0
 fail=0
 firsts=()
 readys=()
-printf "%-5s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" run result mode \
-    "dying (s)" "seen (s)" "load" "down (s)" "1st err (s)" "answered (s)" "step (s)" "ready (s)" \
-    "kill at" "run (s)"
+restarts=0
+printf "%-5s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %-8s %s\n" run result \
+    mode "dying (s)" "seen (s)" "load" "down (s)" "1st err (s)" "answered (s)" "step (s)" \
+    "ready (s)" "restarts" "kill at" "run (s)"
 FIRST=${KILL_SERIES_FIRST:-1}
 BUDGET=${KILL_SERIES_SECONDS:-0}
 START=$SECONDS
@@ -91,17 +92,20 @@ for i in $(seq "$FIRST" $((FIRST + N - 1))); do
     rc=$?
     wall=$((SECONDS - t0))
     # the test's summary line per kill: "kill-summary K PASS|FAIL victim V at S
-    # dying S seen S load L down S first S answered S step S ready S"
+    # dying S seen S load L down S first S answered S step S ready S restarts N"
+    # (restarts: survivors that exited 3 and were started again)
     rows=0
-    while read -r _ k r _ _ _ at _ dying _ seen _ load _ down _ first _ ans _ step _ ready; do
+    while read -r _ k r _ _ _ at _ dying _ seen _ load _ down _ first _ ans _ step _ ready _ rst; do
         rows=$((rows + 1))
         id=$i
         [ "$KILLS" -gt 1 ] && id=$i.$k
         if [ "$r" = PASS ]; then pass=$((pass + 1)); else fail=$((fail + 1)); fi
         [ "$first" != - ] && firsts+=("$first")
         [ "$ready" != - ] && readys+=("$ready")
-        printf "%-5s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %s\n" "$id" "$r" \
-            "$mode" "$dying" "$seen" "$load" "$down" "$first" "$ans" "$step" "$ready" "$at" "$wall"
+        restarts=$((restarts + ${rst:-0}))
+        printf "%-5s %-6s %-10s %-9s %-9s %-6s %-10s %-12s %-13s %-10s %-10s %-8s %-8s %s\n" "$id" \
+            "$r" "$mode" "$dying" "$seen" "$load" "$down" "$first" "$ans" "$step" "$ready" \
+            "${rst:-0}" "$at" "$wall"
     done < <(grep "^kill-summary " "$log")
     # a run that failed outside its kills (start, cleanup) or made fewer than asked
     if [ "$rc" -ne 0 ] && ! grep -q "^kill-summary [0-9]* FAIL" "$log"; then
@@ -118,5 +122,6 @@ summ() { # label values...: min, median, max
 }
 summ "first error after the kill" "${firsts[@]}"
 summ "ready again after the kill" "${readys[@]}"
+echo "survivors restarted (exited 3: a device that could not be recovered): $restarts"
 echo "kill series: $pass passed, $fail failed (kills; logs in $DIR)"
 [ "$fail" -eq 0 ]

@@ -974,6 +974,7 @@ def main():
                 raise Abort("cluster not re-formed %.0f s after the restart: %s" % (bound, s))
             t_ready = time.monotonic()
             m["ready"] = t_ready - t_kill
+            m["restarts"] = len(supervised)
             gen1 = s["generation"]
             log("cluster re-formed: generation %d -> %d, %d of %d up, %.2f s after the restart, "
                 "%.2f s after the kill" % (gen0, gen1, s["up_workers"], s["expected_workers"],
@@ -1144,7 +1145,8 @@ def main():
             kn + 1, "FAIL" if any(r[k][0] == "FAIL" for k, _ in CHECKS) else "PASS",
             m.get("victim", "-"), m.get("at", "-"), " ".join(
                 "%s %s" % (k, "%.3f" % m[k] if m.get(k) is not None else "-")
-                for k in ("dying", "seen", "load", "down", "first", "answered", "step", "ready"))))
+                for k in ("dying", "seen", "load", "down", "first", "answered", "step", "ready"))
+            + " restarts %d" % m.get("restarts", 0)))
     print("\nkill test: %s (%d workers, backend %s, xchg %s%s; %d of %d kills made) in %.1f s" % (
         "FAIL" if failed or short else "PASS", a.workers, a.backend, a.xchg,
         ", train" if a.train else "", made, a.kills, time.monotonic() - T0), flush=True)
