@@ -1642,13 +1642,6 @@ moe_err fast_setup(kcu_ep *ep)
     return MOE_OK;
 }
 
-/* the CE communicator, at the first forward of any layer on this borrowed
- * communicator that would take the CE path (every rank reaches it in
- * lockstep: the decision comes from the gathered counts, and the layers
- * run in the same order on every rank). The library's version and symbols,
- * then the CE communicator (ce_create), each agreed on by all ranks
- * (ep_agree); a failure anywhere leaves every rank on the send/recv path
- * (state -1, one note). Errors only where the borrowed communicator fails. */
 /* the driver's stream memory operations (64-bit), by entry point: NULL
  * where the driver lacks them */
 typedef CUresult (*ce_memop_fn)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
@@ -1679,6 +1672,23 @@ struct ce_ipc_card {
     uint64_t ptr[2]; /* the buffers' addresses (a rank of this process maps none) */
     int32_t pid, dev;
 };
+
+/* the end of a CE setup whose last agreement returned e and all: the state
+ * up (this layer counts the windows), or one note (why, else other) and
+ * the CE path failed on every rank */
+moe_err ce_setup_done(kcu_ep *ep, moe_err e, int all, const char *why, const char *other,
+                      const char *what)
+{
+    if (e != MOE_OK || !all) {
+        if (e == MOE_OK)
+            ce_note(ep, why[0] ? why : other);
+        ce_fail(ep, what);
+        return e;
+    }
+    ep->ce->state = 1;
+    ep->ce->acct = ep;
+    return MOE_OK;
+}
 
 /* the IPC transport at the first CE forward (every rank in lockstep): the
  * driver's stream memory operations, then the flag page (rank 0 makes it,
@@ -1716,15 +1726,8 @@ moe_err ce_ipc_setup(kcu_ep *ep)
         e = ep_agree(ep, ok && s->flags, &all, "CE setup (flag page, mapped)");
     if (me == 0 && f)
         shm_unlink(name); /* every rank has it mapped, or the path is off */
-    if (e != MOE_OK || !all) {
-        if (e == MOE_OK)
-            ce_note(ep, why[0] ? why : "the flag page could not be mapped on another rank");
-        ce_fail(ep, "CE setup (flag page)");
-        return e;
-    }
-    s->state = 1;
-    s->acct = ep;
-    return MOE_OK;
+    return ce_setup_done(ep, e, all, why, "the flag page could not be mapped on another rank",
+                         "CE setup (flag page)");
 }
 
 /* the windows of the IPC transport, after they were (re)allocated: every
@@ -1779,6 +1782,14 @@ moe_err ce_ipc_map(kcu_ep *ep, int *all)
     return MOE_OK;
 }
 
+/* NCCL's transport (KCU_EP_CE_IMPL=nccl), at the first forward of any layer
+ * on this borrowed communicator that would take the CE path (every rank
+ * reaches it in lockstep: the decision comes from the gathered counts, and
+ * the layers run in the same order on every rank). The library's version
+ * and symbols, then the CE communicator (ce_create), each agreed on by all
+ * ranks (ep_agree); a failure anywhere leaves every rank on the send/recv
+ * path (state -1, one note). Errors only where the borrowed communicator
+ * fails. */
 moe_err ce_nccl_setup(kcu_ep *ep)
 {
     ep_ce_shared *s = ep->ce;
@@ -1810,16 +1821,9 @@ moe_err ce_nccl_setup(kcu_ep *ep)
     (void)watch_ensure(
         s); /* its calls under the watchdog (without one ce_guarded registers no window) */
     KCU_TRY(ce_create(ep, &ok, why, sizeof(why)));
-    moe_err e = ep_agree(ep, ok, &all, "CE setup (communicator)");
-    if (e != MOE_OK || !all) {
-        if (e == MOE_OK)
-            ce_note(ep, why[0] ? why : "the CE communicator could not be made on another rank");
-        ce_fail(ep, "CE setup (communicator)");
-        return e;
-    }
-    s->state = 1;
-    s->acct = ep;
-    return MOE_OK;
+    const moe_err e = ep_agree(ep, ok, &all, "CE setup (communicator)");
+    return ce_setup_done(ep, e, all, why, "the CE communicator could not be made on another rank",
+                         "CE setup (communicator)");
 }
 
 /* the CE path's transport (KCU_EP_CE_IMPL: "nccl" = NCCL's CE collectives,
