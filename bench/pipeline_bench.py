@@ -20,6 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import moe  # noqa: E402
+from checklib import drop_model  # noqa: E402
 
 
 def main():
@@ -33,10 +34,7 @@ def main():
     ap.add_argument("--top-k", type=int, default=8)
     a = ap.parse_args()
     c = moe.Client(a.url)
-    try:
-        c.model_delete("pb")
-    except moe.NotFoundError:
-        pass
+    drop_model(c, "pb")
     c.model_create("pb", 1, a.d_model, a.d_ff, a.experts, a.top_k, renormalize=True,
                    dtype="bf16", seed=3)
     rng = np.random.default_rng(1)

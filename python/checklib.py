@@ -1,6 +1,6 @@
 """checklib.py - what the GPU check scripts share (python/*_check.py run on
-a cluster): PASS/FAIL lines counted, relative errors, the summary line and
-exit status.
+a cluster, and bench/pipeline_bench.py): PASS/FAIL lines counted, relative
+errors, the summary line and exit status, a model name made free.
 
     from checklib import Checks, rel
     ck = Checks()
@@ -8,6 +8,8 @@ exit status.
     sys.exit(ck.done())     # prints "N passed, M failed"; 1 on a failure
 """
 import numpy as np
+
+import moe
 
 
 class Checks:
@@ -32,3 +34,11 @@ def rel(a, b):
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def drop_model(c, name):
+    """deletes model name where the cluster has it (a run before left it)"""
+    try:
+        c.model_delete(name)
+    except moe.NotFoundError:
+        pass

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe  # noqa: E402
-from checklib import Checks, rel  # noqa: E402
+from checklib import Checks, rel, drop_model  # noqa: E402
 
 H, F, E = 256, 256, 64
 FAMILIES = {
@@ -38,10 +38,7 @@ ck = Checks()
 
 
 def run(c, name, fam):
-    try:
-        c.model_delete(name)
-    except moe.NotFoundError:
-        pass
+    drop_model(c, name)
     p = dict(name=name, layers=1, d_model=H, d_ff=F, n_experts=E, activation="swiglu",
              dtype="bf16", seed=11, aux_loss_coef=0.01, z_loss_coef=0.001)
     p.update(fam)

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe  # noqa: E402
-from checklib import Checks, rel  # noqa: E402
+from checklib import Checks, rel, drop_model  # noqa: E402
 
 H, F, E, K = 256, 256, 8, 2
 ck = Checks()
@@ -72,10 +72,7 @@ def main():
     ap.add_argument("--url", default=os.environ.get("MOE_URL", "tcp://127.0.0.1:7000"))
     a = ap.parse_args()
     c = moe.Client(a.url)
-    try:
-        c.model_delete("pc")
-    except moe.NotFoundError:
-        pass
+    drop_model(c, "pc")
     c.model_create("pc", 1, H, F, E, K, renormalize=True, dtype="bf16", seed=5)
     rng = np.random.default_rng(7)
     rows = {"A": 37, "B": 64, "C": 20, "D": 1}

@@ -1124,9 +1124,10 @@ struct ce_reap {
     ce_flags *flags; /* a reference */
 };
 
-void *ce_reap_main(void *arg)
+/* the abort and the frees of r's (ce_reap_main, or the caller where no
+ * memory was left for r) */
+void reap_do(ce_reap *r)
 {
-    ce_reap *r = (ce_reap *)arg;
     const int64_t t0 = now_ms();
     if (r->w) { /* the watchdog aborted the communicator: its abort is over first */
         watch_idle(r->w);
@@ -1152,6 +1153,12 @@ void *ce_reap_main(void *arg)
     }
     fprintf(stderr, "kcu_ep: rank %d: %s: %s %s (%lld ms)\n", r->rank, r->why, r->name,
             r->ipc ? "released" : "aborted", (long long)(now_ms() - t0));
+}
+
+void *ce_reap_main(void *arg)
+{
+    ce_reap *r = (ce_reap *)arg;
+    reap_do(r);
     free(r);
     return nullptr;
 }
@@ -1189,22 +1196,11 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
 {
     if (!s->comm && !s->buf[0] && !s->buf[1] && !s->flags && !s->peer[0] && !s->peer[1])
         return;
+    ce_reap here;
     ce_reap *r = (ce_reap *)calloc(1, sizeof(*r));
     if (!r) { /* no memory for the hand-over: the abort and the frees here */
-        if (s->comm)
-            kcu_comm_abort(s->comm);
-        if (s->watch)
-            watch_idle(s->watch);
-        s->comm = nullptr;
-        s->win[0] = s->win[1] = nullptr;
-        if (s->ipc) {
-            (void)cudaDeviceSynchronize();
-            ce_ipc_unmap(s->peer, s->peer_open, s->world, s->rank);
-            ce_flags_put(s->flags);
-            s->flags = nullptr;
-        }
-        ce_free_bufs(s);
-        return;
+        memset(&here, 0, sizeof(here));
+        r = &here;
     }
     r->comm = s->comm;
     r->buf[0] = s->buf[0];
@@ -1230,7 +1226,10 @@ void ce_reap_start(ep_ce_shared *s, int rank, const char *why)
     s->buf[0] = s->buf[1] = nullptr;
     s->bytes = 0;
     s->capx = s->capy = 0;
-    reap_run(r);
+    if (r == &here)
+        reap_do(r);
+    else
+        reap_run(r);
 }
 
 /* the CE path failed (a wait or an NCCL call failed: a peer is gone, the
@@ -1953,12 +1952,6 @@ moe_err ce_windows_done(kcu_ep *ep, cudaStream_t st)
     return MOE_OK;
 }
 
-/* the CE path's all-to-alls of chunk c on stream cs: the unique rows and
- * their metadata out (two ncclAlltoAll of S[c] rows per peer), or the slot
- * rows back (R[c] rows per peer). The slots are padded: rows past a
- * pair's real count carry stale bytes nothing reads. On the blocking CE
- * communicator ncclAlltoAll returns once enqueued; ep_wait watches its
- * progress under the timeout. */
 /* one move of an IPC all-to-all: bytes for each peer q from send + q bytes
  * into q's window win at recv's offset + rank bytes (recv is in this
  * rank's window win: the windows have the same layout on every rank) */
@@ -1978,24 +1971,31 @@ struct ce_move {
  * copies), a wait for every peer's DONE. Only enqueues: ep_wait watches it
  * under the timeout and the abort hook, and a failure releases the waits
  * (ce_fail). A CUDA error enqueueing fails the exchange. */
+/* one flag kind of a handshake on st: this rank's flag to every peer set
+ * to q (fenced after what st ran before), then a wait for every peer's to
+ * reach q; each rank starts at its next peer */
+CUresult ce_signal(const ep_ce_shared *s, CUstream st, int kind, uint64_t q)
+{
+    const int W = s->world, me = s->rank;
+    const CUdeviceptr fd = (CUdeviceptr)s->flags->d;
+    CUresult r = CUDA_SUCCESS;
+    for (int j = 1; j < W && r == CUDA_SUCCESS; j++)
+        r = ce_write64(st, fd + 8 * ce_flag_index(W, kind, me, (me + j) % W), q,
+                       CU_STREAM_WRITE_VALUE_DEFAULT);
+    for (int j = 1; j < W && r == CUDA_SUCCESS; j++)
+        r = ce_wait64(st, fd + 8 * ce_flag_index(W, kind, (me + j) % W, me), q,
+                      CU_STREAM_WAIT_VALUE_GEQ);
+    return r;
+}
+
 moe_err ce_ipc_a2a(kcu_ep *ep, const ce_move *mv, int n, const char *what)
 {
     ep_ce_shared *s = ep->ce;
     const int W = ep->c.world, me = ep->c.rank;
     CUstream st = (CUstream)ep->cs;
     const uint64_t q = ++s->seq;
-    const CUdeviceptr fd = (CUdeviceptr)s->flags->d;
-    CUresult r = CUDA_SUCCESS;
     cudaError_t ce = cudaSuccess;
-    for (int j = 1; j < W && r == CUDA_SUCCESS; j++) {
-        const int p = (me + j) % W;
-        r = ce_write64(st, fd + 8 * ce_flag_index(W, CE_READY, me, p), q,
-                       CU_STREAM_WRITE_VALUE_DEFAULT);
-    }
-    for (int j = 1; j < W && r == CUDA_SUCCESS; j++) {
-        const int p = (me + j) % W;
-        r = ce_wait64(st, fd + 8 * ce_flag_index(W, CE_READY, p, me), q, CU_STREAM_WAIT_VALUE_GEQ);
-    }
+    CUresult r = ce_signal(s, st, CE_READY, q);
     for (int k = 0; k < n && r == CUDA_SUCCESS && ce == cudaSuccess; k++) {
         const ce_move &m = mv[k];
         const size_t off = (size_t)((const char *)m.recv - (const char *)s->buf[m.win]);
@@ -2006,15 +2006,8 @@ moe_err ce_ipc_a2a(kcu_ep *ep, const ce_move *mv, int n, const char *what)
                                  cudaMemcpyDeviceToDevice, ep->cs);
         }
     }
-    for (int j = 1; j < W && r == CUDA_SUCCESS && ce == cudaSuccess; j++) {
-        const int p = (me + j) % W;
-        r = ce_write64(st, fd + 8 * ce_flag_index(W, CE_DONE, me, p), q,
-                       CU_STREAM_WRITE_VALUE_DEFAULT);
-    }
-    for (int j = 1; j < W && r == CUDA_SUCCESS && ce == cudaSuccess; j++) {
-        const int p = (me + j) % W;
-        r = ce_wait64(st, fd + 8 * ce_flag_index(W, CE_DONE, p, me), q, CU_STREAM_WAIT_VALUE_GEQ);
-    }
+    if (r == CUDA_SUCCESS && ce == cudaSuccess)
+        r = ce_signal(s, st, CE_DONE, q);
     if (r == CUDA_SUCCESS && ce == cudaSuccess)
         return MOE_OK;
     fprintf(stderr, "kcu_ep: rank %d: %s: %s (driver %d)\n", ep->c.rank, what,
@@ -2024,6 +2017,12 @@ moe_err ce_ipc_a2a(kcu_ep *ep, const ce_move *mv, int n, const char *what)
     return MOE_EUNAVAIL;
 }
 
+/* the CE path's all-to-alls of chunk c on stream cs: the unique rows and
+ * their metadata out (S[c] rows per peer: one IPC all-to-all of two moves,
+ * or two ncclAlltoAll), or the slot rows back (R[c] rows per peer). The
+ * slots are padded: rows past a pair's real count carry stale bytes nothing
+ * reads. Both transports return once enqueued (on the blocking CE
+ * communicator too); ep_wait watches the progress under the timeout. */
 moe_err ce_dispatch(kcu_ep *ep, int c)
 {
     const ep_ce_slots &p = ep->cs_;
@@ -3305,6 +3304,23 @@ extern "C" int kcu_ep_auto_chunks(int world, int F, long long rows_per_rank, int
     return world > 2 && F < 5333 && rows_per_rank >= min_rows[train != 0] ? 4 : 1;
 }
 
+/* each_state: f(ep) with each state in use selected in turn (a state never
+ * used keeps nothing), up to the first nonzero answer, which it returns;
+ * the selected state is selected again after */
+template <class F> static int each_state(kcu_ep *ep, F f)
+{
+    const int keep = ep->cur;
+    int r = 0;
+    for (int i = 0; i < ep->nstates && !r; i++) {
+        if (!ep->st[i].tws)
+            continue;
+        (void)kcu_ep_use_state(ep, i);
+        r = f(ep);
+    }
+    (void)kcu_ep_use_state(ep, keep);
+    return r;
+}
+
 extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
 {
     const int autoc = chunks == 0;
@@ -3312,24 +3328,14 @@ extern "C" moe_err kcu_ep_set_chunks(kcu_ep *ep, int chunks, int comm_sms)
         chunks = kcu_ep_auto_chunks(ep->c.world, ep->c.F, LLONG_MAX, 0);
     if (chunks < 1 || chunks > EP_MAX_CHUNKS || comm_sms < 0)
         return MOE_EINVAL;
-    /* the states in use (a state's first use takes c.chunks) */
-    const int keep = ep->cur;
-    for (int i = 0; i < ep->nstates; i++) { /* no state keeps a train forward */
-        if (!ep->st[i].tws)
-            continue;
-        (void)kcu_ep_use_state(ep, i);
-        if (ep->T_fwd > 0) {
-            (void)kcu_ep_use_state(ep, keep);
-            return MOE_EPRECOND;
-        }
-    }
-    for (int i = 0; i < ep->nstates; i++) {
-        if (!ep->st[i].tws)
-            continue;
-        (void)kcu_ep_use_state(ep, i);
-        ep->C = chunks;
-    }
-    (void)kcu_ep_use_state(ep, keep);
+    /* the states in use (a state's first use takes c.chunks); none may keep
+     * a train forward */
+    if (each_state(ep, [](kcu_ep *e) { return e->T_fwd > 0 ? 1 : 0; }))
+        return MOE_EPRECOND;
+    each_state(ep, [chunks](kcu_ep *e) {
+        e->C = chunks;
+        return 0;
+    });
     ep->c.chunks = chunks;
     ep->chunks_auto = autoc;
     ep->c.comm_sms = comm_sms;
@@ -3377,14 +3383,10 @@ extern "C" moe_err kcu_ep_use_state(kcu_ep *ep, int s)
 /* forget_train_forwards: no state keeps a train forward (new weights) */
 static void forget_train_forwards(kcu_ep *ep)
 {
-    const int keep = ep->cur;
-    for (int i = 0; i < ep->nstates; i++) {
-        if (!ep->st[i].tws) /* never used: keeps none */
-            continue;
-        (void)kcu_ep_use_state(ep, i);
-        ep->T_fwd = 0;
-    }
-    (void)kcu_ep_use_state(ep, keep);
+    each_state(ep, [](kcu_ep *e) {
+        e->T_fwd = 0;
+        return 0;
+    });
 }
 
 extern "C" moe_err kcu_ep_upload(kcu_ep *ep, const float *wr, const float *w1, const float *w3,
