@@ -1825,13 +1825,54 @@ moe_err ce_nccl_setup(kcu_ep *ep)
                          "CE setup (communicator)");
 }
 
+/* *shared: whether two ranks of the exchange communicator are threads of
+ * one process (bin/ep_bench), from the ranks' process ids all-gathered, so
+ * every rank answers the same; -1 where some rank had no memory for them.
+ * Errors where the exchange fails. */
+moe_err ce_ranks_share_process(kcu_ep *ep, int *shared)
+{
+    const int W = ep->c.world;
+    int32_t *pid = (int32_t *)calloc((size_t)W, sizeof(int32_t));
+    int all = 0;
+    if (pid)
+        pid[ep->c.rank] = (int32_t)getpid();
+    const moe_err e = ep_host_coll(ep, EP_GATHER, pid, sizeof(int32_t), pid != nullptr, &all,
+                                   "CE setup (process ids)");
+    *shared = all ? 0 : -1;
+    for (int a = 0; a < W && *shared == 0; a++)
+        for (int b = a + 1; b < W && *shared == 0; b++)
+            *shared = pid[a] == pid[b];
+    free(pid);
+    return e;
+}
+
 /* the CE path's transport (KCU_EP_CE_IMPL: "nccl" = NCCL's CE collectives,
- * else this library's IPC transport), agreed by every rank: ranks that
- * differ leave every rank on the send/recv path */
+ * "own" = this library's IPC transport, unset = this library's unless two
+ * ranks are threads of one process, then NCCL's), agreed by every rank:
+ * ranks that differ leave every rank on the send/recv path. Threads of one
+ * process take NCCL's by default: there this library's transport hung on 4
+ * GPUs (bin/ep_bench, session 33) - a thread of one rank in a host call
+ * that waits for the devices its peer access reaches, while a peer's stream
+ * waits on that thread's next handshake (suspected: the same-process ranks
+ * enable peer access, and ep_grow frees memory); NCCL's maps per buffer. A
+ * worker is one process per GPU and keeps this library's. */
 moe_err ce_setup(kcu_ep *ep)
 {
     const char *v = getenv("KCU_EP_CE_IMPL");
-    const int want_nccl = v && strcmp(v, "nccl") == 0;
+    int want_nccl = v && strcmp(v, "nccl") == 0;
+    int shared = 0; /* gathered on every rank whatever its setting: in lockstep */
+    KCU_TRY(ce_ranks_share_process(ep, &shared));
+    if (shared < 0) {
+        ce_note(ep, "the ranks' process ids could not be gathered");
+        ep->ce->state = -1;
+        return MOE_OK;
+    }
+    if (!v || !v[0]) {
+        want_nccl = shared;
+        if (shared && ep->c.rank == 0)
+            fprintf(stderr, "kcu_ep: rank 0: ranks share a process: the copy-engine exchange "
+                            "takes NCCL's transport (KCU_EP_CE_IMPL=own: this library's)\n");
+    }
     int all_ipc = 0, all_nccl = 0;
     KCU_TRY(ep_agree(ep, !want_nccl, &all_ipc, "CE setup (transport)"));
     if (all_ipc)
