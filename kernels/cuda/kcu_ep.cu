@@ -1851,11 +1851,13 @@ moe_err ce_ranks_share_process(kcu_ep *ep, int *shared)
  * ranks are threads of one process, then NCCL's), agreed by every rank:
  * ranks that differ leave every rank on the send/recv path. Threads of one
  * process take NCCL's by default: there this library's transport hung on 4
- * GPUs (bin/ep_bench, session 33) - a thread of one rank in a host call
- * that waits for the devices its peer access reaches, while a peer's stream
- * waits on that thread's next handshake (suspected: the same-process ranks
- * enable peer access, and ep_grow frees memory); NCCL's maps per buffer. A
- * worker is one process per GPU and keeps this library's. */
+ * GPUs (bin/ep_bench, session 33). The stacks: two ranks' threads in the
+ * first launch of a kernel (the driver loads it lazily, under a lock of the
+ * whole process, with peer access on between the ranks' devices), the
+ * other two waiting for that lock in cudaMemcpyAsync - while their devices
+ * wait on handshakes only those threads can enqueue. NCCL's maps its
+ * buffers one by one, without peer access. A worker is one process per GPU
+ * and keeps this library's. */
 moe_err ce_setup(kcu_ep *ep)
 {
     const char *v = getenv("KCU_EP_CE_IMPL");

@@ -146,10 +146,15 @@ moe_err kcu_ep_use_state(kcu_ep *ep, int s);
  * msend | yrecv; owner side: xrecv | mrecv | ysend) with the same layout on
  * every rank. The transport (KCU_EP_CE_IMPL, agreed by every rank at
  * setup):
- *   - unset (default), this library's: the windows are cudaMalloc buffers
+ *   - unset (default): this library's, unless two ranks are threads of one
+ *     process (bin/ep_bench: the process ids are gathered at setup), which
+ *     take NCCL's - there this library's hung on 4 GPUs (a lazily loaded
+ *     kernel's first launch holding the driver's lock, with peer access on,
+ *     while the devices waited on handshakes: kcu_ep.cu ce_setup);
+ *   - "own", this library's: the windows are cudaMalloc buffers
  *     every rank maps (CUDA IPC handles all-gathered on the exchange
- *     communicator; a rank of the same process, as in bin/ep_bench, by its
- *     address); each all-to-all is, on the layer's exchange stream: READY
+ *     communicator; a rank of the same process by its address, with peer
+ *     access on); each all-to-all is, on the layer's exchange stream: READY
  *     to every peer, a wait for every peer's READY, cudaMemcpyAsync of each
  *     slot into the peer's window, DONE to every peer (fenced after the
  *     copies), a wait for every peer's DONE - 64-bit stream memory
