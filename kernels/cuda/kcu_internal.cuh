@@ -192,7 +192,7 @@ typedef struct kcu_gemm_args {
     long long b_gstride;
     const int32_t *b_gather;
     int M, N, K; /* rows mode: N, K; M_fixed when no tile list. wgrad: M, N; K_fixed when no offs */
-    int ngroups; /* wgrad: groups; rows mode: unused */
+    int ngroups; /* wgrad: groups; rows mode: the experts of offs where few_tiles (v10) */
     const int32_t *offs;     /* (E+1) group row offsets, or NULL */
     const int32_t *tile_e;   /* rows mode tile list, or NULL */
     const int32_t *tile_r0;  /* rows mode tile list */
@@ -228,10 +228,11 @@ typedef struct kcu_gemm_args {
 moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
                  cudaStream_t st);
 /* kcu_gemm_version: 1 (mma.sync), 2 (wgmma), 4 (warp-specialised wgmma), 7
- * (v4 on 2-CTA clusters with the weight tile multicast) or 9 (the weight
- * gradients on 2-CTA clusters), the kernel kcu_gemm picks (7 and 9 fall back
- * to 4 if a tensor map cannot be built); always 1 where the portable image
- * runs (kcu_sm90() == 0) */
+ * (v4 on 2-CTA clusters with the weight tile multicast), 9 (the weight
+ * gradients on 2-CTA clusters) or 10 (the rows mode with the operands
+ * swapped), the kernel kcu_gemm picks (7 and 9 fall back to 4, 10 to 7, if a
+ * tensor map cannot be built); always 1 where the portable image runs
+ * (kcu_sm90() == 0) */
 int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm);
 /* kcu_gemm_select overrides the environment for checks (not thread safe:
  * call between GEMMs); -1 keeps the environment's choice of each:
@@ -251,6 +252,13 @@ void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched);
  * its 128-row tiles number fewer than half the SMs), 0 never, 1 / 2 always
  * where it applies, in tiles of 16 / 32 rows */
 extern int kcu_gemm_narrow_override;
+/* kcu_gemm_swap_override: v10, the rows-mode GEMM with its operands swapped
+ * (gemm/swapped.cu: the weights as wgmma's A, an expert's rows as its B,
+ * padded to 16 rows instead of 64), for checks: -1 the default
+ * (KCU_GEMM_SWAP, on unless 0), 0 never. It runs where the tile list is in
+ * pairs of one expert (few_tiles, with ngroups the experts of offs), A
+ * dense, B_K, and the epilogue is SWIGLU without (a, b) or SCATTER to bf16 */
+extern int kcu_gemm_swap_override;
 /* kcu_stats_mapped_override: the decode path's last kernel writes counts,
  * aux/z and drops into mapped page-locked memory (1), or they are copied
  * out by kcu_forward_stats (0); -1 = KCU_STATS_MAPPED (checks set it) */

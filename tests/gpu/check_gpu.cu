@@ -1036,6 +1036,159 @@ static int narrow_check(uint64_t seed)
     return fails;
 }
 
+/* host <-> device helpers of the GEMM checks */
+static std::vector<uint16_t> bf_of(const std::vector<float> &v)
+{
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); i++)
+        h[i] = kern_f32_to_bf16(v[i]);
+    return h;
+}
+static std::vector<float> f_of(const std::vector<uint16_t> &h)
+{
+    std::vector<float> v(h.size());
+    for (size_t i = 0; i < h.size(); i++)
+        v[i] = kern_bf16_to_f32(h[i]);
+    return v;
+}
+static void *dmalloc(size_t bytes)
+{
+    void *p;
+    CK(cudaMalloc(&p, bytes));
+    return p;
+}
+static void up(void *d, const void *h, size_t bytes)
+{
+    CK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+}
+static void down(void *h, const void *d, size_t bytes)
+{
+    CK(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+}
+
+/* v10 (gemm/swapped.cu), the rows mode with its operands swapped: the
+ * up-projection's SwiGLU h and the down-projection's scattered bf16 rows
+ * over experts of 0 to 700 rows (chunks of up to 256 rows, n padded to 16),
+ * against the CPU (double sums) and bit for bit against v4 over a tile
+ * list of the same rows (the same products summed in the same k order) */
+static int swapped_check(uint64_t seed)
+{
+    if (!kcu_sm90())
+        return 0; /* Hopper only */
+    const int counts[] = {0, 5, 16, 64, 70, 128, 133, 200, 256, 257, 300, 700, 1, 31, 129, 90};
+    const int E = (int)(sizeof(counts) / sizeof(counts[0])), H = 512, F = 256;
+    std::vector<int32_t> offs(E + 1, 0), te, tr;
+    for (int e = 0; e < E; e++) {
+        offs[e + 1] = offs[e] + counts[e];
+        for (int r = 0; r < counts[e]; r += KCU_BM) {
+            te.push_back(e);
+            tr.push_back(offs[e] + r);
+        }
+    }
+    const int S = offs[E], NTL = (int)te.size();
+    const int NSM = 3; /* several items and chunks per CTA: the stage ring across them */
+    uint64_t st = seed ^ 0x5a9b1du;
+    int fails = 0;
+    for (int which = 0; which < 2; which++) { /* 0 up (SWIGLU), 1 down (SCATTER) */
+        const int N = which ? H : 2 * F, K = which ? F : H;
+        const kcu_epi epi = which ? KCU_EPI_SCATTER : KCU_EPI_SWIGLU;
+        std::vector<float> A((size_t)S * K), B((size_t)E * N * K);
+        rng_fill_uniform(seed, lcg(st), -1.f, 1.f, A.data(), A.size());
+        rng_fill_uniform(seed, lcg(st), -0.1f, 0.1f, B.data(), B.size());
+        kern_bf16_round_n(A.data(), A.size());
+        kern_bf16_round_n(B.data(), B.size());
+        std::vector<int32_t> perm(S);
+        for (int r = 0; r < S; r++)
+            perm[r] = r;
+        for (int r = S - 1; r > 0; r--)
+            std::swap(perm[r], perm[(int)(lcg(st) % (uint64_t)(r + 1))]);
+        /* the reference: acc (S, N) in double, then h or the scattered rows */
+        std::vector<double> acc((size_t)S * N);
+        parallel_for(E, [&](int e) {
+            for (int r = offs[e]; r < offs[e + 1]; r++)
+                for (int n = 0; n < N; n++) {
+                    double a = 0;
+                    for (int k = 0; k < K; k++)
+                        a += (double)A[(size_t)r * K + k] * B[((size_t)e * N + n) * K + k];
+                    acc[(size_t)r * N + n] = a;
+                }
+        });
+        const int OW = which ? N : F; /* output row width */
+        std::vector<float> ref((size_t)S * OW);
+        for (int r = 0; r < S; r++)
+            for (int n = 0; n < N; n++) {
+                if (which)
+                    ref[(size_t)perm[r] * N + n] = (float)acc[(size_t)r * N + n];
+                else if (n % 16 < 8)
+                    ref[(size_t)r * F + (n / 16) * 8 + n % 8] =
+                        st_act_fwd(KERN_ACT_SWIGLU, (float)acc[(size_t)r * N + n],
+                                   (float)acc[(size_t)r * N + n + 8]);
+            }
+        const std::vector<uint16_t> Ab = bf_of(A), Bb = bf_of(B);
+        bf16 *dA = (bf16 *)dmalloc(Ab.size() * 2), *dB = (bf16 *)dmalloc(Bb.size() * 2);
+        bf16 *dO = (bf16 *)dmalloc((size_t)S * OW * 2);
+        int32_t *d_offs = (int32_t *)dmalloc((E + 1) * 4), *d_te = (int32_t *)dmalloc(NTL * 4);
+        int32_t *d_tr = (int32_t *)dmalloc(NTL * 4), *d_nt = (int32_t *)dmalloc(4);
+        int32_t *d_perm = (int32_t *)dmalloc((size_t)S * 4);
+        up(dA, Ab.data(), Ab.size() * 2);
+        up(dB, Bb.data(), Bb.size() * 2);
+        up(d_offs, offs.data(), (E + 1) * 4);
+        up(d_te, te.data(), NTL * 4);
+        up(d_tr, tr.data(), NTL * 4);
+        up(d_nt, &NTL, 4);
+        up(d_perm, perm.data(), (size_t)S * 4);
+        std::vector<uint16_t> out[2];
+        int ver[2] = {0, 0};
+        for (int v = 0; v < 2; v++) { /* v10, then v4 over the tile list */
+            kcu_gemm_args a;
+            memset(&a, 0, sizeof(a));
+            a.A = dA;
+            a.lda = K;
+            a.B = dB;
+            a.ldb = K;
+            a.b_gstride = (long long)N * K;
+            a.N = N;
+            a.K = K;
+            a.offs = d_offs;
+            a.tile_e = d_te;
+            a.tile_r0 = d_tr;
+            a.ntiles_m = d_nt;
+            a.max_tiles_m = NTL;
+            a.few_tiles = 1;
+            a.ngroups = E;
+            if (which) {
+                a.Cb = dO;
+                a.ldc = N;
+                a.scatter = d_perm;
+            } else {
+                a.h = dO;
+                a.F = F;
+            }
+            kcu_gemm_select(v ? 4 : -1, v ? 1 : -1, v ? 0 : -1, -1, -1);
+            CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
+            ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
+            CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
+            CK(cudaDeviceSynchronize());
+            out[v].resize((size_t)S * OW);
+            down(out[v].data(), dO, out[v].size() * 2);
+        }
+        kcu_gemm_select(-1, -1, -1, -1, -1);
+        const std::vector<float> got = f_of(out[0]);
+        const double err = relerr(got.data(), ref.data(), ref.size());
+        const int same = out[0] == out[1];
+        const int ok = err < TOL && same && ver[0] == 10 && ver[1] == 4;
+        fails += !ok;
+        printf("gemm v10 %s (%d experts of 0-700 rows, N=%d K=%d): version %d, rel err %.1e, "
+               "%s v%d %s\n",
+               which ? "SCATTER" : "SWIGLU", E, N, K, ver[0], err, same ? "==" : "!=", ver[1],
+               ok ? "PASS" : "FAIL");
+        for (void *p : {(void *)dA, (void *)dB, (void *)dO, (void *)d_offs, (void *)d_te,
+                        (void *)d_tr, (void *)d_nt, (void *)d_perm})
+            CK(cudaFree(p));
+    }
+    return fails;
+}
+
 static int gemm_selftest(uint64_t seed)
 {
     const int NSM = 3;
@@ -1046,30 +1199,6 @@ static int gemm_selftest(uint64_t seed)
         kern_bf16_round_n(v.data(), n);
         return v;
     };
-    auto bf_of = [](const std::vector<float> &v) {
-        std::vector<uint16_t> h(v.size());
-        for (size_t i = 0; i < v.size(); i++)
-            h[i] = kern_f32_to_bf16(v[i]);
-        return h;
-    };
-    auto f_of = [](const std::vector<uint16_t> &h) {
-        std::vector<float> v(h.size());
-        for (size_t i = 0; i < h.size(); i++)
-            v[i] = kern_bf16_to_f32(h[i]);
-        return v;
-    };
-    auto dmalloc = [](size_t bytes) {
-        void *p;
-        CK(cudaMalloc(&p, bytes));
-        return p;
-    };
-    auto up = [](void *d, const void *h, size_t bytes) {
-        CK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
-    };
-    auto down = [](void *h, const void *d, size_t bytes) {
-        CK(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
-    };
-
     /* groups and tile list as the layer builds them */
     const std::vector<int32_t> cnt = {130, 0, 77, 256};
     const int G = (int)cnt.size();
@@ -2395,6 +2524,7 @@ int main(int argc, char **argv)
     int fails = gemm_checks(seed);
     fails += gemm_selftest(seed); /* every GEMM mode on each version, v4 included */
     fails += narrow_check(seed);
+    fails += swapped_check(seed);
     const int gemm_fails = fails;
     if (gemm_only) {
         printf("check-gpu --gemm-only: %d failed -> %s\n", fails, fails ? "FAIL" : "PASS");

@@ -13,6 +13,8 @@
  *   v4 gemm/warp_specialised.cu  v2's tiles, producer warpgroup + 2 consumers
  *   v7 gemm/clustered.cu         v4 on 2-CTA clusters, weight tile multicast
  *   v9 gemm/clustered.cu         the weight gradients on 2-CTA clusters
+ *   v10 gemm/swapped.cu          rows mode, operands swapped: weights as A,
+ *                                an expert's rows as B (n in steps of 16)
  * and gemm/dispatch.cu (host only) picks one per call and builds the maps.
  *
  * Ownership: device helpers and kernels live in an anonymous namespace of
@@ -168,6 +170,10 @@ moe_err launch_v7(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *
                   int nsm, cudaStream_t st); /* gemm/clustered.cu */
 /* v9: ACC weight gradients, A_M / B_N, every operand by TMA (gemm/clustered.cu) */
 moe_err launch_v9(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st);
+/* v10: the rows mode with the operands swapped, SWIGLU (no (a, b)) or
+ * SCATTER (bf16); m.a the rows (K, rows) in boxes of (64, 64), m.b the
+ * weights (K, N, E) in boxes of (64, 128, 1) (gemm/swapped.cu) */
+moe_err launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st);
 
 } // namespace kgemm
 

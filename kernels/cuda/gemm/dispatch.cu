@@ -287,6 +287,53 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
     m->tc = encode_map(&m->c, a->Cf, 3, dim, sb, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32) == 0;
 }
 
+/* v10's maps (gemm/swapped.cu): the rows (K, rows in the allocation) in
+ * boxes of 64 k x 64 rows, the weights (K, N, E) in boxes of 64 k x 128 n;
+ * 1 when both are built */
+int swap_build_maps(const kcu_gemm_args *a, ws_maps *m)
+{
+    memset(m, 0, sizeof(*m));
+    const long long rows = slabs_in_alloc(a->A, (size_t)a->K * 2, (size_t)a->lda * 2);
+    const uint64_t da[2] = {(uint64_t)a->K, (uint64_t)rows}, sa[1] = {(uint64_t)a->lda * 2};
+    const uint32_t boxa[2] = {64, 64};
+    m->ta = rows >= 64 && encode_map(&m->a, a->A, 2, da, sa, boxa) == 0;
+    const size_t slab = ((size_t)(a->N - 1) * a->ldb + a->K) * 2;
+    const long long ne = slabs_in_alloc(a->B, slab, (size_t)a->b_gstride * 2);
+    const uint64_t db[3] = {(uint64_t)a->K, (uint64_t)a->N, (uint64_t)ne},
+                   sb[2] = {(uint64_t)a->ldb * 2, (uint64_t)a->b_gstride * 2};
+    const uint32_t boxb[3] = {64, 128, 1};
+    m->tb = ne >= a->ngroups && encode_map(&m->b, a->B, 3, db, sb, boxb) == 0;
+    return m->ta && m->tb;
+}
+
+} // namespace
+
+int kcu_gemm_swap_override = -1;
+
+namespace
+{
+
+int g_swap = -1; /* KCU_GEMM_SWAP */
+
+/* v10 where it applies (kcu_internal.cuh kcu_gemm_swap_override): rows over
+ * a tile list in pairs of one expert (an inference forward's few rows per
+ * expert), A dense, the weights K-major with a stride per expert, and an
+ * epilogue it has: SWIGLU's h without (a, b), or SCATTER to bf16 rows */
+int swap_applies(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a)
+{
+    if (kcu_gemm_swap_override == 0 ||
+        (kcu_gemm_swap_override < 0 && !kcu_env_flag(&g_swap, "KCU_GEMM_SWAP", 1)))
+        return 0;
+    if (am != KCU_A_K || bm != KCU_B_K || !a->few_tiles || !a->offs || a->ngroups < 1 ||
+        a->a_gather || !a->b_gstride || a->N % 128 || a->K % BK || (uintptr_t)a->A & 15)
+        return 0;
+    if (epi == KCU_EPI_SWIGLU)
+        return !a->ab && a->h && a->N == 2 * a->F && !(a->F & 7) && !((uintptr_t)a->h & 15);
+    if (epi == KCU_EPI_SCATTER)
+        return a->Cb && !(a->ldc & 7) && !((uintptr_t)a->Cb & 15);
+    return 0;
+}
+
 } // namespace
 
 void kcu_gemm_select(int version, int tma, int cluster, int staged, int sched)
@@ -340,6 +387,8 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
     }
     if (mode == 2)
         return 2;
+    if (mode == 0 && swap_applies(am, bm, epi, a) && ws_tma_on())
+        return 10;
     /* v9: weight gradients with A and B dense (by TMA but for partial tiles) */
     if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC && !a->a_gather && !a->b_gather &&
         ws_cluster_w_on() && (a->M / BM) >= 2) {
@@ -401,6 +450,16 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
         if (m.ta && m.tb)
             return kgemm::launch_v9(a, m, nsm, st);
         return kgemm::launch_v4(am, bm, epi, a, m, nsm, st);
+    case 10:
+        if (swap_build_maps(a, &m))
+            return kgemm::launch_v10(epi, a, m, nsm, st);
+        /* no map: v7 (or v4) as without v10 */
+        if (!ws_cluster_on()) {
+            ws_build_maps(am, bm, a, &m, 0);
+            ws_build_epi_maps(epi, a, &m);
+            return kgemm::launch_v4(am, bm, epi, a, m, nsm, st);
+        }
+        [[fallthrough]];
     case 7:
         ws_build_maps(am, bm, a, &m, 1);
         ws_build_epi_maps(epi, a, &m);
