@@ -24,6 +24,7 @@ kcu_gemm_args rows_args(const kcu_ffn *f)
     a.sched = f->t.sched;
     a.few_tiles = f->t.few;
     a.ngroups = f->t.few ? f->E : 0; /* v10 walks the experts of offs */
+    a.avg_rows = f->t.avg_rows;
     a.pdl = f->pdl;
     return a;
 }

@@ -219,6 +219,8 @@ typedef struct kcu_gemm_args {
                           * (k_layout_scan's pairs): v7 walks each pair's n tiles alone */
     int pdl;             /* v4/v7: launch with PDL (small inference batches: measured to
                           * help there, to cost ~1.5% on Mixtral's training rows) */
+    int avg_rows;        /* rows mode: the call's rows per expert on average (host), 0
+                          * unknown (v10's choice, kcu_gemm_swap_override) */
     int *sched;          /* v7: 2 words, zero before the launch and left zero by it: items
                           * dealt to the clusters in order from a counter (gemm/clustered.cu);
                           * NULL (or KCU_WS_SCHED=0): each cluster walks w += clusters.
@@ -255,9 +257,13 @@ extern int kcu_gemm_narrow_override;
 /* kcu_gemm_swap_override: v10, the rows-mode GEMM with its operands swapped
  * (gemm/swapped.cu: the weights as wgmma's A, an expert's rows as its B,
  * padded to 16 rows instead of 64), for checks: -1 the default
- * (KCU_GEMM_SWAP, on unless 0), 0 never. It runs where the tile list is in
- * pairs of one expert (few_tiles, with ngroups the experts of offs), A
- * dense, B_K, and the epilogue is SWIGLU without (a, b) or SCATTER to bf16 */
+ * (KCU_GEMM_SWAP: 1 when unset), 0 never, 1 the up-projection (SWIGLU
+ * without (a, b)), 2 that and the down-projection (SCATTER to bf16). It
+ * runs where the tile list is in pairs of one expert (few_tiles, with
+ * ngroups the experts of offs), A dense, B_K, and the call's rows average
+ * at least 96 an expert (avg_rows; the override 2 ignores it). Measured on
+ * H200 (bench/NOTES.md "v10"): faster for qwen235's up-projection at 128
+ * rows an expert, slower at 64 and for the down-projection */
 extern int kcu_gemm_swap_override;
 /* kcu_stats_mapped_override: the decode path's last kernel writes counts,
  * aux/z and drops into mapped page-locked memory (1), or they are copied

@@ -1165,6 +1165,7 @@ static int swapped_check(uint64_t seed)
                 a.F = F;
             }
             kcu_gemm_select(v ? 4 : -1, v ? 1 : -1, v ? 0 : -1, -1, -1);
+            kcu_gemm_swap_override = v ? -1 : 2; /* both projections, any rows */
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1173,6 +1174,7 @@ static int swapped_check(uint64_t seed)
             down(out[v].data(), dO, out[v].size() * 2);
         }
         kcu_gemm_select(-1, -1, -1, -1, -1);
+        kcu_gemm_swap_override = -1;
         const std::vector<float> got = f_of(out[0]);
         const double err = relerr(got.data(), ref.data(), ref.size());
         const int same = out[0] == out[1];

@@ -313,16 +313,21 @@ int kcu_gemm_swap_override = -1;
 namespace
 {
 
-int g_swap = -1; /* KCU_GEMM_SWAP */
+int g_swap = -1; /* KCU_GEMM_SWAP: 0, 1 (up), 2 (up and down); -1 not read */
 
-/* v10 where it applies (kcu_internal.cuh kcu_gemm_swap_override): rows over
- * a tile list in pairs of one expert (an inference forward's few rows per
- * expert), A dense, the weights K-major with a stride per expert, and an
+/* v10 where it applies (kcu_internal.cuh kcu_gemm_swap_override): the
+ * projections the mode names, rows over a tile list in pairs of one expert
+ * (an inference forward's few rows per expert) averaging 96 or more (mode
+ * 1), A dense, the weights K-major with a stride per expert, and an
  * epilogue it has: SWIGLU's h without (a, b), or SCATTER to bf16 rows */
 int swap_applies(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a)
 {
-    if (kcu_gemm_swap_override == 0 ||
-        (kcu_gemm_swap_override < 0 && !kcu_env_flag(&g_swap, "KCU_GEMM_SWAP", 1)))
+    if (g_swap < 0) {
+        const char *v = getenv("KCU_GEMM_SWAP");
+        g_swap = v && v[0] ? atoi(v) : 1;
+    }
+    const int mode = kcu_gemm_swap_override >= 0 ? kcu_gemm_swap_override : g_swap;
+    if (mode <= 0 || (mode == 1 && epi != KCU_EPI_SWIGLU) || (mode == 1 && a->avg_rows < 96))
         return 0;
     if (am != KCU_A_K || bm != KCU_B_K || !a->few_tiles || !a->offs || a->ngroups < 1 ||
         a->a_gather || !a->b_gstride || a->N % 128 || a->K % BK || (uintptr_t)a->A & 15)
