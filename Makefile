@@ -205,6 +205,7 @@ lint: $(call obj,$(SERVER_SRC))
 	python3 tools/layers.py
 	python3 tools/calls.py
 	python3 tools/calls.py --self-test
+	python3 tools/gen_wgmma_n.py --check
 	@# Criterion 2.4 fails the whole run on any warning, even with every test
 	@# passing: tests log with cr_log_info
 	@! grep -rn --include='*.c' --include='*.h' 'cr_log_warn' tests/ || { echo "lint: cr_log_warn in tests (use cr_log_info)"; exit 1; }
