@@ -1036,21 +1036,30 @@ static moe_ring *ring_get(moe_client *c, struct moe_dp *dp, dp_map *m, int q, si
     return r;
 }
 
-/* shm_get: a free buffer of at least need bytes (busy on return), or NULL. */
-static dp_shm *shm_get(moe_client *c, struct moe_dp *dp, dp_map *m, size_t need)
+/* shm_get: a free buffer of at least need bytes (busy on return), or NULL
+ * with *why: MOE_EUNAVAIL when a worker of m could not be reached to attach
+ * a new one (m then keeps shared memory: a fresh map may reach them all),
+ * else MOE_ENOMEM (shared memory does not work here: m's calls take the
+ * socket from then on, and one that asked for shm by name is refused). */
+static dp_shm *shm_get(moe_client *c, struct moe_dp *dp, dp_map *m, size_t need, moe_err *why)
 {
+    *why = MOE_ENOMEM;
     pthread_mutex_lock(&dp->mu);
-    dp_shm *best = NULL;
-    for (int i = 0; i < m->nbufs; i++)
-        if (!m->bufs[i].busy && m->bufs[i].size >= need && (!best || m->bufs[i].size < best->size))
-            best = &m->bufs[i];
-    if (best || m->nbufs == DP_MAX_SHM || !m->shm) {
+    dp_shm *best = NULL, *empty = NULL;
+    for (int i = 0; i < m->nbufs; i++) {
+        dp_shm *s = &m->bufs[i];
+        if (!s->busy && s->size >= need && (!best || s->size < best->size))
+            best = s;
+        if (!s->busy && s->size == 0 && !empty)
+            empty = s; /* left by an attach a worker missed */
+    }
+    if (best || (!empty && m->nbufs == DP_MAX_SHM) || !m->shm) {
         if (best)
             best->busy = 1;
         pthread_mutex_unlock(&dp->mu);
         return best;
     }
-    dp_shm *b = &m->bufs[m->nbufs++];
+    dp_shm *b = empty ? empty : &m->bufs[m->nbufs++];
     b->busy = 1; /* reserved while it is made */
     pthread_mutex_unlock(&dp->mu);
     size_t size = DP_MIN_SHM;
@@ -1062,6 +1071,12 @@ static dp_shm *shm_get(moe_client *c, struct moe_dp *dp, dp_map *m, size_t need)
     if (e == MOE_OK) {
         *b = made;
         b->busy = 1;
+    } else if (e == MOE_EUNAVAIL) {
+        /* a worker's connection is down (killed, restarting): the slot
+         * free again, shared memory still on for this map's next try */
+        memset(b, 0, sizeof(*b));
+        *why = MOE_EUNAVAIL;
+        b = NULL;
     } else {
         m->shm = 0;  /* shared memory does not work here: the socket path */
         b->busy = 1; /* an empty slot never handed out */
@@ -2244,7 +2259,17 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
                        method, why[0] ? ": " : "", why);
         return MOE_EINVAL;
     }
-    dp_shm *b = nbytes && !zero_copy ? shm_get(c, dp, m, 2 * nbytes) : NULL;
+    moe_err shm_why = MOE_OK;
+    dp_shm *b = nbytes && !zero_copy ? shm_get(c, dp, m, 2 * nbytes, &shm_why) : NULL;
+    if (!b && shm_why == MOE_EUNAVAIL) {
+        /* a worker went away: unavailable, and the caller asks for the
+         * map again (never a silent switch of a path asked for by name) */
+        char why[400];
+        snprintf(why, sizeof(why), "%s", moe_last_error());
+        free(rq);
+        moe__set_error("%s: a worker could not attach the shared-memory buffer: %s", method, why);
+        return MOE_EUNAVAIL;
+    }
     if (!b && !zero_copy && moe__data_path(c) == MOE_PATH_SHM && nbytes) {
         free(rq);
         moe__set_error("%s: no shared-memory buffer could be made (see the workers' logs)", method);

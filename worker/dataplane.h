@@ -133,6 +133,7 @@ typedef struct dp_table {
     int nrings; /* read without mu by dp_rings_active */
     uint64_t next_ring;
     int ring_spin_us; /* a ring's thread spins this long after an answer (read-only) */
+    int fail_attach;  /* tests: data.shm_attach calls still to answer unavailable (under mu) */
     /* clients' NCCL communicators (worker/nccl_client.c, under mu) */
     struct wnc *wncs;
     uint64_t next_wnc;

@@ -129,6 +129,9 @@ static const cfg_entry worker_cfg[] = {
     {"slow-ckpt-ms-for-tests", CFG_INT, "0", 0, 600000, &W.slow_ckpt_ms,
      "testing: worker.checkpoint_save sleeps this long before it writes (a save still at work "
      "when a peer dies)"},
+    {"fail-shm-attach-for-tests", CFG_INT, "0", 0, 1000000, &W.fail_shm_attach,
+     "testing: the first N data.shm_attach calls are answered unavailable (a worker a client "
+     "cannot attach a buffer to, as one just killed)"},
     {"fail-create-below-world", CFG_INT, "0", 0, 256, &W.fail_create_below_world,
      "testing: every worker.model_create fails (resource_exhausted) while the generation has "
      "fewer workers than this, as if the larger share did not fit"},
@@ -605,6 +608,7 @@ int main(int argc, char **argv)
     W.dp.ring_spin_us = (int)W.ring_spin_us;
     W.dp.run_arg = &W;
     W.dp.gpu_register = W.use_gpu;
+    W.dp.fail_attach = (int)W.fail_shm_attach;
     W.dp.gpu_device = W.use_gpu ? (int)W.device_index : -1;
     if (strcmp(W.client_url_cfg, "off") != 0) {
         /* many contexts: a client's rows wait here, each holding one, until

@@ -157,9 +157,10 @@ struct wkr {
     long long mem_report_mb;           /* > 0: report this as host memory available */
     long long fail_create_below_world; /* tests: refuse model creates in smaller worlds */
     long long slow_step_ms;            /* tests: worker.step sleeps this long first */
-    long long slow_create_ms; /* tests: worker.model_create of a new model sleeps this long */
-    long long slow_load_ms;   /* tests: worker.checkpoint_load's prepare sleeps this long */
-    long long slow_ckpt_ms;   /* tests: worker.checkpoint_save sleeps this long first */
+    long long slow_create_ms;  /* tests: worker.model_create of a new model sleeps this long */
+    long long slow_load_ms;    /* tests: worker.checkpoint_load's prepare sleeps this long */
+    long long slow_ckpt_ms;    /* tests: worker.checkpoint_save sleeps this long first */
+    long long fail_shm_attach; /* tests: answer the first N data.shm_attach unavailable */
     char fail_create_for_tests[CFG_STR_MAX]; /* the first worker.model_create of this name
                                               * fails (tests) */
     int fail_create_done;                    /* it did (compute thread) */

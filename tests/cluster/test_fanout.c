@@ -817,6 +817,46 @@ Test(fanout, worker_killed_mid_stream_answers_promptly, .timeout = 240, .fini = 
     cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
 }
 
+/* A worker that cannot attach the client's first shared-memory buffer (here
+ * each worker answers its first data.shm_attach unavailable, as one just
+ * killed does while the coordinator still lists it): the forward is
+ * answered unavailable, the client asks for the map again, and the next
+ * tries are served over shm. Before, the map turned shared memory off for
+ * good and every later forward over the path asked for by name was refused
+ * resource_exhausted (a stream through a worker's restart, under load,
+ * got no forward in 60 s). */
+Test(fanout, shm_buffer_a_worker_missed_is_unavailable_then_served, .timeout = 240,
+     .fini = cluster_fini_all)
+{
+    cluster_opts o = {.workers = 2, .worker_args = {"--fail-shm-attach-for-tests", "1", NULL}};
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster_start: %s", cluster_error());
+    const fcase f = {"m", 16, 16, 4, 2, MOE_F32, 0, 0};
+    create(cl, &f);
+    moe_client *c = open_path(cl, "shm");
+    enum { T = 64 }; /* over DP_FANOUT_ROWS: the ordered road, through a shm buffer */
+    static float x[T * 16], y[T * 16], y0[T * 16];
+    rng_fill_uniform(9, 11, -1, 1, x, T * 16);
+    moe_err e = MOE_EUNAVAIL;
+    int tries = 0, unavail = 0;
+    for (; tries < 10 && e != MOE_OK; tries++) {
+        e = moe_forward(c, "m", 0, MOE_F32, x, T, 16, y, NULL);
+        cr_assert(e == MOE_OK || e == MOE_EUNAVAIL, "try %d: %s: %s", tries + 1, moe_err_code(e),
+                  moe_last_error());
+        unavail += e == MOE_EUNAVAIL;
+    }
+    cr_assert_eq(e, MOE_OK, "no forward over shm in %d tries: %s", tries, moe_last_error());
+    cr_assert_geq(unavail, 1, "the refused attach was not seen");
+    /* the same y as the socket path gives */
+    moe_client *cs = open_path(cl, "socket");
+    cr_assert_eq(moe_forward(cs, "m", 0, MOE_F32, x, T, 16, y0, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert(memcmp(y, y0, sizeof(y)) == 0, "y over shm differs from y over the socket");
+    moe_client_close(cs);
+    moe_client_close(c);
+    cr_assert_eq(cluster_stop(cl), 0, "%s", cluster_error());
+}
+
 /* Right after a re-formation the cluster is ready before every worker holds
  * its models again (the coordinator re-creates them as jobs in order). A
  * fan-out forward runs outside that order: a worker that does not hold the
