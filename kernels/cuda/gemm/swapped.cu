@@ -64,6 +64,23 @@ __device__ __forceinline__ swp_chunks swp_split(int rows)
     return swp_chunks{n, (per + 15) & ~15};
 }
 
+/* the walk every role of a CTA makes, in the same order: its items (w =
+ * CTA, + grid), each expert's rows in chunks; chunk(e, m0, r0, nr) for
+ * each chunk of nr rows from row r0 of expert e, output columns m0 */
+template <class CHUNK>
+__device__ __forceinline__ void swp_walk(const kcu_gemm_args &p, int mt, int total, CHUNK &&chunk)
+{
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        const int e = w / mt, m0 = (w % mt) * 128;
+        const int rb = p.offs[e], rows = p.offs[e + 1] - rb;
+        if (rows <= 0)
+            continue;
+        const swp_chunks c = swp_split(rows);
+        for (int ci = 0; ci < c.n; ci++)
+            chunk(e, m0, rb + ci * c.cs, min(c.cs, rows - ci * c.cs));
+    }
+}
+
 __device__ __forceinline__ void bar_wg(int id)
 {
     asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
@@ -82,16 +99,6 @@ __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r
         "r"(r0), "r"(r1), "r"(r2), "r"(r3)
         : "memory");
 }
-__device__ __forceinline__ uint4 lds_v4(uint32_t addr)
-{
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
-
 /* one chunk's K / 64 stages for consumer warpgroup cw: d[0 .. N/2) = its
  * 64 weight columns x N rows (sequence numbers it..; it moves past them) */
 template <int N>
@@ -148,7 +155,7 @@ __device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const flo
     bf16 *h = p.h + (size_t)r0 * p.F + m0 / 2 + 32 * cw;
     for (int i = tid; i < nr * 4; i += 128) {
         const int row = i >> 2, ch = i & 3;
-        const uint4 v = lds_v4(buf + row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
+        const uint4 v = lds_u128(buf + row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
         *reinterpret_cast<uint4 *>(h + (size_t)row * p.F + ch * 8) = v;
     }
     bar_wg(1 + cw);
@@ -179,7 +186,7 @@ __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const fl
         for (int i = tid; i < rows * 8; i += 128) {
             const int row = i >> 3, ch = i & 7;
             const int r = r0 + 128 * pass + row;
-            const uint4 v = lds_v4(buf + row * 128 + ((ch ^ (row & 7)) << 4));
+            const uint4 v = lds_u128(buf + row * 128 + ((ch ^ (row & 7)) << 4));
             bf16 *dst = p.Cb + (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc + m0 + 64 * cw;
             *reinterpret_cast<uint4 *>(dst + ch * 8) = v;
         }
@@ -259,25 +266,17 @@ __global__ void __launch_bounds__(WS_NT, 1)
         prefetch_tmap(&mp.a);
         prefetch_tmap(&mp.b);
         uint32_t it = 0;
-        for (int w = blockIdx.x; w < total; w += gridDim.x) {
-            const int e = w / mt, m0 = (w % mt) * 128;
-            const int rb = p.offs[e], rows = p.offs[e + 1] - rb;
-            if (rows <= 0)
-                continue;
-            const swp_chunks c = swp_split(rows);
-            for (int ci = 0; ci < c.n; ci++) {
-                const int r0 = rb + ci * c.cs, nr = min(c.cs, rows - ci * c.cs);
-                const int nbox = (((nr + 15) & ~15) + 63) / 64;
-                for (int kt = 0; kt < ktiles; kt++, it++) {
-                    const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
-                    const int k0 = kt * BK;
-                    mbar_arrive_tx(g.fb, WG_A_BYTES + nbox * SWP_BOX_BYTES);
-                    tma_3d(g.sa, &mp.b, k0, m0, e, g.fb);
-                    for (int b = 0; b < nbox; b++)
-                        tma_2d(g.sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, g.fb);
-                }
+        swp_walk(p, mt, total, [&](int e, int m0, int r0, int nr) {
+            const int nbox = (((nr + 15) & ~15) + 63) / 64;
+            for (int kt = 0; kt < ktiles; kt++, it++) {
+                const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
+                const int k0 = kt * BK;
+                mbar_arrive_tx(g.fb, WG_A_BYTES + nbox * SWP_BOX_BYTES);
+                tma_3d(g.sa, &mp.b, k0, m0, e, g.fb);
+                for (int b = 0; b < nbox; b++)
+                    tma_2d(g.sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, g.fb);
             }
-        }
+        });
         return;
     }
 
@@ -286,18 +285,10 @@ __global__ void __launch_bounds__(WS_NT, 1)
     const int cw = wg - 1, wq = warp & 3;
     const uint32_t buf = sbase + SWP_EPI_OFF + cw * SWP_EPI_BYTES;
     uint32_t it = 0;
-    for (int w = blockIdx.x; w < total; w += gridDim.x) {
-        const int e = w / mt, m0 = (w % mt) * 128;
-        const int rb = p.offs[e], rows = p.offs[e + 1] - rb;
-        if (rows <= 0)
-            continue;
-        const swp_chunks c = swp_split(rows);
-        for (int ci = 0; ci < c.n; ci++) {
-            const int r0 = rb + ci * c.cs, nr = min(c.cs, rows - ci * c.cs);
-            swp_chunk_n<EPI>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane,
-                             tid & 127);
-        }
-    }
+    swp_walk(p, mt, total, [&](int, int m0, int r0, int nr) {
+        swp_chunk_n<EPI>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane,
+                         tid & 127);
+    });
 #endif
 }
 
