@@ -2262,8 +2262,11 @@ static moe_err dp_attempt(moe_client *c, struct moe_dp *dp, dp_map *m, const cha
     moe_err shm_why = MOE_OK;
     dp_shm *b = nbytes && !zero_copy ? shm_get(c, dp, m, 2 * nbytes, &shm_why) : NULL;
     if (!b && shm_why == MOE_EUNAVAIL) {
-        /* a worker went away: unavailable, and the caller asks for the
-         * map again (never a silent switch of a path asked for by name) */
+        /* a worker of this map went away: nothing was sent, so the call
+         * may go again on a newer map (moe_dp_call does where the cluster
+         * re-formed since); else unavailable (never a silent switch of a
+         * path asked for by name) */
+        *stale = 1;
         char why[400];
         snprintf(why, sizeof(why), "%s", moe_last_error());
         free(rq);

@@ -25,6 +25,16 @@ static coord_handle *lookup_handle(coord *c, uint64_t id, moe_err *e, char *err,
                  (unsigned long long)id);
         return NULL;
     }
+    /* a re-formation first: a backward of an older generation's handle,
+     * used there or not (libmoe retries a call the lost generation answered
+     * unavailable), can only be expired - its forward's state is gone */
+    if (h->generation != c->generation) {
+        h->state = H_EXPIRED;
+        *e = MOE_EEXPIRED;
+        snprintf(err, len, "handle %llu expired: the cluster re-formed since its forward",
+                 (unsigned long long)id);
+        return NULL;
+    }
     if (h->state == H_USED) {
         *e = MOE_EPRECOND;
         snprintf(err, len, "handle %llu was already used by a backward", (unsigned long long)id);
@@ -39,13 +49,6 @@ static coord_handle *lookup_handle(coord *c, uint64_t id, moe_err *e, char *err,
                  "handle %llu expired (after %lld ms or %lld newer train forwards without "
                  "backward)",
                  (unsigned long long)id, c->handle_ttl_ms, c->max_handles);
-        return NULL;
-    }
-    if (h->generation != c->generation) {
-        h->state = H_EXPIRED;
-        *e = MOE_EEXPIRED;
-        snprintf(err, len, "handle %llu expired: the cluster re-formed since its forward",
-                 (unsigned long long)id);
         return NULL;
     }
     return h;

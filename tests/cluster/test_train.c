@@ -695,6 +695,50 @@ Test(train, auto_checkpoint_restores_after_worker_loss, .timeout = 120, .fini = 
     free(ya), free(yb);
 }
 
+/* A backward of a handle from before a re-formation is expired, whether it
+ * was used there or not: libmoe sends a call again on the new generation
+ * when the lost one answered it unavailable, and a backward the lost
+ * generation had taken must not come back failed_precondition ("already
+ * used": the kill test's allowed codes are unavailable and expired). */
+Test(train, handle_of_an_older_generation_is_expired_used_or_not, .timeout = 120,
+     .fini = cluster_fini_all)
+{
+    tshape s = {12, 16, 24, 4, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.01, 0.0};
+    size_t n = (size_t)s.T * s.H;
+    char msg[600];
+    cluster_opts o = {0};
+    o.workers = 2;
+    cluster *cl = cluster_start(&o);
+    cr_assert(cl, "cluster: %s", cluster_error());
+    create_model(cl, "d", &s, 1, 3);
+    float *x = malloc(n * 4), *y = malloc(n * 4);
+    rng_fill_uniform(3, 3, -1, 1, x, n);
+    moe_fwd_info used, unused;
+    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &used), MOE_OK);
+    cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &unused), MOE_OK);
+    cr_assert_eq(call_backward_raw(cl, used.handle, s.T, s.H, msg, sizeof(msg)), MOE_OK, "%s", msg);
+    cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
+    cluster_state st = {0};
+    int64_t t0 = cluster_now_ms();
+    do {
+        usleep(100 * 1000);
+        cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
+    } while (st.ready && cluster_now_ms() - t0 < 60000);
+    cr_assert(!st.ready, "the worker's loss was not noticed");
+    cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
+    cr_assert_eq(cluster_wait_ready(cl, 60000), 0, "cluster did not re-form");
+    const uint64_t hs[2] = {used.handle, unused.handle};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(call_backward_raw(cl, hs[i], s.T, s.H, msg, sizeof(msg)), MOE_EEXPIRED,
+                     "the %s handle: %s", i ? "unused" : "used", msg);
+        cr_assert(strstr(msg, "re-formed"), "%s", msg);
+    }
+    moe_fwd_info_free(&used);
+    moe_fwd_info_free(&unused);
+    cr_assert_eq(cluster_stop(cl), 0);
+    free(x), free(y);
+}
+
 /* With --checkpoint-dir a coordinator that is killed and started again
  * knows its models (model.json) and the cluster restores their newest
  * checkpoint when it forms: no model.create, no load, same outputs. */
