@@ -638,6 +638,19 @@ Test(train, bad_input_clear_errors_state_unchanged, .timeout = 90, .fini = clust
  * step is durable: a worker SIGKILLed and restarted rejoins, the cluster
  * re-forms and restores the newest checkpoint, and the outputs are those of
  * the weights after the last step, bit for bit. A SIGTERM drain saves too. */
+/* waits (up to limit_ms) until the coordinator reports the cluster not
+ * ready: a killed worker's loss noticed */
+static void wait_loss_noticed(cluster *cl, int64_t limit_ms)
+{
+    cluster_state st = {0};
+    int64_t t0 = cluster_now_ms();
+    do {
+        usleep(100 * 1000);
+        cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
+    } while (st.ready && cluster_now_ms() - t0 < limit_ms);
+    cr_assert(!st.ready, "the worker's loss was not noticed");
+}
+
 Test(train, auto_checkpoint_restores_after_worker_loss, .timeout = 120, .fini = cluster_fini_all)
 {
     tshape s = {20, 16, 24, 4, 2, KERN_ACT_SWIGLU, 1, 2, 0, 0.01, 0.0};
@@ -658,13 +671,7 @@ Test(train, auto_checkpoint_restores_after_worker_loss, .timeout = 120, .fini = 
     forward_probe(cl, &s, 0, ya);
     cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
     /* the coordinator notices the missing heartbeats */
-    cluster_state st = {0};
-    int64_t t0 = cluster_now_ms();
-    do {
-        usleep(100 * 1000);
-        cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
-    } while (st.ready && cluster_now_ms() - t0 < 15000);
-    cr_assert(!st.ready, "the worker's loss was not noticed");
+    wait_loss_noticed(cl, 15000);
     cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
     cr_assert_eq(cluster_wait_ready(cl, 20000), 0, "cluster did not re-form");
     /* the restore runs right after the re-formation, ahead of this forward */
@@ -718,13 +725,7 @@ Test(train, handle_of_an_older_generation_is_expired_used_or_not, .timeout = 120
     cr_assert_eq(moe_forward_train(cl->cli, "d", 0, MOE_F32, x, s.T, s.H, y, &unused), MOE_OK);
     cr_assert_eq(call_backward_raw(cl, used.handle, s.T, s.H, msg, sizeof(msg)), MOE_OK, "%s", msg);
     cr_assert_eq(cluster_worker_kill(cl, 1, SIGKILL), 0, "%s", cluster_error());
-    cluster_state st = {0};
-    int64_t t0 = cluster_now_ms();
-    do {
-        usleep(100 * 1000);
-        cr_assert_eq(cluster_get_state(cl, &st), MOE_OK);
-    } while (st.ready && cluster_now_ms() - t0 < 60000);
-    cr_assert(!st.ready, "the worker's loss was not noticed");
+    wait_loss_noticed(cl, 60000);
     cr_assert_eq(cluster_worker_start(cl, 1), 0, "%s", cluster_error());
     cr_assert_eq(cluster_wait_ready(cl, 60000), 0, "cluster did not re-form");
     const uint64_t hs[2] = {used.handle, unused.handle};
