@@ -945,15 +945,12 @@ static void on_attach(dp_table *t, rpc_call *c)
     }
     uint32_t pipe = rpc_call_pipe(c);
     pthread_mutex_lock(&t->mu);
-    const int fail = t->fail_attach > 0;
-    if (fail)
+    if (t->fail_attach > 0) {
         t->fail_attach--;
-    pthread_mutex_unlock(&t->mu);
-    if (fail) {
+        pthread_mutex_unlock(&t->mu);
         rpc_reply_err(c, MOE_EUNAVAIL, "testing: --fail-shm-attach-for-tests");
         return;
     }
-    pthread_mutex_lock(&t->mu);
     int mine = regions_on_pipe(t, pipe);
     int over =
         mine >= DP_MAX_REGIONS_PER_PIPE || t->mapped_bytes + (size_t)size > t->max_mapped_bytes;

@@ -357,7 +357,13 @@ int kcu_v7_gather_on()
     return kcu_env_flag(&on, "KCU_V7_GATHER", 0);
 }
 
-int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
+namespace
+{
+
+/* kcu_gemm_version, with v10 considered or not (kcu_gemm's fallback where
+ * v10's maps cannot be built) */
+int gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm,
+                 int swap_ok)
 {
     /* KCU_GEMM=mma forces the mma.sync version (v1), KCU_GEMM=wgmma the v2
      * wgmma kernel and KCU_GEMM=ws the v4 warp-specialised one wherever their
@@ -392,7 +398,7 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
     }
     if (mode == 2)
         return 2;
-    if (mode == 0 && swap_applies(am, bm, epi, a) && ws_tma_on())
+    if (mode == 0 && swap_ok && swap_applies(am, bm, epi, a) && ws_tma_on())
         return 10;
     /* v9: weight gradients with A and B dense (by TMA but for partial tiles) */
     if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC && !a->a_gather && !a->b_gather &&
@@ -408,6 +414,13 @@ int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_arg
             return 7;
     }
     return 4;
+}
+
+} // namespace
+
+int kcu_gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
+{
+    return gemm_version(am, bm, epi, a, nsm, 1);
 }
 
 int kcu_gemm_narrow_override = -1;
@@ -448,23 +461,19 @@ moe_err kcu_gemm(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
     }
     ws_maps m;
     memset(&m, 0, sizeof(m));
-    switch (kcu_gemm_version(am, bm, epi, a, nsm)) {
+    int v = kcu_gemm_version(am, bm, epi, a, nsm);
+    if (v == 10) {
+        if (swap_build_maps(a, &m))
+            return kgemm::launch_v10(epi, a, m, nsm, st);
+        v = gemm_version(am, bm, epi, a, nsm, 0); /* no map: as without v10 */
+    }
+    switch (v) {
     case 9:
         ws_build_maps(am, bm, a, &m, 0);
         ws_build_epi_maps(epi, a, &m);
         if (m.ta && m.tb)
             return kgemm::launch_v9(a, m, nsm, st);
         return kgemm::launch_v4(am, bm, epi, a, m, nsm, st);
-    case 10:
-        if (swap_build_maps(a, &m))
-            return kgemm::launch_v10(epi, a, m, nsm, st);
-        /* no map: v7 (or v4) as without v10 */
-        if (!ws_cluster_on()) {
-            ws_build_maps(am, bm, a, &m, 0);
-            ws_build_epi_maps(epi, a, &m);
-            return kgemm::launch_v4(am, bm, epi, a, m, nsm, st);
-        }
-        [[fallthrough]];
     case 7:
         ws_build_maps(am, bm, a, &m, 1);
         ws_build_epi_maps(epi, a, &m);
