@@ -257,14 +257,20 @@ extern int kcu_gemm_narrow_override;
 /* kcu_gemm_swap_override: v10, the rows-mode GEMM with its operands swapped
  * (gemm/swapped.cu: the weights as wgmma's A, an expert's rows as its B,
  * padded to 16 rows instead of 64), for checks: -1 the default
- * (KCU_GEMM_SWAP: 1 when unset), 0 never, 1 the up-projection (SWIGLU
- * without (a, b)), 2 that and the down-projection (SCATTER to bf16). It
- * runs where the tile list is in pairs of one expert (few_tiles, with
- * ngroups the experts of offs), A dense, B_K, and the call's rows average
- * at least 96 an expert (avg_rows; the override 2 ignores it). Measured on
- * H200 (bench/NOTES.md "v10"): faster for qwen235's up-projection at 128
- * rows an expert, slower at 64 and for the down-projection */
+ * (KCU_GEMM_SWAP: 1 when unset), 0 never, 1 both projections where the
+ * rows average 96 to 176 an expert (the down-projection where its items
+ * can be wide: N a multiple of 256), 2 both at any average, 3 the
+ * up-projection at any average. It runs where the tile list is in pairs of
+ * one expert (few_tiles, with ngroups the experts of offs), A dense, B_K.
+ * Measured on H200 (bench/NOTES.md "v10 wide"): qwen235 T=2048 1.68 ms
+ * against 1.85 on v7; slower than v7 at 64 and 256 rows an expert */
 extern int kcu_gemm_swap_override;
+/* kcu_gemm_swap_wide_override: v10's items of 256 output columns (two m64
+ * accumulators a consumer warpgroup, chunks of 192 rows) instead of 128,
+ * for checks: -1 the default (KCU_GEMM_SWAP_WIDE, on unless 0: where N is a
+ * multiple of 256 and the rows average at most 176 an expert), 0 never, 1
+ * wherever N allows */
+extern int kcu_gemm_swap_wide_override;
 /* kcu_stats_mapped_override: the decode path's last kernel writes counts,
  * aux/z and drops into mapped page-locked memory (1), or they are copied
  * out by kcu_forward_stats (0); -1 = KCU_STATS_MAPPED (checks set it) */

@@ -1137,9 +1137,9 @@ static int swapped_check(uint64_t seed)
         up(d_tr, tr.data(), NTL * 4);
         up(d_nt, &NTL, 4);
         up(d_perm, perm.data(), (size_t)S * 4);
-        std::vector<uint16_t> out[2];
-        int ver[2] = {0, 0};
-        for (int v = 0; v < 2; v++) { /* v10, then v4 over the tile list */
+        std::vector<uint16_t> out[3];
+        int ver[3] = {0, 0, 0};
+        for (int v = 0; v < 3; v++) { /* v10 in narrow and wide items, then v4 */
             kcu_gemm_args a;
             memset(&a, 0, sizeof(a));
             a.A = dA;
@@ -1164,8 +1164,10 @@ static int swapped_check(uint64_t seed)
                 a.h = dO;
                 a.F = F;
             }
-            kcu_gemm_select(v ? 4 : -1, v ? 1 : -1, v ? 0 : -1, -1, -1);
-            kcu_gemm_swap_override = v ? -1 : 2; /* both projections, any rows */
+            const int v4 = v == 2;
+            kcu_gemm_select(v4 ? 4 : -1, v4 ? 1 : -1, v4 ? 0 : -1, -1, -1);
+            kcu_gemm_swap_override = v4 ? -1 : 2; /* both projections, any rows */
+            kcu_gemm_swap_wide_override = v4 ? -1 : v;
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1175,15 +1177,18 @@ static int swapped_check(uint64_t seed)
         }
         kcu_gemm_select(-1, -1, -1, -1, -1);
         kcu_gemm_swap_override = -1;
-        const std::vector<float> got = f_of(out[0]);
-        const double err = relerr(got.data(), ref.data(), ref.size());
-        const int same = out[0] == out[1];
-        const int ok = err < TOL && same && ver[0] == 10 && ver[1] == 4;
-        fails += !ok;
-        printf("gemm v10 %s (%d experts of 0-700 rows, N=%d K=%d): version %d, rel err %.1e, "
-               "%s v%d %s\n",
-               which ? "SCATTER" : "SWIGLU", E, N, K, ver[0], err, same ? "==" : "!=", ver[1],
-               ok ? "PASS" : "FAIL");
+        kcu_gemm_swap_wide_override = -1;
+        for (int v = 0; v < 2; v++) {
+            const std::vector<float> got = f_of(out[v]);
+            const double err = relerr(got.data(), ref.data(), ref.size());
+            const int same = out[v] == out[2];
+            const int ok = err < TOL && same && ver[v] == 10 && ver[2] == 4;
+            fails += !ok;
+            printf("gemm v10 %s %s (%d experts of 0-700 rows, N=%d K=%d): version %d, rel err "
+                   "%.1e, %s v%d %s\n",
+                   v ? "wide" : "narrow", which ? "SCATTER" : "SWIGLU", E, N, K, ver[v], err,
+                   same ? "==" : "!=", ver[2], ok ? "PASS" : "FAIL");
+        }
         for (void *p : {(void *)dA, (void *)dB, (void *)dO, (void *)d_offs, (void *)d_te,
                         (void *)d_tr, (void *)d_nt, (void *)d_perm})
             CK(cudaFree(p));

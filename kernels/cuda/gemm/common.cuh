@@ -174,6 +174,9 @@ moe_err launch_v9(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_
  * SCATTER (bf16); m.a the rows (K, rows) in boxes of (64, 64), m.b the
  * weights (K, N, E) in boxes of (64, 128, 1) (gemm/swapped.cu) */
 moe_err launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st);
+/* v10's items of 256 output columns where the rows average at most this an
+ * expert (chunks of 192 rows: more would stream an expert's weights twice) */
+constexpr int V10_WIDE_MAX_AVG = 176;
 
 } // namespace kgemm
 

@@ -34,6 +34,16 @@
  *     two passes of 128 rows.
  * Each output is the same sum of the same products, k ascending in steps
  * of 16, as v4 / v7 compute it with the operands in their places.
+ *
+ * Wide items (swp_cfg<1>, the default where N is a multiple of 256 and the
+ * rows average at most kgemm::V10_WIDE_MAX_AVG an expert): 256 output columns an item,
+ * each consumer warpgroup two m64 accumulators over the same rows, chunks
+ * of at most 192 rows, 3 stages of 56 KB (the weight tile in two boxes of
+ * 128 columns, then the rows). Why: ncu of the narrow items at qwen235
+ * T=2048 (H200) put L2 at 94% of its peak and DRAM at 78%: the rows, re-read
+ * by each of their expert's N / 128 items, are as many L2 bytes as the
+ * weights. Wide items read them half as often and carry twice the math a
+ * stage. Same sums in the same order: bits == narrow == v4.
  */
 #include "kernels/cuda/gemm/common.cuh"
 #include "kernels/cuda/gemm/tile.cuh"
@@ -44,38 +54,53 @@
 namespace
 {
 
-constexpr int SWP_ROWS = 256;              /* rows of a chunk at most (wgmma's n) */
 constexpr int SWP_BOX_BYTES = 64 * 64 * 2; /* one TMA box of the rows: 64 rows x 64 k */
 constexpr int SWP_EPI_BYTES = 16 * 1024;   /* per consumer warpgroup */
-constexpr int SWP_EPI_OFF = WS_BAR_OFF + 1024;
-constexpr int SWP_SMEM_BYTES = SWP_EPI_OFF + 2 * SWP_EPI_BYTES + 1024;
-static_assert(SWP_SMEM_BYTES <= 227 * 1024, "v10's stages do not fit in shared memory");
-static_assert(SWP_ROWS * 64 * 2 <= WG_B_BYTES, "a chunk's rows exceed the stage's B part");
+
+/* the two item shapes: narrow (W 0: 128 output columns, v4's 48 KB stage,
+ * chunks of 256 rows) and wide (W 1: 256 columns, two m64 accumulators a
+ * consumer warpgroup, chunks of 192 rows, 56 KB stages) */
+template <int W> struct swp_cfg {
+    static constexpr int ROWS = W ? 192 : 256;    /* rows of a chunk at most (wgmma's n) */
+    static constexpr int COLS = W ? 256 : 128;    /* output columns of an item */
+    static constexpr int TILES = COLS / 128;      /* m64 tiles a consumer warpgroup */
+    static constexpr int A_BYTES = COLS * 64 * 2; /* the weight tile: COLS x 64 k */
+    static constexpr int STAGE = A_BYTES + ROWS * 64 * 2;
+    static constexpr int STAGES = W ? 3 : WS_STAGES;
+    static constexpr int BAR_OFF = STAGES * STAGE;
+    static constexpr int EPI_OFF = BAR_OFF + 1024;
+    static constexpr int SMEM = EPI_OFF + 2 * SWP_EPI_BYTES + 1024;
+    static_assert(SMEM <= 227 * 1024, "v10's stages do not fit in shared memory");
+    static_assert(STAGE % 1024 == 0, "a stage must keep its boxes 1024-byte aligned");
+};
+static_assert(swp_cfg<0>::STAGE == WG_STAGE_BYTES && swp_cfg<0>::BAR_OFF == WS_BAR_OFF,
+              "narrow items keep v4's stage layout");
 
 /* the chunks of one expert's rows [rb, re): n chunks of cs rows (the last
- * one shorter), cs a multiple of 16 and at most SWP_ROWS */
+ * one shorter), cs a multiple of 16 and at most CAP */
 struct swp_chunks {
     int n, cs;
 };
-__device__ __forceinline__ swp_chunks swp_split(int rows)
+template <int CAP> __device__ __forceinline__ swp_chunks swp_split(int rows)
 {
-    const int n = (rows + SWP_ROWS - 1) / SWP_ROWS;
+    const int n = (rows + CAP - 1) / CAP;
     const int per = (rows + n - 1) / n;
     return swp_chunks{n, (per + 15) & ~15};
 }
 
 /* the walk every role of a CTA makes, in the same order: its items (w =
- * CTA, + grid), each expert's rows in chunks; chunk(e, m0, r0, nr) for
- * each chunk of nr rows from row r0 of expert e, output columns m0 */
-template <class CHUNK>
+ * CTA, + grid; mt items an expert), each expert's rows in chunks;
+ * chunk(e, m0, r0, nr) for each chunk of nr rows from row r0 of expert e,
+ * output columns m0 .. m0 + C::COLS */
+template <class C, class CHUNK>
 __device__ __forceinline__ void swp_walk(const kcu_gemm_args &p, int mt, int total, CHUNK &&chunk)
 {
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
-        const int e = w / mt, m0 = (w % mt) * 128;
+        const int e = w / mt, m0 = (w % mt) * C::COLS;
         const int rb = p.offs[e], rows = p.offs[e + 1] - rb;
         if (rows <= 0)
             continue;
-        const swp_chunks c = swp_split(rows);
+        const swp_chunks c = swp_split<C::ROWS>(rows);
         for (int ci = 0; ci < c.n; ci++)
             chunk(e, m0, rb + ci * c.cs, min(c.cs, rows - ci * c.cs));
     }
@@ -99,45 +124,63 @@ __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r
         "r"(r0), "r"(r1), "r"(r2), "r"(r3)
         : "memory");
 }
-/* one chunk's K / 64 stages for consumer warpgroup cw: d[0 .. N/2) = its
- * 64 weight columns x N rows (sequence numbers it..; it moves past them) */
-template <int N>
-__device__ __forceinline__ void swp_k_loop(float (&d)[128], uint32_t full0, uint32_t empty0,
-                                           uint32_t sbase, uint32_t &it, int ktiles, int cw,
-                                           int lane)
+/* keep the compiler from moving reads of d[0 .. N/2) above a wgmma wait
+ * (wg_pin of the first N/2: the rest never becomes live) */
+template <int N> __device__ __forceinline__ void swp_pin(float (&d)[128])
 {
 #pragma unroll
     for (int i = 0; i < N / 2; i++)
-        d[i] = 0.f;
-    wg_pin(d);
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* one chunk's K / 64 stages for consumer warpgroup cw: d[t][0 .. N/2) = its
+ * m64 tile t (output columns C::COLS / 2 x cw + 64 t ..) x N rows
+ * (sequence numbers it..; it moves past them) */
+template <class C, int N>
+__device__ __forceinline__ void swp_k_loop(float (&d)[C::TILES][128], uint32_t full0,
+                                           uint32_t empty0, uint32_t sbase, uint32_t &it,
+                                           int ktiles, int cw, int lane)
+{
+#pragma unroll
+    for (int t = 0; t < C::TILES; t++) {
+#pragma unroll
+        for (int i = 0; i < N / 2; i++)
+            d[t][i] = 0.f;
+        swp_pin<N>(d[t]);
+    }
     for (int kt = 0; kt < ktiles; kt++, it++) {
-        const int s = it % WS_STAGES;
-        mbar_wait(full0 + 8 * s, (it / WS_STAGES) & 1);
-        const uint32_t st = sbase + s * WG_STAGE_BYTES;
+        const int s = it % C::STAGES;
+        mbar_wait(full0 + 8 * s, (it / C::STAGES) & 1);
+        const uint32_t st = sbase + s * C::STAGE;
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++)
-            wg_mma_n<N>(d, wg_desc_k(st + cw * (64 * 128) + kk * 32),
-                        wg_desc_k(st + WG_A_BYTES + kk * 32));
+#pragma unroll
+            for (int t = 0; t < C::TILES; t++)
+                wg_mma_n<N>(d[t], wg_desc_k(st + (C::TILES * cw + t) * (64 * 128) + kk * 32),
+                            wg_desc_k(st + C::A_BYTES + kk * 32));
         wg_commit();
         wg_wait<1>();
         if (kt > 0 && lane == 0)
-            mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
+            mbar_arrive(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES));
     }
     wg_wait<0>();
-    wg_pin(d);
+#pragma unroll
+    for (int t = 0; t < C::TILES; t++)
+        swp_pin<N>(d[t]);
     if (ktiles > 0 && lane == 0)
-        mbar_arrive(empty0 + 8 * ((it + WS_STAGES - 1) % WS_STAGES));
+        mbar_arrive(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES));
 }
 
-/* SWIGLU: warp wq's fragment rows 16 wq + g (gate) and + 8 (up) are h column
- * 32 cw + 8 wq + g of the item; rows (tokens) 8 j + 2 q4 (+1). Staged as
- * [row][32 columns] (64 bytes a row, its four 16-byte pieces swizzled by
- * row / 2), then nr rows x 64 bytes to h */
+/* SWIGLU, one m64 tile of output columns col .. col + 64: warp wq's
+ * fragment rows 16 wq + g (gate) and + 8 (up) are h column col / 2 + 8 wq +
+ * g; rows (tokens) 8 j + 2 q4 (+1). Staged as [row][32 columns] (64 bytes a
+ * row, its four 16-byte pieces swizzled by row / 2), then nr rows x 64
+ * bytes to h; bar: the warpgroup's named barrier */
 template <int N>
 __device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const float (&d)[128],
-                                               uint32_t buf, int r0, int nr, int m0, int cw, int wq,
-                                               int lane, int tid)
+                                               uint32_t buf, int r0, int nr, int col, int bar,
+                                               int wq, int lane, int tid)
 {
     const int t8 = lane & 7, mi = (lane >> 3) & 1;
 #pragma unroll
@@ -151,23 +194,24 @@ __device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const flo
         const int row = 8 * (j + mi) + t8;
         stsm_x2_t(buf + row * 64 + ((wq ^ ((row >> 1) & 3)) << 4), v[0], v[1]);
     }
-    bar_wg(1 + cw);
-    bf16 *h = p.h + (size_t)r0 * p.F + m0 / 2 + 32 * cw;
+    bar_wg(bar);
+    bf16 *h = p.h + (size_t)r0 * p.F + col / 2;
     for (int i = tid; i < nr * 4; i += 128) {
         const int row = i >> 2, ch = i & 3;
         const uint4 v = lds_u128(buf + row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
         *reinterpret_cast<uint4 *>(h + (size_t)row * p.F + ch * 8) = v;
     }
-    bar_wg(1 + cw);
+    bar_wg(bar);
 }
 
-/* SCATTER: warp wq's fragment rows 16 wq + g + 8 hr are output column
- * 64 cw + 16 wq + 8 hr + g of the item. Rows in passes of 128: staged as
- * [row][64 columns] (128 bytes a row, its eight 16-byte pieces swizzled
- * by row), then each row's 128 bytes to out[scatter[r]] */
+/* SCATTER, one m64 tile of output columns col .. col + 64: warp wq's
+ * fragment rows 16 wq + g + 8 hr are output column col + 16 wq + 8 hr + g.
+ * Rows in passes of 128: staged as [row][64 columns] (128 bytes a row, its
+ * eight 16-byte pieces swizzled by row), then each row's 128 bytes to
+ * out[scatter[r]]; bar: the warpgroup's named barrier */
 template <int N>
 __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const float (&d)[128],
-                                                uint32_t buf, int r0, int nr, int m0, int cw,
+                                                uint32_t buf, int r0, int nr, int col, int bar,
                                                 int wq, int lane, int tid)
 {
     const int t8 = lane & 7, hr = (lane >> 3) & 1, mj = lane >> 4;
@@ -181,43 +225,48 @@ __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const fl
                       pack_bf2(d[b0], d[b0 + 1]), pack_bf2(d[b0 + 2], d[b0 + 3]),
                       pack_bf2(d[b1], d[b1 + 1]), pack_bf2(d[b1 + 2], d[b1 + 3]));
         }
-        bar_wg(1 + cw);
+        bar_wg(bar);
         const int rows = min(128, nr - 128 * pass);
         for (int i = tid; i < rows * 8; i += 128) {
             const int row = i >> 3, ch = i & 7;
             const int r = r0 + 128 * pass + row;
             const uint4 v = lds_u128(buf + row * 128 + ((ch ^ (row & 7)) << 4));
-            bf16 *dst = p.Cb + (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc + m0 + 64 * cw;
+            bf16 *dst = p.Cb + (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc + col;
             *reinterpret_cast<uint4 *>(dst + ch * 8) = v;
         }
-        bar_wg(1 + cw);
+        bar_wg(bar);
     }
 }
 
-/* one chunk for consumer warpgroup cw: the k loop and the epilogue at the
- * chunk's n extent N (16 ... 256) */
-template <int EPI, int N>
+/* one chunk for consumer warpgroup cw: the k loop and the epilogue of each
+ * of its m64 tiles at the chunk's n extent N (16 ... C::ROWS) */
+template <class C, int EPI, int N>
 __device__ __forceinline__ void swp_chunk(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0,
                                           uint32_t sbase, uint32_t &it, int ktiles, uint32_t buf,
                                           int r0, int nr, int m0, int cw, int wq, int lane, int tid)
 {
-    float d[128];
-    swp_k_loop<N>(d, full0, empty0, sbase, it, ktiles, cw, lane);
-    if (EPI == KCU_EPI_SWIGLU)
-        swp_epi_swiglu<N>(p, d, buf, r0, nr, m0, cw, wq, lane, tid);
-    else
-        swp_epi_scatter<N>(p, d, buf, r0, nr, m0, cw, wq, lane, tid);
+    float d[C::TILES][128];
+    swp_k_loop<C, N>(d, full0, empty0, sbase, it, ktiles, cw, lane);
+#pragma unroll
+    for (int t = 0; t < C::TILES; t++) {
+        const int col = m0 + (C::TILES * cw + t) * 64;
+        if (EPI == KCU_EPI_SWIGLU)
+            swp_epi_swiglu<N>(p, d[t], buf, r0, nr, col, 1 + cw, wq, lane, tid);
+        else
+            swp_epi_scatter<N>(p, d[t], buf, r0, nr, col, 1 + cw, wq, lane, tid);
+    }
 }
 
-template <int EPI>
+template <class C, int EPI>
 __device__ __forceinline__ void
 swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sbase, uint32_t &it,
             int ktiles, uint32_t buf, int r0, int nr, int m0, int cw, int wq, int lane, int tid)
 {
 #define SWP_CASE(n16)                                                                              \
     case n16:                                                                                      \
-        swp_chunk<EPI, 16 * (n16)>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq,   \
-                                   lane, tid);                                                     \
+        if (16 * (n16) <= C::ROWS)                                                                 \
+            swp_chunk<C, EPI, 16 * (n16) <= C::ROWS ? 16 * (n16) : 16>(                            \
+                p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane, tid);          \
         break;
     switch ((nr + 15) >> 4) {
         SWP_CASE(1)
@@ -241,22 +290,26 @@ swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sb
 #undef SWP_CASE
 }
 
-template <int EPI>
+template <int EPI, int W>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_swap(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
 #if KCU_SM90 /* Hopper only: never launched from the portable image */
-    const uint32_t sbase = smem_base_1k(), full0 = sbase + WS_BAR_OFF,
-                   empty0 = full0 + WS_STAGES * 8;
+    using C = swp_cfg<W>;
+    const uint32_t sbase = smem_base_1k(), full0 = sbase + C::BAR_OFF,
+                   empty0 = full0 + C::STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     if (tid == 0) {
-        ws_stage_bars_init(full0, empty0, 1, 8);
+        for (int s = 0; s < C::STAGES; s++) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, 8);
+        }
         ws_bars_fence();
     }
     __syncthreads();
     kcu_pdl_wait();
     kcu_pdl_trigger();
-    const int mt = p.N / 128, total = p.ngroups * mt, ktiles = p.K / BK;
+    const int mt = p.N / C::COLS, total = p.ngroups * mt, ktiles = p.K / BK;
 
     if (wg == 0) {
         /* ---------------- producer: thread 0 ---------------- */
@@ -266,15 +319,18 @@ __global__ void __launch_bounds__(WS_NT, 1)
         prefetch_tmap(&mp.a);
         prefetch_tmap(&mp.b);
         uint32_t it = 0;
-        swp_walk(p, mt, total, [&](int e, int m0, int r0, int nr) {
+        swp_walk<C>(p, mt, total, [&](int e, int m0, int r0, int nr) {
             const int nbox = (((nr + 15) & ~15) + 63) / 64;
             for (int kt = 0; kt < ktiles; kt++, it++) {
-                const ws_slot g = ws_slot_take(full0, empty0, sbase, it);
+                const int s = it % C::STAGES;
+                const uint32_t fb = full0 + 8 * s, sa = sbase + s * C::STAGE, sb = sa + C::A_BYTES;
+                mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
                 const int k0 = kt * BK;
-                mbar_arrive_tx(g.fb, WG_A_BYTES + nbox * SWP_BOX_BYTES);
-                tma_3d(g.sa, &mp.b, k0, m0, e, g.fb);
+                mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES);
+                for (int b = 0; b < C::COLS / 128; b++)
+                    tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
                 for (int b = 0; b < nbox; b++)
-                    tma_2d(g.sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, g.fb);
+                    tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
             }
         });
         return;
@@ -283,38 +339,64 @@ __global__ void __launch_bounds__(WS_NT, 1)
     /* ---------------- consumers ---------------- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
     const int cw = wg - 1, wq = warp & 3;
-    const uint32_t buf = sbase + SWP_EPI_OFF + cw * SWP_EPI_BYTES;
+    const uint32_t buf = sbase + C::EPI_OFF + cw * SWP_EPI_BYTES;
     uint32_t it = 0;
-    swp_walk(p, mt, total, [&](int, int m0, int r0, int nr) {
-        swp_chunk_n<EPI>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane,
-                         tid & 127);
+    swp_walk<C>(p, mt, total, [&](int, int m0, int r0, int nr) {
+        swp_chunk_n<C, EPI>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane,
+                            tid & 127);
     });
 #endif
 }
 
-template <int EPI>
+template <int EPI, int W>
 moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
 {
+    using C = swp_cfg<W>;
     static unsigned long long attr_done;
-    KCU_TRY(smem_limit_once(attr_done, k_gemm_swap<EPI>, SWP_SMEM_BYTES));
-    const long long total = (long long)a->ngroups * (a->N / 128);
+    KCU_TRY(smem_limit_once(attr_done, k_gemm_swap<EPI, W>, C::SMEM));
+    const long long total = (long long)a->ngroups * (a->N / C::COLS);
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
-    KCU_CHECK(kcu_launch(k_gemm_swap<EPI>, dim3(grid), dim3(WS_NT), SWP_SMEM_BYTES, st, a->pdl, 0,
-                         *a, m));
+    KCU_CHECK(
+        kcu_launch(k_gemm_swap<EPI, W>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0, *a, m));
     return MOE_OK;
+}
+
+/* wide items where they apply: N a multiple of 256 and the rows averaging
+ * at most kgemm::V10_WIDE_MAX_AVG an expert (more would split an expert's rows into
+ * chunks that each stream its weights); kcu_gemm_swap_wide_override, then
+ * KCU_GEMM_SWAP_WIDE: bit 1 the up-projection (SWIGLU), bit 2 the down
+ * (SCATTER); 3 when unset */
+int swap_wide(kcu_epi epi, const kcu_gemm_args *a)
+{
+    static int env = -2;
+    if (env == -2) {
+        const char *v = getenv("KCU_GEMM_SWAP_WIDE");
+        env = v && v[0] ? atoi(v) : 3;
+    }
+    if (a->N % swp_cfg<1>::COLS)
+        return 0;
+    if (kcu_gemm_swap_wide_override >= 0)
+        return kcu_gemm_swap_wide_override > 0;
+    const int bit = epi == KCU_EPI_SWIGLU ? 1 : 2;
+    return (env & bit) && a->avg_rows <= kgemm::V10_WIDE_MAX_AVG;
 }
 
 } // namespace
 
+int kcu_gemm_swap_wide_override = -1;
+
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
+    const int wide = swap_wide(epi, a);
     if (epi == KCU_EPI_SWIGLU)
-        return launch_swap<KCU_EPI_SWIGLU>(a, m, nsm, st);
+        return wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
+                    : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
     if (epi == KCU_EPI_SCATTER)
-        return launch_swap<KCU_EPI_SCATTER>(a, m, nsm, st);
+        return wide ? launch_swap<KCU_EPI_SCATTER, 1>(a, m, nsm, st)
+                    : launch_swap<KCU_EPI_SCATTER, 0>(a, m, nsm, st);
     fprintf(stderr, "kcu_gemm: v10 has no epilogue %d\n", epi);
     return MOE_EINVAL;
 }
