@@ -44,7 +44,8 @@ struct ws_maps {
     CUtensorMap a;  /* ta: rows mode (K, rows) box (64, 128); wgrad (M, rows) box (64, 64) */
     CUtensorMap b;  /* tb: rows mode B_K (K, N, E) box (64, 256, 1), B_N (N, K, E) box (64, 64,
                      * 1); wgrad (N, rows) box (64, 64) */
-    CUtensorMap c;  /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1) */
+    CUtensorMap c;  /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1); v10:
+                     * the rows (K, rows) box (64, 16) */
     CUtensorMap ab; /* tab, staged epilogue: DSWIGLU's (a, b) (2F, rows) box (64, 128); tsw:
                      * SWIGLU's (a, b) output, the same map */
     CUtensorMap h;  /* tsw: SWIGLU's h (F, rows) box (64, 128) */
@@ -171,8 +172,9 @@ moe_err launch_v7(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *
 /* v9: ACC weight gradients, A_M / B_N, every operand by TMA (gemm/clustered.cu) */
 moe_err launch_v9(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st);
 /* v10: the rows mode with the operands swapped, SWIGLU (no (a, b)) or
- * SCATTER (bf16); m.a the rows (K, rows) in boxes of (64, 64), m.b the
- * weights (K, N, E) in boxes of (64, 128, 1) (gemm/swapped.cu) */
+ * SCATTER (bf16); m.a the rows (K, rows) in boxes of (64, 64), m.c (where
+ * m.tc) in boxes of (64, 16), m.b the weights (K, N, E) in boxes of (64,
+ * 128, 1) (gemm/swapped.cu) */
 moe_err launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st);
 /* v10's items of 256 output columns where the rows average at most this an
  * expert (chunks of 192 rows: more would stream an expert's weights twice) */

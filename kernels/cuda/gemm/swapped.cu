@@ -54,8 +54,9 @@
 namespace
 {
 
-constexpr int SWP_BOX_BYTES = 64 * 64 * 2; /* one TMA box of the rows: 64 rows x 64 k */
-constexpr int SWP_EPI_BYTES = 16 * 1024;   /* per consumer warpgroup */
+constexpr int SWP_BOX_BYTES = 64 * 64 * 2;   /* one TMA box of the rows: 64 rows x 64 k */
+constexpr int SWP_BOX16_BYTES = 16 * 64 * 2; /* a box of a chunk's last rows: 16 x 64 k */
+constexpr int SWP_EPI_BYTES = 16 * 1024;     /* per consumer warpgroup */
 
 /* the two item shapes: narrow (W 0: 128 output columns, v4's 48 KB stage,
  * chunks of 256 rows) and wide (W 1: 256 columns, two m64 accumulators a
@@ -292,7 +293,7 @@ swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sb
 
 template <int EPI, int W>
 __global__ void __launch_bounds__(WS_NT, 1)
-    k_gemm_swap(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
+    k_gemm_swap(const kcu_gemm_args p, const __grid_constant__ ws_maps mp, int box16)
 {
 #if KCU_SM90 /* Hopper only: never launched from the portable image */
     using C = swp_cfg<W>;
@@ -320,17 +321,25 @@ __global__ void __launch_bounds__(WS_NT, 1)
         prefetch_tmap(&mp.b);
         uint32_t it = 0;
         swp_walk<C>(p, mt, total, [&](int e, int m0, int r0, int nr) {
-            const int nbox = (((nr + 15) & ~15) + 63) / 64;
+            /* the chunk's rows padded to 16: boxes of 64 rows, and with box16
+             * its last rows in boxes of 16 (fewer rows past the chunk
+             * loaded from L2; the same shared-memory layout) */
+            const int n16 = (nr + 15) & ~15;
+            const int nbox = box16 ? n16 / 64 : (n16 + 63) / 64;
+            const int nsmall = box16 ? (n16 % 64) / 16 : 0;
             for (int kt = 0; kt < ktiles; kt++, it++) {
                 const int s = it % C::STAGES;
                 const uint32_t fb = full0 + 8 * s, sa = sbase + s * C::STAGE, sb = sa + C::A_BYTES;
                 mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
                 const int k0 = kt * BK;
-                mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES);
+                mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES + nsmall * SWP_BOX16_BYTES);
                 for (int b = 0; b < C::COLS / 128; b++)
                     tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
                 for (int b = 0; b < nbox; b++)
                     tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
+                for (int j = 0; j < nsmall; j++)
+                    tma_2d(sb + nbox * SWP_BOX_BYTES + j * SWP_BOX16_BYTES, &mp.c, k0,
+                           r0 + 64 * nbox + 16 * j, fb);
             }
         });
         return;
@@ -358,8 +367,10 @@ moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStrea
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
-    KCU_CHECK(
-        kcu_launch(k_gemm_swap<EPI, W>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0, *a, m));
+    static int env16 = -1; /* KCU_V10_BOX16: a chunk's last rows in boxes of 16 (0 when unset) */
+    const int box16 = m.tc && kcu_env_flag(&env16, "KCU_V10_BOX16", 0);
+    KCU_CHECK(kcu_launch(k_gemm_swap<EPI, W>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0, *a,
+                         m, box16));
     return MOE_OK;
 }
 
