@@ -130,9 +130,20 @@ int encode_map(CUtensorMap *m, const void *p, int rank, const uint64_t *dim,
             return -1;
         gs[i] = strideb[i];
     }
+    /* KCU_TMA_L2_PROMO: the L2 promotion of every map, 0..3 = none, 64, 128,
+     * 256 bytes (3 when unset; for measurements) */
+    static int promo = -1;
+    if (promo < 0) {
+        const char *v = getenv("KCU_TMA_L2_PROMO");
+        promo = v && v[0] ? atoi(v) : 3;
+        if (promo < 0 || promo > 3) {
+            fprintf(stderr, "kcu_gemm: KCU_TMA_L2_PROMO=%s is not 0..3: 3 (256 bytes)\n", v);
+            promo = 3;
+        }
+    }
     return f.encode(m, dt, (cuuint32_t)rank, const_cast<void *>(p), gd, gs, bx, es,
                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    (CUtensorMapL2promotion)promo,
                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS
                ? 0
                : -1;
