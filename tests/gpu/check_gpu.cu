@@ -1068,9 +1068,11 @@ static void down(void *h, const void *d, size_t bytes)
 
 /* v10 (gemm/swapped.cu), the rows mode with its operands swapped: the
  * up-projection's SwiGLU h and the down-projection's scattered bf16 rows
- * over experts of 0 to 700 rows (chunks of up to 256 rows, n padded to 16),
- * against the CPU (double sums) and bit for bit against v4 over a tile
- * list of the same rows (the same products summed in the same k order) */
+ * over experts of 0 to 700 rows (chunks of up to 256 rows in narrow items,
+ * 192 in wide ones; n padded to 16; a chunk's last rows in boxes of 64 or
+ * of 16), against the CPU (double sums) and bit for bit against v4 over a
+ * tile list of the same rows (the same products summed in the same k
+ * order) */
 static int swapped_check(uint64_t seed)
 {
     if (!kcu_sm90())
@@ -1137,9 +1139,12 @@ static int swapped_check(uint64_t seed)
         up(d_tr, tr.data(), NTL * 4);
         up(d_nt, &NTL, 4);
         up(d_perm, perm.data(), (size_t)S * 4);
-        std::vector<uint16_t> out[3];
-        int ver[3] = {0, 0, 0};
-        for (int v = 0; v < 3; v++) { /* v10 in narrow and wide items, then v4 */
+        /* v10 in narrow (v & 1 = 0) and wide items, its last rows in boxes of
+         * 64 (v & 2 = 0) or 16; then v4 (v = V4) */
+        const int V4 = 4;
+        std::vector<uint16_t> out[V4 + 1];
+        int ver[V4 + 1] = {0};
+        for (int v = 0; v <= V4; v++) {
             kcu_gemm_args a;
             memset(&a, 0, sizeof(a));
             a.A = dA;
@@ -1164,10 +1169,11 @@ static int swapped_check(uint64_t seed)
                 a.h = dO;
                 a.F = F;
             }
-            const int v4 = v == 2;
+            const int v4 = v == V4;
             kcu_gemm_select(v4 ? 4 : -1, v4 ? 1 : -1, v4 ? 0 : -1, -1, -1);
             kcu_gemm_swap_override = v4 ? -1 : 2; /* both projections, any rows */
-            kcu_gemm_swap_wide_override = v4 ? -1 : v;
+            kcu_gemm_swap_wide_override = v4 ? -1 : v & 1;
+            kcu_gemm_v10_box16_override = v4 ? -1 : v >> 1;
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1178,16 +1184,17 @@ static int swapped_check(uint64_t seed)
         kcu_gemm_select(-1, -1, -1, -1, -1);
         kcu_gemm_swap_override = -1;
         kcu_gemm_swap_wide_override = -1;
-        for (int v = 0; v < 2; v++) {
+        kcu_gemm_v10_box16_override = -1;
+        for (int v = 0; v < V4; v++) {
             const std::vector<float> got = f_of(out[v]);
             const double err = relerr(got.data(), ref.data(), ref.size());
-            const int same = out[v] == out[2];
-            const int ok = err < TOL && same && ver[v] == 10 && ver[2] == 4;
+            const int same = out[v] == out[V4];
+            const int ok = err < TOL && same && ver[v] == 10 && ver[V4] == 4;
             fails += !ok;
-            printf("gemm v10 %s %s (%d experts of 0-700 rows, N=%d K=%d): version %d, rel err "
+            printf("gemm v10 %s%s %s (%d experts of 0-700 rows, N=%d K=%d): version %d, rel err "
                    "%.1e, %s v%d %s\n",
-                   v ? "wide" : "narrow", which ? "SCATTER" : "SWIGLU", E, N, K, ver[v], err,
-                   same ? "==" : "!=", ver[2], ok ? "PASS" : "FAIL");
+                   v & 1 ? "wide" : "narrow", v & 2 ? " box16" : "", which ? "SCATTER" : "SWIGLU",
+                   E, N, K, ver[v], err, same ? "==" : "!=", ver[V4], ok ? "PASS" : "FAIL");
         }
         for (void *p : {(void *)dA, (void *)dB, (void *)dO, (void *)d_offs, (void *)d_te,
                         (void *)d_tr, (void *)d_nt, (void *)d_perm})

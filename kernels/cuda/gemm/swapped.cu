@@ -368,7 +368,9 @@ moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStrea
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
     static int env16 = -1; /* KCU_V10_BOX16: a chunk's last rows in boxes of 16 (0 when unset) */
-    const int box16 = m.tc && kcu_env_flag(&env16, "KCU_V10_BOX16", 0);
+    const int box16 =
+        m.tc && (kcu_gemm_v10_box16_override >= 0 ? kcu_gemm_v10_box16_override > 0
+                                                  : kcu_env_flag(&env16, "KCU_V10_BOX16", 0));
     KCU_CHECK(kcu_launch(k_gemm_swap<EPI, W>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0, *a,
                          m, box16));
     return MOE_OK;
@@ -397,6 +399,7 @@ int swap_wide(kcu_epi epi, const kcu_gemm_args *a)
 } // namespace
 
 int kcu_gemm_swap_wide_override = -1;
+int kcu_gemm_v10_box16_override = -1;
 
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
