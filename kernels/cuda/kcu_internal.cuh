@@ -267,9 +267,9 @@ extern int kcu_gemm_narrow_override;
 extern int kcu_gemm_swap_override;
 /* kcu_gemm_swap_wide_override: v10's items of 256 output columns (two m64
  * accumulators a consumer warpgroup, chunks of 192 rows) instead of 128,
- * for checks: -1 the default (KCU_GEMM_SWAP_WIDE, on unless 0: where N is a
- * multiple of 256 and the rows average at most 176 an expert), 0 never, 1
- * wherever N allows */
+ * for checks: -1 the default (KCU_GEMM_SWAP_WIDE: bit 1 the up-projection,
+ * bit 2 the down, 3 when unset; where N is a multiple of 256 and the rows
+ * average at most 176 an expert), 0 never, 1 wherever N allows */
 extern int kcu_gemm_swap_wide_override;
 /* kcu_gemm_v10_box16_override: v10 loads a chunk's last rows in TMA boxes of
  * 16 rows instead of one more box of 64, for checks: -1 the default

@@ -179,6 +179,8 @@ moe_err launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int ns
 /* v10's items of 256 output columns where the rows average at most this an
  * expert (chunks of 192 rows: more would stream an expert's weights twice) */
 constexpr int V10_WIDE_MAX_AVG = 176;
+/* 1 where v10 takes items of 256 output columns for this call (gemm/swapped.cu) */
+int v10_wide(kcu_epi epi, const kcu_gemm_args *a);
 
 } // namespace kgemm
 

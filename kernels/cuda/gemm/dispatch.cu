@@ -331,8 +331,8 @@ int g_swap = -1; /* KCU_GEMM_SWAP: 0, 1 (up), 2 (up and down), 3 (up, any rows);
 /* v10 where it applies (kcu_internal.cuh kcu_gemm_swap_override): the
  * projections the mode names - mode 1 (the default) both where the rows
  * average 96 to V10_WIDE_MAX_AVG an expert, the down-projection only in
- * wide items (N a multiple of 256; measured on H200, bench/NOTES.md
- * "v10 wide"); mode 2 both at any average, mode 3 the up-projection at any
+ * wide items (kgemm::v10_wide; measured on H200, bench/NOTES.md "v10
+ * wide"); mode 2 both at any average, mode 3 the up-projection at any
  * average (for measurements) - over a tile list in pairs of one expert (an
  * inference forward's few rows per expert), A dense, the weights K-major
  * with a stride per expert, and an epilogue it has: SWIGLU's h without
@@ -347,7 +347,7 @@ int swap_applies(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
     if (mode <= 0 || (mode == 3 && epi != KCU_EPI_SWIGLU))
         return 0;
     if (mode == 1 && (a->avg_rows < 96 || a->avg_rows > kgemm::V10_WIDE_MAX_AVG ||
-                      (epi != KCU_EPI_SWIGLU && a->N % 256)))
+                      (epi != KCU_EPI_SWIGLU && !kgemm::v10_wide(epi, a))))
         return 0;
     if (am != KCU_A_K || bm != KCU_B_K || !a->few_tiles || !a->offs || a->ngroups < 1 ||
         a->a_gather || !a->b_gstride || a->N % 128 || a->K % BK || (uintptr_t)a->A & 15)

@@ -376,12 +376,17 @@ moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStrea
     return MOE_OK;
 }
 
+} // namespace
+
+int kcu_gemm_swap_wide_override = -1;
+int kcu_gemm_v10_box16_override = -1;
+
 /* wide items where they apply: N a multiple of 256 and the rows averaging
- * at most kgemm::V10_WIDE_MAX_AVG an expert (more would split an expert's rows into
- * chunks that each stream its weights); kcu_gemm_swap_wide_override, then
- * KCU_GEMM_SWAP_WIDE: bit 1 the up-projection (SWIGLU), bit 2 the down
+ * at most V10_WIDE_MAX_AVG an expert (more would split an expert's rows
+ * into chunks that each stream its weights); kcu_gemm_swap_wide_override,
+ * then KCU_GEMM_SWAP_WIDE: bit 1 the up-projection (SWIGLU), bit 2 the down
  * (SCATTER); 3 when unset */
-int swap_wide(kcu_epi epi, const kcu_gemm_args *a)
+int kgemm::v10_wide(kcu_epi epi, const kcu_gemm_args *a)
 {
     static int env = -2;
     if (env == -2) {
@@ -396,15 +401,10 @@ int swap_wide(kcu_epi epi, const kcu_gemm_args *a)
     return (env & bit) && a->avg_rows <= kgemm::V10_WIDE_MAX_AVG;
 }
 
-} // namespace
-
-int kcu_gemm_swap_wide_override = -1;
-int kcu_gemm_v10_box16_override = -1;
-
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
-    const int wide = swap_wide(epi, a);
+    const int wide = kgemm::v10_wide(epi, a);
     if (epi == KCU_EPI_SWIGLU)
         return wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
                     : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
