@@ -271,10 +271,13 @@ extern int kcu_gemm_swap_override;
  * bit 2 the down, 3 when unset; where N is a multiple of 256 and the rows
  * average at most 176 an expert), 0 never, 1 wherever N allows */
 extern int kcu_gemm_swap_wide_override;
-/* kcu_gemm_v10_box16_override: v10 loads a chunk's last rows in TMA boxes of
- * 16 rows instead of one more box of 64, for checks: -1 the default
- * (KCU_V10_BOX16, off unless 1), 0 never, 1 always (where its map builds) */
-extern int kcu_gemm_v10_box16_override;
+/* kcu_gemm_v10_pair_override: v10's wide items in pairs on 2-CTA clusters
+ * (the two CTAs take 256 output columns each of one expert's chunk, and the
+ * chunk's rows come from L2 once, multicast to both), for checks: -1 the
+ * default (KCU_V10_PAIR, off unless 1; where wide items run and N is a
+ * multiple of 512), 0 never, 1 wherever N allows. Measured on H200
+ * (bench/NOTES.md "v10 paired"): neutral, the L2 no less busy */
+extern int kcu_gemm_v10_pair_override;
 /* kcu_stats_mapped_override: the decode path's last kernel writes counts,
  * aux/z and drops into mapped page-locked memory (1), or they are copied
  * out by kcu_forward_stats (0); -1 = KCU_STATS_MAPPED (checks set it) */

@@ -14,6 +14,7 @@
 #include "kernels/cuda/gemm/tile.cuh"
 #include "kernels/cuda/gemm/sched.cuh"
 #include "kernels/cuda/gemm/tma.cuh"
+#include "kernels/cuda/gemm/cluster.cuh"
 #include "kernels/cuda/gemm/epilogue.cuh"
 
 namespace
@@ -36,26 +37,6 @@ namespace
  * waits for the last stages' releases before it exits (no remote arrival
  * may reach an exited CTA). Same tiles, wgmma sequence and epilogue as v4:
  * the same bits. */
-__device__ __forceinline__ uint32_t cluster_rank()
-{
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync_all()
-{
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
-}
-__device__ __forceinline__ void tma_3d_mc(uint32_t dst, const CUtensorMap *m, int c0, int c1,
-                                          int c2, uint32_t bar, uint16_t mask)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
-                 : "memory");
-}
 
 /* ---- v7's dynamic schedule (kcu_gemm_args.sched) ----
  * Statically each cluster walks w = cid, cid + ncl, ...; the clusters drift
@@ -554,55 +535,6 @@ __global__ void __launch_bounds__(WS_NT, 1)
 #endif
 }
 
-/* a 2-CTA-cluster launch (v7, v9) of `pairs` pair items for kernel `kern`:
- * cfg (with at[0] the cluster dimension) gets a grid of at most one cluster
- * per 2 SMs, and no more clusters than can be resident (measured once per
- * device into max_cl); *grid_ok = 0 when there is nothing to launch */
-template <class KERN>
-moe_err cluster2_config(KERN kern, unsigned long long &attr_done, int (&max_cl)[64],
-                        long long pairs, int nsm, cudaStream_t st, cudaLaunchConfig_t &cfg,
-                        cudaLaunchAttribute (&at)[2], int *grid_ok)
-{
-    int dev = 0;
-    KCU_CHECK(cudaGetDevice(&dev));
-    memset(&cfg, 0, sizeof(cfg));
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = 2;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    cfg.blockDim = dim3(WS_NT);
-    cfg.dynamicSmemBytes = WS_SMEM_BYTES;
-    cfg.stream = st;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    if (!(attr_done >> (dev & 63) & 1)) {
-        KCU_CHECK(
-            cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES));
-        cfg.gridDim = dim3(2 * (nsm / 2));
-        int n = 0;
-        if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
-            (void)cudaGetLastError();
-            n = 0;
-        }
-        max_cl[dev & 63] = n;
-        attr_done |= 1ull << (dev & 63);
-        if (getenv("KCU_DEBUG"))
-            fprintf(stderr, "kcu: %d active 2-CTA clusters at most\n", n);
-    }
-    *grid_ok = pairs > 0;
-    if (!*grid_ok)
-        return MOE_OK;
-    long long ncl = max_cl[dev & 63] > 0 ? max_cl[dev & 63] : nsm / 2;
-    if (ncl > nsm / 2)
-        ncl = nsm / 2;
-    if (ncl > pairs)
-        ncl = pairs;
-    if (ncl < 1)
-        ncl = 1;
-    cfg.gridDim = dim3((unsigned)(2 * ncl));
-    return MOE_OK;
-}
-
 template <int BMODE, int EPI>
 moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
 {
@@ -612,8 +544,8 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
     cudaLaunchAttribute at[2];
     int ok = 0;
     const long long pairs = (long long)(a->max_tiles_m + 1) / 2 * (a->N / WG_BN);
-    KCU_TRY(
-        cluster2_config(k_gemm_wsc<BMODE, EPI>, attr_done, max_cl, pairs, nsm, st, cfg, at, &ok));
+    KCU_TRY(cluster2_config(k_gemm_wsc<BMODE, EPI>, attr_done, max_cl, pairs, nsm, WS_SMEM_BYTES,
+                            st, cfg, at, &ok));
     if (!ok)
         return MOE_OK;
     kcu_gemm_args b = *a;
@@ -638,14 +570,6 @@ moe_err launch_wsc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
  * producer threads' cp.async arrivals; the peer's half of B lands on it
  * too), empty[s] 16 (every consumer warp of both CTAs, as in v7). Same tiles,
  * wgmma sequence and epilogue as v4: the same bits. */
-__device__ __forceinline__ void tma_2d_mc(uint32_t dst, const CUtensorMap *m, int c0, int c1,
-                                          uint32_t bar, uint16_t mask)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
-                 : "memory");
-}
 
 struct wgc_item {
     int e, m0, n0, kbeg, kend, ktiles, has, mc;
@@ -770,7 +694,8 @@ moe_err launch_wgc(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream
     cudaLaunchAttribute at[2];
     int ok = 0;
     const long long pairs = (long long)a->ngroups * ((a->M / BM + 1) / 2) * (a->N / WG_BN);
-    KCU_TRY(cluster2_config(k_gemm_wgc<EPI>, attr_done, max_cl, pairs, nsm, st, cfg, at, &ok));
+    KCU_TRY(cluster2_config(k_gemm_wgc<EPI>, attr_done, max_cl, pairs, nsm, WS_SMEM_BYTES, st, cfg,
+                            at, &ok));
     if (!ok)
         return MOE_OK;
     kcu_gemm_args b = *a;

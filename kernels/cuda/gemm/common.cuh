@@ -172,15 +172,17 @@ moe_err launch_v7(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *
 /* v9: ACC weight gradients, A_M / B_N, every operand by TMA (gemm/clustered.cu) */
 moe_err launch_v9(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st);
 /* v10: the rows mode with the operands swapped, SWIGLU (no (a, b)) or
- * SCATTER (bf16); m.a the rows (K, rows) in boxes of (64, 64), m.c (where
- * m.tc) in boxes of (64, 16), m.b the weights (K, N, E) in boxes of (64,
- * 128, 1) (gemm/swapped.cu) */
+ * SCATTER (bf16); m.a the rows (K, rows) in boxes of (64, 64), m.b the
+ * weights (K, N, E) in boxes of (64, 128, 1) (gemm/swapped.cu) */
 moe_err launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st);
 /* v10's items of 256 output columns where the rows average at most this an
  * expert (chunks of 192 rows: more would stream an expert's weights twice) */
 constexpr int V10_WIDE_MAX_AVG = 176;
 /* 1 where v10 takes items of 256 output columns for this call (gemm/swapped.cu) */
 int v10_wide(kcu_epi epi, const kcu_gemm_args *a);
+/* 1 where v10's wide items run in pairs on 2-CTA clusters, the rows
+ * multicast to both (gemm/swapped.cu) */
+int v10_paired(kcu_epi epi, const kcu_gemm_args *a);
 
 } // namespace kgemm
 

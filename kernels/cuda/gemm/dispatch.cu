@@ -299,17 +299,15 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
 }
 
 /* v10's maps (gemm/swapped.cu): the rows (K, rows in the allocation) in
- * boxes of 64 k x 64 rows (a) and of 64 k x 16 rows (c, tc: a chunk's last
- * rows with KCU_V10_BOX16), the weights (K, N, E) in boxes of 64 k x 128 n;
- * 1 when a and b are built */
+ * boxes of 64 k x 64 rows (a), the weights (K, N, E) in boxes of 64 k x 128
+ * n (b); 1 when both are built */
 int swap_build_maps(const kcu_gemm_args *a, ws_maps *m)
 {
     memset(m, 0, sizeof(*m));
     const long long rows = slabs_in_alloc(a->A, (size_t)a->K * 2, (size_t)a->lda * 2);
     const uint64_t da[2] = {(uint64_t)a->K, (uint64_t)rows}, sa[1] = {(uint64_t)a->lda * 2};
-    const uint32_t boxa[2] = {64, 64}, boxa16[2] = {64, 16};
+    const uint32_t boxa[2] = {64, 64};
     m->ta = rows >= 64 && encode_map(&m->a, a->A, 2, da, sa, boxa) == 0;
-    m->tc = m->ta && encode_map(&m->c, a->A, 2, da, sa, boxa16) == 0; /* a chunk's last rows */
     const size_t slab = ((size_t)(a->N - 1) * a->ldb + a->K) * 2;
     const long long ne = slabs_in_alloc(a->B, slab, (size_t)a->b_gstride * 2);
     const uint64_t db[3] = {(uint64_t)a->K, (uint64_t)a->N, (uint64_t)ne},

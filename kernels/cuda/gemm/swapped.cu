@@ -23,7 +23,7 @@
  * TMA boxes of 64 rows) where v4 has B; rows past the chunk (the next
  * expert's, or zero past the allocation) are multiplied and never stored.
  * Producer: thread 0 of warpgroup 0; full[s] 1 arrival + the bytes,
- * empty[s] 8 (each consumer warp).
+ * empty[s] 8 (each consumer warp; 16 paired, below).
  *
  * Epilogues (through 16 KB of shared memory per consumer warpgroup: the
  * fragments stored transposed by stmatrix, then 16-byte rows out):
@@ -31,7 +31,8 @@
  *     interleave gate and up by 8, so a lane holds both of a column: its
  *     fragment rows g and g + 8); inference only (no (a, b) kept);
  *   SCATTER: bf16 out[scatter[r]] (rows, N) of the item's 128 columns, in
- *     two passes of 128 rows.
+ *     two passes of 128 rows; wide items take the chunk's scatter entries
+ *     into shared memory by cp.async during its k loop.
  * Each output is the same sum of the same products, k ascending in steps
  * of 16, as v4 / v7 compute it with the operands in their places.
  *
@@ -44,19 +45,28 @@
  * by each of their expert's N / 128 items, are as many L2 bytes as the
  * weights. Wide items read them half as often and carry twice the math a
  * stage. Same sums in the same order: bits == narrow == v4.
+ *
+ * Paired wide items (KCU_V10_PAIR=1, off by default; k_gemm_swap<EPI, 1,
+ * 2>): 2-CTA clusters, the two CTAs on the two 256-column halves of one
+ * expert's 512 columns, walking the same chunks; CTA b % 2 loads row box b
+ * with .multicast::cluster into both, full[s] expects all the row bytes in
+ * each CTA, empty[s] 16 arrivals (every consumer warp of both CTAs
+ * releases the stage in both), and each producer waits for the last
+ * stages' releases before it exits. Measured neutral on H200: ncu counted
+ * as many L2 reads as without (bench/NOTES.md "v10 paired").
  */
 #include "kernels/cuda/gemm/common.cuh"
 #include "kernels/cuda/gemm/tile.cuh"
 #include "kernels/cuda/gemm/tma.cuh"
+#include "kernels/cuda/gemm/cluster.cuh"
 #include "kernels/cuda/gemm/epilogue.cuh"
 #include "kernels/cuda/gemm/wgmma_n.cuh"
 
 namespace
 {
 
-constexpr int SWP_BOX_BYTES = 64 * 64 * 2;   /* one TMA box of the rows: 64 rows x 64 k */
-constexpr int SWP_BOX16_BYTES = 16 * 64 * 2; /* a box of a chunk's last rows: 16 x 64 k */
-constexpr int SWP_EPI_BYTES = 16 * 1024;     /* per consumer warpgroup */
+constexpr int SWP_BOX_BYTES = 64 * 64 * 2; /* one TMA box of the rows: 64 rows x 64 k */
+constexpr int SWP_EPI_BYTES = 16 * 1024;   /* per consumer warpgroup */
 
 /* the two item shapes: narrow (W 0: 128 output columns, v4's 48 KB stage,
  * chunks of 256 rows) and wide (W 1: 256 columns, two m64 accumulators a
@@ -70,7 +80,11 @@ template <int W> struct swp_cfg {
     static constexpr int STAGES = W ? 3 : WS_STAGES;
     static constexpr int BAR_OFF = STAGES * STAGE;
     static constexpr int EPI_OFF = BAR_OFF + 1024;
-    static constexpr int SMEM = EPI_OFF + 2 * SWP_EPI_BYTES + 1024;
+    /* per consumer warpgroup: its epilogue's buffer, then (ENT, wide items:
+     * the narrow ones' 4 stages leave no room) SCATTER's entries of a chunk */
+    static constexpr bool ENT = W;
+    static constexpr int EPI_STRIDE = SWP_EPI_BYTES + (ENT ? ROWS * 4 : 0);
+    static constexpr int SMEM = EPI_OFF + 2 * EPI_STRIDE + 1024;
     static_assert(SMEM <= 227 * 1024, "v10's stages do not fit in shared memory");
     static_assert(STAGE % 1024 == 0, "a stage must keep its boxes 1024-byte aligned");
 };
@@ -92,12 +106,16 @@ template <int CAP> __device__ __forceinline__ swp_chunks swp_split(int rows)
 /* the walk every role of a CTA makes, in the same order: its items (w =
  * CTA, + grid; mt items an expert), each expert's rows in chunks;
  * chunk(e, m0, r0, nr) for each chunk of nr rows from row r0 of expert e,
- * output columns m0 .. m0 + C::COLS */
-template <class C, class CHUNK>
-__device__ __forceinline__ void swp_walk(const kcu_gemm_args &p, int mt, int total, CHUNK &&chunk)
+ * output columns m0 .. m0 + C::COLS. Paired (CL 2): item w is the cluster's
+ * (w = cluster, + clusters), mt pairs an expert, and CTA `rank` takes the
+ * pair's half rank of 2 x C::COLS columns: both CTAs of a cluster walk the
+ * same chunks of the same rows in the same order */
+template <class C, int CL, class CHUNK>
+__device__ __forceinline__ void swp_walk(const kcu_gemm_args &p, int mt, int total, int rank,
+                                         CHUNK &&chunk)
 {
-    for (int w = blockIdx.x; w < total; w += gridDim.x) {
-        const int e = w / mt, m0 = (w % mt) * C::COLS;
+    for (int w = blockIdx.x / CL; w < total; w += gridDim.x / CL) {
+        const int e = w / mt, m0 = ((w % mt) * CL + rank) * C::COLS;
         const int rb = p.offs[e], rows = p.offs[e + 1] - rb;
         if (rows <= 0)
             continue;
@@ -134,13 +152,22 @@ template <int N> __device__ __forceinline__ void swp_pin(float (&d)[128])
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
+/* releases stage barrier eb: in this CTA, and paired (CL 2) in the peer's
+ * too (its producer multicasts rows into this CTA's stage) */
+template <int CL> __device__ __forceinline__ void swp_release(uint32_t eb, uint32_t peer)
+{
+    mbar_arrive(eb);
+    if (CL == 2)
+        mbar_arrive_cluster(eb, peer);
+}
+
 /* one chunk's K / 64 stages for consumer warpgroup cw: d[t][0 .. N/2) = its
  * m64 tile t (output columns C::COLS / 2 x cw + 64 t ..) x N rows
  * (sequence numbers it..; it moves past them) */
-template <class C, int N>
+template <class C, int CL, int N>
 __device__ __forceinline__ void swp_k_loop(float (&d)[C::TILES][128], uint32_t full0,
                                            uint32_t empty0, uint32_t sbase, uint32_t &it,
-                                           int ktiles, int cw, int lane)
+                                           int ktiles, int cw, int lane, uint32_t peer)
 {
 #pragma unroll
     for (int t = 0; t < C::TILES; t++) {
@@ -163,14 +190,14 @@ __device__ __forceinline__ void swp_k_loop(float (&d)[C::TILES][128], uint32_t f
         wg_commit();
         wg_wait<1>();
         if (kt > 0 && lane == 0)
-            mbar_arrive(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES));
+            swp_release<CL>(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES), peer);
     }
     wg_wait<0>();
 #pragma unroll
     for (int t = 0; t < C::TILES; t++)
         swp_pin<N>(d[t]);
     if (ktiles > 0 && lane == 0)
-        mbar_arrive(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES));
+        swp_release<CL>(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES), peer);
 }
 
 /* SWIGLU, one m64 tile of output columns col .. col + 64: warp wq's
@@ -209,15 +236,22 @@ __device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const flo
  * fragment rows 16 wq + g + 8 hr are output column col + 16 wq + 8 hr + g.
  * Rows in passes of 128: staged as [row][64 columns] (128 bytes a row, its
  * eight 16-byte pieces swizzled by row), then each row's 128 bytes to
- * out[scatter[r]]; bar: the warpgroup's named barrier */
-template <int N>
+ * out[scatter[r]], warp wq the pass's rows 32 wq .. + 32, four a step. ENT
+ * (wide items): the chunk's scatter entries are in shared memory after buf
+ * (swp_scatter_fetch, by cp.async before the k loop), so the epilogue no
+ * longer waits for an L2
+ * load before each step's stores, eight in a row while the stage ring sat
+ * full (bench/NOTES.md "v10 paired"). bar: the warpgroup's named barrier */
+template <bool ENT, int N>
 __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const float (&d)[128],
                                                 uint32_t buf, int r0, int nr, int col, int bar,
                                                 int wq, int lane, int tid)
 {
+    const uint32_t ent = buf + SWP_EPI_BYTES;
     const int t8 = lane & 7, hr = (lane >> 3) & 1, mj = lane >> 4;
 #pragma unroll
     for (int pass = 0; pass < (N + 127) / 128; pass++) {
+        const int rows = min(128, nr - 128 * pass), rp = r0 + 128 * pass;
 #pragma unroll
         for (int j = 16 * pass; j < N / 8 && j < 16 * (pass + 1); j += 2) {
             const int b0 = 4 * j, b1 = 4 * (j + 1);
@@ -226,48 +260,72 @@ __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const fl
                       pack_bf2(d[b0], d[b0 + 1]), pack_bf2(d[b0 + 2], d[b0 + 3]),
                       pack_bf2(d[b1], d[b1 + 1]), pack_bf2(d[b1 + 2], d[b1 + 3]));
         }
+        cp_async_wait<0>(); /* this thread's copies of the chunk's entries */
         bar_wg(bar);
-        const int rows = min(128, nr - 128 * pass);
-        for (int i = tid; i < rows * 8; i += 128) {
-            const int row = i >> 3, ch = i & 7;
-            const int r = r0 + 128 * pass + row;
-            const uint4 v = lds_u128(buf + row * 128 + ((ch ^ (row & 7)) << 4));
-            bf16 *dst = p.Cb + (size_t)(p.scatter ? p.scatter[r] : r) * p.ldc + col;
-            *reinterpret_cast<uint4 *>(dst + ch * 8) = v;
+        const int ch = lane & 7;
+#pragma unroll 4
+        for (int j = 0; j < 8; j++) {
+            const int row = 32 * wq + 4 * j + (lane >> 3);
+            if (row < rows) {
+                const int dq = !p.scatter ? rp + row
+                               : ENT      ? (int)lds_u32(ent + 4 * (128 * pass + row))
+                                          : __ldg(p.scatter + rp + row);
+                const uint4 v = lds_u128(buf + row * 128 + ((ch ^ (row & 7)) << 4));
+                *reinterpret_cast<uint4 *>(p.Cb + (size_t)dq * p.ldc + col + ch * 8) = v;
+            }
         }
         bar_wg(bar);
     }
 }
 
+/* SCATTER: the chunk's scatter entries scatter[r0 .. r0 + nr) into shared
+ * memory at ent (after the warpgroup's epilogue buffer) by cp.async (4 bytes each), waited for in
+ * the epilogue: in flight while the k loop runs */
+__device__ __forceinline__ void swp_scatter_fetch(const kcu_gemm_args &p, uint32_t ent, int r0,
+                                                  int nr, int tid)
+{
+    if (!p.scatter)
+        return;
+    for (int i = tid; i < nr; i += 128)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(ent + 4 * i),
+                     "l"(p.scatter + r0 + i)
+                     : "memory");
+    cp_async_commit();
+}
+
 /* one chunk for consumer warpgroup cw: the k loop and the epilogue of each
  * of its m64 tiles at the chunk's n extent N (16 ... C::ROWS) */
-template <class C, int EPI, int N>
+template <class C, int CL, int EPI, int N>
 __device__ __forceinline__ void swp_chunk(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0,
                                           uint32_t sbase, uint32_t &it, int ktiles, uint32_t buf,
-                                          int r0, int nr, int m0, int cw, int wq, int lane, int tid)
+                                          int r0, int nr, int m0, int cw, int wq, int lane, int tid,
+                                          uint32_t peer)
 {
     float d[C::TILES][128];
-    swp_k_loop<C, N>(d, full0, empty0, sbase, it, ktiles, cw, lane);
+    if (EPI == KCU_EPI_SCATTER && C::ENT)
+        swp_scatter_fetch(p, buf + SWP_EPI_BYTES, r0, nr, tid);
+    swp_k_loop<C, CL, N>(d, full0, empty0, sbase, it, ktiles, cw, lane, peer);
 #pragma unroll
     for (int t = 0; t < C::TILES; t++) {
         const int col = m0 + (C::TILES * cw + t) * 64;
         if (EPI == KCU_EPI_SWIGLU)
             swp_epi_swiglu<N>(p, d[t], buf, r0, nr, col, 1 + cw, wq, lane, tid);
         else
-            swp_epi_scatter<N>(p, d[t], buf, r0, nr, col, 1 + cw, wq, lane, tid);
+            swp_epi_scatter<C::ENT, N>(p, d[t], buf, r0, nr, col, 1 + cw, wq, lane, tid);
     }
 }
 
-template <class C, int EPI>
-__device__ __forceinline__ void
-swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sbase, uint32_t &it,
-            int ktiles, uint32_t buf, int r0, int nr, int m0, int cw, int wq, int lane, int tid)
+template <class C, int CL, int EPI>
+__device__ __forceinline__ void swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0,
+                                            uint32_t sbase, uint32_t &it, int ktiles, uint32_t buf,
+                                            int r0, int nr, int m0, int cw, int wq, int lane,
+                                            int tid, uint32_t peer)
 {
 #define SWP_CASE(n16)                                                                              \
     case n16:                                                                                      \
         if (16 * (n16) <= C::ROWS)                                                                 \
-            swp_chunk<C, EPI, 16 * (n16) <= C::ROWS ? 16 * (n16) : 16>(                            \
-                p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane, tid);          \
+            swp_chunk<C, CL, EPI, 16 * (n16) <= C::ROWS ? 16 * (n16) : 16>(                        \
+                p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane, tid, peer);    \
         break;
     switch ((nr + 15) >> 4) {
         SWP_CASE(1)
@@ -291,26 +349,30 @@ swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sb
 #undef SWP_CASE
 }
 
-template <int EPI, int W>
+template <int EPI, int W, int CL>
 __global__ void __launch_bounds__(WS_NT, 1)
-    k_gemm_swap(const kcu_gemm_args p, const __grid_constant__ ws_maps mp, int box16)
+    k_gemm_swap(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
 #if KCU_SM90 /* Hopper only: never launched from the portable image */
     using C = swp_cfg<W>;
     const uint32_t sbase = smem_base_1k(), full0 = sbase + C::BAR_OFF,
                    empty0 = full0 + C::STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const int rank = CL == 2 ? (int)cluster_rank() : 0;
+    const uint32_t peer = (uint32_t)(rank ^ 1);
     if (tid == 0) {
         for (int s = 0; s < C::STAGES; s++) {
             mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 8);
+            mbar_init(empty0 + 8 * s, 8 * CL); /* each consumer warp of the cluster */
         }
         ws_bars_fence();
     }
     __syncthreads();
+    if (CL == 2)
+        cluster_sync_all(); /* the peer's barriers exist before any remote access */
     kcu_pdl_wait();
     kcu_pdl_trigger();
-    const int mt = p.N / C::COLS, total = p.ngroups * mt, ktiles = p.K / BK;
+    const int mt = p.N / (C::COLS * CL), total = p.ngroups * mt, ktiles = p.K / BK;
 
     if (wg == 0) {
         /* ---------------- producer: thread 0 ---------------- */
@@ -320,39 +382,41 @@ __global__ void __launch_bounds__(WS_NT, 1)
         prefetch_tmap(&mp.a);
         prefetch_tmap(&mp.b);
         uint32_t it = 0;
-        swp_walk<C>(p, mt, total, [&](int e, int m0, int r0, int nr) {
-            /* the chunk's rows padded to 16: boxes of 64 rows, and with box16
-             * its last rows in boxes of 16 (fewer rows past the chunk
-             * loaded from L2; the same shared-memory layout) */
-            const int n16 = (nr + 15) & ~15;
-            const int nbox = box16 ? n16 / 64 : (n16 + 63) / 64;
-            const int nsmall = box16 ? (n16 % 64) / 16 : 0;
+        swp_walk<C, CL>(p, mt, total, rank, [&](int e, int m0, int r0, int nr) {
+            /* the chunk's rows padded to 16, in boxes of 64 rows; paired,
+             * box b comes from CTA b % 2's load, multicast to both */
+            const int nbox = (((nr + 15) & ~15) + 63) / 64;
             for (int kt = 0; kt < ktiles; kt++, it++) {
                 const int s = it % C::STAGES;
                 const uint32_t fb = full0 + 8 * s, sa = sbase + s * C::STAGE, sb = sa + C::A_BYTES;
                 mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
                 const int k0 = kt * BK;
-                mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES + nsmall * SWP_BOX16_BYTES);
+                mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES);
                 for (int b = 0; b < C::COLS / 128; b++)
                     tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
-                for (int b = 0; b < nbox; b++)
-                    tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
-                for (int j = 0; j < nsmall; j++)
-                    tma_2d(sb + nbox * SWP_BOX_BYTES + j * SWP_BOX16_BYTES, &mp.c, k0,
-                           r0 + 64 * nbox + 16 * j, fb);
+                for (int b = 0; b < nbox; b++) {
+                    if (CL == 1)
+                        tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
+                    else if (b % 2 == rank)
+                        tma_2d_mc(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb, (uint16_t)3);
+                }
             }
         });
+        /* paired: the last stages released by both CTAs' consumers before
+         * this CTA exits (no remote arrival may reach an exited CTA) */
+        for (int i = 0; CL == 2 && i < C::STAGES; i++, it++)
+            mbar_wait(empty0 + 8 * (it % C::STAGES), ((it / C::STAGES) & 1) ^ 1);
         return;
     }
 
     /* ---------------- consumers ---------------- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
     const int cw = wg - 1, wq = warp & 3;
-    const uint32_t buf = sbase + C::EPI_OFF + cw * SWP_EPI_BYTES;
+    const uint32_t buf = sbase + C::EPI_OFF + cw * C::EPI_STRIDE;
     uint32_t it = 0;
-    swp_walk<C>(p, mt, total, [&](int, int m0, int r0, int nr) {
-        swp_chunk_n<C, EPI>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane,
-                            tid & 127);
+    swp_walk<C, CL>(p, mt, total, rank, [&](int, int m0, int r0, int nr) {
+        swp_chunk_n<C, CL, EPI>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane,
+                                tid & 127, peer);
     });
 #endif
 }
@@ -362,24 +426,40 @@ moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStrea
 {
     using C = swp_cfg<W>;
     static unsigned long long attr_done;
-    KCU_TRY(smem_limit_once(attr_done, k_gemm_swap<EPI, W>, C::SMEM));
+    KCU_TRY(smem_limit_once(attr_done, k_gemm_swap<EPI, W, 1>, C::SMEM));
     const long long total = (long long)a->ngroups * (a->N / C::COLS);
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
-    static int env16 = -1; /* KCU_V10_BOX16: a chunk's last rows in boxes of 16 (0 when unset) */
-    const int box16 =
-        m.tc && (kcu_gemm_v10_box16_override >= 0 ? kcu_gemm_v10_box16_override > 0
-                                                  : kcu_env_flag(&env16, "KCU_V10_BOX16", 0));
-    KCU_CHECK(kcu_launch(k_gemm_swap<EPI, W>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0, *a,
-                         m, box16));
+    KCU_CHECK(
+        kcu_launch(k_gemm_swap<EPI, W, 1>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0, *a, m));
+    return MOE_OK;
+}
+
+/* paired wide items on 2-CTA clusters (kgemm::v10_paired) */
+template <int EPI>
+moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
+{
+    using C = swp_cfg<1>;
+    static unsigned long long attr_done;
+    static int max_cl[64];
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute at[2];
+    int ok = 0;
+    const long long pairs = (long long)a->ngroups * (a->N / (2 * C::COLS));
+    KCU_TRY(cluster2_config(k_gemm_swap<EPI, 1, 2>, attr_done, max_cl, pairs, nsm, C::SMEM, st, cfg,
+                            at, &ok));
+    if (!ok)
+        return MOE_OK;
+    kcu_pdl_attr(&cfg, at, a->pdl);
+    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_swap<EPI, 1, 2>, *a, m));
     return MOE_OK;
 }
 
 } // namespace
 
 int kcu_gemm_swap_wide_override = -1;
-int kcu_gemm_v10_box16_override = -1;
+int kcu_gemm_v10_pair_override = -1;
 
 /* wide items where they apply: N a multiple of 256 and the rows averaging
  * at most V10_WIDE_MAX_AVG an expert (more would split an expert's rows
@@ -401,16 +481,32 @@ int kgemm::v10_wide(kcu_epi epi, const kcu_gemm_args *a)
     return (env & bit) && a->avg_rows <= kgemm::V10_WIDE_MAX_AVG;
 }
 
+/* wide items paired on 2-CTA clusters, the rows multicast (where wide
+ * items run and N is a multiple of 512): kcu_gemm_v10_pair_override, then
+ * KCU_V10_PAIR (0 when unset: measured neutral on H200, bench/NOTES.md
+ * "v10 paired") */
+int kgemm::v10_paired(kcu_epi epi, const kcu_gemm_args *a)
+{
+    static int env = -1;
+    if (!kgemm::v10_wide(epi, a) || a->N % (2 * swp_cfg<1>::COLS))
+        return 0;
+    if (kcu_gemm_v10_pair_override >= 0)
+        return kcu_gemm_v10_pair_override > 0;
+    return kcu_env_flag(&env, "KCU_V10_PAIR", 0);
+}
+
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
-    const int wide = kgemm::v10_wide(epi, a);
+    const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a);
     if (epi == KCU_EPI_SWIGLU)
-        return wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
-                    : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
+        return paired ? launch_swap_paired<KCU_EPI_SWIGLU>(a, m, nsm, st)
+               : wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
+                      : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
     if (epi == KCU_EPI_SCATTER)
-        return wide ? launch_swap<KCU_EPI_SCATTER, 1>(a, m, nsm, st)
-                    : launch_swap<KCU_EPI_SCATTER, 0>(a, m, nsm, st);
+        return paired ? launch_swap_paired<KCU_EPI_SCATTER>(a, m, nsm, st)
+               : wide ? launch_swap<KCU_EPI_SCATTER, 1>(a, m, nsm, st)
+                      : launch_swap<KCU_EPI_SCATTER, 0>(a, m, nsm, st);
     fprintf(stderr, "kcu_gemm: v10 has no epilogue %d\n", epi);
     return MOE_EINVAL;
 }
