@@ -186,6 +186,10 @@ bin/ep_bench: bench/ep_bench.cu $(CUDA_LIB)
 bin/topk_bench: bench/topk_bench.cu kernels/cuda/kcu_topk.cuh
 	@mkdir -p bin
 	$(NVCC) $(NVCCFLAGS) -o $@ $<
+# tma_stream: the ceiling of v10's loads (weights by TMA, + rows), no math (sm_90a only)
+bin/tma_stream: bench/tma_stream.cu kernels/cuda/kcu_tool.h
+	@mkdir -p bin
+	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. -o $@ $<
 bench: bin/moe_bench bin/ep_bench
 	./bin/moe_bench
 # tests/gpu/xchg_nccl_check: the NCCL exchange backend on this host's GPUs
@@ -194,7 +198,7 @@ bin/xchg_nccl_check: tests/gpu/xchg_nccl_check.c $(B)/worker/xchg_nccl.o $(B)/ke
 	@mkdir -p bin
 	$(CC) $(CFLAGS_PROG) $(LDFLAGS) -o $@ $^ -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt \
 	    -lnng -luv -lmsgpackc -lpthread -lm
-ALL_TARGETS += bin/ep_bench bin/topk_bench bin/check-gpu bin/xchg_nccl_check bin/moe_bench
+ALL_TARGETS += bin/ep_bench bin/topk_bench bin/tma_stream bin/check-gpu bin/xchg_nccl_check bin/moe_bench
 endif
 
 FMT_SRC = $(sort $(wildcard */*.c */*.h tests/*/*.c tests/gpu/*.cu kernels/cuda/*.cu kernels/cuda/*.cuh kernels/cuda/gemm/*.cu kernels/cuda/gemm/*.cuh bench/*.c bench/*.cu fuzz/*.c))

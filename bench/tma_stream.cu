@@ -1,0 +1,239 @@
+/*
+ * tma_stream.cu - the ceiling of a bytes-bound expert GEMM's loads: one CTA
+ * per SM streams every expert's weights by TMA exactly as v10's producer
+ * does (items of 256 output columns, boxes of 64 k x 128 columns with the
+ * 128-byte swizzle, w = CTA, + grid), with no math and no epilogue: once
+ * the weights alone, then with each stage also taking 128 or 192 of the
+ * expert's rows from L2 (v10's row boxes of 64), for 3 / 4 / 6 stages.
+ * Printed beside the device-to-device copy bandwidth of the same run (read
+ * + write), so that a GEMM's time reads as a fraction of what its loads
+ * alone can reach (bench/NOTES.md "v10 paired").
+ *
+ * Usage: bin/tma_stream [E N K ...]   (default: qwen235's up and down,
+ *        128 3072 4096 and 128 4096 1536)
+ */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/cuda/kcu_tool.h"
+
+namespace
+{
+
+constexpr int W_BOX = 128 * 64 * 2; /* a weight box: 128 columns x 64 k, bf16 */
+constexpr int R_BOX = 64 * 64 * 2;  /* a row box: 64 rows x 64 k */
+constexpr int COLS = 256;           /* output columns an item (v10's wide items) */
+constexpr int SMEM = 227 * 1024;
+
+__device__ __forceinline__ void bar_init(uint32_t b, uint32_t n)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint32_t b, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint32_t b, uint32_t parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(b), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap *m, int c0, int c1,
+                                        uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void load_3d(uint32_t dst, const CUtensorMap *m, int c0, int c1, int c2,
+                                        uint32_t bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+                 : "memory");
+}
+
+/* thread 0 streams: item w = (expert w / (N / COLS), columns (w % (N /
+ * COLS)) x COLS), K / 64 stages each of two weight boxes and nrb row boxes
+ * (rows e x 128 + 64 b of the rows map), a ring of `stages` stages whose
+ * slot is refilled as soon as its bytes have landed */
+__global__ void __launch_bounds__(128)
+    k_stream(const __grid_constant__ CUtensorMap wmap, const __grid_constant__ CUtensorMap rmap,
+             int E, int N, int K, int stages, int nrb)
+{
+    extern __shared__ unsigned char smem_raw[];
+    if (threadIdx.x != 0)
+        return;
+    const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023) & ~1023u;
+    const int stage_bytes = 2 * W_BOX + nrb * R_BOX;
+    const uint32_t bar0 = base + stages * stage_bytes;
+    for (int s = 0; s < stages; s++)
+        bar_init(bar0 + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    const int per_e = N / COLS, total = E * per_e, ktiles = K / 64;
+    uint32_t it = 0;
+    for (int w = blockIdx.x; w < total; w += gridDim.x) {
+        const int e = w / per_e, n0 = (w % per_e) * COLS;
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % stages;
+            const uint32_t bar = bar0 + 8 * s, dst = base + s * stage_bytes;
+            if (it >= (uint32_t)stages)
+                bar_wait(bar, (it / stages - 1) & 1);
+            bar_expect(bar, stage_bytes);
+            for (int b = 0; b < 2; b++)
+                load_3d(dst + b * W_BOX, &wmap, kt * 64, n0 + 128 * b, e, bar);
+            for (int b = 0; b < nrb; b++)
+                load_2d(dst + 2 * W_BOX + b * R_BOX, &rmap, kt * 64, e * 128 + 64 * b, bar);
+        }
+    }
+    const uint32_t first = it > (uint32_t)stages ? it - stages : 0;
+    for (uint32_t j = first; j < it; j++)
+        bar_wait(bar0 + 8 * (j % stages), (j / stages) & 1);
+}
+
+typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                              const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                              const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* a bf16 map of `rank` dims with the 128-byte swizzle and 256-byte L2
+ * promotion (as dispatch.cu's maps) */
+void encode(encode_fn f, CUtensorMap *m, void *p, int rank, const cuuint64_t *dim,
+            const cuuint64_t *stride, const cuuint32_t *box)
+{
+    const cuuint32_t es[3] = {1, 1, 1};
+    if (f(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, p, dim, stride, box, es,
+          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        fprintf(stderr, "tma_stream: cuTensorMapEncodeTiled failed\n");
+        exit(2);
+    }
+}
+
+/* the best of `reps` timed runs of fn, in ms */
+template <class F> float best_ms(int reps, F &&fn)
+{
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    float best = 1e30f;
+    for (int r = 0; r < reps; r++) {
+        CK(cudaEventRecord(a));
+        fn();
+        CK(cudaEventRecord(b));
+        CK(cudaEventSynchronize(b));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        best = ms < best ? ms : best;
+    }
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return best;
+}
+
+} // namespace
+
+int main(int argc, char **argv)
+{
+    int shapes[8][3] = {{128, 3072, 4096}, {128, 4096, 1536}}, nshape = 2;
+    if (argc > 1) {
+        nshape = 0;
+        for (int i = 1; i + 2 < argc && nshape < 8; i += 3, nshape++)
+            for (int j = 0; j < 3; j++)
+                shapes[nshape][j] = atoi(argv[i + j]);
+    }
+    size_t wmax = 0;
+    for (int i = 0; i < nshape; i++) {
+        const int E = shapes[i][0], N = shapes[i][1], K = shapes[i][2];
+        if (E < 1 || N < COLS || N % COLS || K < 64 || K % 64) {
+            fprintf(stderr, "tma_stream: E N K need N a multiple of %d and K of 64\n", COLS);
+            return 1;
+        }
+        const size_t w = (size_t)E * N * K * 2;
+        wmax = w > wmax ? w : wmax;
+    }
+    encode_fn enc = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void **)&enc, 12000,
+                                        cudaEnableDefault, &q));
+    if (!enc) {
+        fprintf(stderr, "tma_stream: no cuTensorMapEncodeTiled\n");
+        return 2;
+    }
+    int dev = 0, nsm = 0;
+    cudaDeviceProp prop;
+    CK(cudaGetDevice(&dev));
+    CK(cudaGetDeviceProperties(&prop, dev));
+    CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
+    if (prop.major < 9) {
+        fprintf(stderr, "tma_stream: needs sm_90 (TMA), found %s\n", prop.name);
+        return 2;
+    }
+    void *w = nullptr, *w2 = nullptr, *rows = nullptr;
+    CK(cudaMalloc(&w, wmax));
+    CK(cudaMalloc(&w2, wmax));
+    CK(cudaMemset(w, 1, wmax));
+    /* the rows: 128 of them per expert, as at qwen235 T=2048 (top 8 of 128) */
+    int emax = 0, kmax = 0;
+    for (int i = 0; i < nshape; i++) {
+        emax = shapes[i][0] > emax ? shapes[i][0] : emax;
+        kmax = shapes[i][2] > kmax ? shapes[i][2] : kmax;
+    }
+    const size_t rbytes = (size_t)emax * 128 * kmax * 2;
+    CK(cudaMalloc(&rows, rbytes));
+    CK(cudaMemset(rows, 1, rbytes));
+    CK(cudaFuncSetAttribute(k_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+
+    /* warm up to sustained clocks (about a second of copies), then the copy */
+    for (int i = 0; i < 200; i++)
+        CK(cudaMemcpyAsync(w2, w, wmax, cudaMemcpyDeviceToDevice));
+    CK(cudaDeviceSynchronize());
+    const float cms =
+        best_ms(5, [&] { CK(cudaMemcpyAsync(w2, w, wmax, cudaMemcpyDeviceToDevice)); });
+    const double copy = 2.0 * wmax / cms / 1e6;
+    printf("device %s, %d SMs: D2D copy %.0f GB/s (read + write, %.0f MB)\n", prop.name, nsm, copy,
+           wmax / 1e6);
+
+    const int cfg[][2] = {{3, 0}, {4, 0}, {6, 0}, {3, 2}, {4, 2}, {3, 3}, {4, 3}};
+    for (int i = 0; i < nshape; i++) {
+        const int E = shapes[i][0], N = shapes[i][1], K = shapes[i][2];
+        const size_t bytes = (size_t)E * N * K * 2;
+        CUtensorMap wm, rm;
+        const cuuint64_t wdim[3] = {(cuuint64_t)K, (cuuint64_t)N, (cuuint64_t)E},
+                         wstr[2] = {(cuuint64_t)K * 2, (cuuint64_t)N * K * 2};
+        const cuuint32_t wbox[3] = {64, 128, 1};
+        encode(enc, &wm, w, 3, wdim, wstr, wbox);
+        const cuuint64_t rdim[2] = {(cuuint64_t)K, (cuuint64_t)E * 128},
+                         rstr[1] = {(cuuint64_t)K * 2};
+        const cuuint32_t rbox[2] = {64, 64};
+        encode(enc, &rm, rows, 2, rdim, rstr, rbox);
+        for (const auto &c : cfg) {
+            const int stages = c[0], nrb = c[1];
+            if (stages * (2 * W_BOX + nrb * R_BOX) + 1024 + 8 * stages > SMEM)
+                continue;
+            const float ms = best_ms(5, [&] {
+                k_stream<<<nsm, 128, SMEM>>>(wm, rm, E, N, K, stages, nrb);
+                CK(cudaGetLastError());
+            });
+            const double gbs = bytes / ms / 1e6;
+            printf("E=%d N=%d K=%d: %d stages, weights + %3d rows a stage: %.3f ms, weights at "
+                   "%.0f GB/s = %.0f%% of copy\n",
+                   E, N, K, stages, 64 * nrb, ms, gbs, 100.0 * gbs / copy);
+        }
+    }
+    CK(cudaFree(w));
+    CK(cudaFree(w2));
+    CK(cudaFree(rows));
+    return 0;
+}
