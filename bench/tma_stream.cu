@@ -7,7 +7,8 @@
  * expert's rows from L2 (v10's row boxes of 64), for 3 / 4 / 6 stages.
  * Printed beside the device-to-device copy bandwidth of the same run (read
  * + write), so that a GEMM's time reads as a fraction of what its loads
- * alone can reach (bench/NOTES.md "v10 paired").
+ * alone can reach (bench/NOTES.md "v10 paired"). The barriers and loads are
+ * gemm/tma.cuh's, as in the GEMMs.
  *
  * Usage: bin/tma_stream [E N K ...]   (default: qwen235's up and down,
  *        128 3072 4096 and 128 4096 1536)
@@ -16,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "kernels/cuda/gemm/tma.cuh"
 #include "kernels/cuda/kcu_tool.h"
 
 namespace
@@ -25,44 +27,6 @@ constexpr int W_BOX = 128 * 64 * 2; /* a weight box: 128 columns x 64 k, bf16 */
 constexpr int R_BOX = 64 * 64 * 2;  /* a row box: 64 rows x 64 k */
 constexpr int COLS = 256;           /* output columns an item (v10's wide items) */
 constexpr int SMEM = 227 * 1024;
-
-__device__ __forceinline__ void bar_init(uint32_t b, uint32_t n)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint32_t b, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint32_t b, uint32_t parity)
-{
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\n"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(b), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-__device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap *m, int c0, int c1,
-                                        uint32_t bar)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(bar)
-                 : "memory");
-}
-__device__ __forceinline__ void load_3d(uint32_t dst, const CUtensorMap *m, int c0, int c1, int c2,
-                                        uint32_t bar)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-                 "l"(reinterpret_cast<uint64_t>(m)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-                 : "memory");
-}
 
 /* thread 0 streams: item w = (expert w / (N / COLS), columns (w % (N /
  * COLS)) x COLS), K / 64 stages each of two weight boxes and nrb row boxes
@@ -79,8 +43,8 @@ __global__ void __launch_bounds__(128)
     const int stage_bytes = 2 * W_BOX + nrb * R_BOX;
     const uint32_t bar0 = base + stages * stage_bytes;
     for (int s = 0; s < stages; s++)
-        bar_init(bar0 + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init(bar0 + 8 * s, 1);
+    ws_bars_fence();
     const int per_e = N / COLS, total = E * per_e, ktiles = K / 64;
     uint32_t it = 0;
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
@@ -89,17 +53,17 @@ __global__ void __launch_bounds__(128)
             const int s = it % stages;
             const uint32_t bar = bar0 + 8 * s, dst = base + s * stage_bytes;
             if (it >= (uint32_t)stages)
-                bar_wait(bar, (it / stages - 1) & 1);
-            bar_expect(bar, stage_bytes);
+                mbar_wait(bar, (it / stages - 1) & 1);
+            mbar_arrive_tx(bar, stage_bytes);
             for (int b = 0; b < 2; b++)
-                load_3d(dst + b * W_BOX, &wmap, kt * 64, n0 + 128 * b, e, bar);
+                tma_3d(dst + b * W_BOX, &wmap, kt * 64, n0 + 128 * b, e, bar);
             for (int b = 0; b < nrb; b++)
-                load_2d(dst + 2 * W_BOX + b * R_BOX, &rmap, kt * 64, e * 128 + 64 * b, bar);
+                tma_2d(dst + 2 * W_BOX + b * R_BOX, &rmap, kt * 64, e * 128 + 64 * b, bar);
         }
     }
     const uint32_t first = it > (uint32_t)stages ? it - stages : 0;
     for (uint32_t j = first; j < it; j++)
-        bar_wait(bar0 + 8 * (j % stages), (j / stages) & 1);
+        mbar_wait(bar0 + 8 * (j % stages), (j / stages) & 1);
 }
 
 typedef CUresult (*encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
