@@ -1140,9 +1140,9 @@ static int swapped_check(uint64_t seed)
         up(d_nt, &NTL, 4);
         up(d_perm, perm.data(), (size_t)S * 4);
         /* v10 in narrow (v 0) and wide items (v 1), wide items paired on 2-CTA
-         * clusters with the rows multicast (v 2, where N allows); then v4 (v =
-         * V4) */
-        const int V4 = 3;
+         * clusters with the rows multicast (v 2, where N allows), wide items in
+         * 4 stages with the epilogue in the held stage (v 3); then v4 (v = V4) */
+        const int V4 = 4;
         std::vector<uint16_t> out[V4 + 1];
         int ver[V4 + 1] = {0};
         for (int v = 0; v <= V4; v++) {
@@ -1175,6 +1175,7 @@ static int swapped_check(uint64_t seed)
             kcu_gemm_swap_override = v4 ? -1 : 2; /* both projections, any rows */
             kcu_gemm_swap_wide_override = v4 ? -1 : v > 0;
             kcu_gemm_v10_pair_override = v4 ? -1 : v == 2;
+            kcu_gemm_v10_held_override = v4 ? -1 : v == 3;
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1186,6 +1187,7 @@ static int swapped_check(uint64_t seed)
         kcu_gemm_swap_override = -1;
         kcu_gemm_swap_wide_override = -1;
         kcu_gemm_v10_pair_override = -1;
+        kcu_gemm_v10_held_override = -1;
         for (int v = 0; v < V4; v++) {
             const std::vector<float> got = f_of(out[v]);
             const double err = relerr(got.data(), ref.data(), ref.size());
@@ -1194,8 +1196,12 @@ static int swapped_check(uint64_t seed)
             fails += !ok;
             printf("gemm v10 %s%s %s (%d experts of 0-700 rows, N=%d K=%d): version %d, rel err "
                    "%.1e, %s v%d %s\n",
-                   v ? "wide" : "narrow", v == 2 ? " paired" : "", which ? "SCATTER" : "SWIGLU", E,
-                   N, K, ver[v], err, same ? "==" : "!=", ver[V4], ok ? "PASS" : "FAIL");
+                   v ? "wide" : "narrow",
+                   v == 2   ? " paired"
+                   : v == 3 ? " held"
+                            : "",
+                   which ? "SCATTER" : "SWIGLU", E, N, K, ver[v], err, same ? "==" : "!=", ver[V4],
+                   ok ? "PASS" : "FAIL");
         }
         for (void *p : {(void *)dA, (void *)dB, (void *)dO, (void *)d_offs, (void *)d_te,
                         (void *)d_tr, (void *)d_nt, (void *)d_perm})

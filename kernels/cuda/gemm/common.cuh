@@ -183,6 +183,9 @@ int v10_wide(kcu_epi epi, const kcu_gemm_args *a);
 /* 1 where v10's wide items run in pairs on 2-CTA clusters, the rows
  * multicast to both (gemm/swapped.cu) */
 int v10_paired(kcu_epi epi, const kcu_gemm_args *a);
+/* 1 where v10's wide items run in 4 stages with the epilogue staged through
+ * the chunk's last stage (gemm/swapped.cu) */
+int v10_held(kcu_epi epi, const kcu_gemm_args *a);
 
 } // namespace kgemm
 

@@ -54,6 +54,15 @@
  * releases the stage in both), and each producer waits for the last
  * stages' releases before it exits. Measured neutral on H200: ncu counted
  * as many L2 reads as without (bench/NOTES.md "v10 paired").
+ *
+ * Wide items in 4 stages (KCU_V10_HELD=1, off by default, compiled and not
+ * yet run on a GPU; swp_cfg<2>): bench/tma_stream's consumer model says a
+ * stage held under the math costs 5-6% of the loads' rate with 3 stages and
+ * 1-2% with 4. A 4th stage of 56 KB fits when the epilogue buffers go: each
+ * chunk's epilogue stages its outputs through the chunk's last stage (each
+ * consumer warpgroup through the 16 KB of weights only it read), which the
+ * consumer warps release after the epilogue (a proxy fence first, as the
+ * TMA refills it); SCATTER's entries sit in slots beside the barriers.
  */
 #include "kernels/cuda/gemm/common.cuh"
 #include "kernels/cuda/gemm/tile.cuh"
@@ -68,25 +77,33 @@ namespace
 constexpr int SWP_BOX_BYTES = 64 * 64 * 2; /* one TMA box of the rows: 64 rows x 64 k */
 constexpr int SWP_EPI_BYTES = 16 * 1024;   /* per consumer warpgroup */
 
-/* the two item shapes: narrow (W 0: 128 output columns, v4's 48 KB stage,
- * chunks of 256 rows) and wide (W 1: 256 columns, two m64 accumulators a
- * consumer warpgroup, chunks of 192 rows, 56 KB stages) */
+/* the item shapes: narrow (W 0: 128 output columns, v4's 48 KB stage,
+ * chunks of 256 rows), wide (W 1: 256 columns, two m64 accumulators a
+ * consumer warpgroup, chunks of 192 rows, 3 stages of 56 KB) and wide in 4
+ * stages (W 2, HELD: no epilogue buffers of their own - a chunk's epilogue
+ * stages its outputs through the chunk's last stage, which the consumers
+ * hold until it ends; SCATTER's entries in slots beside the barriers) */
 template <int W> struct swp_cfg {
     static constexpr int ROWS = W ? 192 : 256;    /* rows of a chunk at most (wgmma's n) */
     static constexpr int COLS = W ? 256 : 128;    /* output columns of an item */
     static constexpr int TILES = COLS / 128;      /* m64 tiles a consumer warpgroup */
     static constexpr int A_BYTES = COLS * 64 * 2; /* the weight tile: COLS x 64 k */
     static constexpr int STAGE = A_BYTES + ROWS * 64 * 2;
-    static constexpr int STAGES = W ? 3 : WS_STAGES;
+    static constexpr bool HELD = W == 2;
+    static constexpr int STAGES = HELD ? 4 : W ? 3 : WS_STAGES;
     static constexpr int BAR_OFF = STAGES * STAGE;
     static constexpr int EPI_OFF = BAR_OFF + 1024;
-    /* per consumer warpgroup: its epilogue's buffer, then (ENT, wide items:
-     * the narrow ones' 4 stages leave no room) SCATTER's entries of a chunk */
+    /* SCATTER's entries of a chunk in shared memory (ENT, wide items; the
+     * narrow ones' 4 stages leave no room), a slot per consumer warpgroup:
+     * after its epilogue buffer, or (HELD) at ENT_OFF beside the barriers */
     static constexpr bool ENT = W;
-    static constexpr int EPI_STRIDE = SWP_EPI_BYTES + (ENT ? ROWS * 4 : 0);
-    static constexpr int SMEM = EPI_OFF + 2 * EPI_STRIDE + 1024;
+    static constexpr int ENT_OFF = BAR_OFF + 128;
+    static constexpr int EPI_STRIDE = HELD ? 0 : SWP_EPI_BYTES + (ENT ? ROWS * 4 : 0);
+    static constexpr int SMEM = HELD ? BAR_OFF + 2048 + 1024 : EPI_OFF + 2 * EPI_STRIDE + 1024;
     static_assert(SMEM <= 227 * 1024, "v10's stages do not fit in shared memory");
     static_assert(STAGE % 1024 == 0, "a stage must keep its boxes 1024-byte aligned");
+    static_assert(!HELD || (ENT_OFF + 2 * ROWS * 4 <= BAR_OFF + 2048 && 2 * SWP_EPI_BYTES <= STAGE),
+                  "the held stage holds both epilogue buffers, the slots fit by the barriers");
 };
 static_assert(swp_cfg<0>::STAGE == WG_STAGE_BYTES && swp_cfg<0>::BAR_OFF == WS_BAR_OFF,
               "narrow items keep v4's stage layout");
@@ -196,7 +213,8 @@ __device__ __forceinline__ void swp_k_loop(float (&d)[C::TILES][128], uint32_t f
 #pragma unroll
     for (int t = 0; t < C::TILES; t++)
         swp_pin<N>(d[t]);
-    if (ktiles > 0 && lane == 0)
+    /* HELD: the last stage stays with the consumers for the epilogue */
+    if (!C::HELD && ktiles > 0 && lane == 0)
         swp_release<CL>(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES), peer);
 }
 
@@ -237,17 +255,16 @@ __device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const flo
  * Rows in passes of 128: staged as [row][64 columns] (128 bytes a row, its
  * eight 16-byte pieces swizzled by row), then each row's 128 bytes to
  * out[scatter[r]], warp wq the pass's rows 32 wq .. + 32, four a step. ENT
- * (wide items): the chunk's scatter entries are in shared memory after buf
+ * (wide items): the chunk's scatter entries are in shared memory at ent
  * (swp_scatter_fetch, by cp.async before the k loop), so the epilogue no
  * longer waits for an L2
  * load before each step's stores, eight in a row while the stage ring sat
  * full (bench/NOTES.md "v10 paired"). bar: the warpgroup's named barrier */
 template <bool ENT, int N>
 __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const float (&d)[128],
-                                                uint32_t buf, int r0, int nr, int col, int bar,
-                                                int wq, int lane, int tid)
+                                                uint32_t buf, uint32_t ent, int r0, int nr, int col,
+                                                int bar, int wq, int lane, int tid)
 {
-    const uint32_t ent = buf + SWP_EPI_BYTES;
     const int t8 = lane & 7, hr = (lane >> 3) & 1, mj = lane >> 4;
 #pragma unroll
     for (int pass = 0; pass < (N + 127) / 128; pass++) {
@@ -302,16 +319,29 @@ __device__ __forceinline__ void swp_chunk(const kcu_gemm_args &p, uint32_t full0
                                           uint32_t peer)
 {
     float d[C::TILES][128];
+    const uint32_t ent = C::HELD ? sbase + C::ENT_OFF + cw * (C::ROWS * 4) : buf + SWP_EPI_BYTES;
     if (EPI == KCU_EPI_SCATTER && C::ENT)
-        swp_scatter_fetch(p, buf + SWP_EPI_BYTES, r0, nr, tid);
+        swp_scatter_fetch(p, ent, r0, nr, tid);
     swp_k_loop<C, CL, N>(d, full0, empty0, sbase, it, ktiles, cw, lane, peer);
+    /* HELD: the epilogue's buffer is this warpgroup's 16 KB of the chunk's
+     * last stage (its wgmma have retired: wg_wait<0> in the k loop) */
+    const uint32_t held = (it + C::STAGES - 1) % C::STAGES;
+    const uint32_t eb = C::HELD ? sbase + held * C::STAGE + cw * SWP_EPI_BYTES : buf;
 #pragma unroll
     for (int t = 0; t < C::TILES; t++) {
         const int col = m0 + (C::TILES * cw + t) * 64;
         if (EPI == KCU_EPI_SWIGLU)
-            swp_epi_swiglu<N>(p, d[t], buf, r0, nr, col, 1 + cw, wq, lane, tid);
+            swp_epi_swiglu<N>(p, d[t], eb, r0, nr, col, 1 + cw, wq, lane, tid);
         else
-            swp_epi_scatter<C::ENT, N>(p, d[t], buf, r0, nr, col, 1 + cw, wq, lane, tid);
+            swp_epi_scatter<C::ENT, N>(p, d[t], eb, ent, r0, nr, col, 1 + cw, wq, lane, tid);
+    }
+    if (C::HELD && ktiles > 0) {
+        /* the stage goes back to the producer: this thread's shared-memory
+         * accesses ordered before the TMA writes that refill it */
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncwarp();
+        if (lane == 0)
+            swp_release<CL>(empty0 + 8 * held, peer);
     }
 }
 
@@ -460,6 +490,7 @@ moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cu
 
 int kcu_gemm_swap_wide_override = -1;
 int kcu_gemm_v10_pair_override = -1;
+int kcu_gemm_v10_held_override = -1;
 
 /* wide items where they apply: N a multiple of 256 and the rows averaging
  * at most V10_WIDE_MAX_AVG an expert (more would split an expert's rows
@@ -495,16 +526,33 @@ int kgemm::v10_paired(kcu_epi epi, const kcu_gemm_args *a)
     return kcu_env_flag(&env, "KCU_V10_PAIR", 0);
 }
 
+/* wide items in 4 stages, the epilogue through the chunk's last stage
+ * (swp_cfg<2>; where wide items run unpaired): kcu_gemm_v10_held_override,
+ * then KCU_V10_HELD (0 when unset: not yet run on a GPU, bench/NOTES.md
+ * "v10 paired", the consumer model) */
+int kgemm::v10_held(kcu_epi epi, const kcu_gemm_args *a)
+{
+    static int env = -1;
+    if (!kgemm::v10_wide(epi, a) || kgemm::v10_paired(epi, a) || a->K < BK)
+        return 0;
+    if (kcu_gemm_v10_held_override >= 0)
+        return kcu_gemm_v10_held_override > 0;
+    return kcu_env_flag(&env, "KCU_V10_HELD", 0);
+}
+
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
-    const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a);
+    const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a),
+              held = kgemm::v10_held(epi, a);
     if (epi == KCU_EPI_SWIGLU)
         return paired ? launch_swap_paired<KCU_EPI_SWIGLU>(a, m, nsm, st)
+               : held ? launch_swap<KCU_EPI_SWIGLU, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
     if (epi == KCU_EPI_SCATTER)
         return paired ? launch_swap_paired<KCU_EPI_SCATTER>(a, m, nsm, st)
+               : held ? launch_swap<KCU_EPI_SCATTER, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SCATTER, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SCATTER, 0>(a, m, nsm, st);
     fprintf(stderr, "kcu_gemm: v10 has no epilogue %d\n", epi);
