@@ -257,9 +257,9 @@ __device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const flo
  * out[scatter[r]], warp wq the pass's rows 32 wq .. + 32, four a step. ENT
  * (wide items): the chunk's scatter entries are in shared memory at ent
  * (swp_scatter_fetch, by cp.async before the k loop), so the epilogue no
- * longer waits for an L2
- * load before each step's stores, eight in a row while the stage ring sat
- * full (bench/NOTES.md "v10 paired"). bar: the warpgroup's named barrier */
+ * longer waits for an L2 load before each step's stores, eight in a row
+ * while the stage ring sat full (bench/NOTES.md "v10 paired"). bar: the
+ * warpgroup's named barrier */
 template <bool ENT, int N>
 __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const float (&d)[128],
                                                 uint32_t buf, uint32_t ent, int r0, int nr, int col,
@@ -296,8 +296,8 @@ __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const fl
 }
 
 /* SCATTER: the chunk's scatter entries scatter[r0 .. r0 + nr) into shared
- * memory at ent (after the warpgroup's epilogue buffer) by cp.async (4 bytes each), waited for in
- * the epilogue: in flight while the k loop runs */
+ * memory at ent (the warpgroup's slot) by cp.async, 4 bytes each, waited
+ * for in the epilogue: in flight while the k loop runs */
 __device__ __forceinline__ void swp_scatter_fetch(const kcu_gemm_args &p, uint32_t ent, int r0,
                                                   int nr, int tid)
 {
