@@ -187,7 +187,7 @@ bin/topk_bench: bench/topk_bench.cu kernels/cuda/kcu_topk.cuh
 	@mkdir -p bin
 	$(NVCC) $(NVCCFLAGS) -o $@ $<
 # tma_stream: the ceiling of v10's loads (weights by TMA, + rows), no math (sm_90a only)
-bin/tma_stream: bench/tma_stream.cu kernels/cuda/kcu_tool.h
+bin/tma_stream: bench/tma_stream.cu kernels/cuda/kcu_tool.h kernels/cuda/gemm/tma.cuh kernels/cuda/gemm/common.cuh
 	@mkdir -p bin
 	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I. -o $@ $<
 bench: bin/moe_bench bin/ep_bench

@@ -44,8 +44,7 @@ struct ws_maps {
     CUtensorMap a;  /* ta: rows mode (K, rows) box (64, 128); wgrad (M, rows) box (64, 64) */
     CUtensorMap b;  /* tb: rows mode B_K (K, N, E) box (64, 256, 1), B_N (N, K, E) box (64, 64,
                      * 1); wgrad (N, rows) box (64, 64) */
-    CUtensorMap c;  /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1); v10:
-                     * the rows (K, rows) box (64, 16) */
+    CUtensorMap c;  /* tc, staged epilogue: ACC fp32 C (N, M, groups) box (32, 64, 1) */
     CUtensorMap ab; /* tab, staged epilogue: DSWIGLU's (a, b) (2F, rows) box (64, 128); tsw:
                      * SWIGLU's (a, b) output, the same map */
     CUtensorMap h;  /* tsw: SWIGLU's h (F, rows) box (64, 128) */

@@ -314,11 +314,12 @@ __device__ __forceinline__ void swp_scatter_fetch(const kcu_gemm_args &p, uint32
  * of its m64 tiles at the chunk's n extent N (16 ... C::ROWS) */
 template <class C, int CL, int EPI, int N>
 __device__ __forceinline__ void swp_chunk(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0,
-                                          uint32_t sbase, uint32_t &it, int ktiles, uint32_t buf,
-                                          int r0, int nr, int m0, int cw, int wq, int lane, int tid,
-                                          uint32_t peer)
+                                          uint32_t sbase, uint32_t &it, int ktiles, int r0, int nr,
+                                          int m0, int cw, int wq, int lane, int tid, uint32_t peer)
 {
     float d[C::TILES][128];
+    /* this warpgroup's epilogue buffer (not HELD) and SCATTER's entry slot */
+    const uint32_t buf = sbase + C::EPI_OFF + cw * C::EPI_STRIDE;
     const uint32_t ent = C::HELD ? sbase + C::ENT_OFF + cw * (C::ROWS * 4) : buf + SWP_EPI_BYTES;
     if (EPI == KCU_EPI_SCATTER && C::ENT)
         swp_scatter_fetch(p, ent, r0, nr, tid);
@@ -346,16 +347,15 @@ __device__ __forceinline__ void swp_chunk(const kcu_gemm_args &p, uint32_t full0
 }
 
 template <class C, int CL, int EPI>
-__device__ __forceinline__ void swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0,
-                                            uint32_t sbase, uint32_t &it, int ktiles, uint32_t buf,
-                                            int r0, int nr, int m0, int cw, int wq, int lane,
-                                            int tid, uint32_t peer)
+__device__ __forceinline__ void
+swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sbase, uint32_t &it,
+            int ktiles, int r0, int nr, int m0, int cw, int wq, int lane, int tid, uint32_t peer)
 {
 #define SWP_CASE(n16)                                                                              \
     case n16:                                                                                      \
         if (16 * (n16) <= C::ROWS)                                                                 \
             swp_chunk<C, CL, EPI, 16 * (n16) <= C::ROWS ? 16 * (n16) : 16>(                        \
-                p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane, tid, peer);    \
+                p, full0, empty0, sbase, it, ktiles, r0, nr, m0, cw, wq, lane, tid, peer);         \
         break;
     switch ((nr + 15) >> 4) {
         SWP_CASE(1)
@@ -442,10 +442,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
     /* ---------------- consumers ---------------- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_CONSUMER_REGS));
     const int cw = wg - 1, wq = warp & 3;
-    const uint32_t buf = sbase + C::EPI_OFF + cw * C::EPI_STRIDE;
     uint32_t it = 0;
     swp_walk<C, CL>(p, mt, total, rank, [&](int, int m0, int r0, int nr) {
-        swp_chunk_n<C, CL, EPI>(p, full0, empty0, sbase, it, ktiles, buf, r0, nr, m0, cw, wq, lane,
+        swp_chunk_n<C, CL, EPI>(p, full0, empty0, sbase, it, ktiles, r0, nr, m0, cw, wq, lane,
                                 tid & 127, peer);
     });
 #endif
