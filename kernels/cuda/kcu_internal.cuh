@@ -281,11 +281,16 @@ extern int kcu_gemm_v10_pair_override;
 /* kcu_gemm_v10_held_override: v10's wide items (unpaired) in 4 stages of 56
  * KB, each chunk's epilogue staged through its last stage, which the
  * consumers hold until the epilogue ends (no epilogue buffers of their own),
- * for checks: -1 the default (KCU_V10_HELD, off unless 1), 0 never, 1
- * wherever wide items run unpaired. bench/tma_stream's consumer model
- * predicts the down-projection ~4% faster with a 4th stage; not yet run on
- * a GPU */
+ * for checks: -1 the default (KCU_V10_HELD, on unless 0), 0 never, 1
+ * wherever wide items run unpaired. Measured on H200 (bench/NOTES.md "v10
+ * held"): qwen235 T=2048 4-5% faster than with 3 stages and buffers */
 extern int kcu_gemm_v10_held_override;
+/* kcu_gemm_v10_sw_override: the held wide up-projection (SWIGLU, K >= 256)
+ * stages each chunk's two h tiles in the held stage and a store warp of the
+ * producer warpgroup stores them and releases the stage, the consumers
+ * going on to the next chunk; for checks: -1 the default (KCU_V10_SW, on
+ * unless 0), 0 never, 1 wherever held items run with K >= 256 */
+extern int kcu_gemm_v10_sw_override;
 /* kcu_stats_mapped_override: the decode path's last kernel writes counts,
  * aux/z and drops into mapped page-locked memory (1), or they are copied
  * out by kcu_forward_stats (0); -1 = KCU_STATS_MAPPED (checks set it) */

@@ -1141,8 +1141,10 @@ static int swapped_check(uint64_t seed)
         up(d_perm, perm.data(), (size_t)S * 4);
         /* v10 in narrow (v 0) and wide items (v 1), wide items paired on 2-CTA
          * clusters with the rows multicast (v 2, where N allows), wide items in
-         * 4 stages with the epilogue in the held stage (v 3); then v4 (v = V4) */
-        const int V4 = 4;
+         * 4 stages with the epilogue in the held stage (v 3), and with store
+         * warps (v 4, the up-projection only: SCATTER runs it as v 3); then
+         * v4 (v = V4) */
+        const int V4 = 5;
         std::vector<uint16_t> out[V4 + 1];
         int ver[V4 + 1] = {0};
         for (int v = 0; v <= V4; v++) {
@@ -1175,7 +1177,8 @@ static int swapped_check(uint64_t seed)
             kcu_gemm_swap_override = v4 ? -1 : 2; /* both projections, any rows */
             kcu_gemm_swap_wide_override = v4 ? -1 : v > 0;
             kcu_gemm_v10_pair_override = v4 ? -1 : v == 2;
-            kcu_gemm_v10_held_override = v4 ? -1 : v == 3;
+            kcu_gemm_v10_held_override = v4 ? -1 : v == 3 || v == 4;
+            kcu_gemm_v10_sw_override = v4 ? -1 : v == 4;
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1188,6 +1191,7 @@ static int swapped_check(uint64_t seed)
         kcu_gemm_swap_wide_override = -1;
         kcu_gemm_v10_pair_override = -1;
         kcu_gemm_v10_held_override = -1;
+        kcu_gemm_v10_sw_override = -1;
         for (int v = 0; v < V4; v++) {
             const std::vector<float> got = f_of(out[v]);
             const double err = relerr(got.data(), ref.data(), ref.size());
@@ -1199,6 +1203,7 @@ static int swapped_check(uint64_t seed)
                    v ? "wide" : "narrow",
                    v == 2   ? " paired"
                    : v == 3 ? " held"
+                   : v == 4 ? " held sw"
                             : "",
                    which ? "SCATTER" : "SWIGLU", E, N, K, ver[v], err, same ? "==" : "!=", ver[V4],
                    ok ? "PASS" : "FAIL");

@@ -185,6 +185,9 @@ int v10_paired(kcu_epi epi, const kcu_gemm_args *a);
 /* 1 where v10's wide items run in 4 stages with the epilogue staged through
  * the chunk's last stage (gemm/swapped.cu) */
 int v10_held(kcu_epi epi, const kcu_gemm_args *a);
+/* 1 where v10's held wide up-projection hands each chunk's h tiles to
+ * store warps (gemm/swapped.cu) */
+int v10_sw(kcu_epi epi, const kcu_gemm_args *a);
 
 } // namespace kgemm
 

@@ -55,14 +55,25 @@
  * stages' releases before it exits. Measured neutral on H200: ncu counted
  * as many L2 reads as without (bench/NOTES.md "v10 paired").
  *
- * Wide items in 4 stages (KCU_V10_HELD=1, off by default, compiled and not
- * yet run on a GPU; swp_cfg<2>): bench/tma_stream's consumer model says a
+ * Wide items in 4 stages (the default; KCU_V10_HELD=0 gives the 3 stages
+ * of swp_cfg<1>; swp_cfg<2>): bench/tma_stream's consumer model says a
  * stage held under the math costs 5-6% of the loads' rate with 3 stages and
  * 1-2% with 4. A 4th stage of 56 KB fits when the epilogue buffers go: each
  * chunk's epilogue stages its outputs through the chunk's last stage (each
  * consumer warpgroup through the 16 KB of weights only it read), which the
  * consumer warps release after the epilogue (a proxy fence first, as the
  * TMA refills it); SCATTER's entries sit in slots beside the barriers.
+ * Measured on H200: the up-projection 851-873 us against 890-893, the
+ * down 444-454 against 472-475 (ncu, qwen235 T=2048).
+ *
+ * Store warps (SW, swp_cfg<3>, the held up-projection; KCU_V10_SW=0 turns
+ * it off): the consumers stage both h tiles of a chunk at once (tile 0 in
+ * their warpgroup's weight half of the held stage, tile 1 in its half of
+ * the rows, after a barrier over both warpgroups), arrive on their
+ * warpgroup's barrier and go on to the next chunk; warp 1 + cw of the
+ * producer warpgroup stores warpgroup cw's tiles (128-byte h rows, where
+ * the consumers stored 64-byte halves) and releases the stage for that
+ * warpgroup's four warps. Measured on H200: 846-851 us against 866-883.
  */
 #include "kernels/cuda/gemm/common.cuh"
 #include "kernels/cuda/gemm/tile.cuh"
@@ -89,9 +100,16 @@ template <int W> struct swp_cfg {
     static constexpr int TILES = COLS / 128;      /* m64 tiles a consumer warpgroup */
     static constexpr int A_BYTES = COLS * 64 * 2; /* the weight tile: COLS x 64 k */
     static constexpr int STAGE = A_BYTES + ROWS * 64 * 2;
-    static constexpr bool HELD = W == 2;
+    static constexpr bool HELD = W >= 2;
+    /* SW (W 3, SWIGLU): the chunk's two h tiles staged at once in its held
+     * stage and stored to h by a store warp of the producer warpgroup, which
+     * then releases the stage: the consumers go on to the next chunk */
+    static constexpr bool SW = W == 3;
     static constexpr int STAGES = HELD ? 4 : W ? 3 : WS_STAGES;
     static constexpr int BAR_OFF = STAGES * STAGE;
+    /* SW: a barrier per consumer warpgroup after full[] and empty[] (its
+     * staged tiles ready for its store warp) */
+    static constexpr int EPI_FULL_OFF = BAR_OFF + 2 * STAGES * 8;
     static constexpr int EPI_OFF = BAR_OFF + 1024;
     /* SCATTER's entries of a chunk in shared memory (ENT, wide items; the
      * narrow ones' 4 stages leave no room), a slot per consumer warpgroup:
@@ -104,6 +122,10 @@ template <int W> struct swp_cfg {
     static_assert(STAGE % 1024 == 0, "a stage must keep its boxes 1024-byte aligned");
     static_assert(!HELD || (ENT_OFF + 2 * ROWS * 4 <= BAR_OFF + 2048 && 2 * SWP_EPI_BYTES <= STAGE),
                   "the held stage holds both epilogue buffers, the slots fit by the barriers");
+    static_assert(
+        !SW || (EPI_FULL_OFF + 16 <= ENT_OFF && 2 * ROWS * 64 <= STAGE - A_BYTES &&
+                ROWS * 64 <= SWP_EPI_BYTES),
+        "SW: the barriers before the slots; each warpgroup's two h tiles in its held stage");
 };
 static_assert(swp_cfg<0>::STAGE == WG_STAGE_BYTES && swp_cfg<0>::BAR_OFF == WS_BAR_OFF,
               "narrow items keep v4's stage layout");
@@ -250,6 +272,41 @@ __device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const flo
     bar_wg(bar);
 }
 
+/* SW: the SWIGLU of one m64 tile staged at buf as swp_epi_swiglu stages it
+ * ([row][32 h columns], 64 bytes a row, swizzled by row / 2), not stored */
+template <int N>
+__device__ __forceinline__ void swp_stage_swiglu(const float (&d)[128], uint32_t buf, int wq,
+                                                 int lane)
+{
+    const int t8 = lane & 7, mi = (lane >> 3) & 1;
+#pragma unroll
+    for (int j = 0; j < N / 8; j += 2) {
+        uint32_t v[2];
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++) {
+            const int b = 4 * (j + jj);
+            v[jj] = pack_bf2(act_swiglu::fwd(d[b], d[b + 2]), act_swiglu::fwd(d[b + 1], d[b + 3]));
+        }
+        const int row = 8 * (j + mi) + t8;
+        stsm_x2_t(buf + row * 64 + ((wq ^ ((row >> 1) & 3)) << 4), v[0], v[1]);
+    }
+}
+
+/* SW: the two h tiles a consumer warpgroup staged (tile 0 at b0, tile 1 at
+ * b1, swp_stage_swiglu's layout) to h rows r0 .. r0 + nr, h columns hc ..
+ * hc + 64: 128 bytes a row, each lane 16 of them, a warp four rows a step */
+__device__ __forceinline__ void swp_store_swiglu(const kcu_gemm_args &p, uint32_t b0, uint32_t b1,
+                                                 int r0, int nr, int hc, int lane)
+{
+    const int t = (lane >> 2) & 1, ch = lane & 3; /* this lane's piece of a row */
+    const uint32_t src = t ? b1 : b0;
+    bf16 *h = p.h + (size_t)r0 * p.F + hc + 32 * t + 8 * ch;
+    for (int row = lane >> 3; row < nr; row += 4) {
+        const uint4 v = lds_u128(src + row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
+        *reinterpret_cast<uint4 *>(h + (size_t)row * p.F) = v;
+    }
+}
+
 /* SCATTER, one m64 tile of output columns col .. col + 64: warp wq's
  * fragment rows 16 wq + g + 8 hr are output column col + 16 wq + 8 hr + g.
  * Rows in passes of 128: staged as [row][64 columns] (128 bytes a row, its
@@ -328,21 +385,33 @@ __device__ __forceinline__ void swp_chunk(const kcu_gemm_args &p, uint32_t full0
      * last stage (its wgmma have retired: wg_wait<0> in the k loop) */
     const uint32_t held = (it + C::STAGES - 1) % C::STAGES;
     const uint32_t eb = C::HELD ? sbase + held * C::STAGE + cw * SWP_EPI_BYTES : buf;
+    if constexpr (C::SW) {
+        /* tile 0 in this warpgroup's weight half, tile 1 in its half of the
+         * rows (the other warpgroup's wgmma on them retired: barrier 3 over
+         * both), then the store warp takes them and releases the stage */
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+        swp_stage_swiglu<N>(d[0], eb, wq, lane);
+        swp_stage_swiglu<N>(d[1], sbase + held * C::STAGE + C::A_BYTES + cw * (C::ROWS * 64), wq,
+                            lane);
+        __syncwarp(); /* stmatrix is the warp's: its writes before any lane's arrival */
+        mbar_arrive(sbase + C::EPI_FULL_OFF + 8 * cw);
+    } else {
 #pragma unroll
-    for (int t = 0; t < C::TILES; t++) {
-        const int col = m0 + (C::TILES * cw + t) * 64;
-        if (EPI == KCU_EPI_SWIGLU)
-            swp_epi_swiglu<N>(p, d[t], eb, r0, nr, col, 1 + cw, wq, lane, tid);
-        else
-            swp_epi_scatter<C::ENT, N>(p, d[t], eb, ent, r0, nr, col, 1 + cw, wq, lane, tid);
-    }
-    if (C::HELD && ktiles > 0) {
-        /* the stage goes back to the producer: this thread's shared-memory
-         * accesses ordered before the TMA writes that refill it */
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncwarp();
-        if (lane == 0)
-            swp_release<CL>(empty0 + 8 * held, peer);
+        for (int t = 0; t < C::TILES; t++) {
+            const int col = m0 + (C::TILES * cw + t) * 64;
+            if (EPI == KCU_EPI_SWIGLU)
+                swp_epi_swiglu<N>(p, d[t], eb, r0, nr, col, 1 + cw, wq, lane, tid);
+            else
+                swp_epi_scatter<C::ENT, N>(p, d[t], eb, ent, r0, nr, col, 1 + cw, wq, lane, tid);
+        }
+        if (C::HELD && ktiles > 0) {
+            /* the stage goes back to the producer: this thread's shared-memory
+             * accesses ordered before the TMA writes that refill it */
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncwarp();
+            if (lane == 0)
+                swp_release<CL>(empty0 + 8 * held, peer);
+        }
     }
 }
 
@@ -395,6 +464,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
             mbar_init(full0 + 8 * s, 1);
             mbar_init(empty0 + 8 * s, 8 * CL); /* each consumer warp of the cluster */
         }
+        for (int w = 0; C::SW && w < 2; w++)
+            mbar_init(sbase + C::EPI_FULL_OFF + 8 * w, 128); /* each consumer thread */
         ws_bars_fence();
     }
     __syncthreads();
@@ -407,6 +478,31 @@ __global__ void __launch_bounds__(WS_NT, 1)
     if (wg == 0) {
         /* ---------------- producer: thread 0 ---------------- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_PRODUCER_REGS));
+        if (C::SW && (warp == 1 || warp == 2)) {
+            /* SW: warp 1 + cw stores consumer warpgroup cw's h tiles of each
+             * chunk, then releases the chunk's held stage for that
+             * warpgroup's four warps. One barrier phase a chunk: the
+             * consumers cannot arrive for the next chunk before this one is
+             * released (its k loop of >= STAGES steps needs the stage) */
+            const int cw = warp - 1;
+            uint32_t it = 0, n = 0;
+            swp_walk<C, CL>(p, mt, total, rank, [&](int, int m0, int r0, int nr) {
+                it += ktiles;
+                const uint32_t held = (it + C::STAGES - 1) % C::STAGES,
+                               st = sbase + held * C::STAGE;
+                mbar_wait(sbase + C::EPI_FULL_OFF + 8 * cw, n++ & 1);
+                swp_store_swiglu(p, st + cw * SWP_EPI_BYTES, st + C::A_BYTES + cw * (C::ROWS * 64),
+                                 r0, nr, m0 / 2 + 64 * cw, lane);
+                /* the reads ordered before the TMA writes that refill it */
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                __syncwarp();
+                if (lane == 0) /* for the warpgroup's four warps */
+                    asm volatile(
+                        "mbarrier.arrive.shared::cta.b64 _, [%0], 4;\n" ::"r"(empty0 + 8 * held)
+                        : "memory");
+            });
+            return;
+        }
         if (tid != 0)
             return;
         prefetch_tmap(&mp.a);
@@ -490,6 +586,7 @@ moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cu
 int kcu_gemm_swap_wide_override = -1;
 int kcu_gemm_v10_pair_override = -1;
 int kcu_gemm_v10_held_override = -1;
+int kcu_gemm_v10_sw_override = -1;
 
 /* wide items where they apply: N a multiple of 256 and the rows averaging
  * at most V10_WIDE_MAX_AVG an expert (more would split an expert's rows
@@ -527,8 +624,8 @@ int kgemm::v10_paired(kcu_epi epi, const kcu_gemm_args *a)
 
 /* wide items in 4 stages, the epilogue through the chunk's last stage
  * (swp_cfg<2>; where wide items run unpaired): kcu_gemm_v10_held_override,
- * then KCU_V10_HELD (0 when unset: not yet run on a GPU, bench/NOTES.md
- * "v10 paired", the consumer model) */
+ * then KCU_V10_HELD (1 when unset: measured on H200, bench/NOTES.md "v10
+ * held": qwen235 T=2048 1.53-1.54 ms against 1.60-1.64 with 3 stages) */
 int kgemm::v10_held(kcu_epi epi, const kcu_gemm_args *a)
 {
     static int env = -1;
@@ -536,16 +633,33 @@ int kgemm::v10_held(kcu_epi epi, const kcu_gemm_args *a)
         return 0;
     if (kcu_gemm_v10_held_override >= 0)
         return kcu_gemm_v10_held_override > 0;
-    return kcu_env_flag(&env, "KCU_V10_HELD", 0);
+    return kcu_env_flag(&env, "KCU_V10_HELD", 1);
+}
+
+/* held wide items of the up-projection with a store warp per consumer
+ * warpgroup (swp_cfg<3>; K of at least 4 stages, so that a warpgroup's
+ * staged tiles are stored before it stages the next chunk's):
+ * kcu_gemm_v10_sw_override, then KCU_V10_SW (1 when unset: measured on H200,
+ * bench/NOTES.md "v10 held": the qwen235 up-projection 846-851 us against
+ * 866-883, its h stores 1.59 M L2 sectors against 4.57 M) */
+int kgemm::v10_sw(kcu_epi epi, const kcu_gemm_args *a)
+{
+    static int env = -1;
+    if (epi != KCU_EPI_SWIGLU || !kgemm::v10_held(epi, a) || a->K < swp_cfg<3>::STAGES * BK)
+        return 0;
+    if (kcu_gemm_v10_sw_override >= 0)
+        return kcu_gemm_v10_sw_override > 0;
+    return kcu_env_flag(&env, "KCU_V10_SW", 1);
 }
 
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
     const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a),
-              held = kgemm::v10_held(epi, a);
+              held = kgemm::v10_held(epi, a), sw = kgemm::v10_sw(epi, a);
     if (epi == KCU_EPI_SWIGLU)
         return paired ? launch_swap_paired<KCU_EPI_SWIGLU>(a, m, nsm, st)
+               : sw   ? launch_swap<KCU_EPI_SWIGLU, 3>(a, m, nsm, st)
                : held ? launch_swap<KCU_EPI_SWIGLU, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
