@@ -313,10 +313,13 @@ __global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, 
 
 /* out (T,H) = sum_j in order of [w ? bf16(w[s] ye[s]) : ye[s]] (+ extra (T,H) f32),
  * over the kept slots (spos NULL or spos[s] >= 0). ye (S,H) bf16 in slot
- * order. One thread per 8 columns. The slots' rows are loaded 8 at a time
- * before any is added (8 loads in flight, not one round trip per slot: the
- * combine was at half the copy bandwidth), then added in j order as
- * before, so the bits do not change. */
+ * order. One thread per 8 columns. BATCH (kcu_combine: K >= 8): the slots'
+ * rows loaded 8 at a time before any is added (8 loads in flight, where the
+ * loop had one round trip per slot: Qwen3's combine at half the copy
+ * bandwidth), then added in j order as before, the same bits; not for
+ * fewer slots (Mixtral's K = 2 with it: 0.09 -> 0.12 ms on H200, one run;
+ * more registers for the same two loads a thread, a likely cause). */
+template <bool BATCH>
 __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__ w,
                           const float *__restrict__ extra, const int32_t *__restrict__ spos, int T,
                           int K, int H, void *out, int out_f32)
@@ -339,22 +342,45 @@ __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__
         for (int k = 0; k < 8; k++)
             acc[k] = 0.f;
     }
-    for (int j0 = 0; j0 < K; j0 += 8) {
-        uint4 raw[8];
-        int kept[8];
+    /* slot s's row into acc (w: weighted, each product rounded to bf16) */
+    auto add = [&](size_t s, const uint4 &raw) {
+        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+        const float wj = w ? w[s] : 1.f;
 #pragma unroll
-        for (int q = 0; q < 8; q++) {
-            const size_t s = (size_t)t * K + j0 + q;
-            kept[q] = j0 + q < K && !(spos && spos[s] < 0);
-            raw[q] = kept[q] ? __ldg(reinterpret_cast<const uint4 *>(ye + s * H + c))
-                             : make_uint4(0, 0, 0, 0);
+        for (int k = 0; k < 4; k++) {
+            const float2 f = __bfloat1622float2(v[k]);
+            if (w) {
+                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
+                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
+            } else {
+                acc[2 * k] += f.x;
+                acc[2 * k + 1] += f.y;
+            }
         }
+    };
+    if (BATCH) {
+        for (int j0 = 0; j0 < K; j0 += 8) {
+            uint4 raw[8];
+            int kept[8];
 #pragma unroll
-        for (int q = 0; q < 8; q++) {
-            if (!kept[q])
+            for (int q = 0; q < 8; q++) {
+                const size_t s = (size_t)t * K + j0 + q;
+                kept[q] = j0 + q < K && !(spos && spos[s] < 0);
+                raw[q] = kept[q] ? __ldg(reinterpret_cast<const uint4 *>(ye + s * H + c))
+                                 : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                if (kept[q])
+                    add((size_t)t * K + j0 + q, raw[q]);
+        }
+    } else { /* the loop as it was before BATCH, unchanged */
+        for (int j = 0; j < K; j++) {
+            const size_t s = (size_t)t * K + j;
+            if (spos && spos[s] < 0)
                 continue;
-            const size_t s = (size_t)t * K + j0 + q;
-            const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw[q]);
+            const uint4 raw = *reinterpret_cast<const uint4 *>(ye + s * H + c);
+            const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
             const float wj = w ? w[s] : 1.f;
 #pragma unroll
             for (int k = 0; k < 4; k++) {
@@ -410,20 +436,9 @@ __global__ void k_gather_rows(const void *__restrict__ src, int src_f32,
                 d[i] = raw;
             }
         } else {
-            /* 8 loads in flight before their stores (H = 4096: 16 a lane) */
             const uint4 *s = reinterpret_cast<const uint4 *>((const bf16 *)src + t * H);
-            const int n16 = H / 8;
-            for (int i0 = lane; i0 < n16; i0 += 32 * 8) {
-                uint4 v[8];
-#pragma unroll
-                for (int q = 0; q < 8; q++)
-                    if (i0 + 32 * q < n16)
-                        v[q] = __ldg(s + i0 + 32 * q);
-#pragma unroll
-                for (int q = 0; q < 8; q++)
-                    if (i0 + 32 * q < n16)
-                        d[i0 + 32 * q] = v[q];
-            }
+            for (int i = lane; i < H / 8; i += 32)
+                d[i] = s[i];
         }
     }
 }
@@ -702,8 +717,13 @@ moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const in
     const size_t n = (size_t)T * (H / 8);
     if (n == 0)
         return MOE_OK;
-    KCU_CHECK(kcu_launch(k_combine, dim3((unsigned)KCU_CEIL_DIV(n, (size_t)256)), dim3(256), 0, st,
-                         pdl, 0, ye, w, extra, spos, T, K, H, out, (int)(dt == MOE_F32)));
+    const dim3 grid((unsigned)KCU_CEIL_DIV(n, (size_t)256));
+    if (K >= 8)
+        KCU_CHECK(kcu_launch(k_combine<true>, grid, dim3(256), 0, st, pdl, 0, ye, w, extra, spos, T,
+                             K, H, out, (int)(dt == MOE_F32)));
+    else
+        KCU_CHECK(kcu_launch(k_combine<false>, grid, dim3(256), 0, st, pdl, 0, ye, w, extra, spos,
+                             T, K, H, out, (int)(dt == MOE_F32)));
     return MOE_OK;
 }
 
