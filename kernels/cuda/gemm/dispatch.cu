@@ -446,11 +446,14 @@ int kcu_gemm_narrow_override = -1;
 namespace
 {
 
-int g_narrow = -1; /* KCU_GEMM_NARROW */
+int g_narrow = -2; /* KCU_GEMM_NARROW: 0 off, 16 or 32 the tile rows, else 1 (the rule) */
 
 /* v1n's rows per tile / 16 (1 or 2) where it takes this v1 call, else 0:
  * fewer than nsm / 2 of v1's 128-row tiles; 32-row tiles where they give at
- * least nsm / 2 CTAs */
+ * least nsm / 2 CTAs (KCU_GEMM_NARROW=16 or 32: those rows wherever v1n
+ * applies; not yet measured against the rule: at qwen235 T=2048 the rule
+ * takes 16-row tiles, 128 CTAs each reading all 1 MB of the router's
+ * weights from L2, 32-row ones would read half as much) */
 int narrow_mi(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, int nsm)
 {
     if (am != KCU_A_K || bm != KCU_B_K || epi != KCU_EPI_F32 || a->tile_e || a->a_gather ||
@@ -458,11 +461,17 @@ int narrow_mi(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a, i
         return 0;
     if (kcu_gemm_narrow_override > 0)
         return kcu_gemm_narrow_override == 1 ? 1 : 2;
-    if (!kcu_env_flag(&g_narrow, "KCU_GEMM_NARROW", 1))
+    if (g_narrow == -2) {
+        const char *v = getenv("KCU_GEMM_NARROW");
+        g_narrow = v && *v ? atoi(v) : 1;
+    }
+    if (g_narrow == 0)
         return 0;
     const long long ntn = a->N / BN, v1_tiles = (long long)KCU_CEIL_DIV(a->M, BM) * ntn;
     if (2 * v1_tiles >= nsm)
         return 0;
+    if (g_narrow == 16 || g_narrow == 32)
+        return g_narrow / 16;
     return 2 * (long long)KCU_CEIL_DIV(a->M, 32) * ntn >= nsm ? 2 : 1;
 }
 
