@@ -18,6 +18,11 @@
 #             session 25's switches off (tile pairs with the sorted rows,
 #             v1n, the one-pair raster group), one bin/moe_bench run each
 #             (about 40 s each)
+#   owed36    session 36's unrun work: bin/check-gpu (the combine's
+#             dispatch by K), racecheck over v10's GEMM forms (held, store
+#             warps), Mixtral and Qwen3 training's f.combine phases, the
+#             router's v1n at KCU_GEMM_NARROW=16 and 32 (ncu of the logits
+#             GEMM, then qwen235:2048) (about 4 minutes)
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -44,6 +49,29 @@ if want qwen235; then
             >"$LOGS/$name.log" 2>&1
         echo "== ${s:-default} (rc $?)" | log
         grep -E "^(qwen|mixtral)|copy" "$LOGS/$name.log" | cut -c1-220 | head -n 8 | log
+    done
+fi
+if want owed36; then
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    CSAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    timeout 240 bin/check-gpu >"$LOGS/check.log" 2>&1
+    echo "== check-gpu (rc $?)" | log
+    grep -E "FAIL|check-gpu:" "$LOGS/check.log" | tail -n 10 | log
+    timeout 300 "$CSAN" --tool racecheck bin/check-gpu --gemm-only >"$LOGS/race.log" 2>&1
+    echo "== racecheck --gemm-only (rc $?)" | log
+    grep -E "v10|ERROR SUMMARY|hazard|check-gpu" "$LOGS/race.log" | head -n 20 | log
+    MOE_BENCH_NO_AB=1 timeout 150 bin/moe_bench --only mixtral:8192,qwen3:16384 >"$LOGS/train.log" 2>&1
+    echo "== training phases (rc $?)" | log
+    grep -E "^(mixtral|qwen3) |phases" "$LOGS/train.log" | cut -c1-220 | log
+    for n in 16 32; do
+        env KCU_GEMM_NARROW=$n MOE_BENCH_NO_AB=1 timeout 120 "$NCU" --clock-control none \
+            --kernel-name regex:k_gemm_narrow --launch-skip 4 --launch-count 2 \
+            --metrics gpu__time_duration.sum bin/moe_bench --only qwen235:2048 >"$LOGS/narrow$n.log" 2>&1
+        echo "== KCU_GEMM_NARROW=$n, ncu (rc $?)" | log
+        grep -E "k_gemm_narrow|duration" "$LOGS/narrow$n.log" | head -n 4 | log
+        env KCU_GEMM_NARROW=$n MOE_BENCH_NO_AB=1 timeout 60 bin/moe_bench --only qwen235:2048 \
+            >"$LOGS/narrow${n}b.log" 2>&1
+        grep -E "^qwen235|phases" "$LOGS/narrow${n}b.log" | cut -c1-200 | log
     done
 fi
 if want ipc; then
