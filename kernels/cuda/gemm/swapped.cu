@@ -248,38 +248,6 @@ __device__ __forceinline__ void swp_k_loop(float (&d)[C::TILES][128], uint32_t f
         swp_release<CL>(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES), peer);
 }
 
-/* SWIGLU, one m64 tile of output columns col .. col + 64: warp wq's
- * fragment rows 16 wq + g (gate) and + 8 (up) are h column col / 2 + 8 wq +
- * g; rows (tokens) 8 j + 2 q4 (+1). Staged as [row][32 columns] (64 bytes a
- * row, its four 16-byte pieces swizzled by row / 2), then nr rows x 64
- * bytes to h; bar: the warpgroup's named barrier */
-template <int N>
-__device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const float (&d)[128],
-                                               uint32_t buf, int r0, int nr, int col, int bar,
-                                               int wq, int lane, int tid)
-{
-    const int t8 = lane & 7, mi = (lane >> 3) & 1;
-#pragma unroll
-    for (int j = 0; j < N / 8; j += 2) {
-        uint32_t v[2];
-#pragma unroll
-        for (int jj = 0; jj < 2; jj++) {
-            const int b = 4 * (j + jj);
-            v[jj] = pack_bf2(act_swiglu::fwd(d[b], d[b + 2]), act_swiglu::fwd(d[b + 1], d[b + 3]));
-        }
-        const int row = 8 * (j + mi) + t8;
-        stsm_x2_t(buf + row * 64 + ((wq ^ ((row >> 1) & 3)) << 4), v[0], v[1]);
-    }
-    bar_wg(bar);
-    bf16 *h = p.h + (size_t)r0 * p.F + col / 2;
-    for (int i = tid; i < nr * 4; i += 128) {
-        const int row = i >> 2, ch = i & 3;
-        const uint4 v = lds_u128(buf + row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
-        *reinterpret_cast<uint4 *>(h + (size_t)row * p.F + ch * 8) = v;
-    }
-    bar_wg(bar);
-}
-
 /* SW: the SWIGLU of one m64 tile staged at buf as swp_epi_swiglu stages it
  * ([row][32 h columns], 64 bytes a row, swizzled by row / 2), not stored */
 template <int N>
@@ -298,6 +266,27 @@ __device__ __forceinline__ void swp_stage_swiglu(const float (&d)[128], uint32_t
         const int row = 8 * (j + mi) + t8;
         stsm_x2_t(buf + row * 64 + ((wq ^ ((row >> 1) & 3)) << 4), v[0], v[1]);
     }
+}
+
+/* SWIGLU, one m64 tile of output columns col .. col + 64: warp wq's
+ * fragment rows 16 wq + g (gate) and + 8 (up) are h column col / 2 + 8 wq +
+ * g; rows (tokens) 8 j + 2 q4 (+1). Staged as [row][32 columns] (64 bytes a
+ * row, its four 16-byte pieces swizzled by row / 2), then nr rows x 64
+ * bytes to h; bar: the warpgroup's named barrier */
+template <int N>
+__device__ __forceinline__ void swp_epi_swiglu(const kcu_gemm_args &p, const float (&d)[128],
+                                               uint32_t buf, int r0, int nr, int col, int bar,
+                                               int wq, int lane, int tid)
+{
+    swp_stage_swiglu<N>(d, buf, wq, lane);
+    bar_wg(bar);
+    bf16 *h = p.h + (size_t)r0 * p.F + col / 2;
+    for (int i = tid; i < nr * 4; i += 128) {
+        const int row = i >> 2, ch = i & 3;
+        const uint4 v = lds_u128(buf + row * 64 + ((ch ^ ((row >> 1) & 3)) << 4));
+        *reinterpret_cast<uint4 *>(h + (size_t)row * p.F + ch * 8) = v;
+    }
+    bar_wg(bar);
 }
 
 /* SW: the two h tiles a consumer warpgroup staged (tile 0 at b0, tile 1 at
