@@ -22,7 +22,8 @@
 #             dispatch by K), racecheck over v10's GEMM forms (held, store
 #             warps), Mixtral and Qwen3 training's f.combine phases, the
 #             router's v1n at KCU_GEMM_NARROW=16 and 32 (ncu of the logits
-#             GEMM, then qwen235:2048) (about 4 minutes)
+#             GEMM, then qwen235:2048), KCU_STATS_ONE=1's check-gpu and
+#             its A/B at qwen3-mid:2048 and qwen235:2048 (about 6 minutes)
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -72,6 +73,26 @@ if want owed36; then
         env KCU_GEMM_NARROW=$n MOE_BENCH_NO_AB=1 timeout 60 bin/moe_bench --only qwen235:2048 \
             >"$LOGS/narrow${n}b.log" 2>&1
         grep -E "^qwen235|phases" "$LOGS/narrow${n}b.log" | cut -c1-200 | log
+    done
+fi
+if want owed36; then
+    KCU_STATS_ONE=1 timeout 240 bin/check-gpu >"$LOGS/check_stats1.log" 2>&1
+    echo "== KCU_STATS_ONE=1 check-gpu (rc $?)" | log
+    grep -E "FAIL|check-gpu:" "$LOGS/check_stats1.log" | tail -n 10 | log
+    for r in 1 2; do
+        for one in 0 1; do
+            env KCU_STATS_ONE=$one MOE_BENCH_NO_AB=1 timeout 60 bin/moe_bench \
+                --only qwen3-mid:2048,qwen235:2048 >"$LOGS/stats$one.$r.log" 2>&1
+            echo "== KCU_STATS_ONE=$one, round $r (rc $?)" | log
+            grep -E "^qwen" "$LOGS/stats$one.$r.log" | cut -c1-200 | log
+        done
+    done
+    for one in 0 1; do
+        env KCU_STATS_ONE=$one MOE_BENCH_NO_AB=1 timeout 120 "$NCU" --clock-control none \
+            --kernel-name regex:k_stats --launch-skip 6 --launch-count 3 \
+            --metrics gpu__time_duration.sum bin/moe_bench --only qwen235:2048 >"$LOGS/ncu_stats$one.log" 2>&1
+        echo "== KCU_STATS_ONE=$one, ncu (rc $?)" | log
+        grep -E "k_stats|duration" "$LOGS/ncu_stats$one.log" | head -n 6 | log
     done
 fi
 if want ipc; then
