@@ -629,6 +629,22 @@ int cluster_worker_wait(cluster *cl, int i, int timeout_ms)
     return st;
 }
 
+/* append_stacks: every thread's backtrace of process pid (gdb, where it is
+ * installed; at most 30 s) appended to the file at log, so that a daemon
+ * that ignores SIGTERM says where it hangs before it is killed */
+static void append_stacks(pid_t pid, const char *log)
+{
+    char cmd[768];
+    snprintf(cmd, sizeof(cmd),
+             "command -v gdb >/dev/null 2>&1 && { echo '----- stacks of pid %d (gdb) -----'; "
+             "timeout 30 gdb -p %d -batch -nx -ex 'set backtrace limit 24' "
+             "-ex 'thread apply all bt' 2>&1 | "
+             "grep -E '^(Thread|#)'; } >>'%s' 2>&1",
+             (int)pid, (int)pid, log);
+    if (system(cmd) == -1)
+        return;
+}
+
 int cluster_stop(cluster *cl)
 {
     if (!cl || !cl->live)
@@ -664,6 +680,10 @@ int cluster_stop(cluster *cl)
         const char *name = pids[i] == &cl->coord_pid ? "coordinator" : "worker";
         int killed = st[i] == -2;
         if (killed) {
+            /* where it hangs: its threads' stacks into its log (dumped below) */
+            append_stacks(*pids[i], pids[i] == &cl->coord_pid
+                                        ? cl->paths_coord_log
+                                        : cl->paths_worker_log[pids[i] - &cl->worker_pid[0]]);
             kill(*pids[i], SIGKILL);
             waitpid(*pids[i], &st[i], 0);
         }
