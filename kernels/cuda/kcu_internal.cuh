@@ -547,6 +547,26 @@ moe_err kcu_tiles_from_counts(int32_t *cnt, int E, int32_t *counts, int32_t *off
  * *nrows (a device count, e.g. offs + E); src (T,H) device f32 or bf16 */
 moe_err kcu_gather_rows(const void *src, moe_dtype dt, const int32_t *tok, const int32_t *nrows,
                         int S, int H, bf16 *dst, int pdl, cudaStream_t st);
+/* the combine's term: acc[0 .. 8) += the 8 bf16 of raw, each product
+ * wj x value rounded to bf16 first when weighted (the CPU reference's
+ * order of operations; k_combine, kcu_shared's combine) */
+__device__ __forceinline__ void kcu_combine_add(float (&acc)[8], const uint4 &raw, bool weighted,
+                                                float wj)
+{
+    const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float2 f = __bfloat1622float2(v[k]);
+        if (weighted) {
+            acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
+            acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
+        } else {
+            acc[2 * k] += f.x;
+            acc[2 * k + 1] += f.y;
+        }
+    }
+}
+
 /* kcu_combine: spos (S) may be NULL; slots with spos < 0 add nothing. pdl
  * (both): launched with PDL */
 moe_err kcu_combine(const bf16 *ye, const float *w, const float *extra, const int32_t *spos, int T,

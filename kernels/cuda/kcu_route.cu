@@ -342,22 +342,6 @@ __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__
         for (int k = 0; k < 8; k++)
             acc[k] = 0.f;
     }
-    /* slot s's row into acc (w: weighted, each product rounded to bf16) */
-    auto add = [&](size_t s, const uint4 &raw) {
-        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
-        const float wj = w ? w[s] : 1.f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float2 f = __bfloat1622float2(v[k]);
-            if (w) {
-                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
-                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
-            } else {
-                acc[2 * k] += f.x;
-                acc[2 * k + 1] += f.y;
-            }
-        }
-    };
     if (BATCH) {
         for (int j0 = 0; j0 < K; j0 += 8) {
             uint4 raw[8];
@@ -372,27 +356,15 @@ __global__ void k_combine(const bf16 *__restrict__ ye, const float *__restrict__
 #pragma unroll
             for (int q = 0; q < 8; q++)
                 if (kept[q])
-                    add((size_t)t * K + j0 + q, raw[q]);
+                    kcu_combine_add(acc, raw[q], w != nullptr, w ? w[(size_t)t * K + j0 + q] : 1.f);
         }
-    } else { /* the loop as it was before BATCH, unchanged */
+    } else { /* the loop as it was before BATCH (the same PTX) */
         for (int j = 0; j < K; j++) {
             const size_t s = (size_t)t * K + j;
             if (spos && spos[s] < 0)
                 continue;
             const uint4 raw = *reinterpret_cast<const uint4 *>(ye + s * H + c);
-            const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
-            const float wj = w ? w[s] : 1.f;
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float2 f = __bfloat1622float2(v[k]);
-                if (w) {
-                    acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
-                    acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
-                } else {
-                    acc[2 * k] += f.x;
-                    acc[2 * k + 1] += f.y;
-                }
-            }
+            kcu_combine_add(acc, raw, w != nullptr, w ? w[s] : 1.f);
         }
     }
     if (out_f32) {
@@ -460,17 +432,19 @@ __global__ void k_stats_part(const float *__restrict__ probs, const float *__res
     }
 }
 
-/* One block: stats[0] = aux = E/(K T) sum_e counts_e mean_t p[t,e];
- * stats[1] = z = mean_t lse_t^2. */
-__global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, int E, int K,
-                              const int32_t *__restrict__ counts, float *__restrict__ stats)
+/* one block's work of k_stats_final (CG: part's rows loaded from L2, the
+ * other blocks of k_stats_one having written them) */
+template <bool CG>
+__device__ __forceinline__ void stats_final_block(const float *part, int nblk, int T, int E, int K,
+                                                  const int32_t *__restrict__ counts,
+                                                  float *__restrict__ stats)
 {
     __shared__ float col[257];
     __shared__ int cnt[256];
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
         float s = 0.f;
         for (int b = 0; b < nblk; b++)
-            s += part[(size_t)b * (E + 1) + e];
+            s += CG ? __ldcg(part + (size_t)b * (E + 1) + e) : part[(size_t)b * (E + 1) + e];
         col[e] = s;
         if (e < E) /* in shared memory: thread 0's sum below makes no round trips */
             cnt[e] = counts[e];
@@ -485,6 +459,14 @@ __global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, i
     }
 }
 
+/* One block: stats[0] = aux = E/(K T) sum_e counts_e mean_t p[t,e];
+ * stats[1] = z = mean_t lse_t^2. */
+__global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, int E, int K,
+                              const int32_t *__restrict__ counts, float *__restrict__ stats)
+{
+    stats_final_block<false>(part, nblk, T, E, K, counts, stats);
+}
+
 /* k_stats_part and k_stats_final in one launch (KCU_STATS_ONE=1): block b
  * sums its 256 tokens as k_stats_part does, the values of 16 tokens loaded
  * before they are added in token order (the same sums, 16 loads in flight
@@ -496,8 +478,6 @@ __global__ void k_stats_one(const float *__restrict__ probs, const float *__rest
                             int E, int K, const int32_t *__restrict__ counts, float *part,
                             float *__restrict__ stats, uint32_t *ticket)
 {
-    __shared__ float col[257];
-    __shared__ int cnt[256];
     __shared__ int last;
     const int t0 = blockIdx.x * 256, t1 = min(T, t0 + 256);
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
@@ -529,24 +509,9 @@ __global__ void k_stats_one(const float *__restrict__ probs, const float *__rest
     if (!last)
         return;
     __threadfence();
-    const int nblk = gridDim.x;
-    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
-        float s = 0.f;
-        for (int b = 0; b < nblk; b++)
-            s += __ldcg(part + (size_t)b * (E + 1) + e); /* the other blocks' rows: from L2 */
-        col[e] = s;
-        if (e < E)
-            cnt[e] = counts[e];
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float aux = 0.f;
-        for (int e = 0; e < E; e++)
-            aux += (float)cnt[e] * (col[e] / (float)T);
-        stats[0] = aux * (float)E / ((float)K * (float)T);
-        stats[1] = col[E] / (float)T;
+    stats_final_block<true>(part, gridDim.x, T, E, K, counts, stats);
+    if (threadIdx.x == 0)
         *ticket = 0; /* for the next launch */
-    }
 }
 
 /* dw[perm[r]] = sum_i dwpart[r, i] over the kept rows r < *nrows: fixed

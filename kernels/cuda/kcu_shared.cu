@@ -44,35 +44,11 @@ __global__ void k_shared_combine(const bf16 *__restrict__ rows, const int32_t *_
             continue;
         const size_t r = pos ? (size_t)pos[s] : s;
         const uint4 raw = *reinterpret_cast<const uint4 *>(rows + r * H + col);
-        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
-        const float wj = w ? w[s] : 1.f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float2 f = __bfloat1622float2(v[k]);
-            if (w) {
-                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(wj * f.x));
-                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(wj * f.y));
-            } else {
-                acc[2 * k] += f.x;
-                acc[2 * k + 1] += f.y;
-            }
-        }
+        kcu_combine_add(acc, raw, w != nullptr, w ? w[s] : 1.f);
     }
     if (srows) {
         const uint4 raw = *reinterpret_cast<const uint4 *>(srows + (size_t)t * H + col);
-        const __nv_bfloat162 *v = reinterpret_cast<const __nv_bfloat162 *>(&raw);
-        const float g = glog ? sh_gate(glog[(size_t)t * ldg]) : 1.f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float2 f = __bfloat1622float2(v[k]);
-            if (glog) {
-                acc[2 * k] += __bfloat162float(__float2bfloat16_rn(g * f.x));
-                acc[2 * k + 1] += __bfloat162float(__float2bfloat16_rn(g * f.y));
-            } else {
-                acc[2 * k] += f.x;
-                acc[2 * k + 1] += f.y;
-            }
-        }
+        kcu_combine_add(acc, raw, glog != nullptr, glog ? sh_gate(glog[(size_t)t * ldg]) : 1.f);
     }
     if (out_f32) {
         float *o = (float *)out + (size_t)t * H + col;
