@@ -22,8 +22,8 @@
 #             dispatch by K), racecheck over v10's GEMM forms (held, store
 #             warps), Mixtral and Qwen3 training's f.combine phases, the
 #             router's v1n at KCU_GEMM_NARROW=16 and 32 (ncu of the logits
-#             GEMM, then qwen235:2048), KCU_STATS_ONE=1's check-gpu and
-#             its A/B at qwen3-mid:2048 and qwen235:2048 (about 6 minutes)
+#             GEMM), KCU_STATS_ONE=1's check-gpu and ncu; both switches'
+#             A/B at qwen3-mid:2048 and qwen235:2048 (about 6 minutes)
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -55,45 +55,36 @@ fi
 if want owed36; then
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     CSAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-    timeout 240 bin/check-gpu >"$LOGS/check.log" 2>&1
-    echo "== check-gpu (rc $?)" | log
-    grep -E "FAIL|check-gpu:" "$LOGS/check.log" | tail -n 10 | log
+    # ncu_time SETTING REGEX NAME: the matching kernels' times in one qwen235:2048 forward
+    ncu_time() {
+        env "$1" MOE_BENCH_NO_AB=1 timeout 120 "$NCU" --clock-control none \
+            --kernel-name "regex:$2" --launch-skip 6 --launch-count 3 \
+            --metrics gpu__time_duration.sum bin/moe_bench --only qwen235:2048 >"$LOGS/$3.log" 2>&1
+        echo "== $1, ncu (rc $?)" | log
+        grep -E "$2|duration" "$LOGS/$3.log" | head -n 6 | log
+    }
+    for s in "" KCU_STATS_ONE=1; do
+        env $s timeout 240 bin/check-gpu >"$LOGS/check$s.log" 2>&1
+        echo "== ${s:-default} check-gpu (rc $?)" | log
+        grep -E "FAIL|check-gpu:" "$LOGS/check$s.log" | tail -n 10 | log
+    done
     timeout 300 "$CSAN" --tool racecheck bin/check-gpu --gemm-only >"$LOGS/race.log" 2>&1
     echo "== racecheck --gemm-only (rc $?)" | log
     grep -E "v10|ERROR SUMMARY|hazard|check-gpu" "$LOGS/race.log" | head -n 20 | log
     MOE_BENCH_NO_AB=1 timeout 150 bin/moe_bench --only mixtral:8192,qwen3:16384 >"$LOGS/train.log" 2>&1
     echo "== training phases (rc $?)" | log
     grep -E "^(mixtral|qwen3) |phases" "$LOGS/train.log" | cut -c1-220 | log
-    for n in 16 32; do
-        env KCU_GEMM_NARROW=$n MOE_BENCH_NO_AB=1 timeout 120 "$NCU" --clock-control none \
-            --kernel-name regex:k_gemm_narrow --launch-skip 4 --launch-count 2 \
-            --metrics gpu__time_duration.sum bin/moe_bench --only qwen235:2048 >"$LOGS/narrow$n.log" 2>&1
-        echo "== KCU_GEMM_NARROW=$n, ncu (rc $?)" | log
-        grep -E "k_gemm_narrow|duration" "$LOGS/narrow$n.log" | head -n 4 | log
-        env KCU_GEMM_NARROW=$n MOE_BENCH_NO_AB=1 timeout 60 bin/moe_bench --only qwen235:2048 \
-            >"$LOGS/narrow${n}b.log" 2>&1
-        grep -E "^qwen235|phases" "$LOGS/narrow${n}b.log" | cut -c1-200 | log
-    done
-fi
-if want owed36; then
-    KCU_STATS_ONE=1 timeout 240 bin/check-gpu >"$LOGS/check_stats1.log" 2>&1
-    echo "== KCU_STATS_ONE=1 check-gpu (rc $?)" | log
-    grep -E "FAIL|check-gpu:" "$LOGS/check_stats1.log" | tail -n 10 | log
+    # the switches, one moe_bench line each, two rounds; then their kernels by ncu
     for r in 1 2; do
-        for one in 0 1; do
-            env KCU_STATS_ONE=$one MOE_BENCH_NO_AB=1 timeout 60 bin/moe_bench \
-                --only qwen3-mid:2048,qwen235:2048 >"$LOGS/stats$one.$r.log" 2>&1
-            echo "== KCU_STATS_ONE=$one, round $r (rc $?)" | log
-            grep -E "^qwen" "$LOGS/stats$one.$r.log" | cut -c1-200 | log
+        for s in KCU_GEMM_NARROW=16 KCU_GEMM_NARROW=32 KCU_STATS_ONE=0 KCU_STATS_ONE=1; do
+            env $s MOE_BENCH_NO_AB=1 timeout 60 bin/moe_bench --only qwen3-mid:2048,qwen235:2048 \
+                >"$LOGS/ab_$s.$r.log" 2>&1
+            echo "== $s, round $r (rc $?)" | log
+            grep -E "^qwen" "$LOGS/ab_$s.$r.log" | cut -c1-200 | log
         done
     done
-    for one in 0 1; do
-        env KCU_STATS_ONE=$one MOE_BENCH_NO_AB=1 timeout 120 "$NCU" --clock-control none \
-            --kernel-name regex:k_stats --launch-skip 6 --launch-count 3 \
-            --metrics gpu__time_duration.sum bin/moe_bench --only qwen235:2048 >"$LOGS/ncu_stats$one.log" 2>&1
-        echo "== KCU_STATS_ONE=$one, ncu (rc $?)" | log
-        grep -E "k_stats|duration" "$LOGS/ncu_stats$one.log" | head -n 6 | log
-    done
+    for n in 16 32; do ncu_time KCU_GEMM_NARROW=$n k_gemm_narrow "ncu_narrow$n"; done
+    for one in 0 1; do ncu_time KCU_STATS_ONE=$one k_stats "ncu_stats$one"; done
 fi
 if want ipc; then
     MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1

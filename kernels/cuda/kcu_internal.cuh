@@ -285,12 +285,11 @@ extern int kcu_gemm_v10_pair_override;
  * wherever wide items run unpaired. Measured on H200 (bench/NOTES.md "v10
  * held"): qwen235 T=2048 4-5% faster than with 3 stages and buffers */
 extern int kcu_gemm_v10_held_override;
-/* kcu_gemm_v10_sw_override: held wide items (K >= 256) stage each chunk's
- * two output tiles in the held stage(s) and a store warp of the producer
- * warpgroup stores them and releases the stage(s), the consumers going on
- * to the next chunk; for checks: -1 the default (KCU_V10_SW: bit 1 the
- * up-projection, bit 2 the down; 1 when unset), 0 never, 1 wherever held
- * items run with K >= 256 */
+/* kcu_gemm_v10_sw_override: the held wide up-projection (SWIGLU, K >= 256)
+ * stages each chunk's two h tiles in the held stage and a store warp of the
+ * producer warpgroup stores them and releases the stage, the consumers
+ * going on to the next chunk; for checks: -1 the default (KCU_V10_SW, on
+ * unless 0), 0 never, 1 wherever held up-projections run with K >= 256 */
 extern int kcu_gemm_v10_sw_override;
 /* kcu_stats_mapped_override: the decode path's last kernel writes counts,
  * aux/z and drops into mapped page-locked memory (1), or they are copied

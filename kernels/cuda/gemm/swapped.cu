@@ -74,10 +74,9 @@
  * producer warpgroup stores warpgroup cw's tiles (128-byte h rows, where
  * the consumers stored 64-byte halves) and releases the stage for that
  * warpgroup's four warps. Measured on H200: 846-851 us against 866-883.
- * The down-projection can take it too (KCU_V10_SW bit 2, off: measured
- * slower, 473-480 us against 445-455): its two tiles of 256-byte rows need
- * the chunk's last two stages held, each warpgroup's rows staged in one of
- * them (272 bytes a row) and sent by one bulk copy a row (cp.async.bulk).
+ * The down-projection's two tiles (256-byte rows, 48 KB a warpgroup) need
+ * the chunk's last two stages held: tried in two forms, both slower
+ * (473-480 us against 445-455; bench/NOTES.md "v10 held"), removed.
  */
 #include "kernels/cuda/gemm/common.cuh"
 #include "kernels/cuda/gemm/tile.cuh"
@@ -91,8 +90,6 @@ namespace
 
 constexpr int SWP_BOX_BYTES = 64 * 64 * 2; /* one TMA box of the rows: 64 rows x 64 k */
 constexpr int SWP_EPI_BYTES = 16 * 1024;   /* per consumer warpgroup */
-constexpr int SWP_SC_ROW = 272;            /* SW, SCATTER: a staged row (256 bytes + 16) */
-constexpr int SWP_ENT_REGS = 6;            /* SW, SCATTER: a store lane's entries (192 rows) */
 
 /* the item shapes: narrow (W 0: 128 output columns, v4's 48 KB stage,
  * chunks of 256 rows), wide (W 1: 256 columns, two m64 accumulators a
@@ -129,9 +126,8 @@ template <int W> struct swp_cfg {
     static_assert(!HELD || (ENT_OFF + 2 * ROWS * 4 <= BAR_OFF + 2048 && 2 * SWP_EPI_BYTES <= STAGE),
                   "the held stage holds both epilogue buffers, the slots fit by the barriers");
     static_assert(
-        !SW ||
-            (EPI_FULL_OFF + 16 <= ENT_OFF && 2 * ROWS * 64 <= STAGE - A_BYTES &&
-             ROWS * 64 <= SWP_EPI_BYTES && ROWS * SWP_SC_ROW <= STAGE && ROWS <= 32 * SWP_ENT_REGS),
+        !SW || (EPI_FULL_OFF + 16 <= ENT_OFF && 2 * ROWS * 64 <= STAGE - A_BYTES &&
+                ROWS * 64 <= SWP_EPI_BYTES),
         "SW: the barriers before the slots; each warpgroup's two h tiles in its held stage");
 };
 static_assert(swp_cfg<0>::STAGE == WG_STAGE_BYTES && swp_cfg<0>::BAR_OFF == WS_BAR_OFF,
@@ -210,7 +206,7 @@ template <int CL> __device__ __forceinline__ void swp_release(uint32_t eb, uint3
 /* one chunk's K / 64 stages for consumer warpgroup cw: d[t][0 .. N/2) = its
  * m64 tile t (output columns C::COLS / 2 x cw + 64 t ..) x N rows
  * (sequence numbers it..; it moves past them) */
-template <class C, int CL, int N, bool HOLD2 = false>
+template <class C, int CL, int N>
 __device__ __forceinline__ void swp_k_loop(float (&d)[C::TILES][128], uint32_t full0,
                                            uint32_t empty0, uint32_t sbase, uint32_t &it,
                                            int ktiles, int cw, int lane, uint32_t peer)
@@ -235,8 +231,7 @@ __device__ __forceinline__ void swp_k_loop(float (&d)[C::TILES][128], uint32_t f
                             wg_desc_k(st + C::A_BYTES + kk * 32));
         wg_commit();
         wg_wait<1>();
-        /* HOLD2: the second-to-last stage stays with the consumers too */
-        if (kt > 0 && !(HOLD2 && kt == ktiles - 1) && lane == 0)
+        if (kt > 0 && lane == 0)
             swp_release<CL>(empty0 + 8 * ((it + C::STAGES - 1) % C::STAGES), peer);
     }
     wg_wait<0>();
@@ -349,57 +344,6 @@ __device__ __forceinline__ void swp_epi_scatter(const kcu_gemm_args &p, const fl
     }
 }
 
-/* SW, SCATTER: one m64 tile t (0, 1) of a warpgroup staged at buf, rows of
- * SWP_SC_ROW bytes (the two tiles' 128 bytes side by side, then 16 bytes of
- * padding: the eight rows of a stmatrix in eight different bank groups),
- * all N rows at once; each row's 256 bytes then go out as one bulk copy */
-template <int N>
-__device__ __forceinline__ void swp_stage_scatter(const float (&d)[128], uint32_t buf, int t,
-                                                  int wq, int lane)
-{
-    const int t8 = lane & 7, hr = (lane >> 3) & 1, mj = lane >> 4;
-#pragma unroll
-    for (int j = 0; j < N / 8; j += 2) {
-        const int b0 = 4 * j, b1 = 4 * (j + 1);
-        const int row = 8 * (j + mj) + t8;
-        stsm_x4_t(buf + row * SWP_SC_ROW + 128 * t + ((2 * wq + hr) << 4),
-                  pack_bf2(d[b0], d[b0 + 1]), pack_bf2(d[b0 + 2], d[b0 + 3]),
-                  pack_bf2(d[b1], d[b1 + 1]), pack_bf2(d[b1 + 2], d[b1 + 3]));
-    }
-}
-
-/* SW, SCATTER: a consumer warpgroup's staged rows (at buf,
- * swp_stage_scatter's layout) to out[scatter[r0 + row]], columns col .. col
- * + 128: lane l the rows l + 32 q, each row's 256 bytes one bulk copy
- * (cp.async.bulk, shared to global), then waits until the copies have read
- * shared memory. The entries come first (swp_scatter_ents): their loads in
- * flight while the store warp waits for the tiles */
-__device__ __forceinline__ void swp_scatter_ents(const kcu_gemm_args &p, int r0, int nr, int lane,
-                                                 int (&ent)[SWP_ENT_REGS])
-{
-#pragma unroll
-    for (int q = 0; q < SWP_ENT_REGS; q++) {
-        const int row = lane + 32 * q;
-        ent[q] = !p.scatter ? r0 + row : row < nr ? __ldg(p.scatter + r0 + row) : 0;
-    }
-}
-__device__ __forceinline__ void swp_store_scatter(const kcu_gemm_args &p, uint32_t buf,
-                                                  const int (&ent)[SWP_ENT_REGS], int nr, int col,
-                                                  int lane)
-{
-#pragma unroll
-    for (int q = 0; q < SWP_ENT_REGS; q++) {
-        const int row = lane + 32 * q;
-        if (row < nr)
-            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], 256;\n" ::"l"(
-                             p.Cb + (size_t)ent[q] * p.ldc + col),
-                         "r"(buf + row * SWP_SC_ROW)
-                         : "memory");
-    }
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
 /* SCATTER: the chunk's scatter entries scatter[r0 .. r0 + nr) into shared
  * memory at ent (the warpgroup's slot) by cp.async, 4 bytes each, waited
  * for in the epilogue: in flight while the k loop runs */
@@ -426,28 +370,14 @@ __device__ __forceinline__ void swp_chunk(const kcu_gemm_args &p, uint32_t full0
     /* this warpgroup's epilogue buffer (not HELD) and SCATTER's entry slot */
     const uint32_t buf = sbase + C::EPI_OFF + cw * C::EPI_STRIDE;
     const uint32_t ent = C::HELD ? sbase + C::ENT_OFF + cw * (C::ROWS * 4) : buf + SWP_EPI_BYTES;
-    /* SW, SCATTER: the chunk's last two stages held (its two tiles, 24 KB
-     * each, in 28 KB of one of them), the entries loaded by the store warp */
-    constexpr bool HOLD2 = C::SW && EPI == KCU_EPI_SCATTER;
-    if (EPI == KCU_EPI_SCATTER && C::ENT && !HOLD2)
+    if (EPI == KCU_EPI_SCATTER && C::ENT)
         swp_scatter_fetch(p, ent, r0, nr, tid);
-    swp_k_loop<C, CL, N, HOLD2>(d, full0, empty0, sbase, it, ktiles, cw, lane, peer);
+    swp_k_loop<C, CL, N>(d, full0, empty0, sbase, it, ktiles, cw, lane, peer);
     /* HELD: the epilogue's buffer is this warpgroup's 16 KB of the chunk's
      * last stage (its wgmma have retired: wg_wait<0> in the k loop) */
     const uint32_t held = (it + C::STAGES - 1) % C::STAGES;
     const uint32_t eb = C::HELD ? sbase + held * C::STAGE + cw * SWP_EPI_BYTES : buf;
-    if constexpr (HOLD2) {
-        /* warpgroup cw's two tiles in stage it - 2 + cw (both warpgroups'
-         * wgmma on them retired: barrier 3 over both), then its store warp */
-        asm volatile("bar.sync 3, 256;\n" ::: "memory");
-        const uint32_t sb = sbase + ((it + C::STAGES - 2 + cw) % C::STAGES) * C::STAGE;
-        swp_stage_scatter<N>(d[0], sb, 0, wq, lane);
-        swp_stage_scatter<N>(d[1], sb, 1, wq, lane);
-        /* the writes ordered before the bulk copies' reads (async proxy) */
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncwarp(); /* stmatrix is the warp's: its writes before any lane's arrival */
-        mbar_arrive(sbase + C::EPI_FULL_OFF + 8 * cw);
-    } else if constexpr (C::SW) {
+    if constexpr (C::SW) {
         /* tile 0 in this warpgroup's weight half, tile 1 in its half of the
          * rows (the other warpgroup's wgmma on them retired: barrier 3 over
          * both), then the store warp takes them and releases the stage */
@@ -516,6 +446,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
 {
 #if KCU_SM90 /* Hopper only: never launched from the portable image */
     using C = swp_cfg<W>;
+    static_assert(!C::SW || EPI == KCU_EPI_SWIGLU, "store warps: the up-projection only");
     const uint32_t sbase = smem_base_1k(), full0 = sbase + C::BAR_OFF,
                    empty0 = full0 + C::STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -551,32 +482,17 @@ __global__ void __launch_bounds__(WS_NT, 1)
             swp_walk<C, CL>(p, mt, total, rank, [&](int, int m0, int r0, int nr) {
                 it += ktiles;
                 const uint32_t held = (it + C::STAGES - 1) % C::STAGES,
-                               st = sbase + held * C::STAGE,
-                               held2 = (it + C::STAGES - 2) % C::STAGES;
-                if (EPI == KCU_EPI_SCATTER) {
-                    int ent[SWP_ENT_REGS];
-                    swp_scatter_ents(p, r0, nr, lane, ent);
-                    mbar_wait(sbase + C::EPI_FULL_OFF + 8 * cw, n++ & 1);
-                    swp_store_scatter(p, cw ? st : sbase + held2 * C::STAGE, ent, nr, m0 + 128 * cw,
-                                      lane);
-                } else {
-                    mbar_wait(sbase + C::EPI_FULL_OFF + 8 * cw, n++ & 1);
-                    swp_store_swiglu(p, st + cw * SWP_EPI_BYTES,
-                                     st + C::A_BYTES + cw * (C::ROWS * 64), r0, nr,
-                                     m0 / 2 + 64 * cw, lane);
-                }
-                /* the reads ordered before the TMA writes that refill them */
+                               st = sbase + held * C::STAGE;
+                mbar_wait(sbase + C::EPI_FULL_OFF + 8 * cw, n++ & 1);
+                swp_store_swiglu(p, st + cw * SWP_EPI_BYTES, st + C::A_BYTES + cw * (C::ROWS * 64),
+                                 r0, nr, m0 / 2 + 64 * cw, lane);
+                /* the reads ordered before the TMA writes that refill it */
                 asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 __syncwarp();
-                if (lane == 0) { /* for the warpgroup's four warps */
+                if (lane == 0) /* for the warpgroup's four warps */
                     asm volatile(
                         "mbarrier.arrive.shared::cta.b64 _, [%0], 4;\n" ::"r"(empty0 + 8 * held)
                         : "memory");
-                    if (EPI == KCU_EPI_SCATTER)
-                        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], 4;\n" ::"r"(
-                                         empty0 + 8 * held2)
-                                     : "memory");
-                }
             });
             return;
         }
@@ -713,27 +629,20 @@ int kgemm::v10_held(kcu_epi epi, const kcu_gemm_args *a)
     return kcu_env_flag(&env, "KCU_V10_HELD", 1);
 }
 
-/* held wide items with a store warp per consumer warpgroup (swp_cfg<3>; K
- * of at least 4 stages, so that a warpgroup's staged tiles are stored
- * before it stages the next chunk's): kcu_gemm_v10_sw_override, then
- * KCU_V10_SW: bit 1 the up-projection (SWIGLU), bit 2 the down (SCATTER); 1
- * when unset. Measured on H200 (bench/NOTES.md "v10 held"): the qwen235
- * up-projection 846-851 us against 866-883 (its h stores 1.59 M L2 sectors
- * against 4.57 M); the down slower, 473-480 us against 445-455 (its last two
- * stages held through the epilogue) */
+/* held wide up-projections with a store warp per consumer warpgroup
+ * (swp_cfg<3>; K of at least 4 stages, so that a warpgroup's staged tiles
+ * are stored before it stages the next chunk's): kcu_gemm_v10_sw_override,
+ * then KCU_V10_SW (1 when unset: measured on H200, bench/NOTES.md "v10
+ * held": the qwen235 up-projection 846-851 us against 866-883, its h stores
+ * 1.59 M L2 sectors against 4.57 M) */
 int kgemm::v10_sw(kcu_epi epi, const kcu_gemm_args *a)
 {
-    static int env = -2;
-    if (env == -2) {
-        const char *v = getenv("KCU_V10_SW");
-        env = v && v[0] ? atoi(v) : 1;
-    }
-    if (!kgemm::v10_held(epi, a) || a->K < swp_cfg<3>::STAGES * BK ||
-        (epi == KCU_EPI_SCATTER && a->ldc % 8)) /* 16-byte aligned bulk copies */
+    static int env = -1;
+    if (epi != KCU_EPI_SWIGLU || !kgemm::v10_held(epi, a) || a->K < swp_cfg<3>::STAGES * BK)
         return 0;
     if (kcu_gemm_v10_sw_override >= 0)
         return kcu_gemm_v10_sw_override > 0;
-    return (env & (epi == KCU_EPI_SWIGLU ? 1 : 2)) != 0;
+    return kcu_env_flag(&env, "KCU_V10_SW", 1);
 }
 
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
@@ -749,7 +658,6 @@ moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m,
                       : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
     if (epi == KCU_EPI_SCATTER)
         return paired ? launch_swap_paired<KCU_EPI_SCATTER>(a, m, nsm, st)
-               : sw   ? launch_swap<KCU_EPI_SCATTER, 3>(a, m, nsm, st)
                : held ? launch_swap<KCU_EPI_SCATTER, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SCATTER, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SCATTER, 0>(a, m, nsm, st);
