@@ -18,12 +18,8 @@
 #             session 25's switches off (tile pairs with the sorted rows,
 #             v1n, the one-pair raster group), one bin/moe_bench run each
 #             (about 40 s each)
-#   owed36    session 36's unrun work: bin/check-gpu (the combine's
-#             dispatch by K), racecheck over v10's GEMM forms (held, store
-#             warps), Mixtral and Qwen3 training's f.combine phases, the
-#             router's v1n at KCU_GEMM_NARROW=16 and 32 (ncu of the logits
-#             GEMM), KCU_STATS_ONE=1's check-gpu and ncu; both switches'
-#             A/B at qwen3-mid:2048 and qwen235:2048 (about 6 minutes)
+#   power     the bytes-bound layers (qwen235, qwen3-mid, mixtral-mid) with
+#             cuBLAS's batched GEMMs beside them, clocks and power sampled
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -52,39 +48,19 @@ if want qwen235; then
         grep -E "^(qwen|mixtral)|copy" "$LOGS/$name.log" | cut -c1-220 | head -n 8 | log
     done
 fi
-if want owed36; then
-    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-    CSAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-    # ncu_time SETTING REGEX NAME: the matching kernels' times in one qwen235:2048 forward
-    ncu_time() {
-        env "$1" MOE_BENCH_NO_AB=1 timeout 120 "$NCU" --clock-control none \
-            --kernel-name "regex:$2" --launch-skip 6 --launch-count 3 \
-            --metrics gpu__time_duration.sum bin/moe_bench --only qwen235:2048 >"$LOGS/$3.log" 2>&1
-        echo "== $1, ncu (rc $?)" | log
-        grep -E "$2|duration" "$LOGS/$3.log" | head -n 6 | log
-    }
-    for s in "" KCU_STATS_ONE=1; do
-        env $s timeout 240 bin/check-gpu >"$LOGS/check$s.log" 2>&1
-        echo "== ${s:-default} check-gpu (rc $?)" | log
-        grep -E "FAIL|check-gpu:" "$LOGS/check$s.log" | tail -n 10 | log
-    done
-    timeout 300 "$CSAN" --tool racecheck bin/check-gpu --gemm-only >"$LOGS/race.log" 2>&1
-    echo "== racecheck --gemm-only (rc $?)" | log
-    grep -E "v10|ERROR SUMMARY|hazard|check-gpu" "$LOGS/race.log" | head -n 20 | log
-    MOE_BENCH_NO_AB=1 timeout 150 bin/moe_bench --only mixtral:8192,qwen3:16384 >"$LOGS/train.log" 2>&1
-    echo "== training phases (rc $?)" | log
-    grep -E "^(mixtral|qwen3) |phases" "$LOGS/train.log" | cut -c1-220 | log
-    # the switches, one moe_bench line each, two rounds; then their kernels by ncu
-    for r in 1 2; do
-        for s in KCU_GEMM_NARROW=16 KCU_GEMM_NARROW=32 KCU_STATS_ONE=0 KCU_STATS_ONE=1; do
-            env $s MOE_BENCH_NO_AB=1 timeout 60 bin/moe_bench --only qwen3-mid:2048,qwen235:2048 \
-                >"$LOGS/ab_$s.$r.log" 2>&1
-            echo "== $s, round $r (rc $?)" | log
-            grep -E "^qwen" "$LOGS/ab_$s.$r.log" | cut -c1-200 | log
-        done
-    done
-    for n in 16 32; do ncu_time KCU_GEMM_NARROW=$n k_gemm_narrow "ncu_narrow$n"; done
-    for one in 0 1; do ncu_time KCU_STATS_ONE=$one k_stats "ncu_stats$one"; done
+if want power; then
+    # the bytes-bound layers with the board's clock and power sampled every
+    # 100 ms beside them (smi.csv), cuBLAS's batched GEMMs at their shapes
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv,noheader -lms 100 >"$OUT/smi.csv" 2>&1 &
+    smi=$!
+    date +%T.%N | log
+    MOE_BENCH_NO_AB=1 timeout 300 bin/moe_bench --only qwen235:,qwen3-mid:,mixtral-mid: \
+        >"$LOGS/power.log" 2>&1
+    echo "== bytes-bound layers, cuBLAS beside (rc $?)" | log
+    date +%T.%N | log
+    kill $smi
+    grep -E "^device|^(qwen|mixtral)|phases|cuBLAS" "$LOGS/power.log" | cut -c1-240 | log
 fi
 if want ipc; then
     MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1

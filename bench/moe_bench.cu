@@ -11,7 +11,9 @@
  *                                  --only qwen3-dec:1,mixtral-dec: cases by prefix;
  *                                  --only pipelined: host x, y chunked with the copies
  *                                  overlapped (kcu_forward_pipelined);
- *                                  MOE_BENCH_NO_AB=1: without the sorted-mode A/B)
+ *                                  MOE_BENCH_NO_AB=1: without the sorted-mode A/B;
+ *                                  MOE_BENCH_CUBLAS=0: without cuBLAS's batched GEMMs
+ *                                  beside the bytes-bound layers)
  */
 #include <algorithm>
 #include <cublas_v2.h>
@@ -113,15 +115,18 @@ static double dense_tflops(float sustained_ms)
     return 2.0 * n * n * (double)n / (ms * 1e-3) / 1e12;
 }
 
-static double copy_gbs()
+/* copy_gbs: device-to-device copy of 1 GiB, read + write GB/s; sustained_ms
+ * > 0: first copied back to back for that long (as dense_tflops) */
+static double copy_gbs(float sustained_ms)
 {
     const size_t n = (size_t)1 << 30;
     void *a, *b;
     CK(cudaMalloc(&a, n));
     CK(cudaMalloc(&b, n));
     CK(cudaMemset(a, 1, n));
+    const int warm = sustained_ms > 0 ? (int)(sustained_ms / 0.5f) : 2;
     const float ms =
-        median_ms(2, 10, [&] { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); });
+        median_ms(warm, 10, [&] { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); });
     CK(cudaFree(a));
     CK(cudaFree(b));
     return 2.0 * n / (ms * 1e-3) / 1e9;
@@ -201,6 +206,69 @@ static float b2b_ms(kcu_layer *l, const kcu_config &cfg, size_t pb, double bytes
     return ms / CALLS;
 }
 
+static bool getenv_is(const char *name, const char *v)
+{
+    const char *e = getenv(name);
+    return e && !strcmp(e, v);
+}
+
+/* cublas_batched: the vendor's GEMMs at a bytes-bound layer's shapes, for
+ * scale: every expert given the same R rows (cuBLAS's strided batch takes
+ * no ragged groups), the up-projection x (R, H) w13_e^T -> (R, N1) (no
+ * activation: its output is twice h) and the down-projection (R, F) w2_e^T
+ * -> (R, H) over the layer's own weights, each timed as the layer is
+ * (warm-up, median). Writes "up U ms (u%), down D ms (d%), both B ms (b%)",
+ * % of copy over the weights each reads; false when R would be fractional */
+static bool cublas_batched(const kcu_layer *l, int T, int K, int reps, double bw, char *out,
+                           size_t n)
+{
+    const int E = l->c.E, H = l->c.H, F = l->c.F, N1 = l->N1;
+    if ((long long)T * K % E)
+        return false;
+    const int R = (int)((long long)T * K / E);
+    bf16 *x, *u, *hh, *y;
+    CK(cudaMalloc(&x, (size_t)E * R * H * 2));
+    CK(cudaMalloc(&u, (size_t)E * R * N1 * 2));
+    CK(cudaMalloc(&hh, (size_t)E * R * F * 2));
+    CK(cudaMalloc(&y, (size_t)E * R * H * 2));
+    fill(x, (size_t)E * R * H, 31, -1, 1);
+    fill(hh, (size_t)E * R * F, 32, -1, 1);
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cublasCreate failed\n");
+        exit(2);
+    }
+    const float one = 1.f, zero = 0.f;
+    /* column-major: C_e^T (m, R) = W_e (m, k as its rows) x act_e^T */
+    auto gemm = [&](const bf16 *w, const bf16 *a, bf16 *c, int m, int k) {
+        if (cublasGemmStridedBatchedEx(
+                h, CUBLAS_OP_T, CUBLAS_OP_N, m, R, k, &one, w, CUDA_R_16BF, k, (long long)m * k, a,
+                CUDA_R_16BF, k, (long long)R * k, &zero, c, CUDA_R_16BF, m, (long long)R * m, E,
+                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "cublasGemmStridedBatchedEx failed\n");
+            exit(2);
+        }
+    };
+    const float up = median_ms(-WARM_MS, reps, [&] { gemm(l->w13, x, u, N1, H); });
+    const float down = median_ms(-WARM_MS, reps, [&] { gemm(l->w2, hh, y, H, F); });
+    const float both = median_ms(-WARM_MS, reps, [&] {
+        gemm(l->w13, x, u, N1, H);
+        gemm(l->w2, hh, y, H, F);
+    });
+    cublasDestroy(h);
+    CK(cudaFree(x));
+    CK(cudaFree(u));
+    CK(cudaFree(hh));
+    CK(cudaFree(y));
+    const double wu = (double)E * N1 * H * 2, wd = (double)E * H * F * 2;
+    auto pct = [&](double bytes, float ms) { return 100.0 * bytes / (ms * 1e-3) / 1e9 / bw; };
+    snprintf(out, n,
+             "%d experts x %d rows: up %.3f ms (%.0f%%), down %.3f ms (%.0f%%), both %.3f ms "
+             "(%.0f%%)",
+             E, R, up, pct(wu, up), down, pct(wd, down), both, pct(wu + wd, both));
+    return true;
+}
+
 struct bcase {
     const char *name;
     int T, H, F, E, K, train, skew;
@@ -214,11 +282,11 @@ int main(int argc, char **argv)
     const char *only = argc > 2 && !strcmp(argv[1], "--only") ? argv[2] : nullptr;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    const double peak = dense_tflops(0), bw = copy_gbs();
-    const double peak_sus = dense_tflops(3000);
+    const double peak = dense_tflops(0), bw = copy_gbs(0);
+    const double peak_sus = dense_tflops(3000), bw_sus = copy_gbs(3000);
     printf("device: %s, %d SMs; dense bf16 GEMM 8192^3 (cuBLAS): %.0f TFLOP/s (after 3 s back to "
-           "back: %.0f); D2D copy: %.0f GB/s (read+write)\n",
-           prop.name, prop.multiProcessorCount, peak, peak_sus, bw);
+           "back: %.0f); D2D copy: %.0f GB/s (read+write; after 3 s back to back: %.0f)\n",
+           prop.name, prop.multiProcessorCount, peak, peak_sus, bw, bw_sus);
     std::vector<bcase> cases = {{"mixtral", 8192, 4096, 14336, 8, 2, 1, 0},
                                 {"qwen3", 16384, 2048, 768, 128, 8, 1, 0},
                                 {"qwen3-skew", 16384, 2048, 768, 128, 8, 1, 1},
@@ -359,6 +427,13 @@ int main(int argc, char **argv)
                fbz, wb / 1e6, (pb - wbytes) / 1e6, dec);
         if (!c.train)
             printf("  GEMM path phases (ms, one call):%s\n", phases);
+        /* bytes-bound layers (at most 256 rows an expert): the vendor's
+         * batched GEMMs at the same shapes, % of copy over their weights */
+        char cb[256];
+        if (!c.train && (long long)c.T * c.K <= 256LL * c.E &&
+            !getenv_is("MOE_BENCH_CUBLAS", "0") &&
+            cublas_batched(l, c.T, c.K, reps, bw, cb, sizeof(cb)))
+            printf("  cuBLAS strided-batched GEMMs, equal rows: %s\n", cb);
         if (c.train) {
             printf("  phases (ms):%s\n", phases);
             size_t pb_acc, wb_acc;

@@ -316,11 +316,9 @@ struct kcu_carve {
 };
 
 /* dsync: words 0-1 the decode router's grid barrier, 2-3 the v7 schedule
- * counter of the layer's rows-mode GEMMs (kcu_gemm_args.sched), 4 the
- * statistics' ticket (KCU_STATS_ONE) */
-#define KCU_DSYNC_WORDS 5
+ * counter of the layer's rows-mode GEMMs (kcu_gemm_args.sched) */
+#define KCU_DSYNC_WORDS 4
 #define KCU_SCHED_WORD  2
-#define KCU_STATS_WORD  4
 #define KCU_RT_CTAS     128 /* the decode router's grid at most: rows of statpart it writes */
 
 struct kcu_layer {

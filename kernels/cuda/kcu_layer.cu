@@ -183,7 +183,10 @@ int dwr_split(const kcu_layer *l, int T)
  * their time is the weights streamed, and v7's clusters stream them best).
  * KCU_SORTED_INFER: the most routed rows that take it (default 8192; 0 =
  * never); KCU_SORTED_INFER_RPE: the most rows per expert (mean) that take
- * it whatever their total (default 128; 0 = none). */
+ * it whatever their total (default 256; 0 = none: at 256 rows an expert
+ * the gathered up-projection ran on v4, 2.15 ms at qwen235 T=4096 on H200
+ * against 1.65-1.69 + 0.11 for the row copy on v7, bench/NOTES.md "The
+ * bytes-bound layer at the power cap"). */
 int sorted_infer(const kcu_layer *l, int T, int train)
 {
     static int rows = -1, rpe = -1;
@@ -193,7 +196,7 @@ int sorted_infer(const kcu_layer *l, int T, int train)
         if (rows < 0)
             rows = 0;
         s = getenv("KCU_SORTED_INFER_RPE");
-        rpe = s && *s ? atoi(s) : 128;
+        rpe = s && *s ? atoi(s) : 256;
         if (rpe < 0)
             rpe = 0;
     }

@@ -432,19 +432,17 @@ __global__ void k_stats_part(const float *__restrict__ probs, const float *__res
     }
 }
 
-/* one block's work of k_stats_final (CG: part's rows loaded from L2, the
- * other blocks of k_stats_one having written them) */
-template <bool CG>
-__device__ __forceinline__ void stats_final_block(const float *part, int nblk, int T, int E, int K,
-                                                  const int32_t *__restrict__ counts,
-                                                  float *__restrict__ stats)
+/* One block: stats[0] = aux = E/(K T) sum_e counts_e mean_t p[t,e];
+ * stats[1] = z = mean_t lse_t^2. */
+__global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, int E, int K,
+                              const int32_t *__restrict__ counts, float *__restrict__ stats)
 {
     __shared__ float col[257];
     __shared__ int cnt[256];
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
         float s = 0.f;
         for (int b = 0; b < nblk; b++)
-            s += CG ? __ldcg(part + (size_t)b * (E + 1) + e) : part[(size_t)b * (E + 1) + e];
+            s += part[(size_t)b * (E + 1) + e];
         col[e] = s;
         if (e < E) /* in shared memory: thread 0's sum below makes no round trips */
             cnt[e] = counts[e];
@@ -457,61 +455,6 @@ __device__ __forceinline__ void stats_final_block(const float *part, int nblk, i
         stats[0] = aux * (float)E / ((float)K * (float)T);
         stats[1] = col[E] / (float)T;
     }
-}
-
-/* One block: stats[0] = aux = E/(K T) sum_e counts_e mean_t p[t,e];
- * stats[1] = z = mean_t lse_t^2. */
-__global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, int E, int K,
-                              const int32_t *__restrict__ counts, float *__restrict__ stats)
-{
-    stats_final_block<false>(part, nblk, T, E, K, counts, stats);
-}
-
-/* k_stats_part and k_stats_final in one launch (KCU_STATS_ONE=1): block b
- * sums its 256 tokens as k_stats_part does, the values of 16 tokens loaded
- * before they are added in token order (the same sums, 16 loads in flight
- * where the loop had 4: k_stats_part's 8 blocks spend their 10.7 us on L2
- * round trips at qwen235 T=2048), writes its row of part, and the last block
- * to finish (ticket: a dsync word, left zero again by it) adds the rows up
- * as k_stats_final does. */
-__global__ void k_stats_one(const float *__restrict__ probs, const float *__restrict__ lse, int T,
-                            int E, int K, const int32_t *__restrict__ counts, float *part,
-                            float *__restrict__ stats, uint32_t *ticket)
-{
-    __shared__ int last;
-    const int t0 = blockIdx.x * 256, t1 = min(T, t0 + 256);
-    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
-        float s = 0.f;
-        for (int tb = t0; tb < t1; tb += 16) {
-            float v[16];
-#pragma unroll
-            for (int q = 0; q < 16; q++)
-                v[q] = tb + q >= t1 ? 0.f : e < E ? probs[(size_t)(tb + q) * E + e] : lse[tb + q];
-            if (e < E) {
-#pragma unroll
-                for (int q = 0; q < 16; q++)
-                    if (tb + q < t1)
-                        s += v[q];
-            } else {
-#pragma unroll
-                for (int q = 0; q < 16; q++)
-                    if (tb + q < t1)
-                        s += v[q] * v[q];
-            }
-        }
-        part[(size_t)blockIdx.x * (E + 1) + e] = s;
-    }
-    __threadfence(); /* this block's row before its ticket */
-    __syncthreads();
-    if (threadIdx.x == 0)
-        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last)
-        return;
-    __threadfence();
-    stats_final_block<true>(part, gridDim.x, T, E, K, counts, stats);
-    if (threadIdx.x == 0)
-        *ticket = 0; /* for the next launch */
 }
 
 /* dw[perm[r]] = sum_i dwpart[r, i] over the kept rows r < *nrows: fixed
@@ -797,14 +740,7 @@ moe_err kcu_sumsq(const float *g, size_t n, double *part, cudaStream_t st)
 
 moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st)
 {
-    static int one = -1;
     const int nblk = KCU_CEIL_DIV(T, 256);
-    if (kcu_env_flag(&one, "KCU_STATS_ONE", 0)) {
-        k_stats_one<<<nblk, 256, 0, st>>>(l->probs, l->lse, T, l->c.E, l->c.K, l->counts,
-                                          l->statpart, l->stats, l->dsync + KCU_STATS_WORD);
-        KCU_CHECK_LAUNCH();
-        return MOE_OK;
-    }
     k_stats_part<<<nblk, 256, 0, st>>>(l->probs, l->lse, T, l->c.E, l->statpart);
     KCU_CHECK_LAUNCH();
     k_stats_final<<<1, 256, 0, st>>>(l->statpart, nblk, T, l->c.E, l->c.K, l->counts, l->stats);
