@@ -20,6 +20,10 @@
 #             (about 40 s each)
 #   power     the bytes-bound layers (qwen235, qwen3-mid, mixtral-mid) with
 #             cuBLAS's batched GEMMs beside them, clocks and power sampled
+#   sol256    ncu's speed of light of moe's and cuBLAS's GEMMs at 256 rows
+#             an expert (qwen235 T=4096)
+#   rowpair   KCU_V10_ROWPAIR (compiled, never run): check-gpu --gemm-only's
+#             "wide rowpair" form, then A/B at 256 rows an expert
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -61,6 +65,40 @@ if want power; then
     date +%T.%N | log
     kill $smi
     grep -E "^device|^(qwen|mixtral)|phases|cuBLAS" "$LOGS/power.log" | cut -c1-240 | log
+fi
+if want sol256; then
+    # ncu's speed-of-light of the GEMMs at 256 rows an expert (qwen235
+    # T=4096): moe's v7 up and down, then cuBLAS's batched ones at the same
+    # shapes (skipping moe_bench's 8192^3 peak runs: ~2340 launches)
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 150 "$NCU" --clock-control none --section SpeedOfLight \
+        --kernel-name regex:k_gemm_wsc --launch-skip 4 --launch-count 2 \
+        bin/moe_bench --only qwen235:4096 >"$LOGS/sol_moe.log" 2>&1
+    echo "== moe's GEMMs, qwen235 T=4096 (rc $?)" | log
+    grep -E "k_gemm|Duration|Throughput" "$LOGS/sol_moe.log" | cut -c1-120 | log
+    MOE_BENCH_NO_AB=1 timeout 240 "$NCU" --clock-control none --section SpeedOfLight \
+        --kernel-name regex:"nvjet|xmma|cutlass|sm90" --launch-skip 2450 --launch-count 3 \
+        bin/moe_bench --only qwen235:4096 >"$LOGS/sol_cublas.log" 2>&1
+    echo "== cuBLAS's GEMMs after the peak runs (rc $?)" | log
+    grep -E "\(|Duration|Throughput" "$LOGS/sol_cublas.log" | grep -v "^==PROF" | cut -c1-160 | log
+fi
+if want rowpair; then
+    # v10's wide items split by rows on 2-CTA clusters (KCU_V10_ROWPAIR,
+    # compiled in session 37, never run): its check form, then two A/B
+    # rounds at 256 rows an expert
+    timeout 90 bin/check-gpu --gemm-only >"$LOGS/rowpair_check.log" 2>&1
+    rc=$?
+    echo "== check-gpu --gemm-only (rc $rc)" | log
+    grep -E "v10|check-gpu" "$LOGS/rowpair_check.log" | log
+    for r in 1 2; do
+        for v in 0 1; do
+            [ "$rc" = 0 ] || break
+            env KCU_V10_ROWPAIR=$v MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 60 bin/moe_bench \
+                --only qwen235:4096,qwen3-mid:4096,mixtral-mid:1024 >"$LOGS/rowpair$v.$r.log" 2>&1
+            echo "== KCU_V10_ROWPAIR=$v, round $r (rc $?)" | log
+            grep -E "^(qwen|mix)|phases" "$LOGS/rowpair$v.$r.log" | cut -c1-160 | log
+        done
+    done
 fi
 if want ipc; then
     MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1

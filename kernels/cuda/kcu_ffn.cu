@@ -23,7 +23,7 @@ kcu_gemm_args rows_args(const kcu_ffn *f)
     a.max_tiles_m = f->t.max_tiles;
     a.sched = f->t.sched;
     a.few_tiles = f->t.few;
-    a.ngroups = f->t.few ? f->E : 0; /* v10 walks the experts of offs */
+    a.ngroups = f->t.few || f->t.walk ? f->E : 0; /* v10 walks the experts of offs */
     a.avg_rows = f->t.avg_rows;
     a.pdl = f->pdl;
     return a;

@@ -27,7 +27,8 @@ struct kcu_ffn_tiles {
     int max_tiles;          /* host bound on *ntiles */
     int *sched;             /* v7 schedule counter (kcu_gemm_args.sched), or NULL */
     int few;                /* in pairs of one expert, ~2 per expert (kcu_gemm_args.few_tiles) */
-    int avg_rows;           /* rows per expert on average, 0 unknown (kcu_gemm_args.avg_rows) */
+    int walk;     /* inference rows dense in expert order: v10 may walk the experts of offs */
+    int avg_rows; /* rows per expert on average, 0 unknown (kcu_gemm_args.avg_rows) */
 };
 
 struct kcu_ffn {

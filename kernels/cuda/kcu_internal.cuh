@@ -278,6 +278,13 @@ extern int kcu_gemm_swap_wide_override;
  * multiple of 512), 0 never, 1 wherever N allows. Measured on H200
  * (bench/NOTES.md "v10 paired"): neutral, the L2 no less busy */
 extern int kcu_gemm_v10_pair_override;
+/* kcu_gemm_v10_rowpair_override: v10's wide items on 2-CTA clusters split
+ * by rows (each CTA half of a chunk of up to 384 rows, the same 256 output
+ * columns, the weights multicast to both: one pass over an expert's
+ * weights for up to 384 rows, padded to 16), for checks: -1 the default
+ * (KCU_V10_ROWPAIR, off unless 1; where the rows average 177-384 an
+ * expert), 0 never, 1 wherever N allows */
+extern int kcu_gemm_v10_rowpair_override;
 /* kcu_gemm_v10_held_override: v10's wide items (unpaired) in 4 stages of 56
  * KB, each chunk's epilogue staged through its last stage, which the
  * consumers hold until the epilogue ends (no epilogue buffers of their own),

@@ -952,6 +952,7 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     kcu_ffn f = layer_ffn(l);
     f.pdl = small;             /* small inference batches: the kernel chain with PDL */
     f.t.few = pairs && !small; /* kcu_route_small's list is not in pairs */
+    f.t.walk = sorted_rows && !gather_in_gemm && !train && !small;
     f.t.avg_rows = (int)((long long)T * Kt / Et);
     KCU_TRY(kcu_ffn_up(&f, xrows, xrows != xb ? nullptr : l->tok, train, st));
 

@@ -1142,9 +1142,11 @@ static int swapped_check(uint64_t seed)
         /* v10 in narrow (v 0) and wide items (v 1), wide items paired on 2-CTA
          * clusters with the rows multicast (v 2, where N allows), wide items in
          * 4 stages with the epilogue in the held stage (v 3), and with store
-         * warps (v 4, the up-projection only: not run for SCATTER); then v4
-         * (v = V4) */
-        const int V4 = 5;
+         * warps (v 4, the up-projection only: not run for SCATTER), wide items
+         * on 2-CTA clusters split by rows (v 5: halves of chunks of up to 384
+         * rows, the weights multicast; the 0-16-row experts leave one CTA
+         * none); then v4 (v = V4) */
+        const int V4 = 6;
         std::vector<uint16_t> out[V4 + 1];
         int ver[V4 + 1] = {0};
         for (int v = 0; v <= V4; v++) {
@@ -1181,6 +1183,7 @@ static int swapped_check(uint64_t seed)
             kcu_gemm_v10_pair_override = v4 ? -1 : v == 2;
             kcu_gemm_v10_held_override = v4 ? -1 : v == 3 || v == 4;
             kcu_gemm_v10_sw_override = v4 ? -1 : v == 4;
+            kcu_gemm_v10_rowpair_override = v4 ? -1 : v == 5;
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1194,6 +1197,7 @@ static int swapped_check(uint64_t seed)
         kcu_gemm_v10_pair_override = -1;
         kcu_gemm_v10_held_override = -1;
         kcu_gemm_v10_sw_override = -1;
+        kcu_gemm_v10_rowpair_override = -1;
         for (int v = 0; v < V4; v++) {
             if (v == 4 && which)
                 continue;
@@ -1208,6 +1212,7 @@ static int swapped_check(uint64_t seed)
                    v == 2   ? " paired"
                    : v == 3 ? " held"
                    : v == 4 ? " held sw"
+                   : v == 5 ? " rowpair"
                             : "",
                    which ? "SCATTER" : "SWIGLU", E, N, K, ver[v], err, same ? "==" : "!=", ver[V4],
                    ok ? "PASS" : "FAIL");

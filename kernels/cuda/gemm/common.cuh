@@ -182,6 +182,10 @@ int v10_wide(kcu_epi epi, const kcu_gemm_args *a);
 /* 1 where v10's wide items run in pairs on 2-CTA clusters, the rows
  * multicast to both (gemm/swapped.cu) */
 int v10_paired(kcu_epi epi, const kcu_gemm_args *a);
+/* v10's wide items on 2-CTA clusters split by rows (swapped.cu): the two
+ * CTAs take the two halves of each chunk of up to 384 rows over the same
+ * 256 output columns, the weight tile multicast to both */
+int v10_rowpair(kcu_epi epi, const kcu_gemm_args *a);
 /* 1 where v10's wide items run in 4 stages with the epilogue staged through
  * the chunk's last stage (gemm/swapped.cu) */
 int v10_held(kcu_epi epi, const kcu_gemm_args *a);

@@ -344,11 +344,16 @@ int swap_applies(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
     const int mode = kcu_gemm_swap_override >= 0 ? kcu_gemm_swap_override : g_swap;
     if (mode <= 0 || (mode == 3 && epi != KCU_EPI_SWIGLU))
         return 0;
-    if (mode == 1 && (a->avg_rows < 96 || a->avg_rows > kgemm::V10_WIDE_MAX_AVG ||
-                      (epi != KCU_EPI_SWIGLU && !kgemm::v10_wide(epi, a))))
+    /* rows paired (kgemm::v10_rowpair): dense rows in expert order, not
+     * necessarily a tile list in pairs */
+    const int rowpair = kgemm::v10_rowpair(epi, a);
+    if (mode == 1 && !rowpair &&
+        (a->avg_rows < 96 || a->avg_rows > kgemm::V10_WIDE_MAX_AVG ||
+         (epi != KCU_EPI_SWIGLU && !kgemm::v10_wide(epi, a))))
         return 0;
-    if (am != KCU_A_K || bm != KCU_B_K || !a->few_tiles || !a->offs || a->ngroups < 1 ||
-        a->a_gather || !a->b_gstride || a->N % 128 || a->K % BK || (uintptr_t)a->A & 15)
+    if (am != KCU_A_K || bm != KCU_B_K || (!a->few_tiles && !rowpair) || !a->offs ||
+        a->ngroups < 1 || a->a_gather || !a->b_gstride || a->N % 128 || a->K % BK ||
+        (uintptr_t)a->A & 15)
         return 0;
     if (epi == KCU_EPI_SWIGLU)
         return !a->ab && a->h && a->N == 2 * a->F && !(a->F & 7) && !((uintptr_t)a->h & 15);

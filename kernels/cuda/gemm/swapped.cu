@@ -66,6 +66,17 @@
  * Measured on H200: the up-projection 851-873 us against 890-893, the
  * down 444-454 against 472-475 (ncu, qwen235 T=2048).
  *
+ * Rows paired (KCU_V10_ROWPAIR=1, off by default; k_gemm_swap<EPI, 1, 3>):
+ * where the rows average 177-384 an expert, wide items on 2-CTA clusters,
+ * both CTAs on the same 256 output columns, the expert's rows in chunks of
+ * up to 384 each split in two halves (a multiple of 16 rows first, the
+ * rest, possibly none, second); CTA b loads weight box b with
+ * .multicast::cluster into both, each CTA its own rows; full[s] expects
+ * both weight boxes and its rows, empty[s] 16 arrivals. An expert's
+ * weights stream once for up to 384 rows padded to 16, where plain wide
+ * items stream them once a 192-row chunk and v7 pads to 128. Compiled in
+ * session 37 and not yet run on a GPU (bench/NOTES.md).
+ *
  * Store warps (SW, swp_cfg<3>, the held up-projection; KCU_V10_SW=0 turns
  * it off): the consumers stage both h tiles of a chunk at once (tile 0 in
  * their warpgroup's weight half of the held stage, tile 1 in its half of
@@ -145,25 +156,43 @@ template <int CAP> __device__ __forceinline__ swp_chunks swp_split(int rows)
     return swp_chunks{n, (per + 15) & ~15};
 }
 
+/* CL: 1 one CTA an item; 2 (paired) and 3 (rows paired) 2-CTA clusters */
+template <int CL> constexpr int swp_ctas = CL == 1 ? 1 : 2;
+
 /* the walk every role of a CTA makes, in the same order: its items (w =
  * CTA, + grid; mt items an expert), each expert's rows in chunks;
  * chunk(e, m0, r0, nr) for each chunk of nr rows from row r0 of expert e,
  * output columns m0 .. m0 + C::COLS. Paired (CL 2): item w is the cluster's
  * (w = cluster, + clusters), mt pairs an expert, and CTA `rank` takes the
  * pair's half rank of 2 x C::COLS columns: both CTAs of a cluster walk the
- * same chunks of the same rows in the same order */
+ * same chunks of the same rows in the same order. Rows paired (CL 3): item
+ * w is the cluster's, both CTAs on its C::COLS columns; the expert's rows
+ * in chunks of up to 2 x C::ROWS, CTA `rank` taking half rank of each (the
+ * first half cn / 2 rounded up to 16, the second the rest, possibly none:
+ * nr 0 still walks the chunk's stages) */
 template <class C, int CL, class CHUNK>
 __device__ __forceinline__ void swp_walk(const kcu_gemm_args &p, int mt, int total, int rank,
                                          CHUNK &&chunk)
 {
-    for (int w = blockIdx.x / CL; w < total; w += gridDim.x / CL) {
-        const int e = w / mt, m0 = ((w % mt) * CL + rank) * C::COLS;
+    constexpr int CTAS = swp_ctas<CL>;
+    for (int w = blockIdx.x / CTAS; w < total; w += gridDim.x / CTAS) {
+        const int e = w / mt;
+        const int m0 = CL == 3 ? (w % mt) * C::COLS : ((w % mt) * CL + rank) * C::COLS;
         const int rb = p.offs[e], rows = p.offs[e + 1] - rb;
         if (rows <= 0)
             continue;
-        const swp_chunks c = swp_split<C::ROWS>(rows);
-        for (int ci = 0; ci < c.n; ci++)
-            chunk(e, m0, rb + ci * c.cs, min(c.cs, rows - ci * c.cs));
+        if (CL == 3) {
+            const swp_chunks c = swp_split<2 * C::ROWS>(rows);
+            for (int ci = 0; ci < c.n; ci++) {
+                const int cr0 = ci * c.cs, cn = min(c.cs, rows - cr0);
+                const int h = min(cn, (((cn + 1) >> 1) + 15) & ~15);
+                chunk(e, m0, rb + cr0 + (rank ? h : 0), rank ? cn - h : h);
+            }
+        } else {
+            const swp_chunks c = swp_split<C::ROWS>(rows);
+            for (int ci = 0; ci < c.n; ci++)
+                chunk(e, m0, rb + ci * c.cs, min(c.cs, rows - ci * c.cs));
+        }
     }
 }
 
@@ -194,12 +223,13 @@ template <int N> __device__ __forceinline__ void swp_pin(float (&d)[128])
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/* releases stage barrier eb: in this CTA, and paired (CL 2) in the peer's
- * too (its producer multicasts rows into this CTA's stage) */
+/* releases stage barrier eb: in this CTA, and on a 2-CTA cluster (CL 2, 3)
+ * in the peer's too (its producer multicasts rows (2) or a weight box (3)
+ * into this CTA's stage) */
 template <int CL> __device__ __forceinline__ void swp_release(uint32_t eb, uint32_t peer)
 {
     mbar_arrive(eb);
-    if (CL == 2)
+    if (CL != 1)
         mbar_arrive_cluster(eb, peer);
 }
 
@@ -412,6 +442,18 @@ __device__ __forceinline__ void
 swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sbase, uint32_t &it,
             int ktiles, int r0, int nr, int m0, int cw, int wq, int lane, int tid, uint32_t peer)
 {
+    if (CL == 3 && nr <= 0) {
+        /* rows paired: no rows of this chunk here; its stages (the weights
+         * the peer also multiplies) pass through, released unread */
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % C::STAGES;
+            mbar_wait(full0 + 8 * s, (it / C::STAGES) & 1);
+            __syncwarp();
+            if (lane == 0)
+                swp_release<CL>(empty0 + 8 * s, peer);
+        }
+        return;
+    }
 #define SWP_CASE(n16)                                                                              \
     case n16:                                                                                      \
         if (16 * (n16) <= C::ROWS)                                                                 \
@@ -447,26 +489,28 @@ __global__ void __launch_bounds__(WS_NT, 1)
 #if KCU_SM90 /* Hopper only: never launched from the portable image */
     using C = swp_cfg<W>;
     static_assert(!C::SW || EPI == KCU_EPI_SWIGLU, "store warps: the up-projection only");
+    static_assert(CL != 3 || (W == 1 && C::COLS == 256), "rows paired: wide items in 3 stages");
+    constexpr int CTAS = swp_ctas<CL>;
     const uint32_t sbase = smem_base_1k(), full0 = sbase + C::BAR_OFF,
                    empty0 = full0 + C::STAGES * 8;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const int rank = CL == 2 ? (int)cluster_rank() : 0;
+    const int rank = CL != 1 ? (int)cluster_rank() : 0;
     const uint32_t peer = (uint32_t)(rank ^ 1);
     if (tid == 0) {
         for (int s = 0; s < C::STAGES; s++) {
             mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 8 * CL); /* each consumer warp of the cluster */
+            mbar_init(empty0 + 8 * s, 8 * CTAS); /* each consumer warp of the cluster */
         }
         for (int w = 0; C::SW && w < 2; w++)
             mbar_init(sbase + C::EPI_FULL_OFF + 8 * w, 128); /* each consumer thread */
         ws_bars_fence();
     }
     __syncthreads();
-    if (CL == 2)
+    if (CL != 1)
         cluster_sync_all(); /* the peer's barriers exist before any remote access */
     kcu_pdl_wait();
     kcu_pdl_trigger();
-    const int mt = p.N / (C::COLS * CL), total = p.ngroups * mt, ktiles = p.K / BK;
+    const int mt = p.N / (C::COLS * (CL == 2 ? 2 : 1)), total = p.ngroups * mt, ktiles = p.K / BK;
 
     if (wg == 0) {
         /* ---------------- producer: thread 0 ---------------- */
@@ -503,7 +547,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
         uint32_t it = 0;
         swp_walk<C, CL>(p, mt, total, rank, [&](int e, int m0, int r0, int nr) {
             /* the chunk's rows padded to 16, in boxes of 64 rows; paired,
-             * box b comes from CTA b % 2's load, multicast to both */
+             * box b comes from CTA b % 2's load, multicast to both; rows
+             * paired, weight box b from CTA b's, the rows each CTA's own */
             const int nbox = (((nr + 15) & ~15) + 63) / 64;
             for (int kt = 0; kt < ktiles; kt++, it++) {
                 const int s = it % C::STAGES;
@@ -511,10 +556,15 @@ __global__ void __launch_bounds__(WS_NT, 1)
                 mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
                 const int k0 = kt * BK;
                 mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES);
-                for (int b = 0; b < C::COLS / 128; b++)
-                    tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
+                for (int b = 0; b < C::COLS / 128; b++) {
+                    if (CL != 3)
+                        tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
+                    else if (b == rank)
+                        tma_3d_mc(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb,
+                                  (uint16_t)3);
+                }
                 for (int b = 0; b < nbox; b++) {
-                    if (CL == 1)
+                    if (CL != 2)
                         tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
                     else if (b % 2 == rank)
                         tma_2d_mc(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb, (uint16_t)3);
@@ -523,7 +573,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
         });
         /* paired: the last stages released by both CTAs' consumers before
          * this CTA exits (no remote arrival may reach an exited CTA) */
-        for (int i = 0; CL == 2 && i < C::STAGES; i++, it++)
+        for (int i = 0; CL != 1 && i < C::STAGES; i++, it++)
             mbar_wait(empty0 + 8 * (it % C::STAGES), ((it / C::STAGES) & 1) ^ 1);
         return;
     }
@@ -554,8 +604,9 @@ moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStrea
     return MOE_OK;
 }
 
-/* paired wide items on 2-CTA clusters (kgemm::v10_paired) */
-template <int EPI>
+/* wide items on 2-CTA clusters: paired (CL 2, kgemm::v10_paired) or rows
+ * paired (CL 3, kgemm::v10_rowpair) */
+template <int EPI, int CL>
 moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
 {
     using C = swp_cfg<1>;
@@ -564,13 +615,13 @@ moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cu
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute at[2];
     int ok = 0;
-    const long long pairs = (long long)a->ngroups * (a->N / (2 * C::COLS));
-    KCU_TRY(cluster2_config(k_gemm_swap<EPI, 1, 2>, attr_done, max_cl, pairs, nsm, C::SMEM, st, cfg,
-                            at, &ok));
+    const long long pairs = (long long)a->ngroups * (a->N / ((CL == 2 ? 2 : 1) * C::COLS));
+    KCU_TRY(cluster2_config(k_gemm_swap<EPI, 1, CL>, attr_done, max_cl, pairs, nsm, C::SMEM, st,
+                            cfg, at, &ok));
     if (!ok)
         return MOE_OK;
     kcu_pdl_attr(&cfg, at, a->pdl);
-    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_swap<EPI, 1, 2>, *a, m));
+    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_swap<EPI, 1, CL>, *a, m));
     return MOE_OK;
 }
 
@@ -578,6 +629,7 @@ moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cu
 
 int kcu_gemm_swap_wide_override = -1;
 int kcu_gemm_v10_pair_override = -1;
+int kcu_gemm_v10_rowpair_override = -1;
 int kcu_gemm_v10_held_override = -1;
 int kcu_gemm_v10_sw_override = -1;
 
@@ -615,6 +667,24 @@ int kgemm::v10_paired(kcu_epi epi, const kcu_gemm_args *a)
     return kcu_env_flag(&env, "KCU_V10_PAIR", 0);
 }
 
+/* wide items on 2-CTA clusters split by rows (the walk's CL 3; where N is
+ * a multiple of 256 and the experts of offs are given):
+ * kcu_gemm_v10_rowpair_override, then KCU_V10_ROWPAIR (0 when unset) where
+ * the rows average more than kgemm::V10_WIDE_MAX_AVG and at most 384 an
+ * expert: there wide items split an expert's rows into chunks of 192 that
+ * each stream its weights, and v7 pads them to 128 */
+int kgemm::v10_rowpair(kcu_epi epi, const kcu_gemm_args *a)
+{
+    static int env = -1;
+    if (a->N % swp_cfg<1>::COLS || a->K < BK || a->ngroups < 1 ||
+        (epi != KCU_EPI_SWIGLU && epi != KCU_EPI_SCATTER))
+        return 0;
+    if (kcu_gemm_v10_rowpair_override >= 0)
+        return kcu_gemm_v10_rowpair_override > 0;
+    return a->avg_rows > kgemm::V10_WIDE_MAX_AVG && a->avg_rows <= 2 * swp_cfg<1>::ROWS &&
+           kcu_env_flag(&env, "KCU_V10_ROWPAIR", 0);
+}
+
 /* wide items in 4 stages, the epilogue through the chunk's last stage
  * (swp_cfg<2>; where wide items run unpaired): kcu_gemm_v10_held_override,
  * then KCU_V10_HELD (1 when unset: measured on H200, bench/NOTES.md "v10
@@ -650,14 +720,17 @@ moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m,
 {
     const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a),
               held = kgemm::v10_held(epi, a), sw = kgemm::v10_sw(epi, a);
+    if (kgemm::v10_rowpair(epi, a))
+        return epi == KCU_EPI_SWIGLU ? launch_swap_paired<KCU_EPI_SWIGLU, 3>(a, m, nsm, st)
+                                     : launch_swap_paired<KCU_EPI_SCATTER, 3>(a, m, nsm, st);
     if (epi == KCU_EPI_SWIGLU)
-        return paired ? launch_swap_paired<KCU_EPI_SWIGLU>(a, m, nsm, st)
+        return paired ? launch_swap_paired<KCU_EPI_SWIGLU, 2>(a, m, nsm, st)
                : sw   ? launch_swap<KCU_EPI_SWIGLU, 3>(a, m, nsm, st)
                : held ? launch_swap<KCU_EPI_SWIGLU, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
     if (epi == KCU_EPI_SCATTER)
-        return paired ? launch_swap_paired<KCU_EPI_SCATTER>(a, m, nsm, st)
+        return paired ? launch_swap_paired<KCU_EPI_SCATTER, 2>(a, m, nsm, st)
                : held ? launch_swap<KCU_EPI_SCATTER, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SCATTER, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SCATTER, 0>(a, m, nsm, st);
