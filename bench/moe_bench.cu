@@ -81,6 +81,17 @@ template <typename F> static float median_ms(int warm, int reps, F fn)
     return t[t.size() / 2];
 }
 
+/* a cuBLAS handle (the caller destroys it); exits when none can be made */
+static cublasHandle_t cublas_new()
+{
+    cublasHandle_t h;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cublasCreate failed\n");
+        exit(2);
+    }
+    return h;
+}
+
 /* dense_tflops: cuBLAS bf16 8192^3; sustained_ms > 0: first run it back to
  * back for that long (the GPU reaches its power limit and lowers its clock,
  * as it does under the layer's own repeated calls), then time it */
@@ -93,11 +104,7 @@ static double dense_tflops(float sustained_ms)
     CK(cudaMalloc(&C, (size_t)n * n * 2));
     fill(A, (size_t)n * n, 1, -1, 1);
     fill(B, (size_t)n * n, 2, -1, 1);
-    cublasHandle_t h;
-    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "cublasCreate failed\n");
-        exit(2);
-    }
+    cublasHandle_t h = cublas_new();
     const float one = 1.f, zero = 0.f;
     const int warm = sustained_ms > 0 ? (int)(sustained_ms / 1.3f) : 3;
     const float ms = median_ms(warm, 15, [&] {
@@ -233,11 +240,7 @@ static bool cublas_batched(const kcu_layer *l, int T, int K, int reps, double bw
     CK(cudaMalloc(&y, (size_t)E * R * H * 2));
     fill(x, (size_t)E * R * H, 31, -1, 1);
     fill(hh, (size_t)E * R * F, 32, -1, 1);
-    cublasHandle_t h;
-    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "cublasCreate failed\n");
-        exit(2);
-    }
+    cublasHandle_t h = cublas_new();
     const float one = 1.f, zero = 0.f;
     /* column-major: C_e^T (m, R) = W_e (m, k as its rows) x act_e^T */
     auto gemm = [&](const bf16 *w, const bf16 *a, bf16 *c, int m, int k) {

@@ -1070,9 +1070,8 @@ static void down(void *h, const void *d, size_t bytes)
  * up-projection's SwiGLU h and the down-projection's scattered bf16 rows
  * over experts of 0 to 700 rows (chunks of up to 256 rows in narrow items,
  * 192 in wide ones; n padded to 16), in each of its forms (narrow, wide,
- * paired, held), against the CPU (double sums) and bit for bit against v4
- * over a tile list of the same rows (the same products summed in the same
- * k order) */
+ * paired, held, held with store warps, rows paired), against the CPU (double sums) and bit for bit
+ * against v4 over a tile list of the same rows (the same products summed in the same k order) */
 static int swapped_check(uint64_t seed)
 {
     if (!kcu_sm90())

@@ -718,11 +718,11 @@ int kgemm::v10_sw(kcu_epi epi, const kcu_gemm_args *a)
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
-    const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a),
-              held = kgemm::v10_held(epi, a), sw = kgemm::v10_sw(epi, a);
     if (kgemm::v10_rowpair(epi, a))
         return epi == KCU_EPI_SWIGLU ? launch_swap_paired<KCU_EPI_SWIGLU, 3>(a, m, nsm, st)
                                      : launch_swap_paired<KCU_EPI_SCATTER, 3>(a, m, nsm, st);
+    const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a),
+              held = kgemm::v10_held(epi, a), sw = kgemm::v10_sw(epi, a);
     if (epi == KCU_EPI_SWIGLU)
         return paired ? launch_swap_paired<KCU_EPI_SWIGLU, 2>(a, m, nsm, st)
                : sw   ? launch_swap<KCU_EPI_SWIGLU, 3>(a, m, nsm, st)
