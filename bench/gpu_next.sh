@@ -22,8 +22,8 @@
 #             cuBLAS's batched GEMMs beside them, clocks and power sampled
 #   sol256    ncu's speed of light of moe's and cuBLAS's GEMMs at 256 rows
 #             an expert (qwen235 T=4096)
-#   rowpair   KCU_V10_ROWPAIR (compiled, never run): check-gpu --gemm-only's
-#             "wide rowpair" form, then A/B at 256 rows an expert
+#   rowpair   KCU_V10_ROWPAIR: racecheck and memcheck over check-gpu
+#             --swapped, A/B at 256 rows an expert, ncu of its GEMMs
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -83,22 +83,30 @@ if want sol256; then
     grep -E "\(|Duration|Throughput" "$LOGS/sol_cublas.log" | grep -v "^==PROF" | cut -c1-160 | log
 fi
 if want rowpair; then
-    # v10's wide items split by rows on 2-CTA clusters (KCU_V10_ROWPAIR,
-    # compiled in session 37, never run): its check form, then two A/B
-    # rounds at 256 rows an expert
-    timeout 90 bin/check-gpu --gemm-only >"$LOGS/rowpair_check.log" 2>&1
-    rc=$?
-    echo "== check-gpu --gemm-only (rc $rc)" | log
-    grep -E "v10|check-gpu" "$LOGS/rowpair_check.log" | log
+    # v10's wide items split by rows on 2-CTA clusters (KCU_V10_ROWPAIR, on
+    # by default since session 38): compute-sanitizer over v10's forms, two
+    # A/B rounds at 256 rows an expert, then ncu's speed-of-light of its
+    # up and down at qwen235 T=4096
+    CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for tool in racecheck memcheck; do
+        timeout 150 "$CS" --tool $tool bin/check-gpu --swapped >"$LOGS/rowpair_$tool.log" 2>&1
+        echo "== $tool bin/check-gpu --swapped (rc $?)" | log
+        grep -E "hazard|ERROR SUMMARY|check-gpu" "$LOGS/rowpair_$tool.log" | tail -n 3 | log
+    done
     for r in 1 2; do
         for v in 0 1; do
-            [ "$rc" = 0 ] || break
-            env KCU_V10_ROWPAIR=$v MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 60 bin/moe_bench \
+            env KCU_V10_ROWPAIR=$v MOE_BENCH_NO_AB=1 timeout 80 bin/moe_bench \
                 --only qwen235:4096,qwen3-mid:4096,mixtral-mid:1024 >"$LOGS/rowpair$v.$r.log" 2>&1
             echo "== KCU_V10_ROWPAIR=$v, round $r (rc $?)" | log
-            grep -E "^(qwen|mix)|phases" "$LOGS/rowpair$v.$r.log" | cut -c1-160 | log
+            grep -E "^(qwen|mix)|phases|cuBLAS" "$LOGS/rowpair$v.$r.log" | cut -c1-170 | log
         done
     done
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 150 "$NCU" --clock-control none --section SpeedOfLight \
+        --kernel-name regex:k_gemm_swap --launch-skip 4 --launch-count 2 \
+        bin/moe_bench --only qwen235:4096 >"$LOGS/sol_rowpair.log" 2>&1
+    echo "== rows paired up and down, qwen235 T=4096 (rc $?)" | log
+    grep -E "k_gemm|Duration|Throughput" "$LOGS/sol_rowpair.log" | cut -c1-120 | log
 fi
 if want ipc; then
     MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1

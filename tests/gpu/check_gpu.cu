@@ -12,6 +12,8 @@
  *   bin/check-gpu --families  only the routing-family checks (kcu_route_config,
  *                            shared experts) against kern_moe_forward_ref
  *   bin/check-gpu --pipelined  only kcu_forward_pipelined against kcu_forward
+ *   bin/check-gpu --swapped  only v10's forms (the swapped GEMMs) against v4,
+ *                            for compute-sanitizer over them alone
  *
  * Each stage is checked on the GPU's own upstream values (the CPU top-k runs
  * on the GPU logits, the CPU experts on the GPU routing), so that a near-tie
@@ -1144,8 +1146,8 @@ static int swapped_check(uint64_t seed)
          * warps (v 4, the up-projection only: not run for SCATTER), wide items
          * on 2-CTA clusters split by rows (v 5: halves of chunks of up to 384
          * rows, the weights multicast; the 0-16-row experts leave one CTA
-         * none); then v4 (v = V4) */
-        const int V4 = 6;
+         * none), and those in 4 stages held as v 3's (v 6); then v4 (v = V4) */
+        const int V4 = 7;
         std::vector<uint16_t> out[V4 + 1];
         int ver[V4 + 1] = {0};
         for (int v = 0; v <= V4; v++) {
@@ -1180,9 +1182,9 @@ static int swapped_check(uint64_t seed)
             kcu_gemm_swap_override = v4 ? -1 : 2; /* both projections, any rows */
             kcu_gemm_swap_wide_override = v4 ? -1 : v > 0;
             kcu_gemm_v10_pair_override = v4 ? -1 : v == 2;
-            kcu_gemm_v10_held_override = v4 ? -1 : v == 3 || v == 4;
+            kcu_gemm_v10_held_override = v4 ? -1 : v == 3 || v == 4 || v == 6;
             kcu_gemm_v10_sw_override = v4 ? -1 : v == 4;
-            kcu_gemm_v10_rowpair_override = v4 ? -1 : v == 5;
+            kcu_gemm_v10_rowpair_override = v4 ? -1 : v == 5 || v == 6;
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1212,6 +1214,7 @@ static int swapped_check(uint64_t seed)
                    : v == 3 ? " held"
                    : v == 4 ? " held sw"
                    : v == 5 ? " rowpair"
+                   : v == 6 ? " rowpair held"
                             : "",
                    which ? "SCATTER" : "SWIGLU", E, N, K, ver[v], err, same ? "==" : "!=", ver[V4],
                    ok ? "PASS" : "FAIL");
@@ -2417,7 +2420,7 @@ static int family_refusals(void)
 
 int main(int argc, char **argv)
 {
-    int small = 0, gemm_only = 0, families_only = 0, pipelined_only = 0;
+    int small = 0, gemm_only = 0, families_only = 0, pipelined_only = 0, swapped_only = 0;
     uint64_t seed = 0x5eed;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small"))
@@ -2428,11 +2431,14 @@ int main(int argc, char **argv)
             families_only = 1;
         else if (!strcmp(argv[i], "--pipelined"))
             pipelined_only = 1;
+        else if (!strcmp(argv[i], "--swapped"))
+            swapped_only = 1;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
             seed = strtoull(argv[++i], NULL, 0);
         else {
             fprintf(stderr,
-                    "usage: %s [--small | --gemm-only | --families | --pipelined] [--seed N]\n",
+                    "usage: %s [--small | --gemm-only | --families | --pipelined | --swapped] "
+                    "[--seed N]\n",
                     argv[0]);
             return 2;
         }
@@ -2554,6 +2560,11 @@ int main(int argc, char **argv)
         printf("check-gpu --families: %zu checks, %d failed -> %s\n", fcases.size() + 1, nf,
                nf ? "FAIL" : "PASS");
         return nf ? 1 : 0;
+    }
+    if (swapped_only) {
+        const int ns = swapped_check(seed);
+        printf("check-gpu --swapped: %d failed -> %s\n", ns, ns ? "FAIL" : "PASS");
+        return ns ? 1 : 0;
     }
     int fails = gemm_checks(seed);
     fails += gemm_selftest(seed); /* every GEMM mode on each version, v4 included */

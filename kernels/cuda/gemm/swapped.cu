@@ -66,7 +66,7 @@
  * Measured on H200: the up-projection 851-873 us against 890-893, the
  * down 444-454 against 472-475 (ncu, qwen235 T=2048).
  *
- * Rows paired (KCU_V10_ROWPAIR=1, off by default; k_gemm_swap<EPI, 1, 3>):
+ * Rows paired (KCU_V10_ROWPAIR; k_gemm_swap<EPI, 2, 3>, or <EPI, 1, 3> in 3 stages):
  * where the rows average 177-384 an expert, wide items on 2-CTA clusters,
  * both CTAs on the same 256 output columns, the expert's rows in chunks of
  * up to 384 each split in two halves (a multiple of 16 rows first, the
@@ -74,8 +74,13 @@
  * .multicast::cluster into both, each CTA its own rows; full[s] expects
  * both weight boxes and its rows, empty[s] 16 arrivals. An expert's
  * weights stream once for up to 384 rows padded to 16, where plain wide
- * items stream them once a 192-row chunk and v7 pads to 128. Compiled in
- * session 37 and not yet run on a GPU (bench/NOTES.md).
+ * items stream them once a 192-row chunk and v7 pads to 128. In 4 held
+ * stages (KCU_V10_ROWPAIR_HELD) as the wide items' (swp_cfg<2>): the peer's
+ * multicast into the held stage waits for this CTA's release after the
+ * epilogue, as empty[s] counts both CTAs' consumer warps. Measured on H200
+ * (bench/NOTES.md "v10 rows paired"): qwen235 T=4096 2.535-2.579 ms against
+ * 2.80-2.92 on v7; at 128 rows an expert 30% slower than plain wide items,
+ * so it runs only above V10_WIDE_MAX_AVG.
  *
  * Store warps (SW, swp_cfg<3>, the held up-projection; KCU_V10_SW=0 turns
  * it off): the consumers stage both h tiles of a chunk at once (tile 0 in
@@ -489,7 +494,8 @@ __global__ void __launch_bounds__(WS_NT, 1)
 #if KCU_SM90 /* Hopper only: never launched from the portable image */
     using C = swp_cfg<W>;
     static_assert(!C::SW || EPI == KCU_EPI_SWIGLU, "store warps: the up-projection only");
-    static_assert(CL != 3 || (W == 1 && C::COLS == 256), "rows paired: wide items in 3 stages");
+    static_assert(CL != 3 || ((W == 1 || W == 2) && C::COLS == 256),
+                  "rows paired: wide items in 3 stages, or 4 held");
     constexpr int CTAS = swp_ctas<CL>;
     const uint32_t sbase = smem_base_1k(), full0 = sbase + C::BAR_OFF,
                    empty0 = full0 + C::STAGES * 8;
@@ -604,24 +610,24 @@ moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStrea
     return MOE_OK;
 }
 
-/* wide items on 2-CTA clusters: paired (CL 2, kgemm::v10_paired) or rows
- * paired (CL 3, kgemm::v10_rowpair) */
-template <int EPI, int CL>
+/* wide items (W 1, or 2 held) on 2-CTA clusters: paired (CL 2,
+ * kgemm::v10_paired) or rows paired (CL 3, kgemm::v10_rowpair) */
+template <int EPI, int W, int CL>
 moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
 {
-    using C = swp_cfg<1>;
+    using C = swp_cfg<W>;
     static unsigned long long attr_done;
     static int max_cl[64];
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute at[2];
     int ok = 0;
     const long long pairs = (long long)a->ngroups * (a->N / ((CL == 2 ? 2 : 1) * C::COLS));
-    KCU_TRY(cluster2_config(k_gemm_swap<EPI, 1, CL>, attr_done, max_cl, pairs, nsm, C::SMEM, st,
+    KCU_TRY(cluster2_config(k_gemm_swap<EPI, W, CL>, attr_done, max_cl, pairs, nsm, C::SMEM, st,
                             cfg, at, &ok));
     if (!ok)
         return MOE_OK;
     kcu_pdl_attr(&cfg, at, a->pdl);
-    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_swap<EPI, 1, CL>, *a, m));
+    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_swap<EPI, W, CL>, *a, m));
     return MOE_OK;
 }
 
@@ -669,20 +675,42 @@ int kgemm::v10_paired(kcu_epi epi, const kcu_gemm_args *a)
 
 /* wide items on 2-CTA clusters split by rows (the walk's CL 3; where N is
  * a multiple of 256 and the experts of offs are given):
- * kcu_gemm_v10_rowpair_override, then KCU_V10_ROWPAIR (0 when unset) where
- * the rows average more than kgemm::V10_WIDE_MAX_AVG and at most 384 an
- * expert: there wide items split an expert's rows into chunks of 192 that
- * each stream its weights, and v7 pads them to 128 */
+ * kcu_gemm_v10_rowpair_override, then KCU_V10_ROWPAIR where the rows
+ * average at most 384 an expert - 1 (when unset) more than
+ * kgemm::V10_WIDE_MAX_AVG: there wide items split an expert's rows into
+ * chunks of 192 that each stream its weights, and v7 pads them to 128
+ * (measured on H200, bench/NOTES.md "v10 rows paired"); 2 at any such
+ * average (for measurements); 0 never */
 int kgemm::v10_rowpair(kcu_epi epi, const kcu_gemm_args *a)
 {
-    static int env = -1;
+    static int env = -2;
+    if (env == -2) {
+        const char *v = getenv("KCU_V10_ROWPAIR");
+        env = v && v[0] ? atoi(v) : 1;
+    }
     if (a->N % swp_cfg<1>::COLS || a->K < BK || a->ngroups < 1 ||
         (epi != KCU_EPI_SWIGLU && epi != KCU_EPI_SCATTER))
         return 0;
     if (kcu_gemm_v10_rowpair_override >= 0)
         return kcu_gemm_v10_rowpair_override > 0;
-    return a->avg_rows > kgemm::V10_WIDE_MAX_AVG && a->avg_rows <= 2 * swp_cfg<1>::ROWS &&
-           kcu_env_flag(&env, "KCU_V10_ROWPAIR", 0);
+    if (env <= 0 || a->avg_rows > 2 * swp_cfg<1>::ROWS)
+        return 0;
+    return env >= 2 || a->avg_rows > kgemm::V10_WIDE_MAX_AVG;
+}
+
+/* rows paired in 4 stages, the epilogue through the chunk's last stage
+ * (swp_cfg<2> on the clusters of kgemm::v10_rowpair):
+ * kcu_gemm_v10_held_override, then KCU_V10_ROWPAIR_HELD (1 when unset:
+ * measured on H200, bench/NOTES.md "v10 rows paired": qwen235 T=4096
+ * 2.535-2.579 ms against 2.617-2.626 in 3 stages) */
+int kgemm::v10_rowpair_held(kcu_epi epi, const kcu_gemm_args *a)
+{
+    static int env = -1;
+    if (!kgemm::v10_rowpair(epi, a))
+        return 0;
+    if (kcu_gemm_v10_held_override >= 0)
+        return kcu_gemm_v10_held_override > 0;
+    return kcu_env_flag(&env, "KCU_V10_ROWPAIR_HELD", 1);
 }
 
 /* wide items in 4 stages, the epilogue through the chunk's last stage
@@ -718,19 +746,23 @@ int kgemm::v10_sw(kcu_epi epi, const kcu_gemm_args *a)
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
-    if (kgemm::v10_rowpair(epi, a))
-        return epi == KCU_EPI_SWIGLU ? launch_swap_paired<KCU_EPI_SWIGLU, 3>(a, m, nsm, st)
-                                     : launch_swap_paired<KCU_EPI_SCATTER, 3>(a, m, nsm, st);
+    if (kgemm::v10_rowpair(epi, a)) {
+        if (kgemm::v10_rowpair_held(epi, a))
+            return epi == KCU_EPI_SWIGLU ? launch_swap_paired<KCU_EPI_SWIGLU, 2, 3>(a, m, nsm, st)
+                                         : launch_swap_paired<KCU_EPI_SCATTER, 2, 3>(a, m, nsm, st);
+        return epi == KCU_EPI_SWIGLU ? launch_swap_paired<KCU_EPI_SWIGLU, 1, 3>(a, m, nsm, st)
+                                     : launch_swap_paired<KCU_EPI_SCATTER, 1, 3>(a, m, nsm, st);
+    }
     const int wide = kgemm::v10_wide(epi, a), paired = kgemm::v10_paired(epi, a),
               held = kgemm::v10_held(epi, a), sw = kgemm::v10_sw(epi, a);
     if (epi == KCU_EPI_SWIGLU)
-        return paired ? launch_swap_paired<KCU_EPI_SWIGLU, 2>(a, m, nsm, st)
+        return paired ? launch_swap_paired<KCU_EPI_SWIGLU, 1, 2>(a, m, nsm, st)
                : sw   ? launch_swap<KCU_EPI_SWIGLU, 3>(a, m, nsm, st)
                : held ? launch_swap<KCU_EPI_SWIGLU, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SWIGLU, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SWIGLU, 0>(a, m, nsm, st);
     if (epi == KCU_EPI_SCATTER)
-        return paired ? launch_swap_paired<KCU_EPI_SCATTER, 2>(a, m, nsm, st)
+        return paired ? launch_swap_paired<KCU_EPI_SCATTER, 1, 2>(a, m, nsm, st)
                : held ? launch_swap<KCU_EPI_SCATTER, 2>(a, m, nsm, st)
                : wide ? launch_swap<KCU_EPI_SCATTER, 1>(a, m, nsm, st)
                       : launch_swap<KCU_EPI_SCATTER, 0>(a, m, nsm, st);
