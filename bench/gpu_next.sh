@@ -39,6 +39,16 @@ mkdir -p "$OUT" "$LOGS"
 [ -f run/carry/main.tar.xz ] && tar xJf run/carry/main.tar.xz
 log() { tee -a "$OUT/next.log"; }
 want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+# sol_moe KERNEL NAME TITLE: ncu's speed-of-light of the first up and down
+# of the kernels matching KERNEL in qwen235 T=4096 (past the warm-up calls)
+sol_moe() {
+    MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 150 "$NCU" --clock-control none --section SpeedOfLight \
+        --kernel-name regex:"$1" --launch-skip 4 --launch-count 2 \
+        bin/moe_bench --only qwen235:4096 >"$LOGS/sol_$2.log" 2>&1
+    echo "== $3 (rc $?)" | log
+    grep -E "k_gemm|Duration|Throughput" "$LOGS/sol_$2.log" | cut -c1-120 | log
+}
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader | head -1 | log
 
 if want qwen235; then
@@ -70,12 +80,7 @@ if want sol256; then
     # ncu's speed-of-light of the GEMMs at 256 rows an expert (qwen235
     # T=4096): moe's v7 up and down, then cuBLAS's batched ones at the same
     # shapes (skipping moe_bench's 8192^3 peak runs: ~2340 launches)
-    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-    MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 150 "$NCU" --clock-control none --section SpeedOfLight \
-        --kernel-name regex:k_gemm_wsc --launch-skip 4 --launch-count 2 \
-        bin/moe_bench --only qwen235:4096 >"$LOGS/sol_moe.log" 2>&1
-    echo "== moe's GEMMs, qwen235 T=4096 (rc $?)" | log
-    grep -E "k_gemm|Duration|Throughput" "$LOGS/sol_moe.log" | cut -c1-120 | log
+    sol_moe k_gemm_wsc moe "moe's GEMMs, qwen235 T=4096"
     MOE_BENCH_NO_AB=1 timeout 240 "$NCU" --clock-control none --section SpeedOfLight \
         --kernel-name regex:"nvjet|xmma|cutlass|sm90" --launch-skip 2450 --launch-count 3 \
         bin/moe_bench --only qwen235:4096 >"$LOGS/sol_cublas.log" 2>&1
@@ -101,12 +106,7 @@ if want rowpair; then
             grep -E "^(qwen|mix)|phases|cuBLAS" "$LOGS/rowpair$v.$r.log" | cut -c1-170 | log
         done
     done
-    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-    MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 150 "$NCU" --clock-control none --section SpeedOfLight \
-        --kernel-name regex:k_gemm_swap --launch-skip 4 --launch-count 2 \
-        bin/moe_bench --only qwen235:4096 >"$LOGS/sol_rowpair.log" 2>&1
-    echo "== rows paired up and down, qwen235 T=4096 (rc $?)" | log
-    grep -E "k_gemm|Duration|Throughput" "$LOGS/sol_rowpair.log" | cut -c1-120 | log
+    sol_moe k_gemm_swap rowpair "rows paired up and down, qwen235 T=4096"
 fi
 if want ipc; then
     MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1
