@@ -139,6 +139,9 @@ cudaError_t kcu_launch(void (*k)(Exp...), dim3 grid, dim3 block, size_t smem, cu
 
 /* GEMM tile: BM x BN output, BK deep. The layout's tile list uses KCU_BM. */
 enum { KCU_BM = 128, KCU_BN = 128, KCU_BK = 64 };
+/* the fewest rows an expert on average at which v10 takes an inference
+ * forward's GEMMs (gemm/dispatch.cu swap_applies; below it v7) */
+enum { KCU_V10_MIN_AVG = 96 };
 
 /* ---- grouped GEMM (kernels/cuda/gemm/) ----
  * Two schedules:
@@ -636,6 +639,10 @@ moe_err kcu_decode_forward(kcu_layer *l, int T, const bf16 *xb, int cap, void *y
  * with kcu_route_small (few slots) instead of the router GEMM, kcu_route and
  * kcu_stats (host only) */
 int kcu_route_small_use(const kcu_layer *l, int T, int train);
+/* kcu_layer_route_small: whether the whole layer's forward takes it - where
+ * kcu_route_small_use says so and the rows average fewer than
+ * KCU_V10_MIN_AVG an expert (kcu_layer.cu) */
+int kcu_layer_route_small(const kcu_layer *l, int T, int train);
 /* kcu_route_small: logits, probs, lse, topk, counts, dropped, offs, perm,
  * tok, spos, the tile list and the statistics in one kernel (the decode
  * router; its CTAs meet at grid barriers). *stat_rows (may be NULL): the rows

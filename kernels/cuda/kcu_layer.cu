@@ -863,6 +863,18 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
     return kcu_forward_path(l, T, x, x_dtype, y, y_dtype, train, (cudaStream_t)stream, T);
 }
 
+/* the one-kernel router (kcu_route_small) where the rows average fewer than
+ * KCU_V10_MIN_AVG an expert; from there on the router GEMM and kcu_route,
+ * whose tile list in pairs (or the walk of offs) lets v10 take the GEMMs
+ * where the small router's list kept them on v7 (measured on H200,
+ * bench/NOTES.md "v10 rows paired": Mixtral T=512 0.851-0.852 ms against
+ * 1.023-1.043, T=1024 1.335-1.372 against 1.543-1.547) */
+int kcu_layer_route_small(const kcu_layer *l, int T, int train)
+{
+    return kcu_route_small_use(l, T, train) &&
+           (long long)T * kcu_nslot(l) < (long long)KCU_V10_MIN_AVG * kcu_nexp(l);
+}
+
 moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, void *y,
                          moe_dtype y_dtype, int train, cudaStream_t st, int T_path)
 {
@@ -918,7 +930,7 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
 
     PHASE("f.router");
     const int cap = kcu_capacity(c->capacity_factor, T, K, c->E);
-    const int small = kcu_route_small_use(l, T_path, train);
+    const int small = kcu_layer_route_small(l, T_path, train);
     /* sorted rows (the sorted modes, or an inference forward with few rows)
      * take v7; with 1.5 m-tiles per expert or fewer on average, the tile
      * list in pairs of one expert (kcu_route: each weight tile read once) */

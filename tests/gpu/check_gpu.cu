@@ -431,7 +431,7 @@ static int run_case(const tcase &c, uint64_t seed, result *r)
      * one expert where they average 192 or fewer (kcu_forward) - the same
      * products in the same order as the training forward: y's bits */
     r->infer_ok = 1;
-    if (!kcu_route_small_use(l, T, 0) && !kcu_decode_use(l, T, 0)) {
+    if (!kcu_layer_route_small(l, T, 0) && !kcu_decode_use(l, T, 0)) {
         std::vector<float> yi((size_t)T * H, NAN);
         CK(cudaMemset(l->ws, 0xff, l->ws_bytes));
         CKM(kcu_forward(l, T, x.data(), MOE_F32, yi.data(), MOE_F32, 0, NULL));

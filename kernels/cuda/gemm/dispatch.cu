@@ -348,7 +348,7 @@ int swap_applies(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
      * necessarily a tile list in pairs */
     const int rowpair = kgemm::v10_rowpair(epi, a);
     if (mode == 1 && !rowpair &&
-        (a->avg_rows < 96 || a->avg_rows > kgemm::V10_WIDE_MAX_AVG ||
+        (a->avg_rows < KCU_V10_MIN_AVG || a->avg_rows > kgemm::V10_WIDE_MAX_AVG ||
          (epi != KCU_EPI_SWIGLU && !kgemm::v10_wide(epi, a))))
         return 0;
     if (am != KCU_A_K || bm != KCU_B_K || (!a->few_tiles && !rowpair) || !a->offs ||
