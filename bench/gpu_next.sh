@@ -24,6 +24,9 @@
 #             an expert (qwen235 T=4096)
 #   rowpair   KCU_V10_ROWPAIR: racecheck and memcheck over check-gpu
 #             --swapped, A/B at 256 rows an expert, ncu of its GEMMs
+#   small     the layer's small-router rule (session 38, built after the
+#             device time ran out): full bin/check-gpu, then Mixtral T=512
+#             and T=1024 as built and with KCU_ROUTE_SMALL=0 (must match)
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -107,6 +110,19 @@ if want rowpair; then
         done
     done
     sol_moe k_gemm_swap rowpair "rows paired up and down, qwen235 T=4096"
+fi
+if want small; then
+    timeout 200 bin/check-gpu >"$LOGS/small_check.log" 2>&1
+    echo "== bin/check-gpu (rc $?)" | log
+    grep -E "FAIL|check-gpu:" "$LOGS/small_check.log" | tail -n 6 | log
+    for r in 1 2; do
+        for s in 1 0; do
+            env KCU_ROUTE_SMALL=$s MOE_BENCH_NO_AB=1 timeout 80 bin/moe_bench \
+                --only mixtral-mid: >"$LOGS/small$s.$r.log" 2>&1
+            echo "== KCU_ROUTE_SMALL=$s, round $r (rc $?)" | log
+            grep -E "^mix|phases|cuBLAS" "$LOGS/small$s.$r.log" | cut -c1-200 | log
+        done
+    done
 fi
 if want ipc; then
     MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1
