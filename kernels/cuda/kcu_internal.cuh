@@ -142,6 +142,9 @@ enum { KCU_BM = 128, KCU_BN = 128, KCU_BK = 64 };
 /* the fewest rows an expert on average at which v10 takes an inference
  * forward's GEMMs (gemm/dispatch.cu swap_applies; below it v7) */
 enum { KCU_V10_MIN_AVG = 96 };
+/* the most rows an expert on average that v10 takes (rows paired: chunks of
+ * up to 384 rows split between a cluster's two CTAs; gemm/swapped.cu) */
+enum { KCU_V10_MAX_AVG = 384 };
 
 /* ---- grouped GEMM (kernels/cuda/gemm/) ----
  * Two schedules:
@@ -288,6 +291,10 @@ extern int kcu_gemm_v10_pair_override;
  * (KCU_V10_ROWPAIR, off unless 1; where the rows average 177-384 an
  * expert), 0 never, 1 wherever N allows */
 extern int kcu_gemm_v10_rowpair_override;
+/* kcu_gemm_v10_gather_override: v10's up-projection gathering its rows by
+ * index in the producer (a TMA box a row; gemm/swapped.cu kgemm::v10_gather)
+ * where it applies - 1 on, 0 off, -1 KCU_V10_GATHER (0 when unset) */
+extern int kcu_gemm_v10_gather_override;
 /* kcu_gemm_v10_held_override: v10's wide items (unpaired) in 4 stages of 56
  * KB, each chunk's epilogue staged through its last stage, which the
  * consumers hold until the epilogue ends (no epilogue buffers of their own),
@@ -309,6 +316,11 @@ extern int kcu_stats_mapped_override;
  * A on v7, its producers copying the rows by cp.async; the bytes-bound
  * inference forwards then skip their row copy (read once) */
 int kcu_v7_gather_on();
+/* kcu_v10_gather_on: KCU_V10_GATHER=1 (experimental, off; compiled in
+ * session 38, not yet run on a GPU): inference forwards that v10 takes
+ * gather x[tok] in the up-projection's producer (gemm/swapped.cu) instead
+ * of copying the rows first */
+int kcu_v10_gather_on();
 size_t kcu_stats_span(const kcu_layer *l);
 moe_err kcu_stats_host(kcu_layer *l);
 
