@@ -288,8 +288,9 @@ extern int kcu_gemm_v10_pair_override;
  * by rows (each CTA half of a chunk of up to 384 rows, the same 256 output
  * columns, the weights multicast to both: one pass over an expert's
  * weights for up to 384 rows, padded to 16), for checks: -1 the default
- * (KCU_V10_ROWPAIR, off unless 1; where the rows average 177-384 an
- * expert), 0 never, 1 wherever N allows */
+ * (KCU_V10_ROWPAIR, 1 when unset: where the rows average 177-384 an
+ * expert), 0 never, 1 wherever N allows; its 4 held stages
+ * (KCU_V10_ROWPAIR_HELD) follow kcu_gemm_v10_held_override */
 extern int kcu_gemm_v10_rowpair_override;
 /* kcu_gemm_v10_gather_override: v10's up-projection gathering its rows by
  * index in the producer (a TMA box a row; gemm/swapped.cu kgemm::v10_gather)
