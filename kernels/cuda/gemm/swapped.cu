@@ -494,6 +494,21 @@ swp_chunk_n(const kcu_gemm_args &p, uint32_t full0, uint32_t empty0, uint32_t sb
 #undef SWP_CASE
 }
 
+/* a stage's weight tile (C::COLS columns from m0 of expert e, 64 k from
+ * k0) into sa, on barrier fb: its 128-column boxes, or (rows paired, CL 3)
+ * box `rank` multicast to both CTAs, the peer loading the other */
+template <class C, int CL>
+__device__ __forceinline__ void swp_load_weights(const ws_maps &mp, uint32_t sa, int k0, int m0,
+                                                 int e, uint32_t fb, int rank)
+{
+    for (int b = 0; b < C::COLS / 128; b++) {
+        if (CL != 3)
+            tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
+        else if (b == rank)
+            tma_3d_mc(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb, (uint16_t)3);
+    }
+}
+
 /* G: the producer where the rows are gathered (p.a_gather: row r0 + i of
  * the chunk is row a_gather[r0 + i] of p.A, the tokens' x): warp 0's lanes
  * each hold up to C::ROWS / 32 of the chunk's row indices and load each
@@ -528,13 +543,7 @@ swp_gather_producer(const kcu_gemm_args &p, const ws_maps &mp, uint32_t full0, u
             const int k0 = kt * BK;
             if (lane == 0) {
                 mbar_arrive_tx(fb, C::A_BYTES + nr * 128);
-                for (int b = 0; b < C::COLS / 128; b++) {
-                    if (CL != 3)
-                        tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
-                    else if (b == rank)
-                        tma_3d_mc(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb,
-                                  (uint16_t)3);
-                }
+                swp_load_weights<C, CL>(mp, sa, k0, m0, e, fb, rank);
             }
             __syncwarp(); /* the expected bytes before any row lands */
 #pragma unroll
@@ -632,13 +641,7 @@ __global__ void __launch_bounds__(WS_NT, 1)
                 mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
                 const int k0 = kt * BK;
                 mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES);
-                for (int b = 0; b < C::COLS / 128; b++) {
-                    if (CL != 3)
-                        tma_3d(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb);
-                    else if (b == rank)
-                        tma_3d_mc(sa + b * (128 * 64 * 2), &mp.b, k0, m0 + 128 * b, e, fb,
-                                  (uint16_t)3);
-                }
+                swp_load_weights<C, CL>(mp, sa, k0, m0, e, fb, rank);
                 for (int b = 0; b < nbox; b++) {
                     if (CL != 2)
                         tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
