@@ -83,7 +83,7 @@
  * so it runs only above V10_WIDE_MAX_AVG.
  *
  * Rows gathered (KCU_V10_GATHER=1, off; k_gemm_swap<SWIGLU, W, CL, 1>,
- * swp_gather_producer): the up-projection reads x[tok] itself instead of
+ * swp_producer): the up-projection reads x[tok] itself instead of
  * rows copied into expert order first - each row's 64 k of a stage by a TMA
  * box of one row, issued by the producer warp's 32 lanes. Compiled in
  * session 38 and not yet run on a GPU (bench/NOTES.md "v10 gathering its
@@ -509,30 +509,34 @@ __device__ __forceinline__ void swp_load_weights(const ws_maps &mp, uint32_t sa,
     }
 }
 
-/* G: the producer where the rows are gathered (p.a_gather: row r0 + i of
- * the chunk is row a_gather[r0 + i] of p.A, the tokens' x): warp 0's lanes
- * each hold up to C::ROWS / 32 of the chunk's row indices and load each
- * row's 64 k by a TMA box of one row (mp.a's box {64, 1}) to the offset a
- * box of 64 rows would give it (the stages 1024-byte aligned: the 128-byte
- * swizzle lands as the dense rows' does); lane 0 the weight boxes as the
- * plain producer, and the stage's expected bytes before any row's load.
- * The padding rows past nr are not loaded (their columns of the
+/* the producer: each chunk's k stages, the weight tile (swp_load_weights)
+ * and the chunk's rows into each, on the stage's full barrier. Dense rows
+ * (G 0; thread 0 alone, lane 0): padded to 16, in boxes of 64 rows; paired,
+ * box b comes from CTA b % 2's load, multicast to both; rows paired, the
+ * rows each CTA's own. Gathered rows (G 1, p.a_gather: row r0 + i of the
+ * chunk is row a_gather[r0 + i] of p.A, the tokens' x; warp 0): each lane
+ * holds up to C::ROWS / 32 of the chunk's row indices and loads each row's
+ * 64 k by a TMA box of one row (mp.a's box {64, 1}) to the offset a box of
+ * 64 rows would give it (the stages 1024-byte aligned: the 128-byte swizzle
+ * lands as the dense rows' does), after lane 0 has set the stage's expected
+ * bytes; the padding rows past nr are not loaded (their columns of the
  * accumulators are never stored) */
-template <class C, int CL>
-__device__ __forceinline__ void
-swp_gather_producer(const kcu_gemm_args &p, const ws_maps &mp, uint32_t full0, uint32_t empty0,
-                    uint32_t sbase, int mt, int total, int ktiles, int rank, int lane)
+template <class C, int CL, int G>
+__device__ __forceinline__ void swp_producer(const kcu_gemm_args &p, const ws_maps &mp,
+                                             uint32_t full0, uint32_t empty0, uint32_t sbase,
+                                             int mt, int total, int ktiles, int rank, int lane)
 {
-    constexpr int RPL = (C::ROWS + 31) / 32; /* rows a lane */
+    constexpr int RPL = G ? (C::ROWS + 31) / 32 : 1; /* gathered rows a lane */
     if (lane == 0) {
         prefetch_tmap(&mp.a);
         prefetch_tmap(&mp.b);
     }
     uint32_t it = 0;
     swp_walk<C, CL>(p, mt, total, rank, [&](int e, int m0, int r0, int nr) {
+        const int nbox = (((nr + 15) & ~15) + 63) / 64;
         int src[RPL];
 #pragma unroll
-        for (int j = 0; j < RPL; j++) {
+        for (int j = 0; G && j < RPL; j++) {
             const int i = lane + 32 * j;
             src[j] = i < nr ? p.a_gather[r0 + i] : -1;
         }
@@ -542,18 +546,26 @@ swp_gather_producer(const kcu_gemm_args &p, const ws_maps &mp, uint32_t full0, u
             mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
             const int k0 = kt * BK;
             if (lane == 0) {
-                mbar_arrive_tx(fb, C::A_BYTES + nr * 128);
+                mbar_arrive_tx(fb, C::A_BYTES + (G ? nr * 128 : nbox * SWP_BOX_BYTES));
                 swp_load_weights<C, CL>(mp, sa, k0, m0, e, fb, rank);
+                for (int b = 0; !G && b < nbox; b++) {
+                    if (CL != 2)
+                        tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
+                    else if (b % 2 == rank)
+                        tma_2d_mc(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb, (uint16_t)3);
+                }
             }
-            __syncwarp(); /* the expected bytes before any row lands */
+            if constexpr (G != 0) {
+                __syncwarp(); /* the expected bytes before any row lands */
 #pragma unroll
-            for (int j = 0; j < RPL; j++)
-                if (src[j] >= 0)
-                    tma_2d(sb + (lane + 32 * j) * 128, &mp.a, k0, src[j], fb);
+                for (int j = 0; j < RPL; j++)
+                    if (src[j] >= 0)
+                        tma_2d(sb + (lane + 32 * j) * 128, &mp.a, k0, src[j], fb);
+            }
         }
     });
-    /* rows paired: the last stages released by both CTAs' consumers before
-     * this CTA exits (no remote arrival may reach an exited CTA) */
+    /* on a 2-CTA cluster, the last stages released by both CTAs' consumers
+     * before this CTA exits (no remote arrival may reach an exited CTA) */
     for (int i = 0; CL != 1 && lane == 0 && i < C::STAGES; i++, it++)
         mbar_wait(empty0 + 8 * (it % C::STAGES), ((it / C::STAGES) & 1) ^ 1);
 }
@@ -619,41 +631,10 @@ __global__ void __launch_bounds__(WS_NT, 1)
             });
             return;
         }
-        if constexpr (G != 0) {
-            if (warp == 0)
-                swp_gather_producer<C, CL>(p, mp, full0, empty0, sbase, mt, total, ktiles, rank,
-                                           lane);
+        /* G: warp 0's lanes; else thread 0 (its lane a constant 0) */
+        if (G ? warp != 0 : tid != 0)
             return;
-        }
-        if (tid != 0)
-            return;
-        prefetch_tmap(&mp.a);
-        prefetch_tmap(&mp.b);
-        uint32_t it = 0;
-        swp_walk<C, CL>(p, mt, total, rank, [&](int e, int m0, int r0, int nr) {
-            /* the chunk's rows padded to 16, in boxes of 64 rows; paired,
-             * box b comes from CTA b % 2's load, multicast to both; rows
-             * paired, weight box b from CTA b's, the rows each CTA's own */
-            const int nbox = (((nr + 15) & ~15) + 63) / 64;
-            for (int kt = 0; kt < ktiles; kt++, it++) {
-                const int s = it % C::STAGES;
-                const uint32_t fb = full0 + 8 * s, sa = sbase + s * C::STAGE, sb = sa + C::A_BYTES;
-                mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
-                const int k0 = kt * BK;
-                mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES);
-                swp_load_weights<C, CL>(mp, sa, k0, m0, e, fb, rank);
-                for (int b = 0; b < nbox; b++) {
-                    if (CL != 2)
-                        tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
-                    else if (b % 2 == rank)
-                        tma_2d_mc(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb, (uint16_t)3);
-                }
-            }
-        });
-        /* paired: the last stages released by both CTAs' consumers before
-         * this CTA exits (no remote arrival may reach an exited CTA) */
-        for (int i = 0; CL != 1 && i < C::STAGES; i++, it++)
-            mbar_wait(empty0 + 8 * (it % C::STAGES), ((it / C::STAGES) & 1) ^ 1);
+        swp_producer<C, CL, G>(p, mp, full0, empty0, sbase, mt, total, ktiles, rank, G ? lane : 0);
         return;
     }
 
