@@ -24,12 +24,6 @@
 #             an expert (qwen235 T=4096)
 #   rowpair   KCU_V10_ROWPAIR: racecheck and memcheck over check-gpu
 #             --swapped, A/B at 256 rows an expert, ncu of its GEMMs
-#   small     the layer's small-router rule (session 38, built after the
-#             device time ran out): full bin/check-gpu, then Mixtral T=512
-#             and T=1024 as built and with KCU_ROUTE_SMALL=0 (must match)
-#   gather    KCU_V10_GATHER (compiled in session 38, never run): check-gpu
-#             --swapped's gather forms (a hang: the expected bytes), then
-#             racecheck over them and A/B at 128 and 256 rows an expert
 #   ipc       issue 19's T=1 through CUDA IPC with the lane's rings, then
 #             without (MOE_RING=0), beside the decode kernel alone
 #             (bin/moe_bench qwen3-dec:1) in the same call
@@ -113,42 +107,6 @@ if want rowpair; then
         done
     done
     sol_moe k_gemm_swap rowpair "rows paired up and down, qwen235 T=4096"
-fi
-if want small; then
-    timeout 200 bin/check-gpu >"$LOGS/small_check.log" 2>&1
-    echo "== bin/check-gpu (rc $?)" | log
-    grep -E "FAIL|check-gpu:" "$LOGS/small_check.log" | tail -n 6 | log
-    for r in 1 2; do
-        for s in 1 0; do
-            env KCU_ROUTE_SMALL=$s MOE_BENCH_NO_AB=1 timeout 80 bin/moe_bench \
-                --only mixtral-mid: >"$LOGS/small$s.$r.log" 2>&1
-            echo "== KCU_ROUTE_SMALL=$s, round $r (rc $?)" | log
-            grep -E "^mix|phases|cuBLAS" "$LOGS/small$s.$r.log" | cut -c1-200 | log
-        done
-    done
-fi
-if want gather; then
-    timeout 90 bin/check-gpu --swapped >"$LOGS/gather_check.log" 2>&1
-    rc=$?
-    echo "== check-gpu --swapped (rc $rc)" | log
-    grep -E "gather|check-gpu" "$LOGS/gather_check.log" | log
-    [ "$rc" = 0 ] || tail -n 15 "$LOGS/gather_check.log" | log
-    for r in 1 2; do
-        for v in 0 1; do
-            [ "$rc" = 0 ] || break
-            env KCU_V10_GATHER=$v MOE_BENCH_NO_AB=1 MOE_BENCH_CUBLAS=0 timeout 80 bin/moe_bench \
-                --only qwen235:2048,qwen235:4096,qwen3-mid:2048,mixtral-mid:512 \
-                >"$LOGS/gather$v.$r.log" 2>&1
-            echo "== KCU_V10_GATHER=$v, round $r (rc $?)" | log
-            grep -E "^(qwen|mix)|phases" "$LOGS/gather$v.$r.log" | cut -c1-160 | log
-        done
-    done
-    if [ "$rc" = 0 ]; then
-        CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-        timeout 150 "$CS" --tool racecheck bin/check-gpu --swapped >"$LOGS/gather_race.log" 2>&1
-        echo "== racecheck bin/check-gpu --swapped (rc $?)" | log
-        grep -E "hazard|check-gpu" "$LOGS/gather_race.log" | tail -n 2 | log
-    fi
 fi
 if want ipc; then
     MOE_BENCH_NO_AB=1 timeout 90 bin/moe_bench --only qwen3-dec:1 >"$LOGS/dec.log" 2>&1

@@ -292,10 +292,6 @@ extern int kcu_gemm_v10_pair_override;
  * expert), 0 never, 1 wherever N allows; its 4 held stages
  * (KCU_V10_ROWPAIR_HELD) follow kcu_gemm_v10_held_override */
 extern int kcu_gemm_v10_rowpair_override;
-/* kcu_gemm_v10_gather_override: v10's up-projection gathering its rows by
- * index in the producer (a TMA box a row; gemm/swapped.cu kgemm::v10_gather)
- * where it applies - 1 on, 0 off, -1 KCU_V10_GATHER (0 when unset) */
-extern int kcu_gemm_v10_gather_override;
 /* kcu_gemm_v10_held_override: v10's wide items (unpaired) in 4 stages of 56
  * KB, each chunk's epilogue staged through its last stage, which the
  * consumers hold until the epilogue ends (no epilogue buffers of their own),
@@ -317,11 +313,6 @@ extern int kcu_stats_mapped_override;
  * A on v7, its producers copying the rows by cp.async; the bytes-bound
  * inference forwards then skip their row copy (read once) */
 int kcu_v7_gather_on();
-/* kcu_v10_gather_on: KCU_V10_GATHER=1 (experimental, off; compiled in
- * session 38, not yet run on a GPU): inference forwards that v10 takes
- * gather x[tok] in the up-projection's producer (gemm/swapped.cu) instead
- * of copying the rows first */
-int kcu_v10_gather_on();
 size_t kcu_stats_span(const kcu_layer *l);
 moe_err kcu_stats_host(kcu_layer *l);
 

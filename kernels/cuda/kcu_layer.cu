@@ -951,14 +951,7 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     /* KCU_V7_GATHER: the bytes-bound inference forwards (the list in pairs)
      * gather x[tok] inside the up-projection's producer instead of copying
      * the rows first */
-    const int avg_rows = (int)((long long)T * Kt / Et);
-    /* KCU_V10_GATHER: where v10 takes the GEMMs (KCU_V10_MIN_AVG to
-     * KCU_V10_MAX_AVG rows an expert), its up-projection's producer gathers
-     * x[tok] by a TMA box a row */
-    const int v10_gather = sorted_rows && !l->sorted && !train && !small &&
-                           avg_rows >= KCU_V10_MIN_AVG && avg_rows <= KCU_V10_MAX_AVG &&
-                           kcu_v10_gather_on();
-    const int gather_in_gemm = (pairs && !l->sorted && kcu_v7_gather_on()) || v10_gather;
+    const int gather_in_gemm = pairs && !l->sorted && kcu_v7_gather_on();
     if (sorted_rows && !gather_in_gemm) {
         bf16 *dst = train && l->xg ? l->xg : ye;
         PHASE("f.gather");
@@ -971,8 +964,8 @@ moe_err kcu_forward_path(kcu_layer *l, int T, const void *x, moe_dtype x_dtype, 
     kcu_ffn f = layer_ffn(l);
     f.pdl = small;             /* small inference batches: the kernel chain with PDL */
     f.t.few = pairs && !small; /* kcu_route_small's list is not in pairs */
-    f.t.walk = sorted_rows && (!gather_in_gemm || v10_gather) && !train && !small;
-    f.t.avg_rows = avg_rows;
+    f.t.walk = sorted_rows && !gather_in_gemm && !train && !small;
+    f.t.avg_rows = (int)((long long)T * Kt / Et);
     KCU_TRY(kcu_ffn_up(&f, xrows, xrows != xb ? nullptr : l->tok, train, st));
 
     PHASE("f.down");

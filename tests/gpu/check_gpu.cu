@@ -1140,56 +1140,35 @@ static int swapped_check(uint64_t seed)
         up(d_tr, tr.data(), NTL * 4);
         up(d_nt, &NTL, 4);
         up(d_perm, perm.data(), (size_t)S * 4);
-        /* the rows gathered (the up-projection's gather forms): X's row g[r]
-         * is A's row r, a_gather = g */
-        std::vector<int32_t> g(S);
-        for (int r = 0; r < S; r++)
-            g[r] = r;
-        for (int r = S - 1; r > 0; r--)
-            std::swap(g[r], g[(int)(lcg(st) % (uint64_t)(r + 1))]);
-        std::vector<uint16_t> Xb(Ab.size());
-        for (int r = 0; r < S; r++)
-            memcpy(&Xb[(size_t)g[r] * K], &Ab[(size_t)r * K], (size_t)K * 2);
-        bf16 *dX = (bf16 *)dmalloc(Xb.size() * 2);
-        int32_t *d_g = (int32_t *)dmalloc((size_t)S * 4);
-        up(dX, Xb.data(), Xb.size() * 2);
-        up(d_g, g.data(), (size_t)S * 4);
         /* v10's forms, then v4 (the last): narrow and wide items, wide items
          * paired on 2-CTA clusters with the rows multicast (where N allows),
          * wide items in 4 stages with the epilogue in the held stage, and with
          * store warps (the up-projection only), wide items on 2-CTA clusters
          * split by rows (halves of chunks of up to 384 rows, the weights
          * multicast; the 0-16-row experts leave one CTA none) in 3 stages and
-         * held, and the up-projection's wide, held, store-warp and rows-paired
-         * forms gathering their rows by index (KCU_V10_GATHER) */
+         * held */
         struct sform {
             const char *name;
-            int wide, pair, held, sw, rowpair, gather;
+            int wide, pair, held, sw, rowpair;
         };
-        const sform forms[] = {{"narrow", 0, 0, 0, 0, 0, 0},
-                               {"wide", 1, 0, 0, 0, 0, 0},
-                               {"wide paired", 1, 1, 0, 0, 0, 0},
-                               {"wide held", 1, 0, 1, 0, 0, 0},
-                               {"wide held sw", 1, 0, 1, 1, 0, 0},
-                               {"wide rowpair", 1, 0, 0, 0, 1, 0},
-                               {"wide rowpair held", 1, 0, 1, 0, 1, 0},
-                               {"wide gather", 1, 0, 0, 0, 0, 1},
-                               {"wide held gather", 1, 0, 1, 0, 0, 1},
-                               {"wide held sw gather", 1, 0, 1, 1, 0, 1},
-                               {"wide rowpair gather", 1, 0, 0, 0, 1, 1},
-                               {"wide rowpair held gather", 1, 0, 1, 0, 1, 1},
-                               {"v4", 0, 0, 0, 0, 0, 0}};
+        const sform forms[] = {{"narrow", 0, 0, 0, 0, 0},
+                               {"wide", 1, 0, 0, 0, 0},
+                               {"wide paired", 1, 1, 0, 0, 0},
+                               {"wide held", 1, 0, 1, 0, 0},
+                               {"wide held sw", 1, 0, 1, 1, 0},
+                               {"wide rowpair", 1, 0, 0, 0, 1},
+                               {"wide rowpair held", 1, 0, 1, 0, 1},
+                               {"v4", 0, 0, 0, 0, 0}};
         const int V4 = (int)(sizeof(forms) / sizeof(forms[0])) - 1;
         std::vector<uint16_t> out[sizeof(forms) / sizeof(forms[0])];
         int ver[sizeof(forms) / sizeof(forms[0])] = {0};
         for (int v = 0; v <= V4; v++) {
             const sform &f = forms[v];
-            if ((f.sw || f.gather) && which)
+            if (f.sw && which)
                 continue;
             kcu_gemm_args a;
             memset(&a, 0, sizeof(a));
-            a.A = f.gather ? dX : dA;
-            a.a_gather = f.gather ? d_g : nullptr;
+            a.A = dA;
             a.lda = K;
             a.B = dB;
             a.ldb = K;
@@ -1219,7 +1198,6 @@ static int swapped_check(uint64_t seed)
             kcu_gemm_v10_held_override = v4 ? -1 : f.held;
             kcu_gemm_v10_sw_override = v4 ? -1 : f.sw;
             kcu_gemm_v10_rowpair_override = v4 ? -1 : f.rowpair;
-            kcu_gemm_v10_gather_override = v4 ? -1 : f.gather;
             CK(cudaMemset(dO, 0xff, (size_t)S * OW * 2));
             ver[v] = kcu_gemm_version(KCU_A_K, KCU_B_K, epi, &a, NSM);
             CKM(kcu_gemm(KCU_A_K, KCU_B_K, epi, &a, NSM, NULL));
@@ -1234,9 +1212,8 @@ static int swapped_check(uint64_t seed)
         kcu_gemm_v10_held_override = -1;
         kcu_gemm_v10_sw_override = -1;
         kcu_gemm_v10_rowpair_override = -1;
-        kcu_gemm_v10_gather_override = -1;
         for (int v = 0; v < V4; v++) {
-            if ((forms[v].sw || forms[v].gather) && which)
+            if (forms[v].sw && which)
                 continue;
             const std::vector<float> got = f_of(out[v]);
             const double err = relerr(got.data(), ref.data(), ref.size());
@@ -1248,8 +1225,6 @@ static int swapped_check(uint64_t seed)
                    forms[v].name, which ? "SCATTER" : "SWIGLU", E, N, K, ver[v], err,
                    same ? "==" : "!=", ver[V4], ok ? "PASS" : "FAIL");
         }
-        for (void *p : {(void *)dX, (void *)d_g})
-            CK(cudaFree(p));
         for (void *p : {(void *)dA, (void *)dB, (void *)dO, (void *)d_offs, (void *)d_te,
                         (void *)d_tr, (void *)d_nt, (void *)d_perm})
             CK(cudaFree(p));

@@ -189,9 +189,6 @@ int v10_rowpair(kcu_epi epi, const kcu_gemm_args *a);
 /* 1 where those clusters run in 4 stages with the epilogue staged through
  * the chunk's last stage, as v10_held's items (gemm/swapped.cu) */
 int v10_rowpair_held(kcu_epi epi, const kcu_gemm_args *a);
-/* 1 where v10's wide or rows-paired up-projection gathers its rows by
- * index in the producer (gemm/swapped.cu) */
-int v10_gather(kcu_epi epi, const kcu_gemm_args *a);
 /* 1 where v10's wide items run in 4 stages with the epilogue staged through
  * the chunk's last stage (gemm/swapped.cu) */
 int v10_held(kcu_epi epi, const kcu_gemm_args *a);

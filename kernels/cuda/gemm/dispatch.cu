@@ -299,17 +299,15 @@ void ws_build_epi_maps(kcu_epi epi, const kcu_gemm_args *a, ws_maps *m)
 }
 
 /* v10's maps (gemm/swapped.cu): the rows (K, rows in the allocation) in
- * boxes of 64 k x 64 rows, or one row where they are gathered (a), the
- * weights (K, N, E) in boxes of 64 k x 128 n (b); 1 when both are built */
+ * boxes of 64 k x 64 rows (a), the weights (K, N, E) in boxes of 64 k x 128
+ * n (b); 1 when both are built */
 int swap_build_maps(const kcu_gemm_args *a, ws_maps *m)
 {
     memset(m, 0, sizeof(*m));
     const long long rows = slabs_in_alloc(a->A, (size_t)a->K * 2, (size_t)a->lda * 2);
     const uint64_t da[2] = {(uint64_t)a->K, (uint64_t)rows}, sa[1] = {(uint64_t)a->lda * 2};
-    /* gathered rows (kgemm::v10_gather): a box of one row, its index from
-     * a_gather */
-    const uint32_t boxa[2] = {64, a->a_gather ? 1u : 64u};
-    m->ta = rows >= boxa[1] && encode_map(&m->a, a->A, 2, da, sa, boxa) == 0;
+    const uint32_t boxa[2] = {64, 64};
+    m->ta = rows >= 64 && encode_map(&m->a, a->A, 2, da, sa, boxa) == 0;
     const size_t slab = ((size_t)(a->N - 1) * a->ldb + a->K) * 2;
     const long long ne = slabs_in_alloc(a->B, slab, (size_t)a->b_gstride * 2);
     const uint64_t db[3] = {(uint64_t)a->K, (uint64_t)a->N, (uint64_t)ne},
@@ -354,8 +352,8 @@ int swap_applies(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
          (epi != KCU_EPI_SWIGLU && !kgemm::v10_wide(epi, a))))
         return 0;
     if (am != KCU_A_K || bm != KCU_B_K || (!a->few_tiles && !rowpair) || !a->offs ||
-        a->ngroups < 1 || (a->a_gather && !kgemm::v10_gather(epi, a)) || !a->b_gstride ||
-        a->N % 128 || a->K % BK || (uintptr_t)a->A & 15)
+        a->ngroups < 1 || a->a_gather || !a->b_gstride || a->N % 128 || a->K % BK ||
+        (uintptr_t)a->A & 15)
         return 0;
     if (epi == KCU_EPI_SWIGLU)
         return !a->ab && a->h && a->N == 2 * a->F && !(a->F & 7) && !((uintptr_t)a->h & 15);
@@ -413,9 +411,6 @@ int gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
         return 1;
     if (mode == 0 && items < nsm)
         return 1;
-    /* v10, gathered rows too where kgemm::v10_gather takes them */
-    if (mode == 0 && swap_ok && swap_applies(am, bm, epi, a) && ws_tma_on())
-        return 10;
     if (mode == 0) {
         /* measured per phase (bench/NOTES.md, v4): v4 wins where its
          * producer loads dense tiles by TMA, v2 where the streamed operand
@@ -426,6 +421,8 @@ int gemm_version(kcu_amode am, kcu_bmode bm, kcu_epi epi, const kcu_gemm_args *a
     }
     if (mode == 2)
         return 2;
+    if (mode == 0 && swap_ok && swap_applies(am, bm, epi, a) && ws_tma_on())
+        return 10;
     /* v9: weight gradients with A and B dense (by TMA but for partial tiles) */
     if (am == KCU_A_M && bm == KCU_B_N && epi == KCU_EPI_ACC && !a->a_gather && !a->b_gather &&
         ws_cluster_w_on() && (a->M / BM) >= 2) {

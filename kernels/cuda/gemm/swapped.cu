@@ -82,13 +82,6 @@
  * 2.80-2.92 on v7; at 128 rows an expert 30% slower than plain wide items,
  * so it runs only above V10_WIDE_MAX_AVG.
  *
- * Rows gathered (KCU_V10_GATHER=1, off; k_gemm_swap<SWIGLU, W, CL, 1>,
- * swp_producer): the up-projection reads x[tok] itself instead of
- * rows copied into expert order first - each row's 64 k of a stage by a TMA
- * box of one row, issued by the producer warp's 32 lanes. Compiled in
- * session 38 and not yet run on a GPU (bench/NOTES.md "v10 gathering its
- * rows").
- *
  * Store warps (SW, swp_cfg<3>, the held up-projection; KCU_V10_SW=0 turns
  * it off): the consumers stage both h tiles of a chunk at once (tile 0 in
  * their warpgroup's weight half of the held stage, tile 1 in its half of
@@ -509,68 +502,43 @@ __device__ __forceinline__ void swp_load_weights(const ws_maps &mp, uint32_t sa,
     }
 }
 
-/* the producer: each chunk's k stages, the weight tile (swp_load_weights)
- * and the chunk's rows into each, on the stage's full barrier. Dense rows
- * (G 0; thread 0 alone, lane 0): padded to 16, in boxes of 64 rows; paired,
- * box b comes from CTA b % 2's load, multicast to both; rows paired, the
- * rows each CTA's own. Gathered rows (G 1, p.a_gather: row r0 + i of the
- * chunk is row a_gather[r0 + i] of p.A, the tokens' x; warp 0): each lane
- * holds up to C::ROWS / 32 of the chunk's row indices and loads each row's
- * 64 k by a TMA box of one row (mp.a's box {64, 1}) to the offset a box of
- * 64 rows would give it (the stages 1024-byte aligned: the 128-byte swizzle
- * lands as the dense rows' does), after lane 0 has set the stage's expected
- * bytes; the padding rows past nr are not loaded (their columns of the
- * accumulators are never stored) */
-template <class C, int CL, int G>
+/* the producer (thread 0): each chunk's k stages, the weight tile
+ * (swp_load_weights) and the chunk's rows into each, on the stage's full
+ * barrier; the rows padded to 16, in boxes of 64 rows; paired, box b comes
+ * from CTA b % 2's load, multicast to both; rows paired, the rows each
+ * CTA's own */
+template <class C, int CL>
 __device__ __forceinline__ void swp_producer(const kcu_gemm_args &p, const ws_maps &mp,
                                              uint32_t full0, uint32_t empty0, uint32_t sbase,
-                                             int mt, int total, int ktiles, int rank, int lane)
+                                             int mt, int total, int ktiles, int rank)
 {
-    constexpr int RPL = G ? (C::ROWS + 31) / 32 : 1; /* gathered rows a lane */
-    if (lane == 0) {
-        prefetch_tmap(&mp.a);
-        prefetch_tmap(&mp.b);
-    }
+    prefetch_tmap(&mp.a);
+    prefetch_tmap(&mp.b);
     uint32_t it = 0;
     swp_walk<C, CL>(p, mt, total, rank, [&](int e, int m0, int r0, int nr) {
         const int nbox = (((nr + 15) & ~15) + 63) / 64;
-        int src[RPL];
-#pragma unroll
-        for (int j = 0; G && j < RPL; j++) {
-            const int i = lane + 32 * j;
-            src[j] = i < nr ? p.a_gather[r0 + i] : -1;
-        }
         for (int kt = 0; kt < ktiles; kt++, it++) {
             const int s = it % C::STAGES;
             const uint32_t fb = full0 + 8 * s, sa = sbase + s * C::STAGE, sb = sa + C::A_BYTES;
             mbar_wait(empty0 + 8 * s, ((it / C::STAGES) & 1) ^ 1);
             const int k0 = kt * BK;
-            if (lane == 0) {
-                mbar_arrive_tx(fb, C::A_BYTES + (G ? nr * 128 : nbox * SWP_BOX_BYTES));
-                swp_load_weights<C, CL>(mp, sa, k0, m0, e, fb, rank);
-                for (int b = 0; !G && b < nbox; b++) {
-                    if (CL != 2)
-                        tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
-                    else if (b % 2 == rank)
-                        tma_2d_mc(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb, (uint16_t)3);
-                }
-            }
-            if constexpr (G != 0) {
-                __syncwarp(); /* the expected bytes before any row lands */
-#pragma unroll
-                for (int j = 0; j < RPL; j++)
-                    if (src[j] >= 0)
-                        tma_2d(sb + (lane + 32 * j) * 128, &mp.a, k0, src[j], fb);
+            mbar_arrive_tx(fb, C::A_BYTES + nbox * SWP_BOX_BYTES);
+            swp_load_weights<C, CL>(mp, sa, k0, m0, e, fb, rank);
+            for (int b = 0; b < nbox; b++) {
+                if (CL != 2)
+                    tma_2d(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb);
+                else if (b % 2 == rank)
+                    tma_2d_mc(sb + b * SWP_BOX_BYTES, &mp.a, k0, r0 + 64 * b, fb, (uint16_t)3);
             }
         }
     });
     /* on a 2-CTA cluster, the last stages released by both CTAs' consumers
      * before this CTA exits (no remote arrival may reach an exited CTA) */
-    for (int i = 0; CL != 1 && lane == 0 && i < C::STAGES; i++, it++)
+    for (int i = 0; CL != 1 && i < C::STAGES; i++, it++)
         mbar_wait(empty0 + 8 * (it % C::STAGES), ((it / C::STAGES) & 1) ^ 1);
 }
 
-template <int EPI, int W, int CL, int G>
+template <int EPI, int W, int CL>
 __global__ void __launch_bounds__(WS_NT, 1)
     k_gemm_swap(const kcu_gemm_args p, const __grid_constant__ ws_maps mp)
 {
@@ -579,8 +547,6 @@ __global__ void __launch_bounds__(WS_NT, 1)
     static_assert(!C::SW || EPI == KCU_EPI_SWIGLU, "store warps: the up-projection only");
     static_assert(CL != 3 || ((W == 1 || W == 2) && C::COLS == 256),
                   "rows paired: wide items in 3 stages, or 4 held");
-    static_assert(!G || (EPI == KCU_EPI_SWIGLU && W >= 1 && CL != 2),
-                  "rows gathered: the wide up-projection, its rows not multicast");
     constexpr int CTAS = swp_ctas<CL>;
     const uint32_t sbase = smem_base_1k(), full0 = sbase + C::BAR_OFF,
                    empty0 = full0 + C::STAGES * 8;
@@ -631,10 +597,9 @@ __global__ void __launch_bounds__(WS_NT, 1)
             });
             return;
         }
-        /* G: warp 0's lanes; else thread 0 (its lane a constant 0) */
-        if (G ? warp != 0 : tid != 0)
+        if (tid != 0)
             return;
-        swp_producer<C, CL, G>(p, mp, full0, empty0, sbase, mt, total, ktiles, rank, G ? lane : 0);
+        swp_producer<C, CL>(p, mp, full0, empty0, sbase, mt, total, ktiles, rank);
         return;
     }
 
@@ -649,24 +614,24 @@ __global__ void __launch_bounds__(WS_NT, 1)
 #endif
 }
 
-template <int EPI, int W, int G = 0>
+template <int EPI, int W>
 moe_err launch_swap(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
 {
     using C = swp_cfg<W>;
     static unsigned long long attr_done;
-    KCU_TRY(smem_limit_once(attr_done, k_gemm_swap<EPI, W, 1, G>, C::SMEM));
+    KCU_TRY(smem_limit_once(attr_done, k_gemm_swap<EPI, W, 1>, C::SMEM));
     const long long total = (long long)a->ngroups * (a->N / C::COLS);
     if (total <= 0)
         return MOE_OK;
     const int grid = (int)(total < nsm ? total : nsm);
-    KCU_CHECK(kcu_launch(k_gemm_swap<EPI, W, 1, G>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0,
-                         *a, m));
+    KCU_CHECK(
+        kcu_launch(k_gemm_swap<EPI, W, 1>, dim3(grid), dim3(WS_NT), C::SMEM, st, a->pdl, 0, *a, m));
     return MOE_OK;
 }
 
 /* wide items (W 1, or 2 held) on 2-CTA clusters: paired (CL 2,
  * kgemm::v10_paired) or rows paired (CL 3, kgemm::v10_rowpair) */
-template <int EPI, int W, int CL, int G = 0>
+template <int EPI, int W, int CL>
 moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cudaStream_t st)
 {
     using C = swp_cfg<W>;
@@ -676,12 +641,12 @@ moe_err launch_swap_paired(const kcu_gemm_args *a, const ws_maps &m, int nsm, cu
     cudaLaunchAttribute at[2];
     int ok = 0;
     const long long pairs = (long long)a->ngroups * (a->N / ((CL == 2 ? 2 : 1) * C::COLS));
-    KCU_TRY(cluster2_config(k_gemm_swap<EPI, W, CL, G>, attr_done, max_cl, pairs, nsm, C::SMEM, st,
+    KCU_TRY(cluster2_config(k_gemm_swap<EPI, W, CL>, attr_done, max_cl, pairs, nsm, C::SMEM, st,
                             cfg, at, &ok));
     if (!ok)
         return MOE_OK;
     kcu_pdl_attr(&cfg, at, a->pdl);
-    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_swap<EPI, W, CL, G>, *a, m));
+    KCU_CHECK(kcu_launch_ex(&cfg, k_gemm_swap<EPI, W, CL>, *a, m));
     return MOE_OK;
 }
 
@@ -692,7 +657,6 @@ int kcu_gemm_v10_pair_override = -1;
 int kcu_gemm_v10_rowpair_override = -1;
 int kcu_gemm_v10_held_override = -1;
 int kcu_gemm_v10_sw_override = -1;
-int kcu_gemm_v10_gather_override = -1;
 
 /* wide items where they apply: N a multiple of 256 and the rows averaging
  * at most V10_WIDE_MAX_AVG an expert (more would split an expert's rows
@@ -754,27 +718,6 @@ int kgemm::v10_rowpair(kcu_epi epi, const kcu_gemm_args *a)
     return env >= 2 || a->avg_rows > kgemm::V10_WIDE_MAX_AVG;
 }
 
-/* the up-projection's rows gathered by the producer (x[tok] by a TMA box a
- * row, G) where its items are wide or rows paired (not paired with the
- * rows multicast): kcu_gemm_v10_gather_override, then KCU_V10_GATHER (0
- * when unset: compiled in session 38, not yet run on a GPU) */
-int kgemm::v10_gather(kcu_epi epi, const kcu_gemm_args *a)
-{
-    if (epi != KCU_EPI_SWIGLU || !a->a_gather || a->ab)
-        return 0;
-    if (!kgemm::v10_rowpair(epi, a) && (!kgemm::v10_wide(epi, a) || kgemm::v10_paired(epi, a)))
-        return 0;
-    if (kcu_gemm_v10_gather_override >= 0)
-        return kcu_gemm_v10_gather_override > 0;
-    return kcu_v10_gather_on();
-}
-
-int kcu_v10_gather_on()
-{
-    static int env = -1;
-    return kcu_env_flag(&env, "KCU_V10_GATHER", 0);
-}
-
 /* rows paired in 4 stages, the epilogue through the chunk's last stage
  * (swp_cfg<2> on the clusters of kgemm::v10_rowpair):
  * kcu_gemm_v10_held_override, then KCU_V10_ROWPAIR_HELD (1 when unset:
@@ -823,17 +766,6 @@ int kgemm::v10_sw(kcu_epi epi, const kcu_gemm_args *a)
 moe_err kgemm::launch_v10(kcu_epi epi, const kcu_gemm_args *a, const ws_maps &m, int nsm,
                           cudaStream_t st)
 {
-    if (a->a_gather) { /* kgemm::v10_gather took it: the wide up-projection */
-        if (!kgemm::v10_gather(epi, a))
-            return MOE_EINVAL;
-        if (kgemm::v10_rowpair(epi, a))
-            return kgemm::v10_rowpair_held(epi, a)
-                       ? launch_swap_paired<KCU_EPI_SWIGLU, 2, 3, 1>(a, m, nsm, st)
-                       : launch_swap_paired<KCU_EPI_SWIGLU, 1, 3, 1>(a, m, nsm, st);
-        return kgemm::v10_sw(epi, a)     ? launch_swap<KCU_EPI_SWIGLU, 3, 1>(a, m, nsm, st)
-               : kgemm::v10_held(epi, a) ? launch_swap<KCU_EPI_SWIGLU, 2, 1>(a, m, nsm, st)
-                                         : launch_swap<KCU_EPI_SWIGLU, 1, 1>(a, m, nsm, st);
-    }
     if (kgemm::v10_rowpair(epi, a)) {
         if (kgemm::v10_rowpair_held(epi, a))
             return epi == KCU_EPI_SWIGLU ? launch_swap_paired<KCU_EPI_SWIGLU, 2, 3>(a, m, nsm, st)
