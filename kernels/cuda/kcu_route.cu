@@ -437,23 +437,25 @@ __global__ void k_stats_part(const float *__restrict__ probs, const float *__res
 __global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, int E, int K,
                               const int32_t *__restrict__ counts, float *__restrict__ stats)
 {
-    __shared__ float col[257];
-    __shared__ int cnt[256];
+    /* mean[e] = col_e / T and cnt[e] = counts_e as floats, each by its own
+     * thread: thread 0's sum below is then one fma a term (the divisions off
+     * its chain; the same operations, so the same bits) */
+    __shared__ float mean[257], cnt[256];
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
         float s = 0.f;
         for (int b = 0; b < nblk; b++)
             s += part[(size_t)b * (E + 1) + e];
-        col[e] = s;
-        if (e < E) /* in shared memory: thread 0's sum below makes no round trips */
-            cnt[e] = counts[e];
+        mean[e] = s / (float)T;
+        if (e < E)
+            cnt[e] = (float)counts[e];
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         float aux = 0.f;
         for (int e = 0; e < E; e++)
-            aux += (float)cnt[e] * (col[e] / (float)T);
+            aux = fmaf(mean[e], cnt[e], aux);
         stats[0] = aux * (float)E / ((float)K * (float)T);
-        stats[1] = col[E] / (float)T;
+        stats[1] = mean[E];
     }
 }
 
