@@ -80,3 +80,9 @@ void kcu_pdl_refused(void)
 {
     g_pdl = 0;
 }
+
+int kcu_route_pdl(void)
+{
+    static int on = -1;
+    return kcu_env_flag(&on, "KCU_PDL_ROUTE", 1);
+}

@@ -88,6 +88,11 @@ __device__ __forceinline__ void kcu_pdl_trigger()
  * for good once the runtime refused it (kcu_launch_ex) */
 int kcu_pdl_on(void);
 void kcu_pdl_refused(void);
+/* whether the router's and the statistics' small kernels (kcu_route,
+ * kcu_stats: top-k, the three layout kernels, the two statistics kernels)
+ * are chained with PDL: KCU_PDL_ROUTE (default 1; KCU_PDL=0 turns every
+ * PDL launch off) */
+int kcu_route_pdl(void);
 /* appends the PDL attribute to cfg's attributes when pdl and PDL is on
  * (the array behind cfg->attrs needs room for one more) */
 static inline void kcu_pdl_attr(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *attrs, int pdl)

@@ -32,6 +32,8 @@ __global__ void k_softmax_topk(const float *__restrict__ logits, int T, int E, i
                                int renorm, float *__restrict__ probs, float *__restrict__ lse,
                                int32_t *__restrict__ idx, float *__restrict__ tw)
 {
+    kcu_pdl_wait(); /* launched with PDL (kcu_route_pdl) */
+    kcu_pdl_trigger();
     const int lane = threadIdx.x & 31, t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= T)
         return;
@@ -198,6 +200,8 @@ __global__ void k_layout_count(const int32_t *__restrict__ idx, int S, int E,
                                int32_t *__restrict__ chunk)
 {
     __shared__ int hist[256];
+    kcu_pdl_wait(); /* launched with PDL (kcu_route_pdl) */
+    kcu_pdl_trigger();
     for (int e = threadIdx.x; e < E; e += blockDim.x)
         hist[e] = 0;
     __syncthreads();
@@ -225,6 +229,8 @@ __global__ void k_layout_scan(int32_t *__restrict__ chunk, int nch, int E, int c
                               int pairs)
 {
     __shared__ int kc[257], base[257], toff[257], soff[257];
+    kcu_pdl_wait(); /* launched with PDL (kcu_route_pdl) */
+    kcu_pdl_trigger();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         /* 16 counts loaded before any is rewritten: the loads in flight
          * together instead of one round trip per chunk (20 us at 64 chunks) */
@@ -291,6 +297,8 @@ __global__ void k_layout_scatter(const int32_t *__restrict__ idx, int S, int E, 
                                  int32_t *__restrict__ tok, int32_t *__restrict__ spos)
 {
     __shared__ int ids[CHUNK];
+    kcu_pdl_wait(); /* launched with PDL (kcu_route_pdl) */
+    kcu_pdl_trigger();
     const int s = blockIdx.x * CHUNK + threadIdx.x;
     ids[threadIdx.x] = s < S ? idx[s] : -1;
     __syncthreads();
@@ -419,6 +427,8 @@ __global__ void k_gather_rows(const void *__restrict__ src, int src_f32,
 __global__ void k_stats_part(const float *__restrict__ probs, const float *__restrict__ lse, int T,
                              int E, float *__restrict__ part)
 {
+    kcu_pdl_wait(); /* launched with PDL (kcu_route_pdl) */
+    kcu_pdl_trigger();
     const int t0 = blockIdx.x * 256, t1 = min(T, t0 + 256);
     for (int e = threadIdx.x; e <= E; e += blockDim.x) {
         float s = 0.f;
@@ -437,6 +447,8 @@ __global__ void k_stats_part(const float *__restrict__ probs, const float *__res
 __global__ void k_stats_final(const float *__restrict__ part, int nblk, int T, int E, int K,
                               const int32_t *__restrict__ counts, float *__restrict__ stats)
 {
+    kcu_pdl_wait(); /* launched with PDL (kcu_route_pdl) */
+    kcu_pdl_trigger();
     /* mean[e] = col_e / T and cnt[e] = counts_e as floats, each by its own
      * thread: thread 0's sum below is then one fma a term (the divisions off
      * its chain; the same operations, so the same bits) */
@@ -658,21 +670,21 @@ moe_err kcu_route(kcu_layer *l, int T, int cap, int pairs, cudaStream_t st)
     /* E routed experts of K slots, Et experts held of Kt slots per token */
     const int E = c->E, K = c->K, Et = kcu_nexp(l), Kt = kcu_nslot(l);
     const int S = T * Kt, nch = KCU_CEIL_DIV(S, CHUNK);
+    const int pdl = kcu_route_pdl();
     if (kcu_route_family(l)) {
         KCU_TRY(kcu_route_family_topk(l, T, st));
     } else {
-        k_softmax_topk<<<KCU_CEIL_DIV(T, 8), 256, 0, st>>>(
-            l->logits, T, E, l->Ep, K, c->renorm, l->probs, l->lse, l->topk_idx, l->topk_w);
+        KCU_CHECK(kcu_launch(k_softmax_topk, dim3(KCU_CEIL_DIV(T, 8)), dim3(256), 0, st, pdl, 0,
+                             l->logits, T, E, l->Ep, K, c->renorm, l->probs, l->lse, l->topk_idx,
+                             l->topk_w));
     }
-    KCU_CHECK_LAUNCH();
-    k_layout_count<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, l->chunk);
-    KCU_CHECK_LAUNCH();
-    k_layout_scan<<<1, 256, 0, st>>>(l->chunk, nch, Et, cap, E, l->counts, l->dropped, l->offs,
-                                     l->tile_e, l->tile_r0, l->ntiles, pairs);
-    KCU_CHECK_LAUNCH();
-    k_layout_scatter<<<nch, CHUNK, 0, st>>>(l->topk_idx, S, Et, Kt, cap, E, l->chunk, l->offs,
-                                            l->perm, l->tok, l->spos);
-    KCU_CHECK_LAUNCH();
+    KCU_CHECK(kcu_launch(k_layout_count, dim3(nch), dim3(CHUNK), 0, st, pdl, 0, l->topk_idx, S, Et,
+                         l->chunk));
+    KCU_CHECK(kcu_launch(k_layout_scan, dim3(1), dim3(256), 0, st, pdl, 0, l->chunk, nch, Et, cap,
+                         E, l->counts, l->dropped, l->offs, l->tile_e, l->tile_r0, l->ntiles,
+                         pairs));
+    KCU_CHECK(kcu_launch(k_layout_scatter, dim3(nch), dim3(CHUNK), 0, st, pdl, 0, l->topk_idx, S,
+                         Et, Kt, cap, E, l->chunk, l->offs, l->perm, l->tok, l->spos));
     return MOE_OK;
 }
 
@@ -742,11 +754,11 @@ moe_err kcu_sumsq(const float *g, size_t n, double *part, cudaStream_t st)
 
 moe_err kcu_stats(kcu_layer *l, int T, cudaStream_t st)
 {
-    const int nblk = KCU_CEIL_DIV(T, 256);
-    k_stats_part<<<nblk, 256, 0, st>>>(l->probs, l->lse, T, l->c.E, l->statpart);
-    KCU_CHECK_LAUNCH();
-    k_stats_final<<<1, 256, 0, st>>>(l->statpart, nblk, T, l->c.E, l->c.K, l->counts, l->stats);
-    KCU_CHECK_LAUNCH();
+    const int nblk = KCU_CEIL_DIV(T, 256), pdl = kcu_route_pdl();
+    KCU_CHECK(kcu_launch(k_stats_part, dim3(nblk), dim3(256), 0, st, pdl, 0, l->probs, l->lse, T,
+                         l->c.E, l->statpart));
+    KCU_CHECK(kcu_launch(k_stats_final, dim3(1), dim3(256), 0, st, pdl, 0, l->statpart, nblk, T,
+                         l->c.E, l->c.K, l->counts, l->stats));
     return MOE_OK;
 }
 
