@@ -867,8 +867,9 @@ extern "C" moe_err kcu_forward(kcu_layer *l, int T, const void *x, moe_dtype x_d
  * KCU_V10_MIN_AVG an expert; from there on the router GEMM and kcu_route,
  * whose tile list in pairs (or the walk of offs) lets v10 take the GEMMs
  * where the small router's list kept them on v7 (measured on H200,
- * bench/NOTES.md "v10 rows paired": Mixtral T=512 0.851-0.852 ms against
- * 1.023-1.043, T=1024 1.335-1.372 against 1.543-1.547) */
+ * bench/NOTES.md "The small router kept few-expert layers off v10":
+ * Mixtral T=512 0.851-0.852 ms against 1.023-1.043, T=1024 1.335-1.372
+ * against 1.543-1.547) */
 int kcu_layer_route_small(const kcu_layer *l, int T, int train)
 {
     return kcu_route_small_use(l, T, train) &&
